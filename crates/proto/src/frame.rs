@@ -1,0 +1,265 @@
+//! Frame header, opcodes, limits and error codes.
+
+use thiserror::Error;
+
+/// First two bytes of every frame: ASCII "PF".
+pub const MAGIC: [u8; 2] = *b"PF";
+/// The protocol version this crate speaks.
+pub const VERSION: u8 = 1;
+/// Size of one page on the wire and in the store.
+pub const PAGE_SIZE: usize = 4096;
+/// Most pages one PUT or GET frame may carry (128 KiB of data).
+pub const MAX_BATCH_PAGES: usize = 32;
+/// Most page numbers one DELETE frame may list (list mode).
+pub const MAX_DELETE_LIST: usize = 8192;
+/// Header length in bytes.
+pub const HEADER_LEN: usize = 16;
+/// Largest body any frame may have; a header announcing more is rejected
+/// before anything else is read (FRAME_TOO_LARGE).
+pub const MAX_BODY: usize = 16 + MAX_BATCH_PAGES * 8 + MAX_BATCH_PAGES * PAGE_SIZE + 64 * 1024;
+/// Page numbers must be below this (so that `page * PAGE_SIZE` fits in u64).
+pub const MAX_PAGE: u64 = 1 << 52;
+/// Longest client name in HELLO and error message text.
+pub const MAX_NAME: usize = 64;
+pub const MAX_MESSAGE: usize = 1024;
+/// Longest PING payload.
+pub const MAX_PING: usize = 256;
+
+/// Opcodes. Requests are 0x01..=0x7f; a reply carries the request's opcode
+/// with the high bit set; 0x80 is the server's greeting and 0xff an error.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Opcode {
+    Hello = 0x01,
+    Put = 0x02,
+    Get = 0x03,
+    Delete = 0x04,
+    Stat = 0x05,
+    Ping = 0x06,
+    Welcome = 0x80,
+    HelloOk = 0x81,
+    PutOk = 0x82,
+    GetOk = 0x83,
+    DeleteOk = 0x84,
+    StatOk = 0x85,
+    Pong = 0x86,
+    Error = 0xff,
+}
+
+impl Opcode {
+    pub fn from_u8(v: u8) -> Option<Opcode> {
+        use Opcode::*;
+        Some(match v {
+            0x01 => Hello,
+            0x02 => Put,
+            0x03 => Get,
+            0x04 => Delete,
+            0x05 => Stat,
+            0x06 => Ping,
+            0x80 => Welcome,
+            0x81 => HelloOk,
+            0x82 => PutOk,
+            0x83 => GetOk,
+            0x84 => DeleteOk,
+            0x85 => StatOk,
+            0x86 => Pong,
+            0xff => Error,
+            _ => return None,
+        })
+    }
+    pub fn name(self) -> &'static str {
+        use Opcode::*;
+        match self {
+            Hello => "hello",
+            Put => "put",
+            Get => "get",
+            Delete => "delete",
+            Stat => "stat",
+            Ping => "ping",
+            Welcome => "welcome",
+            HelloOk => "hello_ok",
+            PutOk => "put_ok",
+            GetOk => "get_ok",
+            DeleteOk => "delete_ok",
+            StatOk => "stat_ok",
+            Pong => "pong",
+            Error => "error",
+        }
+    }
+    /// The reply opcode for a request opcode.
+    pub fn reply(self) -> Opcode {
+        use Opcode::*;
+        match self {
+            Hello => HelloOk,
+            Put => PutOk,
+            Get => GetOk,
+            Delete => DeleteOk,
+            Stat => StatOk,
+            Ping => Pong,
+            other => other,
+        }
+    }
+}
+
+/// A decoded frame header. The opcode is kept raw so that an unknown opcode
+/// can be answered with UNKNOWN_OPCODE after its body has been skipped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Header {
+    pub opcode: u8,
+    pub body_len: u32,
+    pub id: u64,
+}
+
+impl Header {
+    pub fn new(op: Opcode, body_len: usize, id: u64) -> Header {
+        Header { opcode: op as u8, body_len: body_len as u32, id }
+    }
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[0..2].copy_from_slice(&MAGIC);
+        b[2] = VERSION;
+        b[3] = self.opcode;
+        b[4..8].copy_from_slice(&self.body_len.to_le_bytes());
+        b[8..16].copy_from_slice(&self.id.to_le_bytes());
+        b
+    }
+    /// Decode and validate a header: magic, version and body length.
+    pub fn decode(b: &[u8]) -> Result<Header, WireError> {
+        if b.len() < HEADER_LEN {
+            return Err(WireError::new(ErrorCode::Malformed, "short header"));
+        }
+        if b[0..2] != MAGIC {
+            return Err(WireError::new(
+                ErrorCode::BadMagic,
+                format!("bad magic {:02x}{:02x}, expected 5046 (\"PF\")", b[0], b[1]),
+            ));
+        }
+        let id = u64::from_le_bytes(b[8..16].try_into().unwrap());
+        if b[2] != VERSION {
+            return Err(WireError::new(
+                ErrorCode::UnsupportedVersion,
+                format!("frame version {} not supported; this peer speaks version {}", b[2], VERSION),
+            )
+            .with_id(id));
+        }
+        let body_len = u32::from_le_bytes(b[4..8].try_into().unwrap());
+        if body_len as usize > MAX_BODY {
+            return Err(WireError::new(
+                ErrorCode::FrameTooLarge,
+                format!("body of {body_len} bytes exceeds the limit of {MAX_BODY}"),
+            )
+            .with_id(id));
+        }
+        Ok(Header { opcode: b[3], body_len, id })
+    }
+}
+
+/// Error codes carried by ERROR frames. See docs/protocol.md.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u16)]
+pub enum ErrorCode {
+    BadMagic = 1,
+    UnsupportedVersion = 2,
+    FrameTooLarge = 3,
+    Malformed = 4,
+    UnknownOpcode = 5,
+    NotAuthenticated = 6,
+    AuthFailed = 7,
+    OutOfCapacity = 8,
+    NotFound = 9,
+    InvalidArgument = 10,
+    Busy = 11,
+    Internal = 12,
+    ProtocolViolation = 13,
+}
+
+impl ErrorCode {
+    pub const ALL: [ErrorCode; 13] = [
+        ErrorCode::BadMagic,
+        ErrorCode::UnsupportedVersion,
+        ErrorCode::FrameTooLarge,
+        ErrorCode::Malformed,
+        ErrorCode::UnknownOpcode,
+        ErrorCode::NotAuthenticated,
+        ErrorCode::AuthFailed,
+        ErrorCode::OutOfCapacity,
+        ErrorCode::NotFound,
+        ErrorCode::InvalidArgument,
+        ErrorCode::Busy,
+        ErrorCode::Internal,
+        ErrorCode::ProtocolViolation,
+    ];
+    pub fn from_u16(v: u16) -> Option<ErrorCode> {
+        ErrorCode::ALL.iter().copied().find(|c| *c as u16 == v)
+    }
+    pub fn name(self) -> &'static str {
+        use ErrorCode::*;
+        match self {
+            BadMagic => "BAD_MAGIC",
+            UnsupportedVersion => "UNSUPPORTED_VERSION",
+            FrameTooLarge => "FRAME_TOO_LARGE",
+            Malformed => "MALFORMED",
+            UnknownOpcode => "UNKNOWN_OPCODE",
+            NotAuthenticated => "NOT_AUTHENTICATED",
+            AuthFailed => "AUTH_FAILED",
+            OutOfCapacity => "OUT_OF_CAPACITY",
+            NotFound => "NOT_FOUND",
+            InvalidArgument => "INVALID_ARGUMENT",
+            Busy => "BUSY",
+            Internal => "INTERNAL",
+            ProtocolViolation => "PROTOCOL_VIOLATION",
+        }
+    }
+    /// Fatal errors close the connection after the ERROR frame is sent: the
+    /// byte stream can no longer be trusted, or the peer is not allowed in.
+    pub fn is_fatal(self) -> bool {
+        !matches!(
+            self,
+            ErrorCode::OutOfCapacity | ErrorCode::NotFound | ErrorCode::InvalidArgument | ErrorCode::UnknownOpcode
+        )
+    }
+}
+
+impl std::fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A protocol-level error: what goes into an ERROR frame.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+#[error("{code}: {message}")]
+pub struct WireError {
+    pub code: ErrorCode,
+    pub message: String,
+    /// Request id the error answers (0 when it answers no parsed request).
+    pub id: u64,
+    /// Code-specific detail: free pages for OUT_OF_CAPACITY, first missing
+    /// page for NOT_FOUND, 0 otherwise.
+    pub detail: u64,
+}
+
+impl WireError {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> WireError {
+        let mut message = message.into();
+        if message.len() > MAX_MESSAGE {
+            let mut cut = MAX_MESSAGE;
+            while !message.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            message.truncate(cut);
+        }
+        WireError { code, message, id: 0, detail: 0 }
+    }
+    pub fn with_id(mut self, id: u64) -> WireError {
+        self.id = id;
+        self
+    }
+    pub fn with_detail(mut self, detail: u64) -> WireError {
+        self.detail = detail;
+        self
+    }
+    pub fn malformed(message: impl Into<String>) -> WireError {
+        WireError::new(ErrorCode::Malformed, message)
+    }
+}
