@@ -1,0 +1,535 @@
+//! Blocking, pipelined client for pagefleet memory servers.
+//!
+//! [`Conn`] is one authenticated connection. Bulk calls (`put`, `get`,
+//! `delete`) split their pages into frames of up to `batch` pages and keep up
+//! to `window` frames in flight, so one connection streams at close to the
+//! socket's speed. Page data is written from, and read into, the caller's
+//! buffers directly. The `send_*` / `recv_*` calls expose the pipeline for
+//! callers that interleave their own work (the paging runtime installs the
+//! faulting page before the rest of its chunk has arrived).
+//!
+//! [`Cluster`] holds connections to several servers.
+
+use pagefleet_proto::auth::{self, Secret, SecretError};
+use pagefleet_proto::io::{write_all_vectored, RecvBuf};
+use pagefleet_proto::*;
+use std::collections::VecDeque;
+use std::io::{self, IoSlice, IoSliceMut, Write};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::time::{Duration, Instant};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("memory server {addr}: cannot connect: {source}")]
+    Connect { addr: String, source: io::Error },
+    #[error("memory server {addr}: connection lost: {source}")]
+    Io { addr: String, source: io::Error },
+    #[error("memory server {addr}: {err}")]
+    Server { addr: String, err: WireError },
+    #[error("memory server {addr} sent an invalid frame: {msg}")]
+    Protocol { addr: String, msg: String },
+    #[error("memory server {addr} could not prove it holds the cluster secret: wrong secret on one side, or not a pagefleet server")]
+    ServerAuth { addr: String },
+    #[error(transparent)]
+    Secret(#[from] SecretError),
+    #[error("{0}")]
+    Usage(String),
+}
+
+impl ClientError {
+    /// The server's error code, when the server refused the request.
+    pub fn code(&self) -> Option<ErrorCode> {
+        match self {
+            ClientError::Server { err, .. } => Some(err.code),
+            _ => None,
+        }
+    }
+}
+
+pub type Result<T> = std::result::Result<T, ClientError>;
+
+/// What the server said about itself at HELLO.
+#[derive(Clone, Debug)]
+pub struct ServerInfo {
+    pub server_id: u64,
+    pub capacity_pages: u64,
+    pub used_pages: u64,
+    pub max_batch_pages: u32,
+}
+
+#[derive(Clone, Debug)]
+pub struct ConnectOptions {
+    /// Shown in the server's logs.
+    pub name: String,
+    pub connect_timeout: Duration,
+    /// A server silent this long while a reply is due is declared dead.
+    pub io_timeout: Duration,
+    /// Frames kept in flight by bulk calls.
+    pub window: usize,
+}
+
+impl Default for ConnectOptions {
+    fn default() -> Self {
+        ConnectOptions {
+            name: format!("pagefleet-client/{}", std::process::id()),
+            connect_timeout: Duration::from_secs(5),
+            io_timeout: Duration::from_secs(30),
+            window: 16,
+        }
+    }
+}
+
+/// Which pages a bulk call names: a run starting at a page, or a list.
+#[derive(Clone, Copy, Debug)]
+pub enum Pages<'a> {
+    Run { first: u64, count: u64 },
+    List(&'a [u64]),
+}
+
+impl Pages<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            Pages::Run { count, .. } => *count as usize,
+            Pages::List(v) => v.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Frame `k` of `batch` pages.
+    fn frame(&self, k: usize, batch: usize) -> PageSel {
+        let lo = k * batch;
+        let hi = (lo + batch).min(self.len());
+        match self {
+            Pages::Run { first, .. } => PageSel::Run { first: first + lo as u64, count: (hi - lo) as u32 },
+            Pages::List(v) => PageSel::List(v[lo..hi].to_vec()),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GetMode {
+    /// Leave the pages on the server.
+    Keep,
+    /// Remove the pages once sent (S-memV page-in).
+    Take,
+}
+
+/// A GET reply's presence information.
+#[derive(Clone, Debug)]
+pub struct GetReply {
+    pub count: u32,
+    pub present: u32,
+    /// Indexes (within the request) of pages the server did not hold.
+    pub missing: Vec<u32>,
+}
+
+pub struct Conn {
+    stream: TcpStream,
+    rb: RecvBuf,
+    next_id: u64,
+    sendbuf: Vec<u8>,
+    pub addr: String,
+    pub info: ServerInfo,
+    window: usize,
+}
+
+fn resolve(addr: &str) -> io::Result<SocketAddr> {
+    addr.to_socket_addrs()?
+        .next()
+        .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "address resolves to nothing"))
+}
+
+impl Conn {
+    /// Connect and authenticate (mutually) with the cluster secret.
+    pub fn connect(addr: &str, secret: &Secret, opts: &ConnectOptions) -> Result<Conn> {
+        let cerr = |source| ClientError::Connect { addr: addr.to_string(), source };
+        let sa = resolve(addr).map_err(cerr)?;
+        let stream = TcpStream::connect_timeout(&sa, opts.connect_timeout).map_err(cerr)?;
+        stream.set_nodelay(true).map_err(cerr)?;
+        stream.set_read_timeout(Some(opts.io_timeout)).map_err(cerr)?;
+        stream.set_write_timeout(Some(opts.io_timeout)).map_err(cerr)?;
+        let mut c = Conn {
+            stream,
+            rb: RecvBuf::new(16 * 1024),
+            next_id: 1,
+            sendbuf: Vec::with_capacity(8192),
+            addr: addr.to_string(),
+            info: ServerInfo { server_id: 0, capacity_pages: 0, used_pages: 0, max_batch_pages: 0 },
+            window: opts.window.max(1),
+        };
+        let (h, body) = c.read_frame()?;
+        if h.opcode != Opcode::Welcome as u8 {
+            return Err(c.unexpected(h, "WELCOME", &body));
+        }
+        let w = Welcome::decode(&body).map_err(|e| c.proto(e.message))?;
+        if w.min_version > VERSION as u16 || w.max_version < VERSION as u16 {
+            return Err(c.proto(format!(
+                "server speaks versions {}..={}, this client {}",
+                w.min_version, w.max_version, VERSION
+            )));
+        }
+        let client_nonce = auth::random_nonce();
+        let hello = Hello {
+            version: VERSION as u16,
+            flags: 0,
+            client_nonce,
+            mac: secret.client_mac(&w.server_nonce, &client_nonce, w.server_id),
+            name: opts.name.clone(),
+        };
+        let id = c.id();
+        frame(Opcode::Hello, id, &mut c.sendbuf, |b| hello.encode(b));
+        c.send_buffered()?;
+        let (h, body) = c.read_frame()?;
+        if h.opcode != Opcode::HelloOk as u8 {
+            return Err(c.unexpected(h, "HELLO_OK", &body));
+        }
+        let ok = HelloOk::decode(&body).map_err(|e| c.proto(e.message))?;
+        let expect = secret.server_mac(&w.server_nonce, &client_nonce, w.server_id);
+        if !auth::macs_equal(&expect, &ok.mac) || ok.server_id != w.server_id {
+            return Err(ClientError::ServerAuth { addr: c.addr.clone() });
+        }
+        if ok.page_size as usize != PAGE_SIZE {
+            return Err(c.proto(format!("server page size {} is not {PAGE_SIZE}", ok.page_size)));
+        }
+        c.info = ServerInfo {
+            server_id: ok.server_id,
+            capacity_pages: ok.capacity_pages,
+            used_pages: ok.used_pages,
+            max_batch_pages: ok.max_batch_pages,
+        };
+        Ok(c)
+    }
+
+    pub fn set_window(&mut self, window: usize) {
+        self.window = window.max(1);
+    }
+
+    fn id(&mut self) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        id
+    }
+
+    fn io(&self, source: io::Error) -> ClientError {
+        ClientError::Io { addr: self.addr.clone(), source }
+    }
+
+    fn proto(&self, msg: impl Into<String>) -> ClientError {
+        ClientError::Protocol { addr: self.addr.clone(), msg: msg.into() }
+    }
+
+    /// Turn an unexpected frame into the right error (ERROR frames become Server errors).
+    fn unexpected(&self, h: Header, wanted: &str, body: &[u8]) -> ClientError {
+        if h.opcode == Opcode::Error as u8 {
+            return match WireError::decode(body, h.id) {
+                Ok(err) => ClientError::Server { addr: self.addr.clone(), err },
+                Err(e) => self.proto(format!("undecodable ERROR frame: {}", e.message)),
+            };
+        }
+        self.proto(format!("expected {wanted}, got opcode {:#04x}", h.opcode))
+    }
+
+    fn send_buffered(&mut self) -> Result<()> {
+        let r = self.stream.write_all(&self.sendbuf);
+        self.sendbuf.clear();
+        r.map_err(|e| self.io(e))
+    }
+
+    fn read_header(&mut self) -> Result<Header> {
+        match self.rb.fill_to(&mut self.stream, HEADER_LEN) {
+            Ok(true) => {}
+            Ok(false) => {
+                return Err(self.io(io::Error::new(io::ErrorKind::UnexpectedEof, "server closed the connection")))
+            }
+            Err(e) => return Err(self.io(e)),
+        }
+        let h = Header::decode(&self.rb.available()[..HEADER_LEN]).map_err(|e| self.proto(e.message))?;
+        self.rb.consume(HEADER_LEN);
+        Ok(h)
+    }
+
+    fn read_body(&mut self, len: usize) -> Result<Vec<u8>> {
+        let mut b = vec![0u8; len];
+        self.rb.read_exact_into(&mut self.stream, &mut b).map_err(|e| self.io(e))?;
+        Ok(b)
+    }
+
+    fn read_frame(&mut self) -> Result<(Header, Vec<u8>)> {
+        let h = self.read_header()?;
+        let b = self.read_body(h.body_len as usize)?;
+        Ok((h, b))
+    }
+
+    /// Read a reply that must answer `id` with opcode `op`; returns its body.
+    fn expect_reply(&mut self, id: u64, op: Opcode) -> Result<Vec<u8>> {
+        let (h, body) = self.read_frame()?;
+        if h.opcode == op as u8 && h.id == id {
+            return Ok(body);
+        }
+        if h.opcode == Opcode::Error as u8 && (h.id == id || h.id == 0) {
+            return Err(self.unexpected(h, op.name(), &body));
+        }
+        Err(self.proto(format!("expected {} for request {id}, got opcode {:#04x} for request {}", op.name(), h.opcode, h.id)))
+    }
+
+    /// Round trip a PING; returns the measured time.
+    pub fn ping(&mut self) -> Result<Duration> {
+        let t = Instant::now();
+        let id = self.id();
+        frame(Opcode::Ping, id, &mut self.sendbuf, |b| b.extend_from_slice(b"pagefleet"));
+        self.send_buffered()?;
+        let body = self.expect_reply(id, Opcode::Pong)?;
+        if body != b"pagefleet" {
+            return Err(self.proto("PONG does not echo the PING payload"));
+        }
+        Ok(t.elapsed())
+    }
+
+    pub fn stat(&mut self, list_regions: bool) -> Result<StatOk> {
+        let id = self.id();
+        let req = StatReq { flags: if list_regions { StatReq::LIST_REGIONS } else { 0 }, max_regions: StatReq::MAX_LISTED };
+        frame(Opcode::Stat, id, &mut self.sendbuf, |b| req.encode(b));
+        self.send_buffered()?;
+        let body = self.expect_reply(id, Opcode::StatOk)?;
+        StatOk::decode(&body).map_err(|e| self.proto(e.message))
+    }
+
+    // ---- pipeline primitives -------------------------------------------
+
+    /// Send one PUT frame (≤ 32 pages; `data` is pages × 4096 bytes).
+    pub fn send_put(&mut self, region: u64, sel: &PageSel, data: &[u8]) -> Result<u64> {
+        if sel.is_empty() || sel.len() > MAX_BATCH_PAGES || data.len() != sel.len() * PAGE_SIZE {
+            return Err(ClientError::Usage(format!(
+                "a PUT frame takes 1..={MAX_BATCH_PAGES} pages and pages x {PAGE_SIZE} bytes of data ({} pages, {} bytes given)",
+                sel.len(),
+                data.len()
+            )));
+        }
+        let id = self.id();
+        let mut meta = Vec::with_capacity(HEADER_LEN + 16 + sel.len() * 8);
+        meta.extend_from_slice(&[0u8; HEADER_LEN]);
+        encode_pages_req(region, sel, 0, &mut meta);
+        let body_len = meta.len() - HEADER_LEN + data.len();
+        meta[..HEADER_LEN].copy_from_slice(&Header::new(Opcode::Put, body_len, id).encode());
+        let mut iov = [IoSlice::new(&meta), IoSlice::new(data)];
+        write_all_vectored(&mut self.stream, &mut iov).map_err(|e| self.io(e))?;
+        Ok(id)
+    }
+
+    /// Receive the reply to a PUT sent with `send_put`.
+    pub fn recv_put(&mut self, id: u64) -> Result<PutOk> {
+        let body = self.expect_reply(id, Opcode::PutOk)?;
+        PutOk::decode(&body).map_err(|e| self.proto(e.message))
+    }
+
+    /// Queue one GET request (sent by the next `flush` or receive).
+    pub fn queue_get(&mut self, region: u64, sel: &PageSel, mode: GetMode, allow_missing: bool) -> Result<u64> {
+        if sel.is_empty() || sel.len() > MAX_BATCH_PAGES {
+            return Err(ClientError::Usage(format!("a GET frame takes 1..={MAX_BATCH_PAGES} pages")));
+        }
+        let id = self.id();
+        let mut f = if mode == GetMode::Take { flags::TAKE } else { 0 };
+        if allow_missing {
+            f |= flags::ALLOW_MISSING;
+        }
+        frame(Opcode::Get, id, &mut self.sendbuf, |b| encode_pages_req(region, sel, f, b));
+        Ok(id)
+    }
+
+    /// Send queued small requests.
+    pub fn flush(&mut self) -> Result<()> {
+        if self.sendbuf.is_empty() {
+            return Ok(());
+        }
+        self.send_buffered()
+    }
+
+    /// Receive a GET reply straight into `dst` (`count` pages); pages the
+    /// server did not hold are zero-filled and listed in `missing`.
+    pub fn recv_get(&mut self, id: u64, dst: &mut [u8]) -> Result<GetReply> {
+        self.flush()?;
+        let h = self.read_header()?;
+        if h.opcode != Opcode::GetOk as u8 || h.id != id {
+            let body = self.read_body(h.body_len as usize)?;
+            if h.opcode == Opcode::Error as u8 && h.id != id && h.id != 0 {
+                return Err(self.proto(format!("ERROR for request {} while waiting for {id}", h.id)));
+            }
+            return Err(self.unexpected(h, "GET_OK", &body));
+        }
+        let body_len = h.body_len as usize;
+        if body_len < 8 {
+            return Err(self.proto("GET_OK body too short"));
+        }
+        self.rb.fill_to(&mut self.stream, 8).map_err(|e| self.io(e))?;
+        let count = u32::from_le_bytes(self.rb.available()[..4].try_into().unwrap());
+        if count as usize > MAX_BATCH_PAGES {
+            return Err(self.proto(format!("GET_OK count {count} exceeds {MAX_BATCH_PAGES}")));
+        }
+        let hl = GetOkHead::head_len(count);
+        self.rb.fill_to(&mut self.stream, hl).map_err(|e| self.io(e))?;
+        let head = GetOkHead::decode(&self.rb.available()[..hl], body_len).map_err(|e| self.proto(e.message))?;
+        self.rb.consume(hl);
+        if dst.len() != count as usize * PAGE_SIZE {
+            return Err(ClientError::Usage(format!(
+                "GET reply has {count} pages but the destination holds {} bytes",
+                dst.len()
+            )));
+        }
+        let mut missing = Vec::new();
+        {
+            let mut iov: Vec<IoSliceMut<'_>> = Vec::with_capacity(head.present as usize);
+            for (i, page) in dst.chunks_mut(PAGE_SIZE).enumerate() {
+                if head.is_present(i) {
+                    iov.push(IoSliceMut::new(page));
+                } else {
+                    page.fill(0);
+                    missing.push(i as u32);
+                }
+            }
+            self.rb.read_exact_vectored(&mut self.stream, &mut iov).map_err(|e| ClientError::Io { addr: self.addr.clone(), source: e })?;
+        }
+        Ok(GetReply { count, present: head.present, missing })
+    }
+
+    // ---- bulk calls ------------------------------------------------------
+
+    /// Store pages (`data` = pages × 4096 bytes) in frames of `batch` pages,
+    /// pipelined. Returns how many were new. On an error the frames already
+    /// acknowledged stay stored; the first error is returned after every
+    /// in-flight reply has been read, so the connection stays usable.
+    pub fn put(&mut self, region: u64, pages: Pages<'_>, data: &[u8], batch: usize) -> Result<u64> {
+        let n = pages.len();
+        if data.len() != n * PAGE_SIZE {
+            return Err(ClientError::Usage(format!("{n} pages need {} bytes of data, got {}", n * PAGE_SIZE, data.len())));
+        }
+        let batch = batch.clamp(1, MAX_BATCH_PAGES);
+        let frames = n.div_ceil(batch);
+        let mut inflight = VecDeque::new();
+        let (mut sent, mut new_pages, mut first_err) = (0usize, 0u64, None);
+        while sent < frames || !inflight.is_empty() {
+            while first_err.is_none() && sent < frames && inflight.len() < self.window {
+                let sel = pages.frame(sent, batch);
+                let lo = sent * batch * PAGE_SIZE;
+                let id = self.send_put(region, &sel, &data[lo..lo + sel.len() * PAGE_SIZE])?;
+                inflight.push_back(id);
+                sent += 1;
+            }
+            let Some(id) = inflight.pop_front() else { break };
+            match self.recv_put(id) {
+                Ok(ok) => new_pages += ok.new_pages as u64,
+                Err(e @ ClientError::Server { .. }) if !e.code().is_some_and(|c| c.is_fatal()) => {
+                    first_err.get_or_insert(e);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(new_pages),
+        }
+    }
+
+    /// Fetch pages into `dst` (pages × 4096 bytes), pipelined. With
+    /// `allow_missing`, absent pages are zero-filled and counted; without it,
+    /// any absent page fails its frame with NOT_FOUND (nothing of that frame
+    /// is taken).
+    pub fn get(&mut self, region: u64, pages: Pages<'_>, dst: &mut [u8], mode: GetMode, allow_missing: bool, batch: usize) -> Result<u64> {
+        let n = pages.len();
+        if dst.len() != n * PAGE_SIZE {
+            return Err(ClientError::Usage(format!("{n} pages need {} bytes of room, got {}", n * PAGE_SIZE, dst.len())));
+        }
+        let batch = batch.clamp(1, MAX_BATCH_PAGES);
+        let frames = n.div_ceil(batch);
+        let mut inflight = VecDeque::new();
+        let (mut sent, mut done, mut missing, mut first_err) = (0usize, 0usize, 0u64, None);
+        while done < sent || sent < frames {
+            while first_err.is_none() && sent < frames && inflight.len() < self.window {
+                let sel = pages.frame(sent, batch);
+                let id = self.queue_get(region, &sel, mode, allow_missing)?;
+                inflight.push_back((id, sent, sel.len()));
+                sent += 1;
+            }
+            let Some((id, k, len)) = inflight.pop_front() else { break };
+            let lo = k * batch * PAGE_SIZE;
+            match self.recv_get(id, &mut dst[lo..lo + len * PAGE_SIZE]) {
+                Ok(r) => missing += r.missing.len() as u64,
+                Err(e @ ClientError::Server { .. }) if !e.code().is_some_and(|c| c.is_fatal()) => {
+                    first_err.get_or_insert(e);
+                }
+                Err(e) => return Err(e),
+            }
+            done += 1;
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(missing),
+        }
+    }
+
+    /// Delete pages; returns how many the server held.
+    pub fn delete(&mut self, region: u64, pages: Pages<'_>) -> Result<u64> {
+        let frames: Vec<PageSel> = match pages {
+            Pages::Run { first, count } => {
+                let mut v = Vec::new();
+                let mut at = first;
+                let end = first + count;
+                while at < end {
+                    let c = (end - at).min(u32::MAX as u64);
+                    v.push(PageSel::Run { first: at, count: c as u32 });
+                    at += c;
+                }
+                v
+            }
+            Pages::List(l) => l.chunks(MAX_DELETE_LIST).map(|c| PageSel::List(c.to_vec())).collect(),
+        };
+        let mut total = 0;
+        for sel in frames {
+            let id = self.id();
+            frame(Opcode::Delete, id, &mut self.sendbuf, |b| encode_pages_req(region, &sel, 0, b));
+            self.send_buffered()?;
+            let body = self.expect_reply(id, Opcode::DeleteOk)?;
+            total += DeleteOk::decode(&body).map_err(|e| self.proto(e.message))?.deleted;
+        }
+        Ok(total)
+    }
+
+    /// Drop a whole region; returns how many pages it had here.
+    pub fn delete_region(&mut self, region: u64) -> Result<u64> {
+        let id = self.id();
+        frame(Opcode::Delete, id, &mut self.sendbuf, |b| {
+            PagesPrefix { region, count: 0, flags: flags::WHOLE_REGION }.encode(b)
+        });
+        self.send_buffered()?;
+        let body = self.expect_reply(id, Opcode::DeleteOk)?;
+        Ok(DeleteOk::decode(&body).map_err(|e| self.proto(e.message))?.deleted)
+    }
+}
+
+/// Connections to several memory servers.
+pub struct Cluster {
+    pub conns: Vec<Conn>,
+}
+
+impl Cluster {
+    pub fn connect(addrs: &[String], secret: &Secret, opts: &ConnectOptions) -> Result<Cluster> {
+        let conns = addrs.iter().map(|a| Conn::connect(a, secret, opts)).collect::<Result<Vec<_>>>()?;
+        Ok(Cluster { conns })
+    }
+    /// STAT every server (regions not listed).
+    pub fn stats(&mut self) -> Vec<Result<StatOk>> {
+        self.conns.iter_mut().map(|c| c.stat(false)).collect()
+    }
+    /// Index of the server with the most free pages.
+    pub fn most_free(&mut self) -> Result<usize> {
+        let mut best = None;
+        for (i, c) in self.conns.iter_mut().enumerate() {
+            let s = c.stat(false)?;
+            let free = s.capacity_pages.saturating_sub(s.used_pages);
+            if best.is_none_or(|(_, f)| free > f) {
+                best = Some((i, free));
+            }
+        }
+        best.map(|(i, _)| i).ok_or_else(|| ClientError::Usage("no memory servers configured".into()))
+    }
+}

@@ -1,0 +1,13 @@
+//! The memory server: lends this host's spare memory to remote regions.
+//!
+//! - [`store`]: pages kept per (region, page number) in page arrays inside
+//!   one pre-sized pool, so memory use never exceeds the lent capacity;
+//! - [`server`]: the protocol-v1 connection loop (auth, pipelining, errors);
+//! - [`metrics`]: counters and their Prometheus text rendering.
+
+pub mod metrics;
+pub mod server;
+pub mod store;
+
+pub use server::{ServerConfig, ServerState};
+pub use store::{Store, StoreError};

@@ -1,0 +1,531 @@
+//! The protocol-v1 connection loop.
+//!
+//! One thread per connection, blocking I/O; the store lock is only taken for
+//! index updates, so a slow or dead client stalls nobody but itself. Replies
+//! are queued and flushed when the next read would block, so a pipelined
+//! stream of requests gets its small replies in few syscalls; GET replies are
+//! written with one vectored write straight from the store's slots.
+
+use crate::metrics::Metrics;
+use crate::store::{PutTarget, Store, StoreError};
+use pagefleet_proto::auth::{self, Secret};
+use pagefleet_proto::io::{write_all_vectored, RecvBuf};
+use pagefleet_proto::*;
+use std::io::{self, IoSlice, IoSliceMut, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::Duration;
+use tracing::{debug, info, warn};
+
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    /// Most simultaneous connections; more are refused with BUSY.
+    pub max_conns: u32,
+    /// A client that stops mid-frame, or stops reading replies, this long is dropped.
+    pub io_timeout: Duration,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig { max_conns: 512, io_timeout: Duration::from_secs(30) }
+    }
+}
+
+pub struct ServerState {
+    pub store: Store,
+    pub secret: Secret,
+    /// Random per process: a client seeing a new id knows the server restarted
+    /// and lost whatever it held.
+    pub server_id: u64,
+    pub metrics: Metrics,
+    pub cfg: ServerConfig,
+    conns: AtomicU32,
+}
+
+impl ServerState {
+    pub fn new(store: Store, secret: Secret, cfg: ServerConfig) -> ServerState {
+        ServerState { store, secret, server_id: auth::random_u64(), metrics: Metrics::default(), cfg, conns: AtomicU32::new(0) }
+    }
+    pub fn connections(&self) -> u32 {
+        self.conns.load(Relaxed)
+    }
+}
+
+/// A byte stream the server can run a session on.
+pub trait Transport: Read + Write {
+    /// Read without blocking: `Ok(None)` when nothing is available now.
+    fn read_nonblocking(&mut self, buf: &mut [u8]) -> io::Result<Option<usize>>;
+}
+
+impl Transport for TcpStream {
+    fn read_nonblocking(&mut self, buf: &mut [u8]) -> io::Result<Option<usize>> {
+        // SAFETY: buf is valid for writes of buf.len() bytes.
+        let n = unsafe { libc::recv(self.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
+        if n >= 0 {
+            return Ok(Some(n as usize));
+        }
+        let e = io::Error::last_os_error();
+        match e.kind() {
+            io::ErrorKind::WouldBlock => Ok(None),
+            io::ErrorKind::Interrupted => Ok(None),
+            _ => Err(e),
+        }
+    }
+}
+
+/// Accept connections forever, one thread each.
+pub fn serve(listener: TcpListener, state: Arc<ServerState>) -> io::Result<()> {
+    loop {
+        let (stream, peer) = match listener.accept() {
+            Ok(x) => x,
+            Err(e) => {
+                // EMFILE and friends: back off instead of spinning.
+                warn!("accept failed: {e}");
+                std::thread::sleep(Duration::from_millis(50));
+                continue;
+            }
+        };
+        let st = state.clone();
+        let spawned = std::thread::Builder::new().name(format!("conn {peer}")).spawn(move || {
+            let peer = peer.to_string();
+            serve_stream(&st, stream, &peer);
+        });
+        if let Err(e) = spawned {
+            warn!("cannot start a thread for {peer}: {e}");
+        }
+    }
+}
+
+/// Run one TCP connection to completion.
+pub fn serve_stream(st: &ServerState, mut stream: TcpStream, peer: &str) {
+    st.metrics.connections_total.fetch_add(1, Relaxed);
+    let n = st.conns.fetch_add(1, Relaxed) + 1;
+    struct Dec<'a>(&'a AtomicU32);
+    impl Drop for Dec<'_> {
+        fn drop(&mut self) {
+            self.0.fetch_sub(1, Relaxed);
+        }
+    }
+    let _dec = Dec(&st.conns);
+    let _ = stream.set_nodelay(true);
+    let _ = stream.set_read_timeout(Some(st.cfg.io_timeout));
+    let _ = stream.set_write_timeout(Some(st.cfg.io_timeout));
+    let ka = socket2::TcpKeepalive::new().with_time(Duration::from_secs(30)).with_interval(Duration::from_secs(10));
+    let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(&ka);
+    if n > st.cfg.max_conns {
+        st.metrics.connections_refused.fetch_add(1, Relaxed);
+        st.metrics.error(ErrorCode::Busy);
+        let e = WireError::new(ErrorCode::Busy, format!("server at its limit of {} connections; retry later", st.cfg.max_conns));
+        let mut out = Vec::new();
+        frame(Opcode::Error, 0, &mut out, |b| e.encode(b));
+        let _ = stream.write_all(&out);
+        return;
+    }
+    debug!(peer, "connected");
+    match Session::new(st, &mut stream, peer).run() {
+        Ok(()) => debug!(peer, "closed"),
+        Err(e) => info!(peer, "connection ended: {e}"),
+    }
+}
+
+enum Flow {
+    Continue,
+    Close,
+}
+
+fn is_timeout(e: &io::Error) -> bool {
+    matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut)
+}
+
+/// One client connection's state.
+pub struct Session<'a, T: Transport> {
+    st: &'a ServerState,
+    t: &'a mut T,
+    rb: RecvBuf,
+    out: Vec<u8>,
+    body: Vec<u8>,
+    staging: Vec<u8>,
+    authed: bool,
+    nonce: [u8; 32],
+    peer: &'a str,
+    client: String,
+}
+
+impl<'a, T: Transport> Session<'a, T> {
+    pub fn new(st: &'a ServerState, t: &'a mut T, peer: &'a str) -> Session<'a, T> {
+        Session {
+            st,
+            t,
+            rb: RecvBuf::new(16 * 1024),
+            out: Vec::with_capacity(4096),
+            body: Vec::new(),
+            staging: Vec::new(),
+            authed: false,
+            nonce: auth::random_nonce(),
+            peer,
+            client: String::new(),
+        }
+    }
+
+    /// For the fuzzer: a session that skips the HMAC handshake, so fuzzing
+    /// reaches the page operations. Not reachable from the network.
+    pub fn new_preauthenticated(st: &'a ServerState, t: &'a mut T) -> Session<'a, T> {
+        let mut s = Session::new(st, t, "fuzz");
+        s.authed = true;
+        s
+    }
+
+    /// Serve until the peer closes, a fatal error is answered, or I/O fails.
+    pub fn run(mut self) -> io::Result<()> {
+        let w = Welcome { min_version: 1, max_version: 1, flags: 0, server_nonce: self.nonce, server_id: self.st.server_id };
+        frame(Opcode::Welcome, 0, &mut self.out, |b| w.encode(b));
+        self.flush()?;
+        loop {
+            if !self.next_header()? {
+                return self.flush();
+            }
+            let h = match Header::decode(&self.rb.available()[..HEADER_LEN]) {
+                Ok(h) => h,
+                Err(e) => {
+                    self.fatal(e);
+                    return Ok(());
+                }
+            };
+            self.rb.consume(HEADER_LEN);
+            self.st.metrics.bytes_in.fetch_add((HEADER_LEN + h.body_len as usize) as u64, Relaxed);
+            match self.dispatch(h)? {
+                Flow::Continue => {}
+                Flow::Close => return Ok(()),
+            }
+            if self.out.len() >= 64 * 1024 {
+                self.flush()?;
+            }
+        }
+    }
+
+    /// Make a whole header available. Pending replies are flushed only when
+    /// the next read would block. Returns false on a clean close.
+    fn next_header(&mut self) -> io::Result<bool> {
+        while self.rb.len() < HEADER_LEN {
+            if !self.out.is_empty() {
+                match self.t.read_nonblocking(self.rb.spare()) {
+                    Ok(Some(0)) => {
+                        if self.rb.is_empty() {
+                            return Ok(false);
+                        }
+                        return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed mid-frame"));
+                    }
+                    Ok(Some(n)) => {
+                        self.rb.commit(n);
+                        continue;
+                    }
+                    Ok(None) => self.flush()?,
+                    Err(e) => return Err(e),
+                }
+            }
+            match self.rb.fill_to(self.t, HEADER_LEN) {
+                Ok(true) => {}
+                Ok(false) => return Ok(false),
+                // Idle between frames is fine; only a stall mid-frame is not.
+                Err(e) if is_timeout(&e) && self.rb.is_empty() => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(true)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        if !self.out.is_empty() {
+            self.st.metrics.bytes_out.fetch_add(self.out.len() as u64, Relaxed);
+            let r = self.t.write_all(&self.out).and_then(|_| self.t.flush());
+            self.out.clear();
+            r?;
+        }
+        Ok(())
+    }
+
+    fn reply_error(&mut self, e: &WireError, id: u64) {
+        self.st.metrics.error(e.code);
+        frame(Opcode::Error, id, &mut self.out, |b| e.encode(b));
+    }
+
+    /// Answer a fatal error and close.
+    fn fatal(&mut self, e: WireError) -> Flow {
+        warn!(peer = self.peer, client = %self.client, "closing connection: {e}");
+        let id = e.id;
+        self.reply_error(&e, id);
+        let _ = self.flush();
+        Flow::Close
+    }
+
+    fn read_body(&mut self, len: usize) -> io::Result<()> {
+        self.body.resize(len, 0);
+        self.rb.read_exact_into(self.t, &mut self.body)
+    }
+
+    fn dispatch(&mut self, h: Header) -> io::Result<Flow> {
+        let op = Opcode::from_u8(h.opcode);
+        if let Some(op) = op {
+            self.st.metrics.request(op);
+        }
+        let len = h.body_len as usize;
+        match op {
+            Some(Opcode::Hello) => self.hello(h),
+            _ if !self.authed => Ok(self.fatal(
+                WireError::new(ErrorCode::NotAuthenticated, "authenticate with HELLO before any other request")
+                    .with_id(h.id),
+            )),
+            Some(Opcode::Put) => self.put(h),
+            Some(Opcode::Get) => self.get(h),
+            Some(Opcode::Delete) => self.delete(h),
+            Some(Opcode::Stat) => self.stat(h),
+            Some(Opcode::Ping) => {
+                if len > MAX_PING {
+                    return Ok(self.fatal(WireError::malformed(format!("PING body of {len} bytes exceeds {MAX_PING}")).with_id(h.id)));
+                }
+                self.read_body(len)?;
+                let body = std::mem::take(&mut self.body);
+                frame(Opcode::Pong, h.id, &mut self.out, |b| b.extend_from_slice(&body));
+                self.body = body;
+                Ok(Flow::Continue)
+            }
+            _ => {
+                self.rb.skip(self.t, len)?;
+                let e = WireError::new(ErrorCode::UnknownOpcode, format!("opcode {:#04x} is not a request", h.opcode));
+                self.reply_error(&e, h.id);
+                Ok(Flow::Continue)
+            }
+        }
+    }
+
+    fn hello(&mut self, h: Header) -> io::Result<Flow> {
+        if self.authed {
+            return Ok(self.fatal(WireError::new(ErrorCode::ProtocolViolation, "HELLO sent twice").with_id(h.id)));
+        }
+        if h.body_len as usize > 72 + MAX_NAME + 1 {
+            return Ok(self.fatal(WireError::malformed("HELLO body too long").with_id(h.id)));
+        }
+        self.read_body(h.body_len as usize)?;
+        let hello = match Hello::decode(&self.body) {
+            Ok(x) => x,
+            Err(e) => return Ok(self.fatal(e.with_id(h.id))),
+        };
+        if hello.version != VERSION as u16 {
+            return Ok(self.fatal(
+                WireError::new(ErrorCode::UnsupportedVersion, format!("client asks for version {}, server speaks 1", hello.version))
+                    .with_id(h.id),
+            ));
+        }
+        let expect = self.st.secret.client_mac(&self.nonce, &hello.client_nonce, self.st.server_id);
+        if !auth::macs_equal(&expect, &hello.mac) {
+            self.st.metrics.auth_failures.fetch_add(1, Relaxed);
+            info!(peer = self.peer, client = %hello.name, "authentication failed");
+            return Ok(self.fatal(
+                WireError::new(ErrorCode::AuthFailed, "authentication failed: the client does not hold this cluster's secret")
+                    .with_id(h.id),
+            ));
+        }
+        self.authed = true;
+        self.client = hello.name;
+        debug!(peer = self.peer, client = %self.client, "authenticated");
+        let ok = HelloOk {
+            mac: self.st.secret.server_mac(&self.nonce, &hello.client_nonce, self.st.server_id),
+            server_id: self.st.server_id,
+            capacity_pages: self.st.store.capacity_pages(),
+            used_pages: self.st.store.stored_pages(),
+            page_size: PAGE_SIZE as u32,
+            max_batch_pages: MAX_BATCH_PAGES as u32,
+        };
+        frame(Opcode::HelloOk, h.id, &mut self.out, |b| ok.encode(b));
+        Ok(Flow::Continue)
+    }
+
+    fn store_error(&mut self, e: StoreError, id: u64) {
+        let w = match e {
+            StoreError::OutOfCapacity { free, .. } => {
+                WireError::new(ErrorCode::OutOfCapacity, e.to_string()).with_detail(free)
+            }
+            StoreError::NotFound { page, .. } => WireError::new(ErrorCode::NotFound, e.to_string()).with_detail(page),
+            StoreError::DuplicateTake { .. } => WireError::new(ErrorCode::InvalidArgument, e.to_string()),
+            _ => WireError::new(ErrorCode::Internal, e.to_string()),
+        };
+        self.reply_error(&w, id);
+    }
+
+    fn put(&mut self, h: Header) -> io::Result<Flow> {
+        let len = h.body_len as usize;
+        if len < PagesPrefix::LEN {
+            return Ok(self.fatal(WireError::malformed("PUT body shorter than its 16-byte prefix").with_id(h.id)));
+        }
+        if !self.rb.fill_to(self.t, PagesPrefix::LEN)? {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed mid-frame"));
+        }
+        let prefix = match PagesPrefix::decode(Opcode::Put, &self.rb.available()[..PagesPrefix::LEN]) {
+            Ok(p) => p,
+            Err(e) => return Ok(self.fatal(e.with_id(h.id))),
+        };
+        self.rb.consume(PagesPrefix::LEN);
+        let n = prefix.count as usize;
+        let data_len = n * PAGE_SIZE;
+        if len != PagesPrefix::LEN + prefix.desc_len() + data_len {
+            return Ok(self.fatal(
+                WireError::malformed(format!(
+                    "PUT body is {len} bytes, but {n} pages need {}",
+                    PagesPrefix::LEN + prefix.desc_len() + data_len
+                ))
+                .with_id(h.id),
+            ));
+        }
+        self.read_body(prefix.desc_len())?;
+        let sel = match prefix.decode_sel(&self.body) {
+            Ok(s) => s,
+            Err(e) => {
+                self.rb.skip(self.t, data_len)?;
+                if e.code.is_fatal() {
+                    return Ok(self.fatal(e.with_id(h.id)));
+                }
+                self.reply_error(&e, h.id);
+                return Ok(Flow::Continue);
+            }
+        };
+        let store = &self.st.store;
+        let plan = match store.begin_put(prefix.region, &sel) {
+            Ok(p) => p,
+            Err(e) => {
+                self.rb.skip(self.t, data_len)?;
+                self.store_error(e, h.id);
+                return Ok(Flow::Continue);
+            }
+        };
+        if plan.targets.iter().any(|t| *t == PutTarget::Overwrite) && self.staging.len() < data_len {
+            self.staging.resize(MAX_BATCH_PAGES * PAGE_SIZE, 0);
+        }
+        let read = {
+            let mut staging = self.staging.chunks_mut(PAGE_SIZE);
+            let mut iov: Vec<IoSliceMut<'_>> = Vec::with_capacity(n);
+            for t in &plan.targets {
+                iov.push(match *t {
+                    // SAFETY: fresh slots are reserved for this plan alone.
+                    PutTarget::Fresh(s) => IoSliceMut::new(unsafe { store.fresh_slot_mut(s) }),
+                    PutTarget::Overwrite => IoSliceMut::new(staging.next().unwrap()),
+                });
+                if *t != PutTarget::Overwrite {
+                    // keep staging index aligned with page index
+                    staging.next();
+                }
+            }
+            self.rb.read_exact_vectored(self.t, &mut iov)
+        };
+        if let Err(e) = read {
+            store.abort_put(plan);
+            return Err(e);
+        }
+        match store.commit_put(plan, &sel, &self.staging) {
+            Ok((stored, new_pages)) => {
+                self.st.metrics.pages_put.fetch_add(stored as u64, Relaxed);
+                let ok = PutOk { stored, new_pages };
+                frame(Opcode::PutOk, h.id, &mut self.out, |b| ok.encode(b));
+            }
+            Err(e) => self.store_error(e, h.id),
+        }
+        Ok(Flow::Continue)
+    }
+
+    /// Read and decode a GET/DELETE body of bounded size.
+    fn pages_req(&mut self, op: Opcode, h: Header, max: usize) -> io::Result<Result<PagesReq, Flow>> {
+        let len = h.body_len as usize;
+        if len > max {
+            return Ok(Err(self.fatal(WireError::malformed(format!("{} body of {len} bytes exceeds {max}", op.name())).with_id(h.id))));
+        }
+        self.read_body(len)?;
+        match PagesReq::decode(op, &self.body) {
+            Ok(r) => Ok(Ok(r)),
+            Err(e) if e.code.is_fatal() => Ok(Err(self.fatal(e.with_id(h.id)))),
+            Err(e) => {
+                self.reply_error(&e, h.id);
+                Ok(Err(Flow::Continue))
+            }
+        }
+    }
+
+    fn get(&mut self, h: Header) -> io::Result<Flow> {
+        let req = match self.pages_req(Opcode::Get, h, PagesPrefix::LEN + MAX_BATCH_PAGES * 8)? {
+            Ok(r) => r,
+            Err(flow) => return Ok(flow),
+        };
+        let take = req.prefix.flags & flags::TAKE != 0;
+        let allow_missing = req.prefix.flags & flags::ALLOW_MISSING != 0;
+        let store = &self.st.store;
+        let plan = match store.begin_get(req.prefix.region, &req.sel, take, allow_missing) {
+            Ok(p) => p,
+            Err(e) => {
+                self.store_error(e, h.id);
+                return Ok(Flow::Continue);
+            }
+        };
+        let count = req.sel.len() as u32;
+        let present = plan.present() as u32;
+        let mut bitmap = vec![0u8; GetOkHead::bitmap_len(count)];
+        for (i, s) in plan.slots.iter().enumerate() {
+            if s.is_some() {
+                bitmap[i / 8] |= 1 << (i % 8);
+            }
+        }
+        let head = GetOkHead { count, present, bitmap };
+        let body_len = GetOkHead::head_len(count) + present as usize * PAGE_SIZE;
+        let mut meta = Vec::with_capacity(HEADER_LEN + head.bitmap.len() + 8);
+        meta.extend_from_slice(&Header::new(Opcode::GetOk, body_len, h.id).encode());
+        head.encode(&mut meta);
+        let total = self.out.len() + meta.len() + present as usize * PAGE_SIZE;
+        let res = {
+            let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(2 + present as usize);
+            iov.push(IoSlice::new(&self.out));
+            iov.push(IoSlice::new(&meta));
+            for s in plan.slots.iter().flatten() {
+                // SAFETY: the slot is pinned (keep) or taken by this plan.
+                iov.push(IoSlice::new(unsafe { store.slot(*s) }));
+            }
+            write_all_vectored(self.t, &mut iov)
+        };
+        self.out.clear();
+        self.st.metrics.bytes_out.fetch_add(total as u64, Relaxed);
+        self.st.metrics.pages_got.fetch_add(present as u64, Relaxed);
+        if take && res.is_ok() {
+            self.st.metrics.pages_taken.fetch_add(present as u64, Relaxed);
+        }
+        store.end_get(plan, &req.sel, res.is_ok());
+        res.map(|_| Flow::Continue)
+    }
+
+    fn delete(&mut self, h: Header) -> io::Result<Flow> {
+        let req = match self.pages_req(Opcode::Delete, h, PagesPrefix::LEN + MAX_DELETE_LIST * 8)? {
+            Ok(r) => r,
+            Err(flow) => return Ok(flow),
+        };
+        let whole = req.prefix.flags & flags::WHOLE_REGION != 0;
+        let deleted = self.st.store.delete(req.prefix.region, if whole { None } else { Some(&req.sel) });
+        frame(Opcode::DeleteOk, h.id, &mut self.out, |b| DeleteOk { deleted }.encode(b));
+        Ok(Flow::Continue)
+    }
+
+    fn stat(&mut self, h: Header) -> io::Result<Flow> {
+        if h.body_len != 8 {
+            return Ok(self.fatal(WireError::malformed("STAT body must be 8 bytes").with_id(h.id)));
+        }
+        self.read_body(8)?;
+        let req = match StatReq::decode(&self.body) {
+            Ok(r) => r,
+            Err(e) => return Ok(self.fatal(e.with_id(h.id))),
+        };
+        let s = self.st.store.stat_reply(
+            req.flags & StatReq::LIST_REGIONS != 0,
+            req.max_regions,
+            self.st.server_id,
+            self.st.connections(),
+        );
+        frame(Opcode::StatOk, h.id, &mut self.out, |b| s.encode(b));
+        Ok(Flow::Continue)
+    }
+}

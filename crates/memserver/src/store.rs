@@ -1,0 +1,615 @@
+//! Page store: one anonymous pool of `capacity` 4 KiB slots, and per region
+//! a page array (a B-tree of 512-entry leaves indexed by page number) mapping
+//! page number -> slot. Page data is never copied through the index: the
+//! server reads PUT data from the socket straight into fresh slots and writes
+//! GET replies straight out of them.
+//!
+//! The index lock is held only for index updates, never during socket I/O.
+//! A slot being sent by a GET is *pinned*; freeing a pinned slot only marks
+//! it (zombie) and it returns to the free list on the last unpin, so a slot
+//! can never be reused while its old contents are still on the wire.
+
+use pagefleet_proto::{PageSel, StatOk, PAGE_SIZE};
+use std::collections::{BTreeMap, HashMap};
+use std::ptr::NonNull;
+use std::sync::Mutex;
+
+const LEAF_SHIFT: u32 = 9;
+const LEAF_PAGES: usize = 1 << LEAF_SHIFT;
+const NO_SLOT: u32 = u32::MAX;
+const ZOMBIE: u16 = 0x8000;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("out of capacity: {need} new pages requested, {free} free of {capacity}")]
+    OutOfCapacity { need: u64, free: u64, capacity: u64 },
+    #[error("page {page} of region {region:#x} is not stored here")]
+    NotFound { region: u64, page: u64 },
+    #[error("page {page} is named twice in one take request")]
+    DuplicateTake { page: u64 },
+    #[error("cannot reserve {bytes} bytes of memory for the page pool: {source}")]
+    Pool { bytes: u64, source: std::io::Error },
+    #[error("capacity of {pages} pages exceeds the limit of {max} pages (16 TiB)")]
+    TooLarge { pages: u64, max: u64 },
+}
+
+/// The slot pool: one private anonymous mapping, populated on first use.
+struct Pool {
+    base: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the pool is plain memory; who may touch which slot is decided by
+// the index under the store's lock (reserved, pinned or published slots).
+unsafe impl Send for Pool {}
+unsafe impl Sync for Pool {}
+
+impl Pool {
+    fn new(pages: u64) -> Result<Pool, StoreError> {
+        let len = (pages as usize).max(1) * PAGE_SIZE;
+        // SAFETY: anonymous mapping with no address hint.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(StoreError::Pool { bytes: len as u64, source: std::io::Error::last_os_error() });
+        }
+        // Huge pages make first touch ~100x cheaper per byte than 4 KiB
+        // faults; slots are handed out low-to-high so huge pages fill densely
+        // and RSS still tracks what is stored (rounded up to 2 MiB).
+        // SAFETY: p/len is the mapping just created.
+        unsafe { libc::madvise(p, len, libc::MADV_HUGEPAGE) };
+        Ok(Pool { base: NonNull::new(p as *mut u8).unwrap(), len })
+    }
+    fn ptr(&self, slot: u32) -> *mut u8 {
+        debug_assert!((slot as usize + 1) * PAGE_SIZE <= self.len);
+        // SAFETY: in bounds (slots < capacity).
+        unsafe { self.base.as_ptr().add(slot as usize * PAGE_SIZE) }
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        // SAFETY: unmapping our own mapping.
+        unsafe { libc::munmap(self.base.as_ptr() as *mut libc::c_void, self.len) };
+    }
+}
+
+struct Leaf {
+    slot: [u32; LEAF_PAGES],
+    count: u32,
+}
+
+/// One region's page array and counters.
+#[derive(Default)]
+struct Region {
+    leaves: BTreeMap<u64, Box<Leaf>>,
+    pages: u64,
+    bytes_in: u64,
+    bytes_out: u64,
+}
+
+impl Region {
+    fn get(&self, page: u64) -> Option<u32> {
+        let leaf = self.leaves.get(&(page >> LEAF_SHIFT))?;
+        let s = leaf.slot[(page as usize) & (LEAF_PAGES - 1)];
+        (s != NO_SLOT).then_some(s)
+    }
+    fn insert(&mut self, page: u64, slot: u32) -> Option<u32> {
+        let leaf = self
+            .leaves
+            .entry(page >> LEAF_SHIFT)
+            .or_insert_with(|| Box::new(Leaf { slot: [NO_SLOT; LEAF_PAGES], count: 0 }));
+        let e = &mut leaf.slot[(page as usize) & (LEAF_PAGES - 1)];
+        let old = *e;
+        *e = slot;
+        if old == NO_SLOT {
+            leaf.count += 1;
+            self.pages += 1;
+            None
+        } else {
+            Some(old)
+        }
+    }
+    fn remove(&mut self, page: u64) -> Option<u32> {
+        let key = page >> LEAF_SHIFT;
+        let leaf = self.leaves.get_mut(&key)?;
+        let e = &mut leaf.slot[(page as usize) & (LEAF_PAGES - 1)];
+        if *e == NO_SLOT {
+            return None;
+        }
+        let old = *e;
+        *e = NO_SLOT;
+        leaf.count -= 1;
+        self.pages -= 1;
+        if leaf.count == 0 {
+            self.leaves.remove(&key);
+        }
+        Some(old)
+    }
+    /// Remove every page in [first, first+count) and return their slots.
+    fn remove_range(&mut self, first: u64, count: u64, out: &mut Vec<u32>) {
+        let end = first + count;
+        let keys: Vec<u64> =
+            self.leaves.range(first >> LEAF_SHIFT..=(end - 1) >> LEAF_SHIFT).map(|(k, _)| *k).collect();
+        for k in keys {
+            let lo = (k << LEAF_SHIFT).max(first);
+            let hi = ((k + 1) << LEAF_SHIFT).min(end);
+            for p in lo..hi {
+                if let Some(s) = self.remove(p) {
+                    out.push(s);
+                }
+            }
+        }
+    }
+}
+
+struct Inner {
+    regions: HashMap<u64, Region>,
+    free: Vec<u32>,
+    next_fresh: u32,
+    /// Published pages (what clients see as stored).
+    stored: u64,
+    /// Per-slot pin count; the top bit marks a slot freed while pinned.
+    pins: Vec<u16>,
+}
+
+impl Inner {
+    fn available(&self, capacity: u64) -> u64 {
+        self.free.len() as u64 + (capacity - self.next_fresh as u64)
+    }
+    fn alloc(&mut self) -> u32 {
+        // Reuse freed slots first (already faulted in), else the next fresh one.
+        if let Some(s) = self.free.pop() {
+            s
+        } else {
+            self.next_fresh += 1;
+            self.next_fresh - 1
+        }
+    }
+    fn free_slot(&mut self, s: u32) {
+        let p = &mut self.pins[s as usize];
+        if *p & !ZOMBIE != 0 {
+            *p |= ZOMBIE;
+        } else {
+            self.free.push(s);
+        }
+    }
+    fn unpin(&mut self, s: u32) {
+        let p = &mut self.pins[s as usize];
+        *p -= 1;
+        if *p == ZOMBIE {
+            *p = 0;
+            self.free.push(s);
+        }
+    }
+}
+
+/// Where each page of a PUT goes while its data arrives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PutTarget {
+    /// A reserved, unpublished slot: data is read straight into it.
+    Fresh(u32),
+    /// The page exists: data goes to a staging buffer and is copied over the
+    /// old contents at commit, so a connection dying mid-frame leaves the old
+    /// page intact.
+    Overwrite,
+}
+
+pub struct PutPlan {
+    pub region: u64,
+    pub targets: Vec<PutTarget>,
+}
+
+pub struct GetPlan {
+    pub region: u64,
+    /// Slot of each requested page, None if absent (ALLOW_MISSING).
+    pub slots: Vec<Option<u32>>,
+    pub take: bool,
+}
+
+impl GetPlan {
+    pub fn present(&self) -> usize {
+        self.slots.iter().filter(|s| s.is_some()).count()
+    }
+}
+
+/// Numbers for STAT and metrics.
+#[derive(Clone, Debug, Default)]
+pub struct StoreStats {
+    pub capacity_pages: u64,
+    pub stored_pages: u64,
+    /// Slots not free: stored + reserved for arriving PUTs + being sent.
+    pub used_slots: u64,
+    /// Slots ever touched (upper bound of the pool's resident memory).
+    pub touched_slots: u64,
+    pub region_count: u64,
+    /// (region, pages, bytes_in, bytes_out), ascending region id.
+    pub regions: Vec<(u64, u64, u64, u64)>,
+    pub truncated: bool,
+}
+
+pub struct Store {
+    pool: Pool,
+    capacity: u64,
+    inner: Mutex<Inner>,
+}
+
+impl Store {
+    /// Largest capacity: slot numbers are u32.
+    pub const MAX_PAGES: u64 = (u32::MAX - 1) as u64;
+
+    pub fn new(capacity_bytes: u64) -> Result<Store, StoreError> {
+        let pages = capacity_bytes / PAGE_SIZE as u64;
+        if pages > Self::MAX_PAGES {
+            return Err(StoreError::TooLarge { pages, max: Self::MAX_PAGES });
+        }
+        Ok(Store {
+            pool: Pool::new(pages)?,
+            capacity: pages,
+            inner: Mutex::new(Inner {
+                regions: HashMap::new(),
+                free: Vec::new(),
+                next_fresh: 0,
+                stored: 0,
+                pins: vec![0u16; pages as usize],
+            }),
+        })
+    }
+
+    pub fn capacity_pages(&self) -> u64 {
+        self.capacity
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        // A panic while holding the lock cannot leave the index half-updated
+        // in a way later operations depend on, so keep serving.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn stored_pages(&self) -> u64 {
+        self.lock().stored
+    }
+
+    /// Mutable view of a slot the caller owns (reserved fresh slot).
+    ///
+    /// # Safety
+    /// `slot` must come from a `PutTarget::Fresh` of a live plan.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn fresh_slot_mut(&self, slot: u32) -> &mut [u8] {
+        std::slice::from_raw_parts_mut(self.pool.ptr(slot), PAGE_SIZE)
+    }
+
+    /// Read-only view of a slot pinned or taken by a live `GetPlan`.
+    ///
+    /// # Safety
+    /// `slot` must come from a live `GetPlan` (pinned or taken).
+    pub unsafe fn slot(&self, slot: u32) -> &[u8] {
+        std::slice::from_raw_parts(self.pool.ptr(slot), PAGE_SIZE)
+    }
+
+    /// Reserve fresh slots for the pages that are new; all-or-nothing.
+    pub fn begin_put(&self, region: u64, sel: &PageSel) -> Result<PutPlan, StoreError> {
+        let mut g = self.lock();
+        let reg = g.regions.get(&region);
+        let targets: Vec<bool> = sel.iter().map(|p| reg.and_then(|r| r.get(p)).is_some()).collect();
+        let need = targets.iter().filter(|e| !**e).count() as u64;
+        let free = g.available(self.capacity);
+        if need > free {
+            return Err(StoreError::OutOfCapacity { need, free, capacity: self.capacity });
+        }
+        let targets = targets
+            .into_iter()
+            .map(|exists| if exists { PutTarget::Overwrite } else { PutTarget::Fresh(g.alloc()) })
+            .collect();
+        Ok(PutPlan { region, targets })
+    }
+
+    /// Publish a PUT whose data has arrived. `staging` holds page i at
+    /// `i * PAGE_SIZE` for every `Overwrite` target. Returns (stored, new).
+    pub fn commit_put(&self, plan: PutPlan, sel: &PageSel, staging: &[u8]) -> Result<(u32, u32), StoreError> {
+        let mut g = self.lock();
+        let g = &mut *g;
+        let mut new_pages = 0u32;
+        let mut failed = None;
+        let mut reg = g.regions.remove(&plan.region).unwrap_or_default();
+        for (i, t) in plan.targets.iter().enumerate() {
+            let page = sel.page(i);
+            match *t {
+                PutTarget::Fresh(s) => match reg.insert(page, s) {
+                    Some(old) => g.free_slot(old),
+                    None => new_pages += 1,
+                },
+                PutTarget::Overwrite => {
+                    let src = &staging[i * PAGE_SIZE..(i + 1) * PAGE_SIZE];
+                    let slot = match reg.get(page) {
+                        Some(s) => s,
+                        // Taken by another connection since begin_put: needs a new slot.
+                        None if g.available(self.capacity) > 0 => {
+                            let s = g.alloc();
+                            reg.insert(page, s);
+                            new_pages += 1;
+                            s
+                        }
+                        None => {
+                            failed.get_or_insert(page);
+                            continue;
+                        }
+                    };
+                    // SAFETY: the slot is published in this region and we hold
+                    // the lock, so it cannot be freed or reused meanwhile.
+                    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.pool.ptr(slot), PAGE_SIZE) };
+                }
+            }
+        }
+        reg.bytes_in += (plan.targets.len() * PAGE_SIZE) as u64;
+        g.stored += new_pages as u64;
+        if reg.pages > 0 {
+            g.regions.insert(plan.region, reg);
+        }
+        if failed.is_some() {
+            let free = g.available(self.capacity);
+            return Err(StoreError::OutOfCapacity { need: 1, free, capacity: self.capacity });
+        }
+        Ok((plan.targets.len() as u32, new_pages))
+    }
+
+    /// Drop a PUT whose data never fully arrived: nothing is published.
+    pub fn abort_put(&self, plan: PutPlan) {
+        let mut g = self.lock();
+        for t in plan.targets {
+            if let PutTarget::Fresh(s) = t {
+                g.free_slot(s);
+            }
+        }
+    }
+
+    /// Pin (keep) or unpublish (take) the requested pages. Without
+    /// `allow_missing`, any absent page fails the whole request unchanged.
+    pub fn begin_get(&self, region: u64, sel: &PageSel, take: bool, allow_missing: bool) -> Result<GetPlan, StoreError> {
+        let mut g = self.lock();
+        let g = &mut *g;
+        if take {
+            if let PageSel::List(v) = sel {
+                let mut s = v.clone();
+                s.sort_unstable();
+                if let Some(w) = s.windows(2).find(|w| w[0] == w[1]) {
+                    return Err(StoreError::DuplicateTake { page: w[0] });
+                }
+            }
+        }
+        let Some(reg) = g.regions.get_mut(&region) else {
+            if allow_missing {
+                return Ok(GetPlan { region, slots: vec![None; sel.len()], take });
+            }
+            return Err(StoreError::NotFound { region, page: sel.page(0) });
+        };
+        if !allow_missing {
+            if let Some(page) = sel.iter().find(|p| reg.get(*p).is_none()) {
+                return Err(StoreError::NotFound { region, page });
+            }
+        }
+        let mut slots = Vec::with_capacity(sel.len());
+        let mut sent = 0u64;
+        for p in sel.iter() {
+            let s = if take { reg.remove(p) } else { reg.get(p) };
+            if let Some(s) = s {
+                sent += 1;
+                if !take {
+                    g.pins[s as usize] += 1;
+                }
+            }
+            slots.push(s);
+        }
+        reg.bytes_out += sent * PAGE_SIZE as u64;
+        if take {
+            g.stored -= sent;
+            if reg.pages == 0 {
+                g.regions.remove(&region);
+            }
+        }
+        Ok(GetPlan { region, slots, take })
+    }
+
+    /// Finish a GET. A take whose reply could not be delivered puts its
+    /// pages back (unless rewritten meanwhile), so a dying client loses nothing.
+    pub fn end_get(&self, plan: GetPlan, sel: &PageSel, delivered: bool) {
+        let mut g = self.lock();
+        let g = &mut *g;
+        if plan.take && !delivered {
+            let mut reg = g.regions.remove(&plan.region).unwrap_or_default();
+            for (i, s) in plan.slots.iter().enumerate() {
+                if let Some(s) = *s {
+                    let page = sel.page(i);
+                    if reg.get(page).is_none() {
+                        reg.insert(page, s);
+                        g.stored += 1;
+                    } else {
+                        g.free_slot(s);
+                    }
+                }
+            }
+            if reg.pages > 0 {
+                g.regions.insert(plan.region, reg);
+            }
+            return;
+        }
+        for s in plan.slots.into_iter().flatten() {
+            if plan.take {
+                g.free_slot(s);
+            } else {
+                g.unpin(s);
+            }
+        }
+    }
+
+    /// Delete pages (or, with `sel == None`, the whole region). Returns how many were stored.
+    pub fn delete(&self, region: u64, sel: Option<&PageSel>) -> u64 {
+        let mut g = self.lock();
+        let g = &mut *g;
+        let mut slots = Vec::new();
+        match sel {
+            None => {
+                if let Some(reg) = g.regions.remove(&region) {
+                    for leaf in reg.leaves.values() {
+                        slots.extend(leaf.slot.iter().copied().filter(|s| *s != NO_SLOT));
+                    }
+                }
+            }
+            Some(sel) => {
+                if let Some(reg) = g.regions.get_mut(&region) {
+                    match sel {
+                        PageSel::Run { first, count } => reg.remove_range(*first, *count as u64, &mut slots),
+                        PageSel::List(v) => slots.extend(v.iter().filter_map(|p| reg.remove(*p))),
+                    }
+                    if reg.pages == 0 {
+                        g.regions.remove(&region);
+                    }
+                }
+            }
+        }
+        let n = slots.len() as u64;
+        for s in slots {
+            g.free_slot(s);
+        }
+        g.stored -= n;
+        n
+    }
+
+    pub fn stats(&self, max_regions: usize) -> StoreStats {
+        let g = self.lock();
+        let mut ids: Vec<u64> = g.regions.keys().copied().collect();
+        ids.sort_unstable();
+        let truncated = ids.len() > max_regions;
+        ids.truncate(max_regions);
+        StoreStats {
+            capacity_pages: self.capacity,
+            stored_pages: g.stored,
+            used_slots: self.capacity - g.available(self.capacity),
+            touched_slots: g.next_fresh as u64,
+            region_count: g.regions.len() as u64,
+            regions: ids
+                .into_iter()
+                .map(|id| {
+                    let r = &g.regions[&id];
+                    (id, r.pages, r.bytes_in, r.bytes_out)
+                })
+                .collect(),
+            truncated,
+        }
+    }
+
+    pub fn stat_reply(&self, list: bool, max_regions: u32, server_id: u64, connections: u32) -> StatOk {
+        let max = if list { max_regions.min(pagefleet_proto::StatReq::MAX_LISTED) as usize } else { 0 };
+        let s = self.stats(max);
+        StatOk {
+            capacity_pages: s.capacity_pages,
+            used_pages: s.stored_pages,
+            server_id,
+            connections,
+            region_count: s.region_count as u32,
+            truncated: list && s.truncated,
+            regions: s.regions.iter().map(|r| (r.0, r.1)).collect(),
+        }
+    }
+}
+
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn put(st: &Store, region: u64, sel: &PageSel, fill: u8) -> Result<(u32, u32), StoreError> {
+        let plan = st.begin_put(region, sel)?;
+        let mut staging = vec![0u8; sel.len() * PAGE_SIZE];
+        for (i, t) in plan.targets.iter().enumerate() {
+            let v = fill.wrapping_add(i as u8);
+            match t {
+                PutTarget::Fresh(s) => unsafe { st.fresh_slot_mut(*s).fill(v) },
+                PutTarget::Overwrite => staging[i * PAGE_SIZE..(i + 1) * PAGE_SIZE].fill(v),
+            }
+        }
+        st.commit_put(plan, sel, &staging)
+    }
+
+    fn get(st: &Store, region: u64, sel: &PageSel, take: bool) -> Result<Vec<u8>, StoreError> {
+        let plan = st.begin_get(region, sel, take, false)?;
+        let v = plan.slots.iter().map(|s| unsafe { st.slot(s.unwrap())[0] }).collect();
+        st.end_get(plan, sel, true);
+        Ok(v)
+    }
+
+    #[test]
+    fn put_get_take_delete() {
+        let st = Store::new(64 * PAGE_SIZE as u64).unwrap();
+        let run = PageSel::Run { first: 1000, count: 8 };
+        assert_eq!(put(&st, 7, &run, 10).unwrap(), (8, 8));
+        assert_eq!(get(&st, 7, &run, false).unwrap(), (10..18).collect::<Vec<u8>>());
+        // Overwrite goes through staging and keeps the count.
+        assert_eq!(put(&st, 7, &run, 50).unwrap(), (8, 0));
+        assert_eq!(st.stored_pages(), 8);
+        assert_eq!(get(&st, 7, &PageSel::List(vec![1003]), true).unwrap(), vec![53]);
+        assert_eq!(st.stored_pages(), 7);
+        assert!(matches!(get(&st, 7, &PageSel::List(vec![1003]), true), Err(StoreError::NotFound { page: 1003, .. })));
+        assert_eq!(st.delete(7, Some(&PageSel::Run { first: 0, count: 1002 })), 2);
+        assert_eq!(st.delete(7, None), 5);
+        assert_eq!(st.stats(10).used_slots, 0);
+    }
+
+    #[test]
+    fn capacity_is_all_or_nothing() {
+        let st = Store::new(4 * PAGE_SIZE as u64).unwrap();
+        put(&st, 1, &PageSel::Run { first: 0, count: 3 }, 0).unwrap();
+        let e = put(&st, 1, &PageSel::Run { first: 2, count: 3 }, 0).unwrap_err();
+        assert!(matches!(e, StoreError::OutOfCapacity { need: 2, free: 1, capacity: 4 }));
+        assert_eq!(st.stored_pages(), 3);
+        // Overwrites need no new slots even when full.
+        put(&st, 1, &PageSel::Run { first: 3, count: 1 }, 0).unwrap();
+        put(&st, 1, &PageSel::Run { first: 0, count: 4 }, 9).unwrap();
+        assert_eq!(st.stats(1).used_slots, 4);
+    }
+
+    #[test]
+    fn pinned_slot_not_reused_until_unpinned() {
+        let st = Store::new(2 * PAGE_SIZE as u64).unwrap();
+        let a = PageSel::List(vec![5]);
+        put(&st, 1, &a, 42).unwrap();
+        let plan = st.begin_get(1, &a, false, false).unwrap();
+        let pinned = plan.slots[0].unwrap();
+        assert_eq!(st.delete(1, None), 1);
+        // The pinned slot is a zombie: the next two puts must use other slots
+        // until the reader is done; the second fails as only one slot is free.
+        put(&st, 2, &PageSel::List(vec![0]), 1).unwrap();
+        assert!(put(&st, 2, &PageSel::List(vec![1]), 1).is_err());
+        assert_eq!(unsafe { st.slot(pinned)[0] }, 42);
+        st.end_get(plan, &a, true);
+        put(&st, 2, &PageSel::List(vec![1]), 1).unwrap();
+    }
+
+    #[test]
+    fn undelivered_take_is_put_back() {
+        let st = Store::new(8 * PAGE_SIZE as u64).unwrap();
+        let r = PageSel::Run { first: 0, count: 4 };
+        put(&st, 3, &r, 0).unwrap();
+        let plan = st.begin_get(3, &r, true, false).unwrap();
+        assert_eq!(st.stored_pages(), 0);
+        st.end_get(plan, &r, false);
+        assert_eq!(st.stored_pages(), 4);
+        assert_eq!(get(&st, 3, &r, true).unwrap(), vec![0, 1, 2, 3]);
+    }
+
+    #[test]
+    fn duplicate_take_refused() {
+        let st = Store::new(8 * PAGE_SIZE as u64).unwrap();
+        put(&st, 3, &PageSel::List(vec![1]), 0).unwrap();
+        assert!(matches!(st.begin_get(3, &PageSel::List(vec![1, 1]), true, false), Err(StoreError::DuplicateTake { page: 1 })));
+        assert_eq!(st.stored_pages(), 1);
+    }
+}
