@@ -149,9 +149,12 @@ impl Conn {
         stream.set_nodelay(true).map_err(cerr)?;
         stream.set_read_timeout(Some(opts.io_timeout)).map_err(cerr)?;
         stream.set_write_timeout(Some(opts.io_timeout)).map_err(cerr)?;
+        let mut rb = RecvBuf::new(16 * 1024);
+        // Read little ahead, so page data goes straight into the caller's buffer.
+        rb.set_read_max(4096 + 64);
         let mut c = Conn {
             stream,
-            rb: RecvBuf::new(16 * 1024),
+            rb,
             next_id: 1,
             sendbuf: Vec::with_capacity(8192),
             addr: addr.to_string(),
@@ -444,7 +447,10 @@ impl Conn {
         let mut inflight = VecDeque::new();
         let (mut sent, mut done, mut missing, mut first_err) = (0usize, 0usize, 0u64, None);
         while done < sent || sent < frames {
-            while first_err.is_none() && sent < frames && inflight.len() < self.window {
+            // Refill the window in batches (half a window per write) rather
+            // than one small request write per reply.
+            let refill = inflight.len() <= self.window / 2;
+            while refill && first_err.is_none() && sent < frames && inflight.len() < self.window {
                 let sel = pages.frame(sent, batch);
                 let id = self.queue_get(region, &sel, mode, allow_missing)?;
                 inflight.push_back((id, sent, sel.len()));

@@ -9,9 +9,9 @@
 use crate::metrics::Metrics;
 use crate::store::{PutTarget, Store, StoreError};
 use pagefleet_proto::auth::{self, Secret};
-use pagefleet_proto::io::{write_all_vectored, RecvBuf};
+use pagefleet_proto::io::{write_all_vectored, ReadAll, RecvBuf};
 use pagefleet_proto::*;
-use std::io::{self, IoSlice, IoSliceMut, Read, Write};
+use std::io::{self, IoSlice, IoSliceMut, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
@@ -54,7 +54,7 @@ impl ServerState {
 }
 
 /// A byte stream the server can run a session on.
-pub trait Transport: Read + Write {
+pub trait Transport: ReadAll + Write {
     /// Read without blocking: `Ok(None)` when nothing is available now.
     fn read_nonblocking(&mut self, buf: &mut [u8]) -> io::Result<Option<usize>>;
 }
@@ -130,6 +130,13 @@ pub fn serve_stream(st: &ServerState, mut stream: TcpStream, peer: &str) {
     }
 }
 
+/// Bytes read past the current need: many pipelined small requests per
+/// syscall, but at most this much PUT data copied out of the buffer per frame.
+const READ_AHEAD: usize = 4096 + 64;
+/// Flush queued replies after this many request bytes even if more requests
+/// are waiting (keeps a pipelining client's window moving).
+const FLUSH_AFTER_BYTES: usize = 256 * 1024;
+
 enum Flow {
     Continue,
     Close,
@@ -151,14 +158,17 @@ pub struct Session<'a, T: Transport> {
     nonce: [u8; 32],
     peer: &'a str,
     client: String,
+    since_flush: usize,
 }
 
 impl<'a, T: Transport> Session<'a, T> {
     pub fn new(st: &'a ServerState, t: &'a mut T, peer: &'a str) -> Session<'a, T> {
+        let mut rb = RecvBuf::new(16 * 1024);
+        rb.set_read_max(READ_AHEAD);
         Session {
             st,
             t,
-            rb: RecvBuf::new(16 * 1024),
+            rb,
             out: Vec::with_capacity(4096),
             body: Vec::new(),
             staging: Vec::new(),
@@ -166,6 +176,7 @@ impl<'a, T: Transport> Session<'a, T> {
             nonce: auth::random_nonce(),
             peer,
             client: String::new(),
+            since_flush: 0,
         }
     }
 
@@ -195,11 +206,14 @@ impl<'a, T: Transport> Session<'a, T> {
             };
             self.rb.consume(HEADER_LEN);
             self.st.metrics.bytes_in.fetch_add((HEADER_LEN + h.body_len as usize) as u64, Relaxed);
+            self.since_flush += HEADER_LEN + h.body_len as usize;
             match self.dispatch(h)? {
                 Flow::Continue => {}
                 Flow::Close => return Ok(()),
             }
-            if self.out.len() >= 64 * 1024 {
+            // Replies wait for the next would-block, but not so long that a
+            // client streaming big frames drains its whole window first.
+            if self.since_flush >= FLUSH_AFTER_BYTES || self.out.len() >= 64 * 1024 {
                 self.flush()?;
             }
         }
@@ -237,6 +251,7 @@ impl<'a, T: Transport> Session<'a, T> {
     }
 
     fn flush(&mut self) -> io::Result<()> {
+        self.since_flush = 0;
         if !self.out.is_empty() {
             self.st.metrics.bytes_out.fetch_add(self.out.len() as u64, Relaxed);
             let r = self.t.write_all(&self.out).and_then(|_| self.t.flush());

@@ -305,9 +305,14 @@ impl Store {
         if need > free {
             return Err(StoreError::OutOfCapacity { need, free, capacity: self.capacity });
         }
+        // Fresh slots in ascending address order: the kernel's copy into them
+        // then streams through memory instead of hopping around the pool.
+        let mut fresh: Vec<u32> = (0..need).map(|_| g.alloc()).collect();
+        fresh.sort_unstable();
+        let mut fresh = fresh.into_iter();
         let targets = targets
             .into_iter()
-            .map(|exists| if exists { PutTarget::Overwrite } else { PutTarget::Fresh(g.alloc()) })
+            .map(|exists| if exists { PutTarget::Overwrite } else { PutTarget::Fresh(fresh.next().unwrap()) })
             .collect();
         Ok(PutPlan { region, targets })
     }

@@ -52,9 +52,14 @@ impl Secret {
 
     /// A fresh random secret (64 hex characters).
     pub fn generate() -> Secret {
+        Secret(Self::generate_hex().into_bytes())
+    }
+
+    /// 64 random hex characters, the form secret files take.
+    pub fn generate_hex() -> String {
         let mut raw = [0u8; 32];
         getrandom::getrandom(&mut raw).expect("getrandom");
-        Secret(hex(&raw).into_bytes())
+        hex(&raw)
     }
 
     /// Where the secret lives when nothing says otherwise:

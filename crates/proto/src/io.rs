@@ -3,6 +3,34 @@
 //! into its final place (no intermediate copy), and vectored writes.
 
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
+use std::net::TcpStream;
+use std::os::fd::AsRawFd;
+
+/// A byte source that can fill a whole vectored buffer in one call when it
+/// knows how. For TCP sockets this is `recvmsg(MSG_WAITALL)`: one syscall per
+/// 128 KiB frame instead of one per arriving segment batch.
+pub trait ReadAll: Read {
+    fn read_vectored_all(&mut self, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
+        self.read_vectored(bufs)
+    }
+}
+
+impl ReadAll for TcpStream {
+    fn read_vectored_all(&mut self, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
+        let n = bufs.len().min(1024);
+        // SAFETY: msghdr points at `bufs`, whose IoSliceMut layout is iovec.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = bufs.as_mut_ptr().cast();
+        msg.msg_iovlen = n as _;
+        let r = unsafe { libc::recvmsg(self.as_raw_fd(), &mut msg, libc::MSG_WAITALL) };
+        if r < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(r as usize)
+    }
+}
+
+impl ReadAll for &[u8] {}
 
 /// Receive buffer. Headers and small bodies are read through it so that one
 /// `read` can pick up many pipelined small frames; bulk page data bypasses it.
@@ -10,11 +38,19 @@ pub struct RecvBuf {
     buf: Box<[u8]>,
     start: usize,
     end: usize,
+    read_max: usize,
 }
 
 impl RecvBuf {
     pub fn new(cap: usize) -> RecvBuf {
-        RecvBuf { buf: vec![0u8; cap].into_boxed_slice(), start: 0, end: 0 }
+        RecvBuf { buf: vec![0u8; cap].into_boxed_slice(), start: 0, end: 0, read_max: cap }
+    }
+    /// Read at most this many bytes ahead of what is needed. A small value
+    /// (1 KiB) still batches many small pipelined frames per syscall, while
+    /// bulk page data following a header is left in the socket to be read
+    /// straight into its destination instead of being copied out of here.
+    pub fn set_read_max(&mut self, n: usize) {
+        self.read_max = n.clamp(1, self.buf.len());
     }
     pub fn capacity(&self) -> usize {
         self.buf.len()
@@ -46,8 +82,9 @@ impl RecvBuf {
     /// The free tail of the buffer, for a caller doing its own (e.g.
     /// non-blocking) read; follow with `commit`.
     pub fn spare(&mut self) -> &mut [u8] {
-        self.make_room(self.buf.len());
-        &mut self.buf[self.end..]
+        self.make_room(self.read_max);
+        let hi = (self.end + self.read_max).min(self.buf.len());
+        &mut self.buf[self.end..hi]
     }
     pub fn commit(&mut self, n: usize) {
         assert!(self.end + n <= self.buf.len());
@@ -60,7 +97,9 @@ impl RecvBuf {
         assert!(n <= self.buf.len());
         self.make_room(n);
         while self.len() < n {
-            let got = match r.read(&mut self.buf[self.end..]) {
+            let want = (n - self.len()).max(self.read_max);
+            let hi = (self.end + want).min(self.buf.len());
+            let got = match r.read(&mut self.buf[self.end..hi]) {
                 Ok(g) => g,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => return Err(e),
@@ -87,7 +126,7 @@ impl RecvBuf {
     }
     /// Fill every slice exactly, in order: buffered bytes first, then with
     /// vectored reads straight from `r`.
-    pub fn read_exact_vectored<R: Read + ?Sized>(&mut self, r: &mut R, mut bufs: &mut [IoSliceMut<'_>]) -> io::Result<()> {
+    pub fn read_exact_vectored<R: ReadAll + ?Sized>(&mut self, r: &mut R, mut bufs: &mut [IoSliceMut<'_>]) -> io::Result<()> {
         // Drain what is buffered into the leading slices.
         while !self.is_empty() && !bufs.is_empty() {
             let first = &mut bufs[0];
@@ -101,7 +140,7 @@ impl RecvBuf {
                 IoSliceMut::advance_slices(&mut bufs, 0);
                 continue;
             }
-            match r.read_vectored(bufs) {
+            match r.read_vectored_all(bufs) {
                 Ok(0) => {
                     return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed the connection mid-frame"))
                 }
@@ -150,6 +189,7 @@ mod tests {
         data: &'a [u8],
         step: usize,
     }
+    impl ReadAll for Trickle<'_> {}
     impl Read for Trickle<'_> {
         fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
             let n = self.step.min(buf.len()).min(self.data.len());

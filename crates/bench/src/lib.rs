@@ -1,0 +1,7 @@
+//! Benchmarks behind `pagefleet bench <what>`. Each one runs pagefleet and
+//! its baselines/peers side by side in one run, prints a table, writes a PNG
+//! (through `bench/plot_*.py`), and with `--json` prints one JSON object with
+//! every measurement and a `goals` list computed from this run.
+
+pub mod memserver;
+pub mod util;
