@@ -1,0 +1,64 @@
+# pagefleet — `make demo` and `make test` work on a fresh Debian machine (as
+# root, or with sudo for apt): every system and toolchain dependency is
+# installed here, never by hand.
+
+SHELL := /bin/bash
+export PATH := $(HOME)/.cargo/bin:$(PATH)
+CARGO ?= cargo
+# Debian packages: memcached is the peer page store in the memory-server
+# benchmark; python3-venv hosts the plotting environment.
+APT_PKGS := build-essential pkg-config python3 python3-venv memcached libmemcached-tools
+VENV := .venv
+FUZZ_SECONDS ?= 30
+
+.PHONY: all deps deps-apt deps-rust deps-python build test test-unit fuzz-smoke demo bench clean
+
+all: build
+
+deps: deps-apt deps-rust deps-python
+
+deps-apt:
+	@missing=""; for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
+	fi
+
+deps-rust:
+	@command -v $(CARGO) >/dev/null || { echo "cargo not found: install Rust (rustup) first"; exit 1; }
+	@command -v cargo-fuzz >/dev/null || { echo "installing cargo-fuzz"; $(CARGO) install cargo-fuzz --locked --quiet; }
+
+deps-python: $(VENV)/.ok
+$(VENV)/.ok: bench/requirements.txt
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r bench/requirements.txt
+	touch $@
+
+build: deps
+	$(CARGO) build --release --workspace
+
+# Every test: a short fuzz run of the server and the decoders, then unit,
+# property and integration tests (real daemons on loopback, the benchmark's
+# smoke run).
+test: build fuzz-smoke test-unit
+
+test-unit:
+	$(CARGO) test --release --workspace
+
+fuzz-smoke:
+	mkdir -p fuzz/corpus/server_session fuzz/corpus/proto_decode
+	set -o pipefail; cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run server_session corpus/server_session seeds/server_session -- \
+	  -max_total_time=$(FUZZ_SECONDS) -dict=pagefleet.dict -print_final_stats=1 2>&1 | tail -n 12
+	set -o pipefail; cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run proto_decode corpus/proto_decode -- \
+	  -max_total_time=$$(( $(FUZZ_SECONDS) / 2 )) -print_final_stats=1 2>&1 | tail -n 12
+
+demo: build
+	./target/release/pagefleet demo
+
+bench: build
+	./target/release/pagefleet bench memserver
+
+clean:
+	$(CARGO) clean
+	rm -rf fuzz/target bench-results $(VENV)

@@ -1,0 +1,45 @@
+//! The memory-server benchmark runs end to end (quick mode) and its JSON
+//! carries every measurement and one goal per target. Whether the goals are
+//! met is a matter for the full benchmark, not for a test on a noisy machine.
+
+use std::process::Command;
+
+#[test]
+fn bench_memserver_quick_json_has_results_and_goals() {
+    let out_dir = std::env::temp_dir().join(format!("pagefleet-bench-smoke-{}", std::process::id()));
+    let out = Command::new(env!("CARGO_BIN_EXE_pagefleet"))
+        .args(["bench", "memserver", "--quick", "--json", "--dataset", "32MiB", "--out"])
+        .arg(&out_dir)
+        .output()
+        .expect("run pagefleet bench memserver");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "bench failed: {stderr}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stdout is one JSON object");
+    let tp = v["throughput"].as_array().unwrap();
+    for sys in ["raw TCP", "raw mem", "pagefleet", "memcached"] {
+        assert!(tp.iter().any(|r| r["system"] == sys), "no {sys} rows");
+    }
+    for r in tp {
+        let g = r["gbps"].as_f64().unwrap();
+        assert!(g.is_finite() && g > 0.0, "bad throughput row {r}");
+    }
+    let lat = v["latency"].as_array().unwrap();
+    assert!(lat.iter().all(|l| l["p50_us"].as_f64().unwrap() > 0.0));
+    let goals = v["goals"].as_array().unwrap();
+    assert!(goals.len() >= 4);
+    for g in goals {
+        for k in ["name", "value", "target", "unit", "met"] {
+            assert!(!g[k].is_null(), "goal lacks {k}: {g}");
+        }
+        let met = g["met"].as_bool().unwrap();
+        let (val, tgt) = (g["value"].as_f64().unwrap(), g["target"].as_f64().unwrap());
+        assert_eq!(met, if g["cmp"] == ">=" { val >= tgt } else { val <= tgt }, "goal verdict inconsistent: {g}");
+    }
+    assert!(v["rss"]["stored_bytes"].as_u64().unwrap() == 1 << 30);
+    assert!(stderr.contains("Goals (from this run)"), "table goes to stderr with --json");
+    if let Some(p) = v["plot"].as_str() {
+        let png = std::fs::read(p).unwrap();
+        assert_eq!(&png[1..4], b"PNG");
+    }
+    let _ = std::fs::remove_dir_all(&out_dir);
+}
