@@ -43,8 +43,13 @@ build: deps
 # smoke run).
 test: build fuzz-smoke test-unit
 
+# Doc-tests are skipped (there are none); the last line sums every runner's
+# result so the closing line counts the whole suite.
 test-unit:
-	$(CARGO) test --release --workspace
+	@mkdir -p target
+	set -o pipefail; $(CARGO) test --release --workspace --lib --bins --tests 2>&1 | tee target/test.log
+	@awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($$(i+1) ~ /^passed/) p += $$i; if ($$(i+1) ~ /^failed/) f += $$i } } \
+	  END { printf "summary: %d passed, %d failed\n", p, f }' target/test.log
 
 fuzz-smoke:
 	mkdir -p fuzz/corpus/server_session fuzz/corpus/proto_decode
