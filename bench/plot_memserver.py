@@ -22,6 +22,9 @@ def main(src, dst):
                     ax.plot([x["batch_kib"] for x in rows], [x["gbps"] for x in rows], style,
                             color=colors[system], label=f"{system}, {conns} conn")
         for x in tp:
+            if x["system"] == "raw mem" and x["op"] == op:
+                ax.axhline(x["gbps"], color="tab:green", ls=":" if x["conns"] == 1 else "-.", lw=1,
+                           label=f"raw TCP into memory, {x['conns']} stream")
             if x["system"] == "raw TCP" and x["op"] == op:
                 ax.axhline(x["gbps"], color="black", ls=":" if x["conns"] == 1 else "-.", lw=1,
                            label=f"raw TCP, {x['conns']} stream")

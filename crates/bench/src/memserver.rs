@@ -104,6 +104,10 @@ pub struct Report {
 }
 
 type Log<'a> = &'a mut dyn FnMut(&str);
+/// (system, operation, connections, batch KiB)
+type SampleKey = (String, &'static str, usize, usize);
+/// One connection's share of a bulk measurement: (conn, region, ring buffer).
+type BulkOp<'a> = dyn Fn(&mut Conn, u64, &mut [u8]) -> Result<()> + Sync + 'a;
 
 pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
     std::fs::create_dir_all(&o.out_dir)?;
@@ -121,8 +125,8 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
     log("warm-up (first touch of every buffer and pool, untimed)");
     pf_bulk(&d.addr, &secret, o.dataset, 1, 32)?;
     raw.bulk(b'u', o.dataset, 1)?;
-    let mut samples: Vec<((String, &'static str, usize, usize), Vec<f64>)> = Vec::new();
-    let mut push = |k: (String, &'static str, usize, usize), v: f64| match samples.iter_mut().find(|(kk, _)| *kk == k) {
+    let mut samples: Vec<(SampleKey, Vec<f64>)> = Vec::new();
+    let mut push = |k: SampleKey, v: f64| match samples.iter_mut().find(|(kk, _)| *kk == k) {
         Some((_, vs)) => vs.push(v),
         None => samples.push((k, vec![v])),
     };
@@ -361,7 +365,7 @@ fn pf_bulk(addr: &str, secret: &Secret, dataset: u64, conns: usize, batch: usize
         .collect::<Result<_>>()?;
     let src = ring(1);
     let barrier = Barrier::new(conns);
-    let run = |op: &(dyn Fn(&mut Conn, u64, &mut [u8]) -> Result<()> + Sync), cs: &mut [Conn]| -> Result<f64> {
+    let run = |op: &BulkOp, cs: &mut [Conn]| -> Result<f64> {
         let t = Instant::now();
         std::thread::scope(|s| {
             let hs: Vec<_> = cs

@@ -414,7 +414,7 @@ impl<'a, T: Transport> Session<'a, T> {
                 return Ok(Flow::Continue);
             }
         };
-        if plan.targets.iter().any(|t| *t == PutTarget::Overwrite) && self.staging.len() < data_len {
+        if plan.targets.contains(&PutTarget::Overwrite) && self.staging.len() < data_len {
             self.staging.resize(MAX_BATCH_PAGES * PAGE_SIZE, 0);
         }
         let read = {
