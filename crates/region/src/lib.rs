@@ -1,0 +1,282 @@
+//! The paging runtime: a guest's memory as a region that lives partly on
+//! memory servers (S-memV remote paging), inside the guest process.
+//!
+//! A region is a memfd mapped `MAP_SHARED` (THP off) and registered on one
+//! userfaultfd for MISSING, MINOR and WP faults. One pager thread owns the
+//! uffd, the location DB, the access history and the server connections:
+//!
+//! - **MISSING** fault: never-touched pages of the chunk are zero-filled
+//!   locally; a page on a server is fetched first, installed and its thread
+//!   woken, then the rest of its chunk follows (S-memV page-in).
+//! - **MINOR** fault: a resident page whose PTE the sampler zapped was
+//!   touched: set its reference bit and map it again (`UFFDIO_CONTINUE`).
+//! - **balance**: over budget, the coldest chunks (clock: least sum of bits;
+//!   aging: least max age) are paged out atomically: write-protect, send,
+//!   punch hole, unprotect.
+//! - **sampling**: a clock hand zaps chunks' PTEs at a rate bounded by a CPU
+//!   budget for the MINOR faults it causes, faster while victims are needed.
+
+mod pager;
+mod stats;
+
+pub use pagefleet_client::ConnectOptions;
+pub use pagefleet_proto::auth::Secret;
+pub use stats::{Histogram, Stats};
+
+use pagefleet_uffd::{self as uffd, Mapping};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+pub const PAGE: usize = 4096;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Policy {
+    /// One reference bit per page, OR-accumulated; chunk hotness = sum of bits.
+    Clock,
+    /// Eight history bits per page, shifted right each sweep with the new bit
+    /// in the MSB; chunk hotness = max age value.
+    Aging,
+}
+
+impl std::str::FromStr for Policy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "clock" => Ok(Policy::Clock),
+            "aging" => Ok(Policy::Aging),
+            _ => Err(format!("unknown policy {s:?}: use clock or aging")),
+        }
+    }
+}
+
+/// What the runtime does when a page cannot be brought back (its server is
+/// gone): the guest cannot continue without its memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnFatal {
+    /// Print the error (naming the server) and exit the process with status 75.
+    Exit,
+    /// Poison the page (the accessing thread gets SIGBUS) and keep the error
+    /// for `Region::fatal_error`.
+    Poison,
+}
+
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// Region size in bytes (rounded up to whole chunks).
+    pub size: u64,
+    /// Pages allowed to be resident locally.
+    pub budget_pages: u64,
+    /// Pages per chunk (a power of two, 1..=64): the paging and placement unit.
+    pub chunk_pages: usize,
+    pub policy: Policy,
+    /// Memory servers (HOST:PORT) pages may go to.
+    pub servers: Vec<String>,
+    pub secret: Option<Secret>,
+    /// Region id on the servers (0: random).
+    pub region_id: u64,
+    /// Fraction of one core the sampling faults may cost the guest.
+    pub sample_cpu_budget: f64,
+    /// Fastest full sweep of all chunks by the sampling hand.
+    pub sample_period: Duration,
+    /// Estimated guest cost of one sampling (MINOR) fault.
+    pub minor_fault_cost: Duration,
+    pub on_fatal: OnFatal,
+    pub name: String,
+}
+
+impl Config {
+    pub fn new(size: u64, budget_pages: u64) -> Config {
+        Config {
+            size,
+            budget_pages,
+            chunk_pages: 16,
+            policy: Policy::Clock,
+            servers: Vec::new(),
+            secret: None,
+            region_id: 0,
+            sample_cpu_budget: 0.02,
+            sample_period: Duration::from_secs(1),
+            minor_fault_cost: Duration::from_micros(20),
+            on_fatal: OnFatal::Exit,
+            name: "pagefleet-region".into(),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RegionError {
+    #[error(transparent)]
+    Uffd(#[from] uffd::UffdError),
+    #[error("{what}: {source}")]
+    Io { what: &'static str, source: std::io::Error },
+    #[error(transparent)]
+    Client(#[from] pagefleet_client::ClientError),
+    #[error("bad region configuration: {0}")]
+    Config(String),
+}
+
+/// Shared between the guest-facing handle and the pager thread.
+pub(crate) struct Shared {
+    pub budget: AtomicU64,
+    pub stop: AtomicBool,
+    pub stats: stats::Counters,
+    pub fatal: Mutex<Option<String>>,
+}
+
+/// A region: guest memory whose pages live locally or on memory servers.
+pub struct Region {
+    guest: Arc<Mapping>,
+    memfd: Arc<OwnedFd>,
+    shared: Arc<Shared>,
+    pager: Option<JoinHandle<()>>,
+    pub region_id: u64,
+    pub chunk_pages: usize,
+    servers: Vec<String>,
+    secret: Option<Secret>,
+}
+
+impl Region {
+    pub fn new(mut cfg: Config) -> Result<Region, RegionError> {
+        if !cfg.chunk_pages.is_power_of_two() || cfg.chunk_pages > 64 {
+            return Err(RegionError::Config(format!("chunk of {} pages: use a power of two from 1 to 64", cfg.chunk_pages)));
+        }
+        let chunk_bytes = (cfg.chunk_pages * PAGE) as u64;
+        if cfg.size == 0 {
+            return Err(RegionError::Config("size 0".into()));
+        }
+        cfg.size = cfg.size.div_ceil(chunk_bytes) * chunk_bytes;
+        let pages = cfg.size / PAGE as u64;
+        if cfg.budget_pages < cfg.chunk_pages as u64 * 2 && cfg.budget_pages < pages {
+            return Err(RegionError::Config(format!(
+                "budget of {} pages is below two chunks ({} pages)",
+                cfg.budget_pages,
+                cfg.chunk_pages * 2
+            )));
+        }
+        if cfg.budget_pages < pages && cfg.servers.is_empty() {
+            return Err(RegionError::Config(format!(
+                "budget {} pages < region {} pages but no memory servers given: pages could not go anywhere",
+                cfg.budget_pages, pages
+            )));
+        }
+        if cfg.servers.len() > 250 {
+            return Err(RegionError::Config("at most 250 memory servers per region".into()));
+        }
+        if !cfg.servers.is_empty() && cfg.secret.is_none() {
+            cfg.secret = Some(Secret::resolve(None).map_err(|e| RegionError::Config(e.to_string()))?);
+        }
+        if cfg.region_id == 0 {
+            cfg.region_id = pagefleet_proto::auth::random_u64() | 1;
+        }
+        let memfd = uffd::memfd(&cfg.name, cfg.size).map_err(|source| RegionError::Io { what: "memfd_create", source })?;
+        let guest = Mapping::shared(memfd.as_raw_fd(), cfg.size as usize).map_err(|source| RegionError::Io { what: "mmap", source })?;
+        // Paging works per 4 KiB page and chunk: no transparent huge pages.
+        guest.madvise(0, guest.len, libc::MADV_NOHUGEPAGE).map_err(|source| RegionError::Io { what: "madvise", source })?;
+        let shared = Arc::new(Shared {
+            budget: AtomicU64::new(cfg.budget_pages),
+            stop: AtomicBool::new(false),
+            stats: stats::Counters::default(),
+            fatal: Mutex::new(None),
+        });
+        let guest = Arc::new(guest);
+        let memfd = Arc::new(memfd);
+        let p = pager::Pager::new(&cfg, guest.clone(), memfd.clone(), shared.clone())?;
+        let handle = std::thread::Builder::new()
+            .name("pagefleet-pager".into())
+            .spawn(move || p.run())
+            .map_err(|source| RegionError::Io { what: "spawn pager thread", source })?;
+        Ok(Region {
+            guest,
+            memfd,
+            shared,
+            pager: Some(handle),
+            region_id: cfg.region_id,
+            chunk_pages: cfg.chunk_pages,
+            servers: cfg.servers.clone(),
+            secret: cfg.secret.clone(),
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.guest.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.guest.len == 0
+    }
+    pub fn pages(&self) -> u64 {
+        (self.guest.len / PAGE) as u64
+    }
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.guest.addr
+    }
+
+    /// The guest memory. Threads may read and write it concurrently (with
+    /// their own synchronisation); faults are served by the pager.
+    ///
+    /// # Safety
+    /// The caller must not create overlapping `&mut` views from several threads.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn slice_mut(&self) -> &mut [u8] {
+        std::slice::from_raw_parts_mut(self.guest.addr, self.guest.len)
+    }
+
+    /// Change the budget while running: shrinking pages out, growing just allows more.
+    pub fn set_budget(&self, pages: u64) {
+        self.shared.budget.store(pages.max(self.chunk_pages as u64 * 2), Ordering::Relaxed);
+    }
+    pub fn budget(&self) -> u64 {
+        self.shared.budget.load(Ordering::Relaxed)
+    }
+
+    pub fn stats(&self) -> Stats {
+        self.shared.stats.snapshot(self.budget())
+    }
+
+    /// The error that made a page unreachable, if one did (with `OnFatal::Poison`).
+    pub fn fatal_error(&self) -> Option<String> {
+        self.shared.fatal.lock().unwrap().clone()
+    }
+
+    /// The memfd backing the region (for handing to another runtime).
+    pub fn memfd(&self) -> &OwnedFd {
+        &self.memfd
+    }
+
+    fn stop_pager(&mut self) {
+        self.shared.stop.store(true, Ordering::Relaxed);
+        if let Some(h) = self.pager.take() {
+            let _ = h.join();
+        }
+    }
+
+    /// Stop paging and drop the region's pages on every server.
+    pub fn close(mut self) -> Result<(), RegionError> {
+        self.stop_pager();
+        self.forget_remote()
+    }
+
+    fn forget_remote(&mut self) -> Result<(), RegionError> {
+        let Some(secret) = self.secret.clone() else { return Ok(()) };
+        let opts = ConnectOptions { name: "pagefleet-region-close".into(), ..Default::default() };
+        let mut first = None;
+        for s in std::mem::take(&mut self.servers) {
+            match pagefleet_client::Conn::connect(&s, &secret, &opts).and_then(|mut c| c.delete_region(self.region_id)) {
+                Ok(_) => {}
+                Err(e) => {
+                    first.get_or_insert(e);
+                }
+            }
+        }
+        first.map_or(Ok(()), |e| Err(e.into()))
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        self.stop_pager();
+        let _ = self.forget_remote();
+    }
+}

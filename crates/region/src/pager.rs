@@ -1,0 +1,482 @@
+//! The pager thread: owns the uffd, the location DB, the access history and
+//! the connections to memory servers. Single-threaded by design: page-out
+//! (write-protect, send, punch, unprotect) is atomic with respect to faults
+//! because every fault is served by this same thread.
+
+use crate::{Config, OnFatal, Policy, RegionError, Shared, PAGE};
+use pagefleet_client::{ConnectOptions, Conn, GetMode};
+use pagefleet_proto::{PageSel, MAX_BATCH_PAGES};
+use pagefleet_uffd::{self as uffd, Fault, FaultKind, Fill, Mapping, Uffd};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tracing::{debug, warn};
+
+/// Location DB values: never touched, resident here, or on server `s` (REMOTE + s).
+const ZERO: u8 = 0;
+const LOCAL: u8 = 1;
+const REMOTE: u8 = 2;
+
+pub(crate) struct Pager {
+    uffd: Uffd,
+    guest: Arc<Mapping>,
+    memfd: Arc<OwnedFd>,
+    shadow: Mapping,
+    shared: Arc<Shared>,
+    region_id: u64,
+    policy: Policy,
+    on_fatal: OnFatal,
+    cp: usize,
+    chunks: usize,
+    state: Vec<u8>,
+    refb: Vec<u8>,
+    hist: Vec<u8>,
+    chunk_res: Vec<u16>,
+    resident: u64,
+    remote: u64,
+    conns: Vec<Conn>,
+    addrs: Vec<String>,
+    free: Vec<u64>,
+    buf: Vec<u8>,
+    faults: Vec<Fault>,
+    // sampling hand
+    hand: usize,
+    rate: f64,
+    max_rate: f64,
+    carry: f64,
+    last_tick: Instant,
+    window_start: Instant,
+    window_minor: u64,
+    cpu_budget: f64,
+    minor_cost: Duration,
+    full_warned: bool,
+}
+
+impl Pager {
+    pub fn new(cfg: &Config, guest: Arc<Mapping>, memfd: Arc<OwnedFd>, shared: Arc<Shared>) -> Result<Pager, RegionError> {
+        let need = uffd::FEATURE_MISSING_SHMEM | uffd::FEATURE_MINOR_SHMEM | uffd::FEATURE_WP_HUGETLBFS_SHMEM
+            | uffd::FEATURE_PAGEFAULT_FLAG_WP | uffd::FEATURE_THREAD_ID;
+        let u = Uffd::open(need)?;
+        u.register(guest.base(), guest.len as u64, uffd::MODE_MISSING | uffd::MODE_MINOR | uffd::MODE_WP)?;
+        let shadow = Mapping::shared(memfd.as_raw_fd(), guest.len).map_err(|source| RegionError::Io { what: "mmap shadow", source })?;
+        let mut conns = Vec::new();
+        let mut free = Vec::new();
+        if let Some(secret) = &cfg.secret {
+            for a in &cfg.servers {
+                let opts = ConnectOptions { name: format!("{}-pager", cfg.name), window: 4, ..Default::default() };
+                let c = Conn::connect(a, secret, &opts)?;
+                free.push(c.info.capacity_pages.saturating_sub(c.info.used_pages));
+                conns.push(c);
+            }
+        }
+        let pages = guest.len / PAGE;
+        let chunks = pages / cfg.chunk_pages;
+        let max_rate = chunks as f64 / cfg.sample_period.as_secs_f64().max(0.01);
+        Ok(Pager {
+            uffd: u,
+            guest,
+            memfd,
+            shadow,
+            shared,
+            region_id: cfg.region_id,
+            policy: cfg.policy,
+            on_fatal: cfg.on_fatal,
+            cp: cfg.chunk_pages,
+            chunks,
+            state: vec![ZERO; pages],
+            refb: vec![0; pages],
+            hist: vec![0; pages],
+            chunk_res: vec![0; chunks],
+            resident: 0,
+            remote: 0,
+            conns,
+            addrs: cfg.servers.clone(),
+            free,
+            buf: vec![0u8; cfg.chunk_pages.max(MAX_BATCH_PAGES) * PAGE],
+            faults: Vec::with_capacity(64),
+            hand: 0,
+            rate: (max_rate / 8.0).max(10.0),
+            max_rate: max_rate.max(10.0),
+            carry: 0.0,
+            last_tick: Instant::now(),
+            window_start: Instant::now(),
+            window_minor: 0,
+            cpu_budget: cfg.sample_cpu_budget,
+            minor_cost: cfg.minor_fault_cost,
+            full_warned: false,
+        })
+    }
+
+    fn addr(&self, p: usize) -> u64 {
+        self.guest.base() + (p * PAGE) as u64
+    }
+
+    pub fn run(mut self) {
+        while !self.shared.stop.load(Relaxed) {
+            match self.uffd.poll(5) {
+                Ok(true) => {
+                    self.faults.clear();
+                    let mut faults = std::mem::take(&mut self.faults);
+                    match self.uffd.read_faults(&mut faults, 64) {
+                        Ok(_) => {
+                            let t = Instant::now();
+                            for f in &faults {
+                                self.handle(*f, t);
+                            }
+                            self.shared.stats.fault_ns.fetch_add(t.elapsed().as_nanos() as u64, Relaxed);
+                        }
+                        Err(e) => warn!("reading userfaultfd: {e}"),
+                    }
+                    self.faults = faults;
+                }
+                Ok(false) => {}
+                Err(e) => warn!("polling userfaultfd: {e}"),
+            }
+            self.balance();
+            self.sample_tick();
+        }
+    }
+
+    fn publish(&self) {
+        self.shared.stats.resident_pages.store(self.resident, Relaxed);
+        self.shared.stats.remote_pages.store(self.remote, Relaxed);
+    }
+
+    fn handle(&mut self, f: Fault, t_read: Instant) {
+        let base = self.guest.base();
+        if f.addr < base || f.addr >= base + self.guest.len as u64 {
+            return;
+        }
+        let p = ((f.addr - base) as usize) / PAGE;
+        let st = self.state[p];
+        let s = &self.shared.stats;
+        match f.kind {
+            FaultKind::Missing => s.missing_faults.fetch_add(1, Relaxed),
+            FaultKind::Minor => s.minor_faults.fetch_add(1, Relaxed),
+            FaultKind::WriteProtect => s.wp_faults.fetch_add(1, Relaxed),
+        };
+        match (f.kind, st) {
+            // A write that waited out a page-out: unprotecting woke it already.
+            (FaultKind::WriteProtect, _) => self.wake(p),
+            (_, ZERO) => self.zero_fill(p),
+            (FaultKind::Minor, LOCAL) => {
+                self.window_minor += 1;
+                self.refb[p] = 1;
+                match self.uffd.continue_(self.addr(p), PAGE as u64) {
+                    Ok(Fill::Done) => {}
+                    Ok(Fill::Exists) => self.wake(p),
+                    Err(e) => self.internal(p, e.to_string()),
+                }
+            }
+            // Stale: the page was installed by a chunk page-in meanwhile.
+            (FaultKind::Missing, LOCAL) => self.wake(p),
+            (_, s) => self.page_in(p, (s - REMOTE) as usize, t_read),
+        }
+    }
+
+    fn wake(&self, p: usize) {
+        let _ = self.uffd.wake(self.addr(p), PAGE as u64);
+    }
+
+    fn internal(&self, p: usize, e: String) {
+        // Not a server problem: the mapping itself misbehaves. Nothing sane to do.
+        self.fatal(format!("pagefleet: internal paging error at page {p} of region {:#x}: {e}", self.region_id), p);
+    }
+
+    fn fatal(&self, msg: String, p: usize) {
+        *self.shared.fatal.lock().unwrap() = Some(msg.clone());
+        match self.on_fatal {
+            OnFatal::Exit => {
+                eprintln!("{msg}");
+                std::process::exit(75);
+            }
+            OnFatal::Poison => {
+                let _ = self.uffd.poison(self.addr(p), PAGE as u64);
+            }
+        }
+    }
+
+    fn set_local(&mut self, q: usize) {
+        let c = q / self.cp;
+        if self.state[q] >= REMOTE {
+            self.remote -= 1;
+        }
+        self.state[q] = LOCAL;
+        self.chunk_res[c] += 1;
+        self.resident += 1;
+    }
+
+    /// First touch: zero-fill every never-touched page of the chunk locally.
+    fn zero_fill(&mut self, p: usize) {
+        let c = p / self.cp;
+        let lo = c * self.cp;
+        let mut q = lo;
+        let mut n = 0;
+        while q < lo + self.cp {
+            if self.state[q] != ZERO {
+                q += 1;
+                continue;
+            }
+            let start = q;
+            while q < lo + self.cp && self.state[q] == ZERO {
+                q += 1;
+            }
+            match self.uffd.zeropage(self.addr(start), ((q - start) * PAGE) as u64) {
+                Ok(_) => {}
+                Err(e) => return self.internal(p, e.to_string()),
+            }
+            for r in start..q {
+                self.set_local(r);
+            }
+            n += q - start;
+        }
+        self.refb[p] = 1;
+        self.shared.stats.zero_filled_pages.fetch_add(n as u64, Relaxed);
+        self.publish();
+    }
+
+    /// Bring page `p` back from server `s`: the faulting page first, then the
+    /// rest of its chunk that lives on the same server.
+    fn page_in(&mut self, p: usize, s: usize, t_read: Instant) {
+        let c = p / self.cp;
+        let lo = c * self.cp;
+        let tag = (REMOTE as usize + s) as u8;
+        let rest: Vec<u64> = (lo..lo + self.cp).filter(|q| *q != p && self.state[*q] == tag).map(|q| q as u64).collect();
+        let region = self.region_id;
+        let conn = &mut self.conns[s];
+        let first = conn.queue_get(region, &PageSel::Run { first: p as u64, count: 1 }, GetMode::Take, false);
+        let mut ids = Vec::new();
+        let mut result = first.and_then(|id| {
+            for part in rest.chunks(MAX_BATCH_PAGES) {
+                ids.push(conn.queue_get(region, &PageSel::List(part.to_vec()), GetMode::Take, false)?);
+            }
+            conn.flush()?;
+            conn.recv_get(id, &mut self.buf[..PAGE]).map(|_| ())
+        });
+        if result.is_ok() {
+            match self.uffd.copy(self.addr(p), self.buf.as_ptr(), PAGE as u64, false) {
+                Ok(_) => {}
+                Err(e) => return self.internal(p, e.to_string()),
+            }
+            self.set_local(p);
+            self.refb[p] = 1;
+            let shared = self.shared.clone();
+            let st = &shared.stats;
+            st.page_in_latency.record_us(t_read.elapsed().as_secs_f64() * 1e6);
+            st.page_ins.fetch_add(1, Relaxed);
+            st.page_in_requests.fetch_add(1, Relaxed);
+            st.bytes_in.fetch_add(PAGE as u64, Relaxed);
+            self.free[s] += 1;
+            for (k, id) in ids.into_iter().enumerate() {
+                let part = &rest[k * MAX_BATCH_PAGES..((k + 1) * MAX_BATCH_PAGES).min(rest.len())];
+                let len = part.len() * PAGE;
+                if let Err(e) = self.conns[s].recv_get(id, &mut self.buf[..len]) {
+                    result = Err(e);
+                    break;
+                }
+                // Install contiguous runs with one ioctl each.
+                let mut i = 0;
+                while i < part.len() {
+                    let mut j = i + 1;
+                    while j < part.len() && part[j] == part[j - 1] + 1 {
+                        j += 1;
+                    }
+                    let q = part[i] as usize;
+                    if let Err(e) = self.uffd.copy(self.addr(q), self.buf[i * PAGE..].as_ptr(), ((j - i) * PAGE) as u64, false) {
+                        return self.internal(q, e.to_string());
+                    }
+                    for r in part[i..j].iter() {
+                        self.set_local(*r as usize);
+                    }
+                    i = j;
+                }
+                st.page_ins.fetch_add(part.len() as u64, Relaxed);
+                st.page_in_requests.fetch_add(1, Relaxed);
+                st.bytes_in.fetch_add(len as u64, Relaxed);
+                self.free[s] += part.len() as u64;
+            }
+        }
+        self.publish();
+        if let Err(e) = result {
+            let msg = format!(
+                "pagefleet: page {p} of region {:#x} cannot be brought back from memory server {}: {e}. \
+                 The guest cannot continue without its memory.",
+                self.region_id, self.addrs[s]
+            );
+            self.fatal(msg, p);
+        }
+    }
+
+    fn hotness(&self, c: usize) -> u32 {
+        let lo = c * self.cp;
+        let (h, r) = (&self.hist[lo..lo + self.cp], &self.refb[lo..lo + self.cp]);
+        match self.policy {
+            Policy::Clock => h.iter().zip(r).map(|(a, b)| (a | b) as u32 & 1).sum(),
+            Policy::Aging => h.iter().zip(r).map(|(a, b)| (*a | (b << 7)) as u32).max().unwrap_or(0),
+        }
+    }
+
+    /// Over budget: page out the coldest chunks until a slack below it.
+    fn balance(&mut self) {
+        let budget = self.shared.budget.load(Relaxed);
+        if self.resident <= budget {
+            return;
+        }
+        let slack = (self.cp as u64 * 4).max(budget / 32);
+        let target = budget.saturating_sub(slack);
+        let mut cands: Vec<(u32, usize)> =
+            (0..self.chunks).filter(|c| self.chunk_res[*c] > 0).map(|c| (self.hotness(c), c)).collect();
+        cands.sort_unstable();
+        for (_, c) in cands {
+            if self.resident <= target {
+                break;
+            }
+            if !self.page_out(c) {
+                break;
+            }
+        }
+        self.publish();
+    }
+
+    /// Page out chunk `c` to the server with the most free room. Returns false
+    /// if no server can take it (balancing stops; the guest keeps running over budget).
+    fn page_out(&mut self, c: usize) -> bool {
+        let lo = c * self.cp;
+        let n = self.chunk_res[c] as u64;
+        let Some(s) = (0..self.conns.len()).filter(|s| self.free[*s] >= n).max_by_key(|s| self.free[*s]) else {
+            if !self.full_warned {
+                warn!("every memory server is full: the region stays over its budget");
+                self.full_warned = true;
+            }
+            return false;
+        };
+        let range = (self.addr(lo), (self.cp * PAGE) as u64);
+        if let Err(e) = self.uffd.writeprotect(range.0, range.1, true) {
+            self.internal(lo, e.to_string());
+            return false;
+        }
+        // Runs of resident pages, sent straight from the shadow mapping.
+        let mut runs = Vec::new();
+        let mut q = lo;
+        while q < lo + self.cp {
+            if self.state[q] != LOCAL {
+                q += 1;
+                continue;
+            }
+            let start = q;
+            while q < lo + self.cp && self.state[q] == LOCAL && q - start < MAX_BATCH_PAGES {
+                q += 1;
+            }
+            runs.push((start, q - start));
+        }
+        let region = self.region_id;
+        let sent: Result<(), pagefleet_client::ClientError> = (|| {
+            let mut ids = Vec::new();
+            for (start, len) in &runs {
+                // SAFETY: inside the shadow mapping; pages are resident and write-protected.
+                let data = unsafe { std::slice::from_raw_parts(self.shadow.addr.add(start * PAGE), len * PAGE) };
+                ids.push(self.conns[s].send_put(region, &PageSel::Run { first: *start as u64, count: *len as u32 }, data)?);
+            }
+            for id in ids {
+                self.conns[s].recv_put(id)?;
+            }
+            Ok(())
+        })();
+        if let Err(e) = sent {
+            let _ = self.uffd.writeprotect(range.0, range.1, false);
+            if e.code() == Some(pagefleet_proto::ErrorCode::OutOfCapacity) {
+                debug!("memory server {} is full", self.addrs[s]);
+                self.free[s] = 0;
+                return true;
+            }
+            let msg = format!(
+                "pagefleet: cannot page out to memory server {} (region {:#x}): {e}. The server is unusable; \
+                 pages already there cannot be trusted to come back.",
+                self.addrs[s], self.region_id
+            );
+            self.fatal(msg, lo);
+            return false;
+        }
+        for (start, len) in &runs {
+            if let Err(e) = uffd::punch_hole(self.memfd.as_raw_fd(), (start * PAGE) as u64, (len * PAGE) as u64) {
+                self.internal(*start, e.to_string());
+                return false;
+            }
+            for q in *start..start + len {
+                self.state[q] = REMOTE + s as u8;
+                self.hist[q] = 0;
+                self.refb[q] = 0;
+            }
+        }
+        self.chunk_res[c] = 0;
+        self.resident -= n;
+        self.remote += n;
+        self.free[s] -= n;
+        let st = &self.shared.stats;
+        st.page_outs.fetch_add(n, Relaxed);
+        st.page_out_chunks.fetch_add(1, Relaxed);
+        st.bytes_out.fetch_add(n * PAGE as u64, Relaxed);
+        if let Err(e) = self.uffd.writeprotect(range.0, range.1, false) {
+            self.internal(lo, e.to_string());
+            return false;
+        }
+        true
+    }
+
+    /// Advance the sampling hand by as many resident chunks as the rate allows.
+    fn sample_tick(&mut self) {
+        let now = Instant::now();
+        let dt = now.duration_since(self.last_tick).as_secs_f64();
+        if dt < 0.005 {
+            return;
+        }
+        self.last_tick = now;
+        // Controller: keep the guest's cost of sampling faults within budget.
+        let win = now.duration_since(self.window_start).as_secs_f64();
+        if win >= 0.1 {
+            let used = self.window_minor as f64 * self.minor_cost.as_secs_f64();
+            let allowed = self.cpu_budget * win;
+            if used > allowed {
+                self.rate = (self.rate * (allowed / used) * 0.8).max(1.0);
+            } else if used < allowed * 0.5 {
+                self.rate = (self.rate * 1.25).min(self.max_rate);
+            }
+            self.window_start = now;
+            self.window_minor = 0;
+            self.shared.stats.sample_rate.store(self.rate as u64, Relaxed);
+        }
+        // Needing victims soon: look harder, the budget notwithstanding.
+        let budget = self.shared.budget.load(Relaxed);
+        let boost = if self.resident as f64 > budget as f64 * 0.97 { 4.0 } else { 1.0 };
+        self.carry += self.rate * boost * dt;
+        let mut todo = self.carry as usize;
+        self.carry -= todo as f64;
+        let mut scanned = 0;
+        while todo > 0 && scanned < self.chunks {
+            let c = self.hand;
+            self.hand = (self.hand + 1) % self.chunks;
+            scanned += 1;
+            if self.chunk_res[c] == 0 {
+                continue;
+            }
+            self.visit(c);
+            todo -= 1;
+        }
+    }
+
+    fn visit(&mut self, c: usize) {
+        let lo = c * self.cp;
+        for q in lo..lo + self.cp {
+            let r = self.refb[q];
+            self.hist[q] = match self.policy {
+                Policy::Aging => (self.hist[q] >> 1) | (r << 7),
+                Policy::Clock => r,
+            };
+            self.refb[q] = 0;
+        }
+        // Zap the PTEs (page cache stays): the next touch is a MINOR fault.
+        let _ = self.guest.madvise(lo * PAGE, self.cp * PAGE, libc::MADV_DONTNEED);
+        self.shared.stats.sampled_chunks.fetch_add(1, Relaxed);
+    }
+}

@@ -1,0 +1,113 @@
+//! Runtime counters (lock-free, read by anyone) and a log2 latency histogram.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+/// Fault service time histogram: bucket i holds times in [2^i, 2^(i+1)) µs.
+#[derive(Default)]
+pub struct Histogram {
+    buckets: [AtomicU64; 24],
+}
+
+impl Histogram {
+    pub fn record_us(&self, us: f64) {
+        let b = if us < 1.0 { 0 } else { (us.log2() as usize + 1).min(23) };
+        self.buckets[b].fetch_add(1, Relaxed);
+    }
+    pub fn counts(&self) -> Vec<u64> {
+        self.buckets.iter().map(|b| b.load(Relaxed)).collect()
+    }
+    /// Approximate percentile (upper bound of the bucket), µs.
+    pub fn percentile(counts: &[u64], p: f64) -> f64 {
+        let total: u64 = counts.iter().sum();
+        if total == 0 {
+            return 0.0;
+        }
+        let want = (p / 100.0 * total as f64).ceil().max(1.0) as u64;
+        let mut acc = 0;
+        for (i, c) in counts.iter().enumerate() {
+            acc += c;
+            if acc >= want {
+                return (1u64 << i) as f64;
+            }
+        }
+        (1u64 << (counts.len() - 1)) as f64
+    }
+}
+
+#[derive(Default)]
+pub struct Counters {
+    pub missing_faults: AtomicU64,
+    pub minor_faults: AtomicU64,
+    pub wp_faults: AtomicU64,
+    pub zero_filled_pages: AtomicU64,
+    pub page_ins: AtomicU64,
+    pub page_in_requests: AtomicU64,
+    pub page_outs: AtomicU64,
+    pub page_out_chunks: AtomicU64,
+    pub bytes_in: AtomicU64,
+    pub bytes_out: AtomicU64,
+    pub sampled_chunks: AtomicU64,
+    pub resident_pages: AtomicU64,
+    pub remote_pages: AtomicU64,
+    /// Pager time spent serving faults, ns.
+    pub fault_ns: AtomicU64,
+    /// Remote page-in service times (fault read to faulting page installed).
+    pub page_in_latency: Histogram,
+    /// Sweep rate of the sampling hand, chunks/s (current).
+    pub sample_rate: AtomicU64,
+}
+
+/// A consistent-enough snapshot for reporting.
+#[derive(Clone, Debug, Default)]
+pub struct Stats {
+    pub budget_pages: u64,
+    pub resident_pages: u64,
+    pub remote_pages: u64,
+    pub missing_faults: u64,
+    pub minor_faults: u64,
+    pub wp_faults: u64,
+    pub zero_filled_pages: u64,
+    pub page_ins: u64,
+    pub page_in_requests: u64,
+    pub page_outs: u64,
+    pub page_out_chunks: u64,
+    pub bytes_in: u64,
+    pub bytes_out: u64,
+    pub sampled_chunks: u64,
+    pub sample_rate: u64,
+    pub fault_ns: u64,
+    pub page_in_latency_buckets: Vec<u64>,
+}
+
+impl Stats {
+    pub fn page_in_p50_us(&self) -> f64 {
+        Histogram::percentile(&self.page_in_latency_buckets, 50.0)
+    }
+    pub fn page_in_p99_us(&self) -> f64 {
+        Histogram::percentile(&self.page_in_latency_buckets, 99.0)
+    }
+}
+
+impl Counters {
+    pub fn snapshot(&self, budget: u64) -> Stats {
+        Stats {
+            budget_pages: budget,
+            resident_pages: self.resident_pages.load(Relaxed),
+            remote_pages: self.remote_pages.load(Relaxed),
+            missing_faults: self.missing_faults.load(Relaxed),
+            minor_faults: self.minor_faults.load(Relaxed),
+            wp_faults: self.wp_faults.load(Relaxed),
+            zero_filled_pages: self.zero_filled_pages.load(Relaxed),
+            page_ins: self.page_ins.load(Relaxed),
+            page_in_requests: self.page_in_requests.load(Relaxed),
+            page_outs: self.page_outs.load(Relaxed),
+            page_out_chunks: self.page_out_chunks.load(Relaxed),
+            bytes_in: self.bytes_in.load(Relaxed),
+            bytes_out: self.bytes_out.load(Relaxed),
+            sampled_chunks: self.sampled_chunks.load(Relaxed),
+            sample_rate: self.sample_rate.load(Relaxed),
+            fault_ns: self.fault_ns.load(Relaxed),
+            page_in_latency_buckets: self.page_in_latency.counts(),
+        }
+    }
+}

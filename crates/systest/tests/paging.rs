@@ -1,0 +1,160 @@
+//! The paging runtime against real memory servers: real userfaultfd, real
+//! sockets, real pagefleetd processes.
+
+use pagefleet_region::{Config, Policy, Region};
+use pagefleet_systest::*;
+use std::time::{Duration, Instant};
+
+const P: usize = 4096;
+
+/// Wait (bounded) for the pager's counters to catch up with what the guest did.
+fn settle(cond: impl Fn() -> bool) {
+    let t = Instant::now();
+    while !cond() && t.elapsed() < Duration::from_secs(2) {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+fn region(c: &Cluster, size: u64, budget_pages: u64, policy: Policy, chunk: usize) -> Region {
+    let mut cfg = Config::new(size, budget_pages);
+    cfg.servers = c.addrs();
+    cfg.secret = Some(c.secret.clone());
+    cfg.policy = policy;
+    cfg.chunk_pages = chunk;
+    Region::new(cfg).expect("region")
+}
+
+/// A region 4x its budget over two servers; four threads write and verify
+/// their quarters in random order for several rounds, under constant page-out
+/// and page-in. Every byte is checked.
+fn pattern_test(policy: Policy, chunk: usize) {
+    let c = Cluster::start(2, "64MiB");
+    let pages = 8192u64; // 32 MiB
+    let r = region(&c, pages * P as u64, pages / 4, policy, chunk);
+    let base = r.as_ptr() as usize;
+    const THREADS: u64 = 4;
+    std::thread::scope(|s| {
+        for t in 0..THREADS {
+            s.spawn(move || {
+                let per = pages / THREADS;
+                let lo = t * per;
+                let mut want = vec![0u8; P];
+                let seed = 0x1234_5678 + t;
+                for round in 1..=3u64 {
+                    // Write every page of the quarter in a random order.
+                    for i in 0..per {
+                        let p = lo + (i * 4099 + round * 17 + (seed % 2)) % per;
+                        // SAFETY: each thread owns its quarter.
+                        let page = unsafe { std::slice::from_raw_parts_mut((base + p as usize * P) as *mut u8, P) };
+                        fill(p, round, page);
+                    }
+                    // Verify in a scrambled order.
+                    for i in 0..per {
+                        let p = lo + (i * 7919) % per;
+                        let page = unsafe { std::slice::from_raw_parts((base + p as usize * P) as *const u8, P) };
+                        fill(p, round, &mut want);
+                        assert!(page == &want[..], "thread {t} round {round}: page {p} corrupted");
+                    }
+                }
+            });
+        }
+    });
+    settle(|| r.stats().resident_pages <= r.stats().budget_pages);
+    let st = r.stats();
+    assert!(st.page_outs > pages, "expected constant page-out, got {} page-outs", st.page_outs);
+    assert!(st.page_ins > pages / 2, "expected constant page-in, got {} page-ins", st.page_ins);
+    assert!(st.resident_pages <= st.budget_pages, "resident {} over budget {}", st.resident_pages, st.budget_pages);
+    // Both servers were used.
+    for s in c.addrs() {
+        let mut conn = pagefleet_client::Conn::connect(&s, &c.secret, &Default::default()).unwrap();
+        assert!(conn.stat(false).unwrap().used_pages > 0, "server {s} never received pages");
+    }
+    r.close().unwrap();
+    for s in c.addrs() {
+        let mut conn = pagefleet_client::Conn::connect(&s, &c.secret, &Default::default()).unwrap();
+        assert_eq!(conn.stat(false).unwrap().used_pages, 0, "close must drop the region on {s}");
+    }
+}
+
+#[test]
+fn pattern_4x_budget_two_servers_clock() {
+    pattern_test(Policy::Clock, 16);
+}
+
+#[test]
+fn pattern_4x_budget_two_servers_aging_chunk4() {
+    pattern_test(Policy::Aging, 4);
+}
+
+#[test]
+fn pattern_chunk1_and_chunk64() {
+    pattern_test(Policy::Clock, 1);
+    pattern_test(Policy::Aging, 64);
+}
+
+#[test]
+fn budget_shrinks_and_grows_while_running() {
+    let c = Cluster::start(1, "64MiB");
+    let pages = 4096u64;
+    let r = region(&c, pages * P as u64, pages, Policy::Clock, 16);
+    let base = r.as_ptr() as usize;
+    for p in 0..pages {
+        let page = unsafe { std::slice::from_raw_parts_mut((base + p as usize * P) as *mut u8, P) };
+        fill(p, 1, page);
+    }
+    // The pager wakes the faulting thread before it updates its counters.
+    settle(|| r.stats().resident_pages == pages);
+    assert_eq!(r.stats().resident_pages, pages);
+    assert_eq!(r.stats().page_outs, 0);
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let stop = &stop;
+    std::thread::scope(|s| {
+        // A reader keeps touching the first eighth while the budget shrinks.
+        s.spawn(move || {
+            let mut want = vec![0u8; P];
+            let mut n = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) && n < 200_000 {
+                let p = (n * 13) % (pages / 8);
+                let page = unsafe { std::slice::from_raw_parts((base + p as usize * P) as *const u8, P) };
+                fill(p, 1, &mut want);
+                assert!(page == &want[..], "page {p} corrupted while shrinking");
+                n += 1;
+            }
+        });
+        r.set_budget(pages / 4);
+        let t = Instant::now();
+        while r.stats().resident_pages > pages / 4 {
+            assert!(t.elapsed() < Duration::from_secs(20), "budget shrink not enforced: {:?}", r.stats());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    });
+    assert!(r.stats().page_outs >= pages / 2);
+    // Grow: touching everything may now keep it all resident.
+    r.set_budget(pages);
+    let mut want = vec![0u8; P];
+    for p in 0..pages {
+        let page = unsafe { std::slice::from_raw_parts((base + p as usize * P) as *const u8, P) };
+        fill(p, 1, &mut want);
+        assert!(page == &want[..], "page {p} corrupted after shrink");
+    }
+    let outs = r.stats().page_outs;
+    for p in 0..pages {
+        let v = unsafe { std::ptr::read_volatile((base + p as usize * P) as *const u8) };
+        std::hint::black_box(v);
+    }
+    settle(|| r.stats().resident_pages == pages);
+    assert_eq!(r.stats().page_outs, outs, "a grown budget must not page out");
+    assert_eq!(r.stats().resident_pages, pages);
+}
+
+#[test]
+fn never_touched_pages_read_zero_without_server_trips() {
+    let c = Cluster::start(1, "16MiB");
+    let r = region(&c, 4 << 20, 256, Policy::Clock, 16);
+    let s = unsafe { r.slice_mut() };
+    assert!(s.iter().step_by(513).all(|b| *b == 0));
+    let st = r.stats();
+    assert_eq!(st.page_ins, 0);
+    assert!(st.zero_filled_pages > 0);
+}

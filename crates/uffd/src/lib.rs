@@ -1,0 +1,389 @@
+//! Thin, safe wrappers over the kernel mechanisms the paging runtime uses:
+//! userfaultfd (MISSING, MINOR and WP faults on a shared memfd mapping),
+//! memfd, `fallocate(PUNCH_HOLE)` and `madvise`. Ioctl numbers and structs are
+//! defined here (Debian's 6.1 headers lack the newer ones; see FACTS.md).
+
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+
+pub const PAGE: usize = 4096;
+
+// ioctl numbers: _IOWR(0xAA, nr, size) / _IOR(0xAA, nr, size).
+const UFFDIO_API: u64 = 0xC018_AA3F;
+const UFFDIO_REGISTER: u64 = 0xC020_AA00;
+const UFFDIO_UNREGISTER: u64 = 0x8010_AA01;
+const UFFDIO_WAKE: u64 = 0x8010_AA02;
+const UFFDIO_COPY: u64 = 0xC028_AA03;
+const UFFDIO_ZEROPAGE: u64 = 0xC020_AA04;
+const UFFDIO_WRITEPROTECT: u64 = 0xC018_AA06;
+const UFFDIO_CONTINUE: u64 = 0xC020_AA07;
+const UFFDIO_POISON: u64 = 0xC020_AA08;
+
+const UFFD_API: u64 = 0xAA;
+pub const FEATURE_PAGEFAULT_FLAG_WP: u64 = 1 << 0;
+pub const FEATURE_MISSING_SHMEM: u64 = 1 << 5;
+pub const FEATURE_THREAD_ID: u64 = 1 << 8;
+pub const FEATURE_MINOR_SHMEM: u64 = 1 << 10;
+pub const FEATURE_WP_HUGETLBFS_SHMEM: u64 = 1 << 12;
+pub const FEATURE_POISON: u64 = 1 << 14;
+
+pub const MODE_MISSING: u64 = 1 << 0;
+pub const MODE_WP: u64 = 1 << 1;
+pub const MODE_MINOR: u64 = 1 << 2;
+
+const COPY_MODE_DONTWAKE: u64 = 1 << 0;
+const WP_MODE_WP: u64 = 1 << 0;
+const WP_MODE_DONTWAKE: u64 = 1 << 1;
+
+const EVENT_PAGEFAULT: u8 = 0x12;
+const PF_FLAG_WRITE: u64 = 1 << 0;
+const PF_FLAG_WP: u64 = 1 << 1;
+const PF_FLAG_MINOR: u64 = 1 << 2;
+const USER_MODE_ONLY: i32 = 1;
+
+#[derive(Debug, thiserror::Error)]
+pub enum UffdError {
+    #[error("userfaultfd is not available: {0} (as non-root, vm.unprivileged_userfaultfd=0 needs UFFD_USER_MODE_ONLY, which this runtime uses; check that the kernel has CONFIG_USERFAULTFD)")]
+    Create(io::Error),
+    #[error("userfaultfd lacks features {missing:#x} the runtime needs (MISSING/MINOR/WP on shmem; kernel 5.19+)")]
+    Features { missing: u64 },
+    #[error("{op} failed: {source}")]
+    Op { op: &'static str, source: io::Error },
+}
+
+fn op_err(op: &'static str) -> UffdError {
+    UffdError::Op { op, source: io::Error::last_os_error() }
+}
+
+#[repr(C)]
+#[derive(Default)]
+struct ApiArg {
+    api: u64,
+    features: u64,
+    ioctls: u64,
+}
+#[repr(C)]
+struct Range {
+    start: u64,
+    len: u64,
+}
+#[repr(C)]
+struct RegisterArg {
+    range: Range,
+    mode: u64,
+    ioctls: u64,
+}
+#[repr(C)]
+struct CopyArg {
+    dst: u64,
+    src: u64,
+    len: u64,
+    mode: u64,
+    copy: i64,
+}
+#[repr(C)]
+struct RangeModeResult {
+    range: Range,
+    mode: u64,
+    result: i64,
+}
+#[repr(C)]
+struct WpArg {
+    range: Range,
+    mode: u64,
+}
+
+/// What kind of fault a message reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FaultKind {
+    /// No page in the page cache: fill with `copy`/`zeropage`.
+    Missing,
+    /// Page in the page cache, PTE absent: map it with `continue_`.
+    Minor,
+    /// Write to a write-protected page.
+    WriteProtect,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct Fault {
+    pub kind: FaultKind,
+    pub addr: u64,
+    pub write: bool,
+    pub tid: u32,
+}
+
+/// Result of a fill ioctl: installed, or the page was already there (a
+/// concurrent fault or prefetch won; the waiter still needs a wake).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fill {
+    Done,
+    Exists,
+}
+
+pub struct Uffd {
+    fd: OwnedFd,
+    pub features: u64,
+}
+
+impl AsRawFd for Uffd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+}
+
+fn ioctl<T>(fd: RawFd, req: u64, arg: &mut T) -> i32 {
+    // SAFETY: arg points to the struct the request expects.
+    unsafe { libc::ioctl(fd, req as _, arg as *mut T) }
+}
+
+impl Uffd {
+    /// Open a non-blocking, close-on-exec userfaultfd handling user-mode
+    /// faults only (works unprivileged) and negotiate `required` features.
+    pub fn open(required: u64) -> Result<Uffd, UffdError> {
+        // SAFETY: raw syscall with integer flags.
+        let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK | USER_MODE_ONLY) };
+        if fd < 0 {
+            return Err(UffdError::Create(io::Error::last_os_error()));
+        }
+        // SAFETY: fd was just returned by the kernel and is ours.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
+        let mut a = ApiArg { api: UFFD_API, features: required, ioctls: 0 };
+        if ioctl(fd.as_raw_fd(), UFFDIO_API, &mut a) != 0 {
+            let probe = Uffd::probe_features().unwrap_or(0);
+            return Err(UffdError::Features { missing: required & !probe });
+        }
+        Ok(Uffd { fd, features: a.features })
+    }
+
+    /// Features the kernel offers (probed on a throw-away fd: UFFDIO_API works once per fd).
+    pub fn probe_features() -> Result<u64, UffdError> {
+        // SAFETY: as in open.
+        let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | USER_MODE_ONLY) };
+        if fd < 0 {
+            return Err(UffdError::Create(io::Error::last_os_error()));
+        }
+        // SAFETY: our fd.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
+        let mut a = ApiArg { api: UFFD_API, features: 0, ioctls: 0 };
+        if ioctl(fd.as_raw_fd(), UFFDIO_API, &mut a) != 0 {
+            return Err(op_err("UFFDIO_API"));
+        }
+        Ok(a.features)
+    }
+
+    pub fn register(&self, addr: u64, len: u64, mode: u64) -> Result<u64, UffdError> {
+        let mut r = RegisterArg { range: Range { start: addr, len }, mode, ioctls: 0 };
+        if ioctl(self.fd.as_raw_fd(), UFFDIO_REGISTER, &mut r) != 0 {
+            return Err(op_err("UFFDIO_REGISTER"));
+        }
+        Ok(r.ioctls)
+    }
+
+    pub fn unregister(&self, addr: u64, len: u64) -> Result<(), UffdError> {
+        let mut r = Range { start: addr, len };
+        if ioctl(self.fd.as_raw_fd(), UFFDIO_UNREGISTER, &mut r) != 0 {
+            return Err(op_err("UFFDIO_UNREGISTER"));
+        }
+        Ok(())
+    }
+
+    /// Install `len` bytes from `src` at `dst` (page-aligned) and wake waiters
+    /// unless `dontwake`.
+    pub fn copy(&self, dst: u64, src: *const u8, len: u64, dontwake: bool) -> Result<Fill, UffdError> {
+        let mut c = CopyArg { dst, src: src as u64, len, mode: if dontwake { COPY_MODE_DONTWAKE } else { 0 }, copy: 0 };
+        loop {
+            if ioctl(self.fd.as_raw_fd(), UFFDIO_COPY, &mut c) == 0 {
+                return Ok(Fill::Done);
+            }
+            match io::Error::last_os_error().raw_os_error() {
+                Some(libc::EEXIST) => return Ok(Fill::Exists),
+                Some(libc::EAGAIN) if c.copy > 0 => {
+                    // Partial copy (mapping changed): continue with the rest.
+                    let done = c.copy as u64;
+                    c = CopyArg { dst: c.dst + done, src: c.src + done, len: c.len - done, mode: c.mode, copy: 0 };
+                }
+                Some(libc::EAGAIN) => continue,
+                _ => return Err(op_err("UFFDIO_COPY")),
+            }
+        }
+    }
+
+    pub fn zeropage(&self, addr: u64, len: u64) -> Result<Fill, UffdError> {
+        let mut z = RangeModeResult { range: Range { start: addr, len }, mode: 0, result: 0 };
+        loop {
+            if ioctl(self.fd.as_raw_fd(), UFFDIO_ZEROPAGE, &mut z) == 0 {
+                return Ok(Fill::Done);
+            }
+            match io::Error::last_os_error().raw_os_error() {
+                Some(libc::EEXIST) => return Ok(Fill::Exists),
+                Some(libc::EAGAIN) => continue,
+                _ => return Err(op_err("UFFDIO_ZEROPAGE")),
+            }
+        }
+    }
+
+    /// Map page-cache pages already present (MINOR fault resolution).
+    pub fn continue_(&self, addr: u64, len: u64) -> Result<Fill, UffdError> {
+        let mut z = RangeModeResult { range: Range { start: addr, len }, mode: 0, result: 0 };
+        loop {
+            if ioctl(self.fd.as_raw_fd(), UFFDIO_CONTINUE, &mut z) == 0 {
+                return Ok(Fill::Done);
+            }
+            match io::Error::last_os_error().raw_os_error() {
+                Some(libc::EEXIST) => return Ok(Fill::Exists),
+                Some(libc::EAGAIN) => continue,
+                _ => return Err(op_err("UFFDIO_CONTINUE")),
+            }
+        }
+    }
+
+    /// Set (`wp` = true) or clear write protection; clearing wakes waiters.
+    pub fn writeprotect(&self, addr: u64, len: u64, wp: bool) -> Result<(), UffdError> {
+        let mut w = WpArg { range: Range { start: addr, len }, mode: if wp { WP_MODE_WP } else { 0 } };
+        if ioctl(self.fd.as_raw_fd(), UFFDIO_WRITEPROTECT, &mut w) != 0 {
+            return Err(op_err("UFFDIO_WRITEPROTECT"));
+        }
+        Ok(())
+    }
+
+    /// Clear WP without waking (caller wakes later).
+    pub fn unprotect_dontwake(&self, addr: u64, len: u64) -> Result<(), UffdError> {
+        let mut w = WpArg { range: Range { start: addr, len }, mode: WP_MODE_DONTWAKE };
+        if ioctl(self.fd.as_raw_fd(), UFFDIO_WRITEPROTECT, &mut w) != 0 {
+            return Err(op_err("UFFDIO_WRITEPROTECT"));
+        }
+        Ok(())
+    }
+
+    pub fn wake(&self, addr: u64, len: u64) -> Result<(), UffdError> {
+        let mut r = Range { start: addr, len };
+        if ioctl(self.fd.as_raw_fd(), UFFDIO_WAKE, &mut r) != 0 {
+            return Err(op_err("UFFDIO_WAKE"));
+        }
+        Ok(())
+    }
+
+    /// Mark pages poisoned: the next access raises SIGBUS (a loud failure
+    /// instead of silently reading zeros).
+    pub fn poison(&self, addr: u64, len: u64) -> Result<(), UffdError> {
+        let mut z = RangeModeResult { range: Range { start: addr, len }, mode: 0, result: 0 };
+        if ioctl(self.fd.as_raw_fd(), UFFDIO_POISON, &mut z) != 0 {
+            return Err(op_err("UFFDIO_POISON"));
+        }
+        Ok(())
+    }
+
+    /// Wait up to `timeout_ms` (-1: forever) for the fd to become readable.
+    pub fn poll(&self, timeout_ms: i32) -> io::Result<bool> {
+        let mut p = libc::pollfd { fd: self.fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd.
+        let r = unsafe { libc::poll(&mut p, 1, timeout_ms) };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                return Ok(false);
+            }
+            return Err(e);
+        }
+        Ok(r > 0)
+    }
+
+    /// Read pending fault messages (non-blocking) into `out`; returns how many.
+    pub fn read_faults(&self, out: &mut Vec<Fault>, max: usize) -> io::Result<usize> {
+        let mut raw = vec![0u8; 32 * max.max(1)];
+        // SAFETY: raw is a valid buffer.
+        let n = unsafe { libc::read(self.fd.as_raw_fd(), raw.as_mut_ptr().cast(), raw.len()) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            return match e.kind() {
+                io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted => Ok(0),
+                _ => Err(e),
+            };
+        }
+        let mut k = 0;
+        for m in raw[..n as usize].chunks_exact(32) {
+            if m[0] != EVENT_PAGEFAULT {
+                continue;
+            }
+            let flags = u64::from_ne_bytes(m[8..16].try_into().unwrap());
+            let addr = u64::from_ne_bytes(m[16..24].try_into().unwrap());
+            let tid = u32::from_ne_bytes(m[24..28].try_into().unwrap());
+            let kind = if flags & PF_FLAG_MINOR != 0 {
+                FaultKind::Minor
+            } else if flags & PF_FLAG_WP != 0 {
+                FaultKind::WriteProtect
+            } else {
+                FaultKind::Missing
+            };
+            out.push(Fault { kind, addr, write: flags & PF_FLAG_WRITE != 0, tid });
+            k += 1;
+        }
+        Ok(k)
+    }
+}
+
+/// An anonymous shared-memory file.
+pub fn memfd(name: &str, size: u64) -> io::Result<OwnedFd> {
+    let c = std::ffi::CString::new(name).unwrap_or_default();
+    // SAFETY: valid C string.
+    let fd = unsafe { libc::memfd_create(c.as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: our fd.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: valid fd.
+    if unsafe { libc::ftruncate(fd.as_raw_fd(), size as i64) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(fd)
+}
+
+/// A `MAP_SHARED` mapping of a file, unmapped on drop.
+pub struct Mapping {
+    pub addr: *mut u8,
+    pub len: usize,
+}
+
+unsafe impl Send for Mapping {}
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    pub fn shared(fd: RawFd, len: usize) -> io::Result<Mapping> {
+        // SAFETY: new mapping, no hint.
+        let p = unsafe {
+            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0)
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Mapping { addr: p.cast(), len })
+    }
+    pub fn base(&self) -> u64 {
+        self.addr as u64
+    }
+    pub fn madvise(&self, off: usize, len: usize, advice: i32) -> io::Result<()> {
+        // SAFETY: range inside our mapping.
+        if unsafe { libc::madvise(self.addr.add(off).cast(), len, advice) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: our mapping.
+        unsafe { libc::munmap(self.addr.cast(), self.len) };
+    }
+}
+
+/// Free the file's pages in [off, off+len) (the next touch faults MISSING).
+pub fn punch_hole(fd: RawFd, off: u64, len: u64) -> io::Result<()> {
+    // SAFETY: plain syscall.
+    let r = unsafe { libc::fallocate(fd, libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, off as i64, len as i64) };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
