@@ -8,6 +8,8 @@ use pagefleet_daemon::units;
 use pagefleet_proto::auth::Secret;
 use std::path::PathBuf;
 
+mod run;
+
 /// pagefleet pools spare memory across hosts: memory servers lend it, guests
 /// page to it, and (as milestones land) large guests split-migrate onto it.
 ///
@@ -35,6 +37,10 @@ enum Cmd {
     Memserver(MemserverCmd),
     /// Run the main demo on an embedded default (today: the memory-server benchmark).
     Demo(BenchOpts),
+    /// Run a native guest (synthetic, sort, kv) on a region paging to memory servers.
+    ///
+    /// Example: pagefleet run synthetic --size 2GiB --budget 50% --servers 127.0.0.1:7070
+    Run(run::RunArgs),
 }
 
 #[derive(Subcommand)]
@@ -100,6 +106,7 @@ fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Bench(BenchCmd::Memserver(o)) | Cmd::Demo(o) => bench_memserver(o),
         Cmd::Bench(BenchCmd::RawServer) => memserver::raw_server_main(),
+        Cmd::Run(a) => run::run(a, cli.secret_file.as_deref()),
         Cmd::Memserver(m) => {
             let secret = Secret::resolve(cli.secret_file.as_deref())?;
             let opts = ConnectOptions { name: "pagefleet-cli".into(), ..Default::default() };

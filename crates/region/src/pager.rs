@@ -40,8 +40,9 @@ pub(crate) struct Pager {
     free: Vec<u64>,
     buf: Vec<u8>,
     faults: Vec<Fault>,
-    // sampling hand
+    // sampling hand and victim hand
     hand: usize,
+    victim_hand: usize,
     rate: f64,
     max_rate: f64,
     carry: f64,
@@ -96,7 +97,9 @@ impl Pager {
             buf: vec![0u8; cfg.chunk_pages.max(MAX_BATCH_PAGES) * PAGE],
             faults: Vec::with_capacity(64),
             hand: 0,
-            rate: (max_rate / 8.0).max(10.0),
+            victim_hand: 0,
+            // Start slow; the controller raises the rate while faults stay cheap.
+            rate: (max_rate / 64.0).clamp(1.0, 64.0),
             max_rate: max_rate.max(10.0),
             carry: 0.0,
             last_tick: Instant::now(),
@@ -317,7 +320,11 @@ impl Pager {
         }
     }
 
-    /// Over budget: page out the coldest chunks until a slack below it.
+    /// Over budget: page out cold chunks until a slack below it. A victim
+    /// hand sweeps the chunks (LRU approximation): clock evicts a chunk with
+    /// no reference bit and gives the others a second chance (bits cleared,
+    /// PTEs zapped so the next touch sets them again); aging evicts the chunk
+    /// with the least max age among the next few resident chunks.
     fn balance(&mut self) {
         let budget = self.shared.budget.load(Relaxed);
         if self.resident <= budget {
@@ -325,18 +332,64 @@ impl Pager {
         }
         let slack = (self.cp as u64 * 4).max(budget / 32);
         let target = budget.saturating_sub(slack);
-        let mut cands: Vec<(u32, usize)> =
-            (0..self.chunks).filter(|c| self.chunk_res[*c] > 0).map(|c| (self.hotness(c), c)).collect();
-        cands.sort_unstable();
-        for (_, c) in cands {
-            if self.resident <= target {
-                break;
-            }
+        let mut steps = 0usize;
+        while self.resident > target && steps < self.chunks * 3 {
+            let Some(c) = self.next_victim(&mut steps) else { break };
             if !self.page_out(c) {
                 break;
             }
         }
         self.publish();
+    }
+
+    fn next_resident(&mut self, steps: &mut usize) -> Option<usize> {
+        for _ in 0..self.chunks {
+            let c = self.victim_hand;
+            self.victim_hand = (self.victim_hand + 1) % self.chunks;
+            *steps += 1;
+            if self.chunk_res[c] > 0 {
+                return Some(c);
+            }
+        }
+        None
+    }
+
+    fn next_victim(&mut self, steps: &mut usize) -> Option<usize> {
+        match self.policy {
+            Policy::Clock => loop {
+                let c = self.next_resident(steps)?;
+                if self.hotness(c) == 0 || *steps > self.chunks * 2 {
+                    return Some(c);
+                }
+                let lo = c * self.cp;
+                self.refb[lo..lo + self.cp].fill(0);
+                self.hist[lo..lo + self.cp].fill(0);
+                let _ = self.guest.madvise(lo * PAGE, self.cp * PAGE, libc::MADV_DONTNEED);
+                self.shared.stats.sampled_chunks.fetch_add(1, Relaxed);
+            },
+            Policy::Aging => {
+                const WINDOW: usize = 32;
+                let start = self.victim_hand;
+                let mut best: Option<(u32, usize)> = None;
+                let mut seen = 0;
+                while seen < WINDOW {
+                    let Some(c) = self.next_resident(steps) else { break };
+                    let h = self.hotness(c);
+                    if best.is_none_or(|(bh, _)| h < bh) {
+                        best = Some((h, c));
+                    }
+                    seen += 1;
+                    if h == 0 {
+                        break;
+                    }
+                }
+                let (_, c) = best?;
+                // Resume right after the victim: the rest of the window is looked at again.
+                self.victim_hand = (c + 1) % self.chunks;
+                let _ = start;
+                Some(c)
+            }
+        }
     }
 
     /// Page out chunk `c` to the server with the most free room. Returns false
@@ -448,7 +501,8 @@ impl Pager {
         }
         // Needing victims soon: look harder, the budget notwithstanding.
         let budget = self.shared.budget.load(Relaxed);
-        let boost = if self.resident as f64 > budget as f64 * 0.97 { 4.0 } else { 1.0 };
+        let can_overflow = (self.state.len() as u64) > budget;
+        let boost = if can_overflow && self.resident as f64 > budget as f64 * 0.97 { 4.0 } else { 1.0 };
         self.carry += self.rate * boost * dt;
         let mut todo = self.carry as usize;
         self.carry -= todo as f64;

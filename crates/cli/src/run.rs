@@ -1,0 +1,253 @@
+//! `pagefleet run <workload>`: a native guest on a pagefleet region.
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Subcommand};
+use pagefleet_daemon::units;
+use pagefleet_guests::{kv, sort, synthetic, Mem};
+use pagefleet_region::{Config, Policy, Region, Secret};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+#[derive(Args, Clone)]
+pub struct RunArgs {
+    #[command(subcommand)]
+    pub workload: Workload,
+    /// Guest memory size (e.g. 2GiB).
+    #[arg(long, global = true, default_value = "256MiB", value_parser = units::parse_size)]
+    pub size: u64,
+    /// Pages allowed resident locally: a size (1GiB) or a percentage of --size (50%).
+    /// Default: all of it.
+    #[arg(long, global = true)]
+    pub budget: Option<String>,
+    /// Memory servers, comma-separated HOST:PORT.
+    #[arg(long, global = true, value_delimiter = ',')]
+    pub servers: Vec<String>,
+    /// Victim choice: clock (sum of reference bits per chunk) or aging (max 8-bit age).
+    #[arg(long, global = true, default_value = "clock")]
+    pub policy: Policy,
+    /// Pages per chunk (power of two, 1..64).
+    #[arg(long, global = true, default_value_t = 16)]
+    pub chunk: usize,
+    /// Worker threads.
+    #[arg(long, global = true, default_value_t = 2)]
+    pub threads: usize,
+    /// Stop after this many seconds (kv: serve this long; 0 = until killed).
+    #[arg(long, global = true, default_value_t = 10)]
+    pub duration: u64,
+    /// Plain anonymous memory instead of a pagefleet region (the all-local baseline).
+    #[arg(long, global = true)]
+    pub plain: bool,
+    /// CPU share of one core the sampling faults may cost.
+    #[arg(long, global = true, default_value_t = 0.02)]
+    pub sample_budget: f64,
+    /// Print one JSON object with the outcome and the runtime's counters.
+    #[arg(long, global = true)]
+    pub json: bool,
+}
+
+#[derive(Subcommand, Clone)]
+pub enum Workload {
+    /// Page-granular accesses: uniform, zipf[:θ], seq, hotcold[:frac:prob].
+    Synthetic {
+        #[arg(long, default_value = "zipf:0.99")]
+        dist: synthetic::Dist,
+        /// Fraction of operations that write.
+        #[arg(long, default_value_t = 0.3)]
+        write_frac: f64,
+        /// Write every page once before measuring.
+        #[arg(long)]
+        prefill: bool,
+    },
+    /// Generate and sort fixed-size 100-byte records filling the memory (the S-memV sort experiment).
+    Sort {
+        #[arg(long, default_value_t = 42)]
+        seed: u64,
+    },
+    /// A memcached-protocol key-value server whose table lives in the memory.
+    Kv {
+        #[arg(long, default_value = "127.0.0.1:11211")]
+        listen: String,
+    },
+}
+
+struct Memory {
+    region: Option<Region>,
+    plain: Option<(*mut u8, usize)>,
+}
+
+impl Memory {
+    fn mem(&self) -> Mem {
+        match (&self.region, self.plain) {
+            // SAFETY: the region/mapping outlives every use in this command.
+            (Some(r), _) => unsafe { Mem::new(r.as_ptr(), r.len()) },
+            (None, Some((p, n))) => unsafe { Mem::new(p, n) },
+            _ => unreachable!(),
+        }
+    }
+}
+
+impl Drop for Memory {
+    fn drop(&mut self) {
+        if let Some((p, n)) = self.plain {
+            // SAFETY: our mapping.
+            unsafe { libc::munmap(p.cast(), n) };
+        }
+    }
+}
+
+fn budget_pages(spec: Option<&str>, size: u64) -> Result<u64> {
+    let pages = size.div_ceil(4096);
+    Ok(match spec {
+        None => pages,
+        Some(s) if s.ends_with('%') => {
+            let pct: f64 = s.trim_end_matches('%').parse().with_context(|| format!("bad --budget {s}"))?;
+            if !(0.0..=100.0).contains(&pct) {
+                bail!("--budget percentage must be 0..100");
+            }
+            ((pages as f64) * pct / 100.0) as u64
+        }
+        Some(s) => units::parse_size(s).map_err(anyhow::Error::msg)? / 4096,
+    })
+}
+
+fn open_memory(a: &RunArgs, secret_file: Option<&Path>) -> Result<Memory> {
+    if a.plain {
+        // SAFETY: fresh anonymous mapping.
+        let p = unsafe {
+            libc::mmap(std::ptr::null_mut(), a.size as usize, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0)
+        };
+        if p == libc::MAP_FAILED {
+            bail!("cannot map {} of memory", units::fmt_size(a.size));
+        }
+        // Same page size as a region: THP off.
+        unsafe { libc::madvise(p, a.size as usize, libc::MADV_NOHUGEPAGE) };
+        return Ok(Memory { region: None, plain: Some((p.cast(), a.size as usize)) });
+    }
+    let mut cfg = Config::new(a.size, budget_pages(a.budget.as_deref(), a.size)?);
+    cfg.servers = a.servers.clone();
+    cfg.policy = a.policy;
+    cfg.chunk_pages = a.chunk;
+    cfg.sample_cpu_budget = a.sample_budget;
+    cfg.name = "pagefleet-run".into();
+    if !cfg.servers.is_empty() {
+        cfg.secret = Some(Secret::resolve(secret_file)?);
+    }
+    let r = Region::new(cfg).context("cannot set up the guest's region")?;
+    Ok(Memory { region: Some(r), plain: None })
+}
+
+fn stats_json(m: &Memory) -> serde_json::Value {
+    let Some(r) = &m.region else { return serde_json::Value::Null };
+    let s = r.stats();
+    serde_json::json!({
+        "budget_pages": s.budget_pages, "resident_pages": s.resident_pages, "remote_pages": s.remote_pages,
+        "missing_faults": s.missing_faults, "minor_faults": s.minor_faults, "wp_faults": s.wp_faults,
+        "zero_filled_pages": s.zero_filled_pages, "page_ins": s.page_ins, "page_in_requests": s.page_in_requests,
+        "page_outs": s.page_outs, "page_out_chunks": s.page_out_chunks, "bytes_in": s.bytes_in, "bytes_out": s.bytes_out,
+        "sampled_chunks": s.sampled_chunks, "sample_rate_chunks_per_s": s.sample_rate,
+        "page_in_p50_us": s.page_in_p50_us(), "page_in_p99_us": s.page_in_p99_us(),
+        "page_in_latency_log2_us_buckets": s.page_in_latency_buckets,
+    })
+}
+
+fn progress(m: &Memory, sec: usize, rate: f64, last_ins: &mut u64) {
+    match &m.region {
+        Some(r) => {
+            let s = r.stats();
+            eprintln!(
+                "  t={:>3}s  {:>12.0} ops/s  resident {:>8} / {} pages  page-ins/s {:>7}  page-outs {}",
+                sec + 1,
+                rate,
+                s.resident_pages,
+                s.budget_pages,
+                s.page_ins - *last_ins,
+                s.page_outs
+            );
+            *last_ins = s.page_ins;
+        }
+        None => eprintln!("  t={:>3}s  {:>12.0} ops/s  (plain memory)", sec + 1, rate),
+    }
+}
+
+pub fn run(a: RunArgs, secret_file: Option<&Path>) -> Result<()> {
+    if a.threads == 0 {
+        bail!("--threads must be at least 1");
+    }
+    let m = open_memory(&a, secret_file)?;
+    let mem = m.mem();
+    let mut last_ins = 0;
+    let out = match &a.workload {
+        Workload::Synthetic { dist, write_frac, prefill } => {
+            let o = synthetic::Opts {
+                dist: dist.clone(),
+                write_frac: *write_frac,
+                threads: a.threads,
+                duration: Duration::from_secs(a.duration.max(1)),
+                max_ops: None,
+                prefill: *prefill,
+            };
+            let r = synthetic::run(mem, &o, |s, rate| {
+                if !a.json {
+                    progress(&m, s, rate, &mut last_ins)
+                }
+            });
+            eprintln!("synthetic {:?}: {:.0} ops/s over {:.1} s ({} ops)", o.dist, r.ops_per_sec, r.secs, r.ops);
+            serde_json::json!({"workload": "synthetic", "ops": r.ops, "secs": r.secs, "ops_per_sec": r.ops_per_sec, "per_second": r.per_second})
+        }
+        Workload::Sort { seed } => {
+            let r = sort::run(mem, *seed, true);
+            if !r.sorted {
+                bail!("sort produced unsorted output: memory corrupted");
+            }
+            eprintln!("sort: {} records generated in {:.2} s, sorted in {:.2} s", r.records, r.generate_secs, r.sort_secs);
+            serde_json::json!({"workload": "sort", "records": r.records, "generate_secs": r.generate_secs, "sort_secs": r.sort_secs, "sorted": r.sorted})
+        }
+        Workload::Kv { listen } => {
+            let kvs = Arc::new(kv::Kv::open(mem));
+            let l = std::net::TcpListener::bind(listen).with_context(|| format!("cannot listen on {listen}"))?;
+            let addr = l.local_addr()?;
+            println!("kv listening {addr}");
+            use std::io::Write;
+            std::io::stdout().flush()?;
+            let stop = Arc::new(AtomicBool::new(false));
+            let (k2, s2) = (kvs.clone(), stop.clone());
+            let h = std::thread::spawn(move || kv::serve(k2, l, s2));
+            let start = Instant::now();
+            let mut last = 0;
+            let mut per_second = Vec::new();
+            let mut sec = 0;
+            while a.duration == 0 || start.elapsed() < Duration::from_secs(a.duration) {
+                std::thread::sleep(Duration::from_millis(1000).saturating_sub(start.elapsed() - Duration::from_secs(sec)));
+                let n = kvs.ops.load(Ordering::Relaxed);
+                let rate = (n - last) as f64;
+                per_second.push(rate);
+                if !a.json {
+                    progress(&m, sec as usize, rate, &mut last_ins);
+                }
+                last = n;
+                sec += 1;
+            }
+            stop.store(true, Ordering::Relaxed);
+            let _ = h.join();
+            serde_json::json!({"workload": "kv", "ops": kvs.ops.load(Ordering::Relaxed), "items": kvs.items(), "per_second": per_second})
+        }
+    };
+    if let Some(r) = &m.region {
+        let s = r.stats();
+        eprintln!(
+            "region: {} resident / {} budget pages; {} page-ins ({} requests), {} page-outs; page-in p50 {:.0} us p99 {:.0} us; \
+             {} sampling faults ({} chunks sampled)",
+            s.resident_pages, s.budget_pages, s.page_ins, s.page_in_requests, s.page_outs, s.page_in_p50_us(), s.page_in_p99_us(),
+            s.minor_faults, s.sampled_chunks
+        );
+    }
+    if a.json {
+        let mut v = out;
+        v["region"] = stats_json(&m);
+        v["size"] = serde_json::json!(a.size);
+        println!("{}", serde_json::to_string(&v)?);
+    }
+    Ok(())
+}

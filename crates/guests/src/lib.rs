@@ -1,0 +1,62 @@
+//! Native guests: workloads that keep *all* their state in the guest memory
+//! they are given (a pagefleet region, or plain memory for the all-local
+//! baseline), like a VM's RAM, so a runner elsewhere could resume them.
+
+pub mod kv;
+pub mod sort;
+pub mod synthetic;
+
+/// Guest memory: a raw, shared view of a region. Threads coordinate through
+/// the workload's own rules (disjoint slices, locks inside the data).
+#[derive(Clone, Copy)]
+pub struct Mem {
+    pub base: *mut u8,
+    pub len: usize,
+}
+
+// SAFETY: Mem is a plain view; workloads synchronise their own accesses.
+unsafe impl Send for Mem {}
+unsafe impl Sync for Mem {}
+
+impl Mem {
+    /// # Safety
+    /// `base..base+len` must stay mapped and writable while the Mem is used.
+    pub unsafe fn new(base: *mut u8, len: usize) -> Mem {
+        Mem { base, len }
+    }
+    #[inline]
+    pub fn read_u64(&self, off: usize) -> u64 {
+        debug_assert!(off + 8 <= self.len);
+        // SAFETY: in bounds; volatile so the access really touches guest memory.
+        unsafe { std::ptr::read_volatile(self.base.add(off) as *const u64) }
+    }
+    #[inline]
+    pub fn write_u64(&self, off: usize, v: u64) {
+        debug_assert!(off + 8 <= self.len);
+        // SAFETY: in bounds.
+        unsafe { std::ptr::write_volatile(self.base.add(off) as *mut u64, v) }
+    }
+}
+
+/// Per-thread xorshift64* generator.
+#[derive(Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    #[inline]
+    pub fn next(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    #[inline]
+    pub fn unit(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}

@@ -1,0 +1,185 @@
+//! `synthetic`: page-granular accesses with a chosen distribution and
+//! read/write mix; reports ops/s every second.
+
+use crate::{Mem, Rng};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::time::{Duration, Instant};
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Dist {
+    Uniform,
+    /// Zipf over page numbers with exponent θ (YCSB's generator); low pages hottest.
+    Zipf(f64),
+    Sequential,
+    /// `hot_frac` of the pages get `hot_prob` of the accesses.
+    HotCold { hot_frac: f64, hot_prob: f64 },
+}
+
+impl std::str::FromStr for Dist {
+    type Err = String;
+    /// `uniform`, `zipf` / `zipf:0.99`, `seq`, `hotcold` / `hotcold:0.2:0.8`.
+    fn from_str(s: &str) -> Result<Dist, String> {
+        let mut parts = s.split(':');
+        let name = parts.next().unwrap_or("");
+        let num = |v: Option<&str>, d: f64| -> Result<f64, String> {
+            v.map_or(Ok(d), |x| x.parse::<f64>().map_err(|_| format!("bad number {x:?} in {s:?}")))
+        };
+        match name {
+            "uniform" => Ok(Dist::Uniform),
+            "zipf" => {
+                let t = num(parts.next(), 0.99)?;
+                if !(0.0..1.0).contains(&t) || t == 0.0 {
+                    return Err(format!("zipf θ must be in (0, 1), got {t}"));
+                }
+                Ok(Dist::Zipf(t))
+            }
+            "seq" | "sequential" => Ok(Dist::Sequential),
+            "hotcold" => {
+                let f = num(parts.next(), 0.2)?;
+                let p = num(parts.next(), 0.8)?;
+                if !(0.0..=1.0).contains(&f) || !(0.0..=1.0).contains(&p) {
+                    return Err("hotcold fractions must be within 0..1".into());
+                }
+                Ok(Dist::HotCold { hot_frac: f, hot_prob: p })
+            }
+            _ => Err(format!("unknown distribution {s:?}: use uniform, zipf[:θ], seq, hotcold[:hot_frac:hot_prob]")),
+        }
+    }
+}
+
+/// YCSB's zipfian generator (Gray et al.), constant time per draw.
+pub struct Zipf {
+    n: u64,
+    theta: f64,
+    alpha: f64,
+    zetan: f64,
+    eta: f64,
+}
+
+impl Zipf {
+    pub fn new(n: u64, theta: f64) -> Zipf {
+        let zeta = |k: u64| (1..=k).map(|i| 1.0 / (i as f64).powf(theta)).sum::<f64>();
+        let zetan = zeta(n);
+        let zeta2 = zeta(2.min(n));
+        let eta = (1.0 - (2.0 / n as f64).powf(1.0 - theta)) / (1.0 - zeta2 / zetan);
+        Zipf { n, theta, alpha: 1.0 / (1.0 - theta), zetan, eta }
+    }
+    #[inline]
+    pub fn sample(&self, u: f64) -> u64 {
+        let uz = u * self.zetan;
+        if uz < 1.0 {
+            return 0;
+        }
+        if uz < 1.0 + 0.5f64.powf(self.theta) {
+            return 1.min(self.n - 1);
+        }
+        ((self.n as f64 * (self.eta * u - self.eta + 1.0).powf(self.alpha)) as u64).min(self.n - 1)
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Opts {
+    pub dist: Dist,
+    /// Fraction of operations that write.
+    pub write_frac: f64,
+    pub threads: usize,
+    pub duration: Duration,
+    /// Stop after this many operations in total (whichever comes first).
+    pub max_ops: Option<u64>,
+    /// Touch every page once (writing) before measuring.
+    pub prefill: bool,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct Outcome {
+    pub ops: u64,
+    pub secs: f64,
+    pub ops_per_sec: f64,
+    /// ops/s in each whole second of the run.
+    pub per_second: Vec<f64>,
+}
+
+/// Run the workload over `mem`; `tick` is called every second with (second, ops/s).
+pub fn run(mem: Mem, o: &Opts, mut tick: impl FnMut(usize, f64)) -> Outcome {
+    let pages = (mem.len / 4096) as u64;
+    if o.prefill {
+        std::thread::scope(|s| {
+            for t in 0..o.threads as u64 {
+                s.spawn(move || {
+                    let per = pages.div_ceil(o.threads as u64);
+                    for p in t * per..((t + 1) * per).min(pages) {
+                        mem.write_u64(p as usize * 4096, p);
+                    }
+                });
+            }
+        });
+    }
+    let zipf = match o.dist {
+        Dist::Zipf(t) => Some(Zipf::new(pages, t)),
+        _ => None,
+    };
+    let done = AtomicU64::new(0);
+    let stop = AtomicBool::new(false);
+    let start = Instant::now();
+    let mut per_second = Vec::new();
+    std::thread::scope(|s| {
+        for t in 0..o.threads {
+            let (zipf, done, stop) = (&zipf, &done, &stop);
+            s.spawn(move || {
+                let mut rng = Rng::new(0xC0FFEE + t as u64);
+                let mut seq = (pages / o.threads as u64) * t as u64;
+                let mut local = 0u64;
+                while !stop.load(Relaxed) {
+                    for _ in 0..256 {
+                        let page = match &o.dist {
+                            Dist::Uniform => rng.next() % pages,
+                            Dist::Zipf(_) => zipf.as_ref().unwrap().sample(rng.unit()),
+                            Dist::Sequential => {
+                                seq = (seq + 1) % pages;
+                                seq
+                            }
+                            Dist::HotCold { hot_frac, hot_prob } => {
+                                let hot = ((pages as f64 * hot_frac) as u64).max(1);
+                                if rng.unit() < *hot_prob {
+                                    rng.next() % hot
+                                } else {
+                                    hot + rng.next() % (pages - hot).max(1)
+                                }
+                            }
+                        };
+                        let off = page as usize * 4096 + ((local as usize) & 511) * 8;
+                        if rng.unit() < o.write_frac {
+                            mem.write_u64(off, mem.read_u64(off).wrapping_add(1));
+                        } else {
+                            std::hint::black_box(mem.read_u64(off));
+                        }
+                        local += 1;
+                    }
+                    done.fetch_add(256, Relaxed);
+                    local = 0;
+                }
+            });
+        }
+        let mut last = 0u64;
+        let mut sec = 0;
+        loop {
+            std::thread::sleep(Duration::from_millis(50));
+            let el = start.elapsed();
+            let n = done.load(Relaxed);
+            if el.as_secs() as usize > sec {
+                let rate = (n - last) as f64;
+                per_second.push(rate);
+                tick(sec, rate);
+                last = n;
+                sec += 1;
+            }
+            if el >= o.duration || o.max_ops.is_some_and(|m| n >= m) {
+                stop.store(true, Relaxed);
+                break;
+            }
+        }
+    });
+    let secs = start.elapsed().as_secs_f64();
+    let ops = done.load(Relaxed);
+    Outcome { ops, secs, ops_per_sec: ops as f64 / secs, per_second }
+}
