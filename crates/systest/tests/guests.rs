@@ -1,0 +1,144 @@
+//! Native guests as real processes (`pagefleet run`) against real memory
+//! servers, driven by clients nobody on this team wrote.
+
+use pagefleet_systest::*;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+struct Guest {
+    child: Child,
+    stderr_path: std::path::PathBuf,
+}
+
+impl Drop for Guest {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn run_guest(c: &Cluster, args: &[&str], dir: &std::path::Path) -> Guest {
+    let stderr_path = dir.join(format!("guest-{}.err", pagefleet_proto::auth::random_u64()));
+    let child = Command::new(bin("pagefleet"))
+        .arg("--secret-file")
+        .arg(&c.secret_file)
+        .arg("run")
+        .args(args)
+        .arg("--servers")
+        .arg(c.addrs().join(","))
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(&stderr_path).unwrap())
+        .spawn()
+        .expect("spawn pagefleet run");
+    Guest { child, stderr_path }
+}
+
+fn wait_exit(g: &mut Guest, limit: Duration) -> Option<std::process::ExitStatus> {
+    let t = Instant::now();
+    while t.elapsed() < limit {
+        if let Some(s) = g.child.try_wait().unwrap() {
+            return Some(s);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    None
+}
+
+/// memccat prints a newline after each value.
+fn value(out: &[u8]) -> &[u8] {
+    out.strip_suffix(b"\n").unwrap_or(out)
+}
+
+#[test]
+fn kv_guest_serves_real_memcached_clients_while_paging() {
+    let c = Cluster::start(1, "256MiB");
+    let dir = tempdir("kv");
+    let mut g = run_guest(
+        &c,
+        &["kv", "--size", "64MiB", "--budget", "25%", "--listen", "127.0.0.1:0", "--duration", "0", "--threads", "1"],
+        &dir,
+    );
+    let line = BufReader::new(g.child.stdout.take().unwrap()).lines().next().unwrap().unwrap();
+    let addr = line.strip_prefix("kv listening ").expect("kv listening line").to_string();
+    let server = format!("--servers={addr}");
+    // 120 values of 256 KiB = 30 MiB through a 16 MiB budget: constant paging.
+    let files: Vec<std::path::PathBuf> = (0..120)
+        .map(|i| {
+            let p = dir.join(format!("obj{i}"));
+            let mut data = vec![0u8; 256 * 1024];
+            fill(i, 7, &mut data);
+            std::fs::write(&p, &data).unwrap();
+            p
+        })
+        .collect();
+    let st = Command::new("memccp").arg(&server).args(&files).status().expect("memccp (libmemcached-tools) installed");
+    assert!(st.success(), "memccp failed");
+    for (i, f) in files.iter().enumerate() {
+        let out = Command::new("memccat").arg(&server).arg(format!("obj{i}")).output().unwrap();
+        assert!(out.status.success(), "memccat obj{i} failed: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(value(&out.stdout) == std::fs::read(f).unwrap(), "obj{i} came back different");
+    }
+    // Delete, then the key is gone.
+    assert!(Command::new("memcrm").arg(&server).arg("obj3").status().unwrap().success());
+    let out = Command::new("memccat").arg(&server).arg("obj3").output().unwrap();
+    assert!(!out.status.success() || out.stdout.is_empty(), "deleted key still readable");
+    // memcaslap: mixed get/set load with data verification, bounded in time.
+    let out = Command::new("memcaslap")
+        .args([&format!("-s{addr}"), "-t", "3s", "-T", "2", "-c", "16", "-X", "1024", "-v", "0.1"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "memcaslap failed: {text}");
+    assert!(text.contains("TPS"), "memcaslap printed no result: {text}");
+    // A verification failure shows up as a non-zero "verify_failed" count.
+    if let Some(l) = text.lines().find(|l| l.contains("verify_failed")) {
+        let n: u64 = l.split_whitespace().last().unwrap_or("0").parse().unwrap_or(0);
+        assert_eq!(n, 0, "memcaslap found corrupted values: {l}");
+    }
+    // The earlier values are still intact after the load.
+    for i in [0usize, 50, 119] {
+        let out = Command::new("memccat").arg(&server).arg(format!("obj{i}")).output().unwrap();
+        assert!(value(&out.stdout) == std::fs::read(&files[i]).unwrap(), "obj{i} corrupted after load");
+    }
+    let err = std::fs::read_to_string(&g.stderr_path).unwrap_or_default();
+    assert!(err.contains("page-ins/s"), "progress lines expected: {err}");
+    drop(g);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn killed_memory_server_fails_the_guest_loudly() {
+    let mut c = Cluster::start(1, "256MiB");
+    let dir = tempdir("killed");
+    let mut g = run_guest(
+        &c,
+        &["synthetic", "--size", "64MiB", "--budget", "25%", "--dist", "uniform", "--prefill", "--duration", "60"],
+        &dir,
+    );
+    // Let it page out to the server, then take the server away.
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(g.child.try_wait().unwrap().is_none(), "guest exited early: {}", std::fs::read_to_string(&g.stderr_path).unwrap());
+    let addr = c.servers[0].addr.clone();
+    c.servers[0].kill();
+    let status = wait_exit(&mut g, Duration::from_secs(30)).expect("guest kept running with its memory server gone");
+    let err = std::fs::read_to_string(&g.stderr_path).unwrap();
+    assert_eq!(status.code(), Some(75), "exit status; stderr: {err}");
+    assert!(err.contains(&addr), "the error must name the server {addr}: {err}");
+    assert!(err.contains("cannot"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn sort_guest_sorts_through_a_small_budget() {
+    let c = Cluster::start(2, "128MiB");
+    let dir = tempdir("sort");
+    let mut g = run_guest(&c, &["sort", "--size", "48MiB", "--budget", "30%", "--json"], &dir);
+    let status = wait_exit(&mut g, Duration::from_secs(120)).expect("sort finished");
+    let err = std::fs::read_to_string(&g.stderr_path).unwrap();
+    assert!(status.success(), "{err}");
+    let mut out = String::new();
+    std::io::Read::read_to_string(g.child.stdout.as_mut().unwrap(), &mut out).unwrap();
+    assert!(out.contains("\"sorted\":true"), "{out}");
+    assert!(out.contains("\"page_outs\""), "{out}");
+}
