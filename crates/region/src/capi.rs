@@ -1,0 +1,159 @@
+//! C ABI (`include/pagefleet.h`) so other runtimes (the QEMU shim, C programs)
+//! can use regions.
+
+use crate::{Config, OnFatal, Policy, Region, Secret};
+use std::ffi::{c_char, c_int, c_void, CStr};
+use std::os::fd::AsRawFd;
+
+#[repr(C)]
+pub struct PfConfig {
+    pub size: u64,
+    pub budget_pages: u64,
+    pub chunk_pages: u32,
+    pub policy: u32,
+    pub servers: *const c_char,
+    pub secret_file: *const c_char,
+    pub sample_cpu_budget: f64,
+}
+
+#[repr(C)]
+pub struct PfStats {
+    pub budget_pages: u64,
+    pub resident_pages: u64,
+    pub remote_pages: u64,
+    pub missing_faults: u64,
+    pub minor_faults: u64,
+    pub wp_faults: u64,
+    pub zero_filled_pages: u64,
+    pub page_ins: u64,
+    pub page_in_requests: u64,
+    pub page_outs: u64,
+    pub page_out_chunks: u64,
+    pub bytes_in: u64,
+    pub bytes_out: u64,
+    pub sampled_chunks: u64,
+    pub page_in_p50_us: f64,
+    pub page_in_p99_us: f64,
+}
+
+fn set_err(err: *mut c_char, len: usize, msg: &str) {
+    if err.is_null() || len == 0 {
+        return;
+    }
+    let n = msg.len().min(len - 1);
+    // SAFETY: caller gives a buffer of `len` bytes.
+    unsafe {
+        std::ptr::copy_nonoverlapping(msg.as_ptr(), err as *mut u8, n);
+        *err.add(n) = 0;
+    }
+}
+
+unsafe fn opt_str(p: *const c_char) -> Option<String> {
+    (!p.is_null()).then(|| CStr::from_ptr(p).to_string_lossy().into_owned())
+}
+
+/// # Safety
+/// `cfg` must point to a valid pf_config; `err` to `errlen` writable bytes or be NULL.
+#[no_mangle]
+pub unsafe extern "C" fn pf_region_new(cfg: *const PfConfig, err: *mut c_char, errlen: usize) -> *mut c_void {
+    let r = (|| -> Result<Region, String> {
+        let c = cfg.as_ref().ok_or("pf_region_new: cfg is NULL")?;
+        let pages = c.size.div_ceil(4096);
+        let mut k = Config::new(c.size, if c.budget_pages == 0 { pages } else { c.budget_pages });
+        if c.chunk_pages != 0 {
+            k.chunk_pages = c.chunk_pages as usize;
+        }
+        k.policy = if c.policy == 1 { Policy::Aging } else { Policy::Clock };
+        if c.sample_cpu_budget > 0.0 {
+            k.sample_cpu_budget = c.sample_cpu_budget;
+        }
+        k.servers = opt_str(c.servers)
+            .map(|s| s.split(',').map(str::trim).filter(|x| !x.is_empty()).map(String::from).collect())
+            .unwrap_or_default();
+        if !k.servers.is_empty() {
+            let f = opt_str(c.secret_file).map(std::path::PathBuf::from);
+            k.secret = Some(Secret::resolve(f.as_deref()).map_err(|e| e.to_string())?);
+        }
+        // A C host decides itself what to do with a poisoned page (SIGBUS).
+        k.on_fatal = OnFatal::Poison;
+        k.name = "pagefleet-capi".into();
+        Region::new(k).map_err(|e| e.to_string())
+    })();
+    match r {
+        Ok(r) => Box::into_raw(Box::new(r)) as *mut c_void,
+        Err(e) => {
+            set_err(err, errlen, &e);
+            std::ptr::null_mut()
+        }
+    }
+}
+
+/// # Safety
+/// `r` must come from pf_region_new and not be closed.
+#[no_mangle]
+pub unsafe extern "C" fn pf_region_base(r: *const c_void) -> *mut c_void {
+    (*(r as *const Region)).as_ptr() as *mut c_void
+}
+
+/// # Safety
+/// As pf_region_base.
+#[no_mangle]
+pub unsafe extern "C" fn pf_region_len(r: *const c_void) -> u64 {
+    (*(r as *const Region)).len() as u64
+}
+
+/// # Safety
+/// As pf_region_base.
+#[no_mangle]
+pub unsafe extern "C" fn pf_region_memfd(r: *const c_void) -> c_int {
+    (*(r as *const Region)).memfd().as_raw_fd()
+}
+
+/// # Safety
+/// As pf_region_base.
+#[no_mangle]
+pub unsafe extern "C" fn pf_region_set_budget(r: *mut c_void, pages: u64) {
+    (*(r as *const Region)).set_budget(pages)
+}
+
+/// # Safety
+/// As pf_region_base; `out` must be writable.
+#[no_mangle]
+pub unsafe extern "C" fn pf_region_stats(r: *const c_void, out: *mut PfStats) {
+    let s = (*(r as *const Region)).stats();
+    *out = PfStats {
+        budget_pages: s.budget_pages,
+        resident_pages: s.resident_pages,
+        remote_pages: s.remote_pages,
+        missing_faults: s.missing_faults,
+        minor_faults: s.minor_faults,
+        wp_faults: s.wp_faults,
+        zero_filled_pages: s.zero_filled_pages,
+        page_ins: s.page_ins,
+        page_in_requests: s.page_in_requests,
+        page_outs: s.page_outs,
+        page_out_chunks: s.page_out_chunks,
+        bytes_in: s.bytes_in,
+        bytes_out: s.bytes_out,
+        sampled_chunks: s.sampled_chunks,
+        page_in_p50_us: s.page_in_p50_us(),
+        page_in_p99_us: s.page_in_p99_us(),
+    };
+}
+
+/// # Safety
+/// `r` must come from pf_region_new; it is freed.
+#[no_mangle]
+pub unsafe extern "C" fn pf_region_close(r: *mut c_void, err: *mut c_char, errlen: usize) -> c_int {
+    if r.is_null() {
+        return 0;
+    }
+    let r = Box::from_raw(r as *mut Region);
+    match r.close() {
+        Ok(()) => 0,
+        Err(e) => {
+            set_err(err, errlen, &e.to_string());
+            -1
+        }
+    }
+}
