@@ -4,4 +4,5 @@
 //! every measurement and a `goals` list computed from this run.
 
 pub mod memserver;
+pub mod paging;
 pub mod util;

@@ -481,9 +481,9 @@ fn measure_rss(secret_path: &std::path::Path, secret: &Secret) -> Result<Rss> {
 
 /// Plain sockets moving the same bytes with no protocol: bulk streams of
 /// 128 KiB writes, and request/response pairs sized like our GET and PUT.
-struct RawServer {
+pub(crate) struct RawServer {
     addr: String,
-    child: Child,
+    pub(crate) child: Child,
 }
 
 impl Drop for RawServer {
@@ -509,7 +509,7 @@ pub fn raw_server_main() -> Result<()> {
 }
 
 impl RawServer {
-    fn start() -> Result<RawServer> {
+    pub(crate) fn start() -> Result<RawServer> {
         let me = std::env::current_exe()?;
         let mut child = Command::new(&me)
             .args(["bench", "raw-server"])
@@ -598,7 +598,7 @@ impl RawServer {
     }
 
     /// 'G': 40-byte request, 4121-byte reply; 'P': 4136-byte request, 24-byte reply. µs samples.
-    fn rtt(&self, mode: u8, iters: usize) -> Result<Vec<f64>> {
+    pub(crate) fn rtt(&self, mode: u8, iters: usize) -> Result<Vec<f64>> {
         let mut s = self.connect(mode, 0)?;
         std::thread::sleep(Duration::from_millis(5));
         util::Pinning::repin(self.child.id());

@@ -210,7 +210,7 @@ pub fn ncpus() -> usize {
     (unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }).max(1) as usize
 }
 
-fn set_affinity(tid: i32, cpus: &[usize]) {
+pub fn set_affinity(tid: i32, cpus: &[usize]) {
     // SAFETY: cpu_set_t is plain data; sched_setaffinity reads it.
     unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
@@ -221,7 +221,7 @@ fn set_affinity(tid: i32, cpus: &[usize]) {
     }
 }
 
-fn set_process_affinity(pid: u32, cpus: &[usize]) {
+pub fn set_process_affinity(pid: u32, cpus: &[usize]) {
     if let Ok(rd) = std::fs::read_dir(format!("/proc/{pid}/task")) {
         for t in rd.flatten() {
             if let Some(tid) = t.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) {

@@ -2,7 +2,7 @@
 
 use anyhow::{bail, Result};
 use clap::{Args, Parser, Subcommand};
-use pagefleet_bench::memserver;
+use pagefleet_bench::{memserver, paging};
 use pagefleet_client::{ConnectOptions, Conn};
 use pagefleet_daemon::units;
 use pagefleet_proto::auth::Secret;
@@ -48,6 +48,10 @@ enum BenchCmd {
     /// Memory server page-out/page-in throughput and 4 KiB round trips,
     /// against raw loopback TCP and memcached, plus server RSS at 1 GiB stored.
     Memserver(BenchOpts),
+    /// The paging runtime: a kv guest under zipf load, all-local vs pagefleet
+    /// (budgets, policies, chunk sizes, servers) vs swap file and zram in a
+    /// memory cgroup; single-fault latency vs raw uffd + raw TCP.
+    Paging(BenchOpts),
     /// The raw-TCP baseline server used by `bench memserver` (internal).
     #[command(hide = true)]
     RawServer,
@@ -106,6 +110,7 @@ fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Bench(BenchCmd::Memserver(o)) | Cmd::Demo(o) => bench_memserver(o),
         Cmd::Bench(BenchCmd::RawServer) => memserver::raw_server_main(),
+        Cmd::Bench(BenchCmd::Paging(o)) => bench_paging(o),
         Cmd::Run(a) => run::run(a, cli.secret_file.as_deref()),
         Cmd::Memserver(m) => {
             let secret = Secret::resolve(cli.secret_file.as_deref())?;
@@ -176,6 +181,28 @@ fn bench_memserver(o: BenchOpts) -> Result<()> {
         println!("{}", serde_json::to_string(&report)?);
     } else {
         memserver::print_table(&report, &mut std::io::stdout())?;
+    }
+    Ok(())
+}
+
+fn bench_paging(o: BenchOpts) -> Result<()> {
+    let mut opts = if o.quick { paging::Opts::quick(o.out.clone()) } else { paging::Opts::full(o.out.clone()) };
+    if let Some(d) = o.dataset {
+        if d < 32 << 20 {
+            bail!("--dataset (the guest memory size) must be at least 32MiB");
+        }
+        opts.size = d;
+    }
+    if let Some(r) = o.reps {
+        opts.measure_secs = r.max(1) as u64;
+    }
+    let mut log = |m: &str| eprintln!("  .. {m}");
+    let report = paging::run(&opts, &mut log)?;
+    if o.json {
+        paging::print_table(&report, &mut std::io::stderr())?;
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        paging::print_table(&report, &mut std::io::stdout())?;
     }
     Ok(())
 }

@@ -205,7 +205,26 @@ pub fn run(a: RunArgs, secret_file: Option<&Path>) -> Result<()> {
             serde_json::json!({"workload": "sort", "records": r.records, "generate_secs": r.generate_secs, "sort_secs": r.sort_secs, "sorted": r.sorted})
         }
         Workload::Kv { listen } => {
-            let kvs = Arc::new(kv::Kv::open(mem));
+            let mut k = kv::Kv::open(mem);
+            if let Some(r) = &m.region {
+                // SAFETY: the region outlives the server threads (joined below).
+                let r: &'static Region = unsafe { &*(r as *const Region) };
+                k.extra_stats = Some(Box::new(move || {
+                    let s = r.stats();
+                    vec![
+                        ("pf_resident_pages".into(), s.resident_pages),
+                        ("pf_budget_pages".into(), s.budget_pages),
+                        ("pf_remote_pages".into(), s.remote_pages),
+                        ("pf_page_ins".into(), s.page_ins),
+                        ("pf_page_in_requests".into(), s.page_in_requests),
+                        ("pf_page_outs".into(), s.page_outs),
+                        ("pf_minor_faults".into(), s.minor_faults),
+                        ("pf_page_in_p50_us".into(), s.page_in_p50_us() as u64),
+                        ("pf_page_in_p99_us".into(), s.page_in_p99_us() as u64),
+                    ]
+                }));
+            }
+            let kvs = Arc::new(k);
             let l = std::net::TcpListener::bind(listen).with_context(|| format!("cannot listen on {listen}"))?;
             let addr = l.local_addr()?;
             println!("kv listening {addr}");

@@ -28,6 +28,7 @@ const H_FREE: usize = 64; // 16 class heads
 const NCLASS: usize = 16;
 const MIN_CLASS: usize = 64;
 const ITEM_HDR: usize = 32;
+const STRIPES: usize = 64;
 pub const MAX_KEY: usize = 250;
 pub const MAX_VALUE: usize = 1 << 20;
 
@@ -50,9 +51,17 @@ pub enum Mode {
     Cas(u64),
 }
 
+/// Extra `stats` lines a host adds (the runner adds its region's counters).
+pub type ExtraStats = Box<dyn Fn() -> Vec<(String, u64)> + Send + Sync>;
+
 pub struct Kv {
     mem: Mem,
-    lock: Mutex<()>,
+    pub extra_stats: Option<ExtraStats>,
+    /// Bucket-striped locks: a page fault while one request holds its stripe
+    /// (the item is on a memory server) does not stall requests elsewhere.
+    stripes: Vec<Mutex<()>>,
+    /// Guards the allocator and the header counters.
+    alloc_lock: Mutex<()>,
     pub ops: AtomicU64,
     pub gets: AtomicU64,
     pub hits: AtomicU64,
@@ -93,7 +102,7 @@ fn abs_exptime(e: i64) -> u32 {
 impl Kv {
     /// Open the table in `mem`, creating it if the memory does not hold one.
     pub fn open(mem: Mem) -> Kv {
-        let kv = Kv { mem, lock: Mutex::new(()), ops: AtomicU64::new(0), gets: AtomicU64::new(0), hits: AtomicU64::new(0), sets: AtomicU64::new(0) };
+        let kv = Kv { mem, extra_stats: None, stripes: (0..STRIPES).map(|_| Mutex::new(())).collect(), alloc_lock: Mutex::new(()), ops: AtomicU64::new(0), gets: AtomicU64::new(0), hits: AtomicU64::new(0), sets: AtomicU64::new(0) };
         if kv.r(H_MAGIC) != MAGIC {
             kv.format();
         }
@@ -147,6 +156,11 @@ impl Kv {
         4096 + (hash(key) as usize & (self.r(H_NBUCKETS) as usize - 1)) * 8
     }
 
+    fn stripe(&self, key: &[u8]) -> std::sync::MutexGuard<'_, ()> {
+        let b = (self.bucket(key) - 4096) / 8;
+        self.stripes[b % STRIPES].lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     // item field accessors
     fn i_next(&self, it: usize) -> usize {
         self.r(it) as usize
@@ -168,6 +182,7 @@ impl Kv {
 
     fn alloc(&self, size: usize) -> Option<(usize, usize)> {
         let c = class_of(size)?;
+        let _a = self.alloc_lock.lock().unwrap_or_else(|e| e.into_inner());
         let head = self.r(H_FREE + c * 8) as usize;
         if head != 0 {
             self.w(H_FREE + c * 8, self.r(head));
@@ -184,6 +199,7 @@ impl Kv {
 
     fn free(&self, it: usize) {
         let (_, _, _, vlen, _, class) = self.i_meta(it);
+        let _a = self.alloc_lock.lock().unwrap_or_else(|e| e.into_inner());
         self.w(it, self.r(H_FREE + class * 8));
         self.w(H_FREE + class * 8, it as u64);
         self.w(H_ITEMS, self.r(H_ITEMS) - 1);
@@ -215,8 +231,14 @@ impl Kv {
     fn write_item(&self, key: &[u8], flags: u32, exp: u32, parts: &[&[u8]]) -> Option<usize> {
         let vlen: usize = parts.iter().map(|p| p.len()).sum();
         let (it, class) = self.alloc(ITEM_HDR + key.len() + vlen)?;
-        let cas = self.r(H_CAS);
-        self.w(H_CAS, cas + 1);
+        let cas = {
+            let _a = self.alloc_lock.lock().unwrap_or_else(|e| e.into_inner());
+            let cas = self.r(H_CAS);
+            self.w(H_CAS, cas + 1);
+            self.w(H_ITEMS, self.r(H_ITEMS) + 1);
+            self.w(H_BYTES, self.r(H_BYTES) + vlen as u64);
+            cas
+        };
         self.w(it, 0);
         self.w(it + 8, cas);
         self.w(it + 16, exp as u64 | (flags as u64) << 32);
@@ -227,14 +249,12 @@ impl Kv {
             self.bytes_mut(at, p.len()).copy_from_slice(p);
             at += p.len();
         }
-        self.w(H_ITEMS, self.r(H_ITEMS) + 1);
-        self.w(H_BYTES, self.r(H_BYTES) + vlen as u64);
         Some(it)
     }
 
     /// Get: (flags, cas, value) copied out.
     pub fn get(&self, key: &[u8]) -> Option<(u32, u64, Vec<u8>)> {
-        let _g = self.lock.lock().unwrap();
+        let _g = self.stripe(key);
         self.gets.fetch_add(1, Relaxed);
         let (_, it) = self.find(key)?;
         let (cas, _, flags, vlen, klen, _) = self.i_meta(it);
@@ -243,7 +263,7 @@ impl Kv {
     }
 
     pub fn store(&self, mode: Mode, key: &[u8], flags: u32, exptime: i64, data: &[u8]) -> Store {
-        let _g = self.lock.lock().unwrap();
+        let _g = self.stripe(key);
         self.sets.fetch_add(1, Relaxed);
         let found = self.find(key);
         let (parts, flags, exp): (Vec<&[u8]>, u32, u32) = match (mode, found) {
@@ -275,7 +295,7 @@ impl Kv {
     }
 
     pub fn delete(&self, key: &[u8]) -> bool {
-        let _g = self.lock.lock().unwrap();
+        let _g = self.stripe(key);
         match self.find(key) {
             Some((prev, it)) => {
                 self.w(prev, self.i_next(it) as u64);
@@ -288,16 +308,14 @@ impl Kv {
 
     /// incr/decr: Ok(Some(new)), Ok(None) when absent, Err when not a number.
     pub fn incr(&self, key: &[u8], delta: u64, up: bool) -> Result<Option<u64>, ()> {
+        let _g = self.stripe(key);
         let cur = {
-            let _g = self.lock.lock().unwrap();
             let Some((_, it)) = self.find(key) else { return Ok(None) };
             let (_, _, _, vlen, klen, _) = self.i_meta(it);
             let v = self.bytes(it + ITEM_HDR + klen, vlen);
             std::str::from_utf8(v).ok().and_then(|s| s.trim().parse::<u64>().ok()).ok_or(())?
         };
         let new = if up { cur.wrapping_add(delta) } else { cur.saturating_sub(delta) };
-        // Rewrite keeping flags and expiry (a racing writer may win; memcached allows that).
-        let _g = self.lock.lock().unwrap();
         let Some((prev, it)) = self.find(key) else { return Ok(None) };
         let (_, exp, flags, ..) = self.i_meta(it);
         let s = new.to_string();
@@ -309,7 +327,7 @@ impl Kv {
     }
 
     pub fn touch(&self, key: &[u8], exptime: i64) -> bool {
-        let _g = self.lock.lock().unwrap();
+        let _g = self.stripe(key);
         let Some((_, it)) = self.find(key) else { return false };
         let (_, _, flags, ..) = self.i_meta(it);
         self.w(it + 16, abs_exptime(exptime) as u64 | (flags as u64) << 32);
@@ -317,7 +335,8 @@ impl Kv {
     }
 
     pub fn flush_all(&self) {
-        let _g = self.lock.lock().unwrap();
+        let _all: Vec<_> = self.stripes.iter().map(|m| m.lock().unwrap_or_else(|e| e.into_inner())).collect();
+        let _a = self.alloc_lock.lock().unwrap_or_else(|e| e.into_inner());
         self.format();
     }
 }
@@ -512,6 +531,11 @@ fn command(kv: &Kv, a: &[&str], noreply: bool, r: &mut impl BufRead, w: &mut imp
             ];
             for (k, v) in s {
                 write!(w, "STAT {k} {v}\r\n")?;
+            }
+            if let Some(f) = &kv.extra_stats {
+                for (k, v) in f() {
+                    write!(w, "STAT {k} {v}\r\n")?;
+                }
             }
             w.write_all(b"END\r\n")?;
             Ok(Next::Continue)

@@ -125,6 +125,8 @@ pub(crate) struct Shared {
     pub stop: AtomicBool,
     pub stats: stats::Counters,
     pub fatal: Mutex<Option<String>>,
+    /// Kernel thread id of the pager (for CPU pinning in benchmarks).
+    pub pager_tid: std::sync::atomic::AtomicI32,
 }
 
 /// A region: guest memory whose pages live locally or on memory servers.
@@ -181,6 +183,7 @@ impl Region {
             stop: AtomicBool::new(false),
             stats: stats::Counters::default(),
             fatal: Mutex::new(None),
+            pager_tid: std::sync::atomic::AtomicI32::new(0),
         });
         let guest = Arc::new(guest);
         let memfd = Arc::new(memfd);
@@ -234,6 +237,11 @@ impl Region {
 
     pub fn stats(&self) -> Stats {
         self.shared.stats.snapshot(self.budget())
+    }
+
+    /// Kernel thread id of the pager thread (0 until it has started).
+    pub fn pager_tid(&self) -> i32 {
+        self.shared.pager_tid.load(Ordering::Relaxed)
     }
 
     /// The error that made a page unreachable, if one did (with `OnFatal::Poison`).

@@ -116,6 +116,8 @@ impl Pager {
     }
 
     pub fn run(mut self) {
+        // SAFETY: gettid has no preconditions.
+        self.shared.pager_tid.store(unsafe { libc::gettid() }, Relaxed);
         while !self.shared.stop.load(Relaxed) {
             match self.uffd.poll(5) {
                 Ok(true) => {

@@ -1,0 +1,670 @@
+//! `pagefleet bench paging`: the same workload, side by side in one run,
+//! (a) with all memory local, (b) on a pagefleet region at 50% and 25%
+//! budgets (clock/aging, chunk sizes, one and two servers), (c) under Linux
+//! swap to a swap file in a memory cgroup limited to the same budget (the
+//! S-memV paper's "virtual memory" baseline) and (d) swap to zram. The
+//! workload is the kv guest (memcached protocol, 4000-byte values) under a
+//! closed-loop client with zipf(θ) key popularity. Also: single 4 KiB fault
+//! latency next to the raw uffd round trip and the raw TCP 4 KiB round trip.
+
+use crate::memserver::RawServer;
+use crate::util::{self, Goal};
+use anyhow::{anyhow, bail, Context, Result};
+use pagefleet_guests::synthetic::Zipf;
+use pagefleet_guests::Rng;
+use pagefleet_proto::auth::Secret;
+use serde::Serialize;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const VALUE: usize = 4000;
+
+#[derive(Clone, Debug)]
+pub struct Opts {
+    pub size: u64,
+    pub conns: usize,
+    pub measure_secs: u64,
+    pub theta: f64,
+    pub get_frac: f64,
+    pub fault_iters: usize,
+    pub quick: bool,
+    pub out_dir: PathBuf,
+}
+
+impl Opts {
+    pub fn full(out_dir: PathBuf) -> Opts {
+        Opts { size: 512 << 20, conns: 16, measure_secs: 6, theta: 0.99, get_frac: 0.9, fault_iters: 4000, quick: false, out_dir }
+    }
+    pub fn quick(out_dir: PathBuf) -> Opts {
+        Opts { size: 128 << 20, measure_secs: 2, fault_iters: 500, quick: true, ..Opts::full(out_dir) }
+    }
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub enum Kind {
+    Local,
+    Region,
+    SwapFile,
+    Zram,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Cfg {
+    pub name: String,
+    pub kind: Kind,
+    pub budget_pct: f64,
+    pub policy: String,
+    pub chunk: usize,
+    pub servers: usize,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Row {
+    pub cfg: Cfg,
+    pub ops_per_sec: f64,
+    pub per_second: Vec<f64>,
+    pub ratio_to_local: f64,
+    pub page_ins_per_sec: f64,
+    pub page_outs: u64,
+    pub fault_p50_us: Option<f64>,
+    pub fault_p99_us: Option<f64>,
+    pub error: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct FaultLat {
+    pub what: String,
+    pub p50_us: f64,
+    pub p99_us: f64,
+    pub samples: usize,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Report {
+    pub bench: &'static str,
+    pub size_bytes: u64,
+    pub keys: u64,
+    pub value_bytes: usize,
+    pub conns: usize,
+    pub theta: f64,
+    pub get_frac: f64,
+    pub measure_secs: u64,
+    pub rows: Vec<Row>,
+    pub faults: Vec<FaultLat>,
+    pub goals: Vec<Goal>,
+    pub plot: Option<String>,
+    pub plot_error: Option<String>,
+}
+
+fn cfg(name: &str, kind: Kind, pct: f64, policy: &str, chunk: usize, servers: usize) -> Cfg {
+    Cfg { name: name.into(), kind, budget_pct: pct, policy: policy.into(), chunk, servers }
+}
+
+pub fn configs(quick: bool) -> Vec<Cfg> {
+    let mut v = vec![
+        cfg("all local", Kind::Local, 100.0, "-", 0, 0),
+        cfg("pagefleet 100% (sampling only)", Kind::Region, 100.0, "clock", 16, 1),
+        cfg("pagefleet 50% clock c16 1srv", Kind::Region, 50.0, "clock", 16, 1),
+        cfg("swap file 50%", Kind::SwapFile, 50.0, "-", 0, 0),
+    ];
+    if !quick {
+        v.extend([
+            cfg("pagefleet 50% aging c16 1srv", Kind::Region, 50.0, "aging", 16, 1),
+            cfg("pagefleet 50% clock c16 2srv", Kind::Region, 50.0, "clock", 16, 2),
+            cfg("pagefleet 50% clock c1 1srv", Kind::Region, 50.0, "clock", 1, 1),
+            cfg("pagefleet 50% clock c4 1srv", Kind::Region, 50.0, "clock", 4, 1),
+            cfg("pagefleet 50% clock c64 1srv", Kind::Region, 50.0, "clock", 64, 1),
+            cfg("pagefleet 25% clock c16 1srv", Kind::Region, 25.0, "clock", 16, 1),
+            cfg("pagefleet 25% aging c16 2srv", Kind::Region, 25.0, "aging", 16, 2),
+            cfg("swap file 25%", Kind::SwapFile, 25.0, "-", 0, 0),
+            cfg("zram 50%", Kind::Zram, 50.0, "-", 0, 0),
+        ]);
+    }
+    v
+}
+
+type Log<'a> = &'a mut dyn FnMut(&str);
+
+pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
+    std::fs::create_dir_all(&o.out_dir)?;
+    let tmp = util::temp_dir("bench-paging")?;
+    let secret_path = tmp.join("secret");
+    std::fs::write(&secret_path, Secret::generate_hex())?;
+    let secret = Secret::load(&secret_path)?;
+    // Items of 4000-byte values take 4 KiB slots: fill ~75% of the memory.
+    let keys = o.size / 4096 * 3 / 4;
+
+    log("single-fault latency: raw uffd, raw TCP, pagefleet page-in");
+    let faults = fault_latencies(o, &secret_path, &secret)?;
+
+    let mut rows: Vec<Row> = Vec::new();
+    for c in configs(o.quick) {
+        log(&format!("{}", c.name));
+        let r = match run_config(o, &c, keys, &secret_path) {
+            Ok(r) => r,
+            Err(e) => Row {
+                cfg: c.clone(),
+                ops_per_sec: 0.0,
+                per_second: vec![],
+                ratio_to_local: 0.0,
+                page_ins_per_sec: 0.0,
+                page_outs: 0,
+                fault_p50_us: None,
+                fault_p99_us: None,
+                error: Some(format!("{e:#}")),
+            },
+        };
+        rows.push(r);
+    }
+    let local = rows.iter().find(|r| r.cfg.kind == Kind::Local).map(|r| r.ops_per_sec).unwrap_or(f64::NAN);
+    for r in rows.iter_mut() {
+        r.ratio_to_local = r.ops_per_sec / local;
+    }
+    let _ = std::fs::remove_dir_all(&tmp);
+
+    let get = |name: &str| rows.iter().find(|r| r.cfg.name == name).map(|r| r.ops_per_sec);
+    let mut goals = Vec::new();
+    if let (Some(pf), Some(l)) = (get("pagefleet 50% clock c16 1srv"), get("all local")) {
+        goals.push(Goal::at_least("kv zipf0.99 50% budget / all local", pf / l, 0.9, "ratio"));
+    }
+    if let (Some(pf), Some(sw)) = (get("pagefleet 50% clock c16 1srv"), get("swap file 50%")) {
+        goals.push(Goal::at_least("kv zipf0.99 50% budget / swap file", pf / sw.max(1e-9), 3.0, "ratio"));
+    }
+    let fp = |w: &str| faults.iter().find(|f| f.what == w).map(|f| f.p50_us);
+    if let (Some(pf), Some(u), Some(t)) = (fp("pagefleet page-in"), fp("raw uffd round trip"), fp("raw TCP 4 KiB round trip")) {
+        goals.push(Goal::at_most("4KiB fault p50 / (raw uffd + raw TCP)", pf / (u + t), 1.1, "ratio"));
+    }
+    if let (Some(s), Some(l)) = (get("pagefleet 100% (sampling only)"), get("all local")) {
+        goals.push(Goal::at_most("sampling cost, all resident", (1.0 - s / l) * 100.0, 2.0, "%"));
+    }
+    let mut report = Report {
+        bench: "paging",
+        size_bytes: o.size,
+        keys,
+        value_bytes: VALUE,
+        conns: o.conns,
+        theta: o.theta,
+        get_frac: o.get_frac,
+        measure_secs: o.measure_secs,
+        rows,
+        faults,
+        goals,
+        plot: None,
+        plot_error: None,
+    };
+    let json_path = o.out_dir.join("paging.json");
+    std::fs::write(&json_path, serde_json::to_vec_pretty(&report)?)?;
+    match util::plot("plot_paging.py", include_str!("../../../bench/plot_paging.py"), &json_path, &o.out_dir.join("paging.png")) {
+        Ok(p) => report.plot = Some(p.display().to_string()),
+        Err(e) => report.plot_error = Some(format!("{e:#}")),
+    }
+    std::fs::write(&json_path, serde_json::to_vec_pretty(&report)?)?;
+    Ok(report)
+}
+
+pub fn print_table(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
+    writeln!(
+        out,
+        "pagefleet bench paging: kv guest, {} MiB memory, {} keys x {} B values, {} connections, zipf θ={} , {:.0}% gets, {} s per config",
+        r.size_bytes >> 20,
+        r.keys,
+        r.value_bytes,
+        r.conns,
+        r.theta,
+        r.get_frac * 100.0,
+        r.measure_secs
+    )?;
+    writeln!(out, "\n  {:<34} {:>10} {:>9} {:>12} {:>10} {:>9} {:>9}", "config", "ops/s", "x local", "page-ins/s", "page-outs", "p50 us", "p99 us")?;
+    for row in &r.rows {
+        if let Some(e) = &row.error {
+            writeln!(out, "  {:<34} not measured: {e}", row.cfg.name)?;
+            continue;
+        }
+        let f = |v: Option<f64>| v.map_or("-".to_string(), |x| format!("{x:.0}"));
+        writeln!(
+            out,
+            "  {:<34} {:>10.0} {:>9.3} {:>12.0} {:>10} {:>9} {:>9}",
+            row.cfg.name,
+            row.ops_per_sec,
+            row.ratio_to_local,
+            row.page_ins_per_sec,
+            row.page_outs,
+            f(row.fault_p50_us),
+            f(row.fault_p99_us)
+        )?;
+    }
+    writeln!(out, "  (p50/p99: pagefleet page-in service time, log2 buckets; swap: pages swapped in per second)")?;
+    writeln!(out, "\nSingle 4 KiB fault (client on CPU 0, handler/server on CPU 1):")?;
+    for f in &r.faults {
+        writeln!(out, "  {:<28} p50 {:>7.1} us   p99 {:>7.1} us   ({} samples)", f.what, f.p50_us, f.p99_us, f.samples)?;
+    }
+    util::print_goals(&r.goals, out)?;
+    match (&r.plot, &r.plot_error) {
+        (Some(p), _) => writeln!(out, "\nPlot: {p}")?,
+        (None, Some(e)) => writeln!(out, "\nPlot not written: {e}")?,
+        _ => {}
+    }
+    Ok(())
+}
+
+// ---- one configuration -------------------------------------------------------
+
+struct Guest {
+    child: Child,
+    addr: String,
+}
+
+impl Drop for Guest {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start_guest(o: &Opts, c: &Cfg, servers: &[String], secret_path: &Path, cgroup: Option<&Path>) -> Result<Guest> {
+    let me = std::env::current_exe()?;
+    let mut cmd = Command::new(me);
+    cmd.arg("--secret-file").arg(secret_path).args(["run", "kv", "--listen", "127.0.0.1:0", "--duration", "0", "--size"]);
+    cmd.arg(o.size.to_string());
+    match c.kind {
+        Kind::Region => {
+            cmd.args(["--budget", &format!("{}%", c.budget_pct), "--policy", &c.policy, "--chunk", &c.chunk.to_string()]);
+            if !servers.is_empty() {
+                cmd.arg("--servers").arg(servers.join(","));
+            }
+        }
+        _ => {
+            cmd.arg("--plain");
+        }
+    }
+    if let Some(cg) = cgroup {
+        let procs = cg.join("cgroup.procs");
+        use std::os::unix::process::CommandExt;
+        // SAFETY: only async-signal-safe work (open/write/close) after fork.
+        unsafe {
+            cmd.pre_exec(move || {
+                let pid = libc::getpid().to_string();
+                std::fs::write(&procs, pid.as_bytes())
+            });
+        }
+    }
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::null()).spawn()?;
+    let line = BufReader::new(child.stdout.take().unwrap()).lines().next().ok_or_else(|| anyhow!("kv guest exited before listening"))??;
+    let addr = line.strip_prefix("kv listening ").ok_or_else(|| anyhow!("unexpected guest output {line:?}"))?.to_string();
+    Ok(Guest { child, addr })
+}
+
+/// Swap set up for a baseline; removed on drop.
+struct Swap {
+    dev: PathBuf,
+    file: bool,
+}
+
+impl Swap {
+    fn file(size: u64) -> Result<Swap> {
+        let p = PathBuf::from(format!("/var/tmp/pagefleet-bench-swap-{}", std::process::id()));
+        let ok = Command::new("fallocate").arg("-l").arg(size.to_string()).arg(&p).status()?.success()
+            && std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(0o600)).is_ok()
+            && Command::new("mkswap").arg(&p).stdout(Stdio::null()).status()?.success();
+        let s = Swap { dev: p.clone(), file: true };
+        if !ok || !Command::new("swapon").arg(&p).status()?.success() {
+            bail!("cannot set up swap file {} (needs root and mkswap/swapon)", p.display());
+        }
+        Ok(s)
+    }
+    fn zram(size: u64) -> Result<Swap> {
+        let dev = PathBuf::from("/dev/zram0");
+        if !dev.exists() {
+            bail!("no /dev/zram0 on this machine");
+        }
+        let _ = std::fs::write("/sys/block/zram0/reset", "1");
+        std::fs::write("/sys/block/zram0/disksize", size.to_string()).context("zram disksize")?;
+        let s = Swap { dev: dev.clone(), file: false };
+        if !Command::new("mkswap").arg(&dev).stdout(Stdio::null()).status()?.success()
+            || !Command::new("swapon").args(["-p", "100"]).arg(&dev).status()?.success()
+        {
+            bail!("cannot enable zram swap");
+        }
+        Ok(s)
+    }
+}
+
+impl Drop for Swap {
+    fn drop(&mut self) {
+        let _ = Command::new("swapoff").arg(&self.dev).status();
+        if self.file {
+            let _ = std::fs::remove_file(&self.dev);
+        } else {
+            let _ = std::fs::write("/sys/block/zram0/reset", "1");
+        }
+    }
+}
+
+/// A cgroup v1 memory group; removed on drop (after its processes are gone).
+struct MemCgroup {
+    path: PathBuf,
+}
+
+impl MemCgroup {
+    fn new(limit: u64) -> Result<MemCgroup> {
+        let path = PathBuf::from(format!("/sys/fs/cgroup/memory/pagefleet-bench-{}", std::process::id()));
+        std::fs::create_dir_all(&path).context("cgroup v1 memory controller not available")?;
+        let g = MemCgroup { path };
+        std::fs::write(g.path.join("memory.limit_in_bytes"), limit.to_string())?;
+        let _ = std::fs::write(g.path.join("memory.swappiness"), "60");
+        Ok(g)
+    }
+}
+
+impl Drop for MemCgroup {
+    fn drop(&mut self) {
+        for _ in 0..50 {
+            if std::fs::remove_dir(&self.path).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+fn vmstat(key: &str) -> u64 {
+    std::fs::read_to_string("/proc/vmstat")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with(key)).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse().ok()))
+        .unwrap_or(0)
+}
+
+fn kv_stats(addr: &str) -> Result<std::collections::HashMap<String, u64>> {
+    let mut s = TcpStream::connect(addr)?;
+    s.write_all(b"stats\r\n")?;
+    let mut r = BufReader::new(s);
+    let mut m = std::collections::HashMap::new();
+    let mut line = String::new();
+    loop {
+        line.clear();
+        if r.read_line(&mut line)? == 0 || line.starts_with("END") {
+            break;
+        }
+        let p: Vec<&str> = line.split_whitespace().collect();
+        if p.len() == 3 {
+            m.insert(p[1].to_string(), p[2].parse().unwrap_or(0));
+        }
+    }
+    Ok(m)
+}
+
+fn run_config(o: &Opts, c: &Cfg, keys: u64, secret_path: &Path) -> Result<Row> {
+    let budget = (o.size as f64 * c.budget_pct / 100.0) as u64;
+    let servers: Vec<util::ChildDaemon> =
+        (0..c.servers).map(|_| util::ChildDaemon::start(o.size + (64 << 20), secret_path)).collect::<Result<_>>()?;
+    let addrs: Vec<String> = servers.iter().map(|s| s.addr.clone()).collect();
+    let swap = match c.kind {
+        Kind::SwapFile => Some(Swap::file(o.size + (64 << 20))?),
+        Kind::Zram => Some(Swap::zram(o.size + (64 << 20))?),
+        _ => None,
+    };
+    // The baseline's process may also keep its binary, stacks and buffers
+    // resident: allow 16 MiB beyond the budget.
+    let cg = if swap.is_some() { Some(MemCgroup::new(budget + (16 << 20))?) } else { None };
+    let g = start_guest(o, c, &addrs, secret_path, cg.as_ref().map(|g| g.path.as_path()))?;
+    prefill(&g.addr, keys)?;
+    // Warm-up second, then the measured window.
+    load(&g.addr, keys, o, 1)?;
+    let before = kv_stats(&g.addr).unwrap_or_default();
+    let swapin0 = vmstat("pswpin");
+    let (ops, per_second) = load(&g.addr, keys, o, o.measure_secs)?;
+    let after = kv_stats(&g.addr).unwrap_or_default();
+    let swapins = vmstat("pswpin") - swapin0;
+    let d = |k: &str| after.get(k).copied().unwrap_or(0).saturating_sub(before.get(k).copied().unwrap_or(0));
+    let secs = o.measure_secs as f64;
+    let row = Row {
+        cfg: c.clone(),
+        ops_per_sec: ops,
+        per_second,
+        ratio_to_local: 0.0,
+        page_ins_per_sec: if c.kind == Kind::Region { d("pf_page_ins") as f64 / secs } else { swapins as f64 / secs },
+        page_outs: after.get("pf_page_outs").copied().unwrap_or(0),
+        fault_p50_us: (c.kind == Kind::Region && d("pf_page_ins") > 0).then(|| after["pf_page_in_p50_us"] as f64),
+        fault_p99_us: (c.kind == Kind::Region && d("pf_page_ins") > 0).then(|| after["pf_page_in_p99_us"] as f64),
+        error: None,
+    };
+    drop(g);
+    drop(cg);
+    drop(swap);
+    drop(servers);
+    Ok(row)
+}
+
+fn key(i: u64) -> String {
+    format!("key:{i:010}")
+}
+
+/// Store every key once, in popularity-rank order, 4 pipelined connections.
+fn prefill(addr: &str, keys: u64) -> Result<()> {
+    let value = vec![b'v'; VALUE];
+    std::thread::scope(|s| -> Result<()> {
+        let hs: Vec<_> = (0..4u64)
+            .map(|t| {
+                let value = &value;
+                s.spawn(move || -> Result<()> {
+                    let mut st = TcpStream::connect(addr)?;
+                    let mut r = BufReader::new(st.try_clone()?);
+                    let mut line = String::new();
+                    let mut i = t;
+                    while i < keys {
+                        let mut batch = Vec::with_capacity(32 * (VALUE + 64));
+                        let mut n = 0;
+                        while n < 32 && i < keys {
+                            batch.extend_from_slice(format!("set {} 0 0 {VALUE}\r\n", key(i)).as_bytes());
+                            batch.extend_from_slice(value);
+                            batch.extend_from_slice(b"\r\n");
+                            n += 1;
+                            i += 4;
+                        }
+                        st.write_all(&batch)?;
+                        for _ in 0..n {
+                            line.clear();
+                            r.read_line(&mut line)?;
+                            if line != "STORED\r\n" {
+                                bail!("prefill: {line:?}");
+                            }
+                        }
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        hs.into_iter().try_for_each(|h| h.join().unwrap())
+    })
+}
+
+/// Closed-loop load for `secs`: returns (median ops/s over whole seconds, per-second ops).
+fn load(addr: &str, keys: u64, o: &Opts, secs: u64) -> Result<(f64, Vec<f64>)> {
+    let zipf = Zipf::new(keys, o.theta);
+    let done = AtomicU64::new(0);
+    let stop = AtomicBool::new(false);
+    let failed = std::sync::Mutex::new(None);
+    let mut per = Vec::new();
+    std::thread::scope(|s| {
+        for t in 0..o.conns {
+            let (zipf, done, stop, failed) = (&zipf, &done, &stop, &failed);
+            s.spawn(move || {
+                let r = (|| -> Result<()> {
+                    let mut st = TcpStream::connect(addr)?;
+                    st.set_nodelay(true)?;
+                    st.set_read_timeout(Some(Duration::from_secs(30)))?;
+                    let mut r = BufReader::with_capacity(16384, st.try_clone()?);
+                    let mut rng = Rng::new(77 + t as u64);
+                    let value = vec![b'w'; VALUE];
+                    let mut buf = vec![0u8; VALUE + 2];
+                    let mut line = String::new();
+                    while !stop.load(Relaxed) {
+                        let k = key(zipf.sample(rng.unit()));
+                        if rng.unit() < o.get_frac {
+                            st.write_all(format!("get {k}\r\n").as_bytes())?;
+                            line.clear();
+                            r.read_line(&mut line)?;
+                            if line.starts_with("VALUE") {
+                                r.read_exact(&mut buf)?;
+                                line.clear();
+                                r.read_line(&mut line)?;
+                            }
+                        } else {
+                            let mut m = format!("set {k} 0 0 {VALUE}\r\n").into_bytes();
+                            m.extend_from_slice(&value);
+                            m.extend_from_slice(b"\r\n");
+                            st.write_all(&m)?;
+                            line.clear();
+                            r.read_line(&mut line)?;
+                        }
+                        done.fetch_add(1, Relaxed);
+                    }
+                    Ok(())
+                })();
+                if let Err(e) = r {
+                    failed.lock().unwrap().get_or_insert(e);
+                    stop.store(true, Relaxed);
+                }
+            });
+        }
+        let start = Instant::now();
+        let mut last = 0;
+        for sec in 1..=secs {
+            let until = start + Duration::from_secs(sec);
+            std::thread::sleep(until.saturating_duration_since(Instant::now()));
+            let n = done.load(Relaxed);
+            per.push((n - last) as f64);
+            last = n;
+        }
+        stop.store(true, Relaxed);
+    });
+    if let Some(e) = failed.into_inner().unwrap() {
+        return Err(e.context("kv load client"));
+    }
+    Ok((util::median(&per), per))
+}
+
+// ---- single-fault latency ------------------------------------------------------
+
+fn percentiles(mut v: Vec<f64>, what: &str) -> FaultLat {
+    let n = v.len();
+    let p50 = util::percentile(&mut v, 50.0);
+    let p99 = util::percentile(&mut v, 99.0);
+    FaultLat { what: what.into(), p50_us: p50, p99_us: p99, samples: n }
+}
+
+fn fault_latencies(o: &Opts, secret_path: &Path, secret: &Secret) -> Result<Vec<FaultLat>> {
+    let two = util::ncpus() >= 2;
+    let mut out = Vec::new();
+    // Raw uffd: MISSING fault resolved by a handler thread with UFFDIO_COPY.
+    out.push(percentiles(raw_uffd(o.fault_iters, two)?, "raw uffd round trip"));
+    // Raw TCP: 40-byte request, 4121-byte reply (our GET's sizes).
+    let raw = RawServer::start()?;
+    let pin = util::Pinning::split(&[raw.child.id()]);
+    let tcp = raw.rtt(b'G', o.fault_iters)?;
+    drop(pin);
+    out.push(percentiles(tcp, "raw TCP 4 KiB round trip"));
+    drop(raw);
+    // pagefleet: a page-in of one remote page (chunk 1), nothing else going on.
+    let d = util::ChildDaemon::start(256 << 20, secret_path)?;
+    let pages = 16384u64;
+    let mut cfg = pagefleet_region::Config::new(pages * 4096, 64);
+    cfg.servers = vec![d.addr.clone()];
+    cfg.secret = Some(secret.clone());
+    cfg.chunk_pages = 1;
+    cfg.sample_cpu_budget = 0.0;
+    let r = pagefleet_region::Region::new(cfg)?;
+    let base = r.as_ptr();
+    for p in 0..pages {
+        // SAFETY: inside the region.
+        unsafe { std::ptr::write_volatile(base.add(p as usize * 4096) as *mut u64, p) };
+    }
+    let t = Instant::now();
+    while r.stats().resident_pages > 64 && t.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    r.set_budget(pages);
+    if two {
+        util::set_affinity(0, &[0]);
+        util::set_affinity(r.pager_tid(), &[1]);
+        util::set_process_affinity(d.child.id(), &[0]);
+    }
+    let mut v = Vec::with_capacity(o.fault_iters);
+    let before = r.stats().page_ins;
+    for i in 0..(o.fault_iters as u64).min(pages - 128) {
+        let p = (i * 7919 + 64) % pages;
+        let t = Instant::now();
+        // SAFETY: inside the region.
+        let x = unsafe { std::ptr::read_volatile(base.add(p as usize * 4096) as *const u64) };
+        v.push(t.elapsed().as_secs_f64() * 1e6);
+        if x != p {
+            bail!("page {p} came back as {x}");
+        }
+    }
+    let ins = r.stats().page_ins - before;
+    if two {
+        let all: Vec<usize> = (0..util::ncpus()).collect();
+        util::set_affinity(0, &all);
+    }
+    // Only page-ins count (a page that happened to stay resident is not a fault).
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let v: Vec<f64> = v.split_off(v.len().saturating_sub(ins as usize));
+    out.push(percentiles(v, "pagefleet page-in"));
+    drop(r);
+    Ok(out)
+}
+
+fn raw_uffd(iters: usize, two: bool) -> Result<Vec<f64>> {
+    use pagefleet_uffd as uffd;
+    use std::os::fd::AsRawFd;
+    let pages = iters + 16;
+    let fd = uffd::memfd("raw-uffd", (pages * 4096) as u64)?;
+    let m = uffd::Mapping::shared(fd.as_raw_fd(), pages * 4096)?;
+    m.madvise(0, m.len, libc::MADV_NOHUGEPAGE)?;
+    let u = Arc::new(uffd::Uffd::open(uffd::FEATURE_MISSING_SHMEM)?);
+    u.register(m.base(), m.len as u64, uffd::MODE_MISSING)?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let (u2, s2) = (u.clone(), stop.clone());
+    let h = std::thread::spawn(move || {
+        if two {
+            util::set_affinity(0, &[1]);
+        }
+        let src = vec![7u8; 4096];
+        let mut fs = Vec::new();
+        while !s2.load(Relaxed) {
+            if u2.poll(5).unwrap_or(false) {
+                fs.clear();
+                let _ = u2.read_faults(&mut fs, 16);
+                for f in &fs {
+                    let _ = u2.copy(f.addr & !4095, src.as_ptr(), 4096, false);
+                }
+            }
+        }
+    });
+    if two {
+        util::set_affinity(0, &[0]);
+    }
+    std::thread::sleep(Duration::from_millis(20));
+    let mut v = Vec::with_capacity(iters);
+    for i in 0..iters {
+        let t = Instant::now();
+        // SAFETY: inside the mapping.
+        let x = unsafe { std::ptr::read_volatile(m.addr.add(i * 4096)) };
+        v.push(t.elapsed().as_secs_f64() * 1e6);
+        if x != 7 {
+            bail!("raw uffd page has wrong contents");
+        }
+    }
+    stop.store(true, Relaxed);
+    let _ = h.join();
+    if two {
+        let all: Vec<usize> = (0..util::ncpus()).collect();
+        util::set_affinity(0, &all);
+    }
+    Ok(v)
+}
