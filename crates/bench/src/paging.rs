@@ -34,11 +34,13 @@ pub struct Opts {
     pub fault_iters: usize,
     pub quick: bool,
     pub out_dir: PathBuf,
+    /// Only configurations whose name contains this (plus all-local).
+    pub only: Option<String>,
 }
 
 impl Opts {
     pub fn full(out_dir: PathBuf) -> Opts {
-        Opts { size: 512 << 20, conns: 16, measure_secs: 6, theta: 0.99, get_frac: 0.9, fault_iters: 4000, quick: false, out_dir }
+        Opts { size: 512 << 20, conns: 16, measure_secs: 6, theta: 0.99, get_frac: 0.9, fault_iters: 4000, quick: false, out_dir, only: None }
     }
     pub fn quick(out_dir: PathBuf) -> Opts {
         Opts { size: 128 << 20, measure_secs: 2, fault_iters: 500, quick: true, ..Opts::full(out_dir) }
@@ -144,7 +146,12 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
 
     let mut rows: Vec<Row> = Vec::new();
     for c in configs(o.quick) {
-        log(&format!("{}", c.name));
+        if let Some(f) = &o.only {
+            if c.kind != Kind::Local && !c.name.contains(f.as_str()) {
+                continue;
+            }
+        }
+        log(&c.name.to_string());
         let r = match run_config(o, &c, keys, &secret_path) {
             Ok(r) => r,
             Err(e) => Row {

@@ -77,6 +77,10 @@ struct BenchOpts {
     /// Skip the memcached peer.
     #[arg(long)]
     no_memcached: bool,
+    /// bench paging: run only the configurations whose name contains this
+    /// (all-local always runs, as the reference).
+    #[arg(long)]
+    only: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -196,6 +200,7 @@ fn bench_paging(o: BenchOpts) -> Result<()> {
     if let Some(r) = o.reps {
         opts.measure_secs = r.max(1) as u64;
     }
+    opts.only = o.only.clone();
     let mut log = |m: &str| eprintln!("  .. {m}");
     let report = paging::run(&opts, &mut log)?;
     if o.json {

@@ -52,6 +52,8 @@ pub(crate) struct Pager {
     cpu_budget: f64,
     minor_cost: Duration,
     full_warned: bool,
+    /// Between the high and low watermarks: keep evicting.
+    evicting: bool,
 }
 
 impl Pager {
@@ -108,6 +110,7 @@ impl Pager {
             cpu_budget: cfg.sample_cpu_budget,
             minor_cost: cfg.minor_fault_cost,
             full_warned: false,
+            evicting: false,
         })
     }
 
@@ -119,7 +122,8 @@ impl Pager {
         // SAFETY: gettid has no preconditions.
         self.shared.pager_tid.store(unsafe { libc::gettid() }, Relaxed);
         while !self.shared.stop.load(Relaxed) {
-            match self.uffd.poll(5) {
+            // While evicting, only peek for faults; otherwise sleep until one comes.
+            match self.uffd.poll(if self.evicting { 0 } else { 5 }) {
                 Ok(true) => {
                     self.faults.clear();
                     let mut faults = std::mem::take(&mut self.faults);
@@ -329,15 +333,47 @@ impl Pager {
     /// with the least max age among the next few resident chunks.
     fn balance(&mut self) {
         let budget = self.shared.budget.load(Relaxed);
-        if self.resident <= budget {
+        if self.state.len() as u64 <= budget {
+            self.evicting = false;
             return;
         }
+        // Watermarks: start evicting half a slack below the budget, stop a
+        // slack below it; evict in small batches between fault batches so a
+        // fault never waits behind a long eviction.
         let slack = (self.cp as u64 * 4).max(budget / 32);
-        let target = budget.saturating_sub(slack);
+        let high = budget.saturating_sub(slack / 2);
+        let low = budget.saturating_sub(slack);
+        if self.resident > high {
+            self.evicting = true;
+        }
+        if !self.evicting {
+            return;
+        }
+        if self.resident <= low {
+            self.evicting = false;
+            return;
+        }
+        // Over the budget itself: get back under it now, in batches of up
+        // to 2 MiB; between the watermarks: one small batch per loop.
         let mut steps = 0usize;
-        while self.resident > target && steps < self.chunks * 3 {
-            let Some(c) = self.next_victim(&mut steps) else { break };
-            if !self.page_out(c) {
+        loop {
+            let over = self.resident > budget;
+            let cap = if over { 512 } else { 64 };
+            let mut batch = Vec::new();
+            let mut pages = 0u64;
+            while self.resident - pages > low && pages < cap && steps < self.chunks * 3 {
+                let Some(c) = self.next_victim(&mut steps) else { break };
+                if batch.contains(&c) {
+                    break;
+                }
+                pages += self.chunk_res[c] as u64;
+                batch.push(c);
+            }
+            if batch.is_empty() || !self.page_out(&batch) {
+                self.evicting = false;
+                break;
+            }
+            if self.resident <= budget || !over {
                 break;
             }
         }
@@ -394,11 +430,14 @@ impl Pager {
         }
     }
 
-    /// Page out chunk `c` to the server with the most free room. Returns false
-    /// if no server can take it (balancing stops; the guest keeps running over budget).
-    fn page_out(&mut self, c: usize) -> bool {
-        let lo = c * self.cp;
-        let n = self.chunk_res[c] as u64;
+    /// Page out the chunks atomically, to the server with the most free
+    /// room: write-protect them, send their resident pages straight from the
+    /// shadow mapping (pipelined), wait for every ack, punch the holes,
+    /// update the location DB, unprotect (which wakes blocked writers; their
+    /// retry faults MISSING and pages back in). Returns false if no server can
+    /// take them (balancing stops; the guest keeps running over budget).
+    fn page_out(&mut self, chunks: &[usize]) -> bool {
+        let n: u64 = chunks.iter().map(|c| self.chunk_res[*c] as u64).sum();
         let Some(s) = (0..self.conns.len()).filter(|s| self.free[*s] >= n).max_by_key(|s| self.free[*s]) else {
             if !self.full_warned {
                 warn!("every memory server is full: the region stays over its budget");
@@ -406,32 +445,41 @@ impl Pager {
             }
             return false;
         };
-        let range = (self.addr(lo), (self.cp * PAGE) as u64);
-        if let Err(e) = self.uffd.writeprotect(range.0, range.1, true) {
-            self.internal(lo, e.to_string());
-            return false;
+        let span = (self.cp * PAGE) as u64;
+        for &c in chunks {
+            if let Err(e) = self.uffd.writeprotect(self.addr(c * self.cp), span, true) {
+                self.internal(c * self.cp, e.to_string());
+                return false;
+            }
         }
-        // Runs of resident pages, sent straight from the shadow mapping.
+        // Runs of resident pages.
         let mut runs = Vec::new();
-        let mut q = lo;
-        while q < lo + self.cp {
-            if self.state[q] != LOCAL {
-                q += 1;
-                continue;
+        for &c in chunks {
+            let lo = c * self.cp;
+            let mut q = lo;
+            while q < lo + self.cp {
+                if self.state[q] != LOCAL {
+                    q += 1;
+                    continue;
+                }
+                let start = q;
+                while q < lo + self.cp && self.state[q] == LOCAL && q - start < MAX_BATCH_PAGES {
+                    q += 1;
+                }
+                runs.push((start, q - start));
             }
-            let start = q;
-            while q < lo + self.cp && self.state[q] == LOCAL && q - start < MAX_BATCH_PAGES {
-                q += 1;
-            }
-            runs.push((start, q - start));
         }
         let region = self.region_id;
         let sent: Result<(), pagefleet_client::ClientError> = (|| {
-            let mut ids = Vec::new();
+            let mut ids = std::collections::VecDeque::new();
             for (start, len) in &runs {
                 // SAFETY: inside the shadow mapping; pages are resident and write-protected.
                 let data = unsafe { std::slice::from_raw_parts(self.shadow.addr.add(start * PAGE), len * PAGE) };
-                ids.push(self.conns[s].send_put(region, &PageSel::Run { first: *start as u64, count: *len as u32 }, data)?);
+                ids.push_back(self.conns[s].send_put(region, &PageSel::Run { first: *start as u64, count: *len as u32 }, data)?);
+                // Bound the acks outstanding so neither side's buffers fill up.
+                if ids.len() >= 64 {
+                    self.conns[s].recv_put(ids.pop_front().unwrap())?;
+                }
             }
             for id in ids {
                 self.conns[s].recv_put(id)?;
@@ -439,7 +487,9 @@ impl Pager {
             Ok(())
         })();
         if let Err(e) = sent {
-            let _ = self.uffd.writeprotect(range.0, range.1, false);
+            for &c in chunks {
+                let _ = self.uffd.writeprotect(self.addr(c * self.cp), span, false);
+            }
             if e.code() == Some(pagefleet_proto::ErrorCode::OutOfCapacity) {
                 debug!("memory server {} is full", self.addrs[s]);
                 self.free[s] = 0;
@@ -450,31 +500,46 @@ impl Pager {
                  pages already there cannot be trusted to come back.",
                 self.addrs[s], self.region_id
             );
-            self.fatal(msg, lo);
+            self.fatal(msg, chunks[0] * self.cp);
             return false;
         }
-        for (start, len) in &runs {
+        // Punch holes, coalescing adjacent runs.
+        let mut i = 0;
+        while i < runs.len() {
+            let (start, mut len) = runs[i];
+            let mut j = i + 1;
+            while j < runs.len() && runs[j].0 == start + len {
+                len += runs[j].1;
+                j += 1;
+            }
             if let Err(e) = uffd::punch_hole(self.memfd.as_raw_fd(), (start * PAGE) as u64, (len * PAGE) as u64) {
-                self.internal(*start, e.to_string());
+                self.internal(start, e.to_string());
                 return false;
             }
+            i = j;
+        }
+        for (start, len) in &runs {
             for q in *start..start + len {
                 self.state[q] = REMOTE + s as u8;
                 self.hist[q] = 0;
                 self.refb[q] = 0;
             }
         }
-        self.chunk_res[c] = 0;
+        for &c in chunks {
+            self.chunk_res[c] = 0;
+        }
         self.resident -= n;
         self.remote += n;
         self.free[s] -= n;
         let st = &self.shared.stats;
         st.page_outs.fetch_add(n, Relaxed);
-        st.page_out_chunks.fetch_add(1, Relaxed);
+        st.page_out_chunks.fetch_add(chunks.len() as u64, Relaxed);
         st.bytes_out.fetch_add(n * PAGE as u64, Relaxed);
-        if let Err(e) = self.uffd.writeprotect(range.0, range.1, false) {
-            self.internal(lo, e.to_string());
-            return false;
+        for &c in chunks {
+            if let Err(e) = self.uffd.writeprotect(self.addr(c * self.cp), span, false) {
+                self.internal(c * self.cp, e.to_string());
+                return false;
+            }
         }
         true
     }

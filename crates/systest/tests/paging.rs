@@ -62,7 +62,7 @@ fn pattern_test(policy: Policy, chunk: usize) {
     settle(|| r.stats().resident_pages <= r.stats().budget_pages);
     let st = r.stats();
     assert!(st.page_outs > pages, "expected constant page-out, got {} page-outs", st.page_outs);
-    assert!(st.page_ins > pages / 2, "expected constant page-in, got {} page-ins", st.page_ins);
+    assert!(st.page_ins > pages / 2, "expected constant page-in, got {} page-ins: {st:?}", st.page_ins);
     assert!(st.resident_pages <= st.budget_pages, "resident {} over budget {}", st.resident_pages, st.budget_pages);
     // Both servers were used.
     for s in c.addrs() {
