@@ -73,6 +73,8 @@ pub struct Row {
     pub ratio_to_local: f64,
     pub page_ins_per_sec: f64,
     pub page_outs: u64,
+    /// MINOR faults per second: the guest-visible cost of access sampling.
+    pub sampling_faults_per_sec: f64,
     pub fault_p50_us: Option<f64>,
     pub fault_p99_us: Option<f64>,
     pub error: Option<String>,
@@ -161,6 +163,7 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
                 ratio_to_local: 0.0,
                 page_ins_per_sec: 0.0,
                 page_outs: 0,
+                sampling_faults_per_sec: 0.0,
                 fault_p50_us: None,
                 fault_p99_us: None,
                 error: Some(format!("{e:#}")),
@@ -226,7 +229,11 @@ pub fn print_table(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
         r.get_frac * 100.0,
         r.measure_secs
     )?;
-    writeln!(out, "\n  {:<34} {:>10} {:>9} {:>12} {:>10} {:>9} {:>9}", "config", "ops/s", "x local", "page-ins/s", "page-outs", "p50 us", "p99 us")?;
+    writeln!(
+        out,
+        "\n  {:<34} {:>10} {:>9} {:>12} {:>10} {:>10} {:>9} {:>9}",
+        "config", "ops/s", "x local", "page-ins/s", "page-outs", "sampling/s", "p50 us", "p99 us"
+    )?;
     for row in &r.rows {
         if let Some(e) = &row.error {
             writeln!(out, "  {:<34} not measured: {e}", row.cfg.name)?;
@@ -235,12 +242,13 @@ pub fn print_table(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
         let f = |v: Option<f64>| v.map_or("-".to_string(), |x| format!("{x:.0}"));
         writeln!(
             out,
-            "  {:<34} {:>10.0} {:>9.3} {:>12.0} {:>10} {:>9} {:>9}",
+            "  {:<34} {:>10.0} {:>9.3} {:>12.0} {:>10} {:>10.0} {:>9} {:>9}",
             row.cfg.name,
             row.ops_per_sec,
             row.ratio_to_local,
             row.page_ins_per_sec,
             row.page_outs,
+            row.sampling_faults_per_sec,
             f(row.fault_p50_us),
             f(row.fault_p99_us)
         )?;
@@ -281,6 +289,9 @@ fn start_guest(o: &Opts, c: &Cfg, servers: &[String], secret_path: &Path, cgroup
     match c.kind {
         Kind::Region => {
             cmd.args(["--budget", &format!("{}%", c.budget_pct), "--policy", &c.policy, "--chunk", &c.chunk.to_string()]);
+            if let Ok(v) = std::env::var("PF_BENCH_SAMPLE_BUDGET") {
+                cmd.args(["--sample-budget", &v]);
+            }
             if !servers.is_empty() {
                 cmd.arg("--servers").arg(servers.join(","));
             }
@@ -436,6 +447,7 @@ fn run_config(o: &Opts, c: &Cfg, keys: u64, secret_path: &Path) -> Result<Row> {
         ratio_to_local: 0.0,
         page_ins_per_sec: if c.kind == Kind::Region { d("pf_page_ins") as f64 / secs } else { swapins as f64 / secs },
         page_outs: after.get("pf_page_outs").copied().unwrap_or(0),
+        sampling_faults_per_sec: d("pf_minor_faults") as f64 / secs,
         fault_p50_us: (c.kind == Kind::Region && d("pf_page_ins") > 0).then(|| after["pf_page_in_p50_us"] as f64),
         fault_p99_us: (c.kind == Kind::Region && d("pf_page_ins") > 0).then(|| after["pf_page_in_p99_us"] as f64),
         error: None,

@@ -43,3 +43,35 @@ fn bench_memserver_quick_json_has_results_and_goals() {
     }
     let _ = std::fs::remove_dir_all(&out_dir);
 }
+
+/// The paging benchmark runs end to end on a small guest (all-local and one
+/// pagefleet configuration) and reports every goal with its measured value.
+#[test]
+fn bench_paging_quick_json_has_rows_faults_and_goals() {
+    let out_dir = std::env::temp_dir().join(format!("pagefleet-bench-paging-smoke-{}", std::process::id()));
+    let out = Command::new(env!("CARGO_BIN_EXE_pagefleet"))
+        .args(["bench", "paging", "--quick", "--json", "--dataset", "64MiB", "--reps", "1", "--only", "50% clock c16", "--out"])
+        .arg(&out_dir)
+        .output()
+        .expect("run pagefleet bench paging");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "bench failed: {stderr}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stdout is one JSON object");
+    let rows = v["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    for r in rows {
+        assert!(r["error"].is_null(), "config failed: {r}");
+        assert!(r["ops_per_sec"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    let pf = rows.iter().find(|r| r["cfg"]["kind"] == "Region").unwrap();
+    assert!(pf["page_outs"].as_u64().unwrap() > 0, "a 50% budget must page out: {pf}");
+    let faults = v["faults"].as_array().unwrap();
+    assert_eq!(faults.len(), 3);
+    assert!(faults.iter().all(|f| f["p50_us"].as_f64().unwrap() > 0.0));
+    for g in v["goals"].as_array().unwrap() {
+        for k in ["name", "value", "target", "unit", "met"] {
+            assert!(!g[k].is_null(), "goal lacks {k}: {g}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&out_dir);
+}

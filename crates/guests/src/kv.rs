@@ -307,6 +307,7 @@ impl Kv {
     }
 
     /// incr/decr: Ok(Some(new)), Ok(None) when absent, Err when not a number.
+    #[allow(clippy::result_unit_err)]
     pub fn incr(&self, key: &[u8], delta: u64, up: bool) -> Result<Option<u64>, ()> {
         let _g = self.stripe(key);
         let cur = {

@@ -24,7 +24,7 @@ pub fn generate(mem: Mem, seed: u64) -> u64 {
     let mut rng = Rng::new(seed);
     for rec in s.chunks_exact_mut(RECORD) {
         for w in rec.chunks_mut(8) {
-            let v = rng.next().to_le_bytes();
+            let v = rng.next_u64().to_le_bytes();
             w.copy_from_slice(&v[..w.len()]);
         }
     }

@@ -132,7 +132,7 @@ pub fn run(mem: Mem, o: &Opts, mut tick: impl FnMut(usize, f64)) -> Outcome {
                 while !stop.load(Relaxed) {
                     for _ in 0..256 {
                         let page = match &o.dist {
-                            Dist::Uniform => rng.next() % pages,
+                            Dist::Uniform => rng.next_u64() % pages,
                             Dist::Zipf(_) => zipf.as_ref().unwrap().sample(rng.unit()),
                             Dist::Sequential => {
                                 seq = (seq + 1) % pages;
@@ -141,9 +141,9 @@ pub fn run(mem: Mem, o: &Opts, mut tick: impl FnMut(usize, f64)) -> Outcome {
                             Dist::HotCold { hot_frac, hot_prob } => {
                                 let hot = ((pages as f64 * hot_frac) as u64).max(1);
                                 if rng.unit() < *hot_prob {
-                                    rng.next() % hot
+                                    rng.next_u64() % hot
                                 } else {
-                                    hot + rng.next() % (pages - hot).max(1)
+                                    hot + rng.next_u64() % (pages - hot).max(1)
                                 }
                             }
                         };
