@@ -50,6 +50,7 @@ pub(crate) struct Pager {
     window_start: Instant,
     window_minor: u64,
     window_zaps: u64,
+    tick_secs: f64,
     cpu_budget: f64,
     minor_cost: Duration,
     full_warned: bool,
@@ -109,6 +110,7 @@ impl Pager {
             window_start: Instant::now(),
             window_minor: 0,
             window_zaps: 0,
+            tick_secs: std::env::var("PF_TICK_MS").ok().and_then(|v| v.parse::<f64>().ok()).unwrap_or(5.0) / 1000.0,
             cpu_budget: cfg.sample_cpu_budget,
             minor_cost: cfg.minor_fault_cost,
             full_warned: false,
@@ -559,15 +561,19 @@ impl Pager {
     fn sample_tick(&mut self) {
         let now = Instant::now();
         let dt = now.duration_since(self.last_tick).as_secs_f64();
-        if dt < 0.005 {
+        if dt < self.tick_secs {
             return;
         }
         self.last_tick = now;
         // Controller: keep the guest's cost of sampling faults within budget.
         let win = now.duration_since(self.window_start).as_secs_f64();
         if win >= 0.1 {
-            // Each sampling fault and each zap (a TLB shootdown) costs the guest.
-            let used = (self.window_minor as f64 + self.window_zaps as f64) * self.minor_cost.as_secs_f64();
+            // Each sampling fault and each zap (a TLB shootdown) costs the
+            // guest. A fault also turns a running thread into one waiting for
+            // a CPU: on an oversubscribed host that wait grows with the run
+            // queue, so the estimated cost does too.
+            let per = self.minor_cost.as_secs_f64() * runqueue_factor();
+            let used = (self.window_minor as f64 + self.window_zaps as f64) * per;
             let allowed = self.cpu_budget * win;
             if used > allowed {
                 self.rate = (self.rate * (allowed / used) * 0.8).max(1.0);
@@ -625,4 +631,13 @@ impl Pager {
         // The caller zaps the PTEs (page cache stays): the next touch is a MINOR fault.
         self.shared.stats.sampled_chunks.fetch_add(1, Relaxed);
     }
+}
+
+/// Runnable threads per CPU right now (at least 1), from /proc/loadavg.
+fn runqueue_factor() -> f64 {
+    let Ok(s) = std::fs::read_to_string("/proc/loadavg") else { return 1.0 };
+    let running = s.split_whitespace().nth(3).and_then(|f| f.split('/').next()).and_then(|r| r.parse::<f64>().ok());
+    // SAFETY: sysconf has no preconditions.
+    let cpus = (unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }).max(1) as f64;
+    running.map_or(1.0, |r| (r / cpus).max(1.0))
 }
