@@ -110,7 +110,7 @@ impl Pager {
             window_start: Instant::now(),
             window_minor: 0,
             window_zaps: 0,
-            tick_secs: std::env::var("PF_TICK_MS").ok().and_then(|v| v.parse::<f64>().ok()).unwrap_or(5.0) / 1000.0,
+            tick_secs: 0.005,
             cpu_budget: cfg.sample_cpu_budget,
             minor_cost: cfg.minor_fault_cost,
             full_warned: false,
@@ -137,27 +137,30 @@ impl Pager {
         while !self.shared.stop.load(Relaxed) {
             // While evicting, only peek for faults; otherwise sleep until one comes.
             match self.uffd.poll(if self.evicting { 0 } else { 5 }) {
-                Ok(true) => {
-                    self.faults.clear();
-                    let mut faults = std::mem::take(&mut self.faults);
-                    match self.uffd.read_faults(&mut faults, 64) {
-                        Ok(_) => {
-                            let t = Instant::now();
-                            for f in &faults {
-                                self.handle(*f, t);
-                            }
-                            self.shared.stats.fault_ns.fetch_add(t.elapsed().as_nanos() as u64, Relaxed);
-                        }
-                        Err(e) => warn!("reading userfaultfd: {e}"),
-                    }
-                    self.faults = faults;
-                }
+                Ok(true) => self.serve_pending(),
                 Ok(false) => {}
                 Err(e) => warn!("polling userfaultfd: {e}"),
             }
             self.balance();
             self.sample_tick();
         }
+    }
+
+    /// Read and serve the fault events queued now (non-blocking).
+    fn serve_pending(&mut self) {
+        self.faults.clear();
+        let mut faults = std::mem::take(&mut self.faults);
+        match self.uffd.read_faults(&mut faults, 64) {
+            Ok(_) => {
+                let t = Instant::now();
+                for f in &faults {
+                    self.handle(*f, t);
+                }
+                self.shared.stats.fault_ns.fetch_add(t.elapsed().as_nanos() as u64, Relaxed);
+            }
+            Err(e) => warn!("reading userfaultfd: {e}"),
+        }
+        self.faults = faults;
     }
 
     fn publish(&self) {
@@ -175,7 +178,10 @@ impl Pager {
         let s = &self.shared.stats;
         match f.kind {
             FaultKind::Missing => s.missing_faults.fetch_add(1, Relaxed),
-            FaultKind::Minor => s.minor_faults.fetch_add(1, Relaxed),
+            // Only MINOR faults on resident pages are sampling faults; a MINOR
+            // fault on a remote page is a stale event served as a page-in.
+            FaultKind::Minor if st == LOCAL => s.minor_faults.fetch_add(1, Relaxed),
+            FaultKind::Minor => s.missing_faults.fetch_add(1, Relaxed),
             FaultKind::WriteProtect => s.wp_faults.fetch_add(1, Relaxed),
         };
         match (f.kind, st) {
@@ -370,6 +376,11 @@ impl Pager {
         // to 2 MiB; between the watermarks: one small batch per loop.
         let mut steps = 0usize;
         loop {
+            // Serve the faults queued meanwhile first: a queued touch is a
+            // reference, and a page about to be used must not be chosen.
+            if self.uffd.poll(0).unwrap_or(false) {
+                self.serve_pending();
+            }
             let over = self.resident > budget;
             let cap = if over { 512 } else { 64 };
             let mut batch = Vec::new();
@@ -412,11 +423,14 @@ impl Pager {
                 if self.hotness(c) == 0 || *steps > self.chunks * 2 {
                     return Some(c);
                 }
+                // Second chance: clear the bits. Whether the chunk is touched
+                // again is seen by the (budgeted) sampler or by a page-in:
+                // zapping here too would make every hot chunk fault once per
+                // revolution, unbudgeted.
                 let lo = c * self.cp;
                 self.refb[lo..lo + self.cp].fill(0);
                 self.hist[lo..lo + self.cp].fill(0);
-                let _ = self.guest.madvise(lo * PAGE, self.cp * PAGE, libc::MADV_DONTNEED);
-                self.shared.stats.sampled_chunks.fetch_add(1, Relaxed);
+
             },
             Policy::Aging => {
                 const WINDOW: usize = 32;
