@@ -132,6 +132,7 @@ pub struct Conn {
     pub addr: String,
     pub info: ServerInfo,
     window: usize,
+    spin: Duration,
 }
 
 fn resolve(addr: &str) -> io::Result<SocketAddr> {
@@ -160,6 +161,7 @@ impl Conn {
             addr: addr.to_string(),
             info: ServerInfo { server_id: 0, capacity_pages: 0, used_pages: 0, max_batch_pages: 0 },
             window: opts.window.max(1),
+            spin: Duration::ZERO,
         };
         let (h, body) = c.read_frame()?;
         if h.opcode != Opcode::Welcome as u8 {
@@ -208,6 +210,30 @@ impl Conn {
         self.window = window.max(1);
     }
 
+    /// Busy-poll up to this long for a reply before sleeping in `read`.
+    /// A reply due within a loopback/LAN round trip then costs no sleep and
+    /// wake-up (the paging runtime uses this on its latency-critical path).
+    pub fn set_spin(&mut self, spin: Duration) {
+        self.spin = spin;
+    }
+
+    fn spin_until_readable(&mut self) {
+        if self.spin.is_zero() || !self.rb.is_empty() {
+            return;
+        }
+        use std::os::fd::AsRawFd;
+        let t = Instant::now();
+        let mut b = [0u8; 1];
+        while t.elapsed() < self.spin {
+            // SAFETY: one-byte peek into a local buffer.
+            let n = unsafe { libc::recv(self.stream.as_raw_fd(), b.as_mut_ptr().cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+            if n != -1 {
+                return;
+            }
+            std::hint::spin_loop();
+        }
+    }
+
     fn id(&mut self) -> u64 {
         let id = self.next_id;
         self.next_id += 1;
@@ -240,6 +266,7 @@ impl Conn {
     }
 
     fn read_header(&mut self) -> Result<Header> {
+        self.spin_until_readable();
         match self.rb.fill_to(&mut self.stream, HEADER_LEN) {
             Ok(true) => {}
             Ok(false) => {

@@ -70,7 +70,10 @@ impl Pager {
         if let Some(secret) = &cfg.secret {
             for a in &cfg.servers {
                 let opts = ConnectOptions { name: format!("{}-pager", cfg.name), window: 4, ..Default::default() };
-                let c = Conn::connect(a, secret, &opts)?;
+                let mut c = Conn::connect(a, secret, &opts)?;
+                // Page-ins are on the guest's critical path: spin for the
+                // reply rather than sleep through a wake-up.
+                c.set_spin(Duration::from_micros(60));
                 free.push(c.info.capacity_pages.saturating_sub(c.info.used_pages));
                 conns.push(c);
             }

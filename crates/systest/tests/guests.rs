@@ -142,3 +142,41 @@ fn sort_guest_sorts_through_a_small_budget() {
     assert!(out.contains("\"sorted\":true"), "{out}");
     assert!(out.contains("\"page_outs\""), "{out}");
 }
+
+/// Unprivileged guests work: the runtime uses UFFD_USER_MODE_ONLY, which
+/// vm.unprivileged_userfaultfd=0 requires. Runs as `nobody` via setpriv when
+/// the test runs as root (as in CI); as non-root it runs as itself.
+#[test]
+fn unprivileged_guest_pages_to_a_server() {
+    let c = Cluster::start(1, "64MiB");
+    let dir = tempdir("nonroot");
+    let secret = dir.join("secret");
+    std::fs::copy(&c.secret_file, &secret).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o644)).unwrap();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let root = unsafe { libc::geteuid() } == 0;
+    let mut cmd = if root {
+        let mut c = Command::new("setpriv");
+        c.args(["--reuid", "65534", "--regid", "65534", "--clear-groups"]).arg(bin("pagefleet"));
+        c
+    } else {
+        Command::new(bin("pagefleet"))
+    };
+    let out = cmd
+        .arg("--secret-file")
+        .arg(&secret)
+        .args(["run", "synthetic", "--size", "16MiB", "--budget", "25%", "--dist", "uniform", "--prefill", "--duration", "2", "--json"])
+        .arg("--servers")
+        .arg(c.addrs().join(","))
+        .output()
+        .expect("run guest");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "unprivileged guest failed: {err}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let v: Vec<&str> = text.split("\"page_outs\":").collect();
+    assert!(v.len() > 1, "{text}");
+    let page_outs: u64 = v[1].split(|ch: char| !ch.is_ascii_digit()).next().unwrap().parse().unwrap();
+    assert!(page_outs > 0, "expected paging as an unprivileged user: {text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
