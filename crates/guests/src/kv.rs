@@ -11,7 +11,7 @@ use crate::Mem;
 use std::io::{BufRead, BufReader, BufWriter, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tracing::{debug, warn};
 
@@ -59,7 +59,9 @@ pub struct Kv {
     pub extra_stats: Option<ExtraStats>,
     /// Bucket-striped locks: a page fault while one request holds its stripe
     /// (the item is on a memory server) does not stall requests elsewhere.
-    stripes: Vec<Mutex<()>>,
+    /// Readers share a stripe: a get that faults (its item is on a memory
+    /// server) holds up only the writers of that stripe, not other gets.
+    stripes: Vec<RwLock<()>>,
     /// Guards the allocator and the header counters.
     alloc_lock: Mutex<()>,
     pub ops: AtomicU64,
@@ -102,7 +104,7 @@ fn abs_exptime(e: i64) -> u32 {
 impl Kv {
     /// Open the table in `mem`, creating it if the memory does not hold one.
     pub fn open(mem: Mem) -> Kv {
-        let kv = Kv { mem, extra_stats: None, stripes: (0..STRIPES).map(|_| Mutex::new(())).collect(), alloc_lock: Mutex::new(()), ops: AtomicU64::new(0), gets: AtomicU64::new(0), hits: AtomicU64::new(0), sets: AtomicU64::new(0) };
+        let kv = Kv { mem, extra_stats: None, stripes: (0..STRIPES).map(|_| RwLock::new(())).collect(), alloc_lock: Mutex::new(()), ops: AtomicU64::new(0), gets: AtomicU64::new(0), hits: AtomicU64::new(0), sets: AtomicU64::new(0) };
         if kv.r(H_MAGIC) != MAGIC {
             kv.format();
         }
@@ -156,9 +158,29 @@ impl Kv {
         4096 + (hash(key) as usize & (self.r(H_NBUCKETS) as usize - 1)) * 8
     }
 
-    fn stripe(&self, key: &[u8]) -> std::sync::MutexGuard<'_, ()> {
+    fn stripe(&self, key: &[u8]) -> RwLockWriteGuard<'_, ()> {
         let b = (self.bucket(key) - 4096) / 8;
-        self.stripes[b % STRIPES].lock().unwrap_or_else(|e| e.into_inner())
+        self.stripes[b % STRIPES].write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn stripe_read(&self, key: &[u8]) -> RwLockReadGuard<'_, ()> {
+        let b = (self.bucket(key) - 4096) / 8;
+        self.stripes[b % STRIPES].read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Look up without modifying anything (safe under a read lock): an
+    /// expired item is a miss here and is unlinked by the next writer.
+    fn find_ro(&self, key: &[u8]) -> Option<usize> {
+        let mut it = self.r(self.bucket(key)) as usize;
+        let t = now();
+        while it != 0 {
+            if self.i_key(it) == key {
+                let (_, exp, ..) = self.i_meta(it);
+                return (exp == 0 || exp > t).then_some(it);
+            }
+            it = self.i_next(it);
+        }
+        None
     }
 
     // item field accessors
@@ -254,9 +276,9 @@ impl Kv {
 
     /// Get: (flags, cas, value) copied out.
     pub fn get(&self, key: &[u8]) -> Option<(u32, u64, Vec<u8>)> {
-        let _g = self.stripe(key);
+        let _g = self.stripe_read(key);
         self.gets.fetch_add(1, Relaxed);
-        let (_, it) = self.find(key)?;
+        let it = self.find_ro(key)?;
         let (cas, _, flags, vlen, klen, _) = self.i_meta(it);
         self.hits.fetch_add(1, Relaxed);
         Some((flags, cas, self.bytes(it + ITEM_HDR + klen, vlen).to_vec()))
@@ -336,7 +358,7 @@ impl Kv {
     }
 
     pub fn flush_all(&self) {
-        let _all: Vec<_> = self.stripes.iter().map(|m| m.lock().unwrap_or_else(|e| e.into_inner())).collect();
+        let _all: Vec<_> = self.stripes.iter().map(|m| m.write().unwrap_or_else(|e| e.into_inner())).collect();
         let _a = self.alloc_lock.lock().unwrap_or_else(|e| e.into_inner());
         self.format();
     }
