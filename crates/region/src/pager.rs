@@ -56,6 +56,8 @@ pub(crate) struct Pager {
     full_warned: bool,
     /// Between the high and low watermarks: keep evicting.
     evicting: bool,
+    /// Remote faults of the current batch: (page, server).
+    pending_in: Vec<(usize, usize)>,
 }
 
 impl Pager {
@@ -118,6 +120,7 @@ impl Pager {
             minor_cost: cfg.minor_fault_cost,
             full_warned: false,
             evicting: false,
+            pending_in: Vec::new(),
         })
     }
 
@@ -158,6 +161,11 @@ impl Pager {
                 let t = Instant::now();
                 for f in &faults {
                     self.handle(*f, t);
+                }
+                // Remote faults of this batch go out together: one pipelined
+                // burst per server, so their round trips overlap.
+                if !self.pending_in.is_empty() {
+                    self.page_in_batch(t);
                 }
                 self.shared.stats.fault_ns.fetch_add(t.elapsed().as_nanos() as u64, Relaxed);
             }
@@ -202,7 +210,16 @@ impl Pager {
             }
             // Stale: the page was installed by a chunk page-in meanwhile.
             (FaultKind::Missing, LOCAL) => self.wake(p),
-            (_, s) => self.page_in(p, (s - REMOTE) as usize, t_read),
+            (_, s) => {
+                let _ = t_read;
+                let s = (s - REMOTE) as usize;
+                // One page-in per chunk, server and batch: a second fault in the
+                // same chunk on the same server is served by the first one's
+                // rest-of-chunk transfer (which covers every page there).
+                if !self.pending_in.iter().any(|(q, s2)| q / self.cp == p / self.cp && *s2 == s) {
+                    self.pending_in.push((p, s));
+                }
+            }
         }
     }
 
@@ -267,44 +284,63 @@ impl Pager {
         self.publish();
     }
 
-    /// Bring page `p` back from server `s`: the faulting page first, then the
-    /// rest of its chunk that lives on the same server.
-    fn page_in(&mut self, p: usize, s: usize, t_read: Instant) {
-        let c = p / self.cp;
-        let lo = c * self.cp;
-        let tag = (REMOTE as usize + s) as u8;
-        let rest: Vec<u64> = (lo..lo + self.cp).filter(|q| *q != p && self.state[*q] == tag).map(|q| q as u64).collect();
+    /// Bring back the pages of this batch's remote faults: for every server,
+    /// first the faulting pages (each installed, and its thread woken, as
+    /// soon as it arrives), then the rest of their chunks that live there.
+    fn page_in_batch(&mut self, t_read: Instant) {
+        let pending = std::mem::take(&mut self.pending_in);
         let region = self.region_id;
-        let conn = &mut self.conns[s];
-        let first = conn.queue_get(region, &PageSel::Run { first: p as u64, count: 1 }, GetMode::Take, false);
-        let mut ids = Vec::new();
-        let mut result = first.and_then(|id| {
-            for part in rest.chunks(MAX_BATCH_PAGES) {
-                ids.push(conn.queue_get(region, &PageSel::List(part.to_vec()), GetMode::Take, false)?);
+        let mut servers: Vec<usize> = pending.iter().map(|x| x.1).collect();
+        servers.sort_unstable();
+        servers.dedup();
+        for s in servers {
+            let tag = (REMOTE as usize + s) as u8;
+            let firsts: Vec<usize> = pending.iter().filter(|x| x.1 == s).map(|x| x.0).collect();
+            let rests: Vec<Vec<u64>> = firsts
+                .iter()
+                .map(|&p| {
+                    let lo = p / self.cp * self.cp;
+                    (lo..lo + self.cp).filter(|q| *q != p && self.state[*q] == tag).map(|q| q as u64).collect()
+                })
+                .collect();
+            let conn = &mut self.conns[s];
+            let mut first_ids = Vec::new();
+            let mut rest_ids = Vec::new();
+            let queued: Result<(), pagefleet_client::ClientError> = (|| {
+                for &p in &firsts {
+                    first_ids.push(conn.queue_get(region, &PageSel::Run { first: p as u64, count: 1 }, GetMode::Take, false)?);
+                }
+                for rest in &rests {
+                    for part in rest.chunks(MAX_BATCH_PAGES) {
+                        rest_ids.push((conn.queue_get(region, &PageSel::List(part.to_vec()), GetMode::Take, false)?, part.to_vec()));
+                    }
+                }
+                conn.flush()
+            })();
+            if let Err(e) = queued {
+                return self.lost(firsts[0], s, e);
             }
-            conn.flush()?;
-            conn.recv_get(id, &mut self.buf[..PAGE]).map(|_| ())
-        });
-        if result.is_ok() {
-            match self.uffd.copy(self.addr(p), self.buf.as_ptr(), PAGE as u64, false) {
-                Ok(_) => {}
-                Err(e) => return self.internal(p, e.to_string()),
-            }
-            self.set_local(p);
-            self.refb[p] = 1;
             let shared = self.shared.clone();
             let st = &shared.stats;
-            st.page_in_latency.record_us(t_read.elapsed().as_secs_f64() * 1e6);
-            st.page_ins.fetch_add(1, Relaxed);
-            st.page_in_requests.fetch_add(1, Relaxed);
-            st.bytes_in.fetch_add(PAGE as u64, Relaxed);
-            self.free[s] += 1;
-            for (k, id) in ids.into_iter().enumerate() {
-                let part = &rest[k * MAX_BATCH_PAGES..((k + 1) * MAX_BATCH_PAGES).min(rest.len())];
+            for (&p, id) in firsts.iter().zip(first_ids) {
+                if let Err(e) = self.conns[s].recv_get(id, &mut self.buf[..PAGE]) {
+                    return self.lost(p, s, e);
+                }
+                if let Err(e) = self.uffd.copy(self.addr(p), self.buf.as_ptr(), PAGE as u64, false) {
+                    return self.internal(p, e.to_string());
+                }
+                self.set_local(p);
+                self.refb[p] = 1;
+                st.page_in_latency.record_us(t_read.elapsed().as_secs_f64() * 1e6);
+                st.page_ins.fetch_add(1, Relaxed);
+                st.page_in_requests.fetch_add(1, Relaxed);
+                st.bytes_in.fetch_add(PAGE as u64, Relaxed);
+                self.free[s] += 1;
+            }
+            for (id, part) in rest_ids {
                 let len = part.len() * PAGE;
                 if let Err(e) = self.conns[s].recv_get(id, &mut self.buf[..len]) {
-                    result = Err(e);
-                    break;
+                    return self.lost(part[0] as usize, s, e);
                 }
                 // Install contiguous runs with one ioctl each.
                 let mut i = 0;
@@ -329,14 +365,16 @@ impl Pager {
             }
         }
         self.publish();
-        if let Err(e) = result {
-            let msg = format!(
-                "pagefleet: page {p} of region {:#x} cannot be brought back from memory server {}: {e}. \
-                 The guest cannot continue without its memory.",
-                self.region_id, self.addrs[s]
-            );
-            self.fatal(msg, p);
-        }
+    }
+
+    fn lost(&mut self, p: usize, s: usize, e: pagefleet_client::ClientError) {
+        self.publish();
+        let msg = format!(
+            "pagefleet: page {p} of region {:#x} cannot be brought back from memory server {}: {e}. \
+             The guest cannot continue without its memory.",
+            self.region_id, self.addrs[s]
+        );
+        self.fatal(msg, p);
     }
 
     fn hotness(&self, c: usize) -> u32 {
