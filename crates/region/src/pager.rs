@@ -627,7 +627,14 @@ impl Pager {
             // guest. A fault also turns a running thread into one waiting for
             // a CPU: on an oversubscribed host that wait grows with the run
             // queue, so the estimated cost does too.
-            let per = self.minor_cost.as_secs_f64() * runqueue_factor();
+            let rq = runqueue_factor();
+            let per = self.minor_cost.as_secs_f64() * rq;
+            // Spinning for replies only pays on a host with idle CPUs: on an
+            // oversubscribed one it takes the CPU the server or a guest needs.
+            let spin = if rq <= 1.0 { Duration::from_micros(60) } else { Duration::ZERO };
+            for c in self.conns.iter_mut() {
+                c.set_spin(spin);
+            }
             let used = (self.window_minor as f64 + self.window_zaps as f64) * per;
             let allowed = self.cpu_budget * win;
             if used > allowed {
