@@ -44,7 +44,7 @@ impl Opts {
     pub fn full(out_dir: PathBuf) -> Opts {
         Opts {
             dataset: 512 << 20,
-            reps: 3,
+            reps: 5,
             rtt_iters: 20000,
             batches: vec![1, 4, 16, 32],
             conns: vec![1, 4],
@@ -343,11 +343,15 @@ pub fn print_table(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
 
 // ---- pagefleet measurement -------------------------------------------------
 
-fn window_for(batch: usize) -> usize {
-    // Keep about 1 MiB in flight (at least 16 frames), as for every system.
-    let w: usize = std::env::var("PF_WINDOW").ok().and_then(|v| v.parse().ok()).unwrap_or(16);
+/// Frames kept in flight: page-out keeps ~1 MiB (at least 16 frames),
+/// page-in ~1 MiB (at least 8 frames: big replies already fill the pipe, and
+/// a deeper queue only adds cache pressure). Applied alike to every system.
+fn window_for(batch: usize, op: &str) -> usize {
+    let min = if op == "page-in" { 8 } else { 16 };
+    let w: usize = std::env::var("PF_WINDOW").ok().and_then(|v| v.parse().ok()).unwrap_or(min);
     (256 / batch).max(w)
 }
+
 
 fn ring(seed: u8) -> Vec<u8> {
     (0..RING_PAGES * P).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
@@ -359,7 +363,7 @@ fn pf_bulk(addr: &str, secret: &Secret, dataset: u64, conns: usize, batch: usize
     let mut cs: Vec<Conn> = (0..conns)
         .map(|i| {
             let mut c = Conn::connect(addr, secret, &ConnectOptions { name: format!("bench-{i}"), ..Default::default() })?;
-            c.set_window(window_for(batch));
+            c.set_window(window_for(batch, "page-out"));
             Ok(c)
         })
         .collect::<Result<_>>()?;
@@ -408,6 +412,9 @@ fn pf_bulk(addr: &str, secret: &Secret, dataset: u64, conns: usize, batch: usize
     };
     // Page-out is timed before page-in (t includes only the operation).
     let po = run(&|c, r, b| put(c, r, b), &mut cs)?;
+    for c in cs.iter_mut() {
+        c.set_window(window_for(batch, "page-in"));
+    }
     let pi = run(&|c, r, b| take(c, r, b), &mut cs)?;
     Ok((po, pi))
 }
@@ -708,7 +715,7 @@ impl Memcached {
     fn bulk(&self, dataset: u64, conns: usize, batch: usize) -> Result<(f64, f64)> {
         let pages_per = dataset as usize / P / conns;
         let src = ring(2);
-        let window = window_for(batch);
+        let (wput, wget) = (window_for(batch, "page-out"), window_for(batch, "page-in"));
         let mut streams: Vec<TcpStream> = (0..conns)
             .map(|_| {
                 let s = TcpStream::connect(&self.addr)?;
@@ -742,7 +749,7 @@ impl Memcached {
             let (mut sent, mut done) = (0usize, 0usize);
             let mut line = String::new();
             while done < frames {
-                while sent < frames && sent - done < window {
+                while sent < frames && sent - done < wput {
                     let lo = sent * batch;
                     let hi = (lo + batch).min(pages_per);
                     let cmds: Vec<String> = (lo..hi).map(|p| format!("set {} 0 0 {P}\r\n", key(c, p))).collect();
@@ -775,7 +782,7 @@ impl Memcached {
             let mut line = String::new();
             while done < frames {
                 let mut req = String::new();
-                while sent < frames && sent - done < window {
+                while sent < frames && sent - done < wget {
                     let lo = sent * batch;
                     let hi = (lo + batch).min(pages_per);
                     req.push_str("get");

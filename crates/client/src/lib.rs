@@ -408,14 +408,24 @@ impl Conn {
         }
         let mut missing = Vec::new();
         {
+            // Runs of present pages are contiguous in `dst`: one iovec each.
             let mut iov: Vec<IoSliceMut<'_>> = Vec::with_capacity(head.present as usize);
-            for (i, page) in dst.chunks_mut(PAGE_SIZE).enumerate() {
-                if head.is_present(i) {
-                    iov.push(IoSliceMut::new(page));
-                } else {
-                    page.fill(0);
-                    missing.push(i as u32);
+            let mut rest: &mut [u8] = dst;
+            let mut i = 0usize;
+            while i < count as usize {
+                let mut j = i;
+                while j < count as usize && head.is_present(j) == head.is_present(i) {
+                    j += 1;
                 }
+                let (run, tail) = std::mem::take(&mut rest).split_at_mut((j - i) * PAGE_SIZE);
+                rest = tail;
+                if head.is_present(i) {
+                    iov.push(IoSliceMut::new(run));
+                } else {
+                    run.fill(0);
+                    missing.extend(i as u32..j as u32);
+                }
+                i = j;
             }
             self.rb.read_exact_vectored(&mut self.stream, &mut iov).map_err(|e| ClientError::Io { addr: self.addr.clone(), source: e })?;
         }

@@ -419,17 +419,27 @@ impl<'a, T: Transport> Session<'a, T> {
         }
         let read = {
             let mut staging = self.staging.chunks_mut(PAGE_SIZE);
-            let mut iov: Vec<IoSliceMut<'_>> = Vec::with_capacity(n);
+            // Destination of each page: its fresh slot, or its staging page.
+            let mut ptrs: Vec<*mut u8> = Vec::with_capacity(n);
             for t in &plan.targets {
-                iov.push(match *t {
+                let st = staging.next().map(|c| c.as_mut_ptr());
+                ptrs.push(match *t {
                     // SAFETY: fresh slots are reserved for this plan alone.
-                    PutTarget::Fresh(s) => IoSliceMut::new(unsafe { store.fresh_slot_mut(s) }),
-                    PutTarget::Overwrite => IoSliceMut::new(staging.next().unwrap()),
+                    PutTarget::Fresh(s) => unsafe { store.fresh_slot_mut(s) }.as_mut_ptr(),
+                    PutTarget::Overwrite => st.expect("staging sized for the frame"),
                 });
-                if *t != PutTarget::Overwrite {
-                    // keep staging index aligned with page index
-                    staging.next();
+            }
+            // Adjacent destinations become one iovec (fewer, longer copies).
+            let mut iov: Vec<IoSliceMut<'_>> = Vec::with_capacity(n);
+            let mut i = 0;
+            while i < n {
+                let mut j = i + 1;
+                while j < n && ptrs[j] == ptrs[j - 1].wrapping_add(PAGE_SIZE) {
+                    j += 1;
                 }
+                // SAFETY: pages i..j are adjacent, each owned by this frame.
+                iov.push(IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(ptrs[i], (j - i) * PAGE_SIZE) }));
+                i = j;
             }
             self.rb.read_exact_vectored(self.t, &mut iov)
         };
@@ -498,9 +508,17 @@ impl<'a, T: Transport> Session<'a, T> {
             let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(2 + present as usize);
             iov.push(IoSlice::new(&self.out));
             iov.push(IoSlice::new(&meta));
-            for s in plan.slots.iter().flatten() {
-                // SAFETY: the slot is pinned (keep) or taken by this plan.
-                iov.push(IoSlice::new(unsafe { store.slot(*s) }));
+            // SAFETY: the slots are pinned (keep) or taken by this plan.
+            let ptrs: Vec<*const u8> = plan.slots.iter().flatten().map(|s| unsafe { store.slot(*s) }.as_ptr()).collect();
+            let mut i = 0;
+            while i < ptrs.len() {
+                let mut j = i + 1;
+                while j < ptrs.len() && ptrs[j] == ptrs[j - 1].wrapping_add(PAGE_SIZE) {
+                    j += 1;
+                }
+                // SAFETY: adjacent slots of this plan.
+                iov.push(IoSlice::new(unsafe { std::slice::from_raw_parts(ptrs[i], (j - i) * PAGE_SIZE) }));
+                i = j;
             }
             write_all_vectored(self.t, &mut iov)
         };
