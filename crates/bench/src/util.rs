@@ -72,7 +72,7 @@ impl ChildDaemon {
     pub fn start(lend_bytes: u64, secret_path: &Path) -> Result<ChildDaemon> {
         let bin = sibling_binary("pagefleetd")?;
         let mut child = Command::new(&bin)
-            .args(["--lend", &lend_bytes.to_string(), "--listen", "127.0.0.1:0", "--metrics", "off", "--log", "warn"])
+            .args(["--lend", &lend_bytes.to_string(), "--listen", "127.0.0.1:0", "--metrics", "off", "--log", "error"])
             .arg("--secret-file")
             .arg(secret_path)
             .env_remove("PAGEFLEET_SECRET")

@@ -29,7 +29,7 @@ pub struct Server {
 impl Server {
     pub fn start(lend: &str, secret_file: &std::path::Path) -> Server {
         let mut child = Command::new(bin("pagefleetd"))
-            .args(["--lend", lend, "--listen", "127.0.0.1:0", "--metrics", "off", "--log", "warn"])
+            .args(["--lend", lend, "--listen", "127.0.0.1:0", "--metrics", "off", "--log", "error"])
             .arg("--secret-file")
             .arg(secret_file)
             .env_remove("PAGEFLEET_SECRET")

@@ -28,7 +28,7 @@ impl Daemon {
         std::fs::write(&secret_path, "test-secret-0123456789abcdef\n").unwrap();
         let secret = Secret::load(&secret_path).unwrap();
         let mut child = Command::new(env!("CARGO_BIN_EXE_pagefleetd"))
-            .args(["--lend", lend, "--listen", "127.0.0.1:0", "--log", "warn"])
+            .args(["--lend", lend, "--listen", "127.0.0.1:0", "--log", "error"])
             .arg("--secret-file")
             .arg(&secret_path)
             .args(extra)
