@@ -6,8 +6,10 @@ SHELL := /bin/bash
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 CARGO ?= cargo
 # Debian packages: memcached is the peer page store in the memory-server
-# benchmark; python3-venv hosts the plotting environment.
-APT_PKGS := build-essential pkg-config python3 python3-venv memcached libmemcached-tools
+# benchmark and libmemcached-tools the real clients of the kv guest;
+# python3-venv hosts the plotting environment; iproute2 builds the testbed;
+# util-linux has mkswap/swapon/setpriv for the swap baselines and tests.
+APT_PKGS := build-essential pkg-config python3 python3-venv memcached libmemcached-tools iproute2 util-linux
 VENV := .venv
 FUZZ_SECONDS ?= 30
 

@@ -41,6 +41,10 @@ enum Cmd {
     ///
     /// Example: pagefleet run synthetic --size 2GiB --budget 50% --servers 127.0.0.1:7070
     Run(run::RunArgs),
+    /// A multi-host lab on this machine: network namespaces joined through a
+    /// bridge, links shaped with tc tbf, one pagefleetd per host (root only).
+    #[command(subcommand)]
+    Testbed(TestbedCmd),
 }
 
 #[derive(Subcommand)]
@@ -84,6 +88,95 @@ struct BenchOpts {
 }
 
 #[derive(Subcommand)]
+enum TestbedCmd {
+    /// Create the hosts (removing any earlier lab with the same prefix first).
+    Up {
+        #[arg(long, default_value_t = 3)]
+        hosts: usize,
+        /// Link rate: 10gbit, 1gbit or none.
+        #[arg(long, default_value = "10gbit")]
+        link: pagefleet_testbed::Link,
+        /// Memory each host's pagefleetd lends.
+        #[arg(long, default_value = "1GiB", value_parser = units::parse_size)]
+        lend: u64,
+        /// Name prefix of the lab's namespaces (lets labs coexist).
+        #[arg(long, default_value = "pf")]
+        prefix: String,
+        /// Third octet of the lab subnet 10.200.X.0/24.
+        #[arg(long, default_value_t = 77)]
+        subnet: u8,
+    },
+    /// Remove the lab: daemons, namespaces, state. Safe to run twice.
+    Down {
+        #[arg(long, default_value = "pf")]
+        prefix: String,
+    },
+    /// Show the lab's hosts.
+    Status {
+        #[arg(long, default_value = "pf")]
+        prefix: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Run a command inside a host (h1, h2, ...).
+    Exec {
+        host: String,
+        #[arg(long, default_value = "pf")]
+        prefix: String,
+        #[arg(trailing_var_arg = true, required = true)]
+        cmd: Vec<String>,
+    },
+}
+
+const TESTBED_DIR: &str = "/run/pagefleet/testbed";
+
+fn testbed(t: TestbedCmd) -> Result<()> {
+    use pagefleet_testbed::{down_prefix, Lab, Options};
+    let dir = PathBuf::from(TESTBED_DIR);
+    match t {
+        TestbedCmd::Up { hosts, link, lend, prefix, subnet } => {
+            let me = std::env::current_exe()?;
+            let d = me.parent().unwrap().join("pagefleetd");
+            let mut o = Options::new(hosts, link, d);
+            o.lend = lend;
+            o.prefix = prefix;
+            o.subnet_octet = subnet;
+            o.dir = dir;
+            let lab = Lab::up(&o)?;
+            println!("testbed {:?} up: {} hosts on {}, links {}", lab.prefix, lab.hosts.len(), lab.subnet, lab.link.name());
+            for h in &lab.hosts {
+                println!("  {}  netns {}  memory server {}", h.name, h.netns, h.addr);
+            }
+            println!("secret: {}   (pagefleet --secret-file {} memserver stat --server ADDR)", lab.secret_file.display(), lab.secret_file.display());
+            println!("run in a host: pagefleet testbed exec h1 -- CMD ...   remove: pagefleet testbed down");
+        }
+        TestbedCmd::Down { prefix } => {
+            down_prefix(&dir, &prefix)?;
+            println!("testbed {prefix:?} is down");
+        }
+        TestbedCmd::Status { prefix, json } => {
+            let lab = Lab::load(&dir, &prefix)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&lab)?);
+            } else {
+                println!("testbed {:?}: {} hosts on {}, links {}", lab.prefix, lab.hosts.len(), lab.subnet, lab.link.name());
+                for h in &lab.hosts {
+                    let alive = unsafe { libc::kill(h.pid as i32, 0) } == 0;
+                    println!("  {}  {}  pagefleetd pid {} {}", h.name, h.addr, h.pid, if alive { "running" } else { "NOT RUNNING" });
+                }
+            }
+        }
+        TestbedCmd::Exec { host, prefix, cmd } => {
+            let lab = Lab::load(&dir, &prefix)?;
+            let i = lab.hosts.iter().position(|h| h.name == host).ok_or_else(|| anyhow::anyhow!("no host {host:?} in testbed {prefix:?}"))?;
+            let st = lab.exec(i, &cmd[0]).args(&cmd[1..]).status()?;
+            std::process::exit(st.code().unwrap_or(1));
+        }
+    }
+    Ok(())
+}
+
+#[derive(Subcommand)]
 enum MemserverCmd {
     /// Capacity, use and regions of a memory server.
     Stat {
@@ -116,6 +209,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Bench(BenchCmd::RawServer) => memserver::raw_server_main(),
         Cmd::Bench(BenchCmd::Paging(o)) => bench_paging(o),
         Cmd::Run(a) => run::run(a, cli.secret_file.as_deref()),
+        Cmd::Testbed(t) => testbed(t),
         Cmd::Memserver(m) => {
             let secret = Secret::resolve(cli.secret_file.as_deref())?;
             let opts = ConnectOptions { name: "pagefleet-cli".into(), ..Default::default() };

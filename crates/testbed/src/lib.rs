@@ -1,0 +1,277 @@
+//! A multi-host lab on one machine. Hosts are network namespaces; a switch
+//! namespace holds a bridge; each host is joined to it by a veth pair whose
+//! two ends are shaped with `tc tbf` (so both directions see the link rate);
+//! every host runs a `pagefleetd`. Nothing is created in the root namespace,
+//! and no host has a route anywhere but the lab's own subnet.
+//!
+//! Names carry a lab prefix (default `pf`), so several labs (e.g. parallel
+//! tests) can coexist, and `down` removes everything with that prefix, also
+//! what a crashed run left behind.
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Link rates the lab can shape to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Link {
+    Gbit1,
+    Gbit10,
+    /// No shaping (veth at memory speed).
+    Unshaped,
+}
+
+impl std::str::FromStr for Link {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Link, String> {
+        match s {
+            "1gbit" => Ok(Link::Gbit1),
+            "10gbit" => Ok(Link::Gbit10),
+            "none" | "unshaped" => Ok(Link::Unshaped),
+            _ => Err(format!("unknown link {s:?}: use 1gbit, 10gbit or none")),
+        }
+    }
+}
+
+impl Link {
+    fn tbf(self) -> Option<(&'static str, &'static str)> {
+        // (rate, burst): burst must cover rate x timer granularity.
+        match self {
+            Link::Gbit1 => Some(("1gbit", "256kb")),
+            Link::Gbit10 => Some(("10gbit", "2mb")),
+            Link::Unshaped => None,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Link::Gbit1 => "1gbit",
+            Link::Gbit10 => "10gbit",
+            Link::Unshaped => "none",
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Host {
+    pub name: String,
+    pub netns: String,
+    pub ip: String,
+    /// Memory-server address of this host's pagefleetd.
+    pub addr: String,
+    pub pid: u32,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Lab {
+    pub prefix: String,
+    pub link: Link,
+    pub subnet: String,
+    pub hosts: Vec<Host>,
+    pub dir: PathBuf,
+    pub secret_file: PathBuf,
+}
+
+#[derive(Clone, Debug)]
+pub struct Options {
+    pub prefix: String,
+    pub hosts: usize,
+    pub link: Link,
+    /// Memory each host's pagefleetd lends.
+    pub lend: u64,
+    /// Third octet of the lab's 10.200.X.0/24 subnet.
+    pub subnet_octet: u8,
+    pub pagefleetd: PathBuf,
+    /// Where state, logs and the lab's secret live.
+    pub dir: PathBuf,
+}
+
+impl Options {
+    pub fn new(hosts: usize, link: Link, pagefleetd: PathBuf) -> Options {
+        Options {
+            prefix: "pf".into(),
+            hosts,
+            link,
+            lend: 1 << 30,
+            subnet_octet: 77,
+            pagefleetd,
+            dir: PathBuf::from("/run/pagefleet/testbed"),
+        }
+    }
+}
+
+fn run(args: &[&str]) -> Result<()> {
+    let out = Command::new(args[0]).args(&args[1..]).stdout(Stdio::null()).stderr(Stdio::piped()).output()
+        .with_context(|| format!("cannot run {} (is iproute2 installed?)", args[0]))?;
+    if !out.status.success() {
+        bail!("`{}` failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
+    }
+    Ok(())
+}
+
+fn netns_list() -> Vec<String> {
+    std::fs::read_dir("/run/netns")
+        .map(|rd| rd.flatten().filter_map(|e| e.file_name().into_string().ok()).collect())
+        .unwrap_or_default()
+}
+
+fn state_path(dir: &Path, prefix: &str) -> PathBuf {
+    dir.join(format!("{prefix}.json"))
+}
+
+impl Lab {
+    /// Create the lab. Anything left by an earlier lab with the same prefix is removed first.
+    pub fn up(o: &Options) -> Result<Lab> {
+        if unsafe { libc::geteuid() } != 0 {
+            bail!("the testbed creates network namespaces: run it as root");
+        }
+        if o.hosts == 0 || o.hosts > 200 {
+            bail!("--hosts must be 1..=200");
+        }
+        if !o.prefix.chars().all(|c| c.is_ascii_alphanumeric()) || o.prefix.is_empty() || o.prefix.len() > 6 {
+            bail!("lab prefix must be 1-6 letters or digits");
+        }
+        down_prefix(&o.dir, &o.prefix)?;
+        std::fs::create_dir_all(&o.dir)?;
+        let secret_file = o.dir.join(format!("{}-secret", o.prefix));
+        std::fs::write(&secret_file, pagefleet_proto::auth::Secret::generate_hex())?;
+        let sw = format!("{}-sw", o.prefix);
+        let subnet = format!("10.200.{}", o.subnet_octet);
+        let mut lab = Lab { prefix: o.prefix.clone(), link: o.link, subnet: format!("{subnet}.0/24"), hosts: vec![], dir: o.dir.clone(), secret_file };
+        // Save as we go: a failure half-way leaves a state `down` can clean.
+        let r = (|| -> Result<()> {
+            run(&["ip", "netns", "add", &sw])?;
+            run(&["ip", "-n", &sw, "link", "add", "br0", "type", "bridge"])?;
+            run(&["ip", "-n", &sw, "link", "set", "br0", "up"])?;
+            for i in 0..o.hosts {
+                let name = format!("h{}", i + 1);
+                let ns = format!("{}-{name}", o.prefix);
+                let ip = format!("{subnet}.{}", i + 1);
+                run(&["ip", "netns", "add", &ns])?;
+                let peer = format!("{}{}", o.prefix, name); // switch-side name, < 16 chars
+                run(&["ip", "link", "add", "eth0", "netns", &ns, "type", "veth", "peer", "name", &peer, "netns", &sw])?;
+                run(&["ip", "-n", &ns, "addr", "add", &format!("{ip}/24"), "dev", "eth0"])?;
+                run(&["ip", "-n", &ns, "link", "set", "eth0", "up"])?;
+                run(&["ip", "-n", &ns, "link", "set", "lo", "up"])?;
+                run(&["ip", "-n", &sw, "link", "set", &peer, "master", "br0"])?;
+                run(&["ip", "-n", &sw, "link", "set", &peer, "up"])?;
+                if let Some((rate, burst)) = o.link.tbf() {
+                    for (n, dev) in [(&ns, "eth0"), (&sw, peer.as_str())] {
+                        run(&["ip", "netns", "exec", n, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", burst, "latency", "50ms"])?;
+                    }
+                }
+                lab.hosts.push(Host { name, netns: ns, ip: ip.clone(), addr: format!("{ip}:7070"), pid: 0 });
+                lab.save()?;
+            }
+            for h in lab.hosts.iter_mut() {
+                h.pid = start_daemon(o, h, &lab.secret_file)?;
+            }
+            lab.save()?;
+            for h in &lab.hosts {
+                wait_listening(&h.netns, &h.addr)?;
+            }
+            Ok(())
+        })();
+        if let Err(e) = r {
+            let _ = down_prefix(&o.dir, &o.prefix);
+            return Err(e.context("testbed up failed; everything it created was removed"));
+        }
+        Ok(lab)
+    }
+
+    fn save(&self) -> Result<()> {
+        std::fs::write(state_path(&self.dir, &self.prefix), serde_json::to_vec_pretty(self)?)?;
+        Ok(())
+    }
+
+    pub fn load(dir: &Path, prefix: &str) -> Result<Lab> {
+        let p = state_path(dir, prefix);
+        let b = std::fs::read(&p).with_context(|| format!("no testbed {prefix:?} is up (no {})", p.display()))?;
+        Ok(serde_json::from_slice(&b)?)
+    }
+
+    /// A command to run inside a host's namespace.
+    pub fn exec(&self, host: usize, program: impl AsRef<std::ffi::OsStr>) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.hosts[host].netns]).arg(program);
+        c
+    }
+
+    pub fn down(&self) -> Result<()> {
+        down_prefix(&self.dir, &self.prefix)
+    }
+}
+
+fn start_daemon(o: &Options, h: &Host, secret: &Path) -> Result<u32> {
+    let log = std::fs::File::create(o.dir.join(format!("{}.log", h.netns)))?;
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new("ip");
+    // Its own session: the daemon outlives `testbed up` and its terminal.
+    // SAFETY: setsid is async-signal-safe.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::setsid();
+            Ok(())
+        });
+    }
+    let child = cmd
+        .args(["netns", "exec", &h.netns])
+        .arg(&o.pagefleetd)
+        .args(["--lend", &o.lend.to_string(), "--listen", &h.addr, "--log", "warn"])
+        .arg("--secret-file")
+        .arg(secret)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .with_context(|| format!("cannot start {}", o.pagefleetd.display()))?;
+    // `ip netns exec` execs the daemon, so the child pid is the daemon's.
+    Ok(child.id())
+}
+
+fn wait_listening(ns: &str, addr: &str) -> Result<()> {
+    let t = Instant::now();
+    let port = addr.rsplit(':').next().unwrap_or("7070");
+    while t.elapsed() < Duration::from_secs(10) {
+        let out = Command::new("ip").args(["netns", "exec", ns, "ss", "-Hltn", &format!("sport = :{port}")]).output()?;
+        if !String::from_utf8_lossy(&out.stdout).trim().is_empty() {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    bail!("pagefleetd in {ns} did not start listening on {addr}; see its log in the testbed directory")
+}
+
+/// Remove every namespace, daemon and file of the lab `prefix`. Safe to run
+/// twice, and also cleans what a crashed run left (found by name).
+pub fn down_prefix(dir: &Path, prefix: &str) -> Result<()> {
+    if let Ok(lab) = Lab::load(dir, prefix) {
+        for h in &lab.hosts {
+            if h.pid != 0 {
+                // SAFETY: signalling a pid we started.
+                unsafe { libc::kill(h.pid as i32, libc::SIGKILL) };
+            }
+        }
+    }
+    let ours: Vec<String> = netns_list().into_iter().filter(|n| n.starts_with(&format!("{prefix}-"))).collect();
+    for ns in &ours {
+        // Kill whatever still runs in the namespace (e.g. a daemon from a crashed run).
+        if let Ok(out) = Command::new("ip").args(["netns", "pids", ns]).output() {
+            for pid in String::from_utf8_lossy(&out.stdout).split_whitespace().filter_map(|p| p.parse::<i32>().ok()) {
+                // SAFETY: plain kill.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+        }
+    }
+    for ns in &ours {
+        let _ = run(&["ip", "netns", "del", ns]);
+    }
+    let _ = std::fs::remove_file(state_path(dir, prefix));
+    let _ = std::fs::remove_file(dir.join(format!("{prefix}-secret")));
+    let left: Vec<String> = netns_list().into_iter().filter(|n| n.starts_with(&format!("{prefix}-"))).collect();
+    if !left.is_empty() {
+        bail!("could not remove namespaces {left:?}");
+    }
+    Ok(())
+}
