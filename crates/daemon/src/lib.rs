@@ -1,5 +1,6 @@
 //! pagefleetd services. Today: the memory server and the metrics endpoint.
 
+pub mod config;
 pub mod http;
 pub mod units;
 

@@ -2,12 +2,12 @@
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
+use pagefleet_daemon::config::{self, FileConfig, Flags};
 use pagefleet_daemon::{http, units, MemServer};
 use pagefleet_memserver::{metrics, ServerConfig};
 use pagefleet_proto::auth::Secret;
 use std::io::Write;
 use std::path::PathBuf;
-use std::time::Duration;
 
 /// The pagefleet host daemon. Today it runs the memory-server service: it
 /// lends this host's spare memory to remote regions (guests paging to it,
@@ -20,17 +20,23 @@ use std::time::Duration;
 /// Clients authenticate with the cluster secret: a file holding at least 16
 /// bytes, created (mode 0600) on first start if missing. Copy the same file to
 /// every host of the cluster.
+///
+/// Settings can also come from a TOML file (`--config`, see
+/// packaging/pagefleetd.toml); flags override it.
 #[derive(Parser, Debug)]
 #[command(version, verbatim_doc_comment)]
 struct Args {
+    /// TOML configuration file; flags given on the command line override it.
+    #[arg(long, env = "PAGEFLEETD_CONFIG")]
+    config: Option<PathBuf>,
     /// Memory to lend (e.g. 4GiB, 512MiB). The server never holds more pages
     /// than this; its own overhead beyond it is small and bounded.
     #[arg(long, value_parser = units::parse_size)]
     lend: Option<u64>,
-    /// Address for the memory-server protocol. Port 0 picks a free port; the
-    /// bound address is printed on stdout as `listening ADDR`.
-    #[arg(long, default_value = "127.0.0.1:7070")]
-    listen: String,
+    /// Address for the memory-server protocol (default 127.0.0.1:7070). Port
+    /// 0 picks a free port; the bound address is printed on stdout as `listening ADDR`.
+    #[arg(long)]
+    listen: Option<String>,
     /// Prometheus metrics address (`GET /metrics`), or `off`. Default: the
     /// listen address with port + 1 (or a free port when listening on port 0).
     #[arg(long)]
@@ -40,15 +46,15 @@ struct Args {
     /// $PAGEFLEET_SECRET, if set, is the secret itself.
     #[arg(long)]
     secret_file: Option<PathBuf>,
-    /// Most simultaneous client connections.
-    #[arg(long, default_value_t = 512)]
-    max_conns: u32,
-    /// Drop a client stalled mid-frame (or not reading replies) this long, in seconds.
-    #[arg(long, default_value_t = 30)]
-    io_timeout: u64,
-    /// Log filter (error, warn, info, debug, trace; or RUST_LOG syntax).
-    #[arg(long, default_value = "info", env = "PAGEFLEET_LOG")]
-    log: String,
+    /// Most simultaneous client connections (default 512).
+    #[arg(long)]
+    max_conns: Option<u32>,
+    /// Drop a client stalled mid-frame (or not reading replies) this long, in seconds (default 30).
+    #[arg(long)]
+    io_timeout: Option<u64>,
+    /// Log filter (error, warn, info, debug, trace; or RUST_LOG syntax; default info).
+    #[arg(long, env = "PAGEFLEET_LOG")]
+    log: Option<String>,
 }
 
 fn main() {
@@ -59,13 +65,29 @@ fn main() {
 }
 
 fn run() -> Result<()> {
-    let a = Args::parse();
+    let args = Args::parse();
+    let file = match &args.config {
+        Some(p) => FileConfig::load(p)?,
+        None => FileConfig::default(),
+    };
+    let a = config::merge(
+        file,
+        Flags {
+            lend: args.lend,
+            listen: args.listen,
+            metrics: args.metrics,
+            secret_file: args.secret_file,
+            max_conns: args.max_conns,
+            io_timeout_secs: args.io_timeout,
+            log: args.log,
+        },
+    )?;
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_new(&a.log).context("bad --log filter")?)
         .with_writer(std::io::stderr)
         .init();
     let Some(lend) = a.lend else {
-        bail!("nothing to do: enable the memory server with --lend SIZE (e.g. --lend 4GiB); see --help");
+        bail!("nothing to do: enable the memory server with --lend SIZE (e.g. --lend 4GiB) or `lend` under [memserver] in --config; see --help");
     };
     if lend < 4096 {
         bail!("--lend {lend} is less than one 4 KiB page");
@@ -75,7 +97,7 @@ fn run() -> Result<()> {
         let p = a.secret_file.clone().unwrap_or_else(Secret::default_path);
         tracing::info!("created a new cluster secret at {}; copy it to every host of the cluster", p.display());
     }
-    let cfg = ServerConfig { max_conns: a.max_conns, io_timeout: Duration::from_secs(a.io_timeout.max(1)) };
+    let cfg = ServerConfig { max_conns: a.max_conns, io_timeout: a.io_timeout };
     let ms = MemServer::start(&a.listen, lend, secret, cfg)?;
     let metrics_listen = match a.metrics.as_deref() {
         Some("off") => None,

@@ -337,3 +337,48 @@ fn metrics_endpoint_serves_prometheus_text() {
     assert!(body.contains("pagefleet_memserver_region_pages{region=\"0xabc\"} 3"), "{body}");
     assert!(body.contains("pagefleet_memserver_requests_total{op=\"put\"} 1"), "{body}");
 }
+
+/// A TOML config file sets everything; a flag overrides it; a bad file is a clear error.
+#[test]
+fn config_file_and_flag_override() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+    let dir = tempdir("config");
+    let secret = dir.join("secret");
+    std::fs::write(&secret, "config-test-secret-0123456789").unwrap();
+    let conf = dir.join("pagefleetd.toml");
+    std::fs::write(
+        &conf,
+        format!("log = \"error\"\nsecret_file = \"{}\"\n[memserver]\nlend = \"8MiB\"\nlisten = \"127.0.0.1:0\"\nmetrics = \"off\"\n", secret.display()),
+    )
+    .unwrap();
+    let start = |extra: &[&str]| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_pagefleetd"))
+            .arg("--config")
+            .arg(&conf)
+            .args(extra)
+            .env_remove("PAGEFLEET_SECRET")
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let line = BufReader::new(c.stdout.take().unwrap()).lines().next().unwrap().unwrap();
+        (c, line.strip_prefix("listening ").unwrap().to_string())
+    };
+    let s = Secret::load(&secret).unwrap();
+    let (mut c1, a1) = start(&[]);
+    let conn = Conn::connect(&a1, &s, &ConnectOptions::default()).unwrap();
+    assert_eq!(conn.info.capacity_pages, 2048, "lend from the file");
+    let (mut c2, a2) = start(&["--lend", "4MiB"]);
+    let conn = Conn::connect(&a2, &s, &ConnectOptions::default()).unwrap();
+    assert_eq!(conn.info.capacity_pages, 1024, "the flag wins");
+    for c in [&mut c1, &mut c2] {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    std::fs::write(&conf, "[memserver]\nlend = \"8MiB\"\nlisten_addr = \"x\"\n").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_pagefleetd")).arg("--config").arg(&conf).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("listen_addr") && err.contains("pagefleetd.toml"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

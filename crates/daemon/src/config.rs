@@ -1,0 +1,129 @@
+//! pagefleetd configuration: a TOML file (`--config`), overridden by flags.
+//!
+//! ```toml
+//! log = "info"
+//! secret_file = "/etc/pagefleet/secret"
+//!
+//! [memserver]
+//! lend = "4GiB"
+//! listen = "0.0.0.0:7070"
+//! metrics = "0.0.0.0:7071"   # or "off"
+//! max_conns = 512
+//! io_timeout_secs = 30
+//! ```
+
+use crate::units;
+use anyhow::{bail, Context, Result};
+use serde::Deserialize;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    pub log: Option<String>,
+    pub secret_file: Option<PathBuf>,
+    pub memserver: Option<MemserverSection>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MemserverSection {
+    pub lend: Option<String>,
+    pub listen: Option<String>,
+    pub metrics: Option<String>,
+    pub max_conns: Option<u32>,
+    pub io_timeout_secs: Option<u64>,
+}
+
+/// What the command line said (None = not given).
+#[derive(Debug, Default, Clone)]
+pub struct Flags {
+    pub lend: Option<u64>,
+    pub listen: Option<String>,
+    pub metrics: Option<String>,
+    pub secret_file: Option<PathBuf>,
+    pub max_conns: Option<u32>,
+    pub io_timeout_secs: Option<u64>,
+    pub log: Option<String>,
+}
+
+/// The daemon's effective settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Settings {
+    pub lend: Option<u64>,
+    pub listen: String,
+    pub metrics: Option<String>,
+    pub secret_file: Option<PathBuf>,
+    pub max_conns: u32,
+    pub io_timeout: Duration,
+    pub log: String,
+}
+
+impl FileConfig {
+    pub fn load(path: &Path) -> Result<FileConfig> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("cannot read config {}", path.display()))?;
+        FileConfig::parse(&text).with_context(|| format!("in config {}", path.display()))
+    }
+    pub fn parse(text: &str) -> Result<FileConfig> {
+        toml::from_str(text).map_err(|e| anyhow::anyhow!("{e}"))
+    }
+}
+
+/// Flags win over the file; the file wins over built-in defaults.
+pub fn merge(file: FileConfig, flags: Flags) -> Result<Settings> {
+    let m = file.memserver.unwrap_or_default();
+    let lend = match (flags.lend, m.lend) {
+        (Some(l), _) => Some(l),
+        (None, Some(s)) => Some(units::parse_size(&s).map_err(anyhow::Error::msg).context("[memserver] lend")?),
+        (None, None) => None,
+    };
+    let io = flags.io_timeout_secs.or(m.io_timeout_secs).unwrap_or(30);
+    if io == 0 {
+        bail!("io_timeout must be at least 1 second");
+    }
+    let max_conns = flags.max_conns.or(m.max_conns).unwrap_or(512);
+    if max_conns == 0 {
+        bail!("max_conns must be at least 1");
+    }
+    Ok(Settings {
+        lend,
+        listen: flags.listen.or(m.listen).unwrap_or_else(|| "127.0.0.1:7070".into()),
+        metrics: flags.metrics.or(m.metrics),
+        secret_file: flags.secret_file.or(file.secret_file),
+        max_conns,
+        io_timeout: Duration::from_secs(io),
+        log: flags.log.or(file.log).unwrap_or_else(|| "info".into()),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_override_file_and_file_overrides_defaults() {
+        let f = FileConfig::parse(
+            "log = \"debug\"\nsecret_file = \"/x/secret\"\n[memserver]\nlend = \"2GiB\"\nlisten = \"0.0.0.0:9000\"\nmax_conns = 7\n",
+        )
+        .unwrap();
+        let s = merge(f, Flags { listen: Some("127.0.0.1:1".into()), ..Default::default() }).unwrap();
+        assert_eq!(s.lend, Some(2 << 30));
+        assert_eq!(s.listen, "127.0.0.1:1");
+        assert_eq!(s.max_conns, 7);
+        assert_eq!(s.log, "debug");
+        assert_eq!(s.secret_file, Some(PathBuf::from("/x/secret")));
+        assert_eq!(s.io_timeout, Duration::from_secs(30));
+        let d = merge(FileConfig::default(), Flags::default()).unwrap();
+        assert_eq!((d.listen.as_str(), d.max_conns, d.lend), ("127.0.0.1:7070", 512, None));
+    }
+
+    #[test]
+    fn bad_config_is_a_clear_error() {
+        let e = FileConfig::parse("[memserver]\nlendd = \"1GiB\"\n").unwrap_err().to_string();
+        assert!(e.contains("lendd"), "{e}");
+        let e = merge(FileConfig::parse("[memserver]\nlend = \"lots\"\n").unwrap(), Flags::default()).unwrap_err();
+        assert!(format!("{e:#}").contains("lend"), "{e:#}");
+        assert!(merge(FileConfig::default(), Flags { max_conns: Some(0), ..Default::default() }).is_err());
+    }
+}
