@@ -86,6 +86,9 @@ pub struct Config {
     pub minor_fault_cost: Duration,
     pub on_fatal: OnFatal,
     pub name: String,
+    /// Pages that start out on memory servers: (first page, count, index
+    /// into `servers`), under `region_id` (a guest resumed from elsewhere).
+    pub initial_remote: Vec<(u64, u64, usize)>,
 }
 
 impl Config {
@@ -103,6 +106,7 @@ impl Config {
             minor_fault_cost: Duration::from_micros(20),
             on_fatal: OnFatal::Exit,
             name: "pagefleet-region".into(),
+            initial_remote: Vec::new(),
         }
     }
 }
@@ -119,6 +123,34 @@ pub enum RegionError {
     Config(String),
 }
 
+/// Requests to the pager thread (it owns the location DB and history).
+pub(crate) enum Command {
+    TrackDirty(bool, std::sync::mpsc::Sender<()>),
+    TakeDirty(std::sync::mpsc::Sender<Vec<u64>>),
+    Snapshot(std::sync::mpsc::Sender<Snapshot>),
+}
+
+/// Where every page is and how hot it has been (for migration planning).
+#[derive(Clone, Debug)]
+pub struct Snapshot {
+    pub region_id: u64,
+    pub chunk_pages: usize,
+    pub servers: Vec<String>,
+    /// Per page: Location.
+    pub location: Vec<Location>,
+    /// Per page: access history (aging byte; clock: 0x80 if referenced).
+    pub history: Vec<u8>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Location {
+    /// Never touched: reads as zeros.
+    Zero,
+    Local,
+    /// On `servers[i]`.
+    Remote(usize),
+}
+
 /// Shared between the guest-facing handle and the pager thread.
 pub(crate) struct Shared {
     pub budget: AtomicU64,
@@ -131,6 +163,7 @@ pub(crate) struct Shared {
 
 /// A region: guest memory whose pages live locally or on memory servers.
 pub struct Region {
+    cmd: Mutex<std::sync::mpsc::Sender<Command>>,
     guest: Arc<Mapping>,
     memfd: Arc<OwnedFd>,
     shared: Arc<Shared>,
@@ -187,12 +220,19 @@ impl Region {
         });
         let guest = Arc::new(guest);
         let memfd = Arc::new(memfd);
-        let p = pager::Pager::new(&cfg, guest.clone(), memfd.clone(), shared.clone())?;
+        for &(first, count, s) in &cfg.initial_remote {
+            if s >= cfg.servers.len() || first.checked_add(count).is_none_or(|e| e > pages) {
+                return Err(RegionError::Config(format!("initial remote range {first}+{count} on server {s} is out of bounds")));
+            }
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        let p = pager::Pager::new(&cfg, guest.clone(), memfd.clone(), shared.clone(), rx)?;
         let handle = std::thread::Builder::new()
             .name("pagefleet-pager".into())
             .spawn(move || p.run())
             .map_err(|source| RegionError::Io { what: "spawn pager thread", source })?;
         Ok(Region {
+            cmd: Mutex::new(tx),
             guest,
             memfd,
             shared,
@@ -247,6 +287,30 @@ impl Region {
     /// The error that made a page unreachable, if one did (with `OnFatal::Poison`).
     pub fn fatal_error(&self) -> Option<String> {
         self.shared.fatal.lock().unwrap().clone()
+    }
+
+    fn ask<T>(&self, make: impl FnOnce(std::sync::mpsc::Sender<T>) -> Command) -> Option<T> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        self.cmd.lock().unwrap().send(make(tx)).ok()?;
+        rx.recv_timeout(Duration::from_secs(60)).ok()
+    }
+
+    /// Start (or stop) tracking which pages change: content written, or
+    /// location changed (paged in or out, first touched). Writes to resident
+    /// pages are caught with write protection (one fault per page per round).
+    pub fn track_changes(&self, on: bool) -> bool {
+        self.ask(|tx| Command::TrackDirty(on, tx)).is_some()
+    }
+
+    /// Pages changed since tracking started or since the last call, sorted;
+    /// tracking re-arms for them.
+    pub fn take_changed(&self) -> Vec<u64> {
+        self.ask(Command::TakeDirty).unwrap_or_default()
+    }
+
+    /// The location DB and access history, consistent at one instant.
+    pub fn snapshot(&self) -> Option<Snapshot> {
+        self.ask(Command::Snapshot)
     }
 
     /// The memfd backing the region (for handing to another runtime).

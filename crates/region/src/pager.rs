@@ -3,7 +3,7 @@
 //! (write-protect, send, punch, unprotect) is atomic with respect to faults
 //! because every fault is served by this same thread.
 
-use crate::{Config, OnFatal, Policy, RegionError, Shared, PAGE};
+use crate::{Command, Config, Location, OnFatal, Policy, RegionError, Shared, Snapshot, PAGE};
 use pagefleet_client::{ConnectOptions, Conn, GetMode};
 use pagefleet_proto::{PageSel, MAX_BATCH_PAGES};
 use pagefleet_uffd::{self as uffd, Fault, FaultKind, Fill, Mapping, Uffd};
@@ -19,6 +19,12 @@ const LOCAL: u8 = 1;
 const REMOTE: u8 = 2;
 
 pub(crate) struct Pager {
+    rx: std::sync::mpsc::Receiver<Command>,
+    /// Change tracking for migration: pages whose content or location changed.
+    tracking: bool,
+    dirty: Vec<bool>,
+    dirty_list: Vec<u32>,
+    servers_list: Vec<String>,
     uffd: Uffd,
     guest: Arc<Mapping>,
     memfd: Arc<OwnedFd>,
@@ -61,7 +67,13 @@ pub(crate) struct Pager {
 }
 
 impl Pager {
-    pub fn new(cfg: &Config, guest: Arc<Mapping>, memfd: Arc<OwnedFd>, shared: Arc<Shared>) -> Result<Pager, RegionError> {
+    pub fn new(
+        cfg: &Config,
+        guest: Arc<Mapping>,
+        memfd: Arc<OwnedFd>,
+        shared: Arc<Shared>,
+        rx: std::sync::mpsc::Receiver<Command>,
+    ) -> Result<Pager, RegionError> {
         let need = uffd::FEATURE_MISSING_SHMEM | uffd::FEATURE_MINOR_SHMEM | uffd::FEATURE_WP_HUGETLBFS_SHMEM
             | uffd::FEATURE_PAGEFAULT_FLAG_WP | uffd::FEATURE_THREAD_ID;
         let u = Uffd::open(need)?;
@@ -83,7 +95,23 @@ impl Pager {
         let pages = guest.len / PAGE;
         let chunks = pages / cfg.chunk_pages;
         let max_rate = chunks as f64 / cfg.sample_period.as_secs_f64().max(0.01);
+        let mut state = vec![ZERO; pages];
+        let mut remote = 0u64;
+        for &(first, count, srv) in &cfg.initial_remote {
+            for q in first..first + count {
+                if state[q as usize] == ZERO {
+                    remote += 1;
+                }
+                state[q as usize] = REMOTE + srv as u8;
+            }
+        }
+        shared.stats.remote_pages.store(remote, Relaxed);
         Ok(Pager {
+            rx,
+            tracking: false,
+            dirty: vec![false; pages],
+            dirty_list: Vec::new(),
+            servers_list: cfg.servers.clone(),
             uffd: u,
             guest,
             memfd,
@@ -94,12 +122,12 @@ impl Pager {
             on_fatal: cfg.on_fatal,
             cp: cfg.chunk_pages,
             chunks,
-            state: vec![ZERO; pages],
+            state,
             refb: vec![0; pages],
             hist: vec![0; pages],
             chunk_res: vec![0; chunks],
             resident: 0,
-            remote: 0,
+            remote,
             conns,
             addrs: cfg.servers.clone(),
             free,
@@ -149,6 +177,73 @@ impl Pager {
             }
             self.balance();
             self.sample_tick();
+            while let Ok(c) = self.rx.try_recv() {
+                self.command(c);
+            }
+        }
+    }
+
+    fn mark(&mut self, p: usize) {
+        if self.tracking && !self.dirty[p] {
+            self.dirty[p] = true;
+            self.dirty_list.push(p as u32);
+        }
+    }
+
+    fn command(&mut self, c: Command) {
+        let (base, len) = (self.guest.base(), self.guest.len as u64);
+        match c {
+            Command::TrackDirty(on, reply) => {
+                for p in std::mem::take(&mut self.dirty_list) {
+                    self.dirty[p as usize] = false;
+                }
+                self.tracking = on;
+                // Mapped resident pages fault on their next write; unmapped
+                // ones fault MINOR first and are mapped write-protected.
+                if let Err(e) = self.uffd.writeprotect(base, len, on) {
+                    warn!("change tracking: {e}");
+                }
+                let _ = reply.send(());
+            }
+            Command::TakeDirty(reply) => {
+                let mut list: Vec<u64> = std::mem::take(&mut self.dirty_list).into_iter().map(u64::from).collect();
+                list.sort_unstable();
+                for &p in &list {
+                    self.dirty[p as usize] = false;
+                }
+                // Re-arm: resident pages written this round fault on their next write.
+                let mut i = 0;
+                while i < list.len() {
+                    let mut j = i + 1;
+                    while j < list.len() && list[j] == list[j - 1] + 1 {
+                        j += 1;
+                    }
+                    if self.tracking {
+                        let _ = self.uffd.writeprotect(self.addr(list[i] as usize), ((j - i) * PAGE) as u64, true);
+                    }
+                    i = j;
+                }
+                let _ = reply.send(list);
+            }
+            Command::Snapshot(reply) => {
+                let location = self
+                    .state
+                    .iter()
+                    .map(|s| match *s {
+                        ZERO => Location::Zero,
+                        LOCAL => Location::Local,
+                        r => Location::Remote((r - REMOTE) as usize),
+                    })
+                    .collect();
+                let history = self.hist.iter().zip(&self.refb).map(|(h, r)| h | (r << 7)).collect();
+                let _ = reply.send(Snapshot {
+                    region_id: self.region_id,
+                    chunk_pages: self.cp,
+                    servers: self.servers_list.clone(),
+                    location,
+                    history,
+                });
+            }
         }
     }
 
@@ -196,13 +291,26 @@ impl Pager {
             FaultKind::WriteProtect => s.wp_faults.fetch_add(1, Relaxed),
         };
         match (f.kind, st) {
+            // Change tracking: the first write to a resident page this round.
+            (FaultKind::WriteProtect, LOCAL) if self.tracking => {
+                self.mark(p);
+                if let Err(e) = self.uffd.writeprotect(self.addr(p), PAGE as u64, false) {
+                    self.internal(p, e.to_string());
+                }
+            }
             // A write that waited out a page-out: unprotecting woke it already.
             (FaultKind::WriteProtect, _) => self.wake(p),
             (_, ZERO) => self.zero_fill(p),
             (FaultKind::Minor, LOCAL) => {
                 self.window_minor += 1;
                 self.refb[p] = 1;
-                match self.uffd.continue_(self.addr(p), PAGE as u64) {
+                // While tracking, a read maps the page write-protected so the
+                // first write is still seen; a write is a change now.
+                let wp = self.tracking && !f.write;
+                if self.tracking && f.write {
+                    self.mark(p);
+                }
+                match self.uffd.continue_mode(self.addr(p), PAGE as u64, wp) {
                     Ok(Fill::Done) => {}
                     Ok(Fill::Exists) => self.wake(p),
                     Err(e) => self.internal(p, e.to_string()),
@@ -246,6 +354,7 @@ impl Pager {
     }
 
     fn set_local(&mut self, q: usize) {
+        self.mark(q);
         let c = q / self.cp;
         if self.state[q] >= REMOTE {
             self.remote -= 1;
@@ -588,6 +697,10 @@ impl Pager {
         }
         for (start, len) in &runs {
             for q in *start..start + len {
+                if self.tracking && !self.dirty[q] {
+                    self.dirty[q] = true;
+                    self.dirty_list.push(q as u32);
+                }
                 self.state[q] = REMOTE + s as u8;
                 self.hist[q] = 0;
                 self.refb[q] = 0;

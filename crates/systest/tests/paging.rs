@@ -158,3 +158,82 @@ fn never_touched_pages_read_zero_without_server_trips() {
     assert_eq!(st.page_ins, 0);
     assert!(st.zero_filled_pages > 0);
 }
+
+/// Change tracking (the pre-copy primitive): after arming, exactly the pages
+/// written (or moved) are reported, round after round; reads are not.
+#[test]
+fn change_tracking_reports_exactly_the_written_pages() {
+    let mut cfg = Config::new(4 << 20, 1024);
+    cfg.sample_period = Duration::from_millis(50);
+    cfg.sample_cpu_budget = 0.5; // zap eagerly: tracking must survive re-mapped pages
+    let r = Region::new(cfg).unwrap();
+    let base = r.as_ptr() as usize;
+    let w = |p: u64, v: u64| unsafe { std::ptr::write_volatile((base + p as usize * P) as *mut u64, v) };
+    let rd = |p: u64| unsafe { std::ptr::read_volatile((base + p as usize * P) as *const u64) };
+    for p in 0..1024 {
+        w(p, p);
+    }
+    std::thread::sleep(Duration::from_millis(200)); // let the sampler zap some pages
+    assert!(r.track_changes(true));
+    assert_eq!(r.take_changed(), Vec::<u64>::new());
+    for p in [3u64, 100, 101, 900] {
+        w(p, p + 1);
+    }
+    for p in 0..1024 {
+        std::hint::black_box(rd(p));
+    }
+    assert_eq!(r.take_changed(), vec![3, 100, 101, 900]);
+    std::thread::sleep(Duration::from_millis(200));
+    w(100, 5);
+    w(7, 5);
+    w(7, 6);
+    assert_eq!(r.take_changed(), vec![7, 100]);
+    assert_eq!(r.take_changed(), Vec::<u64>::new());
+    assert!(r.track_changes(false));
+    w(8, 1);
+    let snap = r.snapshot().unwrap();
+    assert_eq!(snap.location.len(), 1024);
+    assert!(snap.location.iter().all(|l| *l == pagefleet_region::Location::Local));
+    assert_eq!(rd(7), 6);
+    assert_eq!(rd(100), 5);
+}
+
+/// A region can start with its pages on a memory server (a guest resumed
+/// elsewhere): they page in on demand with their contents.
+#[test]
+fn region_starts_with_pages_on_a_server() {
+    use pagefleet_client::{Conn, Pages};
+    let c = Cluster::start(1, "16MiB");
+    let region_id = 0xfeed_0001;
+    let mut conn = Conn::connect(&c.servers[0].addr, &c.secret, &Default::default()).unwrap();
+    let mut data = vec![0u8; 512 * P];
+    for (i, pg) in data.chunks_mut(P).enumerate() {
+        fill(i as u64, 9, pg);
+    }
+    conn.put(region_id, Pages::Run { first: 0, count: 512 }, &data, 32).unwrap();
+    let mut cfg = Config::new(1024 * P as u64, 256);
+    cfg.servers = c.addrs();
+    cfg.secret = Some(c.secret.clone());
+    cfg.region_id = region_id;
+    cfg.initial_remote = vec![(0, 512, 0)];
+    let r = Region::new(cfg).unwrap();
+    let snap = r.snapshot().unwrap();
+    assert_eq!(snap.location[0], pagefleet_region::Location::Remote(0));
+    assert_eq!(snap.location[700], pagefleet_region::Location::Zero);
+    let base = r.as_ptr() as usize;
+    let mut want = vec![0u8; P];
+    for p in 0..1024u64 {
+        let page = unsafe { std::slice::from_raw_parts((base + p as usize * P) as *const u8, P) };
+        if p < 512 {
+            fill(p, 9, &mut want);
+            assert!(page == &want[..], "page {p} wrong after resume");
+        } else {
+            assert!(page.iter().all(|b| *b == 0), "page {p} should be zero");
+        }
+    }
+    assert!(r.stats().page_ins >= 512 - 256);
+    // Bad initial layout is refused.
+    let mut bad = Config::new(16 * P as u64, 16);
+    bad.initial_remote = vec![(0, 4, 3)];
+    assert!(Region::new(bad).is_err());
+}

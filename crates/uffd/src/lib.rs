@@ -224,7 +224,13 @@ impl Uffd {
 
     /// Map page-cache pages already present (MINOR fault resolution).
     pub fn continue_(&self, addr: u64, len: u64) -> Result<Fill, UffdError> {
-        let mut z = RangeModeResult { range: Range { start: addr, len }, mode: 0, result: 0 };
+        self.continue_mode(addr, len, false)
+    }
+
+    /// As `continue_`, optionally mapping the pages write-protected (so the
+    /// next write raises a WP fault: dirty tracking).
+    pub fn continue_mode(&self, addr: u64, len: u64, wp: bool) -> Result<Fill, UffdError> {
+        let mut z = RangeModeResult { range: Range { start: addr, len }, mode: if wp { 1 << 1 } else { 0 }, result: 0 };
         loop {
             if ioctl(self.fd.as_raw_fd(), UFFDIO_CONTINUE, &mut z) == 0 {
                 return Ok(Fill::Done);
