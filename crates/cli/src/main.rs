@@ -41,6 +41,15 @@ enum Cmd {
     ///
     /// Example: pagefleet run synthetic --size 2GiB --budget 50% --servers 127.0.0.1:7070
     Run(run::RunArgs),
+    /// Hosts' memory as placement sees it: total, available, lent and used,
+    /// from each pagefleetd's /host report (its metrics address, port + 1).
+    Status {
+        /// pagefleetd HTTP addresses (HOST:PORT, the --metrics address), comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "127.0.0.1:7071")]
+        hosts: Vec<String>,
+        #[arg(long)]
+        json: bool,
+    },
     /// A multi-host lab on this machine: network namespaces joined through a
     /// bridge, links shaped with tc tbf, one pagefleetd per host (root only).
     #[command(subcommand)]
@@ -160,9 +169,27 @@ fn testbed(t: TestbedCmd) -> Result<()> {
                 println!("{}", serde_json::to_string_pretty(&lab)?);
             } else {
                 println!("testbed {:?}: {} hosts on {}, links {}", lab.prefix, lab.hosts.len(), lab.subnet, lab.link.name());
-                for h in &lab.hosts {
+                let me = std::env::current_exe()?;
+                for (i, h) in lab.hosts.iter().enumerate() {
                     let alive = unsafe { libc::kill(h.pid as i32, 0) } == 0;
-                    println!("  {}  {}  pagefleetd pid {} {}", h.name, h.addr, h.pid, if alive { "running" } else { "NOT RUNNING" });
+                    // Ask the host's daemon from inside its own namespace.
+                    let out = lab.exec(i, &me).args(["status", "--json", "--hosts", &format!("{}:7071", h.ip)]).output()?;
+                    let mem = serde_json::from_slice::<serde_json::Value>(&out.stdout)
+                        .ok()
+                        .and_then(|v| v[0]["report"].as_object().cloned())
+                        .map(|r| {
+                            let f = |k: &str| units::fmt_size(r.get(k).and_then(|x| x.as_u64()).unwrap_or(0));
+                            format!("lends {} ({} used), host memory available {}", f("lend_capacity"), f("lend_used"), f("mem_available"))
+                        })
+                        .unwrap_or_else(|| "no report".into());
+                    println!(
+                        "  {}  {}  pagefleetd pid {} {}  {}",
+                        h.name,
+                        h.addr,
+                        h.pid,
+                        if alive { "running" } else { "NOT RUNNING" },
+                        mem
+                    );
                 }
             }
         }
@@ -210,6 +237,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Bench(BenchCmd::Paging(o)) => bench_paging(o),
         Cmd::Run(a) => run::run(a, cli.secret_file.as_deref()),
         Cmd::Testbed(t) => testbed(t),
+        Cmd::Status { hosts, json } => status(&hosts, json),
         Cmd::Memserver(m) => {
             let secret = Secret::resolve(cli.secret_file.as_deref())?;
             let opts = ConnectOptions { name: "pagefleet-cli".into(), ..Default::default() };
@@ -302,6 +330,47 @@ fn bench_paging(o: BenchOpts) -> Result<()> {
         println!("{}", serde_json::to_string(&report)?);
     } else {
         paging::print_table(&report, &mut std::io::stdout())?;
+    }
+    Ok(())
+}
+
+fn status(hosts: &[String], json: bool) -> Result<()> {
+    use pagefleet_daemon::HostReport;
+    let mut reports = Vec::new();
+    for h in hosts {
+        let r = pagefleet_daemon::http::get(h, "/host", std::time::Duration::from_secs(3))
+            .and_then(|b| serde_json::from_str::<HostReport>(&b).map_err(anyhow::Error::from));
+        reports.push((h.clone(), r));
+    }
+    if json {
+        let v: Vec<serde_json::Value> = reports
+            .iter()
+            .map(|(h, r)| match r {
+                Ok(r) => serde_json::json!({"host": h, "report": r}),
+                Err(e) => serde_json::json!({"host": h, "error": format!("{e:#}")}),
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!("{:<22} {:<22} {:>11} {:>11} {:>11} {:>11} {:>7}", "host", "memory server", "mem total", "available", "lends", "lent used", "regions");
+    for (h, r) in &reports {
+        match r {
+            Ok(r) => println!(
+                "{:<22} {:<22} {:>11} {:>11} {:>11} {:>11} {:>7}",
+                h,
+                r.memserver.as_deref().unwrap_or("-"),
+                units::fmt_size(r.mem_total),
+                units::fmt_size(r.mem_available),
+                units::fmt_size(r.lend_capacity),
+                units::fmt_size(r.lend_used),
+                r.regions
+            ),
+            Err(e) => println!("{h:<22} unreachable: {e:#}"),
+        }
+    }
+    if reports.iter().any(|(_, r)| r.is_err()) {
+        bail!("some hosts did not answer");
     }
     Ok(())
 }

@@ -28,3 +28,45 @@ impl MemServer {
         Ok(MemServer { state, addr })
     }
 }
+
+/// This host's memory as placement sees it, and what its memory server lends.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct HostReport {
+    pub hostname: String,
+    pub mem_total: u64,
+    pub mem_available: u64,
+    /// The memory server: listen address, capacity and bytes stored.
+    pub memserver: Option<String>,
+    pub lend_capacity: u64,
+    pub lend_used: u64,
+    pub regions: u64,
+}
+
+/// MemTotal and MemAvailable from /proc/meminfo, in bytes.
+pub fn meminfo() -> (u64, u64) {
+    let s = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let get = |k: &str| {
+        s.lines()
+            .find(|l| l.starts_with(k))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+            * 1024
+    };
+    (get("MemTotal:"), get("MemAvailable:"))
+}
+
+impl HostReport {
+    pub fn collect(ms: Option<(&ServerState, SocketAddr)>) -> HostReport {
+        let (mem_total, mem_available) = meminfo();
+        let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default().trim().to_string();
+        let (memserver, cap, used, regions) = match ms {
+            Some((st, addr)) => {
+                let s = st.store.stats(0);
+                (Some(addr.to_string()), s.capacity_pages * 4096, s.stored_pages * 4096, s.region_count)
+            }
+            None => (None, 0, 0, 0),
+        };
+        HostReport { hostname, mem_total, mem_available, memserver, lend_capacity: cap, lend_used: used, regions }
+    }
+}

@@ -109,7 +109,12 @@ fn run() -> Result<()> {
     let maddr = match metrics_listen {
         Some(m) => {
             let st = ms.state.clone();
-            Some(http::start(&m, std::sync::Arc::new(move || metrics::render(&st)))?)
+            let st2 = ms.state.clone();
+            let addr = ms.addr;
+            let host = std::sync::Arc::new(move || {
+                serde_json::to_string(&pagefleet_daemon::HostReport::collect(Some((&st2, addr)))).unwrap_or_default()
+            });
+            Some(http::start(&m, std::sync::Arc::new(move || metrics::render(&st)), host)?)
         }
         None => None,
     };

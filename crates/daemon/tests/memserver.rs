@@ -382,3 +382,19 @@ fn config_file_and_flag_override() {
     assert!(err.contains("listen_addr") && err.contains("pagefleetd.toml"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The host report placement reads: memory of the host and what it lends.
+#[test]
+fn host_report_over_http() {
+    let d = Daemon::start("16MiB", &[]);
+    let mut c = d.conn();
+    c.put(3, Pages::Run { first: 0, count: 2 }, &vec![1u8; 2 * P], 2).unwrap();
+    let body = pagefleet_daemon::http::get(d.metrics.as_ref().unwrap(), "/host", Duration::from_secs(3)).unwrap();
+    let r: pagefleet_daemon::HostReport = serde_json::from_str(&body).unwrap();
+    assert_eq!(r.lend_capacity, 16 << 20);
+    assert_eq!(r.lend_used, 2 * P as u64);
+    assert_eq!(r.regions, 1);
+    assert_eq!(r.memserver.as_deref(), Some(d.addr.as_str()));
+    assert!(r.mem_total > 0 && r.mem_available > 0 && r.mem_available <= r.mem_total);
+    assert!(pagefleet_daemon::http::get(d.metrics.as_ref().unwrap(), "/nope", Duration::from_secs(3)).is_err());
+}

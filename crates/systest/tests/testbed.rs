@@ -55,6 +55,10 @@ fn testbed_up_connects_hosts_shapes_links_and_comes_down_twice() {
             .unwrap();
         assert!(out.status.success(), "h2 -> {}: {}", lab.0.hosts[target].name, String::from_utf8_lossy(&out.stderr));
     }
+    // Each host reports its memory and what its memory server lends.
+    let out = lab.0.exec(0, bin("pagefleet")).args(["status", "--json", "--hosts", &format!("{}:7071", lab.0.hosts[0].ip)]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("\"lend_capacity\": 67108864"), "{text}");
     // Bringing it up again over itself replaces the old lab (crashed-run cleanup).
     let lab2 = Lab::up(&o).expect("testbed up over an existing lab");
     assert_eq!(lab2.hosts.len(), 3);
