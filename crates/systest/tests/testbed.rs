@@ -69,3 +69,67 @@ fn testbed_up_connects_hosts_shapes_links_and_comes_down_twice() {
     assert!(!ns.contains(&format!("{prefix}-")), "namespaces left: {ns}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A guest's service address moves between hosts: clients elsewhere in the
+/// lab reach whatever now serves it, on the new host.
+#[test]
+fn service_address_moves_between_hosts() {
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: the testbed needs root (CI runs as root)");
+        return;
+    }
+    let r = pagefleet_proto::auth::random_u64();
+    let prefix = format!("s{:04x}", r & 0xffff);
+    let dir = tempdir("svc");
+    let mut o = Options::new(3, Link::Unshaped, bin("pagefleetd"));
+    o.prefix = prefix.clone();
+    o.dir = dir.clone();
+    o.lend = 16 << 20;
+    o.subnet_octet = 100 + (r >> 16) as u8 % 100;
+    let lab = Guard(Lab::up(&o).expect("testbed up"));
+    let ip = lab.0.service_ip(1);
+    let svc = format!("{ip}:7090");
+    let serve_on = |host: usize| {
+        let mut c = lab
+            .0
+            .exec(host, bin("pagefleetd"))
+            .args(["--lend", "4MiB", "--listen", &svc, "--metrics", "off", "--log", "error", "--secret-file"])
+            .arg(&lab.0.secret_file)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(c.stdout.take().unwrap()), &mut line).unwrap();
+        assert!(line.starts_with("listening"), "{line}");
+        c
+    };
+    let ping_from_h3 = || {
+        let out = lab
+            .0
+            .exec(2, bin("pagefleet"))
+            .arg("--secret-file")
+            .arg(&lab.0.secret_file)
+            .args(["memserver", "ping", "--count", "1", "--server", &svc])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).lines().next().unwrap_or("").to_string()
+    };
+    lab.0.place_service_ip(&ip, 0).unwrap();
+    assert_eq!(lab.0.service_ip_host(&ip), Some(0));
+    let mut a = serve_on(0);
+    let first = ping_from_h3();
+    let _ = a.kill();
+    let _ = a.wait();
+    lab.0.place_service_ip(&ip, 1).unwrap();
+    assert_eq!(lab.0.service_ip_host(&ip), Some(1));
+    let mut b = serve_on(1);
+    let second = ping_from_h3();
+    let _ = b.kill();
+    let _ = b.wait();
+    // Each line names the server id: a different process answered, on host 2.
+    assert_ne!(first, second, "the moved address must reach the new host's server");
+    drop(lab);
+    assert!(!netns().contains(&format!("{prefix}-")));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -198,6 +198,37 @@ impl Lab {
         c
     }
 
+    /// A guest service address in the lab subnet (`.200 + n`), e.g. for guest n.
+    pub fn service_ip(&self, n: u8) -> String {
+        let base = self.subnet.trim_end_matches(".0/24");
+        format!("{base}.{}", 200u16 + n as u16)
+    }
+
+    /// Put a guest's service address on host `to` (removing it from every
+    /// other host first) and make every host forget where it was, so the
+    /// address moves with the guest.
+    pub fn place_service_ip(&self, ip: &str, to: usize) -> Result<()> {
+        for h in &self.hosts {
+            let _ = run(&["ip", "-n", &h.netns, "addr", "del", &format!("{ip}/32"), "dev", "eth0"]);
+        }
+        run(&["ip", "-n", &self.hosts[to].netns, "addr", "add", &format!("{ip}/32"), "dev", "eth0"])?;
+        for h in &self.hosts {
+            let _ = run(&["ip", "-n", &h.netns, "neigh", "flush", "to", ip]);
+        }
+        Ok(())
+    }
+
+    /// Which host holds the service address, if any.
+    pub fn service_ip_host(&self, ip: &str) -> Option<usize> {
+        self.hosts.iter().position(|h| {
+            Command::new("ip")
+                .args(["-n", &h.netns, "-o", "addr", "show", "dev", "eth0"])
+                .output()
+                .map(|o| String::from_utf8_lossy(&o.stdout).contains(&format!("{ip}/32")))
+                .unwrap_or(false)
+        })
+    }
+
     pub fn down(&self) -> Result<()> {
         down_prefix(&self.dir, &self.prefix)
     }
