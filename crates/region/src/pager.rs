@@ -255,7 +255,7 @@ impl Pager {
             Ok(_) => {
                 let t = Instant::now();
                 for f in &faults {
-                    self.handle(*f, t);
+                    self.handle(*f);
                 }
                 // Remote faults of this batch go out together: one pipelined
                 // burst per server, so their round trips overlap.
@@ -274,7 +274,7 @@ impl Pager {
         self.shared.stats.remote_pages.store(self.remote, Relaxed);
     }
 
-    fn handle(&mut self, f: Fault, t_read: Instant) {
+    fn handle(&mut self, f: Fault) {
         let base = self.guest.base();
         if f.addr < base || f.addr >= base + self.guest.len as u64 {
             return;
@@ -319,7 +319,6 @@ impl Pager {
             // Stale: the page was installed by a chunk page-in meanwhile.
             (FaultKind::Missing, LOCAL) => self.wake(p),
             (_, s) => {
-                let _ = t_read;
                 let s = (s - REMOTE) as usize;
                 // One page-in per chunk, server and batch: a second fault in the
                 // same chunk on the same server is served by the first one's
@@ -584,7 +583,6 @@ impl Pager {
             },
             Policy::Aging => {
                 const WINDOW: usize = 32;
-                let start = self.victim_hand;
                 let mut best: Option<(u32, usize)> = None;
                 let mut seen = 0;
                 while seen < WINDOW {
@@ -601,7 +599,6 @@ impl Pager {
                 let (_, c) = best?;
                 // Resume right after the victim: the rest of the window is looked at again.
                 self.victim_hand = (c + 1) % self.chunks;
-                let _ = start;
                 Some(c)
             }
         }

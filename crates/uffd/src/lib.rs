@@ -295,8 +295,11 @@ impl Uffd {
     }
 
     /// Read pending fault messages (non-blocking) into `out`; returns how many.
+    /// Up to 64 messages per call, read into a stack buffer (this is the
+    /// fault path: no allocation).
     pub fn read_faults(&self, out: &mut Vec<Fault>, max: usize) -> io::Result<usize> {
-        let mut raw = vec![0u8; 32 * max.max(1)];
+        let mut buf = [0u8; 32 * 64];
+        let raw = &mut buf[..32 * max.clamp(1, 64)];
         // SAFETY: raw is a valid buffer.
         let n = unsafe { libc::read(self.fd.as_raw_fd(), raw.as_mut_ptr().cast(), raw.len()) };
         if n < 0 {
