@@ -99,8 +99,8 @@ pub struct Report {
     pub rss: Rss,
     pub memcached: Option<String>,
     pub goals: Vec<Goal>,
-    pub plot: Option<String>,
-    pub plot_error: Option<String>,
+    #[serde(flatten)]
+    pub plot: util::PlotOutcome,
 }
 
 type Log<'a> = &'a mut dyn FnMut(&str);
@@ -260,16 +260,9 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
         rss,
         memcached: mc_note,
         goals,
-        plot: None,
-        plot_error: None,
+        plot: util::PlotOutcome::default(),
     };
-    let json_path = o.out_dir.join("memserver.json");
-    std::fs::write(&json_path, serde_json::to_vec_pretty(&report)?)?;
-    match util::plot("plot_memserver.py", include_str!("../../../bench/plot_memserver.py"), &json_path, &o.out_dir.join("memserver.png")) {
-        Ok(p) => report.plot = Some(p.display().to_string()),
-        Err(e) => report.plot_error = Some(format!("{e:#}")),
-    }
-    std::fs::write(&json_path, serde_json::to_vec_pretty(&report)?)?;
+    util::save_with_plot(&mut report, |r| &mut r.plot, &o.out_dir, "memserver", include_str!("../../../bench/plot_memserver.py"))?;
     Ok(report)
 }
 
@@ -333,12 +326,7 @@ pub fn print_table(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
         writeln!(out, "Peer: {m}")?;
     }
     util::print_goals(&r.goals, out)?;
-    match (&r.plot, &r.plot_error) {
-        (Some(p), _) => writeln!(out, "\nPlot: {p}")?,
-        (None, Some(e)) => writeln!(out, "\nPlot not written: {e}")?,
-        _ => {}
-    }
-    Ok(())
+    r.plot.print(out)
 }
 
 // ---- pagefleet measurement -------------------------------------------------

@@ -101,8 +101,8 @@ pub struct Report {
     pub rows: Vec<Row>,
     pub faults: Vec<FaultLat>,
     pub goals: Vec<Goal>,
-    pub plot: Option<String>,
-    pub plot_error: Option<String>,
+    #[serde(flatten)]
+    pub plot: util::PlotOutcome,
 }
 
 fn cfg(name: &str, kind: Kind, pct: f64, policy: &str, chunk: usize, servers: usize) -> Cfg {
@@ -204,16 +204,9 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
         rows,
         faults,
         goals,
-        plot: None,
-        plot_error: None,
+        plot: util::PlotOutcome::default(),
     };
-    let json_path = o.out_dir.join("paging.json");
-    std::fs::write(&json_path, serde_json::to_vec_pretty(&report)?)?;
-    match util::plot("plot_paging.py", include_str!("../../../bench/plot_paging.py"), &json_path, &o.out_dir.join("paging.png")) {
-        Ok(p) => report.plot = Some(p.display().to_string()),
-        Err(e) => report.plot_error = Some(format!("{e:#}")),
-    }
-    std::fs::write(&json_path, serde_json::to_vec_pretty(&report)?)?;
+    util::save_with_plot(&mut report, |r| &mut r.plot, &o.out_dir, "paging", include_str!("../../../bench/plot_paging.py"))?;
     Ok(report)
 }
 
@@ -259,12 +252,7 @@ pub fn print_table(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
         writeln!(out, "  {:<28} p50 {:>7.1} us   p99 {:>7.1} us   ({} samples)", f.what, f.p50_us, f.p99_us, f.samples)?;
     }
     util::print_goals(&r.goals, out)?;
-    match (&r.plot, &r.plot_error) {
-        (Some(p), _) => writeln!(out, "\nPlot: {p}")?,
-        (None, Some(e)) => writeln!(out, "\nPlot not written: {e}")?,
-        _ => {}
-    }
-    Ok(())
+    r.plot.print(out)
 }
 
 // ---- one configuration -------------------------------------------------------

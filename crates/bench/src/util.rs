@@ -178,6 +178,44 @@ pub fn python() -> Option<PathBuf> {
     })
 }
 
+/// Where a benchmark's PNG went, or why it was not written (top-level
+/// `plot` / `plot_error` in the JSON).
+#[derive(Debug, Default, Serialize)]
+pub struct PlotOutcome {
+    pub plot: Option<String>,
+    pub plot_error: Option<String>,
+}
+
+impl PlotOutcome {
+    pub fn print(&self, out: &mut dyn std::io::Write) -> std::io::Result<()> {
+        match (&self.plot, &self.plot_error) {
+            (Some(p), _) => writeln!(out, "\nPlot: {p}"),
+            (None, Some(e)) => writeln!(out, "\nPlot not written: {e}"),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Write `DIR/NAME.json`, render `DIR/NAME.png` with the embedded plot
+/// script, record the outcome in the report and write the JSON again.
+pub fn save_with_plot<R: Serialize>(
+    report: &mut R,
+    outcome: fn(&mut R) -> &mut PlotOutcome,
+    dir: &Path,
+    name: &str,
+    script: &str,
+) -> Result<()> {
+    let json_path = dir.join(format!("{name}.json"));
+    std::fs::write(&json_path, serde_json::to_vec_pretty(report)?)?;
+    let o = match plot(&format!("plot_{name}.py"), script, &json_path, &dir.join(format!("{name}.png"))) {
+        Ok(p) => PlotOutcome { plot: Some(p.display().to_string()), plot_error: None },
+        Err(e) => PlotOutcome { plot: None, plot_error: Some(format!("{e:#}")) },
+    };
+    *outcome(report) = o;
+    std::fs::write(&json_path, serde_json::to_vec_pretty(report)?)?;
+    Ok(())
+}
+
 /// Run an embedded plot script on a results JSON file; returns the PNG path.
 pub fn plot(script_name: &str, script: &str, json_path: &Path, png: &Path) -> Result<PathBuf> {
     let py = python().ok_or_else(|| {
