@@ -73,7 +73,8 @@ pub enum Workload {
 }
 
 struct Memory {
-    region: Option<Region>,
+    /// Shared with the kv server's `stats` (its connection threads may outlive this command's scope).
+    region: Option<Arc<Region>>,
     plain: Option<(*mut u8, usize)>,
 }
 
@@ -135,7 +136,7 @@ fn open_memory(a: &RunArgs, secret_file: Option<&Path>) -> Result<Memory> {
         cfg.secret = Some(Secret::resolve(secret_file)?);
     }
     let r = Region::new(cfg).context("cannot set up the guest's region")?;
-    Ok(Memory { region: Some(r), plain: None })
+    Ok(Memory { region: Some(Arc::new(r)), plain: None })
 }
 
 fn stats_json(m: &Memory) -> serde_json::Value {
@@ -206,9 +207,7 @@ pub fn run(a: RunArgs, secret_file: Option<&Path>) -> Result<()> {
         }
         Workload::Kv { listen } => {
             let mut k = kv::Kv::open(mem);
-            if let Some(r) = &m.region {
-                // SAFETY: the region outlives the server threads (joined below).
-                let r: &'static Region = unsafe { &*(r as *const Region) };
+            if let Some(r) = m.region.clone() {
                 k.extra_stats = Some(Box::new(move || {
                     let s = r.stats();
                     vec![
