@@ -70,8 +70,12 @@ pub struct ChildDaemon {
 
 impl ChildDaemon {
     pub fn start(lend_bytes: u64, secret_path: &Path) -> Result<ChildDaemon> {
-        let bin = sibling_binary("pagefleetd")?;
-        let mut child = Command::new(&bin)
+        Self::start_bin(&sibling_binary("pagefleetd")?, lend_bytes, secret_path)
+    }
+
+    /// Start a given pagefleetd binary (tests pass the one cargo built).
+    pub fn start_bin(bin: &Path, lend_bytes: u64, secret_path: &Path) -> Result<ChildDaemon> {
+        let mut child = Command::new(bin)
             .args(["--lend", &lend_bytes.to_string(), "--listen", "127.0.0.1:0", "--metrics", "off", "--log", "error"])
             .arg("--secret-file")
             .arg(secret_path)
@@ -89,12 +93,17 @@ impl ChildDaemon {
     pub fn rss_bytes(&self) -> Result<u64> {
         rss_of(self.child.id())
     }
+
+    /// Kill the daemon now (a dead peer for failure tests).
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }
 
 impl Drop for ChildDaemon {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.kill();
     }
 }
 

@@ -2,9 +2,7 @@
 //! (killed on drop), find the workspace's binaries, fill and check patterns.
 
 use pagefleet_proto::auth::Secret;
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 
 /// A binary of this workspace, built next to the test executable's profile dir.
 pub fn bin(name: &str) -> PathBuf {
@@ -21,35 +19,12 @@ pub fn tempdir(tag: &str) -> PathBuf {
     d
 }
 
-pub struct Server {
-    pub child: Child,
-    pub addr: String,
-}
+/// A real pagefleetd child process on loopback, killed on drop.
+pub type Server = pagefleet_bench::util::ChildDaemon;
 
-impl Server {
-    pub fn start(lend: &str, secret_file: &std::path::Path) -> Server {
-        let mut child = Command::new(bin("pagefleetd"))
-            .args(["--lend", lend, "--listen", "127.0.0.1:0", "--metrics", "off", "--log", "error"])
-            .arg("--secret-file")
-            .arg(secret_file)
-            .env_remove("PAGEFLEET_SECRET")
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("spawn pagefleetd");
-        let line = BufReader::new(child.stdout.take().unwrap()).lines().next().unwrap().unwrap();
-        let addr = line.strip_prefix("listening ").unwrap().to_string();
-        Server { child, addr }
-    }
-    pub fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        self.kill();
-    }
+fn start_server(lend: &str, secret_file: &std::path::Path) -> Server {
+    let bytes = pagefleet_daemon::units::parse_size(lend).expect("lend size");
+    Server::start_bin(&bin("pagefleetd"), bytes, secret_file).expect("start pagefleetd")
 }
 
 /// A cluster of memory servers sharing a fresh secret.
@@ -66,7 +41,7 @@ impl Cluster {
         let secret_file = dir.join("secret");
         std::fs::write(&secret_file, Secret::generate_hex()).unwrap();
         let secret = Secret::load(&secret_file).unwrap();
-        let servers = (0..n).map(|_| Server::start(lend, &secret_file)).collect();
+        let servers = (0..n).map(|_| start_server(lend, &secret_file)).collect();
         Cluster { servers, secret, secret_file, dir }
     }
     pub fn addrs(&self) -> Vec<String> {
