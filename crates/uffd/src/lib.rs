@@ -33,7 +33,6 @@ pub const MODE_MINOR: u64 = 1 << 2;
 
 const COPY_MODE_DONTWAKE: u64 = 1 << 0;
 const WP_MODE_WP: u64 = 1 << 0;
-const WP_MODE_DONTWAKE: u64 = 1 << 1;
 
 const EVENT_PAGEFAULT: u8 = 0x12;
 const PF_FLAG_WRITE: u64 = 1 << 0;
@@ -246,15 +245,6 @@ impl Uffd {
     /// Set (`wp` = true) or clear write protection; clearing wakes waiters.
     pub fn writeprotect(&self, addr: u64, len: u64, wp: bool) -> Result<(), UffdError> {
         let mut w = WpArg { range: Range { start: addr, len }, mode: if wp { WP_MODE_WP } else { 0 } };
-        if ioctl(self.fd.as_raw_fd(), UFFDIO_WRITEPROTECT, &mut w) != 0 {
-            return Err(op_err("UFFDIO_WRITEPROTECT"));
-        }
-        Ok(())
-    }
-
-    /// Clear WP without waking (caller wakes later).
-    pub fn unprotect_dontwake(&self, addr: u64, len: u64) -> Result<(), UffdError> {
-        let mut w = WpArg { range: Range { start: addr, len }, mode: WP_MODE_DONTWAKE };
         if ioctl(self.fd.as_raw_fd(), UFFDIO_WRITEPROTECT, &mut w) != 0 {
             return Err(op_err("UFFDIO_WRITEPROTECT"));
         }
