@@ -188,6 +188,7 @@ pub fn run(a: RunArgs, secret_file: Option<&Path>) -> Result<()> {
                 duration: Duration::from_secs(a.duration.max(1)),
                 max_ops: None,
                 prefill: *prefill,
+                gate: None,
             };
             let r = synthetic::run(mem, &o, |s, rate| {
                 if !a.json {

@@ -60,3 +60,53 @@ impl Rng {
         (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
     }
 }
+
+/// A safepoint gate: workers enter it around each unit of work; `pause`
+/// waits until no unit is in flight and holds new ones back (a quiesced
+/// guest for a migration's final copy), `resume` lets them go on.
+#[derive(Debug, Default)]
+pub struct Gate {
+    st: std::sync::Mutex<(bool, usize)>,
+    cv: std::sync::Condvar,
+}
+
+impl Gate {
+    pub fn enter(&self) {
+        let mut g = self.st.lock().unwrap_or_else(|e| e.into_inner());
+        while g.0 {
+            g = self.cv.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+        g.1 += 1;
+    }
+    pub fn exit(&self) {
+        let mut g = self.st.lock().unwrap_or_else(|e| e.into_inner());
+        g.1 -= 1;
+        if g.1 == 0 {
+            self.cv.notify_all();
+        }
+    }
+    /// Stop new work and wait for the work in flight; false (and resumed) on timeout.
+    pub fn pause(&self, timeout: std::time::Duration) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut g = self.st.lock().unwrap_or_else(|e| e.into_inner());
+        g.0 = true;
+        while g.1 > 0 {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                g.0 = false;
+                self.cv.notify_all();
+                return false;
+            }
+            g = self.cv.wait_timeout(g, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        true
+    }
+    pub fn resume(&self) {
+        let mut g = self.st.lock().unwrap_or_else(|e| e.into_inner());
+        g.0 = false;
+        self.cv.notify_all();
+    }
+    pub fn is_paused(&self) -> bool {
+        self.st.lock().unwrap_or_else(|e| e.into_inner()).0
+    }
+}

@@ -88,6 +88,8 @@ pub struct Opts {
     pub max_ops: Option<u64>,
     /// Touch every page once (writing) before measuring.
     pub prefill: bool,
+    /// Safepoint gate (entered around every 256 operations), for migration.
+    pub gate: Option<std::sync::Arc<crate::Gate>>,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -124,12 +126,15 @@ pub fn run(mem: Mem, o: &Opts, mut tick: impl FnMut(usize, f64)) -> Outcome {
     let mut per_second = Vec::new();
     std::thread::scope(|s| {
         for t in 0..o.threads {
-            let (zipf, done, stop) = (&zipf, &done, &stop);
+            let (zipf, done, stop, gate) = (&zipf, &done, &stop, o.gate.as_deref());
             s.spawn(move || {
                 let mut rng = Rng::new(0xC0FFEE + t as u64);
                 let mut seq = (pages / o.threads as u64) * t as u64;
                 let mut local = 0u64;
                 while !stop.load(Relaxed) {
+                    if let Some(g) = gate {
+                        g.enter();
+                    }
                     for _ in 0..256 {
                         let page = match &o.dist {
                             Dist::Uniform => rng.next_u64() % pages,
@@ -154,6 +159,9 @@ pub fn run(mem: Mem, o: &Opts, mut tick: impl FnMut(usize, f64)) -> Outcome {
                             std::hint::black_box(mem.read_u64(off));
                         }
                         local += 1;
+                    }
+                    if let Some(g) = gate {
+                        g.exit();
                     }
                     done.fetch_add(256, Relaxed);
                     local = 0;

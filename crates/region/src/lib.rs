@@ -89,6 +89,36 @@ pub struct Config {
     /// Pages that start out on memory servers: (first page, count, index
     /// into `servers`), under `region_id` (a guest resumed from elsewhere).
     pub initial_remote: Vec<(u64, u64, usize)>,
+    /// Start from memory a migration filled (see [`Adopt`]) instead of an
+    /// empty memfd.
+    pub adopt: Option<Arc<Adopt>>,
+}
+
+/// Guest memory received by an incoming migration: the memfd, its guest
+/// mapping (not yet registered with userfaultfd; received pages are already
+/// mapped in it, so the resumed guest takes no fault on them) and the access
+/// history per page. Pages with data in the memfd become resident; holes are
+/// never-touched pages unless `initial_remote` places them on a server.
+pub struct Adopt {
+    pub memfd: Arc<OwnedFd>,
+    pub guest: Arc<Mapping>,
+    pub history: Vec<u8>,
+}
+
+impl std::fmt::Debug for Adopt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Adopt({} bytes)", self.guest.len)
+    }
+}
+
+impl Adopt {
+    /// A memfd of `size` bytes and its (unregistered) guest mapping.
+    pub fn create(name: &str, size: u64) -> std::io::Result<Adopt> {
+        let memfd = uffd::memfd(name, size)?;
+        let guest = Mapping::shared(memfd.as_raw_fd(), size as usize)?;
+        guest.madvise(0, guest.len, libc::MADV_NOHUGEPAGE)?;
+        Ok(Adopt { memfd: Arc::new(memfd), guest: Arc::new(guest), history: vec![0; (size as usize).div_ceil(PAGE)] })
+    }
 }
 
 impl Config {
@@ -107,6 +137,7 @@ impl Config {
             on_fatal: OnFatal::Exit,
             name: "pagefleet-region".into(),
             initial_remote: Vec::new(),
+            adopt: None,
         }
     }
 }
@@ -128,6 +159,8 @@ pub(crate) enum Command {
     TrackDirty(bool, std::sync::mpsc::Sender<()>),
     TakeDirty(std::sync::mpsc::Sender<Vec<u64>>),
     Snapshot(std::sync::mpsc::Sender<Snapshot>),
+    /// Pause (true) or resume balancing and sampling: faults are still served.
+    Hold(bool, std::sync::mpsc::Sender<()>),
 }
 
 /// Where every page is and how hot it has been (for migration planning).
@@ -207,10 +240,21 @@ impl Region {
         if cfg.region_id == 0 {
             cfg.region_id = pagefleet_proto::auth::random_u64() | 1;
         }
-        let memfd = uffd::memfd(&cfg.name, cfg.size).map_err(|source| RegionError::Io { what: "memfd_create", source })?;
-        let guest = Mapping::shared(memfd.as_raw_fd(), cfg.size as usize).map_err(|source| RegionError::Io { what: "mmap", source })?;
-        // Paging works per 4 KiB page and chunk: no transparent huge pages.
-        guest.madvise(0, guest.len, libc::MADV_NOHUGEPAGE).map_err(|source| RegionError::Io { what: "madvise", source })?;
+        let (memfd, guest) = match &cfg.adopt {
+            Some(a) => {
+                if a.guest.len as u64 != cfg.size || a.history.len() as u64 != pages {
+                    return Err(RegionError::Config(format!("adopted memory is {} bytes, region {}", a.guest.len, cfg.size)));
+                }
+                (a.memfd.clone(), a.guest.clone())
+            }
+            None => {
+                let memfd = uffd::memfd(&cfg.name, cfg.size).map_err(|source| RegionError::Io { what: "memfd_create", source })?;
+                let guest = Mapping::shared(memfd.as_raw_fd(), cfg.size as usize).map_err(|source| RegionError::Io { what: "mmap", source })?;
+                // Paging works per 4 KiB page and chunk: no transparent huge pages.
+                guest.madvise(0, guest.len, libc::MADV_NOHUGEPAGE).map_err(|source| RegionError::Io { what: "madvise", source })?;
+                (Arc::new(memfd), Arc::new(guest))
+            }
+        };
         let shared = Arc::new(Shared {
             budget: AtomicU64::new(cfg.budget_pages),
             stop: AtomicBool::new(false),
@@ -218,8 +262,6 @@ impl Region {
             fatal: Mutex::new(None),
             pager_tid: std::sync::atomic::AtomicI32::new(0),
         });
-        let guest = Arc::new(guest);
-        let memfd = Arc::new(memfd);
         for &(first, count, s) in &cfg.initial_remote {
             if s >= cfg.servers.len() || first.checked_add(count).is_none_or(|e| e > pages) {
                 return Err(RegionError::Config(format!("initial remote range {first}+{count} on server {s} is out of bounds")));
@@ -316,6 +358,19 @@ impl Region {
     /// The memfd backing the region (for handing to another runtime).
     pub fn memfd(&self) -> &OwnedFd {
         &self.memfd
+    }
+
+    /// Pause balancing and sampling (faults are still served), e.g. while a
+    /// migration takes its final copy; `false` resumes them.
+    pub fn hold_paging(&self, on: bool) -> bool {
+        self.ask(|tx| Command::Hold(on, tx)).is_some()
+    }
+
+    /// Stop paging but leave the region's pages on the servers: another
+    /// runner (the migration's destination) owns them now.
+    pub fn detach(mut self) {
+        self.stop_pager();
+        self.secret = None;
     }
 
     fn stop_pager(&mut self) {

@@ -22,6 +22,8 @@ pub(crate) struct Pager {
     rx: std::sync::mpsc::Receiver<Command>,
     /// Change tracking for migration: pages whose content or location changed.
     tracking: bool,
+    /// Balancing and sampling paused (a migration's final copy).
+    hold: bool,
     dirty: Vec<bool>,
     dirty_list: Vec<u32>,
     servers_list: Vec<String>,
@@ -96,19 +98,48 @@ impl Pager {
         let chunks = pages / cfg.chunk_pages;
         let max_rate = chunks as f64 / cfg.sample_period.as_secs_f64().max(0.01);
         let mut state = vec![ZERO; pages];
+        let mut refb = vec![0u8; pages];
+        let mut hist = vec![0u8; pages];
+        let mut chunk_res = vec![0u16; chunks];
+        let mut resident = 0u64;
+        if let Some(a) = &cfg.adopt {
+            // Received pages are the memfd's data ranges.
+            for (lo, hi) in uffd::data_ranges(a.memfd.as_raw_fd(), guest.len as u64).map_err(|source| RegionError::Io { what: "SEEK_DATA on the adopted memfd", source })? {
+                for q in (lo / PAGE as u64) as usize..(hi.div_ceil(PAGE as u64) as usize).min(pages) {
+                    state[q] = LOCAL;
+                    chunk_res[q / cfg.chunk_pages] += 1;
+                    resident += 1;
+                }
+            }
+            for (q, h) in a.history.iter().enumerate() {
+                match cfg.policy {
+                    Policy::Clock => refb[q] = h >> 7,
+                    Policy::Aging => hist[q] = *h,
+                }
+            }
+        }
         let mut remote = 0u64;
         for &(first, count, srv) in &cfg.initial_remote {
             for q in first..first + count {
-                if state[q as usize] == ZERO {
+                let q = q as usize;
+                if state[q] == LOCAL {
+                    // A migration's location list wins over stale data.
+                    chunk_res[q / cfg.chunk_pages] -= 1;
+                    resident -= 1;
+                    let _ = uffd::punch_hole(memfd.as_raw_fd(), (q * PAGE) as u64, PAGE as u64);
+                }
+                if state[q] < REMOTE {
                     remote += 1;
                 }
-                state[q as usize] = REMOTE + srv as u8;
+                state[q] = REMOTE + srv as u8;
             }
         }
         shared.stats.remote_pages.store(remote, Relaxed);
+        shared.stats.resident_pages.store(resident, Relaxed);
         Ok(Pager {
             rx,
             tracking: false,
+            hold: false,
             dirty: vec![false; pages],
             dirty_list: Vec::new(),
             servers_list: cfg.servers.clone(),
@@ -123,10 +154,10 @@ impl Pager {
             cp: cfg.chunk_pages,
             chunks,
             state,
-            refb: vec![0; pages],
-            hist: vec![0; pages],
-            chunk_res: vec![0; chunks],
-            resident: 0,
+            refb,
+            hist,
+            chunk_res,
+            resident,
             remote,
             conns,
             addrs: cfg.servers.clone(),
@@ -224,6 +255,11 @@ impl Pager {
                     i = j;
                 }
                 let _ = reply.send(list);
+            }
+            Command::Hold(on, reply) => {
+                self.hold = on;
+                self.evicting = false;
+                let _ = reply.send(());
             }
             Command::Snapshot(reply) => {
                 let location = self
@@ -501,7 +537,7 @@ impl Pager {
     /// with the least max age among the next few resident chunks.
     fn balance(&mut self) {
         let budget = self.shared.budget.load(Relaxed);
-        if self.state.len() as u64 <= budget {
+        if self.hold || self.state.len() as u64 <= budget {
             self.evicting = false;
             return;
         }
@@ -726,7 +762,7 @@ impl Pager {
     fn sample_tick(&mut self) {
         let now = Instant::now();
         let dt = now.duration_since(self.last_tick).as_secs_f64();
-        if dt < self.tick_secs {
+        if self.hold || dt < self.tick_secs {
             return;
         }
         self.last_tick = now;

@@ -386,3 +386,28 @@ pub fn punch_hole(fd: RawFd, off: u64, len: u64) -> io::Result<()> {
     }
     Ok(())
 }
+
+/// The byte ranges of `fd` (up to `len`) that hold data, by SEEK_DATA /
+/// SEEK_HOLE (shmem reports exactly the pages present in the page cache).
+pub fn data_ranges(fd: RawFd, len: u64) -> io::Result<Vec<(u64, u64)>> {
+    let mut out = Vec::new();
+    let mut off = 0i64;
+    while (off as u64) < len {
+        // SAFETY: plain syscalls on a descriptor we were given.
+        let d = unsafe { libc::lseek(fd, off, libc::SEEK_DATA) };
+        if d < 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::ENXIO) {
+                break;
+            }
+            return Err(e);
+        }
+        let h = unsafe { libc::lseek(fd, d, libc::SEEK_HOLE) };
+        if h < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        out.push((d as u64, (h as u64).min(len)));
+        off = h;
+    }
+    Ok(out)
+}
