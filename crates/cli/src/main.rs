@@ -9,6 +9,7 @@ use pagefleet_proto::auth::Secret;
 use std::path::PathBuf;
 
 mod run;
+mod runner;
 
 /// pagefleet pools spare memory across hosts: memory servers lend it, guests
 /// page to it, and (as milestones land) large guests split-migrate onto it.
@@ -54,6 +55,22 @@ enum Cmd {
     /// bridge, links shaped with tc tbf, one pagefleetd per host (root only).
     #[command(subcommand)]
     Testbed(TestbedCmd),
+    /// A runner waiting for an incoming migration (pagefleetd starts it; internal).
+    #[command(hide = true)]
+    RunnerIncoming {
+        #[arg(long)]
+        listen: String,
+        #[arg(long)]
+        control: PathBuf,
+        /// Most pages this host gives the guest.
+        #[arg(long)]
+        budget_pages: Option<u64>,
+        #[arg(long, default_value = "eth0")]
+        service_dev: String,
+        /// Give up if no migration arrives within this many seconds.
+        #[arg(long, default_value_t = 60)]
+        timeout: u64,
+    },
 }
 
 #[derive(Subcommand)]
@@ -237,6 +254,10 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Bench(BenchCmd::Paging(o)) => bench_paging(o),
         Cmd::Run(a) => run::run(a, cli.secret_file.as_deref()),
         Cmd::Testbed(t) => testbed(t),
+        Cmd::RunnerIncoming { listen, control, budget_pages, service_dev, timeout } => {
+            let secret = Secret::resolve(cli.secret_file.as_deref())?;
+            runner::run_incoming(&listen, control, budget_pages, service_dev, secret, std::time::Duration::from_secs(timeout))
+        }
         Cmd::Status { hosts, json } => status(&hosts, json),
         Cmd::Memserver(m) => {
             let secret = Secret::resolve(cli.secret_file.as_deref())?;

@@ -5,7 +5,7 @@ use clap::{Args, Subcommand};
 use pagefleet_daemon::units;
 use pagefleet_guests::{kv, sort, synthetic, Mem};
 use pagefleet_region::{Config, Policy, Region, Secret};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -45,6 +45,19 @@ pub struct RunArgs {
     /// Print one JSON object with the outcome and the runtime's counters.
     #[arg(long, global = true)]
     pub json: bool,
+    /// Run hosted: serve this control socket (status, migrate, stop) and run
+    /// until stopped or migrated away (pagefleetd starts guests this way).
+    #[arg(long, global = true)]
+    pub control: Option<PathBuf>,
+    /// Guest name (hosted runs).
+    #[arg(long, global = true, default_value = "guest")]
+    pub name: String,
+    /// A service address that moves with the guest (added to --service-dev
+    /// here, and on the destination after a migration). kv: listen on it.
+    #[arg(long, global = true)]
+    pub service_ip: Option<String>,
+    #[arg(long, global = true, default_value = "eth0")]
+    pub service_dev: String,
 }
 
 #[derive(Subcommand, Clone)]
@@ -172,9 +185,37 @@ fn progress(m: &Memory, sec: usize, rate: f64, last_ins: &mut u64) {
     }
 }
 
+/// The workload as a migration carries it to the destination runner.
+fn workload_spec(a: &RunArgs) -> Result<serde_json::Value> {
+    let mut v = match &a.workload {
+        Workload::Synthetic { dist, write_frac, .. } => serde_json::json!({
+            "kind": "synthetic", "dist": dist.to_string(), "write_frac": write_frac,
+        }),
+        Workload::Kv { listen } => serde_json::json!({"kind": "kv", "listen": listen}),
+        Workload::Sort { .. } => bail!("sort runs to completion; it cannot run hosted (use synthetic or kv)"),
+    };
+    v["threads"] = serde_json::json!(a.threads);
+    v["policy"] = serde_json::json!(format!("{:?}", a.policy).to_lowercase());
+    if let Some(ip) = &a.service_ip {
+        v["service_ip"] = serde_json::json!(ip);
+    }
+    Ok(v)
+}
+
 pub fn run(a: RunArgs, secret_file: Option<&Path>) -> Result<()> {
     if a.threads == 0 {
         bail!("--threads must be at least 1");
+    }
+    if let Some(control) = a.control.clone() {
+        if a.plain {
+            bail!("--plain guests cannot be hosted (they have no region to migrate)");
+        }
+        let spec = workload_spec(&a)?;
+        let secret = Secret::resolve(secret_file)?;
+        let m = open_memory(&a, secret_file)?;
+        let region = m.region.clone().expect("hosted guests have a region");
+        let service = a.service_ip.clone().map(|ip| crate::runner::Service { ip, dev: a.service_dev.clone() });
+        return crate::runner::run_hosted(a.name.clone(), spec, region, service, control, secret);
     }
     let m = open_memory(&a, secret_file)?;
     let mem = m.mem();

@@ -65,7 +65,7 @@ pub struct Kv {
     /// Guards the allocator and the header counters.
     alloc_lock: Mutex<()>,
     /// Safepoint: every request passes through it (migration quiesces here).
-    pub gate: crate::Gate,
+    pub gate: Arc<crate::Gate>,
     pub ops: AtomicU64,
     pub gets: AtomicU64,
     pub hits: AtomicU64,
@@ -106,7 +106,7 @@ fn abs_exptime(e: i64) -> u32 {
 impl Kv {
     /// Open the table in `mem`, creating it if the memory does not hold one.
     pub fn open(mem: Mem) -> Kv {
-        let kv = Kv { mem, extra_stats: None, stripes: (0..STRIPES).map(|_| RwLock::new(())).collect(), alloc_lock: Mutex::new(()), gate: crate::Gate::default(), ops: AtomicU64::new(0), gets: AtomicU64::new(0), hits: AtomicU64::new(0), sets: AtomicU64::new(0) };
+        let kv = Kv { mem, extra_stats: None, stripes: (0..STRIPES).map(|_| RwLock::new(())).collect(), alloc_lock: Mutex::new(()), gate: Arc::new(crate::Gate::default()), ops: AtomicU64::new(0), gets: AtomicU64::new(0), hits: AtomicU64::new(0), sets: AtomicU64::new(0) };
         if kv.r(H_MAGIC) != MAGIC {
             kv.format();
         }

@@ -47,6 +47,18 @@ impl std::str::FromStr for Dist {
     }
 }
 
+impl std::fmt::Display for Dist {
+    /// The form `FromStr` reads back.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Dist::Uniform => write!(f, "uniform"),
+            Dist::Zipf(t) => write!(f, "zipf:{t}"),
+            Dist::Sequential => write!(f, "seq"),
+            Dist::HotCold { hot_frac, hot_prob } => write!(f, "hotcold:{hot_frac}:{hot_prob}"),
+        }
+    }
+}
+
 /// YCSB's zipfian generator (Gray et al.), constant time per draw.
 pub struct Zipf {
     n: u64,

@@ -387,11 +387,19 @@ impl Region {
     }
 
     fn forget_remote(&mut self) -> Result<(), RegionError> {
+        let r = self.delete_remote();
+        self.secret = None;
+        r
+    }
+
+    /// Delete the region's pages on every server (the guest is ending: the
+    /// caller makes sure nothing touches the memory any more).
+    pub fn delete_remote(&self) -> Result<(), RegionError> {
         let Some(secret) = self.secret.clone() else { return Ok(()) };
         let opts = ConnectOptions { name: "pagefleet-region-close".into(), ..Default::default() };
         let mut first = None;
-        for s in std::mem::take(&mut self.servers) {
-            match pagefleet_client::Conn::connect(&s, &secret, &opts).and_then(|mut c| c.delete_region(self.region_id)) {
+        for s in &self.servers {
+            match pagefleet_client::Conn::connect(s, &secret, &opts).and_then(|mut c| c.delete_region(self.region_id)) {
                 Ok(_) => {}
                 Err(e) => {
                     first.get_or_insert(e);

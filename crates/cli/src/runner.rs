@@ -1,0 +1,369 @@
+//! A hosted runner: a guest that a pagefleetd started (or that arrived by
+//! migration). It serves a control socket — status, migrate, set-budget,
+//! stop — one JSON request line, JSON reply lines.
+//!
+//! `migrate` streams `{"progress":…}` lines and ends with `{"report":…}`
+//! (after which this process exits: the guest runs on the main host now)
+//! or `{"error":…}` (the guest runs here again).
+
+use anyhow::{bail, Context, Result};
+use pagefleet_guests::{kv, synthetic, Gate, Mem};
+use pagefleet_migrate::{dest, source};
+use pagefleet_region::{Location, Region, Secret};
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// The service address that moves with the guest (secondary IP on a device).
+#[derive(Clone, Debug)]
+pub struct Service {
+    pub ip: String,
+    pub dev: String,
+}
+
+impl Service {
+    pub fn claim(&self) -> Result<()> {
+        let out = std::process::Command::new("ip").args(["addr", "add", &format!("{}/32", self.ip), "dev", &self.dev]).output()?;
+        if !out.status.success() && !String::from_utf8_lossy(&out.stderr).contains("File exists") {
+            bail!("cannot add service address {}: {}", self.ip, String::from_utf8_lossy(&out.stderr).trim());
+        }
+        // Tell the neighbours at once (gratuitous ARP), so clients need not
+        // wait for their caches to time out.
+        let _ = std::process::Command::new("arping")
+            .args(["-U", "-c", "2", "-w", "1", "-I", &self.dev, &self.ip])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status();
+        Ok(())
+    }
+    pub fn release(&self) {
+        let _ = std::process::Command::new("ip")
+            .args(["addr", "del", &format!("{}/32", self.ip), "dev", &self.dev])
+            .stderr(std::process::Stdio::null())
+            .status();
+    }
+}
+
+/// A guest workload running on a region, reachable through its gate.
+struct Running {
+    name: String,
+    spec: Value,
+    region: Arc<Region>,
+    gate: Arc<Gate>,
+    ops: Arc<AtomicU64>,
+    service: Option<Service>,
+    started: Instant,
+    migrating: AtomicBool,
+    cancel: AtomicBool,
+    progress: source::Progress,
+    secret: Secret,
+}
+
+/// Start `spec`'s workload on the region in background threads.
+fn start_workload(spec: &Value, region: &Arc<Region>, gate: &Arc<Gate>) -> Result<Arc<AtomicU64>> {
+    // SAFETY: the region outlives the process's use of it (the runner never drops it while workloads run).
+    let mem = unsafe { Mem::new(region.as_ptr(), region.len()) };
+    let kind = spec["kind"].as_str().unwrap_or("");
+    let threads = spec["threads"].as_u64().unwrap_or(2) as usize;
+    match kind {
+        "synthetic" => {
+            let dist: synthetic::Dist = spec["dist"].as_str().unwrap_or("zipf:0.99").parse().map_err(anyhow::Error::msg)?;
+            let o = synthetic::Opts {
+                dist,
+                write_frac: spec["write_frac"].as_f64().unwrap_or(0.3),
+                threads,
+                duration: Duration::from_secs(10 * 365 * 86400),
+                max_ops: None,
+                prefill: false,
+                gate: Some(gate.clone()),
+            };
+            let ops = Arc::new(AtomicU64::new(0));
+            let o2 = ops.clone();
+            std::thread::Builder::new().name("synthetic".into()).spawn(move || {
+                let mut total = 0u64;
+                synthetic::run(mem, &o, |_, rate| {
+                    total += rate as u64;
+                    o2.store(total, Relaxed);
+                });
+            })?;
+            Ok(ops)
+        }
+        "kv" => {
+            let listen = spec["listen"].as_str().unwrap_or("127.0.0.1:11211").to_string();
+            let mut k = kv::Kv::open(mem);
+            let r = region.clone();
+            k.extra_stats = Some(Box::new(move || {
+                let s = r.stats();
+                vec![
+                    ("pf_resident_pages".into(), s.resident_pages),
+                    ("pf_remote_pages".into(), s.remote_pages),
+                    ("pf_page_ins".into(), s.page_ins),
+                    ("pf_page_outs".into(), s.page_outs),
+                ]
+            }));
+            // Requests pass the runner's safepoint gate.
+            k.gate = gate.clone();
+            let kvs = Arc::new(k);
+            let l = bind_retry(&listen)?;
+            let stop = Arc::new(AtomicBool::new(false));
+            let ops = Arc::new(AtomicU64::new(0));
+            let (k2, o2) = (kvs.clone(), ops.clone());
+            std::thread::spawn(move || kv::serve(k2, l, stop));
+            std::thread::spawn(move || loop {
+                std::thread::sleep(Duration::from_millis(100));
+                o2.store(kvs.ops.load(Relaxed), Relaxed);
+            });
+            Ok(ops)
+        }
+        k => bail!("workload {k:?} cannot run hosted (use synthetic or kv)"),
+    }
+}
+
+/// A service address just added may take a moment to become bindable (DAD is off for /32, but be patient).
+fn bind_retry(listen: &str) -> Result<std::net::TcpListener> {
+    let mut last = None;
+    for _ in 0..50 {
+        match std::net::TcpListener::bind(listen) {
+            Ok(l) => return Ok(l),
+            Err(e) => last = Some(e),
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Err(last.unwrap()).with_context(|| format!("kv cannot listen on {listen}"))
+}
+
+impl source::Guest for Running {
+    fn pause(&self, timeout: Duration) -> bool {
+        self.gate.pause(timeout)
+    }
+    fn resume(&self) {
+        self.gate.resume()
+    }
+    fn release_address(&self) {
+        if let Some(s) = &self.service {
+            s.release();
+        }
+    }
+    fn reclaim_address(&self) {
+        if let Some(s) = &self.service {
+            let _ = s.claim();
+        }
+    }
+}
+
+fn locations(region: &Region) -> Value {
+    let Some(s) = region.snapshot() else { return Value::Null };
+    let (mut local, mut zero) = (0u64, 0u64);
+    let mut remote = vec![0u64; s.servers.len()];
+    for l in &s.location {
+        match l {
+            Location::Local => local += 1,
+            Location::Zero => zero += 1,
+            Location::Remote(i) => remote[*i] += 1,
+        }
+    }
+    let per: serde_json::Map<String, Value> = s.servers.iter().zip(&remote).filter(|(_, n)| **n > 0).map(|(a, n)| (a.clone(), json!(n))).collect();
+    json!({"local": local, "zero": zero, "remote": per})
+}
+
+impl Running {
+    fn status(&self) -> Value {
+        let s = self.region.stats();
+        json!({
+            "name": self.name, "state": if self.migrating.load(Relaxed) { "migrating" } else { "running" },
+            "pid": std::process::id(), "workload": self.spec, "size": self.region.len(),
+            "budget_pages": s.budget_pages, "resident_pages": s.resident_pages, "remote_pages": s.remote_pages,
+            "page_ins": s.page_ins, "page_outs": s.page_outs, "ops": self.ops.load(Relaxed),
+            "uptime_secs": self.started.elapsed().as_secs_f64(), "region_id": format!("{:#x}", self.region.region_id),
+            "pages": locations(&self.region),
+            "migration": if self.migrating.load(Relaxed) { self.progress.json() } else { Value::Null },
+        })
+    }
+
+    fn migrate(&self, req: &Value, out: &mut UnixStream) -> Result<()> {
+        if self.migrating.swap(true, Relaxed) {
+            bail!("a migration of {} is already running", self.name);
+        }
+        self.cancel.store(false, Relaxed);
+        let to = req["to"].as_str().context("migrate needs \"to\"")?.to_string();
+        let subs: Vec<source::SubHost> = req["subs"]
+            .as_array()
+            .map(|a| a.iter().map(|s| source::SubHost { addr: s["addr"].as_str().unwrap_or("").into(), pages: s["pages"].as_u64().unwrap_or(0) }).collect())
+            .unwrap_or_default();
+        let main_pages = req["main_pages"].as_u64().unwrap_or(self.region.pages());
+        let mut o = source::Options::new(to, subs, main_pages, self.secret.clone());
+        o.name = self.name.clone();
+        o.workload = self.spec.clone();
+        o.verify = req["verify"].as_bool().unwrap_or(false);
+        o.policy = req["policy"].as_str().unwrap_or(self.spec["policy"].as_str().unwrap_or("clock")).to_string();
+        if let Some(n) = req["max_rounds"].as_u64() {
+            o.max_rounds = n.max(1) as usize;
+        }
+        if let Some(n) = req["stop_pages"].as_u64() {
+            o.stop_pages = n;
+        }
+        let done = AtomicBool::new(false);
+        let w = Mutex::new(out.try_clone()?);
+        let result = std::thread::scope(|sc| {
+            sc.spawn(|| {
+                while !done.load(Relaxed) {
+                    let line = json!({"progress": self.progress.json()});
+                    if writeln!(w.lock().unwrap(), "{line}").is_err() {
+                        // The caller went away: that is a Ctrl-C.
+                        self.cancel.store(true, Relaxed);
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+            });
+            let r = source::migrate(&self.region, self, &o, &self.progress, &self.cancel);
+            done.store(true, Relaxed);
+            r
+        });
+        let mut w = w.into_inner().unwrap();
+        match result {
+            Ok(rep) => {
+                let _ = writeln!(w, "{}", json!({ "report": rep }));
+                let _ = w.flush();
+                eprintln!("migrated out: {}", serde_json::to_string(&rep)?);
+                // The guest runs on the main host now and owns the pages on
+                // the servers: leave without deleting them.
+                std::process::exit(0);
+            }
+            Err(e) => {
+                self.migrating.store(false, Relaxed);
+                let _ = writeln!(w, "{}", json!({ "error": e.to_string(), "in_doubt": matches!(e, source::MigrateError::InDoubt(_)) }));
+                Ok(())
+            }
+        }
+    }
+}
+
+fn serve_control(path: &Path, r: Arc<Running>) -> Result<()> {
+    let _ = std::fs::remove_file(path);
+    let l = UnixListener::bind(path).with_context(|| format!("cannot create control socket {}", path.display()))?;
+    for c in l.incoming() {
+        let Ok(mut c) = c else { continue };
+        let r = r.clone();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = c.set_read_timeout(Some(Duration::from_secs(10)));
+            if BufReader::new(&c).read_line(&mut line).is_err() {
+                return;
+            }
+            let _ = c.set_read_timeout(None);
+            let reply = match serde_json::from_str::<Value>(&line) {
+                Err(e) => json!({"error": format!("bad request: {e}")}),
+                Ok(req) => match req["op"].as_str().unwrap_or("") {
+                    "status" => r.status(),
+                    "migrate" => match r.migrate(&req, &mut c) {
+                        Ok(()) => return,
+                        Err(e) => json!({"error": e.to_string()}),
+                    },
+                    "cancel" => {
+                        r.cancel.store(true, Relaxed);
+                        json!({"ok": true})
+                    }
+                    "set_budget" => match req["pages"].as_u64() {
+                        Some(p) => {
+                            r.region.set_budget(p);
+                            json!({"ok": true, "budget_pages": r.region.budget()})
+                        }
+                        None => json!({"error": "set_budget needs \"pages\""}),
+                    },
+                    "stop" => {
+                        let _ = writeln!(c, "{}", json!({"ok": true}));
+                        source::Guest::release_address(&*r);
+                        // The guest ends: its pages on the servers go too.
+                        r.gate.pause(Duration::from_secs(5));
+                        let _ = r.region.delete_remote();
+                        std::process::exit(0);
+                    }
+                    op => json!({"error": format!("unknown op {op:?}: use status, migrate, cancel, set_budget, stop")}),
+                },
+            };
+            let _ = writeln!(c, "{reply}");
+        });
+    }
+    Ok(())
+}
+
+/// Serve a guest that runs here until stopped or migrated away.
+fn host(name: String, spec: Value, region: Arc<Region>, gate: Arc<Gate>, ops: Arc<AtomicU64>, service: Option<Service>, control: &Path, secret: Secret) -> Result<()> {
+    let r = Arc::new(Running {
+        name,
+        spec,
+        region,
+        gate,
+        ops,
+        service,
+        started: Instant::now(),
+        migrating: AtomicBool::new(false),
+        cancel: AtomicBool::new(false),
+        progress: source::Progress::default(),
+        secret,
+    });
+    println!("guest {} running, control {}", r.name, control.display());
+    std::io::stdout().flush()?;
+    serve_control(control, r)
+}
+
+/// `pagefleet run ... --control`: a new guest started here.
+pub fn run_hosted(name: String, spec: Value, region: Arc<Region>, service: Option<Service>, control: PathBuf, secret: Secret) -> Result<()> {
+    if let Some(s) = &service {
+        s.claim()?;
+    }
+    let gate = Arc::new(Gate::default());
+    let ops = start_workload(&spec, &region, &gate)?;
+    host(name, spec, region, gate, ops, service, &control, secret)
+}
+
+/// `pagefleet runner-incoming`: wait for one migration, then run the guest.
+pub fn run_incoming(listen: &str, control: PathBuf, budget_pages: Option<u64>, service_dev: String, secret: Secret, timeout: Duration) -> Result<()> {
+    let l = std::net::TcpListener::bind(listen).with_context(|| format!("cannot listen for the migration on {listen}"))?;
+    println!("migrate listening {}", l.local_addr()?);
+    std::io::stdout().flush()?;
+    l.set_nonblocking(true)?;
+    let t = Instant::now();
+    let s = loop {
+        match l.accept() {
+            Ok((s, _)) => break s,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && t.elapsed() < timeout => std::thread::sleep(Duration::from_millis(20)),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => bail!("no migration arrived within {timeout:?}"),
+            Err(e) => return Err(e.into()),
+        }
+    };
+    s.set_nonblocking(false)?;
+    let progress = dest::Progress::default();
+    let received = dest::receive(s, &secret, Duration::from_secs(60), &progress).context("incoming migration")?;
+    let (here, remote) = received.counts();
+    eprintln!("received {} pages, {} located on servers; building the region", here, remote);
+    let mut committed = received.commit(&secret, |c| {
+        if let Some(b) = budget_pages {
+            c.budget_pages = c.budget_pages.min(b);
+        }
+    })?;
+    let region = Arc::new(committed.take_region());
+    let spec = committed.spec.clone();
+    let (sum, secs) = if spec.verify {
+        let t = Instant::now();
+        region.hold_paging(true);
+        let s = pagefleet_migrate::checksum(&region, &secret).map_err(anyhow::Error::msg)?;
+        region.hold_paging(false);
+        (Some(s), t.elapsed().as_secs_f64())
+    } else {
+        (None, 0.0)
+    };
+    let service = spec.workload["service_ip"].as_str().map(|ip| Service { ip: ip.to_string(), dev: service_dev });
+    if let Some(s) = &service {
+        s.claim()?;
+    }
+    let gate = Arc::new(Gate::default());
+    let ops = start_workload(&spec.workload, &region, &gate)?;
+    committed.started(sum, secs);
+    host(spec.name.clone(), spec.workload.clone(), region, gate, ops, service, &control, secret)
+}

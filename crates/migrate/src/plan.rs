@@ -1,0 +1,112 @@
+//! Placement of a region's chunks for a split migration (S-memV): the
+//! hottest chunks (by access history) go to the main host up to its memory,
+//! the rest to sub-hosts in order, filling each before the next.
+
+use pagefleet_region::{Location, Snapshot};
+
+/// Per chunk: `MAIN`, or `SUB0 + j` for sub-host j.
+pub const MAIN: u8 = 0;
+pub const SUB0: u8 = 1;
+
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub chunk_pages: usize,
+    pub target: Vec<u8>,
+    /// Pages with data planned for the main host and for each sub-host.
+    pub main_pages: u64,
+    pub sub_pages: Vec<u64>,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("not enough memory for the guest: {need} pages to place, main host takes {main}, sub-hosts {subs} more")]
+pub struct PlanError {
+    pub need: u64,
+    pub main: u64,
+    pub subs: u64,
+}
+
+/// Hotness of a chunk from its pages' history bytes: the aging value
+/// dominates (max age), the clock bits (bit 7) break ties by count.
+pub fn hotness(hist: &[u8]) -> u32 {
+    let max = hist.iter().copied().max().unwrap_or(0) as u32;
+    let refs = hist.iter().filter(|h| **h & 0x80 != 0).count() as u32;
+    max * 128 + refs
+}
+
+/// Plan where every chunk goes. Pages that are on a memory server already
+/// stay there (only their location travels) and need no room; pages never
+/// touched need none either.
+pub fn plan(s: &Snapshot, main_cap: u64, sub_caps: &[u64]) -> Result<Plan, PlanError> {
+    let cp = s.chunk_pages;
+    let chunks = s.location.len() / cp;
+    let weight: Vec<u64> = (0..chunks)
+        .map(|c| s.location[c * cp..(c + 1) * cp].iter().filter(|l| **l == Location::Local).count() as u64)
+        .collect();
+    let mut order: Vec<usize> = (0..chunks).collect();
+    // Hottest first; equal hotness keeps address order (stable sort).
+    order.sort_by_key(|&c| std::cmp::Reverse(hotness(&s.history[c * cp..(c + 1) * cp])));
+    let need: u64 = weight.iter().sum();
+    let mut target = vec![MAIN; chunks];
+    let mut main_pages = 0u64;
+    let mut sub_pages = vec![0u64; sub_caps.len()];
+    let mut j = 0;
+    for c in order {
+        let w = weight[c];
+        if main_pages + w <= main_cap {
+            main_pages += w;
+            target[c] = MAIN;
+            continue;
+        }
+        while j < sub_caps.len() && sub_pages[j] + w > sub_caps[j] {
+            j += 1;
+        }
+        if j == sub_caps.len() {
+            return Err(PlanError { need, main: main_cap, subs: sub_caps.iter().sum() });
+        }
+        sub_pages[j] += w;
+        target[c] = SUB0 + j as u8;
+    }
+    Ok(Plan { chunk_pages: cp, target, main_pages, sub_pages })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn snap(loc: Vec<Location>, hist: Vec<u8>, cp: usize) -> Snapshot {
+        Snapshot { region_id: 1, chunk_pages: cp, servers: vec![], location: loc, history: hist }
+    }
+
+    #[test]
+    fn hottest_chunks_go_to_the_main_host() {
+        // 4 chunks of 2 pages, all local; chunk 2 hottest, then 0.
+        let loc = vec![Location::Local; 8];
+        let hist = vec![0x80, 0, 0, 0, 0x80, 0x80, 0, 0];
+        let p = plan(&snap(loc, hist, 2), 4, &[2, 10]).unwrap();
+        assert_eq!(p.target, vec![MAIN, SUB0, MAIN, SUB0 + 1]);
+        assert_eq!(p.main_pages, 4);
+        assert_eq!(p.sub_pages, vec![2, 2]);
+    }
+
+    #[test]
+    fn zero_and_remote_pages_need_no_room() {
+        let loc = vec![Location::Zero, Location::Zero, Location::Remote(0), Location::Local];
+        let p = plan(&snap(loc, vec![0; 4], 2), 1, &[]).unwrap();
+        assert_eq!(p.target, vec![MAIN, MAIN]);
+        assert_eq!(p.main_pages, 1);
+    }
+
+    #[test]
+    fn too_little_memory_is_an_error() {
+        let loc = vec![Location::Local; 8];
+        let e = plan(&snap(loc, vec![0; 8], 2), 2, &[2]).unwrap_err();
+        assert_eq!((e.need, e.main, e.subs), (8, 2, 2));
+    }
+
+    #[test]
+    fn aging_max_dominates_clock_count() {
+        assert!(hotness(&[0xC0, 0]) > hotness(&[0x80, 0x80]));
+        assert!(hotness(&[0x80, 0x80]) > hotness(&[0x80, 0]));
+        assert_eq!(hotness(&[0, 0]), 0);
+    }
+}

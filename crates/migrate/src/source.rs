@@ -1,0 +1,511 @@
+//! The source side of a split migration: live pre-copy of a running
+//! guest's region to a main host (a destination runner, over the migration
+//! stream) and sub-hosts (memory servers, as plain page-outs), then
+//! stop-and-copy at a safepoint.
+
+use crate::plan::{self, Plan, MAIN, SUB0};
+use crate::wire::{Kind, Stream, WireError, MAX_PAGES};
+use crate::{checksum, pread_pages, Report, Spec};
+use pagefleet_client::{ConnectOptions, Conn, Pages};
+use pagefleet_proto::{auth::Secret, PageSel, MAX_BATCH_PAGES};
+use pagefleet_region::{Location, Region, Snapshot, PAGE};
+use std::collections::VecDeque;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+use tracing::{info, warn};
+
+/// A sub-host: its memory server and how many pages it may take.
+#[derive(Clone, Debug)]
+pub struct SubHost {
+    pub addr: String,
+    pub pages: u64,
+}
+
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// The destination runner's migration address (main host).
+    pub to: String,
+    pub subs: Vec<SubHost>,
+    /// Pages the main host keeps resident (its budget for the guest).
+    pub main_pages: u64,
+    pub secret: Secret,
+    /// Everything the destination needs to resume the workload (opaque here).
+    pub workload: serde_json::Value,
+    pub name: String,
+    pub policy: String,
+    /// Compare region checksums at stop time (source) and at resume (destination).
+    pub verify: bool,
+    pub max_rounds: usize,
+    /// Stop and copy once a round leaves at most this many changed pages.
+    pub stop_pages: u64,
+    pub pause_timeout: Duration,
+    /// Give up the stream after this long without progress.
+    pub io_timeout: Duration,
+}
+
+impl Options {
+    pub fn new(to: String, subs: Vec<SubHost>, main_pages: u64, secret: Secret) -> Options {
+        Options {
+            to,
+            subs,
+            main_pages,
+            secret,
+            workload: serde_json::Value::Null,
+            name: "guest".into(),
+            policy: "clock".into(),
+            verify: false,
+            max_rounds: 30,
+            stop_pages: 1024,
+            pause_timeout: Duration::from_secs(10),
+            io_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// The running guest, as the migration sees it.
+pub trait Guest: Sync {
+    /// Reach a safepoint: no guest work in flight (false on timeout).
+    fn pause(&self, timeout: Duration) -> bool;
+    fn resume(&self);
+    /// Give up the guest's service address (the destination takes it over).
+    fn release_address(&self) {}
+    /// Take it back (the migration was aborted after releasing it).
+    fn reclaim_address(&self) {}
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum MigrateError {
+    #[error(transparent)]
+    Wire(#[from] WireError),
+    #[error(transparent)]
+    Plan(#[from] plan::PlanError),
+    #[error("sub-host {addr}: {source}")]
+    Sub { addr: String, source: pagefleet_client::ClientError },
+    #[error("cannot reach the destination {0}: {1}")]
+    Connect(String, std::io::Error),
+    #[error("the guest did not reach a safepoint within {0:?}")]
+    PauseTimeout(Duration),
+    #[error("cancelled")]
+    Cancelled,
+    #[error("{0}")]
+    Other(String),
+    /// GO was sent but the destination never confirmed the start: the guest
+    /// stays paused here, since it may be running there.
+    #[error("the destination did not confirm the resume ({0}); the guest stays paused on the source: check the destination before resuming it")]
+    InDoubt(String),
+}
+
+/// Live counters for a progress bar (`pagefleet migrate` polls them).
+#[derive(Default, Debug)]
+pub struct Progress {
+    pub phase: Mutex<String>,
+    pub round: AtomicU64,
+    pub round_pages: AtomicU64,
+    pub round_sent: AtomicU64,
+    pub bytes_main: AtomicU64,
+    pub bytes_subs: AtomicU64,
+}
+
+impl Progress {
+    fn set_phase(&self, p: &str) {
+        *self.phase.lock().unwrap() = p.to_string();
+    }
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "phase": *self.phase.lock().unwrap(),
+            "round": self.round.load(Relaxed),
+            "round_pages": self.round_pages.load(Relaxed),
+            "round_sent": self.round_sent.load(Relaxed),
+            "bytes_main": self.bytes_main.load(Relaxed),
+            "bytes_subs": self.bytes_subs.load(Relaxed),
+        })
+    }
+}
+
+struct Run<'a> {
+    region: &'a Region,
+    o: &'a Options,
+    progress: &'a Progress,
+    cancel: &'a AtomicBool,
+    stream: Stream,
+    subs: Vec<Conn>,
+    /// Pages PUT to each sub-host by this migration (deleted on abort).
+    put: Vec<Vec<u64>>,
+    plan: Plan,
+    /// Destination server list: the source's servers, then new sub-hosts.
+    servers: Vec<String>,
+    sub_index: Vec<u16>,
+    sent: Vec<bool>,
+    pages_twice: u64,
+    bytes_main: u64,
+    bytes_subs: Vec<u64>,
+}
+
+/// Migrate `region` (whose guest is `guest`) as planned by `o`. On success
+/// the destination runs the guest and owns its pages: the caller must
+/// [`Region::detach`] the region and stop. On error the guest runs here
+/// again with all its data, and what the destination and sub-hosts received
+/// is dropped.
+pub fn migrate(region: &Region, guest: &dyn Guest, o: &Options, progress: &Progress, cancel: &AtomicBool) -> Result<Report, MigrateError> {
+    let t0 = Instant::now();
+    progress.set_phase("connecting");
+    let sa = std::net::ToSocketAddrs::to_socket_addrs(&o.to.as_str())
+        .map_err(|e| MigrateError::Connect(o.to.clone(), e))?
+        .next()
+        .ok_or_else(|| MigrateError::Other(format!("{} resolves to nothing", o.to)))?;
+    let s = std::net::TcpStream::connect_timeout(&sa, Duration::from_secs(5)).map_err(|e| MigrateError::Connect(o.to.clone(), e))?;
+    let mut stream = Stream::new(s);
+    stream.set_timeout(Some(o.io_timeout));
+    stream.connect_auth(&o.secret)?;
+    let copts = ConnectOptions { name: format!("{}-migrate", o.name), window: 32, io_timeout: o.io_timeout, ..Default::default() };
+    let mut subs = Vec::new();
+    for sh in &o.subs {
+        subs.push(Conn::connect(&sh.addr, &o.secret, &copts).map_err(|source| MigrateError::Sub { addr: sh.addr.clone(), source })?);
+    }
+    // Freeze the location DB (no page-outs while pages are being copied) and
+    // start tracking changes, then plan from one consistent snapshot.
+    region.hold_paging(true);
+    region.track_changes(true);
+    let snap = region.snapshot().ok_or_else(|| MigrateError::Other("the region's pager did not answer".into()))?;
+    let caps: Vec<u64> = o.subs.iter().map(|s| s.pages).collect();
+    let planned = plan::plan(&snap, o.main_pages, &caps);
+    let plan = match planned {
+        Ok(p) => p,
+        Err(e) => {
+            region.track_changes(false);
+            region.hold_paging(false);
+            let _ = stream.send(Kind::Abort, 0, &[e.to_string().as_bytes()]);
+            return Err(e.into());
+        }
+    };
+    let mut servers = snap.servers.clone();
+    let mut sub_index = Vec::new();
+    for sh in &o.subs {
+        let i = servers.iter().position(|s| *s == sh.addr).unwrap_or_else(|| {
+            servers.push(sh.addr.clone());
+            servers.len() - 1
+        });
+        sub_index.push(i as u16);
+    }
+    let n = o.subs.len();
+    let mut run = Run {
+        region,
+        o,
+        progress,
+        cancel,
+        stream,
+        subs,
+        put: vec![Vec::new(); n],
+        plan,
+        servers,
+        sub_index,
+        sent: vec![false; snap.location.len()],
+        pages_twice: 0,
+        bytes_main: 0,
+        bytes_subs: vec![0; n],
+    };
+    let mut paused = false;
+    let mut released = false;
+    let r = run.go(snap, t0, guest, &mut paused, &mut released);
+    match r {
+        Ok(rep) => Ok(rep),
+        Err(MigrateError::InDoubt(m)) => Err(MigrateError::InDoubt(m)),
+        Err(e) => {
+            warn!("migration of {} failed: {e}; aborting", o.name);
+            run.abort(&e.to_string());
+            if released {
+                guest.reclaim_address();
+            }
+            if paused {
+                guest.resume();
+            }
+            Err(e)
+        }
+    }
+}
+
+impl Run<'_> {
+    fn go(&mut self, snap: Snapshot, t0: Instant, guest: &dyn Guest, paused: &mut bool, released: &mut bool) -> Result<Report, MigrateError> {
+        let region = self.region;
+        let spec = Spec {
+            name: self.o.name.clone(),
+            size: region.len() as u64,
+            chunk_pages: region.chunk_pages,
+            policy: self.o.policy.clone(),
+            region_id: region.region_id,
+            servers: self.servers.clone(),
+            budget_pages: self.o.main_pages,
+            workload: self.o.workload.clone(),
+            verify: self.o.verify,
+        };
+        self.stream.send_json(Kind::Spec, &serde_json::to_value(&spec).map_err(|e| MigrateError::Other(e.to_string()))?)?;
+        self.stream.expect(Kind::Ready)?;
+        info!(
+            "migrating {}: {} pages to the main host, {:?} to sub-hosts",
+            self.o.name, self.plan.main_pages, self.plan.sub_pages
+        );
+        // Round 1: every page with data, straight to where it is planned.
+        let all: Vec<u64> = (0..snap.location.len() as u64).filter(|p| snap.location[*p as usize] != Location::Zero).collect();
+        let t1 = Instant::now();
+        self.progress.set_phase("round 1");
+        self.round(1, &all, &snap)?;
+        let round1_secs = t1.elapsed().as_secs_f64();
+        let round1_bytes = self.bytes_main + self.bytes_subs.iter().sum::<u64>();
+        // Later rounds: what changed meanwhile, until it is small or stops shrinking.
+        let mut rounds = 1;
+        let mut prev = u64::MAX;
+        let mut changed = region.take_changed();
+        while (changed.len() as u64) > self.o.stop_pages && rounds < self.o.max_rounds && (changed.len() as u64) < prev {
+            rounds += 1;
+            prev = changed.len() as u64;
+            self.progress.set_phase(&format!("round {rounds}"));
+            let snap = region.snapshot().ok_or_else(|| MigrateError::Other("the region's pager did not answer".into()))?;
+            self.round(rounds, &changed, &snap)?;
+            changed = region.take_changed();
+        }
+        // Stop and copy.
+        self.progress.set_phase("stop-and-copy");
+        let td = Instant::now();
+        if !guest.pause(self.o.pause_timeout) {
+            return Err(MigrateError::PauseTimeout(self.o.pause_timeout));
+        }
+        *paused = true;
+        let checksum_source = if self.o.verify { Some(checksum(region, &self.o.secret).map_err(MigrateError::Other)?) } else { None };
+        let t_sum = td.elapsed();
+        let mut last = changed;
+        last.extend(region.take_changed());
+        last.sort_unstable();
+        last.dedup();
+        rounds += 1;
+        let snap = region.snapshot().ok_or_else(|| MigrateError::Other("the region's pager did not answer".into()))?;
+        let last_pages = last.len();
+        self.round(rounds, &last, &snap)?;
+        self.stream.send_json(Kind::Commit, &serde_json::json!({}))?;
+        self.progress.set_phase("commit");
+        let prepared = self.stream.expect_json(Kind::Prepared)?;
+        guest.release_address();
+        *released = true;
+        self.stream.send(Kind::Go, 0, &[])?;
+        // Past GO the destination may be running the guest: never resume here.
+        let started = self.stream.expect_json(Kind::Started).map_err(|e| MigrateError::InDoubt(e.to_string()))?;
+        let dest_checksum_secs = started["checksum_secs"].as_f64().unwrap_or(0.0);
+        let downtime = td.elapsed().as_secs_f64() - t_sum.as_secs_f64() - dest_checksum_secs;
+        self.progress.set_phase("done");
+        let pages_main = self.sent_to(MAIN);
+        Ok(Report {
+            guest: self.o.name.clone(),
+            main_host: self.o.to.clone(),
+            sub_hosts: self.o.subs.iter().map(|s| s.addr.clone()).collect(),
+            total_secs: t0.elapsed().as_secs_f64() - t_sum.as_secs_f64() - dest_checksum_secs,
+            downtime_ms: downtime * 1000.0,
+            rounds,
+            last_round_pages: last_pages as u64,
+            pages_main,
+            pages_subs: (0..self.o.subs.len()).map(|j| self.sent_to(SUB0 + j as u8)).collect(),
+            bytes_main: self.bytes_main,
+            bytes_subs: self.bytes_subs.clone(),
+            pages_sent_twice: self.pages_twice,
+            round1_secs,
+            round1_bytes,
+            region_build_ms: prepared["build_ms"].as_f64().unwrap_or(0.0),
+            checksum_source,
+            checksum_dest: started["checksum"].as_str().map(String::from),
+        })
+    }
+
+    /// Pages of the final placement per target (for the report).
+    fn sent_to(&self, t: u8) -> u64 {
+        let cp = self.plan.chunk_pages;
+        self.sent.iter().enumerate().filter(|(p, s)| **s && self.plan.target[p / cp] == t).count() as u64
+    }
+
+    /// Send `pages` (sorted) where they belong: data for the main host on
+    /// the stream, data for sub-hosts as PUTs to their memory servers (in
+    /// parallel), locations on the stream once the PUTs are acknowledged.
+    fn round(&mut self, n: usize, pages: &[u64], snap: &Snapshot) -> Result<(), MigrateError> {
+        let cp = self.plan.chunk_pages;
+        let mut main = Vec::new();
+        let mut located: Vec<(u64, u16)> = Vec::new();
+        let mut sub: Vec<Vec<u64>> = vec![Vec::new(); self.subs.len()];
+        for &p in pages {
+            match snap.location[p as usize] {
+                // Never touched: the destination starts with zeros.
+                Location::Zero => continue,
+                Location::Remote(s) => {
+                    let i = self.servers.iter().position(|x| *x == snap.servers[s]).unwrap_or(s);
+                    located.push((p, i as u16));
+                    continue;
+                }
+                Location::Local => {}
+            }
+            if self.sent[p as usize] {
+                self.pages_twice += 1;
+            }
+            self.sent[p as usize] = true;
+            match self.plan.target[p as usize / cp] {
+                MAIN => main.push(p),
+                t => sub[(t - SUB0) as usize].push(p),
+            }
+        }
+        self.progress.round.store(n as u64, Relaxed);
+        self.progress.round_pages.store(pages.len() as u64, Relaxed);
+        self.progress.round_sent.store(0, Relaxed);
+        let fd = self.region.memfd().as_raw_fd();
+        let rid = self.region.region_id;
+        let (progress, cancel) = (self.progress, self.cancel);
+        let hist = &snap.history;
+        let stream = &mut self.stream;
+        let subs_addr: Vec<String> = self.o.subs.iter().map(|s| s.addr.clone()).collect();
+        let results: Vec<Result<u64, MigrateError>> = std::thread::scope(|sc| {
+            let hs: Vec<_> = self
+                .subs
+                .iter_mut()
+                .zip(sub.iter())
+                .zip(subs_addr.iter())
+                .map(|((c, list), addr)| sc.spawn(move || put_pages(c, addr, rid, fd, list, progress, cancel)))
+                .collect();
+            let m = send_main(stream, fd, &main, hist, progress, cancel);
+            let mut out = vec![m];
+            out.extend(hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(MigrateError::Other("sender thread panicked".into())))));
+            out
+        });
+        for (k, r) in results.into_iter().enumerate() {
+            let bytes = r?;
+            if k == 0 {
+                self.bytes_main += bytes;
+            } else {
+                self.bytes_subs[k - 1] += bytes;
+            }
+        }
+        for (j, list) in sub.iter().enumerate() {
+            self.put[j].extend_from_slice(list);
+            for &p in list {
+                located.push((p, self.sub_index[j]));
+            }
+        }
+        located.sort_unstable();
+        let mut i = 0;
+        while i < located.len() {
+            let (first, s) = located[i];
+            let mut j = i + 1;
+            while j < located.len() && located[j].1 == s && located[j].0 == located[j - 1].0 + 1 {
+                j += 1;
+            }
+            let count = (j - i) as u32;
+            self.stream.send(Kind::Located, first, &[&count.to_le_bytes(), &s.to_le_bytes()])?;
+            self.bytes_main += 22;
+            i = j;
+        }
+        self.stream.send(Kind::Round, n as u64, &[])?;
+        Ok(())
+    }
+
+    /// Tell the destination to drop everything and delete what the sub-hosts got.
+    fn abort(&mut self, why: &str) {
+        self.progress.set_phase("aborting");
+        let _ = self.stream.send(Kind::Abort, 0, &[why.as_bytes()]);
+        let rid = self.region.region_id;
+        for (j, list) in self.put.iter_mut().enumerate() {
+            if list.is_empty() {
+                continue;
+            }
+            list.sort_unstable();
+            list.dedup();
+            let addr = &self.o.subs[j].addr;
+            let opts = ConnectOptions { name: format!("{}-migrate-abort", self.o.name), ..Default::default() };
+            let r = match self.subs[j].delete(rid, Pages::List(list)) {
+                Ok(n) => Ok(n),
+                // The old connection may be broken mid-frame: try a fresh one.
+                Err(_) => Conn::connect(addr, &self.o.secret, &opts).and_then(|mut c| c.delete(rid, Pages::List(list))),
+            };
+            if let Err(e) = r {
+                warn!("could not delete this migration's pages on sub-host {addr}: {e}");
+            }
+        }
+        self.region.track_changes(false);
+        self.region.hold_paging(false);
+        self.progress.set_phase("aborted");
+    }
+}
+
+fn send_main(stream: &mut Stream, fd: i32, pages: &[u64], hist: &[u8], progress: &Progress, cancel: &AtomicBool) -> Result<u64, MigrateError> {
+    let mut buf = vec![0u8; MAX_PAGES * PAGE];
+    let mut bytes = 0u64;
+    for (first, count) in runs(pages, MAX_PAGES) {
+        if cancel.load(Relaxed) {
+            return Err(MigrateError::Cancelled);
+        }
+        let data = &mut buf[..count * PAGE];
+        pread_pages(fd, first, data).map_err(|e| MigrateError::Other(format!("reading the region: {e}")))?;
+        let h = &hist[first as usize..first as usize + count];
+        stream.send(Kind::Pages, first, &[h, data])?;
+        bytes += (16 + count + count * PAGE) as u64;
+        progress.bytes_main.fetch_add((count * PAGE) as u64, Relaxed);
+        progress.round_sent.fetch_add(count as u64, Relaxed);
+    }
+    Ok(bytes)
+}
+
+/// PUT `pages` to one sub-host, pipelined (a window of frames in flight).
+fn put_pages(c: &mut Conn, addr: &str, region: u64, fd: i32, pages: &[u64], progress: &Progress, cancel: &AtomicBool) -> Result<u64, MigrateError> {
+    const WINDOW: usize = 32;
+    let err = |source| MigrateError::Sub { addr: addr.to_string(), source };
+    let mut bufs: Vec<Vec<u8>> = (0..WINDOW).map(|_| vec![0u8; MAX_BATCH_PAGES * PAGE]).collect();
+    let mut inflight: VecDeque<(u64, usize)> = VecDeque::new();
+    let mut bytes = 0u64;
+    let mut k = 0usize;
+    for (first, count) in runs(pages, MAX_BATCH_PAGES) {
+        if cancel.load(Relaxed) {
+            return Err(MigrateError::Cancelled);
+        }
+        if inflight.len() == WINDOW {
+            let (id, n) = inflight.pop_front().unwrap();
+            c.recv_put(id).map_err(err)?;
+            progress.round_sent.fetch_add(n as u64, Relaxed);
+        }
+        let data = &mut bufs[k % WINDOW][..count * PAGE];
+        k += 1;
+        pread_pages(fd, first, data).map_err(|e| MigrateError::Other(format!("reading the region: {e}")))?;
+        let id = c.send_put(region, &PageSel::Run { first, count: count as u32 }, data).map_err(err)?;
+        inflight.push_back((id, count));
+        bytes += (count * PAGE + 40) as u64;
+        progress.bytes_subs.fetch_add((count * PAGE) as u64, Relaxed);
+    }
+    while let Some((id, n)) = inflight.pop_front() {
+        c.recv_put(id).map_err(err)?;
+        progress.round_sent.fetch_add(n as u64, Relaxed);
+    }
+    Ok(bytes)
+}
+
+/// Contiguous runs of at most `max` pages of a sorted page list.
+pub fn runs(pages: &[u64], max: usize) -> impl Iterator<Item = (u64, usize)> + '_ {
+    let mut i = 0;
+    std::iter::from_fn(move || {
+        if i >= pages.len() {
+            return None;
+        }
+        let first = pages[i];
+        let mut n = 1;
+        while i + n < pages.len() && n < max && pages[i + n] == first + n as u64 {
+            n += 1;
+        }
+        i += n;
+        Some((first, n))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::runs;
+
+    #[test]
+    fn runs_split_at_gaps_and_max() {
+        let v = [1, 2, 3, 5, 6, 7, 8, 9, 20];
+        let r: Vec<_> = runs(&v, 4).collect();
+        assert_eq!(r, vec![(1, 3), (5, 4), (9, 1), (20, 1)]);
+        assert_eq!(runs(&[], 4).count(), 0);
+    }
+}

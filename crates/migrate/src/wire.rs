@@ -1,0 +1,287 @@
+//! The migration stream between a source runner and a destination runner.
+//!
+//! Every message is a 16-byte header — magic `PM`, version 1, kind, body
+//! length (u32 LE), argument (u64 LE) — and a body. The destination speaks
+//! first (WELCOME: nonce + id); the source proves the cluster secret (HELLO);
+//! the destination proves it back (PROOF). Then:
+//!
+//! ```text
+//! source → dest   SPEC  (JSON: region shape, servers, workload)
+//! dest → source   READY
+//! source → dest   PAGES arg=first page, body = count history bytes + count pages
+//!                 LOCATED arg=first page, body = count u32 + server u16 (0xFFFF: zero page)
+//!                 ROUND arg=round number (informational)
+//!                 COMMIT (JSON options)           — the guest is paused now
+//! dest → source   PREPARED (region built) | ERROR text
+//! source → dest   GO                              — the point of no return
+//! dest → source   STARTED (JSON: checksum, timings) | ERROR text
+//! either way      ABORT text                      — drop everything received
+//! ```
+//!
+//! See docs/migration.md.
+
+use pagefleet_proto::auth::{macs_equal, random_nonce, random_u64, Secret};
+use std::io::{self, IoSlice, Read};
+use std::net::TcpStream;
+use std::time::Duration;
+
+pub const MAGIC: [u8; 2] = *b"PM";
+pub const VERSION: u8 = 1;
+pub const HEADER: usize = 16;
+/// Pages per PAGES message (256 KiB).
+pub const MAX_PAGES: usize = 64;
+/// Largest body: a JSON message or a PAGES message.
+pub const MAX_BODY: usize = 1 << 20;
+/// LOCATED server value for "never touched: reads as zeros".
+pub const ZERO_SERVER: u16 = 0xFFFF;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Kind {
+    Welcome = 1,
+    Hello = 2,
+    Proof = 3,
+    Spec = 4,
+    Ready = 5,
+    Pages = 6,
+    Located = 7,
+    Round = 8,
+    Commit = 9,
+    Prepared = 10,
+    Go = 11,
+    Started = 12,
+    Abort = 13,
+    Error = 14,
+}
+
+impl Kind {
+    pub fn from_u8(v: u8) -> Option<Kind> {
+        use Kind::*;
+        Some(match v {
+            1 => Welcome,
+            2 => Hello,
+            3 => Proof,
+            4 => Spec,
+            5 => Ready,
+            6 => Pages,
+            7 => Located,
+            8 => Round,
+            9 => Commit,
+            10 => Prepared,
+            11 => Go,
+            12 => Started,
+            13 => Abort,
+            14 => Error,
+            _ => return None,
+        })
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Header {
+    pub kind: Kind,
+    pub len: u32,
+    pub arg: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum WireError {
+    #[error("migration stream: {0}")]
+    Io(#[from] io::Error),
+    #[error("migration stream: malformed message: {0}")]
+    Malformed(String),
+    #[error("migration peer refused the cluster secret (both hosts need the same secret file)")]
+    Auth,
+    #[error("migration peer reported: {0}")]
+    Peer(String),
+    #[error("migration peer aborted: {0}")]
+    Aborted(String),
+}
+
+impl Header {
+    pub fn encode(&self) -> [u8; HEADER] {
+        let mut b = [0u8; HEADER];
+        b[0..2].copy_from_slice(&MAGIC);
+        b[2] = VERSION;
+        b[3] = self.kind as u8;
+        b[4..8].copy_from_slice(&self.len.to_le_bytes());
+        b[8..16].copy_from_slice(&self.arg.to_le_bytes());
+        b
+    }
+    pub fn decode(b: &[u8; HEADER]) -> Result<Header, WireError> {
+        if b[0..2] != MAGIC {
+            return Err(WireError::Malformed(format!("bad magic {:02x}{:02x} (not a pagefleet migration stream)", b[0], b[1])));
+        }
+        if b[2] != VERSION {
+            return Err(WireError::Malformed(format!("version {} (this side speaks {VERSION})", b[2])));
+        }
+        let kind = Kind::from_u8(b[3]).ok_or_else(|| WireError::Malformed(format!("unknown message kind {}", b[3])))?;
+        let len = u32::from_le_bytes(b[4..8].try_into().unwrap());
+        if len as usize > MAX_BODY + MAX_PAGES * 4097 {
+            return Err(WireError::Malformed(format!("{kind:?} body of {len} bytes is too large")));
+        }
+        Ok(Header { kind, len, arg: u64::from_le_bytes(b[8..16].try_into().unwrap()) })
+    }
+}
+
+/// One end of a migration stream.
+pub struct Stream {
+    pub s: TcpStream,
+}
+
+impl Stream {
+    pub fn new(s: TcpStream) -> Stream {
+        let _ = s.set_nodelay(true);
+        Stream { s }
+    }
+
+    pub fn send(&mut self, kind: Kind, arg: u64, parts: &[&[u8]]) -> Result<(), WireError> {
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        let h = Header { kind, len: len as u32, arg }.encode();
+        let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(parts.len() + 1);
+        iov.push(IoSlice::new(&h));
+        iov.extend(parts.iter().filter(|p| !p.is_empty()).map(|p| IoSlice::new(p)));
+        pagefleet_proto::io::write_all_vectored(&mut self.s, &mut iov)?;
+        Ok(())
+    }
+
+    pub fn send_json(&mut self, kind: Kind, v: &serde_json::Value) -> Result<(), WireError> {
+        let b = serde_json::to_vec(v).map_err(|e| WireError::Malformed(e.to_string()))?;
+        self.send(kind, 0, &[&b])
+    }
+
+    pub fn header(&mut self) -> Result<Header, WireError> {
+        let mut b = [0u8; HEADER];
+        self.s.read_exact(&mut b)?;
+        Header::decode(&b)
+    }
+
+    /// A whole body (for small messages).
+    pub fn body(&mut self, h: &Header) -> Result<Vec<u8>, WireError> {
+        if h.len as usize > MAX_BODY {
+            return Err(WireError::Malformed(format!("{:?} body of {} bytes", h.kind, h.len)));
+        }
+        let mut v = vec![0u8; h.len as usize];
+        self.s.read_exact(&mut v)?;
+        Ok(v)
+    }
+
+    pub fn read_exact(&mut self, dst: &mut [u8]) -> Result<(), WireError> {
+        self.s.read_exact(dst)?;
+        Ok(())
+    }
+
+    /// The next message, which must be `want` (ERROR and ABORT become errors).
+    pub fn expect(&mut self, want: Kind) -> Result<(Header, Vec<u8>), WireError> {
+        let h = self.header()?;
+        let body = self.body(&h)?;
+        match h.kind {
+            k if k == want => Ok((h, body)),
+            Kind::Error => Err(WireError::Peer(String::from_utf8_lossy(&body).into_owned())),
+            Kind::Abort => Err(WireError::Aborted(String::from_utf8_lossy(&body).into_owned())),
+            k => Err(WireError::Malformed(format!("expected {want:?}, got {k:?}"))),
+        }
+    }
+
+    pub fn expect_json(&mut self, want: Kind) -> Result<serde_json::Value, WireError> {
+        let (_, b) = self.expect(want)?;
+        serde_json::from_slice(&b).map_err(|e| WireError::Malformed(format!("{want:?}: {e}")))
+    }
+
+    pub fn set_timeout(&self, t: Option<Duration>) {
+        let _ = self.s.set_read_timeout(t);
+        let _ = self.s.set_write_timeout(t);
+    }
+
+    /// Destination side of the mutual proof of the cluster secret.
+    pub fn accept_auth(&mut self, secret: &Secret) -> Result<(), WireError> {
+        let sn = random_nonce();
+        let id = random_u64();
+        self.send(Kind::Welcome, id, &[&sn])?;
+        let (_, b) = self.expect(Kind::Hello)?;
+        if b.len() != 64 {
+            return Err(WireError::Malformed("HELLO must be 64 bytes".into()));
+        }
+        let cn: [u8; 32] = b[..32].try_into().unwrap();
+        let mac: [u8; 32] = b[32..].try_into().unwrap();
+        if !macs_equal(&mac, &secret.client_mac(&sn, &cn, id)) {
+            let _ = self.send(Kind::Error, 0, &[b"authentication failed"]);
+            return Err(WireError::Auth);
+        }
+        self.send(Kind::Proof, 0, &[&secret.server_mac(&sn, &cn, id)])
+    }
+
+    /// Source side of the mutual proof.
+    pub fn connect_auth(&mut self, secret: &Secret) -> Result<(), WireError> {
+        let (h, b) = self.expect(Kind::Welcome)?;
+        if b.len() != 32 {
+            return Err(WireError::Malformed("WELCOME must be 32 bytes".into()));
+        }
+        let sn: [u8; 32] = b[..].try_into().unwrap();
+        let cn = random_nonce();
+        let mac = secret.client_mac(&sn, &cn, h.arg);
+        self.send(Kind::Hello, 0, &[&cn, &mac])?;
+        let (_, p) = self.expect(Kind::Proof).map_err(|e| match e {
+            WireError::Peer(_) => WireError::Auth,
+            e => e,
+        })?;
+        let p: [u8; 32] = p.as_slice().try_into().map_err(|_| WireError::Malformed("PROOF must be 32 bytes".into()))?;
+        if !macs_equal(&p, &secret.server_mac(&sn, &cn, h.arg)) {
+            return Err(WireError::Auth);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn header_roundtrip(k in 1u8..=14, len in 0u32..(MAX_BODY as u32), arg: u64) {
+            let h = Header { kind: Kind::from_u8(k).unwrap(), len, arg };
+            prop_assert_eq!(Header::decode(&h.encode()).unwrap(), h);
+        }
+
+        #[test]
+        fn garbage_never_panics(b in proptest::array::uniform16(any::<u8>())) {
+            let _ = Header::decode(&b);
+        }
+    }
+
+    #[test]
+    fn rejects_bad_headers() {
+        let mut b = Header { kind: Kind::Pages, len: 10, arg: 1 }.encode();
+        b[0] = b'X';
+        assert!(Header::decode(&b).is_err());
+        let mut b = Header { kind: Kind::Pages, len: 10, arg: 1 }.encode();
+        b[3] = 99;
+        assert!(Header::decode(&b).is_err());
+        let b = Header { kind: Kind::Pages, len: u32::MAX, arg: 1 }.encode();
+        assert!(Header::decode(&b).is_err());
+    }
+
+    #[test]
+    fn auth_over_a_socket() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = l.local_addr().unwrap();
+        let good = Secret::from_bytes(b"0123456789abcdef0123", "test").unwrap();
+        let bad = Secret::from_bytes(b"xxxxxxxxxxxxxxxxxxxx", "test").unwrap();
+        let g2 = good.clone();
+        let t = std::thread::spawn(move || {
+            let mut r = Vec::new();
+            for _ in 0..2 {
+                let (s, _) = l.accept().unwrap();
+                r.push(Stream::new(s).accept_auth(&g2).is_ok());
+            }
+            r
+        });
+        let ok = Stream::new(TcpStream::connect(a).unwrap()).connect_auth(&good);
+        assert!(ok.is_ok(), "{ok:?}");
+        let refused = Stream::new(TcpStream::connect(a).unwrap()).connect_auth(&bad);
+        assert!(matches!(refused, Err(WireError::Auth)), "{refused:?}");
+        assert_eq!(t.join().unwrap(), vec![true, false]);
+    }
+}
