@@ -8,6 +8,7 @@ use pagefleet_daemon::units;
 use pagefleet_proto::auth::Secret;
 use std::path::PathBuf;
 
+mod cluster;
 mod run;
 mod runner;
 
@@ -42,15 +43,29 @@ enum Cmd {
     ///
     /// Example: pagefleet run synthetic --size 2GiB --budget 50% --servers 127.0.0.1:7070
     Run(run::RunArgs),
-    /// Hosts' memory as placement sees it: total, available, lent and used,
-    /// from each pagefleetd's /host report (its metrics address, port + 1).
+    /// Hosts and guests as placement sees them: each host's memory (total,
+    /// available, lent, free for guests) and where each guest's pages are
+    /// (local / per sub-host), from the registry or from the hosts named.
     Status {
-        /// pagefleetd HTTP addresses (HOST:PORT, the --metrics address), comma-separated.
-        #[arg(long, value_delimiter = ',', default_value = "127.0.0.1:7071")]
+        /// Ask these pagefleetd HTTP addresses (HOST:PORT, the --metrics
+        /// address) instead of the registry, comma-separated.
+        #[arg(long, value_delimiter = ',')]
         hosts: Vec<String>,
+        #[command(flatten)]
+        reg: cluster::Registry,
         #[arg(long)]
         json: bool,
     },
+    /// Start or stop guests on the cluster's hosts.
+    #[command(subcommand)]
+    Guest(cluster::GuestCmd),
+    /// Live-migrate a guest (S-memV split migration): hot pages and their
+    /// access history to a main host, the rest straight to sub-hosts' memory
+    /// servers; it then runs on the main host, paging with the sub-hosts.
+    ///
+    /// Example: pagefleet migrate db              (placement chooses)
+    ///          pagefleet migrate db --to h2 --sub h3
+    Migrate(cluster::MigrateArgs),
     /// A multi-host lab on this machine: network namespaces joined through a
     /// bridge, links shaped with tc tbf, one pagefleetd per host (root only).
     #[command(subcommand)]
@@ -125,6 +140,10 @@ enum TestbedCmd {
         /// Memory each host's pagefleetd lends.
         #[arg(long, default_value = "1GiB", value_parser = units::parse_size)]
         lend: u64,
+        /// Memory each host gives guests (h1,h2,...; the last value repeats;
+        /// 0: no guests there). Placement sees this as the host's memory.
+        #[arg(long, value_delimiter = ',', value_parser = units::parse_size, default_value = "2GiB")]
+        guest_memory: Vec<u64>,
         /// Name prefix of the lab's namespaces (lets labs coexist).
         #[arg(long, default_value = "pf")]
         prefix: String,
@@ -160,21 +179,29 @@ fn testbed(t: TestbedCmd) -> Result<()> {
     use pagefleet_testbed::{down_prefix, Lab, Options};
     let dir = PathBuf::from(TESTBED_DIR);
     match t {
-        TestbedCmd::Up { hosts, link, lend, prefix, subnet } => {
+        TestbedCmd::Up { hosts, link, lend, guest_memory, prefix, subnet } => {
             let me = std::env::current_exe()?;
             let d = me.parent().unwrap().join("pagefleetd");
             let mut o = Options::new(hosts, link, d);
             o.lend = lend;
+            o.guest_memory = guest_memory;
             o.prefix = prefix;
             o.subnet_octet = subnet;
             o.dir = dir;
             let lab = Lab::up(&o)?;
             println!("testbed {:?} up: {} hosts on {}, links {}", lab.prefix, lab.hosts.len(), lab.subnet, lab.link.name());
             for h in &lab.hosts {
-                println!("  {}  netns {}  memory server {}", h.name, h.netns, h.addr);
+                println!(
+                    "  {}  netns {}  memory server {}  http {}  guest memory {}",
+                    h.name,
+                    h.netns,
+                    h.addr,
+                    h.http(),
+                    if h.guest_memory > 0 { units::fmt_size(h.guest_memory) } else { "-".into() }
+                );
             }
             println!("secret: {}   (pagefleet --secret-file {} memserver stat --server ADDR)", lab.secret_file.display(), lab.secret_file.display());
-            println!("run in a host: pagefleet testbed exec h1 -- CMD ...   remove: pagefleet testbed down");
+            println!("run in a host: pagefleet testbed exec h1 -- CMD ...   (e.g. pagefleet status)   remove: pagefleet testbed down");
         }
         TestbedCmd::Down { prefix } => {
             down_prefix(&dir, &prefix)?;
@@ -258,7 +285,9 @@ fn run(cli: Cli) -> Result<()> {
             let secret = Secret::resolve(cli.secret_file.as_deref())?;
             runner::run_incoming(&listen, control, budget_pages, service_dev, secret, std::time::Duration::from_secs(timeout))
         }
-        Cmd::Status { hosts, json } => status(&hosts, json),
+        Cmd::Status { hosts, reg, json } => cluster::status(&reg.registry, &hosts, json),
+        Cmd::Guest(g) => cluster::guest(g),
+        Cmd::Migrate(m) => cluster::migrate_cmd(m),
         Cmd::Memserver(m) => {
             let secret = Secret::resolve(cli.secret_file.as_deref())?;
             let opts = ConnectOptions { name: "pagefleet-cli".into(), ..Default::default() };
@@ -355,43 +384,3 @@ fn bench_paging(o: BenchOpts) -> Result<()> {
     Ok(())
 }
 
-fn status(hosts: &[String], json: bool) -> Result<()> {
-    use pagefleet_daemon::HostReport;
-    let mut reports = Vec::new();
-    for h in hosts {
-        let r = pagefleet_daemon::http::get(h, "/host", std::time::Duration::from_secs(3))
-            .and_then(|b| serde_json::from_str::<HostReport>(&b).map_err(anyhow::Error::from));
-        reports.push((h.clone(), r));
-    }
-    if json {
-        let v: Vec<serde_json::Value> = reports
-            .iter()
-            .map(|(h, r)| match r {
-                Ok(r) => serde_json::json!({"host": h, "report": r}),
-                Err(e) => serde_json::json!({"host": h, "error": format!("{e:#}")}),
-            })
-            .collect();
-        println!("{}", serde_json::to_string_pretty(&v)?);
-        return Ok(());
-    }
-    println!("{:<22} {:<22} {:>11} {:>11} {:>11} {:>11} {:>7}", "host", "memory server", "mem total", "available", "lends", "lent used", "regions");
-    for (h, r) in &reports {
-        match r {
-            Ok(r) => println!(
-                "{:<22} {:<22} {:>11} {:>11} {:>11} {:>11} {:>7}",
-                h,
-                r.memserver.as_deref().unwrap_or("-"),
-                units::fmt_size(r.mem_total),
-                units::fmt_size(r.mem_available),
-                units::fmt_size(r.lend_capacity),
-                units::fmt_size(r.lend_used),
-                r.regions
-            ),
-            Err(e) => println!("{h:<22} unreachable: {e:#}"),
-        }
-    }
-    if reports.iter().any(|(_, r)| r.is_err()) {
-        bail!("some hosts did not answer");
-    }
-    Ok(())
-}

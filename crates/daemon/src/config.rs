@@ -1,6 +1,7 @@
 //! pagefleetd configuration: a TOML file (`--config`), overridden by flags.
 //!
 //! ```toml
+//! name = "rack1-h3"         # this host's name in reports (default: hostname)
 //! log = "info"
 //! secret_file = "/etc/pagefleet/secret"
 //!
@@ -10,6 +11,15 @@
 //! metrics = "0.0.0.0:7071"   # or "off"
 //! max_conns = 512
 //! io_timeout_secs = 30
+//!
+//! [guests]                   # the guest host service (off unless memory is set)
+//! memory = "8GiB"            # sum of guest budgets this host accepts
+//! runner = "/usr/bin/pagefleet"
+//! dir = "/run/pagefleet/guests"
+//! service_dev = "eth0"
+//!
+//! [registry]
+//! peers = ["10.0.0.2:7071", "10.0.0.3:7071"]   # the other hosts' HTTP addresses
 //! ```
 
 use crate::units;
@@ -21,9 +31,28 @@ use std::time::Duration;
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FileConfig {
+    /// This host's name in reports (default: the hostname).
+    pub name: Option<String>,
     pub log: Option<String>,
     pub secret_file: Option<PathBuf>,
     pub memserver: Option<MemserverSection>,
+    pub guests: Option<GuestsSection>,
+    pub registry: Option<RegistrySection>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GuestsSection {
+    pub memory: Option<String>,
+    pub runner: Option<PathBuf>,
+    pub dir: Option<PathBuf>,
+    pub service_dev: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RegistrySection {
+    pub peers: Option<Vec<String>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -46,6 +75,12 @@ pub struct Flags {
     pub max_conns: Option<u32>,
     pub io_timeout_secs: Option<u64>,
     pub log: Option<String>,
+    pub guest_memory: Option<u64>,
+    pub runner: Option<PathBuf>,
+    pub guest_dir: Option<PathBuf>,
+    pub service_dev: Option<String>,
+    pub peers: Option<Vec<String>>,
+    pub name: Option<String>,
 }
 
 /// The daemon's effective settings.
@@ -58,6 +93,12 @@ pub struct Settings {
     pub max_conns: u32,
     pub io_timeout: Duration,
     pub log: String,
+    pub guest_memory: Option<u64>,
+    pub runner: Option<PathBuf>,
+    pub guest_dir: Option<PathBuf>,
+    pub service_dev: String,
+    pub peers: Vec<String>,
+    pub name: Option<String>,
 }
 
 impl FileConfig {
@@ -73,6 +114,12 @@ impl FileConfig {
 /// Flags win over the file; the file wins over built-in defaults.
 pub fn merge(file: FileConfig, flags: Flags) -> Result<Settings> {
     let m = file.memserver.unwrap_or_default();
+    let g = file.guests.unwrap_or_default();
+    let guest_memory = match (flags.guest_memory, g.memory) {
+        (Some(l), _) => Some(l),
+        (None, Some(s)) => Some(units::parse_size(&s).map_err(anyhow::Error::msg).context("[guests] memory")?),
+        (None, None) => None,
+    };
     let lend = match (flags.lend, m.lend) {
         (Some(l), _) => Some(l),
         (None, Some(s)) => Some(units::parse_size(&s).map_err(anyhow::Error::msg).context("[memserver] lend")?),
@@ -94,6 +141,12 @@ pub fn merge(file: FileConfig, flags: Flags) -> Result<Settings> {
         max_conns,
         io_timeout: Duration::from_secs(io),
         log: flags.log.or(file.log).unwrap_or_else(|| "info".into()),
+        guest_memory,
+        runner: flags.runner.or(g.runner),
+        guest_dir: flags.guest_dir.or(g.dir),
+        service_dev: flags.service_dev.or(g.service_dev).unwrap_or_else(|| "eth0".into()),
+        peers: flags.peers.or(file.registry.and_then(|r| r.peers)).unwrap_or_default(),
+        name: flags.name.or(file.name),
     })
 }
 
@@ -116,6 +169,8 @@ mod tests {
         assert_eq!(s.io_timeout, Duration::from_secs(30));
         let d = merge(FileConfig::default(), Flags::default()).unwrap();
         assert_eq!((d.listen.as_str(), d.max_conns, d.lend), ("127.0.0.1:7070", 512, None));
+        let g = merge(FileConfig::parse("[guests]\nmemory = \"1GiB\"\n[registry]\npeers = [\"a:1\"]\n").unwrap(), Flags::default()).unwrap();
+        assert_eq!((g.guest_memory, g.peers.clone(), g.service_dev.as_str()), (Some(1 << 30), vec!["a:1".to_string()], "eth0"));
     }
 
     #[test]

@@ -1,6 +1,8 @@
-//! pagefleetd services. Today: the memory server and the metrics endpoint.
+//! pagefleetd services: the memory server, the guest host service, the
+//! registry (every host's report, gathered from its peers) and metrics.
 
 pub mod config;
+pub mod guests;
 pub mod http;
 pub mod units;
 
@@ -40,6 +42,16 @@ pub struct HostReport {
     pub lend_capacity: u64,
     pub lend_used: u64,
     pub regions: u64,
+    /// This daemon's HTTP address (what peers and the CLI use).
+    #[serde(default)]
+    pub http: Option<String>,
+    /// The guest host service: memory it gives guests, what is still free, guests running.
+    #[serde(default)]
+    pub guest_memory: u64,
+    #[serde(default)]
+    pub guest_free: u64,
+    #[serde(default)]
+    pub guests: u64,
 }
 
 /// MemTotal and MemAvailable from /proc/meminfo, in bytes.
@@ -67,6 +79,44 @@ impl HostReport {
             }
             None => (None, 0, 0, 0),
         };
-        HostReport { hostname, mem_total, mem_available, memserver, lend_capacity: cap, lend_used: used, regions }
+        HostReport {
+            hostname,
+            mem_total,
+            mem_available,
+            memserver,
+            lend_capacity: cap,
+            lend_used: used,
+            regions,
+            http: None,
+            guest_memory: 0,
+            guest_free: 0,
+            guests: 0,
+        }
     }
+}
+
+/// The registry view: this host and every peer, each with its report and
+/// guests (`GET /cluster`). Peers are asked in parallel; one that does not
+/// answer is listed with its error.
+pub fn cluster(me: serde_json::Value, peers: &[String]) -> serde_json::Value {
+    let t = std::time::Duration::from_secs(2);
+    let others: Vec<serde_json::Value> = std::thread::scope(|s| {
+        let hs: Vec<_> = peers
+            .iter()
+            .map(|p| {
+                s.spawn(move || {
+                    let r = http::get(p, "/host", t).and_then(|h| {
+                        let host: serde_json::Value = serde_json::from_str(&h)?;
+                        let guests: serde_json::Value = http::get(p, "/guests", t).ok().and_then(|g| serde_json::from_str(&g).ok()).unwrap_or(serde_json::json!([]));
+                        Ok(serde_json::json!({"http": p, "host": host, "guests": guests}))
+                    });
+                    r.unwrap_or_else(|e| serde_json::json!({"http": p, "error": e.to_string()}))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap_or(serde_json::Value::Null)).collect()
+    });
+    let mut all = vec![me];
+    all.extend(others);
+    serde_json::json!({ "hosts": all })
 }

@@ -3,19 +3,31 @@
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use pagefleet_daemon::config::{self, FileConfig, Flags};
+use pagefleet_daemon::guests::{GuestConfig, Guests};
+use pagefleet_daemon::http::{Request, Response};
 use pagefleet_daemon::{http, units, MemServer};
 use pagefleet_memserver::{metrics, ServerConfig};
 use pagefleet_proto::auth::Secret;
 use std::io::Write;
 use std::path::PathBuf;
 
-/// The pagefleet host daemon. Today it runs the memory-server service: it
-/// lends this host's spare memory to remote regions (guests paging to it,
-/// remote block devices built on it).
+/// The pagefleet host daemon. Services:
+///
+///   memory server   lends this host's spare memory to remote regions
+///                   (guests paging to it, remote block devices built on it)
+///   guest host      starts and stops guests (runners) within --guest-memory,
+///                   receives incoming migrations, sends guests away
+///   registry        GET /cluster: every host's report and guests (--peers)
+///   HTTP            /metrics (Prometheus), /host, /guests, /cluster
 ///
 /// Example: lend 4 GiB on loopback, metrics on port 7071:
 ///
 ///     pagefleetd --lend 4GiB --listen 127.0.0.1:7070
+///
+/// A host of a cluster that also runs guests:
+///
+///     pagefleetd --lend 2GiB --guest-memory 8GiB --listen 10.0.0.1:7070 \
+///                --peers 10.0.0.2:7071,10.0.0.3:7071
 ///
 /// Clients authenticate with the cluster secret: a file holding at least 16
 /// bytes, created (mode 0600) on first start if missing. Copy the same file to
@@ -52,6 +64,24 @@ struct Args {
     /// Drop a client stalled mid-frame (or not reading replies) this long, in seconds (default 30).
     #[arg(long)]
     io_timeout: Option<u64>,
+    /// Run guests here: the memory their budgets may add up to (e.g. 8GiB).
+    #[arg(long, value_parser = units::parse_size)]
+    guest_memory: Option<u64>,
+    /// The `pagefleet` binary that runs guests (default: beside pagefleetd).
+    #[arg(long)]
+    runner: Option<PathBuf>,
+    /// Where guests' control sockets and logs go (default /run/pagefleet/guests-PORT).
+    #[arg(long)]
+    guest_dir: Option<PathBuf>,
+    /// Network device guests' service addresses are added to (default eth0).
+    #[arg(long)]
+    service_dev: Option<String>,
+    /// The other hosts' pagefleetd HTTP addresses (registry), comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    peers: Option<Vec<String>>,
+    /// This host's name in reports and placement (default: the hostname).
+    #[arg(long)]
+    name: Option<String>,
     /// Log filter (error, warn, info, debug, trace; or RUST_LOG syntax; default info).
     #[arg(long, env = "PAGEFLEET_LOG")]
     log: Option<String>,
@@ -80,17 +110,23 @@ fn run() -> Result<()> {
             max_conns: args.max_conns,
             io_timeout_secs: args.io_timeout,
             log: args.log,
+            guest_memory: args.guest_memory,
+            runner: args.runner,
+            guest_dir: args.guest_dir,
+            service_dev: args.service_dev,
+            peers: args.peers,
+            name: args.name,
         },
     )?;
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_new(&a.log).context("bad --log filter")?)
         .with_writer(std::io::stderr)
         .init();
-    let Some(lend) = a.lend else {
-        bail!("nothing to do: enable the memory server with --lend SIZE (e.g. --lend 4GiB) or `lend` under [memserver] in --config; see --help");
-    };
-    if lend < 4096 {
-        bail!("--lend {lend} is less than one 4 KiB page");
+    if a.lend.is_none() && a.guest_memory.is_none() {
+        bail!("nothing to do: lend memory with --lend SIZE (e.g. --lend 4GiB) and/or run guests with --guest-memory SIZE; see --help");
+    }
+    if a.lend.is_some_and(|l| l < 4096) {
+        bail!("--lend is less than one 4 KiB page");
     }
     let (secret, created) = Secret::load_or_create(a.secret_file.as_deref())?;
     if created {
@@ -98,35 +134,107 @@ fn run() -> Result<()> {
         tracing::info!("created a new cluster secret at {}; copy it to every host of the cluster", p.display());
     }
     let cfg = ServerConfig { max_conns: a.max_conns, io_timeout: a.io_timeout };
-    let ms = MemServer::start(&a.listen, lend, secret, cfg)?;
-    let metrics_listen = match a.metrics.as_deref() {
+    let ms = match a.lend {
+        Some(lend) => Some(MemServer::start(&a.listen, lend, secret, cfg)?),
+        None => None,
+    };
+    let listen_addr: std::net::SocketAddr = match &ms {
+        Some(m) => m.addr,
+        None => a.listen.parse().with_context(|| format!("--listen {} is not IP:PORT", a.listen))?,
+    };
+    let http_listen = match a.metrics.as_deref() {
         Some("off") => None,
         Some(m) => Some(m.to_string()),
-        None if ms.addr.port() == 0 => None,
-        None if a.listen.ends_with(":0") => Some(format!("{}:0", ms.addr.ip())),
-        None => Some(format!("{}:{}", ms.addr.ip(), ms.addr.port().wrapping_add(1))),
+        None if listen_addr.port() == 0 || a.listen.ends_with(":0") => Some(format!("{}:0", listen_addr.ip())),
+        None => Some(format!("{}:{}", listen_addr.ip(), listen_addr.port().wrapping_add(1))),
     };
-    let maddr = match metrics_listen {
-        Some(m) => {
-            let st = ms.state.clone();
-            let st2 = ms.state.clone();
-            let addr = ms.addr;
-            let host = std::sync::Arc::new(move || {
-                serde_json::to_string(&pagefleet_daemon::HostReport::collect(Some((&st2, addr)))).unwrap_or_default()
-            });
-            Some(http::start(&m, std::sync::Arc::new(move || metrics::render(&st)), host)?)
+    let guests = match a.guest_memory {
+        Some(mem) => {
+            if http_listen.is_none() {
+                bail!("the guest host service needs the HTTP endpoint: drop --metrics off");
+            }
+            let runner = match a.runner.clone() {
+                Some(r) => r,
+                None => std::env::current_exe()?.with_file_name("pagefleet"),
+            };
+            let port = listen_addr.port();
+            let dir = a.guest_dir.clone().unwrap_or_else(|| PathBuf::from(format!("/run/pagefleet/guests-{port}")));
+            Some(Guests::new(GuestConfig {
+                memory: mem,
+                runner,
+                dir,
+                service_dev: a.service_dev.clone(),
+                ip: listen_addr.ip().to_string(),
+                secret_file: a.secret_file.clone(),
+            })?)
         }
         None => None,
     };
-    tracing::info!(
-        "memory server lending {} on {}{}",
-        units::fmt_size(lend / 4096 * 4096),
-        ms.addr,
-        maddr.map(|m| format!(", metrics on http://{m}/metrics")).unwrap_or_default()
-    );
+    let self_http = std::sync::Arc::new(std::sync::OnceLock::<String>::new());
+    let haddr = match http_listen {
+        Some(h) => {
+            let st = ms.as_ref().map(|m| (m.state.clone(), m.addr));
+            let (g, me, peers, name) = (guests.clone(), self_http.clone(), a.peers.clone(), a.name.clone());
+            let report = move || {
+                let mut r = pagefleet_daemon::HostReport::collect(st.as_ref().map(|(s, a)| (&**s, *a)));
+                r.http = me.get().cloned();
+                if let Some(n) = &name {
+                    r.hostname = n.clone();
+                }
+                if let Some(g) = &g {
+                    r.guest_memory = g.cfg.memory;
+                    r.guest_free = g.free_bytes();
+                    r.guests = g.count() as u64;
+                }
+                r
+            };
+            let st = ms.as_ref().map(|m| m.state.clone());
+            let handler = move |r: Request| -> Response {
+                if let Some(g) = &guests {
+                    if let Some(resp) = g.route(&r) {
+                        return resp;
+                    }
+                }
+                match (r.method.as_str(), r.path.as_str()) {
+                    ("GET", "/metrics") => Response::Full {
+                        status: 200,
+                        ctype: "text/plain; version=0.0.4",
+                        body: st.as_ref().map(|s| metrics::render(s)).unwrap_or_default(),
+                    },
+                    ("GET", "/host") => Response::json(200, &serde_json::to_value(report()).unwrap_or_default()),
+                    ("GET", "/cluster") => {
+                        let guests = guests.as_ref().map(|g| serde_json::Value::Array(g.list())).unwrap_or(serde_json::json!([]));
+                        let r = report();
+                        let me = serde_json::json!({"http": r.http, "host": r, "guests": guests});
+                        Response::json(200, &pagefleet_daemon::cluster(me, &peers))
+                    }
+                    ("GET", "/") => Response::text(200, "pagefleetd: /metrics (Prometheus), /host, /guests, /cluster (JSON)\n"),
+                    ("GET", _) => Response::text(404, "not found; try /metrics, /host, /guests or /cluster\n"),
+                    _ => Response::text(405, "unknown route\n"),
+                }
+            };
+            let addr = http::serve(&h, std::sync::Arc::new(handler))?;
+            let _ = self_http.set(addr.to_string());
+            Some(addr)
+        }
+        None => None,
+    };
+    if let Some(m) = &ms {
+        tracing::info!(
+            "memory server lending {} on {}{}",
+            units::fmt_size(m.state.store.stats(0).capacity_pages * 4096),
+            m.addr,
+            haddr.map(|m| format!(", metrics on http://{m}/metrics")).unwrap_or_default()
+        );
+    }
+    if let Some(g) = a.guest_memory {
+        tracing::info!("guest host service: {} for guests", units::fmt_size(g));
+    }
     let mut out = std::io::stdout().lock();
-    writeln!(out, "listening {}", ms.addr)?;
-    if let Some(m) = maddr {
+    if let Some(m) = &ms {
+        writeln!(out, "listening {}", m.addr)?;
+    }
+    if let Some(m) = haddr {
         writeln!(out, "metrics {m}")?;
     }
     out.flush()?;

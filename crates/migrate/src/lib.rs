@@ -5,6 +5,7 @@
 //! pages with the sub-hosts. See docs/migration.md.
 
 pub mod dest;
+pub mod placement;
 pub mod plan;
 pub mod source;
 pub mod wire;

@@ -35,6 +35,8 @@ pub struct Options {
     pub workload: serde_json::Value,
     pub name: String,
     pub policy: String,
+    /// Pages per chunk on the destination (default: as here).
+    pub dest_chunk: Option<usize>,
     /// Compare region checksums at stop time (source) and at resume (destination).
     pub verify: bool,
     pub max_rounds: usize,
@@ -55,6 +57,7 @@ impl Options {
             workload: serde_json::Value::Null,
             name: "guest".into(),
             policy: "clock".into(),
+            dest_chunk: None,
             verify: false,
             max_rounds: 30,
             stop_pages: 1024,
@@ -169,6 +172,13 @@ pub fn migrate(region: &Region, guest: &dyn Guest, o: &Options, progress: &Progr
     region.hold_paging(true);
     region.track_changes(true);
     let snap = region.snapshot().ok_or_else(|| MigrateError::Other("the region's pager did not answer".into()))?;
+    if let Some(c) = o.dest_chunk {
+        if !c.is_power_of_two() || c > 64 || region.len() % (c * PAGE) != 0 {
+            region.track_changes(false);
+            region.hold_paging(false);
+            return Err(MigrateError::Other(format!("chunk of {c} pages: use a power of two up to 64 that divides the region")));
+        }
+    }
     let caps: Vec<u64> = o.subs.iter().map(|s| s.pages).collect();
     let planned = plan::plan(&snap, o.main_pages, &caps);
     let plan = match planned {
@@ -232,7 +242,7 @@ impl Run<'_> {
         let spec = Spec {
             name: self.o.name.clone(),
             size: region.len() as u64,
-            chunk_pages: region.chunk_pages,
+            chunk_pages: self.o.dest_chunk.unwrap_or(region.chunk_pages),
             policy: self.o.policy.clone(),
             region_id: region.region_id,
             servers: self.servers.clone(),

@@ -61,6 +61,16 @@ pub struct Host {
     /// Memory-server address of this host's pagefleetd.
     pub addr: String,
     pub pid: u32,
+    /// Memory its guest host service gives guests (0: runs no guests).
+    #[serde(default)]
+    pub guest_memory: u64,
+}
+
+impl Host {
+    /// This host's pagefleetd HTTP address (registry, guests, metrics).
+    pub fn http(&self) -> String {
+        format!("{}:7071", self.ip)
+    }
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -80,6 +90,10 @@ pub struct Options {
     pub link: Link,
     /// Memory each host's pagefleetd lends.
     pub lend: u64,
+    /// Guest memory per host (h1, h2, ...; the last value repeats; empty:
+    /// no guest host service). All lab hosts share this machine's RAM, so
+    /// this is what placement sees as each host's memory.
+    pub guest_memory: Vec<u64>,
     /// Third octet of the lab's 10.200.X.0/24 subnet.
     pub subnet_octet: u8,
     pub pagefleetd: PathBuf,
@@ -94,6 +108,7 @@ impl Options {
             hosts,
             link,
             lend: 1 << 30,
+            guest_memory: Vec::new(),
             subnet_octet: 77,
             pagefleetd,
             dir: PathBuf::from("/run/pagefleet/testbed"),
@@ -161,11 +176,14 @@ impl Lab {
                         run(&["ip", "netns", "exec", n, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", burst, "latency", "50ms"])?;
                     }
                 }
-                lab.hosts.push(Host { name, netns: ns, ip: ip.clone(), addr: format!("{ip}:7070"), pid: 0 });
+                let guest_memory = o.guest_memory.get(i).or(o.guest_memory.last()).copied().unwrap_or(0);
+                lab.hosts.push(Host { name, netns: ns, ip: ip.clone(), addr: format!("{ip}:7070"), pid: 0, guest_memory });
                 lab.save()?;
             }
+            let peers: Vec<String> = lab.hosts.iter().map(|h| h.http()).collect();
             for h in lab.hosts.iter_mut() {
-                h.pid = start_daemon(o, h, &lab.secret_file)?;
+                let others: Vec<String> = peers.iter().filter(|p| **p != h.http()).cloned().collect();
+                h.pid = start_daemon(o, h, &lab.secret_file, &others)?;
             }
             lab.save()?;
             for h in &lab.hosts {
@@ -192,9 +210,11 @@ impl Lab {
     }
 
     /// A command to run inside a host's namespace.
+    /// Inside, `pagefleet` finds the lab's registry and secret by itself.
     pub fn exec(&self, host: usize, program: impl AsRef<std::ffi::OsStr>) -> Command {
         let mut c = Command::new("ip");
         c.args(["netns", "exec", &self.hosts[host].netns]).arg(program);
+        c.env("PAGEFLEET_REGISTRY", self.hosts[host].http()).env("PAGEFLEET_SECRET_FILE", &self.secret_file);
         c
     }
 
@@ -234,7 +254,7 @@ impl Lab {
     }
 }
 
-fn start_daemon(o: &Options, h: &Host, secret: &Path) -> Result<u32> {
+fn start_daemon(o: &Options, h: &Host, secret: &Path, peers: &[String]) -> Result<u32> {
     let log = std::fs::File::create(o.dir.join(format!("{}.log", h.netns)))?;
     use std::os::unix::process::CommandExt;
     let mut cmd = Command::new("ip");
@@ -249,9 +269,15 @@ fn start_daemon(o: &Options, h: &Host, secret: &Path) -> Result<u32> {
     let child = cmd
         .args(["netns", "exec", &h.netns])
         .arg(&o.pagefleetd)
-        .args(["--lend", &o.lend.to_string(), "--listen", &h.addr, "--log", "warn"])
+        .args(["--lend", &o.lend.to_string(), "--listen", &h.addr, "--log", "warn", "--name", &h.name])
         .arg("--secret-file")
         .arg(secret)
+        .args(if peers.is_empty() { vec![] } else { vec!["--peers".to_string(), peers.join(",")] })
+        .args(if h.guest_memory > 0 {
+            vec!["--guest-memory".to_string(), h.guest_memory.to_string(), "--guest-dir".into(), o.dir.join(format!("{}-guests", h.netns)).display().to_string()]
+        } else {
+            vec![]
+        })
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(log)
@@ -300,6 +326,14 @@ pub fn down_prefix(dir: &Path, prefix: &str) -> Result<()> {
     }
     let _ = std::fs::remove_file(state_path(dir, prefix));
     let _ = std::fs::remove_file(dir.join(format!("{prefix}-secret")));
+    if let Ok(rd) = std::fs::read_dir(dir) {
+        for e in rd.flatten() {
+            let n = e.file_name().to_string_lossy().into_owned();
+            if n.starts_with(&format!("{prefix}-")) && n.ends_with("-guests") {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+    }
     let left: Vec<String> = netns_list().into_iter().filter(|n| n.starts_with(&format!("{prefix}-"))).collect();
     if !left.is_empty() {
         bail!("could not remove namespaces {left:?}");

@@ -1,0 +1,128 @@
+//! Choosing hosts for a split migration (S-memV): the main host is the one
+//! with the most free guest memory (or the one named); the pages it cannot
+//! keep go to the fewest sub-hosts whose memory servers can hold them
+//! (largest free first), or to the ones named.
+
+#[derive(Clone, Debug)]
+pub struct HostInfo {
+    pub name: String,
+    /// The host's pagefleetd HTTP address.
+    pub http: String,
+    /// Its memory server, if it lends memory.
+    pub memserver: Option<String>,
+    /// Guest memory still free there, bytes.
+    pub guest_free: u64,
+    /// Memory its memory server can still take, bytes.
+    pub lend_free: u64,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Choice {
+    pub main: usize,
+    /// The guest's budget on the main host.
+    pub main_pages: u64,
+    /// (host, pages it may take).
+    pub subs: Vec<(usize, u64)>,
+}
+
+/// `size_pages`: the guest's size; `data_pages`: pages holding data (what
+/// must be placed somewhere). `to` / `subs`: hosts the user named.
+pub fn choose(hosts: &[HostInfo], source: usize, size_pages: u64, data_pages: u64, to: Option<usize>, subs: Option<&[usize]>) -> Result<Choice, String> {
+    let main = match to {
+        Some(m) if m == source => return Err(format!("{} already runs the guest", hosts[m].name)),
+        Some(m) => m,
+        None => (0..hosts.len())
+            .filter(|&h| h != source)
+            .max_by_key(|&h| (hosts[h].guest_free, std::cmp::Reverse(h)))
+            .ok_or("no other host to migrate to")?,
+    };
+    let main_free = hosts[main].guest_free / 4096;
+    // A budget below two chunks of 64 pages cannot page.
+    if main_free < 128 {
+        return Err(format!("{} has no free guest memory", hosts[main].name));
+    }
+    let main_pages = size_pages.min(main_free);
+    let rest = data_pages.saturating_sub(main_pages);
+    let cap = |h: usize| if hosts[h].memserver.is_some() { hosts[h].lend_free / 4096 } else { 0 };
+    let chosen: Vec<usize> = match subs {
+        Some(s) => {
+            for &h in s {
+                if h == main || h == source {
+                    return Err(format!("{} cannot be a sub-host of this migration (it is the source or the main host)", hosts[h].name));
+                }
+                if hosts[h].memserver.is_none() {
+                    return Err(format!("{} lends no memory (no memory server)", hosts[h].name));
+                }
+            }
+            s.to_vec()
+        }
+        None if rest == 0 => Vec::new(),
+        None => {
+            let mut c: Vec<usize> = (0..hosts.len()).filter(|&h| h != source && h != main && cap(h) > 0).collect();
+            c.sort_by_key(|&h| (std::cmp::Reverse(cap(h)), h));
+            let mut got = 0;
+            let mut out = Vec::new();
+            for h in c {
+                if got >= rest {
+                    break;
+                }
+                got += cap(h);
+                out.push(h);
+            }
+            out
+        }
+    };
+    let total: u64 = chosen.iter().map(|&h| cap(h)).sum();
+    if total < rest {
+        return Err(format!(
+            "not enough memory: {} pages to place beyond the main host {} ({} pages free), sub-hosts can take {}",
+            rest, hosts[main].name, main_free, total
+        ));
+    }
+    Ok(Choice { main, main_pages, subs: chosen.into_iter().map(|h| (h, cap(h))).collect() })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h(name: &str, guest_free_pages: u64, lend_free_pages: Option<u64>) -> HostInfo {
+        HostInfo {
+            name: name.into(),
+            http: format!("{name}:7071"),
+            memserver: lend_free_pages.map(|_| format!("{name}:7070")),
+            guest_free: guest_free_pages * 4096,
+            lend_free: lend_free_pages.unwrap_or(0) * 4096,
+        }
+    }
+
+    #[test]
+    fn main_host_has_most_free_memory_and_fewest_subs_fit() {
+        let hosts = [h("src", 0, Some(0)), h("a", 1000, Some(100)), h("b", 4000, Some(100)), h("c", 10, Some(3000)), h("d", 10, Some(2000))];
+        let c = choose(&hosts, 0, 8000, 6000, None, None).unwrap();
+        assert_eq!(c.main, 2);
+        assert_eq!(c.main_pages, 4000);
+        // 2000 pages left: c alone (3000) fits.
+        assert_eq!(c.subs, vec![(3, 3000)]);
+        let c = choose(&hosts, 0, 8000, 8000, None, None).unwrap();
+        assert_eq!(c.subs.iter().map(|s| s.0).collect::<Vec<_>>(), vec![3, 4]);
+    }
+
+    #[test]
+    fn whole_guest_fits_no_subs() {
+        let hosts = [h("src", 0, None), h("a", 9000, Some(100))];
+        let c = choose(&hosts, 0, 8000, 8000, None, None).unwrap();
+        assert_eq!((c.main, c.main_pages, c.subs.len()), (1, 8000, 0));
+    }
+
+    #[test]
+    fn named_hosts_are_checked() {
+        let hosts = [h("src", 0, Some(10)), h("a", 1000, Some(100)), h("b", 10, None), h("c", 0, Some(5000))];
+        assert!(choose(&hosts, 0, 4000, 4000, Some(0), None).unwrap_err().contains("already runs"));
+        assert!(choose(&hosts, 0, 4000, 4000, Some(1), Some(&[2])).unwrap_err().contains("lends no memory"));
+        assert!(choose(&hosts, 0, 4000, 4000, Some(1), Some(&[1])).unwrap_err().contains("cannot be a sub-host"));
+        let c = choose(&hosts, 0, 4000, 4000, Some(1), Some(&[3])).unwrap();
+        assert_eq!(c.subs, vec![(3, 5000)]);
+        assert!(choose(&hosts, 0, 40000, 40000, None, None).unwrap_err().contains("not enough memory"));
+    }
+}
