@@ -260,7 +260,8 @@ pub fn migrate(a: &MigrateArgs, progress: bool) -> Result<Report> {
     }
     let size_pages = g["size"].as_u64().unwrap_or(0) / 4096;
     let p = &g["pages"];
-    let data_pages = p["local"].as_u64().unwrap_or(0) + p["remote"].as_object().map(|m| m.values().filter_map(|v| v.as_u64()).sum()).unwrap_or(0);
+    // Pages already on memory servers stay there: only resident ones need room.
+    let data_pages = p["local"].as_u64().unwrap_or(0);
     let to = a.to.as_deref().map(|t| find_host(&hs, t)).transpose()?;
     let subs = a.sub.as_ref().map(|s| s.iter().map(|x| find_host(&hs, x)).collect::<Result<Vec<_>>>()).transpose()?;
     let infos: Vec<HostInfo> = hs.iter().map(info).collect();

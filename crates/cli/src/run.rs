@@ -72,6 +72,13 @@ pub enum Workload {
         /// Write every page once before measuring.
         #[arg(long)]
         prefill: bool,
+        /// Operations per second, all threads together (default: as fast as
+        /// possible; 0: idle after the prefill).
+        #[arg(long)]
+        rate: Option<f64>,
+        /// Fraction of the pages the accesses fall on (the first ones).
+        #[arg(long, default_value_t = 1.0)]
+        span: f64,
     },
     /// Generate and sort fixed-size 100-byte records filling the memory (the S-memV sort experiment).
     Sort {
@@ -188,8 +195,8 @@ fn progress(m: &Memory, sec: usize, rate: f64, last_ins: &mut u64) {
 /// The workload as a migration carries it to the destination runner.
 fn workload_spec(a: &RunArgs) -> Result<serde_json::Value> {
     let mut v = match &a.workload {
-        Workload::Synthetic { dist, write_frac, .. } => serde_json::json!({
-            "kind": "synthetic", "dist": dist.to_string(), "write_frac": write_frac,
+        Workload::Synthetic { dist, write_frac, prefill, rate, span } => serde_json::json!({
+            "kind": "synthetic", "dist": dist.to_string(), "write_frac": write_frac, "prefill": prefill, "rate": rate, "span": span,
         }),
         Workload::Kv { listen } => serde_json::json!({"kind": "kv", "listen": listen}),
         Workload::Sort { .. } => bail!("sort runs to completion; it cannot run hosted (use synthetic or kv)"),
@@ -221,7 +228,7 @@ pub fn run(a: RunArgs, secret_file: Option<&Path>) -> Result<()> {
     let mem = m.mem();
     let mut last_ins = 0;
     let out = match &a.workload {
-        Workload::Synthetic { dist, write_frac, prefill } => {
+        Workload::Synthetic { dist, write_frac, prefill, rate, span } => {
             let o = synthetic::Opts {
                 dist: dist.clone(),
                 write_frac: *write_frac,
@@ -230,6 +237,8 @@ pub fn run(a: RunArgs, secret_file: Option<&Path>) -> Result<()> {
                 max_ops: None,
                 prefill: *prefill,
                 gate: None,
+                rate: *rate,
+                span: *span,
             };
             let r = synthetic::run(mem, &o, |s, rate| {
                 if !a.json {

@@ -64,7 +64,7 @@ struct Running {
 }
 
 /// Start `spec`'s workload on the region in background threads.
-fn start_workload(spec: &Value, region: &Arc<Region>, gate: &Arc<Gate>) -> Result<Arc<AtomicU64>> {
+fn start_workload(spec: &Value, region: &Arc<Region>, gate: &Arc<Gate>, incoming: bool) -> Result<Arc<AtomicU64>> {
     // SAFETY: the region outlives the process's use of it (the runner never drops it while workloads run).
     let mem = unsafe { Mem::new(region.as_ptr(), region.len()) };
     let kind = spec["kind"].as_str().unwrap_or("");
@@ -78,8 +78,11 @@ fn start_workload(spec: &Value, region: &Arc<Region>, gate: &Arc<Gate>) -> Resul
                 threads,
                 duration: Duration::from_secs(10 * 365 * 86400),
                 max_ops: None,
-                prefill: false,
+                // A migrated guest keeps its memory: never prefill again.
+                prefill: spec["prefill"].as_bool().unwrap_or(false) && !incoming,
                 gate: Some(gate.clone()),
+                rate: spec["rate"].as_f64(),
+                span: spec["span"].as_f64().unwrap_or(1.0),
             };
             let ops = Arc::new(AtomicU64::new(0));
             let o2 = ops.clone();
@@ -319,7 +322,7 @@ pub fn run_hosted(name: String, spec: Value, region: Arc<Region>, service: Optio
         s.claim()?;
     }
     let gate = Arc::new(Gate::default());
-    let ops = start_workload(&spec, &region, &gate)?;
+    let ops = start_workload(&spec, &region, &gate, false)?;
     host(name, spec, region, gate, ops, service, &control, secret)
 }
 
@@ -364,7 +367,7 @@ pub fn run_incoming(listen: &str, control: PathBuf, budget_pages: Option<u64>, s
         s.claim()?;
     }
     let gate = Arc::new(Gate::default());
-    let ops = start_workload(&spec.workload, &region, &gate)?;
+    let ops = start_workload(&spec.workload, &region, &gate, true)?;
     committed.started(sum, secs);
     host(spec.name.clone(), spec.workload.clone(), region, gate, ops, service, &control, secret)
 }

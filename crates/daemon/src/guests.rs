@@ -256,8 +256,16 @@ impl Guests {
                     let mut req = body();
                     req["op"] = json!("migrate");
                     let name = name.to_string();
+                    let me = self.clone();
                     Response::Stream(Box::new(move |s| {
-                        let r = control(&c, &req, None, |v| writeln!(s, "{v}").is_ok());
+                        let r = control(&c, &req, None, |v| {
+                            if v.get("report").is_some() {
+                                // The guest runs elsewhere now: its memory here is free
+                                // at once (the runner exits right after).
+                                me.map.lock().unwrap().remove(&name);
+                            }
+                            writeln!(s, "{v}").is_ok()
+                        });
                         if let Err(e) = r {
                             warn!("migrate {name}: {e}");
                             let _ = writeln!(s, "{}", json!({"error": e.to_string()}));

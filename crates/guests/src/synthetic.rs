@@ -102,6 +102,11 @@ pub struct Opts {
     pub prefill: bool,
     /// Safepoint gate (entered around every 256 operations), for migration.
     pub gate: Option<std::sync::Arc<crate::Gate>>,
+    /// Operations per second over all threads (None: as fast as possible;
+    /// 0: idle after the prefill).
+    pub rate: Option<f64>,
+    /// Fraction of the pages the accesses fall on (the first ones).
+    pub span: f64,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -115,14 +120,21 @@ pub struct Outcome {
 
 /// Run the workload over `mem`; `tick` is called every second with (second, ops/s).
 pub fn run(mem: Mem, o: &Opts, mut tick: impl FnMut(usize, f64)) -> Outcome {
-    let pages = (mem.len / 4096) as u64;
+    let all_pages = (mem.len / 4096) as u64;
+    let pages = ((all_pages as f64 * o.span.clamp(0.0, 1.0)) as u64).clamp(1, all_pages);
     if o.prefill {
         std::thread::scope(|s| {
             for t in 0..o.threads as u64 {
                 s.spawn(move || {
-                    let per = pages.div_ceil(o.threads as u64);
-                    for p in t * per..((t + 1) * per).min(pages) {
+                    let per = all_pages.div_ceil(o.threads as u64);
+                    if let Some(g) = &o.gate {
+                        g.enter();
+                    }
+                    for p in t * per..((t + 1) * per).min(all_pages) {
                         mem.write_u64(p as usize * 4096, p);
+                    }
+                    if let Some(g) = &o.gate {
+                        g.exit();
                     }
                 });
             }
@@ -143,7 +155,30 @@ pub fn run(mem: Mem, o: &Opts, mut tick: impl FnMut(usize, f64)) -> Outcome {
                 let mut rng = Rng::new(0xC0FFEE + t as u64);
                 let mut seq = (pages / o.threads as u64) * t as u64;
                 let mut local = 0u64;
+                let t0 = Instant::now();
+                let mut batches = 0u64;
+                let per_thread = o.rate.map(|r| r / o.threads as f64);
                 while !stop.load(Relaxed) {
+                    // Bounded load: batch k starts no earlier than k*256/rate.
+                    match per_thread {
+                        Some(r) if r <= 0.0 => {
+                            if let Some(g) = gate {
+                                g.enter();
+                                g.exit();
+                            }
+                            std::thread::sleep(Duration::from_millis(10));
+                            continue;
+                        }
+                        Some(r) => {
+                            let due = Duration::from_secs_f64(batches as f64 * 256.0 / r);
+                            if let Some(w) = due.checked_sub(t0.elapsed()) {
+                                std::thread::sleep(w.min(Duration::from_millis(50)));
+                                continue;
+                            }
+                            batches += 1;
+                        }
+                        None => {}
+                    }
                     if let Some(g) = gate {
                         g.enter();
                     }

@@ -105,6 +105,7 @@ pub fn receive(s: std::net::TcpStream, secret: &Secret, io_timeout: Duration, pr
             Kind::Round => {
                 r.stream.body(&h)?;
                 progress.round.store(h.arg, Relaxed);
+                r.stream.send(Kind::RoundDone, h.arg, &[])?;
             }
             Kind::Commit => {
                 r.stream.body(&h)?;

@@ -51,6 +51,16 @@ pub struct Report {
     pub round1_secs: f64,
     pub round1_bytes: u64,
     pub region_build_ms: f64,
+    /// Downtime parts: reaching the safepoint, the last round, COMMIT to
+    /// PREPARED (the destination builds its region), GO to STARTED.
+    #[serde(default)]
+    pub pause_ms: f64,
+    #[serde(default)]
+    pub final_copy_ms: f64,
+    #[serde(default)]
+    pub commit_ms: f64,
+    #[serde(default)]
+    pub start_ms: f64,
     pub checksum_source: Option<String>,
     pub checksum_dest: Option<String>,
 }
@@ -70,6 +80,10 @@ impl Report {
             mib(self.round1_bytes) / self.round1_secs.max(1e-9),
             self.pages_sent_twice,
             self.last_round_pages
+        );
+        println!(
+            "  downtime: pause {:.1} ms, last round {:.1} ms, destination builds its region {:.1} ms (of which {:.1} ms in the runtime), start {:.1} ms",
+            self.pause_ms, self.final_copy_ms, self.commit_ms, self.region_build_ms, self.start_ms
         );
         if let (Some(a), Some(b)) = (&self.checksum_source, &self.checksum_dest) {
             println!("  region checksum at stop {a}, at resume {b}: {}", if a == b { "equal" } else { "DIFFERENT" });

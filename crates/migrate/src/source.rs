@@ -282,6 +282,7 @@ impl Run<'_> {
             return Err(MigrateError::PauseTimeout(self.o.pause_timeout));
         }
         *paused = true;
+        let pause_ms = td.elapsed().as_secs_f64() * 1e3;
         let checksum_source = if self.o.verify { Some(checksum(region, &self.o.secret).map_err(MigrateError::Other)?) } else { None };
         let t_sum = td.elapsed();
         let mut last = changed;
@@ -292,15 +293,20 @@ impl Run<'_> {
         let snap = region.snapshot().ok_or_else(|| MigrateError::Other("the region's pager did not answer".into()))?;
         let last_pages = last.len();
         self.round(rounds, &last, &snap)?;
+        let t_copy = Instant::now();
+        let final_copy_ms = (t_copy - td - t_sum).as_secs_f64() * 1e3 - pause_ms;
         self.stream.send_json(Kind::Commit, &serde_json::json!({}))?;
         self.progress.set_phase("commit");
         let prepared = self.stream.expect_json(Kind::Prepared)?;
+        let commit_ms = t_copy.elapsed().as_secs_f64() * 1e3;
+        let t_go = Instant::now();
         guest.release_address();
         *released = true;
         self.stream.send(Kind::Go, 0, &[])?;
         // Past GO the destination may be running the guest: never resume here.
         let started = self.stream.expect_json(Kind::Started).map_err(|e| MigrateError::InDoubt(e.to_string()))?;
         let dest_checksum_secs = started["checksum_secs"].as_f64().unwrap_or(0.0);
+        let start_ms = t_go.elapsed().as_secs_f64() * 1e3 - dest_checksum_secs * 1e3;
         let downtime = td.elapsed().as_secs_f64() - t_sum.as_secs_f64() - dest_checksum_secs;
         self.progress.set_phase("done");
         let pages_main = self.sent_to(MAIN);
@@ -320,6 +326,10 @@ impl Run<'_> {
             round1_secs,
             round1_bytes,
             region_build_ms: prepared["build_ms"].as_f64().unwrap_or(0.0),
+            pause_ms,
+            final_copy_ms,
+            commit_ms,
+            start_ms,
             checksum_source,
             checksum_dest: started["checksum"].as_str().map(String::from),
         })
@@ -409,6 +419,13 @@ impl Run<'_> {
             i = j;
         }
         self.stream.send(Kind::Round, n as u64, &[])?;
+        // Wait until the round has arrived (not just left this host): the
+        // next round's dirty set and the downtime must not include data
+        // still queued on the link.
+        let (h, _) = self.stream.expect(Kind::RoundDone)?;
+        if h.arg != n as u64 {
+            return Err(WireError::Malformed(format!("ROUND_DONE {} for round {n}", h.arg)).into());
+        }
         Ok(())
     }
 

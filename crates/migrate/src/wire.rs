@@ -10,7 +10,8 @@
 //! dest → source   READY
 //! source → dest   PAGES arg=first page, body = count history bytes + count pages
 //!                 LOCATED arg=first page, body = count u32 + server u16 (0xFFFF: zero page)
-//!                 ROUND arg=round number (informational)
+//!                 ROUND arg=round number
+//! dest → source   ROUND_DONE arg=round number (all of it arrived; pre-copy rounds only)
 //!                 COMMIT (JSON options)           — the guest is paused now
 //! dest → source   PREPARED (region built) | ERROR text
 //! source → dest   GO                              — the point of no return
@@ -52,6 +53,7 @@ pub enum Kind {
     Started = 12,
     Abort = 13,
     Error = 14,
+    RoundDone = 15,
 }
 
 impl Kind {
@@ -72,6 +74,7 @@ impl Kind {
             12 => Started,
             13 => Abort,
             14 => Error,
+            15 => RoundDone,
             _ => return None,
         })
     }
@@ -240,7 +243,7 @@ mod tests {
 
     proptest! {
         #[test]
-        fn header_roundtrip(k in 1u8..=14, len in 0u32..(MAX_BODY as u32), arg: u64) {
+        fn header_roundtrip(k in 1u8..=15, len in 0u32..(MAX_BODY as u32), arg: u64) {
             let h = Header { kind: Kind::from_u8(k).unwrap(), len, arg };
             prop_assert_eq!(Header::decode(&h.encode()).unwrap(), h);
         }

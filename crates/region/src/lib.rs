@@ -197,6 +197,8 @@ pub(crate) struct Shared {
 /// A region: guest memory whose pages live locally or on memory servers.
 pub struct Region {
     cmd: Mutex<std::sync::mpsc::Sender<Command>>,
+    /// Rung after each command so the pager answers at once, not at its next poll timeout.
+    doorbell: Arc<OwnedFd>,
     guest: Arc<Mapping>,
     memfd: Arc<OwnedFd>,
     shared: Arc<Shared>,
@@ -268,13 +270,15 @@ impl Region {
             }
         }
         let (tx, rx) = std::sync::mpsc::channel();
-        let p = pager::Pager::new(&cfg, guest.clone(), memfd.clone(), shared.clone(), rx)?;
+        let doorbell = Arc::new(uffd::eventfd().map_err(|source| RegionError::Io { what: "eventfd", source })?);
+        let p = pager::Pager::new(&cfg, guest.clone(), memfd.clone(), shared.clone(), rx, doorbell.clone())?;
         let handle = std::thread::Builder::new()
             .name("pagefleet-pager".into())
             .spawn(move || p.run())
             .map_err(|source| RegionError::Io { what: "spawn pager thread", source })?;
         Ok(Region {
             cmd: Mutex::new(tx),
+            doorbell,
             guest,
             memfd,
             shared,
@@ -334,6 +338,7 @@ impl Region {
     fn ask<T>(&self, make: impl FnOnce(std::sync::mpsc::Sender<T>) -> Command) -> Option<T> {
         let (tx, rx) = std::sync::mpsc::channel();
         self.cmd.lock().unwrap().send(make(tx)).ok()?;
+        uffd::ring(self.doorbell.as_raw_fd());
         rx.recv_timeout(Duration::from_secs(60)).ok()
     }
 

@@ -20,6 +20,7 @@ const REMOTE: u8 = 2;
 
 pub(crate) struct Pager {
     rx: std::sync::mpsc::Receiver<Command>,
+    doorbell: Arc<OwnedFd>,
     /// Change tracking for migration: pages whose content or location changed.
     tracking: bool,
     /// Balancing and sampling paused (a migration's final copy).
@@ -75,6 +76,7 @@ impl Pager {
         memfd: Arc<OwnedFd>,
         shared: Arc<Shared>,
         rx: std::sync::mpsc::Receiver<Command>,
+        doorbell: Arc<OwnedFd>,
     ) -> Result<Pager, RegionError> {
         let need = uffd::FEATURE_MISSING_SHMEM | uffd::FEATURE_MINOR_SHMEM | uffd::FEATURE_WP_HUGETLBFS_SHMEM
             | uffd::FEATURE_PAGEFAULT_FLAG_WP | uffd::FEATURE_THREAD_ID;
@@ -138,6 +140,7 @@ impl Pager {
         shared.stats.resident_pages.store(resident, Relaxed);
         Ok(Pager {
             rx,
+            doorbell,
             tracking: false,
             hold: false,
             dirty: vec![false; pages],
@@ -201,9 +204,15 @@ impl Pager {
         }
         while !self.shared.stop.load(Relaxed) {
             // While evicting, only peek for faults; otherwise sleep until one comes.
-            match self.uffd.poll(if self.evicting { 0 } else { 5 }) {
-                Ok(true) => self.serve_pending(),
-                Ok(false) => {}
+            match self.uffd.poll_with(self.doorbell.as_raw_fd(), if self.evicting { 0 } else { 5 }) {
+                Ok((faults, bell)) => {
+                    if bell {
+                        uffd::drain(self.doorbell.as_raw_fd());
+                    }
+                    if faults {
+                        self.serve_pending();
+                    }
+                }
                 Err(e) => warn!("polling userfaultfd: {e}"),
             }
             self.balance();

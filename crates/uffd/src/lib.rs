@@ -284,6 +284,25 @@ impl Uffd {
         Ok(r > 0)
     }
 
+    /// Like `poll`, also waking when `other` (e.g. an eventfd) is readable;
+    /// returns (faults pending, other readable).
+    pub fn poll_with(&self, other: RawFd, timeout_ms: i32) -> io::Result<(bool, bool)> {
+        let mut p = [
+            libc::pollfd { fd: self.fd.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+            libc::pollfd { fd: other, events: libc::POLLIN, revents: 0 },
+        ];
+        // SAFETY: two valid pollfds.
+        let r = unsafe { libc::poll(p.as_mut_ptr(), 2, timeout_ms) };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                return Ok((false, false));
+            }
+            return Err(e);
+        }
+        Ok((p[0].revents != 0, p[1].revents != 0))
+    }
+
     /// Read pending fault messages (non-blocking) into `out`; returns how many.
     /// Up to 64 messages per call, read into a stack buffer (this is the
     /// fault path: no allocation).
@@ -410,4 +429,29 @@ pub fn data_ranges(fd: RawFd, len: u64) -> io::Result<Vec<(u64, u64)>> {
         off = h;
     }
     Ok(out)
+}
+
+/// A non-blocking eventfd (a doorbell for a thread that polls).
+pub fn eventfd() -> io::Result<OwnedFd> {
+    // SAFETY: plain syscall.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor we own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Ring an eventfd.
+pub fn ring(fd: RawFd) {
+    let one = 1u64;
+    // SAFETY: 8-byte write from a valid buffer.
+    unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
+}
+
+/// Reset an eventfd after it rang.
+pub fn drain(fd: RawFd) {
+    let mut v = 0u64;
+    // SAFETY: 8-byte read into a valid buffer.
+    unsafe { libc::read(fd, (&mut v as *mut u64).cast(), 8) };
 }
