@@ -8,17 +8,16 @@
 //! latency next to the raw uffd round trip and the raw TCP 4 KiB round trip.
 
 use crate::memserver::RawServer;
+use crate::kvload;
 use crate::util::{self, Goal};
 use anyhow::{anyhow, bail, Context, Result};
-use pagefleet_guests::synthetic::Zipf;
-use pagefleet_guests::Rng;
 use pagefleet_proto::auth::Secret;
 use serde::Serialize;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -418,12 +417,12 @@ fn run_config(o: &Opts, c: &Cfg, keys: u64, secret_path: &Path) -> Result<Row> {
     // resident: allow 16 MiB beyond the budget.
     let cg = if swap.is_some() { Some(MemCgroup::new(budget + (16 << 20))?) } else { None };
     let g = start_guest(o, c, &addrs, secret_path, cg.as_ref().map(|g| g.path.as_path()))?;
-    prefill(&g.addr, keys)?;
+    kvload::prefill(&kv_spec(&g.addr, keys, o))?;
     // Warm-up second, then the measured window.
-    load(&g.addr, keys, o, 1)?;
+    kvload::run_for(&kv_spec(&g.addr, keys, o), 1)?;
     let before = kv_stats(&g.addr).unwrap_or_default();
     let swapin0 = vmstat("pswpin");
-    let (ops, per_second) = load(&g.addr, keys, o, o.measure_secs)?;
+    let (ops, per_second) = kvload::run_for(&kv_spec(&g.addr, keys, o), o.measure_secs)?;
     let after = kv_stats(&g.addr).unwrap_or_default();
     let swapins = vmstat("pswpin") - swapin0;
     let d = |k: &str| after.get(k).copied().unwrap_or(0).saturating_sub(before.get(k).copied().unwrap_or(0));
@@ -447,113 +446,8 @@ fn run_config(o: &Opts, c: &Cfg, keys: u64, secret_path: &Path) -> Result<Row> {
     Ok(row)
 }
 
-fn key(i: u64) -> String {
-    format!("key:{i:010}")
-}
-
-/// Store every key once, in popularity-rank order, 4 pipelined connections.
-fn prefill(addr: &str, keys: u64) -> Result<()> {
-    let value = vec![b'v'; VALUE];
-    std::thread::scope(|s| -> Result<()> {
-        let hs: Vec<_> = (0..4u64)
-            .map(|t| {
-                let value = &value;
-                s.spawn(move || -> Result<()> {
-                    let mut st = TcpStream::connect(addr)?;
-                    let mut r = BufReader::new(st.try_clone()?);
-                    let mut line = String::new();
-                    let mut i = t;
-                    while i < keys {
-                        let mut batch = Vec::with_capacity(32 * (VALUE + 64));
-                        let mut n = 0;
-                        while n < 32 && i < keys {
-                            batch.extend_from_slice(format!("set {} 0 0 {VALUE}\r\n", key(i)).as_bytes());
-                            batch.extend_from_slice(value);
-                            batch.extend_from_slice(b"\r\n");
-                            n += 1;
-                            i += 4;
-                        }
-                        st.write_all(&batch)?;
-                        for _ in 0..n {
-                            line.clear();
-                            r.read_line(&mut line)?;
-                            if line != "STORED\r\n" {
-                                bail!("prefill: {line:?}");
-                            }
-                        }
-                    }
-                    Ok(())
-                })
-            })
-            .collect();
-        hs.into_iter().try_for_each(|h| h.join().unwrap())
-    })
-}
-
-/// Closed-loop load for `secs`: returns (median ops/s over whole seconds, per-second ops).
-fn load(addr: &str, keys: u64, o: &Opts, secs: u64) -> Result<(f64, Vec<f64>)> {
-    let zipf = Zipf::new(keys, o.theta);
-    let done = AtomicU64::new(0);
-    let stop = AtomicBool::new(false);
-    let failed = std::sync::Mutex::new(None);
-    let mut per = Vec::new();
-    std::thread::scope(|s| {
-        for t in 0..o.conns {
-            let (zipf, done, stop, failed) = (&zipf, &done, &stop, &failed);
-            s.spawn(move || {
-                let r = (|| -> Result<()> {
-                    let mut st = TcpStream::connect(addr)?;
-                    st.set_nodelay(true)?;
-                    st.set_read_timeout(Some(Duration::from_secs(30)))?;
-                    let mut r = BufReader::with_capacity(16384, st.try_clone()?);
-                    let mut rng = Rng::new(77 + t as u64);
-                    let value = vec![b'w'; VALUE];
-                    let mut buf = vec![0u8; VALUE + 2];
-                    let mut line = String::new();
-                    while !stop.load(Relaxed) {
-                        let k = key(zipf.sample(rng.unit()));
-                        if rng.unit() < o.get_frac {
-                            st.write_all(format!("get {k}\r\n").as_bytes())?;
-                            line.clear();
-                            r.read_line(&mut line)?;
-                            if line.starts_with("VALUE") {
-                                r.read_exact(&mut buf)?;
-                                line.clear();
-                                r.read_line(&mut line)?;
-                            }
-                        } else {
-                            let mut m = format!("set {k} 0 0 {VALUE}\r\n").into_bytes();
-                            m.extend_from_slice(&value);
-                            m.extend_from_slice(b"\r\n");
-                            st.write_all(&m)?;
-                            line.clear();
-                            r.read_line(&mut line)?;
-                        }
-                        done.fetch_add(1, Relaxed);
-                    }
-                    Ok(())
-                })();
-                if let Err(e) = r {
-                    failed.lock().unwrap().get_or_insert(e);
-                    stop.store(true, Relaxed);
-                }
-            });
-        }
-        let start = Instant::now();
-        let mut last = 0;
-        for sec in 1..=secs {
-            let until = start + Duration::from_secs(sec);
-            std::thread::sleep(until.saturating_duration_since(Instant::now()));
-            let n = done.load(Relaxed);
-            per.push((n - last) as f64);
-            last = n;
-        }
-        stop.store(true, Relaxed);
-    });
-    if let Some(e) = failed.into_inner().unwrap() {
-        return Err(e.context("kv load client"));
-    }
-    Ok((util::median(&per), per))
+fn kv_spec(addr: &str, keys: u64, o: &Opts) -> kvload::Spec {
+    kvload::Spec { addr: addr.to_string(), keys, value_len: VALUE, conns: o.conns, get_frac: o.get_frac, theta: o.theta, netns: None, reconnect: false }
 }
 
 // ---- single-fault latency ------------------------------------------------------

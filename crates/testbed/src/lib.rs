@@ -340,3 +340,26 @@ pub fn down_prefix(dir: &Path, prefix: &str) -> Result<()> {
     }
     Ok(())
 }
+
+/// Move the calling thread into a network namespace (sockets it opens from
+/// now on live there). Use a thread of its own: it does not come back.
+pub fn enter_netns(netns: &str) -> Result<()> {
+    use std::os::fd::AsRawFd;
+    let f = std::fs::File::open(format!("/run/netns/{netns}")).with_context(|| format!("no network namespace {netns}"))?;
+    // SAFETY: setns on a namespace file we opened, for this thread only.
+    if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+        bail!("setns into {netns}: {}", std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+impl Lab {
+    /// Run `f` on a new thread inside host `host`'s network namespace.
+    pub fn spawn_in<T: Send + 'static>(&self, host: usize, f: impl FnOnce() -> T + Send + 'static) -> std::thread::JoinHandle<Result<T>> {
+        let ns = self.hosts[host].netns.clone();
+        std::thread::spawn(move || {
+            enter_netns(&ns)?;
+            Ok(f())
+        })
+    }
+}

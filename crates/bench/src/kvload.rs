@@ -1,0 +1,274 @@
+//! A memcached-protocol load generator for kv guests: prefill, then a
+//! closed loop of zipf-distributed gets and sets over several connections,
+//! with ops counted per 100 ms (throughput over time), every value checked
+//! (its content is a function of its key), and — for guests that migrate —
+//! reconnection when the server goes away (its service address moves).
+
+use anyhow::{bail, Result};
+use pagefleet_guests::synthetic::Zipf;
+use pagefleet_guests::Rng;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+pub fn key(i: u64) -> String {
+    format!("key:{i:010}")
+}
+
+/// The value stored under key i: checkable on every get.
+pub fn value(i: u64, len: usize) -> Vec<u8> {
+    let mut v = Vec::with_capacity(len);
+    let mut x = i.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    while v.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        // Printable bytes, never \r or \n.
+        v.push(b'a' + (x % 26) as u8);
+    }
+    v
+}
+
+#[derive(Clone, Debug)]
+pub struct Spec {
+    pub addr: String,
+    pub keys: u64,
+    pub value_len: usize,
+    pub conns: usize,
+    pub get_frac: f64,
+    pub theta: f64,
+    /// Enter this network namespace first (a lab host), if any.
+    pub netns: Option<String>,
+    /// Keep retrying a lost connection (a migrating guest) instead of failing.
+    pub reconnect: bool,
+}
+
+fn connect(addr: &str, reconnect: bool, stop: &AtomicBool) -> Result<TcpStream> {
+    let t = Instant::now();
+    loop {
+        match TcpStream::connect_timeout(&addr.parse()?, Duration::from_secs(1)) {
+            Ok(s) => {
+                s.set_nodelay(true)?;
+                s.set_read_timeout(Some(Duration::from_secs(30)))?;
+                return Ok(s);
+            }
+            Err(e) if reconnect && t.elapsed() < Duration::from_secs(60) && !stop.load(Relaxed) => {
+                let _ = e;
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(e) => bail!("kv at {addr}: {e}"),
+        }
+    }
+}
+
+/// Store every key once, 4 pipelined connections.
+pub fn prefill(s: &Spec) -> Result<()> {
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|sc| -> Result<()> {
+        let hs: Vec<_> = (0..4u64)
+            .map(|t| {
+                let stop = &stop;
+                sc.spawn(move || -> Result<()> {
+                    if let Some(ns) = &s.netns {
+                        pagefleet_testbed::enter_netns(ns)?;
+                    }
+                    let mut st = connect(&s.addr, s.reconnect, stop)?;
+                    let mut r = BufReader::new(st.try_clone()?);
+                    let mut line = String::new();
+                    let mut i = t;
+                    while i < s.keys {
+                        let mut batch = Vec::with_capacity(32 * (s.value_len + 64));
+                        let mut n = 0;
+                        while n < 32 && i < s.keys {
+                            batch.extend_from_slice(format!("set {} 0 0 {}\r\n", key(i), s.value_len).as_bytes());
+                            batch.extend_from_slice(&value(i, s.value_len));
+                            batch.extend_from_slice(b"\r\n");
+                            n += 1;
+                            i += 4;
+                        }
+                        st.write_all(&batch)?;
+                        for _ in 0..n {
+                            line.clear();
+                            r.read_line(&mut line)?;
+                            if line != "STORED\r\n" {
+                                bail!("prefill: {line:?}");
+                            }
+                        }
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        hs.into_iter().try_for_each(|h| h.join().unwrap())
+    })
+}
+
+/// Counters of a running load.
+#[derive(Default)]
+pub struct Counters {
+    pub ops: AtomicU64,
+    pub reconnects: AtomicU64,
+    /// Gets whose value was not the key's value, or that found nothing.
+    pub bad_values: AtomicU64,
+    pub misses: AtomicU64,
+}
+
+/// A load running in the background.
+pub struct Load {
+    stop: Arc<AtomicBool>,
+    pub counters: Arc<Counters>,
+    threads: Vec<std::thread::JoinHandle<Result<()>>>,
+    sampler: Option<std::thread::JoinHandle<Vec<f64>>>,
+    pub start: Instant,
+    first_error: Arc<Mutex<Option<String>>>,
+}
+
+/// Throughput over time: ops/s per 100 ms interval since the load started.
+pub struct Timeline {
+    pub interval: f64,
+    pub ops_per_sec: Vec<f64>,
+}
+
+impl Load {
+    pub fn start(s: &Spec) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let counters = Arc::new(Counters::default());
+        let first_error = Arc::new(Mutex::new(None));
+        let zipf = Arc::new(Zipf::new(s.keys, s.theta));
+        let threads = (0..s.conns)
+            .map(|t| {
+                let (s, stop, c, zipf, fe) = (s.clone(), stop.clone(), counters.clone(), zipf.clone(), first_error.clone());
+                std::thread::spawn(move || {
+                    let r = client(&s, t, &stop, &c, &zipf);
+                    if let Err(e) = &r {
+                        fe.lock().unwrap().get_or_insert(format!("{e:#}"));
+                    }
+                    r
+                })
+            })
+            .collect();
+        let (stop2, c2) = (stop.clone(), counters.clone());
+        let start = Instant::now();
+        let sampler = std::thread::spawn(move || {
+            let mut v = Vec::new();
+            let mut last = 0;
+            let mut k = 1;
+            while !stop2.load(Relaxed) {
+                let until = start + Duration::from_millis(100 * k);
+                std::thread::sleep(until.saturating_duration_since(Instant::now()));
+                let n = c2.ops.load(Relaxed);
+                v.push((n - last) as f64 * 10.0);
+                last = n;
+                k += 1;
+            }
+            v
+        });
+        Load { stop, counters, threads, sampler: Some(sampler), start, first_error }
+    }
+
+    /// Seconds since the load started.
+    pub fn now(&self) -> f64 {
+        self.start.elapsed().as_secs_f64()
+    }
+
+    pub fn error(&self) -> Option<String> {
+        self.first_error.lock().unwrap().clone()
+    }
+
+    pub fn stop(mut self) -> Result<Timeline> {
+        self.stop.store(true, Relaxed);
+        let tl = self.sampler.take().unwrap().join().unwrap_or_default();
+        for t in std::mem::take(&mut self.threads) {
+            t.join().unwrap_or_else(|_| bail!("load thread panicked"))?;
+        }
+        Ok(Timeline { interval: 0.1, ops_per_sec: tl })
+    }
+}
+
+impl Drop for Load {
+    fn drop(&mut self) {
+        self.stop.store(true, Relaxed);
+    }
+}
+
+/// read_line that treats end-of-stream as an error (the server went away).
+fn read_line(r: &mut impl BufRead, line: &mut String) -> std::io::Result<()> {
+    line.clear();
+    if r.read_line(line)? == 0 {
+        return Err(std::io::ErrorKind::UnexpectedEof.into());
+    }
+    Ok(())
+}
+
+fn client(s: &Spec, t: usize, stop: &AtomicBool, c: &Counters, zipf: &Zipf) -> Result<()> {
+    if let Some(ns) = &s.netns {
+        pagefleet_testbed::enter_netns(ns)?;
+    }
+    let mut rng = Rng::new(77 + t as u64);
+    let mut buf = vec![0u8; s.value_len + 2];
+    let mut line = String::new();
+    'conn: while !stop.load(Relaxed) {
+        let mut st = connect(&s.addr, s.reconnect, stop)?;
+        let mut r = BufReader::with_capacity(16384, st.try_clone()?);
+        while !stop.load(Relaxed) {
+            let i = zipf.sample(rng.unit());
+            let k = key(i);
+            let res = (|| -> std::io::Result<()> {
+                if rng.unit() < s.get_frac {
+                    st.write_all(format!("get {k}\r\n").as_bytes())?;
+                    read_line(&mut r, &mut line)?;
+                    if line.starts_with("VALUE") {
+                        r.read_exact(&mut buf)?;
+                        if buf[..s.value_len] != value(i, s.value_len)[..] {
+                            c.bad_values.fetch_add(1, Relaxed);
+                        }
+                        read_line(&mut r, &mut line)?;
+                    } else if line == "END\r\n" {
+                        c.misses.fetch_add(1, Relaxed);
+                    } else {
+                        return Err(std::io::Error::other(format!("get: {line:?}")));
+                    }
+                } else {
+                    let mut m = format!("set {k} 0 0 {}\r\n", s.value_len).into_bytes();
+                    m.extend_from_slice(&value(i, s.value_len));
+                    m.extend_from_slice(b"\r\n");
+                    st.write_all(&m)?;
+                    read_line(&mut r, &mut line)?;
+                    if line != "STORED\r\n" {
+                        return Err(std::io::Error::other(format!("set: {line:?}")));
+                    }
+                }
+                Ok(())
+            })();
+            match res {
+                Ok(()) => {
+                    c.ops.fetch_add(1, Relaxed);
+                }
+                Err(e) if s.reconnect && e.kind() != std::io::ErrorKind::Other => {
+                    c.reconnects.fetch_add(1, Relaxed);
+                    continue 'conn;
+                }
+                Err(e) => bail!("kv client: {e}"),
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A closed loop for `secs` seconds: (median ops/s over whole seconds, per-second ops/s).
+pub fn run_for(s: &Spec, secs: u64) -> Result<(f64, Vec<f64>)> {
+    let l = Load::start(s);
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while Instant::now() < deadline && l.error().is_none() {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let c = l.counters.clone();
+    let tl = l.stop()?;
+    if c.bad_values.load(Relaxed) > 0 {
+        bail!("{} gets returned a wrong value", c.bad_values.load(Relaxed));
+    }
+    let per: Vec<f64> = tl.ops_per_sec.chunks(10).filter(|c| c.len() == 10).map(|c| c.iter().sum::<f64>() / 10.0).collect();
+    Ok((crate::util::median(&per), per))
+}
