@@ -280,11 +280,12 @@ fn serve_control(path: &Path, r: Arc<Running>) -> Result<()> {
                         None => json!({"error": "set_budget needs \"pages\""}),
                     },
                     "stop" => {
-                        let _ = writeln!(c, "{}", json!({"ok": true}));
                         source::Guest::release_address(&*r);
-                        // The guest ends: its pages on the servers go too.
+                        // The guest ends: its pages on the servers go too
+                        // (before the reply, so the caller sees them gone).
                         r.gate.pause(Duration::from_secs(5));
-                        let _ = r.region.delete_remote();
+                        let deleted = r.region.delete_remote();
+                        let _ = writeln!(c, "{}", json!({"ok": deleted.is_ok(), "error": deleted.err().map(|e| e.to_string())}));
                         std::process::exit(0);
                     }
                     op => json!({"error": format!("unknown op {op:?}: use status, migrate, cancel, set_budget, stop")}),

@@ -369,6 +369,10 @@ impl Run<'_> {
                 t => sub[(t - SUB0) as usize].push(p),
             }
         }
+        // Recorded before sending: an abort half-way must delete these too.
+        for (j, list) in sub.iter().enumerate() {
+            self.put[j].extend_from_slice(list);
+        }
         self.progress.round.store(n as u64, Relaxed);
         self.progress.round_pages.store(pages.len() as u64, Relaxed);
         self.progress.round_sent.store(0, Relaxed);
@@ -400,7 +404,6 @@ impl Run<'_> {
             }
         }
         for (j, list) in sub.iter().enumerate() {
-            self.put[j].extend_from_slice(list);
             for &p in list {
                 located.push((p, self.sub_index[j]));
             }

@@ -1,0 +1,278 @@
+//! Split migration (S-memV) on the testbed: real pagefleetd per host, real
+//! runners, real links. Every test checks data, not just exit codes: region
+//! checksums at stop time and at resume, or every kv value read back.
+
+use pagefleet_bench::kvload;
+use pagefleet_systest::*;
+use pagefleet_testbed::Link;
+use serde_json::{json, Value};
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+const MIB: u64 = 1 << 20;
+
+/// The drills time their faults to migration phases: one lab at a time, so
+/// a busy neighbour test does not stretch a phase out of reach.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn migrate(l: &LabGuard, args: &[&str]) -> Result<Value, String> {
+    let mut a = vec!["migrate", "--json"];
+    a.extend_from_slice(args);
+    let (ok, out, err) = l.pf(0, &a);
+    if ok {
+        Ok(serde_json::from_str(&out).unwrap_or_else(|e| panic!("report: {e}: {out}")))
+    } else {
+        Err(err)
+    }
+}
+
+fn ops(l: &LabGuard, name: &str) -> u64 {
+    l.guest(name).map(|g| g.1["ops"].as_u64().unwrap_or(0)).unwrap_or(0)
+}
+
+/// The guest keeps running: its operation count grows.
+fn assert_runs(l: &LabGuard, name: &str, on: usize) {
+    let (h, g) = l.guest(name).unwrap_or_else(|| panic!("{name} is gone"));
+    assert_eq!(h, on, "{name} should run on h{}: {g}", on + 1);
+    assert_eq!(g["state"], "running", "{g}");
+    let a = ops(l, name);
+    let t = Instant::now();
+    let mut b = a;
+    // The runner counts operations once a second.
+    while b <= a && t.elapsed() < Duration::from_secs(8) {
+        std::thread::sleep(Duration::from_millis(200));
+        b = ops(l, name);
+    }
+    assert!(b > a, "{name} does not make progress ({a} -> {b})");
+}
+
+fn start_writer(l: &LabGuard, name: &str, size: &str) {
+    // Half of the operations write, over a zipf spread of pages, at a bounded rate.
+    let (ok, _, err) = l.pf(0, &["guest", "start", name, "--on", "h1", "--size", size, "--", "synthetic", "--prefill", "--write-frac", "0.5", "--dist", "zipf:0.9", "--rate", "2000000"]);
+    assert!(ok, "guest start: {err}");
+    // Let the prefill finish and the access history fill in.
+    let t = Instant::now();
+    while ops(l, name) == 0 {
+        assert!(t.elapsed() < Duration::from_secs(30), "guest never started working");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_millis(1500));
+}
+
+#[test]
+fn split_migration_under_writes_keeps_every_byte_and_moves_back() {
+    if !is_root() {
+        eprintln!("skipped: the testbed needs root (CI runs as root)");
+        return;
+    }
+    let _s = serial();
+    // h1 runs the guest; h2 has memory for half of it; h3 only lends.
+    let l = LabGuard::up("mig", 3, Link::Gbit10, 512 * MIB, &[512 * MIB, 128 * MIB, 0]);
+    start_writer(&l, "w1", "256MiB");
+    let r = migrate(&l, &["w1", "--verify"]).expect("split migration");
+    assert_eq!(r["checksum_source"], r["checksum_dest"], "region differs after migration: {r}");
+    assert!(r["checksum_source"].is_string(), "{r}");
+    // Placement: main host h2 (most free guest memory), sub-host h3.
+    assert!(r["main_host"].as_str().unwrap().starts_with(&l.lab.hosts[1].ip), "{r}");
+    assert_eq!(r["sub_hosts"], json!([l.lab.hosts[2].addr]), "{r}");
+    let subs = r["pages_subs"][0].as_u64().unwrap();
+    assert!(subs > 16000, "cold pages should go straight to the sub-host: {r}");
+    assert!(r["pages_main"].as_u64().unwrap() <= 32768, "main host got more than its memory: {r}");
+    // It runs on h2 now, paging with h3; the registry shows where its pages are.
+    assert_runs(&l, "w1", 1);
+    let (_, g) = l.guest("w1").unwrap();
+    let on_h3 = g["pages"]["remote"][&l.lab.hosts[2].addr].as_u64().unwrap_or(0);
+    assert!(on_h3 > 0, "no pages on h3: {g}");
+    assert!(g["resident_pages"].as_u64().unwrap() <= 32768, "{g}");
+    assert!(l.host_report(2)["lend_used"].as_u64().unwrap() > 0);
+    // The source's memory is free again.
+    assert_eq!(l.host_report(0)["guest_free"].as_u64().unwrap(), 512 * MIB);
+    // Move the main part back to h1 while it writes: pages on h3 stay there.
+    let r2 = migrate(&l, &["w1", "--to", "h1", "--verify"]).expect("migration back");
+    assert_eq!(r2["checksum_source"], r2["checksum_dest"], "{r2}");
+    assert_eq!(r2["sub_hosts"], json!([]), "{r2}");
+    assert_runs(&l, "w1", 0);
+    let (ok, _, err) = l.pf(0, &["guest", "stop", "w1"]);
+    assert!(ok, "{err}");
+    // A stopped guest leaves nothing on the servers.
+    assert_eq!(l.host_report(2)["lend_used"].as_u64().unwrap(), 0);
+}
+
+/// A kv guest serving clients through its service address: every value
+/// stays right across the migration and clients find it on the new host.
+#[test]
+fn kv_guest_migrates_under_client_load() {
+    if !is_root() {
+        eprintln!("skipped: the testbed needs root (CI runs as root)");
+        return;
+    }
+    let _s = serial();
+    let l = LabGuard::up("kvm", 3, Link::Gbit10, 512 * MIB, &[512 * MIB, 96 * MIB, 0]);
+    let ip = l.lab.service_ip(1);
+    let svc = format!("{ip}:11211");
+    let (ok, _, err) = l.pf(0, &["guest", "start", "kv1", "--on", "h1", "--size", "192MiB", "--", "kv", "--listen", &svc, "--service-ip", &ip]);
+    assert!(ok, "{err}");
+    let spec = kvload::Spec {
+        addr: svc.clone(),
+        keys: 30_000,
+        value_len: 2000,
+        conns: 4,
+        get_frac: 0.9,
+        theta: 0.99,
+        netns: Some(l.lab.hosts[2].netns.clone()),
+        reconnect: true,
+    };
+    kvload::prefill(&spec).expect("prefill");
+    let load = kvload::Load::start(&spec);
+    std::thread::sleep(Duration::from_secs(2));
+    let before = load.counters.ops.load(Relaxed);
+    let r = migrate(&l, &["kv1", "--to", "h2", "--sub", "h3", "--verify"]).expect("kv migration");
+    assert_eq!(r["checksum_source"], r["checksum_dest"], "{r}");
+    std::thread::sleep(Duration::from_secs(3));
+    let after = load.counters.ops.load(Relaxed);
+    let c = load.counters.clone();
+    let err = load.error();
+    load.stop().expect("load");
+    assert!(err.is_none(), "{err:?}");
+    assert_eq!(c.bad_values.load(Relaxed), 0, "wrong values served");
+    assert_eq!(c.misses.load(Relaxed), 0, "keys lost");
+    assert!(after > before + 1000, "clients made no progress after the migration ({before} -> {after})");
+    assert!(c.reconnects.load(Relaxed) > 0, "clients should have reconnected to the moved address");
+    assert_eq!(l.lab.service_ip_host(&ip), Some(1), "service address did not move to h2");
+    let (h, g) = l.guest("kv1").unwrap();
+    assert_eq!((h, g["state"].as_str()), (1, Some("running")), "{g}");
+}
+
+/// Abort drills: the destination dies in pre-copy, at stop-and-copy, a
+/// sub-host dies, the user presses Ctrl-C. Each time the source keeps
+/// running with all its data (a later migration's checksums agree), and
+/// nothing is left behind on the sub-hosts or the destination.
+#[test]
+fn aborted_migrations_leave_the_source_running_and_nothing_behind() {
+    if !is_root() {
+        eprintln!("skipped: the testbed needs root (CI runs as root)");
+        return;
+    }
+    let _s = serial();
+    // 1 Gbit links: one pre-copy round of 128 MiB takes about a second.
+    let l = LabGuard::up("abt", 4, Link::Gbit1, 256 * MIB, &[256 * MIB, 64 * MIB, 0]);
+    start_writer(&l, "a1", "128MiB");
+    let src_ctl = l.control(0, "a1");
+    let phase = || control(&src_ctl, &json!({"op": "status"})).map(|v| v["migration"]["phase"].as_str().unwrap_or("").to_string()).unwrap_or_default();
+    let wait_phase = |p: &str| {
+        let t = Instant::now();
+        while !phase().starts_with(p) {
+            assert!(t.elapsed() < Duration::from_secs(60), "never reached phase {p}");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    };
+    let kill_in = |h: usize, pattern: &str| {
+        let out = std::process::Command::new("ip").args(["netns", "pids", &l.lab.hosts[h].netns]).output().unwrap();
+        for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
+            let cmd = std::fs::read_to_string(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            if cmd.contains(pattern) {
+                unsafe { libc::kill(pid.parse().unwrap(), libc::SIGKILL) };
+            }
+        }
+    };
+    let check_clean = |what: &str| {
+        assert_runs(&l, "a1", 0);
+        for h in [2, 3] {
+            let rep = l.host_report(h);
+            if !rep.is_null() {
+                assert_eq!(rep["lend_used"].as_u64().unwrap(), 0, "{what}: pages left on h{}", h + 1);
+            }
+        }
+        let t = Instant::now();
+        // The destination's reserved memory comes back when its runner goes.
+        while l.host_report(1)["guest_free"].as_u64().unwrap() != 64 * MIB {
+            assert!(t.elapsed() < Duration::from_secs(10), "{what}: destination memory still reserved");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    let run_bg = |args: Vec<String>| {
+        let mut c = l.lab.exec(0, bin("pagefleet"));
+        c.arg("migrate").args(args).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped());
+        c.spawn().unwrap()
+    };
+
+    // 1. The destination runner dies during round 1.
+    let mut m = run_bg(vec!["a1".into(), "--to".into(), "h2".into(), "--sub".into(), "h3".into()]);
+    wait_phase("round 1");
+    kill_in(1, "runner-incoming");
+    let st = m.wait().unwrap();
+    assert!(!st.success(), "migration to a dead destination succeeded");
+    check_clean("destination killed in round 1");
+
+    // 2. Ctrl-C on the command during round 1.
+    let mut m = run_bg(vec!["a1".into(), "--to".into(), "h2".into(), "--sub".into(), "h3".into()]);
+    wait_phase("round 1");
+    unsafe { libc::kill(m.id() as i32, libc::SIGINT) };
+    let _ = m.wait();
+    let t = Instant::now();
+    while phase() != "" && t.elapsed() < Duration::from_secs(20) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    check_clean("Ctrl-C");
+
+    // 3. The destination dies at stop-and-copy (the stop-time checksum
+    // holds that phase open long enough to hit it).
+    let mut m = run_bg(vec!["a1".into(), "--to".into(), "h2".into(), "--sub".into(), "h3".into(), "--verify".into(), "--max-rounds".into(), "2".into()]);
+    wait_phase("stop-and-copy");
+    kill_in(1, "runner-incoming");
+    assert!(!m.wait().unwrap().success());
+    check_clean("destination killed at stop-and-copy");
+
+    // 4. The sub-host's daemon dies during pre-copy.
+    let mut m = run_bg(vec!["a1".into(), "--to".into(), "h2".into(), "--sub".into(), "h3".into()]);
+    wait_phase("round 1");
+    kill_in(2, "pagefleetd");
+    assert!(!m.wait().unwrap().success());
+    check_clean("sub-host killed");
+
+    // After all that, the data is intact: a migration (h4 as sub-host now)
+    // checks the region at stop time against the resumed copy.
+    let r = migrate(&l, &["a1", "--to", "h2", "--sub", "h4", "--verify"]).expect("migration after the drills");
+    assert_eq!(r["checksum_source"], r["checksum_dest"], "{r}");
+    assert_runs(&l, "a1", 1);
+}
+
+/// Placement without hints: the main host is the one with the most free
+/// guest memory, sub-hosts the fewest (largest) that fit; a guest too big
+/// for the cluster is refused before anything moves.
+#[test]
+fn placement_picks_the_roomiest_main_host_and_fewest_sub_hosts() {
+    if !is_root() {
+        eprintln!("skipped: the testbed needs root (CI runs as root)");
+        return;
+    }
+    let _s = serial();
+    let l = LabGuard::up("plc", 5, Link::Unshaped, 64 * MIB, &[256 * MIB, 32 * MIB, 96 * MIB, 0, 0]);
+    // 160 MiB guest: main h3 (96 MiB free), the 64 MiB left fit one sub-host.
+    let (ok, _, err) = l.pf(0, &["guest", "start", "p1", "--on", "h1", "--size", "160MiB", "--", "synthetic", "--prefill", "--rate", "0"]);
+    assert!(ok, "{err}");
+    let t = Instant::now();
+    while l.guest("p1").map(|g| g.1["pages"]["local"].as_u64().unwrap_or(0)).unwrap_or(0) < 40960 {
+        assert!(t.elapsed() < Duration::from_secs(30), "prefill never finished");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let r = migrate(&l, &["p1", "--verify"]).expect("placed migration");
+    assert_eq!(r["checksum_source"], r["checksum_dest"]);
+    assert!(r["main_host"].as_str().unwrap().starts_with(&format!("{}:", l.lab.hosts[2].ip)), "main should be h3: {r}");
+    assert_eq!(r["sub_hosts"].as_array().unwrap().len(), 1, "one sub-host fits: {r}");
+    assert_ne!(r["sub_hosts"][0], json!(l.lab.hosts[0].addr), "the source is not a sub-host: {r}");
+    // Too big for what is left anywhere: refused, nothing changes.
+    // 240 MiB: at most 32 MiB on a main host (h2) + 3 x 64 MiB lent elsewhere.
+    let (ok, _, err) = l.pf(0, &["guest", "start", "p2", "--on", "h1", "--size", "240MiB", "--", "synthetic", "--prefill", "--rate", "0"]);
+    assert!(ok, "{err}");
+    std::thread::sleep(Duration::from_secs(2));
+    let e = migrate(&l, &["p2"]).expect_err("a guest larger than the cluster's free memory");
+    assert!(e.contains("not enough memory"), "{e}");
+    let (h, g) = l.guest("p2").unwrap();
+    assert_eq!((h, g["state"].as_str()), (0, Some("running")), "{g}");
+}
