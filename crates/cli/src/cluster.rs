@@ -223,6 +223,25 @@ pub struct MigrateArgs {
     pub json: bool,
     #[command(flatten)]
     pub reg: Registry,
+    /// Integrated migration (set by `pagefleet gather`).
+    #[arg(skip)]
+    pub gather: bool,
+}
+
+#[derive(Args)]
+pub struct GatherArgs {
+    pub guest: String,
+    /// The host that takes the whole guest (default: the one with the most
+    /// free guest memory, if the guest fits there).
+    #[arg(long)]
+    pub to: Option<String>,
+    /// Compare region checksums at stop time and at resume.
+    #[arg(long)]
+    pub verify: bool,
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub reg: Registry,
 }
 
 fn info(h: &Host) -> HostInfo {
@@ -265,7 +284,13 @@ pub fn migrate(a: &MigrateArgs, progress: bool) -> Result<Report> {
     let to = a.to.as_deref().map(|t| find_host(&hs, t)).transpose()?;
     let subs = a.sub.as_ref().map(|s| s.iter().map(|x| find_host(&hs, x)).collect::<Result<Vec<_>>>()).transpose()?;
     let infos: Vec<HostInfo> = hs.iter().map(info).collect();
-    let c = placement::choose(&infos, src, size_pages, data_pages, to, subs.as_deref()).map_err(anyhow::Error::msg)?;
+    let c = if a.gather {
+        // Every page with data, wherever it is, goes to one host.
+        let remote: u64 = p["remote"].as_object().map(|m| m.values().filter_map(|v| v.as_u64()).sum()).unwrap_or(0);
+        placement::choose_whole(&infos, src, size_pages, data_pages + remote, to).map_err(anyhow::Error::msg)?
+    } else {
+        placement::choose(&infos, src, size_pages, data_pages, to, subs.as_deref()).map_err(anyhow::Error::msg)?
+    };
     let main = &hs[c.main];
     eprintln!(
         "migrating {} from {} to {} ({} pages resident there){}",
@@ -287,6 +312,7 @@ pub fn migrate(a: &MigrateArgs, progress: bool) -> Result<Report> {
         "subs": c.subs.iter().map(|(h, pages)| json!({"addr": hs[*h].report.as_ref().and_then(|r| r.memserver.clone()), "pages": pages})).collect::<Vec<_>>(),
         "main_pages": c.main_pages,
         "verify": a.verify,
+        "gather": a.gather,
     });
     if let Some(p) = a.policy {
         req["policy"] = json!(format!("{p:?}").to_lowercase());
@@ -325,6 +351,22 @@ pub fn migrate(a: &MigrateArgs, progress: bool) -> Result<Report> {
         (None, Some(e)) => bail!("migration failed and was rolled back ({} still runs on {}): {e}", a.guest, hs[src].name()),
         (None, None) => bail!("the source host ended the migration without a report"),
     }
+}
+
+pub fn gather_cmd(g: GatherArgs) -> Result<()> {
+    migrate_cmd(MigrateArgs {
+        guest: g.guest,
+        to: g.to,
+        sub: None,
+        policy: None,
+        chunk: None,
+        verify: g.verify,
+        max_rounds: None,
+        stop_pages: None,
+        json: g.json,
+        reg: g.reg,
+        gather: true,
+    })
 }
 
 pub fn migrate_cmd(a: MigrateArgs) -> Result<()> {

@@ -66,6 +66,13 @@ enum Cmd {
     /// Example: pagefleet migrate db              (placement chooses)
     ///          pagefleet migrate db --to h2 --sub h3
     Migrate(cluster::MigrateArgs),
+    /// Integrated migration: bring a split guest back onto one host. The
+    /// main host streams its pages while the destination pulls the rest from
+    /// every sub-host in parallel; pages paged in meanwhile are neither lost
+    /// nor sent twice (the main host's copy always wins).
+    ///
+    /// Example: pagefleet gather db --to h1
+    Gather(cluster::GatherArgs),
     /// A multi-host lab on this machine: network namespaces joined through a
     /// bridge, links shaped with tc tbf, one pagefleetd per host (root only).
     #[command(subcommand)]
@@ -288,6 +295,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Status { hosts, reg, json } => cluster::status(&reg.registry, &hosts, json),
         Cmd::Guest(g) => cluster::guest(g),
         Cmd::Migrate(m) => cluster::migrate_cmd(m),
+        Cmd::Gather(g) => cluster::gather_cmd(g),
         Cmd::Memserver(m) => {
             let secret = Secret::resolve(cli.secret_file.as_deref())?;
             let opts = ConnectOptions { name: "pagefleet-cli".into(), ..Default::default() };

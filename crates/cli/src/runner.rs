@@ -204,6 +204,7 @@ impl Running {
         o.verify = req["verify"].as_bool().unwrap_or(false);
         o.policy = req["policy"].as_str().unwrap_or(self.spec["policy"].as_str().unwrap_or("clock")).to_string();
         o.dest_chunk = req["chunk"].as_u64().map(|c| c as usize);
+        o.gather = req["gather"].as_bool().unwrap_or(false);
         if let Some(n) = req["max_rounds"].as_u64() {
             o.max_rounds = n.max(1) as usize;
         }

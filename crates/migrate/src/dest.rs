@@ -8,12 +8,15 @@ use crate::Spec;
 use pagefleet_proto::auth::Secret;
 use pagefleet_region::{Adopt, Config, Policy, Region, PAGE};
 use std::os::fd::AsRawFd;
+use pagefleet_client::{ConnectOptions, Conn, GetMode, Pages};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// Where each received page is: data here, on server i, or zero.
+/// Where each received page is: data here (from the main host), data here
+/// pulled from a memory server (gather), on server i, or zero.
 const HERE: u16 = 0xFFFE;
+const PULLED: u16 = 0xFFFD;
 
 /// Live counters of an incoming migration.
 #[derive(Default, Debug)]
@@ -25,10 +28,89 @@ pub struct Progress {
 
 /// A migration received up to its COMMIT.
 pub struct Received {
+    // Declared first, so dropped first: the pullers stop writing into the
+    // guest memory before it is unmapped.
+    pullers: Pullers,
     pub spec: Spec,
     stream: Stream,
     adopt: Adopt,
-    loc: Vec<u16>,
+    shared: Arc<Shared>,
+    secret: Secret,
+}
+
+/// Gather's pullers, one per memory server; dropping them waits for them.
+struct Pullers(Vec<Option<Puller>>);
+
+impl Drop for Pullers {
+    fn drop(&mut self) {
+        for p in self.0.iter_mut().filter_map(|p| p.take()) {
+            drop(p.queue);
+            let _ = p.thread.join();
+        }
+    }
+}
+
+/// What the stream receiver and the pullers (gather) share. Per-page
+/// versions, in effect: data from the main host is always newer than a copy
+/// pulled from a memory server (the main host never pages out during a
+/// migration, so a page it sends is one it took back from the server), so
+/// a pull never overwrites it, whichever arrives first.
+struct Shared {
+    loc: Mutex<Vec<u16>>,
+    /// The guest mapping's address (pullers copy into it under `loc`'s lock).
+    base: usize,
+    pulled: AtomicU64,
+    replaced: AtomicU64,
+}
+
+/// Gather: a thread pulling pages from one memory server.
+struct Puller {
+    queue: std::sync::mpsc::Sender<Vec<u64>>,
+    thread: std::thread::JoinHandle<Result<(), String>>,
+}
+
+fn start_puller(server: usize, addr: String, region: u64, secret: Secret, sh: Arc<Shared>) -> Puller {
+    let (tx, rx) = std::sync::mpsc::channel::<Vec<u64>>();
+    let thread = std::thread::spawn(move || -> Result<(), String> {
+        let opts = ConnectOptions { name: "pagefleet-gather".into(), window: 32, ..Default::default() };
+        let mut c = Conn::connect(&addr, &secret, &opts).map_err(|e| format!("{addr}: {e}"))?;
+        let mut buf = Vec::new();
+        for list in rx {
+            for part in list.chunks(1024) {
+                buf.resize(part.len() * PAGE, 0);
+                // Keep, not take: the main host may still page these in.
+                let mut present = vec![true; part.len()];
+                match c.get(region, Pages::List(part), &mut buf, GetMode::Keep, false, 32) {
+                    Ok(_) => {}
+                    // Some page is not there (the main host paged it in and
+                    // will send it): find which, one by one.
+                    Err(e) if e.code() == Some(pagefleet_proto::ErrorCode::NotFound) => {
+                        for (k, &p) in part.iter().enumerate() {
+                            let missing = c
+                                .get(region, Pages::List(&[p]), &mut buf[k * PAGE..(k + 1) * PAGE], GetMode::Keep, true, 1)
+                                .map_err(|e| format!("{addr}: {e}"))?;
+                            present[k] = missing == 0;
+                        }
+                    }
+                    Err(e) => return Err(format!("{addr}: {e}")),
+                }
+                let mut loc = sh.loc.lock().unwrap();
+                for (k, &p) in part.iter().enumerate() {
+                    let p = p as usize;
+                    // Only while it is still expected there: newer data from
+                    // the main host wins whichever arrived first.
+                    if present[k] && loc[p] == server as u16 {
+                        // SAFETY: in bounds; the guest does not run yet.
+                        unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr().add(k * PAGE), (sh.base as *mut u8).add(p * PAGE), PAGE) };
+                        loc[p] = PULLED;
+                        sh.pulled.fetch_add(1, Relaxed);
+                    }
+                }
+            }
+        }
+        Ok(())
+    });
+    Puller { queue: tx, thread }
 }
 
 /// Accept one migration on `s`: authenticate, receive until COMMIT. The
@@ -53,7 +135,11 @@ pub fn receive(s: std::net::TcpStream, secret: &Secret, io_timeout: Duration, pr
     };
     let pages = (spec.size / PAGE as u64) as usize;
     stream.send(Kind::Ready, 0, &[])?;
-    let mut r = Received { spec, stream, adopt, loc: vec![ZERO_SERVER; pages] };
+    let shared = Arc::new(Shared { loc: Mutex::new(vec![ZERO_SERVER; pages]), base: adopt.guest.addr as usize, pulled: AtomicU64::new(0), replaced: AtomicU64::new(0) });
+    let nservers = spec.servers.len();
+    let mut r = Received { pullers: Pullers((0..nservers).map(|_| None).collect()), spec, stream, adopt, shared, secret: secret.clone() };
+    let gather = r.spec.gather;
+    let mut tmp = vec![0u8; MAX_PAGES * PAGE];
     loop {
         let h = r.stream.header()?;
         match h.kind {
@@ -67,12 +153,26 @@ pub fn receive(s: std::net::TcpStream, secret: &Secret, io_timeout: Duration, pr
                 let mut hist = [0u8; MAX_PAGES];
                 r.stream.read_exact(&mut hist[..count])?;
                 r.adopt.history[first..first + count].copy_from_slice(&hist[..count]);
-                // Straight into the guest memory (mapping it as it goes).
-                // SAFETY: in bounds (checked above); nothing else uses the
-                // mapping before the region is built.
+                // SAFETY: in bounds (checked above); only this thread and
+                // the pullers (under `loc`'s lock) write the guest memory
+                // before the region is built.
                 let dst = unsafe { std::slice::from_raw_parts_mut(r.adopt.guest.addr.add(first * PAGE), count * PAGE) };
-                r.stream.read_exact(dst)?;
-                r.loc[first..first + count].fill(HERE);
+                if gather {
+                    // Pullers write this memory too: copy under the lock.
+                    r.stream.read_exact(&mut tmp[..count * PAGE])?;
+                    let mut loc = r.shared.loc.lock().unwrap();
+                    for q in first..first + count {
+                        if loc[q] == PULLED {
+                            r.shared.replaced.fetch_add(1, Relaxed);
+                        }
+                        loc[q] = HERE;
+                    }
+                    dst.copy_from_slice(&tmp[..count * PAGE]);
+                } else {
+                    // Straight into the guest memory (mapping it as it goes).
+                    r.stream.read_exact(dst)?;
+                    r.shared.loc.lock().unwrap()[first..first + count].fill(HERE);
+                }
                 progress.pages.fetch_add(count as u64, Relaxed);
             }
             Kind::Located => {
@@ -83,23 +183,36 @@ pub fn receive(s: std::net::TcpStream, secret: &Secret, io_timeout: Duration, pr
                 let count = u32::from_le_bytes(b[0..4].try_into().unwrap()) as usize;
                 let server = u16::from_le_bytes(b[4..6].try_into().unwrap());
                 let first = h.arg as usize;
-                if first.checked_add(count).is_none_or(|e| e > pages) || (server != ZERO_SERVER && server as usize >= r.spec.servers.len()) {
+                if first.checked_add(count).is_none_or(|e| e > pages) || (server != ZERO_SERVER && server as usize >= nservers) {
                     return Err(r.fail(format!("LOCATED {first}+{count} on server {server}")));
                 }
-                // Any stale copy here goes: the location list wins.
-                let mut q = first;
-                while q < first + count {
-                    if r.loc[q] == HERE {
-                        let s = q;
-                        while q < first + count && r.loc[q] == HERE {
+                {
+                    // Any copy here goes: the location list wins.
+                    let mut loc = r.shared.loc.lock().unwrap();
+                    let mut q = first;
+                    while q < first + count {
+                        if loc[q] == HERE || loc[q] == PULLED {
+                            let s = q;
+                            while q < first + count && (loc[q] == HERE || loc[q] == PULLED) {
+                                q += 1;
+                            }
+                            let _ = pagefleet_uffd::punch_hole(r.adopt.memfd.as_raw_fd(), (s * PAGE) as u64, ((q - s) * PAGE) as u64);
+                        } else {
                             q += 1;
                         }
-                        let _ = pagefleet_uffd::punch_hole(r.adopt.memfd.as_raw_fd(), (s * PAGE) as u64, ((q - s) * PAGE) as u64);
-                    } else {
-                        q += 1;
+                    }
+                    loc[first..first + count].fill(server);
+                }
+                if gather && server != ZERO_SERVER {
+                    let s = server as usize;
+                    if r.pullers.0[s].is_none() {
+                        r.pullers.0[s] = Some(start_puller(s, r.spec.servers[s].clone(), r.spec.region_id, r.secret.clone(), r.shared.clone()));
+                    }
+                    let list = (first as u64..(first + count) as u64).collect();
+                    if r.pullers.0[s].as_ref().unwrap().queue.send(list).is_err() {
+                        return Err(r.fail(format!("pulling from {} failed", r.spec.servers[s])));
                     }
                 }
-                r.loc[first..first + count].fill(server);
                 progress.located.fetch_add(count as u64, Relaxed);
             }
             Kind::Round => {
@@ -136,14 +249,22 @@ impl Received {
         cfg.secret = Some(secret.clone());
         cfg.region_id = s.region_id;
         cfg.name = format!("pagefleet-{}", s.name);
+        let loc = self.shared.loc.lock().unwrap();
+        if s.gather {
+            // Everything is here now; the old copies are deleted after the start.
+            cfg.servers.clear();
+            if let Some(p) = loc.iter().position(|v| *v < PULLED) {
+                return Err(format!("page {p} is on neither the main host nor {}: not gathered", s.servers[loc[p] as usize]));
+            }
+        }
         let mut i = 0;
-        while i < self.loc.len() {
-            let v = self.loc[i];
+        while i < loc.len() {
+            let v = loc[i];
             let mut j = i + 1;
-            while j < self.loc.len() && self.loc[j] == v {
+            while j < loc.len() && loc[j] == v {
                 j += 1;
             }
-            if v != HERE && v != ZERO_SERVER {
+            if v < PULLED {
                 cfg.initial_remote.push((i as u64, (j - i) as u64, v as usize));
             }
             i = j;
@@ -153,9 +274,19 @@ impl Received {
 
     /// Pages received with data / located on servers.
     pub fn counts(&self) -> (u64, u64) {
-        let here = self.loc.iter().filter(|v| **v == HERE).count() as u64;
-        let remote = self.loc.iter().filter(|v| **v != HERE && **v != ZERO_SERVER).count() as u64;
+        let loc = self.shared.loc.lock().unwrap();
+        let here = loc.iter().filter(|v| **v == HERE || **v == PULLED).count() as u64;
+        let remote = loc.iter().filter(|v| **v < PULLED).count() as u64;
         (here, remote)
+    }
+
+    /// Gather: wait for every pull (they ran alongside the pre-copy).
+    fn finish_pulls(&mut self) -> Result<(), String> {
+        for p in self.pullers.0.iter_mut().filter_map(|p| p.take()) {
+            drop(p.queue);
+            p.thread.join().map_err(|_| "puller panicked".to_string())??;
+        }
+        Ok(())
     }
 
     /// Build the region (with `tweak` applied to its configuration), report
@@ -164,11 +295,15 @@ impl Received {
     /// the source.
     pub fn commit(mut self, secret: &Secret, tweak: impl FnOnce(&mut Config)) -> Result<Committed, WireError> {
         let t = Instant::now();
+        if let Err(e) = self.finish_pulls() {
+            return Err(self.fail(format!("gathering: {e}")));
+        }
         let mut cfg = match self.config(secret) {
             Ok(c) => c,
             Err(e) => return Err(self.fail(e)),
         };
         tweak(&mut cfg);
+        let (pulled, replaced) = (self.shared.pulled.load(Relaxed), self.shared.replaced.load(Relaxed));
         let Received { spec, mut stream, adopt, .. } = self;
         cfg.adopt = Some(Arc::new(adopt));
         let region = match Region::new(cfg) {
@@ -180,9 +315,9 @@ impl Received {
             }
         };
         let build_ms = t.elapsed().as_secs_f64() * 1000.0;
-        stream.send_json(Kind::Prepared, &serde_json::json!({ "build_ms": build_ms }))?;
+        stream.send_json(Kind::Prepared, &serde_json::json!({ "build_ms": build_ms, "pulled": pulled, "pulled_then_replaced": replaced }))?;
         match stream.expect(Kind::Go) {
-            Ok(_) => Ok(Committed { spec, stream, region: Some(region) }),
+            Ok(_) => Ok(Committed { spec, stream, region: Some(region), secret: secret.clone() }),
             Err(e) => {
                 region.detach();
                 Err(e)
@@ -196,6 +331,7 @@ pub struct Committed {
     pub spec: Spec,
     stream: Stream,
     region: Option<Region>,
+    secret: Secret,
 }
 
 impl Committed {
@@ -205,6 +341,18 @@ impl Committed {
     /// Confirm the start to the source (with the resume-time checksum when asked).
     pub fn started(mut self, checksum: Option<String>, checksum_secs: f64) {
         let _ = self.stream.send_json(Kind::Started, &serde_json::json!({ "checksum": checksum, "checksum_secs": checksum_secs }));
+        if self.spec.gather {
+            // The guest is whole here: drop the copies left on the servers.
+            let (servers, region, secret) = (self.spec.servers.clone(), self.spec.region_id, self.secret.clone());
+            std::thread::spawn(move || {
+                for s in servers {
+                    let opts = ConnectOptions { name: "pagefleet-gather-cleanup".into(), ..Default::default() };
+                    if let Err(e) = Conn::connect(&s, &secret, &opts).and_then(|mut c| c.delete_region(region)) {
+                        tracing::warn!("could not delete the gathered guest's old pages on {s}: {e}");
+                    }
+                }
+            });
+        }
     }
 }
 

@@ -29,6 +29,10 @@ pub struct Spec {
     /// The workload and its parameters (the runner interprets it).
     pub workload: serde_json::Value,
     pub verify: bool,
+    /// Integrated migration: the destination also pulls every page that is
+    /// on a memory server, so the whole guest ends up on it.
+    #[serde(default)]
+    pub gather: bool,
 }
 
 /// The outcome of a migration, as `pagefleet migrate` prints it.
@@ -51,6 +55,12 @@ pub struct Report {
     pub round1_secs: f64,
     pub round1_bytes: u64,
     pub region_build_ms: f64,
+    /// Gather: pages the destination pulled from memory servers, and pulled
+    /// copies that newer data from the main host replaced.
+    #[serde(default)]
+    pub pages_pulled: u64,
+    #[serde(default)]
+    pub pulled_then_replaced: u64,
     /// Downtime parts: reaching the safepoint, the last round, COMMIT to
     /// PREPARED (the destination builds its region), GO to STARTED.
     #[serde(default)]
@@ -72,6 +82,12 @@ impl Report {
         println!("  main host {:<22} {:>8} pages  {:>9.1} MiB sent", self.main_host, self.pages_main, mib(self.bytes_main));
         for (i, s) in self.sub_hosts.iter().enumerate() {
             println!("  sub-host  {:<22} {:>8} pages  {:>9.1} MiB sent", s, self.pages_subs[i], mib(self.bytes_subs[i]));
+        }
+        if self.pages_pulled > 0 {
+            println!(
+                "  pulled from memory servers by the destination: {} pages ({} replaced by newer data from the main host)",
+                self.pages_pulled, self.pulled_then_replaced
+            );
         }
         println!(
             "  round 1: {:.1} MiB in {:.2} s ({:.0} MiB/s); pages sent twice: {}; last round {} pages",

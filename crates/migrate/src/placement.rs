@@ -82,6 +82,23 @@ pub fn choose(hosts: &[HostInfo], source: usize, size_pages: u64, data_pages: u6
     Ok(Choice { main, main_pages, subs: chosen.into_iter().map(|h| (h, cap(h))).collect() })
 }
 
+/// Integrated migration: one host takes every page with data.
+pub fn choose_whole(hosts: &[HostInfo], source: usize, size_pages: u64, data_pages: u64, to: Option<usize>) -> Result<Choice, String> {
+    let fits = |h: usize| hosts[h].guest_free / 4096 >= data_pages;
+    let main = match to {
+        Some(m) if m == source => return Err(format!("{} already runs the guest (its main part); gather it onto another host", hosts[m].name)),
+        Some(m) if !fits(m) => {
+            return Err(format!("{} has {} pages of guest memory free, the guest has {} pages of data", hosts[m].name, hosts[m].guest_free / 4096, data_pages))
+        }
+        Some(m) => m,
+        None => (0..hosts.len())
+            .filter(|&h| h != source && fits(h))
+            .max_by_key(|&h| (hosts[h].guest_free, std::cmp::Reverse(h)))
+            .ok_or_else(|| format!("no host has room for all {data_pages} pages of the guest"))?,
+    };
+    Ok(Choice { main, main_pages: size_pages.min(hosts[main].guest_free / 4096), subs: Vec::new() })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -113,6 +130,15 @@ mod tests {
         let hosts = [h("src", 0, None), h("a", 9000, Some(100))];
         let c = choose(&hosts, 0, 8000, 8000, None, None).unwrap();
         assert_eq!((c.main, c.main_pages, c.subs.len()), (1, 8000, 0));
+    }
+
+    #[test]
+    fn gather_needs_one_host_for_everything() {
+        let hosts = [h("src", 0, Some(0)), h("a", 1000, None), h("b", 5000, None)];
+        let c = choose_whole(&hosts, 0, 6000, 4000, None).unwrap();
+        assert_eq!((c.main, c.main_pages, c.subs.len()), (2, 5000, 0));
+        assert!(choose_whole(&hosts, 0, 6000, 4000, Some(1)).unwrap_err().contains("free"));
+        assert!(choose_whole(&hosts, 0, 9000, 9000, None).is_err());
     }
 
     #[test]

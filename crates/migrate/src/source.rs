@@ -37,6 +37,9 @@ pub struct Options {
     pub policy: String,
     /// Pages per chunk on the destination (default: as here).
     pub dest_chunk: Option<usize>,
+    /// Integrated migration: the destination pulls the pages on memory
+    /// servers too (needs `main_pages` ≥ every page with data).
+    pub gather: bool,
     /// Compare region checksums at stop time (source) and at resume (destination).
     pub verify: bool,
     pub max_rounds: usize,
@@ -58,6 +61,7 @@ impl Options {
             name: "guest".into(),
             policy: "clock".into(),
             dest_chunk: None,
+            gather: false,
             verify: false,
             max_rounds: 30,
             stop_pages: 1024,
@@ -249,6 +253,7 @@ impl Run<'_> {
             budget_pages: self.o.main_pages,
             workload: self.o.workload.clone(),
             verify: self.o.verify,
+            gather: self.o.gather,
         };
         self.stream.send_json(Kind::Spec, &serde_json::to_value(&spec).map_err(|e| MigrateError::Other(e.to_string()))?)?;
         self.stream.expect(Kind::Ready)?;
@@ -322,10 +327,12 @@ impl Run<'_> {
             pages_subs: (0..self.o.subs.len()).map(|j| self.sent_to(SUB0 + j as u8)).collect(),
             bytes_main: self.bytes_main,
             bytes_subs: self.bytes_subs.clone(),
-            pages_sent_twice: self.pages_twice,
+            pages_sent_twice: self.pages_twice + prepared["pulled_then_replaced"].as_u64().unwrap_or(0),
             round1_secs,
             round1_bytes,
             region_build_ms: prepared["build_ms"].as_f64().unwrap_or(0.0),
+            pages_pulled: prepared["pulled"].as_u64().unwrap_or(0),
+            pulled_then_replaced: prepared["pulled_then_replaced"].as_u64().unwrap_or(0),
             pause_ms,
             final_copy_ms,
             commit_ms,
@@ -376,6 +383,9 @@ impl Run<'_> {
         self.progress.round.store(n as u64, Relaxed);
         self.progress.round_pages.store(pages.len() as u64, Relaxed);
         self.progress.round_sent.store(0, Relaxed);
+        // Pages staying on memory servers first: in a gather the
+        // destination pulls them while the main host's data streams.
+        self.send_located(&mut located)?;
         let fd = self.region.memfd().as_raw_fd();
         let rid = self.region.region_id;
         let (progress, cancel) = (self.progress, self.cancel);
@@ -408,6 +418,20 @@ impl Run<'_> {
                 located.push((p, self.sub_index[j]));
             }
         }
+        self.send_located(&mut located)?;
+        self.stream.send(Kind::Round, n as u64, &[])?;
+        // Wait until the round has arrived (not just left this host): the
+        // next round's dirty set and the downtime must not include data
+        // still queued on the link.
+        let (h, _) = self.stream.expect(Kind::RoundDone)?;
+        if h.arg != n as u64 {
+            return Err(WireError::Malformed(format!("ROUND_DONE {} for round {n}", h.arg)).into());
+        }
+        Ok(())
+    }
+
+    /// LOCATED messages for (page, server) pairs, in runs.
+    fn send_located(&mut self, located: &mut Vec<(u64, u16)>) -> Result<(), MigrateError> {
         located.sort_unstable();
         let mut i = 0;
         while i < located.len() {
@@ -421,14 +445,7 @@ impl Run<'_> {
             self.bytes_main += 22;
             i = j;
         }
-        self.stream.send(Kind::Round, n as u64, &[])?;
-        // Wait until the round has arrived (not just left this host): the
-        // next round's dirty set and the downtime must not include data
-        // still queued on the link.
-        let (h, _) = self.stream.expect(Kind::RoundDone)?;
-        if h.arg != n as u64 {
-            return Err(WireError::Malformed(format!("ROUND_DONE {} for round {n}", h.arg)).into());
-        }
+        located.clear();
         Ok(())
     }
 

@@ -31,6 +31,17 @@ fn migrate(l: &LabGuard, args: &[&str]) -> Result<Value, String> {
     }
 }
 
+fn migrate_gather(l: &LabGuard, args: &[&str]) -> Result<Value, String> {
+    let mut a = vec!["gather", "--json"];
+    a.extend_from_slice(args);
+    let (ok, out, err) = l.pf(0, &a);
+    if ok {
+        Ok(serde_json::from_str(&out).unwrap_or_else(|e| panic!("report: {e}: {out}")))
+    } else {
+        Err(err)
+    }
+}
+
 fn ops(l: &LabGuard, name: &str) -> u64 {
     l.guest(name).map(|g| g.1["ops"].as_u64().unwrap_or(0)).unwrap_or(0)
 }
@@ -65,7 +76,7 @@ fn start_writer(l: &LabGuard, name: &str, size: &str) {
 }
 
 #[test]
-fn split_migration_under_writes_keeps_every_byte_and_moves_back() {
+fn split_migration_under_writes_then_gather_then_partial_move_keep_every_byte() {
     if !is_root() {
         eprintln!("skipped: the testbed needs root (CI runs as root)");
         return;
@@ -92,6 +103,23 @@ fn split_migration_under_writes_keeps_every_byte_and_moves_back() {
     assert!(l.host_report(2)["lend_used"].as_u64().unwrap() > 0);
     // The source's memory is free again.
     assert_eq!(l.host_report(0)["guest_free"].as_u64().unwrap(), 512 * MIB);
+    // Gather it back onto h1 while it writes and pages (it is over its
+    // budget on h2): the main host streams, h1 pulls from h3 in parallel.
+    let g = migrate_gather(&l, &["w1", "--to", "h1", "--verify"]).expect("gather");
+    assert_eq!(g["checksum_source"], g["checksum_dest"], "gathered guest differs: {g}");
+    assert_eq!(g["sub_hosts"], json!([]), "{g}");
+    assert!(g["pages_pulled"].as_u64().unwrap() > 0, "nothing was pulled from the sub-host: {g}");
+    assert_runs(&l, "w1", 0);
+    let (_, gs) = l.guest("w1").unwrap();
+    assert_eq!(gs["remote_pages"].as_u64(), Some(0), "{gs}");
+    let t = Instant::now();
+    while l.host_report(2)["lend_used"].as_u64().unwrap() > 0 {
+        assert!(t.elapsed() < Duration::from_secs(10), "the sub-host still holds the gathered guest's pages");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // Split again, for the partial move below.
+    let r = migrate(&l, &["w1", "--to", "h2", "--sub", "h3", "--verify"]).expect("second split migration");
+    assert_eq!(r["checksum_source"], r["checksum_dest"], "{r}");
     // Move the main part back to h1 while it writes: pages on h3 stay there.
     let r2 = migrate(&l, &["w1", "--to", "h1", "--verify"]).expect("migration back");
     assert_eq!(r2["checksum_source"], r2["checksum_dest"], "{r2}");
