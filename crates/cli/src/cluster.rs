@@ -378,3 +378,80 @@ pub fn migrate_cmd(a: MigrateArgs) -> Result<()> {
     }
     Ok(())
 }
+
+#[derive(Args)]
+pub struct EvacuateArgs {
+    /// The host to empty (name, HTTP or memory-server address).
+    pub host: String,
+    /// Where its memory server's pages go (default: for each guest, the host
+    /// lending the most free memory that is neither this one nor the guest's).
+    #[arg(long)]
+    pub to: Option<String>,
+    #[command(flatten)]
+    pub reg: Registry,
+}
+
+/// Empty a host for maintenance: pages guests keep on its memory server move
+/// to another memory server (the guests keep running and paging), and guests
+/// running there migrate away (their sub-host pages stay where they are).
+pub fn evacuate(a: EvacuateArgs) -> Result<()> {
+    let hs = hosts(&a.reg.registry, &[])?;
+    let x = find_host(&hs, &a.host)?;
+    let to = a.to.as_deref().map(|t| find_host(&hs, t)).transpose()?;
+    let xms = hs[x].report.as_ref().and_then(|r| r.memserver.clone());
+    let mut lend_free: Vec<u64> = hs.iter().map(|h| info(h).lend_free / 4096).collect();
+    let mut moved_any = false;
+    if let Some(xms) = &xms {
+        for (gh, h) in hs.iter().enumerate() {
+            for g in &h.guests {
+                let n = g["pages"]["remote"][xms].as_u64().unwrap_or(0);
+                if n == 0 {
+                    continue;
+                }
+                let name = g["name"].as_str().unwrap_or("");
+                let target = match to {
+                    Some(t) => t,
+                    None => (0..hs.len())
+                        .filter(|&t| t != x && t != gh && hs[t].report.as_ref().is_some_and(|r| r.memserver.is_some()) && lend_free[t] >= n)
+                        .max_by_key(|&t| lend_free[t])
+                        .ok_or_else(|| anyhow::anyhow!("no memory server can take {n} pages of {name}"))?,
+                };
+                let tms = hs[target].report.as_ref().and_then(|r| r.memserver.clone()).context("the target host lends no memory")?;
+                eprintln!("moving {n} pages of {name} from {} to {}", hs[x].name(), hs[target].name());
+                let r = http::post(&h.http, &format!("/guests/{name}/evacuate"), &json!({"from": xms, "to": tms}), Duration::from_secs(3600))?;
+                if let Some(e) = r["error"].as_str() {
+                    bail!("{name}: {e}");
+                }
+                lend_free[target] = lend_free[target].saturating_sub(n);
+                println!("{name}: {} pages moved from {} to {}", r["moved"].as_u64().unwrap_or(0), hs[x].name(), hs[target].name());
+                moved_any = true;
+            }
+        }
+    }
+    for g in &hs[x].guests {
+        let name = g["name"].as_str().unwrap_or("").to_string();
+        if g["state"].as_str() == Some("incoming") {
+            continue;
+        }
+        let m = MigrateArgs {
+            guest: name.clone(),
+            to: None,
+            sub: None,
+            policy: None,
+            chunk: None,
+            verify: false,
+            max_rounds: None,
+            stop_pages: None,
+            json: false,
+            reg: a.reg.clone(),
+            gather: false,
+        };
+        let r = migrate(&m, true)?;
+        r.print();
+        moved_any = true;
+    }
+    if !moved_any {
+        println!("{} holds no guest and no guest pages", hs[x].name());
+    }
+    Ok(())
+}

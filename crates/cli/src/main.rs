@@ -73,6 +73,12 @@ enum Cmd {
     ///
     /// Example: pagefleet gather db --to h1
     Gather(cluster::GatherArgs),
+    /// Empty a host for maintenance: guests' pages on its memory server move
+    /// to another one (the guests keep running), and guests running there
+    /// migrate away (their pages on sub-hosts stay put).
+    ///
+    /// Example: pagefleet evacuate h3
+    Evacuate(cluster::EvacuateArgs),
     /// A multi-host lab on this machine: network namespaces joined through a
     /// bridge, links shaped with tc tbf, one pagefleetd per host (root only).
     #[command(subcommand)]
@@ -296,6 +302,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Guest(g) => cluster::guest(g),
         Cmd::Migrate(m) => cluster::migrate_cmd(m),
         Cmd::Gather(g) => cluster::gather_cmd(g),
+        Cmd::Evacuate(e) => cluster::evacuate(e),
         Cmd::Memserver(m) => {
             let secret = Secret::resolve(cli.secret_file.as_deref())?;
             let opts = ConnectOptions { name: "pagefleet-cli".into(), ..Default::default() };

@@ -269,6 +269,14 @@ fn serve_control(path: &Path, r: Arc<Running>) -> Result<()> {
                         Ok(()) => return,
                         Err(e) => json!({"error": e.to_string()}),
                     },
+                    "evacuate" => match (req["from"].as_str(), req["to"].as_str()) {
+                        (Some(f), Some(t)) if !r.migrating.load(Relaxed) => match r.region.evacuate(f, t) {
+                            Ok(n) => json!({"ok": true, "moved": n}),
+                            Err(e) => json!({"error": e}),
+                        },
+                        (Some(_), Some(_)) => json!({"error": "the guest is migrating"}),
+                        _ => json!({"error": "evacuate needs \"from\" and \"to\" (memory-server addresses)"}),
+                    },
                     "cancel" => {
                         r.cancel.store(true, Relaxed);
                         json!({"ok": true})
@@ -289,7 +297,7 @@ fn serve_control(path: &Path, r: Arc<Running>) -> Result<()> {
                         let _ = writeln!(c, "{}", json!({"ok": deleted.is_ok(), "error": deleted.err().map(|e| e.to_string())}));
                         std::process::exit(0);
                     }
-                    op => json!({"error": format!("unknown op {op:?}: use status, migrate, cancel, set_budget, stop")}),
+                    op => json!({"error": format!("unknown op {op:?}: use status, migrate, evacuate, cancel, set_budget, stop")}),
                 },
             };
             let _ = writeln!(c, "{reply}");

@@ -65,8 +65,12 @@ pub fn control(path: &std::path::Path, req: &Value, timeout: Option<Duration>, m
 }
 
 fn control1(path: &std::path::Path, req: &Value) -> anyhow::Result<Value> {
+    control_within(path, req, Duration::from_secs(5))
+}
+
+fn control_within(path: &std::path::Path, req: &Value, t: Duration) -> anyhow::Result<Value> {
     let mut out = Value::Null;
-    control(path, req, Some(Duration::from_secs(5)), |v| {
+    control(path, req, Some(t), |v| {
         out = v;
         false
     })?;
@@ -236,7 +240,7 @@ impl Guests {
                     Err(e) => Response::error(502, e),
                 },
             },
-            ("POST", ["guests", name, op @ ("stop" | "cancel" | "set_budget")]) => match self.entry_control(name) {
+            ("POST", ["guests", name, op @ ("stop" | "cancel" | "set_budget" | "evacuate")]) => match self.entry_control(name) {
                 None => Response::error(404, format!("no guest {name:?} here")),
                 Some(c) => {
                     let mut req = body();
@@ -244,7 +248,9 @@ impl Guests {
                         req = json!({});
                     }
                     req["op"] = json!(op);
-                    match control1(&c, &req) {
+                    // Moving a sub-host's pages takes as long as they take.
+                    let t = if *op == "evacuate" { Duration::from_secs(3600) } else { Duration::from_secs(5) };
+                    match control_within(&c, &req, t) {
                         Ok(v) => Response::json(200, &v),
                         Err(e) => Response::error(502, e),
                     }

@@ -161,6 +161,8 @@ pub(crate) enum Command {
     Snapshot(std::sync::mpsc::Sender<Snapshot>),
     /// Pause (true) or resume balancing and sampling: faults are still served.
     Hold(bool, std::sync::mpsc::Sender<()>),
+    /// Move every page on server `from` to server `to` (added if new).
+    Evacuate { from: String, to: String, reply: std::sync::mpsc::Sender<Result<u64, String>> },
 }
 
 /// Where every page is and how hot it has been (for migration planning).
@@ -336,10 +338,24 @@ impl Region {
     }
 
     fn ask<T>(&self, make: impl FnOnce(std::sync::mpsc::Sender<T>) -> Command) -> Option<T> {
+        self.ask_within(make, Duration::from_secs(60))
+    }
+
+    fn ask_within<T>(&self, make: impl FnOnce(std::sync::mpsc::Sender<T>) -> Command, t: Duration) -> Option<T> {
         let (tx, rx) = std::sync::mpsc::channel();
         self.cmd.lock().unwrap().send(make(tx)).ok()?;
         uffd::ring(self.doorbell.as_raw_fd());
-        rx.recv_timeout(Duration::from_secs(60)).ok()
+        rx.recv_timeout(t).ok()
+    }
+
+    /// Move every page this region has on memory server `from` to `to`
+    /// (S-memV: empty a sub-host for maintenance): copy, store, then delete
+    /// at the old server, a batch at a time between faults, which the pager
+    /// keeps serving. Pages never page out to `from` again. Returns how many
+    /// pages moved.
+    pub fn evacuate(&self, from: &str, to: &str) -> Result<u64, String> {
+        let (from, to) = (from.to_string(), to.to_string());
+        self.ask_within(|reply| Command::Evacuate { from, to, reply }, Duration::from_secs(3600)).unwrap_or_else(|| Err("the pager did not answer".into()))
     }
 
     /// Start (or stop) tracking which pages change: content written, or

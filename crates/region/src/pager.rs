@@ -4,7 +4,7 @@
 //! because every fault is served by this same thread.
 
 use crate::{Command, Config, Location, OnFatal, Policy, RegionError, Shared, Snapshot, PAGE};
-use pagefleet_client::{ConnectOptions, Conn, GetMode};
+use pagefleet_client::{ConnectOptions, Conn, GetMode, Pages};
 use pagefleet_proto::{PageSel, MAX_BATCH_PAGES};
 use pagefleet_uffd::{self as uffd, Fault, FaultKind, Fill, Mapping, Uffd};
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -67,6 +67,19 @@ pub(crate) struct Pager {
     evicting: bool,
     /// Remote faults of the current batch: (page, server).
     pending_in: Vec<(usize, usize)>,
+    /// For connecting to servers added later (evacuation targets).
+    secret: Option<pagefleet_proto::auth::Secret>,
+    name: String,
+    evac: Option<Evac>,
+}
+
+/// An evacuation in progress: pages on server `from` move to `to`.
+struct Evac {
+    from: usize,
+    to: usize,
+    cursor: usize,
+    moved: u64,
+    reply: std::sync::mpsc::Sender<Result<u64, String>>,
 }
 
 impl Pager {
@@ -183,6 +196,9 @@ impl Pager {
             full_warned: false,
             evicting: false,
             pending_in: Vec::new(),
+            secret: cfg.secret.clone(),
+            name: cfg.name.clone(),
+            evac: None,
         })
     }
 
@@ -204,7 +220,8 @@ impl Pager {
         }
         while !self.shared.stop.load(Relaxed) {
             // While evicting, only peek for faults; otherwise sleep until one comes.
-            match self.uffd.poll_with(self.doorbell.as_raw_fd(), if self.evicting { 0 } else { 5 }) {
+            let busy = self.evicting || self.evac.is_some();
+            match self.uffd.poll_with(self.doorbell.as_raw_fd(), if busy { 0 } else { 5 }) {
                 Ok((faults, bell)) => {
                     if bell {
                         uffd::drain(self.doorbell.as_raw_fd());
@@ -220,7 +237,65 @@ impl Pager {
             while let Ok(c) = self.rx.try_recv() {
                 self.command(c);
             }
+            self.evacuate_step();
         }
+    }
+
+    /// Index of server `addr`, connecting to it if it is new.
+    fn server_index(&mut self, addr: &str) -> Result<usize, String> {
+        if let Some(i) = self.addrs.iter().position(|a| a == addr) {
+            return Ok(i);
+        }
+        if self.addrs.len() >= 250 {
+            return Err("at most 250 memory servers per region".into());
+        }
+        let secret = self.secret.as_ref().ok_or("this region has no cluster secret (it was made without memory servers)")?;
+        let opts = ConnectOptions { name: format!("{}-pager", self.name), window: 4, ..Default::default() };
+        let mut c = Conn::connect(addr, secret, &opts).map_err(|e| e.to_string())?;
+        c.set_spin(Duration::from_micros(60));
+        self.free.push(c.info.capacity_pages.saturating_sub(c.info.used_pages));
+        self.conns.push(c);
+        self.addrs.push(addr.to_string());
+        self.servers_list.push(addr.to_string());
+        Ok(self.addrs.len() - 1)
+    }
+
+    /// Move up to a few batches of an evacuation, then go back to faults.
+    fn evacuate_step(&mut self) {
+        let Some(mut ev) = self.evac.take() else { return };
+        let tag = REMOTE + ev.from as u8;
+        let region = self.region_id;
+        for _ in 0..4 {
+            let mut list = Vec::with_capacity(MAX_BATCH_PAGES);
+            while ev.cursor < self.state.len() && list.len() < MAX_BATCH_PAGES {
+                if self.state[ev.cursor] == tag {
+                    list.push(ev.cursor as u64);
+                }
+                ev.cursor += 1;
+            }
+            if list.is_empty() {
+                let _ = ev.reply.send(Ok(ev.moved));
+                return;
+            }
+            let n = list.len();
+            let buf = &mut self.buf[..n * PAGE];
+            // Copy, store at the new server, and only then delete at the old one.
+            let r = self.conns[ev.from]
+                .get(region, Pages::List(&list), buf, GetMode::Keep, false, MAX_BATCH_PAGES)
+                .and_then(|_| self.conns[ev.to].put(region, Pages::List(&list), buf, MAX_BATCH_PAGES))
+                .and_then(|_| self.conns[ev.from].delete(region, Pages::List(&list)));
+            if let Err(e) = r {
+                let _ = ev.reply.send(Err(format!("moving pages from {} to {}: {e} ({} moved before)", self.addrs[ev.from], self.addrs[ev.to], ev.moved)));
+                return;
+            }
+            for &p in &list {
+                self.state[p as usize] = REMOTE + ev.to as u8;
+                self.mark(p as usize);
+            }
+            self.free[ev.to] = self.free[ev.to].saturating_sub(n as u64);
+            ev.moved += n as u64;
+        }
+        self.evac = Some(ev);
     }
 
     fn mark(&mut self, p: usize) {
@@ -264,6 +339,30 @@ impl Pager {
                     i = j;
                 }
                 let _ = reply.send(list);
+            }
+            Command::Evacuate { from, to, reply } => {
+                if self.evac.is_some() {
+                    let _ = reply.send(Err("an evacuation is already running".into()));
+                    return;
+                }
+                let Some(f) = self.addrs.iter().position(|a| *a == from) else {
+                    let _ = reply.send(Ok(0));
+                    return;
+                };
+                if from == to {
+                    let _ = reply.send(Err("evacuating a server onto itself".into()));
+                    return;
+                }
+                match self.server_index(&to) {
+                    Ok(t) => {
+                        // Nothing pages out to the server being emptied.
+                        self.free[f] = 0;
+                        self.evac = Some(Evac { from: f, to: t, cursor: 0, moved: 0, reply });
+                    }
+                    Err(e) => {
+                        let _ = reply.send(Err(format!("cannot use {to}: {e}")));
+                    }
+                }
             }
             Command::Hold(on, reply) => {
                 self.hold = on;
