@@ -304,3 +304,59 @@ fn placement_picks_the_roomiest_main_host_and_fewest_sub_hosts() {
     let (h, g) = l.guest("p2").unwrap();
     assert_eq!((h, g["state"].as_str()), (0, Some("running")), "{g}");
 }
+
+/// Maintenance: empty a sub-host while its guest serves clients (its pages
+/// move to another memory server), then empty the main host (the guest
+/// migrates away, its sub-host pages stay). Every value stays right.
+#[test]
+fn evacuating_sub_host_and_main_host_under_load_keeps_every_value() {
+    if !is_root() {
+        eprintln!("skipped: the testbed needs root (CI runs as root)");
+        return;
+    }
+    let _s = serial();
+    let l = LabGuard::up("evc", 4, Link::Gbit10, 512 * MIB, &[512 * MIB, 96 * MIB, 0]);
+    let ip = l.lab.service_ip(2);
+    let svc = format!("{ip}:11211");
+    let (ok, _, err) = l.pf(0, &["guest", "start", "kv2", "--on", "h1", "--size", "192MiB", "--", "kv", "--listen", &svc, "--service-ip", &ip]);
+    assert!(ok, "{err}");
+    let spec = kvload::Spec {
+        addr: svc.clone(),
+        keys: 70_000,
+        value_len: 2000,
+        conns: 4,
+        get_frac: 0.9,
+        theta: 0.99,
+        netns: Some(l.lab.hosts[3].netns.clone()),
+        reconnect: true,
+    };
+    kvload::prefill(&spec).expect("prefill");
+    let load = kvload::Load::start(&spec);
+    migrate(&l, &["kv2", "--to", "h2", "--sub", "h3"]).expect("split migration");
+    let on = |h: usize| l.guest("kv2").unwrap().1["pages"]["remote"][&l.lab.hosts[h].addr].as_u64().unwrap_or(0);
+    assert!(on(2) > 0, "nothing on h3 to evacuate: {:?}", l.guest("kv2"));
+    // 1. Empty the sub-host h3.
+    let (ok, out, err) = l.pf(0, &["evacuate", "h3"]);
+    assert!(ok, "evacuate h3: {err}");
+    assert!(out.contains("pages moved from h3"), "{out}");
+    assert_eq!(on(2), 0, "pages left on h3");
+    assert_eq!(l.host_report(2)["lend_used"].as_u64(), Some(0));
+    let moved_to: u64 = on(0) + on(3);
+    assert!(moved_to > 0, "the pages went nowhere");
+    // 2. Empty the main host h2: kv2 migrates away, its sub-host pages stay.
+    let (ok, _, err) = l.pf(0, &["evacuate", "h2"]);
+    assert!(ok, "evacuate h2: {err}");
+    let (h, _) = l.guest("kv2").unwrap();
+    assert_ne!(h, 1, "kv2 still runs on h2");
+    assert_eq!(l.lab.service_ip_host(&ip), Some(h), "service address did not follow the guest");
+    let before = load.counters.ops.load(Relaxed);
+    std::thread::sleep(Duration::from_secs(2));
+    let after = load.counters.ops.load(Relaxed);
+    let c = load.counters.clone();
+    let e = load.error();
+    load.stop().expect("load");
+    assert!(e.is_none(), "{e:?}");
+    assert!(after > before, "clients stalled after the evacuations");
+    assert_eq!(c.bad_values.load(Relaxed), 0, "wrong values served");
+    assert_eq!(c.misses.load(Relaxed), 0, "keys lost");
+}
