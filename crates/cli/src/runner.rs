@@ -174,6 +174,22 @@ fn locations(region: &Region) -> Value {
 }
 
 impl Running {
+    fn new(name: String, spec: Value, region: Arc<Region>, gate: Arc<Gate>, ops: Arc<AtomicU64>, service: Option<Service>, secret: Secret) -> Running {
+        Running {
+            name,
+            spec,
+            region,
+            gate,
+            ops,
+            service,
+            started: Instant::now(),
+            migrating: AtomicBool::new(false),
+            cancel: AtomicBool::new(false),
+            progress: source::Progress::default(),
+            secret,
+        }
+    }
+
     fn status(&self) -> Value {
         let s = self.region.stats();
         json!({
@@ -307,20 +323,8 @@ fn serve_control(path: &Path, r: Arc<Running>) -> Result<()> {
 }
 
 /// Serve a guest that runs here until stopped or migrated away.
-fn host(name: String, spec: Value, region: Arc<Region>, gate: Arc<Gate>, ops: Arc<AtomicU64>, service: Option<Service>, control: &Path, secret: Secret) -> Result<()> {
-    let r = Arc::new(Running {
-        name,
-        spec,
-        region,
-        gate,
-        ops,
-        service,
-        started: Instant::now(),
-        migrating: AtomicBool::new(false),
-        cancel: AtomicBool::new(false),
-        progress: source::Progress::default(),
-        secret,
-    });
+fn host(r: Running, control: &Path) -> Result<()> {
+    let r = Arc::new(r);
     println!("guest {} running, control {}", r.name, control.display());
     std::io::stdout().flush()?;
     serve_control(control, r)
@@ -333,7 +337,7 @@ pub fn run_hosted(name: String, spec: Value, region: Arc<Region>, service: Optio
     }
     let gate = Arc::new(Gate::default());
     let ops = start_workload(&spec, &region, &gate, false)?;
-    host(name, spec, region, gate, ops, service, &control, secret)
+    host(Running::new(name, spec, region, gate, ops, service, secret), &control)
 }
 
 /// `pagefleet runner-incoming`: wait for one migration, then run the guest.
@@ -379,5 +383,5 @@ pub fn run_incoming(listen: &str, control: PathBuf, budget_pages: Option<u64>, s
     let gate = Arc::new(Gate::default());
     let ops = start_workload(&spec.workload, &region, &gate, true)?;
     committed.started(sum, secs);
-    host(spec.name.clone(), spec.workload.clone(), region, gate, ops, service, &control, secret)
+    host(Running::new(spec.name.clone(), spec.workload.clone(), region, gate, ops, service, secret), &control)
 }

@@ -121,7 +121,7 @@ pub fn receive(s: std::net::TcpStream, secret: &Secret, io_timeout: Duration, pr
     stream.set_timeout(Some(io_timeout));
     stream.accept_auth(secret)?;
     let spec: Spec = serde_json::from_value(stream.expect_json(Kind::Spec)?).map_err(|e| WireError::Malformed(format!("SPEC: {e}")))?;
-    if spec.size == 0 || spec.size % PAGE as u64 != 0 || spec.size > (1u64 << 46) {
+    if spec.size == 0 || !spec.size.is_multiple_of(PAGE as u64) || spec.size > (1u64 << 46) {
         let _ = stream.send(Kind::Error, 0, &[b"bad region size"]);
         return Err(WireError::Malformed(format!("SPEC: region size {}", spec.size)));
     }

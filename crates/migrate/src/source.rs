@@ -177,7 +177,7 @@ pub fn migrate(region: &Region, guest: &dyn Guest, o: &Options, progress: &Progr
     region.track_changes(true);
     let snap = region.snapshot().ok_or_else(|| MigrateError::Other("the region's pager did not answer".into()))?;
     if let Some(c) = o.dest_chunk {
-        if !c.is_power_of_two() || c > 64 || region.len() % (c * PAGE) != 0 {
+        if !c.is_power_of_two() || c > 64 || !region.len().is_multiple_of(c * PAGE) {
             region.track_changes(false);
             region.hold_paging(false);
             return Err(MigrateError::Other(format!("chunk of {c} pages: use a power of two up to 64 that divides the region")));
@@ -502,8 +502,7 @@ fn put_pages(c: &mut Conn, addr: &str, region: u64, fd: i32, pages: &[u64], prog
     let mut bufs: Vec<Vec<u8>> = (0..WINDOW).map(|_| vec![0u8; MAX_BATCH_PAGES * PAGE]).collect();
     let mut inflight: VecDeque<(u64, usize)> = VecDeque::new();
     let mut bytes = 0u64;
-    let mut k = 0usize;
-    for (first, count) in runs(pages, MAX_BATCH_PAGES) {
+    for (k, (first, count)) in runs(pages, MAX_BATCH_PAGES).enumerate() {
         if cancel.load(Relaxed) {
             return Err(MigrateError::Cancelled);
         }
@@ -513,7 +512,6 @@ fn put_pages(c: &mut Conn, addr: &str, region: u64, fd: i32, pages: &[u64], prog
             progress.round_sent.fetch_add(n as u64, Relaxed);
         }
         let data = &mut bufs[k % WINDOW][..count * PAGE];
-        k += 1;
         pread_pages(fd, first, data).map_err(|e| MigrateError::Other(format!("reading the region: {e}")))?;
         let id = c.send_put(region, &PageSel::Run { first, count: count as u32 }, data).map_err(err)?;
         inflight.push_back((id, count));

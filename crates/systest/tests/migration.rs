@@ -243,7 +243,7 @@ fn aborted_migrations_leave_the_source_running_and_nothing_behind() {
     unsafe { libc::kill(m.id() as i32, libc::SIGINT) };
     let _ = m.wait();
     let t = Instant::now();
-    while phase() != "" && t.elapsed() < Duration::from_secs(20) {
+    while !phase().is_empty() && t.elapsed() < Duration::from_secs(20) {
         std::thread::sleep(Duration::from_millis(50));
     }
     check_clean("Ctrl-C");
