@@ -4,6 +4,7 @@
 //! every measurement and a `goals` list computed from this run.
 
 pub mod kvload;
+pub mod lab;
 pub mod memserver;
 pub mod paging;
 pub mod util;

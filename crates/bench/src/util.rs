@@ -308,3 +308,77 @@ impl Drop for Pinning {
         }
     }
 }
+
+/// Swap the kernel can use: a swap file, or zram; switched off and removed on drop.
+pub struct Swap {
+    dev: PathBuf,
+    file: bool,
+}
+
+impl Swap {
+    pub fn file(size: u64) -> Result<Swap> {
+        let p = PathBuf::from(format!("/var/tmp/pagefleet-bench-swap-{}", std::process::id()));
+        let ok = Command::new("fallocate").arg("-l").arg(size.to_string()).arg(&p).status()?.success()
+            && std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(0o600)).is_ok()
+            && Command::new("mkswap").arg(&p).stdout(Stdio::null()).status()?.success();
+        let s = Swap { dev: p.clone(), file: true };
+        if !ok || !Command::new("swapon").arg(&p).status()?.success() {
+            bail!("cannot set up swap file {} (needs root and mkswap/swapon)", p.display());
+        }
+        Ok(s)
+    }
+    pub fn zram(size: u64) -> Result<Swap> {
+        let dev = PathBuf::from("/dev/zram0");
+        if !dev.exists() {
+            bail!("no /dev/zram0 on this machine");
+        }
+        let _ = std::fs::write("/sys/block/zram0/reset", "1");
+        std::fs::write("/sys/block/zram0/disksize", size.to_string()).context("zram disksize")?;
+        let s = Swap { dev: dev.clone(), file: false };
+        if !Command::new("mkswap").arg(&dev).stdout(Stdio::null()).status()?.success()
+            || !Command::new("swapon").args(["-p", "100"]).arg(&dev).status()?.success()
+        {
+            bail!("cannot enable zram swap");
+        }
+        Ok(s)
+    }
+}
+
+impl Drop for Swap {
+    fn drop(&mut self) {
+        let _ = Command::new("swapoff").arg(&self.dev).status();
+        if self.file {
+            let _ = std::fs::remove_file(&self.dev);
+        } else {
+            let _ = std::fs::write("/sys/block/zram0/reset", "1");
+        }
+    }
+}
+
+/// A cgroup v1 memory group; removed on drop (after its processes are gone).
+pub struct MemCgroup {
+    pub path: PathBuf,
+}
+
+impl MemCgroup {
+    pub fn new(limit: u64) -> Result<MemCgroup> {
+        let path = PathBuf::from(format!("/sys/fs/cgroup/memory/pagefleet-bench-{}-{}", std::process::id(), pagefleet_proto::auth::random_u64() & 0xffff));
+        std::fs::create_dir_all(&path).context("cgroup v1 memory controller not available")?;
+        let g = MemCgroup { path };
+        std::fs::write(g.path.join("memory.limit_in_bytes"), limit.to_string())?;
+        let _ = std::fs::write(g.path.join("memory.swappiness"), "60");
+        Ok(g)
+    }
+}
+
+impl Drop for MemCgroup {
+    fn drop(&mut self) {
+        for _ in 0..50 {
+            if std::fs::remove_dir(&self.path).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+

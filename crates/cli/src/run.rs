@@ -85,6 +85,19 @@ pub enum Workload {
         #[arg(long, default_value_t = 42)]
         seed: u64,
     },
+    /// The S-memV sort experiment as a hosted guest (pagefleet guest start
+    /// ... -- sortjob): records fill --sort-frac of the memory, other data
+    /// the rest; it scans its records until asked to sort (control op `sort`).
+    Sortjob {
+        #[arg(long, default_value_t = 0.5)]
+        sort_frac: f64,
+        /// Do not scan the records before sorting (the split then has no
+        /// access history of the sort).
+        #[arg(long)]
+        no_warm: bool,
+        #[arg(long, default_value_t = 42)]
+        seed: u64,
+    },
     /// A memcached-protocol key-value server whose table lives in the memory.
     Kv {
         #[arg(long, default_value = "127.0.0.1:11211")]
@@ -199,7 +212,8 @@ fn workload_spec(a: &RunArgs) -> Result<serde_json::Value> {
             "kind": "synthetic", "dist": dist.to_string(), "write_frac": write_frac, "prefill": prefill, "rate": rate, "span": span,
         }),
         Workload::Kv { listen } => serde_json::json!({"kind": "kv", "listen": listen}),
-        Workload::Sort { .. } => bail!("sort runs to completion; it cannot run hosted (use synthetic or kv)"),
+        Workload::Sort { .. } => bail!("sort runs to completion; it cannot run hosted (use sortjob)"),
+        Workload::Sortjob { sort_frac, no_warm, seed } => serde_json::json!({"kind": "sortjob", "sort_frac": sort_frac, "warm": !no_warm, "seed": seed}),
     };
     v["threads"] = serde_json::json!(a.threads);
     v["policy"] = serde_json::json!(format!("{:?}", a.policy).to_lowercase());
@@ -256,6 +270,7 @@ pub fn run(a: RunArgs, secret_file: Option<&Path>) -> Result<()> {
             eprintln!("sort: {} records generated in {:.2} s, sorted in {:.2} s", r.records, r.generate_secs, r.sort_secs);
             serde_json::json!({"workload": "sort", "records": r.records, "generate_secs": r.generate_secs, "sort_secs": r.sort_secs, "sorted": r.sorted})
         }
+        Workload::Sortjob { .. } => bail!("sortjob runs hosted (pagefleet guest start NAME --on HOST --size SIZE -- sortjob); for a one-shot sort use `pagefleet run sort`"),
         Workload::Kv { listen } => {
             let mut k = kv::Kv::open(mem);
             if let Some(r) = m.region.clone() {

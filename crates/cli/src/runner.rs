@@ -55,6 +55,7 @@ struct Running {
     region: Arc<Region>,
     gate: Arc<Gate>,
     ops: Arc<AtomicU64>,
+    sort: Option<Arc<SortJob>>,
     service: Option<Service>,
     started: Instant,
     migrating: AtomicBool,
@@ -63,8 +64,84 @@ struct Running {
     secret: Secret,
 }
 
+/// The S-memV sort experiment as a hosted guest: 100-byte records fill the
+/// first part of the memory, other data the rest. Before a migration it
+/// keeps scanning its records (building the access history the split
+/// uses), unless told not to; `sort` (a control op) sorts them and times it.
+pub struct SortJob {
+    records: Mem,
+    stop_warm: AtomicBool,
+    warm: Mutex<Option<std::thread::JoinHandle<()>>>,
+    ready: AtomicBool,
+}
+
+impl SortJob {
+    fn start(mem: Mem, spec: &Value, incoming: bool) -> Arc<SortJob> {
+        let frac = spec["sort_frac"].as_f64().unwrap_or(0.5).clamp(0.01, 1.0);
+        let rec_bytes = ((mem.len as f64 * frac) as usize) / 4096 * 4096;
+        // SAFETY: a sub-range of the region.
+        let records = unsafe { Mem::new(mem.base, rec_bytes) };
+        let job = Arc::new(SortJob { records, stop_warm: AtomicBool::new(false), warm: Mutex::new(None), ready: AtomicBool::new(incoming) });
+        if incoming {
+            return job;
+        }
+        let seed = spec["seed"].as_u64().unwrap_or(42);
+        let warm = spec["warm"].as_bool().unwrap_or(true);
+        let j = job.clone();
+        let h = std::thread::spawn(move || {
+            let fill_other = || {
+                for off in (rec_bytes..mem.len).step_by(4096) {
+                    mem.write_u64(off, off as u64 | 1);
+                }
+            };
+            // Without warming, the other data is what was touched last:
+            // the history then says nothing about the records.
+            if warm {
+                fill_other();
+                pagefleet_guests::sort::generate(j.records, seed);
+            } else {
+                pagefleet_guests::sort::generate(j.records, seed);
+                fill_other();
+            }
+            j.ready.store(true, Relaxed);
+            while warm && !j.stop_warm.load(Relaxed) {
+                // Read every record page, as the running sort would.
+                let mut sum = 0u64;
+                for off in (0..j.records.len).step_by(4096) {
+                    sum = sum.wrapping_add(j.records.read_u64(off));
+                }
+                std::hint::black_box(sum);
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        });
+        *job.warm.lock().unwrap() = Some(h);
+        job
+    }
+
+    /// Sort the records now (stopping the warm-up scans first).
+    fn sort(&self, region: &Region) -> Value {
+        self.stop_warm.store(true, Relaxed);
+        if let Some(h) = self.warm.lock().unwrap().take() {
+            let _ = h.join();
+        }
+        let before = region.stats();
+        let t = Instant::now();
+        let sorted = pagefleet_guests::sort::sort(self.records);
+        let secs = t.elapsed().as_secs_f64();
+        let after = region.stats();
+        json!({"sort_secs": secs, "sorted": sorted, "records": self.records.len / pagefleet_guests::sort::RECORD,
+               "page_ins": after.page_ins - before.page_ins, "page_outs": after.page_outs - before.page_outs})
+    }
+}
+
+/// A started workload: its operation counter and, for the sort job, its handle.
+struct Workload {
+    ops: Arc<AtomicU64>,
+    sort: Option<Arc<SortJob>>,
+}
+
 /// Start `spec`'s workload on the region in background threads.
-fn start_workload(spec: &Value, region: &Arc<Region>, gate: &Arc<Gate>, incoming: bool) -> Result<Arc<AtomicU64>> {
+fn start_workload(spec: &Value, region: &Arc<Region>, gate: &Arc<Gate>, incoming: bool) -> Result<Workload> {
     // SAFETY: the region outlives the process's use of it (the runner never drops it while workloads run).
     let mem = unsafe { Mem::new(region.as_ptr(), region.len()) };
     let kind = spec["kind"].as_str().unwrap_or("");
@@ -93,7 +170,7 @@ fn start_workload(spec: &Value, region: &Arc<Region>, gate: &Arc<Gate>, incoming
                     o2.store(total, Relaxed);
                 });
             })?;
-            Ok(ops)
+            Ok(Workload { ops, sort: None })
         }
         "kv" => {
             let listen = spec["listen"].as_str().unwrap_or("127.0.0.1:11211").to_string();
@@ -120,9 +197,10 @@ fn start_workload(spec: &Value, region: &Arc<Region>, gate: &Arc<Gate>, incoming
                 std::thread::sleep(Duration::from_millis(100));
                 o2.store(kvs.ops.load(Relaxed), Relaxed);
             });
-            Ok(ops)
+            Ok(Workload { ops, sort: None })
         }
-        k => bail!("workload {k:?} cannot run hosted (use synthetic or kv)"),
+        "sortjob" => Ok(Workload { ops: Arc::new(AtomicU64::new(0)), sort: Some(SortJob::start(mem, spec, incoming)) }),
+        k => bail!("workload {k:?} cannot run hosted (use synthetic, kv or sortjob)"),
     }
 }
 
@@ -174,13 +252,14 @@ fn locations(region: &Region) -> Value {
 }
 
 impl Running {
-    fn new(name: String, spec: Value, region: Arc<Region>, gate: Arc<Gate>, ops: Arc<AtomicU64>, service: Option<Service>, secret: Secret) -> Running {
+    fn new(name: String, spec: Value, region: Arc<Region>, gate: Arc<Gate>, w: Workload, service: Option<Service>, secret: Secret) -> Running {
         Running {
             name,
             spec,
             region,
             gate,
-            ops,
+            ops: w.ops,
+            sort: w.sort,
             service,
             started: Instant::now(),
             migrating: AtomicBool::new(false),
@@ -197,6 +276,7 @@ impl Running {
             "pid": std::process::id(), "workload": self.spec, "size": self.region.len(),
             "budget_pages": s.budget_pages, "resident_pages": s.resident_pages, "remote_pages": s.remote_pages,
             "page_ins": s.page_ins, "page_outs": s.page_outs, "ops": self.ops.load(Relaxed),
+            "ready": self.sort.as_ref().is_none_or(|j| j.ready.load(Relaxed)),
             "uptime_secs": self.started.elapsed().as_secs_f64(), "region_id": format!("{:#x}", self.region.region_id),
             "pages": locations(&self.region),
             "migration": if self.migrating.load(Relaxed) { self.progress.json() } else { Value::Null },
@@ -293,6 +373,11 @@ fn serve_control(path: &Path, r: Arc<Running>) -> Result<()> {
                         (Some(_), Some(_)) => json!({"error": "the guest is migrating"}),
                         _ => json!({"error": "evacuate needs \"from\" and \"to\" (memory-server addresses)"}),
                     },
+                    "sort" => match &r.sort {
+                        Some(j) if !r.migrating.load(Relaxed) => j.sort(&r.region),
+                        Some(_) => json!({"error": "the guest is migrating"}),
+                        None => json!({"error": "only a sortjob guest sorts"}),
+                    },
                     "cancel" => {
                         r.cancel.store(true, Relaxed);
                         json!({"ok": true})
@@ -336,8 +421,8 @@ pub fn run_hosted(name: String, spec: Value, region: Arc<Region>, service: Optio
         s.claim()?;
     }
     let gate = Arc::new(Gate::default());
-    let ops = start_workload(&spec, &region, &gate, false)?;
-    host(Running::new(name, spec, region, gate, ops, service, secret), &control)
+    let w = start_workload(&spec, &region, &gate, false)?;
+    host(Running::new(name, spec, region, gate, w, service, secret), &control)
 }
 
 /// `pagefleet runner-incoming`: wait for one migration, then run the guest.
@@ -381,7 +466,7 @@ pub fn run_incoming(listen: &str, control: PathBuf, budget_pages: Option<u64>, s
         s.claim()?;
     }
     let gate = Arc::new(Gate::default());
-    let ops = start_workload(&spec.workload, &region, &gate, true)?;
+    let w = start_workload(&spec.workload, &region, &gate, true)?;
     committed.started(sum, secs);
-    host(Running::new(spec.name.clone(), spec.workload.clone(), region, gate, ops, service, secret), &control)
+    host(Running::new(spec.name.clone(), spec.workload.clone(), region, gate, w, service, secret), &control)
 }

@@ -99,7 +99,7 @@ impl Guests {
         self.map.lock().unwrap().len()
     }
 
-    fn spawn(self: &Arc<Guests>, name: &str, mut cmd: Command, budget_pages: u64, incoming: bool, ready: &str) -> Result<String, Response> {
+    fn spawn(self: &Arc<Guests>, name: &str, mut cmd: Command, budget_pages: u64, incoming: bool, ready: &str, cgroup: Option<PathBuf>) -> Result<String, Response> {
         let control = self.cfg.dir.join(format!("{name}.sock"));
         let log = std::fs::File::create(self.cfg.dir.join(format!("{name}.log"))).map_err(|e| Response::error(500, e))?;
         cmd.arg("--control").arg(&control).stdout(Stdio::piped()).stderr(log).stdin(Stdio::null());
@@ -143,6 +143,15 @@ impl Guests {
             }
         };
         let pid = child.id();
+        if let Some(cg) = &cgroup {
+            // Before it prints its address, so before any guest memory exists.
+            if let Err(e) = std::fs::write(cg.join("cgroup.procs"), pid.to_string()) {
+                let _ = child.kill();
+                let _ = child.wait();
+                self.map.lock().unwrap().remove(name);
+                return Err(Response::error(400, format!("cannot put the runner into cgroup {}: {e}", cg.display())));
+            }
+        }
         let mut out = BufReader::new(child.stdout.take().unwrap());
         let mut line = String::new();
         let got = out.read_line(&mut line).unwrap_or(0);
@@ -187,13 +196,13 @@ impl Guests {
         let mut cmd = Command::new(&self.cfg.runner);
         cmd.arg("run").args(&args).args(["--name", name, "--size", &size.to_string(), "--budget", &(budget_pages * 4096).to_string()]);
         cmd.args(["--service-dev", &self.cfg.service_dev]);
-        match self.spawn(name, cmd, budget_pages, false, "guest ") {
+        match self.spawn(name, cmd, budget_pages, false, "guest ", None) {
             Ok(_) => Response::json(200, &json!({"ok": true, "name": name})),
             Err(r) => r,
         }
     }
 
-    /// POST /incoming {name, budget_pages}: a runner waiting for a migration.
+    /// POST /incoming {name, budget_pages, cgroup?}: a runner waiting for a migration.
     fn incoming(self: &Arc<Guests>, v: &Value) -> Response {
         let name = v["name"].as_str().unwrap_or("");
         if !valid_name(name) {
@@ -203,7 +212,15 @@ impl Guests {
         let mut cmd = Command::new(&self.cfg.runner);
         cmd.args(["runner-incoming", "--listen", &format!("{}:0", self.cfg.ip), "--budget-pages", &budget_pages.to_string()]);
         cmd.args(["--service-dev", &self.cfg.service_dev]);
-        match self.spawn(name, cmd, budget_pages, true, "migrate listening ") {
+        // Optionally inside a memory cgroup the caller set up (e.g. a
+        // destination whose memory is limited, with the kernel swapping).
+        let cgroup = v["cgroup"].as_str().map(PathBuf::from);
+        if let Some(cg) = &cgroup {
+            if !cg.starts_with("/sys/fs/cgroup/") || !cg.join("cgroup.procs").exists() {
+                return Response::error(400, format!("{} is not a cgroup", cg.display()));
+            }
+        }
+        match self.spawn(name, cmd, budget_pages, true, "migrate listening ", cgroup) {
             Ok(line) => Response::json(200, &json!({"ok": true, "migrate_addr": line.trim_start_matches("migrate listening ").trim()})),
             Err(r) => r,
         }
@@ -240,7 +257,7 @@ impl Guests {
                     Err(e) => Response::error(502, e),
                 },
             },
-            ("POST", ["guests", name, op @ ("stop" | "cancel" | "set_budget" | "evacuate")]) => match self.entry_control(name) {
+            ("POST", ["guests", name, op @ ("stop" | "cancel" | "set_budget" | "evacuate" | "sort")]) => match self.entry_control(name) {
                 None => Response::error(404, format!("no guest {name:?} here")),
                 Some(c) => {
                     let mut req = body();
@@ -249,7 +266,7 @@ impl Guests {
                     }
                     req["op"] = json!(op);
                     // Moving a sub-host's pages takes as long as they take.
-                    let t = if *op == "evacuate" { Duration::from_secs(3600) } else { Duration::from_secs(5) };
+                    let t = if matches!(*op, "evacuate" | "sort") { Duration::from_secs(3600) } else { Duration::from_secs(5) };
                     match control_within(&c, &req, t) {
                         Ok(v) => Response::json(200, &v),
                         Err(e) => Response::error(502, e),

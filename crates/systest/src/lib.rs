@@ -76,68 +76,13 @@ pub fn xorshift(x: &mut u64) -> u64 {
     *x
 }
 
-/// A testbed lab for one test, removed (daemons, runners, namespaces,
-/// state) on drop, even when the test fails.
-pub struct LabGuard {
-    pub lab: pagefleet_testbed::Lab,
-    dir: PathBuf,
-}
+pub use pagefleet_bench::lab::LabRun;
 
-impl LabGuard {
-    /// `guest_memory`: per host (the last value repeats).
-    pub fn up(tag: &str, hosts: usize, link: pagefleet_testbed::Link, lend: u64, guest_memory: &[u64]) -> LabGuard {
-        let r = pagefleet_proto::auth::random_u64();
-        let dir = tempdir(tag);
-        let mut o = pagefleet_testbed::Options::new(hosts, link, bin("pagefleetd"));
-        o.prefix = format!("{}{:04x}", &tag[..1], r & 0xffff);
-        o.dir = dir.clone();
-        o.lend = lend;
-        o.guest_memory = guest_memory.to_vec();
-        o.subnet_octet = 100 + (r >> 16) as u8 % 100;
-        let lab = pagefleet_testbed::Lab::up(&o).expect("testbed up");
-        LabGuard { lab, dir }
-    }
-
-    /// Run `pagefleet ARGS` inside host `h`; (success, stdout, stderr).
-    pub fn pf(&self, h: usize, args: &[&str]) -> (bool, String, String) {
-        let out = self.lab.exec(h, bin("pagefleet")).args(args).output().expect("run pagefleet in the lab");
-        (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
-    }
-
-    /// `pagefleet status --json` from host `h`: one entry per host.
-    pub fn status(&self, h: usize) -> Vec<serde_json::Value> {
-        let (_, out, err) = self.pf(h, &["status", "--json"]);
-        serde_json::from_str(&out).unwrap_or_else(|e| panic!("status: {e}: {out} {err}"))
-    }
-
-    /// The guest `name` as the registry reports it: (host index, status).
-    pub fn guest(&self, name: &str) -> Option<(usize, serde_json::Value)> {
-        for (i, h) in self.status(0).iter().enumerate() {
-            for g in h["guests"].as_array().into_iter().flatten() {
-                if g["name"] == name && g["state"] != "incoming" {
-                    return Some((i, g.clone()));
-                }
-            }
-        }
-        None
-    }
-
-    /// A host's report (memory, lending) from the registry.
-    pub fn host_report(&self, h: usize) -> serde_json::Value {
-        self.status(0)[h]["report"].clone()
-    }
-
-    /// A guest's control socket on host `h` (reachable from the test's namespace).
-    pub fn control(&self, h: usize, name: &str) -> PathBuf {
-        self.dir.join(format!("{}-guests", self.lab.hosts[h].netns)).join(format!("{name}.sock"))
-    }
-}
-
-impl Drop for LabGuard {
-    fn drop(&mut self) {
-        let _ = self.lab.down();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
+/// A testbed lab for one test (removed on drop, even when the test fails).
+/// `guest_memory`: per host (the last value repeats).
+pub fn lab(tag: &str, hosts: usize, link: pagefleet_testbed::Link, lend: u64, guest_memory: &[u64]) -> LabRun {
+    let bins = bin("pagefleetd").parent().unwrap().to_path_buf();
+    LabRun::up(tag, &bins, hosts, link, lend, guest_memory).expect("testbed up")
 }
 
 /// One JSON request on a runner's control socket; its first reply line.

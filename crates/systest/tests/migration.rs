@@ -20,7 +20,7 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn migrate(l: &LabGuard, args: &[&str]) -> Result<Value, String> {
+fn migrate(l: &LabRun, args: &[&str]) -> Result<Value, String> {
     let mut a = vec!["migrate", "--json"];
     a.extend_from_slice(args);
     let (ok, out, err) = l.pf(0, &a);
@@ -31,7 +31,7 @@ fn migrate(l: &LabGuard, args: &[&str]) -> Result<Value, String> {
     }
 }
 
-fn migrate_gather(l: &LabGuard, args: &[&str]) -> Result<Value, String> {
+fn migrate_gather(l: &LabRun, args: &[&str]) -> Result<Value, String> {
     let mut a = vec!["gather", "--json"];
     a.extend_from_slice(args);
     let (ok, out, err) = l.pf(0, &a);
@@ -42,12 +42,12 @@ fn migrate_gather(l: &LabGuard, args: &[&str]) -> Result<Value, String> {
     }
 }
 
-fn ops(l: &LabGuard, name: &str) -> u64 {
+fn ops(l: &LabRun, name: &str) -> u64 {
     l.guest(name).map(|g| g.1["ops"].as_u64().unwrap_or(0)).unwrap_or(0)
 }
 
 /// The guest keeps running: its operation count grows.
-fn assert_runs(l: &LabGuard, name: &str, on: usize) {
+fn assert_runs(l: &LabRun, name: &str, on: usize) {
     let (h, g) = l.guest(name).unwrap_or_else(|| panic!("{name} is gone"));
     assert_eq!(h, on, "{name} should run on h{}: {g}", on + 1);
     assert_eq!(g["state"], "running", "{g}");
@@ -62,7 +62,7 @@ fn assert_runs(l: &LabGuard, name: &str, on: usize) {
     assert!(b > a, "{name} does not make progress ({a} -> {b})");
 }
 
-fn start_writer(l: &LabGuard, name: &str, size: &str) {
+fn start_writer(l: &LabRun, name: &str, size: &str) {
     // Half of the operations write, over a zipf spread of pages, at a bounded rate.
     let (ok, _, err) = l.pf(0, &["guest", "start", name, "--on", "h1", "--size", size, "--", "synthetic", "--prefill", "--write-frac", "0.5", "--dist", "zipf:0.9", "--rate", "2000000"]);
     assert!(ok, "guest start: {err}");
@@ -83,7 +83,7 @@ fn split_migration_under_writes_then_gather_then_partial_move_keep_every_byte() 
     }
     let _s = serial();
     // h1 runs the guest; h2 has memory for half of it; h3 only lends.
-    let l = LabGuard::up("mig", 3, Link::Gbit10, 512 * MIB, &[512 * MIB, 128 * MIB, 0]);
+    let l = lab("mig", 3, Link::Gbit10, 512 * MIB, &[512 * MIB, 128 * MIB, 0]);
     start_writer(&l, "w1", "256MiB");
     let r = migrate(&l, &["w1", "--verify"]).expect("split migration");
     assert_eq!(r["checksum_source"], r["checksum_dest"], "region differs after migration: {r}");
@@ -140,7 +140,7 @@ fn kv_guest_migrates_under_client_load() {
         return;
     }
     let _s = serial();
-    let l = LabGuard::up("kvm", 3, Link::Gbit10, 512 * MIB, &[512 * MIB, 96 * MIB, 0]);
+    let l = lab("kvm", 3, Link::Gbit10, 512 * MIB, &[512 * MIB, 96 * MIB, 0]);
     let ip = l.lab.service_ip(1);
     let svc = format!("{ip}:11211");
     let (ok, _, err) = l.pf(0, &["guest", "start", "kv1", "--on", "h1", "--size", "192MiB", "--", "kv", "--listen", &svc, "--service-ip", &ip]);
@@ -188,7 +188,7 @@ fn aborted_migrations_leave_the_source_running_and_nothing_behind() {
     }
     let _s = serial();
     // 1 Gbit links: one pre-copy round of 128 MiB takes about a second.
-    let l = LabGuard::up("abt", 4, Link::Gbit1, 256 * MIB, &[256 * MIB, 64 * MIB, 0]);
+    let l = lab("abt", 4, Link::Gbit1, 256 * MIB, &[256 * MIB, 64 * MIB, 0]);
     start_writer(&l, "a1", "128MiB");
     let src_ctl = l.control(0, "a1");
     let phase = || control(&src_ctl, &json!({"op": "status"})).map(|v| v["migration"]["phase"].as_str().unwrap_or("").to_string()).unwrap_or_default();
@@ -280,7 +280,7 @@ fn placement_picks_the_roomiest_main_host_and_fewest_sub_hosts() {
         return;
     }
     let _s = serial();
-    let l = LabGuard::up("plc", 5, Link::Unshaped, 64 * MIB, &[256 * MIB, 32 * MIB, 96 * MIB, 0, 0]);
+    let l = lab("plc", 5, Link::Unshaped, 64 * MIB, &[256 * MIB, 32 * MIB, 96 * MIB, 0, 0]);
     // 160 MiB guest: main h3 (96 MiB free), the 64 MiB left fit one sub-host.
     let (ok, _, err) = l.pf(0, &["guest", "start", "p1", "--on", "h1", "--size", "160MiB", "--", "synthetic", "--prefill", "--rate", "0"]);
     assert!(ok, "{err}");
@@ -315,7 +315,7 @@ fn evacuating_sub_host_and_main_host_under_load_keeps_every_value() {
         return;
     }
     let _s = serial();
-    let l = LabGuard::up("evc", 4, Link::Gbit10, 512 * MIB, &[512 * MIB, 96 * MIB, 0]);
+    let l = lab("evc", 4, Link::Gbit10, 512 * MIB, &[512 * MIB, 96 * MIB, 0]);
     let ip = l.lab.service_ip(2);
     let svc = format!("{ip}:11211");
     let (ok, _, err) = l.pf(0, &["guest", "start", "kv2", "--on", "h1", "--size", "192MiB", "--", "kv", "--listen", &svc, "--service-ip", &ip]);
