@@ -64,6 +64,14 @@ impl LabRun {
     }
 }
 
+impl LabRun {
+    /// POST to host `h`'s pagefleetd from inside the lab (JSON reply).
+    pub fn post(&self, h: usize, path: &str, body: &serde_json::Value, timeout: std::time::Duration) -> Result<serde_json::Value> {
+        let (addr, path, body) = (self.lab.hosts[h].http(), path.to_string(), body.clone());
+        self.lab.spawn_in(h, move || pagefleet_daemon::http::post(&addr, &path, &body, timeout)).join().map_err(|_| anyhow::anyhow!("lab thread panicked"))??
+    }
+}
+
 impl Drop for LabRun {
     fn drop(&mut self) {
         let _ = self.lab.down();

@@ -6,5 +6,16 @@
 pub mod kvload;
 pub mod lab;
 pub mod memserver;
+pub mod migration;
 pub mod paging;
 pub mod util;
+
+/// Bytes with a binary unit (for benchmark logs and tables).
+pub fn fmt_bytes(b: u64) -> String {
+    pagefleet_daemon::units::fmt_size(b)
+}
+
+pub fn is_root() -> bool {
+    // SAFETY: plain syscall.
+    unsafe { libc::geteuid() == 0 }
+}

@@ -221,6 +221,11 @@ pub struct MigrateArgs {
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
+    /// Start the destination runner inside this (cgroup v1) memory cgroup on
+    /// the main host, e.g. to compare with a destination whose memory is
+    /// limited and backed by swap.
+    #[arg(long)]
+    pub dest_cgroup: Option<String>,
     #[command(flatten)]
     pub reg: Registry,
     /// Integrated migration (set by `pagefleet gather`).
@@ -300,7 +305,11 @@ pub fn migrate(a: &MigrateArgs, progress: bool) -> Result<Report> {
         c.main_pages,
         if c.subs.is_empty() { String::new() } else { format!(", sub-hosts {}", c.subs.iter().map(|(h, _)| hs[*h].name()).collect::<Vec<_>>().join(", ")) }
     );
-    let inc = http::post(&main.http, "/incoming", &json!({"name": a.guest, "budget_pages": c.main_pages}), Duration::from_secs(30))?;
+    let mut inc_req = json!({"name": a.guest, "budget_pages": c.main_pages});
+    if let Some(cg) = &a.dest_cgroup {
+        inc_req["cgroup"] = json!(cg);
+    }
+    let inc = http::post(&main.http, "/incoming", &inc_req, Duration::from_secs(30))?;
     let mut addr = inc["migrate_addr"].as_str().context("no migrate_addr from the main host")?.to_string();
     if addr.starts_with("0.0.0.0:") {
         // The daemon listens on every address: use the one we reached it on.
@@ -364,6 +373,7 @@ pub fn gather_cmd(g: GatherArgs) -> Result<()> {
         max_rounds: None,
         stop_pages: None,
         json: g.json,
+        dest_cgroup: None,
         reg: g.reg,
         gather: true,
     })
@@ -443,6 +453,7 @@ pub fn evacuate(a: EvacuateArgs) -> Result<()> {
             max_rounds: None,
             stop_pages: None,
             json: false,
+            dest_cgroup: None,
             reg: a.reg.clone(),
             gather: false,
         };

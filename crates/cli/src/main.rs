@@ -110,6 +110,13 @@ enum BenchCmd {
     /// (budgets, policies, chunk sizes, servers) vs swap file and zram in a
     /// memory cgroup; single-fault latency vs raw uffd + raw TCP.
     Paging(BenchOpts),
+    /// Split migration (S-memV Figs. 8-12) on a testbed: migration time and
+    /// downtime onto a host with enough memory, a split main host + sub-host,
+    /// and a memory-limited host with swap; idle and rewriting guests; 10 and
+    /// 1 Gbit links; sort time after migration (with/without access history);
+    /// kv throughput across the migration. Root only. --dataset sets the guest
+    /// size (default 2GiB), --only time,sort,kv picks experiments.
+    Migration(BenchOpts),
     /// The raw-TCP baseline server used by `bench memserver` (internal).
     #[command(hide = true)]
     RawServer,
@@ -136,9 +143,13 @@ struct BenchOpts {
     #[arg(long)]
     no_memcached: bool,
     /// bench paging: run only the configurations whose name contains this
-    /// (all-local always runs, as the reference).
+    /// (all-local always runs, as the reference). bench migration: the
+    /// experiments to run (time, sort, kv), comma-separated.
     #[arg(long)]
     only: Option<String>,
+    /// bench migration: link rates to measure migration time on (10gbit,1gbit).
+    #[arg(long, value_delimiter = ',')]
+    links: Vec<pagefleet_testbed::Link>,
 }
 
 #[derive(Subcommand)]
@@ -292,6 +303,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Bench(BenchCmd::Memserver(o)) | Cmd::Demo(o) => bench_memserver(o),
         Cmd::Bench(BenchCmd::RawServer) => memserver::raw_server_main(),
         Cmd::Bench(BenchCmd::Paging(o)) => bench_paging(o),
+        Cmd::Bench(BenchCmd::Migration(o)) => bench_migration(o),
         Cmd::Run(a) => run::run(a, cli.secret_file.as_deref()),
         Cmd::Testbed(t) => testbed(t),
         Cmd::RunnerIncoming { listen, control, budget_pages, service_dev, timeout } => {
@@ -372,6 +384,35 @@ fn bench_memserver(o: BenchOpts) -> Result<()> {
         println!("{}", serde_json::to_string(&report)?);
     } else {
         memserver::print_table(&report, &mut std::io::stdout())?;
+    }
+    Ok(())
+}
+
+fn bench_migration(o: BenchOpts) -> Result<()> {
+    use pagefleet_bench::migration;
+    let mut opts = if o.quick { migration::Opts::quick(o.out.clone()) } else { migration::Opts::full(o.out.clone()) };
+    if let Some(d) = o.dataset {
+        if d < 64 << 20 {
+            bail!("--dataset (the guest size) must be at least 64MiB");
+        }
+        opts.size = d / (64 << 10) * (64 << 10);
+    }
+    if !o.links.is_empty() {
+        opts.links = o.links.clone();
+    }
+    if let Some(only) = &o.only {
+        opts.only = only.split(',').map(|s| s.trim().to_string()).collect();
+        if let Some(bad) = opts.only.iter().find(|s| !["time", "sort", "kv"].contains(&s.as_str())) {
+            bail!("--only {bad:?}: use time, sort, kv");
+        }
+    }
+    let mut log = |m: &str| eprintln!("  .. {m}");
+    let report = migration::run(&opts, &mut log)?;
+    if o.json {
+        migration::print_table(&report, &mut std::io::stderr())?;
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        migration::print_table(&report, &mut std::io::stdout())?;
     }
     Ok(())
 }

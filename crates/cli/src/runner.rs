@@ -33,11 +33,9 @@ impl Service {
         }
         // Tell the neighbours at once (gratuitous ARP), so clients need not
         // wait for their caches to time out.
-        let _ = std::process::Command::new("arping")
-            .args(["-U", "-c", "2", "-w", "1", "-I", &self.dev, &self.ip])
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .status();
+        if let Err(e) = gratuitous_arp(&self.dev, &self.ip) {
+            eprintln!("warning: gratuitous ARP for {} on {}: {e}", self.ip, self.dev);
+        }
         Ok(())
     }
     pub fn release(&self) {
@@ -46,6 +44,60 @@ impl Service {
             .stderr(std::process::Stdio::null())
             .status();
     }
+}
+
+/// Broadcast a gratuitous ARP (a request for our own address) on `dev`, a
+/// few times, so every neighbour maps `ip` to this host's MAC now.
+fn gratuitous_arp(dev: &str, ip: &str) -> Result<()> {
+    let ip: std::net::Ipv4Addr = ip.parse().context("service address must be IPv4")?;
+    let name = std::ffi::CString::new(dev)?;
+    // SAFETY: plain syscalls with valid arguments; every fd is closed below.
+    unsafe {
+        let ifindex = libc::if_nametoindex(name.as_ptr());
+        if ifindex == 0 {
+            bail!("no device {dev}");
+        }
+        let fd = libc::socket(libc::AF_PACKET, libc::SOCK_DGRAM, (libc::ETH_P_ARP as u16).to_be() as i32);
+        if fd < 0 {
+            bail!("packet socket: {}", std::io::Error::last_os_error());
+        }
+        let mut ifr: libc::ifreq = std::mem::zeroed();
+        for (i, b) in dev.bytes().take(15).enumerate() {
+            ifr.ifr_name[i] = b as libc::c_char;
+        }
+        if libc::ioctl(fd, libc::SIOCGIFHWADDR, &mut ifr) != 0 {
+            let e = std::io::Error::last_os_error();
+            libc::close(fd);
+            bail!("hardware address of {dev}: {e}");
+        }
+        let mac: [u8; 6] = std::array::from_fn(|i| ifr.ifr_ifru.ifru_hwaddr.sa_data[i] as u8);
+        // ARP request: who-has ip tell ip, from our MAC.
+        let mut pkt = Vec::with_capacity(28);
+        pkt.extend_from_slice(&[0, 1, 8, 0, 6, 4, 0, 1]);
+        pkt.extend_from_slice(&mac);
+        pkt.extend_from_slice(&ip.octets());
+        pkt.extend_from_slice(&[0; 6]);
+        pkt.extend_from_slice(&ip.octets());
+        let mut sll: libc::sockaddr_ll = std::mem::zeroed();
+        sll.sll_family = libc::AF_PACKET as u16;
+        sll.sll_protocol = (libc::ETH_P_ARP as u16).to_be();
+        sll.sll_ifindex = ifindex as i32;
+        sll.sll_halen = 6;
+        sll.sll_addr[..6].copy_from_slice(&[0xff; 6]);
+        let mut err = None;
+        for _ in 0..3 {
+            let n = libc::sendto(fd, pkt.as_ptr().cast(), pkt.len(), 0, (&sll as *const libc::sockaddr_ll).cast(), std::mem::size_of::<libc::sockaddr_ll>() as u32);
+            if n < 0 {
+                err = Some(std::io::Error::last_os_error());
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        libc::close(fd);
+        if let Some(e) = err {
+            bail!("sending: {e}");
+        }
+    }
+    Ok(())
 }
 
 /// A guest workload running on a region, reachable through its gate.

@@ -44,6 +44,14 @@ impl Link {
             Link::Unshaped => None,
         }
     }
+    /// The shaped rate in bytes per second (None: unshaped).
+    pub fn bytes_per_sec(self) -> Option<f64> {
+        match self {
+            Link::Gbit1 => Some(1e9 / 8.0),
+            Link::Gbit10 => Some(10e9 / 8.0),
+            Link::Unshaped => None,
+        }
+    }
     pub fn name(self) -> &'static str {
         match self {
             Link::Gbit1 => "1gbit",
@@ -257,7 +265,9 @@ impl Lab {
 fn start_daemon(o: &Options, h: &Host, secret: &Path, peers: &[String]) -> Result<u32> {
     let log = std::fs::File::create(o.dir.join(format!("{}.log", h.netns)))?;
     use std::os::unix::process::CommandExt;
-    let mut cmd = Command::new("ip");
+    // nsenter, not `ip netns exec`: the latter also remounts /sys, hiding
+    // the cgroup hierarchy the guest host service may put runners into.
+    let mut cmd = Command::new("nsenter");
     // Its own session: the daemon outlives `testbed up` and its terminal.
     // SAFETY: setsid is async-signal-safe.
     unsafe {
@@ -267,7 +277,8 @@ fn start_daemon(o: &Options, h: &Host, secret: &Path, peers: &[String]) -> Resul
         });
     }
     let child = cmd
-        .args(["netns", "exec", &h.netns])
+        .arg(format!("--net=/run/netns/{}", h.netns))
+        .arg("--")
         .arg(&o.pagefleetd)
         .args(["--lend", &o.lend.to_string(), "--listen", &h.addr, "--log", "warn", "--name", &h.name])
         .arg("--secret-file")
@@ -283,7 +294,7 @@ fn start_daemon(o: &Options, h: &Host, secret: &Path, peers: &[String]) -> Resul
         .stderr(log)
         .spawn()
         .with_context(|| format!("cannot start {}", o.pagefleetd.display()))?;
-    // `ip netns exec` execs the daemon, so the child pid is the daemon's.
+    // nsenter execs the daemon, so the child pid is the daemon's.
     Ok(child.id())
 }
 
