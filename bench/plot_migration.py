@@ -47,7 +47,7 @@ def main(src, dst):
         for i, x in enumerate(r["sort"]):
             ax.annotate(f"{x['page_ins']} page-ins", (i, x["sort_secs"]), ha="center", va="bottom", fontsize=8)
         ax.set_ylabel("sort time after migration, s")
-        ax.set_title("sort of half the guest after migration (Fig. 11)")
+        ax.set_title("sort of 40% of the guest after migration (Fig. 11)")
         ax.grid(alpha=0.3, axis="y")
     ax = axes[1][1]
     for x in r["kv"]:

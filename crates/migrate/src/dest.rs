@@ -134,6 +134,20 @@ pub fn receive(s: std::net::TcpStream, secret: &Secret, io_timeout: Duration, pr
         }
     };
     let pages = (spec.size / PAGE as u64) as usize;
+    if !spec.gather {
+        // Connect to the guest's memory servers now, not in the downtime.
+        for a in &spec.servers {
+            let opts = ConnectOptions { name: format!("pagefleet-{}-pager", spec.name), window: 4, ..Default::default() };
+            match Conn::connect(a, secret, &opts) {
+                Ok(c) => adopt.conns.lock().unwrap().push((a.clone(), c)),
+                Err(e) => {
+                    let msg = format!("cannot reach memory server {a}: {e}");
+                    let _ = stream.send(Kind::Error, 0, &[msg.as_bytes()]);
+                    return Err(WireError::Peer(msg));
+                }
+            }
+        }
+    }
     stream.send(Kind::Ready, 0, &[])?;
     let shared = Arc::new(Shared { loc: Mutex::new(vec![ZERO_SERVER; pages]), base: adopt.guest.addr as usize, pulled: AtomicU64::new(0), replaced: AtomicU64::new(0) });
     let nservers = spec.servers.len();

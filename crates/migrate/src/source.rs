@@ -263,9 +263,13 @@ impl Run<'_> {
         );
         // Round 1: every page with data, straight to where it is planned.
         let all: Vec<u64> = (0..snap.location.len() as u64).filter(|p| snap.location[*p as usize] != Location::Zero).collect();
+        let info: Vec<(Location, u8)> = all.iter().map(|&p| (snap.location[p as usize], snap.history[p as usize])).collect();
+        let servers = snap.servers.clone();
+        drop(snap);
         let t1 = Instant::now();
         self.progress.set_phase("round 1");
-        self.round(1, &all, &snap)?;
+        self.round(1, &all, &info, &servers)?;
+        drop((all, info));
         let round1_secs = t1.elapsed().as_secs_f64();
         let round1_bytes = self.bytes_main + self.bytes_subs.iter().sum::<u64>();
         // Later rounds: what changed meanwhile, until it is small or stops shrinking.
@@ -276,8 +280,8 @@ impl Run<'_> {
             rounds += 1;
             prev = changed.len() as u64;
             self.progress.set_phase(&format!("round {rounds}"));
-            let snap = region.snapshot().ok_or_else(|| MigrateError::Other("the region's pager did not answer".into()))?;
-            self.round(rounds, &changed, &snap)?;
+            let info = region.page_info(changed.clone()).ok_or_else(|| MigrateError::Other("the region's pager did not answer".into()))?;
+            self.round(rounds, &changed, &info, &servers)?;
             changed = region.take_changed();
         }
         // Stop and copy.
@@ -295,9 +299,9 @@ impl Run<'_> {
         last.sort_unstable();
         last.dedup();
         rounds += 1;
-        let snap = region.snapshot().ok_or_else(|| MigrateError::Other("the region's pager did not answer".into()))?;
+        let info = region.page_info(last.clone()).ok_or_else(|| MigrateError::Other("the region's pager did not answer".into()))?;
         let last_pages = last.len();
-        self.round(rounds, &last, &snap)?;
+        self.round(rounds, &last, &info, &servers)?;
         let t_copy = Instant::now();
         let final_copy_ms = (t_copy - td - t_sum).as_secs_f64() * 1e3 - pause_ms;
         self.stream.send_json(Kind::Commit, &serde_json::json!({}))?;
@@ -351,17 +355,19 @@ impl Run<'_> {
     /// Send `pages` (sorted) where they belong: data for the main host on
     /// the stream, data for sub-hosts as PUTs to their memory servers (in
     /// parallel), locations on the stream once the PUTs are acknowledged.
-    fn round(&mut self, n: usize, pages: &[u64], snap: &Snapshot) -> Result<(), MigrateError> {
+    /// `info[i]`: location and history of `pages[i]`; server indexes refer to `servers`.
+    fn round(&mut self, n: usize, pages: &[u64], info: &[(Location, u8)], servers: &[String]) -> Result<(), MigrateError> {
         let cp = self.plan.chunk_pages;
         let mut main = Vec::new();
         let mut located: Vec<(u64, u16)> = Vec::new();
         let mut sub: Vec<Vec<u64>> = vec![Vec::new(); self.subs.len()];
-        for &p in pages {
-            match snap.location[p as usize] {
+        let mut main_hist = Vec::new();
+        for (&p, &(loc, h)) in pages.iter().zip(info) {
+            match loc {
                 // Never touched: the destination starts with zeros.
                 Location::Zero => continue,
                 Location::Remote(s) => {
-                    let i = self.servers.iter().position(|x| *x == snap.servers[s]).unwrap_or(s);
+                    let i = self.servers.iter().position(|x| *x == servers[s]).unwrap_or(s);
                     located.push((p, i as u16));
                     continue;
                 }
@@ -372,7 +378,10 @@ impl Run<'_> {
             }
             self.sent[p as usize] = true;
             match self.plan.target[p as usize / cp] {
-                MAIN => main.push(p),
+                MAIN => {
+                    main.push(p);
+                    main_hist.push(h);
+                }
                 t => sub[(t - SUB0) as usize].push(p),
             }
         }
@@ -389,7 +398,7 @@ impl Run<'_> {
         let fd = self.region.memfd().as_raw_fd();
         let rid = self.region.region_id;
         let (progress, cancel) = (self.progress, self.cancel);
-        let hist = &snap.history;
+        let hist = &main_hist;
         let stream = &mut self.stream;
         let subs_addr: Vec<String> = self.o.subs.iter().map(|s| s.addr.clone()).collect();
         let results: Vec<Result<u64, MigrateError>> = std::thread::scope(|sc| {
@@ -477,16 +486,19 @@ impl Run<'_> {
     }
 }
 
+/// `hist[i]` is the history of `pages[i]`.
 fn send_main(stream: &mut Stream, fd: i32, pages: &[u64], hist: &[u8], progress: &Progress, cancel: &AtomicBool) -> Result<u64, MigrateError> {
     let mut buf = vec![0u8; MAX_PAGES * PAGE];
     let mut bytes = 0u64;
+    let mut at = 0;
     for (first, count) in runs(pages, MAX_PAGES) {
         if cancel.load(Relaxed) {
             return Err(MigrateError::Cancelled);
         }
         let data = &mut buf[..count * PAGE];
         pread_pages(fd, first, data).map_err(|e| MigrateError::Other(format!("reading the region: {e}")))?;
-        let h = &hist[first as usize..first as usize + count];
+        let h = &hist[at..at + count];
+        at += count;
         stream.send(Kind::Pages, first, &[h, data])?;
         bytes += (16 + count + count * PAGE) as u64;
         progress.bytes_main.fetch_add((count * PAGE) as u64, Relaxed);
@@ -504,6 +516,11 @@ fn put_pages(c: &mut Conn, addr: &str, region: u64, fd: i32, pages: &[u64], prog
     let mut bytes = 0u64;
     for (k, (first, count)) in runs(pages, MAX_BATCH_PAGES).enumerate() {
         if cancel.load(Relaxed) {
+            // Let the server finish what it has (so the abort's delete
+            // comes after every stored page), then stop.
+            while let Some((id, _)) = inflight.pop_front() {
+                c.recv_put(id).map_err(err)?;
+            }
             return Err(MigrateError::Cancelled);
         }
         if inflight.len() == WINDOW {

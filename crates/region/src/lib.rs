@@ -103,6 +103,9 @@ pub struct Adopt {
     pub memfd: Arc<OwnedFd>,
     pub guest: Arc<Mapping>,
     pub history: Vec<u8>,
+    /// Connections to the region's servers made ahead (during the
+    /// migration, not in its downtime): (address, connection).
+    pub conns: Mutex<Vec<(String, pagefleet_client::Conn)>>,
 }
 
 impl std::fmt::Debug for Adopt {
@@ -117,7 +120,7 @@ impl Adopt {
         let memfd = uffd::memfd(name, size)?;
         let guest = Mapping::shared(memfd.as_raw_fd(), size as usize)?;
         guest.madvise(0, guest.len, libc::MADV_NOHUGEPAGE)?;
-        Ok(Adopt { memfd: Arc::new(memfd), guest: Arc::new(guest), history: vec![0; (size as usize).div_ceil(PAGE)] })
+        Ok(Adopt { memfd: Arc::new(memfd), guest: Arc::new(guest), history: vec![0; (size as usize).div_ceil(PAGE)], conns: Mutex::new(Vec::new()) })
     }
 }
 
@@ -159,6 +162,8 @@ pub(crate) enum Command {
     TrackDirty(bool, std::sync::mpsc::Sender<()>),
     TakeDirty(std::sync::mpsc::Sender<Vec<u64>>),
     Snapshot(std::sync::mpsc::Sender<Snapshot>),
+    /// Location and history of the given pages only.
+    Pages(Vec<u64>, std::sync::mpsc::Sender<Vec<(Location, u8)>>),
     /// Pause (true) or resume balancing and sampling: faults are still served.
     Hold(bool, std::sync::mpsc::Sender<()>),
     /// Move every page on server `from` to server `to` (added if new).
@@ -374,6 +379,13 @@ impl Region {
     /// The location DB and access history, consistent at one instant.
     pub fn snapshot(&self) -> Option<Snapshot> {
         self.ask(Command::Snapshot)
+    }
+
+    /// Location and access history of `pages` only (cheaper than a full
+    /// snapshot when few pages matter, e.g. a migration's last round).
+    /// Server indexes refer to the full snapshot's `servers`.
+    pub fn page_info(&self, pages: Vec<u64>) -> Option<Vec<(Location, u8)>> {
+        self.ask(|tx| Command::Pages(pages, tx))
     }
 
     /// The memfd backing the region (for handing to another runtime).

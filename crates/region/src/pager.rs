@@ -100,8 +100,20 @@ impl Pager {
         let mut free = Vec::new();
         if let Some(secret) = &cfg.secret {
             for a in &cfg.servers {
-                let opts = ConnectOptions { name: format!("{}-pager", cfg.name), window: 4, ..Default::default() };
-                let mut c = Conn::connect(a, secret, &opts)?;
+                let ready = cfg.adopt.as_ref().and_then(|ad| {
+                    let mut v = ad.conns.lock().unwrap();
+                    v.iter().position(|(x, _)| x == a).map(|i| v.swap_remove(i).1)
+                });
+                let mut c = match ready {
+                    Some(mut c) => {
+                        c.set_window(4);
+                        c
+                    }
+                    None => {
+                        let opts = ConnectOptions { name: format!("{}-pager", cfg.name), window: 4, ..Default::default() };
+                        Conn::connect(a, secret, &opts)?
+                    }
+                };
                 // Page-ins are on the guest's critical path: spin for the
                 // reply rather than sleep through a wake-up.
                 c.set_spin(Duration::from_micros(60));
@@ -369,16 +381,18 @@ impl Pager {
                 self.evicting = false;
                 let _ = reply.send(());
             }
-            Command::Snapshot(reply) => {
-                let location = self
-                    .state
+            Command::Pages(pages, reply) => {
+                let v = pages
                     .iter()
-                    .map(|s| match *s {
-                        ZERO => Location::Zero,
-                        LOCAL => Location::Local,
-                        r => Location::Remote((r - REMOTE) as usize),
+                    .map(|&p| {
+                        let p = (p as usize).min(self.state.len() - 1);
+                        (self.location(p), self.hist[p] | (self.refb[p] << 7))
                     })
                     .collect();
+                let _ = reply.send(v);
+            }
+            Command::Snapshot(reply) => {
+                let location = (0..self.state.len()).map(|p| self.location(p)).collect();
                 let history = self.hist.iter().zip(&self.refb).map(|(h, r)| h | (r << 7)).collect();
                 let _ = reply.send(Snapshot {
                     region_id: self.region_id,
@@ -388,6 +402,14 @@ impl Pager {
                     history,
                 });
             }
+        }
+    }
+
+    fn location(&self, p: usize) -> Location {
+        match self.state[p] {
+            ZERO => Location::Zero,
+            LOCAL => Location::Local,
+            r => Location::Remote((r - REMOTE) as usize),
         }
     }
 
