@@ -155,9 +155,13 @@ impl Load {
             let mut v = Vec::new();
             let mut last = 0;
             let mut k = 1;
-            while !stop2.load(Relaxed) {
+            loop {
                 let until = start + Duration::from_millis(100 * k);
                 std::thread::sleep(until.saturating_duration_since(Instant::now()));
+                // Only whole intervals: the one cut short by stop() is dropped.
+                if stop2.load(Relaxed) {
+                    break;
+                }
                 let n = c2.ops.load(Relaxed);
                 v.push((n - last) as f64 * 10.0);
                 last = n;

@@ -37,8 +37,11 @@ enum Cmd {
     /// Talk to a memory server.
     #[command(subcommand)]
     Memserver(MemserverCmd),
-    /// Run the main demo on an embedded default (today: the memory-server benchmark).
-    Demo(BenchOpts),
+    /// The main demo (root; a few minutes): a 4-host testbed, a kv guest under
+    /// client load split-migrates onto a host with memory for half of it plus
+    /// a sub-host, pages there, and is gathered back; prints the reports and
+    /// writes a throughput-over-time plot.
+    Demo(DemoOpts),
     /// Run a native guest (synthetic, sort, kv) on a region paging to memory servers.
     ///
     /// Example: pagefleet run synthetic --size 2GiB --budget 50% --servers 127.0.0.1:7070
@@ -150,6 +153,31 @@ struct BenchOpts {
     /// bench migration: link rates to measure migration time on (10gbit,1gbit).
     #[arg(long, value_delimiter = ',')]
     links: Vec<pagefleet_testbed::Link>,
+}
+
+#[derive(Args, Clone)]
+struct DemoOpts {
+    /// Guest size.
+    #[arg(long, default_value = "1GiB", value_parser = units::parse_size)]
+    size: u64,
+    /// Seconds of each phase (before, after the split x2, after the gather).
+    #[arg(long, default_value_t = 6)]
+    phase: u64,
+    /// Directory for demo.json and demo.png.
+    #[arg(long, default_value = "bench-results")]
+    out: PathBuf,
+}
+
+fn demo(o: DemoOpts) -> Result<()> {
+    use pagefleet_bench::demo;
+    if o.size < 64 << 20 {
+        bail!("--size must be at least 64MiB");
+    }
+    let opts = demo::Opts { size: o.size / (64 << 10) * (64 << 10), out_dir: o.out, phase_secs: o.phase.max(2) };
+    let mut log = |m: &str| eprintln!("  .. {m}");
+    let r = demo::run(&opts, &mut log)?;
+    demo::print(&r, &mut std::io::stdout())?;
+    Ok(())
 }
 
 #[derive(Subcommand)]
@@ -300,7 +328,8 @@ fn main() {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
-        Cmd::Bench(BenchCmd::Memserver(o)) | Cmd::Demo(o) => bench_memserver(o),
+        Cmd::Bench(BenchCmd::Memserver(o)) => bench_memserver(o),
+        Cmd::Demo(o) => demo(o),
         Cmd::Bench(BenchCmd::RawServer) => memserver::raw_server_main(),
         Cmd::Bench(BenchCmd::Paging(o)) => bench_paging(o),
         Cmd::Bench(BenchCmd::Migration(o)) => bench_migration(o),

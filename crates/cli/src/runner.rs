@@ -27,23 +27,80 @@ pub struct Service {
 
 impl Service {
     pub fn claim(&self) -> Result<()> {
-        let out = std::process::Command::new("ip").args(["addr", "add", &format!("{}/32", self.ip), "dev", &self.dev]).output()?;
-        if !out.status.success() && !String::from_utf8_lossy(&out.stderr).contains("File exists") {
-            bail!("cannot add service address {}: {}", self.ip, String::from_utf8_lossy(&out.stderr).trim());
-        }
-        // Tell the neighbours at once (gratuitous ARP), so clients need not
-        // wait for their caches to time out.
-        if let Err(e) = gratuitous_arp(&self.dev, &self.ip) {
-            eprintln!("warning: gratuitous ARP for {} on {}: {e}", self.ip, self.dev);
-        }
+        addr_change(&self.dev, &self.ip, true).with_context(|| format!("cannot add service address {} on {}", self.ip, self.dev))?;
+        // Tell the neighbours (gratuitous ARP) so clients need not wait for
+        // their caches to time out; off the critical path of a migration.
+        let (dev, ip) = (self.dev.clone(), self.ip.clone());
+        std::thread::spawn(move || {
+            if let Err(e) = gratuitous_arp(&dev, &ip) {
+                eprintln!("warning: gratuitous ARP for {ip} on {dev}: {e}");
+            }
+        });
         Ok(())
     }
     pub fn release(&self) {
-        let _ = std::process::Command::new("ip")
-            .args(["addr", "del", &format!("{}/32", self.ip), "dev", &self.dev])
-            .stderr(std::process::Stdio::null())
-            .status();
+        if let Err(e) = addr_change(&self.dev, &self.ip, false) {
+            eprintln!("warning: removing service address {}: {e:#}", self.ip);
+        }
     }
+}
+
+/// Add or remove `ip`/32 on `dev` over rtnetlink (no `ip` process: this
+/// runs inside a migration's downtime). Adding an address that is there,
+/// or removing one that is not, is not an error.
+fn addr_change(dev: &str, ip: &str, add: bool) -> Result<()> {
+    let ip: std::net::Ipv4Addr = ip.parse().context("service address must be IPv4")?;
+    let name = std::ffi::CString::new(dev)?;
+    // SAFETY: plain syscalls on buffers we own; the fd is closed below.
+    unsafe {
+        let index = libc::if_nametoindex(name.as_ptr());
+        if index == 0 {
+            bail!("no device {dev}");
+        }
+        let fd = libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, libc::NETLINK_ROUTE);
+        if fd < 0 {
+            bail!("netlink socket: {}", std::io::Error::last_os_error());
+        }
+        // nlmsghdr (16) + ifaddrmsg (8) + IFA_LOCAL (8) + IFA_ADDRESS (8)
+        let mut m = Vec::with_capacity(40);
+        let flags = (libc::NLM_F_REQUEST | libc::NLM_F_ACK) as u16 | if add { (libc::NLM_F_CREATE | libc::NLM_F_EXCL) as u16 } else { 0 };
+        m.extend_from_slice(&40u32.to_ne_bytes());
+        m.extend_from_slice(&(if add { libc::RTM_NEWADDR } else { libc::RTM_DELADDR }).to_ne_bytes());
+        m.extend_from_slice(&flags.to_ne_bytes());
+        m.extend_from_slice(&1u32.to_ne_bytes());
+        m.extend_from_slice(&0u32.to_ne_bytes());
+        m.extend_from_slice(&[libc::AF_INET as u8, 32, 0, 0]);
+        m.extend_from_slice(&index.to_ne_bytes());
+        for ty in [libc::IFA_LOCAL, libc::IFA_ADDRESS] {
+            m.extend_from_slice(&8u16.to_ne_bytes());
+            m.extend_from_slice(&ty.to_ne_bytes());
+            m.extend_from_slice(&ip.octets());
+        }
+        let mut sa: libc::sockaddr_nl = std::mem::zeroed();
+        sa.nl_family = libc::AF_NETLINK as u16;
+        let sent = libc::sendto(fd, m.as_ptr().cast(), m.len(), 0, (&sa as *const libc::sockaddr_nl).cast(), std::mem::size_of::<libc::sockaddr_nl>() as u32);
+        if sent < 0 {
+            let e = std::io::Error::last_os_error();
+            libc::close(fd);
+            bail!("netlink send: {e}");
+        }
+        let mut buf = [0u8; 512];
+        let n = libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), 0);
+        libc::close(fd);
+        if n < 36 {
+            bail!("netlink: short reply");
+        }
+        // NLMSG_ERROR carries an errno (0: the ack).
+        let ty = u16::from_ne_bytes([buf[4], buf[5]]);
+        if ty == libc::NLMSG_ERROR as u16 {
+            let errno = -i32::from_ne_bytes([buf[16], buf[17], buf[18], buf[19]]);
+            let benign = if add { libc::EEXIST } else { libc::EADDRNOTAVAIL };
+            if errno != 0 && errno != benign {
+                bail!("{}", std::io::Error::from_raw_os_error(errno));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Broadcast a gratuitous ARP (a request for our own address) on `dev`, a

@@ -56,14 +56,18 @@ pub fn choose(hosts: &[HostInfo], source: usize, size_pages: u64, data_pages: u6
             }
             s.to_vec()
         }
-        None if rest == 0 => Vec::new(),
+        // The whole guest fits: no sub-host needed.
+        None if main_pages >= size_pages => Vec::new(),
         None => {
             let mut c: Vec<usize> = (0..hosts.len()).filter(|&h| h != source && h != main && cap(h) > 0).collect();
             c.sort_by_key(|&h| (std::cmp::Reverse(cap(h)), h));
             let mut got = 0;
             let mut out = Vec::new();
+            // At least one sub-host even when the data fits now: the guest
+            // may grow into pages it has not touched yet, which must have
+            // somewhere to go.
             for h in c {
-                if got >= rest {
+                if got >= rest && !out.is_empty() {
                     break;
                 }
                 got += cap(h);
@@ -73,6 +77,9 @@ pub fn choose(hosts: &[HostInfo], source: usize, size_pages: u64, data_pages: u6
         }
     };
     let total: u64 = chosen.iter().map(|&h| cap(h)).sum();
+    if main_pages < size_pages && chosen.is_empty() {
+        return Err(format!("{} keeps {} of the guest's {} pages and no other host lends memory for the rest", hosts[main].name, main_pages, size_pages));
+    }
     if total < rest {
         return Err(format!(
             "not enough memory: {} pages to place beyond the main host {} ({} pages free), sub-hosts can take {}",
@@ -82,21 +89,23 @@ pub fn choose(hosts: &[HostInfo], source: usize, size_pages: u64, data_pages: u6
     Ok(Choice { main, main_pages, subs: chosen.into_iter().map(|h| (h, cap(h))).collect() })
 }
 
-/// Integrated migration: one host takes every page with data.
+/// Integrated migration: one host takes the whole guest (memory for all of
+/// it, so it never pages again).
 pub fn choose_whole(hosts: &[HostInfo], source: usize, size_pages: u64, data_pages: u64, to: Option<usize>) -> Result<Choice, String> {
-    let fits = |h: usize| hosts[h].guest_free / 4096 >= data_pages;
+    let _ = data_pages;
+    let fits = |h: usize| hosts[h].guest_free / 4096 >= size_pages;
     let main = match to {
         Some(m) if m == source => return Err(format!("{} already runs the guest (its main part); gather it onto another host", hosts[m].name)),
         Some(m) if !fits(m) => {
-            return Err(format!("{} has {} pages of guest memory free, the guest has {} pages of data", hosts[m].name, hosts[m].guest_free / 4096, data_pages))
+            return Err(format!("{} has {} pages of guest memory free, the guest needs {}", hosts[m].name, hosts[m].guest_free / 4096, size_pages))
         }
         Some(m) => m,
         None => (0..hosts.len())
             .filter(|&h| h != source && fits(h))
             .max_by_key(|&h| (hosts[h].guest_free, std::cmp::Reverse(h)))
-            .ok_or_else(|| format!("no host has room for all {data_pages} pages of the guest"))?,
+            .ok_or_else(|| format!("no host has room for all {size_pages} pages of the guest"))?,
     };
-    Ok(Choice { main, main_pages: size_pages.min(hosts[main].guest_free / 4096), subs: Vec::new() })
+    Ok(Choice { main, main_pages: size_pages, subs: Vec::new() })
 }
 
 #[cfg(test)]
@@ -126,6 +135,17 @@ mod tests {
     }
 
     #[test]
+    fn a_main_host_smaller_than_the_guest_always_gets_a_sub_host() {
+        // The data fits the main host, but not the guest's full size.
+        let hosts = [h("src", 0, Some(0)), h("a", 5000, Some(0)), h("b", 0, Some(100)), h("c", 0, Some(300))];
+        let c = choose(&hosts, 0, 8000, 4000, None, None).unwrap();
+        assert_eq!((c.main, c.main_pages), (1, 5000));
+        assert_eq!(c.subs, vec![(3, 300)]);
+        let lonely = [h("src", 0, None), h("a", 5000, None)];
+        assert!(choose(&lonely, 0, 8000, 4000, None, None).unwrap_err().contains("no other host lends"));
+    }
+
+    #[test]
     fn whole_guest_fits_no_subs() {
         let hosts = [h("src", 0, None), h("a", 9000, Some(100))];
         let c = choose(&hosts, 0, 8000, 8000, None, None).unwrap();
@@ -135,9 +155,10 @@ mod tests {
     #[test]
     fn gather_needs_one_host_for_everything() {
         let hosts = [h("src", 0, Some(0)), h("a", 1000, None), h("b", 5000, None)];
-        let c = choose_whole(&hosts, 0, 6000, 4000, None).unwrap();
-        assert_eq!((c.main, c.main_pages, c.subs.len()), (2, 5000, 0));
-        assert!(choose_whole(&hosts, 0, 6000, 4000, Some(1)).unwrap_err().contains("free"));
+        let c = choose_whole(&hosts, 0, 4500, 4000, None).unwrap();
+        assert_eq!((c.main, c.main_pages, c.subs.len()), (2, 4500, 0));
+        assert!(choose_whole(&hosts, 0, 6000, 4000, None).is_err());
+        assert!(choose_whole(&hosts, 0, 4500, 4000, Some(1)).unwrap_err().contains("free"));
         assert!(choose_whole(&hosts, 0, 9000, 9000, None).is_err());
     }
 
