@@ -75,3 +75,44 @@ fn bench_paging_quick_json_has_rows_faults_and_goals() {
     }
     let _ = std::fs::remove_dir_all(&out_dir);
 }
+
+/// The migration benchmark runs end to end on a small guest (testbed, all
+/// three destinations, idle and rewriting guests, the sort and kv
+/// experiments) and lists every goal with its measured value.
+#[test]
+fn bench_migration_quick_json_has_rows_and_goals() {
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: the testbed needs root (CI runs as root)");
+        return;
+    }
+    let out_dir = std::env::temp_dir().join(format!("pagefleet-bench-migration-smoke-{}", std::process::id()));
+    let out = Command::new(env!("CARGO_BIN_EXE_pagefleet"))
+        .args(["bench", "migration", "--quick", "--json", "--dataset", "128MiB", "--out"])
+        .arg(&out_dir)
+        .output()
+        .expect("run pagefleet bench migration");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "bench failed: {stderr}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stdout is one JSON object");
+    let time = v["time"].as_array().unwrap();
+    assert_eq!(time.len(), 6, "2 workloads x 3 destinations");
+    for r in time {
+        assert!(r["total_secs"].as_f64().unwrap() > 0.0 && r["downtime_ms"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    let sort = v["sort"].as_array().unwrap();
+    assert_eq!(sort.len(), 4);
+    assert!(sort.iter().all(|s| s["sorted"] == true), "a sort came out wrong: {sort:?}");
+    let kv = v["kv"].as_array().unwrap();
+    assert_eq!(kv.len(), 3);
+    for k in kv {
+        assert_eq!(k["bad_values"], 0, "{k}");
+        assert_eq!(k["misses"], 0, "{k}");
+    }
+    let goals = v["goals"].as_array().unwrap();
+    assert!(goals.len() >= 10, "{goals:?}");
+    for g in goals {
+        let (val, tgt) = (g["value"].as_f64().unwrap_or(f64::NAN), g["target"].as_f64().unwrap());
+        assert_eq!(g["met"].as_bool().unwrap(), if g["cmp"] == ">=" { val >= tgt } else { val <= tgt }, "goal verdict inconsistent: {g}");
+    }
+    let _ = std::fs::remove_dir_all(&out_dir);
+}
