@@ -8,7 +8,8 @@ CARGO ?= cargo
 # Debian packages: memcached is the peer page store in the memory-server
 # benchmark and libmemcached-tools the real clients of the kv guest;
 # python3-venv hosts the plotting environment; iproute2 builds the testbed;
-# util-linux has mkswap/swapon/setpriv for the swap baselines and tests.
+# util-linux has mkswap/swapon/setpriv for the swap baselines and tests and
+# nsenter for the testbed.
 APT_PKGS := build-essential pkg-config python3 python3-venv memcached libmemcached-tools iproute2 util-linux
 VENV := .venv
 FUZZ_SECONDS ?= 30
@@ -60,11 +61,14 @@ fuzz-smoke:
 	set -o pipefail; cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run proto_decode corpus/proto_decode -- \
 	  -max_total_time=$$(( $(FUZZ_SECONDS) / 2 )) -print_final_stats=1 2>&1 | tail -n 12
 
+# The split-migration demo on a 4-host testbed (root: network namespaces).
 demo: build
 	./target/release/pagefleet demo
 
+# make bench BENCH=memserver|paging|migration
+BENCH ?= memserver
 bench: build
-	./target/release/pagefleet bench memserver
+	./target/release/pagefleet bench $(BENCH)
 
 clean:
 	$(CARGO) clean
