@@ -541,17 +541,25 @@ pub fn run_incoming(listen: &str, control: PathBuf, budget_pages: Option<u64>, s
     std::io::stdout().flush()?;
     l.set_nonblocking(true)?;
     let t = Instant::now();
-    let s = loop {
+    // The first connection that proves the cluster secret is the migration;
+    // anything else (a port scan, a wrong secret, garbage) is turned away.
+    let stream = loop {
         match l.accept() {
-            Ok((s, _)) => break s,
+            Ok((s, peer)) => {
+                s.set_nonblocking(false)?;
+                match dest::authenticate(s, &secret, Duration::from_secs(10)) {
+                    Ok(st) => break st,
+                    Err(e) => eprintln!("ignored a connection from {peer}: {e}"),
+                }
+            }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && t.elapsed() < timeout => std::thread::sleep(Duration::from_millis(20)),
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => bail!("no migration arrived within {timeout:?}"),
             Err(e) => return Err(e.into()),
         }
     };
-    s.set_nonblocking(false)?;
+    stream.set_timeout(Some(Duration::from_secs(60)));
     let progress = dest::Progress::default();
-    let received = dest::receive(s, &secret, Duration::from_secs(60), &progress).context("incoming migration")?;
+    let received = dest::receive(stream, &secret, &progress).context("incoming migration")?;
     let (here, remote) = received.counts();
     eprintln!("received {} pages, {} located on servers; building the region", here, remote);
     let mut committed = received.commit(&secret, |c| {

@@ -174,6 +174,15 @@ mod tests {
     }
 
     #[test]
+    fn the_packaged_config_parses() {
+        let f = FileConfig::parse(include_str!("../../../packaging/pagefleetd.toml")).unwrap();
+        let s = merge(f, Flags::default()).unwrap();
+        assert_eq!(s.lend, Some(4 << 30));
+        assert_eq!(s.guest_memory, Some(16 << 30));
+        assert_eq!(s.peers.len(), 2);
+    }
+
+    #[test]
     fn bad_config_is_a_clear_error() {
         let e = FileConfig::parse("[memserver]\nlendd = \"1GiB\"\n").unwrap_err().to_string();
         assert!(e.contains("lendd"), "{e}");

@@ -99,6 +99,26 @@ impl Guests {
         self.map.lock().unwrap().len()
     }
 
+    /// Prometheus text for the guest host service.
+    pub fn metrics(&self) -> String {
+        let (n, incoming, used) = {
+            let m = self.map.lock().unwrap();
+            (m.len(), m.values().filter(|e| e.incoming).count(), m.values().map(|e| e.budget_pages).sum::<u64>())
+        };
+        format!(
+            "# HELP pagefleet_guest_memory_bytes Memory this host gives guests (sum of budgets allowed).\n\
+             # TYPE pagefleet_guest_memory_bytes gauge\npagefleet_guest_memory_bytes {}\n\
+             # HELP pagefleet_guest_budget_bytes Sum of the budgets of the guests here.\n\
+             # TYPE pagefleet_guest_budget_bytes gauge\npagefleet_guest_budget_bytes {}\n\
+             # HELP pagefleet_guests Runners on this host (incoming: waiting for a migration).\n\
+             # TYPE pagefleet_guests gauge\npagefleet_guests{{state=\"running\"}} {}\npagefleet_guests{{state=\"incoming\"}} {}\n",
+            self.cfg.memory,
+            used * 4096,
+            n - incoming,
+            incoming
+        )
+    }
+
     fn spawn(self: &Arc<Guests>, name: &str, mut cmd: Command, budget_pages: u64, incoming: bool, ready: &str, cgroup: Option<PathBuf>) -> Result<String, Response> {
         let control = self.cfg.dir.join(format!("{name}.sock"));
         let log = std::fs::File::create(self.cfg.dir.join(format!("{name}.log"))).map_err(|e| Response::error(500, e))?;

@@ -199,7 +199,13 @@ fn run() -> Result<()> {
                     ("GET", "/metrics") => Response::Full {
                         status: 200,
                         ctype: "text/plain; version=0.0.4",
-                        body: st.as_ref().map(|s| metrics::render(s)).unwrap_or_default(),
+                        body: {
+                            let mut b = st.as_ref().map(|s| metrics::render(s)).unwrap_or_default();
+                            if let Some(g) = &guests {
+                                b.push_str(&g.metrics());
+                            }
+                            b
+                        },
                     },
                     ("GET", "/host") => Response::json(200, &serde_json::to_value(report()).unwrap_or_default()),
                     ("GET", "/cluster") => {

@@ -26,6 +26,89 @@ pub struct Progress {
     pub round: AtomicU64,
 }
 
+/// A pipe sized for one PAGES message, for splicing socket data into the memfd.
+struct Pipe {
+    r: std::os::fd::OwnedFd,
+    w: std::os::fd::OwnedFd,
+}
+
+impl Pipe {
+    fn new() -> std::io::Result<Pipe> {
+        use std::os::fd::FromRawFd;
+        let mut fds = [0i32; 2];
+        // SAFETY: plain syscalls; the fds are owned below.
+        unsafe {
+            if libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            let p = Pipe { r: std::os::fd::OwnedFd::from_raw_fd(fds[0]), w: std::os::fd::OwnedFd::from_raw_fd(fds[1]) };
+            // Best effort: a bigger pipe means fewer splice calls.
+            libc::fcntl(fds[1], libc::F_SETPIPE_SZ, (MAX_PAGES * PAGE) as i32);
+            Ok(p)
+        }
+    }
+}
+
+/// Map the pages of `range` (a page-aligned part of the guest mapping) that
+/// are in memory. Pages the kernel already swapped out (a destination in a
+/// memory cgroup) stay unmapped: faulting them back in here could only
+/// push the cgroup over its limit.
+fn map_resident(range: &mut [u8]) {
+    let n = range.len() / PAGE;
+    let mut vec = [0u8; MAX_PAGES];
+    // SAFETY: mincore/madvise on a range of our own mapping.
+    unsafe {
+        if libc::mincore(range.as_mut_ptr().cast(), range.len(), vec.as_mut_ptr()) != 0 {
+            return;
+        }
+        let mut i = 0;
+        while i < n {
+            if vec[i] & 1 == 0 {
+                i += 1;
+                continue;
+            }
+            let j = (i..n).find(|&k| vec[k] & 1 == 0).unwrap_or(n);
+            libc::madvise(range.as_mut_ptr().add(i * PAGE).cast(), (j - i) * PAGE, 23 /* MADV_POPULATE_WRITE */);
+            i = j;
+        }
+    }
+}
+
+/// Move `len` bytes from the socket into the file at `off` through the pipe.
+fn splice_in(p: &mut Pipe, sock: i32, file: i32, off: u64, len: usize) -> Result<(), WireError> {
+    let mut done = 0usize;
+    while done < len {
+        // SAFETY: plain syscalls on descriptors we hold.
+        let n = unsafe { libc::splice(sock, std::ptr::null_mut(), p.w.as_raw_fd(), std::ptr::null_mut(), len - done, libc::SPLICE_F_MOVE | libc::SPLICE_F_MORE) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(WireError::Io(e));
+        }
+        if n == 0 {
+            return Err(WireError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+        }
+        let mut m = 0usize;
+        while m < n as usize {
+            let mut o = (off as usize + done + m) as i64;
+            // SAFETY: as above; `o` is the file offset to write at.
+            let k = unsafe { libc::splice(p.r.as_raw_fd(), std::ptr::null_mut(), file, &mut o, n as usize - m, libc::SPLICE_F_MOVE) };
+            if k < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(WireError::Io(e));
+            }
+            m += k as usize;
+        }
+        done += n as usize;
+    }
+    Ok(())
+}
+
 /// A migration received up to its COMMIT.
 pub struct Received {
     // Declared first, so dropped first: the pullers stop writing into the
@@ -116,10 +199,17 @@ fn start_puller(server: usize, addr: String, region: u64, secret: Secret, sh: Ar
 /// Accept one migration on `s`: authenticate, receive until COMMIT. The
 /// guest's memory exists only in this process until then; dropping the
 /// result (or an error) discards it.
-pub fn receive(s: std::net::TcpStream, secret: &Secret, io_timeout: Duration, progress: &Progress) -> Result<Received, WireError> {
+/// The first step of an incoming migration: a connection that proves the
+/// cluster secret (a stranger's connection fails here and can be ignored).
+pub fn authenticate(s: std::net::TcpStream, secret: &Secret, io_timeout: Duration) -> Result<Stream, WireError> {
     let mut stream = Stream::new(s);
     stream.set_timeout(Some(io_timeout));
     stream.accept_auth(secret)?;
+    Ok(stream)
+}
+
+/// Receive an authenticated migration until COMMIT.
+pub fn receive(mut stream: Stream, secret: &Secret, progress: &Progress) -> Result<Received, WireError> {
     let spec: Spec = serde_json::from_value(stream.expect_json(Kind::Spec)?).map_err(|e| WireError::Malformed(format!("SPEC: {e}")))?;
     if spec.size == 0 || !spec.size.is_multiple_of(PAGE as u64) || spec.size > (1u64 << 46) {
         let _ = stream.send(Kind::Error, 0, &[b"bad region size"]);
@@ -154,6 +244,7 @@ pub fn receive(s: std::net::TcpStream, secret: &Secret, io_timeout: Duration, pr
     let mut r = Received { pullers: Pullers((0..nservers).map(|_| None).collect()), spec, stream, adopt, shared, secret: secret.clone() };
     let gather = r.spec.gather;
     let mut tmp = vec![0u8; MAX_PAGES * PAGE];
+    let mut pipe = Pipe::new().map_err(WireError::Io)?;
     loop {
         let h = r.stream.header()?;
         match h.kind {
@@ -183,8 +274,12 @@ pub fn receive(s: std::net::TcpStream, secret: &Secret, io_timeout: Duration, pr
                     }
                     dst.copy_from_slice(&tmp[..count * PAGE]);
                 } else {
-                    // Straight into the guest memory (mapping it as it goes).
-                    r.stream.read_exact(dst)?;
+                    // Socket -> pipe -> memfd: one copy, and shmem does not
+                    // zero pages it allocates for whole-page writes (a fault
+                    // on the mapping would). Then map them in the guest
+                    // mapping so the resumed guest takes no fault on them.
+                    splice_in(&mut pipe, r.stream.s.as_raw_fd(), r.adopt.memfd.as_raw_fd(), (first * PAGE) as u64, count * PAGE)?;
+                    map_resident(dst);
                     r.shared.loc.lock().unwrap()[first..first + count].fill(HERE);
                 }
                 progress.pages.fetch_add(count as u64, Relaxed);
@@ -318,7 +413,23 @@ impl Received {
         };
         tweak(&mut cfg);
         let (pulled, replaced) = (self.shared.pulled.load(Relaxed), self.shared.replaced.load(Relaxed));
-        let Received { spec, mut stream, adopt, .. } = self;
+        let resident = {
+            let loc = self.shared.loc.lock().unwrap();
+            let mut runs = Vec::new();
+            let mut i = 0;
+            while i < loc.len() {
+                if loc[i] == HERE || loc[i] == PULLED {
+                    let j = (i..loc.len()).find(|&k| loc[k] != HERE && loc[k] != PULLED).unwrap_or(loc.len());
+                    runs.push((i as u64, (j - i) as u64));
+                    i = j;
+                } else {
+                    i += 1;
+                }
+            }
+            runs
+        };
+        let Received { spec, mut stream, mut adopt, .. } = self;
+        adopt.resident = Some(resident);
         cfg.adopt = Some(Arc::new(adopt));
         let region = match Region::new(cfg) {
             Ok(r) => r,

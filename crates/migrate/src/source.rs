@@ -184,7 +184,11 @@ pub fn migrate(region: &Region, guest: &dyn Guest, o: &Options, progress: &Progr
         }
     }
     let caps: Vec<u64> = o.subs.iter().map(|s| s.pages).collect();
-    let planned = plan::plan(&snap, o.main_pages, &caps);
+    // A main host that cannot hold the whole guest is filled only to its
+    // pager's low watermark: it resumes without having to evict at once.
+    let pages = region.pages();
+    let main_cap = if o.main_pages >= pages { o.main_pages } else { o.main_pages - pagefleet_region::paging_slack(o.main_pages, o.dest_chunk.unwrap_or(region.chunk_pages)).min(o.main_pages) };
+    let planned = plan::plan(&snap, main_cap, &caps);
     let plan = match planned {
         Ok(p) => p,
         Err(e) => {

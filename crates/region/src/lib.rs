@@ -33,6 +33,14 @@ use std::time::Duration;
 
 pub const PAGE: usize = 4096;
 
+/// The pager keeps resident pages between `budget - slack` and
+/// `budget - slack/2` once over them (watermarks). A migration fills a
+/// main host only up to `budget - slack`, so the guest does not resume
+/// in the middle of an eviction.
+pub fn paging_slack(budget_pages: u64, chunk_pages: usize) -> u64 {
+    (chunk_pages as u64 * 4).max(budget_pages / 32)
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Policy {
     /// One reference bit per page, OR-accumulated; chunk hotness = sum of bits.
@@ -106,6 +114,9 @@ pub struct Adopt {
     /// Connections to the region's servers made ahead (during the
     /// migration, not in its downtime): (address, connection).
     pub conns: Mutex<Vec<(String, pagefleet_client::Conn)>>,
+    /// The pages with data, as (first, count) runs, when the filler knows
+    /// them (SEEK_DATA over a large memfd costs milliseconds of downtime).
+    pub resident: Option<Vec<(u64, u64)>>,
 }
 
 impl std::fmt::Debug for Adopt {
@@ -120,7 +131,7 @@ impl Adopt {
         let memfd = uffd::memfd(name, size)?;
         let guest = Mapping::shared(memfd.as_raw_fd(), size as usize)?;
         guest.madvise(0, guest.len, libc::MADV_NOHUGEPAGE)?;
-        Ok(Adopt { memfd: Arc::new(memfd), guest: Arc::new(guest), history: vec![0; (size as usize).div_ceil(PAGE)], conns: Mutex::new(Vec::new()) })
+        Ok(Adopt { memfd: Arc::new(memfd), guest: Arc::new(guest), history: vec![0; (size as usize).div_ceil(PAGE)], conns: Mutex::new(Vec::new()), resident: None })
     }
 }
 

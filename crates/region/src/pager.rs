@@ -131,8 +131,16 @@ impl Pager {
         let mut resident = 0u64;
         if let Some(a) = &cfg.adopt {
             // Received pages are the memfd's data ranges.
-            for (lo, hi) in uffd::data_ranges(a.memfd.as_raw_fd(), guest.len as u64).map_err(|source| RegionError::Io { what: "SEEK_DATA on the adopted memfd", source })? {
-                for q in (lo / PAGE as u64) as usize..(hi.div_ceil(PAGE as u64) as usize).min(pages) {
+            let runs: Vec<(u64, u64)> = match &a.resident {
+                Some(r) => r.clone(),
+                None => uffd::data_ranges(a.memfd.as_raw_fd(), guest.len as u64)
+                    .map_err(|source| RegionError::Io { what: "SEEK_DATA on the adopted memfd", source })?
+                    .into_iter()
+                    .map(|(lo, hi)| (lo / PAGE as u64, hi.div_ceil(PAGE as u64) - lo / PAGE as u64))
+                    .collect(),
+            };
+            for (first, count) in runs {
+                for q in first as usize..((first + count) as usize).min(pages) {
                     state[q] = LOCAL;
                     chunk_res[q / cfg.chunk_pages] += 1;
                     resident += 1;
@@ -674,7 +682,7 @@ impl Pager {
         // Watermarks: start evicting half a slack below the budget, stop a
         // slack below it; evict in small batches between fault batches so a
         // fault never waits behind a long eviction.
-        let slack = (self.cp as u64 * 4).max(budget / 32);
+        let slack = crate::paging_slack(budget, self.cp);
         let high = budget.saturating_sub(slack / 2);
         let low = budget.saturating_sub(slack);
         if self.resident > high {
