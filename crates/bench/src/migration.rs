@@ -63,6 +63,8 @@ pub struct TimeRow {
     pub pages_sent_twice: u64,
     pub round1_mb_per_s: f64,
     pub report: Value,
+    /// Why this configuration has no figures (it failed; the others still ran).
+    pub error: Option<String>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -73,6 +75,7 @@ pub struct SortRow {
     pub page_ins: u64,
     pub sorted: bool,
     pub migration_secs: f64,
+    pub error: Option<String>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -89,6 +92,7 @@ pub struct KvRow {
     pub bad_values: u64,
     pub misses: u64,
     pub downtime_ms: f64,
+    pub error: Option<String>,
 }
 
 #[derive(Debug, Serialize)]
@@ -209,7 +213,13 @@ fn time_experiment(o: &Opts, link: Link, log: Log<'_>, rows: &mut Vec<TimeRow>, 
             wait_filled(&l, "m1", pages)?;
             // Let the access history settle (a few sampling sweeps).
             std::thread::sleep(Duration::from_secs(if o.quick { 1 } else { 3 }));
-            let (r, sd) = migrate_to(&l, o, "m1", dest, &[])?;
+            let (r, err, sd) = match migrate_to(&l, o, "m1", dest, &[]) {
+                Ok((r, sd)) => (r, None, sd),
+                Err(e) => {
+                    log(&format!("  FAILED: {e:#}"));
+                    (Value::Null, Some(format!("{e:#}")), None)
+                }
+            };
             stop_guest(&l, "m1")?;
             drop(sd);
             let r1 = r["round1_bytes"].as_f64().unwrap_or(0.0) / r["round1_secs"].as_f64().unwrap_or(1.0).max(1e-9);
@@ -228,6 +238,7 @@ fn time_experiment(o: &Opts, link: Link, log: Log<'_>, rows: &mut Vec<TimeRow>, 
                 pages_sent_twice: r["pages_sent_twice"].as_u64().unwrap_or(0),
                 round1_mb_per_s: r1 / 1e6,
                 report: r,
+                error: err,
             });
         }
     }
@@ -248,12 +259,21 @@ fn sort_experiment(o: &Opts, log: Log<'_>, rows: &mut Vec<SortRow>) -> Result<()
         wait_filled(&l, "s1", pages)?;
         // The running sort's accesses become the access history.
         std::thread::sleep(Duration::from_secs(if o.quick { 2 } else { 5 }));
-        let (r, sd) = migrate_to(&l, o, "s1", dest, &[])?;
-        let (h, _) = l.guest("s1").context("s1 vanished after migrating")?;
-        let s = l.post(h, "/guests/s1/sort", &json!({}), Duration::from_secs(3600))?;
-        if let Some(e) = s["error"].as_str() {
-            bail!("sort: {e}");
-        }
+        let res = migrate_to(&l, o, "s1", dest, &[]).and_then(|(r, sd)| {
+            let (h, _) = l.guest("s1").context("s1 vanished after migrating")?;
+            let s = l.post(h, "/guests/s1/sort", &json!({}), Duration::from_secs(3600))?;
+            if let Some(e) = s["error"].as_str() {
+                bail!("sort: {e}");
+            }
+            Ok((r, s, sd))
+        });
+        let (r, s, err, sd) = match res {
+            Ok((r, s, sd)) => (r, s, None, sd),
+            Err(e) => {
+                log(&format!("  FAILED: {e:#}"));
+                (Value::Null, Value::Null, Some(format!("{e:#}")), None)
+            }
+        };
         stop_guest(&l, "s1")?;
         drop(sd);
         rows.push(SortRow {
@@ -263,6 +283,7 @@ fn sort_experiment(o: &Opts, log: Log<'_>, rows: &mut Vec<SortRow>) -> Result<()
             page_ins: s["page_ins"].as_u64().unwrap_or(0),
             sorted: s["sorted"].as_bool().unwrap_or(false),
             migration_secs: r["total_secs"].as_f64().unwrap_or(f64::NAN),
+            error: err,
         });
     }
     Ok(())
@@ -302,7 +323,13 @@ fn kv_experiment(o: &Opts, log: Log<'_>, rows: &mut Vec<KvRow>) -> Result<()> {
         let load = kvload::Load::start(&spec);
         std::thread::sleep(Duration::from_secs(o.kv_before));
         let t0 = load.now();
-        let (r, sd) = migrate_to(&l, o, "k1", dest, &[])?;
+        let (r, merr, sd) = match migrate_to(&l, o, "k1", dest, &[]) {
+            Ok((r, sd)) => (r, None, sd),
+            Err(e) => {
+                log(&format!("  FAILED: {e:#}"));
+                (Value::Null, Some(format!("{e:#}")), None)
+            }
+        };
         let t1 = load.now();
         std::thread::sleep(Duration::from_secs(o.kv_after));
         let c = load.counters.clone();
@@ -330,6 +357,7 @@ fn kv_experiment(o: &Opts, log: Log<'_>, rows: &mut Vec<KvRow>) -> Result<()> {
             bad_values: c.bad_values.load(Relaxed),
             misses: c.misses.load(Relaxed),
             downtime_ms: r["downtime_ms"].as_f64().unwrap_or(f64::NAN),
+            error: merr,
         });
     }
     Ok(())
@@ -363,6 +391,7 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
 
 fn goals(r: &Report) -> Vec<Goal> {
     let mut g = Vec::new();
+    // A failed configuration yields NaN figures: its goals show as not met.
     let find = |link: &str, w: &str, d: &str| r.time.iter().find(|x| x.link == link && x.workload == w && x.dest == d);
     let mut links: Vec<&str> = r.time.iter().map(|x| x.link.as_str()).collect();
     links.dedup();
@@ -407,6 +436,10 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
         writeln!(out, "migration of a {} guest (S-memV Figs. 8-10)", crate::fmt_bytes(r.size_bytes))?;
         writeln!(out, "{:<7} {:<8} {:<7} {:>9} {:>11} {:>7} {:>10} {:>12}", "link", "guest", "dest", "time s", "downtime ms", "rounds", "resent pg", "round1 MB/s")?;
         for x in &r.time {
+            if let Some(e) = &x.error {
+                writeln!(out, "{:<7} {:<8} {:<7} FAILED: {e}", x.link, x.workload, x.dest)?;
+                continue;
+            }
             writeln!(
                 out,
                 "{:<7} {:<8} {:<7} {:>9.2} {:>11.1} {:>7} {:>10} {:>12.0}",
@@ -418,6 +451,10 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
         writeln!(out, "\npost-migration sort of 40% of the guest (S-memV Fig. 11)")?;
         writeln!(out, "{:<13} {:>8} {:>9} {:>10} {:>7}", "dest", "history", "sort s", "page-ins", "sorted")?;
         for x in &r.sort {
+            if let Some(e) = &x.error {
+                writeln!(out, "{:<13} FAILED: {e}", x.dest)?;
+                continue;
+            }
             writeln!(out, "{:<13} {:>8} {:>9.2} {:>10} {:>7}", x.dest, x.history, x.sort_secs, x.page_ins, x.sorted)?;
         }
     }
@@ -425,6 +462,9 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
         writeln!(out, "\nkv throughput across the migration (S-memV Fig. 12)")?;
         writeln!(out, "{:<7} {:>12} {:>12} {:>7} {:>12} {:>11} {:>7}", "dest", "before op/s", "after op/s", "after%", "recovery s", "downtime ms", "errors")?;
         for x in &r.kv {
+            if let Some(e) = &x.error {
+                writeln!(out, "{:<7} FAILED: {e}", x.dest)?;
+            }
             writeln!(
                 out,
                 "{:<7} {:>12.0} {:>12.0} {:>6.0}% {:>12} {:>11.1} {:>7}",

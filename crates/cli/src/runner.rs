@@ -542,21 +542,30 @@ pub fn run_incoming(listen: &str, control: PathBuf, budget_pages: Option<u64>, s
     l.set_nonblocking(true)?;
     let t = Instant::now();
     // The first connection that proves the cluster secret is the migration;
-    // anything else (a port scan, a wrong secret, garbage) is turned away.
+    // anything else (a port scan, a wrong secret, garbage, a connection that
+    // says nothing) is turned away, each in its own thread so none delays it.
+    let (tx, rx) = std::sync::mpsc::channel();
     let stream = loop {
+        if let Ok(st) = rx.try_recv() {
+            break st;
+        }
         match l.accept() {
             Ok((s, peer)) => {
                 s.set_nonblocking(false)?;
-                match dest::authenticate(s, &secret, Duration::from_secs(10)) {
-                    Ok(st) => break st,
+                let (tx, secret) = (tx.clone(), secret.clone());
+                std::thread::spawn(move || match dest::authenticate(s, &secret, Duration::from_secs(10)) {
+                    Ok(st) => {
+                        let _ = tx.send(st);
+                    }
                     Err(e) => eprintln!("ignored a connection from {peer}: {e}"),
-                }
+                });
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && t.elapsed() < timeout => std::thread::sleep(Duration::from_millis(20)),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && t.elapsed() < timeout => std::thread::sleep(Duration::from_millis(5)),
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => bail!("no migration arrived within {timeout:?}"),
             Err(e) => return Err(e.into()),
         }
     };
+    drop(l);
     stream.set_timeout(Some(Duration::from_secs(60)));
     let progress = dest::Progress::default();
     let received = dest::receive(stream, &secret, &progress).context("incoming migration")?;

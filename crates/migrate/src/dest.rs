@@ -49,6 +49,29 @@ impl Pipe {
     }
 }
 
+/// Whether this process's memory is capped by a (v1 or v2) memory cgroup.
+fn memcg_limited() -> bool {
+    let cg = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    for line in cg.lines() {
+        let mut f = line.splitn(3, ':');
+        let (_, ctrl, path) = (f.next(), f.next().unwrap_or(""), f.next().unwrap_or(""));
+        let limit = if ctrl.split(',').any(|c| c == "memory") {
+            std::fs::read_to_string(format!("/sys/fs/cgroup/memory{path}/memory.limit_in_bytes"))
+        } else if ctrl.is_empty() {
+            std::fs::read_to_string(format!("/sys/fs/cgroup{path}/memory.max"))
+        } else {
+            continue;
+        };
+        if let Ok(l) = limit {
+            let l = l.trim();
+            if l != "max" && l.parse::<u64>().is_ok_and(|v| v < 1 << 60) {
+                return true;
+            }
+        }
+    }
+    false
+}
+
 /// Map the pages of `range` (a page-aligned part of the guest mapping) that
 /// are in memory. Pages the kernel already swapped out (a destination in a
 /// memory cgroup) stay unmapped: faulting them back in here could only
@@ -245,6 +268,7 @@ pub fn receive(mut stream: Stream, secret: &Secret, progress: &Progress) -> Resu
     let gather = r.spec.gather;
     let mut tmp = vec![0u8; MAX_PAGES * PAGE];
     let mut pipe = Pipe::new().map_err(WireError::Io)?;
+    let limited = memcg_limited();
     loop {
         let h = r.stream.header()?;
         match h.kind {
@@ -278,8 +302,15 @@ pub fn receive(mut stream: Stream, secret: &Secret, progress: &Progress) -> Resu
                     // zero pages it allocates for whole-page writes (a fault
                     // on the mapping would). Then map them in the guest
                     // mapping so the resumed guest takes no fault on them.
-                    splice_in(&mut pipe, r.stream.s.as_raw_fd(), r.adopt.memfd.as_raw_fd(), (first * PAGE) as u64, count * PAGE)?;
-                    map_resident(dst);
+                    if limited {
+                        // In a memory cgroup at its limit a write() into
+                        // shmem that cannot reclaim fast enough gets the
+                        // process OOM-killed; a page fault waits for reclaim.
+                        r.stream.read_exact(dst)?;
+                    } else {
+                        splice_in(&mut pipe, r.stream.s.as_raw_fd(), r.adopt.memfd.as_raw_fd(), (first * PAGE) as u64, count * PAGE)?;
+                        map_resident(dst);
+                    }
                     r.shared.loc.lock().unwrap()[first..first + count].fill(HERE);
                 }
                 progress.pages.fetch_add(count as u64, Relaxed);

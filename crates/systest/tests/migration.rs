@@ -361,3 +361,63 @@ fn evacuating_sub_host_and_main_host_under_load_keeps_every_value() {
     assert_eq!(c.bad_values.load(Relaxed), 0, "wrong values served");
     assert_eq!(c.misses.load(Relaxed), 0, "keys lost");
 }
+
+/// The destination's migration port is reachable by anyone in the cluster
+/// network: garbage, a wrong secret and a half-open connection arriving
+/// first are turned away, and the real migration still goes through.
+#[test]
+fn strangers_on_the_migration_port_do_not_stop_a_migration() {
+    if !is_root() {
+        eprintln!("skipped: the testbed needs root (CI runs as root)");
+        return;
+    }
+    let _s = serial();
+    let l = lab("stg", 3, Link::Gbit10, 256 * MIB, &[256 * MIB, 64 * MIB, 0]);
+    let (ok, _, err) = l.pf(0, &["guest", "start", "s1", "--on", "h1", "--size", "96MiB", "--", "synthetic", "--prefill", "--write-frac", "0.5", "--rate", "200000"]);
+    assert!(ok, "{err}");
+    std::thread::sleep(Duration::from_secs(2));
+    let inc = l.post(1, "/incoming", &json!({"name": "s1", "budget_pages": 16384}), Duration::from_secs(10)).expect("incoming");
+    let addr = inc["migrate_addr"].as_str().unwrap().to_string();
+    // From h3: garbage, a wrong secret, and a connection that says nothing.
+    let a2 = addr.clone();
+    let idle = l
+        .lab
+        .spawn_in(2, move || {
+            use std::io::Write;
+            let mut g = std::net::TcpStream::connect(&a2).unwrap();
+            let _ = g.write_all(b"GET / HTTP/1.1\r\n\r\nthis is not a migration stream at all...........");
+            drop(g);
+            let wrong = pagefleet_proto::auth::Secret::from_bytes(b"definitely-not-the-cluster-secret", "test").unwrap();
+            let s = std::net::TcpStream::connect(&a2).unwrap();
+            let r = pagefleet_migrate::wire::Stream::new(s).connect_auth(&wrong);
+            assert!(r.is_err(), "a wrong secret was accepted");
+            std::net::TcpStream::connect(&a2).unwrap()
+        })
+        .join()
+        .unwrap()
+        .unwrap();
+    // The real migration, through the source host's daemon.
+    let body = json!({"to": addr, "subs": [{"addr": l.lab.hosts[2].addr, "pages": 65536}], "main_pages": 16384, "verify": true});
+    let http = l.lab.hosts[0].http();
+    let report = l
+        .lab
+        .spawn_in(0, move || {
+            let mut rep = None;
+            pagefleet_daemon::http::post_stream(&http, "/guests/s1/migrate", &body, Duration::from_secs(60), |v| {
+                if v.get("report").is_some() || v.get("error").is_some() {
+                    rep = Some(v);
+                }
+            })
+            .unwrap();
+            rep
+        })
+        .join()
+        .unwrap()
+        .unwrap()
+        .expect("no report");
+    drop(idle);
+    let r = &report["report"];
+    assert!(!r.is_null(), "migration failed: {report}");
+    assert_eq!(r["checksum_source"], r["checksum_dest"], "{r}");
+    assert_runs(&l, "s1", 1);
+}
