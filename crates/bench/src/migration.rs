@@ -87,7 +87,7 @@ pub struct KvRow {
     pub migrate_end: f64,
     pub before_ops: f64,
     pub after_ops: f64,
-    /// From the resume until the 1-s average is back to 90% of before (None: never).
+    /// From the resume until the 0.5-s average is back to 90% of before (None: never).
     pub recovery_secs: Option<f64>,
     pub bad_values: u64,
     pub misses: u64,
@@ -289,9 +289,9 @@ fn sort_experiment(o: &Opts, log: Log<'_>, rows: &mut Vec<SortRow>) -> Result<()
     Ok(())
 }
 
-/// Throughput back to 90% of `before` (1-s moving average) after `from` seconds.
+/// Throughput back to 90% of `before` (0.5-s moving average) after `from` seconds.
 pub fn recovery(timeline: &[f64], interval: f64, from: f64, before: f64) -> Option<f64> {
-    let w = (1.0 / interval).round() as usize;
+    let w = (0.5 / interval).round() as usize;
     let start = (from / interval).floor() as usize;
     (start..timeline.len().saturating_sub(w - 1)).find(|&i| timeline[i..i + w].iter().sum::<f64>() / w as f64 >= 0.9 * before).map(|i| ((i + w) as f64 * interval - from).max(0.0))
 }
@@ -488,13 +488,13 @@ mod tests {
     use super::recovery;
 
     #[test]
-    fn recovery_is_the_first_full_second_back_at_90_percent() {
+    fn recovery_is_the_first_half_second_back_at_90_percent() {
         // 100 ms samples: 10 before at 100, a dip, then back at 95 from t=2.0 s.
         let mut tl = vec![100.0; 10];
         tl.extend(vec![10.0; 10]);
         tl.extend(vec![95.0; 20]);
         let r = recovery(&tl, 0.1, 1.0, 100.0).unwrap();
-        assert!((r - 2.0).abs() < 1e-9, "{r}");
+        assert!((r - 1.5).abs() < 1e-9, "{r}");
         assert_eq!(recovery(&[10.0; 30], 0.1, 1.0, 100.0), None);
     }
 }

@@ -86,8 +86,8 @@ pub enum Workload {
         seed: u64,
     },
     /// The S-memV sort experiment as a hosted guest (pagefleet guest start
-    /// ... -- sortjob): records fill --sort-frac of the memory, other data
-    /// the rest; it scans its records until asked to sort (control op `sort`).
+    /// ... -- sortjob): records fill the last --sort-frac of the memory,
+    /// other data the rest; it scans its records until asked to sort (control op `sort`).
     Sortjob {
         #[arg(long, default_value_t = 0.5)]
         sort_frac: f64,

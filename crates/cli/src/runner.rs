@@ -174,7 +174,7 @@ struct Running {
 }
 
 /// The S-memV sort experiment as a hosted guest: 100-byte records fill the
-/// first part of the memory, other data the rest. Before a migration it
+/// last part of the memory, other data the rest. Before a migration it
 /// keeps scanning its records (building the access history the split
 /// uses), unless told not to; `sort` (a control op) sorts them and times it.
 pub struct SortJob {
@@ -188,8 +188,11 @@ impl SortJob {
     fn start(mem: Mem, spec: &Value, incoming: bool) -> Arc<SortJob> {
         let frac = spec["sort_frac"].as_f64().unwrap_or(0.5).clamp(0.01, 1.0);
         let rec_bytes = ((mem.len as f64 * frac) as usize) / 4096 * 4096;
+        // The records sit at the end: a placement by address alone (no
+        // history) keeps the other data and sends the records away.
+        let other = mem.len - rec_bytes;
         // SAFETY: a sub-range of the region.
-        let records = unsafe { Mem::new(mem.base, rec_bytes) };
+        let records = unsafe { Mem::new(mem.base.add(other), rec_bytes) };
         let job = Arc::new(SortJob { records, stop_warm: AtomicBool::new(false), warm: Mutex::new(None), ready: AtomicBool::new(incoming) });
         if incoming {
             return job;
@@ -199,7 +202,7 @@ impl SortJob {
         let j = job.clone();
         let h = std::thread::spawn(move || {
             let fill_other = || {
-                for off in (rec_bytes..mem.len).step_by(4096) {
+                for off in (0..other).step_by(4096) {
                     mem.write_u64(off, off as u64 | 1);
                 }
             };

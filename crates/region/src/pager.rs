@@ -148,8 +148,15 @@ impl Pager {
             }
             for (q, h) in a.history.iter().enumerate() {
                 match cfg.policy {
-                    Policy::Clock => refb[q] = h >> 7,
+                    Policy::Clock => hist[q] = h & 1,
                     Policy::Aging => hist[q] = *h,
+                }
+                // Placed here because they ranked hottest: every resident
+                // page starts referenced, so eviction gives each chunk a
+                // full second chance before calling it cold (the history
+                // that came along is a sample, not a full picture).
+                if state[q] == LOCAL {
+                    refb[q] = 1;
                 }
             }
         }
@@ -484,9 +491,35 @@ impl Pager {
                 if self.tracking && f.write {
                     self.mark(p);
                 }
-                match self.uffd.continue_mode(self.addr(p), PAGE as u64, wp) {
+                // Map the whole run of resident pages of this chunk that the
+                // sampler unmapped, not just this page: one sampling fault
+                // per touched chunk instead of one per page (placement and
+                // eviction rank chunks), so the same CPU budget samples
+                // many more chunks. Pages of the run the guest then touches
+                // set no bits of their own: the chunk already counts as used.
+                let lo = p / self.cp * self.cp;
+                let (mut a, mut b) = (p, p + 1);
+                while a > lo && self.state[a - 1] == LOCAL {
+                    a -= 1;
+                }
+                while b < lo + self.cp && self.state[b] == LOCAL {
+                    b += 1;
+                }
+                // While tracking changes a write maps only its own page
+                // writable (and marks it); a read maps the run protected.
+                let whole = if b - a > 1 && !(self.tracking && f.write) {
+                    self.uffd.continue_mode(self.addr(a), ((b - a) * PAGE) as u64, wp)
+                } else {
+                    Ok(Fill::Exists)
+                };
+                match whole {
                     Ok(Fill::Done) => {}
-                    Ok(Fill::Exists) => self.wake(p),
+                    // Part of the run was mapped already: just this page.
+                    Ok(Fill::Exists) => match self.uffd.continue_mode(self.addr(p), PAGE as u64, wp) {
+                        Ok(Fill::Done) => {}
+                        Ok(Fill::Exists) => self.wake(p),
+                        Err(e) => self.internal(p, e.to_string()),
+                    },
                     Err(e) => self.internal(p, e.to_string()),
                 }
             }
