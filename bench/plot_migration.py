@@ -55,7 +55,7 @@ def main(src, dst):
         t = [i * 0.1 - x["migrate_start"] for i in range(len(tl))]
         # 1-s moving average for readability
         sm = [sum(tl[max(0, i - 9):i + 1]) / len(tl[max(0, i - 9):i + 1]) for i in range(len(tl))]
-        ax.plot(t, sm, color=COLORS.get(x["dest"], "grey"), label=f"{x['dest']} (recovery {x['recovery_secs'] if x['recovery_secs'] is not None else 'never'} s)")
+        ax.plot(t, sm, color=COLORS.get(x["dest"], "grey"), label=f"{x['dest']} (recovery {x['recovery_secs']:.1f} s)" if x["recovery_secs"] is not None else f"{x['dest']} (never recovered)")
         ax.axvspan(0, x["migrate_end"] - x["migrate_start"], color=COLORS.get(x["dest"], "grey"), alpha=0.08)
     if r["kv"]:
         ax.axvline(0, color="grey", ls=":")
