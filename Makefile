@@ -10,7 +10,8 @@ CARGO ?= cargo
 # python3-venv hosts the plotting environment; iproute2 builds the testbed;
 # util-linux has mkswap/swapon/setpriv for the swap baselines and tests and
 # nsenter for the testbed.
-APT_PKGS := build-essential pkg-config python3 python3-venv memcached libmemcached-tools iproute2 util-linux
+APT_PKGS := build-essential pkg-config python3 python3-venv memcached libmemcached-tools iproute2 util-linux \
+            qemu-utils libnbd-bin nbdkit fio
 VENV := .venv
 FUZZ_SECONDS ?= 30
 

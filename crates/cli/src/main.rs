@@ -86,6 +86,9 @@ enum Cmd {
     /// bridge, links shaped with tc tbf, one pagefleetd per host (root only).
     #[command(subcommand)]
     Testbed(TestbedCmd),
+    /// DMPS: several memory servers as one remote block device (NBD).
+    #[command(subcommand)]
+    Blockdev(BlockdevCmd),
     /// A runner waiting for an incoming migration (pagefleetd starts it; internal).
     #[command(hide = true)]
     RunnerIncoming {
@@ -153,6 +156,76 @@ struct BenchOpts {
     /// bench migration: link rates to measure migration time on (10gbit,1gbit).
     #[arg(long, value_delimiter = ',')]
     links: Vec<pagefleet_testbed::Link>,
+}
+
+#[derive(Subcommand)]
+enum BlockdevCmd {
+    /// Export the memory servers as one NBD device until interrupted (its
+    /// blocks are deleted on exit). Layout linear (DMPS eq. 1: the servers'
+    /// spaces concatenated) or stripe; --mirror keeps every block on two
+    /// servers and reads from either.
+    ///
+    /// Example: pagefleet blockdev serve --servers 127.0.0.1:7070,127.0.0.1:7080 --size 1GiB --listen 127.0.0.1:10809
+    ///          qemu-img info nbd://127.0.0.1:10809
+    Serve {
+        #[arg(long, value_delimiter = ',', required = true)]
+        servers: Vec<String>,
+        #[arg(long, value_parser = units::parse_size)]
+        size: u64,
+        #[arg(long, default_value = "linear", value_parser = ["linear", "stripe"])]
+        layout: String,
+        /// Stripe unit (a multiple of 4 KiB).
+        #[arg(long, default_value = "128KiB", value_parser = units::parse_size)]
+        stripe_unit: u64,
+        #[arg(long)]
+        mirror: bool,
+        /// HOST:PORT or unix:PATH.
+        #[arg(long, default_value = "127.0.0.1:10809")]
+        listen: String,
+        /// Export name (clients may also ask for "").
+        #[arg(long, default_value = "pagefleet")]
+        name: String,
+    },
+}
+
+fn blockdev(c: BlockdevCmd, secret_file: Option<&std::path::Path>) -> Result<()> {
+    let BlockdevCmd::Serve { servers, size, layout, stripe_unit, mirror, listen, name } = c;
+    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::new(std::env::var("PAGEFLEET_LOG").unwrap_or_else(|_| "warn".into()))).with_writer(std::io::stderr).init();
+    let secret = Secret::resolve(secret_file)?;
+    let o = pagefleet_blockdev::Options { servers, size, stripe: (layout == "stripe").then_some(stripe_unit), mirror, listen, name };
+    // Interrupt and terminate end the export cleanly: blocked here, waited for below.
+    // SAFETY: signal mask manipulation before any thread starts.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+    }
+    let dev = std::sync::Arc::new(pagefleet_blockdev::Device::open(&o, secret)?);
+    let l = pagefleet_blockdev::Listener::bind(&o.listen)?;
+    println!("listening {}", l.describe());
+    eprintln!("{} bytes: {}", o.size, dev.export.description);
+    use std::io::Write;
+    std::io::stdout().flush()?;
+    let d2 = dev.clone();
+    std::thread::spawn(move || {
+        let _ = d2.serve(l);
+    });
+    // SAFETY: waiting for the blocked signals.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        let mut sig = 0;
+        libc::sigwait(&set, &mut sig);
+    }
+    dev.delete();
+    if let Some(p) = o.listen.strip_prefix("unix:") {
+        let _ = std::fs::remove_file(p);
+    }
+    Ok(())
 }
 
 #[derive(Args, Clone)]
@@ -335,6 +408,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Bench(BenchCmd::Migration(o)) => bench_migration(o),
         Cmd::Run(a) => run::run(a, cli.secret_file.as_deref()),
         Cmd::Testbed(t) => testbed(t),
+        Cmd::Blockdev(b) => blockdev(b, cli.secret_file.as_deref()),
         Cmd::RunnerIncoming { listen, control, budget_pages, service_dev, timeout } => {
             let secret = Secret::resolve(cli.secret_file.as_deref())?;
             runner::run_incoming(&listen, control, budget_pages, service_dev, secret, std::time::Duration::from_secs(timeout))

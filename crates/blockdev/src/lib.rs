@@ -1,0 +1,128 @@
+//! DMPS (distributed memory paging system): several memory servers
+//! aggregated into one virtual block device, exported over NBD so Linux,
+//! QEMU and every storage tool can use it (as swap, or as a disk).
+
+pub mod backend;
+pub mod layout;
+pub mod nbd;
+
+use anyhow::{bail, Context, Result};
+use backend::{Shared, BLOCK};
+use pagefleet_client::{ConnectOptions, Conn};
+use pagefleet_proto::auth::Secret;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+#[derive(Clone, Debug)]
+pub struct Options {
+    pub servers: Vec<String>,
+    pub size: u64,
+    /// Stripe unit in bytes (None: linear, DMPS eq. (1)).
+    pub stripe: Option<u64>,
+    pub mirror: bool,
+    /// HOST:PORT or unix:PATH.
+    pub listen: String,
+    pub name: String,
+}
+
+/// Where the export listens.
+pub enum Listener {
+    Tcp(std::net::TcpListener),
+    Unix(std::os::unix::net::UnixListener, std::path::PathBuf),
+}
+
+impl Listener {
+    pub fn bind(spec: &str) -> Result<Listener> {
+        Ok(match spec.strip_prefix("unix:") {
+            Some(p) => {
+                let _ = std::fs::remove_file(p);
+                Listener::Unix(std::os::unix::net::UnixListener::bind(p).with_context(|| format!("cannot listen on {p}"))?, p.into())
+            }
+            None => Listener::Tcp(std::net::TcpListener::bind(spec).with_context(|| format!("cannot listen on {spec}"))?),
+        })
+    }
+    pub fn describe(&self) -> String {
+        match self {
+            Listener::Tcp(l) => l.local_addr().map(|a| a.to_string()).unwrap_or_default(),
+            Listener::Unix(_, p) => format!("unix:{}", p.display()),
+        }
+    }
+    fn accept(&self) -> std::io::Result<Box<dyn nbd::Io>> {
+        Ok(match self {
+            Listener::Tcp(l) => {
+                let (s, _) = l.accept()?;
+                let _ = s.set_nodelay(true);
+                Box::new(s)
+            }
+            Listener::Unix(l, _) => Box::new(l.accept()?.0),
+        })
+    }
+}
+
+/// A device ready to serve: connected to its servers, its layout fixed.
+pub struct Device {
+    pub shared: Arc<Shared>,
+    pub export: nbd::Export,
+}
+
+impl Device {
+    pub fn open(o: &Options, secret: Secret) -> Result<Device> {
+        if o.size == 0 || o.size % BLOCK as u64 != 0 {
+            bail!("--size must be a positive multiple of 4096 bytes");
+        }
+        let mut cap = Vec::new();
+        for s in &o.servers {
+            let opts = ConnectOptions { name: "pagefleet-blockdev".into(), ..Default::default() };
+            let c = Conn::connect(s, &secret, &opts).with_context(|| format!("memory server {s}"))?;
+            cap.push(c.info.capacity_pages.saturating_sub(c.info.used_pages));
+        }
+        let unit = match o.stripe {
+            Some(u) if u == 0 || u % BLOCK as u64 != 0 => bail!("--stripe-unit must be a positive multiple of 4096 bytes"),
+            Some(u) => Some(u / BLOCK as u64),
+            None => None,
+        };
+        let t = layout::Translator::new(&cap, o.size / BLOCK as u64, unit, o.mirror)?;
+        let region = pagefleet_proto::auth::random_u64() | 1;
+        let down = o.servers.iter().map(|_| AtomicBool::new(false)).collect();
+        let shared = Arc::new(Shared { t, region, servers: o.servers.clone(), secret, down });
+        let export = nbd::Export {
+            name: o.name.clone(),
+            description: format!(
+                "pagefleet DMPS device over {} memory server(s), {}{}",
+                o.servers.len(),
+                if unit.is_some() { "striped" } else { "linear" },
+                if o.mirror { ", mirrored" } else { "" }
+            ),
+            size: o.size,
+        };
+        Ok(Device { shared, export })
+    }
+
+    /// Serve clients until the listener fails; one thread per client.
+    pub fn serve(&self, l: Listener) -> Result<()> {
+        loop {
+            let c = match l.accept() {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!("accept: {e}");
+                    std::thread::sleep(std::time::Duration::from_millis(50));
+                    continue;
+                }
+            };
+            let (ex, sh) = (self.export.clone(), self.shared.clone());
+            std::thread::spawn(move || {
+                let _ = nbd::serve_client(c, &ex, sh);
+            });
+        }
+    }
+
+    /// Drop the device's blocks on every server.
+    pub fn delete(&self) {
+        for s in &self.shared.servers {
+            let opts = ConnectOptions { name: "pagefleet-blockdev".into(), ..Default::default() };
+            if let Err(e) = Conn::connect(s, &self.shared.secret, &opts).and_then(|mut c| c.delete_region(self.shared.region)) {
+                tracing::warn!("could not delete the device's blocks on {s}: {e}");
+            }
+        }
+    }
+}

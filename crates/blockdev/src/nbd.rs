@@ -1,0 +1,456 @@
+//! The NBD protocol (newstyle fixed handshake, simple and structured
+//! replies), as in the protocol document of the NBD project
+//! (github.com/NetworkBlockDevice/nbd, doc/proto.md).
+
+use crate::backend::{Backend, IoError, Shared, BLOCK};
+use std::io::{Read, Write};
+use std::net::Shutdown;
+use std::os::unix::net::UnixStream;
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use tracing::{debug, warn};
+
+pub const NBDMAGIC: u64 = 0x4e42_444d_4147_4943;
+pub const IHAVEOPT: u64 = 0x4948_4156_454F_5054;
+pub const REPLY_MAGIC: u64 = 0x0003_e889_0455_65a9;
+pub const REQUEST_MAGIC: u32 = 0x2560_9513;
+pub const SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
+pub const STRUCTURED_REPLY_MAGIC: u32 = 0x668e_33ef;
+
+pub const FLAG_FIXED_NEWSTYLE: u16 = 1;
+pub const FLAG_NO_ZEROES: u16 = 2;
+pub const FLAG_C_FIXED_NEWSTYLE: u32 = 1;
+pub const FLAG_C_NO_ZEROES: u32 = 2;
+
+pub const OPT_EXPORT_NAME: u32 = 1;
+pub const OPT_ABORT: u32 = 2;
+pub const OPT_LIST: u32 = 3;
+pub const OPT_INFO: u32 = 6;
+pub const OPT_GO: u32 = 7;
+pub const OPT_STRUCTURED_REPLY: u32 = 8;
+
+pub const REP_ACK: u32 = 1;
+pub const REP_SERVER: u32 = 2;
+pub const REP_INFO: u32 = 3;
+pub const REP_ERR_UNSUP: u32 = (1 << 31) + 1;
+pub const REP_ERR_INVALID: u32 = (1 << 31) + 3;
+pub const REP_ERR_UNKNOWN: u32 = (1 << 31) + 6;
+pub const REP_ERR_BLOCK_SIZE_REQD: u32 = (1 << 31) + 8;
+
+pub const INFO_EXPORT: u16 = 0;
+pub const INFO_NAME: u16 = 1;
+pub const INFO_DESCRIPTION: u16 = 2;
+pub const INFO_BLOCK_SIZE: u16 = 3;
+
+pub const TF_HAS_FLAGS: u16 = 1;
+pub const TF_SEND_FLUSH: u16 = 1 << 2;
+pub const TF_SEND_FUA: u16 = 1 << 3;
+pub const TF_SEND_TRIM: u16 = 1 << 5;
+pub const TF_SEND_WRITE_ZEROES: u16 = 1 << 6;
+pub const TF_CAN_MULTI_CONN: u16 = 1 << 8;
+
+pub const CMD_READ: u16 = 0;
+pub const CMD_WRITE: u16 = 1;
+pub const CMD_DISC: u16 = 2;
+pub const CMD_FLUSH: u16 = 3;
+pub const CMD_TRIM: u16 = 4;
+pub const CMD_WRITE_ZEROES: u16 = 6;
+pub const CMD_FLAG_NO_HOLE: u16 = 2;
+
+pub const REPLY_FLAG_DONE: u16 = 1;
+pub const REPLY_TYPE_NONE: u16 = 0;
+pub const REPLY_TYPE_OFFSET_DATA: u16 = 1;
+pub const REPLY_TYPE_ERROR: u16 = (1 << 15) + 1;
+
+pub const EIO: u32 = 5;
+pub const EINVAL: u32 = 22;
+pub const ENOSPC: u32 = 28;
+pub const EOVERFLOW: u32 = 75;
+pub const ENOTSUP: u32 = 95;
+
+/// Largest request payload accepted (and advertised).
+pub const MAX_PAYLOAD: u32 = 32 << 20;
+/// Largest option body accepted during the handshake.
+const MAX_OPTION: u32 = 64 << 10;
+/// Requests served in parallel per connection.
+const WORKERS: usize = 4;
+
+#[derive(Clone, Debug)]
+pub struct Export {
+    pub name: String,
+    pub description: String,
+    pub size: u64,
+}
+
+/// A client connection: TCP or Unix.
+pub trait Io: Read + Write + Send + 'static {
+    fn try_clone_box(&self) -> std::io::Result<Box<dyn Io>>;
+    fn close(&self);
+}
+
+impl Io for std::net::TcpStream {
+    fn try_clone_box(&self) -> std::io::Result<Box<dyn Io>> {
+        Ok(Box::new(self.try_clone()?))
+    }
+    fn close(&self) {
+        let _ = self.shutdown(Shutdown::Both);
+    }
+}
+
+impl Io for UnixStream {
+    fn try_clone_box(&self) -> std::io::Result<Box<dyn Io>> {
+        Ok(Box::new(self.try_clone()?))
+    }
+    fn close(&self) {
+        let _ = self.shutdown(Shutdown::Both);
+    }
+}
+
+fn rd<const N: usize>(r: &mut dyn Read) -> std::io::Result<[u8; N]> {
+    let mut b = [0u8; N];
+    r.read_exact(&mut b)?;
+    Ok(b)
+}
+
+fn opt_reply(w: &mut dyn Write, opt: u32, ty: u32, data: &[u8]) -> std::io::Result<()> {
+    let mut b = Vec::with_capacity(20 + data.len());
+    b.extend_from_slice(&REPLY_MAGIC.to_be_bytes());
+    b.extend_from_slice(&opt.to_be_bytes());
+    b.extend_from_slice(&ty.to_be_bytes());
+    b.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    b.extend_from_slice(data);
+    w.write_all(&b)
+}
+
+fn transmission_flags() -> u16 {
+    // Memory servers store a write before acknowledging it, so every
+    // connection sees every completed write: FLUSH and FUA are no-ops and
+    // several connections are safe.
+    TF_HAS_FLAGS | TF_SEND_FLUSH | TF_SEND_FUA | TF_SEND_TRIM | TF_SEND_WRITE_ZEROES | TF_CAN_MULTI_CONN
+}
+
+/// The handshake. Ok(Some(structured)) enters transmission; Ok(None): the
+/// client left (ABORT) or listed exports only.
+fn handshake(c: &mut dyn Io, ex: &Export) -> std::io::Result<Option<bool>> {
+    let mut hello = Vec::new();
+    hello.extend_from_slice(&NBDMAGIC.to_be_bytes());
+    hello.extend_from_slice(&IHAVEOPT.to_be_bytes());
+    hello.extend_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
+    c.write_all(&hello)?;
+    let cflags = u32::from_be_bytes(rd::<4>(c)?);
+    if cflags & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
+        return Err(std::io::Error::other(format!("unknown client flags {cflags:#x}")));
+    }
+    let no_zeroes = cflags & FLAG_C_NO_ZEROES != 0;
+    let mut structured = false;
+    loop {
+        let magic = u64::from_be_bytes(rd::<8>(c)?);
+        if magic != IHAVEOPT {
+            return Err(std::io::Error::other(format!("bad option magic {magic:#x}")));
+        }
+        let opt = u32::from_be_bytes(rd::<4>(c)?);
+        let len = u32::from_be_bytes(rd::<4>(c)?);
+        if len > MAX_OPTION {
+            return Err(std::io::Error::other(format!("option {opt} of {len} bytes")));
+        }
+        let mut data = vec![0u8; len as usize];
+        c.read_exact(&mut data)?;
+        match opt {
+            OPT_EXPORT_NAME => {
+                // Old-style: no way to refuse but to hang up.
+                if !data.is_empty() && data != ex.name.as_bytes() {
+                    return Err(std::io::Error::other("unknown export"));
+                }
+                let mut b = Vec::new();
+                b.extend_from_slice(&ex.size.to_be_bytes());
+                b.extend_from_slice(&transmission_flags().to_be_bytes());
+                if !no_zeroes {
+                    b.extend_from_slice(&[0u8; 124]);
+                }
+                c.write_all(&b)?;
+                return Ok(Some(false));
+            }
+            OPT_ABORT => {
+                let _ = opt_reply(c, opt, REP_ACK, &[]);
+                return Ok(None);
+            }
+            OPT_LIST => {
+                if !data.is_empty() {
+                    opt_reply(c, opt, REP_ERR_INVALID, b"LIST takes no data")?;
+                    continue;
+                }
+                let mut d = (ex.name.len() as u32).to_be_bytes().to_vec();
+                d.extend_from_slice(ex.name.as_bytes());
+                opt_reply(c, opt, REP_SERVER, &d)?;
+                opt_reply(c, opt, REP_ACK, &[])?;
+            }
+            OPT_STRUCTURED_REPLY => {
+                if !data.is_empty() {
+                    opt_reply(c, opt, REP_ERR_INVALID, b"STRUCTURED_REPLY takes no data")?;
+                    continue;
+                }
+                structured = true;
+                opt_reply(c, opt, REP_ACK, &[])?;
+            }
+            OPT_INFO | OPT_GO => {
+                // name length, name, number of info requests, requests
+                let parsed = (|| {
+                    if data.len() < 6 {
+                        return None;
+                    }
+                    let nl = u32::from_be_bytes(data[0..4].try_into().ok()?) as usize;
+                    let name = data.get(4..4 + nl)?;
+                    let nr = u16::from_be_bytes(data.get(4 + nl..6 + nl)?.try_into().ok()?) as usize;
+                    let reqs = data.get(6 + nl..6 + nl + 2 * nr)?;
+                    if data.len() != 6 + nl + 2 * nr {
+                        return None;
+                    }
+                    Some((name.to_vec(), reqs.chunks(2).map(|x| u16::from_be_bytes([x[0], x[1]])).collect::<Vec<_>>()))
+                })();
+                let Some((name, reqs)) = parsed else {
+                    opt_reply(c, opt, REP_ERR_INVALID, b"malformed INFO/GO request")?;
+                    continue;
+                };
+                if !name.is_empty() && name != ex.name.as_bytes() {
+                    opt_reply(c, opt, REP_ERR_UNKNOWN, format!("no export {:?}; this server has {:?}", String::from_utf8_lossy(&name), ex.name).as_bytes())?;
+                    continue;
+                }
+                if !reqs.contains(&INFO_BLOCK_SIZE) && opt == OPT_GO {
+                    // Every request must be 4 KiB-aligned: the client has to know.
+                    opt_reply(c, opt, REP_ERR_BLOCK_SIZE_REQD, b"this export needs 4096-byte aligned requests: ask for NBD_INFO_BLOCK_SIZE")?;
+                    continue;
+                }
+                let mut info = INFO_EXPORT.to_be_bytes().to_vec();
+                info.extend_from_slice(&ex.size.to_be_bytes());
+                info.extend_from_slice(&transmission_flags().to_be_bytes());
+                opt_reply(c, opt, REP_INFO, &info)?;
+                let mut bs = INFO_BLOCK_SIZE.to_be_bytes().to_vec();
+                bs.extend_from_slice(&(BLOCK as u32).to_be_bytes());
+                bs.extend_from_slice(&(128u32 << 10).to_be_bytes());
+                bs.extend_from_slice(&MAX_PAYLOAD.to_be_bytes());
+                opt_reply(c, opt, REP_INFO, &bs)?;
+                if reqs.contains(&INFO_NAME) {
+                    let mut d = INFO_NAME.to_be_bytes().to_vec();
+                    d.extend_from_slice(ex.name.as_bytes());
+                    opt_reply(c, opt, REP_INFO, &d)?;
+                }
+                if reqs.contains(&INFO_DESCRIPTION) {
+                    let mut d = INFO_DESCRIPTION.to_be_bytes().to_vec();
+                    d.extend_from_slice(ex.description.as_bytes());
+                    opt_reply(c, opt, REP_INFO, &d)?;
+                }
+                opt_reply(c, opt, REP_ACK, &[])?;
+                if opt == OPT_GO {
+                    return Ok(Some(structured));
+                }
+            }
+            _ => opt_reply(c, opt, REP_ERR_UNSUP, format!("option {opt} is not supported").as_bytes())?,
+        }
+    }
+}
+
+struct Req {
+    flags: u16,
+    ty: u16,
+    handle: u64,
+    offset: u64,
+    len: u32,
+    data: Vec<u8>,
+}
+
+/// Replies go out whole under one lock (several workers answer).
+struct Replier {
+    w: Mutex<Box<dyn Io>>,
+    structured: bool,
+}
+
+impl Replier {
+    fn ok(&self, r: &Req, data: Option<&[u8]>) -> std::io::Result<()> {
+        let mut b = Vec::with_capacity(32 + data.map_or(0, |d| d.len()));
+        if self.structured && data.is_some() {
+            let d = data.unwrap();
+            b.extend_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
+            b.extend_from_slice(&REPLY_FLAG_DONE.to_be_bytes());
+            b.extend_from_slice(&REPLY_TYPE_OFFSET_DATA.to_be_bytes());
+            b.extend_from_slice(&r.handle.to_be_bytes());
+            b.extend_from_slice(&((8 + d.len()) as u32).to_be_bytes());
+            b.extend_from_slice(&r.offset.to_be_bytes());
+            b.extend_from_slice(d);
+        } else if self.structured {
+            b.extend_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
+            b.extend_from_slice(&REPLY_FLAG_DONE.to_be_bytes());
+            b.extend_from_slice(&REPLY_TYPE_NONE.to_be_bytes());
+            b.extend_from_slice(&r.handle.to_be_bytes());
+            b.extend_from_slice(&0u32.to_be_bytes());
+        } else {
+            b.extend_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
+            b.extend_from_slice(&0u32.to_be_bytes());
+            b.extend_from_slice(&r.handle.to_be_bytes());
+            if let Some(d) = data {
+                b.extend_from_slice(d);
+            }
+        }
+        self.w.lock().unwrap().write_all(&b)
+    }
+
+    fn err(&self, r: &Req, errno: u32, msg: &str) -> std::io::Result<()> {
+        let mut b = Vec::new();
+        if self.structured {
+            b.extend_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
+            b.extend_from_slice(&REPLY_FLAG_DONE.to_be_bytes());
+            b.extend_from_slice(&REPLY_TYPE_ERROR.to_be_bytes());
+            b.extend_from_slice(&r.handle.to_be_bytes());
+            let m = &msg.as_bytes()[..msg.len().min(4096)];
+            b.extend_from_slice(&((6 + m.len()) as u32).to_be_bytes());
+            b.extend_from_slice(&errno.to_be_bytes());
+            b.extend_from_slice(&(m.len() as u16).to_be_bytes());
+            b.extend_from_slice(m);
+        } else {
+            b.extend_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
+            b.extend_from_slice(&errno.to_be_bytes());
+            b.extend_from_slice(&r.handle.to_be_bytes());
+            // A failed read still carries its length in simple replies? No:
+            // the protocol says a simple error reply has no payload.
+        }
+        self.w.lock().unwrap().write_all(&b)
+    }
+}
+
+fn serve_one(be: &mut Backend, rep: &Replier, ex: &Export, r: Req) -> std::io::Result<()> {
+    let aligned = r.offset % BLOCK as u64 == 0 && r.len as usize % BLOCK == 0;
+    let end = r.offset.checked_add(r.len as u64);
+    let inside = end.is_some_and(|e| e <= ex.size);
+    let first = r.offset / BLOCK as u64;
+    match r.ty {
+        CMD_READ | CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES if !inside => {
+            let e = if r.ty == CMD_READ { EINVAL } else { ENOSPC };
+            rep.err(&r, e, &format!("{} bytes at {} are beyond the end of the export ({} bytes)", r.len, r.offset, ex.size))
+        }
+        CMD_READ | CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES if !aligned => {
+            rep.err(&r, EINVAL, &format!("{} bytes at {}: requests must be 4096-byte aligned", r.len, r.offset))
+        }
+        CMD_READ => {
+            let mut buf = vec![0u8; r.len as usize];
+            match be.read(first, &mut buf) {
+                Ok(()) => rep.ok(&r, Some(&buf)),
+                Err(e) => rep.err(&r, EIO, &e.to_string()),
+            }
+        }
+        CMD_WRITE => match be.write(first, &r.data) {
+            Ok(()) => rep.ok(&r, None),
+            Err(IoError::NoSpace(m)) => rep.err(&r, ENOSPC, &m),
+            Err(e) => rep.err(&r, EIO, &e.to_string()),
+        },
+        CMD_TRIM => match be.trim(first, r.len as u64 / BLOCK as u64) {
+            Ok(()) => rep.ok(&r, None),
+            Err(e) => rep.err(&r, EIO, &e.to_string()),
+        },
+        CMD_WRITE_ZEROES => {
+            // Absent blocks read as zeros: freeing them is writing zeros,
+            // unless the client asked for them to stay allocated.
+            let res = if r.flags & CMD_FLAG_NO_HOLE != 0 {
+                let zeros = vec![0u8; (r.len as usize).min(MAX_PAYLOAD as usize)];
+                let mut at = 0u64;
+                let mut res = Ok(());
+                while at < r.len as u64 && res.is_ok() {
+                    let n = (r.len as u64 - at).min(zeros.len() as u64);
+                    res = be.write(first + at / BLOCK as u64, &zeros[..n as usize]);
+                    at += n;
+                }
+                res
+            } else {
+                be.trim(first, r.len as u64 / BLOCK as u64)
+            };
+            match res {
+                Ok(()) => rep.ok(&r, None),
+                Err(IoError::NoSpace(m)) => rep.err(&r, ENOSPC, &m),
+                Err(e) => rep.err(&r, EIO, &e.to_string()),
+            }
+        }
+        // Stored before acknowledged: nothing to flush.
+        CMD_FLUSH => rep.ok(&r, None),
+        t => rep.err(&r, EINVAL, &format!("command {t} is not supported")),
+    }
+}
+
+/// Serve one client until it disconnects.
+pub fn serve_client(mut c: Box<dyn Io>, ex: &Export, sh: Arc<Shared>) -> std::io::Result<()> {
+    let Some(structured) = handshake(&mut *c, ex)? else { return Ok(()) };
+    let rep = Arc::new(Replier { w: Mutex::new(c.try_clone_box()?), structured });
+    let (tx, rx) = mpsc::sync_channel::<Req>(64);
+    let rx = Arc::new(Mutex::new(rx));
+    let workers: Vec<_> = (0..WORKERS)
+        .map(|_| {
+            let (rx, rep, sh, ex) = (rx.clone(), rep.clone(), sh.clone(), ex.clone());
+            std::thread::spawn(move || {
+                let mut be = Backend::new(sh);
+                loop {
+                    let r = match rx.lock().unwrap().recv() {
+                        Ok(r) => r,
+                        Err(_) => return,
+                    };
+                    if let Err(e) = serve_one(&mut be, &rep, &ex, r) {
+                        debug!("nbd reply: {e}");
+                        return;
+                    }
+                }
+            })
+        })
+        .collect();
+    let result = (|| -> std::io::Result<()> {
+        loop {
+            let h = rd::<28>(&mut *c)?;
+            let magic = u32::from_be_bytes(h[0..4].try_into().unwrap());
+            if magic != REQUEST_MAGIC {
+                return Err(std::io::Error::other(format!("bad request magic {magic:#x}")));
+            }
+            let r = Req {
+                flags: u16::from_be_bytes(h[4..6].try_into().unwrap()),
+                ty: u16::from_be_bytes(h[6..8].try_into().unwrap()),
+                handle: u64::from_be_bytes(h[8..16].try_into().unwrap()),
+                offset: u64::from_be_bytes(h[16..24].try_into().unwrap()),
+                len: u32::from_be_bytes(h[24..28].try_into().unwrap()),
+                data: Vec::new(),
+            };
+            match r.ty {
+                CMD_DISC => return Ok(()),
+                CMD_WRITE if r.len > MAX_PAYLOAD => {
+                    // Its payload cannot be skipped safely: refuse and hang up.
+                    let _ = rep.err(&r, EOVERFLOW, "write larger than the advertised maximum");
+                    return Err(std::io::Error::other("oversized write"));
+                }
+                CMD_READ if r.len > MAX_PAYLOAD => {
+                    rep.err(&r, EOVERFLOW, "read larger than the advertised maximum")?;
+                }
+                CMD_WRITE => {
+                    let mut r = r;
+                    r.data = vec![0u8; r.len as usize];
+                    c.read_exact(&mut r.data)?;
+                    if tx.send(r).is_err() {
+                        return Ok(());
+                    }
+                }
+                _ => {
+                    if tx.send(r).is_err() {
+                        return Ok(());
+                    }
+                }
+            }
+        }
+    })();
+    // Finish what is in flight before closing (DISC semantics).
+    drop(tx);
+    for w in workers {
+        let _ = w.join();
+    }
+    c.close();
+    match result {
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Ok(()),
+        r => {
+            if let Err(e) = &r {
+                warn!("nbd client: {e}");
+            }
+            r
+        }
+    }
+}
