@@ -67,7 +67,7 @@ pub struct Device {
 
 impl Device {
     pub fn open(o: &Options, secret: Secret) -> Result<Device> {
-        if o.size == 0 || o.size % BLOCK as u64 != 0 {
+        if o.size == 0 || !o.size.is_multiple_of(BLOCK as u64) {
             bail!("--size must be a positive multiple of 4096 bytes");
         }
         let mut cap = Vec::new();
@@ -77,7 +77,7 @@ impl Device {
             cap.push(c.info.capacity_pages.saturating_sub(c.info.used_pages));
         }
         let unit = match o.stripe {
-            Some(u) if u == 0 || u % BLOCK as u64 != 0 => bail!("--stripe-unit must be a positive multiple of 4096 bytes"),
+            Some(u) if u == 0 || !u.is_multiple_of(BLOCK as u64) => bail!("--stripe-unit must be a positive multiple of 4096 bytes"),
             Some(u) => Some(u / BLOCK as u64),
             None => None,
         };

@@ -267,8 +267,7 @@ struct Replier {
 impl Replier {
     fn ok(&self, r: &Req, data: Option<&[u8]>) -> std::io::Result<()> {
         let mut b = Vec::with_capacity(32 + data.map_or(0, |d| d.len()));
-        if self.structured && data.is_some() {
-            let d = data.unwrap();
+        if let (true, Some(d)) = (self.structured, data) {
             b.extend_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
             b.extend_from_slice(&REPLY_FLAG_DONE.to_be_bytes());
             b.extend_from_slice(&REPLY_TYPE_OFFSET_DATA.to_be_bytes());
@@ -317,7 +316,7 @@ impl Replier {
 }
 
 fn serve_one(be: &mut Backend, rep: &Replier, ex: &Export, r: Req) -> std::io::Result<()> {
-    let aligned = r.offset % BLOCK as u64 == 0 && r.len as usize % BLOCK == 0;
+    let aligned = r.offset.is_multiple_of(BLOCK as u64) && (r.len as usize).is_multiple_of(BLOCK);
     let end = r.offset.checked_add(r.len as u64);
     let inside = end.is_some_and(|e| e <= ex.size);
     let first = r.offset / BLOCK as u64;

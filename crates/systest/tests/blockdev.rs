@@ -1,0 +1,230 @@
+//! The DMPS block device over NBD, checked with clients nobody on this team
+//! wrote: qemu-io / qemu-img (QEMU), nbdinfo / nbdcopy (libnbd), fio's nbd
+//! engine with verification — plus a raw client for the error paths, and a
+//! mirror that loses a memory server mid-run.
+
+use pagefleet_systest::*;
+use std::io::{Read, Write};
+use std::process::{Child, Command, Stdio};
+
+struct Export {
+    child: Child,
+    uri: String,
+    addr: String,
+}
+
+impl Drop for Export {
+    fn drop(&mut self) {
+        // SIGTERM: the export deletes its blocks and exits.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let _ = self.child.wait();
+    }
+}
+
+fn have(tool: &str) -> bool {
+    Command::new("sh").args(["-c", &format!("command -v {tool}")]).stdout(Stdio::null()).status().is_ok_and(|s| s.success())
+}
+
+fn export(c: &Cluster, servers: &[String], size: &str, extra: &[&str]) -> Export {
+    let port = pagefleet_bench::util::free_port().unwrap();
+    let addr = format!("127.0.0.1:{port}");
+    let mut child = Command::new(bin("pagefleet"))
+        .arg("--secret-file")
+        .arg(&c.secret_file)
+        .args(["blockdev", "serve", "--servers", &servers.join(","), "--size", size, "--listen", &addr])
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut line).unwrap();
+    assert!(line.starts_with("listening"), "blockdev serve said {line:?}");
+    Export { child, uri: format!("nbd://{addr}"), addr }
+}
+
+fn run(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{cmd:?} failed: {text}");
+    text
+}
+
+fn random_file(dir: &std::path::Path, name: &str, bytes: usize, seed: u64) -> std::path::PathBuf {
+    let mut x = seed | 1;
+    let mut v = vec![0u8; bytes];
+    for w in v.chunks_exact_mut(8) {
+        w.copy_from_slice(&xorshift(&mut x).to_le_bytes());
+    }
+    let p = dir.join(name);
+    std::fs::write(&p, v).unwrap();
+    p
+}
+
+#[test]
+fn qemu_and_libnbd_clients_write_and_read_back() {
+    if !have("qemu-io") || !have("nbdcopy") {
+        panic!("qemu-utils and libnbd-bin are needed (make deps installs them)");
+    }
+    let c = Cluster::start(2, "96MiB");
+    let e = export(&c, &c.addrs(), "128MiB", &[]);
+    // nbdinfo: size, block sizes, multi-conn.
+    let info = run(Command::new("nbdinfo").arg(&e.uri));
+    assert!(info.contains("export-size: 134217728"), "{info}");
+    assert!(info.contains("can_multi_conn: true") && info.contains("block_size_minimum: 4096"), "{info}");
+    // qemu-io: patterns at both ends of the device (both servers), then read back.
+    let out = run(Command::new("qemu-io").args(["-f", "raw", "-c", "write -P 0x5a 0 2M", "-c", "write -P 0xa5 120M 8M", "-c", "read -P 0x5a 0 2M", "-c", "read -P 0xa5 120M 8M", "-c", "read -P 0 64M 1M", &e.uri]));
+    assert!(!out.contains("Pattern verification failed"), "{out}");
+    // nbdcopy random data in (4 connections), out again, compare; qemu-img compare too.
+    let dir = tempdir("nbd");
+    let src = random_file(&dir, "src", 96 << 20, 7);
+    run(Command::new("nbdcopy").args(["--connections=4", "--requests=16"]).arg(&src).arg(&e.uri));
+    let back = dir.join("back");
+    run(Command::new("nbdcopy").arg(&e.uri).arg(&back));
+    let (a, b) = (std::fs::read(&src).unwrap(), std::fs::read(&back).unwrap());
+    assert_eq!(b.len(), 128 << 20);
+    assert!(a[..] == b[..a.len()], "data read back differs");
+    // Past the copy: zeros, then qemu-io's 0xa5 pattern at 120 MiB.
+    assert!(b[a.len()..120 << 20].iter().all(|x| *x == 0), "never-written blocks must read zeros");
+    assert!(b[120 << 20..].iter().all(|x| *x == 0xa5), "qemu-io's pattern is gone");
+    let full = dir.join("full");
+    let mut f = a.clone();
+    f.resize(120 << 20, 0);
+    f.resize(128 << 20, 0xa5);
+    std::fs::write(&full, f).unwrap();
+    run(Command::new("qemu-img").args(["compare", "-f", "raw", "-F", "raw"]).arg(&full).arg(&e.uri));
+    // TRIM frees the blocks: they read as zeros.
+    run(Command::new("qemu-io").args(["-f", "raw", "-c", "discard 0 1M", "-c", "read -P 0 0 1M", &e.uri]));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn fio_verifies_random_writes_through_its_nbd_engine() {
+    if !have("fio") {
+        panic!("fio is needed (make deps installs it)");
+    }
+    let c = Cluster::start(2, "64MiB");
+    let e = export(&c, &c.addrs(), "96MiB", &["--layout", "stripe", "--stripe-unit", "64KiB"]);
+    let out = run(Command::new("fio").args([
+        "--name=verify",
+        "--ioengine=nbd",
+        &format!("--uri={}", e.uri),
+        "--rw=randwrite",
+        "--bs=4k,64k",
+        "--bsrange=4k-128k",
+        "--size=64M",
+        "--iodepth=16",
+        "--verify=crc32c",
+        "--do_verify=1",
+        "--verify_fatal=1",
+        "--output-format=terse",
+    ]));
+    assert!(!out.to_lowercase().contains("verify: bad"), "{out}");
+}
+
+#[test]
+fn mirror_survives_a_memory_server_killed_mid_run() {
+    if !have("nbdcopy") {
+        panic!("libnbd-bin is needed (make deps installs it)");
+    }
+    let mut c = Cluster::start(3, "64MiB");
+    let e = export(&c, &c.addrs(), "64MiB", &["--mirror"]);
+    let dir = tempdir("mirror");
+    let src = random_file(&dir, "src", 64 << 20, 11);
+    run(Command::new("nbdcopy").arg(&src).arg(&e.uri));
+    // One server dies; every block still reads back from its other copy,
+    // and writes go on to the surviving copies.
+    c.servers[1].kill();
+    let back = dir.join("back");
+    run(Command::new("nbdcopy").arg(&e.uri).arg(&back));
+    assert!(std::fs::read(&src).unwrap() == std::fs::read(&back).unwrap(), "mirror lost data with one server down");
+    let out = run(Command::new("qemu-io").args(["-f", "raw", "-c", "write -P 0x77 8M 4M", "-c", "read -P 0x77 8M 4M", &e.uri]));
+    assert!(!out.contains("failed"), "{out}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A raw client: errors for bad requests, the connection survives them; a
+/// bad magic ends that connection only.
+#[test]
+fn bad_requests_get_protocol_errors_and_do_not_crash_the_server() {
+    let c = Cluster::start(1, "16MiB");
+    let e = export(&c, &c.addrs(), "8MiB", &[]);
+    let mut s = std::net::TcpStream::connect(&e.addr).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(5))).unwrap();
+    let mut hello = [0u8; 18];
+    s.read_exact(&mut hello).unwrap();
+    assert_eq!(&hello[..8], b"NBDMAGIC");
+    s.write_all(&3u32.to_be_bytes()).unwrap(); // fixed newstyle, no zeroes
+    // An unknown option is refused, the haggling goes on.
+    let opt = |s: &mut std::net::TcpStream, o: u32, data: &[u8]| {
+        let mut b = b"IHAVEOPT".to_vec();
+        b.extend_from_slice(&o.to_be_bytes());
+        b.extend_from_slice(&(data.len() as u32).to_be_bytes());
+        b.extend_from_slice(data);
+        s.write_all(&b).unwrap();
+    };
+    let reply = |s: &mut std::net::TcpStream| -> (u32, Vec<u8>) {
+        let mut h = [0u8; 20];
+        s.read_exact(&mut h).unwrap();
+        let ty = u32::from_be_bytes(h[12..16].try_into().unwrap());
+        let mut d = vec![0u8; u32::from_be_bytes(h[16..20].try_into().unwrap()) as usize];
+        s.read_exact(&mut d).unwrap();
+        (ty, d)
+    };
+    opt(&mut s, 99, b"xyz");
+    assert_eq!(reply(&mut s).0, (1 << 31) + 1, "unknown option: NBD_REP_ERR_UNSUP");
+    // GO for an unknown export name.
+    let mut go = 4u32.to_be_bytes().to_vec();
+    go.extend_from_slice(b"nope");
+    go.extend_from_slice(&1u16.to_be_bytes());
+    go.extend_from_slice(&3u16.to_be_bytes());
+    opt(&mut s, 7, &go);
+    assert_eq!(reply(&mut s).0, (1 << 31) + 6, "unknown export: NBD_REP_ERR_UNKNOWN");
+    // GO for the default export, asking for block sizes.
+    let mut go = 0u32.to_be_bytes().to_vec();
+    go.extend_from_slice(&1u16.to_be_bytes());
+    go.extend_from_slice(&3u16.to_be_bytes());
+    opt(&mut s, 7, &go);
+    loop {
+        let (ty, _) = reply(&mut s);
+        if ty == 1 {
+            break;
+        }
+        assert_eq!(ty, 3, "INFO replies then ACK");
+    }
+    let req = |s: &mut std::net::TcpStream, ty: u16, handle: u64, off: u64, len: u32| {
+        let mut b = 0x2560_9513u32.to_be_bytes().to_vec();
+        b.extend_from_slice(&0u16.to_be_bytes());
+        b.extend_from_slice(&ty.to_be_bytes());
+        b.extend_from_slice(&handle.to_be_bytes());
+        b.extend_from_slice(&off.to_be_bytes());
+        b.extend_from_slice(&len.to_be_bytes());
+        s.write_all(&b).unwrap();
+    };
+    let simple = |s: &mut std::net::TcpStream| -> (u32, u64) {
+        let mut h = [0u8; 16];
+        s.read_exact(&mut h).unwrap();
+        assert_eq!(u32::from_be_bytes(h[0..4].try_into().unwrap()), 0x6744_6698);
+        (u32::from_be_bytes(h[4..8].try_into().unwrap()), u64::from_be_bytes(h[8..16].try_into().unwrap()))
+    };
+    req(&mut s, 0, 1, 100, 4096); // unaligned
+    assert_eq!(simple(&mut s), (22, 1));
+    req(&mut s, 0, 2, 8 << 20, 4096); // past the end
+    assert_eq!(simple(&mut s), (22, 2));
+    req(&mut s, 4, 3, (8 << 20) - 4096, 8192); // trim past the end
+    assert_eq!(simple(&mut s), (28, 3));
+    req(&mut s, 99, 4, 0, 0); // unknown command
+    assert_eq!(simple(&mut s), (22, 4));
+    req(&mut s, 0, 5, 4096, 4096); // and a good read still works
+    assert_eq!(simple(&mut s), (0, 5));
+    let mut data = vec![1u8; 4096];
+    s.read_exact(&mut data).unwrap();
+    assert!(data.iter().all(|b| *b == 0));
+    // Garbage instead of a request ends this connection...
+    s.write_all(&[0xde; 28]).unwrap();
+    let mut one = [0u8; 1];
+    assert!(matches!(s.read(&mut one), Ok(0) | Err(_)), "the server should hang up on a bad magic");
+    // ...but not the server.
+    let info = run(Command::new("nbdinfo").arg(&e.uri));
+    assert!(info.contains("export-size: 8388608"), "{info}");
+}
