@@ -3,6 +3,7 @@
 //! (through `bench/plot_*.py`), and with `--json` prints one JSON object with
 //! every measurement and a `goals` list computed from this run.
 
+pub mod blockdev;
 pub mod demo;
 pub mod kvload;
 pub mod lab;

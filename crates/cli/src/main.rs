@@ -123,6 +123,10 @@ enum BenchCmd {
     /// kv throughput across the migration. Root only. --dataset sets the guest
     /// size (default 2GiB), --only time,sort,kv picks experiments.
     Migration(BenchOpts),
+    /// The DMPS block device over NBD against nbdkit's memory plugin and
+    /// qemu-nbd on tmpfs: fio sequential/random read/write, 4-128 KiB,
+    /// queue depth 1 and 16, IOPS and MB/s. --dataset sets the device size.
+    Blockdev(BenchOpts),
     /// The raw-TCP baseline server used by `bench memserver` (internal).
     #[command(hide = true)]
     RawServer,
@@ -406,6 +410,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Bench(BenchCmd::RawServer) => memserver::raw_server_main(),
         Cmd::Bench(BenchCmd::Paging(o)) => bench_paging(o),
         Cmd::Bench(BenchCmd::Migration(o)) => bench_migration(o),
+        Cmd::Bench(BenchCmd::Blockdev(o)) => bench_blockdev(o),
         Cmd::Run(a) => run::run(a, cli.secret_file.as_deref()),
         Cmd::Testbed(t) => testbed(t),
         Cmd::Blockdev(b) => blockdev(b, cli.secret_file.as_deref()),
@@ -487,6 +492,29 @@ fn bench_memserver(o: BenchOpts) -> Result<()> {
         println!("{}", serde_json::to_string(&report)?);
     } else {
         memserver::print_table(&report, &mut std::io::stdout())?;
+    }
+    Ok(())
+}
+
+fn bench_blockdev(o: BenchOpts) -> Result<()> {
+    use pagefleet_bench::blockdev;
+    let mut opts = if o.quick { blockdev::Opts::quick(o.out.clone()) } else { blockdev::Opts::full(o.out.clone()) };
+    if let Some(d) = o.dataset {
+        if d < 16 << 20 {
+            bail!("--dataset (the device size) must be at least 16MiB");
+        }
+        opts.size = d / (1 << 20) * (1 << 20);
+    }
+    if let Some(r) = o.reps {
+        opts.runtime_secs = r.max(1) as u64;
+    }
+    let mut log = |m: &str| eprintln!("  .. {m}");
+    let report = blockdev::run(&opts, &mut log)?;
+    if o.json {
+        blockdev::print_table(&report, &mut std::io::stderr())?;
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        blockdev::print_table(&report, &mut std::io::stdout())?;
     }
     Ok(())
 }
