@@ -73,7 +73,7 @@ pub const MAX_PAYLOAD: u32 = 32 << 20;
 /// Largest option body accepted during the handshake.
 const MAX_OPTION: u32 = 64 << 10;
 /// Requests served in parallel per connection.
-const WORKERS: usize = 4;
+const WORKERS: usize = 8;
 
 #[derive(Clone, Debug)]
 pub struct Export {

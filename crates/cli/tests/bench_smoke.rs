@@ -116,3 +116,31 @@ fn bench_migration_quick_json_has_rows_and_goals() {
     }
     let _ = std::fs::remove_dir_all(&out_dir);
 }
+
+/// The block-device benchmark runs end to end (quick: the 2-server export
+/// and nbdkit's memory plugin, two block sizes, both queue depths).
+#[test]
+fn bench_blockdev_quick_json_has_rows_and_goals() {
+    let out_dir = std::env::temp_dir().join(format!("pagefleet-bench-blockdev-smoke-{}", std::process::id()));
+    let out = Command::new(env!("CARGO_BIN_EXE_pagefleet"))
+        .args(["bench", "blockdev", "--quick", "--json", "--dataset", "32MiB", "--out"])
+        .arg(&out_dir)
+        .output()
+        .expect("run pagefleet bench blockdev");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "bench failed: {stderr}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stdout is one JSON object");
+    let rows = v["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 16, "2 targets x 2 patterns x 2 sizes x 2 depths");
+    for r in rows {
+        assert!(r["error"].is_null(), "{r}");
+        assert!(r["iops"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    let goals = v["goals"].as_array().unwrap();
+    assert_eq!(goals.len(), 9);
+    for g in goals {
+        let (val, tgt) = (g["value"].as_f64().unwrap_or(f64::NAN), g["target"].as_f64().unwrap());
+        assert_eq!(g["met"].as_bool().unwrap(), if g["cmp"] == ">=" { val >= tgt } else { val <= tgt }, "goal verdict inconsistent: {g}");
+    }
+    let _ = std::fs::remove_dir_all(&out_dir);
+}
