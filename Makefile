@@ -11,11 +11,11 @@ CARGO ?= cargo
 # util-linux has mkswap/swapon/setpriv for the swap baselines and tests and
 # nsenter for the testbed.
 APT_PKGS := build-essential pkg-config python3 python3-venv memcached libmemcached-tools iproute2 util-linux \
-            qemu-utils libnbd-bin nbdkit fio
+            qemu-utils libnbd-bin nbdkit fio qemu-system-x86 cpio
 VENV := .venv
 FUZZ_SECONDS ?= 30
 
-.PHONY: all deps deps-apt deps-rust deps-python build test test-unit fuzz-smoke demo bench clean
+.PHONY: all deps deps-apt deps-rust deps-python build guest test test-unit fuzz-smoke demo bench clean
 
 all: build
 
@@ -42,10 +42,16 @@ $(VENV)/.ok: bench/requirements.txt
 build: deps
 	$(CARGO) build --release --workspace
 
+# The swap-test guest: Debian's cloud kernel and busybox-static, unpacked
+# (not installed), plus a static test program, in target/guest.
+guest: deps
+	crates/systest/guest/build.sh target/guest
+
 # Every test: a short fuzz run of the server and the decoders, then unit,
-# property and integration tests (real daemons on loopback, the benchmark's
-# smoke run).
-test: build fuzz-smoke test-unit
+# property, integration and testbed tests (real daemons on loopback and in
+# network namespaces, the guest swapping to the block device, the
+# benchmarks' smoke runs).
+test: build guest fuzz-smoke test-unit
 
 # Doc-tests are skipped (there are none); the last line sums every runner's
 # result so the closing line counts the whole suite.

@@ -228,3 +228,54 @@ fn bad_requests_get_protocol_errors_and_do_not_crash_the_server() {
     let info = run(Command::new("nbdinfo").arg(&e.uri));
     assert!(info.contains("export-size: 8388608"), "{info}");
 }
+
+/// DMPS's use: swap for a guest with little memory. A QEMU (TCG) guest with
+/// 128 MiB runs the "Sequential" test over 256 MiB — write it all, read
+/// every value back — swapping to the export; then the same against a swap
+/// disk image on local disk. Kernel and initramfs come from Debian packages
+/// (crates/systest/guest/build.sh; `make test` builds them).
+#[test]
+fn a_small_guest_swaps_to_the_export_and_gets_every_value_back() {
+    if !have("qemu-system-x86_64") {
+        panic!("qemu-system-x86 is needed (make deps installs it)");
+    }
+    let guest = bin("pagefleet").parent().unwrap().parent().unwrap().join("guest");
+    if !guest.join("initrd.gz").exists() {
+        let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("guest/build.sh");
+        run(Command::new(script).arg(&guest));
+    }
+    let boot = |drive: &str| -> (String, f64) {
+        let t = std::time::Instant::now();
+        let out = Command::new("timeout")
+            .args(["600", "qemu-system-x86_64", "-accel", "tcg", "-m", "128", "-nographic", "-no-reboot"])
+            .arg("-kernel")
+            .arg(guest.join("vmlinuz"))
+            .arg("-initrd")
+            .arg(guest.join("initrd.gz"))
+            .args(["-append", "console=ttyS0 quiet memtest_mb=256 panic=-1", "-drive", drive])
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        (String::from_utf8_lossy(&out.stdout).into_owned(), t.elapsed().as_secs_f64())
+    };
+    let check = |what: &str, out: &str| {
+        assert!(out.contains("MEMTEST OK 256 MiB"), "{what}: {out}");
+        let used: u64 = out
+            .lines()
+            .find_map(|l| l.split("swap used ").nth(1).and_then(|x| x.split_whitespace().next()).and_then(|x| x.parse().ok()))
+            .unwrap_or(0);
+        assert!(used >= 64, "{what}: the guest barely swapped ({used} MiB): {out}");
+    };
+    let c = Cluster::start(2, "320MiB");
+    let e = export(&c, &c.addrs(), "512MiB", &[]);
+    let (out, secs) = boot(&format!("file={},format=raw,if=virtio", e.uri));
+    check("swap on the DMPS export", &out);
+    eprintln!("swap on the export: {secs:.1} s");
+    let dir = tempdir("swapdisk");
+    let img = dir.join("swap.img");
+    std::fs::File::create(&img).unwrap().set_len(512 << 20).unwrap();
+    let (out, secs) = boot(&format!("file={},format=raw,if=virtio", img.display()));
+    check("swap on a local disk image", &out);
+    eprintln!("swap on a local disk image: {secs:.1} s");
+    let _ = std::fs::remove_dir_all(&dir);
+}
