@@ -11,7 +11,7 @@ CARGO ?= cargo
 # util-linux has mkswap/swapon/setpriv for the swap baselines and tests and
 # nsenter for the testbed.
 APT_PKGS := build-essential pkg-config python3 python3-venv memcached libmemcached-tools iproute2 util-linux \
-            qemu-utils libnbd-bin nbdkit fio qemu-system-x86 cpio
+            qemu-utils libnbd-bin python3-libnbd nbdkit fio qemu-system-x86 cpio
 VENV := .venv
 FUZZ_SECONDS ?= 30
 

@@ -93,6 +93,14 @@ fn qemu_and_libnbd_clients_write_and_read_back() {
     f.resize(128 << 20, 0xa5);
     std::fs::write(&full, f).unwrap();
     run(Command::new("qemu-img").args(["compare", "-f", "raw", "-F", "raw"]).arg(&full).arg(&e.uri));
+    // nbdsh (libnbd's Python shell): structured reads, zeroing, flush.
+    // (nbdsh is `python3 -m nbd` with Debian's python3, which has the module.)
+    if std::path::Path::new("/usr/bin/nbdsh").exists() {
+        let script = "h.pwrite(b'\\x42' * 65536, 1 << 20); assert h.pread(65536, 1 << 20) == b'\\x42' * 65536; \
+                      h.zero(65536, 1 << 20); assert h.pread(65536, 1 << 20) == bytes(65536); h.flush(); \
+                      assert h.can_multi_conn() and h.get_size() == 128 << 20";
+        run(Command::new("/usr/bin/python3").args(["-m", "nbd", "-u", &e.uri, "-c", script]));
+    }
     // TRIM frees the blocks: they read as zeros.
     run(Command::new("qemu-io").args(["-f", "raw", "-c", "discard 0 1M", "-c", "read -P 0 0 1M", &e.uri]));
     let _ = std::fs::remove_dir_all(&dir);
