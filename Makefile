@@ -57,7 +57,7 @@ test: build guest fuzz-smoke test-unit
 # result so the closing line counts the whole suite.
 test-unit:
 	@mkdir -p target
-	set -o pipefail; $(CARGO) test --release --workspace --lib --bins --tests 2>&1 | tee target/test.log
+	set -o pipefail; $(CARGO) test --release --workspace --no-fail-fast --lib --bins --tests 2>&1 | tee target/test.log
 	@awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($$(i+1) ~ /^passed/) p += $$i; if ($$(i+1) ~ /^failed/) f += $$i } } \
 	  END { printf "summary: %d passed, %d failed\n", p, f }' target/test.log
 

@@ -269,10 +269,15 @@ pub fn run_for(s: &Spec, secs: u64) -> Result<(f64, Vec<f64>)> {
         std::thread::sleep(Duration::from_millis(50));
     }
     let c = l.counters.clone();
+    let secs = l.now();
     let tl = l.stop()?;
     if c.bad_values.load(Relaxed) > 0 {
         bail!("{} gets returned a wrong value", c.bad_values.load(Relaxed));
     }
-    let per: Vec<f64> = tl.ops_per_sec.chunks(10).filter(|c| c.len() == 10).map(|c| c.iter().sum::<f64>() / 10.0).collect();
+    let mut per: Vec<f64> = tl.ops_per_sec.chunks(10).filter(|c| c.len() == 10).map(|c| c.iter().sum::<f64>() / 10.0).collect();
+    if per.is_empty() {
+        // Shorter than one whole second of samples: the overall rate.
+        per.push(c.ops.load(Relaxed) as f64 / secs.max(1e-3));
+    }
     Ok((crate::util::median(&per), per))
 }
