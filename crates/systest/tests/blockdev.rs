@@ -125,6 +125,8 @@ fn fio_verifies_random_writes_through_its_nbd_engine() {
         "--verify=crc32c",
         "--do_verify=1",
         "--verify_fatal=1",
+        // No state file left behind in the working directory.
+        "--verify_state_save=0",
         "--output-format=terse",
     ]));
     assert!(!out.to_lowercase().contains("verify: bad"), "{out}");
