@@ -84,50 +84,36 @@ impl Drop for Server {
     }
 }
 
-fn wait_port(port: u16) -> Result<()> {
-    util::wait_listening(&format!("127.0.0.1:{port}"), Duration::from_secs(10))
+/// Start an NBD server process (quiet) and wait for its port.
+fn spawn_nbd(cmd: &mut Command, port: u16, cleanup: Option<PathBuf>) -> Result<Server> {
+    let child = cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn()?;
+    let s = Server { child, uri: format!("nbd://127.0.0.1:{port}"), cleanup };
+    util::wait_listening(&format!("127.0.0.1:{port}"), Duration::from_secs(10))?;
+    Ok(s)
 }
 
 fn pagefleet_export(servers: &[String], secret: &std::path::Path, size: u64, extra: &[&str]) -> Result<Server> {
     let port = util::free_port()?;
-    let child = Command::new(util::sibling_binary("pagefleet")?)
-        .arg("--secret-file")
-        .arg(secret)
-        .args(["blockdev", "serve", "--servers", &servers.join(","), "--size", &size.to_string(), "--listen", &format!("127.0.0.1:{port}")])
-        .args(extra)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()?;
-    let s = Server { child, uri: format!("nbd://127.0.0.1:{port}"), cleanup: None };
-    wait_port(port)?;
-    Ok(s)
+    let mut cmd = Command::new(util::sibling_binary("pagefleet")?);
+    cmd.arg("--secret-file").arg(secret);
+    cmd.args(["blockdev", "serve", "--servers", &servers.join(","), "--size", &size.to_string(), "--listen", &format!("127.0.0.1:{port}")]).args(extra);
+    spawn_nbd(&mut cmd, port, None)
 }
 
 fn nbdkit_memory(size: u64) -> Result<Server> {
     let port = util::free_port()?;
-    let child = Command::new(util::which("nbdkit")?)
-        .args(["-f", "--exit-with-parent", "-p", &port.to_string(), "memory", &size.to_string()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()?;
-    let s = Server { child, uri: format!("nbd://127.0.0.1:{port}"), cleanup: None };
-    wait_port(port)?;
-    Ok(s)
+    let mut cmd = Command::new(util::which("nbdkit")?);
+    cmd.args(["-f", "--exit-with-parent", "-p", &port.to_string(), "memory", &size.to_string()]);
+    spawn_nbd(&mut cmd, port, None)
 }
 
 fn qemu_nbd_tmpfs(size: u64) -> Result<Server> {
     let port = util::free_port()?;
     let file = PathBuf::from(format!("/dev/shm/pagefleet-bench-qemu-nbd-{}", std::process::id()));
     std::fs::File::create(&file)?.set_len(size)?;
-    let child = Command::new(util::which("qemu-nbd")?)
-        .args(["-t", "-f", "raw", "-p", &port.to_string(), "-b", "127.0.0.1", "--shared=16"])
-        .arg(&file)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()?;
-    let s = Server { child, uri: format!("nbd://127.0.0.1:{port}"), cleanup: Some(file) };
-    wait_port(port)?;
-    Ok(s)
+    let mut cmd = Command::new(util::which("qemu-nbd")?);
+    cmd.args(["-t", "-f", "raw", "-p", &port.to_string(), "-b", "127.0.0.1", "--shared=16"]).arg(&file);
+    spawn_nbd(&mut cmd, port, Some(file))
 }
 
 /// Write every block once (so reads read data, not holes).

@@ -68,7 +68,8 @@ fn control1(path: &std::path::Path, req: &Value) -> anyhow::Result<Value> {
     control_within(path, req, Duration::from_secs(5))
 }
 
-fn control_within(path: &std::path::Path, req: &Value, t: Duration) -> anyhow::Result<Value> {
+/// One request; the first reply line (waiting at most `t`).
+pub fn control_within(path: &std::path::Path, req: &Value, t: Duration) -> anyhow::Result<Value> {
     let mut out = Value::Null;
     control(path, req, Some(t), |v| {
         out = v;

@@ -87,16 +87,7 @@ pub fn lab(tag: &str, hosts: usize, link: pagefleet_testbed::Link, lend: u64, gu
 
 /// One JSON request on a runner's control socket; its first reply line.
 pub fn control(path: &std::path::Path, req: &serde_json::Value) -> Option<serde_json::Value> {
-    use std::io::{BufRead, Write};
-    let mut s = std::os::unix::net::UnixStream::connect(path).ok()?;
-    s.set_read_timeout(Some(std::time::Duration::from_secs(5))).ok()?;
-    writeln!(s, "{req}").ok()?;
-    let mut line = String::new();
-    std::io::BufReader::new(s).read_line(&mut line).ok()?;
-    serde_json::from_str(&line).ok()
+    pagefleet_daemon::guests::control_within(path, req, std::time::Duration::from_secs(5)).ok()
 }
 
-pub fn is_root() -> bool {
-    // SAFETY: plain syscall.
-    unsafe { libc::geteuid() == 0 }
-}
+pub use pagefleet_bench::is_root;

@@ -22,7 +22,7 @@ impl Drop for Export {
 }
 
 fn have(tool: &str) -> bool {
-    Command::new("sh").args(["-c", &format!("command -v {tool}")]).stdout(Stdio::null()).status().is_ok_and(|s| s.success())
+    pagefleet_bench::util::which(tool).is_ok()
 }
 
 fn export(c: &Cluster, servers: &[String], size: &str, extra: &[&str]) -> Export {

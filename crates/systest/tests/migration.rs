@@ -20,8 +20,9 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn migrate(l: &LabRun, args: &[&str]) -> Result<Value, String> {
-    let mut a = vec!["migrate", "--json"];
+/// `pagefleet CMD --json ARGS` in h1: the report, or the error text.
+fn report(l: &LabRun, cmd: &str, args: &[&str]) -> Result<Value, String> {
+    let mut a = vec![cmd, "--json"];
     a.extend_from_slice(args);
     let (ok, out, err) = l.pf(0, &a);
     if ok {
@@ -31,15 +32,32 @@ fn migrate(l: &LabRun, args: &[&str]) -> Result<Value, String> {
     }
 }
 
+fn migrate(l: &LabRun, args: &[&str]) -> Result<Value, String> {
+    report(l, "migrate", args)
+}
+
 fn migrate_gather(l: &LabRun, args: &[&str]) -> Result<Value, String> {
-    let mut a = vec!["gather", "--json"];
-    a.extend_from_slice(args);
-    let (ok, out, err) = l.pf(0, &a);
-    if ok {
-        Ok(serde_json::from_str(&out).unwrap_or_else(|e| panic!("report: {e}: {out}")))
-    } else {
-        Err(err)
-    }
+    report(l, "gather", args)
+}
+
+/// A 192 MiB kv guest on h1 serving at `ip`, filled with `keys` items and
+/// under a reconnecting, value-checking client load from host `client`.
+fn kv_guest_under_load(l: &LabRun, name: &str, ip: &str, keys: u64, client: usize) -> kvload::Load {
+    let svc = format!("{ip}:11211");
+    let (ok, _, err) = l.pf(0, &["guest", "start", name, "--on", "h1", "--size", "192MiB", "--", "kv", "--listen", &svc, "--service-ip", ip]);
+    assert!(ok, "{err}");
+    let spec = kvload::Spec {
+        addr: svc,
+        keys,
+        value_len: 2000,
+        conns: 4,
+        get_frac: 0.9,
+        theta: 0.99,
+        netns: Some(l.lab.hosts[client].netns.clone()),
+        reconnect: true,
+    };
+    kvload::prefill(&spec).expect("prefill");
+    kvload::Load::start(&spec)
 }
 
 fn ops(l: &LabRun, name: &str) -> u64 {
@@ -142,21 +160,7 @@ fn kv_guest_migrates_under_client_load() {
     let _s = serial();
     let l = lab("kvm", 3, Link::Gbit10, 512 * MIB, &[512 * MIB, 96 * MIB, 0]);
     let ip = l.lab.service_ip(1);
-    let svc = format!("{ip}:11211");
-    let (ok, _, err) = l.pf(0, &["guest", "start", "kv1", "--on", "h1", "--size", "192MiB", "--", "kv", "--listen", &svc, "--service-ip", &ip]);
-    assert!(ok, "{err}");
-    let spec = kvload::Spec {
-        addr: svc.clone(),
-        keys: 30_000,
-        value_len: 2000,
-        conns: 4,
-        get_frac: 0.9,
-        theta: 0.99,
-        netns: Some(l.lab.hosts[2].netns.clone()),
-        reconnect: true,
-    };
-    kvload::prefill(&spec).expect("prefill");
-    let load = kvload::Load::start(&spec);
+    let load = kv_guest_under_load(&l, "kv1", &ip, 30_000, 2);
     std::thread::sleep(Duration::from_secs(2));
     let before = load.counters.ops.load(Relaxed);
     let r = migrate(&l, &["kv1", "--to", "h2", "--sub", "h3", "--verify"]).expect("kv migration");
@@ -318,21 +322,7 @@ fn evacuating_sub_host_and_main_host_under_load_keeps_every_value() {
     let _s = serial();
     let l = lab("evc", 4, Link::Gbit10, 512 * MIB, &[512 * MIB, 96 * MIB, 0]);
     let ip = l.lab.service_ip(2);
-    let svc = format!("{ip}:11211");
-    let (ok, _, err) = l.pf(0, &["guest", "start", "kv2", "--on", "h1", "--size", "192MiB", "--", "kv", "--listen", &svc, "--service-ip", &ip]);
-    assert!(ok, "{err}");
-    let spec = kvload::Spec {
-        addr: svc.clone(),
-        keys: 70_000,
-        value_len: 2000,
-        conns: 4,
-        get_frac: 0.9,
-        theta: 0.99,
-        netns: Some(l.lab.hosts[3].netns.clone()),
-        reconnect: true,
-    };
-    kvload::prefill(&spec).expect("prefill");
-    let load = kvload::Load::start(&spec);
+    let load = kv_guest_under_load(&l, "kv2", &ip, 70_000, 3);
     migrate(&l, &["kv2", "--to", "h2", "--sub", "h3"]).expect("split migration");
     let on = |h: usize| l.guest("kv2").unwrap().1["pages"]["remote"][&l.lab.hosts[h].addr].as_u64().unwrap_or(0);
     assert!(on(2) > 0, "nothing on h3 to evacuate: {:?}", l.guest("kv2"));
