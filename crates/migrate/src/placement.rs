@@ -44,7 +44,8 @@ pub fn choose(hosts: &[HostInfo], source: usize, size_pages: u64, data_pages: u6
     let main_pages = size_pages.min(main_free);
     // The migration fills a smaller main host only to its pager's low
     // watermark (see region::paging_slack): the rest needs room elsewhere.
-    let keep = if main_pages < size_pages { main_pages - (main_pages / 32).max(256).min(main_pages) } else { main_pages };
+    // (The chunk size is not known here: assume the largest, 64 pages.)
+    let keep = if main_pages < size_pages { main_pages - pagefleet_region::paging_slack(main_pages, 64).min(main_pages) } else { main_pages };
     let rest = data_pages.saturating_sub(keep);
     let cap = |h: usize| if hosts[h].memserver.is_some() { hosts[h].lend_free / 4096 } else { 0 };
     let chosen: Vec<usize> = match subs {
