@@ -13,9 +13,7 @@ pub mod paging;
 pub mod util;
 
 /// Bytes with a binary unit (for benchmark logs and tables).
-pub fn fmt_bytes(b: u64) -> String {
-    pagefleet_daemon::units::fmt_size(b)
-}
+pub use pagefleet_daemon::units::fmt_size as fmt_bytes;
 
 pub fn is_root() -> bool {
     // SAFETY: plain syscall.
