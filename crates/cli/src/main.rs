@@ -9,6 +9,7 @@ use pagefleet_proto::auth::Secret;
 use std::path::PathBuf;
 
 mod cluster;
+mod ksm;
 mod run;
 mod runner;
 
@@ -89,6 +90,9 @@ enum Cmd {
     /// DMPS: several memory servers as one remote block device (NBD).
     #[command(subcommand)]
     Blockdev(BlockdevCmd),
+    /// Same-page merging (KSM): a controller better than ksmtuned, status, enrolment.
+    #[command(subcommand)]
+    Ksm(ksm::KsmCmd),
     /// A runner waiting for an incoming migration (pagefleetd starts it; internal).
     #[command(hide = true)]
     RunnerIncoming {
@@ -414,6 +418,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Run(a) => run::run(a, cli.secret_file.as_deref()),
         Cmd::Testbed(t) => testbed(t),
         Cmd::Blockdev(b) => blockdev(b, cli.secret_file.as_deref()),
+        Cmd::Ksm(k) => ksm::main(k),
         Cmd::RunnerIncoming { listen, control, budget_pages, service_dev, timeout } => {
             let secret = Secret::resolve(cli.secret_file.as_deref())?;
             runner::run_incoming(&listen, control, budget_pages, service_dev, secret, std::time::Duration::from_secs(timeout))

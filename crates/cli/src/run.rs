@@ -11,9 +11,18 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 #[derive(Args, Clone)]
+#[command(args_conflicts_with_subcommands = false)]
 pub struct RunArgs {
     #[command(subcommand)]
-    pub workload: Workload,
+    pub workload: Option<Workload>,
+    /// Make the memory mergeable by KSM (prctl PR_SET_MEMORY_MERGE; kept
+    /// across fork and exec): `pagefleet run --merge -- CMD ARGS` runs CMD
+    /// enrolled; with a workload, the workload's own memory is enrolled.
+    #[arg(long, global = true)]
+    pub merge: bool,
+    /// The command to run (after `--`), instead of a workload.
+    #[arg(last = true)]
+    pub command: Vec<String>,
     /// Guest memory size (e.g. 2GiB).
     #[arg(long, global = true, default_value = "256MiB", value_parser = units::parse_size)]
     pub size: u64,
@@ -206,8 +215,8 @@ fn progress(m: &Memory, sec: usize, rate: f64, last_ins: &mut u64) {
 }
 
 /// The workload as a migration carries it to the destination runner.
-fn workload_spec(a: &RunArgs) -> Result<serde_json::Value> {
-    let mut v = match &a.workload {
+fn workload_spec(a: &RunArgs, workload: &Workload) -> Result<serde_json::Value> {
+    let mut v = match workload {
         Workload::Synthetic { dist, write_frac, prefill, rate, span } => serde_json::json!({
             "kind": "synthetic", "dist": dist.to_string(), "write_frac": write_frac, "prefill": prefill, "rate": rate, "span": span,
         }),
@@ -224,6 +233,20 @@ fn workload_spec(a: &RunArgs) -> Result<serde_json::Value> {
 }
 
 pub fn run(a: RunArgs, secret_file: Option<&Path>) -> Result<()> {
+    if a.merge {
+        pagefleet_ksm::enroll::merge_self()?;
+    }
+    if !a.command.is_empty() {
+        if a.workload.is_some() {
+            bail!("give either a workload or a command after --, not both");
+        }
+        use std::os::unix::process::CommandExt;
+        let e = std::process::Command::new(&a.command[0]).args(&a.command[1..]).exec();
+        bail!("cannot run {}: {e}", a.command[0]);
+    }
+    let Some(workload) = a.workload.clone() else {
+        bail!("name a workload (synthetic, sort, sortjob, kv) or a command after --; see pagefleet run --help");
+    };
     if a.threads == 0 {
         bail!("--threads must be at least 1");
     }
@@ -231,7 +254,7 @@ pub fn run(a: RunArgs, secret_file: Option<&Path>) -> Result<()> {
         if a.plain {
             bail!("--plain guests cannot be hosted (they have no region to migrate)");
         }
-        let spec = workload_spec(&a)?;
+        let spec = workload_spec(&a, &workload)?;
         let secret = Secret::resolve(secret_file)?;
         let m = open_memory(&a, secret_file)?;
         let region = m.region.clone().expect("hosted guests have a region");
@@ -241,7 +264,7 @@ pub fn run(a: RunArgs, secret_file: Option<&Path>) -> Result<()> {
     let m = open_memory(&a, secret_file)?;
     let mem = m.mem();
     let mut last_ins = 0;
-    let out = match &a.workload {
+    let out = match &workload {
         Workload::Synthetic { dist, write_frac, prefill, rate, span } => {
             let o = synthetic::Opts {
                 dist: dist.clone(),

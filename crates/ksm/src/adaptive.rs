@@ -1,0 +1,262 @@
+//! The adaptive controller: scan fast while merging pays, within a CPU
+//! budget for ksmd, idle along at a trickle once two whole passes found
+//! nothing new, and switch KSM off when the host has no memory pressure and
+//! nothing is left to gain.
+//!
+//! Why two passes: ksmd only offers a page for merging once its checksum has
+//! stayed the same across a pass, so the first pass over new memory never
+//! merges anything; one empty pass proves nothing.
+
+use crate::sysfs::{Memory, Stats, PAGE};
+use serde::Serialize;
+
+#[derive(Clone, Debug, Serialize)]
+pub struct AdaptiveConfig {
+    /// ksmd's CPU share of one core the controller allows (0.10 = 10%).
+    pub cpu_budget: f64,
+    /// Memory pressure: MemAvailable below this fraction of MemTotal...
+    pub pressure_below: f64,
+    /// ...or PSI memory "some" avg10 above this percentage.
+    pub psi_above: f64,
+    /// Pages per second while idling along (new duplicates are still found).
+    pub min_rate: f64,
+    /// Pages per second when merging starts.
+    pub start_rate: f64,
+    pub max_rate: f64,
+    /// Merging pays while it saves at least this much per ksmd CPU-second.
+    pub pay_bytes_per_cpu_s: f64,
+    /// A pass "found nothing" when it saved fewer pages than this.
+    pub min_gain_pages: u64,
+    /// ksmd's sleep between batches at normal rates, ms.
+    pub sleep_ms: u64,
+    /// While idling, one pass over the mergeable memory takes about this long.
+    pub idle_pass_s: f64,
+}
+
+impl Default for AdaptiveConfig {
+    fn default() -> Self {
+        AdaptiveConfig {
+            cpu_budget: 0.10,
+            pressure_below: 0.20,
+            psi_above: 10.0,
+            min_rate: 500.0,
+            start_rate: 50_000.0,
+            max_rate: 2_000_000.0,
+            pay_bytes_per_cpu_s: 16.0 * 1048576.0,
+            min_gain_pages: 256,
+            sleep_ms: 20,
+            idle_pass_s: 60.0,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Phase {
+    /// KSM stopped (run=0): no pressure and nothing to gain.
+    Off,
+    /// Scanning as fast as the CPU budget allows while it pays.
+    Merging,
+    /// Nothing new in two passes: a trickle that still notices new duplicates.
+    Idling,
+}
+
+/// What to set, and why.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Decision {
+    pub run: bool,
+    pub pages_to_scan: u64,
+    pub sleep_millisecs: u64,
+    pub phase: Phase,
+    pub why: String,
+}
+
+pub struct Adaptive {
+    pub cfg: AdaptiveConfig,
+    phase: Phase,
+    rate: f64,
+    last: Option<Stats>,
+    cpu: f64,
+    /// Saved bytes when the current pass began, and the gains of the last passes.
+    pass_start_saved: u64,
+    empty_passes: u32,
+    pub pressure: bool,
+    pub cpu_share: f64,
+    pub yield_bytes_per_cpu_s: f64,
+}
+
+impl Adaptive {
+    pub fn new(cfg: AdaptiveConfig) -> Adaptive {
+        let rate = cfg.start_rate;
+        Adaptive { cfg, phase: Phase::Off, rate, last: None, cpu: 0.0, pass_start_saved: 0, empty_passes: 0, pressure: false, cpu_share: 0.0, yield_bytes_per_cpu_s: 0.0 }
+    }
+
+    pub fn phase(&self) -> Phase {
+        self.phase
+    }
+    pub fn rate(&self) -> f64 {
+        self.rate
+    }
+
+    fn under_pressure(&self, m: &Memory) -> bool {
+        m.available_frac() < self.cfg.pressure_below || m.psi_some10.is_some_and(|p| p > self.cfg.psi_above)
+    }
+
+    /// ksmd's knobs for a rate: the normal sleep with a batch to match, or
+    /// at low rates a small batch and a longer sleep (fewer wakeups).
+    pub fn knobs(&self, rate: f64) -> (u64, u64) {
+        let per = rate * self.cfg.sleep_ms as f64 / 1000.0;
+        if per >= 32.0 {
+            (per.round() as u64, self.cfg.sleep_ms)
+        } else {
+            (32, ((32.0 * 1000.0 / rate.max(1.0)).round() as u64).clamp(self.cfg.sleep_ms, 10_000))
+        }
+    }
+
+    /// One pass per idle_pass_s over the pages ksmd tracks (its rmap items,
+    /// recovered from general_profit = sharing x 4096 - rmap_items x 64).
+    fn idle_rate(&self, s: &Stats) -> f64 {
+        let rmap = ((s.pages_sharing + s.ksm_zero_pages) as i64 * PAGE as i64 - s.general_profit).max(0) as f64 / 64.0;
+        (rmap / self.cfg.idle_pass_s).max(self.cfg.min_rate)
+    }
+
+    fn decide(&self, why: String) -> Decision {
+        let (p, s) = self.knobs(self.rate);
+        Decision { run: self.phase != Phase::Off, pages_to_scan: p, sleep_millisecs: s, phase: self.phase, why }
+    }
+
+    fn start_merging(&mut self, s: &Stats, why: &str) -> Decision {
+        self.phase = Phase::Merging;
+        self.rate = self.cfg.start_rate;
+        self.empty_passes = 0;
+        self.pass_start_saved = s.saved();
+        self.decide(why.to_string())
+    }
+
+    /// One tick: the counters now, the host's memory, seconds since the last tick.
+    pub fn step(&mut self, s: &Stats, m: &Memory, dt: f64) -> Decision {
+        self.pressure = self.under_pressure(m);
+        let Some(last) = self.last.replace(*s) else {
+            return if self.pressure { self.start_merging(s, "memory pressure: start merging") } else {
+                self.phase = Phase::Off;
+                self.decide("no memory pressure: KSM off".into())
+            };
+        };
+        let dt = dt.max(1e-3);
+        let cpu_now = ((s.ksmd_cpu - last.ksmd_cpu) / dt).max(0.0);
+        self.cpu = 0.5 * self.cpu + 0.5 * cpu_now;
+        self.cpu_share = self.cpu;
+        let gained = s.saved().saturating_sub(last.saved());
+        self.yield_bytes_per_cpu_s = gained as f64 / ((s.ksmd_cpu - last.ksmd_cpu).max(1e-4));
+        let pays = gained >= self.cfg.min_gain_pages * PAGE && self.yield_bytes_per_cpu_s >= self.cfg.pay_bytes_per_cpu_s;
+        if s.full_scans > last.full_scans {
+            let pass_gain = s.saved().saturating_sub(self.pass_start_saved);
+            self.empty_passes = if pass_gain < self.cfg.min_gain_pages * PAGE { self.empty_passes + 1 } else { 0 };
+            self.pass_start_saved = s.saved();
+        }
+        let nothing_left = self.empty_passes >= 2;
+        match self.phase {
+            Phase::Off => {
+                if self.pressure {
+                    return self.start_merging(s, "memory pressure: start merging");
+                }
+                self.decide("no memory pressure: KSM off".into())
+            }
+            Phase::Idling => {
+                if pays {
+                    return self.start_merging(s, "new duplicates found: merging again");
+                }
+                if !self.pressure {
+                    self.phase = Phase::Off;
+                    return self.decide("no memory pressure and nothing left to gain: KSM off".into());
+                }
+                if self.empty_passes == 0 {
+                    return self.start_merging(s, "the last pass found new duplicates: merging again");
+                }
+                self.rate = self.idle_rate(s);
+                if self.cpu > self.cfg.cpu_budget / 4.0 {
+                    self.rate = self.cfg.min_rate;
+                }
+                self.decide("nothing new to merge: idling".into())
+            }
+            Phase::Merging => {
+                if nothing_left {
+                    self.phase = if self.pressure { Phase::Idling } else { Phase::Off };
+                    self.rate = self.idle_rate(s);
+                    return self.decide(if self.pressure { "two passes found nothing new: idling" } else { "nothing left to gain and no memory pressure: KSM off" }.into());
+                }
+                let budget = self.cfg.cpu_budget;
+                let why = if self.cpu > budget {
+                    self.rate = (self.rate * budget / self.cpu * 0.9).max(self.cfg.min_rate);
+                    format!("ksmd at {:.0}% of a core, over the {:.0}% budget: slower", self.cpu * 100.0, budget * 100.0)
+                } else if self.cpu < 0.8 * budget && s.run == 1 {
+                    self.rate = (self.rate * 1.5).min(self.cfg.max_rate);
+                    if pays { "merging pays: faster".to_string() } else { "looking for duplicates within the budget: faster".to_string() }
+                } else {
+                    "at the CPU budget".to_string()
+                };
+                self.decide(why)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mem(avail: f64) -> Memory {
+        Memory { total_kb: 1 << 20, available_kb: ((1u64 << 20) as f64 * avail) as u64, free_kb: 0, psi_some10: None }
+    }
+    fn st(sharing: u64, scans: u64, cpu: f64) -> Stats {
+        Stats { run: 1, pages_sharing: sharing, full_scans: scans, ksmd_cpu: cpu, ..Default::default() }
+    }
+
+    #[test]
+    fn off_without_pressure_merging_with_it() {
+        let mut a = Adaptive::new(AdaptiveConfig::default());
+        let d = a.step(&st(0, 0, 0.0), &mem(0.9), 1.0);
+        assert!(!d.run && d.phase == Phase::Off);
+        let d = a.step(&st(0, 0, 0.0), &mem(0.1), 1.0);
+        assert!(d.run && d.phase == Phase::Merging);
+    }
+
+    #[test]
+    fn faster_under_budget_slower_over_it() {
+        let mut a = Adaptive::new(AdaptiveConfig::default());
+        a.step(&st(0, 0, 0.0), &mem(0.1), 1.0);
+        let r0 = a.rate();
+        a.step(&st(10_000, 0, 0.01), &mem(0.1), 1.0);
+        assert!(a.rate() > r0, "cheap and paying: faster");
+        let r1 = a.rate();
+        // ksmd burns half a core: back under budget.
+        a.step(&st(20_000, 0, 0.51), &mem(0.1), 1.0);
+        a.step(&st(30_000, 0, 1.01), &mem(0.1), 1.0);
+        assert!(a.rate() < r1, "over budget: slower");
+    }
+
+    #[test]
+    fn two_empty_passes_idle_then_off_without_pressure() {
+        let mut a = Adaptive::new(AdaptiveConfig::default());
+        a.step(&st(0, 0, 0.0), &mem(0.1), 1.0);
+        a.step(&st(5000, 1, 0.05), &mem(0.1), 1.0);
+        let d = a.step(&st(5000, 2, 0.10), &mem(0.1), 1.0);
+        assert_eq!(d.phase, Phase::Merging, "one empty pass proves nothing");
+        let d = a.step(&st(5000, 3, 0.15), &mem(0.1), 1.0);
+        assert_eq!(d.phase, Phase::Idling);
+        assert!(d.run);
+        let d = a.step(&st(5000, 3, 0.15), &mem(0.9), 1.0);
+        assert_eq!(d.phase, Phase::Off);
+        assert!(!d.run);
+        // Pressure again: merging again.
+        let d = a.step(&st(5000, 3, 0.15), &mem(0.1), 1.0);
+        assert_eq!(d.phase, Phase::Merging);
+    }
+
+    #[test]
+    fn knobs_cover_low_rates_with_longer_sleeps() {
+        let a = Adaptive::new(AdaptiveConfig::default());
+        assert_eq!(a.knobs(50_000.0), (1000, 20));
+        assert_eq!(a.knobs(500.0), (32, 64));
+    }
+}

@@ -1,0 +1,245 @@
+//! The controller loop: a policy (ksmtuned or adaptive) applied to the real
+//! /sys/kernel/mm/ksm every tick, its state published in a JSON file for
+//! `pagefleet ksm status`, and the host's settings put back on exit.
+
+use crate::adaptive::{Adaptive, AdaptiveConfig};
+use crate::sysfs::{self, Memory, Settings, Stats};
+use crate::tuned::{self, Action, Tuned, TunedConfig};
+use anyhow::{Context, Result};
+use serde::Serialize;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+use tracing::{info, warn};
+
+pub const DEFAULT_STATE: &str = "/run/pagefleet/ksm.json";
+
+#[derive(Clone, Debug)]
+pub enum Policy {
+    Adaptive(AdaptiveConfig),
+    /// ksmtuned's script; `monitor_interval_s` already scaled.
+    Ksmtuned(TunedConfig),
+}
+
+#[derive(Clone, Debug)]
+pub struct Options {
+    pub policy: Policy,
+    /// Adaptive: seconds between decisions.
+    pub tick: Duration,
+    /// Leave KSM as the controller last set it instead of restoring.
+    pub keep_settings: bool,
+    pub state_file: Option<PathBuf>,
+    /// Stop by itself after this long (None: until stopped).
+    pub duration: Option<Duration>,
+}
+
+/// What the state file holds.
+#[derive(Clone, Debug, Serialize)]
+pub struct State {
+    pub pid: u32,
+    pub policy: String,
+    pub phase: String,
+    pub run: bool,
+    pub pages_to_scan: u64,
+    pub sleep_millisecs: u64,
+    pub scan_rate: f64,
+    pub why: String,
+    pub pressure: bool,
+    pub ksmd_cpu_share: f64,
+    pub saved_bytes: u64,
+    pub decisions: u64,
+    pub updated_unix: u64,
+}
+
+fn apply(run: bool, pages: u64, sleep: u64) -> Result<()> {
+    if run {
+        sysfs::write("pages_to_scan", &pages.to_string())?;
+        sysfs::write("sleep_millisecs", &sleep.to_string())?;
+        if sysfs::read_u64("run")? != 1 {
+            sysfs::write("run", "1")?;
+        }
+    } else if sysfs::read_u64("run")? != 0 {
+        sysfs::write("run", "0")?;
+    }
+    Ok(())
+}
+
+/// Puts the saved settings back when dropped (also on panic).
+struct Restore(Option<Settings>);
+impl Drop for Restore {
+    fn drop(&mut self) {
+        if let Some(s) = self.0.take() {
+            match s.restore() {
+                Ok(()) => info!("KSM settings restored (run={}, pages_to_scan={}, sleep_millisecs={})", s.run, s.pages_to_scan, s.sleep_millisecs),
+                Err(e) => warn!("could not restore KSM settings: {e:#}"),
+            }
+        }
+    }
+}
+
+fn write_state(path: &Option<PathBuf>, st: &State) {
+    let Some(p) = path else { return };
+    if let Some(d) = p.parent() {
+        let _ = std::fs::create_dir_all(d);
+    }
+    let tmp = p.with_extension("json.tmp");
+    if std::fs::write(&tmp, serde_json::to_vec_pretty(st).unwrap_or_default()).is_ok() {
+        let _ = std::fs::rename(&tmp, p);
+    }
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+/// Run until `stop` is set (or the duration passes). `on_decision` sees
+/// every state published (the CLI prints changes).
+pub fn run(o: &Options, stop: &AtomicBool, mut on_decision: impl FnMut(&State)) -> Result<()> {
+    sysfs::available()?;
+    let saved = Settings::save()?;
+    // Check we may write before deciding anything (clear error for non-root).
+    sysfs::write("pages_to_scan", &saved.pages_to_scan.to_string()).context("the KSM controller must run as root")?;
+    let _restore = Restore((!o.keep_settings).then_some(saved));
+    let started = Instant::now();
+    let done = |stop: &AtomicBool| stop.load(Ordering::Relaxed) || o.duration.is_some_and(|d| started.elapsed() >= d);
+    let mut st = State { pid: std::process::id(), policy: String::new(), phase: String::new(), run: false, pages_to_scan: 0, sleep_millisecs: 0, scan_rate: 0.0, why: String::new(), pressure: false, ksmd_cpu_share: 0.0, saved_bytes: 0, decisions: 0, updated_unix: 0 };
+    let result = match &o.policy {
+        Policy::Adaptive(cfg) => {
+            st.policy = "adaptive".into();
+            // The kernel's advisor would fight over pages_to_scan; smart_scan saves CPU.
+            let _ = sysfs::write("advisor_mode", "none");
+            let _ = sysfs::write("smart_scan", "1");
+            let mut a = Adaptive::new(cfg.clone());
+            let mut last = Instant::now();
+            let mut prev_why = String::new();
+            let mut prev_phase = String::new();
+            loop {
+                let s = Stats::read()?;
+                let m = Memory::read()?;
+                let dt = last.elapsed().as_secs_f64();
+                last = Instant::now();
+                let d = a.step(&s, &m, dt);
+                if let Err(e) = apply(d.run, d.pages_to_scan, d.sleep_millisecs) {
+                    warn!("{e:#}");
+                }
+                st.phase = format!("{:?}", d.phase).to_lowercase();
+                st.run = d.run;
+                st.pages_to_scan = d.pages_to_scan;
+                st.sleep_millisecs = d.sleep_millisecs;
+                st.scan_rate = if d.run { d.pages_to_scan as f64 * 1000.0 / d.sleep_millisecs as f64 } else { 0.0 };
+                st.why = d.why.clone();
+                st.pressure = a.pressure;
+                st.ksmd_cpu_share = a.cpu_share;
+                st.saved_bytes = s.saved();
+                st.decisions += 1;
+                st.updated_unix = unix_now();
+                write_state(&o.state_file, &st);
+                if st.phase != prev_phase {
+                    info!("{} (scan {:.0} pages/s, ksmd {:.1}% CPU, saved {} MiB)", d.why, st.scan_rate, a.cpu_share * 100.0, s.saved() >> 20);
+                    prev_phase = st.phase.clone();
+                } else if d.why != prev_why {
+                    tracing::debug!("{} (scan {:.0} pages/s, ksmd {:.1}% CPU, saved {} MiB)", d.why, st.scan_rate, a.cpu_share * 100.0, s.saved() >> 20);
+                }
+                prev_why = d.why;
+                on_decision(&st);
+                if sleep_until(o.tick, stop, &done) {
+                    break Ok(());
+                }
+            }
+        }
+        Policy::Ksmtuned(cfg) => {
+            st.policy = format!("ksmtuned (every {:.0} s)", cfg.monitor_interval_s);
+            let mut t = Tuned::new(cfg.clone());
+            st.phase = "waiting".into();
+            st.why = "ksmtuned sleeps a monitor interval before its first adjust".into();
+            write_state(&o.state_file, &st);
+            loop {
+                if sleep_until(Duration::from_secs_f64(cfg.monitor_interval_s), stop, &done) {
+                    break Ok(());
+                }
+                let m = Memory::read()?;
+                let committed = tuned::committed_kb();
+                let a = t.adjust(&m, committed);
+                let (run, p, s) = match a {
+                    Action::Stop => (false, 0, 0),
+                    Action::Start { pages_to_scan, sleep_millisecs } => (true, pages_to_scan, sleep_millisecs),
+                };
+                if let Err(e) = apply(run, p, s) {
+                    warn!("{e:#}");
+                }
+                let thres = t.thres_kb(m.total_kb);
+                st.phase = if run { "running".into() } else { "stopped".into() };
+                st.run = run;
+                st.pages_to_scan = p;
+                st.sleep_millisecs = s;
+                st.scan_rate = if run { p as f64 * 1000.0 / s as f64 } else { 0.0 };
+                st.why = match a {
+                    Action::Stop => format!("committed {committed} kB + thres {thres} kB < total and free {} kB > thres: stop", m.free_kb),
+                    Action::Start { .. } if m.free_kb < thres => format!("free {} kB < thres {thres} kB: boost", m.free_kb),
+                    Action::Start { .. } => format!("free {} kB > thres {thres} kB: decay", m.free_kb),
+                };
+                st.pressure = m.free_kb < thres;
+                st.saved_bytes = Stats::read().map(|s| s.saved()).unwrap_or(0);
+                st.decisions += 1;
+                st.updated_unix = unix_now();
+                write_state(&o.state_file, &st);
+                info!("{}", st.why);
+                on_decision(&st);
+            }
+        }
+    };
+    if let Some(p) = &o.state_file {
+        let _ = std::fs::remove_file(p);
+    }
+    result
+}
+
+/// Sleep in small steps; true when it is time to stop.
+fn sleep_until(d: Duration, stop: &AtomicBool, done: &impl Fn(&AtomicBool) -> bool) -> bool {
+    let end = Instant::now() + d;
+    loop {
+        if done(stop) {
+            return true;
+        }
+        let now = Instant::now();
+        if now >= end {
+            return false;
+        }
+        std::thread::sleep((end - now).min(Duration::from_millis(50)));
+    }
+}
+
+/// `pagefleet ksm status`: the counters, ksmd's CPU share over `window`, and
+/// the running controller's state (if its state file is fresh).
+pub fn status(window: Duration, state_file: &std::path::Path) -> Result<serde_json::Value> {
+    sysfs::available()?;
+    let a = Stats::read()?;
+    let t0 = Instant::now();
+    std::thread::sleep(window);
+    let b = Stats::read()?;
+    let cpu = (b.ksmd_cpu - a.ksmd_cpu) / t0.elapsed().as_secs_f64();
+    let m = Memory::read()?;
+    let controller = std::fs::read(state_file).ok().and_then(|v| serde_json::from_slice::<serde_json::Value>(&v).ok()).filter(|v| {
+        v["pid"].as_u64().is_some_and(|p| std::path::Path::new(&format!("/proc/{p}")).exists())
+    });
+    Ok(serde_json::json!({
+        "run": b.run,
+        "saved_mib": b.saved() as f64 / 1048576.0,
+        "general_profit_mib": b.general_profit as f64 / 1048576.0,
+        "pages_shared": b.pages_shared,
+        "pages_sharing": b.pages_sharing,
+        "pages_unshared": b.pages_unshared,
+        "pages_volatile": b.pages_volatile,
+        "ksm_zero_pages": b.ksm_zero_pages,
+        "full_scans": b.full_scans,
+        "ksmd_cpu_percent": cpu * 100.0,
+        "pages_to_scan": b.pages_to_scan,
+        "sleep_millisecs": b.sleep_millisecs,
+        "scan_rate_pages_per_s": b.scan_rate(),
+        "advisor_mode": sysfs::selected("advisor_mode").ok(),
+        "smart_scan": sysfs::read_u64("smart_scan").ok(),
+        "mem_available_percent": m.available_frac() * 100.0,
+        "psi_memory_some_avg10": m.psi_some10,
+        "controller": controller,
+    }))
+}

@@ -1,0 +1,185 @@
+//! The kernel's KSM interface (/sys/kernel/mm/ksm), ksmd's CPU time and the
+//! host's memory pressure (/proc/meminfo, PSI).
+
+use anyhow::{anyhow, bail, Context, Result};
+use serde::Serialize;
+use std::path::{Path, PathBuf};
+
+pub const KSM: &str = "/sys/kernel/mm/ksm";
+pub const PAGE: u64 = 4096;
+
+fn knob(name: &str) -> PathBuf {
+    Path::new(KSM).join(name)
+}
+
+pub fn available() -> Result<()> {
+    if !knob("run").exists() {
+        bail!("this kernel has no KSM ({KSM} is missing: CONFIG_KSM is off)");
+    }
+    Ok(())
+}
+
+pub fn read(name: &str) -> Result<String> {
+    let s = std::fs::read_to_string(knob(name)).with_context(|| format!("cannot read {KSM}/{name}"))?;
+    Ok(s.trim().to_string())
+}
+
+pub fn read_u64(name: &str) -> Result<u64> {
+    read(name)?.parse().map_err(|_| anyhow!("{KSM}/{name} is not a number"))
+}
+
+fn read_i64(name: &str) -> Result<i64> {
+    read(name)?.parse().map_err(|_| anyhow!("{KSM}/{name} is not a number"))
+}
+
+pub fn write(name: &str, v: &str) -> Result<()> {
+    std::fs::write(knob(name), v).with_context(|| format!("cannot write {v} to {KSM}/{name} (root needed)"))
+}
+
+/// The selected word of a "[a] b" style knob (advisor_mode).
+pub fn selected(name: &str) -> Result<String> {
+    let s = read(name)?;
+    Ok(s.split_whitespace().find(|w| w.starts_with('[')).map(|w| w.trim_matches(|c| c == '[' || c == ']').to_string()).unwrap_or(s))
+}
+
+/// One reading of the counters.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct Stats {
+    pub run: u64,
+    pub pages_to_scan: u64,
+    pub sleep_millisecs: u64,
+    pub pages_shared: u64,
+    pub pages_sharing: u64,
+    pub pages_unshared: u64,
+    pub pages_volatile: u64,
+    pub pages_scanned: u64,
+    pub full_scans: u64,
+    pub general_profit: i64,
+    pub ksm_zero_pages: u64,
+    /// ksmd's CPU time so far, seconds.
+    pub ksmd_cpu: f64,
+}
+
+impl Stats {
+    pub fn read() -> Result<Stats> {
+        Ok(Stats {
+            run: read_u64("run")?,
+            pages_to_scan: read_u64("pages_to_scan")?,
+            sleep_millisecs: read_u64("sleep_millisecs")?,
+            pages_shared: read_u64("pages_shared")?,
+            pages_sharing: read_u64("pages_sharing")?,
+            pages_unshared: read_u64("pages_unshared")?,
+            pages_volatile: read_u64("pages_volatile")?,
+            pages_scanned: read_u64("pages_scanned").unwrap_or(0),
+            full_scans: read_u64("full_scans")?,
+            general_profit: read_i64("general_profit").unwrap_or(0),
+            ksm_zero_pages: read_u64("ksm_zero_pages").unwrap_or(0),
+            ksmd_cpu: ksmd_cpu()?,
+        })
+    }
+    /// Memory the merging saves, bytes (sharing sites beyond the first copy).
+    pub fn saved(&self) -> u64 {
+        (self.pages_sharing + self.ksm_zero_pages) * PAGE
+    }
+    /// Pages per second ksmd is set to scan (0 when stopped).
+    pub fn scan_rate(&self) -> f64 {
+        if self.run != 1 {
+            return 0.0;
+        }
+        self.pages_to_scan as f64 * 1000.0 / self.sleep_millisecs.max(1) as f64
+    }
+}
+
+/// ksmd's CPU time in seconds (schedstat: nanoseconds on the CPU).
+pub fn ksmd_cpu() -> Result<f64> {
+    let pid = ksmd_pid()?;
+    let s = std::fs::read_to_string(format!("/proc/{pid}/schedstat")).context("cannot read ksmd's schedstat")?;
+    let ns: u64 = s.split_whitespace().next().and_then(|w| w.parse().ok()).ok_or_else(|| anyhow!("bad schedstat for ksmd"))?;
+    Ok(ns as f64 / 1e9)
+}
+
+fn ksmd_pid() -> Result<u32> {
+    use std::sync::OnceLock;
+    static PID: OnceLock<u32> = OnceLock::new();
+    if let Some(p) = PID.get() {
+        return Ok(*p);
+    }
+    for e in std::fs::read_dir("/proc")?.flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
+        if std::fs::read_to_string(format!("/proc/{pid}/comm")).map(|c| c.trim() == "ksmd").unwrap_or(false) {
+            return Ok(*PID.get_or_init(|| pid));
+        }
+    }
+    bail!("no ksmd kernel thread found")
+}
+
+/// The writable knobs a controller changes, saved to be put back.
+#[derive(Clone, Debug, Serialize)]
+pub struct Settings {
+    pub run: u64,
+    pub pages_to_scan: u64,
+    pub sleep_millisecs: u64,
+    pub smart_scan: Option<u64>,
+    pub advisor_mode: Option<String>,
+}
+
+impl Settings {
+    pub fn save() -> Result<Settings> {
+        available()?;
+        Ok(Settings {
+            run: read_u64("run")?,
+            pages_to_scan: read_u64("pages_to_scan")?,
+            sleep_millisecs: read_u64("sleep_millisecs")?,
+            smart_scan: read_u64("smart_scan").ok(),
+            advisor_mode: selected("advisor_mode").ok(),
+        })
+    }
+    /// Put everything back; `run` last so ksmd never runs with foreign settings.
+    pub fn restore(&self) -> Result<()> {
+        if let Some(m) = &self.advisor_mode {
+            write("advisor_mode", m)?;
+        }
+        write("pages_to_scan", &self.pages_to_scan.to_string())?;
+        write("sleep_millisecs", &self.sleep_millisecs.to_string())?;
+        if let Some(s) = self.smart_scan {
+            write("smart_scan", &s.to_string())?;
+        }
+        // run=2 (unmerge everything) is not put back: it would only re-expand memory.
+        write("run", &self.run.min(1).to_string())
+    }
+}
+
+/// What the host's memory looks like (kB values from /proc/meminfo).
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct Memory {
+    pub total_kb: u64,
+    pub available_kb: u64,
+    /// ksmtuned's "free": MemFree + Buffers + Cached.
+    pub free_kb: u64,
+    /// PSI memory "some" avg10, percent (None without PSI).
+    pub psi_some10: Option<f64>,
+}
+
+impl Memory {
+    pub fn read() -> Result<Memory> {
+        let s = std::fs::read_to_string("/proc/meminfo").context("cannot read /proc/meminfo")?;
+        let mut m = Memory::default();
+        for l in s.lines() {
+            let mut w = l.split_whitespace();
+            let (Some(k), Some(v)) = (w.next(), w.next().and_then(|v| v.parse::<u64>().ok())) else { continue };
+            match k {
+                "MemTotal:" => m.total_kb = v,
+                "MemAvailable:" => m.available_kb = v,
+                "MemFree:" | "Buffers:" | "Cached:" => m.free_kb += v,
+                _ => {}
+            }
+        }
+        m.psi_some10 = std::fs::read_to_string("/proc/pressure/memory").ok().and_then(|p| {
+            p.lines().find(|l| l.starts_with("some")).and_then(|l| l.split_whitespace().find_map(|w| w.strip_prefix("avg10=")).and_then(|v| v.parse().ok()))
+        });
+        Ok(m)
+    }
+    pub fn available_frac(&self) -> f64 {
+        self.available_kb as f64 / self.total_kb.max(1) as f64
+    }
+}
