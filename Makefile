@@ -9,9 +9,11 @@ CARGO ?= cargo
 # benchmark and libmemcached-tools the real clients of the kv guest;
 # python3-venv hosts the plotting environment; iproute2 builds the testbed;
 # util-linux has mkswap/swapon/setpriv for the swap baselines and tests and
-# nsenter for the testbed.
+# nsenter for the testbed; ksmtuned is the peer of the KSM controller.
+# Packages are installed without starting their services (policy-rc.d):
+# a ksmtuned daemon would fight the KSM tests over /sys/kernel/mm/ksm.
 APT_PKGS := build-essential pkg-config python3 python3-venv memcached libmemcached-tools iproute2 util-linux \
-            qemu-utils libnbd-bin python3-libnbd nbdkit fio qemu-system-x86 cpio
+            qemu-utils libnbd-bin python3-libnbd nbdkit fio qemu-system-x86 cpio ksmtuned
 VENV := .venv
 FUZZ_SECONDS ?= 30
 
@@ -26,7 +28,9 @@ deps-apt:
 	if [ -n "$$missing" ]; then \
 	  echo "installing Debian packages:$$missing"; \
 	  SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
+	  pol=""; [ -e /usr/sbin/policy-rc.d ] || { pol=/usr/sbin/policy-rc.d; printf '#!/bin/sh\nexit 101\n' | $$SUDO tee $$pol >/dev/null; $$SUDO chmod +x $$pol; }; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; rc=$$?; \
+	  [ -z "$$pol" ] || $$SUDO rm -f $$pol; exit $$rc; \
 	fi
 
 deps-rust:

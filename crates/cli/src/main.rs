@@ -131,6 +131,13 @@ enum BenchCmd {
     /// qemu-nbd on tmpfs: fio sequential/random read/write, 4-128 KiB,
     /// queue depth 1 and 16, IOPS and MB/s. --dataset sets the device size.
     Blockdev(BenchOpts),
+    /// KSM policies (paper 001) on kv tenants holding the same dataset plus
+    /// private data under host memory pressure: off, kernel defaults, Debian's
+    /// ksmtuned (x0.5, x1, x2 interval), the kernel's scan-time advisor,
+    /// pagefleet adaptive; memory saved over time, ksmd CPU, throughput.
+    /// Root; about 25 minutes (7 runs of 180 s). --dataset sets each tenant's
+    /// memory (default 256MiB); --only picks policies by name (e.g. adaptive,ksmtuned).
+    Ksm(BenchOpts),
     /// The raw-TCP baseline server used by `bench memserver` (internal).
     #[command(hide = true)]
     RawServer,
@@ -415,6 +422,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Bench(BenchCmd::Paging(o)) => bench_paging(o),
         Cmd::Bench(BenchCmd::Migration(o)) => bench_migration(o),
         Cmd::Bench(BenchCmd::Blockdev(o)) => bench_blockdev(o),
+        Cmd::Bench(BenchCmd::Ksm(o)) => bench_ksm(o),
         Cmd::Run(a) => run::run(a, cli.secret_file.as_deref()),
         Cmd::Testbed(t) => testbed(t),
         Cmd::Blockdev(b) => blockdev(b, cli.secret_file.as_deref()),
@@ -520,6 +528,27 @@ fn bench_blockdev(o: BenchOpts) -> Result<()> {
         println!("{}", serde_json::to_string(&report)?);
     } else {
         blockdev::print_table(&report, &mut std::io::stdout())?;
+    }
+    Ok(())
+}
+
+fn bench_ksm(o: BenchOpts) -> Result<()> {
+    use pagefleet_bench::ksm;
+    let mut opts = if o.quick { ksm::Opts::quick(o.out.clone()) } else { ksm::Opts::full(o.out.clone()) };
+    if let Some(d) = o.dataset {
+        if d < 32 << 20 {
+            bail!("--dataset (each tenant's memory) must be at least 32MiB");
+        }
+        opts.tenant_bytes = d;
+    }
+    opts.only = o.only.clone();
+    let mut log = |m: &str| eprintln!("  .. {m}");
+    let report = ksm::run(&opts, &mut log)?;
+    if o.json {
+        ksm::print_table(&report, &mut std::io::stderr())?;
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        ksm::print_table(&report, &mut std::io::stdout())?;
     }
     Ok(())
 }

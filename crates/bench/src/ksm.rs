@@ -1,0 +1,478 @@
+//! `pagefleet bench ksm` (paper 001): N key-value tenants holding the same
+//! dataset plus private data, under host memory pressure, each with a
+//! throughput client; in one run each, KSM off / the kernel's defaults /
+//! Debian's real ksmtuned at x1/2, x1, x2 its interval / the kernel's
+//! scan-time advisor / pagefleet's adaptive controller: memory saved over
+//! time, ksmd's CPU, tenant throughput.
+
+use crate::kvload::{self, Spec};
+use crate::util::{self, Goal, PlotOutcome};
+use anyhow::{anyhow, bail, Context, Result};
+use pagefleet_ksm::sysfs::{self, Memory, Settings, Stats};
+use serde::Serialize;
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, ChildStdout, Command, Stdio};
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::{Duration, Instant};
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Opts {
+    pub tenants: usize,
+    /// Each tenant's memory.
+    pub tenant_bytes: u64,
+    /// Share of a tenant's memory filled with the common dataset, and with private data.
+    pub shared_frac: f64,
+    pub private_frac: f64,
+    pub value_len: usize,
+    /// Seconds each configuration runs (after loading).
+    pub duration_s: u64,
+    /// ksmtuned's monitor interval before scaling (60 s in the script).
+    pub ksmtuned_base_s: f64,
+    /// MemAvailable the balloon leaves, share of MemTotal (ksmtuned acts below 20%).
+    pub leave_available: f64,
+    pub only: Option<String>,
+    #[serde(skip)]
+    pub out_dir: PathBuf,
+}
+
+impl Opts {
+    pub fn full(out_dir: PathBuf) -> Opts {
+        Opts { tenants: 4, tenant_bytes: 256 << 20, shared_frac: 0.6, private_frac: 0.15, value_len: 2000, duration_s: 180, ksmtuned_base_s: 60.0, leave_available: 0.15, only: None, out_dir }
+    }
+    /// A smoke run: small tenants, short runs, ksmtuned's interval cut to 10 s.
+    pub fn quick(out_dir: PathBuf) -> Opts {
+        Opts { tenants: 2, tenant_bytes: 96 << 20, duration_s: 40, ksmtuned_base_s: 10.0, ..Opts::full(out_dir) }
+    }
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Sample {
+    pub t: f64,
+    pub saved_mib: f64,
+    pub profit_mib: f64,
+    pub ksmd_cpu_pct: f64,
+    pub ops_per_s: f64,
+    pub scan_rate: f64,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct ConfigResult {
+    pub name: String,
+    pub samples: Vec<Sample>,
+    pub final_saved_mib: f64,
+    pub final_profit_mib: f64,
+    /// Seconds until 90% of the final saving (None: nothing saved).
+    pub t90_s: Option<f64>,
+    pub ksmd_cpu_mean_pct: f64,
+    pub ksmd_cpu_s: f64,
+    /// All tenants together, ops/s (mean over the run), and the slowest tenant's.
+    pub throughput: f64,
+    pub min_tenant_throughput: f64,
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Report {
+    pub opts: Opts,
+    pub mem_total_mib: u64,
+    pub balloon_mib: u64,
+    pub configs: Vec<ConfigResult>,
+    pub goals: Vec<Goal>,
+    #[serde(flatten)]
+    pub plot: PlotOutcome,
+}
+
+/// One tenant: `pagefleet run kv --plain --merge` (enrolled from its start).
+struct Tenant {
+    child: Child,
+    _out: BufReader<ChildStdout>,
+    addr: String,
+}
+
+impl Tenant {
+    fn start(size: u64) -> Result<Tenant> {
+        let bin = util::sibling_binary("pagefleet")?;
+        let mut child = Command::new(bin)
+            .args(["run", "--merge", "kv", "--plain", "--size", &size.to_string(), "--duration", "0", "--threads", "1", "--listen", "127.0.0.1:0"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("cannot start a kv tenant")?;
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        out.read_line(&mut line)?;
+        let addr = line.trim().strip_prefix("kv listening ").ok_or_else(|| anyhow!("kv tenant said {line:?}"))?.to_string();
+        Ok(Tenant { child, _out: out, addr })
+    }
+}
+
+impl Drop for Tenant {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Store items in one fixed order over one connection (so tenants holding
+/// the same dataset lay it out byte for byte the same).
+fn load(addr: &str, keys: impl Iterator<Item = (String, Vec<u8>)>) -> Result<()> {
+    let mut st = TcpStream::connect(addr)?;
+    st.set_nodelay(true)?;
+    let mut r = BufReader::new(st.try_clone()?);
+    let mut line = String::new();
+    let mut keys = keys.peekable();
+    while keys.peek().is_some() {
+        let mut batch = Vec::new();
+        let mut n = 0;
+        for (k, v) in keys.by_ref().take(64) {
+            batch.extend_from_slice(format!("set {k} 0 0 {}\r\n", v.len()).as_bytes());
+            batch.extend_from_slice(&v);
+            batch.extend_from_slice(b"\r\n");
+            n += 1;
+        }
+        st.write_all(&batch)?;
+        for _ in 0..n {
+            line.clear();
+            r.read_line(&mut line)?;
+            if line != "STORED\r\n" {
+                bail!("loading {addr}: {line:?}");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The KSM policies compared.
+#[derive(Clone, Debug)]
+enum Policy {
+    Off,
+    KernelDefaults,
+    Ksmtuned(f64),
+    Advisor,
+    Adaptive,
+}
+
+impl Policy {
+    fn name(&self) -> String {
+        match self {
+            Policy::Off => "KSM off".into(),
+            Policy::KernelDefaults => "kernel defaults".into(),
+            Policy::Ksmtuned(s) => format!("ksmtuned x{s}"),
+            Policy::Advisor => "kernel advisor".into(),
+            Policy::Adaptive => "pagefleet adaptive".into(),
+        }
+    }
+}
+
+/// ksmd updates its counters only while it runs: after the tenants of a run
+/// exit, let it sweep their leftovers until the counters stop moving.
+fn settle() -> Result<()> {
+    sysfs::write("advisor_mode", "none").ok();
+    sysfs::write("pages_to_scan", "20000")?;
+    sysfs::write("sleep_millisecs", "10")?;
+    sysfs::write("run", "1")?;
+    let t = Instant::now();
+    let mut last = (u64::MAX, u64::MAX);
+    while t.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(300));
+        let now = (sysfs::read_u64("pages_sharing")?, sysfs::read_u64("full_scans")?);
+        if now.0 == last.0 && now.1 >= last.1 + 2 {
+            break;
+        }
+        if now.0 != last.0 {
+            last = now;
+        }
+    }
+    sysfs::write("run", "0")
+}
+
+/// A clean slate between runs: stopped, kernel defaults.
+fn reset_ksm() -> Result<()> {
+    settle()?;
+    sysfs::write("run", "0")?;
+    let _ = sysfs::write("advisor_mode", "none");
+    sysfs::write("pages_to_scan", "100")?;
+    sysfs::write("sleep_millisecs", "20")?;
+    let _ = sysfs::write("smart_scan", "1");
+    Ok(())
+}
+
+/// What drives KSM during one run (a child process for ksmtuned and pagefleet).
+struct Driver {
+    child: Option<Child>,
+    /// ksmtuned daemonises: its loop's process group.
+    pgid: Option<i32>,
+}
+
+impl Driver {
+    fn start(p: &Policy, o: &Opts, dir: &std::path::Path) -> Result<Driver> {
+        match p {
+            Policy::Off => Ok(Driver { child: None, pgid: None }),
+            Policy::KernelDefaults => {
+                sysfs::write("run", "1")?;
+                Ok(Driver { child: None, pgid: None })
+            }
+            Policy::Advisor => {
+                sysfs::write("advisor_mode", "scan-time")?;
+                sysfs::write("run", "1")?;
+                Ok(Driver { child: None, pgid: None })
+            }
+            Policy::Ksmtuned(scale) => {
+                let script = util::which("ksmtuned").or_else(|_| if std::path::Path::new("/usr/sbin/ksmtuned").exists() { Ok(PathBuf::from("/usr/sbin/ksmtuned")) } else { Err(anyhow!("ksmtuned is not installed (apt-get install ksmtuned; make deps does)")) })?;
+                let pidfile = dir.join("ksmtuned.pid");
+                let _ = std::fs::remove_file(&pidfile);
+                // The real script: it reads its variables from the environment
+                // (after /etc/ksmtuned.conf, whose settings are commented out by default).
+                let st = Command::new("setsid")
+                    .arg(&script)
+                    .env("KSM_MONITOR_INTERVAL", format!("{}", (o.ksmtuned_base_s * scale).round() as u64))
+                    .env("PIDFILE", &pidfile)
+                    .env("DEBUG", "1")
+                    .env("LOGFILE", dir.join(format!("ksmtuned-x{scale}.log")))
+                    .status()
+                    .context("cannot run ksmtuned")?;
+                if !st.success() {
+                    bail!("ksmtuned failed to start");
+                }
+                let t = Instant::now();
+                let pid = loop {
+                    if let Some(p) = std::fs::read_to_string(&pidfile).ok().and_then(|s| s.trim().parse::<i32>().ok()) {
+                        break p;
+                    }
+                    if t.elapsed() > Duration::from_secs(5) {
+                        bail!("ksmtuned wrote no pid file");
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                };
+                // SAFETY: plain syscall.
+                let pgid = unsafe { libc::getpgid(pid) };
+                Ok(Driver { child: None, pgid: Some(if pgid > 0 { pgid } else { pid }) })
+            }
+            Policy::Adaptive => {
+                let bin = util::sibling_binary("pagefleet")?;
+                let child = Command::new(bin)
+                    .args(["ksm", "run", "--state"])
+                    .arg(dir.join("ksm-state.json"))
+                    .env("PAGEFLEET_LOG", "info")
+                    .stdout(Stdio::null())
+                    .stderr(std::fs::File::create(dir.join("pagefleet-ksm.log"))?)
+                    .spawn()
+                    .context("cannot start pagefleet ksm run")?;
+                Ok(Driver { child: Some(child), pgid: None })
+            }
+        }
+    }
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        if let Some(c) = &mut self.child {
+            // SIGTERM: the controller puts the settings back itself.
+            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+            let t = Instant::now();
+            while t.elapsed() < Duration::from_secs(10) {
+                if c.try_wait().ok().flatten().is_some() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        if let Some(g) = self.pgid {
+            // SAFETY: signalling the process group ksmtuned's setsid made.
+            unsafe { libc::kill(-g, libc::SIGTERM) };
+        }
+    }
+}
+
+/// Memory held (and touched) to put the host under pressure; freed on drop.
+struct Balloon(*mut libc::c_void, usize);
+impl Balloon {
+    fn inflate(bytes: usize) -> Result<Balloon> {
+        if bytes == 0 {
+            return Ok(Balloon(std::ptr::null_mut(), 0));
+        }
+        // SAFETY: a fresh private anonymous mapping, populated now.
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), bytes, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_POPULATE, -1, 0) };
+        if p == libc::MAP_FAILED {
+            bail!("cannot hold {} of memory for the pressure balloon", crate::fmt_bytes(bytes as u64));
+        }
+        Ok(Balloon(p, bytes))
+    }
+}
+impl Drop for Balloon {
+    fn drop(&mut self) {
+        if self.1 > 0 {
+            // SAFETY: our own mapping.
+            unsafe { libc::munmap(self.0, self.1) };
+        }
+    }
+}
+
+fn run_one(p: &Policy, o: &Opts, dir: &std::path::Path, log: &mut dyn FnMut(&str)) -> Result<ConfigResult> {
+    reset_ksm()?;
+    let tenants = (0..o.tenants).map(|_| Tenant::start(o.tenant_bytes)).collect::<Result<Vec<_>>>()?;
+    // Item = 32 B header + key + value, in power-of-two classes.
+    let item = (32 + 14 + o.value_len).next_power_of_two() as f64;
+    let shared = (o.tenant_bytes as f64 * o.shared_frac / item) as u64;
+    let private = (o.tenant_bytes as f64 * o.private_frac / item) as u64;
+    let vlen = o.value_len;
+    std::thread::scope(|s| -> Result<()> {
+        let hs: Vec<_> = tenants
+            .iter()
+            .enumerate()
+            .map(|(t, tn)| {
+                let addr = tn.addr.clone();
+                s.spawn(move || -> Result<()> {
+                    load(&addr, (0..shared).map(|i| (kvload::key(i), kvload::value(i, vlen))))?;
+                    load(&addr, (0..private).map(|i| (format!("p{t:02}:{i:08}"), kvload::value(i ^ ((t as u64 + 1) << 40), vlen))))
+                })
+            })
+            .collect();
+        hs.into_iter().try_for_each(|h| h.join().map_err(|_| anyhow!("loader panicked"))?)
+    })?;
+    log(&format!("{}: {} tenants loaded ({} shared + {} private items each); running {} s", p.name(), o.tenants, shared, private, o.duration_s));
+    let loads: Vec<_> = tenants
+        .iter()
+        .map(|t| kvload::Load::start(&Spec { addr: t.addr.clone(), keys: shared, value_len: vlen, conns: 1, get_frac: 1.0, theta: 0.99, netns: None, reconnect: false }))
+        .collect();
+    let driver = Driver::start(p, o, dir)?;
+    let t0 = Instant::now();
+    // Savings are counted from here (other mergeable processes on the host are not ours).
+    let first = Stats::read()?;
+    let base = first.saved() as f64 / 1048576.0;
+    let base_profit = first.general_profit as f64 / 1048576.0;
+    let mut prev = first;
+    let mut prev_ops: Vec<u64> = loads.iter().map(|l| l.counters.ops.load(Relaxed)).collect();
+    let start_ops = prev_ops.clone();
+    let mut prev_t = 0.0;
+    let mut samples = Vec::new();
+    for k in 1..=o.duration_s {
+        let until = t0 + Duration::from_secs(k);
+        std::thread::sleep(until.saturating_duration_since(Instant::now()));
+        let now = t0.elapsed().as_secs_f64();
+        let s = Stats::read()?;
+        let ops: Vec<u64> = loads.iter().map(|l| l.counters.ops.load(Relaxed)).collect();
+        let dt = now - prev_t;
+        let dops: u64 = ops.iter().zip(&prev_ops).map(|(a, b)| a - b).sum();
+        samples.push(Sample {
+            t: now,
+            saved_mib: s.saved() as f64 / 1048576.0 - base,
+            profit_mib: s.general_profit as f64 / 1048576.0 - base_profit,
+            ksmd_cpu_pct: (s.ksmd_cpu - prev.ksmd_cpu) / dt * 100.0,
+            ops_per_s: dops as f64 / dt,
+            scan_rate: s.scan_rate(),
+        });
+        if let Some(e) = loads.iter().find_map(|l| l.error()) {
+            bail!("{}: a tenant's client failed: {e}", p.name());
+        }
+        if k % 15 == 0 {
+            let x = samples.last().unwrap();
+            log(&format!("{}: t={k}s saved {:.0} MiB, ksmd {:.1}%, {:.0} ops/s", p.name(), x.saved_mib, x.ksmd_cpu_pct, x.ops_per_s));
+        }
+        prev = s;
+        prev_ops = ops;
+        prev_t = now;
+    }
+    let elapsed = t0.elapsed().as_secs_f64();
+    let per_tenant: Vec<f64> = loads.iter().zip(&start_ops).map(|(l, s)| (l.counters.ops.load(Relaxed) - s) as f64 / elapsed).collect();
+    let bad: u64 = loads.iter().map(|l| l.counters.bad_values.load(Relaxed)).sum();
+    for l in loads {
+        l.stop()?;
+    }
+    drop(driver);
+    drop(tenants);
+    if bad > 0 {
+        bail!("{}: {bad} gets returned a wrong value", p.name());
+    }
+    let n = samples.len();
+    let fin = samples[n.saturating_sub(3)..].iter().map(|s| s.saved_mib).sum::<f64>() / samples[n.saturating_sub(3)..].len().max(1) as f64;
+    let t90 = (fin > 1.0).then(|| samples.iter().find(|s| s.saved_mib >= 0.9 * fin).map(|s| s.t)).flatten();
+    let cpu_s = prev.ksmd_cpu - first.ksmd_cpu;
+    Ok(ConfigResult {
+        name: p.name(),
+        final_saved_mib: fin,
+        final_profit_mib: samples.last().map(|s| s.profit_mib).unwrap_or(0.0),
+        t90_s: t90,
+        ksmd_cpu_mean_pct: cpu_s / elapsed * 100.0,
+        ksmd_cpu_s: cpu_s,
+        throughput: per_tenant.iter().sum(),
+        min_tenant_throughput: per_tenant.iter().cloned().fold(f64::INFINITY, f64::min),
+        samples,
+        error: None,
+    })
+}
+
+pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
+    if !crate::is_root() {
+        bail!("bench ksm drives /sys/kernel/mm/ksm: run it as root");
+    }
+    sysfs::available()?;
+    if o.tenants < 2 {
+        bail!("at least 2 tenants are needed for anything to merge");
+    }
+    std::fs::create_dir_all(&o.out_dir)?;
+    // ksmtuned's and the controller's logs stay next to the results.
+    let dir = o.out_dir.join("ksm-logs");
+    std::fs::create_dir_all(&dir)?;
+    let saved = Settings::save()?;
+    let m = Memory::read()?;
+    let need = o.tenants as u64 * o.tenant_bytes;
+    let leave = (m.total_kb as f64 * 1024.0 * o.leave_available) as u64;
+    let balloon = (m.available_kb * 1024).saturating_sub(need + leave) as usize;
+    log(&format!("host: {} total, {} available; balloon {} so that ~{:.0}% stays available with the tenants loaded", crate::fmt_bytes(m.total_kb * 1024), crate::fmt_bytes(m.available_kb * 1024), crate::fmt_bytes(balloon as u64), o.leave_available * 100.0));
+    let _b = Balloon::inflate(balloon)?;
+    let policies = [Policy::Off, Policy::KernelDefaults, Policy::Ksmtuned(0.5), Policy::Ksmtuned(1.0), Policy::Ksmtuned(2.0), Policy::Advisor, Policy::Adaptive];
+    let mut configs = Vec::new();
+    for p in policies.iter().filter(|p| o.only.as_deref().map_or(true, |w| w.split(',').any(|w| p.name().contains(w.trim())))) {
+        let r = run_one(p, o, &dir, log).unwrap_or_else(|e| {
+            log(&format!("{}: FAILED: {e:#}", p.name()));
+            ConfigResult { name: p.name(), samples: vec![], final_saved_mib: 0.0, final_profit_mib: 0.0, t90_s: None, ksmd_cpu_mean_pct: 0.0, ksmd_cpu_s: 0.0, throughput: 0.0, min_tenant_throughput: 0.0, error: Some(format!("{e:#}")) }
+        });
+        configs.push(r);
+    }
+    let _ = settle();
+    if let Err(e) = saved.restore() {
+        log(&format!("could not restore KSM settings: {e:#}"));
+    }
+    let mut r = Report { opts: o.clone(), mem_total_mib: m.total_kb >> 10, balloon_mib: (balloon >> 20) as u64, goals: goals(&configs, o), configs, plot: PlotOutcome::default() };
+    util::save_with_plot(&mut r, |r| &mut r.plot, &o.out_dir, "ksm", include_str!("../../../bench/plot_ksm.py"))?;
+    Ok(r)
+}
+
+fn goals(c: &[ConfigResult], o: &Opts) -> Vec<Goal> {
+    let get = |n: &str| c.iter().find(|x| x.name == n && x.error.is_none());
+    let mut g = Vec::new();
+    let Some(a) = get("pagefleet adaptive") else { return g };
+    // A run that never reached 90% counts as the whole run.
+    let t90 = |x: &ConfigResult| x.t90_s.unwrap_or(o.duration_s as f64);
+    for s in ["x0.5", "x1", "x2"] {
+        if let Some(k) = get(&format!("ksmtuned {s}")) {
+            g.push(Goal::at_least(&format!("t90 speed-up vs ksmtuned {s}"), t90(k) / t90(a).max(1.0), 2.0, "x"));
+            g.push(Goal::at_least(&format!("throughput vs ksmtuned {s}"), a.throughput / k.throughput.max(1.0), 1.0, "x"));
+        }
+    }
+    if let Some(adv) = get("kernel advisor") {
+        g.push(Goal::at_most("ksmd CPU vs kernel advisor", a.ksmd_cpu_mean_pct, adv.ksmd_cpu_mean_pct, "%"));
+    }
+    g.push(Goal::at_least("adaptive saves memory", a.final_saved_mib, 1.0, "MiB"));
+    g
+}
+
+pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<()> {
+    writeln!(out, "\nKSM: {} kv tenants x {} ({:.0}% common data, {:.0}% private), host {} MiB with a {} MiB balloon, {} s per run\n", r.opts.tenants, crate::fmt_bytes(r.opts.tenant_bytes), r.opts.shared_frac * 100.0, r.opts.private_frac * 100.0, r.mem_total_mib, r.balloon_mib, r.opts.duration_s)?;
+    writeln!(out, "{:<20} {:>11} {:>11} {:>9} {:>10} {:>9} {:>12} {:>12}", "policy", "saved MiB", "profit MiB", "t90 s", "ksmd CPU%", "ksmd CPU s", "ops/s (sum)", "min tenant")?;
+    for c in &r.configs {
+        if let Some(e) = &c.error {
+            writeln!(out, "{:<20} FAILED: {e}", c.name)?;
+            continue;
+        }
+        let t90 = c.t90_s.map(|t| format!("{t:.0}")).unwrap_or_else(|| "-".into());
+        writeln!(out, "{:<20} {:>11.0} {:>11.0} {:>9} {:>10.2} {:>9.1} {:>12.0} {:>12.0}", c.name, c.final_saved_mib, c.final_profit_mib, t90, c.ksmd_cpu_mean_pct, c.ksmd_cpu_s, c.throughput, c.min_tenant_throughput)?;
+    }
+    util::print_goals(&r.goals, out)?;
+    r.plot.print(out)
+}
