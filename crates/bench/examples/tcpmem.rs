@@ -6,12 +6,20 @@ fn main() {
     for big in [false, true, false, true] {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let a = l.local_addr().unwrap();
-        let mut dst = if big { vec![1u8; total] } else { vec![1u8; 128 << 10] };
+        let mut dst = if big {
+            vec![1u8; total]
+        } else {
+            vec![1u8; 128 << 10]
+        };
         let h = std::thread::spawn(move || {
             let (mut s, _) = l.accept().unwrap();
             let mut left = total;
             while left > 0 {
-                let at = if dst.len() > 128 << 10 { total - left } else { 0 };
+                let at = if dst.len() > 128 << 10 {
+                    total - left
+                } else {
+                    0
+                };
                 let n = s.read(&mut dst[at..at + left.min(128 << 10)]).unwrap();
                 left -= n;
             }
@@ -28,7 +36,10 @@ fn main() {
         }
         let mut b = [0u8; 1];
         c.read_exact(&mut b).unwrap();
-        println!("big={big} {:.2} GB/s", total as f64 / t.elapsed().as_secs_f64() / 1e9);
+        println!(
+            "big={big} {:.2} GB/s",
+            total as f64 / t.elapsed().as_secs_f64() / 1e9
+        );
         h.join().unwrap();
     }
     let t = Instant::now();
@@ -36,5 +47,9 @@ fn main() {
     let mut b = vec![2u8; total];
     let t2 = Instant::now();
     b.copy_from_slice(&a);
-    println!("memcpy 512MiB: {:.2} GB/s (alloc {:?})", total as f64 / t2.elapsed().as_secs_f64() / 1e9, t2 - t);
+    println!(
+        "memcpy 512MiB: {:.2} GB/s (alloc {:?})",
+        total as f64 / t2.elapsed().as_secs_f64() / 1e9,
+        t2 - t
+    );
 }

@@ -35,7 +35,15 @@ impl Opts {
         }
     }
     pub fn quick(out_dir: PathBuf) -> Opts {
-        Opts { size: 64 << 20, runtime_secs: 1, block_sizes: vec![4 << 10, 128 << 10], depths: vec![1, 16], patterns: vec!["read", "randwrite"], quick: true, out_dir }
+        Opts {
+            size: 64 << 20,
+            runtime_secs: 1,
+            block_sizes: vec![4 << 10, 128 << 10],
+            depths: vec![1, 16],
+            patterns: vec!["read", "randwrite"],
+            quick: true,
+            out_dir,
+        }
     }
 }
 
@@ -87,39 +95,86 @@ impl Drop for Server {
 /// Start an NBD server process (quiet) and wait for its port.
 fn spawn_nbd(cmd: &mut Command, port: u16, cleanup: Option<PathBuf>) -> Result<Server> {
     let child = cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn()?;
-    let s = Server { child, uri: format!("nbd://127.0.0.1:{port}"), cleanup };
+    let s = Server {
+        child,
+        uri: format!("nbd://127.0.0.1:{port}"),
+        cleanup,
+    };
     util::wait_listening(&format!("127.0.0.1:{port}"), Duration::from_secs(10))?;
     Ok(s)
 }
 
-fn pagefleet_export(servers: &[String], secret: &std::path::Path, size: u64, extra: &[&str]) -> Result<Server> {
+fn pagefleet_export(
+    servers: &[String],
+    secret: &std::path::Path,
+    size: u64,
+    extra: &[&str],
+) -> Result<Server> {
     let port = util::free_port()?;
     let mut cmd = Command::new(util::sibling_binary("pagefleet")?);
     cmd.arg("--secret-file").arg(secret);
-    cmd.args(["blockdev", "serve", "--servers", &servers.join(","), "--size", &size.to_string(), "--listen", &format!("127.0.0.1:{port}")]).args(extra);
+    cmd.args([
+        "blockdev",
+        "serve",
+        "--servers",
+        &servers.join(","),
+        "--size",
+        &size.to_string(),
+        "--listen",
+        &format!("127.0.0.1:{port}"),
+    ])
+    .args(extra);
     spawn_nbd(&mut cmd, port, None)
 }
 
 fn nbdkit_memory(size: u64) -> Result<Server> {
     let port = util::free_port()?;
     let mut cmd = Command::new(util::which("nbdkit")?);
-    cmd.args(["-f", "--exit-with-parent", "-p", &port.to_string(), "memory", &size.to_string()]);
+    cmd.args([
+        "-f",
+        "--exit-with-parent",
+        "-p",
+        &port.to_string(),
+        "memory",
+        &size.to_string(),
+    ]);
     spawn_nbd(&mut cmd, port, None)
 }
 
 fn qemu_nbd_tmpfs(size: u64) -> Result<Server> {
     let port = util::free_port()?;
-    let file = PathBuf::from(format!("/dev/shm/pagefleet-bench-qemu-nbd-{}", std::process::id()));
+    let file = PathBuf::from(format!(
+        "/dev/shm/pagefleet-bench-qemu-nbd-{}",
+        std::process::id()
+    ));
     std::fs::File::create(&file)?.set_len(size)?;
     let mut cmd = Command::new(util::which("qemu-nbd")?);
-    cmd.args(["-t", "-f", "raw", "-p", &port.to_string(), "-b", "127.0.0.1", "--shared=16"]).arg(&file);
+    cmd.args([
+        "-t",
+        "-f",
+        "raw",
+        "-p",
+        &port.to_string(),
+        "-b",
+        "127.0.0.1",
+        "--shared=16",
+    ])
+    .arg(&file);
     spawn_nbd(&mut cmd, port, Some(file))
 }
 
 /// Write every block once (so reads read data, not holes).
 fn fill(uri: &str, size: u64) -> Result<()> {
     let out = Command::new(util::which("fio")?)
-        .args(["--name=fill", "--ioengine=nbd", &format!("--uri={uri}"), "--rw=write", "--bs=1M", "--iodepth=16", &format!("--size={size}")])
+        .args([
+            "--name=fill",
+            "--ioengine=nbd",
+            &format!("--uri={uri}"),
+            "--rw=write",
+            "--bs=1M",
+            "--iodepth=16",
+            &format!("--size={size}"),
+        ])
         .output()?;
     if !out.status.success() {
         bail!("fio fill: {}", String::from_utf8_lossy(&out.stderr).trim());
@@ -147,11 +202,22 @@ fn fio(uri: &str, rw: &str, bs: u64, qd: u32, size: u64, secs: u64) -> Result<(f
     }
     // fio may print engine messages before its JSON.
     let text = String::from_utf8_lossy(&out.stdout);
-    let json = text.find("\n{").map(|i| &text[i + 1..]).or_else(|| text.starts_with('{').then_some(&text[..])).context("no JSON in fio's output")?;
+    let json = text
+        .find("\n{")
+        .map(|i| &text[i + 1..])
+        .or_else(|| text.starts_with('{').then_some(&text[..]))
+        .context("no JSON in fio's output")?;
     let v: serde_json::Value = serde_json::from_str(json).context("fio JSON")?;
     let job = &v["jobs"][0];
-    let side = if rw.contains("read") { &job["read"] } else { &job["write"] };
-    Ok((side["iops"].as_f64().unwrap_or(0.0), side["bw_bytes"].as_f64().unwrap_or(0.0) / 1e6))
+    let side = if rw.contains("read") {
+        &job["read"]
+    } else {
+        &job["write"]
+    };
+    Ok((
+        side["iops"].as_f64().unwrap_or(0.0),
+        side["bw_bytes"].as_f64().unwrap_or(0.0) / 1e6,
+    ))
 }
 
 pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
@@ -170,17 +236,46 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
     let addrs: Vec<String> = ms.iter().map(|m| m.addr.clone()).collect();
     type Make<'a> = Box<dyn Fn() -> Result<Server> + 'a>;
     let targets: Vec<(&str, Make)> = vec![
-        ("pagefleet 1 server", Box::new(|| pagefleet_export(&addrs[..1], &secret, o.size, &[]))),
-        ("pagefleet 2 linear", Box::new(|| pagefleet_export(&addrs[..2], &secret, o.size, &[]))),
-        ("pagefleet 2 stripe", Box::new(|| pagefleet_export(&addrs[..2], &secret, o.size, &["--layout", "stripe", "--stripe-unit", "128KiB"]))),
-        ("pagefleet 2 mirror", Box::new(|| pagefleet_export(&addrs[..2], &secret, o.size, &["--mirror"]))),
+        (
+            "pagefleet 1 server",
+            Box::new(|| pagefleet_export(&addrs[..1], &secret, o.size, &[])),
+        ),
+        (
+            "pagefleet 2 linear",
+            Box::new(|| pagefleet_export(&addrs[..2], &secret, o.size, &[])),
+        ),
+        (
+            "pagefleet 2 stripe",
+            Box::new(|| {
+                pagefleet_export(
+                    &addrs[..2],
+                    &secret,
+                    o.size,
+                    &["--layout", "stripe", "--stripe-unit", "128KiB"],
+                )
+            }),
+        ),
+        (
+            "pagefleet 2 mirror",
+            Box::new(|| pagefleet_export(&addrs[..2], &secret, o.size, &["--mirror"])),
+        ),
         ("nbdkit memory", Box::new(|| nbdkit_memory(o.size))),
         ("qemu-nbd tmpfs", Box::new(|| qemu_nbd_tmpfs(o.size))),
     ];
-    let targets: Vec<_> = if o.quick { targets.into_iter().filter(|t| t.0 == "pagefleet 2 linear" || t.0 == "nbdkit memory").collect() } else { targets };
+    let targets: Vec<_> = if o.quick {
+        targets
+            .into_iter()
+            .filter(|t| t.0 == "pagefleet 2 linear" || t.0 == "nbdkit memory")
+            .collect()
+    } else {
+        targets
+    };
     let mut rows = Vec::new();
     for (name, make) in &targets {
-        log(&format!("{name}: filling {} then measuring", crate::fmt_bytes(o.size)));
+        log(&format!(
+            "{name}: filling {} then measuring",
+            crate::fmt_bytes(o.size)
+        ));
         let s = make()?;
         fill(&s.uri, o.size)?;
         for rw in &o.patterns {
@@ -191,29 +286,70 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
                         Ok((i, m)) => (i, m, None),
                         Err(e) => (f64::NAN, f64::NAN, Some(format!("{e:#}"))),
                     };
-                    rows.push(Row { target: name.to_string(), rw: rw.to_string(), bs, iodepth: qd, iops, mb_per_s: mbs, error });
+                    rows.push(Row {
+                        target: name.to_string(),
+                        rw: rw.to_string(),
+                        bs,
+                        iodepth: qd,
+                        iops,
+                        mb_per_s: mbs,
+                        error,
+                    });
                 }
             }
         }
     }
     drop(ms);
     let _ = std::fs::remove_dir_all(&dir);
-    let mut r = Report { size_bytes: o.size, goals: goals(&rows), rows, plot: PlotOutcome::default() };
+    let mut r = Report {
+        size_bytes: o.size,
+        goals: goals(&rows),
+        rows,
+        plot: PlotOutcome::default(),
+    };
     std::fs::create_dir_all(&o.out_dir)?;
-    util::save_with_plot(&mut r, |r| &mut r.plot, &o.out_dir, "blockdev", include_str!("../../../bench/plot_blockdev.py"))?;
+    util::save_with_plot(
+        &mut r,
+        |r| &mut r.plot,
+        &o.out_dir,
+        "blockdev",
+        include_str!("../../../bench/plot_blockdev.py"),
+    )?;
     Ok(r)
 }
 
 fn goals(rows: &[Row]) -> Vec<Goal> {
     let mut g = Vec::new();
-    let find = |t: &str, rw: &str, bs: u64, qd: u32| rows.iter().find(|r| r.target == t && r.rw == rw && r.bs == bs && r.iodepth == qd);
+    let find = |t: &str, rw: &str, bs: u64, qd: u32| {
+        rows.iter()
+            .find(|r| r.target == t && r.rw == rw && r.bs == bs && r.iodepth == qd)
+    };
     for r in rows.iter().filter(|r| r.target == "nbdkit memory") {
         if let Some(p) = find("pagefleet 2 linear", &r.rw, r.bs, r.iodepth) {
-            g.push(Goal::at_least(&format!("{} {}K QD{}: pagefleet (2 servers) / nbdkit memory", r.rw, r.bs >> 10, r.iodepth), p.iops / r.iops, 1.0, "x IOPS"));
+            g.push(Goal::at_least(
+                &format!(
+                    "{} {}K QD{}: pagefleet (2 servers) / nbdkit memory",
+                    r.rw,
+                    r.bs >> 10,
+                    r.iodepth
+                ),
+                p.iops / r.iops,
+                1.0,
+                "x IOPS",
+            ));
         }
     }
-    let best = rows.iter().filter(|r| r.target.starts_with("pagefleet 2") && r.rw == "read" && r.bs == 128 << 10).map(|r| r.mb_per_s).fold(f64::NAN, f64::max);
-    g.push(Goal::at_least("sequential read 128K, 2 servers", best / 1000.0, 2.0, "GB/s"));
+    let best = rows
+        .iter()
+        .filter(|r| r.target.starts_with("pagefleet 2") && r.rw == "read" && r.bs == 128 << 10)
+        .map(|r| r.mb_per_s)
+        .fold(f64::NAN, f64::max);
+    g.push(Goal::at_least(
+        "sequential read 128K, 2 servers",
+        best / 1000.0,
+        2.0,
+        "GB/s",
+    ));
     g
 }
 
@@ -224,7 +360,11 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
             targets.push(&x.target);
         }
     }
-    writeln!(out, "NBD exports over loopback, fio nbd engine, {} device; IOPS (MB/s)", crate::fmt_bytes(r.size_bytes))?;
+    writeln!(
+        out,
+        "NBD exports over loopback, fio nbd engine, {} device; IOPS (MB/s)",
+        crate::fmt_bytes(r.size_bytes)
+    )?;
     write!(out, "{:<10} {:>5} {:>3}", "pattern", "bs", "qd")?;
     for t in &targets {
         write!(out, " {:>21}", t)?;
@@ -240,8 +380,14 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
     for (rw, bs, qd) in keys {
         write!(out, "{:<10} {:>4}K {:>3}", rw, bs >> 10, qd)?;
         for t in &targets {
-            match r.rows.iter().find(|x| x.target == *t && x.rw == rw && x.bs == bs && x.iodepth == qd) {
-                Some(x) if x.error.is_none() => write!(out, " {:>11.0} ({:>7.0})", x.iops, x.mb_per_s)?,
+            match r
+                .rows
+                .iter()
+                .find(|x| x.target == *t && x.rw == rw && x.bs == bs && x.iodepth == qd)
+            {
+                Some(x) if x.error.is_none() => {
+                    write!(out, " {:>11.0} ({:>7.0})", x.iops, x.mb_per_s)?
+                }
                 _ => write!(out, " {:>21}", "failed")?,
             }
         }

@@ -53,18 +53,46 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
     if !crate::is_root() {
         bail!("the demo builds a testbed of network namespaces: run it as root (sudo make demo)");
     }
-    let bins = util::sibling_binary("pagefleetd")?.parent().unwrap().to_path_buf();
+    let bins = util::sibling_binary("pagefleetd")?
+        .parent()
+        .unwrap()
+        .to_path_buf();
     let half = o.size / 2;
     log(&format!(
         "testbed: h1 (source, {} for guests), h2 (main host: {} free), h3 and h4 (memory servers), 10 Gbit links; the client load runs on h4",
         crate::fmt_bytes(o.size + (64 << 20)),
         crate::fmt_bytes(half)
     ));
-    let l = LabRun::up("demo", &bins, 4, Link::Gbit10, o.size, &[o.size + (64 << 20), half, 0, 0])?;
+    let l = LabRun::up(
+        "demo",
+        &bins,
+        4,
+        Link::Gbit10,
+        o.size,
+        &[o.size + (64 << 20), half, 0, 0],
+    )?;
     let ip = l.lab.service_ip(1);
     let svc = format!("{ip}:11211");
     let size = o.size.to_string();
-    run_pf(&l, &["guest", "start", "db", "--on", "h1", "--size", &size, "--", "kv", "--listen", &svc, "--service-ip", &ip], log)?;
+    run_pf(
+        &l,
+        &[
+            "guest",
+            "start",
+            "db",
+            "--on",
+            "h1",
+            "--size",
+            &size,
+            "--",
+            "kv",
+            "--listen",
+            &svc,
+            "--service-ip",
+            &ip,
+        ],
+        log,
+    )?;
     let spec = kvload::Spec {
         addr: svc.clone(),
         // Items fill 60% of the guest: more than the main host will hold.
@@ -75,8 +103,12 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
         theta: 0.99,
         netns: Some(l.lab.hosts[3].netns.clone()),
         reconnect: true,
+        pace: None,
     };
-    log(&format!("storing {} items of 4000 bytes in the guest's kv (memcached protocol) at {svc}", spec.keys));
+    log(&format!(
+        "storing {} items of 4000 bytes in the guest's kv (memcached protocol) at {svc}",
+        spec.keys
+    ));
     kvload::prefill(&spec)?;
     log("client load: 4 connections, 90% gets, zipf 0.99; every value read is checked");
     let load = kvload::Load::start(&spec);
@@ -113,7 +145,10 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
     let mut r = Report {
         size_bytes: o.size,
         timeline: tl.ops_per_sec,
-        phases: vec![("split migration".into(), t0, t1), ("gather".into(), t2, t3)],
+        phases: vec![
+            ("split migration".into(), t0, t1),
+            ("gather".into(), t2, t3),
+        ],
         split,
         gather,
         status_after_split: status,
@@ -123,12 +158,21 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
         plot: PlotOutcome::default(),
     };
     std::fs::create_dir_all(&o.out_dir)?;
-    util::save_with_plot(&mut r, |r| &mut r.plot, &o.out_dir, "demo", include_str!("../../../bench/plot_demo.py"))?;
+    util::save_with_plot(
+        &mut r,
+        |r| &mut r.plot,
+        &o.out_dir,
+        "demo",
+        include_str!("../../../bench/plot_demo.py"),
+    )?;
     Ok(r)
 }
 
 fn avg(tl: &[f64], from: f64, to: f64) -> f64 {
-    let (a, b) = (((from / 0.1) as usize).min(tl.len()), ((to / 0.1) as usize).min(tl.len()));
+    let (a, b) = (
+        ((from / 0.1) as usize).min(tl.len()),
+        ((to / 0.1) as usize).min(tl.len()),
+    );
     if b <= a {
         return 0.0;
     }
@@ -145,17 +189,41 @@ pub fn print(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<()> {
     };
     writeln!(out, "\n== split migration ==")?;
     show(&r.split, out)?;
-    writeln!(out, "\n== where the guest's pages were after it ==\n{}", r.status_after_split.trim_end())?;
+    writeln!(
+        out,
+        "\n== where the guest's pages were after it ==\n{}",
+        r.status_after_split.trim_end()
+    )?;
     writeln!(out, "\n== gather back onto h1 ==")?;
     show(&r.gather, out)?;
     let (s0, s1) = (r.phases[0].1, r.phases[0].2);
     let (g0, g1) = (r.phases[1].1, r.phases[1].2);
     let end = r.timeline.len() as f64 * 0.1;
     writeln!(out, "\n== kv client throughput (ops/s) ==")?;
-    writeln!(out, "  on h1 before:                  {:>10.0}", avg(&r.timeline, (s0 - 3.0).max(1.0), s0))?;
-    writeln!(out, "  split, first second after:     {:>10.0}", avg(&r.timeline, s1, s1 + 1.0))?;
-    writeln!(out, "  split, steady (paging with h3):{:>10.0}", avg(&r.timeline, (g0 - 3.0).max(s1), g0))?;
-    writeln!(out, "  back on h1 after the gather:   {:>10.0}", avg(&r.timeline, g1 + 1.0, end))?;
-    writeln!(out, "  values checked: {} wrong, {} missing; clients reconnected {} times", r.bad_values, r.misses, r.reconnects)?;
+    writeln!(
+        out,
+        "  on h1 before:                  {:>10.0}",
+        avg(&r.timeline, (s0 - 3.0).max(1.0), s0)
+    )?;
+    writeln!(
+        out,
+        "  split, first second after:     {:>10.0}",
+        avg(&r.timeline, s1, s1 + 1.0)
+    )?;
+    writeln!(
+        out,
+        "  split, steady (paging with h3):{:>10.0}",
+        avg(&r.timeline, (g0 - 3.0).max(s1), g0)
+    )?;
+    writeln!(
+        out,
+        "  back on h1 after the gather:   {:>10.0}",
+        avg(&r.timeline, g1 + 1.0, end)
+    )?;
+    writeln!(
+        out,
+        "  values checked: {} wrong, {} missing; clients reconnected {} times",
+        r.bad_values, r.misses, r.reconnects
+    )?;
     r.plot.print(out)
 }

@@ -43,6 +43,8 @@ pub struct Spec {
     pub netns: Option<String>,
     /// Keep retrying a lost connection (a migrating guest) instead of failing.
     pub reconnect: bool,
+    /// Operations per second per connection (None: a closed loop, as fast as it goes).
+    pub pace: Option<f64>,
 }
 
 fn connect(addr: &str, reconnect: bool, stop: &AtomicBool) -> Result<TcpStream> {
@@ -82,7 +84,9 @@ pub fn prefill(s: &Spec) -> Result<()> {
                         let mut batch = Vec::with_capacity(32 * (s.value_len + 64));
                         let mut n = 0;
                         while n < 32 && i < s.keys {
-                            batch.extend_from_slice(format!("set {} 0 0 {}\r\n", key(i), s.value_len).as_bytes());
+                            batch.extend_from_slice(
+                                format!("set {} 0 0 {}\r\n", key(i), s.value_len).as_bytes(),
+                            );
                             batch.extend_from_slice(&value(i, s.value_len));
                             batch.extend_from_slice(b"\r\n");
                             n += 1;
@@ -139,7 +143,13 @@ impl Load {
         let zipf = Arc::new(Zipf::new(s.keys, s.theta));
         let threads = (0..s.conns)
             .map(|t| {
-                let (s, stop, c, zipf, fe) = (s.clone(), stop.clone(), counters.clone(), zipf.clone(), first_error.clone());
+                let (s, stop, c, zipf, fe) = (
+                    s.clone(),
+                    stop.clone(),
+                    counters.clone(),
+                    zipf.clone(),
+                    first_error.clone(),
+                );
                 std::thread::spawn(move || {
                     let r = client(&s, t, &stop, &c, &zipf);
                     if let Err(e) = &r {
@@ -169,7 +179,14 @@ impl Load {
             }
             v
         });
-        Load { stop, counters, threads, sampler: Some(sampler), start, first_error }
+        Load {
+            stop,
+            counters,
+            threads,
+            sampler: Some(sampler),
+            start,
+            first_error,
+        }
     }
 
     /// Seconds since the load started.
@@ -187,7 +204,10 @@ impl Load {
         for t in std::mem::take(&mut self.threads) {
             t.join().unwrap_or_else(|_| bail!("load thread panicked"))?;
         }
-        Ok(Timeline { interval: 0.1, ops_per_sec: tl })
+        Ok(Timeline {
+            interval: 0.1,
+            ops_per_sec: tl,
+        })
     }
 }
 
@@ -213,10 +233,18 @@ fn client(s: &Spec, t: usize, stop: &AtomicBool, c: &Counters, zipf: &Zipf) -> R
     let mut rng = Rng::new(77 + t as u64);
     let mut buf = vec![0u8; s.value_len + 2];
     let mut line = String::new();
+    let start = Instant::now();
+    let mut sent = 0u64;
     'conn: while !stop.load(Relaxed) {
         let mut st = connect(&s.addr, s.reconnect, stop)?;
         let mut r = BufReader::with_capacity(16384, st.try_clone()?);
         while !stop.load(Relaxed) {
+            if let Some(p) = s.pace {
+                // Open loop on a schedule: operation n is due at n / pace.
+                let due = start + Duration::from_secs_f64(sent as f64 / p);
+                std::thread::sleep(due.saturating_duration_since(Instant::now()));
+                sent += 1;
+            }
             let i = zipf.sample(rng.unit());
             let k = key(i);
             let res = (|| -> std::io::Result<()> {
@@ -274,7 +302,12 @@ pub fn run_for(s: &Spec, secs: u64) -> Result<(f64, Vec<f64>)> {
     if c.bad_values.load(Relaxed) > 0 {
         bail!("{} gets returned a wrong value", c.bad_values.load(Relaxed));
     }
-    let mut per: Vec<f64> = tl.ops_per_sec.chunks(10).filter(|c| c.len() == 10).map(|c| c.iter().sum::<f64>() / 10.0).collect();
+    let mut per: Vec<f64> = tl
+        .ops_per_sec
+        .chunks(10)
+        .filter(|c| c.len() == 10)
+        .map(|c| c.iter().sum::<f64>() / 10.0)
+        .collect();
     if per.is_empty() {
         // Shorter than one whole second of samples: the overall rate.
         per.push(c.ops.load(Relaxed) as f64 / secs.max(1e-3));

@@ -16,7 +16,14 @@ pub struct LabRun {
 impl LabRun {
     /// `guest_memory`: per host (the last value repeats).
     /// `bins`: the directory holding pagefleetd and pagefleet.
-    pub fn up(tag: &str, bins: &Path, hosts: usize, link: pagefleet_testbed::Link, lend: u64, guest_memory: &[u64]) -> Result<LabRun> {
+    pub fn up(
+        tag: &str,
+        bins: &Path,
+        hosts: usize,
+        link: pagefleet_testbed::Link,
+        lend: u64,
+        guest_memory: &[u64],
+    ) -> Result<LabRun> {
         let r = pagefleet_proto::auth::random_u64();
         let dir = crate::util::temp_dir(tag)?;
         let mut o = pagefleet_testbed::Options::new(hosts, link, bins.join("pagefleetd"));
@@ -26,13 +33,26 @@ impl LabRun {
         o.guest_memory = guest_memory.to_vec();
         o.subnet_octet = 100 + (r >> 16) as u8 % 100;
         let lab = pagefleet_testbed::Lab::up(&o)?;
-        Ok(LabRun { lab, dir, bins: bins.to_path_buf() })
+        Ok(LabRun {
+            lab,
+            dir,
+            bins: bins.to_path_buf(),
+        })
     }
 
     /// Run `pagefleet ARGS` inside host `h`; (success, stdout, stderr).
     pub fn pf(&self, h: usize, args: &[&str]) -> (bool, String, String) {
-        let out = self.lab.exec(h, self.bins.join("pagefleet")).args(args).output().expect("run pagefleet in the lab");
-        (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
+        let out = self
+            .lab
+            .exec(h, self.bins.join("pagefleet"))
+            .args(args)
+            .output()
+            .expect("run pagefleet in the lab");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
     }
 
     /// `pagefleet status --json` from host `h`: one entry per host.
@@ -55,20 +75,36 @@ impl LabRun {
 
     /// A host's report (memory, lending) from the registry.
     pub fn host_report(&self, h: usize) -> serde_json::Value {
-        self.status(0).get(h).map(|v| v["report"].clone()).unwrap_or_default()
+        self.status(0)
+            .get(h)
+            .map(|v| v["report"].clone())
+            .unwrap_or_default()
     }
 
     /// A guest's control socket on host `h` (reachable from the test's namespace).
     pub fn control(&self, h: usize, name: &str) -> PathBuf {
-        self.dir.join(format!("{}-guests", self.lab.hosts[h].netns)).join(format!("{name}.sock"))
+        self.dir
+            .join(format!("{}-guests", self.lab.hosts[h].netns))
+            .join(format!("{name}.sock"))
     }
 }
 
 impl LabRun {
     /// POST to host `h`'s pagefleetd from inside the lab (JSON reply).
-    pub fn post(&self, h: usize, path: &str, body: &serde_json::Value, timeout: std::time::Duration) -> Result<serde_json::Value> {
+    pub fn post(
+        &self,
+        h: usize,
+        path: &str,
+        body: &serde_json::Value,
+        timeout: std::time::Duration,
+    ) -> Result<serde_json::Value> {
         let (addr, path, body) = (self.lab.hosts[h].http(), path.to_string(), body.clone());
-        self.lab.spawn_in(h, move || pagefleet_daemon::http::post(&addr, &path, &body, timeout)).join().map_err(|_| anyhow::anyhow!("lab thread panicked"))??
+        self.lab
+            .spawn_in(h, move || {
+                pagefleet_daemon::http::post(&addr, &path, &body, timeout)
+            })
+            .join()
+            .map_err(|_| anyhow::anyhow!("lab thread panicked"))??
     }
 }
 
@@ -78,4 +114,3 @@ impl Drop for LabRun {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
-

@@ -6,7 +6,7 @@
 
 use crate::util::{self, Goal};
 use anyhow::{bail, Context, Result};
-use pagefleet_client::{ConnectOptions, Conn, GetMode, Pages};
+use pagefleet_client::{Conn, ConnectOptions, GetMode, Pages};
 use pagefleet_proto::auth::Secret;
 use pagefleet_proto::io::write_all_vectored;
 use pagefleet_proto::PAGE_SIZE;
@@ -53,7 +53,12 @@ impl Opts {
         }
     }
     pub fn quick(out_dir: PathBuf) -> Opts {
-        Opts { dataset: 64 << 20, reps: 1, rtt_iters: 2000, ..Opts::full(out_dir) }
+        Opts {
+            dataset: 64 << 20,
+            reps: 1,
+            rtt_iters: 2000,
+            ..Opts::full(out_dir)
+        }
     }
 }
 
@@ -132,13 +137,28 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
     };
     for rep in 0..o.reps {
         for &c in &o.conns {
-            log(&format!("rep {}/{}: raw TCP, {c} stream(s)", rep + 1, o.reps));
+            log(&format!(
+                "rep {}/{}: raw TCP, {c} stream(s)",
+                rep + 1,
+                o.reps
+            ));
             for (op, mode) in [("page-out", b'U'), ("page-in", b'D')] {
-                push(("raw TCP".into(), op, c, 128), raw.bulk(mode, o.dataset, c)?);
-                push(("raw mem".into(), op, c, 128), raw.bulk(mode.to_ascii_lowercase(), o.dataset, c)?);
+                push(
+                    ("raw TCP".into(), op, c, 128),
+                    raw.bulk(mode, o.dataset, c)?,
+                );
+                push(
+                    ("raw mem".into(), op, c, 128),
+                    raw.bulk(mode.to_ascii_lowercase(), o.dataset, c)?,
+                );
             }
             for &b in &o.batches {
-                log(&format!("rep {}/{}: pagefleet {c} conn(s), batch {} KiB", rep + 1, o.reps, b * 4));
+                log(&format!(
+                    "rep {}/{}: pagefleet {c} conn(s), batch {} KiB",
+                    rep + 1,
+                    o.reps,
+                    b * 4
+                ));
                 let (po, pi) = pf_bulk(&d.addr, &secret, o.dataset, c, b)?;
                 push(("pagefleet".into(), "page-out", c, b * 4), po);
                 push(("pagefleet".into(), "page-in", c, b * 4), pi);
@@ -155,16 +175,30 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
         .into_iter()
         .map(|((system, op, conns, batch_kib), runs)| {
             let g = util::median(&runs);
-            Row { system, op: op.into(), conns, batch_kib, gbps: g, ratio_to_raw: g / raw_tp[&(op, conns)], runs_gbps: runs }
+            Row {
+                system,
+                op: op.into(),
+                conns,
+                batch_kib,
+                gbps: g,
+                ratio_to_raw: g / raw_tp[&(op, conns)],
+                runs_gbps: runs,
+            }
         })
         .collect();
-    let order = |s: &str| ["raw TCP", "raw mem", "pagefleet", "memcached"].iter().position(|x| *x == s).unwrap_or(9);
+    let order = |s: &str| {
+        ["raw TCP", "raw mem", "pagefleet", "memcached"]
+            .iter()
+            .position(|x| *x == s)
+            .unwrap_or(9)
+    };
     rows.sort_by_key(|r| (order(&r.system), r.conns, r.batch_kib));
 
     // Round trips: client thread on CPU 0, server on CPU 1 for every system,
     // so the scheduler's placement luck does not decide the comparison.
     log("round trips (raw TCP and pagefleet, alternating)");
-    let (mut raw_get, mut raw_put, mut pf_get, mut pf_put) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut raw_get, mut raw_put, mut pf_get, mut pf_put) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let _pin = util::Pinning::split(&[raw.child.id(), d.child.id()]);
     for _ in 0..4 {
         raw_get.extend(raw.rtt(b'G', o.rtt_iters / 4)?);
@@ -216,7 +250,10 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
                 drop(_pin);
                 lat.insert(2, lat_row("memcached", "get 4 KiB", &g, &raw_get));
                 lat.push(lat_row("memcached", "put 4 KiB", &s, &raw_put));
-                mc_note = Some(format!("memcached {} (4 KiB values, text protocol, get = keep)", mc.version));
+                mc_note = Some(format!(
+                    "memcached {} (4 KiB values, text protocol, get = keep)",
+                    mc.version
+                ));
             }
             Err(e) => mc_note = Some(format!("memcached not measured: {e:#}")),
         }
@@ -228,14 +265,21 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
     let _ = std::fs::remove_dir_all(&tmp);
 
     let find = |sys: &str, op: &str, c: usize| {
-        rows.iter().find(|r| r.system == sys && r.op == op && r.conns == c && r.batch_kib == 128).map(|r| r.gbps)
+        rows.iter()
+            .find(|r| r.system == sys && r.op == op && r.conns == c && r.batch_kib == 128)
+            .map(|r| r.gbps)
     };
     let mut goals = Vec::new();
     // The target: 128 KiB batches against raw loopback TCP, one
     // connection against one stream (the definition FACTS.md measures).
     for op in ["page-out", "page-in"] {
         if let (Some(pf), Some(raw)) = (find("pagefleet", op, 1), find("raw TCP", op, 1)) {
-            goals.push(Goal::at_least(&format!("{op} 128KiB 1 conn / raw TCP 1 stream"), pf / raw, 0.8, "ratio"));
+            goals.push(Goal::at_least(
+                &format!("{op} 128KiB 1 conn / raw TCP 1 stream"),
+                pf / raw,
+                0.8,
+                "ratio",
+            ));
         }
     }
     // With 4 streams on 2 cores even raw sockets that keep the bytes in
@@ -243,11 +287,26 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
     // held against raw TCP into memory (both ratios are in the table).
     for op in ["page-out", "page-in"] {
         if let (Some(pf), Some(raw)) = (find("pagefleet", op, 4), find("raw mem", op, 4)) {
-            goals.push(Goal::at_least(&format!("{op} 128KiB 4 conns / raw TCP into memory"), pf / raw, 0.8, "ratio"));
+            goals.push(Goal::at_least(
+                &format!("{op} 128KiB 4 conns / raw TCP into memory"),
+                pf / raw,
+                0.8,
+                "ratio",
+            ));
         }
     }
-    goals.push(Goal::at_most("4KiB round trip p50 / raw TCP p50", lat[1].ratio_p50_to_raw, 1.2, "ratio"));
-    goals.push(Goal::at_most("server RSS overhead at 1 GiB stored", rss.overhead_pct, 3.0, "%"));
+    goals.push(Goal::at_most(
+        "4KiB round trip p50 / raw TCP p50",
+        lat[1].ratio_p50_to_raw,
+        1.2,
+        "ratio",
+    ));
+    goals.push(Goal::at_most(
+        "server RSS overhead at 1 GiB stored",
+        rss.overhead_pct,
+        3.0,
+        "%",
+    ));
 
     let mut report = Report {
         bench: "memserver",
@@ -262,7 +321,13 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
         goals,
         plot: util::PlotOutcome::default(),
     };
-    util::save_with_plot(&mut report, |r| &mut r.plot, &o.out_dir, "memserver", include_str!("../../../bench/plot_memserver.py"))?;
+    util::save_with_plot(
+        &mut report,
+        |r| &mut r.plot,
+        &o.out_dir,
+        "memserver",
+        include_str!("../../../bench/plot_memserver.py"),
+    )?;
     Ok(report)
 }
 
@@ -271,7 +336,14 @@ fn lat_row(system: &str, shape: &str, samples: &[f64], raw: &[f64]) -> Lat {
     let p50 = util::percentile(&mut s, 50.0);
     let p99 = util::percentile(&mut s, 99.0);
     let mean = s.iter().sum::<f64>() / s.len().max(1) as f64;
-    Lat { system: system.into(), shape: shape.into(), p50_us: p50, p99_us: p99, mean_us: mean, ratio_p50_to_raw: p50 / util::median(raw) }
+    Lat {
+        system: system.into(),
+        shape: shape.into(),
+        p50_us: p50,
+        p99_us: p99,
+        mean_us: mean,
+        ratio_p50_to_raw: p50 / util::median(raw),
+    }
 }
 
 pub fn print_table(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
@@ -282,10 +354,17 @@ pub fn print_table(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
         r.dataset_bytes >> 20,
         r.reps
     )?;
-    writeln!(out, "\nThroughput (GB/s; x raw = ratio to raw TCP with the same number of streams)")?;
+    writeln!(
+        out,
+        "\nThroughput (GB/s; x raw = ratio to raw TCP with the same number of streams)"
+    )?;
     writeln!(out, "  raw TCP: plain sockets, cache-hot 128 KiB buffers (iperf-style); raw mem: the same, but the")?;
     writeln!(out, "  receiver keeps every byte in memory and the client streams through a 16 MiB ring, like a page store")?;
-    writeln!(out, "  {:<10} {:>5} {:>7} | {:>8} {:>7} | {:>8} {:>7}", "system", "conns", "batch", "page-out", "x raw", "page-in", "x raw")?;
+    writeln!(
+        out,
+        "  {:<10} {:>5} {:>7} | {:>8} {:>7} | {:>8} {:>7}",
+        "system", "conns", "batch", "page-out", "x raw", "page-in", "x raw"
+    )?;
     let mut keys: Vec<(String, usize, usize)> = Vec::new();
     for row in &r.throughput {
         let k = (row.system.clone(), row.conns, row.batch_kib);
@@ -294,7 +373,11 @@ pub fn print_table(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
         }
     }
     for (sys, c, b) in keys {
-        let get = |op: &str| r.throughput.iter().find(|x| x.system == sys && x.conns == c && x.batch_kib == b && x.op == op);
+        let get = |op: &str| {
+            r.throughput
+                .iter()
+                .find(|x| x.system == sys && x.conns == c && x.batch_kib == b && x.op == op)
+        };
         let (po, pi) = (get("page-out"), get("page-in"));
         writeln!(
             out,
@@ -309,9 +392,17 @@ pub fn print_table(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
         )?;
     }
     writeln!(out, "\nRound trip of one 4 KiB page, one connection (us)")?;
-    writeln!(out, "  {:<10} {:<10} {:>8} {:>8} {:>8} {:>10}", "system", "op", "p50", "p99", "mean", "p50 x raw")?;
+    writeln!(
+        out,
+        "  {:<10} {:<10} {:>8} {:>8} {:>8} {:>10}",
+        "system", "op", "p50", "p99", "mean", "p50 x raw"
+    )?;
     for l in &r.latency {
-        writeln!(out, "  {:<10} {:<10} {:>8.1} {:>8.1} {:>8.1} {:>10.2}", l.system, l.shape, l.p50_us, l.p99_us, l.mean_us, l.ratio_p50_to_raw)?;
+        writeln!(
+            out,
+            "  {:<10} {:<10} {:>8.1} {:>8.1} {:>8.1} {:>10.2}",
+            l.system, l.shape, l.p50_us, l.p99_us, l.mean_us, l.ratio_p50_to_raw
+        )?;
     }
     writeln!(
         out,
@@ -336,21 +427,38 @@ pub fn print_table(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
 /// a deeper queue only adds cache pressure). Applied alike to every system.
 fn window_for(batch: usize, op: &str) -> usize {
     let min = if op == "page-in" { 8 } else { 16 };
-    let w: usize = std::env::var("PF_WINDOW").ok().and_then(|v| v.parse().ok()).unwrap_or(min);
+    let w: usize = std::env::var("PF_WINDOW")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(min);
     (256 / batch).max(w)
 }
 
-
 fn ring(seed: u8) -> Vec<u8> {
-    (0..RING_PAGES * P).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
+    (0..RING_PAGES * P)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
 }
 
 /// Page out `dataset` bytes over `conns` connections, then take it all back.
-fn pf_bulk(addr: &str, secret: &Secret, dataset: u64, conns: usize, batch: usize) -> Result<(f64, f64)> {
+fn pf_bulk(
+    addr: &str,
+    secret: &Secret,
+    dataset: u64,
+    conns: usize,
+    batch: usize,
+) -> Result<(f64, f64)> {
     let pages_per = dataset as usize / P / conns;
     let mut cs: Vec<Conn> = (0..conns)
         .map(|i| {
-            let mut c = Conn::connect(addr, secret, &ConnectOptions { name: format!("bench-{i}"), ..Default::default() })?;
+            let mut c = Conn::connect(
+                addr,
+                secret,
+                &ConnectOptions {
+                    name: format!("bench-{i}"),
+                    ..Default::default()
+                },
+            )?;
             c.set_window(window_for(batch, "page-out"));
             Ok(c)
         })
@@ -380,14 +488,32 @@ fn pf_bulk(addr: &str, secret: &Secret, dataset: u64, conns: usize, batch: usize
     let put = |c: &mut Conn, region: u64, _: &mut [u8]| -> Result<()> {
         for base in (0..pages_per).step_by(RING_PAGES) {
             let n = RING_PAGES.min(pages_per - base);
-            c.put(region, Pages::Run { first: base as u64, count: n as u64 }, &src[..n * P], batch)?;
+            c.put(
+                region,
+                Pages::Run {
+                    first: base as u64,
+                    count: n as u64,
+                },
+                &src[..n * P],
+                batch,
+            )?;
         }
         Ok(())
     };
     let take = |c: &mut Conn, region: u64, dst: &mut [u8]| -> Result<()> {
         for base in (0..pages_per).step_by(RING_PAGES) {
             let n = RING_PAGES.min(pages_per - base);
-            let missing = c.get(region, Pages::Run { first: base as u64, count: n as u64 }, &mut dst[..n * P], GetMode::Take, false, batch)?;
+            let missing = c.get(
+                region,
+                Pages::Run {
+                    first: base as u64,
+                    count: n as u64,
+                },
+                &mut dst[..n * P],
+                GetMode::Take,
+                false,
+                batch,
+            )?;
             if missing != 0 {
                 bail!("{missing} pages missing on page-in");
             }
@@ -408,7 +534,12 @@ fn pf_bulk(addr: &str, secret: &Secret, dataset: u64, conns: usize, batch: usize
 }
 
 /// Single-page round trips: GET (keep) of a stored page; PUT of a new page.
-fn pf_rtt(addr: &str, secret: &Secret, iters: usize, server_pid: u32) -> Result<(Vec<f64>, Vec<f64>)> {
+fn pf_rtt(
+    addr: &str,
+    secret: &Secret,
+    iters: usize,
+    server_pid: u32,
+) -> Result<(Vec<f64>, Vec<f64>)> {
     let mut c = Conn::connect(addr, secret, &ConnectOptions::default())?;
     std::thread::sleep(Duration::from_millis(5));
     util::Pinning::repin(server_pid);
@@ -427,7 +558,10 @@ fn pf_rtt(addr: &str, secret: &Secret, iters: usize, server_pid: u32) -> Result<
     }
     let mut put = Vec::with_capacity(iters);
     for i in 0..iters + iters / 10 {
-        let sel = pagefleet_proto::PageSel::Run { first: 1 + i as u64, count: 1 };
+        let sel = pagefleet_proto::PageSel::Run {
+            first: 1 + i as u64,
+            count: 1,
+        };
         let t = Instant::now();
         let id = c.send_put(10, &sel, &page)?;
         c.recv_put(id)?;
@@ -454,7 +588,15 @@ fn measure_rss(secret_path: &std::path::Path, secret: &Secret) -> Result<Rss> {
                     let mut c = Conn::connect(addr, secret, &ConnectOptions::default())?;
                     for base in (0..per).step_by(RING_PAGES) {
                         let n = RING_PAGES.min(per - base);
-                        c.put(i, Pages::Run { first: base as u64, count: n as u64 }, &src[..n * P], 32)?;
+                        c.put(
+                            i,
+                            Pages::Run {
+                                first: base as u64,
+                                count: n as u64,
+                            },
+                            &src[..n * P],
+                            32,
+                        )?;
                     }
                     Ok(())
                 })
@@ -469,7 +611,13 @@ fn measure_rss(secret_path: &std::path::Path, secret: &Secret) -> Result<Rss> {
     }
     let after = d.rss_bytes()?;
     let over = after as i64 - GIB as i64;
-    Ok(Rss { stored_bytes: GIB, rss_before: before, rss_after: after, overhead_bytes: over, overhead_pct: over as f64 * 100.0 / GIB as f64 })
+    Ok(Rss {
+        stored_bytes: GIB,
+        rss_before: before,
+        rss_after: after,
+        overhead_bytes: over,
+        overhead_pct: over as f64 * 100.0 / GIB as f64,
+    })
 }
 
 // ---- raw TCP baseline --------------------------------------------------------
@@ -510,12 +658,17 @@ impl RawServer {
             .args(["bench", "raw-server"])
             .stdout(Stdio::piped())
             .spawn()
-            .with_context(|| format!("cannot start the raw TCP baseline server {}", me.display()))?;
+            .with_context(|| {
+                format!("cannot start the raw TCP baseline server {}", me.display())
+            })?;
         let line = BufReader::new(child.stdout.take().unwrap())
             .lines()
             .next()
             .ok_or_else(|| anyhow::anyhow!("raw server exited before listening"))??;
-        let addr = line.strip_prefix("listening ").unwrap_or_default().to_string();
+        let addr = line
+            .strip_prefix("listening ")
+            .unwrap_or_default()
+            .to_string();
         Ok(RawServer { addr, child })
     }
 
@@ -536,7 +689,9 @@ impl RawServer {
     /// the page store and its clients do. Returns GB/s.
     fn bulk(&self, mode: u8, total: u64, streams: usize) -> Result<f64> {
         let per = total / streams as u64;
-        let mut ss: Vec<TcpStream> = (0..streams).map(|_| self.connect(mode, per)).collect::<Result<_>>()?;
+        let mut ss: Vec<TcpStream> = (0..streams)
+            .map(|_| self.connect(mode, per))
+            .collect::<Result<_>>()?;
         let memory = mode.is_ascii_lowercase();
         if memory {
             for s in ss.iter_mut() {
@@ -545,8 +700,9 @@ impl RawServer {
             }
         }
         let barrier = Arc::new(Barrier::new(streams));
-        let mut bufs: Vec<Vec<u8>> =
-            (0..streams).map(|_| vec![5u8; if memory { RING_PAGES * P } else { 128 * 1024 }]).collect();
+        let mut bufs: Vec<Vec<u8>> = (0..streams)
+            .map(|_| vec![5u8; if memory { RING_PAGES * P } else { 128 * 1024 }])
+            .collect();
         let t = Instant::now();
         std::thread::scope(|sc| {
             let hs: Vec<_> = ss
@@ -597,7 +753,11 @@ impl RawServer {
         let mut s = self.connect(mode, 0)?;
         std::thread::sleep(Duration::from_millis(5));
         util::Pinning::repin(self.child.id());
-        let (req, rep) = if mode == b'G' { (GET_REQ, GET_REP) } else { (PUT_REQ, PUT_REP) };
+        let (req, rep) = if mode == b'G' {
+            (GET_REQ, GET_REP)
+        } else {
+            (PUT_REQ, PUT_REP)
+        };
         let out = vec![1u8; req];
         let mut inb = vec![0u8; rep];
         let mut v = Vec::with_capacity(iters);
@@ -649,7 +809,11 @@ fn raw_serve(mut s: TcpStream) -> std::io::Result<()> {
             }
         }
         m @ (b'G' | b'P') => {
-            let (req, rep) = if m == b'G' { (GET_REQ, GET_REP) } else { (PUT_REQ, PUT_REP) };
+            let (req, rep) = if m == b'G' {
+                (GET_REQ, GET_REP)
+            } else {
+                (PUT_REQ, PUT_REP)
+            };
             let mut inb = vec![0u8; req];
             let out = vec![2u8; rep];
             while s.read_exact(&mut inb).is_ok() {
@@ -678,19 +842,41 @@ impl Drop for Memcached {
 
 impl Memcached {
     fn start(dataset: u64) -> Result<Memcached> {
-        let bin = util::which("memcached").context("memcached is not installed (make deps installs it)")?;
+        let bin = util::which("memcached")
+            .context("memcached is not installed (make deps installs it)")?;
         let port = util::free_port()?;
         // 4 KiB values land in a ~4.7 KiB slab class: room for the dataset + 40%.
         let mb = (dataset >> 20) * 14 / 10 + 64;
         let child = Command::new(&bin)
-            .args(["-l", "127.0.0.1", "-p", &port.to_string(), "-U", "0", "-t", "4", "-c", "1024", "-m", &mb.to_string()])
-            .args(if unsafe { libc::geteuid() } == 0 { vec!["-u", "root"] } else { vec![] })
+            .args([
+                "-l",
+                "127.0.0.1",
+                "-p",
+                &port.to_string(),
+                "-U",
+                "0",
+                "-t",
+                "4",
+                "-c",
+                "1024",
+                "-m",
+                &mb.to_string(),
+            ])
+            .args(if unsafe { libc::geteuid() } == 0 {
+                vec!["-u", "root"]
+            } else {
+                vec![]
+            })
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .context("cannot start memcached")?;
         let addr = format!("127.0.0.1:{port}");
-        let mut mc = Memcached { child, addr, version: String::new() };
+        let mut mc = Memcached {
+            child,
+            addr,
+            version: String::new(),
+        };
         util::wait_listening(&mc.addr, Duration::from_secs(10))?;
         let mut s = TcpStream::connect(&mc.addr)?;
         s.write_all(b"version\r\n")?;
@@ -711,7 +897,9 @@ impl Memcached {
                 Ok(s)
             })
             .collect::<Result<_>>()?;
-        let timed = |f: &(dyn Fn(&mut TcpStream, usize) -> Result<()> + Sync), ss: &mut [TcpStream]| -> Result<f64> {
+        let timed = |f: &(dyn Fn(&mut TcpStream, usize) -> Result<()> + Sync),
+                     ss: &mut [TcpStream]|
+         -> Result<f64> {
             let barrier = Barrier::new(ss.len());
             let t = Instant::now();
             std::thread::scope(|sc| {
@@ -740,7 +928,9 @@ impl Memcached {
                 while sent < frames && sent - done < wput {
                     let lo = sent * batch;
                     let hi = (lo + batch).min(pages_per);
-                    let cmds: Vec<String> = (lo..hi).map(|p| format!("set {} 0 0 {P}\r\n", key(c, p))).collect();
+                    let cmds: Vec<String> = (lo..hi)
+                        .map(|p| format!("set {} 0 0 {P}\r\n", key(c, p)))
+                        .collect();
                     let mut iov = Vec::with_capacity(3 * (hi - lo));
                     for (j, p) in (lo..hi).enumerate() {
                         iov.push(IoSlice::new(cmds[j].as_bytes()));
@@ -830,7 +1020,14 @@ impl Memcached {
         for i in 0..iters + iters / 10 {
             let cmd = format!("set r{i} 0 0 {P}\r\n");
             let t = Instant::now();
-            write_all_vectored(&mut s, &mut [IoSlice::new(cmd.as_bytes()), IoSlice::new(&page), IoSlice::new(b"\r\n")])?;
+            write_all_vectored(
+                &mut s,
+                &mut [
+                    IoSlice::new(cmd.as_bytes()),
+                    IoSlice::new(&page),
+                    IoSlice::new(b"\r\n"),
+                ],
+            )?;
             line.clear();
             r.read_line(&mut line)?;
             if i >= iters / 10 {

@@ -42,10 +42,25 @@ pub struct Opts {
 
 impl Opts {
     pub fn full(out_dir: PathBuf) -> Opts {
-        Opts { size: 2 << 30, links: vec![Link::Gbit10, Link::Gbit1], only: vec![], quick: false, out_dir, kv_before: 6, kv_after: 15 }
+        Opts {
+            size: 2 << 30,
+            links: vec![Link::Gbit10, Link::Gbit1],
+            only: vec![],
+            quick: false,
+            out_dir,
+            kv_before: 6,
+            kv_after: 15,
+        }
     }
     pub fn quick(out_dir: PathBuf) -> Opts {
-        Opts { size: 256 * MIB, links: vec![Link::Gbit10], quick: true, kv_before: 3, kv_after: 6, ..Opts::full(out_dir) }
+        Opts {
+            size: 256 * MIB,
+            links: vec![Link::Gbit10],
+            quick: true,
+            kv_before: 3,
+            kv_after: 6,
+            ..Opts::full(out_dir)
+        }
     }
     fn runs(&self, what: &str) -> bool {
         self.only.is_empty() || self.only.iter().any(|o| o == what)
@@ -113,9 +128,19 @@ type Log<'a> = &'a mut dyn FnMut(&str);
 
 /// Hosts: h1 source, h2 `enough` (and `swap`), h3 split main, h4 sub-host, h5 client.
 fn lab(o: &Opts, link: Link) -> Result<LabRun> {
-    let bins = util::sibling_binary("pagefleetd")?.parent().unwrap().to_path_buf();
+    let bins = util::sibling_binary("pagefleetd")?
+        .parent()
+        .unwrap()
+        .to_path_buf();
     let g = o.size + 64 * MIB;
-    LabRun::up("bmig", &bins, 5, link, o.size + 64 * MIB, &[g, g, o.size / 2, 0, 0])
+    LabRun::up(
+        "bmig",
+        &bins,
+        5,
+        link,
+        o.size + 64 * MIB,
+        &[g, g, o.size / 2, 0, 0],
+    )
 }
 
 fn pf_json(l: &LabRun, args: &[&str]) -> Result<Value> {
@@ -123,7 +148,8 @@ fn pf_json(l: &LabRun, args: &[&str]) -> Result<Value> {
     if !ok {
         bail!("pagefleet {}: {}", args.join(" "), err.trim());
     }
-    serde_json::from_str(&out).with_context(|| format!("pagefleet {}: not JSON: {out}", args.join(" ")))
+    serde_json::from_str(&out)
+        .with_context(|| format!("pagefleet {}: not JSON: {out}", args.join(" ")))
 }
 
 fn pf_ok(l: &LabRun, args: &[&str]) -> Result<()> {
@@ -148,7 +174,9 @@ fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> bool) -> Result<()> 
 /// Wait until the guest is ready: all `pages` written (or a sort job ready).
 fn wait_filled(l: &LabRun, name: &str, pages: u64) -> Result<()> {
     wait_until(&format!("{name} to fill its memory"), 600, || {
-        l.guest(name).is_some_and(|(_, g)| g["ready"] == true && g["pages"]["local"].as_u64().unwrap_or(0) + 32 >= pages)
+        l.guest(name).is_some_and(|(_, g)| {
+            g["ready"] == true && g["pages"]["local"].as_u64().unwrap_or(0) + 32 >= pages
+        })
     })
 }
 
@@ -172,7 +200,13 @@ fn swap_dest(o: &Opts) -> Result<SwapDest> {
 }
 
 /// Migrate `name` to the destination kind; the report.
-fn migrate_to(l: &LabRun, o: &Opts, name: &str, dest: &str, extra: &[&str]) -> Result<(Value, Option<SwapDest>)> {
+fn migrate_to(
+    l: &LabRun,
+    o: &Opts,
+    name: &str,
+    dest: &str,
+    extra: &[&str],
+) -> Result<(Value, Option<SwapDest>)> {
     let mut args = vec!["migrate", name, "--json"];
     args.extend_from_slice(extra);
     let sd;
@@ -192,7 +226,13 @@ fn migrate_to(l: &LabRun, o: &Opts, name: &str, dest: &str, extra: &[&str]) -> R
     Ok((pf_json(l, &args)?, None))
 }
 
-fn time_experiment(o: &Opts, link: Link, log: Log<'_>, rows: &mut Vec<TimeRow>, util_rows: &mut Vec<(String, f64)>) -> Result<()> {
+fn time_experiment(
+    o: &Opts,
+    link: Link,
+    log: Log<'_>,
+    rows: &mut Vec<TimeRow>,
+    util_rows: &mut Vec<(String, f64)>,
+) -> Result<()> {
     let l = lab(o, link)?;
     let pages = o.size / 4096;
     let size = o.size.to_string();
@@ -202,12 +242,38 @@ fn time_experiment(o: &Opts, link: Link, log: Log<'_>, rows: &mut Vec<TimeRow>, 
     let rate_s = rate.to_string();
     for workload in ["idle", "rewrite"] {
         for dest in ["enough", "split", "swap"] {
-            log(&format!("{}: {workload} guest of {} -> {dest}", link.name(), crate::fmt_bytes(o.size)));
-            let mut args = vec!["guest", "start", "m1", "--on", "h1", "--size", &size, "--", "synthetic", "--prefill", "--threads", "1"];
+            log(&format!(
+                "{}: {workload} guest of {} -> {dest}",
+                link.name(),
+                crate::fmt_bytes(o.size)
+            ));
+            let mut args = vec![
+                "guest",
+                "start",
+                "m1",
+                "--on",
+                "h1",
+                "--size",
+                &size,
+                "--",
+                "synthetic",
+                "--prefill",
+                "--threads",
+                "1",
+            ];
             if workload == "idle" {
                 args.extend_from_slice(&["--rate", "0"]);
             } else {
-                args.extend_from_slice(&["--dist", "seq", "--write-frac", "1", "--span", "0.5", "--rate", &rate_s]);
+                args.extend_from_slice(&[
+                    "--dist",
+                    "seq",
+                    "--write-frac",
+                    "1",
+                    "--span",
+                    "0.5",
+                    "--rate",
+                    &rate_s,
+                ]);
             }
             pf_ok(&l, &args)?;
             wait_filled(&l, "m1", pages)?;
@@ -222,7 +288,8 @@ fn time_experiment(o: &Opts, link: Link, log: Log<'_>, rows: &mut Vec<TimeRow>, 
             };
             stop_guest(&l, "m1")?;
             drop(sd);
-            let r1 = r["round1_bytes"].as_f64().unwrap_or(0.0) / r["round1_secs"].as_f64().unwrap_or(1.0).max(1e-9);
+            let r1 = r["round1_bytes"].as_f64().unwrap_or(0.0)
+                / r["round1_secs"].as_f64().unwrap_or(1.0).max(1e-9);
             if workload == "idle" && dest == "split" {
                 if let Some(bps) = link.bytes_per_sec() {
                     util_rows.push((link.name().to_string(), r1 / bps));
@@ -249,9 +316,34 @@ fn sort_experiment(o: &Opts, log: Log<'_>, rows: &mut Vec<SortRow>) -> Result<()
     let l = lab(o, Link::Gbit10)?;
     let pages = o.size / 4096;
     let size = o.size.to_string();
-    for (dest, history) in [("enough", true), ("split", true), ("split-nohist", false), ("swap", true)] {
-        log(&format!("sort: {} guest, 40% of it records -> {dest}{}", crate::fmt_bytes(o.size), if history { "" } else { " (no history of the sort)" }));
-        let mut args = vec!["guest", "start", "s1", "--on", "h1", "--size", &size, "--", "sortjob", "--sort-frac", "0.4"];
+    for (dest, history) in [
+        ("enough", true),
+        ("split", true),
+        ("split-nohist", false),
+        ("swap", true),
+    ] {
+        log(&format!(
+            "sort: {} guest, 40% of it records -> {dest}{}",
+            crate::fmt_bytes(o.size),
+            if history {
+                ""
+            } else {
+                " (no history of the sort)"
+            }
+        ));
+        let mut args = vec![
+            "guest",
+            "start",
+            "s1",
+            "--on",
+            "h1",
+            "--size",
+            &size,
+            "--",
+            "sortjob",
+            "--sort-frac",
+            "0.4",
+        ];
         if !history {
             args.push("--no-warm");
         }
@@ -293,7 +385,9 @@ fn sort_experiment(o: &Opts, log: Log<'_>, rows: &mut Vec<SortRow>) -> Result<()
 pub fn recovery(timeline: &[f64], interval: f64, from: f64, before: f64) -> Option<f64> {
     let w = (0.5 / interval).round() as usize;
     let start = (from / interval).floor() as usize;
-    (start..timeline.len().saturating_sub(w - 1)).find(|&i| timeline[i..i + w].iter().sum::<f64>() / w as f64 >= 0.9 * before).map(|i| ((i + w) as f64 * interval - from).max(0.0))
+    (start..timeline.len().saturating_sub(w - 1))
+        .find(|&i| timeline[i..i + w].iter().sum::<f64>() / w as f64 >= 0.9 * before)
+        .map(|i| ((i + w) as f64 * interval - from).max(0.0))
 }
 
 fn kv_experiment(o: &Opts, log: Log<'_>, rows: &mut Vec<KvRow>) -> Result<()> {
@@ -307,8 +401,28 @@ fn kv_experiment(o: &Opts, log: Log<'_>, rows: &mut Vec<KvRow>) -> Result<()> {
     let value_len = 4000;
     let keys = o.size / 2 / 4200;
     for dest in ["enough", "split", "swap"] {
-        log(&format!("kv: {} guest, {keys} items, zipf 0.99 load -> {dest}", crate::fmt_bytes(o.size)));
-        pf_ok(&l, &["guest", "start", "k1", "--on", "h1", "--size", &size, "--", "kv", "--listen", &svc, "--service-ip", &ip])?;
+        log(&format!(
+            "kv: {} guest, {keys} items, zipf 0.99 load -> {dest}",
+            crate::fmt_bytes(o.size)
+        ));
+        pf_ok(
+            &l,
+            &[
+                "guest",
+                "start",
+                "k1",
+                "--on",
+                "h1",
+                "--size",
+                &size,
+                "--",
+                "kv",
+                "--listen",
+                &svc,
+                "--service-ip",
+                &ip,
+            ],
+        )?;
         let spec = kvload::Spec {
             addr: svc.clone(),
             keys,
@@ -318,6 +432,7 @@ fn kv_experiment(o: &Opts, log: Log<'_>, rows: &mut Vec<KvRow>) -> Result<()> {
             theta: 0.99,
             netns: Some(l.lab.hosts[4].netns.clone()),
             reconnect: true,
+            pace: None,
         };
         kvload::prefill(&spec)?;
         let load = kvload::Load::start(&spec);
@@ -344,7 +459,8 @@ fn kv_experiment(o: &Opts, log: Log<'_>, rows: &mut Vec<KvRow>) -> Result<()> {
         // Before: the last seconds before the migration started (skip warm-up).
         let b0 = ((t0 - (o.kv_before as f64 - 1.0).max(1.0)) / iv).max(0.0) as usize;
         let before = util::median(&tl.ops_per_sec[b0..(t0 / iv) as usize]);
-        let tail = (tl.ops_per_sec.len().saturating_sub((3.0 / iv) as usize)).max((t1 / iv) as usize);
+        let tail =
+            (tl.ops_per_sec.len().saturating_sub((3.0 / iv) as usize)).max((t1 / iv) as usize);
         let after = util::median(&tl.ops_per_sec[tail..]);
         rows.push(KvRow {
             dest: dest.into(),
@@ -382,85 +498,188 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
     if o.runs("kv") {
         kv_experiment(o, log, &mut kv)?;
     }
-    let mut r = Report { size_bytes: o.size, quick: o.quick, time, link_utilisation, sort, kv, goals: vec![], plot: PlotOutcome::default() };
+    let mut r = Report {
+        size_bytes: o.size,
+        quick: o.quick,
+        time,
+        link_utilisation,
+        sort,
+        kv,
+        goals: vec![],
+        plot: PlotOutcome::default(),
+    };
     r.goals = goals(&r);
     std::fs::create_dir_all(&o.out_dir)?;
-    util::save_with_plot(&mut r, |r| &mut r.plot, &o.out_dir, "migration", include_str!("../../../bench/plot_migration.py"))?;
+    util::save_with_plot(
+        &mut r,
+        |r| &mut r.plot,
+        &o.out_dir,
+        "migration",
+        include_str!("../../../bench/plot_migration.py"),
+    )?;
     Ok(r)
 }
 
 fn goals(r: &Report) -> Vec<Goal> {
     let mut g = Vec::new();
     // A failed configuration yields NaN figures: its goals show as not met.
-    let find = |link: &str, w: &str, d: &str| r.time.iter().find(|x| x.link == link && x.workload == w && x.dest == d);
+    let find = |link: &str, w: &str, d: &str| {
+        r.time
+            .iter()
+            .find(|x| x.link == link && x.workload == w && x.dest == d)
+    };
     let mut links: Vec<&str> = r.time.iter().map(|x| x.link.as_str()).collect();
     links.dedup();
     for link in links {
         for w in ["idle", "rewrite"] {
-            if let (Some(e), Some(s), Some(v)) = (find(link, w, "enough"), find(link, w, "split"), find(link, w, "swap")) {
-                g.push(Goal::at_most(&format!("{link} {w}: split migration time / enough memory"), s.total_secs / e.total_secs, 1.05, "x"));
-                g.push(Goal::at_most(&format!("{link} {w}: split downtime - enough memory"), s.downtime_ms - e.downtime_ms, 10.0, "ms"));
-                g.push(Goal::at_most(&format!("{link} {w}: split migration time / swap baseline"), s.total_secs / v.total_secs, 1.0, "x"));
-                g.push(Goal::at_most(&format!("{link} {w}: split downtime / swap baseline"), s.downtime_ms / v.downtime_ms, 1.0, "x"));
+            if let (Some(e), Some(s), Some(v)) = (
+                find(link, w, "enough"),
+                find(link, w, "split"),
+                find(link, w, "swap"),
+            ) {
+                g.push(Goal::at_most(
+                    &format!("{link} {w}: split migration time / enough memory"),
+                    s.total_secs / e.total_secs,
+                    1.05,
+                    "x",
+                ));
+                g.push(Goal::at_most(
+                    &format!("{link} {w}: split downtime - enough memory"),
+                    s.downtime_ms - e.downtime_ms,
+                    10.0,
+                    "ms",
+                ));
+                g.push(Goal::at_most(
+                    &format!("{link} {w}: split migration time / swap baseline"),
+                    s.total_secs / v.total_secs,
+                    1.0,
+                    "x",
+                ));
+                g.push(Goal::at_most(
+                    &format!("{link} {w}: split downtime / swap baseline"),
+                    s.downtime_ms / v.downtime_ms,
+                    1.0,
+                    "x",
+                ));
             }
         }
     }
     for (link, u) in &r.link_utilisation {
-        g.push(Goal::at_least(&format!("{link}: round-1 link utilisation (idle split)"), *u, 0.9, "of shaped rate"));
+        g.push(Goal::at_least(
+            &format!("{link}: round-1 link utilisation (idle split)"),
+            *u,
+            0.9,
+            "of shaped rate",
+        ));
     }
     let sort = |d: &str| r.sort.iter().find(|x| x.dest == d);
     if let (Some(e), Some(s), Some(v)) = (sort("enough"), sort("split"), sort("swap")) {
-        g.push(Goal::at_most("post-migration sort time: split (with history) / enough memory", s.sort_secs / e.sort_secs, 1.15, "x"));
-        g.push(Goal::at_most("post-migration sort time: split / swap baseline", s.sort_secs / v.sort_secs, 1.0, "x"));
+        g.push(Goal::at_most(
+            "post-migration sort time: split (with history) / enough memory",
+            s.sort_secs / e.sort_secs,
+            1.15,
+            "x",
+        ));
+        g.push(Goal::at_most(
+            "post-migration sort time: split / swap baseline",
+            s.sort_secs / v.sort_secs,
+            1.0,
+            "x",
+        ));
     }
     let kvr = |d: &str| r.kv.iter().find(|x| x.dest == d);
     if let Some(s) = kvr("split") {
-        g.push(Goal::at_most("kv throughput back to 90% after split migration", s.recovery_secs.unwrap_or(f64::INFINITY), 10.0, "s"));
+        g.push(Goal::at_most(
+            "kv throughput back to 90% after split migration",
+            s.recovery_secs.unwrap_or(f64::INFINITY),
+            10.0,
+            "s",
+        ));
         if let Some(v) = kvr("swap") {
             g.push(Goal::at_most(
                 "kv recovery time: split / swap baseline",
-                s.recovery_secs.unwrap_or(f64::INFINITY) / v.recovery_secs.unwrap_or(f64::INFINITY).max(0.1),
+                s.recovery_secs.unwrap_or(f64::INFINITY)
+                    / v.recovery_secs.unwrap_or(f64::INFINITY).max(0.1),
                 1.0,
                 "x",
             ));
         }
     }
     for k in &r.kv {
-        g.push(Goal::at_most(&format!("kv {}: wrong or lost values", k.dest), (k.bad_values + k.misses) as f64, 0.0, "gets"));
+        g.push(Goal::at_most(
+            &format!("kv {}: wrong or lost values", k.dest),
+            (k.bad_values + k.misses) as f64,
+            0.0,
+            "gets",
+        ));
     }
     g
 }
 
 pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<()> {
     if !r.time.is_empty() {
-        writeln!(out, "migration of a {} guest (S-memV Figs. 8-10)", crate::fmt_bytes(r.size_bytes))?;
-        writeln!(out, "{:<7} {:<8} {:<7} {:>9} {:>11} {:>7} {:>10} {:>12}", "link", "guest", "dest", "time s", "downtime ms", "rounds", "resent pg", "round1 MB/s")?;
+        writeln!(
+            out,
+            "migration of a {} guest (S-memV Figs. 8-10)",
+            crate::fmt_bytes(r.size_bytes)
+        )?;
+        writeln!(
+            out,
+            "{:<7} {:<8} {:<7} {:>9} {:>11} {:>7} {:>10} {:>12}",
+            "link", "guest", "dest", "time s", "downtime ms", "rounds", "resent pg", "round1 MB/s"
+        )?;
         for x in &r.time {
             if let Some(e) = &x.error {
-                writeln!(out, "{:<7} {:<8} {:<7} FAILED: {e}", x.link, x.workload, x.dest)?;
+                writeln!(
+                    out,
+                    "{:<7} {:<8} {:<7} FAILED: {e}",
+                    x.link, x.workload, x.dest
+                )?;
                 continue;
             }
             writeln!(
                 out,
                 "{:<7} {:<8} {:<7} {:>9.2} {:>11.1} {:>7} {:>10} {:>12.0}",
-                x.link, x.workload, x.dest, x.total_secs, x.downtime_ms, x.rounds, x.pages_sent_twice, x.round1_mb_per_s
+                x.link,
+                x.workload,
+                x.dest,
+                x.total_secs,
+                x.downtime_ms,
+                x.rounds,
+                x.pages_sent_twice,
+                x.round1_mb_per_s
             )?;
         }
     }
     if !r.sort.is_empty() {
-        writeln!(out, "\npost-migration sort of 40% of the guest (S-memV Fig. 11)")?;
-        writeln!(out, "{:<13} {:>8} {:>9} {:>10} {:>7}", "dest", "history", "sort s", "page-ins", "sorted")?;
+        writeln!(
+            out,
+            "\npost-migration sort of 40% of the guest (S-memV Fig. 11)"
+        )?;
+        writeln!(
+            out,
+            "{:<13} {:>8} {:>9} {:>10} {:>7}",
+            "dest", "history", "sort s", "page-ins", "sorted"
+        )?;
         for x in &r.sort {
             if let Some(e) = &x.error {
                 writeln!(out, "{:<13} FAILED: {e}", x.dest)?;
                 continue;
             }
-            writeln!(out, "{:<13} {:>8} {:>9.2} {:>10} {:>7}", x.dest, x.history, x.sort_secs, x.page_ins, x.sorted)?;
+            writeln!(
+                out,
+                "{:<13} {:>8} {:>9.2} {:>10} {:>7}",
+                x.dest, x.history, x.sort_secs, x.page_ins, x.sorted
+            )?;
         }
     }
     if !r.kv.is_empty() {
         writeln!(out, "\nkv throughput across the migration (S-memV Fig. 12)")?;
-        writeln!(out, "{:<7} {:>12} {:>12} {:>7} {:>12} {:>11} {:>7}", "dest", "before op/s", "after op/s", "after%", "recovery s", "downtime ms", "errors")?;
+        writeln!(
+            out,
+            "{:<7} {:>12} {:>12} {:>7} {:>12} {:>11} {:>7}",
+            "dest", "before op/s", "after op/s", "after%", "recovery s", "downtime ms", "errors"
+        )?;
         for x in &r.kv {
             if let Some(e) = &x.error {
                 writeln!(out, "{:<7} FAILED: {e}", x.dest)?;
@@ -472,7 +691,9 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
                 x.before_ops,
                 x.after_ops,
                 100.0 * x.after_ops / x.before_ops.max(1.0),
-                x.recovery_secs.map(|s| format!("{s:.1}")).unwrap_or("never".into()),
+                x.recovery_secs
+                    .map(|s| format!("{s:.1}"))
+                    .unwrap_or("never".into()),
                 x.downtime_ms,
                 x.bad_values + x.misses
             )?;

@@ -7,8 +7,8 @@
 //! closed-loop client with zipf(θ) key popularity. Also: single 4 KiB fault
 //! latency next to the raw uffd round trip and the raw TCP 4 KiB round trip.
 
-use crate::memserver::RawServer;
 use crate::kvload;
+use crate::memserver::RawServer;
 use crate::util::{self, Goal, MemCgroup, Swap};
 use anyhow::{anyhow, bail, Result};
 use pagefleet_proto::auth::Secret;
@@ -39,10 +39,26 @@ pub struct Opts {
 
 impl Opts {
     pub fn full(out_dir: PathBuf) -> Opts {
-        Opts { size: 512 << 20, conns: 16, measure_secs: 6, theta: 0.99, get_frac: 0.9, fault_iters: 4000, quick: false, out_dir, only: None }
+        Opts {
+            size: 512 << 20,
+            conns: 16,
+            measure_secs: 6,
+            theta: 0.99,
+            get_frac: 0.9,
+            fault_iters: 4000,
+            quick: false,
+            out_dir,
+            only: None,
+        }
     }
     pub fn quick(out_dir: PathBuf) -> Opts {
-        Opts { size: 128 << 20, measure_secs: 2, fault_iters: 500, quick: true, ..Opts::full(out_dir) }
+        Opts {
+            size: 128 << 20,
+            measure_secs: 2,
+            fault_iters: 500,
+            quick: true,
+            ..Opts::full(out_dir)
+        }
     }
 }
 
@@ -105,25 +121,95 @@ pub struct Report {
 }
 
 fn cfg(name: &str, kind: Kind, pct: f64, policy: &str, chunk: usize, servers: usize) -> Cfg {
-    Cfg { name: name.into(), kind, budget_pct: pct, policy: policy.into(), chunk, servers }
+    Cfg {
+        name: name.into(),
+        kind,
+        budget_pct: pct,
+        policy: policy.into(),
+        chunk,
+        servers,
+    }
 }
 
 pub fn configs(quick: bool) -> Vec<Cfg> {
     let mut v = vec![
         cfg("all local", Kind::Local, 100.0, "-", 0, 0),
-        cfg("pagefleet 100% (sampling only)", Kind::Region, 100.0, "clock", 16, 1),
-        cfg("pagefleet 50% clock c16 1srv", Kind::Region, 50.0, "clock", 16, 1),
+        cfg(
+            "pagefleet 100% (sampling only)",
+            Kind::Region,
+            100.0,
+            "clock",
+            16,
+            1,
+        ),
+        cfg(
+            "pagefleet 50% clock c16 1srv",
+            Kind::Region,
+            50.0,
+            "clock",
+            16,
+            1,
+        ),
         cfg("swap file 50%", Kind::SwapFile, 50.0, "-", 0, 0),
     ];
     if !quick {
         v.extend([
-            cfg("pagefleet 50% aging c16 1srv", Kind::Region, 50.0, "aging", 16, 1),
-            cfg("pagefleet 50% clock c16 2srv", Kind::Region, 50.0, "clock", 16, 2),
-            cfg("pagefleet 50% clock c1 1srv", Kind::Region, 50.0, "clock", 1, 1),
-            cfg("pagefleet 50% clock c4 1srv", Kind::Region, 50.0, "clock", 4, 1),
-            cfg("pagefleet 50% clock c64 1srv", Kind::Region, 50.0, "clock", 64, 1),
-            cfg("pagefleet 25% clock c16 1srv", Kind::Region, 25.0, "clock", 16, 1),
-            cfg("pagefleet 25% aging c16 2srv", Kind::Region, 25.0, "aging", 16, 2),
+            cfg(
+                "pagefleet 50% aging c16 1srv",
+                Kind::Region,
+                50.0,
+                "aging",
+                16,
+                1,
+            ),
+            cfg(
+                "pagefleet 50% clock c16 2srv",
+                Kind::Region,
+                50.0,
+                "clock",
+                16,
+                2,
+            ),
+            cfg(
+                "pagefleet 50% clock c1 1srv",
+                Kind::Region,
+                50.0,
+                "clock",
+                1,
+                1,
+            ),
+            cfg(
+                "pagefleet 50% clock c4 1srv",
+                Kind::Region,
+                50.0,
+                "clock",
+                4,
+                1,
+            ),
+            cfg(
+                "pagefleet 50% clock c64 1srv",
+                Kind::Region,
+                50.0,
+                "clock",
+                64,
+                1,
+            ),
+            cfg(
+                "pagefleet 25% clock c16 1srv",
+                Kind::Region,
+                25.0,
+                "clock",
+                16,
+                1,
+            ),
+            cfg(
+                "pagefleet 25% aging c16 2srv",
+                Kind::Region,
+                25.0,
+                "aging",
+                16,
+                2,
+            ),
             cfg("swap file 25%", Kind::SwapFile, 25.0, "-", 0, 0),
             cfg("zram 50%", Kind::Zram, 50.0, "-", 0, 0),
         ]);
@@ -170,26 +256,58 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
         };
         rows.push(r);
     }
-    let local = rows.iter().find(|r| r.cfg.kind == Kind::Local).map(|r| r.ops_per_sec).unwrap_or(f64::NAN);
+    let local = rows
+        .iter()
+        .find(|r| r.cfg.kind == Kind::Local)
+        .map(|r| r.ops_per_sec)
+        .unwrap_or(f64::NAN);
     for r in rows.iter_mut() {
         r.ratio_to_local = r.ops_per_sec / local;
     }
     let _ = std::fs::remove_dir_all(&tmp);
 
-    let get = |name: &str| rows.iter().find(|r| r.cfg.name == name).map(|r| r.ops_per_sec);
+    let get = |name: &str| {
+        rows.iter()
+            .find(|r| r.cfg.name == name)
+            .map(|r| r.ops_per_sec)
+    };
     let mut goals = Vec::new();
     if let (Some(pf), Some(l)) = (get("pagefleet 50% clock c16 1srv"), get("all local")) {
-        goals.push(Goal::at_least("kv zipf0.99 50% budget / all local", pf / l, 0.9, "ratio"));
+        goals.push(Goal::at_least(
+            "kv zipf0.99 50% budget / all local",
+            pf / l,
+            0.9,
+            "ratio",
+        ));
     }
     if let (Some(pf), Some(sw)) = (get("pagefleet 50% clock c16 1srv"), get("swap file 50%")) {
-        goals.push(Goal::at_least("kv zipf0.99 50% budget / swap file", pf / sw.max(1e-9), 3.0, "ratio"));
+        goals.push(Goal::at_least(
+            "kv zipf0.99 50% budget / swap file",
+            pf / sw.max(1e-9),
+            3.0,
+            "ratio",
+        ));
     }
     let fp = |w: &str| faults.iter().find(|f| f.what == w).map(|f| f.p50_us);
-    if let (Some(pf), Some(u), Some(t)) = (fp("pagefleet page-in"), fp("raw uffd round trip"), fp("raw TCP 4 KiB round trip")) {
-        goals.push(Goal::at_most("4KiB fault p50 / (raw uffd + raw TCP)", pf / (u + t), 1.1, "ratio"));
+    if let (Some(pf), Some(u), Some(t)) = (
+        fp("pagefleet page-in"),
+        fp("raw uffd round trip"),
+        fp("raw TCP 4 KiB round trip"),
+    ) {
+        goals.push(Goal::at_most(
+            "4KiB fault p50 / (raw uffd + raw TCP)",
+            pf / (u + t),
+            1.1,
+            "ratio",
+        ));
     }
     if let (Some(s), Some(l)) = (get("pagefleet 100% (sampling only)"), get("all local")) {
-        goals.push(Goal::at_most("sampling cost, all resident", (1.0 - s / l) * 100.0, 2.0, "%"));
+        goals.push(Goal::at_most(
+            "sampling cost, all resident",
+            (1.0 - s / l) * 100.0,
+            2.0,
+            "%",
+        ));
     }
     let mut report = Report {
         bench: "paging",
@@ -205,7 +323,13 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
         goals,
         plot: util::PlotOutcome::default(),
     };
-    util::save_with_plot(&mut report, |r| &mut r.plot, &o.out_dir, "paging", include_str!("../../../bench/plot_paging.py"))?;
+    util::save_with_plot(
+        &mut report,
+        |r| &mut r.plot,
+        &o.out_dir,
+        "paging",
+        include_str!("../../../bench/plot_paging.py"),
+    )?;
     Ok(report)
 }
 
@@ -246,9 +370,16 @@ pub fn print_table(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
         )?;
     }
     writeln!(out, "  (p50/p99: pagefleet page-in service time, log2 buckets; swap: pages swapped in per second)")?;
-    writeln!(out, "\nSingle 4 KiB fault (client on CPU 0, handler/server on CPU 1):")?;
+    writeln!(
+        out,
+        "\nSingle 4 KiB fault (client on CPU 0, handler/server on CPU 1):"
+    )?;
     for f in &r.faults {
-        writeln!(out, "  {:<28} p50 {:>7.1} us   p99 {:>7.1} us   ({} samples)", f.what, f.p50_us, f.p99_us, f.samples)?;
+        writeln!(
+            out,
+            "  {:<28} p50 {:>7.1} us   p99 {:>7.1} us   ({} samples)",
+            f.what, f.p50_us, f.p99_us, f.samples
+        )?;
     }
     util::print_goals(&r.goals, out)?;
     r.plot.print(out)
@@ -268,14 +399,35 @@ impl Drop for Guest {
     }
 }
 
-fn start_guest(o: &Opts, c: &Cfg, servers: &[String], secret_path: &Path, cgroup: Option<&Path>) -> Result<Guest> {
+fn start_guest(
+    o: &Opts,
+    c: &Cfg,
+    servers: &[String],
+    secret_path: &Path,
+    cgroup: Option<&Path>,
+) -> Result<Guest> {
     let me = std::env::current_exe()?;
     let mut cmd = Command::new(me);
-    cmd.arg("--secret-file").arg(secret_path).args(["run", "kv", "--listen", "127.0.0.1:0", "--duration", "0", "--size"]);
+    cmd.arg("--secret-file").arg(secret_path).args([
+        "run",
+        "kv",
+        "--listen",
+        "127.0.0.1:0",
+        "--duration",
+        "0",
+        "--size",
+    ]);
     cmd.arg(o.size.to_string());
     match c.kind {
         Kind::Region => {
-            cmd.args(["--budget", &format!("{}%", c.budget_pct), "--policy", &c.policy, "--chunk", &c.chunk.to_string()]);
+            cmd.args([
+                "--budget",
+                &format!("{}%", c.budget_pct),
+                "--policy",
+                &c.policy,
+                "--chunk",
+                &c.chunk.to_string(),
+            ]);
             if let Ok(v) = std::env::var("PF_BENCH_SAMPLE_BUDGET") {
                 cmd.args(["--sample-budget", &v]);
             }
@@ -299,8 +451,14 @@ fn start_guest(o: &Opts, c: &Cfg, servers: &[String], secret_path: &Path, cgroup
         }
     }
     let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::null()).spawn()?;
-    let line = BufReader::new(child.stdout.take().unwrap()).lines().next().ok_or_else(|| anyhow!("kv guest exited before listening"))??;
-    let addr = line.strip_prefix("kv listening ").ok_or_else(|| anyhow!("unexpected guest output {line:?}"))?.to_string();
+    let line = BufReader::new(child.stdout.take().unwrap())
+        .lines()
+        .next()
+        .ok_or_else(|| anyhow!("kv guest exited before listening"))??;
+    let addr = line
+        .strip_prefix("kv listening ")
+        .ok_or_else(|| anyhow!("unexpected guest output {line:?}"))?
+        .to_string();
     Ok(Guest { child, addr })
 }
 
@@ -308,7 +466,12 @@ fn start_guest(o: &Opts, c: &Cfg, servers: &[String], secret_path: &Path, cgroup
 fn vmstat(key: &str) -> u64 {
     std::fs::read_to_string("/proc/vmstat")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with(key)).and_then(|l| l.split_whitespace().nth(1)).and_then(|v| v.parse().ok()))
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with(key))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse().ok())
+        })
         .unwrap_or(0)
 }
 
@@ -333,8 +496,9 @@ fn kv_stats(addr: &str) -> Result<std::collections::HashMap<String, u64>> {
 
 fn run_config(o: &Opts, c: &Cfg, keys: u64, secret_path: &Path) -> Result<Row> {
     let budget = (o.size as f64 * c.budget_pct / 100.0) as u64;
-    let servers: Vec<util::ChildDaemon> =
-        (0..c.servers).map(|_| util::ChildDaemon::start(o.size + (64 << 20), secret_path)).collect::<Result<_>>()?;
+    let servers: Vec<util::ChildDaemon> = (0..c.servers)
+        .map(|_| util::ChildDaemon::start(o.size + (64 << 20), secret_path))
+        .collect::<Result<_>>()?;
     let addrs: Vec<String> = servers.iter().map(|s| s.addr.clone()).collect();
     let swap = match c.kind {
         Kind::SwapFile => Some(Swap::file(o.size + (64 << 20))?),
@@ -343,8 +507,18 @@ fn run_config(o: &Opts, c: &Cfg, keys: u64, secret_path: &Path) -> Result<Row> {
     };
     // The baseline's process may also keep its binary, stacks and buffers
     // resident: allow 16 MiB beyond the budget.
-    let cg = if swap.is_some() { Some(MemCgroup::new(budget + (16 << 20))?) } else { None };
-    let g = start_guest(o, c, &addrs, secret_path, cg.as_ref().map(|g| g.path.as_path()))?;
+    let cg = if swap.is_some() {
+        Some(MemCgroup::new(budget + (16 << 20))?)
+    } else {
+        None
+    };
+    let g = start_guest(
+        o,
+        c,
+        &addrs,
+        secret_path,
+        cg.as_ref().map(|g| g.path.as_path()),
+    )?;
     kvload::prefill(&kv_spec(&g.addr, keys, o))?;
     // Warm-up second, then the measured window.
     kvload::run_for(&kv_spec(&g.addr, keys, o), 1)?;
@@ -353,18 +527,30 @@ fn run_config(o: &Opts, c: &Cfg, keys: u64, secret_path: &Path) -> Result<Row> {
     let (ops, per_second) = kvload::run_for(&kv_spec(&g.addr, keys, o), o.measure_secs)?;
     let after = kv_stats(&g.addr).unwrap_or_default();
     let swapins = vmstat("pswpin") - swapin0;
-    let d = |k: &str| after.get(k).copied().unwrap_or(0).saturating_sub(before.get(k).copied().unwrap_or(0));
+    let d = |k: &str| {
+        after
+            .get(k)
+            .copied()
+            .unwrap_or(0)
+            .saturating_sub(before.get(k).copied().unwrap_or(0))
+    };
     let secs = o.measure_secs as f64;
     let row = Row {
         cfg: c.clone(),
         ops_per_sec: ops,
         per_second,
         ratio_to_local: 0.0,
-        page_ins_per_sec: if c.kind == Kind::Region { d("pf_page_ins") as f64 / secs } else { swapins as f64 / secs },
+        page_ins_per_sec: if c.kind == Kind::Region {
+            d("pf_page_ins") as f64 / secs
+        } else {
+            swapins as f64 / secs
+        },
         page_outs: after.get("pf_page_outs").copied().unwrap_or(0),
         sampling_faults_per_sec: d("pf_minor_faults") as f64 / secs,
-        fault_p50_us: (c.kind == Kind::Region && d("pf_page_ins") > 0).then(|| after["pf_page_in_p50_us"] as f64),
-        fault_p99_us: (c.kind == Kind::Region && d("pf_page_ins") > 0).then(|| after["pf_page_in_p99_us"] as f64),
+        fault_p50_us: (c.kind == Kind::Region && d("pf_page_ins") > 0)
+            .then(|| after["pf_page_in_p50_us"] as f64),
+        fault_p99_us: (c.kind == Kind::Region && d("pf_page_ins") > 0)
+            .then(|| after["pf_page_in_p99_us"] as f64),
         error: None,
     };
     drop(g);
@@ -375,7 +561,17 @@ fn run_config(o: &Opts, c: &Cfg, keys: u64, secret_path: &Path) -> Result<Row> {
 }
 
 fn kv_spec(addr: &str, keys: u64, o: &Opts) -> kvload::Spec {
-    kvload::Spec { addr: addr.to_string(), keys, value_len: VALUE, conns: o.conns, get_frac: o.get_frac, theta: o.theta, netns: None, reconnect: false }
+    kvload::Spec {
+        addr: addr.to_string(),
+        keys,
+        value_len: VALUE,
+        conns: o.conns,
+        get_frac: o.get_frac,
+        theta: o.theta,
+        netns: None,
+        reconnect: false,
+        pace: None,
+    }
 }
 
 // ---- single-fault latency ------------------------------------------------------
@@ -384,14 +580,22 @@ fn percentiles(mut v: Vec<f64>, what: &str) -> FaultLat {
     let n = v.len();
     let p50 = util::percentile(&mut v, 50.0);
     let p99 = util::percentile(&mut v, 99.0);
-    FaultLat { what: what.into(), p50_us: p50, p99_us: p99, samples: n }
+    FaultLat {
+        what: what.into(),
+        p50_us: p50,
+        p99_us: p99,
+        samples: n,
+    }
 }
 
 fn fault_latencies(o: &Opts, secret_path: &Path, secret: &Secret) -> Result<Vec<FaultLat>> {
     let two = util::ncpus() >= 2;
     let mut out = Vec::new();
     // Raw uffd: MISSING fault resolved by a handler thread with UFFDIO_COPY.
-    out.push(percentiles(raw_uffd(o.fault_iters, two)?, "raw uffd round trip"));
+    out.push(percentiles(
+        raw_uffd(o.fault_iters, two)?,
+        "raw uffd round trip",
+    ));
     // Raw TCP: 40-byte request, 4121-byte reply (our GET's sizes).
     let raw = RawServer::start()?;
     let pin = util::Pinning::split(&[raw.child.id()]);

@@ -21,10 +21,24 @@ pub struct Goal {
 
 impl Goal {
     pub fn at_least(name: &str, value: f64, target: f64, unit: &str) -> Goal {
-        Goal { name: name.into(), value, target, unit: unit.into(), cmp: ">=", met: value >= target }
+        Goal {
+            name: name.into(),
+            value,
+            target,
+            unit: unit.into(),
+            cmp: ">=",
+            met: value >= target,
+        }
     }
     pub fn at_most(name: &str, value: f64, target: f64, unit: &str) -> Goal {
-        Goal { name: name.into(), value, target, unit: unit.into(), cmp: "<=", met: value <= target }
+        Goal {
+            name: name.into(),
+            value,
+            target,
+            unit: unit.into(),
+            cmp: "<=",
+            met: value <= target,
+        }
     }
 }
 
@@ -76,7 +90,16 @@ impl ChildDaemon {
     /// Start a given pagefleetd binary (tests pass the one cargo built).
     pub fn start_bin(bin: &Path, lend_bytes: u64, secret_path: &Path) -> Result<ChildDaemon> {
         let mut child = Command::new(bin)
-            .args(["--lend", &lend_bytes.to_string(), "--listen", "127.0.0.1:0", "--metrics", "off", "--log", "error"])
+            .args([
+                "--lend",
+                &lend_bytes.to_string(),
+                "--listen",
+                "127.0.0.1:0",
+                "--metrics",
+                "off",
+                "--log",
+                "error",
+            ])
             .arg("--secret-file")
             .arg(secret_path)
             .env_remove("PAGEFLEET_SECRET")
@@ -87,8 +110,15 @@ impl ChildDaemon {
             .lines()
             .next()
             .ok_or_else(|| anyhow!("pagefleetd exited before listening"))??;
-        let addr = line.strip_prefix("listening ").ok_or_else(|| anyhow!("unexpected pagefleetd output {line:?}"))?.to_string();
-        Ok(ChildDaemon { child, addr, secret_path: secret_path.to_path_buf() })
+        let addr = line
+            .strip_prefix("listening ")
+            .ok_or_else(|| anyhow!("unexpected pagefleetd output {line:?}"))?
+            .to_string();
+        Ok(ChildDaemon {
+            child,
+            addr,
+            secret_path: secret_path.to_path_buf(),
+        })
     }
     pub fn rss_bytes(&self) -> Result<u64> {
         rss_of(self.child.id())
@@ -109,7 +139,10 @@ impl Drop for ChildDaemon {
 
 pub fn rss_of(pid: u32) -> Result<u64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let l = s.lines().find(|l| l.starts_with("VmRSS:")).ok_or_else(|| anyhow!("no VmRSS"))?;
+    let l = s
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .ok_or_else(|| anyhow!("no VmRSS"))?;
     Ok(l.split_whitespace().nth(1).unwrap_or("0").parse::<u64>()? * 1024)
 }
 
@@ -124,12 +157,17 @@ pub fn sibling_binary(name: &str) -> Result<PathBuf> {
     if let Ok(p) = which(name) {
         return Ok(p);
     }
-    bail!("cannot find {name} next to {} or on PATH; build it with `cargo build --release`", me.display())
+    bail!(
+        "cannot find {name} next to {} or on PATH; build it with `cargo build --release`",
+        me.display()
+    )
 }
 
 pub fn which(name: &str) -> Result<PathBuf> {
     let path = std::env::var_os("PATH").unwrap_or_default();
-    for d in std::env::split_paths(&path).chain([PathBuf::from("/usr/sbin"), PathBuf::from("/usr/bin")]) {
+    for d in
+        std::env::split_paths(&path).chain([PathBuf::from("/usr/sbin"), PathBuf::from("/usr/bin")])
+    {
         let p = d.join(name);
         if p.is_file() {
             return Ok(p);
@@ -140,7 +178,9 @@ pub fn which(name: &str) -> Result<PathBuf> {
 
 /// A free loopback TCP port (bound then released).
 pub fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
 }
 
 /// Wait until something accepts connections at addr.
@@ -172,7 +212,11 @@ pub fn python() -> Option<PathBuf> {
     cands.push(repo.join(".venv/bin/python3"));
     if let Ok(exe) = std::env::current_exe() {
         // target/release/pagefleet -> repo/.venv
-        if let Some(r) = exe.parent().and_then(|p| p.parent()).and_then(|p| p.parent()) {
+        if let Some(r) = exe
+            .parent()
+            .and_then(|p| p.parent())
+            .and_then(|p| p.parent())
+        {
             cands.push(r.join(".venv/bin/python3"));
         }
     }
@@ -216,9 +260,20 @@ pub fn save_with_plot<R: Serialize>(
 ) -> Result<()> {
     let json_path = dir.join(format!("{name}.json"));
     std::fs::write(&json_path, serde_json::to_vec_pretty(report)?)?;
-    let o = match plot(&format!("plot_{name}.py"), script, &json_path, &dir.join(format!("{name}.png"))) {
-        Ok(p) => PlotOutcome { plot: Some(p.display().to_string()), plot_error: None },
-        Err(e) => PlotOutcome { plot: None, plot_error: Some(format!("{e:#}")) },
+    let o = match plot(
+        &format!("plot_{name}.py"),
+        script,
+        &json_path,
+        &dir.join(format!("{name}.png")),
+    ) {
+        Ok(p) => PlotOutcome {
+            plot: Some(p.display().to_string()),
+            plot_error: None,
+        },
+        Err(e) => PlotOutcome {
+            plot: None,
+            plot_error: Some(format!("{e:#}")),
+        },
     };
     *outcome(report) = o;
     std::fs::write(&json_path, serde_json::to_vec_pretty(report)?)?;
@@ -233,9 +288,16 @@ pub fn plot(script_name: &str, script: &str, json_path: &Path, png: &Path) -> Re
     let dir = json_path.parent().unwrap();
     let sp = dir.join(script_name);
     std::fs::write(&sp, script)?;
-    let out = Command::new(&py).arg(&sp).arg(json_path).arg(png).output()?;
+    let out = Command::new(&py)
+        .arg(&sp)
+        .arg(json_path)
+        .arg(png)
+        .output()?;
     if !out.status.success() {
-        bail!("plot script failed: {}", String::from_utf8_lossy(&out.stderr));
+        bail!(
+            "plot script failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
     Ok(png.to_path_buf())
 }
@@ -287,7 +349,10 @@ impl Pinning {
                 set_process_affinity(*p, &[1]);
             }
         }
-        Pinning { pids: server_pids.to_vec(), active }
+        Pinning {
+            pids: server_pids.to_vec(),
+            active,
+        }
     }
     /// Pin threads a server created since (its new connection thread).
     pub fn repin(pid: u32) {
@@ -317,13 +382,32 @@ pub struct Swap {
 
 impl Swap {
     pub fn file(size: u64) -> Result<Swap> {
-        let p = PathBuf::from(format!("/var/tmp/pagefleet-bench-swap-{}", std::process::id()));
-        let ok = Command::new("fallocate").arg("-l").arg(size.to_string()).arg(&p).status()?.success()
-            && std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(0o600)).is_ok()
-            && Command::new("mkswap").arg(&p).stdout(Stdio::null()).status()?.success();
-        let s = Swap { dev: p.clone(), file: true };
+        let p = PathBuf::from(format!(
+            "/var/tmp/pagefleet-bench-swap-{}",
+            std::process::id()
+        ));
+        let ok = Command::new("fallocate")
+            .arg("-l")
+            .arg(size.to_string())
+            .arg(&p)
+            .status()?
+            .success()
+            && std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+                .is_ok()
+            && Command::new("mkswap")
+                .arg(&p)
+                .stdout(Stdio::null())
+                .status()?
+                .success();
+        let s = Swap {
+            dev: p.clone(),
+            file: true,
+        };
         if !ok || !Command::new("swapon").arg(&p).status()?.success() {
-            bail!("cannot set up swap file {} (needs root and mkswap/swapon)", p.display());
+            bail!(
+                "cannot set up swap file {} (needs root and mkswap/swapon)",
+                p.display()
+            );
         }
         Ok(s)
     }
@@ -334,9 +418,20 @@ impl Swap {
         }
         let _ = std::fs::write("/sys/block/zram0/reset", "1");
         std::fs::write("/sys/block/zram0/disksize", size.to_string()).context("zram disksize")?;
-        let s = Swap { dev: dev.clone(), file: false };
-        if !Command::new("mkswap").arg(&dev).stdout(Stdio::null()).status()?.success()
-            || !Command::new("swapon").args(["-p", "100"]).arg(&dev).status()?.success()
+        let s = Swap {
+            dev: dev.clone(),
+            file: false,
+        };
+        if !Command::new("mkswap")
+            .arg(&dev)
+            .stdout(Stdio::null())
+            .status()?
+            .success()
+            || !Command::new("swapon")
+                .args(["-p", "100"])
+                .arg(&dev)
+                .status()?
+                .success()
         {
             bail!("cannot enable zram swap");
         }
@@ -362,7 +457,11 @@ pub struct MemCgroup {
 
 impl MemCgroup {
     pub fn new(limit: u64) -> Result<MemCgroup> {
-        let path = PathBuf::from(format!("/sys/fs/cgroup/memory/pagefleet-bench-{}-{}", std::process::id(), pagefleet_proto::auth::random_u64() & 0xffff));
+        let path = PathBuf::from(format!(
+            "/sys/fs/cgroup/memory/pagefleet-bench-{}-{}",
+            std::process::id(),
+            pagefleet_proto::auth::random_u64() & 0xffff
+        ));
         std::fs::create_dir_all(&path).context("cgroup v1 memory controller not available")?;
         let g = MemCgroup { path };
         std::fs::write(g.path.join("memory.limit_in_bytes"), limit.to_string())?;
@@ -381,4 +480,3 @@ impl Drop for MemCgroup {
         }
     }
 }
-

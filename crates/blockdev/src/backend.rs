@@ -5,7 +5,7 @@
 //! device keeps working on the other copy.
 
 use crate::layout::Translator;
-use pagefleet_client::{ConnectOptions, Conn, GetMode, Pages};
+use pagefleet_client::{Conn, ConnectOptions, GetMode, Pages};
 use pagefleet_proto::auth::Secret;
 use pagefleet_proto::MAX_BATCH_PAGES;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
@@ -39,7 +39,10 @@ pub enum IoError {
 impl Backend {
     pub fn new(sh: Arc<Shared>) -> Backend {
         let n = sh.servers.len();
-        Backend { sh, conns: (0..n).map(|_| None).collect() }
+        Backend {
+            sh,
+            conns: (0..n).map(|_| None).collect(),
+        }
     }
 
     fn conn(&mut self, s: usize) -> Option<&mut Conn> {
@@ -47,7 +50,11 @@ impl Backend {
             return None;
         }
         if self.conns[s].is_none() {
-            let opts = ConnectOptions { name: "pagefleet-blockdev".into(), window: 32, ..Default::default() };
+            let opts = ConnectOptions {
+                name: "pagefleet-blockdev".into(),
+                window: 32,
+                ..Default::default()
+            };
             match Conn::connect(&self.sh.servers[s], &self.sh.secret, &opts) {
                 Ok(c) => self.conns[s] = Some(c),
                 Err(e) => {
@@ -61,7 +68,10 @@ impl Backend {
 
     fn mark_down(&mut self, s: usize, why: &str) {
         if !self.sh.down[s].swap(true, Relaxed) {
-            tracing::warn!("memory server {} is down ({why}); using the other copies", self.sh.servers[s]);
+            tracing::warn!(
+                "memory server {} is down ({why}); using the other copies",
+                self.sh.servers[s]
+            );
         }
         self.conns[s] = None;
     }
@@ -78,7 +88,11 @@ impl Backend {
             let mut done = false;
             for runs in &copies {
                 // The same virtual range on this copy may be split differently.
-                let mine: Vec<_> = runs.iter().filter(|r| r.0 < vb + n && r.0 + r.3 > vb).copied().collect();
+                let mine: Vec<_> = runs
+                    .iter()
+                    .filter(|r| r.0 < vb + n && r.0 + r.3 > vb)
+                    .copied()
+                    .collect();
                 if self.read_runs(&mine, vb, part).is_ok() {
                     done = true;
                     break;
@@ -91,15 +105,32 @@ impl Backend {
         Ok(())
     }
 
-    fn read_runs(&mut self, runs: &[(u64, usize, u64, u64)], vb: u64, part: &mut [u8]) -> Result<(), ()> {
+    fn read_runs(
+        &mut self,
+        runs: &[(u64, usize, u64, u64)],
+        vb: u64,
+        part: &mut [u8],
+    ) -> Result<(), ()> {
         let region = self.sh.region;
         let end = vb + (part.len() / BLOCK) as u64;
         for &(rv, s, sb, n) in runs {
             let (a, b) = (rv.max(vb), (rv + n).min(end));
             let dst = &mut part[((a - vb) as usize) * BLOCK..((b - vb) as usize) * BLOCK];
-            let Some(c) = self.conn(s) else { return Err(()) };
+            let Some(c) = self.conn(s) else {
+                return Err(());
+            };
             // Never-written blocks read as zeros.
-            if let Err(e) = c.get(region, Pages::Run { first: sb + (a - rv), count: b - a }, dst, GetMode::Keep, true, MAX_BATCH_PAGES) {
+            if let Err(e) = c.get(
+                region,
+                Pages::Run {
+                    first: sb + (a - rv),
+                    count: b - a,
+                },
+                dst,
+                GetMode::Keep,
+                true,
+                MAX_BATCH_PAGES,
+            ) {
                 self.mark_down(s, &e.to_string());
                 return Err(());
             }
@@ -121,10 +152,21 @@ impl Backend {
                     ok = false;
                     break;
                 };
-                match c.put(region, Pages::Run { first: sb, count: n }, &data[lo..lo + n as usize * BLOCK], MAX_BATCH_PAGES) {
+                match c.put(
+                    region,
+                    Pages::Run {
+                        first: sb,
+                        count: n,
+                    },
+                    &data[lo..lo + n as usize * BLOCK],
+                    MAX_BATCH_PAGES,
+                ) {
                     Ok(_) => {}
                     Err(e) if e.code() == Some(pagefleet_proto::ErrorCode::OutOfCapacity) => {
-                        return Err(IoError::NoSpace(format!("memory server {} is full", self.sh.servers[s])));
+                        return Err(IoError::NoSpace(format!(
+                            "memory server {} is full",
+                            self.sh.servers[s]
+                        )));
                     }
                     Err(e) => {
                         self.mark_down(s, &e.to_string());
@@ -154,7 +196,13 @@ impl Backend {
                     ok = false;
                     continue;
                 };
-                if let Err(e) = c.delete(region, Pages::Run { first: sb, count: n }) {
+                if let Err(e) = c.delete(
+                    region,
+                    Pages::Run {
+                        first: sb,
+                        count: n,
+                    },
+                ) {
                     self.mark_down(s, &e.to_string());
                     ok = false;
                 }

@@ -12,8 +12,13 @@ pub type Place = (usize, u64);
 #[derive(Clone, Debug, PartialEq)]
 pub enum Layout {
     /// Blocks each server holds, in order (S_0, S_1, ...).
-    Linear { sizes: Vec<u64> },
-    Stripe { servers: usize, unit: u64 },
+    Linear {
+        sizes: Vec<u64>,
+    },
+    Stripe {
+        servers: usize,
+        unit: u64,
+    },
 }
 
 #[derive(Clone, Debug)]
@@ -40,7 +45,12 @@ pub enum LayoutError {
 impl Translator {
     /// `capacity[i]`: blocks server i can hold. Linear fills servers in
     /// order (each up to its capacity, mirror copies included).
-    pub fn new(capacity: &[u64], blocks: u64, stripe_unit: Option<u64>, mirror: bool) -> Result<Translator, LayoutError> {
+    pub fn new(
+        capacity: &[u64],
+        blocks: u64,
+        stripe_unit: Option<u64>,
+        mirror: bool,
+    ) -> Result<Translator, LayoutError> {
         let n = capacity.len();
         if n == 0 || n > 16 {
             return Err(LayoutError::Servers(n));
@@ -55,7 +65,10 @@ impl Translator {
                 // Every server holds about blocks/n of each copy.
                 let per = blocks.div_ceil(unit).div_ceil(n as u64) * unit * copies;
                 if let Some(&c) = capacity.iter().find(|c| **c < per) {
-                    return Err(LayoutError::TooSmall { need: per * n as u64, have: c * n as u64 });
+                    return Err(LayoutError::TooSmall {
+                        need: per * n as u64,
+                        have: c * n as u64,
+                    });
                 }
                 Layout::Stripe { servers: n, unit }
             }
@@ -76,7 +89,12 @@ impl Translator {
                 Layout::Linear { sizes }
             }
         };
-        Ok(Translator { layout, mirror, blocks, servers: n })
+        Ok(Translator {
+            layout,
+            mirror,
+            blocks,
+            servers: n,
+        })
     }
 
     pub fn servers(&self) -> usize {
@@ -98,7 +116,10 @@ impl Translator {
             }
             Layout::Stripe { servers, unit } => {
                 let k = b / unit;
-                ((k % *servers as u64) as usize, (k / *servers as u64) * unit + b % unit)
+                (
+                    (k % *servers as u64) as usize,
+                    (k / *servers as u64) * unit + b % unit,
+                )
             }
         }
     }
@@ -127,7 +148,9 @@ impl Translator {
             for (c, &(s, sb)) in places.iter().enumerate() {
                 let runs = &mut out[c];
                 match runs.last_mut() {
-                    Some(r) if r.1 == s && r.2 + r.3 == sb && r.0 + r.3 == b && r.3 < max => r.3 += 1,
+                    Some(r) if r.1 == s && r.2 + r.3 == sb && r.0 + r.3 == b && r.3 < max => {
+                        r.3 += 1
+                    }
                     _ => runs.push((b, s, sb, 1)),
                 }
             }
@@ -149,7 +172,12 @@ mod tests {
     #[test]
     fn linear_is_dmps_equation_one() {
         let t = Translator::new(&[100, 50, 200], 300, None, false).unwrap();
-        assert_eq!(t.layout, Layout::Linear { sizes: vec![100, 50, 150] });
+        assert_eq!(
+            t.layout,
+            Layout::Linear {
+                sizes: vec![100, 50, 150]
+            }
+        );
         assert_eq!(t.primary(0), (0, 0));
         assert_eq!(t.primary(99), (0, 99));
         assert_eq!(t.primary(100), (1, 0));
@@ -170,12 +198,30 @@ mod tests {
 
     #[test]
     fn bad_shapes_are_refused() {
-        assert_eq!(Translator::new(&[], 1, None, false).unwrap_err(), LayoutError::Servers(0));
-        assert_eq!(Translator::new(&[10; 17], 1, None, false).unwrap_err(), LayoutError::Servers(17));
-        assert_eq!(Translator::new(&[10], 1, None, true).unwrap_err(), LayoutError::MirrorServers);
-        assert!(matches!(Translator::new(&[10, 10], 30, None, false), Err(LayoutError::TooSmall { .. })));
-        assert!(matches!(Translator::new(&[10, 10], 20, None, true), Err(LayoutError::TooSmall { .. })));
-        assert_eq!(Translator::new(&[10, 10], 4, Some(0), false).unwrap_err(), LayoutError::Unit);
+        assert_eq!(
+            Translator::new(&[], 1, None, false).unwrap_err(),
+            LayoutError::Servers(0)
+        );
+        assert_eq!(
+            Translator::new(&[10; 17], 1, None, false).unwrap_err(),
+            LayoutError::Servers(17)
+        );
+        assert_eq!(
+            Translator::new(&[10], 1, None, true).unwrap_err(),
+            LayoutError::MirrorServers
+        );
+        assert!(matches!(
+            Translator::new(&[10, 10], 30, None, false),
+            Err(LayoutError::TooSmall { .. })
+        ));
+        assert!(matches!(
+            Translator::new(&[10, 10], 20, None, true),
+            Err(LayoutError::TooSmall { .. })
+        ));
+        assert_eq!(
+            Translator::new(&[10, 10], 4, Some(0), false).unwrap_err(),
+            LayoutError::Unit
+        );
     }
 
     #[test]

@@ -8,7 +8,7 @@ pub mod nbd;
 
 use anyhow::{bail, Context, Result};
 use backend::{Shared, BLOCK};
-use pagefleet_client::{ConnectOptions, Conn};
+use pagefleet_client::{Conn, ConnectOptions};
 use pagefleet_proto::auth::Secret;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -36,9 +36,16 @@ impl Listener {
         Ok(match spec.strip_prefix("unix:") {
             Some(p) => {
                 let _ = std::fs::remove_file(p);
-                Listener::Unix(std::os::unix::net::UnixListener::bind(p).with_context(|| format!("cannot listen on {p}"))?, p.into())
+                Listener::Unix(
+                    std::os::unix::net::UnixListener::bind(p)
+                        .with_context(|| format!("cannot listen on {p}"))?,
+                    p.into(),
+                )
             }
-            None => Listener::Tcp(std::net::TcpListener::bind(spec).with_context(|| format!("cannot listen on {spec}"))?),
+            None => Listener::Tcp(
+                std::net::TcpListener::bind(spec)
+                    .with_context(|| format!("cannot listen on {spec}"))?,
+            ),
         })
     }
     pub fn describe(&self) -> String {
@@ -72,19 +79,31 @@ impl Device {
         }
         let mut cap = Vec::new();
         for s in &o.servers {
-            let opts = ConnectOptions { name: "pagefleet-blockdev".into(), ..Default::default() };
-            let c = Conn::connect(s, &secret, &opts).with_context(|| format!("memory server {s}"))?;
+            let opts = ConnectOptions {
+                name: "pagefleet-blockdev".into(),
+                ..Default::default()
+            };
+            let c =
+                Conn::connect(s, &secret, &opts).with_context(|| format!("memory server {s}"))?;
             cap.push(c.info.capacity_pages.saturating_sub(c.info.used_pages));
         }
         let unit = match o.stripe {
-            Some(u) if u == 0 || !u.is_multiple_of(BLOCK as u64) => bail!("--stripe-unit must be a positive multiple of 4096 bytes"),
+            Some(u) if u == 0 || !u.is_multiple_of(BLOCK as u64) => {
+                bail!("--stripe-unit must be a positive multiple of 4096 bytes")
+            }
             Some(u) => Some(u / BLOCK as u64),
             None => None,
         };
         let t = layout::Translator::new(&cap, o.size / BLOCK as u64, unit, o.mirror)?;
         let region = pagefleet_proto::auth::random_u64() | 1;
         let down = o.servers.iter().map(|_| AtomicBool::new(false)).collect();
-        let shared = Arc::new(Shared { t, region, servers: o.servers.clone(), secret, down });
+        let shared = Arc::new(Shared {
+            t,
+            region,
+            servers: o.servers.clone(),
+            secret,
+            down,
+        });
         let export = nbd::Export {
             name: o.name.clone(),
             description: format!(
@@ -119,8 +138,13 @@ impl Device {
     /// Drop the device's blocks on every server.
     pub fn delete(&self) {
         for s in &self.shared.servers {
-            let opts = ConnectOptions { name: "pagefleet-blockdev".into(), ..Default::default() };
-            if let Err(e) = Conn::connect(s, &self.shared.secret, &opts).and_then(|mut c| c.delete_region(self.shared.region)) {
+            let opts = ConnectOptions {
+                name: "pagefleet-blockdev".into(),
+                ..Default::default()
+            };
+            if let Err(e) = Conn::connect(s, &self.shared.secret, &opts)
+                .and_then(|mut c| c.delete_region(self.shared.region))
+            {
                 tracing::warn!("could not delete the device's blocks on {s}: {e}");
             }
         }

@@ -126,7 +126,12 @@ fn transmission_flags() -> u16 {
     // Memory servers store a write before acknowledging it, so every
     // connection sees every completed write: FLUSH and FUA are no-ops and
     // several connections are safe.
-    TF_HAS_FLAGS | TF_SEND_FLUSH | TF_SEND_FUA | TF_SEND_TRIM | TF_SEND_WRITE_ZEROES | TF_CAN_MULTI_CONN
+    TF_HAS_FLAGS
+        | TF_SEND_FLUSH
+        | TF_SEND_FUA
+        | TF_SEND_TRIM
+        | TF_SEND_WRITE_ZEROES
+        | TF_CAN_MULTI_CONN
 }
 
 /// The handshake. Ok(Some(structured)) enters transmission; Ok(None): the
@@ -139,19 +144,25 @@ fn handshake(c: &mut dyn Io, ex: &Export) -> std::io::Result<Option<bool>> {
     c.write_all(&hello)?;
     let cflags = u32::from_be_bytes(rd::<4>(c)?);
     if cflags & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
-        return Err(std::io::Error::other(format!("unknown client flags {cflags:#x}")));
+        return Err(std::io::Error::other(format!(
+            "unknown client flags {cflags:#x}"
+        )));
     }
     let no_zeroes = cflags & FLAG_C_NO_ZEROES != 0;
     let mut structured = false;
     loop {
         let magic = u64::from_be_bytes(rd::<8>(c)?);
         if magic != IHAVEOPT {
-            return Err(std::io::Error::other(format!("bad option magic {magic:#x}")));
+            return Err(std::io::Error::other(format!(
+                "bad option magic {magic:#x}"
+            )));
         }
         let opt = u32::from_be_bytes(rd::<4>(c)?);
         let len = u32::from_be_bytes(rd::<4>(c)?);
         if len > MAX_OPTION {
-            return Err(std::io::Error::other(format!("option {opt} of {len} bytes")));
+            return Err(std::io::Error::other(format!(
+                "option {opt} of {len} bytes"
+            )));
         }
         let mut data = vec![0u8; len as usize];
         c.read_exact(&mut data)?;
@@ -200,19 +211,35 @@ fn handshake(c: &mut dyn Io, ex: &Export) -> std::io::Result<Option<bool>> {
                     }
                     let nl = u32::from_be_bytes(data[0..4].try_into().ok()?) as usize;
                     let name = data.get(4..4 + nl)?;
-                    let nr = u16::from_be_bytes(data.get(4 + nl..6 + nl)?.try_into().ok()?) as usize;
+                    let nr =
+                        u16::from_be_bytes(data.get(4 + nl..6 + nl)?.try_into().ok()?) as usize;
                     let reqs = data.get(6 + nl..6 + nl + 2 * nr)?;
                     if data.len() != 6 + nl + 2 * nr {
                         return None;
                     }
-                    Some((name.to_vec(), reqs.chunks(2).map(|x| u16::from_be_bytes([x[0], x[1]])).collect::<Vec<_>>()))
+                    Some((
+                        name.to_vec(),
+                        reqs.chunks(2)
+                            .map(|x| u16::from_be_bytes([x[0], x[1]]))
+                            .collect::<Vec<_>>(),
+                    ))
                 })();
                 let Some((name, reqs)) = parsed else {
                     opt_reply(c, opt, REP_ERR_INVALID, b"malformed INFO/GO request")?;
                     continue;
                 };
                 if !name.is_empty() && name != ex.name.as_bytes() {
-                    opt_reply(c, opt, REP_ERR_UNKNOWN, format!("no export {:?}; this server has {:?}", String::from_utf8_lossy(&name), ex.name).as_bytes())?;
+                    opt_reply(
+                        c,
+                        opt,
+                        REP_ERR_UNKNOWN,
+                        format!(
+                            "no export {:?}; this server has {:?}",
+                            String::from_utf8_lossy(&name),
+                            ex.name
+                        )
+                        .as_bytes(),
+                    )?;
                     continue;
                 }
                 if !reqs.contains(&INFO_BLOCK_SIZE) && opt == OPT_GO {
@@ -244,7 +271,12 @@ fn handshake(c: &mut dyn Io, ex: &Export) -> std::io::Result<Option<bool>> {
                     return Ok(Some(structured));
                 }
             }
-            _ => opt_reply(c, opt, REP_ERR_UNSUP, format!("option {opt} is not supported").as_bytes())?,
+            _ => opt_reply(
+                c,
+                opt,
+                REP_ERR_UNSUP,
+                format!("option {opt} is not supported").as_bytes(),
+            )?,
         }
     }
 }
@@ -323,11 +355,23 @@ fn serve_one(be: &mut Backend, rep: &Replier, ex: &Export, r: Req) -> std::io::R
     match r.ty {
         CMD_READ | CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES if !inside => {
             let e = if r.ty == CMD_READ { EINVAL } else { ENOSPC };
-            rep.err(&r, e, &format!("{} bytes at {} are beyond the end of the export ({} bytes)", r.len, r.offset, ex.size))
+            rep.err(
+                &r,
+                e,
+                &format!(
+                    "{} bytes at {} are beyond the end of the export ({} bytes)",
+                    r.len, r.offset, ex.size
+                ),
+            )
         }
-        CMD_READ | CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES if !aligned => {
-            rep.err(&r, EINVAL, &format!("{} bytes at {}: requests must be 4096-byte aligned", r.len, r.offset))
-        }
+        CMD_READ | CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES if !aligned => rep.err(
+            &r,
+            EINVAL,
+            &format!(
+                "{} bytes at {}: requests must be 4096-byte aligned",
+                r.len, r.offset
+            ),
+        ),
         CMD_READ => {
             let mut buf = vec![0u8; r.len as usize];
             match be.read(first, &mut buf) {
@@ -374,8 +418,13 @@ fn serve_one(be: &mut Backend, rep: &Replier, ex: &Export, r: Req) -> std::io::R
 
 /// Serve one client until it disconnects.
 pub fn serve_client(mut c: Box<dyn Io>, ex: &Export, sh: Arc<Shared>) -> std::io::Result<()> {
-    let Some(structured) = handshake(&mut *c, ex)? else { return Ok(()) };
-    let rep = Arc::new(Replier { w: Mutex::new(c.try_clone_box()?), structured });
+    let Some(structured) = handshake(&mut *c, ex)? else {
+        return Ok(());
+    };
+    let rep = Arc::new(Replier {
+        w: Mutex::new(c.try_clone_box()?),
+        structured,
+    });
     let (tx, rx) = mpsc::sync_channel::<Req>(64);
     let rx = Arc::new(Mutex::new(rx));
     let workers: Vec<_> = (0..WORKERS)
@@ -401,7 +450,9 @@ pub fn serve_client(mut c: Box<dyn Io>, ex: &Export, sh: Arc<Shared>) -> std::io
             let h = rd::<28>(&mut *c)?;
             let magic = u32::from_be_bytes(h[0..4].try_into().unwrap());
             if magic != REQUEST_MAGIC {
-                return Err(std::io::Error::other(format!("bad request magic {magic:#x}")));
+                return Err(std::io::Error::other(format!(
+                    "bad request magic {magic:#x}"
+                )));
             }
             let r = Req {
                 flags: u16::from_be_bytes(h[4..6].try_into().unwrap()),

@@ -30,7 +30,10 @@ pub struct Host {
 
 impl Host {
     pub fn name(&self) -> &str {
-        self.report.as_ref().map(|r| r.hostname.as_str()).unwrap_or(&self.http)
+        self.report
+            .as_ref()
+            .map(|r| r.hostname.as_str())
+            .unwrap_or(&self.http)
     }
 }
 
@@ -47,9 +50,14 @@ fn parse_host(v: &Value) -> Host {
 pub fn hosts(registry: &str, explicit: &[String]) -> Result<Vec<Host>> {
     let t = Duration::from_secs(5);
     if explicit.is_empty() {
-        let body = http::get(registry, "/cluster", t).with_context(|| format!("asking the registry at {registry} (set --registry or $PAGEFLEET_REGISTRY)"))?;
+        let body = http::get(registry, "/cluster", t).with_context(|| {
+            format!("asking the registry at {registry} (set --registry or $PAGEFLEET_REGISTRY)")
+        })?;
         let v: Value = serde_json::from_str(&body)?;
-        return Ok(v["hosts"].as_array().map(|a| a.iter().map(parse_host).collect()).unwrap_or_default());
+        return Ok(v["hosts"]
+            .as_array()
+            .map(|a| a.iter().map(parse_host).collect())
+            .unwrap_or_default());
     }
     Ok(explicit
         .iter()
@@ -57,10 +65,18 @@ pub fn hosts(registry: &str, explicit: &[String]) -> Result<Vec<Host>> {
             Ok(b) => Host {
                 http: h.clone(),
                 report: serde_json::from_str(&b).ok(),
-                guests: http::get(h, "/guests", t).ok().and_then(|g| serde_json::from_str(&g).ok()).unwrap_or_default(),
+                guests: http::get(h, "/guests", t)
+                    .ok()
+                    .and_then(|g| serde_json::from_str(&g).ok())
+                    .unwrap_or_default(),
                 error: None,
             },
-            Err(e) => Host { http: h.clone(), report: None, guests: vec![], error: Some(format!("{e:#}")) },
+            Err(e) => Host {
+                http: h.clone(),
+                report: None,
+                guests: vec![],
+                error: Some(format!("{e:#}")),
+            },
         })
         .collect())
 }
@@ -80,7 +96,15 @@ pub fn status(registry: &str, explicit: &[String], json_out: bool) -> Result<()>
     }
     println!(
         "{:<10} {:<20} {:<20} {:>10} {:>10} {:>10} {:>10} {:>10} {:>6}",
-        "host", "http", "memory server", "mem total", "available", "lends", "lent used", "guest free", "guests"
+        "host",
+        "http",
+        "memory server",
+        "mem total",
+        "available",
+        "lends",
+        "lent used",
+        "guest free",
+        "guests"
     );
     for h in &hs {
         match &h.report {
@@ -93,17 +117,37 @@ pub fn status(registry: &str, explicit: &[String], json_out: bool) -> Result<()>
                 units::fmt_size(r.mem_available),
                 units::fmt_size(r.lend_capacity),
                 units::fmt_size(r.lend_used),
-                if r.guest_memory > 0 { units::fmt_size(r.guest_free) } else { "-".into() },
+                if r.guest_memory > 0 {
+                    units::fmt_size(r.guest_free)
+                } else {
+                    "-".into()
+                },
                 r.guests
             ),
-            None => println!("{:<10} {:<20} unreachable: {}", "?", h.http, h.error.as_deref().unwrap_or("no report")),
+            None => println!(
+                "{:<10} {:<20} unreachable: {}",
+                "?",
+                h.http,
+                h.error.as_deref().unwrap_or("no report")
+            ),
         }
     }
-    let guests: Vec<(&Host, &Value)> = hs.iter().flat_map(|h| h.guests.iter().map(move |g| (h, g))).collect();
+    let guests: Vec<(&Host, &Value)> = hs
+        .iter()
+        .flat_map(|h| h.guests.iter().map(move |g| (h, g)))
+        .collect();
     if !guests.is_empty() {
         println!();
-        println!("{:<12} {:<10} {:<10} {:>10} {:>10} {:>10}  pages", "guest", "host", "state", "size", "budget", "ops");
-        let name_of = |addr: &str| hs.iter().find(|h| h.report.as_ref().and_then(|r| r.memserver.as_deref()) == Some(addr)).map(|h| h.name().to_string()).unwrap_or(addr.to_string());
+        println!(
+            "{:<12} {:<10} {:<10} {:>10} {:>10} {:>10}  pages",
+            "guest", "host", "state", "size", "budget", "ops"
+        );
+        let name_of = |addr: &str| {
+            hs.iter()
+                .find(|h| h.report.as_ref().and_then(|r| r.memserver.as_deref()) == Some(addr))
+                .map(|h| h.name().to_string())
+                .unwrap_or(addr.to_string())
+        };
         for (h, g) in guests {
             let p = &g["pages"];
             let mut where_ = format!("local {}", p["local"].as_u64().unwrap_or(0));
@@ -118,7 +162,10 @@ pub fn status(registry: &str, explicit: &[String], json_out: bool) -> Result<()>
                 h.name(),
                 g["state"].as_str().unwrap_or("?"),
                 g["size"].as_u64().map(units::fmt_size).unwrap_or_default(),
-                g["budget_pages"].as_u64().map(|b| units::fmt_size(b * 4096)).unwrap_or_default(),
+                g["budget_pages"]
+                    .as_u64()
+                    .map(|b| units::fmt_size(b * 4096))
+                    .unwrap_or_default(),
                 g["ops"].as_u64().unwrap_or(0),
                 if p.is_null() { "-".to_string() } else { where_ }
             );
@@ -132,13 +179,21 @@ pub fn status(registry: &str, explicit: &[String], json_out: bool) -> Result<()>
 
 fn find_host(hs: &[Host], key: &str) -> Result<usize> {
     hs.iter()
-        .position(|h| h.name() == key || h.http == key || h.report.as_ref().and_then(|r| r.memserver.as_deref()) == Some(key))
+        .position(|h| {
+            h.name() == key
+                || h.http == key
+                || h.report.as_ref().and_then(|r| r.memserver.as_deref()) == Some(key)
+        })
         .ok_or_else(|| anyhow::anyhow!("no host {key:?} in the cluster (see pagefleet status)"))
 }
 
 fn find_guest(hs: &[Host], name: &str) -> Result<(usize, Value)> {
     for (i, h) in hs.iter().enumerate() {
-        if let Some(g) = h.guests.iter().find(|g| g["name"].as_str() == Some(name) && g["state"].as_str() != Some("incoming")) {
+        if let Some(g) = h
+            .guests
+            .iter()
+            .find(|g| g["name"].as_str() == Some(name) && g["state"].as_str() != Some("incoming"))
+        {
             return Ok((i, g.clone()));
         }
     }
@@ -174,7 +229,14 @@ pub enum GuestCmd {
 
 pub fn guest(c: GuestCmd) -> Result<()> {
     match c {
-        GuestCmd::Start { name, on, size, budget, reg, args } => {
+        GuestCmd::Start {
+            name,
+            on,
+            size,
+            budget,
+            reg,
+            args,
+        } => {
             let hs = hosts(&reg.registry, &[])?;
             let h = &hs[find_host(&hs, &on)?];
             let mut body = json!({"name": name, "size": size, "args": args});
@@ -187,7 +249,12 @@ pub fn guest(c: GuestCmd) -> Result<()> {
         GuestCmd::Stop { name, reg } => {
             let hs = hosts(&reg.registry, &[])?;
             let (i, _) = find_guest(&hs, &name)?;
-            http::post(&hs[i].http, &format!("/guests/{name}/stop"), &json!({}), Duration::from_secs(30))?;
+            http::post(
+                &hs[i].http,
+                &format!("/guests/{name}/stop"),
+                &json!({}),
+                Duration::from_secs(30),
+            )?;
             println!("guest {name} stopped on {}", hs[i].name());
         }
     }
@@ -256,7 +323,9 @@ fn info(h: &Host) -> HostInfo {
         http: h.http.clone(),
         memserver: r.and_then(|r| r.memserver.clone()),
         guest_free: r.map(|r| r.guest_free).unwrap_or(0),
-        lend_free: r.map(|r| r.lend_capacity.saturating_sub(r.lend_used)).unwrap_or(0),
+        lend_free: r
+            .map(|r| r.lend_capacity.saturating_sub(r.lend_used))
+            .unwrap_or(0),
     }
 }
 
@@ -287,14 +356,27 @@ pub fn migrate(a: &MigrateArgs, progress: bool) -> Result<Report> {
     // Pages already on memory servers stay there: only resident ones need room.
     let data_pages = p["local"].as_u64().unwrap_or(0);
     let to = a.to.as_deref().map(|t| find_host(&hs, t)).transpose()?;
-    let subs = a.sub.as_ref().map(|s| s.iter().map(|x| find_host(&hs, x)).collect::<Result<Vec<_>>>()).transpose()?;
+    let subs = a
+        .sub
+        .as_ref()
+        .map(|s| {
+            s.iter()
+                .map(|x| find_host(&hs, x))
+                .collect::<Result<Vec<_>>>()
+        })
+        .transpose()?;
     let infos: Vec<HostInfo> = hs.iter().map(info).collect();
     let c = if a.gather {
         // Every page with data, wherever it is, goes to one host.
-        let remote: u64 = p["remote"].as_object().map(|m| m.values().filter_map(|v| v.as_u64()).sum()).unwrap_or(0);
-        placement::choose_whole(&infos, src, size_pages, data_pages + remote, to).map_err(anyhow::Error::msg)?
+        let remote: u64 = p["remote"]
+            .as_object()
+            .map(|m| m.values().filter_map(|v| v.as_u64()).sum())
+            .unwrap_or(0);
+        placement::choose_whole(&infos, src, size_pages, data_pages + remote, to)
+            .map_err(anyhow::Error::msg)?
     } else {
-        placement::choose(&infos, src, size_pages, data_pages, to, subs.as_deref()).map_err(anyhow::Error::msg)?
+        placement::choose(&infos, src, size_pages, data_pages, to, subs.as_deref())
+            .map_err(anyhow::Error::msg)?
     };
     let main = &hs[c.main];
     eprintln!(
@@ -303,17 +385,35 @@ pub fn migrate(a: &MigrateArgs, progress: bool) -> Result<Report> {
         hs[src].name(),
         main.name(),
         c.main_pages,
-        if c.subs.is_empty() { String::new() } else { format!(", sub-hosts {}", c.subs.iter().map(|(h, _)| hs[*h].name()).collect::<Vec<_>>().join(", ")) }
+        if c.subs.is_empty() {
+            String::new()
+        } else {
+            format!(
+                ", sub-hosts {}",
+                c.subs
+                    .iter()
+                    .map(|(h, _)| hs[*h].name())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        }
     );
     let mut inc_req = json!({"name": a.guest, "budget_pages": c.main_pages});
     if let Some(cg) = &a.dest_cgroup {
         inc_req["cgroup"] = json!(cg);
     }
     let inc = http::post(&main.http, "/incoming", &inc_req, Duration::from_secs(30))?;
-    let mut addr = inc["migrate_addr"].as_str().context("no migrate_addr from the main host")?.to_string();
+    let mut addr = inc["migrate_addr"]
+        .as_str()
+        .context("no migrate_addr from the main host")?
+        .to_string();
     if addr.starts_with("0.0.0.0:") {
         // The daemon listens on every address: use the one we reached it on.
-        let ip = main.http.rsplit_once(':').map(|x| x.0).unwrap_or("127.0.0.1");
+        let ip = main
+            .http
+            .rsplit_once(':')
+            .map(|x| x.0)
+            .unwrap_or("127.0.0.1");
         addr = format!("{ip}:{}", addr.rsplit(':').next().unwrap_or("0"));
     }
     let mut req = json!({
@@ -338,26 +438,36 @@ pub fn migrate(a: &MigrateArgs, progress: bool) -> Result<Report> {
     let mut report = None;
     let mut err = None;
     let mut in_doubt = false;
-    http::post_stream(&hs[src].http, &format!("/guests/{}/migrate", a.guest), &req, Duration::from_secs(120), |v| {
-        if let Some(p) = v.get("progress") {
-            if progress {
-                eprint!("{}", bar(p));
-                let _ = std::io::stderr().flush();
+    http::post_stream(
+        &hs[src].http,
+        &format!("/guests/{}/migrate", a.guest),
+        &req,
+        Duration::from_secs(120),
+        |v| {
+            if let Some(p) = v.get("progress") {
+                if progress {
+                    eprint!("{}", bar(p));
+                    let _ = std::io::stderr().flush();
+                }
+            } else if let Some(r) = v.get("report") {
+                report = serde_json::from_value::<Report>(r.clone()).ok();
+            } else if let Some(e) = v.get("error") {
+                err = Some(e.as_str().unwrap_or("").to_string());
+                in_doubt = v["in_doubt"].as_bool().unwrap_or(false);
             }
-        } else if let Some(r) = v.get("report") {
-            report = serde_json::from_value::<Report>(r.clone()).ok();
-        } else if let Some(e) = v.get("error") {
-            err = Some(e.as_str().unwrap_or("").to_string());
-            in_doubt = v["in_doubt"].as_bool().unwrap_or(false);
-        }
-    })?;
+        },
+    )?;
     if progress {
         eprintln!();
     }
     match (report, err) {
         (Some(r), _) => Ok(r),
         (None, Some(e)) if in_doubt => bail!("{e}"),
-        (None, Some(e)) => bail!("migration failed and was rolled back ({} still runs on {}): {e}", a.guest, hs[src].name()),
+        (None, Some(e)) => bail!(
+            "migration failed and was rolled back ({} still runs on {}): {e}",
+            a.guest,
+            hs[src].name()
+        ),
         (None, None) => bail!("the source host ended the migration without a report"),
     }
 }
@@ -422,18 +532,43 @@ pub fn evacuate(a: EvacuateArgs) -> Result<()> {
                 let target = match to {
                     Some(t) => t,
                     None => (0..hs.len())
-                        .filter(|&t| t != x && t != gh && hs[t].report.as_ref().is_some_and(|r| r.memserver.is_some()) && lend_free[t] >= n)
+                        .filter(|&t| {
+                            t != x
+                                && t != gh
+                                && hs[t].report.as_ref().is_some_and(|r| r.memserver.is_some())
+                                && lend_free[t] >= n
+                        })
                         .max_by_key(|&t| lend_free[t])
-                        .ok_or_else(|| anyhow::anyhow!("no memory server can take {n} pages of {name}"))?,
+                        .ok_or_else(|| {
+                            anyhow::anyhow!("no memory server can take {n} pages of {name}")
+                        })?,
                 };
-                let tms = hs[target].report.as_ref().and_then(|r| r.memserver.clone()).context("the target host lends no memory")?;
-                eprintln!("moving {n} pages of {name} from {} to {}", hs[x].name(), hs[target].name());
-                let r = http::post(&h.http, &format!("/guests/{name}/evacuate"), &json!({"from": xms, "to": tms}), Duration::from_secs(3600))?;
+                let tms = hs[target]
+                    .report
+                    .as_ref()
+                    .and_then(|r| r.memserver.clone())
+                    .context("the target host lends no memory")?;
+                eprintln!(
+                    "moving {n} pages of {name} from {} to {}",
+                    hs[x].name(),
+                    hs[target].name()
+                );
+                let r = http::post(
+                    &h.http,
+                    &format!("/guests/{name}/evacuate"),
+                    &json!({"from": xms, "to": tms}),
+                    Duration::from_secs(3600),
+                )?;
                 if let Some(e) = r["error"].as_str() {
                     bail!("{name}: {e}");
                 }
                 lend_free[target] = lend_free[target].saturating_sub(n);
-                println!("{name}: {} pages moved from {} to {}", r["moved"].as_u64().unwrap_or(0), hs[x].name(), hs[target].name());
+                println!(
+                    "{name}: {} pages moved from {} to {}",
+                    r["moved"].as_u64().unwrap_or(0),
+                    hs[x].name(),
+                    hs[target].name()
+                );
                 moved_any = true;
             }
         }

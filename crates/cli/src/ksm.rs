@@ -3,9 +3,7 @@
 
 use anyhow::{bail, Result};
 use clap::{Args, Subcommand};
-use pagefleet_ksm::adaptive::AdaptiveConfig;
-use pagefleet_ksm::control::{self, Options, Policy, DEFAULT_STATE};
-use pagefleet_ksm::tuned::TunedConfig;
+use pagefleet_ksm::control::{self, Options, DEFAULT_STATE};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -75,50 +73,40 @@ pub struct RunOpts {
     state: PathBuf,
 }
 
-/// "10%", "0.1" -> 0.1
-pub fn parse_share(what: &str, s: &str) -> Result<f64> {
-    let v = if let Some(p) = s.strip_suffix('%') { p.trim().parse::<f64>().map(|v| v / 100.0) } else { s.trim().parse::<f64>() };
-    match v {
-        Ok(v) if v > 0.0 && v <= 1.0 => Ok(v),
-        Ok(_) => bail!("{what} must be above 0 and at most 100% (got {s})"),
-        Err(_) => bail!("{what} must be a percentage like 10% or a fraction like 0.1 (got {s})"),
-    }
-}
-
 static STOP: AtomicBool = AtomicBool::new(false);
 extern "C" fn on_signal(_: libc::c_int) {
     STOP.store(true, Ordering::Relaxed);
 }
 
 pub fn options(o: &RunOpts) -> Result<Options> {
-    if !(o.tick > 0.0 && o.tick <= 600.0) {
-        bail!("--tick must be between 0 and 600 seconds");
-    }
-    if !(o.duration >= 0.0) {
+    if o.duration.is_nan() || o.duration < 0.0 {
         bail!("--duration must not be negative");
     }
-    let policy = match o.mode.as_str() {
-        "adaptive" => {
-            let cfg = AdaptiveConfig { cpu_budget: parse_share("--cpu-budget", &o.cpu_budget)?, pressure_below: parse_share("--pressure-below", &o.pressure_below)?, psi_above: o.psi_above, ..Default::default() };
-            Policy::Adaptive(cfg)
-        }
-        "ksmtuned" => {
-            if !(o.interval_scale > 0.0 && o.interval_scale <= 100.0) {
-                bail!("--interval-scale must be positive (the paper uses 0.5, 1 and 2)");
-            }
-            let base = TunedConfig::default();
-            Policy::Ksmtuned(TunedConfig { monitor_interval_s: base.monitor_interval_s * o.interval_scale, ..base })
-        }
-        m => bail!("unknown --mode {m}: adaptive or ksmtuned"),
+    let spec = control::Spec {
+        mode: o.mode.clone(),
+        interval_scale: o.interval_scale,
+        cpu_budget: o.cpu_budget.clone(),
+        pressure_below: o.pressure_below.clone(),
+        psi_above: o.psi_above,
+        tick_s: o.tick,
     };
-    Ok(Options { policy, tick: Duration::from_secs_f64(o.tick), keep_settings: o.keep_settings, state_file: Some(o.state.clone()), duration: (o.duration > 0.0).then(|| Duration::from_secs_f64(o.duration)) })
+    spec.options(
+        Some(o.state.clone()),
+        o.keep_settings,
+        (o.duration > 0.0).then(|| Duration::from_secs_f64(o.duration)),
+    )
 }
 
 pub fn main(c: KsmCmd) -> Result<()> {
     match c {
         KsmCmd::Run(o) => {
             let opts = options(&o)?;
-            tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::new(std::env::var("PAGEFLEET_LOG").unwrap_or_else(|_| "info".into()))).with_writer(std::io::stderr).init();
+            tracing_subscriber::fmt()
+                .with_env_filter(tracing_subscriber::EnvFilter::new(
+                    std::env::var("PAGEFLEET_LOG").unwrap_or_else(|_| "info".into()),
+                ))
+                .with_writer(std::io::stderr)
+                .init();
             // SAFETY: the handler only stores to an atomic.
             unsafe {
                 libc::signal(libc::SIGINT, on_signal as *const () as usize);
@@ -126,7 +114,11 @@ pub fn main(c: KsmCmd) -> Result<()> {
             }
             control::run(&opts, &STOP, |_| {})
         }
-        KsmCmd::Status { json, window, state } => {
+        KsmCmd::Status {
+            json,
+            window,
+            state,
+        } => {
             if !(window > 0.0 && window <= 60.0) {
                 bail!("--window must be between 0 and 60 seconds");
             }
@@ -136,15 +128,44 @@ pub fn main(c: KsmCmd) -> Result<()> {
                 return Ok(());
             }
             let f = |k: &str| v[k].as_f64().unwrap_or(0.0);
-            println!("KSM           {}", if v["run"] == 1 { "running" } else { "stopped" });
-            println!("saved         {:.1} MiB   (general_profit {:.1} MiB)", f("saved_mib"), f("general_profit_mib"));
-            println!("pages         shared {}  sharing {}  unshared {}  volatile {}  zero {}", v["pages_shared"], v["pages_sharing"], v["pages_unshared"], v["pages_volatile"], v["ksm_zero_pages"]);
+            println!(
+                "KSM           {}",
+                if v["run"] == 1 { "running" } else { "stopped" }
+            );
+            println!(
+                "saved         {:.1} MiB   (general_profit {:.1} MiB)",
+                f("saved_mib"),
+                f("general_profit_mib")
+            );
+            println!(
+                "pages         shared {}  sharing {}  unshared {}  volatile {}  zero {}",
+                v["pages_shared"],
+                v["pages_sharing"],
+                v["pages_unshared"],
+                v["pages_volatile"],
+                v["ksm_zero_pages"]
+            );
             println!("full scans    {}", v["full_scans"]);
-            println!("ksmd CPU      {:.1}% of a core", f("ksmd_cpu_percent"));
+            println!(
+                "ksmd CPU      {:.1}% of a core, waiting for a CPU {:.0}% of the time, nice {}",
+                f("ksmd_cpu_percent"),
+                f("ksmd_wait_percent"),
+                v["ksmd_nice"]
+            );
             println!("scan rate     {:.0} pages/s  (pages_to_scan {}, sleep {} ms, advisor {}, smart_scan {})", f("scan_rate_pages_per_s"), v["pages_to_scan"], v["sleep_millisecs"], v["advisor_mode"].as_str().unwrap_or("?"), v["smart_scan"]);
-            println!("memory        {:.1}% available, PSI some avg10 {}", f("mem_available_percent"), v["psi_memory_some_avg10"]);
+            println!(
+                "memory        {:.1}% available, PSI some avg10 {}",
+                f("mem_available_percent"),
+                v["psi_memory_some_avg10"]
+            );
             match v["controller"].as_object() {
-                Some(c) => println!("controller    {} (pid {}): {}, {}", c["policy"].as_str().unwrap_or("?"), c["pid"], c["phase"].as_str().unwrap_or("?"), c["why"].as_str().unwrap_or("")),
+                Some(c) => println!(
+                    "controller    {} (pid {}): {}, {}",
+                    c["policy"].as_str().unwrap_or("?"),
+                    c["pid"],
+                    c["phase"].as_str().unwrap_or("?"),
+                    c["why"].as_str().unwrap_or("")
+                ),
                 None => println!("controller    none running"),
             }
             Ok(())
@@ -157,9 +178,25 @@ pub fn main(c: KsmCmd) -> Result<()> {
                     continue;
                 }
                 let p = PathBuf::from(&t);
-                let dir = if p.is_absolute() { p } else { ["/sys/fs/cgroup", "/sys/fs/cgroup/memory", "/sys/fs/cgroup/pids"].iter().map(|r| PathBuf::from(r).join(&t)).find(|d| d.join("cgroup.procs").exists()).unwrap_or(p) };
+                let dir = if p.is_absolute() {
+                    p
+                } else {
+                    [
+                        "/sys/fs/cgroup",
+                        "/sys/fs/cgroup/memory",
+                        "/sys/fs/cgroup/pids",
+                    ]
+                    .iter()
+                    .map(|r| PathBuf::from(r).join(&t))
+                    .find(|d| d.join("cgroup.procs").exists())
+                    .unwrap_or(p)
+                };
                 let pids = pagefleet_ksm::enroll::enroll_cgroup(&dir)?;
-                println!("cgroup {}: {} processes enrolled", dir.display(), pids.len());
+                println!(
+                    "cgroup {}: {} processes enrolled",
+                    dir.display(),
+                    pids.len()
+                );
             }
             Ok(())
         }

@@ -3,7 +3,7 @@
 use anyhow::{bail, Result};
 use clap::{Args, Parser, Subcommand};
 use pagefleet_bench::{memserver, paging};
-use pagefleet_client::{ConnectOptions, Conn};
+use pagefleet_client::{Conn, ConnectOptions};
 use pagefleet_daemon::units;
 use pagefleet_proto::auth::Secret;
 use std::path::PathBuf;
@@ -168,6 +168,10 @@ struct BenchOpts {
     /// experiments to run (time, sort, kv), comma-separated.
     #[arg(long)]
     only: Option<String>,
+    /// bench ksm: pace each tenant's client at this many ops/s (default: a
+    /// closed loop that keeps the CPUs busy).
+    #[arg(long)]
+    pace: Option<f64>,
     /// bench migration: link rates to measure migration time on (10gbit,1gbit).
     #[arg(long, value_delimiter = ',')]
     links: Vec<pagefleet_testbed::Link>,
@@ -204,10 +208,30 @@ enum BlockdevCmd {
 }
 
 fn blockdev(c: BlockdevCmd, secret_file: Option<&std::path::Path>) -> Result<()> {
-    let BlockdevCmd::Serve { servers, size, layout, stripe_unit, mirror, listen, name } = c;
-    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::new(std::env::var("PAGEFLEET_LOG").unwrap_or_else(|_| "warn".into()))).with_writer(std::io::stderr).init();
+    let BlockdevCmd::Serve {
+        servers,
+        size,
+        layout,
+        stripe_unit,
+        mirror,
+        listen,
+        name,
+    } = c;
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(
+            std::env::var("PAGEFLEET_LOG").unwrap_or_else(|_| "warn".into()),
+        ))
+        .with_writer(std::io::stderr)
+        .init();
     let secret = Secret::resolve(secret_file)?;
-    let o = pagefleet_blockdev::Options { servers, size, stripe: (layout == "stripe").then_some(stripe_unit), mirror, listen, name };
+    let o = pagefleet_blockdev::Options {
+        servers,
+        size,
+        stripe: (layout == "stripe").then_some(stripe_unit),
+        mirror,
+        listen,
+        name,
+    };
     // Interrupt and terminate end the export cleanly: blocked here, waited for below.
     // SAFETY: signal mask manipulation before any thread starts.
     unsafe {
@@ -261,7 +285,11 @@ fn demo(o: DemoOpts) -> Result<()> {
     if o.size < 64 << 20 {
         bail!("--size must be at least 64MiB");
     }
-    let opts = demo::Opts { size: o.size / (64 << 10) * (64 << 10), out_dir: o.out, phase_secs: o.phase.max(2) };
+    let opts = demo::Opts {
+        size: o.size / (64 << 10) * (64 << 10),
+        out_dir: o.out,
+        phase_secs: o.phase.max(2),
+    };
     let mut log = |m: &str| eprintln!("  .. {m}");
     let r = demo::run(&opts, &mut log)?;
     demo::print(&r, &mut std::io::stdout())?;
@@ -319,7 +347,14 @@ fn testbed(t: TestbedCmd) -> Result<()> {
     use pagefleet_testbed::{down_prefix, Lab, Options};
     let dir = PathBuf::from(TESTBED_DIR);
     match t {
-        TestbedCmd::Up { hosts, link, lend, guest_memory, prefix, subnet } => {
+        TestbedCmd::Up {
+            hosts,
+            link,
+            lend,
+            guest_memory,
+            prefix,
+            subnet,
+        } => {
             let me = std::env::current_exe()?;
             let d = me.parent().unwrap().join("pagefleetd");
             let mut o = Options::new(hosts, link, d);
@@ -329,7 +364,13 @@ fn testbed(t: TestbedCmd) -> Result<()> {
             o.subnet_octet = subnet;
             o.dir = dir;
             let lab = Lab::up(&o)?;
-            println!("testbed {:?} up: {} hosts on {}, links {}", lab.prefix, lab.hosts.len(), lab.subnet, lab.link.name());
+            println!(
+                "testbed {:?} up: {} hosts on {}, links {}",
+                lab.prefix,
+                lab.hosts.len(),
+                lab.subnet,
+                lab.link.name()
+            );
             for h in &lab.hosts {
                 println!(
                     "  {}  netns {}  memory server {}  http {}  guest memory {}",
@@ -337,10 +378,18 @@ fn testbed(t: TestbedCmd) -> Result<()> {
                     h.netns,
                     h.addr,
                     h.http(),
-                    if h.guest_memory > 0 { units::fmt_size(h.guest_memory) } else { "-".into() }
+                    if h.guest_memory > 0 {
+                        units::fmt_size(h.guest_memory)
+                    } else {
+                        "-".into()
+                    }
                 );
             }
-            println!("secret: {}   (pagefleet --secret-file {} memserver stat --server ADDR)", lab.secret_file.display(), lab.secret_file.display());
+            println!(
+                "secret: {}   (pagefleet --secret-file {} memserver stat --server ADDR)",
+                lab.secret_file.display(),
+                lab.secret_file.display()
+            );
             println!("run in a host: pagefleet testbed exec h1 -- CMD ...   (e.g. pagefleet status)   remove: pagefleet testbed down");
         }
         TestbedCmd::Down { prefix } => {
@@ -352,18 +401,34 @@ fn testbed(t: TestbedCmd) -> Result<()> {
             if json {
                 println!("{}", serde_json::to_string_pretty(&lab)?);
             } else {
-                println!("testbed {:?}: {} hosts on {}, links {}", lab.prefix, lab.hosts.len(), lab.subnet, lab.link.name());
+                println!(
+                    "testbed {:?}: {} hosts on {}, links {}",
+                    lab.prefix,
+                    lab.hosts.len(),
+                    lab.subnet,
+                    lab.link.name()
+                );
                 let me = std::env::current_exe()?;
                 for (i, h) in lab.hosts.iter().enumerate() {
                     let alive = unsafe { libc::kill(h.pid as i32, 0) } == 0;
                     // Ask the host's daemon from inside its own namespace.
-                    let out = lab.exec(i, &me).args(["status", "--json", "--hosts", &format!("{}:7071", h.ip)]).output()?;
+                    let out = lab
+                        .exec(i, &me)
+                        .args(["status", "--json", "--hosts", &format!("{}:7071", h.ip)])
+                        .output()?;
                     let mem = serde_json::from_slice::<serde_json::Value>(&out.stdout)
                         .ok()
                         .and_then(|v| v[0]["report"].as_object().cloned())
                         .map(|r| {
-                            let f = |k: &str| units::fmt_size(r.get(k).and_then(|x| x.as_u64()).unwrap_or(0));
-                            format!("lends {} ({} used), host memory available {}", f("lend_capacity"), f("lend_used"), f("mem_available"))
+                            let f = |k: &str| {
+                                units::fmt_size(r.get(k).and_then(|x| x.as_u64()).unwrap_or(0))
+                            };
+                            format!(
+                                "lends {} ({} used), host memory available {}",
+                                f("lend_capacity"),
+                                f("lend_used"),
+                                f("mem_available")
+                            )
                         })
                         .unwrap_or_else(|| "no report".into());
                     println!(
@@ -379,7 +444,11 @@ fn testbed(t: TestbedCmd) -> Result<()> {
         }
         TestbedCmd::Exec { host, prefix, cmd } => {
             let lab = Lab::load(&dir, &prefix)?;
-            let i = lab.hosts.iter().position(|h| h.name == host).ok_or_else(|| anyhow::anyhow!("no host {host:?} in testbed {prefix:?}"))?;
+            let i = lab
+                .hosts
+                .iter()
+                .position(|h| h.name == host)
+                .ok_or_else(|| anyhow::anyhow!("no host {host:?} in testbed {prefix:?}"))?;
             let st = lab.exec(i, &cmd[0]).args(&cmd[1..]).status()?;
             std::process::exit(st.code().unwrap_or(1));
         }
@@ -427,9 +496,22 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Testbed(t) => testbed(t),
         Cmd::Blockdev(b) => blockdev(b, cli.secret_file.as_deref()),
         Cmd::Ksm(k) => ksm::main(k),
-        Cmd::RunnerIncoming { listen, control, budget_pages, service_dev, timeout } => {
+        Cmd::RunnerIncoming {
+            listen,
+            control,
+            budget_pages,
+            service_dev,
+            timeout,
+        } => {
             let secret = Secret::resolve(cli.secret_file.as_deref())?;
-            runner::run_incoming(&listen, control, budget_pages, service_dev, secret, std::time::Duration::from_secs(timeout))
+            runner::run_incoming(
+                &listen,
+                control,
+                budget_pages,
+                service_dev,
+                secret,
+                std::time::Duration::from_secs(timeout),
+            )
         }
         Cmd::Status { hosts, reg, json } => cluster::status(&reg.registry, &hosts, json),
         Cmd::Guest(g) => cluster::guest(g),
@@ -438,7 +520,10 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Evacuate(e) => cluster::evacuate(e),
         Cmd::Memserver(m) => {
             let secret = Secret::resolve(cli.secret_file.as_deref())?;
-            let opts = ConnectOptions { name: "pagefleet-cli".into(), ..Default::default() };
+            let opts = ConnectOptions {
+                name: "pagefleet-cli".into(),
+                ..Default::default()
+            };
             match m {
                 MemserverCmd::Stat { server, json } => {
                     let mut c = Conn::connect(&server, &secret, &opts)?;
@@ -460,11 +545,17 @@ fn run(cli: Cli) -> Result<()> {
                             units::fmt_size(s.capacity_pages * 4096),
                             units::fmt_size(s.used_pages * 4096),
                             s.used_pages as f64 * 100.0 / s.capacity_pages.max(1) as f64,
-                            units::fmt_size((s.capacity_pages - s.used_pages.min(s.capacity_pages)) * 4096)
+                            units::fmt_size(
+                                (s.capacity_pages - s.used_pages.min(s.capacity_pages)) * 4096
+                            )
                         );
                         println!("connections {}   regions {}", s.connections, s.region_count);
                         for (r, n) in &s.regions {
-                            println!("  region {r:#018x}  {:>10} pages  {}", n, units::fmt_size(n * 4096));
+                            println!(
+                                "  region {r:#018x}  {:>10} pages  {}",
+                                n,
+                                units::fmt_size(n * 4096)
+                            );
                         }
                         if s.truncated {
                             println!("  ... (more regions not listed)");
@@ -473,9 +564,15 @@ fn run(cli: Cli) -> Result<()> {
                 }
                 MemserverCmd::Ping { server, count } => {
                     let mut c = Conn::connect(&server, &secret, &opts)?;
-                    println!("connected to {server}: server id {:016x}, {} free of {}", c.info.server_id,
-                        units::fmt_size((c.info.capacity_pages - c.info.used_pages.min(c.info.capacity_pages)) * 4096),
-                        units::fmt_size(c.info.capacity_pages * 4096));
+                    println!(
+                        "connected to {server}: server id {:016x}, {} free of {}",
+                        c.info.server_id,
+                        units::fmt_size(
+                            (c.info.capacity_pages - c.info.used_pages.min(c.info.capacity_pages))
+                                * 4096
+                        ),
+                        units::fmt_size(c.info.capacity_pages * 4096)
+                    );
                     for i in 0..count {
                         println!("ping {i}: {:.1} us", c.ping()?.as_secs_f64() * 1e6);
                     }
@@ -487,7 +584,11 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 fn bench_memserver(o: BenchOpts) -> Result<()> {
-    let mut opts = if o.quick { memserver::Opts::quick(o.out.clone()) } else { memserver::Opts::full(o.out.clone()) };
+    let mut opts = if o.quick {
+        memserver::Opts::quick(o.out.clone())
+    } else {
+        memserver::Opts::full(o.out.clone())
+    };
     if let Some(d) = o.dataset {
         if d < 16 << 20 {
             bail!("--dataset must be at least 16MiB");
@@ -511,7 +612,11 @@ fn bench_memserver(o: BenchOpts) -> Result<()> {
 
 fn bench_blockdev(o: BenchOpts) -> Result<()> {
     use pagefleet_bench::blockdev;
-    let mut opts = if o.quick { blockdev::Opts::quick(o.out.clone()) } else { blockdev::Opts::full(o.out.clone()) };
+    let mut opts = if o.quick {
+        blockdev::Opts::quick(o.out.clone())
+    } else {
+        blockdev::Opts::full(o.out.clone())
+    };
     if let Some(d) = o.dataset {
         if d < 16 << 20 {
             bail!("--dataset (the device size) must be at least 16MiB");
@@ -534,7 +639,11 @@ fn bench_blockdev(o: BenchOpts) -> Result<()> {
 
 fn bench_ksm(o: BenchOpts) -> Result<()> {
     use pagefleet_bench::ksm;
-    let mut opts = if o.quick { ksm::Opts::quick(o.out.clone()) } else { ksm::Opts::full(o.out.clone()) };
+    let mut opts = if o.quick {
+        ksm::Opts::quick(o.out.clone())
+    } else {
+        ksm::Opts::full(o.out.clone())
+    };
     if let Some(d) = o.dataset {
         if d < 32 << 20 {
             bail!("--dataset (each tenant's memory) must be at least 32MiB");
@@ -542,6 +651,12 @@ fn bench_ksm(o: BenchOpts) -> Result<()> {
         opts.tenant_bytes = d;
     }
     opts.only = o.only.clone();
+    if let Some(p) = o.pace {
+        if p.is_nan() || p <= 0.0 {
+            bail!("--pace must be a positive number of operations per second");
+        }
+        opts.pace = Some(p);
+    }
     let mut log = |m: &str| eprintln!("  .. {m}");
     let report = ksm::run(&opts, &mut log)?;
     if o.json {
@@ -555,7 +670,11 @@ fn bench_ksm(o: BenchOpts) -> Result<()> {
 
 fn bench_migration(o: BenchOpts) -> Result<()> {
     use pagefleet_bench::migration;
-    let mut opts = if o.quick { migration::Opts::quick(o.out.clone()) } else { migration::Opts::full(o.out.clone()) };
+    let mut opts = if o.quick {
+        migration::Opts::quick(o.out.clone())
+    } else {
+        migration::Opts::full(o.out.clone())
+    };
     if let Some(d) = o.dataset {
         if d < 64 << 20 {
             bail!("--dataset (the guest size) must be at least 64MiB");
@@ -567,7 +686,11 @@ fn bench_migration(o: BenchOpts) -> Result<()> {
     }
     if let Some(only) = &o.only {
         opts.only = only.split(',').map(|s| s.trim().to_string()).collect();
-        if let Some(bad) = opts.only.iter().find(|s| !["time", "sort", "kv"].contains(&s.as_str())) {
+        if let Some(bad) = opts
+            .only
+            .iter()
+            .find(|s| !["time", "sort", "kv"].contains(&s.as_str()))
+        {
             bail!("--only {bad:?}: use time, sort, kv");
         }
     }
@@ -583,7 +706,11 @@ fn bench_migration(o: BenchOpts) -> Result<()> {
 }
 
 fn bench_paging(o: BenchOpts) -> Result<()> {
-    let mut opts = if o.quick { paging::Opts::quick(o.out.clone()) } else { paging::Opts::full(o.out.clone()) };
+    let mut opts = if o.quick {
+        paging::Opts::quick(o.out.clone())
+    } else {
+        paging::Opts::full(o.out.clone())
+    };
     if let Some(d) = o.dataset {
         if d < 32 << 20 {
             bail!("--dataset (the guest memory size) must be at least 32MiB");
@@ -604,4 +731,3 @@ fn bench_paging(o: BenchOpts) -> Result<()> {
     }
     Ok(())
 }
-

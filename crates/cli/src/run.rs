@@ -145,7 +145,10 @@ fn budget_pages(spec: Option<&str>, size: u64) -> Result<u64> {
     Ok(match spec {
         None => pages,
         Some(s) if s.ends_with('%') => {
-            let pct: f64 = s.trim_end_matches('%').parse().with_context(|| format!("bad --budget {s}"))?;
+            let pct: f64 = s
+                .trim_end_matches('%')
+                .parse()
+                .with_context(|| format!("bad --budget {s}"))?;
             if !(0.0..=100.0).contains(&pct) {
                 bail!("--budget percentage must be 0..100");
             }
@@ -159,14 +162,24 @@ fn open_memory(a: &RunArgs, secret_file: Option<&Path>) -> Result<Memory> {
     if a.plain {
         // SAFETY: fresh anonymous mapping.
         let p = unsafe {
-            libc::mmap(std::ptr::null_mut(), a.size as usize, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0)
+            libc::mmap(
+                std::ptr::null_mut(),
+                a.size as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
         };
         if p == libc::MAP_FAILED {
             bail!("cannot map {} of memory", units::fmt_size(a.size));
         }
         // Same page size as a region: THP off.
         unsafe { libc::madvise(p, a.size as usize, libc::MADV_NOHUGEPAGE) };
-        return Ok(Memory { region: None, plain: Some((p.cast(), a.size as usize)) });
+        return Ok(Memory {
+            region: None,
+            plain: Some((p.cast(), a.size as usize)),
+        });
     }
     let mut cfg = Config::new(a.size, budget_pages(a.budget.as_deref(), a.size)?);
     cfg.servers = a.servers.clone();
@@ -178,11 +191,16 @@ fn open_memory(a: &RunArgs, secret_file: Option<&Path>) -> Result<Memory> {
         cfg.secret = Some(Secret::resolve(secret_file)?);
     }
     let r = Region::new(cfg).context("cannot set up the guest's region")?;
-    Ok(Memory { region: Some(Arc::new(r)), plain: None })
+    Ok(Memory {
+        region: Some(Arc::new(r)),
+        plain: None,
+    })
 }
 
 fn stats_json(m: &Memory) -> serde_json::Value {
-    let Some(r) = &m.region else { return serde_json::Value::Null };
+    let Some(r) = &m.region else {
+        return serde_json::Value::Null;
+    };
     let s = r.stats();
     serde_json::json!({
         "budget_pages": s.budget_pages, "resident_pages": s.resident_pages, "remote_pages": s.remote_pages,
@@ -217,12 +235,26 @@ fn progress(m: &Memory, sec: usize, rate: f64, last_ins: &mut u64) {
 /// The workload as a migration carries it to the destination runner.
 fn workload_spec(a: &RunArgs, workload: &Workload) -> Result<serde_json::Value> {
     let mut v = match workload {
-        Workload::Synthetic { dist, write_frac, prefill, rate, span } => serde_json::json!({
+        Workload::Synthetic {
+            dist,
+            write_frac,
+            prefill,
+            rate,
+            span,
+        } => serde_json::json!({
             "kind": "synthetic", "dist": dist.to_string(), "write_frac": write_frac, "prefill": prefill, "rate": rate, "span": span,
         }),
         Workload::Kv { listen } => serde_json::json!({"kind": "kv", "listen": listen}),
-        Workload::Sort { .. } => bail!("sort runs to completion; it cannot run hosted (use sortjob)"),
-        Workload::Sortjob { sort_frac, no_warm, seed } => serde_json::json!({"kind": "sortjob", "sort_frac": sort_frac, "warm": !no_warm, "seed": seed}),
+        Workload::Sort { .. } => {
+            bail!("sort runs to completion; it cannot run hosted (use sortjob)")
+        }
+        Workload::Sortjob {
+            sort_frac,
+            no_warm,
+            seed,
+        } => {
+            serde_json::json!({"kind": "sortjob", "sort_frac": sort_frac, "warm": !no_warm, "seed": seed})
+        }
     };
     v["threads"] = serde_json::json!(a.threads);
     v["policy"] = serde_json::json!(format!("{:?}", a.policy).to_lowercase());
@@ -241,7 +273,9 @@ pub fn run(a: RunArgs, secret_file: Option<&Path>) -> Result<()> {
             bail!("give either a workload or a command after --, not both");
         }
         use std::os::unix::process::CommandExt;
-        let e = std::process::Command::new(&a.command[0]).args(&a.command[1..]).exec();
+        let e = std::process::Command::new(&a.command[0])
+            .args(&a.command[1..])
+            .exec();
         bail!("cannot run {}: {e}", a.command[0]);
     }
     let Some(workload) = a.workload.clone() else {
@@ -258,7 +292,10 @@ pub fn run(a: RunArgs, secret_file: Option<&Path>) -> Result<()> {
         let secret = Secret::resolve(secret_file)?;
         let m = open_memory(&a, secret_file)?;
         let region = m.region.clone().expect("hosted guests have a region");
-        let service = a.service_ip.clone().map(|ip| crate::runner::Service { ip, dev: a.service_dev.clone() });
+        let service = a.service_ip.clone().map(|ip| crate::runner::Service {
+            ip,
+            dev: a.service_dev.clone(),
+        });
         return crate::runner::run_hosted(a.name.clone(), spec, region, service, control, secret);
     }
     let m = open_memory(&a, secret_file)?;

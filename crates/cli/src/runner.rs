@@ -27,7 +27,8 @@ pub struct Service {
 
 impl Service {
     pub fn claim(&self) -> Result<()> {
-        addr_change(&self.dev, &self.ip, true).with_context(|| format!("cannot add service address {} on {}", self.ip, self.dev))?;
+        addr_change(&self.dev, &self.ip, true)
+            .with_context(|| format!("cannot add service address {} on {}", self.ip, self.dev))?;
         // Tell the neighbours (gratuitous ARP) so clients need not wait for
         // their caches to time out; off the critical path of a migration.
         let (dev, ip) = (self.dev.clone(), self.ip.clone());
@@ -57,15 +58,31 @@ fn addr_change(dev: &str, ip: &str, add: bool) -> Result<()> {
         if index == 0 {
             bail!("no device {dev}");
         }
-        let fd = libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, libc::NETLINK_ROUTE);
+        let fd = libc::socket(
+            libc::AF_NETLINK,
+            libc::SOCK_RAW | libc::SOCK_CLOEXEC,
+            libc::NETLINK_ROUTE,
+        );
         if fd < 0 {
             bail!("netlink socket: {}", std::io::Error::last_os_error());
         }
         // nlmsghdr (16) + ifaddrmsg (8) + IFA_LOCAL (8) + IFA_ADDRESS (8)
         let mut m = Vec::with_capacity(40);
-        let flags = (libc::NLM_F_REQUEST | libc::NLM_F_ACK) as u16 | if add { (libc::NLM_F_CREATE | libc::NLM_F_EXCL) as u16 } else { 0 };
+        let flags = (libc::NLM_F_REQUEST | libc::NLM_F_ACK) as u16
+            | if add {
+                (libc::NLM_F_CREATE | libc::NLM_F_EXCL) as u16
+            } else {
+                0
+            };
         m.extend_from_slice(&40u32.to_ne_bytes());
-        m.extend_from_slice(&(if add { libc::RTM_NEWADDR } else { libc::RTM_DELADDR }).to_ne_bytes());
+        m.extend_from_slice(
+            &(if add {
+                libc::RTM_NEWADDR
+            } else {
+                libc::RTM_DELADDR
+            })
+            .to_ne_bytes(),
+        );
         m.extend_from_slice(&flags.to_ne_bytes());
         m.extend_from_slice(&1u32.to_ne_bytes());
         m.extend_from_slice(&0u32.to_ne_bytes());
@@ -78,7 +95,14 @@ fn addr_change(dev: &str, ip: &str, add: bool) -> Result<()> {
         }
         let mut sa: libc::sockaddr_nl = std::mem::zeroed();
         sa.nl_family = libc::AF_NETLINK as u16;
-        let sent = libc::sendto(fd, m.as_ptr().cast(), m.len(), 0, (&sa as *const libc::sockaddr_nl).cast(), std::mem::size_of::<libc::sockaddr_nl>() as u32);
+        let sent = libc::sendto(
+            fd,
+            m.as_ptr().cast(),
+            m.len(),
+            0,
+            (&sa as *const libc::sockaddr_nl).cast(),
+            std::mem::size_of::<libc::sockaddr_nl>() as u32,
+        );
         if sent < 0 {
             let e = std::io::Error::last_os_error();
             libc::close(fd);
@@ -94,7 +118,11 @@ fn addr_change(dev: &str, ip: &str, add: bool) -> Result<()> {
         let ty = u16::from_ne_bytes([buf[4], buf[5]]);
         if ty == libc::NLMSG_ERROR as u16 {
             let errno = -i32::from_ne_bytes([buf[16], buf[17], buf[18], buf[19]]);
-            let benign = if add { libc::EEXIST } else { libc::EADDRNOTAVAIL };
+            let benign = if add {
+                libc::EEXIST
+            } else {
+                libc::EADDRNOTAVAIL
+            };
             if errno != 0 && errno != benign {
                 bail!("{}", std::io::Error::from_raw_os_error(errno));
             }
@@ -114,7 +142,11 @@ fn gratuitous_arp(dev: &str, ip: &str) -> Result<()> {
         if ifindex == 0 {
             bail!("no device {dev}");
         }
-        let fd = libc::socket(libc::AF_PACKET, libc::SOCK_DGRAM, (libc::ETH_P_ARP as u16).to_be() as i32);
+        let fd = libc::socket(
+            libc::AF_PACKET,
+            libc::SOCK_DGRAM,
+            (libc::ETH_P_ARP as u16).to_be() as i32,
+        );
         if fd < 0 {
             bail!("packet socket: {}", std::io::Error::last_os_error());
         }
@@ -143,7 +175,14 @@ fn gratuitous_arp(dev: &str, ip: &str) -> Result<()> {
         sll.sll_addr[..6].copy_from_slice(&[0xff; 6]);
         let mut err = None;
         for _ in 0..3 {
-            let n = libc::sendto(fd, pkt.as_ptr().cast(), pkt.len(), 0, (&sll as *const libc::sockaddr_ll).cast(), std::mem::size_of::<libc::sockaddr_ll>() as u32);
+            let n = libc::sendto(
+                fd,
+                pkt.as_ptr().cast(),
+                pkt.len(),
+                0,
+                (&sll as *const libc::sockaddr_ll).cast(),
+                std::mem::size_of::<libc::sockaddr_ll>() as u32,
+            );
             if n < 0 {
                 err = Some(std::io::Error::last_os_error());
             }
@@ -193,7 +232,12 @@ impl SortJob {
         let other = mem.len - rec_bytes;
         // SAFETY: a sub-range of the region.
         let records = unsafe { Mem::new(mem.base.add(other), rec_bytes) };
-        let job = Arc::new(SortJob { records, stop_warm: AtomicBool::new(false), warm: Mutex::new(None), ready: AtomicBool::new(incoming) });
+        let job = Arc::new(SortJob {
+            records,
+            stop_warm: AtomicBool::new(false),
+            warm: Mutex::new(None),
+            ready: AtomicBool::new(incoming),
+        });
         if incoming {
             return job;
         }
@@ -253,14 +297,23 @@ struct Workload {
 }
 
 /// Start `spec`'s workload on the region in background threads.
-fn start_workload(spec: &Value, region: &Arc<Region>, gate: &Arc<Gate>, incoming: bool) -> Result<Workload> {
+fn start_workload(
+    spec: &Value,
+    region: &Arc<Region>,
+    gate: &Arc<Gate>,
+    incoming: bool,
+) -> Result<Workload> {
     // SAFETY: the region outlives the process's use of it (the runner never drops it while workloads run).
     let mem = unsafe { Mem::new(region.as_ptr(), region.len()) };
     let kind = spec["kind"].as_str().unwrap_or("");
     let threads = spec["threads"].as_u64().unwrap_or(2) as usize;
     match kind {
         "synthetic" => {
-            let dist: synthetic::Dist = spec["dist"].as_str().unwrap_or("zipf:0.99").parse().map_err(anyhow::Error::msg)?;
+            let dist: synthetic::Dist = spec["dist"]
+                .as_str()
+                .unwrap_or("zipf:0.99")
+                .parse()
+                .map_err(anyhow::Error::msg)?;
             let o = synthetic::Opts {
                 dist,
                 write_frac: spec["write_frac"].as_f64().unwrap_or(0.3),
@@ -275,17 +328,22 @@ fn start_workload(spec: &Value, region: &Arc<Region>, gate: &Arc<Gate>, incoming
             };
             let ops = Arc::new(AtomicU64::new(0));
             let o2 = ops.clone();
-            std::thread::Builder::new().name("synthetic".into()).spawn(move || {
-                let mut total = 0u64;
-                synthetic::run(mem, &o, |_, rate| {
-                    total += rate as u64;
-                    o2.store(total, Relaxed);
-                });
-            })?;
+            std::thread::Builder::new()
+                .name("synthetic".into())
+                .spawn(move || {
+                    let mut total = 0u64;
+                    synthetic::run(mem, &o, |_, rate| {
+                        total += rate as u64;
+                        o2.store(total, Relaxed);
+                    });
+                })?;
             Ok(Workload { ops, sort: None })
         }
         "kv" => {
-            let listen = spec["listen"].as_str().unwrap_or("127.0.0.1:11211").to_string();
+            let listen = spec["listen"]
+                .as_str()
+                .unwrap_or("127.0.0.1:11211")
+                .to_string();
             let mut k = kv::Kv::open(mem);
             let r = region.clone();
             k.extra_stats = Some(Box::new(move || {
@@ -311,7 +369,10 @@ fn start_workload(spec: &Value, region: &Arc<Region>, gate: &Arc<Gate>, incoming
             });
             Ok(Workload { ops, sort: None })
         }
-        "sortjob" => Ok(Workload { ops: Arc::new(AtomicU64::new(0)), sort: Some(SortJob::start(mem, spec, incoming)) }),
+        "sortjob" => Ok(Workload {
+            ops: Arc::new(AtomicU64::new(0)),
+            sort: Some(SortJob::start(mem, spec, incoming)),
+        }),
         k => bail!("workload {k:?} cannot run hosted (use synthetic, kv or sortjob)"),
     }
 }
@@ -349,7 +410,9 @@ impl source::Guest for Running {
 }
 
 fn locations(region: &Region) -> Value {
-    let Some(s) = region.snapshot() else { return Value::Null };
+    let Some(s) = region.snapshot() else {
+        return Value::Null;
+    };
     let (mut local, mut zero) = (0u64, 0u64);
     let mut remote = vec![0u64; s.servers.len()];
     for l in &s.location {
@@ -359,12 +422,26 @@ fn locations(region: &Region) -> Value {
             Location::Remote(i) => remote[*i] += 1,
         }
     }
-    let per: serde_json::Map<String, Value> = s.servers.iter().zip(&remote).filter(|(_, n)| **n > 0).map(|(a, n)| (a.clone(), json!(n))).collect();
+    let per: serde_json::Map<String, Value> = s
+        .servers
+        .iter()
+        .zip(&remote)
+        .filter(|(_, n)| **n > 0)
+        .map(|(a, n)| (a.clone(), json!(n)))
+        .collect();
     json!({"local": local, "zero": zero, "remote": per})
 }
 
 impl Running {
-    fn new(name: String, spec: Value, region: Arc<Region>, gate: Arc<Gate>, w: Workload, service: Option<Service>, secret: Secret) -> Running {
+    fn new(
+        name: String,
+        spec: Value,
+        region: Arc<Region>,
+        gate: Arc<Gate>,
+        w: Workload,
+        service: Option<Service>,
+        secret: Secret,
+    ) -> Running {
         Running {
             name,
             spec,
@@ -400,17 +477,30 @@ impl Running {
             bail!("a migration of {} is already running", self.name);
         }
         self.cancel.store(false, Relaxed);
-        let to = req["to"].as_str().context("migrate needs \"to\"")?.to_string();
+        let to = req["to"]
+            .as_str()
+            .context("migrate needs \"to\"")?
+            .to_string();
         let subs: Vec<source::SubHost> = req["subs"]
             .as_array()
-            .map(|a| a.iter().map(|s| source::SubHost { addr: s["addr"].as_str().unwrap_or("").into(), pages: s["pages"].as_u64().unwrap_or(0) }).collect())
+            .map(|a| {
+                a.iter()
+                    .map(|s| source::SubHost {
+                        addr: s["addr"].as_str().unwrap_or("").into(),
+                        pages: s["pages"].as_u64().unwrap_or(0),
+                    })
+                    .collect()
+            })
             .unwrap_or_default();
         let main_pages = req["main_pages"].as_u64().unwrap_or(self.region.pages());
         let mut o = source::Options::new(to, subs, main_pages, self.secret.clone());
         o.name = self.name.clone();
         o.workload = self.spec.clone();
         o.verify = req["verify"].as_bool().unwrap_or(false);
-        o.policy = req["policy"].as_str().unwrap_or(self.spec["policy"].as_str().unwrap_or("clock")).to_string();
+        o.policy = req["policy"]
+            .as_str()
+            .unwrap_or(self.spec["policy"].as_str().unwrap_or("clock"))
+            .to_string();
         o.dest_chunk = req["chunk"].as_u64().map(|c| c as usize);
         o.gather = req["gather"].as_bool().unwrap_or(false);
         if let Some(n) = req["max_rounds"].as_u64() {
@@ -449,7 +539,11 @@ impl Running {
             }
             Err(e) => {
                 self.migrating.store(false, Relaxed);
-                let _ = writeln!(w, "{}", json!({ "error": e.to_string(), "in_doubt": matches!(e, source::MigrateError::InDoubt(_)) }));
+                let _ = writeln!(
+                    w,
+                    "{}",
+                    json!({ "error": e.to_string(), "in_doubt": matches!(e, source::MigrateError::InDoubt(_)) })
+                );
                 Ok(())
             }
         }
@@ -458,7 +552,8 @@ impl Running {
 
 fn serve_control(path: &Path, r: Arc<Running>) -> Result<()> {
     let _ = std::fs::remove_file(path);
-    let l = UnixListener::bind(path).with_context(|| format!("cannot create control socket {}", path.display()))?;
+    let l = UnixListener::bind(path)
+        .with_context(|| format!("cannot create control socket {}", path.display()))?;
     for c in l.incoming() {
         let Ok(mut c) = c else { continue };
         let r = r.clone();
@@ -478,12 +573,16 @@ fn serve_control(path: &Path, r: Arc<Running>) -> Result<()> {
                         Err(e) => json!({"error": e.to_string()}),
                     },
                     "evacuate" => match (req["from"].as_str(), req["to"].as_str()) {
-                        (Some(f), Some(t)) if !r.migrating.load(Relaxed) => match r.region.evacuate(f, t) {
-                            Ok(n) => json!({"ok": true, "moved": n}),
-                            Err(e) => json!({"error": e}),
-                        },
+                        (Some(f), Some(t)) if !r.migrating.load(Relaxed) => {
+                            match r.region.evacuate(f, t) {
+                                Ok(n) => json!({"ok": true, "moved": n}),
+                                Err(e) => json!({"error": e}),
+                            }
+                        }
                         (Some(_), Some(_)) => json!({"error": "the guest is migrating"}),
-                        _ => json!({"error": "evacuate needs \"from\" and \"to\" (memory-server addresses)"}),
+                        _ => {
+                            json!({"error": "evacuate needs \"from\" and \"to\" (memory-server addresses)"})
+                        }
                     },
                     "sort" => match &r.sort {
                         Some(j) if !r.migrating.load(Relaxed) => j.sort(&r.region),
@@ -507,10 +606,16 @@ fn serve_control(path: &Path, r: Arc<Running>) -> Result<()> {
                         // (before the reply, so the caller sees them gone).
                         r.gate.pause(Duration::from_secs(5));
                         let deleted = r.region.delete_remote();
-                        let _ = writeln!(c, "{}", json!({"ok": deleted.is_ok(), "error": deleted.err().map(|e| e.to_string())}));
+                        let _ = writeln!(
+                            c,
+                            "{}",
+                            json!({"ok": deleted.is_ok(), "error": deleted.err().map(|e| e.to_string())})
+                        );
                         std::process::exit(0);
                     }
-                    op => json!({"error": format!("unknown op {op:?}: use status, migrate, evacuate, cancel, set_budget, stop")}),
+                    op => {
+                        json!({"error": format!("unknown op {op:?}: use status, migrate, evacuate, cancel, set_budget, stop")})
+                    }
                 },
             };
             let _ = writeln!(c, "{reply}");
@@ -528,18 +633,36 @@ fn host(r: Running, control: &Path) -> Result<()> {
 }
 
 /// `pagefleet run ... --control`: a new guest started here.
-pub fn run_hosted(name: String, spec: Value, region: Arc<Region>, service: Option<Service>, control: PathBuf, secret: Secret) -> Result<()> {
+pub fn run_hosted(
+    name: String,
+    spec: Value,
+    region: Arc<Region>,
+    service: Option<Service>,
+    control: PathBuf,
+    secret: Secret,
+) -> Result<()> {
     if let Some(s) = &service {
         s.claim()?;
     }
     let gate = Arc::new(Gate::default());
     let w = start_workload(&spec, &region, &gate, false)?;
-    host(Running::new(name, spec, region, gate, w, service, secret), &control)
+    host(
+        Running::new(name, spec, region, gate, w, service, secret),
+        &control,
+    )
 }
 
 /// `pagefleet runner-incoming`: wait for one migration, then run the guest.
-pub fn run_incoming(listen: &str, control: PathBuf, budget_pages: Option<u64>, service_dev: String, secret: Secret, timeout: Duration) -> Result<()> {
-    let l = std::net::TcpListener::bind(listen).with_context(|| format!("cannot listen for the migration on {listen}"))?;
+pub fn run_incoming(
+    listen: &str,
+    control: PathBuf,
+    budget_pages: Option<u64>,
+    service_dev: String,
+    secret: Secret,
+    timeout: Duration,
+) -> Result<()> {
+    let l = std::net::TcpListener::bind(listen)
+        .with_context(|| format!("cannot listen for the migration on {listen}"))?;
     println!("migrate listening {}", l.local_addr()?);
     std::io::stdout().flush()?;
     l.set_nonblocking(true)?;
@@ -556,15 +679,21 @@ pub fn run_incoming(listen: &str, control: PathBuf, budget_pages: Option<u64>, s
             Ok((s, peer)) => {
                 s.set_nonblocking(false)?;
                 let (tx, secret) = (tx.clone(), secret.clone());
-                std::thread::spawn(move || match dest::authenticate(s, &secret, Duration::from_secs(10)) {
-                    Ok(st) => {
-                        let _ = tx.send(st);
+                std::thread::spawn(move || {
+                    match dest::authenticate(s, &secret, Duration::from_secs(10)) {
+                        Ok(st) => {
+                            let _ = tx.send(st);
+                        }
+                        Err(e) => eprintln!("ignored a connection from {peer}: {e}"),
                     }
-                    Err(e) => eprintln!("ignored a connection from {peer}: {e}"),
                 });
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && t.elapsed() < timeout => std::thread::sleep(Duration::from_millis(5)),
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => bail!("no migration arrived within {timeout:?}"),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && t.elapsed() < timeout => {
+                std::thread::sleep(Duration::from_millis(5))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                bail!("no migration arrived within {timeout:?}")
+            }
             Err(e) => return Err(e.into()),
         }
     };
@@ -573,7 +702,10 @@ pub fn run_incoming(listen: &str, control: PathBuf, budget_pages: Option<u64>, s
     let progress = dest::Progress::default();
     let received = dest::receive(stream, &secret, &progress).context("incoming migration")?;
     let (here, remote) = received.counts();
-    eprintln!("received {} pages, {} located on servers; building the region", here, remote);
+    eprintln!(
+        "received {} pages, {} located on servers; building the region",
+        here, remote
+    );
     let mut committed = received.commit(&secret, |c| {
         if let Some(b) = budget_pages {
             c.budget_pages = c.budget_pages.min(b);
@@ -590,12 +722,26 @@ pub fn run_incoming(listen: &str, control: PathBuf, budget_pages: Option<u64>, s
     } else {
         (None, 0.0)
     };
-    let service = spec.workload["service_ip"].as_str().map(|ip| Service { ip: ip.to_string(), dev: service_dev });
+    let service = spec.workload["service_ip"].as_str().map(|ip| Service {
+        ip: ip.to_string(),
+        dev: service_dev,
+    });
     if let Some(s) = &service {
         s.claim()?;
     }
     let gate = Arc::new(Gate::default());
     let w = start_workload(&spec.workload, &region, &gate, true)?;
     committed.started(sum, secs);
-    host(Running::new(spec.name.clone(), spec.workload.clone(), region, gate, w, service, secret), &control)
+    host(
+        Running::new(
+            spec.name.clone(),
+            spec.workload.clone(),
+            region,
+            gate,
+            w,
+            service,
+            secret,
+        ),
+        &control,
+    )
 }

@@ -6,15 +6,25 @@ use std::process::Command;
 
 #[test]
 fn bench_memserver_quick_json_has_results_and_goals() {
-    let out_dir = std::env::temp_dir().join(format!("pagefleet-bench-smoke-{}", std::process::id()));
+    let out_dir =
+        std::env::temp_dir().join(format!("pagefleet-bench-smoke-{}", std::process::id()));
     let out = Command::new(env!("CARGO_BIN_EXE_pagefleet"))
-        .args(["bench", "memserver", "--quick", "--json", "--dataset", "32MiB", "--out"])
+        .args([
+            "bench",
+            "memserver",
+            "--quick",
+            "--json",
+            "--dataset",
+            "32MiB",
+            "--out",
+        ])
         .arg(&out_dir)
         .output()
         .expect("run pagefleet bench memserver");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "bench failed: {stderr}");
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stdout is one JSON object");
+    let v: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("stdout is one JSON object");
     let tp = v["throughput"].as_array().unwrap();
     for sys in ["raw TCP", "raw mem", "pagefleet", "memcached"] {
         assert!(tp.iter().any(|r| r["system"] == sys), "no {sys} rows");
@@ -33,10 +43,21 @@ fn bench_memserver_quick_json_has_results_and_goals() {
         }
         let met = g["met"].as_bool().unwrap();
         let (val, tgt) = (g["value"].as_f64().unwrap(), g["target"].as_f64().unwrap());
-        assert_eq!(met, if g["cmp"] == ">=" { val >= tgt } else { val <= tgt }, "goal verdict inconsistent: {g}");
+        assert_eq!(
+            met,
+            if g["cmp"] == ">=" {
+                val >= tgt
+            } else {
+                val <= tgt
+            },
+            "goal verdict inconsistent: {g}"
+        );
     }
     assert!(v["rss"]["stored_bytes"].as_u64().unwrap() == 1 << 30);
-    assert!(stderr.contains("Goals (from this run)"), "table goes to stderr with --json");
+    assert!(
+        stderr.contains("Goals (from this run)"),
+        "table goes to stderr with --json"
+    );
     if let Some(p) = v["plot"].as_str() {
         let png = std::fs::read(p).unwrap();
         assert_eq!(&png[1..4], b"PNG");
@@ -48,15 +69,31 @@ fn bench_memserver_quick_json_has_results_and_goals() {
 /// pagefleet configuration) and reports every goal with its measured value.
 #[test]
 fn bench_paging_quick_json_has_rows_faults_and_goals() {
-    let out_dir = std::env::temp_dir().join(format!("pagefleet-bench-paging-smoke-{}", std::process::id()));
+    let out_dir = std::env::temp_dir().join(format!(
+        "pagefleet-bench-paging-smoke-{}",
+        std::process::id()
+    ));
     let out = Command::new(env!("CARGO_BIN_EXE_pagefleet"))
-        .args(["bench", "paging", "--quick", "--json", "--dataset", "64MiB", "--reps", "1", "--only", "50% clock c16", "--out"])
+        .args([
+            "bench",
+            "paging",
+            "--quick",
+            "--json",
+            "--dataset",
+            "64MiB",
+            "--reps",
+            "1",
+            "--only",
+            "50% clock c16",
+            "--out",
+        ])
         .arg(&out_dir)
         .output()
         .expect("run pagefleet bench paging");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "bench failed: {stderr}");
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stdout is one JSON object");
+    let v: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("stdout is one JSON object");
     let rows = v["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 2, "{rows:?}");
     for r in rows {
@@ -64,7 +101,10 @@ fn bench_paging_quick_json_has_rows_faults_and_goals() {
         assert!(r["ops_per_sec"].as_f64().unwrap() > 0.0, "{r}");
     }
     let pf = rows.iter().find(|r| r["cfg"]["kind"] == "Region").unwrap();
-    assert!(pf["page_outs"].as_u64().unwrap() > 0, "a 50% budget must page out: {pf}");
+    assert!(
+        pf["page_outs"].as_u64().unwrap() > 0,
+        "a 50% budget must page out: {pf}"
+    );
     let faults = v["faults"].as_array().unwrap();
     assert_eq!(faults.len(), 3);
     assert!(faults.iter().all(|f| f["p50_us"].as_f64().unwrap() > 0.0));
@@ -85,23 +125,41 @@ fn bench_migration_quick_json_has_rows_and_goals() {
         eprintln!("skipped: the testbed needs root (CI runs as root)");
         return;
     }
-    let out_dir = std::env::temp_dir().join(format!("pagefleet-bench-migration-smoke-{}", std::process::id()));
+    let out_dir = std::env::temp_dir().join(format!(
+        "pagefleet-bench-migration-smoke-{}",
+        std::process::id()
+    ));
     let out = Command::new(env!("CARGO_BIN_EXE_pagefleet"))
-        .args(["bench", "migration", "--quick", "--json", "--dataset", "128MiB", "--out"])
+        .args([
+            "bench",
+            "migration",
+            "--quick",
+            "--json",
+            "--dataset",
+            "128MiB",
+            "--out",
+        ])
         .arg(&out_dir)
         .output()
         .expect("run pagefleet bench migration");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "bench failed: {stderr}");
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stdout is one JSON object");
+    let v: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("stdout is one JSON object");
     let time = v["time"].as_array().unwrap();
     assert_eq!(time.len(), 6, "2 workloads x 3 destinations");
     for r in time {
-        assert!(r["total_secs"].as_f64().unwrap() > 0.0 && r["downtime_ms"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(
+            r["total_secs"].as_f64().unwrap() > 0.0 && r["downtime_ms"].as_f64().unwrap() > 0.0,
+            "{r}"
+        );
     }
     let sort = v["sort"].as_array().unwrap();
     assert_eq!(sort.len(), 4);
-    assert!(sort.iter().all(|s| s["sorted"] == true), "a sort came out wrong: {sort:?}");
+    assert!(
+        sort.iter().all(|s| s["sorted"] == true),
+        "a sort came out wrong: {sort:?}"
+    );
     let kv = v["kv"].as_array().unwrap();
     assert_eq!(kv.len(), 3);
     for k in kv {
@@ -111,8 +169,19 @@ fn bench_migration_quick_json_has_rows_and_goals() {
     let goals = v["goals"].as_array().unwrap();
     assert!(goals.len() >= 10, "{goals:?}");
     for g in goals {
-        let (val, tgt) = (g["value"].as_f64().unwrap_or(f64::NAN), g["target"].as_f64().unwrap());
-        assert_eq!(g["met"].as_bool().unwrap(), if g["cmp"] == ">=" { val >= tgt } else { val <= tgt }, "goal verdict inconsistent: {g}");
+        let (val, tgt) = (
+            g["value"].as_f64().unwrap_or(f64::NAN),
+            g["target"].as_f64().unwrap(),
+        );
+        assert_eq!(
+            g["met"].as_bool().unwrap(),
+            if g["cmp"] == ">=" {
+                val >= tgt
+            } else {
+                val <= tgt
+            },
+            "goal verdict inconsistent: {g}"
+        );
     }
     let _ = std::fs::remove_dir_all(&out_dir);
 }
@@ -121,17 +190,33 @@ fn bench_migration_quick_json_has_rows_and_goals() {
 /// and nbdkit's memory plugin, two block sizes, both queue depths).
 #[test]
 fn bench_blockdev_quick_json_has_rows_and_goals() {
-    let out_dir = std::env::temp_dir().join(format!("pagefleet-bench-blockdev-smoke-{}", std::process::id()));
+    let out_dir = std::env::temp_dir().join(format!(
+        "pagefleet-bench-blockdev-smoke-{}",
+        std::process::id()
+    ));
     let out = Command::new(env!("CARGO_BIN_EXE_pagefleet"))
-        .args(["bench", "blockdev", "--quick", "--json", "--dataset", "32MiB", "--out"])
+        .args([
+            "bench",
+            "blockdev",
+            "--quick",
+            "--json",
+            "--dataset",
+            "32MiB",
+            "--out",
+        ])
         .arg(&out_dir)
         .output()
         .expect("run pagefleet bench blockdev");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "bench failed: {stderr}");
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stdout is one JSON object");
+    let v: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("stdout is one JSON object");
     let rows = v["rows"].as_array().unwrap();
-    assert_eq!(rows.len(), 16, "2 targets x 2 patterns x 2 sizes x 2 depths");
+    assert_eq!(
+        rows.len(),
+        16,
+        "2 targets x 2 patterns x 2 sizes x 2 depths"
+    );
     for r in rows {
         assert!(r["error"].is_null(), "{r}");
         assert!(r["iops"].as_f64().unwrap() > 0.0, "{r}");
@@ -139,8 +224,19 @@ fn bench_blockdev_quick_json_has_rows_and_goals() {
     let goals = v["goals"].as_array().unwrap();
     assert_eq!(goals.len(), 9);
     for g in goals {
-        let (val, tgt) = (g["value"].as_f64().unwrap_or(f64::NAN), g["target"].as_f64().unwrap());
-        assert_eq!(g["met"].as_bool().unwrap(), if g["cmp"] == ">=" { val >= tgt } else { val <= tgt }, "goal verdict inconsistent: {g}");
+        let (val, tgt) = (
+            g["value"].as_f64().unwrap_or(f64::NAN),
+            g["target"].as_f64().unwrap(),
+        );
+        assert_eq!(
+            g["met"].as_bool().unwrap(),
+            if g["cmp"] == ">=" {
+                val >= tgt
+            } else {
+                val <= tgt
+            },
+            "goal verdict inconsistent: {g}"
+        );
     }
     let _ = std::fs::remove_dir_all(&out_dir);
 }

@@ -101,7 +101,10 @@ impl Pages<'_> {
         let lo = k * batch;
         let hi = (lo + batch).min(self.len());
         match self {
-            Pages::Run { first, .. } => PageSel::Run { first: first + lo as u64, count: (hi - lo) as u32 },
+            Pages::Run { first, .. } => PageSel::Run {
+                first: first + lo as u64,
+                count: (hi - lo) as u32,
+            },
             Pages::List(v) => PageSel::List(v[lo..hi].to_vec()),
         }
     }
@@ -144,12 +147,19 @@ fn resolve(addr: &str) -> io::Result<SocketAddr> {
 impl Conn {
     /// Connect and authenticate (mutually) with the cluster secret.
     pub fn connect(addr: &str, secret: &Secret, opts: &ConnectOptions) -> Result<Conn> {
-        let cerr = |source| ClientError::Connect { addr: addr.to_string(), source };
+        let cerr = |source| ClientError::Connect {
+            addr: addr.to_string(),
+            source,
+        };
         let sa = resolve(addr).map_err(cerr)?;
         let stream = TcpStream::connect_timeout(&sa, opts.connect_timeout).map_err(cerr)?;
         stream.set_nodelay(true).map_err(cerr)?;
-        stream.set_read_timeout(Some(opts.io_timeout)).map_err(cerr)?;
-        stream.set_write_timeout(Some(opts.io_timeout)).map_err(cerr)?;
+        stream
+            .set_read_timeout(Some(opts.io_timeout))
+            .map_err(cerr)?;
+        stream
+            .set_write_timeout(Some(opts.io_timeout))
+            .map_err(cerr)?;
         let mut rb = RecvBuf::new(16 * 1024);
         // Read little ahead, so page data goes straight into the caller's buffer.
         rb.set_read_max(4096 + 64);
@@ -159,7 +169,12 @@ impl Conn {
             next_id: 1,
             sendbuf: Vec::with_capacity(8192),
             addr: addr.to_string(),
-            info: ServerInfo { server_id: 0, capacity_pages: 0, used_pages: 0, max_batch_pages: 0 },
+            info: ServerInfo {
+                server_id: 0,
+                capacity_pages: 0,
+                used_pages: 0,
+                max_batch_pages: 0,
+            },
             window: opts.window.max(1),
             spin: Duration::ZERO,
         };
@@ -192,10 +207,15 @@ impl Conn {
         let ok = HelloOk::decode(&body).map_err(|e| c.proto(e.message))?;
         let expect = secret.server_mac(&w.server_nonce, &client_nonce, w.server_id);
         if !auth::macs_equal(&expect, &ok.mac) || ok.server_id != w.server_id {
-            return Err(ClientError::ServerAuth { addr: c.addr.clone() });
+            return Err(ClientError::ServerAuth {
+                addr: c.addr.clone(),
+            });
         }
         if ok.page_size as usize != PAGE_SIZE {
-            return Err(c.proto(format!("server page size {} is not {PAGE_SIZE}", ok.page_size)));
+            return Err(c.proto(format!(
+                "server page size {} is not {PAGE_SIZE}",
+                ok.page_size
+            )));
         }
         c.info = ServerInfo {
             server_id: ok.server_id,
@@ -226,7 +246,14 @@ impl Conn {
         let mut b = [0u8; 1];
         while t.elapsed() < self.spin {
             // SAFETY: one-byte peek into a local buffer.
-            let n = unsafe { libc::recv(self.stream.as_raw_fd(), b.as_mut_ptr().cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+            let n = unsafe {
+                libc::recv(
+                    self.stream.as_raw_fd(),
+                    b.as_mut_ptr().cast(),
+                    1,
+                    libc::MSG_PEEK | libc::MSG_DONTWAIT,
+                )
+            };
             if n != -1 {
                 return;
             }
@@ -241,18 +268,27 @@ impl Conn {
     }
 
     fn io(&self, source: io::Error) -> ClientError {
-        ClientError::Io { addr: self.addr.clone(), source }
+        ClientError::Io {
+            addr: self.addr.clone(),
+            source,
+        }
     }
 
     fn proto(&self, msg: impl Into<String>) -> ClientError {
-        ClientError::Protocol { addr: self.addr.clone(), msg: msg.into() }
+        ClientError::Protocol {
+            addr: self.addr.clone(),
+            msg: msg.into(),
+        }
     }
 
     /// Turn an unexpected frame into the right error (ERROR frames become Server errors).
     fn unexpected(&self, h: Header, wanted: &str, body: &[u8]) -> ClientError {
         if h.opcode == Opcode::Error as u8 {
             return match WireError::decode(body, h.id) {
-                Ok(err) => ClientError::Server { addr: self.addr.clone(), err },
+                Ok(err) => ClientError::Server {
+                    addr: self.addr.clone(),
+                    err,
+                },
                 Err(e) => self.proto(format!("undecodable ERROR frame: {}", e.message)),
             };
         }
@@ -270,18 +306,24 @@ impl Conn {
         match self.rb.fill_to(&mut self.stream, HEADER_LEN) {
             Ok(true) => {}
             Ok(false) => {
-                return Err(self.io(io::Error::new(io::ErrorKind::UnexpectedEof, "server closed the connection")))
+                return Err(self.io(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "server closed the connection",
+                )))
             }
             Err(e) => return Err(self.io(e)),
         }
-        let h = Header::decode(&self.rb.available()[..HEADER_LEN]).map_err(|e| self.proto(e.message))?;
+        let h = Header::decode(&self.rb.available()[..HEADER_LEN])
+            .map_err(|e| self.proto(e.message))?;
         self.rb.consume(HEADER_LEN);
         Ok(h)
     }
 
     fn read_body(&mut self, len: usize) -> Result<Vec<u8>> {
         let mut b = vec![0u8; len];
-        self.rb.read_exact_into(&mut self.stream, &mut b).map_err(|e| self.io(e))?;
+        self.rb
+            .read_exact_into(&mut self.stream, &mut b)
+            .map_err(|e| self.io(e))?;
         Ok(b)
     }
 
@@ -300,14 +342,21 @@ impl Conn {
         if h.opcode == Opcode::Error as u8 && (h.id == id || h.id == 0) {
             return Err(self.unexpected(h, op.name(), &body));
         }
-        Err(self.proto(format!("expected {} for request {id}, got opcode {:#04x} for request {}", op.name(), h.opcode, h.id)))
+        Err(self.proto(format!(
+            "expected {} for request {id}, got opcode {:#04x} for request {}",
+            op.name(),
+            h.opcode,
+            h.id
+        )))
     }
 
     /// Round trip a PING; returns the measured time.
     pub fn ping(&mut self) -> Result<Duration> {
         let t = Instant::now();
         let id = self.id();
-        frame(Opcode::Ping, id, &mut self.sendbuf, |b| b.extend_from_slice(b"pagefleet"));
+        frame(Opcode::Ping, id, &mut self.sendbuf, |b| {
+            b.extend_from_slice(b"pagefleet")
+        });
         self.send_buffered()?;
         let body = self.expect_reply(id, Opcode::Pong)?;
         if body != b"pagefleet" {
@@ -318,7 +367,14 @@ impl Conn {
 
     pub fn stat(&mut self, list_regions: bool) -> Result<StatOk> {
         let id = self.id();
-        let req = StatReq { flags: if list_regions { StatReq::LIST_REGIONS } else { 0 }, max_regions: StatReq::MAX_LISTED };
+        let req = StatReq {
+            flags: if list_regions {
+                StatReq::LIST_REGIONS
+            } else {
+                0
+            },
+            max_regions: StatReq::MAX_LISTED,
+        };
         frame(Opcode::Stat, id, &mut self.sendbuf, |b| req.encode(b));
         self.send_buffered()?;
         let body = self.expect_reply(id, Opcode::StatOk)?;
@@ -354,16 +410,30 @@ impl Conn {
     }
 
     /// Queue one GET request (sent by the next `flush` or receive).
-    pub fn queue_get(&mut self, region: u64, sel: &PageSel, mode: GetMode, allow_missing: bool) -> Result<u64> {
+    pub fn queue_get(
+        &mut self,
+        region: u64,
+        sel: &PageSel,
+        mode: GetMode,
+        allow_missing: bool,
+    ) -> Result<u64> {
         if sel.is_empty() || sel.len() > MAX_BATCH_PAGES {
-            return Err(ClientError::Usage(format!("a GET frame takes 1..={MAX_BATCH_PAGES} pages")));
+            return Err(ClientError::Usage(format!(
+                "a GET frame takes 1..={MAX_BATCH_PAGES} pages"
+            )));
         }
         let id = self.id();
-        let mut f = if mode == GetMode::Take { flags::TAKE } else { 0 };
+        let mut f = if mode == GetMode::Take {
+            flags::TAKE
+        } else {
+            0
+        };
         if allow_missing {
             f |= flags::ALLOW_MISSING;
         }
-        frame(Opcode::Get, id, &mut self.sendbuf, |b| encode_pages_req(region, sel, f, b));
+        frame(Opcode::Get, id, &mut self.sendbuf, |b| {
+            encode_pages_req(region, sel, f, b)
+        });
         Ok(id)
     }
 
@@ -383,7 +453,9 @@ impl Conn {
         if h.opcode != Opcode::GetOk as u8 || h.id != id {
             let body = self.read_body(h.body_len as usize)?;
             if h.opcode == Opcode::Error as u8 && h.id != id && h.id != 0 {
-                return Err(self.proto(format!("ERROR for request {} while waiting for {id}", h.id)));
+                return Err(
+                    self.proto(format!("ERROR for request {} while waiting for {id}", h.id))
+                );
             }
             return Err(self.unexpected(h, "GET_OK", &body));
         }
@@ -391,14 +463,19 @@ impl Conn {
         if body_len < 8 {
             return Err(self.proto("GET_OK body too short"));
         }
-        self.rb.fill_to(&mut self.stream, 8).map_err(|e| self.io(e))?;
+        self.rb
+            .fill_to(&mut self.stream, 8)
+            .map_err(|e| self.io(e))?;
         let count = u32::from_le_bytes(self.rb.available()[..4].try_into().unwrap());
         if count as usize > MAX_BATCH_PAGES {
             return Err(self.proto(format!("GET_OK count {count} exceeds {MAX_BATCH_PAGES}")));
         }
         let hl = GetOkHead::head_len(count);
-        self.rb.fill_to(&mut self.stream, hl).map_err(|e| self.io(e))?;
-        let head = GetOkHead::decode(&self.rb.available()[..hl], body_len).map_err(|e| self.proto(e.message))?;
+        self.rb
+            .fill_to(&mut self.stream, hl)
+            .map_err(|e| self.io(e))?;
+        let head = GetOkHead::decode(&self.rb.available()[..hl], body_len)
+            .map_err(|e| self.proto(e.message))?;
         self.rb.consume(hl);
         if dst.len() != count as usize * PAGE_SIZE {
             return Err(ClientError::Usage(format!(
@@ -427,9 +504,18 @@ impl Conn {
                 }
                 i = j;
             }
-            self.rb.read_exact_vectored(&mut self.stream, &mut iov).map_err(|e| ClientError::Io { addr: self.addr.clone(), source: e })?;
+            self.rb
+                .read_exact_vectored(&mut self.stream, &mut iov)
+                .map_err(|e| ClientError::Io {
+                    addr: self.addr.clone(),
+                    source: e,
+                })?;
         }
-        Ok(GetReply { count, present: head.present, missing })
+        Ok(GetReply {
+            count,
+            present: head.present,
+            missing,
+        })
     }
 
     // ---- bulk calls ------------------------------------------------------
@@ -441,7 +527,11 @@ impl Conn {
     pub fn put(&mut self, region: u64, pages: Pages<'_>, data: &[u8], batch: usize) -> Result<u64> {
         let n = pages.len();
         if data.len() != n * PAGE_SIZE {
-            return Err(ClientError::Usage(format!("{n} pages need {} bytes of data, got {}", n * PAGE_SIZE, data.len())));
+            return Err(ClientError::Usage(format!(
+                "{n} pages need {} bytes of data, got {}",
+                n * PAGE_SIZE,
+                data.len()
+            )));
         }
         let batch = batch.clamp(1, MAX_BATCH_PAGES);
         let frames = n.div_ceil(batch);
@@ -455,7 +545,9 @@ impl Conn {
                 inflight.push_back(id);
                 sent += 1;
             }
-            let Some(id) = inflight.pop_front() else { break };
+            let Some(id) = inflight.pop_front() else {
+                break;
+            };
             match self.recv_put(id) {
                 Ok(ok) => new_pages += ok.new_pages as u64,
                 Err(e @ ClientError::Server { .. }) if !e.code().is_some_and(|c| c.is_fatal()) => {
@@ -474,10 +566,22 @@ impl Conn {
     /// `allow_missing`, absent pages are zero-filled and counted; without it,
     /// any absent page fails its frame with NOT_FOUND (nothing of that frame
     /// is taken).
-    pub fn get(&mut self, region: u64, pages: Pages<'_>, dst: &mut [u8], mode: GetMode, allow_missing: bool, batch: usize) -> Result<u64> {
+    pub fn get(
+        &mut self,
+        region: u64,
+        pages: Pages<'_>,
+        dst: &mut [u8],
+        mode: GetMode,
+        allow_missing: bool,
+        batch: usize,
+    ) -> Result<u64> {
         let n = pages.len();
         if dst.len() != n * PAGE_SIZE {
-            return Err(ClientError::Usage(format!("{n} pages need {} bytes of room, got {}", n * PAGE_SIZE, dst.len())));
+            return Err(ClientError::Usage(format!(
+                "{n} pages need {} bytes of room, got {}",
+                n * PAGE_SIZE,
+                dst.len()
+            )));
         }
         let batch = batch.clamp(1, MAX_BATCH_PAGES);
         let frames = n.div_ceil(batch);
@@ -493,7 +597,9 @@ impl Conn {
                 inflight.push_back((id, sent, sel.len()));
                 sent += 1;
             }
-            let Some((id, k, len)) = inflight.pop_front() else { break };
+            let Some((id, k, len)) = inflight.pop_front() else {
+                break;
+            };
             let lo = k * batch * PAGE_SIZE;
             match self.recv_get(id, &mut dst[lo..lo + len * PAGE_SIZE]) {
                 Ok(r) => missing += r.missing.len() as u64,
@@ -519,20 +625,30 @@ impl Conn {
                 let end = first + count;
                 while at < end {
                     let c = (end - at).min(u32::MAX as u64);
-                    v.push(PageSel::Run { first: at, count: c as u32 });
+                    v.push(PageSel::Run {
+                        first: at,
+                        count: c as u32,
+                    });
                     at += c;
                 }
                 v
             }
-            Pages::List(l) => l.chunks(MAX_DELETE_LIST).map(|c| PageSel::List(c.to_vec())).collect(),
+            Pages::List(l) => l
+                .chunks(MAX_DELETE_LIST)
+                .map(|c| PageSel::List(c.to_vec()))
+                .collect(),
         };
         let mut total = 0;
         for sel in frames {
             let id = self.id();
-            frame(Opcode::Delete, id, &mut self.sendbuf, |b| encode_pages_req(region, &sel, 0, b));
+            frame(Opcode::Delete, id, &mut self.sendbuf, |b| {
+                encode_pages_req(region, &sel, 0, b)
+            });
             self.send_buffered()?;
             let body = self.expect_reply(id, Opcode::DeleteOk)?;
-            total += DeleteOk::decode(&body).map_err(|e| self.proto(e.message))?.deleted;
+            total += DeleteOk::decode(&body)
+                .map_err(|e| self.proto(e.message))?
+                .deleted;
         }
         Ok(total)
     }
@@ -541,11 +657,18 @@ impl Conn {
     pub fn delete_region(&mut self, region: u64) -> Result<u64> {
         let id = self.id();
         frame(Opcode::Delete, id, &mut self.sendbuf, |b| {
-            PagesPrefix { region, count: 0, flags: flags::WHOLE_REGION }.encode(b)
+            PagesPrefix {
+                region,
+                count: 0,
+                flags: flags::WHOLE_REGION,
+            }
+            .encode(b)
         });
         self.send_buffered()?;
         let body = self.expect_reply(id, Opcode::DeleteOk)?;
-        Ok(DeleteOk::decode(&body).map_err(|e| self.proto(e.message))?.deleted)
+        Ok(DeleteOk::decode(&body)
+            .map_err(|e| self.proto(e.message))?
+            .deleted)
     }
 }
 
@@ -556,7 +679,10 @@ pub struct Cluster {
 
 impl Cluster {
     pub fn connect(addrs: &[String], secret: &Secret, opts: &ConnectOptions) -> Result<Cluster> {
-        let conns = addrs.iter().map(|a| Conn::connect(a, secret, opts)).collect::<Result<Vec<_>>>()?;
+        let conns = addrs
+            .iter()
+            .map(|a| Conn::connect(a, secret, opts))
+            .collect::<Result<Vec<_>>>()?;
         Ok(Cluster { conns })
     }
     /// STAT every server (regions not listed).
@@ -573,6 +699,7 @@ impl Cluster {
                 best = Some((i, free));
             }
         }
-        best.map(|(i, _)| i).ok_or_else(|| ClientError::Usage("no memory servers configured".into()))
+        best.map(|(i, _)| i)
+            .ok_or_else(|| ClientError::Usage("no memory servers configured".into()))
     }
 }

@@ -20,6 +20,12 @@
 //!
 //! [registry]
 //! peers = ["10.0.0.2:7071", "10.0.0.3:7071"]   # the other hosts' HTTP addresses
+//!
+//! [ksm]                      # same-page merging controller (root; off unless mode is set)
+//! mode = "adaptive"          # or "ksmtuned" (Debian's algorithm), "off"
+//! cpu_budget = "10%"         # adaptive: ksmd's share of one core
+//! pressure_below = "20%"     # adaptive: MemAvailable share that counts as pressure
+//! interval_scale = 1.0       # ksmtuned: factor on its 60 s interval
 //! ```
 
 use crate::units;
@@ -38,6 +44,16 @@ pub struct FileConfig {
     pub memserver: Option<MemserverSection>,
     pub guests: Option<GuestsSection>,
     pub registry: Option<RegistrySection>,
+    pub ksm: Option<KsmSection>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KsmSection {
+    pub mode: Option<String>,
+    pub cpu_budget: Option<String>,
+    pub pressure_below: Option<String>,
+    pub interval_scale: Option<f64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -81,6 +97,8 @@ pub struct Flags {
     pub service_dev: Option<String>,
     pub peers: Option<Vec<String>>,
     pub name: Option<String>,
+    pub ksm: Option<String>,
+    pub ksm_cpu_budget: Option<String>,
 }
 
 /// The daemon's effective settings.
@@ -99,11 +117,14 @@ pub struct Settings {
     pub service_dev: String,
     pub peers: Vec<String>,
     pub name: Option<String>,
+    /// The KSM controller to run (None: none).
+    pub ksm: Option<pagefleet_ksm::control::Spec>,
 }
 
 impl FileConfig {
     pub fn load(path: &Path) -> Result<FileConfig> {
-        let text = std::fs::read_to_string(path).with_context(|| format!("cannot read config {}", path.display()))?;
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read config {}", path.display()))?;
         FileConfig::parse(&text).with_context(|| format!("in config {}", path.display()))
     }
     pub fn parse(text: &str) -> Result<FileConfig> {
@@ -117,25 +138,56 @@ pub fn merge(file: FileConfig, flags: Flags) -> Result<Settings> {
     let g = file.guests.unwrap_or_default();
     let guest_memory = match (flags.guest_memory, g.memory) {
         (Some(l), _) => Some(l),
-        (None, Some(s)) => Some(units::parse_size(&s).map_err(anyhow::Error::msg).context("[guests] memory")?),
+        (None, Some(s)) => Some(
+            units::parse_size(&s)
+                .map_err(anyhow::Error::msg)
+                .context("[guests] memory")?,
+        ),
         (None, None) => None,
     };
     let lend = match (flags.lend, m.lend) {
         (Some(l), _) => Some(l),
-        (None, Some(s)) => Some(units::parse_size(&s).map_err(anyhow::Error::msg).context("[memserver] lend")?),
+        (None, Some(s)) => Some(
+            units::parse_size(&s)
+                .map_err(anyhow::Error::msg)
+                .context("[memserver] lend")?,
+        ),
         (None, None) => None,
     };
     let io = flags.io_timeout_secs.or(m.io_timeout_secs).unwrap_or(30);
     if io == 0 {
         bail!("io_timeout must be at least 1 second");
     }
+    let k = file.ksm.unwrap_or_default();
+    let ksm = match flags.ksm.or(k.mode).as_deref() {
+        None | Some("off") => None,
+        Some(mode) => {
+            let d = pagefleet_ksm::control::Spec::default();
+            let spec = pagefleet_ksm::control::Spec {
+                mode: mode.to_string(),
+                cpu_budget: flags
+                    .ksm_cpu_budget
+                    .or(k.cpu_budget)
+                    .unwrap_or(d.cpu_budget.clone()),
+                pressure_below: k.pressure_below.unwrap_or(d.pressure_below.clone()),
+                interval_scale: k.interval_scale.unwrap_or(d.interval_scale),
+                ..d
+            };
+            // Checked now: a bad value is a startup error, not a silent no-op.
+            spec.options(None, false, None).context("[ksm]")?;
+            Some(spec)
+        }
+    };
     let max_conns = flags.max_conns.or(m.max_conns).unwrap_or(512);
     if max_conns == 0 {
         bail!("max_conns must be at least 1");
     }
     Ok(Settings {
         lend,
-        listen: flags.listen.or(m.listen).unwrap_or_else(|| "127.0.0.1:7070".into()),
+        listen: flags
+            .listen
+            .or(m.listen)
+            .unwrap_or_else(|| "127.0.0.1:7070".into()),
         metrics: flags.metrics.or(m.metrics),
         secret_file: flags.secret_file.or(file.secret_file),
         max_conns,
@@ -144,9 +196,16 @@ pub fn merge(file: FileConfig, flags: Flags) -> Result<Settings> {
         guest_memory,
         runner: flags.runner.or(g.runner),
         guest_dir: flags.guest_dir.or(g.dir),
-        service_dev: flags.service_dev.or(g.service_dev).unwrap_or_else(|| "eth0".into()),
-        peers: flags.peers.or(file.registry.and_then(|r| r.peers)).unwrap_or_default(),
+        service_dev: flags
+            .service_dev
+            .or(g.service_dev)
+            .unwrap_or_else(|| "eth0".into()),
+        peers: flags
+            .peers
+            .or(file.registry.and_then(|r| r.peers))
+            .unwrap_or_default(),
         name: flags.name.or(file.name),
+        ksm,
     })
 }
 
@@ -160,7 +219,14 @@ mod tests {
             "log = \"debug\"\nsecret_file = \"/x/secret\"\n[memserver]\nlend = \"2GiB\"\nlisten = \"0.0.0.0:9000\"\nmax_conns = 7\n",
         )
         .unwrap();
-        let s = merge(f, Flags { listen: Some("127.0.0.1:1".into()), ..Default::default() }).unwrap();
+        let s = merge(
+            f,
+            Flags {
+                listen: Some("127.0.0.1:1".into()),
+                ..Default::default()
+            },
+        )
+        .unwrap();
         assert_eq!(s.lend, Some(2 << 30));
         assert_eq!(s.listen, "127.0.0.1:1");
         assert_eq!(s.max_conns, 7);
@@ -168,9 +234,20 @@ mod tests {
         assert_eq!(s.secret_file, Some(PathBuf::from("/x/secret")));
         assert_eq!(s.io_timeout, Duration::from_secs(30));
         let d = merge(FileConfig::default(), Flags::default()).unwrap();
-        assert_eq!((d.listen.as_str(), d.max_conns, d.lend), ("127.0.0.1:7070", 512, None));
-        let g = merge(FileConfig::parse("[guests]\nmemory = \"1GiB\"\n[registry]\npeers = [\"a:1\"]\n").unwrap(), Flags::default()).unwrap();
-        assert_eq!((g.guest_memory, g.peers.clone(), g.service_dev.as_str()), (Some(1 << 30), vec!["a:1".to_string()], "eth0"));
+        assert_eq!(
+            (d.listen.as_str(), d.max_conns, d.lend),
+            ("127.0.0.1:7070", 512, None)
+        );
+        let g = merge(
+            FileConfig::parse("[guests]\nmemory = \"1GiB\"\n[registry]\npeers = [\"a:1\"]\n")
+                .unwrap(),
+            Flags::default(),
+        )
+        .unwrap();
+        assert_eq!(
+            (g.guest_memory, g.peers.clone(), g.service_dev.as_str()),
+            (Some(1 << 30), vec!["a:1".to_string()], "eth0")
+        );
     }
 
     #[test]
@@ -184,10 +261,55 @@ mod tests {
 
     #[test]
     fn bad_config_is_a_clear_error() {
-        let e = FileConfig::parse("[memserver]\nlendd = \"1GiB\"\n").unwrap_err().to_string();
+        let e = FileConfig::parse("[memserver]\nlendd = \"1GiB\"\n")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("lendd"), "{e}");
-        let e = merge(FileConfig::parse("[memserver]\nlend = \"lots\"\n").unwrap(), Flags::default()).unwrap_err();
+        let e = merge(
+            FileConfig::parse("[memserver]\nlend = \"lots\"\n").unwrap(),
+            Flags::default(),
+        )
+        .unwrap_err();
         assert!(format!("{e:#}").contains("lend"), "{e:#}");
-        assert!(merge(FileConfig::default(), Flags { max_conns: Some(0), ..Default::default() }).is_err());
+        assert!(merge(
+            FileConfig::default(),
+            Flags {
+                max_conns: Some(0),
+                ..Default::default()
+            }
+        )
+        .is_err());
+        let e = merge(
+            FileConfig::parse("[ksm]\nmode = \"turbo\"\n").unwrap(),
+            Flags::default(),
+        )
+        .unwrap_err();
+        assert!(format!("{e:#}").contains("unknown --mode turbo"), "{e:#}");
+        let e = merge(
+            FileConfig::default(),
+            Flags {
+                ksm: Some("adaptive".into()),
+                ksm_cpu_budget: Some("300%".into()),
+                ..Default::default()
+            },
+        )
+        .unwrap_err();
+        assert!(format!("{e:#}").contains("--cpu-budget"), "{e:#}");
+        let k = merge(
+            FileConfig::parse("[ksm]\nmode = \"ksmtuned\"\ninterval_scale = 0.5\n").unwrap(),
+            Flags::default(),
+        )
+        .unwrap();
+        assert_eq!(
+            k.ksm.map(|s| (s.mode, s.interval_scale)),
+            Some(("ksmtuned".to_string(), 0.5))
+        );
+        assert!(merge(
+            FileConfig::parse("[ksm]\nmode = \"off\"\n").unwrap(),
+            Flags::default()
+        )
+        .unwrap()
+        .ksm
+        .is_none());
     }
 }

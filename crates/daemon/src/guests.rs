@@ -47,12 +47,21 @@ pub struct Guests {
 }
 
 fn valid_name(n: &str) -> bool {
-    !n.is_empty() && n.len() <= 32 && n.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+    !n.is_empty()
+        && n.len() <= 32
+        && n.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
 }
 
 /// One request on a runner's control socket; every reply line goes to `each`.
-pub fn control(path: &std::path::Path, req: &Value, timeout: Option<Duration>, mut each: impl FnMut(Value) -> bool) -> anyhow::Result<()> {
-    let mut s = UnixStream::connect(path).map_err(|e| anyhow::anyhow!("runner control {}: {e}", path.display()))?;
+pub fn control(
+    path: &std::path::Path,
+    req: &Value,
+    timeout: Option<Duration>,
+    mut each: impl FnMut(Value) -> bool,
+) -> anyhow::Result<()> {
+    let mut s = UnixStream::connect(path)
+        .map_err(|e| anyhow::anyhow!("runner control {}: {e}", path.display()))?;
     s.set_read_timeout(timeout)?;
     writeln!(s, "{req}")?;
     for line in BufReader::new(s).lines() {
@@ -80,18 +89,31 @@ pub fn control_within(path: &std::path::Path, req: &Value, t: Duration) -> anyho
 
 impl Guests {
     pub fn new(cfg: GuestConfig) -> anyhow::Result<Arc<Guests>> {
-        std::fs::create_dir_all(&cfg.dir).map_err(|e| anyhow::anyhow!("cannot create guest directory {}: {e}", cfg.dir.display()))?;
-        let (tx, rx) = std::sync::mpsc::channel::<SpawnReq>();
-        std::thread::Builder::new().name("runner spawner".into()).spawn(move || {
-            for (mut cmd, reply) in rx {
-                let _ = reply.send(cmd.spawn());
-            }
+        std::fs::create_dir_all(&cfg.dir).map_err(|e| {
+            anyhow::anyhow!("cannot create guest directory {}: {e}", cfg.dir.display())
         })?;
-        Ok(Arc::new(Guests { cfg, map: Mutex::new(BTreeMap::new()), spawner: Mutex::new(tx) }))
+        let (tx, rx) = std::sync::mpsc::channel::<SpawnReq>();
+        std::thread::Builder::new()
+            .name("runner spawner".into())
+            .spawn(move || {
+                for (mut cmd, reply) in rx {
+                    let _ = reply.send(cmd.spawn());
+                }
+            })?;
+        Ok(Arc::new(Guests {
+            cfg,
+            map: Mutex::new(BTreeMap::new()),
+            spawner: Mutex::new(tx),
+        }))
     }
 
     pub fn used_pages(&self) -> u64 {
-        self.map.lock().unwrap().values().map(|e| e.budget_pages).sum()
+        self.map
+            .lock()
+            .unwrap()
+            .values()
+            .map(|e| e.budget_pages)
+            .sum()
     }
     pub fn free_bytes(&self) -> u64 {
         self.cfg.memory.saturating_sub(self.used_pages() * 4096)
@@ -104,7 +126,11 @@ impl Guests {
     pub fn metrics(&self) -> String {
         let (n, incoming, used) = {
             let m = self.map.lock().unwrap();
-            (m.len(), m.values().filter(|e| e.incoming).count(), m.values().map(|e| e.budget_pages).sum::<u64>())
+            (
+                m.len(),
+                m.values().filter(|e| e.incoming).count(),
+                m.values().map(|e| e.budget_pages).sum::<u64>(),
+            )
         };
         format!(
             "# HELP pagefleet_guest_memory_bytes Memory this host gives guests (sum of budgets allowed).\n\
@@ -120,10 +146,23 @@ impl Guests {
         )
     }
 
-    fn spawn(self: &Arc<Guests>, name: &str, mut cmd: Command, budget_pages: u64, incoming: bool, ready: &str, cgroup: Option<PathBuf>) -> Result<String, Response> {
+    fn spawn(
+        self: &Arc<Guests>,
+        name: &str,
+        mut cmd: Command,
+        budget_pages: u64,
+        incoming: bool,
+        ready: &str,
+        cgroup: Option<PathBuf>,
+    ) -> Result<String, Response> {
         let control = self.cfg.dir.join(format!("{name}.sock"));
-        let log = std::fs::File::create(self.cfg.dir.join(format!("{name}.log"))).map_err(|e| Response::error(500, e))?;
-        cmd.arg("--control").arg(&control).stdout(Stdio::piped()).stderr(log).stdin(Stdio::null());
+        let log = std::fs::File::create(self.cfg.dir.join(format!("{name}.log")))
+            .map_err(|e| Response::error(500, e))?;
+        cmd.arg("--control")
+            .arg(&control)
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .stdin(Stdio::null());
         if let Some(f) = &self.cfg.secret_file {
             cmd.arg("--secret-file").arg(f);
         }
@@ -138,29 +177,49 @@ impl Guests {
         {
             let mut m = self.map.lock().unwrap();
             if m.contains_key(name) {
-                return Err(Response::error(409, format!("guest {name:?} already exists on this host")));
+                return Err(Response::error(
+                    409,
+                    format!("guest {name:?} already exists on this host"),
+                ));
             }
             let used: u64 = m.values().map(|e| e.budget_pages).sum();
             if (used + budget_pages) * 4096 > self.cfg.memory {
                 return Err(Response::error(
                     409,
-                    format!("not enough guest memory here: {} pages asked, {} free", budget_pages, (self.cfg.memory / 4096).saturating_sub(used)),
+                    format!(
+                        "not enough guest memory here: {} pages asked, {} free",
+                        budget_pages,
+                        (self.cfg.memory / 4096).saturating_sub(used)
+                    ),
                 ));
             }
             // Reserve before starting, so two requests cannot both take the same memory.
-            m.insert(name.to_string(), Entry { pid: 0, control: control.clone(), budget_pages, incoming });
+            m.insert(
+                name.to_string(),
+                Entry {
+                    pid: 0,
+                    control: control.clone(),
+                    budget_pages,
+                    incoming,
+                },
+            );
         }
         let (tx, rx) = std::sync::mpsc::channel();
         let sent = self.spawner.lock().unwrap().send((cmd, tx));
         let spawned = match sent {
-            Ok(()) => rx.recv().unwrap_or_else(|_| Err(std::io::Error::other("spawner thread gone"))),
+            Ok(()) => rx
+                .recv()
+                .unwrap_or_else(|_| Err(std::io::Error::other("spawner thread gone"))),
             Err(_) => Err(std::io::Error::other("spawner thread gone")),
         };
         let mut child: Child = match spawned {
             Ok(c) => c,
             Err(e) => {
                 self.map.lock().unwrap().remove(name);
-                return Err(Response::error(500, format!("cannot start runner {}: {e}", self.cfg.runner.display())));
+                return Err(Response::error(
+                    500,
+                    format!("cannot start runner {}: {e}", self.cfg.runner.display()),
+                ));
             }
         };
         let pid = child.id();
@@ -170,7 +229,10 @@ impl Guests {
                 let _ = child.kill();
                 let _ = child.wait();
                 self.map.lock().unwrap().remove(name);
-                return Err(Response::error(400, format!("cannot put the runner into cgroup {}: {e}", cg.display())));
+                return Err(Response::error(
+                    400,
+                    format!("cannot put the runner into cgroup {}: {e}", cg.display()),
+                ));
             }
         }
         let mut out = BufReader::new(child.stdout.take().unwrap());
@@ -180,8 +242,12 @@ impl Guests {
             let _ = child.kill();
             let _ = child.wait();
             self.map.lock().unwrap().remove(name);
-            let log = std::fs::read_to_string(self.cfg.dir.join(format!("{name}.log"))).unwrap_or_default();
-            return Err(Response::error(500, format!("runner for {name} did not start: {}", log.trim())));
+            let log = std::fs::read_to_string(self.cfg.dir.join(format!("{name}.log")))
+                .unwrap_or_default();
+            return Err(Response::error(
+                500,
+                format!("runner for {name} did not start: {}", log.trim()),
+            ));
         }
         if let Some(e) = self.map.lock().unwrap().get_mut(name) {
             e.pid = pid;
@@ -210,12 +276,29 @@ impl Guests {
         if !valid_name(name) {
             return Response::error(400, "guest name: 1-32 letters, digits, - or _");
         }
-        let Some(args) = v["args"].as_array() else { return Response::error(400, "\"args\": the workload and its flags, e.g. [\"kv\", \"--size\", \"1GiB\"]") };
-        let args: Vec<String> = args.iter().filter_map(|a| a.as_str().map(String::from)).collect();
-        let Some(size) = v["size"].as_u64() else { return Response::error(400, "\"size\" (bytes) is required") };
+        let Some(args) = v["args"].as_array() else {
+            return Response::error(
+                400,
+                "\"args\": the workload and its flags, e.g. [\"kv\", \"--size\", \"1GiB\"]",
+            );
+        };
+        let args: Vec<String> = args
+            .iter()
+            .filter_map(|a| a.as_str().map(String::from))
+            .collect();
+        let Some(size) = v["size"].as_u64() else {
+            return Response::error(400, "\"size\" (bytes) is required");
+        };
         let budget_pages = v["budget_pages"].as_u64().unwrap_or(size.div_ceil(4096));
         let mut cmd = Command::new(&self.cfg.runner);
-        cmd.arg("run").args(&args).args(["--name", name, "--size", &size.to_string(), "--budget", &(budget_pages * 4096).to_string()]);
+        cmd.arg("run").args(&args).args([
+            "--name",
+            name,
+            "--size",
+            &size.to_string(),
+            "--budget",
+            &(budget_pages * 4096).to_string(),
+        ]);
         cmd.args(["--service-dev", &self.cfg.service_dev]);
         match self.spawn(name, cmd, budget_pages, false, "guest ", None) {
             Ok(_) => Response::json(200, &json!({"ok": true, "name": name})),
@@ -229,9 +312,17 @@ impl Guests {
         if !valid_name(name) {
             return Response::error(400, "guest name: 1-32 letters, digits, - or _");
         }
-        let Some(budget_pages) = v["budget_pages"].as_u64() else { return Response::error(400, "\"budget_pages\" is required") };
+        let Some(budget_pages) = v["budget_pages"].as_u64() else {
+            return Response::error(400, "\"budget_pages\" is required");
+        };
         let mut cmd = Command::new(&self.cfg.runner);
-        cmd.args(["runner-incoming", "--listen", &format!("{}:0", self.cfg.ip), "--budget-pages", &budget_pages.to_string()]);
+        cmd.args([
+            "runner-incoming",
+            "--listen",
+            &format!("{}:0", self.cfg.ip),
+            "--budget-pages",
+            &budget_pages.to_string(),
+        ]);
         cmd.args(["--service-dev", &self.cfg.service_dev]);
         // Optionally inside a memory cgroup the caller set up (e.g. a
         // destination whose memory is limited, with the kernel swapping).
@@ -242,14 +333,30 @@ impl Guests {
             }
         }
         match self.spawn(name, cmd, budget_pages, true, "migrate listening ", cgroup) {
-            Ok(line) => Response::json(200, &json!({"ok": true, "migrate_addr": line.trim_start_matches("migrate listening ").trim()})),
+            Ok(line) => Response::json(
+                200,
+                &json!({"ok": true, "migrate_addr": line.trim_start_matches("migrate listening ").trim()}),
+            ),
             Err(r) => r,
         }
     }
 
     pub fn list(&self) -> Vec<Value> {
-        let entries: Vec<(String, PathBuf, u64, bool, u32)> =
-            self.map.lock().unwrap().iter().map(|(n, e)| (n.clone(), e.control.clone(), e.budget_pages, e.incoming, e.pid)).collect();
+        let entries: Vec<(String, PathBuf, u64, bool, u32)> = self
+            .map
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(n, e)| {
+                (
+                    n.clone(),
+                    e.control.clone(),
+                    e.budget_pages,
+                    e.incoming,
+                    e.pid,
+                )
+            })
+            .collect();
         entries
             .into_iter()
             .map(|(n, c, b, inc, pid)| match control1(&c, &json!({"op": "status"})) {
@@ -260,7 +367,11 @@ impl Guests {
     }
 
     fn entry_control(&self, name: &str) -> Option<PathBuf> {
-        self.map.lock().unwrap().get(name).map(|e| e.control.clone())
+        self.map
+            .lock()
+            .unwrap()
+            .get(name)
+            .map(|e| e.control.clone())
     }
 
     /// Routes under /guests and /incoming.
@@ -278,7 +389,10 @@ impl Guests {
                     Err(e) => Response::error(502, e),
                 },
             },
-            ("POST", ["guests", name, op @ ("stop" | "cancel" | "set_budget" | "evacuate" | "sort")]) => match self.entry_control(name) {
+            (
+                "POST",
+                ["guests", name, op @ ("stop" | "cancel" | "set_budget" | "evacuate" | "sort")],
+            ) => match self.entry_control(name) {
                 None => Response::error(404, format!("no guest {name:?} here")),
                 Some(c) => {
                     let mut req = body();
@@ -287,7 +401,11 @@ impl Guests {
                     }
                     req["op"] = json!(op);
                     // Moving a sub-host's pages takes as long as they take.
-                    let t = if matches!(*op, "evacuate" | "sort") { Duration::from_secs(3600) } else { Duration::from_secs(5) };
+                    let t = if matches!(*op, "evacuate" | "sort") {
+                        Duration::from_secs(3600)
+                    } else {
+                        Duration::from_secs(5)
+                    };
                     match control_within(&c, &req, t) {
                         Ok(v) => Response::json(200, &v),
                         Err(e) => Response::error(502, e),

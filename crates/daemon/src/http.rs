@@ -20,17 +20,29 @@ pub struct Request {
 }
 
 pub enum Response {
-    Full { status: u16, ctype: &'static str, body: String },
+    Full {
+        status: u16,
+        ctype: &'static str,
+        body: String,
+    },
     /// Written straight to the connection after the headers (JSON lines).
     Stream(Box<dyn FnOnce(&mut TcpStream) + Send>),
 }
 
 impl Response {
     pub fn json(status: u16, v: &serde_json::Value) -> Response {
-        Response::Full { status, ctype: "application/json", body: format!("{v}\n") }
+        Response::Full {
+            status,
+            ctype: "application/json",
+            body: format!("{v}\n"),
+        }
     }
     pub fn text(status: u16, body: impl Into<String>) -> Response {
-        Response::Full { status, ctype: "text/plain", body: body.into() }
+        Response::Full {
+            status,
+            ctype: "text/plain",
+            body: body.into(),
+        }
     }
     pub fn error(status: u16, msg: impl std::fmt::Display) -> Response {
         Response::json(status, &serde_json::json!({ "error": msg.to_string() }))
@@ -59,9 +71,13 @@ fn reason(status: u16) -> &'static str {
 fn read_request(s: &TcpStream) -> Result<Request, Response> {
     let mut r = BufReader::new(s);
     let mut line = String::new();
-    r.read_line(&mut line).map_err(|_| Response::text(400, "bad request\n"))?;
+    r.read_line(&mut line)
+        .map_err(|_| Response::text(400, "bad request\n"))?;
     let mut parts = line.split_whitespace();
-    let (method, path) = (parts.next().unwrap_or("").to_string(), parts.next().unwrap_or("").to_string());
+    let (method, path) = (
+        parts.next().unwrap_or("").to_string(),
+        parts.next().unwrap_or("").to_string(),
+    );
     let mut len = 0usize;
     for _ in 0..100 {
         let mut h = String::new();
@@ -71,7 +87,10 @@ fn read_request(s: &TcpStream) -> Result<Request, Response> {
             Ok(_) => {
                 if let Some((k, v)) = h.split_once(':') {
                     if k.trim().eq_ignore_ascii_case("content-length") {
-                        len = v.trim().parse().map_err(|_| Response::text(400, "bad Content-Length\n"))?;
+                        len = v
+                            .trim()
+                            .parse()
+                            .map_err(|_| Response::text(400, "bad Content-Length\n"))?;
                     }
                 }
             }
@@ -81,7 +100,8 @@ fn read_request(s: &TcpStream) -> Result<Request, Response> {
         return Err(Response::text(413, "body too large\n"));
     }
     let mut body = vec![0u8; len];
-    r.read_exact(&mut body).map_err(|_| Response::text(400, "short body\n"))?;
+    r.read_exact(&mut body)
+        .map_err(|_| Response::text(400, "short body\n"))?;
     Ok(Request { method, path, body })
 }
 
@@ -111,33 +131,42 @@ fn respond(s: &mut TcpStream, resp: Response) {
 
 /// Serve `handler` on `listen`; returns the bound address.
 pub fn serve(listen: &str, handler: Handler) -> anyhow::Result<SocketAddr> {
-    let l = TcpListener::bind(listen).map_err(|e| anyhow::anyhow!("cannot listen for HTTP on {listen}: {e} (use --metrics ADDR or --metrics off)"))?;
+    let l = TcpListener::bind(listen).map_err(|e| {
+        anyhow::anyhow!(
+            "cannot listen for HTTP on {listen}: {e} (use --metrics ADDR or --metrics off)"
+        )
+    })?;
     let addr = l.local_addr()?;
     let busy = Arc::new(AtomicUsize::new(0));
-    std::thread::Builder::new().name("http".into()).spawn(move || {
-        for s in l.incoming() {
-            let Ok(mut s) = s else { continue };
-            let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
-            let _ = s.set_write_timeout(Some(Duration::from_secs(5)));
-            if busy.load(Ordering::Relaxed) >= MAX_THREADS {
-                respond(&mut s, Response::text(503, "busy\n"));
-                continue;
+    std::thread::Builder::new()
+        .name("http".into())
+        .spawn(move || {
+            for s in l.incoming() {
+                let Ok(mut s) = s else { continue };
+                let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+                let _ = s.set_write_timeout(Some(Duration::from_secs(5)));
+                if busy.load(Ordering::Relaxed) >= MAX_THREADS {
+                    respond(&mut s, Response::text(503, "busy\n"));
+                    continue;
+                }
+                busy.fetch_add(1, Ordering::Relaxed);
+                let (h, b) = (handler.clone(), busy.clone());
+                let spawned =
+                    std::thread::Builder::new()
+                        .name("http req".into())
+                        .spawn(move || {
+                            let resp = match read_request(&s) {
+                                Ok(req) => h(req),
+                                Err(r) => r,
+                            };
+                            respond(&mut s, resp);
+                            b.fetch_sub(1, Ordering::Relaxed);
+                        });
+                if spawned.is_err() {
+                    busy.fetch_sub(1, Ordering::Relaxed);
+                }
             }
-            busy.fetch_add(1, Ordering::Relaxed);
-            let (h, b) = (handler.clone(), busy.clone());
-            let spawned = std::thread::Builder::new().name("http req".into()).spawn(move || {
-                let resp = match read_request(&s) {
-                    Ok(req) => h(req),
-                    Err(r) => r,
-                };
-                respond(&mut s, resp);
-                b.fetch_sub(1, Ordering::Relaxed);
-            });
-            if spawned.is_err() {
-                busy.fetch_sub(1, Ordering::Relaxed);
-            }
-        }
-    })?;
+        })?;
     Ok(addr)
 }
 
@@ -145,26 +174,47 @@ pub fn serve(listen: &str, handler: Handler) -> anyhow::Result<SocketAddr> {
 pub fn start(listen: &str, render: Render, host: Render) -> anyhow::Result<SocketAddr> {
     serve(
         listen,
-        Arc::new(move |r: Request| match (r.method.as_str(), r.path.as_str()) {
-            ("GET", "/metrics") => Response::Full { status: 200, ctype: "text/plain; version=0.0.4", body: render() },
-            ("GET", "/host") => Response::Full { status: 200, ctype: "application/json", body: host() },
-            ("GET", "/") => Response::text(200, "pagefleetd: /metrics (Prometheus), /host (JSON)\n"),
-            ("GET", _) => Response::text(404, "not found; try /metrics or /host\n"),
-            _ => Response::text(405, "only GET\n"),
-        }),
+        Arc::new(
+            move |r: Request| match (r.method.as_str(), r.path.as_str()) {
+                ("GET", "/metrics") => Response::Full {
+                    status: 200,
+                    ctype: "text/plain; version=0.0.4",
+                    body: render(),
+                },
+                ("GET", "/host") => Response::Full {
+                    status: 200,
+                    ctype: "application/json",
+                    body: host(),
+                },
+                ("GET", "/") => {
+                    Response::text(200, "pagefleetd: /metrics (Prometheus), /host (JSON)\n")
+                }
+                ("GET", _) => Response::text(404, "not found; try /metrics or /host\n"),
+                _ => Response::text(405, "only GET\n"),
+            },
+        ),
     )
 }
 
 fn connect(addr: &str, timeout: Duration) -> anyhow::Result<TcpStream> {
-    let sa: SocketAddr = std::net::ToSocketAddrs::to_socket_addrs(addr)?.next().ok_or_else(|| anyhow::anyhow!("{addr} resolves to nothing"))?;
-    let s = TcpStream::connect_timeout(&sa, timeout).map_err(|e| anyhow::anyhow!("pagefleetd at {addr}: {e}"))?;
+    let sa: SocketAddr = std::net::ToSocketAddrs::to_socket_addrs(addr)?
+        .next()
+        .ok_or_else(|| anyhow::anyhow!("{addr} resolves to nothing"))?;
+    let s = TcpStream::connect_timeout(&sa, timeout)
+        .map_err(|e| anyhow::anyhow!("pagefleetd at {addr}: {e}"))?;
     s.set_read_timeout(Some(timeout))?;
     Ok(s)
 }
 
 fn split_reply(addr: &str, r: &str) -> anyhow::Result<(u16, String)> {
-    let (head, body) = r.split_once("\r\n\r\n").ok_or_else(|| anyhow::anyhow!("pagefleetd at {addr}: malformed HTTP reply"))?;
-    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let (head, body) = r
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| anyhow::anyhow!("pagefleetd at {addr}: malformed HTTP reply"))?;
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
     Ok((status, body.to_string()))
 }
 
@@ -179,7 +229,9 @@ fn fail(addr: &str, status: u16, body: &str) -> anyhow::Error {
 /// `GET path` from a pagefleetd.
 pub fn get(addr: &str, path: &str, timeout: Duration) -> anyhow::Result<String> {
     let mut s = connect(addr, timeout)?;
-    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes())?;
+    s.write_all(
+        format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
+    )?;
     let mut r = String::new();
     s.read_to_string(&mut r)?;
     let (status, body) = split_reply(addr, &r)?;
@@ -190,7 +242,12 @@ pub fn get(addr: &str, path: &str, timeout: Duration) -> anyhow::Result<String> 
 }
 
 /// `POST path` with a JSON body; the JSON reply.
-pub fn post(addr: &str, path: &str, body: &serde_json::Value, timeout: Duration) -> anyhow::Result<serde_json::Value> {
+pub fn post(
+    addr: &str,
+    path: &str,
+    body: &serde_json::Value,
+    timeout: Duration,
+) -> anyhow::Result<serde_json::Value> {
     let mut s = post_open(addr, path, body, timeout)?;
     let mut r = String::new();
     s.read_to_string(&mut r)?;
@@ -201,7 +258,12 @@ pub fn post(addr: &str, path: &str, body: &serde_json::Value, timeout: Duration)
     Ok(serde_json::from_str(&body)?)
 }
 
-fn post_open(addr: &str, path: &str, body: &serde_json::Value, timeout: Duration) -> anyhow::Result<TcpStream> {
+fn post_open(
+    addr: &str,
+    path: &str,
+    body: &serde_json::Value,
+    timeout: Duration,
+) -> anyhow::Result<TcpStream> {
     let mut s = connect(addr, timeout)?;
     let b = body.to_string();
     s.write_all(format!("POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{b}", b.len()).as_bytes())?;
@@ -209,7 +271,13 @@ fn post_open(addr: &str, path: &str, body: &serde_json::Value, timeout: Duration
 }
 
 /// `POST path` whose reply is a stream of JSON lines: `each` sees every line.
-pub fn post_stream(addr: &str, path: &str, body: &serde_json::Value, idle: Duration, mut each: impl FnMut(serde_json::Value)) -> anyhow::Result<()> {
+pub fn post_stream(
+    addr: &str,
+    path: &str,
+    body: &serde_json::Value,
+    idle: Duration,
+    mut each: impl FnMut(serde_json::Value),
+) -> anyhow::Result<()> {
     let s = post_open(addr, path, body, idle)?;
     let mut r = BufReader::new(s);
     let mut head = String::new();
@@ -223,7 +291,11 @@ pub fn post_stream(addr: &str, path: &str, body: &serde_json::Value, idle: Durat
         }
         head.push_str(&l);
     }
-    let status: u16 = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let status: u16 = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
     if status != 200 {
         let mut b = String::new();
         r.read_to_string(&mut b)?;

@@ -19,14 +19,22 @@ pub struct MemServer {
 }
 
 impl MemServer {
-    pub fn start(listen: &str, lend_bytes: u64, secret: Secret, cfg: ServerConfig) -> Result<MemServer> {
+    pub fn start(
+        listen: &str,
+        lend_bytes: u64,
+        secret: Secret,
+        cfg: ServerConfig,
+    ) -> Result<MemServer> {
         let store = Store::new(lend_bytes).context("cannot create the page store")?;
-        let listener = TcpListener::bind(listen)
-            .with_context(|| format!("cannot listen on {listen} (address in use? pick another with --listen)"))?;
+        let listener = TcpListener::bind(listen).with_context(|| {
+            format!("cannot listen on {listen} (address in use? pick another with --listen)")
+        })?;
         let addr = listener.local_addr()?;
         let state = Arc::new(ServerState::new(store, secret, cfg));
         let st = state.clone();
-        std::thread::Builder::new().name("memserver accept".into()).spawn(move || server::serve(listener, st))?;
+        std::thread::Builder::new()
+            .name("memserver accept".into())
+            .spawn(move || server::serve(listener, st))?;
         Ok(MemServer { state, addr })
     }
 }
@@ -71,11 +79,19 @@ pub fn meminfo() -> (u64, u64) {
 impl HostReport {
     pub fn collect(ms: Option<(&ServerState, SocketAddr)>) -> HostReport {
         let (mem_total, mem_available) = meminfo();
-        let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default().trim().to_string();
+        let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .unwrap_or_default()
+            .trim()
+            .to_string();
         let (memserver, cap, used, regions) = match ms {
             Some((st, addr)) => {
                 let s = st.store.stats(0);
-                (Some(addr.to_string()), s.capacity_pages * 4096, s.stored_pages * 4096, s.region_count)
+                (
+                    Some(addr.to_string()),
+                    s.capacity_pages * 4096,
+                    s.stored_pages * 4096,
+                    s.region_count,
+                )
             }
             None => (None, 0, 0, 0),
         };
@@ -107,14 +123,19 @@ pub fn cluster(me: serde_json::Value, peers: &[String]) -> serde_json::Value {
                 s.spawn(move || {
                     let r = http::get(p, "/host", t).and_then(|h| {
                         let host: serde_json::Value = serde_json::from_str(&h)?;
-                        let guests: serde_json::Value = http::get(p, "/guests", t).ok().and_then(|g| serde_json::from_str(&g).ok()).unwrap_or(serde_json::json!([]));
+                        let guests: serde_json::Value = http::get(p, "/guests", t)
+                            .ok()
+                            .and_then(|g| serde_json::from_str(&g).ok())
+                            .unwrap_or(serde_json::json!([]));
                         Ok(serde_json::json!({"http": p, "host": host, "guests": guests}))
                     });
                     r.unwrap_or_else(|e| serde_json::json!({"http": p, "error": e.to_string()}))
                 })
             })
             .collect();
-        hs.into_iter().map(|h| h.join().unwrap_or(serde_json::Value::Null)).collect()
+        hs.into_iter()
+            .map(|h| h.join().unwrap_or(serde_json::Value::Null))
+            .collect()
     });
     let mut all = vec![me];
     all.extend(others);

@@ -18,6 +18,7 @@ use std::path::PathBuf;
 ///   guest host      starts and stops guests (runners) within --guest-memory,
 ///                   receives incoming migrations, sends guests away
 ///   registry        GET /cluster: every host's report and guests (--peers)
+///   KSM controller  same-page merging tuned to what it saves (--ksm adaptive)
 ///   HTTP            /metrics (Prometheus), /host, /guests, /cluster
 ///
 /// Example: lend 4 GiB on loopback, metrics on port 7071:
@@ -82,6 +83,14 @@ struct Args {
     /// This host's name in reports and placement (default: the hostname).
     #[arg(long)]
     name: Option<String>,
+    /// Run the same-page-merging controller: adaptive, ksmtuned or off
+    /// (default off; root). Its state shows in `pagefleet ksm status`; the
+    /// host's KSM settings are put back when pagefleetd stops (SIGTERM/SIGINT).
+    #[arg(long)]
+    ksm: Option<String>,
+    /// ksmd's CPU budget for the adaptive controller (default 10%).
+    #[arg(long)]
+    ksm_cpu_budget: Option<String>,
     /// Log filter (error, warn, info, debug, trace; or RUST_LOG syntax; default info).
     #[arg(long, env = "PAGEFLEET_LOG")]
     log: Option<String>,
@@ -116,37 +125,79 @@ fn run() -> Result<()> {
             service_dev: args.service_dev,
             peers: args.peers,
             name: args.name,
+            ksm: args.ksm,
+            ksm_cpu_budget: args.ksm_cpu_budget,
         },
     )?;
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_new(&a.log).context("bad --log filter")?)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_new(&a.log).context("bad --log filter")?,
+        )
         .with_writer(std::io::stderr)
         .init();
-    if a.lend.is_none() && a.guest_memory.is_none() {
-        bail!("nothing to do: lend memory with --lend SIZE (e.g. --lend 4GiB) and/or run guests with --guest-memory SIZE; see --help");
+    if a.lend.is_none() && a.guest_memory.is_none() && a.ksm.is_none() {
+        bail!("nothing to do: lend memory with --lend SIZE (e.g. --lend 4GiB), run guests with --guest-memory SIZE and/or control KSM with --ksm adaptive; see --help");
     }
+    // SIGTERM/SIGINT end the daemon cleanly (the KSM controller puts the host's settings back).
+    // SAFETY: the handler only stores to an atomic.
+    unsafe {
+        libc::signal(libc::SIGINT, on_signal as *const () as usize);
+        libc::signal(libc::SIGTERM, on_signal as *const () as usize);
+    }
+    let ksm = match &a.ksm {
+        Some(spec) => {
+            let opts = spec.options(
+                Some(PathBuf::from(pagefleet_ksm::control::DEFAULT_STATE)),
+                false,
+                None,
+            )?;
+            pagefleet_ksm::sysfs::available()?;
+            tracing::info!("KSM controller: {}", spec.mode);
+            Some(std::thread::spawn(move || {
+                if let Err(e) = pagefleet_ksm::control::run(&opts, &STOP, |_| {}) {
+                    tracing::error!("KSM controller stopped: {e:#}");
+                }
+            }))
+        }
+        None => None,
+    };
     if a.lend.is_some_and(|l| l < 4096) {
         bail!("--lend is less than one 4 KiB page");
     }
     let (secret, created) = Secret::load_or_create(a.secret_file.as_deref())?;
     if created {
         let p = a.secret_file.clone().unwrap_or_else(Secret::default_path);
-        tracing::info!("created a new cluster secret at {}; copy it to every host of the cluster", p.display());
+        tracing::info!(
+            "created a new cluster secret at {}; copy it to every host of the cluster",
+            p.display()
+        );
     }
-    let cfg = ServerConfig { max_conns: a.max_conns, io_timeout: a.io_timeout };
+    let cfg = ServerConfig {
+        max_conns: a.max_conns,
+        io_timeout: a.io_timeout,
+    };
     let ms = match a.lend {
         Some(lend) => Some(MemServer::start(&a.listen, lend, secret, cfg)?),
         None => None,
     };
     let listen_addr: std::net::SocketAddr = match &ms {
         Some(m) => m.addr,
-        None => a.listen.parse().with_context(|| format!("--listen {} is not IP:PORT", a.listen))?,
+        None => a
+            .listen
+            .parse()
+            .with_context(|| format!("--listen {} is not IP:PORT", a.listen))?,
     };
     let http_listen = match a.metrics.as_deref() {
         Some("off") => None,
         Some(m) => Some(m.to_string()),
-        None if listen_addr.port() == 0 || a.listen.ends_with(":0") => Some(format!("{}:0", listen_addr.ip())),
-        None => Some(format!("{}:{}", listen_addr.ip(), listen_addr.port().wrapping_add(1))),
+        None if listen_addr.port() == 0 || a.listen.ends_with(":0") => {
+            Some(format!("{}:0", listen_addr.ip()))
+        }
+        None => Some(format!(
+            "{}:{}",
+            listen_addr.ip(),
+            listen_addr.port().wrapping_add(1)
+        )),
     };
     let guests = match a.guest_memory {
         Some(mem) => {
@@ -158,7 +209,10 @@ fn run() -> Result<()> {
                 None => std::env::current_exe()?.with_file_name("pagefleet"),
             };
             let port = listen_addr.port();
-            let dir = a.guest_dir.clone().unwrap_or_else(|| PathBuf::from(format!("/run/pagefleet/guests-{port}")));
+            let dir = a
+                .guest_dir
+                .clone()
+                .unwrap_or_else(|| PathBuf::from(format!("/run/pagefleet/guests-{port}")));
             Some(Guests::new(GuestConfig {
                 memory: mem,
                 runner,
@@ -174,9 +228,15 @@ fn run() -> Result<()> {
     let haddr = match http_listen {
         Some(h) => {
             let st = ms.as_ref().map(|m| (m.state.clone(), m.addr));
-            let (g, me, peers, name) = (guests.clone(), self_http.clone(), a.peers.clone(), a.name.clone());
+            let (g, me, peers, name) = (
+                guests.clone(),
+                self_http.clone(),
+                a.peers.clone(),
+                a.name.clone(),
+            );
             let report = move || {
-                let mut r = pagefleet_daemon::HostReport::collect(st.as_ref().map(|(s, a)| (&**s, *a)));
+                let mut r =
+                    pagefleet_daemon::HostReport::collect(st.as_ref().map(|(s, a)| (&**s, *a)));
                 r.http = me.get().cloned();
                 if let Some(n) = &name {
                     r.hostname = n.clone();
@@ -207,15 +267,25 @@ fn run() -> Result<()> {
                             b
                         },
                     },
-                    ("GET", "/host") => Response::json(200, &serde_json::to_value(report()).unwrap_or_default()),
+                    ("GET", "/host") => {
+                        Response::json(200, &serde_json::to_value(report()).unwrap_or_default())
+                    }
                     ("GET", "/cluster") => {
-                        let guests = guests.as_ref().map(|g| serde_json::Value::Array(g.list())).unwrap_or(serde_json::json!([]));
+                        let guests = guests
+                            .as_ref()
+                            .map(|g| serde_json::Value::Array(g.list()))
+                            .unwrap_or(serde_json::json!([]));
                         let r = report();
                         let me = serde_json::json!({"http": r.http, "host": r, "guests": guests});
                         Response::json(200, &pagefleet_daemon::cluster(me, &peers))
                     }
-                    ("GET", "/") => Response::text(200, "pagefleetd: /metrics (Prometheus), /host, /guests, /cluster (JSON)\n"),
-                    ("GET", _) => Response::text(404, "not found; try /metrics, /host, /guests or /cluster\n"),
+                    ("GET", "/") => Response::text(
+                        200,
+                        "pagefleetd: /metrics (Prometheus), /host, /guests, /cluster (JSON)\n",
+                    ),
+                    ("GET", _) => {
+                        Response::text(404, "not found; try /metrics, /host, /guests or /cluster\n")
+                    }
                     _ => Response::text(405, "unknown route\n"),
                 }
             };
@@ -230,7 +300,9 @@ fn run() -> Result<()> {
             "memory server lending {} on {}{}",
             units::fmt_size(m.state.store.stats(0).capacity_pages * 4096),
             m.addr,
-            haddr.map(|m| format!(", metrics on http://{m}/metrics")).unwrap_or_default()
+            haddr
+                .map(|m| format!(", metrics on http://{m}/metrics"))
+                .unwrap_or_default()
         );
     }
     if let Some(g) = a.guest_memory {
@@ -245,7 +317,17 @@ fn run() -> Result<()> {
     }
     out.flush()?;
     drop(out);
-    loop {
-        std::thread::park();
+    while !STOP.load(std::sync::atomic::Ordering::Relaxed) {
+        std::thread::sleep(std::time::Duration::from_millis(100));
     }
+    tracing::info!("stopping");
+    if let Some(k) = ksm {
+        let _ = k.join();
+    }
+    Ok(())
+}
+
+static STOP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+extern "C" fn on_signal(_: libc::c_int) {
+    STOP.store(true, std::sync::atomic::Ordering::Relaxed);
 }

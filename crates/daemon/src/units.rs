@@ -4,7 +4,9 @@
 /// K/M/G/T, case-insensitive) are powers of 1024; KB/MB/GB/TB are powers of 1000.
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
     let unit = unit.trim().to_ascii_lowercase();
     let mult: f64 = match unit.as_str() {
@@ -17,9 +19,15 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         "mb" => 1e6,
         "gb" => 1e9,
         "tb" => 1e12,
-        _ => return Err(format!("unknown size unit {unit:?} in {s:?}; use e.g. 4GiB, 512MiB, 64KiB or bytes")),
+        _ => {
+            return Err(format!(
+                "unknown size unit {unit:?} in {s:?}; use e.g. 4GiB, 512MiB, 64KiB or bytes"
+            ))
+        }
     };
-    let v: f64 = num.parse().map_err(|_| format!("{s:?} is not a size; use e.g. 4GiB, 512MiB, 64KiB or bytes"))?;
+    let v: f64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size; use e.g. 4GiB, 512MiB, 64KiB or bytes"))?;
     if !v.is_finite() || v < 0.0 || v * mult > u64::MAX as f64 {
         return Err(format!("size {s:?} is out of range"));
     }

@@ -2,7 +2,7 @@
 
 mod common;
 use common::*;
-use pagefleet_client::{ClientError, ConnectOptions, Conn, GetMode, Pages};
+use pagefleet_client::{ClientError, Conn, ConnectOptions, GetMode, Pages};
 use pagefleet_proto::auth::Secret;
 use pagefleet_proto::*;
 use std::io::{Read, Write};
@@ -28,7 +28,19 @@ fn one_gib_through_four_clients_every_byte_checked() {
                     for (i, pg) in buf.chunks_mut(P).enumerate() {
                         fill_page(region, base + i as u64, pg);
                     }
-                    assert_eq!(c.put(region, Pages::Run { first: base, count: CHUNK }, &buf, 32).unwrap(), CHUNK);
+                    assert_eq!(
+                        c.put(
+                            region,
+                            Pages::Run {
+                                first: base,
+                                count: CHUNK
+                            },
+                            &buf,
+                            32
+                        )
+                        .unwrap(),
+                        CHUNK
+                    );
                 }
             });
         }
@@ -46,11 +58,27 @@ fn one_gib_through_four_clients_every_byte_checked() {
                 let mut buf = vec![0u8; CHUNK as usize * P];
                 let mut want = vec![0u8; P];
                 for base in (0..PER_CLIENT).step_by(CHUNK as usize) {
-                    let missing = c.get(region, Pages::Run { first: base, count: CHUNK }, &mut buf, GetMode::Take, false, 32).unwrap();
+                    let missing = c
+                        .get(
+                            region,
+                            Pages::Run {
+                                first: base,
+                                count: CHUNK,
+                            },
+                            &mut buf,
+                            GetMode::Take,
+                            false,
+                            32,
+                        )
+                        .unwrap();
                     assert_eq!(missing, 0);
                     for (i, pg) in buf.chunks(P).enumerate() {
                         fill_page(region, base + i as u64, &mut want);
-                        assert!(pg == &want[..], "region {region:#x} page {} corrupted", base + i as u64);
+                        assert!(
+                            pg == &want[..],
+                            "region {region:#x} page {} corrupted",
+                            base + i as u64
+                        );
                     }
                 }
             });
@@ -73,16 +101,23 @@ fn keep_take_missing_delete_and_lists() {
     assert_eq!(c.put(5, Pages::List(&pages), &data, 32).unwrap(), 40);
     // Keep leaves them; batch of 1 page exercises many small frames.
     let mut got = vec![0u8; 40 * P];
-    c.get(5, Pages::List(&pages), &mut got, GetMode::Keep, false, 1).unwrap();
+    c.get(5, Pages::List(&pages), &mut got, GetMode::Keep, false, 1)
+        .unwrap();
     assert_eq!(got, data);
     // Missing page without ALLOW_MISSING fails the frame and takes nothing.
     let mixed = [3u64, 4, 10];
     let mut g3 = vec![0xAAu8; 3 * P];
-    let e = c.get(5, Pages::List(&mixed), &mut g3, GetMode::Take, false, 32).unwrap_err();
+    let e = c
+        .get(5, Pages::List(&mixed), &mut g3, GetMode::Take, false, 32)
+        .unwrap_err();
     assert_eq!(e.code(), Some(ErrorCode::NotFound), "{e}");
     assert_eq!(c.stat(false).unwrap().used_pages, 40);
     // With ALLOW_MISSING the absent page reads as zeros.
-    assert_eq!(c.get(5, Pages::List(&mixed), &mut g3, GetMode::Take, true, 32).unwrap(), 1);
+    assert_eq!(
+        c.get(5, Pages::List(&mixed), &mut g3, GetMode::Take, true, 32)
+            .unwrap(),
+        1
+    );
     assert_eq!(&g3[..P], &data[..P]);
     assert!(g3[P..2 * P].iter().all(|b| *b == 0));
     assert_eq!(&g3[2 * P..], &data[P..2 * P]);
@@ -92,10 +127,21 @@ fn keep_take_missing_delete_and_lists() {
     fill_page(99, 99, &mut page);
     assert_eq!(c.put(5, Pages::List(&[17]), &page, 1).unwrap(), 0);
     let mut back = vec![0u8; P];
-    c.get(5, Pages::List(&[17]), &mut back, GetMode::Keep, false, 1).unwrap();
+    c.get(5, Pages::List(&[17]), &mut back, GetMode::Keep, false, 1)
+        .unwrap();
     assert_eq!(back, page);
     // Delete a run, then the whole region.
-    assert_eq!(c.delete(5, Pages::Run { first: 0, count: 100 }).unwrap(), 12); // pages 24..=94 step 7 minus taken
+    assert_eq!(
+        c.delete(
+            5,
+            Pages::Run {
+                first: 0,
+                count: 100
+            }
+        )
+        .unwrap(),
+        12
+    ); // pages 24..=94 step 7 minus taken
     assert_eq!(c.delete_region(5).unwrap(), 26);
     assert_eq!(c.stat(false).unwrap().used_pages, 0);
     assert!(c.ping().unwrap() < Duration::from_secs(5));
@@ -106,8 +152,30 @@ fn capacity_refused_with_typed_error_and_rss_bounded() {
     let d = Daemon::start("1MiB", &[]);
     let mut c = d.conn();
     let data = vec![7u8; 256 * P];
-    assert_eq!(c.put(1, Pages::Run { first: 0, count: 256 }, &data, 32).unwrap(), 256);
-    let e = c.put(1, Pages::Run { first: 256, count: 1 }, &data[..P], 1).unwrap_err();
+    assert_eq!(
+        c.put(
+            1,
+            Pages::Run {
+                first: 0,
+                count: 256
+            },
+            &data,
+            32
+        )
+        .unwrap(),
+        256
+    );
+    let e = c
+        .put(
+            1,
+            Pages::Run {
+                first: 256,
+                count: 1,
+            },
+            &data[..P],
+            1,
+        )
+        .unwrap_err();
     match &e {
         ClientError::Server { err, .. } => {
             assert_eq!(err.code, ErrorCode::OutOfCapacity);
@@ -116,10 +184,38 @@ fn capacity_refused_with_typed_error_and_rss_bounded() {
         other => panic!("expected OUT_OF_CAPACITY, got {other}"),
     }
     // Overwriting stored pages needs no new room, even when full.
-    c.put(1, Pages::Run { first: 0, count: 256 }, &data, 32).unwrap();
+    c.put(
+        1,
+        Pages::Run {
+            first: 0,
+            count: 256,
+        },
+        &data,
+        32,
+    )
+    .unwrap();
     // Freeing makes room again; the connection survived the error.
-    assert_eq!(c.delete(1, Pages::Run { first: 0, count: 10 }).unwrap(), 10);
-    c.put(2, Pages::Run { first: 0, count: 10 }, &data[..10 * P], 32).unwrap();
+    assert_eq!(
+        c.delete(
+            1,
+            Pages::Run {
+                first: 0,
+                count: 10
+            }
+        )
+        .unwrap(),
+        10
+    );
+    c.put(
+        2,
+        Pages::Run {
+            first: 0,
+            count: 10,
+        },
+        &data[..10 * P],
+        32,
+    )
+    .unwrap();
     assert_eq!(c.stat(false).unwrap().used_pages, 256);
 
     // RSS: fill 64 MiB, churn through it, never past capacity + small overhead.
@@ -129,13 +225,35 @@ fn capacity_refused_with_typed_error_and_rss_bounded() {
     let chunk = vec![1u8; 4096 * P];
     for round in 0..4u64 {
         for q in 0..4 {
-            c.put(round, Pages::Run { first: q * 4096, count: 4096 }, &chunk, 32).unwrap();
+            c.put(
+                round,
+                Pages::Run {
+                    first: q * 4096,
+                    count: 4096,
+                },
+                &chunk,
+                32,
+            )
+            .unwrap();
         }
-        assert!(c.put(round, Pages::Run { first: 16384, count: 1 }, &chunk[..P], 1).is_err());
+        assert!(c
+            .put(
+                round,
+                Pages::Run {
+                    first: 16384,
+                    count: 1
+                },
+                &chunk[..P],
+                1
+            )
+            .is_err());
         c.delete_region(round).unwrap();
     }
     let grown = d.rss().saturating_sub(base);
-    assert!(grown <= (64 + 6) << 20, "RSS grew by {grown} bytes for 64 MiB lent");
+    assert!(
+        grown <= (64 + 6) << 20,
+        "RSS grew by {grown} bytes for 64 MiB lent"
+    );
 }
 
 fn raw_connect(addr: &str) -> (TcpStream, Welcome) {
@@ -160,12 +278,22 @@ fn expect_error_then_close(s: &mut TcpStream, code: ErrorCode) {
     assert_eq!(h.opcode, Opcode::Error as u8);
     assert_eq!(WireError::decode(&b, h.id).unwrap().code, code);
     let mut rest = [0u8; 1];
-    assert_eq!(s.read(&mut rest).unwrap_or(0), 0, "connection must be closed after a fatal error");
+    assert_eq!(
+        s.read(&mut rest).unwrap_or(0),
+        0,
+        "connection must be closed after a fatal error"
+    );
 }
 
 fn raw_hello(s: &mut TcpStream, w: &Welcome, secret: &Secret) {
     let cn = [9u8; 32];
-    let hello = Hello { version: 1, flags: 0, client_nonce: cn, mac: secret.client_mac(&w.server_nonce, &cn, w.server_id), name: "raw".into() };
+    let hello = Hello {
+        version: 1,
+        flags: 0,
+        client_nonce: cn,
+        mac: secret.client_mac(&w.server_nonce, &cn, w.server_id),
+        name: "raw".into(),
+    };
     let mut out = Vec::new();
     frame(Opcode::Hello, 1, &mut out, |b| hello.encode(b));
     s.write_all(&out).unwrap();
@@ -178,7 +306,9 @@ fn auth_refusal() {
     let d = Daemon::start("16MiB", &[]);
     // Wrong secret: refused with AUTH_FAILED, nothing else.
     let wrong = Secret::from_bytes(b"not-the-cluster-secret-000", "t").unwrap();
-    let e = Conn::connect(&d.addr, &wrong, &ConnectOptions::default()).err().expect("must be refused");
+    let e = Conn::connect(&d.addr, &wrong, &ConnectOptions::default())
+        .err()
+        .expect("must be refused");
     assert_eq!(e.code(), Some(ErrorCode::AuthFailed), "{e}");
     // Skipping HELLO: a PUT is answered with NOT_AUTHENTICATED and the connection closed.
     let (mut s, _) = raw_connect(&d.addr);
@@ -195,7 +325,13 @@ fn auth_refusal() {
     let (mut s2, w2) = raw_connect(&d.addr);
     assert_ne!(w1.server_nonce, w2.server_nonce);
     let cn = [9u8; 32];
-    let replay = Hello { version: 1, flags: 0, client_nonce: cn, mac: d.secret.client_mac(&w1.server_nonce, &cn, w1.server_id), name: "replay".into() };
+    let replay = Hello {
+        version: 1,
+        flags: 0,
+        client_nonce: cn,
+        mac: d.secret.client_mac(&w1.server_nonce, &cn, w1.server_id),
+        name: "replay".into(),
+    };
     let mut out = Vec::new();
     frame(Opcode::Hello, 1, &mut out, |b| replay.encode(b));
     s2.write_all(&out).unwrap();
@@ -214,7 +350,15 @@ fn malformed_frames_get_errors_and_server_survives() {
     // Oversized frame.
     let (mut s, w) = raw_connect(&d.addr);
     raw_hello(&mut s, &w, &d.secret);
-    s.write_all(&Header { opcode: 2, body_len: u32::MAX, id: 3 }.encode()).unwrap();
+    s.write_all(
+        &Header {
+            opcode: 2,
+            body_len: u32::MAX,
+            id: 3,
+        }
+        .encode(),
+    )
+    .unwrap();
     expect_error_then_close(&mut s, ErrorCode::FrameTooLarge);
     // Bad version.
     let (mut s, _) = raw_connect(&d.addr);
@@ -242,9 +386,15 @@ fn malformed_frames_get_errors_and_server_survives() {
     s.write_all(&out).unwrap();
     let (h, b) = read_frame(&mut s).unwrap();
     assert_eq!((h.opcode, h.id), (Opcode::Error as u8, 5));
-    assert_eq!(WireError::decode(&b, 5).unwrap().code, ErrorCode::UnknownOpcode);
+    assert_eq!(
+        WireError::decode(&b, 5).unwrap().code,
+        ErrorCode::UnknownOpcode
+    );
     let (h, b) = read_frame(&mut s).unwrap();
-    assert_eq!((h.opcode, h.id, b.as_slice()), (Opcode::Pong as u8, 6, &b"hi"[..]));
+    assert_eq!(
+        (h.opcode, h.id, b.as_slice()),
+        (Opcode::Pong as u8, 6, &b"hi"[..])
+    );
     // Garbage from a client that disconnects mid-frame.
     for cut in [1usize, 15, 17, 40, 4000] {
         let (mut s, w) = raw_connect(&d.addr);
@@ -273,30 +423,82 @@ fn slow_and_stuck_clients_do_not_stall_others() {
     raw_hello(&mut stuck, &w, &d.secret);
     let mut out = Vec::new();
     frame(Opcode::Put, 2, &mut out, |b| {
-        encode_pages_req(1, &PageSel::Run { first: 0, count: 32 }, 0, b);
+        encode_pages_req(
+            1,
+            &PageSel::Run {
+                first: 0,
+                count: 32,
+            },
+            0,
+            b,
+        );
         b.extend_from_slice(&vec![0u8; 32 * P]);
     });
     stuck.write_all(&out[..5000]).unwrap();
     // A client that pipelines GETs but never reads replies.
     let mut c = d.conn();
-    c.put(2, Pages::Run { first: 0, count: 32 }, &vec![3u8; 32 * P], 32).unwrap();
+    c.put(
+        2,
+        Pages::Run {
+            first: 0,
+            count: 32,
+        },
+        &vec![3u8; 32 * P],
+        32,
+    )
+    .unwrap();
     let (mut deaf, w) = raw_connect(&d.addr);
     raw_hello(&mut deaf, &w, &d.secret);
     let mut out = Vec::new();
     for i in 0..2000 {
-        frame(Opcode::Get, 10 + i, &mut out, |b| encode_pages_req(2, &PageSel::Run { first: 0, count: 32 }, 0, b));
+        frame(Opcode::Get, 10 + i, &mut out, |b| {
+            encode_pages_req(
+                2,
+                &PageSel::Run {
+                    first: 0,
+                    count: 32,
+                },
+                0,
+                b,
+            )
+        });
     }
-    deaf.set_write_timeout(Some(Duration::from_secs(2))).unwrap();
+    deaf.set_write_timeout(Some(Duration::from_secs(2)))
+        .unwrap();
     let _ = deaf.write_all(&out); // may block once buffers fill; the server must not care
-    // Meanwhile another client does real work.
+                                  // Meanwhile another client does real work.
     let t = Instant::now();
     let mut buf = vec![0u8; 32 * P];
     for i in 0..200u64 {
-        c.put(3, Pages::Run { first: i * 32, count: 32 }, &vec![i as u8; 32 * P], 32).unwrap();
-        c.get(3, Pages::Run { first: i * 32, count: 32 }, &mut buf, GetMode::Take, false, 32).unwrap();
+        c.put(
+            3,
+            Pages::Run {
+                first: i * 32,
+                count: 32,
+            },
+            &vec![i as u8; 32 * P],
+            32,
+        )
+        .unwrap();
+        c.get(
+            3,
+            Pages::Run {
+                first: i * 32,
+                count: 32,
+            },
+            &mut buf,
+            GetMode::Take,
+            false,
+            32,
+        )
+        .unwrap();
         assert!(buf.iter().all(|b| *b == i as u8));
     }
-    assert!(t.elapsed() < Duration::from_secs(20), "work stalled behind stuck clients: {:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_secs(20),
+        "work stalled behind stuck clients: {:?}",
+        t.elapsed()
+    );
     drop(stuck);
     drop(deaf);
 }
@@ -307,7 +509,9 @@ fn connection_limit_answers_busy() {
     let _a = d.conn();
     let _b = d.conn();
     std::thread::sleep(Duration::from_millis(50));
-    let e = Conn::connect(&d.addr, &d.secret, &ConnectOptions::default()).err().expect("third connection refused");
+    let e = Conn::connect(&d.addr, &d.secret, &ConnectOptions::default())
+        .err()
+        .expect("third connection refused");
     assert_eq!(e.code(), Some(ErrorCode::Busy), "{e}");
 }
 
@@ -315,27 +519,56 @@ fn connection_limit_answers_busy() {
 fn killed_server_is_a_loud_error_naming_it() {
     let mut d = Daemon::start("16MiB", &[]);
     let mut c = d.conn();
-    c.put(1, Pages::Run { first: 0, count: 4 }, &vec![1u8; 4 * P], 4).unwrap();
+    c.put(1, Pages::Run { first: 0, count: 4 }, &vec![1u8; 4 * P], 4)
+        .unwrap();
     d.kill();
     let mut buf = vec![0u8; 4 * P];
-    let e = c.get(1, Pages::Run { first: 0, count: 4 }, &mut buf, GetMode::Take, false, 4).unwrap_err();
+    let e = c
+        .get(
+            1,
+            Pages::Run { first: 0, count: 4 },
+            &mut buf,
+            GetMode::Take,
+            false,
+            4,
+        )
+        .unwrap_err();
     assert!(matches!(e, ClientError::Io { .. }), "{e}");
-    assert!(e.to_string().contains(&d.addr), "error must name the server: {e}");
+    assert!(
+        e.to_string().contains(&d.addr),
+        "error must name the server: {e}"
+    );
 }
 
 #[test]
 fn metrics_endpoint_serves_prometheus_text() {
     let d = Daemon::start("16MiB", &[]);
     let mut c = d.conn();
-    c.put(0xabc, Pages::Run { first: 0, count: 3 }, &vec![1u8; 3 * P], 3).unwrap();
+    c.put(
+        0xabc,
+        Pages::Run { first: 0, count: 3 },
+        &vec![1u8; 3 * P],
+        3,
+    )
+    .unwrap();
     let mut s = TcpStream::connect(d.metrics.as_ref().expect("metrics address")).unwrap();
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
     let mut body = String::new();
     s.read_to_string(&mut body).unwrap();
     assert!(body.starts_with("HTTP/1.1 200 OK"), "{body}");
-    assert!(body.contains("pagefleet_memserver_stored_pages 3"), "{body}");
-    assert!(body.contains("pagefleet_memserver_region_pages{region=\"0xabc\"} 3"), "{body}");
-    assert!(body.contains("pagefleet_memserver_requests_total{op=\"put\"} 1"), "{body}");
+    assert!(
+        body.contains("pagefleet_memserver_stored_pages 3"),
+        "{body}"
+    );
+    assert!(
+        body.contains("pagefleet_memserver_region_pages{region=\"0xabc\"} 3"),
+        "{body}"
+    );
+    assert!(
+        body.contains("pagefleet_memserver_requests_total{op=\"put\"} 1"),
+        "{body}"
+    );
 }
 
 /// A TOML config file sets everything; a flag overrides it; a bad file is a clear error.
@@ -361,7 +594,11 @@ fn config_file_and_flag_override() {
             .stdout(Stdio::piped())
             .spawn()
             .unwrap();
-        let line = BufReader::new(c.stdout.take().unwrap()).lines().next().unwrap().unwrap();
+        let line = BufReader::new(c.stdout.take().unwrap())
+            .lines()
+            .next()
+            .unwrap()
+            .unwrap();
         (c, line.strip_prefix("listening ").unwrap().to_string())
     };
     let s = Secret::load(&secret).unwrap();
@@ -376,10 +613,17 @@ fn config_file_and_flag_override() {
         let _ = c.wait();
     }
     std::fs::write(&conf, "[memserver]\nlend = \"8MiB\"\nlisten_addr = \"x\"\n").unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_pagefleetd")).arg("--config").arg(&conf).output().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_pagefleetd"))
+        .arg("--config")
+        .arg(&conf)
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("listen_addr") && err.contains("pagefleetd.toml"), "{err}");
+    assert!(
+        err.contains("listen_addr") && err.contains("pagefleetd.toml"),
+        "{err}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -388,13 +632,21 @@ fn config_file_and_flag_override() {
 fn host_report_over_http() {
     let d = Daemon::start("16MiB", &[]);
     let mut c = d.conn();
-    c.put(3, Pages::Run { first: 0, count: 2 }, &vec![1u8; 2 * P], 2).unwrap();
-    let body = pagefleet_daemon::http::get(d.metrics.as_ref().unwrap(), "/host", Duration::from_secs(3)).unwrap();
+    c.put(3, Pages::Run { first: 0, count: 2 }, &vec![1u8; 2 * P], 2)
+        .unwrap();
+    let body =
+        pagefleet_daemon::http::get(d.metrics.as_ref().unwrap(), "/host", Duration::from_secs(3))
+            .unwrap();
     let r: pagefleet_daemon::HostReport = serde_json::from_str(&body).unwrap();
     assert_eq!(r.lend_capacity, 16 << 20);
     assert_eq!(r.lend_used, 2 * P as u64);
     assert_eq!(r.regions, 1);
     assert_eq!(r.memserver.as_deref(), Some(d.addr.as_str()));
     assert!(r.mem_total > 0 && r.mem_available > 0 && r.mem_available <= r.mem_total);
-    assert!(pagefleet_daemon::http::get(d.metrics.as_ref().unwrap(), "/nope", Duration::from_secs(3)).is_err());
+    assert!(pagefleet_daemon::http::get(
+        d.metrics.as_ref().unwrap(),
+        "/nope",
+        Duration::from_secs(3)
+    )
+    .is_err());
 }

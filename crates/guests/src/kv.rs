@@ -73,7 +73,10 @@ pub struct Kv {
 }
 
 fn now() -> u32 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs() as u32).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs() as u32)
+        .unwrap_or(0)
 }
 
 fn hash(key: &[u8]) -> u64 {
@@ -86,7 +89,8 @@ fn hash(key: &[u8]) -> u64 {
 }
 
 fn class_of(size: usize) -> Option<usize> {
-    let c = size.max(MIN_CLASS).next_power_of_two().trailing_zeros() as usize - MIN_CLASS.trailing_zeros() as usize;
+    let c = size.max(MIN_CLASS).next_power_of_two().trailing_zeros() as usize
+        - MIN_CLASS.trailing_zeros() as usize;
     (c < NCLASS).then_some(c)
 }
 
@@ -106,7 +110,17 @@ fn abs_exptime(e: i64) -> u32 {
 impl Kv {
     /// Open the table in `mem`, creating it if the memory does not hold one.
     pub fn open(mem: Mem) -> Kv {
-        let kv = Kv { mem, extra_stats: None, stripes: (0..STRIPES).map(|_| RwLock::new(())).collect(), alloc_lock: Mutex::new(()), gate: Arc::new(crate::Gate::default()), ops: AtomicU64::new(0), gets: AtomicU64::new(0), hits: AtomicU64::new(0), sets: AtomicU64::new(0) };
+        let kv = Kv {
+            mem,
+            extra_stats: None,
+            stripes: (0..STRIPES).map(|_| RwLock::new(())).collect(),
+            alloc_lock: Mutex::new(()),
+            gate: Arc::new(crate::Gate::default()),
+            ops: AtomicU64::new(0),
+            gets: AtomicU64::new(0),
+            hits: AtomicU64::new(0),
+            sets: AtomicU64::new(0),
+        };
         if kv.r(H_MAGIC) != MAGIC {
             kv.format();
         }
@@ -162,12 +176,16 @@ impl Kv {
 
     fn stripe(&self, key: &[u8]) -> RwLockWriteGuard<'_, ()> {
         let b = (self.bucket(key) - 4096) / 8;
-        self.stripes[b % STRIPES].write().unwrap_or_else(|e| e.into_inner())
+        self.stripes[b % STRIPES]
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
     }
 
     fn stripe_read(&self, key: &[u8]) -> RwLockReadGuard<'_, ()> {
         let b = (self.bucket(key) - 4096) / 8;
-        self.stripes[b % STRIPES].read().unwrap_or_else(|e| e.into_inner())
+        self.stripes[b % STRIPES]
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
     }
 
     /// Look up without modifying anything (safe under a read lock): an
@@ -266,8 +284,12 @@ impl Kv {
         self.w(it, 0);
         self.w(it + 8, cas);
         self.w(it + 16, exp as u64 | (flags as u64) << 32);
-        self.w(it + 24, vlen as u64 | (key.len() as u64) << 32 | (class as u64) << 48);
-        self.bytes_mut(it + ITEM_HDR, key.len()).copy_from_slice(key);
+        self.w(
+            it + 24,
+            vlen as u64 | (key.len() as u64) << 32 | (class as u64) << 48,
+        );
+        self.bytes_mut(it + ITEM_HDR, key.len())
+            .copy_from_slice(key);
         let mut at = it + ITEM_HDR + key.len();
         for p in parts {
             self.bytes_mut(at, p.len()).copy_from_slice(p);
@@ -301,13 +323,19 @@ impl Kv {
                     return Store::NoMemory;
                 }
                 let old = self.bytes(it + ITEM_HDR + klen, vlen);
-                let parts = if mode == Mode::Append { vec![old, data] } else { vec![data, old] };
+                let parts = if mode == Mode::Append {
+                    vec![old, data]
+                } else {
+                    vec![data, old]
+                };
                 (parts, fl, exp)
             }
             _ => (vec![data], flags, abs_exptime(exptime)),
         };
         // Build the new item before unlinking the old (append reads the old value).
-        let Some(new) = self.write_item(key, flags, exp, &parts) else { return Store::NoMemory };
+        let Some(new) = self.write_item(key, flags, exp, &parts) else {
+            return Store::NoMemory;
+        };
         let link = self.bucket(key);
         if let Some((prev, old)) = self.find(key) {
             self.w(prev, self.i_next(old) as u64);
@@ -335,16 +363,29 @@ impl Kv {
     pub fn incr(&self, key: &[u8], delta: u64, up: bool) -> Result<Option<u64>, ()> {
         let _g = self.stripe(key);
         let cur = {
-            let Some((_, it)) = self.find(key) else { return Ok(None) };
+            let Some((_, it)) = self.find(key) else {
+                return Ok(None);
+            };
             let (_, _, _, vlen, klen, _) = self.i_meta(it);
             let v = self.bytes(it + ITEM_HDR + klen, vlen);
-            std::str::from_utf8(v).ok().and_then(|s| s.trim().parse::<u64>().ok()).ok_or(())?
+            std::str::from_utf8(v)
+                .ok()
+                .and_then(|s| s.trim().parse::<u64>().ok())
+                .ok_or(())?
         };
-        let new = if up { cur.wrapping_add(delta) } else { cur.saturating_sub(delta) };
-        let Some((prev, it)) = self.find(key) else { return Ok(None) };
+        let new = if up {
+            cur.wrapping_add(delta)
+        } else {
+            cur.saturating_sub(delta)
+        };
+        let Some((prev, it)) = self.find(key) else {
+            return Ok(None);
+        };
         let (_, exp, flags, ..) = self.i_meta(it);
         let s = new.to_string();
-        let Some(n) = self.write_item(key, flags, exp, &[s.as_bytes()]) else { return Err(()) };
+        let Some(n) = self.write_item(key, flags, exp, &[s.as_bytes()]) else {
+            return Err(());
+        };
         self.w(n, self.i_next(it) as u64);
         self.w(prev, n as u64);
         self.free(it);
@@ -353,14 +394,20 @@ impl Kv {
 
     pub fn touch(&self, key: &[u8], exptime: i64) -> bool {
         let _g = self.stripe(key);
-        let Some((_, it)) = self.find(key) else { return false };
+        let Some((_, it)) = self.find(key) else {
+            return false;
+        };
         let (_, _, flags, ..) = self.i_meta(it);
         self.w(it + 16, abs_exptime(exptime) as u64 | (flags as u64) << 32);
         true
     }
 
     pub fn flush_all(&self) {
-        let _all: Vec<_> = self.stripes.iter().map(|m| m.write().unwrap_or_else(|e| e.into_inner())).collect();
+        let _all: Vec<_> = self
+            .stripes
+            .iter()
+            .map(|m| m.write().unwrap_or_else(|e| e.into_inner()))
+            .collect();
         let _a = self.alloc_lock.lock().unwrap_or_else(|e| e.into_inner());
         self.format();
     }
@@ -381,7 +428,9 @@ pub fn serve(kv: Arc<Kv>, listener: TcpListener, stop: Arc<AtomicBool>) {
                     }
                 });
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(20)),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(20))
+            }
             Err(e) => {
                 warn!("kv accept: {e}");
                 std::thread::sleep(Duration::from_millis(50));
@@ -448,7 +497,13 @@ fn reply(w: &mut impl Write, noreply: bool, msg: &[u8]) -> std::io::Result<Next>
     Ok(Next::Continue)
 }
 
-fn command(kv: &Kv, a: &[&str], noreply: bool, r: &mut impl BufRead, w: &mut impl Write) -> std::io::Result<Next> {
+fn command(
+    kv: &Kv,
+    a: &[&str],
+    noreply: bool,
+    r: &mut impl BufRead,
+    w: &mut impl Write,
+) -> std::io::Result<Next> {
     let bad = |w: &mut dyn Write| -> std::io::Result<Next> {
         w.write_all(b"CLIENT_ERROR bad command line format\r\n")?;
         Ok(Next::Continue)
@@ -480,9 +535,20 @@ fn command(kv: &Kv, a: &[&str], noreply: bool, r: &mut impl BufRead, w: &mut imp
             if a.len() < need || a.len() > need + 1 {
                 return bad(w);
             }
-            let (key, flags, exp, len) = (a[1], a[2].parse::<u32>(), a[3].parse::<i64>(), a[4].parse::<usize>());
-            let (Ok(flags), Ok(exp), Ok(len)) = (flags, exp, len) else { return bad(w) };
-            let cas = if a[0] == "cas" { a[5].parse::<u64>().ok() } else { Some(0) };
+            let (key, flags, exp, len) = (
+                a[1],
+                a[2].parse::<u32>(),
+                a[3].parse::<i64>(),
+                a[4].parse::<usize>(),
+            );
+            let (Ok(flags), Ok(exp), Ok(len)) = (flags, exp, len) else {
+                return bad(w);
+            };
+            let cas = if a[0] == "cas" {
+                a[5].parse::<u64>().ok()
+            } else {
+                Some(0)
+            };
             if key.len() > MAX_KEY || cas.is_none() || len > 64 << 20 {
                 return bad(w);
             }
@@ -516,7 +582,11 @@ fn command(kv: &Kv, a: &[&str], noreply: bool, r: &mut impl BufRead, w: &mut imp
             if a.len() < 2 || a.len() > 3 {
                 return bad(w);
             }
-            let msg: &[u8] = if kv.delete(a[1].as_bytes()) { b"DELETED\r\n" } else { b"NOT_FOUND\r\n" };
+            let msg: &[u8] = if kv.delete(a[1].as_bytes()) {
+                b"DELETED\r\n"
+            } else {
+                b"NOT_FOUND\r\n"
+            };
             reply(w, noreply, msg)
         }
         "incr" | "decr" => {
@@ -530,22 +600,36 @@ fn command(kv: &Kv, a: &[&str], noreply: bool, r: &mut impl BufRead, w: &mut imp
             match kv.incr(a[1].as_bytes(), d, a[0] == "incr") {
                 Ok(Some(v)) => reply(w, noreply, format!("{v}\r\n").as_bytes()),
                 Ok(None) => reply(w, noreply, b"NOT_FOUND\r\n"),
-                Err(()) => reply(w, noreply, b"CLIENT_ERROR cannot increment or decrement non-numeric value\r\n"),
+                Err(()) => reply(
+                    w,
+                    noreply,
+                    b"CLIENT_ERROR cannot increment or decrement non-numeric value\r\n",
+                ),
             }
         }
         "touch" => {
             if a.len() < 3 {
                 return bad(w);
             }
-            let Ok(e) = a[2].parse::<i64>() else { return bad(w) };
-            let msg: &[u8] = if kv.touch(a[1].as_bytes(), e) { b"TOUCHED\r\n" } else { b"NOT_FOUND\r\n" };
+            let Ok(e) = a[2].parse::<i64>() else {
+                return bad(w);
+            };
+            let msg: &[u8] = if kv.touch(a[1].as_bytes(), e) {
+                b"TOUCHED\r\n"
+            } else {
+                b"NOT_FOUND\r\n"
+            };
             reply(w, noreply, msg)
         }
         "flush_all" => {
             kv.flush_all();
             reply(w, noreply, b"OK\r\n")
         }
-        "version" => reply(w, false, concat!("VERSION pagefleet-kv ", env!("CARGO_PKG_VERSION"), "\r\n").as_bytes()),
+        "version" => reply(
+            w,
+            false,
+            concat!("VERSION pagefleet-kv ", env!("CARGO_PKG_VERSION"), "\r\n").as_bytes(),
+        ),
         "verbosity" => reply(w, noreply, b"OK\r\n"),
         "stats" => {
             let s = [
@@ -628,7 +712,10 @@ mod tests {
             assert!(kv.delete(format!("k{i}").as_bytes()));
         }
         for i in 0..n {
-            assert_eq!(kv.store(Mode::Set, format!("j{i}").as_bytes(), 0, 0, &val), Store::Stored);
+            assert_eq!(
+                kv.store(Mode::Set, format!("j{i}").as_bytes(), 0, 0, &val),
+                Store::Stored
+            );
         }
     }
 }

@@ -97,7 +97,11 @@ impl Gate {
                 self.cv.notify_all();
                 return false;
             }
-            g = self.cv.wait_timeout(g, left).unwrap_or_else(|e| e.into_inner()).0;
+            g = self
+                .cv
+                .wait_timeout(g, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
         }
         true
     }

@@ -42,9 +42,18 @@ pub fn sort(mem: Mem) -> bool {
 
 pub fn run(mem: Mem, seed: u64, generate_first: bool) -> Outcome {
     let t = Instant::now();
-    let records = if generate_first { generate(mem, seed) } else { (mem.len / RECORD) as u64 };
+    let records = if generate_first {
+        generate(mem, seed)
+    } else {
+        (mem.len / RECORD) as u64
+    };
     let generate_secs = t.elapsed().as_secs_f64();
     let t = Instant::now();
     let sorted = sort(mem);
-    Outcome { records, generate_secs, sort_secs: t.elapsed().as_secs_f64(), sorted }
+    Outcome {
+        records,
+        generate_secs,
+        sort_secs: t.elapsed().as_secs_f64(),
+        sorted,
+    }
 }

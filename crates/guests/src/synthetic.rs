@@ -12,7 +12,10 @@ pub enum Dist {
     Zipf(f64),
     Sequential,
     /// `hot_frac` of the pages get `hot_prob` of the accesses.
-    HotCold { hot_frac: f64, hot_prob: f64 },
+    HotCold {
+        hot_frac: f64,
+        hot_prob: f64,
+    },
 }
 
 impl std::str::FromStr for Dist {
@@ -22,7 +25,10 @@ impl std::str::FromStr for Dist {
         let mut parts = s.split(':');
         let name = parts.next().unwrap_or("");
         let num = |v: Option<&str>, d: f64| -> Result<f64, String> {
-            v.map_or(Ok(d), |x| x.parse::<f64>().map_err(|_| format!("bad number {x:?} in {s:?}")))
+            v.map_or(Ok(d), |x| {
+                x.parse::<f64>()
+                    .map_err(|_| format!("bad number {x:?} in {s:?}"))
+            })
         };
         match name {
             "uniform" => Ok(Dist::Uniform),
@@ -74,7 +80,13 @@ impl Zipf {
         let zetan = zeta(n);
         let zeta2 = zeta(2.min(n));
         let eta = (1.0 - (2.0 / n as f64).powf(1.0 - theta)) / (1.0 - zeta2 / zetan);
-        Zipf { n, theta, alpha: 1.0 / (1.0 - theta), zetan, eta }
+        Zipf {
+            n,
+            theta,
+            alpha: 1.0 / (1.0 - theta),
+            zetan,
+            eta,
+        }
     }
     #[inline]
     pub fn sample(&self, u: f64) -> u64 {
@@ -236,5 +248,10 @@ pub fn run(mem: Mem, o: &Opts, mut tick: impl FnMut(usize, f64)) -> Outcome {
     });
     let secs = start.elapsed().as_secs_f64();
     let ops = done.load(Relaxed);
-    Outcome { ops, secs, ops_per_sec: ops as f64 / secs, per_second }
+    Outcome {
+        ops,
+        secs,
+        ops_per_sec: ops as f64 / secs,
+        per_second,
+    }
 }

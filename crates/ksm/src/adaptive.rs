@@ -31,6 +31,8 @@ pub struct AdaptiveConfig {
     pub sleep_ms: u64,
     /// While idling, one pass over the mergeable memory takes about this long.
     pub idle_pass_s: f64,
+    /// The highest priority ksmd is given when it starves while merging pays.
+    pub min_nice: i32,
 }
 
 impl Default for AdaptiveConfig {
@@ -46,6 +48,7 @@ impl Default for AdaptiveConfig {
             min_gain_pages: 256,
             sleep_ms: 20,
             idle_pass_s: 60.0,
+            min_nice: -10,
         }
     }
 }
@@ -67,6 +70,8 @@ pub struct Decision {
     pub run: bool,
     pub pages_to_scan: u64,
     pub sleep_millisecs: u64,
+    /// ksmd's nice value (the kernel's 5 unless it starved while merging paid).
+    pub ksmd_nice: i32,
     pub phase: Phase,
     pub why: String,
 }
@@ -83,12 +88,28 @@ pub struct Adaptive {
     pub pressure: bool,
     pub cpu_share: f64,
     pub yield_bytes_per_cpu_s: f64,
+    /// Share of the last tick ksmd spent runnable but without a CPU.
+    pub wait_share: f64,
+    nice: i32,
 }
 
 impl Adaptive {
     pub fn new(cfg: AdaptiveConfig) -> Adaptive {
         let rate = cfg.start_rate;
-        Adaptive { cfg, phase: Phase::Off, rate, last: None, cpu: 0.0, pass_start_saved: 0, empty_passes: 0, pressure: false, cpu_share: 0.0, yield_bytes_per_cpu_s: 0.0 }
+        Adaptive {
+            cfg,
+            phase: Phase::Off,
+            rate,
+            last: None,
+            cpu: 0.0,
+            pass_start_saved: 0,
+            empty_passes: 0,
+            pressure: false,
+            cpu_share: 0.0,
+            yield_bytes_per_cpu_s: 0.0,
+            wait_share: 0.0,
+            nice: crate::sysfs::KSMD_DEFAULT_NICE,
+        }
     }
 
     pub fn phase(&self) -> Phase {
@@ -99,7 +120,8 @@ impl Adaptive {
     }
 
     fn under_pressure(&self, m: &Memory) -> bool {
-        m.available_frac() < self.cfg.pressure_below || m.psi_some10.is_some_and(|p| p > self.cfg.psi_above)
+        m.available_frac() < self.cfg.pressure_below
+            || m.psi_some10.is_some_and(|p| p > self.cfg.psi_above)
     }
 
     /// ksmd's knobs for a rate: the normal sleep with a batch to match, or
@@ -109,20 +131,32 @@ impl Adaptive {
         if per >= 32.0 {
             (per.round() as u64, self.cfg.sleep_ms)
         } else {
-            (32, ((32.0 * 1000.0 / rate.max(1.0)).round() as u64).clamp(self.cfg.sleep_ms, 10_000))
+            (
+                32,
+                ((32.0 * 1000.0 / rate.max(1.0)).round() as u64).clamp(self.cfg.sleep_ms, 10_000),
+            )
         }
     }
 
     /// One pass per idle_pass_s over the pages ksmd tracks (its rmap items,
     /// recovered from general_profit = sharing x 4096 - rmap_items x 64).
     fn idle_rate(&self, s: &Stats) -> f64 {
-        let rmap = ((s.pages_sharing + s.ksm_zero_pages) as i64 * PAGE as i64 - s.general_profit).max(0) as f64 / 64.0;
+        let rmap = ((s.pages_sharing + s.ksm_zero_pages) as i64 * PAGE as i64 - s.general_profit)
+            .max(0) as f64
+            / 64.0;
         (rmap / self.cfg.idle_pass_s).max(self.cfg.min_rate)
     }
 
     fn decide(&self, why: String) -> Decision {
         let (p, s) = self.knobs(self.rate);
-        Decision { run: self.phase != Phase::Off, pages_to_scan: p, sleep_millisecs: s, phase: self.phase, why }
+        Decision {
+            run: self.phase != Phase::Off,
+            pages_to_scan: p,
+            sleep_millisecs: s,
+            ksmd_nice: self.nice,
+            phase: self.phase,
+            why,
+        }
     }
 
     fn start_merging(&mut self, s: &Stats, why: &str) -> Decision {
@@ -137,7 +171,9 @@ impl Adaptive {
     pub fn step(&mut self, s: &Stats, m: &Memory, dt: f64) -> Decision {
         self.pressure = self.under_pressure(m);
         let Some(last) = self.last.replace(*s) else {
-            return if self.pressure { self.start_merging(s, "memory pressure: start merging") } else {
+            return if self.pressure {
+                self.start_merging(s, "memory pressure: start merging")
+            } else {
                 self.phase = Phase::Off;
                 self.decide("no memory pressure: KSM off".into())
             };
@@ -146,17 +182,24 @@ impl Adaptive {
         let cpu_now = ((s.ksmd_cpu - last.ksmd_cpu) / dt).max(0.0);
         self.cpu = 0.5 * self.cpu + 0.5 * cpu_now;
         self.cpu_share = self.cpu;
+        self.wait_share = ((s.ksmd_wait - last.ksmd_wait) / dt).clamp(0.0, 1.0);
         let gained = s.saved().saturating_sub(last.saved());
         self.yield_bytes_per_cpu_s = gained as f64 / ((s.ksmd_cpu - last.ksmd_cpu).max(1e-4));
-        let pays = gained >= self.cfg.min_gain_pages * PAGE && self.yield_bytes_per_cpu_s >= self.cfg.pay_bytes_per_cpu_s;
+        let pays = gained >= self.cfg.min_gain_pages * PAGE
+            && self.yield_bytes_per_cpu_s >= self.cfg.pay_bytes_per_cpu_s;
         if s.full_scans > last.full_scans {
             let pass_gain = s.saved().saturating_sub(self.pass_start_saved);
-            self.empty_passes = if pass_gain < self.cfg.min_gain_pages * PAGE { self.empty_passes + 1 } else { 0 };
+            self.empty_passes = if pass_gain < self.cfg.min_gain_pages * PAGE {
+                self.empty_passes + 1
+            } else {
+                0
+            };
             self.pass_start_saved = s.saved();
         }
         let nothing_left = self.empty_passes >= 2;
         match self.phase {
             Phase::Off => {
+                self.nice = crate::sysfs::KSMD_DEFAULT_NICE;
                 if self.pressure {
                     return self.start_merging(s, "memory pressure: start merging");
                 }
@@ -166,12 +209,15 @@ impl Adaptive {
                 if pays {
                     return self.start_merging(s, "new duplicates found: merging again");
                 }
+                self.nice = crate::sysfs::KSMD_DEFAULT_NICE;
                 if !self.pressure {
                     self.phase = Phase::Off;
-                    return self.decide("no memory pressure and nothing left to gain: KSM off".into());
+                    return self
+                        .decide("no memory pressure and nothing left to gain: KSM off".into());
                 }
                 if self.empty_passes == 0 {
-                    return self.start_merging(s, "the last pass found new duplicates: merging again");
+                    return self
+                        .start_merging(s, "the last pass found new duplicates: merging again");
                 }
                 self.rate = self.idle_rate(s);
                 if self.cpu > self.cfg.cpu_budget / 4.0 {
@@ -181,17 +227,50 @@ impl Adaptive {
             }
             Phase::Merging => {
                 if nothing_left {
-                    self.phase = if self.pressure { Phase::Idling } else { Phase::Off };
+                    self.phase = if self.pressure {
+                        Phase::Idling
+                    } else {
+                        Phase::Off
+                    };
                     self.rate = self.idle_rate(s);
-                    return self.decide(if self.pressure { "two passes found nothing new: idling" } else { "nothing left to gain and no memory pressure: KSM off" }.into());
+                    self.nice = crate::sysfs::KSMD_DEFAULT_NICE;
+                    return self.decide(
+                        if self.pressure {
+                            "two passes found nothing new: idling"
+                        } else {
+                            "nothing left to gain and no memory pressure: KSM off"
+                        }
+                        .into(),
+                    );
                 }
                 let budget = self.cfg.cpu_budget;
+                // A busy host can keep nice-5 ksmd waiting for a CPU for
+                // seconds, whatever its batch size: raise its priority (the
+                // budget still bounds its CPU through the rate).
+                if self.wait_share > 0.3 && self.cpu < 0.5 * budget && self.nice > self.cfg.min_nice
+                {
+                    self.nice = (self.nice - 5).max(self.cfg.min_nice);
+                    self.rate = (self.rate * 1.5).min(self.cfg.max_rate);
+                    return self.decide(format!(
+                        "ksmd waited {:.0}% of the last second for a CPU: priority up to nice {}",
+                        self.wait_share * 100.0,
+                        self.nice
+                    ));
+                }
                 let why = if self.cpu > budget {
                     self.rate = (self.rate * budget / self.cpu * 0.9).max(self.cfg.min_rate);
-                    format!("ksmd at {:.0}% of a core, over the {:.0}% budget: slower", self.cpu * 100.0, budget * 100.0)
+                    format!(
+                        "ksmd at {:.0}% of a core, over the {:.0}% budget: slower",
+                        self.cpu * 100.0,
+                        budget * 100.0
+                    )
                 } else if self.cpu < 0.8 * budget && s.run == 1 {
                     self.rate = (self.rate * 1.5).min(self.cfg.max_rate);
-                    if pays { "merging pays: faster".to_string() } else { "looking for duplicates within the budget: faster".to_string() }
+                    if pays {
+                        "merging pays: faster".to_string()
+                    } else {
+                        "looking for duplicates within the budget: faster".to_string()
+                    }
                 } else {
                     "at the CPU budget".to_string()
                 };
@@ -206,10 +285,21 @@ mod tests {
     use super::*;
 
     fn mem(avail: f64) -> Memory {
-        Memory { total_kb: 1 << 20, available_kb: ((1u64 << 20) as f64 * avail) as u64, free_kb: 0, psi_some10: None }
+        Memory {
+            total_kb: 1 << 20,
+            available_kb: ((1u64 << 20) as f64 * avail) as u64,
+            free_kb: 0,
+            psi_some10: None,
+        }
     }
     fn st(sharing: u64, scans: u64, cpu: f64) -> Stats {
-        Stats { run: 1, pages_sharing: sharing, full_scans: scans, ksmd_cpu: cpu, ..Default::default() }
+        Stats {
+            run: 1,
+            pages_sharing: sharing,
+            full_scans: scans,
+            ksmd_cpu: cpu,
+            ..Default::default()
+        }
     }
 
     #[test]
@@ -251,6 +341,33 @@ mod tests {
         // Pressure again: merging again.
         let d = a.step(&st(5000, 3, 0.15), &mem(0.1), 1.0);
         assert_eq!(d.phase, Phase::Merging);
+    }
+
+    #[test]
+    fn a_starving_ksmd_gets_priority_back_to_default_when_done() {
+        let mut a = Adaptive::new(AdaptiveConfig::default());
+        let st = |sharing, scans, cpu, wait| Stats {
+            run: 1,
+            pages_sharing: sharing,
+            full_scans: scans,
+            ksmd_cpu: cpu,
+            ksmd_wait: wait,
+            ..Default::default()
+        };
+        a.step(&st(0, 0, 0.0, 0.0), &mem(0.1), 1.0);
+        // Runnable 90% of the second, on a CPU 0.1%.
+        let d = a.step(&st(0, 0, 0.001, 0.9), &mem(0.1), 1.0);
+        assert_eq!(d.ksmd_nice, 0);
+        let d = a.step(&st(0, 0, 0.002, 1.8), &mem(0.1), 1.0);
+        assert_eq!(d.ksmd_nice, -5);
+        let d = a.step(&st(0, 0, 0.003, 2.7), &mem(0.1), 1.0);
+        assert_eq!(d.ksmd_nice, -10);
+        let d = a.step(&st(0, 0, 0.004, 3.6), &mem(0.1), 1.0);
+        assert_eq!(d.ksmd_nice, -10, "never above the configured ceiling");
+        // Two empty passes: idling at the kernel's priority.
+        a.step(&st(0, 1, 0.005, 3.6), &mem(0.1), 1.0);
+        let d = a.step(&st(0, 2, 0.006, 3.6), &mem(0.1), 1.0);
+        assert_eq!((d.phase, d.ksmd_nice), (Phase::Idling, 5));
     }
 
     #[test]

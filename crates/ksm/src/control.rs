@@ -33,6 +33,75 @@ pub struct Options {
     pub duration: Option<Duration>,
 }
 
+/// A controller as users describe it (CLI flags, pagefleetd's [ksm] section).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Spec {
+    /// "adaptive" or "ksmtuned".
+    pub mode: String,
+    /// ksmtuned: factor on its 60 s monitor interval.
+    pub interval_scale: f64,
+    /// adaptive: "10%" or "0.1".
+    pub cpu_budget: String,
+    pub pressure_below: String,
+    pub psi_above: f64,
+    pub tick_s: f64,
+}
+
+impl Default for Spec {
+    fn default() -> Self {
+        Spec {
+            mode: "adaptive".into(),
+            interval_scale: 1.0,
+            cpu_budget: "10%".into(),
+            pressure_below: "20%".into(),
+            psi_above: 10.0,
+            tick_s: 1.0,
+        }
+    }
+}
+
+impl Spec {
+    /// Checked options (clear errors for bad values).
+    pub fn options(
+        &self,
+        state_file: Option<PathBuf>,
+        keep_settings: bool,
+        duration: Option<Duration>,
+    ) -> Result<Options> {
+        if !(self.tick_s > 0.0 && self.tick_s <= 600.0) {
+            anyhow::bail!("--tick must be between 0 and 600 seconds");
+        }
+        let policy = match self.mode.as_str() {
+            "adaptive" => Policy::Adaptive(AdaptiveConfig {
+                cpu_budget: crate::parse_share("--cpu-budget", &self.cpu_budget)?,
+                pressure_below: crate::parse_share("--pressure-below", &self.pressure_below)?,
+                psi_above: self.psi_above,
+                ..Default::default()
+            }),
+            "ksmtuned" => {
+                if !(self.interval_scale > 0.0 && self.interval_scale <= 100.0) {
+                    anyhow::bail!(
+                        "--interval-scale must be positive (the paper uses 0.5, 1 and 2)"
+                    );
+                }
+                let base = TunedConfig::default();
+                Policy::Ksmtuned(TunedConfig {
+                    monitor_interval_s: base.monitor_interval_s * self.interval_scale,
+                    ..base
+                })
+            }
+            m => anyhow::bail!("unknown --mode {m}: adaptive or ksmtuned"),
+        };
+        Ok(Options {
+            policy,
+            tick: Duration::from_secs_f64(self.tick_s),
+            keep_settings,
+            state_file,
+            duration,
+        })
+    }
+}
+
 /// What the state file holds.
 #[derive(Clone, Debug, Serialize)]
 pub struct State {
@@ -46,6 +115,7 @@ pub struct State {
     pub why: String,
     pub pressure: bool,
     pub ksmd_cpu_share: f64,
+    pub ksmd_nice: i32,
     pub saved_bytes: u64,
     pub decisions: u64,
     pub updated_unix: u64,
@@ -70,7 +140,10 @@ impl Drop for Restore {
     fn drop(&mut self) {
         if let Some(s) = self.0.take() {
             match s.restore() {
-                Ok(()) => info!("KSM settings restored (run={}, pages_to_scan={}, sleep_millisecs={})", s.run, s.pages_to_scan, s.sleep_millisecs),
+                Ok(()) => info!(
+                    "KSM settings restored (run={}, pages_to_scan={}, sleep_millisecs={})",
+                    s.run, s.pages_to_scan, s.sleep_millisecs
+                ),
                 Err(e) => warn!("could not restore KSM settings: {e:#}"),
             }
         }
@@ -89,20 +162,42 @@ fn write_state(path: &Option<PathBuf>, st: &State) {
 }
 
 fn unix_now() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 /// Run until `stop` is set (or the duration passes). `on_decision` sees
 /// every state published (the CLI prints changes).
 pub fn run(o: &Options, stop: &AtomicBool, mut on_decision: impl FnMut(&State)) -> Result<()> {
     sysfs::available()?;
+    let _lock = lock(o.state_file.as_deref())?;
     let saved = Settings::save()?;
     // Check we may write before deciding anything (clear error for non-root).
-    sysfs::write("pages_to_scan", &saved.pages_to_scan.to_string()).context("the KSM controller must run as root")?;
+    sysfs::write("pages_to_scan", &saved.pages_to_scan.to_string())
+        .context("the KSM controller must run as root")?;
     let _restore = Restore((!o.keep_settings).then_some(saved));
     let started = Instant::now();
-    let done = |stop: &AtomicBool| stop.load(Ordering::Relaxed) || o.duration.is_some_and(|d| started.elapsed() >= d);
-    let mut st = State { pid: std::process::id(), policy: String::new(), phase: String::new(), run: false, pages_to_scan: 0, sleep_millisecs: 0, scan_rate: 0.0, why: String::new(), pressure: false, ksmd_cpu_share: 0.0, saved_bytes: 0, decisions: 0, updated_unix: 0 };
+    let done = |stop: &AtomicBool| {
+        stop.load(Ordering::Relaxed) || o.duration.is_some_and(|d| started.elapsed() >= d)
+    };
+    let mut st = State {
+        pid: std::process::id(),
+        policy: String::new(),
+        phase: String::new(),
+        run: false,
+        pages_to_scan: 0,
+        sleep_millisecs: 0,
+        scan_rate: 0.0,
+        why: String::new(),
+        pressure: false,
+        ksmd_cpu_share: 0.0,
+        ksmd_nice: sysfs::ksmd_nice().unwrap_or(sysfs::KSMD_DEFAULT_NICE),
+        saved_bytes: 0,
+        decisions: 0,
+        updated_unix: 0,
+    };
     let result = match &o.policy {
         Policy::Adaptive(cfg) => {
             st.policy = "adaptive".into();
@@ -110,6 +205,7 @@ pub fn run(o: &Options, stop: &AtomicBool, mut on_decision: impl FnMut(&State)) 
             let _ = sysfs::write("advisor_mode", "none");
             let _ = sysfs::write("smart_scan", "1");
             let mut a = Adaptive::new(cfg.clone());
+            let mut nice = sysfs::ksmd_nice().unwrap_or(sysfs::KSMD_DEFAULT_NICE);
             let mut last = Instant::now();
             let mut prev_why = String::new();
             let mut prev_phase = String::new();
@@ -122,23 +218,46 @@ pub fn run(o: &Options, stop: &AtomicBool, mut on_decision: impl FnMut(&State)) 
                 if let Err(e) = apply(d.run, d.pages_to_scan, d.sleep_millisecs) {
                     warn!("{e:#}");
                 }
+                if d.ksmd_nice != nice {
+                    match sysfs::set_ksmd_nice(d.ksmd_nice) {
+                        Ok(()) => nice = d.ksmd_nice,
+                        Err(e) => warn!("{e:#}"),
+                    }
+                }
                 st.phase = format!("{:?}", d.phase).to_lowercase();
                 st.run = d.run;
                 st.pages_to_scan = d.pages_to_scan;
                 st.sleep_millisecs = d.sleep_millisecs;
-                st.scan_rate = if d.run { d.pages_to_scan as f64 * 1000.0 / d.sleep_millisecs as f64 } else { 0.0 };
+                st.scan_rate = if d.run {
+                    d.pages_to_scan as f64 * 1000.0 / d.sleep_millisecs as f64
+                } else {
+                    0.0
+                };
                 st.why = d.why.clone();
                 st.pressure = a.pressure;
                 st.ksmd_cpu_share = a.cpu_share;
+                st.ksmd_nice = nice;
                 st.saved_bytes = s.saved();
                 st.decisions += 1;
                 st.updated_unix = unix_now();
                 write_state(&o.state_file, &st);
                 if st.phase != prev_phase {
-                    info!("{} (scan {:.0} pages/s, ksmd {:.1}% CPU, saved {} MiB)", d.why, st.scan_rate, a.cpu_share * 100.0, s.saved() >> 20);
+                    info!(
+                        "{} (scan {:.0} pages/s, ksmd {:.1}% CPU, saved {} MiB)",
+                        d.why,
+                        st.scan_rate,
+                        a.cpu_share * 100.0,
+                        s.saved() >> 20
+                    );
                     prev_phase = st.phase.clone();
                 } else if d.why != prev_why {
-                    tracing::debug!("{} (scan {:.0} pages/s, ksmd {:.1}% CPU, saved {} MiB)", d.why, st.scan_rate, a.cpu_share * 100.0, s.saved() >> 20);
+                    tracing::debug!(
+                        "{} (scan {:.0} pages/s, ksmd {:.1}% CPU, saved {} MiB)",
+                        d.why,
+                        st.scan_rate,
+                        a.cpu_share * 100.0,
+                        s.saved() >> 20
+                    );
                 }
                 prev_why = d.why;
                 on_decision(&st);
@@ -162,17 +281,28 @@ pub fn run(o: &Options, stop: &AtomicBool, mut on_decision: impl FnMut(&State)) 
                 let a = t.adjust(&m, committed);
                 let (run, p, s) = match a {
                     Action::Stop => (false, 0, 0),
-                    Action::Start { pages_to_scan, sleep_millisecs } => (true, pages_to_scan, sleep_millisecs),
+                    Action::Start {
+                        pages_to_scan,
+                        sleep_millisecs,
+                    } => (true, pages_to_scan, sleep_millisecs),
                 };
                 if let Err(e) = apply(run, p, s) {
                     warn!("{e:#}");
                 }
                 let thres = t.thres_kb(m.total_kb);
-                st.phase = if run { "running".into() } else { "stopped".into() };
+                st.phase = if run {
+                    "running".into()
+                } else {
+                    "stopped".into()
+                };
                 st.run = run;
                 st.pages_to_scan = p;
                 st.sleep_millisecs = s;
-                st.scan_rate = if run { p as f64 * 1000.0 / s as f64 } else { 0.0 };
+                st.scan_rate = if run {
+                    p as f64 * 1000.0 / s as f64
+                } else {
+                    0.0
+                };
                 st.why = match a {
                     Action::Stop => format!("committed {committed} kB + thres {thres} kB < total and free {} kB > thres: stop", m.free_kb),
                     Action::Start { .. } if m.free_kb < thres => format!("free {} kB < thres {thres} kB: boost", m.free_kb),
@@ -192,6 +322,32 @@ pub fn run(o: &Options, stop: &AtomicBool, mut on_decision: impl FnMut(&State)) 
         let _ = std::fs::remove_file(p);
     }
     result
+}
+
+/// One controller per host: an exclusive lock beside the state file.
+fn lock(state: Option<&std::path::Path>) -> Result<Option<std::fs::File>> {
+    use std::os::fd::AsRawFd;
+    let Some(state) = state else { return Ok(None) };
+    if let Some(d) = state.parent() {
+        std::fs::create_dir_all(d).with_context(|| format!("cannot create {}", d.display()))?;
+    }
+    let p = state.with_extension("lock");
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .read(true)
+        .write(true)
+        .open(&p)
+        .with_context(|| format!("cannot open {}", p.display()))?;
+    // SAFETY: flock on our own descriptor.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let who = std::fs::read_to_string(state)
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+            .and_then(|v| v["pid"].as_u64());
+        anyhow::bail!("another KSM controller is running{} ({} is locked): two would fight over /sys/kernel/mm/ksm", who.map(|p| format!(" (pid {p})")).unwrap_or_default(), p.display());
+    }
+    Ok(Some(f))
 }
 
 /// Sleep in small steps; true when it is time to stop.
@@ -219,9 +375,14 @@ pub fn status(window: Duration, state_file: &std::path::Path) -> Result<serde_js
     let b = Stats::read()?;
     let cpu = (b.ksmd_cpu - a.ksmd_cpu) / t0.elapsed().as_secs_f64();
     let m = Memory::read()?;
-    let controller = std::fs::read(state_file).ok().and_then(|v| serde_json::from_slice::<serde_json::Value>(&v).ok()).filter(|v| {
-        v["pid"].as_u64().is_some_and(|p| std::path::Path::new(&format!("/proc/{p}")).exists())
-    });
+    let controller = std::fs::read(state_file)
+        .ok()
+        .and_then(|v| serde_json::from_slice::<serde_json::Value>(&v).ok())
+        .filter(|v| {
+            v["pid"]
+                .as_u64()
+                .is_some_and(|p| std::path::Path::new(&format!("/proc/{p}")).exists())
+        });
     Ok(serde_json::json!({
         "run": b.run,
         "saved_mib": b.saved() as f64 / 1048576.0,
@@ -233,6 +394,8 @@ pub fn status(window: Duration, state_file: &std::path::Path) -> Result<serde_js
         "ksm_zero_pages": b.ksm_zero_pages,
         "full_scans": b.full_scans,
         "ksmd_cpu_percent": cpu * 100.0,
+        "ksmd_wait_percent": (b.ksmd_wait - a.ksmd_wait) / t0.elapsed().as_secs_f64() * 100.0,
+        "ksmd_nice": sysfs::ksmd_nice().ok(),
         "pages_to_scan": b.pages_to_scan,
         "sleep_millisecs": b.sleep_millisecs,
         "scan_rate_pages_per_s": b.scan_rate(),

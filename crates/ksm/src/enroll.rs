@@ -21,14 +21,19 @@ pub fn merge_self() -> Result<()> {
     // SAFETY: plain prctl.
     let r = unsafe { libc::prctl(PR_SET_MEMORY_MERGE, 1, 0, 0, 0) };
     if r != 0 {
-        bail!("prctl(PR_SET_MEMORY_MERGE) failed: {} (needs Linux 6.4+ with KSM)", std::io::Error::last_os_error());
+        bail!(
+            "prctl(PR_SET_MEMORY_MERGE) failed: {} (needs Linux 6.4+ with KSM)",
+            std::io::Error::last_os_error()
+        );
     }
     Ok(())
 }
 
 /// Whether a process is enrolled (/proc/PID/status "ksm_merge_any" or ksm_stat).
 pub fn is_enrolled(pid: u32) -> Result<bool> {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/ksm_stat")).with_context(|| format!("cannot read /proc/{pid}/ksm_stat (no such process, or not root)"))?;
+    let s = std::fs::read_to_string(format!("/proc/{pid}/ksm_stat")).with_context(|| {
+        format!("cannot read /proc/{pid}/ksm_stat (no such process, or not root)")
+    })?;
     Ok(s.lines().any(|l| l.trim() == "ksm_merge_any: yes"))
 }
 
@@ -39,7 +44,7 @@ pub fn enroll_pid(pid: u32) -> Result<()> {
         return merge_self();
     }
     if !Path::new(&format!("/proc/{pid}")).exists() {
-        bail!("no process {pid}");
+        bail!("no such process: {pid}");
     }
     if is_enrolled(pid)? {
         return Ok(());
@@ -49,13 +54,19 @@ pub fn enroll_pid(pid: u32) -> Result<()> {
     // SAFETY: ptrace on another process; every path below detaches.
     unsafe {
         if libc::ptrace(libc::PTRACE_SEIZE, p, 0, 0) != 0 {
-            bail!("cannot attach to process {pid}: {} (root needed; or it is being traced)", std::io::Error::last_os_error());
+            bail!(
+                "cannot attach to process {pid}: {} (root needed; or it is being traced)",
+                std::io::Error::last_os_error()
+            );
         }
         let r = inject(p, at);
         libc::ptrace(libc::PTRACE_DETACH, p, 0, 0);
         let ret = r?;
         if ret != 0 {
-            bail!("process {pid}: prctl(PR_SET_MEMORY_MERGE) returned {}", std::io::Error::from_raw_os_error((-ret) as i32));
+            bail!(
+                "process {pid}: prctl(PR_SET_MEMORY_MERGE) returned {}",
+                std::io::Error::from_raw_os_error((-ret) as i32)
+            );
         }
     }
     Ok(())
@@ -82,7 +93,10 @@ unsafe fn wait_stop(p: libc::pid_t) -> Result<libc::c_int> {
 #[cfg(target_arch = "x86_64")]
 unsafe fn inject(p: libc::pid_t, at: u64) -> Result<i64> {
     if libc::ptrace(libc::PTRACE_INTERRUPT, p, 0, 0) != 0 {
-        bail!("cannot stop the process: {}", std::io::Error::last_os_error());
+        bail!(
+            "cannot stop the process: {}",
+            std::io::Error::last_os_error()
+        );
     }
     // A signal may arrive first: let it through and wait for our stop.
     for _ in 0..16 {
@@ -115,7 +129,10 @@ unsafe fn inject(p: libc::pid_t, at: u64) -> Result<i64> {
         }
         let st = wait_stop(p)?;
         if libc::WSTOPSIG(st) != libc::SIGTRAP {
-            bail!("unexpected stop (signal {}) while enrolling", libc::WSTOPSIG(st));
+            bail!(
+                "unexpected stop (signal {}) while enrolling",
+                libc::WSTOPSIG(st)
+            );
         }
         let mut after: libc::user_regs_struct = std::mem::zeroed();
         if libc::ptrace(libc::PTRACE_GETREGS, p, 0, &mut after) != 0 {
@@ -134,15 +151,24 @@ unsafe fn inject(p: libc::pid_t, at: u64) -> Result<i64> {
 /// Address of a `syscall` instruction (0f 05) in an executable mapping of the process.
 fn find_syscall_insn(pid: u32) -> Result<u64> {
     use std::io::{Read, Seek, SeekFrom};
-    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).with_context(|| format!("no process {pid}"))?;
-    let mut mem = std::fs::File::open(format!("/proc/{pid}/mem")).with_context(|| format!("cannot read process {pid}'s memory (root needed)"))?;
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))
+        .with_context(|| format!("no process {pid}"))?;
+    let mut mem = std::fs::File::open(format!("/proc/{pid}/mem"))
+        .with_context(|| format!("cannot read process {pid}'s memory (root needed)"))?;
     // The vDSO first (always there, tiny), then any executable mapping.
-    let mut maps: Vec<&str> = maps.lines().filter(|l| l.split_whitespace().nth(1).is_some_and(|p| p.contains('x'))).collect();
+    let mut maps: Vec<&str> = maps
+        .lines()
+        .filter(|l| l.split_whitespace().nth(1).is_some_and(|p| p.contains('x')))
+        .collect();
     maps.sort_by_key(|l| !l.ends_with("[vdso]"));
     for l in maps {
         let range = l.split_whitespace().next().unwrap_or("");
-        let Some((a, b)) = range.split_once('-') else { continue };
-        let (Ok(a), Ok(b)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16)) else { continue };
+        let Some((a, b)) = range.split_once('-') else {
+            continue;
+        };
+        let (Ok(a), Ok(b)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16)) else {
+            continue;
+        };
         let len = (b - a).min(4 << 20) as usize;
         let mut buf = vec![0u8; len];
         if mem.seek(SeekFrom::Start(a)).is_err() || mem.read_exact(&mut buf).is_err() {
@@ -152,20 +178,27 @@ fn find_syscall_insn(pid: u32) -> Result<u64> {
             return Ok(a + i as u64);
         }
     }
-    Err(anyhow!("process {pid} has no syscall instruction in its code (is it a kernel thread?)"))
+    Err(anyhow!(
+        "process {pid} has no syscall instruction in its code (is it a kernel thread?)"
+    ))
 }
 
 /// Enrol every process of a cgroup (a directory with cgroup.procs, v1 or v2).
 /// Returns the pids enrolled; processes that vanish meanwhile are skipped.
 pub fn enroll_cgroup(dir: &Path) -> Result<Vec<u32>> {
     let procs = dir.join("cgroup.procs");
-    let s = std::fs::read_to_string(&procs).with_context(|| format!("{} is not a cgroup (no cgroup.procs)", dir.display()))?;
+    let s = std::fs::read_to_string(&procs)
+        .with_context(|| format!("{} is not a cgroup (no cgroup.procs)", dir.display()))?;
     let mut done = Vec::new();
     for pid in s.lines().filter_map(|l| l.trim().parse::<u32>().ok()) {
         match enroll_pid(pid) {
             Ok(()) => done.push(pid),
-            Err(e) if !Path::new(&format!("/proc/{pid}")).exists() => tracing::debug!("process {pid} left: {e}"),
-            Err(e) => return Err(e.context(format!("enrolling process {pid} of {}", dir.display()))),
+            Err(e) if !Path::new(&format!("/proc/{pid}")).exists() => {
+                tracing::debug!("process {pid} left: {e}")
+            }
+            Err(e) => {
+                return Err(e.context(format!("enrolling process {pid} of {}", dir.display())))
+            }
         }
     }
     Ok(done)

@@ -20,26 +20,35 @@ pub fn available() -> Result<()> {
 }
 
 pub fn read(name: &str) -> Result<String> {
-    let s = std::fs::read_to_string(knob(name)).with_context(|| format!("cannot read {KSM}/{name}"))?;
+    let s =
+        std::fs::read_to_string(knob(name)).with_context(|| format!("cannot read {KSM}/{name}"))?;
     Ok(s.trim().to_string())
 }
 
 pub fn read_u64(name: &str) -> Result<u64> {
-    read(name)?.parse().map_err(|_| anyhow!("{KSM}/{name} is not a number"))
+    read(name)?
+        .parse()
+        .map_err(|_| anyhow!("{KSM}/{name} is not a number"))
 }
 
 fn read_i64(name: &str) -> Result<i64> {
-    read(name)?.parse().map_err(|_| anyhow!("{KSM}/{name} is not a number"))
+    read(name)?
+        .parse()
+        .map_err(|_| anyhow!("{KSM}/{name} is not a number"))
 }
 
 pub fn write(name: &str, v: &str) -> Result<()> {
-    std::fs::write(knob(name), v).with_context(|| format!("cannot write {v} to {KSM}/{name} (root needed)"))
+    std::fs::write(knob(name), v)
+        .with_context(|| format!("cannot write {v} to {KSM}/{name} (root needed)"))
 }
 
 /// The selected word of a "[a] b" style knob (advisor_mode).
 pub fn selected(name: &str) -> Result<String> {
     let s = read(name)?;
-    Ok(s.split_whitespace().find(|w| w.starts_with('[')).map(|w| w.trim_matches(|c| c == '[' || c == ']').to_string()).unwrap_or(s))
+    Ok(s.split_whitespace()
+        .find(|w| w.starts_with('['))
+        .map(|w| w.trim_matches(|c| c == '[' || c == ']').to_string())
+        .unwrap_or(s))
 }
 
 /// One reading of the counters.
@@ -58,10 +67,13 @@ pub struct Stats {
     pub ksm_zero_pages: u64,
     /// ksmd's CPU time so far, seconds.
     pub ksmd_cpu: f64,
+    /// Time ksmd has spent runnable but waiting for a CPU, seconds.
+    pub ksmd_wait: f64,
 }
 
 impl Stats {
     pub fn read() -> Result<Stats> {
+        let (cpu, wait) = ksmd_sched()?;
         Ok(Stats {
             run: read_u64("run")?,
             pages_to_scan: read_u64("pages_to_scan")?,
@@ -74,7 +86,8 @@ impl Stats {
             full_scans: read_u64("full_scans")?,
             general_profit: read_i64("general_profit").unwrap_or(0),
             ksm_zero_pages: read_u64("ksm_zero_pages").unwrap_or(0),
-            ksmd_cpu: ksmd_cpu()?,
+            ksmd_cpu: cpu,
+            ksmd_wait: wait,
         })
     }
     /// Memory the merging saves, bytes (sharing sites beyond the first copy).
@@ -92,10 +105,50 @@ impl Stats {
 
 /// ksmd's CPU time in seconds (schedstat: nanoseconds on the CPU).
 pub fn ksmd_cpu() -> Result<f64> {
+    Ok(ksmd_sched()?.0)
+}
+
+/// ksmd's (time on a CPU, time waiting in a run queue), seconds.
+pub fn ksmd_sched() -> Result<(f64, f64)> {
     let pid = ksmd_pid()?;
-    let s = std::fs::read_to_string(format!("/proc/{pid}/schedstat")).context("cannot read ksmd's schedstat")?;
-    let ns: u64 = s.split_whitespace().next().and_then(|w| w.parse().ok()).ok_or_else(|| anyhow!("bad schedstat for ksmd"))?;
-    Ok(ns as f64 / 1e9)
+    let s = std::fs::read_to_string(format!("/proc/{pid}/schedstat"))
+        .context("cannot read ksmd's schedstat")?;
+    let mut w = s.split_whitespace().map(|w| w.parse::<u64>().ok());
+    match (w.next().flatten(), w.next().flatten()) {
+        (Some(run), Some(wait)) => Ok((run as f64 / 1e9, wait as f64 / 1e9)),
+        _ => bail!("bad schedstat for ksmd: {s:?}"),
+    }
+}
+
+/// The kernel starts ksmd at nice 5.
+pub const KSMD_DEFAULT_NICE: i32 = 5;
+
+pub fn ksmd_nice() -> Result<i32> {
+    let pid = ksmd_pid()?;
+    // SAFETY: plain syscalls; errno distinguishes -1 from an error.
+    unsafe {
+        *libc::__errno_location() = 0;
+        let n = libc::getpriority(libc::PRIO_PROCESS, pid);
+        if n == -1 && *libc::__errno_location() != 0 {
+            bail!(
+                "cannot read ksmd's priority: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+        Ok(n)
+    }
+}
+
+pub fn set_ksmd_nice(n: i32) -> Result<()> {
+    let pid = ksmd_pid()?;
+    // SAFETY: plain syscall.
+    if unsafe { libc::setpriority(libc::PRIO_PROCESS, pid, n) } != 0 {
+        bail!(
+            "cannot set ksmd's priority to {n}: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+    Ok(())
 }
 
 fn ksmd_pid() -> Result<u32> {
@@ -105,8 +158,13 @@ fn ksmd_pid() -> Result<u32> {
         return Ok(*p);
     }
     for e in std::fs::read_dir("/proc")?.flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
-        if std::fs::read_to_string(format!("/proc/{pid}/comm")).map(|c| c.trim() == "ksmd").unwrap_or(false) {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        if std::fs::read_to_string(format!("/proc/{pid}/comm"))
+            .map(|c| c.trim() == "ksmd")
+            .unwrap_or(false)
+        {
             return Ok(*PID.get_or_init(|| pid));
         }
     }
@@ -121,6 +179,7 @@ pub struct Settings {
     pub sleep_millisecs: u64,
     pub smart_scan: Option<u64>,
     pub advisor_mode: Option<String>,
+    pub ksmd_nice: Option<i32>,
 }
 
 impl Settings {
@@ -132,6 +191,7 @@ impl Settings {
             sleep_millisecs: read_u64("sleep_millisecs")?,
             smart_scan: read_u64("smart_scan").ok(),
             advisor_mode: selected("advisor_mode").ok(),
+            ksmd_nice: ksmd_nice().ok(),
         })
     }
     /// Put everything back; `run` last so ksmd never runs with foreign settings.
@@ -143,6 +203,9 @@ impl Settings {
         write("sleep_millisecs", &self.sleep_millisecs.to_string())?;
         if let Some(s) = self.smart_scan {
             write("smart_scan", &s.to_string())?;
+        }
+        if let Some(n) = self.ksmd_nice {
+            set_ksmd_nice(n)?;
         }
         // run=2 (unmerge everything) is not put back: it would only re-expand memory.
         write("run", &self.run.min(1).to_string())
@@ -166,7 +229,10 @@ impl Memory {
         let mut m = Memory::default();
         for l in s.lines() {
             let mut w = l.split_whitespace();
-            let (Some(k), Some(v)) = (w.next(), w.next().and_then(|v| v.parse::<u64>().ok())) else { continue };
+            let (Some(k), Some(v)) = (w.next(), w.next().and_then(|v| v.parse::<u64>().ok()))
+            else {
+                continue;
+            };
             match k {
                 "MemTotal:" => m.total_kb = v,
                 "MemAvailable:" => m.available_kb = v,
@@ -174,9 +240,15 @@ impl Memory {
                 _ => {}
             }
         }
-        m.psi_some10 = std::fs::read_to_string("/proc/pressure/memory").ok().and_then(|p| {
-            p.lines().find(|l| l.starts_with("some")).and_then(|l| l.split_whitespace().find_map(|w| w.strip_prefix("avg10=")).and_then(|v| v.parse().ok()))
-        });
+        m.psi_some10 = std::fs::read_to_string("/proc/pressure/memory")
+            .ok()
+            .and_then(|p| {
+                p.lines().find(|l| l.starts_with("some")).and_then(|l| {
+                    l.split_whitespace()
+                        .find_map(|w| w.strip_prefix("avg10="))
+                        .and_then(|v| v.parse().ok())
+                })
+            });
         Ok(m)
     }
     pub fn available_frac(&self) -> f64 {

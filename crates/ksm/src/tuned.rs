@@ -24,7 +24,16 @@ pub struct TunedConfig {
 
 impl Default for TunedConfig {
     fn default() -> Self {
-        TunedConfig { monitor_interval_s: 60.0, npages_boost: 300, npages_decay: -50, npages_min: 64, npages_max: 1250, sleep_msec: 10, thres_coef: 20, thres_const: 2048 }
+        TunedConfig {
+            monitor_interval_s: 60.0,
+            npages_boost: 300,
+            npages_decay: -50,
+            npages_min: 64,
+            npages_max: 1250,
+            sleep_msec: 10,
+            thres_coef: 20,
+            thres_const: 2048,
+        }
     }
 }
 
@@ -32,7 +41,10 @@ impl Default for TunedConfig {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub enum Action {
     Stop,
-    Start { pages_to_scan: u64, sleep_millisecs: u64 },
+    Start {
+        pages_to_scan: u64,
+        sleep_millisecs: u64,
+    },
 }
 
 pub struct Tuned {
@@ -66,26 +78,43 @@ impl Tuned {
         if committed_kb + thres < total && free > thres {
             return Action::Stop;
         }
-        let delta = if free < thres { self.cfg.npages_boost } else { self.cfg.npages_decay };
+        let delta = if free < thres {
+            self.cfg.npages_boost
+        } else {
+            self.cfg.npages_decay
+        };
         self.npages = (self.npages + delta).clamp(self.cfg.npages_min, self.cfg.npages_max);
-        Action::Start { pages_to_scan: self.npages as u64, sleep_millisecs: self.sleep_ms(total) }
+        Action::Start {
+            pages_to_scan: self.npages as u64,
+            sleep_millisecs: self.sleep_ms(total),
+        }
     }
 }
 
 /// RSS (kB) of processes whose command line matches ksmtuned's
 /// `pgrep -f '^qemu-system.*-enable-kvm'`.
 pub fn committed_kb() -> u64 {
-    let Ok(rd) = std::fs::read_dir("/proc") else { return 0 };
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
     let mut sum = 0;
     for e in rd.flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
-        let Ok(cmd) = std::fs::read(format!("/proc/{pid}/cmdline")) else { continue };
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(cmd) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+            continue;
+        };
         let cmd: String = String::from_utf8_lossy(&cmd).replace('\0', " ");
         if !cmd.starts_with("qemu-system") || !cmd["qemu-system".len()..].contains("-enable-kvm") {
             continue;
         }
         let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-        sum += status.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok()).unwrap_or(0);
+        sum += status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+            .unwrap_or(0);
     }
     sum
 }
@@ -95,7 +124,12 @@ mod tests {
     use super::*;
 
     fn mem(total_gib: u64, free_gib: f64) -> Memory {
-        Memory { total_kb: total_gib << 20, available_kb: 0, free_kb: (free_gib * (1 << 20) as f64) as u64, psi_some10: None }
+        Memory {
+            total_kb: total_gib << 20,
+            available_kb: 0,
+            free_kb: (free_gib * (1 << 20) as f64) as u64,
+            psi_some10: None,
+        }
     }
 
     #[test]
@@ -111,12 +145,30 @@ mod tests {
         // Under the threshold: boost from 0 by 300, up to 1250.
         let want = [300, 600, 900, 1200, 1250, 1250];
         for w in want {
-            assert_eq!(t.adjust(&mem(24, 2.0), 0), Action::Start { pages_to_scan: w, sleep_millisecs: 10 });
+            assert_eq!(
+                t.adjust(&mem(24, 2.0), 0),
+                Action::Start {
+                    pages_to_scan: w,
+                    sleep_millisecs: 10
+                }
+            );
         }
         // Guests committed over total - thres but free above it: decay by 50.
-        assert_eq!(t.adjust(&mem(24, 10.0), 22 << 20), Action::Start { pages_to_scan: 1200, sleep_millisecs: 10 });
+        assert_eq!(
+            t.adjust(&mem(24, 10.0), 22 << 20),
+            Action::Start {
+                pages_to_scan: 1200,
+                sleep_millisecs: 10
+            }
+        );
         // Decay stops at 64.
         let mut t = Tuned::new(TunedConfig::default());
-        assert_eq!(t.adjust(&mem(24, 10.0), 22 << 20), Action::Start { pages_to_scan: 64, sleep_millisecs: 10 });
+        assert_eq!(
+            t.adjust(&mem(24, 10.0), 22 << 20),
+            Action::Start {
+                pages_to_scan: 64,
+                sleep_millisecs: 10
+            }
+        );
     }
 }

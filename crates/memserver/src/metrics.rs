@@ -5,7 +5,14 @@ use pagefleet_proto::{ErrorCode, Opcode};
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
-const OPS: [Opcode; 6] = [Opcode::Hello, Opcode::Put, Opcode::Get, Opcode::Delete, Opcode::Stat, Opcode::Ping];
+const OPS: [Opcode; 6] = [
+    Opcode::Hello,
+    Opcode::Put,
+    Opcode::Get,
+    Opcode::Delete,
+    Opcode::Stat,
+    Opcode::Ping,
+];
 
 #[derive(Default)]
 pub struct Metrics {
@@ -41,42 +48,142 @@ pub fn render(st: &ServerState) -> String {
     let s = st.store.stats(1000);
     let mut o = String::with_capacity(4096);
     let mut gauge = |name: &str, help: &str, kind: &str, v: u64| {
-        let _ = writeln!(o, "# HELP pagefleet_{name} {help}\n# TYPE pagefleet_{name} {kind}\npagefleet_{name} {v}");
+        let _ = writeln!(
+            o,
+            "# HELP pagefleet_{name} {help}\n# TYPE pagefleet_{name} {kind}\npagefleet_{name} {v}"
+        );
     };
-    gauge("memserver_capacity_bytes", "Memory lent by this server.", "gauge", s.capacity_pages * 4096);
-    gauge("memserver_stored_pages", "Pages currently stored.", "gauge", s.stored_pages);
-    gauge("memserver_stored_bytes", "Bytes currently stored.", "gauge", s.stored_pages * 4096);
-    gauge("memserver_used_slots", "Slots not free (stored, arriving, or being sent).", "gauge", s.used_slots);
-    gauge("memserver_touched_bytes", "Pool bytes ever touched (bound on pool RSS).", "gauge", s.touched_slots * 4096);
-    gauge("memserver_regions", "Regions with at least one page.", "gauge", s.region_count);
-    gauge("memserver_connections", "Open client connections.", "gauge", st.connections() as u64);
-    gauge("memserver_connections_total", "Connections accepted.", "counter", m.connections_total.load(Relaxed));
-    gauge("memserver_connections_refused_total", "Connections refused (limit).", "counter", m.connections_refused.load(Relaxed));
-    gauge("memserver_auth_failures_total", "Failed HELLO authentications.", "counter", m.auth_failures.load(Relaxed));
-    gauge("memserver_received_bytes_total", "Bytes received in frames.", "counter", m.bytes_in.load(Relaxed));
-    gauge("memserver_sent_bytes_total", "Bytes sent in frames.", "counter", m.bytes_out.load(Relaxed));
-    gauge("memserver_pages_put_total", "Pages received by PUT.", "counter", m.pages_put.load(Relaxed));
-    gauge("memserver_pages_got_total", "Pages sent by GET (keep or take).", "counter", m.pages_got.load(Relaxed));
-    gauge("memserver_pages_taken_total", "Pages removed by GET take.", "counter", m.pages_taken.load(Relaxed));
+    gauge(
+        "memserver_capacity_bytes",
+        "Memory lent by this server.",
+        "gauge",
+        s.capacity_pages * 4096,
+    );
+    gauge(
+        "memserver_stored_pages",
+        "Pages currently stored.",
+        "gauge",
+        s.stored_pages,
+    );
+    gauge(
+        "memserver_stored_bytes",
+        "Bytes currently stored.",
+        "gauge",
+        s.stored_pages * 4096,
+    );
+    gauge(
+        "memserver_used_slots",
+        "Slots not free (stored, arriving, or being sent).",
+        "gauge",
+        s.used_slots,
+    );
+    gauge(
+        "memserver_touched_bytes",
+        "Pool bytes ever touched (bound on pool RSS).",
+        "gauge",
+        s.touched_slots * 4096,
+    );
+    gauge(
+        "memserver_regions",
+        "Regions with at least one page.",
+        "gauge",
+        s.region_count,
+    );
+    gauge(
+        "memserver_connections",
+        "Open client connections.",
+        "gauge",
+        st.connections() as u64,
+    );
+    gauge(
+        "memserver_connections_total",
+        "Connections accepted.",
+        "counter",
+        m.connections_total.load(Relaxed),
+    );
+    gauge(
+        "memserver_connections_refused_total",
+        "Connections refused (limit).",
+        "counter",
+        m.connections_refused.load(Relaxed),
+    );
+    gauge(
+        "memserver_auth_failures_total",
+        "Failed HELLO authentications.",
+        "counter",
+        m.auth_failures.load(Relaxed),
+    );
+    gauge(
+        "memserver_received_bytes_total",
+        "Bytes received in frames.",
+        "counter",
+        m.bytes_in.load(Relaxed),
+    );
+    gauge(
+        "memserver_sent_bytes_total",
+        "Bytes sent in frames.",
+        "counter",
+        m.bytes_out.load(Relaxed),
+    );
+    gauge(
+        "memserver_pages_put_total",
+        "Pages received by PUT.",
+        "counter",
+        m.pages_put.load(Relaxed),
+    );
+    gauge(
+        "memserver_pages_got_total",
+        "Pages sent by GET (keep or take).",
+        "counter",
+        m.pages_got.load(Relaxed),
+    );
+    gauge(
+        "memserver_pages_taken_total",
+        "Pages removed by GET take.",
+        "counter",
+        m.pages_taken.load(Relaxed),
+    );
     let _ = writeln!(o, "# HELP pagefleet_memserver_requests_total Requests by operation.\n# TYPE pagefleet_memserver_requests_total counter");
     for (i, op) in OPS.iter().enumerate() {
-        let _ = writeln!(o, "pagefleet_memserver_requests_total{{op=\"{}\"}} {}", op.name(), m.requests[i].load(Relaxed));
+        let _ = writeln!(
+            o,
+            "pagefleet_memserver_requests_total{{op=\"{}\"}} {}",
+            op.name(),
+            m.requests[i].load(Relaxed)
+        );
     }
     let _ = writeln!(o, "# HELP pagefleet_memserver_errors_total Error replies by code.\n# TYPE pagefleet_memserver_errors_total counter");
     for c in ErrorCode::ALL {
-        let _ = writeln!(o, "pagefleet_memserver_errors_total{{code=\"{}\"}} {}", c.name(), m.errors_of(c));
+        let _ = writeln!(
+            o,
+            "pagefleet_memserver_errors_total{{code=\"{}\"}} {}",
+            c.name(),
+            m.errors_of(c)
+        );
     }
     let _ = writeln!(o, "# HELP pagefleet_memserver_region_pages Pages stored per region.\n# TYPE pagefleet_memserver_region_pages gauge");
     for r in &s.regions {
-        let _ = writeln!(o, "pagefleet_memserver_region_pages{{region=\"{:#x}\"}} {}", r.0, r.1);
+        let _ = writeln!(
+            o,
+            "pagefleet_memserver_region_pages{{region=\"{:#x}\"}} {}",
+            r.0, r.1
+        );
     }
     let _ = writeln!(o, "# HELP pagefleet_memserver_region_received_bytes_total Page bytes received per region.\n# TYPE pagefleet_memserver_region_received_bytes_total counter");
     for r in &s.regions {
-        let _ = writeln!(o, "pagefleet_memserver_region_received_bytes_total{{region=\"{:#x}\"}} {}", r.0, r.2);
+        let _ = writeln!(
+            o,
+            "pagefleet_memserver_region_received_bytes_total{{region=\"{:#x}\"}} {}",
+            r.0, r.2
+        );
     }
     let _ = writeln!(o, "# HELP pagefleet_memserver_region_sent_bytes_total Page bytes sent per region.\n# TYPE pagefleet_memserver_region_sent_bytes_total counter");
     for r in &s.regions {
-        let _ = writeln!(o, "pagefleet_memserver_region_sent_bytes_total{{region=\"{:#x}\"}} {}", r.0, r.3);
+        let _ = writeln!(
+            o,
+            "pagefleet_memserver_region_sent_bytes_total{{region=\"{:#x}\"}} {}",
+            r.0, r.3
+        );
     }
     o
 }

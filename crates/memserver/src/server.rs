@@ -29,7 +29,10 @@ pub struct ServerConfig {
 
 impl Default for ServerConfig {
     fn default() -> Self {
-        ServerConfig { max_conns: 512, io_timeout: Duration::from_secs(30) }
+        ServerConfig {
+            max_conns: 512,
+            io_timeout: Duration::from_secs(30),
+        }
     }
 }
 
@@ -46,7 +49,14 @@ pub struct ServerState {
 
 impl ServerState {
     pub fn new(store: Store, secret: Secret, cfg: ServerConfig) -> ServerState {
-        ServerState { store, secret, server_id: auth::random_u64(), metrics: Metrics::default(), cfg, conns: AtomicU32::new(0) }
+        ServerState {
+            store,
+            secret,
+            server_id: auth::random_u64(),
+            metrics: Metrics::default(),
+            cfg,
+            conns: AtomicU32::new(0),
+        }
     }
     pub fn connections(&self) -> u32 {
         self.conns.load(Relaxed)
@@ -62,7 +72,14 @@ pub trait Transport: ReadAll + Write {
 impl Transport for TcpStream {
     fn read_nonblocking(&mut self, buf: &mut [u8]) -> io::Result<Option<usize>> {
         // SAFETY: buf is valid for writes of buf.len() bytes.
-        let n = unsafe { libc::recv(self.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };
+        let n = unsafe {
+            libc::recv(
+                self.as_raw_fd(),
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+                libc::MSG_DONTWAIT,
+            )
+        };
         if n >= 0 {
             return Ok(Some(n as usize));
         }
@@ -88,10 +105,12 @@ pub fn serve(listener: TcpListener, state: Arc<ServerState>) -> io::Result<()> {
             }
         };
         let st = state.clone();
-        let spawned = std::thread::Builder::new().name(format!("conn {peer}")).spawn(move || {
-            let peer = peer.to_string();
-            serve_stream(&st, stream, &peer);
-        });
+        let spawned = std::thread::Builder::new()
+            .name(format!("conn {peer}"))
+            .spawn(move || {
+                let peer = peer.to_string();
+                serve_stream(&st, stream, &peer);
+            });
         if let Err(e) = spawned {
             warn!("cannot start a thread for {peer}: {e}");
         }
@@ -112,12 +131,20 @@ pub fn serve_stream(st: &ServerState, mut stream: TcpStream, peer: &str) {
     let _ = stream.set_nodelay(true);
     let _ = stream.set_read_timeout(Some(st.cfg.io_timeout));
     let _ = stream.set_write_timeout(Some(st.cfg.io_timeout));
-    let ka = socket2::TcpKeepalive::new().with_time(Duration::from_secs(30)).with_interval(Duration::from_secs(10));
+    let ka = socket2::TcpKeepalive::new()
+        .with_time(Duration::from_secs(30))
+        .with_interval(Duration::from_secs(10));
     let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(&ka);
     if n > st.cfg.max_conns {
         st.metrics.connections_refused.fetch_add(1, Relaxed);
         st.metrics.error(ErrorCode::Busy);
-        let e = WireError::new(ErrorCode::Busy, format!("server at its limit of {} connections; retry later", st.cfg.max_conns));
+        let e = WireError::new(
+            ErrorCode::Busy,
+            format!(
+                "server at its limit of {} connections; retry later",
+                st.cfg.max_conns
+            ),
+        );
         let mut out = Vec::new();
         frame(Opcode::Error, 0, &mut out, |b| e.encode(b));
         let _ = stream.write_all(&out);
@@ -143,7 +170,10 @@ enum Flow {
 }
 
 fn is_timeout(e: &io::Error) -> bool {
-    matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut)
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+    )
 }
 
 /// One client connection's state.
@@ -190,7 +220,13 @@ impl<'a, T: Transport> Session<'a, T> {
 
     /// Serve until the peer closes, a fatal error is answered, or I/O fails.
     pub fn run(mut self) -> io::Result<()> {
-        let w = Welcome { min_version: 1, max_version: 1, flags: 0, server_nonce: self.nonce, server_id: self.st.server_id };
+        let w = Welcome {
+            min_version: 1,
+            max_version: 1,
+            flags: 0,
+            server_nonce: self.nonce,
+            server_id: self.st.server_id,
+        };
         frame(Opcode::Welcome, 0, &mut self.out, |b| w.encode(b));
         self.flush()?;
         loop {
@@ -205,7 +241,10 @@ impl<'a, T: Transport> Session<'a, T> {
                 }
             };
             self.rb.consume(HEADER_LEN);
-            self.st.metrics.bytes_in.fetch_add((HEADER_LEN + h.body_len as usize) as u64, Relaxed);
+            self.st
+                .metrics
+                .bytes_in
+                .fetch_add((HEADER_LEN + h.body_len as usize) as u64, Relaxed);
             self.since_flush += HEADER_LEN + h.body_len as usize;
             match self.dispatch(h)? {
                 Flow::Continue => {}
@@ -229,7 +268,10 @@ impl<'a, T: Transport> Session<'a, T> {
                         if self.rb.is_empty() {
                             return Ok(false);
                         }
-                        return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed mid-frame"));
+                        return Err(io::Error::new(
+                            io::ErrorKind::UnexpectedEof,
+                            "peer closed mid-frame",
+                        ));
                     }
                     Ok(Some(n)) => {
                         self.rb.commit(n);
@@ -253,7 +295,10 @@ impl<'a, T: Transport> Session<'a, T> {
     fn flush(&mut self) -> io::Result<()> {
         self.since_flush = 0;
         if !self.out.is_empty() {
-            self.st.metrics.bytes_out.fetch_add(self.out.len() as u64, Relaxed);
+            self.st
+                .metrics
+                .bytes_out
+                .fetch_add(self.out.len() as u64, Relaxed);
             let r = self.t.write_all(&self.out).and_then(|_| self.t.flush());
             self.out.clear();
             r?;
@@ -289,8 +334,11 @@ impl<'a, T: Transport> Session<'a, T> {
         match op {
             Some(Opcode::Hello) => self.hello(h),
             _ if !self.authed => Ok(self.fatal(
-                WireError::new(ErrorCode::NotAuthenticated, "authenticate with HELLO before any other request")
-                    .with_id(h.id),
+                WireError::new(
+                    ErrorCode::NotAuthenticated,
+                    "authenticate with HELLO before any other request",
+                )
+                .with_id(h.id),
             )),
             Some(Opcode::Put) => self.put(h),
             Some(Opcode::Get) => self.get(h),
@@ -298,17 +346,27 @@ impl<'a, T: Transport> Session<'a, T> {
             Some(Opcode::Stat) => self.stat(h),
             Some(Opcode::Ping) => {
                 if len > MAX_PING {
-                    return Ok(self.fatal(WireError::malformed(format!("PING body of {len} bytes exceeds {MAX_PING}")).with_id(h.id)));
+                    return Ok(self.fatal(
+                        WireError::malformed(format!(
+                            "PING body of {len} bytes exceeds {MAX_PING}"
+                        ))
+                        .with_id(h.id),
+                    ));
                 }
                 self.read_body(len)?;
                 let body = std::mem::take(&mut self.body);
-                frame(Opcode::Pong, h.id, &mut self.out, |b| b.extend_from_slice(&body));
+                frame(Opcode::Pong, h.id, &mut self.out, |b| {
+                    b.extend_from_slice(&body)
+                });
                 self.body = body;
                 Ok(Flow::Continue)
             }
             _ => {
                 self.rb.skip(self.t, len)?;
-                let e = WireError::new(ErrorCode::UnknownOpcode, format!("opcode {:#04x} is not a request", h.opcode));
+                let e = WireError::new(
+                    ErrorCode::UnknownOpcode,
+                    format!("opcode {:#04x} is not a request", h.opcode),
+                );
                 self.reply_error(&e, h.id);
                 Ok(Flow::Continue)
             }
@@ -317,7 +375,9 @@ impl<'a, T: Transport> Session<'a, T> {
 
     fn hello(&mut self, h: Header) -> io::Result<Flow> {
         if self.authed {
-            return Ok(self.fatal(WireError::new(ErrorCode::ProtocolViolation, "HELLO sent twice").with_id(h.id)));
+            return Ok(self.fatal(
+                WireError::new(ErrorCode::ProtocolViolation, "HELLO sent twice").with_id(h.id),
+            ));
         }
         if h.body_len as usize > 72 + MAX_NAME + 1 {
             return Ok(self.fatal(WireError::malformed("HELLO body too long").with_id(h.id)));
@@ -329,24 +389,36 @@ impl<'a, T: Transport> Session<'a, T> {
         };
         if hello.version != VERSION as u16 {
             return Ok(self.fatal(
-                WireError::new(ErrorCode::UnsupportedVersion, format!("client asks for version {}, server speaks 1", hello.version))
-                    .with_id(h.id),
+                WireError::new(
+                    ErrorCode::UnsupportedVersion,
+                    format!("client asks for version {}, server speaks 1", hello.version),
+                )
+                .with_id(h.id),
             ));
         }
-        let expect = self.st.secret.client_mac(&self.nonce, &hello.client_nonce, self.st.server_id);
+        let expect = self
+            .st
+            .secret
+            .client_mac(&self.nonce, &hello.client_nonce, self.st.server_id);
         if !auth::macs_equal(&expect, &hello.mac) {
             self.st.metrics.auth_failures.fetch_add(1, Relaxed);
             info!(peer = self.peer, client = %hello.name, "authentication failed");
             return Ok(self.fatal(
-                WireError::new(ErrorCode::AuthFailed, "authentication failed: the client does not hold this cluster's secret")
-                    .with_id(h.id),
+                WireError::new(
+                    ErrorCode::AuthFailed,
+                    "authentication failed: the client does not hold this cluster's secret",
+                )
+                .with_id(h.id),
             ));
         }
         self.authed = true;
         self.client = hello.name;
         debug!(peer = self.peer, client = %self.client, "authenticated");
         let ok = HelloOk {
-            mac: self.st.secret.server_mac(&self.nonce, &hello.client_nonce, self.st.server_id),
+            mac: self
+                .st
+                .secret
+                .server_mac(&self.nonce, &hello.client_nonce, self.st.server_id),
             server_id: self.st.server_id,
             capacity_pages: self.st.store.capacity_pages(),
             used_pages: self.st.store.stored_pages(),
@@ -362,8 +434,12 @@ impl<'a, T: Transport> Session<'a, T> {
             StoreError::OutOfCapacity { free, .. } => {
                 WireError::new(ErrorCode::OutOfCapacity, e.to_string()).with_detail(free)
             }
-            StoreError::NotFound { page, .. } => WireError::new(ErrorCode::NotFound, e.to_string()).with_detail(page),
-            StoreError::DuplicateTake { .. } => WireError::new(ErrorCode::InvalidArgument, e.to_string()),
+            StoreError::NotFound { page, .. } => {
+                WireError::new(ErrorCode::NotFound, e.to_string()).with_detail(page)
+            }
+            StoreError::DuplicateTake { .. } => {
+                WireError::new(ErrorCode::InvalidArgument, e.to_string())
+            }
             _ => WireError::new(ErrorCode::Internal, e.to_string()),
         };
         self.reply_error(&w, id);
@@ -372,15 +448,21 @@ impl<'a, T: Transport> Session<'a, T> {
     fn put(&mut self, h: Header) -> io::Result<Flow> {
         let len = h.body_len as usize;
         if len < PagesPrefix::LEN {
-            return Ok(self.fatal(WireError::malformed("PUT body shorter than its 16-byte prefix").with_id(h.id)));
+            return Ok(self.fatal(
+                WireError::malformed("PUT body shorter than its 16-byte prefix").with_id(h.id),
+            ));
         }
         if !self.rb.fill_to(self.t, PagesPrefix::LEN)? {
-            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed mid-frame"));
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "peer closed mid-frame",
+            ));
         }
-        let prefix = match PagesPrefix::decode(Opcode::Put, &self.rb.available()[..PagesPrefix::LEN]) {
-            Ok(p) => p,
-            Err(e) => return Ok(self.fatal(e.with_id(h.id))),
-        };
+        let prefix =
+            match PagesPrefix::decode(Opcode::Put, &self.rb.available()[..PagesPrefix::LEN]) {
+                Ok(p) => p,
+                Err(e) => return Ok(self.fatal(e.with_id(h.id))),
+            };
         self.rb.consume(PagesPrefix::LEN);
         let n = prefix.count as usize;
         let data_len = n * PAGE_SIZE;
@@ -438,7 +520,9 @@ impl<'a, T: Transport> Session<'a, T> {
                     j += 1;
                 }
                 // SAFETY: pages i..j are adjacent, each owned by this frame.
-                iov.push(IoSliceMut::new(unsafe { std::slice::from_raw_parts_mut(ptrs[i], (j - i) * PAGE_SIZE) }));
+                iov.push(IoSliceMut::new(unsafe {
+                    std::slice::from_raw_parts_mut(ptrs[i], (j - i) * PAGE_SIZE)
+                }));
                 i = j;
             }
             self.rb.read_exact_vectored(self.t, &mut iov)
@@ -459,10 +543,18 @@ impl<'a, T: Transport> Session<'a, T> {
     }
 
     /// Read and decode a GET/DELETE body of bounded size.
-    fn pages_req(&mut self, op: Opcode, h: Header, max: usize) -> io::Result<Result<PagesReq, Flow>> {
+    fn pages_req(
+        &mut self,
+        op: Opcode,
+        h: Header,
+        max: usize,
+    ) -> io::Result<Result<PagesReq, Flow>> {
         let len = h.body_len as usize;
         if len > max {
-            return Ok(Err(self.fatal(WireError::malformed(format!("{} body of {len} bytes exceeds {max}", op.name())).with_id(h.id))));
+            return Ok(Err(self.fatal(
+                WireError::malformed(format!("{} body of {len} bytes exceeds {max}", op.name()))
+                    .with_id(h.id),
+            )));
         }
         self.read_body(len)?;
         match PagesReq::decode(op, &self.body) {
@@ -498,7 +590,11 @@ impl<'a, T: Transport> Session<'a, T> {
                 bitmap[i / 8] |= 1 << (i % 8);
             }
         }
-        let head = GetOkHead { count, present, bitmap };
+        let head = GetOkHead {
+            count,
+            present,
+            bitmap,
+        };
         let body_len = GetOkHead::head_len(count) + present as usize * PAGE_SIZE;
         let mut meta = Vec::with_capacity(HEADER_LEN + head.bitmap.len() + 8);
         meta.extend_from_slice(&Header::new(Opcode::GetOk, body_len, h.id).encode());
@@ -509,7 +605,12 @@ impl<'a, T: Transport> Session<'a, T> {
             iov.push(IoSlice::new(&self.out));
             iov.push(IoSlice::new(&meta));
             // SAFETY: the slots are pinned (keep) or taken by this plan.
-            let ptrs: Vec<*const u8> = plan.slots.iter().flatten().map(|s| unsafe { store.slot(*s) }.as_ptr()).collect();
+            let ptrs: Vec<*const u8> = plan
+                .slots
+                .iter()
+                .flatten()
+                .map(|s| unsafe { store.slot(*s) }.as_ptr())
+                .collect();
             let mut i = 0;
             while i < ptrs.len() {
                 let mut j = i + 1;
@@ -517,7 +618,9 @@ impl<'a, T: Transport> Session<'a, T> {
                     j += 1;
                 }
                 // SAFETY: adjacent slots of this plan.
-                iov.push(IoSlice::new(unsafe { std::slice::from_raw_parts(ptrs[i], (j - i) * PAGE_SIZE) }));
+                iov.push(IoSlice::new(unsafe {
+                    std::slice::from_raw_parts(ptrs[i], (j - i) * PAGE_SIZE)
+                }));
                 i = j;
             }
             write_all_vectored(self.t, &mut iov)
@@ -526,7 +629,10 @@ impl<'a, T: Transport> Session<'a, T> {
         self.st.metrics.bytes_out.fetch_add(total as u64, Relaxed);
         self.st.metrics.pages_got.fetch_add(present as u64, Relaxed);
         if take && res.is_ok() {
-            self.st.metrics.pages_taken.fetch_add(present as u64, Relaxed);
+            self.st
+                .metrics
+                .pages_taken
+                .fetch_add(present as u64, Relaxed);
         }
         store.end_get(plan, &req.sel, res.is_ok());
         res.map(|_| Flow::Continue)
@@ -538,8 +644,13 @@ impl<'a, T: Transport> Session<'a, T> {
             Err(flow) => return Ok(flow),
         };
         let whole = req.prefix.flags & flags::WHOLE_REGION != 0;
-        let deleted = self.st.store.delete(req.prefix.region, if whole { None } else { Some(&req.sel) });
-        frame(Opcode::DeleteOk, h.id, &mut self.out, |b| DeleteOk { deleted }.encode(b));
+        let deleted = self
+            .st
+            .store
+            .delete(req.prefix.region, if whole { None } else { Some(&req.sel) });
+        frame(Opcode::DeleteOk, h.id, &mut self.out, |b| {
+            DeleteOk { deleted }.encode(b)
+        });
         Ok(Flow::Continue)
     }
 

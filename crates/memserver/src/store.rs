@@ -59,14 +59,20 @@ impl Pool {
             )
         };
         if p == libc::MAP_FAILED {
-            return Err(StoreError::Pool { bytes: len as u64, source: std::io::Error::last_os_error() });
+            return Err(StoreError::Pool {
+                bytes: len as u64,
+                source: std::io::Error::last_os_error(),
+            });
         }
         // Huge pages make first touch ~100x cheaper per byte than 4 KiB
         // faults; slots are handed out low-to-high so huge pages fill densely
         // and RSS still tracks what is stored (rounded up to 2 MiB).
         // SAFETY: p/len is the mapping just created.
         unsafe { libc::madvise(p, len, libc::MADV_HUGEPAGE) };
-        Ok(Pool { base: NonNull::new(p as *mut u8).unwrap(), len })
+        Ok(Pool {
+            base: NonNull::new(p as *mut u8).unwrap(),
+            len,
+        })
     }
     fn ptr(&self, slot: u32) -> *mut u8 {
         debug_assert!((slot as usize + 1) * PAGE_SIZE <= self.len);
@@ -103,10 +109,12 @@ impl Region {
         (s != NO_SLOT).then_some(s)
     }
     fn insert(&mut self, page: u64, slot: u32) -> Option<u32> {
-        let leaf = self
-            .leaves
-            .entry(page >> LEAF_SHIFT)
-            .or_insert_with(|| Box::new(Leaf { slot: [NO_SLOT; LEAF_PAGES], count: 0 }));
+        let leaf = self.leaves.entry(page >> LEAF_SHIFT).or_insert_with(|| {
+            Box::new(Leaf {
+                slot: [NO_SLOT; LEAF_PAGES],
+                count: 0,
+            })
+        });
         let e = &mut leaf.slot[(page as usize) & (LEAF_PAGES - 1)];
         let old = *e;
         *e = slot;
@@ -137,8 +145,11 @@ impl Region {
     /// Remove every page in [first, first+count) and return their slots.
     fn remove_range(&mut self, first: u64, count: u64, out: &mut Vec<u32>) {
         let end = first + count;
-        let keys: Vec<u64> =
-            self.leaves.range(first >> LEAF_SHIFT..=(end - 1) >> LEAF_SHIFT).map(|(k, _)| *k).collect();
+        let keys: Vec<u64> = self
+            .leaves
+            .range(first >> LEAF_SHIFT..=(end - 1) >> LEAF_SHIFT)
+            .map(|(k, _)| *k)
+            .collect();
         for k in keys {
             let lo = (k << LEAF_SHIFT).max(first);
             let hi = ((k + 1) << LEAF_SHIFT).min(end);
@@ -249,7 +260,10 @@ impl Store {
     pub fn new(capacity_bytes: u64) -> Result<Store, StoreError> {
         let pages = capacity_bytes / PAGE_SIZE as u64;
         if pages > Self::MAX_PAGES {
-            return Err(StoreError::TooLarge { pages, max: Self::MAX_PAGES });
+            return Err(StoreError::TooLarge {
+                pages,
+                max: Self::MAX_PAGES,
+            });
         }
         Ok(Store {
             pool: Pool::new(pages)?,
@@ -299,11 +313,18 @@ impl Store {
     pub fn begin_put(&self, region: u64, sel: &PageSel) -> Result<PutPlan, StoreError> {
         let mut g = self.lock();
         let reg = g.regions.get(&region);
-        let targets: Vec<bool> = sel.iter().map(|p| reg.and_then(|r| r.get(p)).is_some()).collect();
+        let targets: Vec<bool> = sel
+            .iter()
+            .map(|p| reg.and_then(|r| r.get(p)).is_some())
+            .collect();
         let need = targets.iter().filter(|e| !**e).count() as u64;
         let free = g.available(self.capacity);
         if need > free {
-            return Err(StoreError::OutOfCapacity { need, free, capacity: self.capacity });
+            return Err(StoreError::OutOfCapacity {
+                need,
+                free,
+                capacity: self.capacity,
+            });
         }
         // Fresh slots in ascending address order: the kernel's copy into them
         // then streams through memory instead of hopping around the pool.
@@ -312,14 +333,25 @@ impl Store {
         let mut fresh = fresh.into_iter();
         let targets = targets
             .into_iter()
-            .map(|exists| if exists { PutTarget::Overwrite } else { PutTarget::Fresh(fresh.next().unwrap()) })
+            .map(|exists| {
+                if exists {
+                    PutTarget::Overwrite
+                } else {
+                    PutTarget::Fresh(fresh.next().unwrap())
+                }
+            })
             .collect();
         Ok(PutPlan { region, targets })
     }
 
     /// Publish a PUT whose data has arrived. `staging` holds page i at
     /// `i * PAGE_SIZE` for every `Overwrite` target. Returns (stored, new).
-    pub fn commit_put(&self, plan: PutPlan, sel: &PageSel, staging: &[u8]) -> Result<(u32, u32), StoreError> {
+    pub fn commit_put(
+        &self,
+        plan: PutPlan,
+        sel: &PageSel,
+        staging: &[u8],
+    ) -> Result<(u32, u32), StoreError> {
         let mut g = self.lock();
         let g = &mut *g;
         let mut new_pages = 0u32;
@@ -350,7 +382,9 @@ impl Store {
                     };
                     // SAFETY: the slot is published in this region and we hold
                     // the lock, so it cannot be freed or reused meanwhile.
-                    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.pool.ptr(slot), PAGE_SIZE) };
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(src.as_ptr(), self.pool.ptr(slot), PAGE_SIZE)
+                    };
                 }
             }
         }
@@ -361,7 +395,11 @@ impl Store {
         }
         if failed.is_some() {
             let free = g.available(self.capacity);
-            return Err(StoreError::OutOfCapacity { need: 1, free, capacity: self.capacity });
+            return Err(StoreError::OutOfCapacity {
+                need: 1,
+                free,
+                capacity: self.capacity,
+            });
         }
         Ok((plan.targets.len() as u32, new_pages))
     }
@@ -378,7 +416,13 @@ impl Store {
 
     /// Pin (keep) or unpublish (take) the requested pages. Without
     /// `allow_missing`, any absent page fails the whole request unchanged.
-    pub fn begin_get(&self, region: u64, sel: &PageSel, take: bool, allow_missing: bool) -> Result<GetPlan, StoreError> {
+    pub fn begin_get(
+        &self,
+        region: u64,
+        sel: &PageSel,
+        take: bool,
+        allow_missing: bool,
+    ) -> Result<GetPlan, StoreError> {
         let mut g = self.lock();
         let g = &mut *g;
         if take {
@@ -392,9 +436,16 @@ impl Store {
         }
         let Some(reg) = g.regions.get_mut(&region) else {
             if allow_missing {
-                return Ok(GetPlan { region, slots: vec![None; sel.len()], take });
+                return Ok(GetPlan {
+                    region,
+                    slots: vec![None; sel.len()],
+                    take,
+                });
             }
-            return Err(StoreError::NotFound { region, page: sel.page(0) });
+            return Err(StoreError::NotFound {
+                region,
+                page: sel.page(0),
+            });
         };
         if !allow_missing {
             if let Some(page) = sel.iter().find(|p| reg.get(*p).is_none()) {
@@ -420,7 +471,11 @@ impl Store {
                 g.regions.remove(&region);
             }
         }
-        Ok(GetPlan { region, slots, take })
+        Ok(GetPlan {
+            region,
+            slots,
+            take,
+        })
     }
 
     /// Finish a GET. A take whose reply could not be delivered puts its
@@ -471,7 +526,9 @@ impl Store {
             Some(sel) => {
                 if let Some(reg) = g.regions.get_mut(&region) {
                     match sel {
-                        PageSel::Run { first, count } => reg.remove_range(*first, *count as u64, &mut slots),
+                        PageSel::Run { first, count } => {
+                            reg.remove_range(*first, *count as u64, &mut slots)
+                        }
                         PageSel::List(v) => slots.extend(v.iter().filter_map(|p| reg.remove(*p))),
                     }
                     if reg.pages == 0 {
@@ -511,8 +568,18 @@ impl Store {
         }
     }
 
-    pub fn stat_reply(&self, list: bool, max_regions: u32, server_id: u64, connections: u32) -> StatOk {
-        let max = if list { max_regions.min(pagefleet_proto::StatReq::MAX_LISTED) as usize } else { 0 };
+    pub fn stat_reply(
+        &self,
+        list: bool,
+        max_regions: u32,
+        server_id: u64,
+        connections: u32,
+    ) -> StatOk {
+        let max = if list {
+            max_regions.min(pagefleet_proto::StatReq::MAX_LISTED) as usize
+        } else {
+            0
+        };
         let s = self.stats(max);
         StatOk {
             capacity_pages: s.capacity_pages,
@@ -525,7 +592,6 @@ impl Store {
         }
     }
 }
-
 
 #[cfg(test)]
 mod tests {
@@ -546,7 +612,11 @@ mod tests {
 
     fn get(st: &Store, region: u64, sel: &PageSel, take: bool) -> Result<Vec<u8>, StoreError> {
         let plan = st.begin_get(region, sel, take, false)?;
-        let v = plan.slots.iter().map(|s| unsafe { st.slot(s.unwrap())[0] }).collect();
+        let v = plan
+            .slots
+            .iter()
+            .map(|s| unsafe { st.slot(s.unwrap())[0] })
+            .collect();
         st.end_get(plan, sel, true);
         Ok(v)
     }
@@ -554,16 +624,37 @@ mod tests {
     #[test]
     fn put_get_take_delete() {
         let st = Store::new(64 * PAGE_SIZE as u64).unwrap();
-        let run = PageSel::Run { first: 1000, count: 8 };
+        let run = PageSel::Run {
+            first: 1000,
+            count: 8,
+        };
         assert_eq!(put(&st, 7, &run, 10).unwrap(), (8, 8));
-        assert_eq!(get(&st, 7, &run, false).unwrap(), (10..18).collect::<Vec<u8>>());
+        assert_eq!(
+            get(&st, 7, &run, false).unwrap(),
+            (10..18).collect::<Vec<u8>>()
+        );
         // Overwrite goes through staging and keeps the count.
         assert_eq!(put(&st, 7, &run, 50).unwrap(), (8, 0));
         assert_eq!(st.stored_pages(), 8);
-        assert_eq!(get(&st, 7, &PageSel::List(vec![1003]), true).unwrap(), vec![53]);
+        assert_eq!(
+            get(&st, 7, &PageSel::List(vec![1003]), true).unwrap(),
+            vec![53]
+        );
         assert_eq!(st.stored_pages(), 7);
-        assert!(matches!(get(&st, 7, &PageSel::List(vec![1003]), true), Err(StoreError::NotFound { page: 1003, .. })));
-        assert_eq!(st.delete(7, Some(&PageSel::Run { first: 0, count: 1002 })), 2);
+        assert!(matches!(
+            get(&st, 7, &PageSel::List(vec![1003]), true),
+            Err(StoreError::NotFound { page: 1003, .. })
+        ));
+        assert_eq!(
+            st.delete(
+                7,
+                Some(&PageSel::Run {
+                    first: 0,
+                    count: 1002
+                })
+            ),
+            2
+        );
         assert_eq!(st.delete(7, None), 5);
         assert_eq!(st.stats(10).used_slots, 0);
     }
@@ -573,7 +664,14 @@ mod tests {
         let st = Store::new(4 * PAGE_SIZE as u64).unwrap();
         put(&st, 1, &PageSel::Run { first: 0, count: 3 }, 0).unwrap();
         let e = put(&st, 1, &PageSel::Run { first: 2, count: 3 }, 0).unwrap_err();
-        assert!(matches!(e, StoreError::OutOfCapacity { need: 2, free: 1, capacity: 4 }));
+        assert!(matches!(
+            e,
+            StoreError::OutOfCapacity {
+                need: 2,
+                free: 1,
+                capacity: 4
+            }
+        ));
         assert_eq!(st.stored_pages(), 3);
         // Overwrites need no new slots even when full.
         put(&st, 1, &PageSel::Run { first: 3, count: 1 }, 0).unwrap();
@@ -614,7 +712,10 @@ mod tests {
     fn duplicate_take_refused() {
         let st = Store::new(8 * PAGE_SIZE as u64).unwrap();
         put(&st, 3, &PageSel::List(vec![1]), 0).unwrap();
-        assert!(matches!(st.begin_get(3, &PageSel::List(vec![1, 1]), true, false), Err(StoreError::DuplicateTake { page: 1 })));
+        assert!(matches!(
+            st.begin_get(3, &PageSel::List(vec![1, 1]), true, false),
+            Err(StoreError::DuplicateTake { page: 1 })
+        ));
         assert_eq!(st.stored_pages(), 1);
     }
 }

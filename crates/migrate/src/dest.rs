@@ -5,10 +5,10 @@
 
 use crate::wire::{Kind, Stream, WireError, MAX_PAGES, ZERO_SERVER};
 use crate::Spec;
+use pagefleet_client::{Conn, ConnectOptions, GetMode, Pages};
 use pagefleet_proto::auth::Secret;
 use pagefleet_region::{Adopt, Config, Policy, Region, PAGE};
 use std::os::fd::AsRawFd;
-use pagefleet_client::{ConnectOptions, Conn, GetMode, Pages};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -41,7 +41,10 @@ impl Pipe {
             if libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
-            let p = Pipe { r: std::os::fd::OwnedFd::from_raw_fd(fds[0]), w: std::os::fd::OwnedFd::from_raw_fd(fds[1]) };
+            let p = Pipe {
+                r: std::os::fd::OwnedFd::from_raw_fd(fds[0]),
+                w: std::os::fd::OwnedFd::from_raw_fd(fds[1]),
+            };
             // Best effort: a bigger pipe means fewer splice calls.
             libc::fcntl(fds[1], libc::F_SETPIPE_SZ, (MAX_PAGES * PAGE) as i32);
             Ok(p)
@@ -91,7 +94,11 @@ fn map_resident(range: &mut [u8]) {
                 continue;
             }
             let j = (i..n).find(|&k| vec[k] & 1 == 0).unwrap_or(n);
-            libc::madvise(range.as_mut_ptr().add(i * PAGE).cast(), (j - i) * PAGE, 23 /* MADV_POPULATE_WRITE */);
+            libc::madvise(
+                range.as_mut_ptr().add(i * PAGE).cast(),
+                (j - i) * PAGE,
+                23, /* MADV_POPULATE_WRITE */
+            );
             i = j;
         }
     }
@@ -102,7 +109,16 @@ fn splice_in(p: &mut Pipe, sock: i32, file: i32, off: u64, len: usize) -> Result
     let mut done = 0usize;
     while done < len {
         // SAFETY: plain syscalls on descriptors we hold.
-        let n = unsafe { libc::splice(sock, std::ptr::null_mut(), p.w.as_raw_fd(), std::ptr::null_mut(), len - done, libc::SPLICE_F_MOVE | libc::SPLICE_F_MORE) };
+        let n = unsafe {
+            libc::splice(
+                sock,
+                std::ptr::null_mut(),
+                p.w.as_raw_fd(),
+                std::ptr::null_mut(),
+                len - done,
+                libc::SPLICE_F_MOVE | libc::SPLICE_F_MORE,
+            )
+        };
         if n < 0 {
             let e = std::io::Error::last_os_error();
             if e.kind() == std::io::ErrorKind::Interrupted {
@@ -117,7 +133,16 @@ fn splice_in(p: &mut Pipe, sock: i32, file: i32, off: u64, len: usize) -> Result
         while m < n as usize {
             let mut o = (off as usize + done + m) as i64;
             // SAFETY: as above; `o` is the file offset to write at.
-            let k = unsafe { libc::splice(p.r.as_raw_fd(), std::ptr::null_mut(), file, &mut o, n as usize - m, libc::SPLICE_F_MOVE) };
+            let k = unsafe {
+                libc::splice(
+                    p.r.as_raw_fd(),
+                    std::ptr::null_mut(),
+                    file,
+                    &mut o,
+                    n as usize - m,
+                    libc::SPLICE_F_MOVE,
+                )
+            };
             if k < 0 {
                 let e = std::io::Error::last_os_error();
                 if e.kind() == std::io::ErrorKind::Interrupted {
@@ -175,10 +200,20 @@ struct Puller {
     thread: std::thread::JoinHandle<Result<(), String>>,
 }
 
-fn start_puller(server: usize, addr: String, region: u64, secret: Secret, sh: Arc<Shared>) -> Puller {
+fn start_puller(
+    server: usize,
+    addr: String,
+    region: u64,
+    secret: Secret,
+    sh: Arc<Shared>,
+) -> Puller {
     let (tx, rx) = std::sync::mpsc::channel::<Vec<u64>>();
     let thread = std::thread::spawn(move || -> Result<(), String> {
-        let opts = ConnectOptions { name: "pagefleet-gather".into(), window: 32, ..Default::default() };
+        let opts = ConnectOptions {
+            name: "pagefleet-gather".into(),
+            window: 32,
+            ..Default::default()
+        };
         let mut c = Conn::connect(&addr, &secret, &opts).map_err(|e| format!("{addr}: {e}"))?;
         let mut buf = Vec::new();
         for list in rx {
@@ -186,14 +221,28 @@ fn start_puller(server: usize, addr: String, region: u64, secret: Secret, sh: Ar
                 buf.resize(part.len() * PAGE, 0);
                 // Keep, not take: the main host may still page these in.
                 let mut present = vec![true; part.len()];
-                match c.get(region, Pages::List(part), &mut buf, GetMode::Keep, false, 32) {
+                match c.get(
+                    region,
+                    Pages::List(part),
+                    &mut buf,
+                    GetMode::Keep,
+                    false,
+                    32,
+                ) {
                     Ok(_) => {}
                     // Some page is not there (the main host paged it in and
                     // will send it): find which, one by one.
                     Err(e) if e.code() == Some(pagefleet_proto::ErrorCode::NotFound) => {
                         for (k, &p) in part.iter().enumerate() {
                             let missing = c
-                                .get(region, Pages::List(&[p]), &mut buf[k * PAGE..(k + 1) * PAGE], GetMode::Keep, true, 1)
+                                .get(
+                                    region,
+                                    Pages::List(&[p]),
+                                    &mut buf[k * PAGE..(k + 1) * PAGE],
+                                    GetMode::Keep,
+                                    true,
+                                    1,
+                                )
                                 .map_err(|e| format!("{addr}: {e}"))?;
                             present[k] = missing == 0;
                         }
@@ -207,7 +256,13 @@ fn start_puller(server: usize, addr: String, region: u64, secret: Secret, sh: Ar
                     // the main host wins whichever arrived first.
                     if present[k] && loc[p] == server as u16 {
                         // SAFETY: in bounds; the guest does not run yet.
-                        unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr().add(k * PAGE), (sh.base as *mut u8).add(p * PAGE), PAGE) };
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                buf.as_ptr().add(k * PAGE),
+                                (sh.base as *mut u8).add(p * PAGE),
+                                PAGE,
+                            )
+                        };
                         loc[p] = PULLED;
                         sh.pulled.fetch_add(1, Relaxed);
                     }
@@ -224,7 +279,11 @@ fn start_puller(server: usize, addr: String, region: u64, secret: Secret, sh: Ar
 /// result (or an error) discards it.
 /// The first step of an incoming migration: a connection that proves the
 /// cluster secret (a stranger's connection fails here and can be ignored).
-pub fn authenticate(s: std::net::TcpStream, secret: &Secret, io_timeout: Duration) -> Result<Stream, WireError> {
+pub fn authenticate(
+    s: std::net::TcpStream,
+    secret: &Secret,
+    io_timeout: Duration,
+) -> Result<Stream, WireError> {
     let mut stream = Stream::new(s);
     stream.set_timeout(Some(io_timeout));
     stream.accept_auth(secret)?;
@@ -232,11 +291,19 @@ pub fn authenticate(s: std::net::TcpStream, secret: &Secret, io_timeout: Duratio
 }
 
 /// Receive an authenticated migration until COMMIT.
-pub fn receive(mut stream: Stream, secret: &Secret, progress: &Progress) -> Result<Received, WireError> {
-    let spec: Spec = serde_json::from_value(stream.expect_json(Kind::Spec)?).map_err(|e| WireError::Malformed(format!("SPEC: {e}")))?;
+pub fn receive(
+    mut stream: Stream,
+    secret: &Secret,
+    progress: &Progress,
+) -> Result<Received, WireError> {
+    let spec: Spec = serde_json::from_value(stream.expect_json(Kind::Spec)?)
+        .map_err(|e| WireError::Malformed(format!("SPEC: {e}")))?;
     if spec.size == 0 || !spec.size.is_multiple_of(PAGE as u64) || spec.size > (1u64 << 46) {
         let _ = stream.send(Kind::Error, 0, &[b"bad region size"]);
-        return Err(WireError::Malformed(format!("SPEC: region size {}", spec.size)));
+        return Err(WireError::Malformed(format!(
+            "SPEC: region size {}",
+            spec.size
+        )));
     }
     let adopt = match Adopt::create(&format!("pagefleet-{}", spec.name), spec.size) {
         Ok(a) => a,
@@ -250,7 +317,11 @@ pub fn receive(mut stream: Stream, secret: &Secret, progress: &Progress) -> Resu
     if !spec.gather {
         // Connect to the guest's memory servers now, not in the downtime.
         for a in &spec.servers {
-            let opts = ConnectOptions { name: format!("pagefleet-{}-pager", spec.name), window: 4, ..Default::default() };
+            let opts = ConnectOptions {
+                name: format!("pagefleet-{}-pager", spec.name),
+                window: 4,
+                ..Default::default()
+            };
             match Conn::connect(a, secret, &opts) {
                 Ok(c) => adopt.conns.lock().unwrap().push((a.clone(), c)),
                 Err(e) => {
@@ -262,9 +333,21 @@ pub fn receive(mut stream: Stream, secret: &Secret, progress: &Progress) -> Resu
         }
     }
     stream.send(Kind::Ready, 0, &[])?;
-    let shared = Arc::new(Shared { loc: Mutex::new(vec![ZERO_SERVER; pages]), base: adopt.guest.addr as usize, pulled: AtomicU64::new(0), replaced: AtomicU64::new(0) });
+    let shared = Arc::new(Shared {
+        loc: Mutex::new(vec![ZERO_SERVER; pages]),
+        base: adopt.guest.addr as usize,
+        pulled: AtomicU64::new(0),
+        replaced: AtomicU64::new(0),
+    });
     let nservers = spec.servers.len();
-    let mut r = Received { pullers: Pullers((0..nservers).map(|_| None).collect()), spec, stream, adopt, shared, secret: secret.clone() };
+    let mut r = Received {
+        pullers: Pullers((0..nservers).map(|_| None).collect()),
+        spec,
+        stream,
+        adopt,
+        shared,
+        secret: secret.clone(),
+    };
     let gather = r.spec.gather;
     let mut tmp = vec![0u8; MAX_PAGES * PAGE];
     let mut pipe = Pipe::new().map_err(WireError::Io)?;
@@ -275,7 +358,11 @@ pub fn receive(mut stream: Stream, secret: &Secret, progress: &Progress) -> Resu
             Kind::Pages => {
                 let len = h.len as usize;
                 let count = len / (PAGE + 1);
-                if count == 0 || count > MAX_PAGES || len != count * (PAGE + 1) || h.arg as usize + count > pages {
+                if count == 0
+                    || count > MAX_PAGES
+                    || len != count * (PAGE + 1)
+                    || h.arg as usize + count > pages
+                {
                     return Err(r.fail(format!("PAGES at {} with {} bytes", h.arg, h.len)));
                 }
                 let first = h.arg as usize;
@@ -285,7 +372,12 @@ pub fn receive(mut stream: Stream, secret: &Secret, progress: &Progress) -> Resu
                 // SAFETY: in bounds (checked above); only this thread and
                 // the pullers (under `loc`'s lock) write the guest memory
                 // before the region is built.
-                let dst = unsafe { std::slice::from_raw_parts_mut(r.adopt.guest.addr.add(first * PAGE), count * PAGE) };
+                let dst = unsafe {
+                    std::slice::from_raw_parts_mut(
+                        r.adopt.guest.addr.add(first * PAGE),
+                        count * PAGE,
+                    )
+                };
                 if gather {
                     // Pullers write this memory too: copy under the lock.
                     r.stream.read_exact(&mut tmp[..count * PAGE])?;
@@ -308,7 +400,13 @@ pub fn receive(mut stream: Stream, secret: &Secret, progress: &Progress) -> Resu
                         // process OOM-killed; a page fault waits for reclaim.
                         r.stream.read_exact(dst)?;
                     } else {
-                        splice_in(&mut pipe, r.stream.s.as_raw_fd(), r.adopt.memfd.as_raw_fd(), (first * PAGE) as u64, count * PAGE)?;
+                        splice_in(
+                            &mut pipe,
+                            r.stream.s.as_raw_fd(),
+                            r.adopt.memfd.as_raw_fd(),
+                            (first * PAGE) as u64,
+                            count * PAGE,
+                        )?;
                         map_resident(dst);
                     }
                     r.shared.loc.lock().unwrap()[first..first + count].fill(HERE);
@@ -323,7 +421,9 @@ pub fn receive(mut stream: Stream, secret: &Secret, progress: &Progress) -> Resu
                 let count = u32::from_le_bytes(b[0..4].try_into().unwrap()) as usize;
                 let server = u16::from_le_bytes(b[4..6].try_into().unwrap());
                 let first = h.arg as usize;
-                if first.checked_add(count).is_none_or(|e| e > pages) || (server != ZERO_SERVER && server as usize >= nservers) {
+                if first.checked_add(count).is_none_or(|e| e > pages)
+                    || (server != ZERO_SERVER && server as usize >= nservers)
+                {
                     return Err(r.fail(format!("LOCATED {first}+{count} on server {server}")));
                 }
                 {
@@ -336,7 +436,11 @@ pub fn receive(mut stream: Stream, secret: &Secret, progress: &Progress) -> Resu
                             while q < first + count && (loc[q] == HERE || loc[q] == PULLED) {
                                 q += 1;
                             }
-                            let _ = pagefleet_uffd::punch_hole(r.adopt.memfd.as_raw_fd(), (s * PAGE) as u64, ((q - s) * PAGE) as u64);
+                            let _ = pagefleet_uffd::punch_hole(
+                                r.adopt.memfd.as_raw_fd(),
+                                (s * PAGE) as u64,
+                                ((q - s) * PAGE) as u64,
+                            );
                         } else {
                             q += 1;
                         }
@@ -346,7 +450,13 @@ pub fn receive(mut stream: Stream, secret: &Secret, progress: &Progress) -> Resu
                 if gather && server != ZERO_SERVER {
                     let s = server as usize;
                     if r.pullers.0[s].is_none() {
-                        r.pullers.0[s] = Some(start_puller(s, r.spec.servers[s].clone(), r.spec.region_id, r.secret.clone(), r.shared.clone()));
+                        r.pullers.0[s] = Some(start_puller(
+                            s,
+                            r.spec.servers[s].clone(),
+                            r.spec.region_id,
+                            r.secret.clone(),
+                            r.shared.clone(),
+                        ));
                     }
                     let list = (first as u64..(first + count) as u64).collect();
                     if r.pullers.0[s].as_ref().unwrap().queue.send(list).is_err() {
@@ -394,7 +504,10 @@ impl Received {
             // Everything is here now; the old copies are deleted after the start.
             cfg.servers.clear();
             if let Some(p) = loc.iter().position(|v| *v < PULLED) {
-                return Err(format!("page {p} is on neither the main host nor {}: not gathered", s.servers[loc[p] as usize]));
+                return Err(format!(
+                    "page {p} is on neither the main host nor {}: not gathered",
+                    s.servers[loc[p] as usize]
+                ));
             }
         }
         let mut i = 0;
@@ -405,7 +518,8 @@ impl Received {
                 j += 1;
             }
             if v < PULLED {
-                cfg.initial_remote.push((i as u64, (j - i) as u64, v as usize));
+                cfg.initial_remote
+                    .push((i as u64, (j - i) as u64, v as usize));
             }
             i = j;
         }
@@ -424,7 +538,9 @@ impl Received {
     fn finish_pulls(&mut self) -> Result<(), String> {
         for p in self.pullers.0.iter_mut().filter_map(|p| p.take()) {
             drop(p.queue);
-            p.thread.join().map_err(|_| "puller panicked".to_string())??;
+            p.thread
+                .join()
+                .map_err(|_| "puller panicked".to_string())??;
         }
         Ok(())
     }
@@ -433,7 +549,11 @@ impl Received {
     /// PREPARED, and wait for GO. On ABORT or a lost source the region is
     /// dropped without touching the servers: their pages still belong to
     /// the source.
-    pub fn commit(mut self, secret: &Secret, tweak: impl FnOnce(&mut Config)) -> Result<Committed, WireError> {
+    pub fn commit(
+        mut self,
+        secret: &Secret,
+        tweak: impl FnOnce(&mut Config),
+    ) -> Result<Committed, WireError> {
         let t = Instant::now();
         if let Err(e) = self.finish_pulls() {
             return Err(self.fail(format!("gathering: {e}")));
@@ -443,14 +563,19 @@ impl Received {
             Err(e) => return Err(self.fail(e)),
         };
         tweak(&mut cfg);
-        let (pulled, replaced) = (self.shared.pulled.load(Relaxed), self.shared.replaced.load(Relaxed));
+        let (pulled, replaced) = (
+            self.shared.pulled.load(Relaxed),
+            self.shared.replaced.load(Relaxed),
+        );
         let resident = {
             let loc = self.shared.loc.lock().unwrap();
             let mut runs = Vec::new();
             let mut i = 0;
             while i < loc.len() {
                 if loc[i] == HERE || loc[i] == PULLED {
-                    let j = (i..loc.len()).find(|&k| loc[k] != HERE && loc[k] != PULLED).unwrap_or(loc.len());
+                    let j = (i..loc.len())
+                        .find(|&k| loc[k] != HERE && loc[k] != PULLED)
+                        .unwrap_or(loc.len());
                     runs.push((i as u64, (j - i) as u64));
                     i = j;
                 } else {
@@ -459,7 +584,12 @@ impl Received {
             }
             runs
         };
-        let Received { spec, mut stream, mut adopt, .. } = self;
+        let Received {
+            spec,
+            mut stream,
+            mut adopt,
+            ..
+        } = self;
         adopt.resident = Some(resident);
         cfg.adopt = Some(Arc::new(adopt));
         let region = match Region::new(cfg) {
@@ -473,7 +603,12 @@ impl Received {
         let build_ms = t.elapsed().as_secs_f64() * 1000.0;
         stream.send_json(Kind::Prepared, &serde_json::json!({ "build_ms": build_ms, "pulled": pulled, "pulled_then_replaced": replaced }))?;
         match stream.expect(Kind::Go) {
-            Ok(_) => Ok(Committed { spec, stream, region: Some(region), secret: secret.clone() }),
+            Ok(_) => Ok(Committed {
+                spec,
+                stream,
+                region: Some(region),
+                secret: secret.clone(),
+            }),
             Err(e) => {
                 region.detach();
                 Err(e)
@@ -496,15 +631,29 @@ impl Committed {
     }
     /// Confirm the start to the source (with the resume-time checksum when asked).
     pub fn started(mut self, checksum: Option<String>, checksum_secs: f64) {
-        let _ = self.stream.send_json(Kind::Started, &serde_json::json!({ "checksum": checksum, "checksum_secs": checksum_secs }));
+        let _ = self.stream.send_json(
+            Kind::Started,
+            &serde_json::json!({ "checksum": checksum, "checksum_secs": checksum_secs }),
+        );
         if self.spec.gather {
             // The guest is whole here: drop the copies left on the servers.
-            let (servers, region, secret) = (self.spec.servers.clone(), self.spec.region_id, self.secret.clone());
+            let (servers, region, secret) = (
+                self.spec.servers.clone(),
+                self.spec.region_id,
+                self.secret.clone(),
+            );
             std::thread::spawn(move || {
                 for s in servers {
-                    let opts = ConnectOptions { name: "pagefleet-gather-cleanup".into(), ..Default::default() };
-                    if let Err(e) = Conn::connect(&s, &secret, &opts).and_then(|mut c| c.delete_region(region)) {
-                        tracing::warn!("could not delete the gathered guest's old pages on {s}: {e}");
+                    let opts = ConnectOptions {
+                        name: "pagefleet-gather-cleanup".into(),
+                        ..Default::default()
+                    };
+                    if let Err(e) =
+                        Conn::connect(&s, &secret, &opts).and_then(|mut c| c.delete_region(region))
+                    {
+                        tracing::warn!(
+                            "could not delete the gathered guest's old pages on {s}: {e}"
+                        );
                     }
                 }
             });

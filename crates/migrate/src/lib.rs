@@ -10,7 +10,7 @@ pub mod plan;
 pub mod source;
 pub mod wire;
 
-use pagefleet_client::{ConnectOptions, Conn, GetMode, Pages};
+use pagefleet_client::{Conn, ConnectOptions, GetMode, Pages};
 use pagefleet_proto::auth::Secret;
 use pagefleet_region::{Location, Region, PAGE};
 use std::os::fd::AsRawFd;
@@ -78,10 +78,23 @@ pub struct Report {
 impl Report {
     pub fn print(&self) {
         let mib = |b: u64| b as f64 / (1 << 20) as f64;
-        println!("migrated {} to {} in {:.2} s, downtime {:.1} ms, {} rounds", self.guest, self.main_host, self.total_secs, self.downtime_ms, self.rounds);
-        println!("  main host {:<22} {:>8} pages  {:>9.1} MiB sent", self.main_host, self.pages_main, mib(self.bytes_main));
+        println!(
+            "migrated {} to {} in {:.2} s, downtime {:.1} ms, {} rounds",
+            self.guest, self.main_host, self.total_secs, self.downtime_ms, self.rounds
+        );
+        println!(
+            "  main host {:<22} {:>8} pages  {:>9.1} MiB sent",
+            self.main_host,
+            self.pages_main,
+            mib(self.bytes_main)
+        );
         for (i, s) in self.sub_hosts.iter().enumerate() {
-            println!("  sub-host  {:<22} {:>8} pages  {:>9.1} MiB sent", s, self.pages_subs[i], mib(self.bytes_subs[i]));
+            println!(
+                "  sub-host  {:<22} {:>8} pages  {:>9.1} MiB sent",
+                s,
+                self.pages_subs[i],
+                mib(self.bytes_subs[i])
+            );
         }
         if self.pages_pulled > 0 {
             println!(
@@ -102,7 +115,10 @@ impl Report {
             self.pause_ms, self.final_copy_ms, self.commit_ms, self.region_build_ms, self.start_ms
         );
         if let (Some(a), Some(b)) = (&self.checksum_source, &self.checksum_dest) {
-            println!("  region checksum at stop {a}, at resume {b}: {}", if a == b { "equal" } else { "DIFFERENT" });
+            println!(
+                "  region checksum at stop {a}, at resume {b}: {}",
+                if a == b { "equal" } else { "DIFFERENT" }
+            );
         }
     }
 }
@@ -112,7 +128,14 @@ pub fn pread_pages(fd: i32, first: u64, dst: &mut [u8]) -> std::io::Result<()> {
     let mut done = 0;
     while done < dst.len() {
         // SAFETY: writing into our own buffer.
-        let n = unsafe { libc::pread(fd, dst[done..].as_mut_ptr().cast(), dst.len() - done, (first as usize * PAGE + done) as i64) };
+        let n = unsafe {
+            libc::pread(
+                fd,
+                dst[done..].as_mut_ptr().cast(),
+                dst.len() - done,
+                (first as usize * PAGE + done) as i64,
+            )
+        };
         if n < 0 {
             let e = std::io::Error::last_os_error();
             if e.kind() == std::io::ErrorKind::Interrupted {
@@ -134,7 +157,9 @@ pub fn pread_pages(fd: i32, first: u64, dst: &mut [u8]) -> std::io::Result<()> {
 /// touched pages as zeros), without disturbing paging. Order-independent:
 /// the wrapping sum of per-page xxh3 hashes seeded with the page number.
 pub fn checksum(region: &Region, secret: &Secret) -> Result<String, String> {
-    let snap = region.snapshot().ok_or("the region's pager did not answer")?;
+    let snap = region
+        .snapshot()
+        .ok_or("the region's pager did not answer")?;
     let fd = region.memfd().as_raw_fd();
     let zero = vec![0u8; PAGE];
     let mut sum = 0u64;
@@ -153,12 +178,19 @@ pub fn checksum(region: &Region, secret: &Secret) -> Result<String, String> {
             }
             Location::Local => {
                 let mut n = 1;
-                while n < 64 && p + n < snap.location.len() && snap.location[p + n] == Location::Local {
+                while n < 64
+                    && p + n < snap.location.len()
+                    && snap.location[p + n] == Location::Local
+                {
                     n += 1;
                 }
-                pread_pages(fd, p as u64, &mut buf[..n * PAGE]).map_err(|e| format!("reading the region: {e}"))?;
+                pread_pages(fd, p as u64, &mut buf[..n * PAGE])
+                    .map_err(|e| format!("reading the region: {e}"))?;
                 for k in 0..n {
-                    sum = sum.wrapping_add(xxhash_rust::xxh3::xxh3_64_with_seed(&buf[k * PAGE..(k + 1) * PAGE], (p + k) as u64));
+                    sum = sum.wrapping_add(xxhash_rust::xxh3::xxh3_64_with_seed(
+                        &buf[k * PAGE..(k + 1) * PAGE],
+                        (p + k) as u64,
+                    ));
                 }
                 p += n;
             }
@@ -168,16 +200,31 @@ pub fn checksum(region: &Region, secret: &Secret) -> Result<String, String> {
         if list.is_empty() {
             continue;
         }
-        let opts = ConnectOptions { name: "pagefleet-checksum".into(), ..Default::default() };
+        let opts = ConnectOptions {
+            name: "pagefleet-checksum".into(),
+            ..Default::default()
+        };
         let mut c = Conn::connect(&snap.servers[s], secret, &opts).map_err(|e| e.to_string())?;
         for part in list.chunks(1024) {
             let mut data = vec![0u8; part.len() * PAGE];
-            let missing = c.get(snap.region_id, Pages::List(part), &mut data, GetMode::Keep, false, 32).map_err(|e| format!("{}: {e}", snap.servers[s]))?;
+            let missing = c
+                .get(
+                    snap.region_id,
+                    Pages::List(part),
+                    &mut data,
+                    GetMode::Keep,
+                    false,
+                    32,
+                )
+                .map_err(|e| format!("{}: {e}", snap.servers[s]))?;
             if missing > 0 {
                 return Err(format!("{}: {missing} pages missing", snap.servers[s]));
             }
             for (k, &q) in part.iter().enumerate() {
-                sum = sum.wrapping_add(xxhash_rust::xxh3::xxh3_64_with_seed(&data[k * PAGE..(k + 1) * PAGE], q));
+                sum = sum.wrapping_add(xxhash_rust::xxh3::xxh3_64_with_seed(
+                    &data[k * PAGE..(k + 1) * PAGE],
+                    q,
+                ));
             }
         }
     }

@@ -27,7 +27,14 @@ pub struct Choice {
 
 /// `size_pages`: the guest's size; `data_pages`: pages holding data (what
 /// must be placed somewhere). `to` / `subs`: hosts the user named.
-pub fn choose(hosts: &[HostInfo], source: usize, size_pages: u64, data_pages: u64, to: Option<usize>, subs: Option<&[usize]>) -> Result<Choice, String> {
+pub fn choose(
+    hosts: &[HostInfo],
+    source: usize,
+    size_pages: u64,
+    data_pages: u64,
+    to: Option<usize>,
+    subs: Option<&[usize]>,
+) -> Result<Choice, String> {
     let main = match to {
         Some(m) if m == source => return Err(format!("{} already runs the guest", hosts[m].name)),
         Some(m) => m,
@@ -45,9 +52,19 @@ pub fn choose(hosts: &[HostInfo], source: usize, size_pages: u64, data_pages: u6
     // The migration fills a smaller main host only to its pager's low
     // watermark (see region::paging_slack): the rest needs room elsewhere.
     // (The chunk size is not known here: assume the largest, 64 pages.)
-    let keep = if main_pages < size_pages { main_pages - pagefleet_region::paging_slack(main_pages, 64).min(main_pages) } else { main_pages };
+    let keep = if main_pages < size_pages {
+        main_pages - pagefleet_region::paging_slack(main_pages, 64).min(main_pages)
+    } else {
+        main_pages
+    };
     let rest = data_pages.saturating_sub(keep);
-    let cap = |h: usize| if hosts[h].memserver.is_some() { hosts[h].lend_free / 4096 } else { 0 };
+    let cap = |h: usize| {
+        if hosts[h].memserver.is_some() {
+            hosts[h].lend_free / 4096
+        } else {
+            0
+        }
+    };
     let chosen: Vec<usize> = match subs {
         Some(s) => {
             for &h in s {
@@ -55,7 +72,10 @@ pub fn choose(hosts: &[HostInfo], source: usize, size_pages: u64, data_pages: u6
                     return Err(format!("{} cannot be a sub-host of this migration (it is the source or the main host)", hosts[h].name));
                 }
                 if hosts[h].memserver.is_none() {
-                    return Err(format!("{} lends no memory (no memory server)", hosts[h].name));
+                    return Err(format!(
+                        "{} lends no memory (no memory server)",
+                        hosts[h].name
+                    ));
                 }
             }
             s.to_vec()
@@ -63,7 +83,9 @@ pub fn choose(hosts: &[HostInfo], source: usize, size_pages: u64, data_pages: u6
         // The whole guest fits: no sub-host needed.
         None if main_pages >= size_pages => Vec::new(),
         None => {
-            let mut c: Vec<usize> = (0..hosts.len()).filter(|&h| h != source && h != main && cap(h) > 0).collect();
+            let mut c: Vec<usize> = (0..hosts.len())
+                .filter(|&h| h != source && h != main && cap(h) > 0)
+                .collect();
             c.sort_by_key(|&h| (std::cmp::Reverse(cap(h)), h));
             let mut got = 0;
             let mut out = Vec::new();
@@ -82,7 +104,10 @@ pub fn choose(hosts: &[HostInfo], source: usize, size_pages: u64, data_pages: u6
     };
     let total: u64 = chosen.iter().map(|&h| cap(h)).sum();
     if main_pages < size_pages && chosen.is_empty() {
-        return Err(format!("{} keeps {} of the guest's {} pages and no other host lends memory for the rest", hosts[main].name, main_pages, size_pages));
+        return Err(format!(
+            "{} keeps {} of the guest's {} pages and no other host lends memory for the rest",
+            hosts[main].name, main_pages, size_pages
+        ));
     }
     if total < rest {
         return Err(format!(
@@ -90,18 +115,38 @@ pub fn choose(hosts: &[HostInfo], source: usize, size_pages: u64, data_pages: u6
             rest, hosts[main].name, main_free, total
         ));
     }
-    Ok(Choice { main, main_pages, subs: chosen.into_iter().map(|h| (h, cap(h))).collect() })
+    Ok(Choice {
+        main,
+        main_pages,
+        subs: chosen.into_iter().map(|h| (h, cap(h))).collect(),
+    })
 }
 
 /// Integrated migration: one host takes the whole guest (memory for all of
 /// it, so it never pages again).
-pub fn choose_whole(hosts: &[HostInfo], source: usize, size_pages: u64, data_pages: u64, to: Option<usize>) -> Result<Choice, String> {
+pub fn choose_whole(
+    hosts: &[HostInfo],
+    source: usize,
+    size_pages: u64,
+    data_pages: u64,
+    to: Option<usize>,
+) -> Result<Choice, String> {
     let _ = data_pages;
     let fits = |h: usize| hosts[h].guest_free / 4096 >= size_pages;
     let main = match to {
-        Some(m) if m == source => return Err(format!("{} already runs the guest (its main part); gather it onto another host", hosts[m].name)),
+        Some(m) if m == source => {
+            return Err(format!(
+                "{} already runs the guest (its main part); gather it onto another host",
+                hosts[m].name
+            ))
+        }
         Some(m) if !fits(m) => {
-            return Err(format!("{} has {} pages of guest memory free, the guest needs {}", hosts[m].name, hosts[m].guest_free / 4096, size_pages))
+            return Err(format!(
+                "{} has {} pages of guest memory free, the guest needs {}",
+                hosts[m].name,
+                hosts[m].guest_free / 4096,
+                size_pages
+            ))
         }
         Some(m) => m,
         None => (0..hosts.len())
@@ -109,7 +154,11 @@ pub fn choose_whole(hosts: &[HostInfo], source: usize, size_pages: u64, data_pag
             .max_by_key(|&h| (hosts[h].guest_free, std::cmp::Reverse(h)))
             .ok_or_else(|| format!("no host has room for all {size_pages} pages of the guest"))?,
     };
-    Ok(Choice { main, main_pages: size_pages, subs: Vec::new() })
+    Ok(Choice {
+        main,
+        main_pages: size_pages,
+        subs: Vec::new(),
+    })
 }
 
 #[cfg(test)]
@@ -128,7 +177,13 @@ mod tests {
 
     #[test]
     fn main_host_has_most_free_memory_and_fewest_subs_fit() {
-        let hosts = [h("src", 0, Some(0)), h("a", 1000, Some(100)), h("b", 4000, Some(100)), h("c", 10, Some(3000)), h("d", 10, Some(2000))];
+        let hosts = [
+            h("src", 0, Some(0)),
+            h("a", 1000, Some(100)),
+            h("b", 4000, Some(100)),
+            h("c", 10, Some(3000)),
+            h("d", 10, Some(2000)),
+        ];
         let c = choose(&hosts, 0, 8000, 6000, None, None).unwrap();
         assert_eq!(c.main, 2);
         assert_eq!(c.main_pages, 4000);
@@ -141,12 +196,19 @@ mod tests {
     #[test]
     fn a_main_host_smaller_than_the_guest_always_gets_a_sub_host() {
         // The data fits the main host, but not the guest's full size.
-        let hosts = [h("src", 0, Some(0)), h("a", 5000, Some(0)), h("b", 0, Some(100)), h("c", 0, Some(300))];
+        let hosts = [
+            h("src", 0, Some(0)),
+            h("a", 5000, Some(0)),
+            h("b", 0, Some(100)),
+            h("c", 0, Some(300)),
+        ];
         let c = choose(&hosts, 0, 8000, 4000, None, None).unwrap();
         assert_eq!((c.main, c.main_pages), (1, 5000));
         assert_eq!(c.subs, vec![(3, 300)]);
         let lonely = [h("src", 0, None), h("a", 5000, None)];
-        assert!(choose(&lonely, 0, 8000, 4000, None, None).unwrap_err().contains("no other host lends"));
+        assert!(choose(&lonely, 0, 8000, 4000, None, None)
+            .unwrap_err()
+            .contains("no other host lends"));
     }
 
     #[test]
@@ -162,18 +224,33 @@ mod tests {
         let c = choose_whole(&hosts, 0, 4500, 4000, None).unwrap();
         assert_eq!((c.main, c.main_pages, c.subs.len()), (2, 4500, 0));
         assert!(choose_whole(&hosts, 0, 6000, 4000, None).is_err());
-        assert!(choose_whole(&hosts, 0, 4500, 4000, Some(1)).unwrap_err().contains("free"));
+        assert!(choose_whole(&hosts, 0, 4500, 4000, Some(1))
+            .unwrap_err()
+            .contains("free"));
         assert!(choose_whole(&hosts, 0, 9000, 9000, None).is_err());
     }
 
     #[test]
     fn named_hosts_are_checked() {
-        let hosts = [h("src", 0, Some(10)), h("a", 1000, Some(100)), h("b", 10, None), h("c", 0, Some(5000))];
-        assert!(choose(&hosts, 0, 4000, 4000, Some(0), None).unwrap_err().contains("already runs"));
-        assert!(choose(&hosts, 0, 4000, 4000, Some(1), Some(&[2])).unwrap_err().contains("lends no memory"));
-        assert!(choose(&hosts, 0, 4000, 4000, Some(1), Some(&[1])).unwrap_err().contains("cannot be a sub-host"));
+        let hosts = [
+            h("src", 0, Some(10)),
+            h("a", 1000, Some(100)),
+            h("b", 10, None),
+            h("c", 0, Some(5000)),
+        ];
+        assert!(choose(&hosts, 0, 4000, 4000, Some(0), None)
+            .unwrap_err()
+            .contains("already runs"));
+        assert!(choose(&hosts, 0, 4000, 4000, Some(1), Some(&[2]))
+            .unwrap_err()
+            .contains("lends no memory"));
+        assert!(choose(&hosts, 0, 4000, 4000, Some(1), Some(&[1]))
+            .unwrap_err()
+            .contains("cannot be a sub-host"));
         let c = choose(&hosts, 0, 4000, 4000, Some(1), Some(&[3])).unwrap();
         assert_eq!(c.subs, vec![(3, 5000)]);
-        assert!(choose(&hosts, 0, 40000, 40000, None, None).unwrap_err().contains("not enough memory"));
+        assert!(choose(&hosts, 0, 40000, 40000, None, None)
+            .unwrap_err()
+            .contains("not enough memory"));
     }
 }

@@ -40,7 +40,12 @@ pub fn plan(s: &Snapshot, main_cap: u64, sub_caps: &[u64]) -> Result<Plan, PlanE
     let cp = s.chunk_pages;
     let chunks = s.location.len() / cp;
     let weight: Vec<u64> = (0..chunks)
-        .map(|c| s.location[c * cp..(c + 1) * cp].iter().filter(|l| **l == Location::Local).count() as u64)
+        .map(|c| {
+            s.location[c * cp..(c + 1) * cp]
+                .iter()
+                .filter(|l| **l == Location::Local)
+                .count() as u64
+        })
         .collect();
     let mut order: Vec<usize> = (0..chunks).collect();
     // Hottest first; equal hotness keeps address order (stable sort).
@@ -61,12 +66,21 @@ pub fn plan(s: &Snapshot, main_cap: u64, sub_caps: &[u64]) -> Result<Plan, PlanE
             j += 1;
         }
         if j == sub_caps.len() {
-            return Err(PlanError { need, main: main_cap, subs: sub_caps.iter().sum() });
+            return Err(PlanError {
+                need,
+                main: main_cap,
+                subs: sub_caps.iter().sum(),
+            });
         }
         sub_pages[j] += w;
         target[c] = SUB0 + j as u8;
     }
-    Ok(Plan { chunk_pages: cp, target, main_pages, sub_pages })
+    Ok(Plan {
+        chunk_pages: cp,
+        target,
+        main_pages,
+        sub_pages,
+    })
 }
 
 #[cfg(test)]
@@ -74,7 +88,13 @@ mod tests {
     use super::*;
 
     fn snap(loc: Vec<Location>, hist: Vec<u8>, cp: usize) -> Snapshot {
-        Snapshot { region_id: 1, chunk_pages: cp, servers: vec![], location: loc, history: hist }
+        Snapshot {
+            region_id: 1,
+            chunk_pages: cp,
+            servers: vec![],
+            location: loc,
+            history: hist,
+        }
     }
 
     #[test]
@@ -90,7 +110,12 @@ mod tests {
 
     #[test]
     fn zero_and_remote_pages_need_no_room() {
-        let loc = vec![Location::Zero, Location::Zero, Location::Remote(0), Location::Local];
+        let loc = vec![
+            Location::Zero,
+            Location::Zero,
+            Location::Remote(0),
+            Location::Local,
+        ];
         let p = plan(&snap(loc, vec![0; 4], 2), 1, &[]).unwrap();
         assert_eq!(p.target, vec![MAIN, MAIN]);
         assert_eq!(p.main_pages, 1);

@@ -6,7 +6,7 @@
 use crate::plan::{self, Plan, MAIN, SUB0};
 use crate::wire::{Kind, Stream, WireError, MAX_PAGES};
 use crate::{checksum, pread_pages, Report, Spec};
-use pagefleet_client::{ConnectOptions, Conn, Pages};
+use pagefleet_client::{Conn, ConnectOptions, Pages};
 use pagefleet_proto::{auth::Secret, PageSel, MAX_BATCH_PAGES};
 use pagefleet_region::{Location, Region, Snapshot, PAGE};
 use std::collections::VecDeque;
@@ -89,7 +89,10 @@ pub enum MigrateError {
     #[error(transparent)]
     Plan(#[from] plan::PlanError),
     #[error("sub-host {addr}: {source}")]
-    Sub { addr: String, source: pagefleet_client::ClientError },
+    Sub {
+        addr: String,
+        source: pagefleet_client::ClientError,
+    },
     #[error("cannot reach the destination {0}: {1}")]
     Connect(String, std::io::Error),
     #[error("the guest did not reach a safepoint within {0:?}")]
@@ -155,39 +158,69 @@ struct Run<'a> {
 /// [`Region::detach`] the region and stop. On error the guest runs here
 /// again with all its data, and what the destination and sub-hosts received
 /// is dropped.
-pub fn migrate(region: &Region, guest: &dyn Guest, o: &Options, progress: &Progress, cancel: &AtomicBool) -> Result<Report, MigrateError> {
+pub fn migrate(
+    region: &Region,
+    guest: &dyn Guest,
+    o: &Options,
+    progress: &Progress,
+    cancel: &AtomicBool,
+) -> Result<Report, MigrateError> {
     let t0 = Instant::now();
     progress.set_phase("connecting");
     let sa = std::net::ToSocketAddrs::to_socket_addrs(&o.to.as_str())
         .map_err(|e| MigrateError::Connect(o.to.clone(), e))?
         .next()
         .ok_or_else(|| MigrateError::Other(format!("{} resolves to nothing", o.to)))?;
-    let s = std::net::TcpStream::connect_timeout(&sa, Duration::from_secs(5)).map_err(|e| MigrateError::Connect(o.to.clone(), e))?;
+    let s = std::net::TcpStream::connect_timeout(&sa, Duration::from_secs(5))
+        .map_err(|e| MigrateError::Connect(o.to.clone(), e))?;
     let mut stream = Stream::new(s);
     stream.set_timeout(Some(o.io_timeout));
     stream.connect_auth(&o.secret)?;
-    let copts = ConnectOptions { name: format!("{}-migrate", o.name), window: 32, io_timeout: o.io_timeout, ..Default::default() };
+    let copts = ConnectOptions {
+        name: format!("{}-migrate", o.name),
+        window: 32,
+        io_timeout: o.io_timeout,
+        ..Default::default()
+    };
     let mut subs = Vec::new();
     for sh in &o.subs {
-        subs.push(Conn::connect(&sh.addr, &o.secret, &copts).map_err(|source| MigrateError::Sub { addr: sh.addr.clone(), source })?);
+        subs.push(
+            Conn::connect(&sh.addr, &o.secret, &copts).map_err(|source| MigrateError::Sub {
+                addr: sh.addr.clone(),
+                source,
+            })?,
+        );
     }
     // Freeze the location DB (no page-outs while pages are being copied) and
     // start tracking changes, then plan from one consistent snapshot.
     region.hold_paging(true);
     region.track_changes(true);
-    let snap = region.snapshot().ok_or_else(|| MigrateError::Other("the region's pager did not answer".into()))?;
+    let snap = region
+        .snapshot()
+        .ok_or_else(|| MigrateError::Other("the region's pager did not answer".into()))?;
     if let Some(c) = o.dest_chunk {
         if !c.is_power_of_two() || c > 64 || !region.len().is_multiple_of(c * PAGE) {
             region.track_changes(false);
             region.hold_paging(false);
-            return Err(MigrateError::Other(format!("chunk of {c} pages: use a power of two up to 64 that divides the region")));
+            return Err(MigrateError::Other(format!(
+                "chunk of {c} pages: use a power of two up to 64 that divides the region"
+            )));
         }
     }
     let caps: Vec<u64> = o.subs.iter().map(|s| s.pages).collect();
     // A main host that cannot hold the whole guest is filled only to its
     // pager's low watermark: it resumes without having to evict at once.
     let pages = region.pages();
-    let main_cap = if o.main_pages >= pages { o.main_pages } else { o.main_pages - pagefleet_region::paging_slack(o.main_pages, o.dest_chunk.unwrap_or(region.chunk_pages)).min(o.main_pages) };
+    let main_cap = if o.main_pages >= pages {
+        o.main_pages
+    } else {
+        o.main_pages
+            - pagefleet_region::paging_slack(
+                o.main_pages,
+                o.dest_chunk.unwrap_or(region.chunk_pages),
+            )
+            .min(o.main_pages)
+    };
     let planned = plan::plan(&snap, main_cap, &caps);
     let plan = match planned {
         Ok(p) => p,
@@ -201,10 +234,13 @@ pub fn migrate(region: &Region, guest: &dyn Guest, o: &Options, progress: &Progr
     let mut servers = snap.servers.clone();
     let mut sub_index = Vec::new();
     for sh in &o.subs {
-        let i = servers.iter().position(|s| *s == sh.addr).unwrap_or_else(|| {
-            servers.push(sh.addr.clone());
-            servers.len() - 1
-        });
+        let i = servers
+            .iter()
+            .position(|s| *s == sh.addr)
+            .unwrap_or_else(|| {
+                servers.push(sh.addr.clone());
+                servers.len() - 1
+            });
         sub_index.push(i as u16);
     }
     let n = o.subs.len();
@@ -245,7 +281,14 @@ pub fn migrate(region: &Region, guest: &dyn Guest, o: &Options, progress: &Progr
 }
 
 impl Run<'_> {
-    fn go(&mut self, snap: Snapshot, t0: Instant, guest: &dyn Guest, paused: &mut bool, released: &mut bool) -> Result<Report, MigrateError> {
+    fn go(
+        &mut self,
+        snap: Snapshot,
+        t0: Instant,
+        guest: &dyn Guest,
+        paused: &mut bool,
+        released: &mut bool,
+    ) -> Result<Report, MigrateError> {
         let region = self.region;
         let spec = Spec {
             name: self.o.name.clone(),
@@ -259,15 +302,23 @@ impl Run<'_> {
             verify: self.o.verify,
             gather: self.o.gather,
         };
-        self.stream.send_json(Kind::Spec, &serde_json::to_value(&spec).map_err(|e| MigrateError::Other(e.to_string()))?)?;
+        self.stream.send_json(
+            Kind::Spec,
+            &serde_json::to_value(&spec).map_err(|e| MigrateError::Other(e.to_string()))?,
+        )?;
         self.stream.expect(Kind::Ready)?;
         info!(
             "migrating {}: {} pages to the main host, {:?} to sub-hosts",
             self.o.name, self.plan.main_pages, self.plan.sub_pages
         );
         // Round 1: every page with data, straight to where it is planned.
-        let all: Vec<u64> = (0..snap.location.len() as u64).filter(|p| snap.location[*p as usize] != Location::Zero).collect();
-        let info: Vec<(Location, u8)> = all.iter().map(|&p| (snap.location[p as usize], snap.history[p as usize])).collect();
+        let all: Vec<u64> = (0..snap.location.len() as u64)
+            .filter(|p| snap.location[*p as usize] != Location::Zero)
+            .collect();
+        let info: Vec<(Location, u8)> = all
+            .iter()
+            .map(|&p| (snap.location[p as usize], snap.history[p as usize]))
+            .collect();
         let servers = snap.servers.clone();
         drop(snap);
         let t1 = Instant::now();
@@ -280,11 +331,16 @@ impl Run<'_> {
         let mut rounds = 1;
         let mut prev = u64::MAX;
         let mut changed = region.take_changed();
-        while (changed.len() as u64) > self.o.stop_pages && rounds < self.o.max_rounds && (changed.len() as u64) < prev {
+        while (changed.len() as u64) > self.o.stop_pages
+            && rounds < self.o.max_rounds
+            && (changed.len() as u64) < prev
+        {
             rounds += 1;
             prev = changed.len() as u64;
             self.progress.set_phase(&format!("round {rounds}"));
-            let info = region.page_info(changed.clone()).ok_or_else(|| MigrateError::Other("the region's pager did not answer".into()))?;
+            let info = region
+                .page_info(changed.clone())
+                .ok_or_else(|| MigrateError::Other("the region's pager did not answer".into()))?;
             self.round(rounds, &changed, &info, &servers)?;
             changed = region.take_changed();
         }
@@ -296,19 +352,26 @@ impl Run<'_> {
         }
         *paused = true;
         let pause_ms = td.elapsed().as_secs_f64() * 1e3;
-        let checksum_source = if self.o.verify { Some(checksum(region, &self.o.secret).map_err(MigrateError::Other)?) } else { None };
+        let checksum_source = if self.o.verify {
+            Some(checksum(region, &self.o.secret).map_err(MigrateError::Other)?)
+        } else {
+            None
+        };
         let t_sum = td.elapsed();
         let mut last = changed;
         last.extend(region.take_changed());
         last.sort_unstable();
         last.dedup();
         rounds += 1;
-        let info = region.page_info(last.clone()).ok_or_else(|| MigrateError::Other("the region's pager did not answer".into()))?;
+        let info = region
+            .page_info(last.clone())
+            .ok_or_else(|| MigrateError::Other("the region's pager did not answer".into()))?;
         let last_pages = last.len();
         self.round(rounds, &last, &info, &servers)?;
         let t_copy = Instant::now();
         let final_copy_ms = (t_copy - td - t_sum).as_secs_f64() * 1e3 - pause_ms;
-        self.stream.send_json(Kind::Commit, &serde_json::json!({}))?;
+        self.stream
+            .send_json(Kind::Commit, &serde_json::json!({}))?;
         self.progress.set_phase("commit");
         let prepared = self.stream.expect_json(Kind::Prepared)?;
         let commit_ms = t_copy.elapsed().as_secs_f64() * 1e3;
@@ -317,7 +380,10 @@ impl Run<'_> {
         *released = true;
         self.stream.send(Kind::Go, 0, &[])?;
         // Past GO the destination may be running the guest: never resume here.
-        let started = self.stream.expect_json(Kind::Started).map_err(|e| MigrateError::InDoubt(e.to_string()))?;
+        let started = self
+            .stream
+            .expect_json(Kind::Started)
+            .map_err(|e| MigrateError::InDoubt(e.to_string()))?;
         let dest_checksum_secs = started["checksum_secs"].as_f64().unwrap_or(0.0);
         let start_ms = t_go.elapsed().as_secs_f64() * 1e3 - dest_checksum_secs * 1e3;
         let downtime = td.elapsed().as_secs_f64() - t_sum.as_secs_f64() - dest_checksum_secs;
@@ -332,10 +398,13 @@ impl Run<'_> {
             rounds,
             last_round_pages: last_pages as u64,
             pages_main,
-            pages_subs: (0..self.o.subs.len()).map(|j| self.sent_to(SUB0 + j as u8)).collect(),
+            pages_subs: (0..self.o.subs.len())
+                .map(|j| self.sent_to(SUB0 + j as u8))
+                .collect(),
             bytes_main: self.bytes_main,
             bytes_subs: self.bytes_subs.clone(),
-            pages_sent_twice: self.pages_twice + prepared["pulled_then_replaced"].as_u64().unwrap_or(0),
+            pages_sent_twice: self.pages_twice
+                + prepared["pulled_then_replaced"].as_u64().unwrap_or(0),
             round1_secs,
             round1_bytes,
             region_build_ms: prepared["build_ms"].as_f64().unwrap_or(0.0),
@@ -353,14 +422,24 @@ impl Run<'_> {
     /// Pages of the final placement per target (for the report).
     fn sent_to(&self, t: u8) -> u64 {
         let cp = self.plan.chunk_pages;
-        self.sent.iter().enumerate().filter(|(p, s)| **s && self.plan.target[p / cp] == t).count() as u64
+        self.sent
+            .iter()
+            .enumerate()
+            .filter(|(p, s)| **s && self.plan.target[p / cp] == t)
+            .count() as u64
     }
 
     /// Send `pages` (sorted) where they belong: data for the main host on
     /// the stream, data for sub-hosts as PUTs to their memory servers (in
     /// parallel), locations on the stream once the PUTs are acknowledged.
     /// `info[i]`: location and history of `pages[i]`; server indexes refer to `servers`.
-    fn round(&mut self, n: usize, pages: &[u64], info: &[(Location, u8)], servers: &[String]) -> Result<(), MigrateError> {
+    fn round(
+        &mut self,
+        n: usize,
+        pages: &[u64],
+        info: &[(Location, u8)],
+        servers: &[String],
+    ) -> Result<(), MigrateError> {
         let cp = self.plan.chunk_pages;
         let mut main = Vec::new();
         let mut located: Vec<(u64, u16)> = Vec::new();
@@ -371,7 +450,11 @@ impl Run<'_> {
                 // Never touched: the destination starts with zeros.
                 Location::Zero => continue,
                 Location::Remote(s) => {
-                    let i = self.servers.iter().position(|x| *x == servers[s]).unwrap_or(s);
+                    let i = self
+                        .servers
+                        .iter()
+                        .position(|x| *x == servers[s])
+                        .unwrap_or(s);
                     located.push((p, i as u16));
                     continue;
                 }
@@ -411,11 +494,16 @@ impl Run<'_> {
                 .iter_mut()
                 .zip(sub.iter())
                 .zip(subs_addr.iter())
-                .map(|((c, list), addr)| sc.spawn(move || put_pages(c, addr, rid, fd, list, progress, cancel)))
+                .map(|((c, list), addr)| {
+                    sc.spawn(move || put_pages(c, addr, rid, fd, list, progress, cancel))
+                })
                 .collect();
             let m = send_main(stream, fd, &main, hist, progress, cancel);
             let mut out = vec![m];
-            out.extend(hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(MigrateError::Other("sender thread panicked".into())))));
+            out.extend(hs.into_iter().map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(MigrateError::Other("sender thread panicked".into())))
+            }));
             out
         });
         for (k, r) in results.into_iter().enumerate() {
@@ -454,7 +542,11 @@ impl Run<'_> {
                 j += 1;
             }
             let count = (j - i) as u32;
-            self.stream.send(Kind::Located, first, &[&count.to_le_bytes(), &s.to_le_bytes()])?;
+            self.stream.send(
+                Kind::Located,
+                first,
+                &[&count.to_le_bytes(), &s.to_le_bytes()],
+            )?;
             self.bytes_main += 22;
             i = j;
         }
@@ -474,11 +566,15 @@ impl Run<'_> {
             list.sort_unstable();
             list.dedup();
             let addr = &self.o.subs[j].addr;
-            let opts = ConnectOptions { name: format!("{}-migrate-abort", self.o.name), ..Default::default() };
+            let opts = ConnectOptions {
+                name: format!("{}-migrate-abort", self.o.name),
+                ..Default::default()
+            };
             let r = match self.subs[j].delete(rid, Pages::List(list)) {
                 Ok(n) => Ok(n),
                 // The old connection may be broken mid-frame: try a fresh one.
-                Err(_) => Conn::connect(addr, &self.o.secret, &opts).and_then(|mut c| c.delete(rid, Pages::List(list))),
+                Err(_) => Conn::connect(addr, &self.o.secret, &opts)
+                    .and_then(|mut c| c.delete(rid, Pages::List(list))),
             };
             if let Err(e) = r {
                 warn!("could not delete this migration's pages on sub-host {addr}: {e}");
@@ -491,7 +587,14 @@ impl Run<'_> {
 }
 
 /// `hist[i]` is the history of `pages[i]`.
-fn send_main(stream: &mut Stream, fd: i32, pages: &[u64], hist: &[u8], progress: &Progress, cancel: &AtomicBool) -> Result<u64, MigrateError> {
+fn send_main(
+    stream: &mut Stream,
+    fd: i32,
+    pages: &[u64],
+    hist: &[u8],
+    progress: &Progress,
+    cancel: &AtomicBool,
+) -> Result<u64, MigrateError> {
     let mut buf = vec![0u8; MAX_PAGES * PAGE];
     let mut bytes = 0u64;
     let mut at = 0;
@@ -500,22 +603,38 @@ fn send_main(stream: &mut Stream, fd: i32, pages: &[u64], hist: &[u8], progress:
             return Err(MigrateError::Cancelled);
         }
         let data = &mut buf[..count * PAGE];
-        pread_pages(fd, first, data).map_err(|e| MigrateError::Other(format!("reading the region: {e}")))?;
+        pread_pages(fd, first, data)
+            .map_err(|e| MigrateError::Other(format!("reading the region: {e}")))?;
         let h = &hist[at..at + count];
         at += count;
         stream.send(Kind::Pages, first, &[h, data])?;
         bytes += (16 + count + count * PAGE) as u64;
-        progress.bytes_main.fetch_add((count * PAGE) as u64, Relaxed);
+        progress
+            .bytes_main
+            .fetch_add((count * PAGE) as u64, Relaxed);
         progress.round_sent.fetch_add(count as u64, Relaxed);
     }
     Ok(bytes)
 }
 
 /// PUT `pages` to one sub-host, pipelined (a window of frames in flight).
-fn put_pages(c: &mut Conn, addr: &str, region: u64, fd: i32, pages: &[u64], progress: &Progress, cancel: &AtomicBool) -> Result<u64, MigrateError> {
+fn put_pages(
+    c: &mut Conn,
+    addr: &str,
+    region: u64,
+    fd: i32,
+    pages: &[u64],
+    progress: &Progress,
+    cancel: &AtomicBool,
+) -> Result<u64, MigrateError> {
     const WINDOW: usize = 32;
-    let err = |source| MigrateError::Sub { addr: addr.to_string(), source };
-    let mut bufs: Vec<Vec<u8>> = (0..WINDOW).map(|_| vec![0u8; MAX_BATCH_PAGES * PAGE]).collect();
+    let err = |source| MigrateError::Sub {
+        addr: addr.to_string(),
+        source,
+    };
+    let mut bufs: Vec<Vec<u8>> = (0..WINDOW)
+        .map(|_| vec![0u8; MAX_BATCH_PAGES * PAGE])
+        .collect();
     let mut inflight: VecDeque<(u64, usize)> = VecDeque::new();
     let mut bytes = 0u64;
     for (k, (first, count)) in runs(pages, MAX_BATCH_PAGES).enumerate() {
@@ -533,11 +652,23 @@ fn put_pages(c: &mut Conn, addr: &str, region: u64, fd: i32, pages: &[u64], prog
             progress.round_sent.fetch_add(n as u64, Relaxed);
         }
         let data = &mut bufs[k % WINDOW][..count * PAGE];
-        pread_pages(fd, first, data).map_err(|e| MigrateError::Other(format!("reading the region: {e}")))?;
-        let id = c.send_put(region, &PageSel::Run { first, count: count as u32 }, data).map_err(err)?;
+        pread_pages(fd, first, data)
+            .map_err(|e| MigrateError::Other(format!("reading the region: {e}")))?;
+        let id = c
+            .send_put(
+                region,
+                &PageSel::Run {
+                    first,
+                    count: count as u32,
+                },
+                data,
+            )
+            .map_err(err)?;
         inflight.push_back((id, count));
         bytes += (count * PAGE + 40) as u64;
-        progress.bytes_subs.fetch_add((count * PAGE) as u64, Relaxed);
+        progress
+            .bytes_subs
+            .fetch_add((count * PAGE) as u64, Relaxed);
     }
     while let Some((id, n)) = inflight.pop_front() {
         c.recv_put(id).map_err(err)?;

@@ -113,17 +113,30 @@ impl Header {
     }
     pub fn decode(b: &[u8; HEADER]) -> Result<Header, WireError> {
         if b[0..2] != MAGIC {
-            return Err(WireError::Malformed(format!("bad magic {:02x}{:02x} (not a pagefleet migration stream)", b[0], b[1])));
+            return Err(WireError::Malformed(format!(
+                "bad magic {:02x}{:02x} (not a pagefleet migration stream)",
+                b[0], b[1]
+            )));
         }
         if b[2] != VERSION {
-            return Err(WireError::Malformed(format!("version {} (this side speaks {VERSION})", b[2])));
+            return Err(WireError::Malformed(format!(
+                "version {} (this side speaks {VERSION})",
+                b[2]
+            )));
         }
-        let kind = Kind::from_u8(b[3]).ok_or_else(|| WireError::Malformed(format!("unknown message kind {}", b[3])))?;
+        let kind = Kind::from_u8(b[3])
+            .ok_or_else(|| WireError::Malformed(format!("unknown message kind {}", b[3])))?;
         let len = u32::from_le_bytes(b[4..8].try_into().unwrap());
         if len as usize > MAX_BODY + MAX_PAGES * 4097 {
-            return Err(WireError::Malformed(format!("{kind:?} body of {len} bytes is too large")));
+            return Err(WireError::Malformed(format!(
+                "{kind:?} body of {len} bytes is too large"
+            )));
         }
-        Ok(Header { kind, len, arg: u64::from_le_bytes(b[8..16].try_into().unwrap()) })
+        Ok(Header {
+            kind,
+            len,
+            arg: u64::from_le_bytes(b[8..16].try_into().unwrap()),
+        })
     }
 }
 
@@ -140,10 +153,20 @@ impl Stream {
 
     pub fn send(&mut self, kind: Kind, arg: u64, parts: &[&[u8]]) -> Result<(), WireError> {
         let len: usize = parts.iter().map(|p| p.len()).sum();
-        let h = Header { kind, len: len as u32, arg }.encode();
+        let h = Header {
+            kind,
+            len: len as u32,
+            arg,
+        }
+        .encode();
         let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(parts.len() + 1);
         iov.push(IoSlice::new(&h));
-        iov.extend(parts.iter().filter(|p| !p.is_empty()).map(|p| IoSlice::new(p)));
+        iov.extend(
+            parts
+                .iter()
+                .filter(|p| !p.is_empty())
+                .map(|p| IoSlice::new(p)),
+        );
         pagefleet_proto::io::write_all_vectored(&mut self.s, &mut iov)?;
         Ok(())
     }
@@ -162,7 +185,10 @@ impl Stream {
     /// A whole body (for small messages).
     pub fn body(&mut self, h: &Header) -> Result<Vec<u8>, WireError> {
         if h.len as usize > MAX_BODY {
-            return Err(WireError::Malformed(format!("{:?} body of {} bytes", h.kind, h.len)));
+            return Err(WireError::Malformed(format!(
+                "{:?} body of {} bytes",
+                h.kind, h.len
+            )));
         }
         let mut v = vec![0u8; h.len as usize];
         self.s.read_exact(&mut v)?;
@@ -181,8 +207,12 @@ impl Stream {
         match h.kind {
             k if k == want => Ok((h, body)),
             Kind::Error => Err(WireError::Peer(String::from_utf8_lossy(&body).into_owned())),
-            Kind::Abort => Err(WireError::Aborted(String::from_utf8_lossy(&body).into_owned())),
-            k => Err(WireError::Malformed(format!("expected {want:?}, got {k:?}"))),
+            Kind::Abort => Err(WireError::Aborted(
+                String::from_utf8_lossy(&body).into_owned(),
+            )),
+            k => Err(WireError::Malformed(format!(
+                "expected {want:?}, got {k:?}"
+            ))),
         }
     }
 
@@ -228,7 +258,10 @@ impl Stream {
             WireError::Peer(_) => WireError::Auth,
             e => e,
         })?;
-        let p: [u8; 32] = p.as_slice().try_into().map_err(|_| WireError::Malformed("PROOF must be 32 bytes".into()))?;
+        let p: [u8; 32] = p
+            .as_slice()
+            .try_into()
+            .map_err(|_| WireError::Malformed("PROOF must be 32 bytes".into()))?;
         if !macs_equal(&p, &secret.server_mac(&sn, &cn, h.arg)) {
             return Err(WireError::Auth);
         }
@@ -256,13 +289,28 @@ mod tests {
 
     #[test]
     fn rejects_bad_headers() {
-        let mut b = Header { kind: Kind::Pages, len: 10, arg: 1 }.encode();
+        let mut b = Header {
+            kind: Kind::Pages,
+            len: 10,
+            arg: 1,
+        }
+        .encode();
         b[0] = b'X';
         assert!(Header::decode(&b).is_err());
-        let mut b = Header { kind: Kind::Pages, len: 10, arg: 1 }.encode();
+        let mut b = Header {
+            kind: Kind::Pages,
+            len: 10,
+            arg: 1,
+        }
+        .encode();
         b[3] = 99;
         assert!(Header::decode(&b).is_err());
-        let b = Header { kind: Kind::Pages, len: u32::MAX, arg: 1 }.encode();
+        let b = Header {
+            kind: Kind::Pages,
+            len: u32::MAX,
+            arg: 1,
+        }
+        .encode();
         assert!(Header::decode(&b).is_err());
     }
 

@@ -34,9 +34,15 @@ pub enum SecretError {
     )]
     Missing { path: PathBuf },
     #[error("cannot read cluster secret {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("cannot create cluster secret {path}: {source}")]
-    Create { path: PathBuf, source: std::io::Error },
+    Create {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("cluster secret {origin} is {len} bytes; use at least {MIN_SECRET_LEN} (e.g. `head -c32 /dev/urandom | xxd -p -c64`)")]
     TooShort { origin: String, len: usize },
 }
@@ -45,7 +51,10 @@ impl Secret {
     pub fn from_bytes(b: &[u8], origin: &str) -> Result<Secret, SecretError> {
         let t = trim(b);
         if t.len() < MIN_SECRET_LEN {
-            return Err(SecretError::TooShort { origin: origin.to_string(), len: t.len() });
+            return Err(SecretError::TooShort {
+                origin: origin.to_string(),
+                len: t.len(),
+            });
         }
         Ok(Secret(t.to_vec()))
     }
@@ -73,7 +82,9 @@ impl Secret {
         if unsafe { libc::geteuid() } == 0 {
             return PathBuf::from("/etc/pagefleet/secret");
         }
-        let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
+        let home = std::env::var_os("HOME")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from("."));
         home.join(".config/pagefleet/secret")
     }
 
@@ -83,17 +94,22 @@ impl Secret {
         if let Some(v) = std::env::var_os(SECRET_ENV) {
             return Secret::from_bytes(v.as_encoded_bytes(), &format!("${SECRET_ENV}"));
         }
-        let path = file.map(Path::to_path_buf).unwrap_or_else(Secret::default_path);
+        let path = file
+            .map(Path::to_path_buf)
+            .unwrap_or_else(Secret::default_path);
         Secret::load(&path)
     }
 
     pub fn load(path: &Path) -> Result<Secret, SecretError> {
         match std::fs::read(path) {
             Ok(b) => Secret::from_bytes(&b, &path.display().to_string()),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                Err(SecretError::Missing { path: path.to_path_buf() })
-            }
-            Err(source) => Err(SecretError::Read { path: path.to_path_buf(), source }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(SecretError::Missing {
+                path: path.to_path_buf(),
+            }),
+            Err(source) => Err(SecretError::Read {
+                path: path.to_path_buf(),
+                source,
+            }),
         }
     }
 
@@ -103,7 +119,9 @@ impl Secret {
         if std::env::var_os(SECRET_ENV).is_some() {
             return Secret::resolve(None).map(|s| (s, false));
         }
-        let path = file.map(Path::to_path_buf).unwrap_or_else(Secret::default_path);
+        let path = file
+            .map(Path::to_path_buf)
+            .unwrap_or_else(Secret::default_path);
         match Secret::load(&path) {
             Ok(s) => Ok((s, false)),
             Err(SecretError::Missing { .. }) => {
@@ -113,14 +131,20 @@ impl Secret {
                         std::fs::create_dir_all(dir)?;
                     }
                     use std::os::unix::fs::OpenOptionsExt;
-                    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(p)?;
+                    let mut f = std::fs::OpenOptions::new()
+                        .write(true)
+                        .create_new(true)
+                        .mode(0o600)
+                        .open(p)?;
                     f.write_all(&s.0)?;
                     f.write_all(b"\n")
                 };
                 match create(&path) {
                     Ok(()) => Ok((s, true)),
                     // Another daemon created it between our read and create: use theirs.
-                    Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Secret::load(&path).map(|s| (s, false)),
+                    Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                        Secret::load(&path).map(|s| (s, false))
+                    }
                     Err(source) => Err(SecretError::Create { path, source }),
                 }
             }
@@ -138,19 +162,38 @@ impl Secret {
     }
 
     /// The client's proof: HMAC(secret, "pagefleet/1 client" | server_nonce | client_nonce | server_id).
-    pub fn client_mac(&self, server_nonce: &[u8; 32], client_nonce: &[u8; 32], server_id: u64) -> [u8; 32] {
-        self.mac(b"pagefleet/1 client", &[server_nonce, client_nonce, &server_id.to_le_bytes()])
+    pub fn client_mac(
+        &self,
+        server_nonce: &[u8; 32],
+        client_nonce: &[u8; 32],
+        server_id: u64,
+    ) -> [u8; 32] {
+        self.mac(
+            b"pagefleet/1 client",
+            &[server_nonce, client_nonce, &server_id.to_le_bytes()],
+        )
     }
 
     /// The server's proof: HMAC(secret, "pagefleet/1 server" | client_nonce | server_nonce | server_id).
-    pub fn server_mac(&self, server_nonce: &[u8; 32], client_nonce: &[u8; 32], server_id: u64) -> [u8; 32] {
-        self.mac(b"pagefleet/1 server", &[client_nonce, server_nonce, &server_id.to_le_bytes()])
+    pub fn server_mac(
+        &self,
+        server_nonce: &[u8; 32],
+        client_nonce: &[u8; 32],
+        server_id: u64,
+    ) -> [u8; 32] {
+        self.mac(
+            b"pagefleet/1 server",
+            &[client_nonce, server_nonce, &server_id.to_le_bytes()],
+        )
     }
 }
 
 /// Constant-time comparison of two MACs.
 pub fn macs_equal(a: &[u8; 32], b: &[u8; 32]) -> bool {
-    a.iter().zip(b.iter()).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    a.iter()
+        .zip(b.iter())
+        .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+        == 0
 }
 
 pub fn random_nonce() -> [u8; 32] {
@@ -166,8 +209,14 @@ pub fn random_u64() -> u64 {
 }
 
 fn trim(b: &[u8]) -> &[u8] {
-    let start = b.iter().position(|c| !c.is_ascii_whitespace()).unwrap_or(b.len());
-    let end = b.iter().rposition(|c| !c.is_ascii_whitespace()).map_or(start, |e| e + 1);
+    let start = b
+        .iter()
+        .position(|c| !c.is_ascii_whitespace())
+        .unwrap_or(b.len());
+    let end = b
+        .iter()
+        .rposition(|c| !c.is_ascii_whitespace())
+        .map_or(start, |e| e + 1);
     &b[start..end]
 }
 
@@ -183,13 +232,28 @@ mod tests {
         let a = Secret::from_bytes(b"0123456789abcdef0123", "t").unwrap();
         let b = Secret::from_bytes(b"0123456789abcdef0124", "t").unwrap();
         let (sn, cn) = ([1u8; 32], [2u8; 32]);
-        assert!(macs_equal(&a.client_mac(&sn, &cn, 7), &a.client_mac(&sn, &cn, 7)));
-        assert!(!macs_equal(&a.client_mac(&sn, &cn, 7), &b.client_mac(&sn, &cn, 7)));
-        assert!(!macs_equal(&a.client_mac(&sn, &cn, 7), &a.server_mac(&sn, &cn, 7)));
-        assert!(!macs_equal(&a.client_mac(&sn, &cn, 7), &a.client_mac(&sn, &cn, 8)));
+        assert!(macs_equal(
+            &a.client_mac(&sn, &cn, 7),
+            &a.client_mac(&sn, &cn, 7)
+        ));
+        assert!(!macs_equal(
+            &a.client_mac(&sn, &cn, 7),
+            &b.client_mac(&sn, &cn, 7)
+        ));
+        assert!(!macs_equal(
+            &a.client_mac(&sn, &cn, 7),
+            &a.server_mac(&sn, &cn, 7)
+        ));
+        assert!(!macs_equal(
+            &a.client_mac(&sn, &cn, 7),
+            &a.client_mac(&sn, &cn, 8)
+        ));
     }
     #[test]
     fn short_secret_refused() {
-        assert!(matches!(Secret::from_bytes(b"  short \n", "t"), Err(SecretError::TooShort { len: 5, .. })));
+        assert!(matches!(
+            Secret::from_bytes(b"  short \n", "t"),
+            Err(SecretError::TooShort { len: 5, .. })
+        ));
     }
 }

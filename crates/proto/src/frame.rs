@@ -112,7 +112,11 @@ pub struct Header {
 
 impl Header {
     pub fn new(op: Opcode, body_len: usize, id: u64) -> Header {
-        Header { opcode: op as u8, body_len: body_len as u32, id }
+        Header {
+            opcode: op as u8,
+            body_len: body_len as u32,
+            id,
+        }
     }
     pub fn encode(&self) -> [u8; HEADER_LEN] {
         let mut b = [0u8; HEADER_LEN];
@@ -138,7 +142,10 @@ impl Header {
         if b[2] != VERSION {
             return Err(WireError::new(
                 ErrorCode::UnsupportedVersion,
-                format!("frame version {} not supported; this peer speaks version {}", b[2], VERSION),
+                format!(
+                    "frame version {} not supported; this peer speaks version {}",
+                    b[2], VERSION
+                ),
             )
             .with_id(id));
         }
@@ -150,7 +157,11 @@ impl Header {
             )
             .with_id(id));
         }
-        Ok(Header { opcode: b[3], body_len, id })
+        Ok(Header {
+            opcode: b[3],
+            body_len,
+            id,
+        })
     }
 }
 
@@ -215,7 +226,10 @@ impl ErrorCode {
     pub fn is_fatal(self) -> bool {
         !matches!(
             self,
-            ErrorCode::OutOfCapacity | ErrorCode::NotFound | ErrorCode::InvalidArgument | ErrorCode::UnknownOpcode
+            ErrorCode::OutOfCapacity
+                | ErrorCode::NotFound
+                | ErrorCode::InvalidArgument
+                | ErrorCode::UnknownOpcode
         )
     }
 }
@@ -249,7 +263,12 @@ impl WireError {
             }
             message.truncate(cut);
         }
-        WireError { code, message, id: 0, detail: 0 }
+        WireError {
+            code,
+            message,
+            id: 0,
+            detail: 0,
+        }
     }
     pub fn with_id(mut self, id: u64) -> WireError {
         self.id = id;

@@ -43,7 +43,12 @@ pub struct RecvBuf {
 
 impl RecvBuf {
     pub fn new(cap: usize) -> RecvBuf {
-        RecvBuf { buf: vec![0u8; cap].into_boxed_slice(), start: 0, end: 0, read_max: cap }
+        RecvBuf {
+            buf: vec![0u8; cap].into_boxed_slice(),
+            start: 0,
+            end: 0,
+            read_max: cap,
+        }
     }
     /// Read at most this many bytes ahead of what is needed. A small value
     /// (1 KiB) still batches many small pipelined frames per syscall, while
@@ -108,14 +113,21 @@ impl RecvBuf {
                 if self.is_empty() {
                     return Ok(false);
                 }
-                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed the connection mid-frame"));
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "peer closed the connection mid-frame",
+                ));
             }
             self.end += got;
         }
         Ok(true)
     }
     /// Fill `dst` exactly: buffered bytes first, then straight from `r`.
-    pub fn read_exact_into<R: Read + ?Sized>(&mut self, r: &mut R, dst: &mut [u8]) -> io::Result<()> {
+    pub fn read_exact_into<R: Read + ?Sized>(
+        &mut self,
+        r: &mut R,
+        dst: &mut [u8],
+    ) -> io::Result<()> {
         let n = self.len().min(dst.len());
         dst[..n].copy_from_slice(&self.buf[self.start..self.start + n]);
         self.consume(n);
@@ -126,7 +138,11 @@ impl RecvBuf {
     }
     /// Fill every slice exactly, in order: buffered bytes first, then with
     /// vectored reads straight from `r`.
-    pub fn read_exact_vectored<R: ReadAll + ?Sized>(&mut self, r: &mut R, mut bufs: &mut [IoSliceMut<'_>]) -> io::Result<()> {
+    pub fn read_exact_vectored<R: ReadAll + ?Sized>(
+        &mut self,
+        r: &mut R,
+        mut bufs: &mut [IoSliceMut<'_>],
+    ) -> io::Result<()> {
         // Drain what is buffered into the leading slices.
         while !self.is_empty() && !bufs.is_empty() {
             let first = &mut bufs[0];
@@ -142,7 +158,10 @@ impl RecvBuf {
             }
             match r.read_vectored_all(bufs) {
                 Ok(0) => {
-                    return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed the connection mid-frame"))
+                    return Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "peer closed the connection mid-frame",
+                    ))
                 }
                 Ok(n) => IoSliceMut::advance_slices(&mut bufs, n),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -155,7 +174,10 @@ impl RecvBuf {
     pub fn skip<R: Read + ?Sized>(&mut self, r: &mut R, mut n: usize) -> io::Result<()> {
         while n > 0 {
             if self.is_empty() && !self.fill_to(r, 1)? {
-                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed the connection mid-frame"));
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "peer closed the connection mid-frame",
+                ));
             }
             let k = self.len().min(n);
             self.consume(k);
@@ -166,11 +188,19 @@ impl RecvBuf {
 }
 
 /// Write every slice completely, with as few syscalls as the kernel allows.
-pub fn write_all_vectored<W: Write + ?Sized>(w: &mut W, mut bufs: &mut [IoSlice<'_>]) -> io::Result<()> {
+pub fn write_all_vectored<W: Write + ?Sized>(
+    w: &mut W,
+    mut bufs: &mut [IoSlice<'_>],
+) -> io::Result<()> {
     IoSlice::advance_slices(&mut bufs, 0);
     while !bufs.is_empty() {
         match w.write_vectored(bufs) {
-            Ok(0) => return Err(io::Error::new(io::ErrorKind::WriteZero, "connection accepted no more bytes")),
+            Ok(0) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::WriteZero,
+                    "connection accepted no more bytes",
+                ))
+            }
             Ok(n) => IoSlice::advance_slices(&mut bufs, n),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => return Err(e),

@@ -139,11 +139,19 @@ impl Hello {
         let mac = r.array32()?;
         let n = r.u8()? as usize;
         if n > MAX_NAME {
-            return Err(WireError::malformed(format!("client name of {n} bytes exceeds {MAX_NAME}")));
+            return Err(WireError::malformed(format!(
+                "client name of {n} bytes exceeds {MAX_NAME}"
+            )));
         }
         let name = String::from_utf8_lossy(r.bytes(n)?).into_owned();
         r.finish()?;
-        Ok(Hello { version, flags, client_nonce, mac, name })
+        Ok(Hello {
+            version,
+            flags,
+            client_nonce,
+            mac,
+            name,
+        })
     }
 }
 
@@ -232,13 +240,21 @@ impl PagesPrefix {
     /// Decode and check the prefix for `op`: allowed flags and count limits.
     pub fn decode(op: Opcode, b: &[u8]) -> Result<PagesPrefix, WireError> {
         let mut r = Reader::new(b, op.name());
-        let p = PagesPrefix { region: r.u64()?, count: r.u32()?, flags: r.u32()? };
+        let p = PagesPrefix {
+            region: r.u64()?,
+            count: r.u32()?,
+            flags: r.u32()?,
+        };
         let (allowed, max) = match op {
             Opcode::Put => (flags::PUT_ALLOWED, MAX_BATCH_PAGES as u32),
             Opcode::Get => (flags::GET_ALLOWED, MAX_BATCH_PAGES as u32),
             Opcode::Delete => (
                 flags::DELETE_ALLOWED,
-                if p.flags & flags::RUN != 0 { u32::MAX } else { MAX_DELETE_LIST as u32 },
+                if p.flags & flags::RUN != 0 {
+                    u32::MAX
+                } else {
+                    MAX_DELETE_LIST as u32
+                },
             ),
             _ => return Err(WireError::malformed("not a page operation")),
         };
@@ -252,7 +268,9 @@ impl PagesPrefix {
         }
         if op == Opcode::Delete && p.flags & flags::WHOLE_REGION != 0 {
             if p.count != 0 || p.flags & flags::RUN != 0 {
-                return Err(WireError::malformed("DELETE of a whole region takes count 0 and no RUN flag"));
+                return Err(WireError::malformed(
+                    "DELETE of a whole region takes count 0 and no RUN flag",
+                ));
             }
             return Ok(p);
         }
@@ -287,10 +305,16 @@ impl PagesPrefix {
             if end.is_none_or(|e| e > MAX_PAGE) {
                 return Err(WireError::new(
                     ErrorCode::InvalidArgument,
-                    format!("page run {first}+{} exceeds the page limit 2^52", self.count),
+                    format!(
+                        "page run {first}+{} exceeds the page limit 2^52",
+                        self.count
+                    ),
                 ));
             }
-            Ok(PageSel::Run { first, count: self.count })
+            Ok(PageSel::Run {
+                first,
+                count: self.count,
+            })
         } else {
             let mut v = Vec::with_capacity(self.count as usize);
             for c in b.chunks_exact(8) {
@@ -314,7 +338,12 @@ pub fn encode_pages_req(region: u64, sel: &PageSel, extra_flags: u32, out: &mut 
         PageSel::Run { count, .. } => (*count, flags::RUN),
         PageSel::List(v) => (v.len() as u32, 0),
     };
-    PagesPrefix { region, count, flags: f | extra_flags }.encode(out);
+    PagesPrefix {
+        region,
+        count,
+        flags: f | extra_flags,
+    }
+    .encode(out);
     match sel {
         PageSel::Run { first, .. } => out.extend_from_slice(&first.to_le_bytes()),
         PageSel::List(v) => {
@@ -335,11 +364,18 @@ pub struct PagesReq {
 impl PagesReq {
     pub fn decode(op: Opcode, b: &[u8]) -> Result<PagesReq, WireError> {
         if b.len() < PagesPrefix::LEN {
-            return Err(WireError::malformed(format!("{} body shorter than its 16-byte prefix", op.name())));
+            return Err(WireError::malformed(format!(
+                "{} body shorter than its 16-byte prefix",
+                op.name()
+            )));
         }
         let prefix = PagesPrefix::decode(op, &b[..PagesPrefix::LEN])?;
         let rest = &b[PagesPrefix::LEN..];
-        let data = if op == Opcode::Put { prefix.count as usize * PAGE_SIZE } else { 0 };
+        let data = if op == Opcode::Put {
+            prefix.count as usize * PAGE_SIZE
+        } else {
+            0
+        };
         if rest.len() != prefix.desc_len() + data {
             return Err(WireError::malformed(format!(
                 "{} body is {} bytes, expected {}",
@@ -372,7 +408,10 @@ impl PutOk {
     }
     pub fn decode(b: &[u8]) -> Result<PutOk, WireError> {
         let mut r = Reader::new(b, "PUT_OK");
-        let v = PutOk { stored: r.u32()?, new_pages: r.u32()? };
+        let v = PutOk {
+            stored: r.u32()?,
+            new_pages: r.u32()?,
+        };
         r.finish()?;
         Ok(v)
     }
@@ -409,18 +448,28 @@ impl GetOkHead {
         let count = r.u32()?;
         let present = r.u32()?;
         if count as usize > MAX_BATCH_PAGES || present > count {
-            return Err(WireError::malformed(format!("GET_OK count {count} present {present} out of range")));
+            return Err(WireError::malformed(format!(
+                "GET_OK count {count} present {present} out of range"
+            )));
         }
         let bitmap = r.bytes(Self::bitmap_len(count))?.to_vec();
         let ones: u32 = bitmap.iter().map(|b| b.count_ones()).sum();
         let pad_ok = count % 8 == 0 || bitmap.last().is_none_or(|l| l >> (count % 8) == 0);
         if ones != present || !pad_ok {
-            return Err(WireError::malformed("GET_OK bitmap disagrees with its present count"));
+            return Err(WireError::malformed(
+                "GET_OK bitmap disagrees with its present count",
+            ));
         }
         if body_len != Self::head_len(count) + present as usize * PAGE_SIZE {
-            return Err(WireError::malformed("GET_OK body length disagrees with its present count"));
+            return Err(WireError::malformed(
+                "GET_OK body length disagrees with its present count",
+            ));
         }
-        Ok(GetOkHead { count, present, bitmap })
+        Ok(GetOkHead {
+            count,
+            present,
+            bitmap,
+        })
     }
 }
 
@@ -459,10 +508,16 @@ impl StatReq {
     }
     pub fn decode(b: &[u8]) -> Result<StatReq, WireError> {
         let mut r = Reader::new(b, "STAT");
-        let v = StatReq { flags: r.u32()?, max_regions: r.u32()? };
+        let v = StatReq {
+            flags: r.u32()?,
+            max_regions: r.u32()?,
+        };
         r.finish()?;
         if v.flags & !Self::LIST_REGIONS != 0 {
-            return Err(WireError::malformed(format!("STAT flags {:#x} include unknown bits", v.flags)));
+            return Err(WireError::malformed(format!(
+                "STAT flags {:#x} include unknown bits",
+                v.flags
+            )));
         }
         Ok(v)
     }
@@ -542,7 +597,12 @@ impl WireError {
         r.finish()?;
         let code = ErrorCode::from_u16(raw)
             .ok_or_else(|| WireError::malformed(format!("unknown error code {raw}")))?;
-        Ok(WireError { code, message, id, detail })
+        Ok(WireError {
+            code,
+            message,
+            id,
+            detail,
+        })
     }
 }
 
@@ -573,7 +633,8 @@ mod tests {
 
     fn arb_sel() -> impl Strategy<Value = PageSel> {
         prop_oneof![
-            (0u64..MAX_PAGE - 64, 1u32..=32).prop_map(|(first, count)| PageSel::Run { first, count }),
+            (0u64..MAX_PAGE - 64, 1u32..=32)
+                .prop_map(|(first, count)| PageSel::Run { first, count }),
             proptest::collection::vec(0u64..MAX_PAGE, 1..=32).prop_map(PageSel::List),
         ]
     }
@@ -663,24 +724,59 @@ mod tests {
         assert_eq!(Header::decode(&h).unwrap_err().code, ErrorCode::BadMagic);
         let mut h = Header::new(Opcode::Ping, 0, 1).encode();
         h[2] = 9;
-        assert_eq!(Header::decode(&h).unwrap_err().code, ErrorCode::UnsupportedVersion);
-        let h = Header { opcode: 2, body_len: MAX_BODY as u32 + 1, id: 1 }.encode();
-        assert_eq!(Header::decode(&h).unwrap_err().code, ErrorCode::FrameTooLarge);
+        assert_eq!(
+            Header::decode(&h).unwrap_err().code,
+            ErrorCode::UnsupportedVersion
+        );
+        let h = Header {
+            opcode: 2,
+            body_len: MAX_BODY as u32 + 1,
+            id: 1,
+        }
+        .encode();
+        assert_eq!(
+            Header::decode(&h).unwrap_err().code,
+            ErrorCode::FrameTooLarge
+        );
     }
 
     #[test]
     fn rejects_bad_page_requests() {
         let mut b = Vec::new();
-        PagesPrefix { region: 1, count: 33, flags: flags::RUN }.encode(&mut b);
+        PagesPrefix {
+            region: 1,
+            count: 33,
+            flags: flags::RUN,
+        }
+        .encode(&mut b);
         b.extend_from_slice(&0u64.to_le_bytes());
-        assert_eq!(PagesReq::decode(Opcode::Get, &b).unwrap_err().code, ErrorCode::Malformed);
+        assert_eq!(
+            PagesReq::decode(Opcode::Get, &b).unwrap_err().code,
+            ErrorCode::Malformed
+        );
         let mut b = Vec::new();
-        PagesPrefix { region: 1, count: 2, flags: flags::RUN | 0x100 }.encode(&mut b);
+        PagesPrefix {
+            region: 1,
+            count: 2,
+            flags: flags::RUN | 0x100,
+        }
+        .encode(&mut b);
         b.extend_from_slice(&0u64.to_le_bytes());
-        assert_eq!(PagesReq::decode(Opcode::Get, &b).unwrap_err().code, ErrorCode::Malformed);
+        assert_eq!(
+            PagesReq::decode(Opcode::Get, &b).unwrap_err().code,
+            ErrorCode::Malformed
+        );
         let mut b = Vec::new();
-        PagesPrefix { region: 1, count: 2, flags: flags::RUN }.encode(&mut b);
+        PagesPrefix {
+            region: 1,
+            count: 2,
+            flags: flags::RUN,
+        }
+        .encode(&mut b);
         b.extend_from_slice(&(MAX_PAGE - 1).to_le_bytes());
-        assert_eq!(PagesReq::decode(Opcode::Get, &b).unwrap_err().code, ErrorCode::InvalidArgument);
+        assert_eq!(
+            PagesReq::decode(Opcode::Get, &b).unwrap_err().code,
+            ErrorCode::InvalidArgument
+        );
     }
 }

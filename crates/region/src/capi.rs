@@ -55,20 +55,41 @@ unsafe fn opt_str(p: *const c_char) -> Option<String> {
 /// # Safety
 /// `cfg` must point to a valid pf_config; `err` to `errlen` writable bytes or be NULL.
 #[no_mangle]
-pub unsafe extern "C" fn pf_region_new(cfg: *const PfConfig, err: *mut c_char, errlen: usize) -> *mut c_void {
+pub unsafe extern "C" fn pf_region_new(
+    cfg: *const PfConfig,
+    err: *mut c_char,
+    errlen: usize,
+) -> *mut c_void {
     let r = (|| -> Result<Region, String> {
         let c = cfg.as_ref().ok_or("pf_region_new: cfg is NULL")?;
         let pages = c.size.div_ceil(4096);
-        let mut k = Config::new(c.size, if c.budget_pages == 0 { pages } else { c.budget_pages });
+        let mut k = Config::new(
+            c.size,
+            if c.budget_pages == 0 {
+                pages
+            } else {
+                c.budget_pages
+            },
+        );
         if c.chunk_pages != 0 {
             k.chunk_pages = c.chunk_pages as usize;
         }
-        k.policy = if c.policy == 1 { Policy::Aging } else { Policy::Clock };
+        k.policy = if c.policy == 1 {
+            Policy::Aging
+        } else {
+            Policy::Clock
+        };
         if c.sample_cpu_budget > 0.0 {
             k.sample_cpu_budget = c.sample_cpu_budget;
         }
         k.servers = opt_str(c.servers)
-            .map(|s| s.split(',').map(str::trim).filter(|x| !x.is_empty()).map(String::from).collect())
+            .map(|s| {
+                s.split(',')
+                    .map(str::trim)
+                    .filter(|x| !x.is_empty())
+                    .map(String::from)
+                    .collect()
+            })
             .unwrap_or_default();
         if !k.servers.is_empty() {
             let f = opt_str(c.secret_file).map(std::path::PathBuf::from);

@@ -131,7 +131,13 @@ impl Adopt {
         let memfd = uffd::memfd(name, size)?;
         let guest = Mapping::shared(memfd.as_raw_fd(), size as usize)?;
         guest.madvise(0, guest.len, libc::MADV_NOHUGEPAGE)?;
-        Ok(Adopt { memfd: Arc::new(memfd), guest: Arc::new(guest), history: vec![0; (size as usize).div_ceil(PAGE)], conns: Mutex::new(Vec::new()), resident: None })
+        Ok(Adopt {
+            memfd: Arc::new(memfd),
+            guest: Arc::new(guest),
+            history: vec![0; (size as usize).div_ceil(PAGE)],
+            conns: Mutex::new(Vec::new()),
+            resident: None,
+        })
     }
 }
 
@@ -161,7 +167,10 @@ pub enum RegionError {
     #[error(transparent)]
     Uffd(#[from] uffd::UffdError),
     #[error("{what}: {source}")]
-    Io { what: &'static str, source: std::io::Error },
+    Io {
+        what: &'static str,
+        source: std::io::Error,
+    },
     #[error(transparent)]
     Client(#[from] pagefleet_client::ClientError),
     #[error("bad region configuration: {0}")]
@@ -178,7 +187,11 @@ pub(crate) enum Command {
     /// Pause (true) or resume balancing and sampling: faults are still served.
     Hold(bool, std::sync::mpsc::Sender<()>),
     /// Move every page on server `from` to server `to` (added if new).
-    Evacuate { from: String, to: String, reply: std::sync::mpsc::Sender<Result<u64, String>> },
+    Evacuate {
+        from: String,
+        to: String,
+        reply: std::sync::mpsc::Sender<Result<u64, String>>,
+    },
 }
 
 /// Where every page is and how hot it has been (for migration planning).
@@ -230,7 +243,10 @@ pub struct Region {
 impl Region {
     pub fn new(mut cfg: Config) -> Result<Region, RegionError> {
         if !cfg.chunk_pages.is_power_of_two() || cfg.chunk_pages > 64 {
-            return Err(RegionError::Config(format!("chunk of {} pages: use a power of two from 1 to 64", cfg.chunk_pages)));
+            return Err(RegionError::Config(format!(
+                "chunk of {} pages: use a power of two from 1 to 64",
+                cfg.chunk_pages
+            )));
         }
         let chunk_bytes = (cfg.chunk_pages * PAGE) as u64;
         if cfg.size == 0 {
@@ -252,10 +268,13 @@ impl Region {
             )));
         }
         if cfg.servers.len() > 250 {
-            return Err(RegionError::Config("at most 250 memory servers per region".into()));
+            return Err(RegionError::Config(
+                "at most 250 memory servers per region".into(),
+            ));
         }
         if !cfg.servers.is_empty() && cfg.secret.is_none() {
-            cfg.secret = Some(Secret::resolve(None).map_err(|e| RegionError::Config(e.to_string()))?);
+            cfg.secret =
+                Some(Secret::resolve(None).map_err(|e| RegionError::Config(e.to_string()))?);
         }
         if cfg.region_id == 0 {
             cfg.region_id = pagefleet_proto::auth::random_u64() | 1;
@@ -263,15 +282,32 @@ impl Region {
         let (memfd, guest) = match &cfg.adopt {
             Some(a) => {
                 if a.guest.len as u64 != cfg.size || a.history.len() as u64 != pages {
-                    return Err(RegionError::Config(format!("adopted memory is {} bytes, region {}", a.guest.len, cfg.size)));
+                    return Err(RegionError::Config(format!(
+                        "adopted memory is {} bytes, region {}",
+                        a.guest.len, cfg.size
+                    )));
                 }
                 (a.memfd.clone(), a.guest.clone())
             }
             None => {
-                let memfd = uffd::memfd(&cfg.name, cfg.size).map_err(|source| RegionError::Io { what: "memfd_create", source })?;
-                let guest = Mapping::shared(memfd.as_raw_fd(), cfg.size as usize).map_err(|source| RegionError::Io { what: "mmap", source })?;
+                let memfd = uffd::memfd(&cfg.name, cfg.size).map_err(|source| RegionError::Io {
+                    what: "memfd_create",
+                    source,
+                })?;
+                let guest =
+                    Mapping::shared(memfd.as_raw_fd(), cfg.size as usize).map_err(|source| {
+                        RegionError::Io {
+                            what: "mmap",
+                            source,
+                        }
+                    })?;
                 // Paging works per 4 KiB page and chunk: no transparent huge pages.
-                guest.madvise(0, guest.len, libc::MADV_NOHUGEPAGE).map_err(|source| RegionError::Io { what: "madvise", source })?;
+                guest
+                    .madvise(0, guest.len, libc::MADV_NOHUGEPAGE)
+                    .map_err(|source| RegionError::Io {
+                        what: "madvise",
+                        source,
+                    })?;
                 (Arc::new(memfd), Arc::new(guest))
             }
         };
@@ -284,16 +320,31 @@ impl Region {
         });
         for &(first, count, s) in &cfg.initial_remote {
             if s >= cfg.servers.len() || first.checked_add(count).is_none_or(|e| e > pages) {
-                return Err(RegionError::Config(format!("initial remote range {first}+{count} on server {s} is out of bounds")));
+                return Err(RegionError::Config(format!(
+                    "initial remote range {first}+{count} on server {s} is out of bounds"
+                )));
             }
         }
         let (tx, rx) = std::sync::mpsc::channel();
-        let doorbell = Arc::new(uffd::eventfd().map_err(|source| RegionError::Io { what: "eventfd", source })?);
-        let p = pager::Pager::new(&cfg, guest.clone(), memfd.clone(), shared.clone(), rx, doorbell.clone())?;
+        let doorbell = Arc::new(uffd::eventfd().map_err(|source| RegionError::Io {
+            what: "eventfd",
+            source,
+        })?);
+        let p = pager::Pager::new(
+            &cfg,
+            guest.clone(),
+            memfd.clone(),
+            shared.clone(),
+            rx,
+            doorbell.clone(),
+        )?;
         let handle = std::thread::Builder::new()
             .name("pagefleet-pager".into())
             .spawn(move || p.run())
-            .map_err(|source| RegionError::Io { what: "spawn pager thread", source })?;
+            .map_err(|source| RegionError::Io {
+                what: "spawn pager thread",
+                source,
+            })?;
         Ok(Region {
             cmd: Mutex::new(tx),
             doorbell,
@@ -333,7 +384,9 @@ impl Region {
 
     /// Change the budget while running: shrinking pages out, growing just allows more.
     pub fn set_budget(&self, pages: u64) {
-        self.shared.budget.store(pages.max(self.chunk_pages as u64 * 2), Ordering::Relaxed);
+        self.shared
+            .budget
+            .store(pages.max(self.chunk_pages as u64 * 2), Ordering::Relaxed);
     }
     pub fn budget(&self) -> u64 {
         self.shared.budget.load(Ordering::Relaxed)
@@ -357,7 +410,11 @@ impl Region {
         self.ask_within(make, Duration::from_secs(60))
     }
 
-    fn ask_within<T>(&self, make: impl FnOnce(std::sync::mpsc::Sender<T>) -> Command, t: Duration) -> Option<T> {
+    fn ask_within<T>(
+        &self,
+        make: impl FnOnce(std::sync::mpsc::Sender<T>) -> Command,
+        t: Duration,
+    ) -> Option<T> {
         let (tx, rx) = std::sync::mpsc::channel();
         self.cmd.lock().unwrap().send(make(tx)).ok()?;
         uffd::ring(self.doorbell.as_raw_fd());
@@ -371,7 +428,11 @@ impl Region {
     /// pages moved.
     pub fn evacuate(&self, from: &str, to: &str) -> Result<u64, String> {
         let (from, to) = (from.to_string(), to.to_string());
-        self.ask_within(|reply| Command::Evacuate { from, to, reply }, Duration::from_secs(3600)).unwrap_or_else(|| Err("the pager did not answer".into()))
+        self.ask_within(
+            |reply| Command::Evacuate { from, to, reply },
+            Duration::from_secs(3600),
+        )
+        .unwrap_or_else(|| Err("the pager did not answer".into()))
     }
 
     /// Start (or stop) tracking which pages change: content written, or
@@ -439,11 +500,18 @@ impl Region {
     /// Delete the region's pages on every server (the guest is ending: the
     /// caller makes sure nothing touches the memory any more).
     pub fn delete_remote(&self) -> Result<(), RegionError> {
-        let Some(secret) = self.secret.clone() else { return Ok(()) };
-        let opts = ConnectOptions { name: "pagefleet-region-close".into(), ..Default::default() };
+        let Some(secret) = self.secret.clone() else {
+            return Ok(());
+        };
+        let opts = ConnectOptions {
+            name: "pagefleet-region-close".into(),
+            ..Default::default()
+        };
         let mut first = None;
         for s in &self.servers {
-            match pagefleet_client::Conn::connect(s, &secret, &opts).and_then(|mut c| c.delete_region(self.region_id)) {
+            match pagefleet_client::Conn::connect(s, &secret, &opts)
+                .and_then(|mut c| c.delete_region(self.region_id))
+            {
                 Ok(_) => {}
                 Err(e) => {
                     first.get_or_insert(e);

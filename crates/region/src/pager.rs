@@ -4,7 +4,7 @@
 //! because every fault is served by this same thread.
 
 use crate::{Command, Config, Location, OnFatal, Policy, RegionError, Shared, Snapshot, PAGE};
-use pagefleet_client::{ConnectOptions, Conn, GetMode, Pages};
+use pagefleet_client::{Conn, ConnectOptions, GetMode, Pages};
 use pagefleet_proto::{PageSel, MAX_BATCH_PAGES};
 use pagefleet_uffd::{self as uffd, Fault, FaultKind, Fill, Mapping, Uffd};
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -91,18 +91,31 @@ impl Pager {
         rx: std::sync::mpsc::Receiver<Command>,
         doorbell: Arc<OwnedFd>,
     ) -> Result<Pager, RegionError> {
-        let need = uffd::FEATURE_MISSING_SHMEM | uffd::FEATURE_MINOR_SHMEM | uffd::FEATURE_WP_HUGETLBFS_SHMEM
-            | uffd::FEATURE_PAGEFAULT_FLAG_WP | uffd::FEATURE_THREAD_ID;
+        let need = uffd::FEATURE_MISSING_SHMEM
+            | uffd::FEATURE_MINOR_SHMEM
+            | uffd::FEATURE_WP_HUGETLBFS_SHMEM
+            | uffd::FEATURE_PAGEFAULT_FLAG_WP
+            | uffd::FEATURE_THREAD_ID;
         let u = Uffd::open(need)?;
-        u.register(guest.base(), guest.len as u64, uffd::MODE_MISSING | uffd::MODE_MINOR | uffd::MODE_WP)?;
-        let shadow = Mapping::shared(memfd.as_raw_fd(), guest.len).map_err(|source| RegionError::Io { what: "mmap shadow", source })?;
+        u.register(
+            guest.base(),
+            guest.len as u64,
+            uffd::MODE_MISSING | uffd::MODE_MINOR | uffd::MODE_WP,
+        )?;
+        let shadow =
+            Mapping::shared(memfd.as_raw_fd(), guest.len).map_err(|source| RegionError::Io {
+                what: "mmap shadow",
+                source,
+            })?;
         let mut conns = Vec::new();
         let mut free = Vec::new();
         if let Some(secret) = &cfg.secret {
             for a in &cfg.servers {
                 let ready = cfg.adopt.as_ref().and_then(|ad| {
                     let mut v = ad.conns.lock().unwrap();
-                    v.iter().position(|(x, _)| x == a).map(|i| v.swap_remove(i).1)
+                    v.iter()
+                        .position(|(x, _)| x == a)
+                        .map(|i| v.swap_remove(i).1)
                 });
                 let mut c = match ready {
                     Some(mut c) => {
@@ -110,7 +123,11 @@ impl Pager {
                         c
                     }
                     None => {
-                        let opts = ConnectOptions { name: format!("{}-pager", cfg.name), window: 4, ..Default::default() };
+                        let opts = ConnectOptions {
+                            name: format!("{}-pager", cfg.name),
+                            window: 4,
+                            ..Default::default()
+                        };
                         Conn::connect(a, secret, &opts)?
                     }
                 };
@@ -134,9 +151,17 @@ impl Pager {
             let runs: Vec<(u64, u64)> = match &a.resident {
                 Some(r) => r.clone(),
                 None => uffd::data_ranges(a.memfd.as_raw_fd(), guest.len as u64)
-                    .map_err(|source| RegionError::Io { what: "SEEK_DATA on the adopted memfd", source })?
+                    .map_err(|source| RegionError::Io {
+                        what: "SEEK_DATA on the adopted memfd",
+                        source,
+                    })?
                     .into_iter()
-                    .map(|(lo, hi)| (lo / PAGE as u64, hi.div_ceil(PAGE as u64) - lo / PAGE as u64))
+                    .map(|(lo, hi)| {
+                        (
+                            lo / PAGE as u64,
+                            hi.div_ceil(PAGE as u64) - lo / PAGE as u64,
+                        )
+                    })
                     .collect(),
             };
             for (first, count) in runs {
@@ -248,7 +273,10 @@ impl Pager {
         while !self.shared.stop.load(Relaxed) {
             // While evicting, only peek for faults; otherwise sleep until one comes.
             let busy = self.evicting || self.evac.is_some();
-            match self.uffd.poll_with(self.doorbell.as_raw_fd(), if busy { 0 } else { 5 }) {
+            match self
+                .uffd
+                .poll_with(self.doorbell.as_raw_fd(), if busy { 0 } else { 5 })
+            {
                 Ok((faults, bell)) => {
                     if bell {
                         uffd::drain(self.doorbell.as_raw_fd());
@@ -276,11 +304,19 @@ impl Pager {
         if self.addrs.len() >= 250 {
             return Err("at most 250 memory servers per region".into());
         }
-        let secret = self.secret.as_ref().ok_or("this region has no cluster secret (it was made without memory servers)")?;
-        let opts = ConnectOptions { name: format!("{}-pager", self.name), window: 4, ..Default::default() };
+        let secret = self
+            .secret
+            .as_ref()
+            .ok_or("this region has no cluster secret (it was made without memory servers)")?;
+        let opts = ConnectOptions {
+            name: format!("{}-pager", self.name),
+            window: 4,
+            ..Default::default()
+        };
         let mut c = Conn::connect(addr, secret, &opts).map_err(|e| e.to_string())?;
         c.set_spin(Duration::from_micros(60));
-        self.free.push(c.info.capacity_pages.saturating_sub(c.info.used_pages));
+        self.free
+            .push(c.info.capacity_pages.saturating_sub(c.info.used_pages));
         self.conns.push(c);
         self.addrs.push(addr.to_string());
         self.servers_list.push(addr.to_string());
@@ -289,7 +325,9 @@ impl Pager {
 
     /// Move up to a few batches of an evacuation, then go back to faults.
     fn evacuate_step(&mut self) {
-        let Some(mut ev) = self.evac.take() else { return };
+        let Some(mut ev) = self.evac.take() else {
+            return;
+        };
         let tag = REMOTE + ev.from as u8;
         let region = self.region_id;
         for _ in 0..4 {
@@ -308,11 +346,23 @@ impl Pager {
             let buf = &mut self.buf[..n * PAGE];
             // Copy, store at the new server, and only then delete at the old one.
             let r = self.conns[ev.from]
-                .get(region, Pages::List(&list), buf, GetMode::Keep, false, MAX_BATCH_PAGES)
-                .and_then(|_| self.conns[ev.to].put(region, Pages::List(&list), buf, MAX_BATCH_PAGES))
+                .get(
+                    region,
+                    Pages::List(&list),
+                    buf,
+                    GetMode::Keep,
+                    false,
+                    MAX_BATCH_PAGES,
+                )
+                .and_then(|_| {
+                    self.conns[ev.to].put(region, Pages::List(&list), buf, MAX_BATCH_PAGES)
+                })
                 .and_then(|_| self.conns[ev.from].delete(region, Pages::List(&list)));
             if let Err(e) = r {
-                let _ = ev.reply.send(Err(format!("moving pages from {} to {}: {e} ({} moved before)", self.addrs[ev.from], self.addrs[ev.to], ev.moved)));
+                let _ = ev.reply.send(Err(format!(
+                    "moving pages from {} to {}: {e} ({} moved before)",
+                    self.addrs[ev.from], self.addrs[ev.to], ev.moved
+                )));
                 return;
             }
             for &p in &list {
@@ -348,7 +398,10 @@ impl Pager {
                 let _ = reply.send(());
             }
             Command::TakeDirty(reply) => {
-                let mut list: Vec<u64> = std::mem::take(&mut self.dirty_list).into_iter().map(u64::from).collect();
+                let mut list: Vec<u64> = std::mem::take(&mut self.dirty_list)
+                    .into_iter()
+                    .map(u64::from)
+                    .collect();
                 list.sort_unstable();
                 for &p in &list {
                     self.dirty[p as usize] = false;
@@ -361,7 +414,11 @@ impl Pager {
                         j += 1;
                     }
                     if self.tracking {
-                        let _ = self.uffd.writeprotect(self.addr(list[i] as usize), ((j - i) * PAGE) as u64, true);
+                        let _ = self.uffd.writeprotect(
+                            self.addr(list[i] as usize),
+                            ((j - i) * PAGE) as u64,
+                            true,
+                        );
                     }
                     i = j;
                 }
@@ -384,7 +441,13 @@ impl Pager {
                     Ok(t) => {
                         // Nothing pages out to the server being emptied.
                         self.free[f] = 0;
-                        self.evac = Some(Evac { from: f, to: t, cursor: 0, moved: 0, reply });
+                        self.evac = Some(Evac {
+                            from: f,
+                            to: t,
+                            cursor: 0,
+                            moved: 0,
+                            reply,
+                        });
                     }
                     Err(e) => {
                         let _ = reply.send(Err(format!("cannot use {to}: {e}")));
@@ -408,7 +471,12 @@ impl Pager {
             }
             Command::Snapshot(reply) => {
                 let location = (0..self.state.len()).map(|p| self.location(p)).collect();
-                let history = self.hist.iter().zip(&self.refb).map(|(h, r)| h | (r << 7)).collect();
+                let history = self
+                    .hist
+                    .iter()
+                    .zip(&self.refb)
+                    .map(|(h, r)| h | (r << 7))
+                    .collect();
                 let _ = reply.send(Snapshot {
                     region_id: self.region_id,
                     chunk_pages: self.cp,
@@ -443,7 +511,10 @@ impl Pager {
                 if !self.pending_in.is_empty() {
                     self.page_in_batch(t);
                 }
-                self.shared.stats.fault_ns.fetch_add(t.elapsed().as_nanos() as u64, Relaxed);
+                self.shared
+                    .stats
+                    .fault_ns
+                    .fetch_add(t.elapsed().as_nanos() as u64, Relaxed);
             }
             Err(e) => warn!("reading userfaultfd: {e}"),
         }
@@ -451,7 +522,10 @@ impl Pager {
     }
 
     fn publish(&self) {
-        self.shared.stats.resident_pages.store(self.resident, Relaxed);
+        self.shared
+            .stats
+            .resident_pages
+            .store(self.resident, Relaxed);
         self.shared.stats.remote_pages.store(self.remote, Relaxed);
     }
 
@@ -508,18 +582,21 @@ impl Pager {
                 // While tracking changes a write maps only its own page
                 // writable (and marks it); a read maps the run protected.
                 let whole = if b - a > 1 && !(self.tracking && f.write) {
-                    self.uffd.continue_mode(self.addr(a), ((b - a) * PAGE) as u64, wp)
+                    self.uffd
+                        .continue_mode(self.addr(a), ((b - a) * PAGE) as u64, wp)
                 } else {
                     Ok(Fill::Exists)
                 };
                 match whole {
                     Ok(Fill::Done) => {}
                     // Part of the run was mapped already: just this page.
-                    Ok(Fill::Exists) => match self.uffd.continue_mode(self.addr(p), PAGE as u64, wp) {
-                        Ok(Fill::Done) => {}
-                        Ok(Fill::Exists) => self.wake(p),
-                        Err(e) => self.internal(p, e.to_string()),
-                    },
+                    Ok(Fill::Exists) => {
+                        match self.uffd.continue_mode(self.addr(p), PAGE as u64, wp) {
+                            Ok(Fill::Done) => {}
+                            Ok(Fill::Exists) => self.wake(p),
+                            Err(e) => self.internal(p, e.to_string()),
+                        }
+                    }
                     Err(e) => self.internal(p, e.to_string()),
                 }
             }
@@ -530,7 +607,11 @@ impl Pager {
                 // One page-in per chunk, server and batch: a second fault in the
                 // same chunk on the same server is served by the first one's
                 // rest-of-chunk transfer (which covers every page there).
-                if !self.pending_in.iter().any(|(q, s2)| q / self.cp == p / self.cp && *s2 == s) {
+                if !self
+                    .pending_in
+                    .iter()
+                    .any(|(q, s2)| q / self.cp == p / self.cp && *s2 == s)
+                {
                     self.pending_in.push((p, s));
                 }
             }
@@ -543,7 +624,13 @@ impl Pager {
 
     fn internal(&self, p: usize, e: String) {
         // Not a server problem: the mapping itself misbehaves. Nothing sane to do.
-        self.fatal(format!("pagefleet: internal paging error at page {p} of region {:#x}: {e}", self.region_id), p);
+        self.fatal(
+            format!(
+                "pagefleet: internal paging error at page {p} of region {:#x}: {e}",
+                self.region_id
+            ),
+            p,
+        );
     }
 
     fn fatal(&self, msg: String, p: usize) {
@@ -585,7 +672,10 @@ impl Pager {
             while q < lo + self.cp && self.state[q] == ZERO {
                 q += 1;
             }
-            match self.uffd.zeropage(self.addr(start), ((q - start) * PAGE) as u64) {
+            match self
+                .uffd
+                .zeropage(self.addr(start), ((q - start) * PAGE) as u64)
+            {
                 Ok(_) => {}
                 Err(e) => return self.internal(p, e.to_string()),
             }
@@ -595,7 +685,10 @@ impl Pager {
             n += q - start;
         }
         self.refb[p] = 1;
-        self.shared.stats.zero_filled_pages.fetch_add(n as u64, Relaxed);
+        self.shared
+            .stats
+            .zero_filled_pages
+            .fetch_add(n as u64, Relaxed);
         self.publish();
     }
 
@@ -615,7 +708,10 @@ impl Pager {
                 .iter()
                 .map(|&p| {
                     let lo = p / self.cp * self.cp;
-                    (lo..lo + self.cp).filter(|q| *q != p && self.state[*q] == tag).map(|q| q as u64).collect()
+                    (lo..lo + self.cp)
+                        .filter(|q| *q != p && self.state[*q] == tag)
+                        .map(|q| q as u64)
+                        .collect()
                 })
                 .collect();
             let conn = &mut self.conns[s];
@@ -623,11 +719,27 @@ impl Pager {
             let mut rest_ids = Vec::new();
             let queued: Result<(), pagefleet_client::ClientError> = (|| {
                 for &p in &firsts {
-                    first_ids.push(conn.queue_get(region, &PageSel::Run { first: p as u64, count: 1 }, GetMode::Take, false)?);
+                    first_ids.push(conn.queue_get(
+                        region,
+                        &PageSel::Run {
+                            first: p as u64,
+                            count: 1,
+                        },
+                        GetMode::Take,
+                        false,
+                    )?);
                 }
                 for rest in &rests {
                     for part in rest.chunks(MAX_BATCH_PAGES) {
-                        rest_ids.push((conn.queue_get(region, &PageSel::List(part.to_vec()), GetMode::Take, false)?, part.to_vec()));
+                        rest_ids.push((
+                            conn.queue_get(
+                                region,
+                                &PageSel::List(part.to_vec()),
+                                GetMode::Take,
+                                false,
+                            )?,
+                            part.to_vec(),
+                        ));
                     }
                 }
                 conn.flush()
@@ -641,12 +753,16 @@ impl Pager {
                 if let Err(e) = self.conns[s].recv_get(id, &mut self.buf[..PAGE]) {
                     return self.lost(p, s, e);
                 }
-                if let Err(e) = self.uffd.copy(self.addr(p), self.buf.as_ptr(), PAGE as u64, false) {
+                if let Err(e) = self
+                    .uffd
+                    .copy(self.addr(p), self.buf.as_ptr(), PAGE as u64, false)
+                {
                     return self.internal(p, e.to_string());
                 }
                 self.set_local(p);
                 self.refb[p] = 1;
-                st.page_in_latency.record_us(t_read.elapsed().as_secs_f64() * 1e6);
+                st.page_in_latency
+                    .record_us(t_read.elapsed().as_secs_f64() * 1e6);
                 st.page_ins.fetch_add(1, Relaxed);
                 st.page_in_requests.fetch_add(1, Relaxed);
                 st.bytes_in.fetch_add(PAGE as u64, Relaxed);
@@ -665,7 +781,12 @@ impl Pager {
                         j += 1;
                     }
                     let q = part[i] as usize;
-                    if let Err(e) = self.uffd.copy(self.addr(q), self.buf[i * PAGE..].as_ptr(), ((j - i) * PAGE) as u64, false) {
+                    if let Err(e) = self.uffd.copy(
+                        self.addr(q),
+                        self.buf[i * PAGE..].as_ptr(),
+                        ((j - i) * PAGE) as u64,
+                        false,
+                    ) {
                         return self.internal(q, e.to_string());
                     }
                     for r in part[i..j].iter() {
@@ -697,7 +818,12 @@ impl Pager {
         let (h, r) = (&self.hist[lo..lo + self.cp], &self.refb[lo..lo + self.cp]);
         match self.policy {
             Policy::Clock => h.iter().zip(r).map(|(a, b)| (a | b) as u32 & 1).sum(),
-            Policy::Aging => h.iter().zip(r).map(|(a, b)| (*a | (b << 7)) as u32).max().unwrap_or(0),
+            Policy::Aging => h
+                .iter()
+                .zip(r)
+                .map(|(a, b)| (*a | (b << 7)) as u32)
+                .max()
+                .unwrap_or(0),
         }
     }
 
@@ -742,7 +868,9 @@ impl Pager {
             let mut batch = Vec::new();
             let mut pages = 0u64;
             while self.resident - pages > low && pages < cap && steps < self.chunks * 3 {
-                let Some(c) = self.next_victim(&mut steps) else { break };
+                let Some(c) = self.next_victim(&mut steps) else {
+                    break;
+                };
                 if batch.contains(&c) {
                     break;
                 }
@@ -786,14 +914,15 @@ impl Pager {
                 let lo = c * self.cp;
                 self.refb[lo..lo + self.cp].fill(0);
                 self.hist[lo..lo + self.cp].fill(0);
-
             },
             Policy::Aging => {
                 const WINDOW: usize = 32;
                 let mut best: Option<(u32, usize)> = None;
                 let mut seen = 0;
                 while seen < WINDOW {
-                    let Some(c) = self.next_resident(steps) else { break };
+                    let Some(c) = self.next_resident(steps) else {
+                        break;
+                    };
                     let h = self.hotness(c);
                     if best.is_none_or(|(bh, _)| h < bh) {
                         best = Some((h, c));
@@ -819,7 +948,10 @@ impl Pager {
     /// take them (balancing stops; the guest keeps running over budget).
     fn page_out(&mut self, chunks: &[usize]) -> bool {
         let n: u64 = chunks.iter().map(|c| self.chunk_res[*c] as u64).sum();
-        let Some(s) = (0..self.conns.len()).filter(|s| self.free[*s] >= n).max_by_key(|s| self.free[*s]) else {
+        let Some(s) = (0..self.conns.len())
+            .filter(|s| self.free[*s] >= n)
+            .max_by_key(|s| self.free[*s])
+        else {
             if !self.full_warned {
                 warn!("every memory server is full: the region stays over its budget");
                 self.full_warned = true;
@@ -855,8 +987,17 @@ impl Pager {
             let mut ids = std::collections::VecDeque::new();
             for (start, len) in &runs {
                 // SAFETY: inside the shadow mapping; pages are resident and write-protected.
-                let data = unsafe { std::slice::from_raw_parts(self.shadow.addr.add(start * PAGE), len * PAGE) };
-                ids.push_back(self.conns[s].send_put(region, &PageSel::Run { first: *start as u64, count: *len as u32 }, data)?);
+                let data = unsafe {
+                    std::slice::from_raw_parts(self.shadow.addr.add(start * PAGE), len * PAGE)
+                };
+                ids.push_back(self.conns[s].send_put(
+                    region,
+                    &PageSel::Run {
+                        first: *start as u64,
+                        count: *len as u32,
+                    },
+                    data,
+                )?);
                 // Bound the acks outstanding so neither side's buffers fill up.
                 if ids.len() >= 64 {
                     self.conns[s].recv_put(ids.pop_front().unwrap())?;
@@ -893,7 +1034,11 @@ impl Pager {
                 len += runs[j].1;
                 j += 1;
             }
-            if let Err(e) = uffd::punch_hole(self.memfd.as_raw_fd(), (start * PAGE) as u64, (len * PAGE) as u64) {
+            if let Err(e) = uffd::punch_hole(
+                self.memfd.as_raw_fd(),
+                (start * PAGE) as u64,
+                (len * PAGE) as u64,
+            ) {
                 self.internal(start, e.to_string());
                 return false;
             }
@@ -948,7 +1093,11 @@ impl Pager {
             let per = self.minor_cost.as_secs_f64() * rq;
             // Spinning for replies only pays on a host with idle CPUs: on an
             // oversubscribed one it takes the CPU the server or a guest needs.
-            let spin = if rq <= 1.0 { Duration::from_micros(60) } else { Duration::ZERO };
+            let spin = if rq <= 1.0 {
+                Duration::from_micros(60)
+            } else {
+                Duration::ZERO
+            };
             for c in self.conns.iter_mut() {
                 c.set_spin(spin);
             }
@@ -962,12 +1111,19 @@ impl Pager {
             self.window_start = now;
             self.window_minor = 0;
             self.window_zaps = 0;
-            self.shared.stats.sample_rate.store(self.rate as u64, Relaxed);
+            self.shared
+                .stats
+                .sample_rate
+                .store(self.rate as u64, Relaxed);
         }
         // Needing victims soon: look harder, the budget notwithstanding.
         let budget = self.shared.budget.load(Relaxed);
         let can_overflow = (self.state.len() as u64) > budget;
-        let boost = if can_overflow && self.resident as f64 > budget as f64 * 0.97 { 4.0 } else { 1.0 };
+        let boost = if can_overflow && self.resident as f64 > budget as f64 * 0.97 {
+            4.0
+        } else {
+            1.0
+        };
         self.carry += self.rate * boost * dt;
         let mut todo = self.carry as usize;
         self.carry -= todo as f64;
@@ -990,9 +1146,15 @@ impl Pager {
             todo -= 1;
         }
         let first = (self.chunks - start).min(scanned);
-        let _ = self.guest.madvise(start * self.cp * PAGE, first * self.cp * PAGE, libc::MADV_DONTNEED);
+        let _ = self.guest.madvise(
+            start * self.cp * PAGE,
+            first * self.cp * PAGE,
+            libc::MADV_DONTNEED,
+        );
         if scanned > first {
-            let _ = self.guest.madvise(0, (scanned - first) * self.cp * PAGE, libc::MADV_DONTNEED);
+            let _ = self
+                .guest
+                .madvise(0, (scanned - first) * self.cp * PAGE, libc::MADV_DONTNEED);
         }
         self.window_zaps += 1 + (scanned > first) as u64;
     }
@@ -1014,8 +1176,14 @@ impl Pager {
 
 /// Runnable threads per CPU right now (at least 1), from /proc/loadavg.
 fn runqueue_factor() -> f64 {
-    let Ok(s) = std::fs::read_to_string("/proc/loadavg") else { return 1.0 };
-    let running = s.split_whitespace().nth(3).and_then(|f| f.split('/').next()).and_then(|r| r.parse::<f64>().ok());
+    let Ok(s) = std::fs::read_to_string("/proc/loadavg") else {
+        return 1.0;
+    };
+    let running = s
+        .split_whitespace()
+        .nth(3)
+        .and_then(|f| f.split('/').next())
+        .and_then(|r| r.parse::<f64>().ok());
     // SAFETY: sysconf has no preconditions.
     let cpus = (unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }).max(1) as f64;
     running.map_or(1.0, |r| (r / cpus).max(1.0))

@@ -10,7 +10,11 @@ pub struct Histogram {
 
 impl Histogram {
     pub fn record_us(&self, us: f64) {
-        let b = if us < 1.0 { 0 } else { (us.log2() as usize + 1).min(23) };
+        let b = if us < 1.0 {
+            0
+        } else {
+            (us.log2() as usize + 1).min(23)
+        };
         self.buckets[b].fetch_add(1, Relaxed);
     }
     pub fn counts(&self) -> Vec<u64> {

@@ -9,12 +9,20 @@ pub fn bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().unwrap();
     // target/<profile>/deps/<test> -> target/<profile>/<name>
     let p = exe.parent().unwrap().parent().unwrap().join(name);
-    assert!(p.exists(), "{} not built: run `cargo build --release --workspace` first", p.display());
+    assert!(
+        p.exists(),
+        "{} not built: run `cargo build --release --workspace` first",
+        p.display()
+    );
     p
 }
 
 pub fn tempdir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("pagefleet-systest-{tag}-{}-{}", std::process::id(), pagefleet_proto::auth::random_u64()));
+    let d = std::env::temp_dir().join(format!(
+        "pagefleet-systest-{tag}-{}-{}",
+        std::process::id(),
+        pagefleet_proto::auth::random_u64()
+    ));
     std::fs::create_dir_all(&d).unwrap();
     d
 }
@@ -42,7 +50,12 @@ impl Cluster {
         std::fs::write(&secret_file, Secret::generate_hex()).unwrap();
         let secret = Secret::load(&secret_file).unwrap();
         let servers = (0..n).map(|_| start_server(lend, &secret_file)).collect();
-        Cluster { servers, secret, secret_file, dir }
+        Cluster {
+            servers,
+            secret,
+            secret_file,
+            dir,
+        }
     }
     pub fn addrs(&self) -> Vec<String> {
         self.servers.iter().map(|s| s.addr.clone()).collect()
@@ -60,7 +73,9 @@ impl Drop for Cluster {
 
 /// Deterministic contents for (page, version).
 pub fn fill(page: u64, version: u64, out: &mut [u8]) {
-    let mut x = page.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ version.wrapping_mul(0xC2B2_AE3D_27D4_EB4F) ^ 0x1656_67B1;
+    let mut x = page.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        ^ version.wrapping_mul(0xC2B2_AE3D_27D4_EB4F)
+        ^ 0x1656_67B1;
     for w in out.chunks_exact_mut(8) {
         x ^= x << 13;
         x ^= x >> 7;
@@ -80,7 +95,13 @@ pub use pagefleet_bench::lab::LabRun;
 
 /// A testbed lab for one test (removed on drop, even when the test fails).
 /// `guest_memory`: per host (the last value repeats).
-pub fn lab(tag: &str, hosts: usize, link: pagefleet_testbed::Link, lend: u64, guest_memory: &[u64]) -> LabRun {
+pub fn lab(
+    tag: &str,
+    hosts: usize,
+    link: pagefleet_testbed::Link,
+    lend: u64,
+    guest_memory: &[u64],
+) -> LabRun {
     let bins = bin("pagefleetd").parent().unwrap().to_path_buf();
     LabRun::up(tag, &bins, hosts, link, lend, guest_memory).expect("testbed up")
 }

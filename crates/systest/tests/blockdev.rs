@@ -31,21 +31,45 @@ fn export(c: &Cluster, servers: &[String], size: &str, extra: &[&str]) -> Export
     let mut child = Command::new(bin("pagefleet"))
         .arg("--secret-file")
         .arg(&c.secret_file)
-        .args(["blockdev", "serve", "--servers", &servers.join(","), "--size", size, "--listen", &addr])
+        .args([
+            "blockdev",
+            "serve",
+            "--servers",
+            &servers.join(","),
+            "--size",
+            size,
+            "--listen",
+            &addr,
+        ])
         .args(extra)
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
         .unwrap();
     let mut line = String::new();
-    std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut line).unwrap();
-    assert!(line.starts_with("listening"), "blockdev serve said {line:?}");
-    Export { child, uri: format!("nbd://{addr}"), addr }
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    assert!(
+        line.starts_with("listening"),
+        "blockdev serve said {line:?}"
+    );
+    Export {
+        child,
+        uri: format!("nbd://{addr}"),
+        addr,
+    }
 }
 
 fn run(cmd: &mut Command) -> String {
     let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(out.status.success(), "{cmd:?} failed: {text}");
     text
 }
@@ -71,28 +95,57 @@ fn qemu_and_libnbd_clients_write_and_read_back() {
     // nbdinfo: size, block sizes, multi-conn.
     let info = run(Command::new("nbdinfo").arg(&e.uri));
     assert!(info.contains("export-size: 134217728"), "{info}");
-    assert!(info.contains("can_multi_conn: true") && info.contains("block_size_minimum: 4096"), "{info}");
+    assert!(
+        info.contains("can_multi_conn: true") && info.contains("block_size_minimum: 4096"),
+        "{info}"
+    );
     // qemu-io: patterns at both ends of the device (both servers), then read back.
-    let out = run(Command::new("qemu-io").args(["-f", "raw", "-c", "write -P 0x5a 0 2M", "-c", "write -P 0xa5 120M 8M", "-c", "read -P 0x5a 0 2M", "-c", "read -P 0xa5 120M 8M", "-c", "read -P 0 64M 1M", &e.uri]));
+    let out = run(Command::new("qemu-io").args([
+        "-f",
+        "raw",
+        "-c",
+        "write -P 0x5a 0 2M",
+        "-c",
+        "write -P 0xa5 120M 8M",
+        "-c",
+        "read -P 0x5a 0 2M",
+        "-c",
+        "read -P 0xa5 120M 8M",
+        "-c",
+        "read -P 0 64M 1M",
+        &e.uri,
+    ]));
     assert!(!out.contains("Pattern verification failed"), "{out}");
     // nbdcopy random data in (4 connections), out again, compare; qemu-img compare too.
     let dir = tempdir("nbd");
     let src = random_file(&dir, "src", 96 << 20, 7);
-    run(Command::new("nbdcopy").args(["--connections=4", "--requests=16"]).arg(&src).arg(&e.uri));
+    run(Command::new("nbdcopy")
+        .args(["--connections=4", "--requests=16"])
+        .arg(&src)
+        .arg(&e.uri));
     let back = dir.join("back");
     run(Command::new("nbdcopy").arg(&e.uri).arg(&back));
     let (a, b) = (std::fs::read(&src).unwrap(), std::fs::read(&back).unwrap());
     assert_eq!(b.len(), 128 << 20);
     assert!(a[..] == b[..a.len()], "data read back differs");
     // Past the copy: zeros, then qemu-io's 0xa5 pattern at 120 MiB.
-    assert!(b[a.len()..120 << 20].iter().all(|x| *x == 0), "never-written blocks must read zeros");
-    assert!(b[120 << 20..].iter().all(|x| *x == 0xa5), "qemu-io's pattern is gone");
+    assert!(
+        b[a.len()..120 << 20].iter().all(|x| *x == 0),
+        "never-written blocks must read zeros"
+    );
+    assert!(
+        b[120 << 20..].iter().all(|x| *x == 0xa5),
+        "qemu-io's pattern is gone"
+    );
     let full = dir.join("full");
     let mut f = a.clone();
     f.resize(120 << 20, 0);
     f.resize(128 << 20, 0xa5);
     std::fs::write(&full, f).unwrap();
-    run(Command::new("qemu-img").args(["compare", "-f", "raw", "-F", "raw"]).arg(&full).arg(&e.uri));
+    run(Command::new("qemu-img")
+        .args(["compare", "-f", "raw", "-F", "raw"])
+        .arg(&full)
+        .arg(&e.uri));
     // nbdsh (libnbd's Python shell): structured reads, zeroing, flush.
     // (nbdsh is `python3 -m nbd` with Debian's python3, which has the module.)
     if std::path::Path::new("/usr/bin/nbdsh").exists() {
@@ -102,7 +155,15 @@ fn qemu_and_libnbd_clients_write_and_read_back() {
         run(Command::new("/usr/bin/python3").args(["-m", "nbd", "-u", &e.uri, "-c", script]));
     }
     // TRIM frees the blocks: they read as zeros.
-    run(Command::new("qemu-io").args(["-f", "raw", "-c", "discard 0 1M", "-c", "read -P 0 0 1M", &e.uri]));
+    run(Command::new("qemu-io").args([
+        "-f",
+        "raw",
+        "-c",
+        "discard 0 1M",
+        "-c",
+        "read -P 0 0 1M",
+        &e.uri,
+    ]));
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -112,7 +173,12 @@ fn fio_verifies_random_writes_through_its_nbd_engine() {
         panic!("fio is needed (make deps installs it)");
     }
     let c = Cluster::start(2, "64MiB");
-    let e = export(&c, &c.addrs(), "96MiB", &["--layout", "stripe", "--stripe-unit", "64KiB"]);
+    let e = export(
+        &c,
+        &c.addrs(),
+        "96MiB",
+        &["--layout", "stripe", "--stripe-unit", "64KiB"],
+    );
     let out = run(Command::new("fio").args([
         "--name=verify",
         "--ioengine=nbd",
@@ -147,8 +213,19 @@ fn mirror_survives_a_memory_server_killed_mid_run() {
     c.servers[1].kill();
     let back = dir.join("back");
     run(Command::new("nbdcopy").arg(&e.uri).arg(&back));
-    assert!(std::fs::read(&src).unwrap() == std::fs::read(&back).unwrap(), "mirror lost data with one server down");
-    let out = run(Command::new("qemu-io").args(["-f", "raw", "-c", "write -P 0x77 8M 4M", "-c", "read -P 0x77 8M 4M", &e.uri]));
+    assert!(
+        std::fs::read(&src).unwrap() == std::fs::read(&back).unwrap(),
+        "mirror lost data with one server down"
+    );
+    let out = run(Command::new("qemu-io").args([
+        "-f",
+        "raw",
+        "-c",
+        "write -P 0x77 8M 4M",
+        "-c",
+        "read -P 0x77 8M 4M",
+        &e.uri,
+    ]));
     assert!(!out.contains("failed"), "{out}");
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -160,12 +237,13 @@ fn bad_requests_get_protocol_errors_and_do_not_crash_the_server() {
     let c = Cluster::start(1, "16MiB");
     let e = export(&c, &c.addrs(), "8MiB", &[]);
     let mut s = std::net::TcpStream::connect(&e.addr).unwrap();
-    s.set_read_timeout(Some(std::time::Duration::from_secs(5))).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .unwrap();
     let mut hello = [0u8; 18];
     s.read_exact(&mut hello).unwrap();
     assert_eq!(&hello[..8], b"NBDMAGIC");
     s.write_all(&3u32.to_be_bytes()).unwrap(); // fixed newstyle, no zeroes
-    // An unknown option is refused, the haggling goes on.
+                                               // An unknown option is refused, the haggling goes on.
     let opt = |s: &mut std::net::TcpStream, o: u32, data: &[u8]| {
         let mut b = b"IHAVEOPT".to_vec();
         b.extend_from_slice(&o.to_be_bytes());
@@ -182,14 +260,22 @@ fn bad_requests_get_protocol_errors_and_do_not_crash_the_server() {
         (ty, d)
     };
     opt(&mut s, 99, b"xyz");
-    assert_eq!(reply(&mut s).0, (1 << 31) + 1, "unknown option: NBD_REP_ERR_UNSUP");
+    assert_eq!(
+        reply(&mut s).0,
+        (1 << 31) + 1,
+        "unknown option: NBD_REP_ERR_UNSUP"
+    );
     // GO for an unknown export name.
     let mut go = 4u32.to_be_bytes().to_vec();
     go.extend_from_slice(b"nope");
     go.extend_from_slice(&1u16.to_be_bytes());
     go.extend_from_slice(&3u16.to_be_bytes());
     opt(&mut s, 7, &go);
-    assert_eq!(reply(&mut s).0, (1 << 31) + 6, "unknown export: NBD_REP_ERR_UNKNOWN");
+    assert_eq!(
+        reply(&mut s).0,
+        (1 << 31) + 6,
+        "unknown export: NBD_REP_ERR_UNKNOWN"
+    );
     // GO for the default export, asking for block sizes.
     let mut go = 0u32.to_be_bytes().to_vec();
     go.extend_from_slice(&1u16.to_be_bytes());
@@ -215,7 +301,10 @@ fn bad_requests_get_protocol_errors_and_do_not_crash_the_server() {
         let mut h = [0u8; 16];
         s.read_exact(&mut h).unwrap();
         assert_eq!(u32::from_be_bytes(h[0..4].try_into().unwrap()), 0x6744_6698);
-        (u32::from_be_bytes(h[4..8].try_into().unwrap()), u64::from_be_bytes(h[8..16].try_into().unwrap()))
+        (
+            u32::from_be_bytes(h[4..8].try_into().unwrap()),
+            u64::from_be_bytes(h[8..16].try_into().unwrap()),
+        )
     };
     req(&mut s, 0, 1, 100, 4096); // unaligned
     assert_eq!(simple(&mut s), (22, 1));
@@ -233,7 +322,10 @@ fn bad_requests_get_protocol_errors_and_do_not_crash_the_server() {
     // Garbage instead of a request ends this connection...
     s.write_all(&[0xde; 28]).unwrap();
     let mut one = [0u8; 1];
-    assert!(matches!(s.read(&mut one), Ok(0) | Err(_)), "the server should hang up on a bad magic");
+    assert!(
+        matches!(s.read(&mut one), Ok(0) | Err(_)),
+        "the server should hang up on a bad magic"
+    );
     // ...but not the server.
     let info = run(Command::new("nbdinfo").arg(&e.uri));
     assert!(info.contains("export-size: 8388608"), "{info}");
@@ -249,7 +341,12 @@ fn a_small_guest_swaps_to_the_export_and_gets_every_value_back() {
     if !have("qemu-system-x86_64") {
         panic!("qemu-system-x86 is needed (make deps installs it)");
     }
-    let guest = bin("pagefleet").parent().unwrap().parent().unwrap().join("guest");
+    let guest = bin("pagefleet")
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("guest");
     if !guest.join("initrd.gz").exists() {
         let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("guest/build.sh");
         run(Command::new(script).arg(&guest));
@@ -257,24 +354,49 @@ fn a_small_guest_swaps_to_the_export_and_gets_every_value_back() {
     let boot = |drive: &str| -> (String, f64) {
         let t = std::time::Instant::now();
         let out = Command::new("timeout")
-            .args(["600", "qemu-system-x86_64", "-accel", "tcg", "-m", "128", "-nographic", "-no-reboot"])
+            .args([
+                "600",
+                "qemu-system-x86_64",
+                "-accel",
+                "tcg",
+                "-m",
+                "128",
+                "-nographic",
+                "-no-reboot",
+            ])
             .arg("-kernel")
             .arg(guest.join("vmlinuz"))
             .arg("-initrd")
             .arg(guest.join("initrd.gz"))
-            .args(["-append", "console=ttyS0 quiet memtest_mb=256 panic=-1", "-drive", drive])
+            .args([
+                "-append",
+                "console=ttyS0 quiet memtest_mb=256 panic=-1",
+                "-drive",
+                drive,
+            ])
             .stdin(Stdio::null())
             .output()
             .unwrap();
-        (String::from_utf8_lossy(&out.stdout).into_owned(), t.elapsed().as_secs_f64())
+        (
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            t.elapsed().as_secs_f64(),
+        )
     };
     let check = |what: &str, out: &str| {
         assert!(out.contains("MEMTEST OK 256 MiB"), "{what}: {out}");
         let used: u64 = out
             .lines()
-            .find_map(|l| l.split("swap used ").nth(1).and_then(|x| x.split_whitespace().next()).and_then(|x| x.parse().ok()))
+            .find_map(|l| {
+                l.split("swap used ")
+                    .nth(1)
+                    .and_then(|x| x.split_whitespace().next())
+                    .and_then(|x| x.parse().ok())
+            })
             .unwrap_or(0);
-        assert!(used >= 64, "{what}: the guest barely swapped ({used} MiB): {out}");
+        assert!(
+            used >= 64,
+            "{what}: the guest barely swapped ({used} MiB): {out}"
+        );
     };
     let c = Cluster::start(2, "320MiB");
     let e = export(&c, &c.addrs(), "512MiB", &[]);
@@ -283,7 +405,10 @@ fn a_small_guest_swaps_to_the_export_and_gets_every_value_back() {
     eprintln!("swap on the export: {secs:.1} s");
     let dir = tempdir("swapdisk");
     let img = dir.join("swap.img");
-    std::fs::File::create(&img).unwrap().set_len(512 << 20).unwrap();
+    std::fs::File::create(&img)
+        .unwrap()
+        .set_len(512 << 20)
+        .unwrap();
     let (out, secs) = boot(&format!("file={},format=raw,if=virtio", img.display()));
     check("swap on a local disk image", &out);
     eprintln!("swap on a local disk image: {secs:.1} s");

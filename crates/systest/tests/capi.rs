@@ -11,7 +11,10 @@ fn c_program_pages_through_the_c_abi() {
     let dir = tempdir("capi");
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let libdir = bin("pagefleetd").parent().unwrap().to_path_buf();
-    assert!(libdir.join("libpagefleet_region.so").exists(), "libpagefleet_region.so not built");
+    assert!(
+        libdir.join("libpagefleet_region.so").exists(),
+        "libpagefleet_region.so not built"
+    );
     let exe = dir.join("capi_test");
     let st = Command::new("cc")
         .args(["-O2", "-Wall", "-Werror", "-o"])
@@ -29,6 +32,11 @@ fn c_program_pages_through_the_c_abi() {
         .env("LD_LIBRARY_PATH", &libdir)
         .output()
         .unwrap();
-    assert!(out.status.success(), "C test failed: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "C test failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

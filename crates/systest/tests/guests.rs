@@ -56,11 +56,30 @@ fn kv_guest_serves_real_memcached_clients_while_paging() {
     let dir = tempdir("kv");
     let mut g = run_guest(
         &c,
-        &["kv", "--size", "64MiB", "--budget", "25%", "--listen", "127.0.0.1:0", "--duration", "0", "--threads", "1"],
+        &[
+            "kv",
+            "--size",
+            "64MiB",
+            "--budget",
+            "25%",
+            "--listen",
+            "127.0.0.1:0",
+            "--duration",
+            "0",
+            "--threads",
+            "1",
+        ],
         &dir,
     );
-    let line = BufReader::new(g.child.stdout.take().unwrap()).lines().next().unwrap().unwrap();
-    let addr = line.strip_prefix("kv listening ").expect("kv listening line").to_string();
+    let line = BufReader::new(g.child.stdout.take().unwrap())
+        .lines()
+        .next()
+        .unwrap()
+        .unwrap();
+    let addr = line
+        .strip_prefix("kv listening ")
+        .expect("kv listening line")
+        .to_string();
     let server = format!("--servers={addr}");
     // 120 values of 256 KiB = 30 MiB through a 16 MiB budget: constant paging.
     let files: Vec<std::path::PathBuf> = (0..120)
@@ -72,20 +91,59 @@ fn kv_guest_serves_real_memcached_clients_while_paging() {
             p
         })
         .collect();
-    let st = Command::new("memccp").arg(&server).args(&files).status().expect("memccp (libmemcached-tools) installed");
+    let st = Command::new("memccp")
+        .arg(&server)
+        .args(&files)
+        .status()
+        .expect("memccp (libmemcached-tools) installed");
     assert!(st.success(), "memccp failed");
     for (i, f) in files.iter().enumerate() {
-        let out = Command::new("memccat").arg(&server).arg(format!("obj{i}")).output().unwrap();
-        assert!(out.status.success(), "memccat obj{i} failed: {}", String::from_utf8_lossy(&out.stderr));
-        assert!(value(&out.stdout) == std::fs::read(f).unwrap(), "obj{i} came back different");
+        let out = Command::new("memccat")
+            .arg(&server)
+            .arg(format!("obj{i}"))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "memccat obj{i} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            value(&out.stdout) == std::fs::read(f).unwrap(),
+            "obj{i} came back different"
+        );
     }
     // Delete, then the key is gone.
-    assert!(Command::new("memcrm").arg(&server).arg("obj3").status().unwrap().success());
-    let out = Command::new("memccat").arg(&server).arg("obj3").output().unwrap();
-    assert!(!out.status.success() || out.stdout.is_empty(), "deleted key still readable");
+    assert!(Command::new("memcrm")
+        .arg(&server)
+        .arg("obj3")
+        .status()
+        .unwrap()
+        .success());
+    let out = Command::new("memccat")
+        .arg(&server)
+        .arg("obj3")
+        .output()
+        .unwrap();
+    assert!(
+        !out.status.success() || out.stdout.is_empty(),
+        "deleted key still readable"
+    );
     // memcaslap: mixed get/set load with data verification, bounded in time.
     let out = Command::new("memcaslap")
-        .args([&format!("-s{addr}"), "-t", "3s", "-T", "2", "-c", "16", "-X", "1024", "-v", "0.1"])
+        .args([
+            &format!("-s{addr}"),
+            "-t",
+            "3s",
+            "-T",
+            "2",
+            "-c",
+            "16",
+            "-X",
+            "1024",
+            "-v",
+            "0.1",
+        ])
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
@@ -93,13 +151,25 @@ fn kv_guest_serves_real_memcached_clients_while_paging() {
     assert!(text.contains("TPS"), "memcaslap printed no result: {text}");
     // A verification failure shows up as a non-zero "verify_failed" count.
     if let Some(l) = text.lines().find(|l| l.contains("verify_failed")) {
-        let n: u64 = l.split_whitespace().last().unwrap_or("0").parse().unwrap_or(0);
+        let n: u64 = l
+            .split_whitespace()
+            .last()
+            .unwrap_or("0")
+            .parse()
+            .unwrap_or(0);
         assert_eq!(n, 0, "memcaslap found corrupted values: {l}");
     }
     // The earlier values are still intact after the load.
     for i in [0usize, 50, 119] {
-        let out = Command::new("memccat").arg(&server).arg(format!("obj{i}")).output().unwrap();
-        assert!(value(&out.stdout) == std::fs::read(&files[i]).unwrap(), "obj{i} corrupted after load");
+        let out = Command::new("memccat")
+            .arg(&server)
+            .arg(format!("obj{i}"))
+            .output()
+            .unwrap();
+        assert!(
+            value(&out.stdout) == std::fs::read(&files[i]).unwrap(),
+            "obj{i} corrupted after load"
+        );
     }
     let err = std::fs::read_to_string(&g.stderr_path).unwrap_or_default();
     assert!(err.contains("page-ins/s"), "progress lines expected: {err}");
@@ -113,18 +183,37 @@ fn killed_memory_server_fails_the_guest_loudly() {
     let dir = tempdir("killed");
     let mut g = run_guest(
         &c,
-        &["synthetic", "--size", "64MiB", "--budget", "25%", "--dist", "uniform", "--prefill", "--duration", "60"],
+        &[
+            "synthetic",
+            "--size",
+            "64MiB",
+            "--budget",
+            "25%",
+            "--dist",
+            "uniform",
+            "--prefill",
+            "--duration",
+            "60",
+        ],
         &dir,
     );
     // Let it page out to the server, then take the server away.
     std::thread::sleep(Duration::from_millis(1500));
-    assert!(g.child.try_wait().unwrap().is_none(), "guest exited early: {}", std::fs::read_to_string(&g.stderr_path).unwrap());
+    assert!(
+        g.child.try_wait().unwrap().is_none(),
+        "guest exited early: {}",
+        std::fs::read_to_string(&g.stderr_path).unwrap()
+    );
     let addr = c.servers[0].addr.clone();
     c.servers[0].kill();
-    let status = wait_exit(&mut g, Duration::from_secs(30)).expect("guest kept running with its memory server gone");
+    let status = wait_exit(&mut g, Duration::from_secs(30))
+        .expect("guest kept running with its memory server gone");
     let err = std::fs::read_to_string(&g.stderr_path).unwrap();
     assert_eq!(status.code(), Some(75), "exit status; stderr: {err}");
-    assert!(err.contains(&addr), "the error must name the server {addr}: {err}");
+    assert!(
+        err.contains(&addr),
+        "the error must name the server {addr}: {err}"
+    );
     assert!(err.contains("cannot"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -133,7 +222,11 @@ fn killed_memory_server_fails_the_guest_loudly() {
 fn sort_guest_sorts_through_a_small_budget() {
     let c = Cluster::start(2, "128MiB");
     let dir = tempdir("sort");
-    let mut g = run_guest(&c, &["sort", "--size", "48MiB", "--budget", "30%", "--json"], &dir);
+    let mut g = run_guest(
+        &c,
+        &["sort", "--size", "48MiB", "--budget", "30%", "--json"],
+        &dir,
+    );
     let status = wait_exit(&mut g, Duration::from_secs(120)).expect("sort finished");
     let err = std::fs::read_to_string(&g.stderr_path).unwrap();
     assert!(status.success(), "{err}");
@@ -158,7 +251,8 @@ fn unprivileged_guest_pages_to_a_server() {
     let root = unsafe { libc::geteuid() } == 0;
     let mut cmd = if root {
         let mut c = Command::new("setpriv");
-        c.args(["--reuid", "65534", "--regid", "65534", "--clear-groups"]).arg(bin("pagefleet"));
+        c.args(["--reuid", "65534", "--regid", "65534", "--clear-groups"])
+            .arg(bin("pagefleet"));
         c
     } else {
         Command::new(bin("pagefleet"))
@@ -166,7 +260,20 @@ fn unprivileged_guest_pages_to_a_server() {
     let out = cmd
         .arg("--secret-file")
         .arg(&secret)
-        .args(["run", "synthetic", "--size", "16MiB", "--budget", "25%", "--dist", "uniform", "--prefill", "--duration", "2", "--json"])
+        .args([
+            "run",
+            "synthetic",
+            "--size",
+            "16MiB",
+            "--budget",
+            "25%",
+            "--dist",
+            "uniform",
+            "--prefill",
+            "--duration",
+            "2",
+            "--json",
+        ])
         .arg("--servers")
         .arg(c.addrs().join(","))
         .output()
@@ -176,7 +283,15 @@ fn unprivileged_guest_pages_to_a_server() {
     let text = String::from_utf8_lossy(&out.stdout);
     let v: Vec<&str> = text.split("\"page_outs\":").collect();
     assert!(v.len() > 1, "{text}");
-    let page_outs: u64 = v[1].split(|ch: char| !ch.is_ascii_digit()).next().unwrap().parse().unwrap();
-    assert!(page_outs > 0, "expected paging as an unprivileged user: {text}");
+    let page_outs: u64 = v[1]
+        .split(|ch: char| !ch.is_ascii_digit())
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        page_outs > 0,
+        "expected paging as an unprivileged user: {text}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -44,7 +44,24 @@ fn migrate_gather(l: &LabRun, args: &[&str]) -> Result<Value, String> {
 /// under a reconnecting, value-checking client load from host `client`.
 fn kv_guest_under_load(l: &LabRun, name: &str, ip: &str, keys: u64, client: usize) -> kvload::Load {
     let svc = format!("{ip}:11211");
-    let (ok, _, err) = l.pf(0, &["guest", "start", name, "--on", "h1", "--size", "192MiB", "--", "kv", "--listen", &svc, "--service-ip", ip]);
+    let (ok, _, err) = l.pf(
+        0,
+        &[
+            "guest",
+            "start",
+            name,
+            "--on",
+            "h1",
+            "--size",
+            "192MiB",
+            "--",
+            "kv",
+            "--listen",
+            &svc,
+            "--service-ip",
+            ip,
+        ],
+    );
     assert!(ok, "{err}");
     let spec = kvload::Spec {
         addr: svc,
@@ -55,13 +72,16 @@ fn kv_guest_under_load(l: &LabRun, name: &str, ip: &str, keys: u64, client: usiz
         theta: 0.99,
         netns: Some(l.lab.hosts[client].netns.clone()),
         reconnect: true,
+        pace: None,
     };
     kvload::prefill(&spec).expect("prefill");
     kvload::Load::start(&spec)
 }
 
 fn ops(l: &LabRun, name: &str) -> u64 {
-    l.guest(name).map(|g| g.1["ops"].as_u64().unwrap_or(0)).unwrap_or(0)
+    l.guest(name)
+        .map(|g| g.1["ops"].as_u64().unwrap_or(0))
+        .unwrap_or(0)
 }
 
 /// The guest keeps running: its operation count grows.
@@ -82,12 +102,35 @@ fn assert_runs(l: &LabRun, name: &str, on: usize) {
 
 fn start_writer(l: &LabRun, name: &str, size: &str) {
     // Half of the operations write, over a zipf spread of pages, at a bounded rate.
-    let (ok, _, err) = l.pf(0, &["guest", "start", name, "--on", "h1", "--size", size, "--", "synthetic", "--prefill", "--write-frac", "0.5", "--dist", "zipf:0.9", "--rate", "2000000"]);
+    let (ok, _, err) = l.pf(
+        0,
+        &[
+            "guest",
+            "start",
+            name,
+            "--on",
+            "h1",
+            "--size",
+            size,
+            "--",
+            "synthetic",
+            "--prefill",
+            "--write-frac",
+            "0.5",
+            "--dist",
+            "zipf:0.9",
+            "--rate",
+            "2000000",
+        ],
+    );
     assert!(ok, "guest start: {err}");
     // Let the prefill finish and the access history fill in.
     let t = Instant::now();
     while ops(l, name) == 0 {
-        assert!(t.elapsed() < Duration::from_secs(30), "guest never started working");
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "guest never started working"
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
     std::thread::sleep(Duration::from_millis(1500));
@@ -101,21 +144,44 @@ fn split_migration_under_writes_then_gather_then_partial_move_keep_every_byte() 
     }
     let _s = serial();
     // h1 runs the guest; h2 has memory for half of it; h3 only lends.
-    let l = lab("mig", 3, Link::Gbit10, 512 * MIB, &[512 * MIB, 128 * MIB, 0]);
+    let l = lab(
+        "mig",
+        3,
+        Link::Gbit10,
+        512 * MIB,
+        &[512 * MIB, 128 * MIB, 0],
+    );
     start_writer(&l, "w1", "256MiB");
     let r = migrate(&l, &["w1", "--verify"]).expect("split migration");
-    assert_eq!(r["checksum_source"], r["checksum_dest"], "region differs after migration: {r}");
+    assert_eq!(
+        r["checksum_source"], r["checksum_dest"],
+        "region differs after migration: {r}"
+    );
     assert!(r["checksum_source"].is_string(), "{r}");
     // Placement: main host h2 (most free guest memory), sub-host h3.
-    assert!(r["main_host"].as_str().unwrap().starts_with(&l.lab.hosts[1].ip), "{r}");
+    assert!(
+        r["main_host"]
+            .as_str()
+            .unwrap()
+            .starts_with(&l.lab.hosts[1].ip),
+        "{r}"
+    );
     assert_eq!(r["sub_hosts"], json!([l.lab.hosts[2].addr]), "{r}");
     let subs = r["pages_subs"][0].as_u64().unwrap();
-    assert!(subs > 16000, "cold pages should go straight to the sub-host: {r}");
-    assert!(r["pages_main"].as_u64().unwrap() <= 32768, "main host got more than its memory: {r}");
+    assert!(
+        subs > 16000,
+        "cold pages should go straight to the sub-host: {r}"
+    );
+    assert!(
+        r["pages_main"].as_u64().unwrap() <= 32768,
+        "main host got more than its memory: {r}"
+    );
     // It runs on h2 now, paging with h3; the registry shows where its pages are.
     assert_runs(&l, "w1", 1);
     let (_, g) = l.guest("w1").unwrap();
-    let on_h3 = g["pages"]["remote"][&l.lab.hosts[2].addr].as_u64().unwrap_or(0);
+    let on_h3 = g["pages"]["remote"][&l.lab.hosts[2].addr]
+        .as_u64()
+        .unwrap_or(0);
     assert!(on_h3 > 0, "no pages on h3: {g}");
     assert!(g["resident_pages"].as_u64().unwrap() <= 32768, "{g}");
     assert!(l.host_report(2)["lend_used"].as_u64().unwrap() > 0);
@@ -124,19 +190,29 @@ fn split_migration_under_writes_then_gather_then_partial_move_keep_every_byte() 
     // Gather it back onto h1 while it writes and pages (it is over its
     // budget on h2): the main host streams, h1 pulls from h3 in parallel.
     let g = migrate_gather(&l, &["w1", "--to", "h1", "--verify"]).expect("gather");
-    assert_eq!(g["checksum_source"], g["checksum_dest"], "gathered guest differs: {g}");
+    assert_eq!(
+        g["checksum_source"], g["checksum_dest"],
+        "gathered guest differs: {g}"
+    );
     assert_eq!(g["sub_hosts"], json!([]), "{g}");
-    assert!(g["pages_pulled"].as_u64().unwrap() > 0, "nothing was pulled from the sub-host: {g}");
+    assert!(
+        g["pages_pulled"].as_u64().unwrap() > 0,
+        "nothing was pulled from the sub-host: {g}"
+    );
     assert_runs(&l, "w1", 0);
     let (_, gs) = l.guest("w1").unwrap();
     assert_eq!(gs["remote_pages"].as_u64(), Some(0), "{gs}");
     let t = Instant::now();
     while l.host_report(2)["lend_used"].as_u64().unwrap() > 0 {
-        assert!(t.elapsed() < Duration::from_secs(10), "the sub-host still holds the gathered guest's pages");
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the sub-host still holds the gathered guest's pages"
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
     // Split again, for the partial move below.
-    let r = migrate(&l, &["w1", "--to", "h2", "--sub", "h3", "--verify"]).expect("second split migration");
+    let r = migrate(&l, &["w1", "--to", "h2", "--sub", "h3", "--verify"])
+        .expect("second split migration");
     assert_eq!(r["checksum_source"], r["checksum_dest"], "{r}");
     // Move the main part back to h1 while it writes: pages on h3 stay there.
     let r2 = migrate(&l, &["w1", "--to", "h1", "--verify"]).expect("migration back");
@@ -173,9 +249,19 @@ fn kv_guest_migrates_under_client_load() {
     assert!(err.is_none(), "{err:?}");
     assert_eq!(c.bad_values.load(Relaxed), 0, "wrong values served");
     assert_eq!(c.misses.load(Relaxed), 0, "keys lost");
-    assert!(after > before + 1000, "clients made no progress after the migration ({before} -> {after})");
-    assert!(c.reconnects.load(Relaxed) > 0, "clients should have reconnected to the moved address");
-    assert_eq!(l.lab.service_ip_host(&ip), Some(1), "service address did not move to h2");
+    assert!(
+        after > before + 1000,
+        "clients made no progress after the migration ({before} -> {after})"
+    );
+    assert!(
+        c.reconnects.load(Relaxed) > 0,
+        "clients should have reconnected to the moved address"
+    );
+    assert_eq!(
+        l.lab.service_ip_host(&ip),
+        Some(1),
+        "service address did not move to h2"
+    );
     let (h, g) = l.guest("kv1").unwrap();
     assert_eq!((h, g["state"].as_str()), (1, Some("running")), "{g}");
 }
@@ -195,16 +281,26 @@ fn aborted_migrations_leave_the_source_running_and_nothing_behind() {
     let l = lab("abt", 4, Link::Gbit1, 256 * MIB, &[256 * MIB, 64 * MIB, 0]);
     start_writer(&l, "a1", "128MiB");
     let src_ctl = l.control(0, "a1");
-    let phase = || control(&src_ctl, &json!({"op": "status"})).map(|v| v["migration"]["phase"].as_str().unwrap_or("").to_string()).unwrap_or_default();
+    let phase = || {
+        control(&src_ctl, &json!({"op": "status"}))
+            .map(|v| v["migration"]["phase"].as_str().unwrap_or("").to_string())
+            .unwrap_or_default()
+    };
     let wait_phase = |p: &str| {
         let t = Instant::now();
         while !phase().starts_with(p) {
-            assert!(t.elapsed() < Duration::from_secs(60), "never reached phase {p}");
+            assert!(
+                t.elapsed() < Duration::from_secs(60),
+                "never reached phase {p}"
+            );
             std::thread::sleep(Duration::from_millis(2));
         }
     };
     let kill_in = |h: usize, pattern: &str| {
-        let out = std::process::Command::new("ip").args(["netns", "pids", &l.lab.hosts[h].netns]).output().unwrap();
+        let out = std::process::Command::new("ip")
+            .args(["netns", "pids", &l.lab.hosts[h].netns])
+            .output()
+            .unwrap();
         for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
             let cmd = std::fs::read_to_string(format!("/proc/{pid}/cmdline")).unwrap_or_default();
             if cmd.contains(pattern) {
@@ -217,24 +313,41 @@ fn aborted_migrations_leave_the_source_running_and_nothing_behind() {
         for h in [2, 3] {
             let rep = l.host_report(h);
             if !rep.is_null() {
-                assert_eq!(rep["lend_used"].as_u64().unwrap(), 0, "{what}: pages left on h{}", h + 1);
+                assert_eq!(
+                    rep["lend_used"].as_u64().unwrap(),
+                    0,
+                    "{what}: pages left on h{}",
+                    h + 1
+                );
             }
         }
         let t = Instant::now();
         // The destination's reserved memory comes back when its runner goes.
         while l.host_report(1)["guest_free"].as_u64().unwrap() != 64 * MIB {
-            assert!(t.elapsed() < Duration::from_secs(10), "{what}: destination memory still reserved");
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "{what}: destination memory still reserved"
+            );
             std::thread::sleep(Duration::from_millis(100));
         }
     };
     let run_bg = |args: Vec<String>| {
         let mut c = l.lab.exec(0, bin("pagefleet"));
-        c.arg("migrate").args(args).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped());
+        c.arg("migrate")
+            .args(args)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped());
         c.spawn().unwrap()
     };
 
     // 1. The destination runner dies during round 1.
-    let mut m = run_bg(vec!["a1".into(), "--to".into(), "h2".into(), "--sub".into(), "h3".into()]);
+    let mut m = run_bg(vec![
+        "a1".into(),
+        "--to".into(),
+        "h2".into(),
+        "--sub".into(),
+        "h3".into(),
+    ]);
     wait_phase("round 1");
     kill_in(1, "runner-incoming");
     let st = m.wait().unwrap();
@@ -242,7 +355,13 @@ fn aborted_migrations_leave_the_source_running_and_nothing_behind() {
     check_clean("destination killed in round 1");
 
     // 2. Ctrl-C on the command during round 1.
-    let mut m = run_bg(vec!["a1".into(), "--to".into(), "h2".into(), "--sub".into(), "h3".into()]);
+    let mut m = run_bg(vec![
+        "a1".into(),
+        "--to".into(),
+        "h2".into(),
+        "--sub".into(),
+        "h3".into(),
+    ]);
     wait_phase("round 1");
     unsafe { libc::kill(m.id() as i32, libc::SIGINT) };
     let _ = m.wait();
@@ -254,14 +373,29 @@ fn aborted_migrations_leave_the_source_running_and_nothing_behind() {
 
     // 3. The destination dies at stop-and-copy (the stop-time checksum
     // holds that phase open long enough to hit it).
-    let mut m = run_bg(vec!["a1".into(), "--to".into(), "h2".into(), "--sub".into(), "h3".into(), "--verify".into(), "--max-rounds".into(), "2".into()]);
+    let mut m = run_bg(vec![
+        "a1".into(),
+        "--to".into(),
+        "h2".into(),
+        "--sub".into(),
+        "h3".into(),
+        "--verify".into(),
+        "--max-rounds".into(),
+        "2".into(),
+    ]);
     wait_phase("stop-and-copy");
     kill_in(1, "runner-incoming");
     assert!(!m.wait().unwrap().success());
     check_clean("destination killed at stop-and-copy");
 
     // 4. The sub-host's daemon dies during pre-copy.
-    let mut m = run_bg(vec!["a1".into(), "--to".into(), "h2".into(), "--sub".into(), "h3".into()]);
+    let mut m = run_bg(vec![
+        "a1".into(),
+        "--to".into(),
+        "h2".into(),
+        "--sub".into(),
+        "h3".into(),
+    ]);
     wait_phase("round 1");
     kill_in(2, "pagefleetd");
     assert!(!m.wait().unwrap().success());
@@ -269,7 +403,8 @@ fn aborted_migrations_leave_the_source_running_and_nothing_behind() {
 
     // After all that, the data is intact: a migration (h4 as sub-host now)
     // checks the region at stop time against the resumed copy.
-    let r = migrate(&l, &["a1", "--to", "h2", "--sub", "h4", "--verify"]).expect("migration after the drills");
+    let r = migrate(&l, &["a1", "--to", "h2", "--sub", "h4", "--verify"])
+        .expect("migration after the drills");
     assert_eq!(r["checksum_source"], r["checksum_dest"], "{r}");
     assert_runs(&l, "a1", 1);
 }
@@ -284,24 +419,84 @@ fn placement_picks_the_roomiest_main_host_and_fewest_sub_hosts() {
         return;
     }
     let _s = serial();
-    let l = lab("plc", 5, Link::Unshaped, 64 * MIB, &[256 * MIB, 32 * MIB, 96 * MIB, 0, 0]);
+    let l = lab(
+        "plc",
+        5,
+        Link::Unshaped,
+        64 * MIB,
+        &[256 * MIB, 32 * MIB, 96 * MIB, 0, 0],
+    );
     // 150 MiB guest: main h3 (96 MiB free, filled to its pager's low
     // watermark), the rest fits one sub-host of 64 MiB.
-    let (ok, _, err) = l.pf(0, &["guest", "start", "p1", "--on", "h1", "--size", "150MiB", "--", "synthetic", "--prefill", "--rate", "0"]);
+    let (ok, _, err) = l.pf(
+        0,
+        &[
+            "guest",
+            "start",
+            "p1",
+            "--on",
+            "h1",
+            "--size",
+            "150MiB",
+            "--",
+            "synthetic",
+            "--prefill",
+            "--rate",
+            "0",
+        ],
+    );
     assert!(ok, "{err}");
     let t = Instant::now();
-    while l.guest("p1").map(|g| g.1["pages"]["local"].as_u64().unwrap_or(0)).unwrap_or(0) < 38400 {
-        assert!(t.elapsed() < Duration::from_secs(30), "prefill never finished");
+    while l
+        .guest("p1")
+        .map(|g| g.1["pages"]["local"].as_u64().unwrap_or(0))
+        .unwrap_or(0)
+        < 38400
+    {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "prefill never finished"
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
     let r = migrate(&l, &["p1", "--verify"]).expect("placed migration");
     assert_eq!(r["checksum_source"], r["checksum_dest"]);
-    assert!(r["main_host"].as_str().unwrap().starts_with(&format!("{}:", l.lab.hosts[2].ip)), "main should be h3: {r}");
-    assert_eq!(r["sub_hosts"].as_array().unwrap().len(), 1, "one sub-host fits: {r}");
-    assert_ne!(r["sub_hosts"][0], json!(l.lab.hosts[0].addr), "the source is not a sub-host: {r}");
+    assert!(
+        r["main_host"]
+            .as_str()
+            .unwrap()
+            .starts_with(&format!("{}:", l.lab.hosts[2].ip)),
+        "main should be h3: {r}"
+    );
+    assert_eq!(
+        r["sub_hosts"].as_array().unwrap().len(),
+        1,
+        "one sub-host fits: {r}"
+    );
+    assert_ne!(
+        r["sub_hosts"][0],
+        json!(l.lab.hosts[0].addr),
+        "the source is not a sub-host: {r}"
+    );
     // Too big for what is left anywhere: refused, nothing changes.
     // 240 MiB: at most 32 MiB on a main host (h2) + 3 x 64 MiB lent elsewhere.
-    let (ok, _, err) = l.pf(0, &["guest", "start", "p2", "--on", "h1", "--size", "240MiB", "--", "synthetic", "--prefill", "--rate", "0"]);
+    let (ok, _, err) = l.pf(
+        0,
+        &[
+            "guest",
+            "start",
+            "p2",
+            "--on",
+            "h1",
+            "--size",
+            "240MiB",
+            "--",
+            "synthetic",
+            "--prefill",
+            "--rate",
+            "0",
+        ],
+    );
     assert!(ok, "{err}");
     std::thread::sleep(Duration::from_secs(2));
     let e = migrate(&l, &["p2"]).expect_err("a guest larger than the cluster's free memory");
@@ -324,7 +519,11 @@ fn evacuating_sub_host_and_main_host_under_load_keeps_every_value() {
     let ip = l.lab.service_ip(2);
     let load = kv_guest_under_load(&l, "kv2", &ip, 70_000, 3);
     migrate(&l, &["kv2", "--to", "h2", "--sub", "h3"]).expect("split migration");
-    let on = |h: usize| l.guest("kv2").unwrap().1["pages"]["remote"][&l.lab.hosts[h].addr].as_u64().unwrap_or(0);
+    let on = |h: usize| {
+        l.guest("kv2").unwrap().1["pages"]["remote"][&l.lab.hosts[h].addr]
+            .as_u64()
+            .unwrap_or(0)
+    };
     assert!(on(2) > 0, "nothing on h3 to evacuate: {:?}", l.guest("kv2"));
     // 1. Empty the sub-host h3.
     let (ok, out, err) = l.pf(0, &["evacuate", "h3"]);
@@ -339,7 +538,11 @@ fn evacuating_sub_host_and_main_host_under_load_keeps_every_value() {
     assert!(ok, "evacuate h2: {err}");
     let (h, _) = l.guest("kv2").unwrap();
     assert_ne!(h, 1, "kv2 still runs on h2");
-    assert_eq!(l.lab.service_ip_host(&ip), Some(h), "service address did not follow the guest");
+    assert_eq!(
+        l.lab.service_ip_host(&ip),
+        Some(h),
+        "service address did not follow the guest"
+    );
     let before = load.counters.ops.load(Relaxed);
     std::thread::sleep(Duration::from_secs(2));
     let after = load.counters.ops.load(Relaxed);
@@ -363,10 +566,35 @@ fn strangers_on_the_migration_port_do_not_stop_a_migration() {
     }
     let _s = serial();
     let l = lab("stg", 3, Link::Gbit10, 256 * MIB, &[256 * MIB, 64 * MIB, 0]);
-    let (ok, _, err) = l.pf(0, &["guest", "start", "s1", "--on", "h1", "--size", "96MiB", "--", "synthetic", "--prefill", "--write-frac", "0.5", "--rate", "200000"]);
+    let (ok, _, err) = l.pf(
+        0,
+        &[
+            "guest",
+            "start",
+            "s1",
+            "--on",
+            "h1",
+            "--size",
+            "96MiB",
+            "--",
+            "synthetic",
+            "--prefill",
+            "--write-frac",
+            "0.5",
+            "--rate",
+            "200000",
+        ],
+    );
     assert!(ok, "{err}");
     std::thread::sleep(Duration::from_secs(2));
-    let inc = l.post(1, "/incoming", &json!({"name": "s1", "budget_pages": 16384}), Duration::from_secs(10)).expect("incoming");
+    let inc = l
+        .post(
+            1,
+            "/incoming",
+            &json!({"name": "s1", "budget_pages": 16384}),
+            Duration::from_secs(10),
+        )
+        .expect("incoming");
     let addr = inc["migrate_addr"].as_str().unwrap().to_string();
     // From h3: garbage, a wrong secret, and a connection that says nothing.
     let a2 = addr.clone();
@@ -375,9 +603,15 @@ fn strangers_on_the_migration_port_do_not_stop_a_migration() {
         .spawn_in(2, move || {
             use std::io::Write;
             let mut g = std::net::TcpStream::connect(&a2).unwrap();
-            let _ = g.write_all(b"GET / HTTP/1.1\r\n\r\nthis is not a migration stream at all...........");
+            let _ = g.write_all(
+                b"GET / HTTP/1.1\r\n\r\nthis is not a migration stream at all...........",
+            );
             drop(g);
-            let wrong = pagefleet_proto::auth::Secret::from_bytes(b"definitely-not-the-cluster-secret", "test").unwrap();
+            let wrong = pagefleet_proto::auth::Secret::from_bytes(
+                b"definitely-not-the-cluster-secret",
+                "test",
+            )
+            .unwrap();
             let s = std::net::TcpStream::connect(&a2).unwrap();
             let r = pagefleet_migrate::wire::Stream::new(s).connect_auth(&wrong);
             assert!(r.is_err(), "a wrong secret was accepted");
@@ -393,11 +627,17 @@ fn strangers_on_the_migration_port_do_not_stop_a_migration() {
         .lab
         .spawn_in(0, move || {
             let mut rep = None;
-            pagefleet_daemon::http::post_stream(&http, "/guests/s1/migrate", &body, Duration::from_secs(60), |v| {
-                if v.get("report").is_some() || v.get("error").is_some() {
-                    rep = Some(v);
-                }
-            })
+            pagefleet_daemon::http::post_stream(
+                &http,
+                "/guests/s1/migrate",
+                &body,
+                Duration::from_secs(60),
+                |v| {
+                    if v.get("report").is_some() || v.get("error").is_some() {
+                        rep = Some(v);
+                    }
+                },
+            )
             .unwrap();
             rep
         })

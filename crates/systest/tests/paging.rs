@@ -45,15 +45,22 @@ fn pattern_test(policy: Policy, chunk: usize) {
                     for i in 0..per {
                         let p = lo + (i * 4099 + round * 17 + (seed % 2)) % per;
                         // SAFETY: each thread owns its quarter.
-                        let page = unsafe { std::slice::from_raw_parts_mut((base + p as usize * P) as *mut u8, P) };
+                        let page = unsafe {
+                            std::slice::from_raw_parts_mut((base + p as usize * P) as *mut u8, P)
+                        };
                         fill(p, round, page);
                     }
                     // Verify in a scrambled order.
                     for i in 0..per {
                         let p = lo + (i * 7919) % per;
-                        let page = unsafe { std::slice::from_raw_parts((base + p as usize * P) as *const u8, P) };
+                        let page = unsafe {
+                            std::slice::from_raw_parts((base + p as usize * P) as *const u8, P)
+                        };
                         fill(p, round, &mut want);
-                        assert!(page == &want[..], "thread {t} round {round}: page {p} corrupted");
+                        assert!(
+                            page == &want[..],
+                            "thread {t} round {round}: page {p} corrupted"
+                        );
                     }
                 }
             });
@@ -61,18 +68,38 @@ fn pattern_test(policy: Policy, chunk: usize) {
     });
     settle(|| r.stats().resident_pages <= r.stats().budget_pages);
     let st = r.stats();
-    assert!(st.page_outs > pages, "expected constant page-out, got {} page-outs", st.page_outs);
-    assert!(st.page_ins > pages / 2, "expected constant page-in, got {} page-ins: {st:?}", st.page_ins);
-    assert!(st.resident_pages <= st.budget_pages, "resident {} over budget {}", st.resident_pages, st.budget_pages);
+    assert!(
+        st.page_outs > pages,
+        "expected constant page-out, got {} page-outs",
+        st.page_outs
+    );
+    assert!(
+        st.page_ins > pages / 2,
+        "expected constant page-in, got {} page-ins: {st:?}",
+        st.page_ins
+    );
+    assert!(
+        st.resident_pages <= st.budget_pages,
+        "resident {} over budget {}",
+        st.resident_pages,
+        st.budget_pages
+    );
     // Both servers were used.
     for s in c.addrs() {
         let mut conn = pagefleet_client::Conn::connect(&s, &c.secret, &Default::default()).unwrap();
-        assert!(conn.stat(false).unwrap().used_pages > 0, "server {s} never received pages");
+        assert!(
+            conn.stat(false).unwrap().used_pages > 0,
+            "server {s} never received pages"
+        );
     }
     r.close().unwrap();
     for s in c.addrs() {
         let mut conn = pagefleet_client::Conn::connect(&s, &c.secret, &Default::default()).unwrap();
-        assert_eq!(conn.stat(false).unwrap().used_pages, 0, "close must drop the region on {s}");
+        assert_eq!(
+            conn.stat(false).unwrap().used_pages,
+            0,
+            "close must drop the region on {s}"
+        );
     }
 }
 
@@ -115,7 +142,8 @@ fn budget_shrinks_and_grows_while_running() {
             let mut n = 0;
             while !stop.load(std::sync::atomic::Ordering::Relaxed) && n < 200_000 {
                 let p = (n * 13) % (pages / 8);
-                let page = unsafe { std::slice::from_raw_parts((base + p as usize * P) as *const u8, P) };
+                let page =
+                    unsafe { std::slice::from_raw_parts((base + p as usize * P) as *const u8, P) };
                 fill(p, 1, &mut want);
                 assert!(page == &want[..], "page {p} corrupted while shrinking");
                 n += 1;
@@ -124,7 +152,11 @@ fn budget_shrinks_and_grows_while_running() {
         r.set_budget(pages / 4);
         let t = Instant::now();
         while r.stats().resident_pages > pages / 4 {
-            assert!(t.elapsed() < Duration::from_secs(20), "budget shrink not enforced: {:?}", r.stats());
+            assert!(
+                t.elapsed() < Duration::from_secs(20),
+                "budget shrink not enforced: {:?}",
+                r.stats()
+            );
             std::thread::sleep(Duration::from_millis(10));
         }
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -144,7 +176,11 @@ fn budget_shrinks_and_grows_while_running() {
         std::hint::black_box(v);
     }
     settle(|| r.stats().resident_pages == pages);
-    assert_eq!(r.stats().page_outs, outs, "a grown budget must not page out");
+    assert_eq!(
+        r.stats().page_outs,
+        outs,
+        "a grown budget must not page out"
+    );
     assert_eq!(r.stats().resident_pages, pages);
 }
 
@@ -168,7 +204,9 @@ fn change_tracking_reports_exactly_the_written_pages() {
     cfg.sample_cpu_budget = 0.5; // zap eagerly: tracking must survive re-mapped pages
     let r = Region::new(cfg).unwrap();
     let base = r.as_ptr() as usize;
-    let w = |p: u64, v: u64| unsafe { std::ptr::write_volatile((base + p as usize * P) as *mut u64, v) };
+    let w = |p: u64, v: u64| unsafe {
+        std::ptr::write_volatile((base + p as usize * P) as *mut u64, v)
+    };
     let rd = |p: u64| unsafe { std::ptr::read_volatile((base + p as usize * P) as *const u64) };
     for p in 0..1024 {
         w(p, p);
@@ -193,7 +231,10 @@ fn change_tracking_reports_exactly_the_written_pages() {
     w(8, 1);
     let snap = r.snapshot().unwrap();
     assert_eq!(snap.location.len(), 1024);
-    assert!(snap.location.iter().all(|l| *l == pagefleet_region::Location::Local));
+    assert!(snap
+        .location
+        .iter()
+        .all(|l| *l == pagefleet_region::Location::Local));
     assert_eq!(rd(7), 6);
     assert_eq!(rd(100), 5);
 }
@@ -210,7 +251,16 @@ fn region_starts_with_pages_on_a_server() {
     for (i, pg) in data.chunks_mut(P).enumerate() {
         fill(i as u64, 9, pg);
     }
-    conn.put(region_id, Pages::Run { first: 0, count: 512 }, &data, 32).unwrap();
+    conn.put(
+        region_id,
+        Pages::Run {
+            first: 0,
+            count: 512,
+        },
+        &data,
+        32,
+    )
+    .unwrap();
     let mut cfg = Config::new(1024 * P as u64, 256);
     cfg.servers = c.addrs();
     cfg.secret = Some(c.secret.clone());

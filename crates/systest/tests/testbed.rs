@@ -13,7 +13,14 @@ impl Drop for Guard {
 }
 
 fn netns() -> String {
-    String::from_utf8_lossy(&Command::new("ip").args(["netns", "list"]).output().unwrap().stdout).into_owned()
+    String::from_utf8_lossy(
+        &Command::new("ip")
+            .args(["netns", "list"])
+            .output()
+            .unwrap()
+            .stdout,
+    )
+    .into_owned()
 }
 
 #[test]
@@ -35,11 +42,17 @@ fn testbed_up_connects_hosts_shapes_links_and_comes_down_twice() {
     for h in &lab.0.hosts {
         assert!(ns.contains(&h.netns), "{} missing: {ns}", h.netns);
         // Shaped to 1 Gbit/s on the host side.
-        let q = Command::new("tc").args(["-n", &h.netns, "qdisc", "show", "dev", "eth0"]).output().unwrap();
+        let q = Command::new("tc")
+            .args(["-n", &h.netns, "qdisc", "show", "dev", "eth0"])
+            .output()
+            .unwrap();
         let q = String::from_utf8_lossy(&q.stdout);
         assert!(q.contains("tbf") && q.contains("1Gbit"), "{}: {q}", h.name);
         // Only the lab subnet is routable: no way out of the lab.
-        let rt = Command::new("ip").args(["-n", &h.netns, "route"]).output().unwrap();
+        let rt = Command::new("ip")
+            .args(["-n", &h.netns, "route"])
+            .output()
+            .unwrap();
         let rt = String::from_utf8_lossy(&rt.stdout);
         assert!(!rt.contains("default"), "{}: {rt}", h.name);
     }
@@ -50,15 +63,40 @@ fn testbed_up_connects_hosts_shapes_links_and_comes_down_twice() {
             .exec(1, bin("pagefleet"))
             .arg("--secret-file")
             .arg(&lab.0.secret_file)
-            .args(["memserver", "ping", "--count", "2", "--server", &lab.0.hosts[target].addr])
+            .args([
+                "memserver",
+                "ping",
+                "--count",
+                "2",
+                "--server",
+                &lab.0.hosts[target].addr,
+            ])
             .output()
             .unwrap();
-        assert!(out.status.success(), "h2 -> {}: {}", lab.0.hosts[target].name, String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "h2 -> {}: {}",
+            lab.0.hosts[target].name,
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
     // Each host reports its memory and what its memory server lends.
-    let out = lab.0.exec(0, bin("pagefleet")).args(["status", "--json", "--hosts", &format!("{}:7071", lab.0.hosts[0].ip)]).output().unwrap();
+    let out = lab
+        .0
+        .exec(0, bin("pagefleet"))
+        .args([
+            "status",
+            "--json",
+            "--hosts",
+            &format!("{}:7071", lab.0.hosts[0].ip),
+        ])
+        .output()
+        .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success() && text.contains("\"lend_capacity\": 67108864"), "{text}");
+    assert!(
+        out.status.success() && text.contains("\"lend_capacity\": 67108864"),
+        "{text}"
+    );
     // Bringing it up again over itself replaces the old lab (crashed-run cleanup).
     let lab2 = Lab::up(&o).expect("testbed up over an existing lab");
     assert_eq!(lab2.hosts.len(), 3);
@@ -93,13 +131,27 @@ fn service_address_moves_between_hosts() {
         let mut c = lab
             .0
             .exec(host, bin("pagefleetd"))
-            .args(["--lend", "4MiB", "--listen", &svc, "--metrics", "off", "--log", "error", "--secret-file"])
+            .args([
+                "--lend",
+                "4MiB",
+                "--listen",
+                &svc,
+                "--metrics",
+                "off",
+                "--log",
+                "error",
+                "--secret-file",
+            ])
             .arg(&lab.0.secret_file)
             .stdout(std::process::Stdio::piped())
             .spawn()
             .unwrap();
         let mut line = String::new();
-        std::io::BufRead::read_line(&mut std::io::BufReader::new(c.stdout.take().unwrap()), &mut line).unwrap();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(c.stdout.take().unwrap()),
+            &mut line,
+        )
+        .unwrap();
         assert!(line.starts_with("listening"), "{line}");
         c
     };
@@ -112,8 +164,16 @@ fn service_address_moves_between_hosts() {
             .args(["memserver", "ping", "--count", "1", "--server", &svc])
             .output()
             .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        String::from_utf8_lossy(&out.stdout).lines().next().unwrap_or("").to_string()
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .next()
+            .unwrap_or("")
+            .to_string()
     };
     lab.0.place_service_ip(&ip, 0).unwrap();
     assert_eq!(lab.0.service_ip_host(&ip), Some(0));
@@ -128,7 +188,10 @@ fn service_address_moves_between_hosts() {
     let _ = b.kill();
     let _ = b.wait();
     // Each line names the server id: a different process answered, on host 2.
-    assert_ne!(first, second, "the moved address must reach the new host's server");
+    assert_ne!(
+        first, second,
+        "the moved address must reach the new host's server"
+    );
     drop(lab);
     assert!(!netns().contains(&format!("{prefix}-")));
     let _ = std::fs::remove_dir_all(&dir);

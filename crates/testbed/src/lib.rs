@@ -125,17 +125,29 @@ impl Options {
 }
 
 fn run(args: &[&str]) -> Result<()> {
-    let out = Command::new(args[0]).args(&args[1..]).stdout(Stdio::null()).stderr(Stdio::piped()).output()
+    let out = Command::new(args[0])
+        .args(&args[1..])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .output()
         .with_context(|| format!("cannot run {} (is iproute2 installed?)", args[0]))?;
     if !out.status.success() {
-        bail!("`{}` failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
+        bail!(
+            "`{}` failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
     }
     Ok(())
 }
 
 fn netns_list() -> Vec<String> {
     std::fs::read_dir("/run/netns")
-        .map(|rd| rd.flatten().filter_map(|e| e.file_name().into_string().ok()).collect())
+        .map(|rd| {
+            rd.flatten()
+                .filter_map(|e| e.file_name().into_string().ok())
+                .collect()
+        })
         .unwrap_or_default()
 }
 
@@ -152,7 +164,10 @@ impl Lab {
         if o.hosts == 0 || o.hosts > 200 {
             bail!("--hosts must be 1..=200");
         }
-        if !o.prefix.chars().all(|c| c.is_ascii_alphanumeric()) || o.prefix.is_empty() || o.prefix.len() > 6 {
+        if !o.prefix.chars().all(|c| c.is_ascii_alphanumeric())
+            || o.prefix.is_empty()
+            || o.prefix.len() > 6
+        {
             bail!("lab prefix must be 1-6 letters or digits");
         }
         down_prefix(&o.dir, &o.prefix)?;
@@ -161,7 +176,14 @@ impl Lab {
         std::fs::write(&secret_file, pagefleet_proto::auth::Secret::generate_hex())?;
         let sw = format!("{}-sw", o.prefix);
         let subnet = format!("10.200.{}", o.subnet_octet);
-        let mut lab = Lab { prefix: o.prefix.clone(), link: o.link, subnet: format!("{subnet}.0/24"), hosts: vec![], dir: o.dir.clone(), secret_file };
+        let mut lab = Lab {
+            prefix: o.prefix.clone(),
+            link: o.link,
+            subnet: format!("{subnet}.0/24"),
+            hosts: vec![],
+            dir: o.dir.clone(),
+            secret_file,
+        };
         // Save as we go: a failure half-way leaves a state `down` can clean.
         let r = (|| -> Result<()> {
             run(&["ip", "netns", "add", &sw])?;
@@ -173,24 +195,52 @@ impl Lab {
                 let ip = format!("{subnet}.{}", i + 1);
                 run(&["ip", "netns", "add", &ns])?;
                 let peer = format!("{}{}", o.prefix, name); // switch-side name, < 16 chars
-                run(&["ip", "link", "add", "eth0", "netns", &ns, "type", "veth", "peer", "name", &peer, "netns", &sw])?;
-                run(&["ip", "-n", &ns, "addr", "add", &format!("{ip}/24"), "dev", "eth0"])?;
+                run(&[
+                    "ip", "link", "add", "eth0", "netns", &ns, "type", "veth", "peer", "name",
+                    &peer, "netns", &sw,
+                ])?;
+                run(&[
+                    "ip",
+                    "-n",
+                    &ns,
+                    "addr",
+                    "add",
+                    &format!("{ip}/24"),
+                    "dev",
+                    "eth0",
+                ])?;
                 run(&["ip", "-n", &ns, "link", "set", "eth0", "up"])?;
                 run(&["ip", "-n", &ns, "link", "set", "lo", "up"])?;
                 run(&["ip", "-n", &sw, "link", "set", &peer, "master", "br0"])?;
                 run(&["ip", "-n", &sw, "link", "set", &peer, "up"])?;
                 if let Some((rate, burst)) = o.link.tbf() {
                     for (n, dev) in [(&ns, "eth0"), (&sw, peer.as_str())] {
-                        run(&["ip", "netns", "exec", n, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", burst, "latency", "50ms"])?;
+                        run(&[
+                            "ip", "netns", "exec", n, "tc", "qdisc", "add", "dev", dev, "root",
+                            "tbf", "rate", rate, "burst", burst, "latency", "50ms",
+                        ])?;
                     }
                 }
-                let guest_memory = o.guest_memory.get(i).or(o.guest_memory.last()).copied().unwrap_or(0);
-                lab.hosts.push(Host { name, netns: ns, ip: ip.clone(), addr: format!("{ip}:7070"), pid: 0, guest_memory });
+                let guest_memory = o
+                    .guest_memory
+                    .get(i)
+                    .or(o.guest_memory.last())
+                    .copied()
+                    .unwrap_or(0);
+                lab.hosts.push(Host {
+                    name,
+                    netns: ns,
+                    ip: ip.clone(),
+                    addr: format!("{ip}:7070"),
+                    pid: 0,
+                    guest_memory,
+                });
                 lab.save()?;
             }
             let peers: Vec<String> = lab.hosts.iter().map(|h| h.http()).collect();
             for h in lab.hosts.iter_mut() {
-                let others: Vec<String> = peers.iter().filter(|p| **p != h.http()).cloned().collect();
+                let others: Vec<String> =
+                    peers.iter().filter(|p| **p != h.http()).cloned().collect();
                 h.pid = start_daemon(o, h, &lab.secret_file, &others)?;
             }
             lab.save()?;
@@ -207,13 +257,17 @@ impl Lab {
     }
 
     fn save(&self) -> Result<()> {
-        std::fs::write(state_path(&self.dir, &self.prefix), serde_json::to_vec_pretty(self)?)?;
+        std::fs::write(
+            state_path(&self.dir, &self.prefix),
+            serde_json::to_vec_pretty(self)?,
+        )?;
         Ok(())
     }
 
     pub fn load(dir: &Path, prefix: &str) -> Result<Lab> {
         let p = state_path(dir, prefix);
-        let b = std::fs::read(&p).with_context(|| format!("no testbed {prefix:?} is up (no {})", p.display()))?;
+        let b = std::fs::read(&p)
+            .with_context(|| format!("no testbed {prefix:?} is up (no {})", p.display()))?;
         Ok(serde_json::from_slice(&b)?)
     }
 
@@ -221,8 +275,10 @@ impl Lab {
     /// Inside, `pagefleet` finds the lab's registry and secret by itself.
     pub fn exec(&self, host: usize, program: impl AsRef<std::ffi::OsStr>) -> Command {
         let mut c = Command::new("ip");
-        c.args(["netns", "exec", &self.hosts[host].netns]).arg(program);
-        c.env("PAGEFLEET_REGISTRY", self.hosts[host].http()).env("PAGEFLEET_SECRET_FILE", &self.secret_file);
+        c.args(["netns", "exec", &self.hosts[host].netns])
+            .arg(program);
+        c.env("PAGEFLEET_REGISTRY", self.hosts[host].http())
+            .env("PAGEFLEET_SECRET_FILE", &self.secret_file);
         c
     }
 
@@ -237,9 +293,27 @@ impl Lab {
     /// address moves with the guest.
     pub fn place_service_ip(&self, ip: &str, to: usize) -> Result<()> {
         for h in &self.hosts {
-            let _ = run(&["ip", "-n", &h.netns, "addr", "del", &format!("{ip}/32"), "dev", "eth0"]);
+            let _ = run(&[
+                "ip",
+                "-n",
+                &h.netns,
+                "addr",
+                "del",
+                &format!("{ip}/32"),
+                "dev",
+                "eth0",
+            ]);
         }
-        run(&["ip", "-n", &self.hosts[to].netns, "addr", "add", &format!("{ip}/32"), "dev", "eth0"])?;
+        run(&[
+            "ip",
+            "-n",
+            &self.hosts[to].netns,
+            "addr",
+            "add",
+            &format!("{ip}/32"),
+            "dev",
+            "eth0",
+        ])?;
         for h in &self.hosts {
             let _ = run(&["ip", "-n", &h.netns, "neigh", "flush", "to", ip]);
         }
@@ -280,12 +354,33 @@ fn start_daemon(o: &Options, h: &Host, secret: &Path, peers: &[String]) -> Resul
         .arg(format!("--net=/run/netns/{}", h.netns))
         .arg("--")
         .arg(&o.pagefleetd)
-        .args(["--lend", &o.lend.to_string(), "--listen", &h.addr, "--log", "warn", "--name", &h.name])
+        .args([
+            "--lend",
+            &o.lend.to_string(),
+            "--listen",
+            &h.addr,
+            "--log",
+            "warn",
+            "--name",
+            &h.name,
+        ])
         .arg("--secret-file")
         .arg(secret)
-        .args(if peers.is_empty() { vec![] } else { vec!["--peers".to_string(), peers.join(",")] })
+        .args(if peers.is_empty() {
+            vec![]
+        } else {
+            vec!["--peers".to_string(), peers.join(",")]
+        })
         .args(if h.guest_memory > 0 {
-            vec!["--guest-memory".to_string(), h.guest_memory.to_string(), "--guest-dir".into(), o.dir.join(format!("{}-guests", h.netns)).display().to_string()]
+            vec![
+                "--guest-memory".to_string(),
+                h.guest_memory.to_string(),
+                "--guest-dir".into(),
+                o.dir
+                    .join(format!("{}-guests", h.netns))
+                    .display()
+                    .to_string(),
+            ]
         } else {
             vec![]
         })
@@ -302,7 +397,16 @@ fn wait_listening(ns: &str, addr: &str) -> Result<()> {
     let t = Instant::now();
     let port = addr.rsplit(':').next().unwrap_or("7070");
     while t.elapsed() < Duration::from_secs(10) {
-        let out = Command::new("ip").args(["netns", "exec", ns, "ss", "-Hltn", &format!("sport = :{port}")]).output()?;
+        let out = Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                ns,
+                "ss",
+                "-Hltn",
+                &format!("sport = :{port}"),
+            ])
+            .output()?;
         if !String::from_utf8_lossy(&out.stdout).trim().is_empty() {
             return Ok(());
         }
@@ -322,11 +426,17 @@ pub fn down_prefix(dir: &Path, prefix: &str) -> Result<()> {
             }
         }
     }
-    let ours: Vec<String> = netns_list().into_iter().filter(|n| n.starts_with(&format!("{prefix}-"))).collect();
+    let ours: Vec<String> = netns_list()
+        .into_iter()
+        .filter(|n| n.starts_with(&format!("{prefix}-")))
+        .collect();
     for ns in &ours {
         // Kill whatever still runs in the namespace (e.g. a daemon from a crashed run).
         if let Ok(out) = Command::new("ip").args(["netns", "pids", ns]).output() {
-            for pid in String::from_utf8_lossy(&out.stdout).split_whitespace().filter_map(|p| p.parse::<i32>().ok()) {
+            for pid in String::from_utf8_lossy(&out.stdout)
+                .split_whitespace()
+                .filter_map(|p| p.parse::<i32>().ok())
+            {
                 // SAFETY: plain kill.
                 unsafe { libc::kill(pid, libc::SIGKILL) };
             }
@@ -345,7 +455,10 @@ pub fn down_prefix(dir: &Path, prefix: &str) -> Result<()> {
             }
         }
     }
-    let left: Vec<String> = netns_list().into_iter().filter(|n| n.starts_with(&format!("{prefix}-"))).collect();
+    let left: Vec<String> = netns_list()
+        .into_iter()
+        .filter(|n| n.starts_with(&format!("{prefix}-")))
+        .collect();
     if !left.is_empty() {
         bail!("could not remove namespaces {left:?}");
     }
@@ -356,7 +469,8 @@ pub fn down_prefix(dir: &Path, prefix: &str) -> Result<()> {
 /// now on live there). Use a thread of its own: it does not come back.
 pub fn enter_netns(netns: &str) -> Result<()> {
     use std::os::fd::AsRawFd;
-    let f = std::fs::File::open(format!("/run/netns/{netns}")).with_context(|| format!("no network namespace {netns}"))?;
+    let f = std::fs::File::open(format!("/run/netns/{netns}"))
+        .with_context(|| format!("no network namespace {netns}"))?;
     // SAFETY: setns on a namespace file we opened, for this thread only.
     if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
         bail!("setns into {netns}: {}", std::io::Error::last_os_error());
@@ -366,7 +480,11 @@ pub fn enter_netns(netns: &str) -> Result<()> {
 
 impl Lab {
     /// Run `f` on a new thread inside host `host`'s network namespace.
-    pub fn spawn_in<T: Send + 'static>(&self, host: usize, f: impl FnOnce() -> T + Send + 'static) -> std::thread::JoinHandle<Result<T>> {
+    pub fn spawn_in<T: Send + 'static>(
+        &self,
+        host: usize,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> std::thread::JoinHandle<Result<T>> {
         let ns = self.hosts[host].netns.clone();
         std::thread::spawn(move || {
             enter_netns(&ns)?;

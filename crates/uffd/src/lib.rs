@@ -51,7 +51,10 @@ pub enum UffdError {
 }
 
 fn op_err(op: &'static str) -> UffdError {
-    UffdError::Op { op, source: io::Error::last_os_error() }
+    UffdError::Op {
+        op,
+        source: io::Error::last_os_error(),
+    }
 }
 
 #[repr(C)]
@@ -140,18 +143,32 @@ impl Uffd {
     /// faults only (works unprivileged) and negotiate `required` features.
     pub fn open(required: u64) -> Result<Uffd, UffdError> {
         // SAFETY: raw syscall with integer flags.
-        let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK | USER_MODE_ONLY) };
+        let fd = unsafe {
+            libc::syscall(
+                libc::SYS_userfaultfd,
+                libc::O_CLOEXEC | libc::O_NONBLOCK | USER_MODE_ONLY,
+            )
+        };
         if fd < 0 {
             return Err(UffdError::Create(io::Error::last_os_error()));
         }
         // SAFETY: fd was just returned by the kernel and is ours.
         let fd = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
-        let mut a = ApiArg { api: UFFD_API, features: required, ioctls: 0 };
+        let mut a = ApiArg {
+            api: UFFD_API,
+            features: required,
+            ioctls: 0,
+        };
         if ioctl(fd.as_raw_fd(), UFFDIO_API, &mut a) != 0 {
             let probe = Uffd::probe_features().unwrap_or(0);
-            return Err(UffdError::Features { missing: required & !probe });
+            return Err(UffdError::Features {
+                missing: required & !probe,
+            });
         }
-        Ok(Uffd { fd, features: a.features })
+        Ok(Uffd {
+            fd,
+            features: a.features,
+        })
     }
 
     /// Features the kernel offers (probed on a throw-away fd: UFFDIO_API works once per fd).
@@ -163,7 +180,11 @@ impl Uffd {
         }
         // SAFETY: our fd.
         let fd = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
-        let mut a = ApiArg { api: UFFD_API, features: 0, ioctls: 0 };
+        let mut a = ApiArg {
+            api: UFFD_API,
+            features: 0,
+            ioctls: 0,
+        };
         if ioctl(fd.as_raw_fd(), UFFDIO_API, &mut a) != 0 {
             return Err(op_err("UFFDIO_API"));
         }
@@ -171,7 +192,11 @@ impl Uffd {
     }
 
     pub fn register(&self, addr: u64, len: u64, mode: u64) -> Result<u64, UffdError> {
-        let mut r = RegisterArg { range: Range { start: addr, len }, mode, ioctls: 0 };
+        let mut r = RegisterArg {
+            range: Range { start: addr, len },
+            mode,
+            ioctls: 0,
+        };
         if ioctl(self.fd.as_raw_fd(), UFFDIO_REGISTER, &mut r) != 0 {
             return Err(op_err("UFFDIO_REGISTER"));
         }
@@ -188,8 +213,20 @@ impl Uffd {
 
     /// Install `len` bytes from `src` at `dst` (page-aligned) and wake waiters
     /// unless `dontwake`.
-    pub fn copy(&self, dst: u64, src: *const u8, len: u64, dontwake: bool) -> Result<Fill, UffdError> {
-        let mut c = CopyArg { dst, src: src as u64, len, mode: if dontwake { COPY_MODE_DONTWAKE } else { 0 }, copy: 0 };
+    pub fn copy(
+        &self,
+        dst: u64,
+        src: *const u8,
+        len: u64,
+        dontwake: bool,
+    ) -> Result<Fill, UffdError> {
+        let mut c = CopyArg {
+            dst,
+            src: src as u64,
+            len,
+            mode: if dontwake { COPY_MODE_DONTWAKE } else { 0 },
+            copy: 0,
+        };
         loop {
             if ioctl(self.fd.as_raw_fd(), UFFDIO_COPY, &mut c) == 0 {
                 return Ok(Fill::Done);
@@ -199,7 +236,13 @@ impl Uffd {
                 Some(libc::EAGAIN) if c.copy > 0 => {
                     // Partial copy (mapping changed): continue with the rest.
                     let done = c.copy as u64;
-                    c = CopyArg { dst: c.dst + done, src: c.src + done, len: c.len - done, mode: c.mode, copy: 0 };
+                    c = CopyArg {
+                        dst: c.dst + done,
+                        src: c.src + done,
+                        len: c.len - done,
+                        mode: c.mode,
+                        copy: 0,
+                    };
                 }
                 Some(libc::EAGAIN) => continue,
                 _ => return Err(op_err("UFFDIO_COPY")),
@@ -208,7 +251,11 @@ impl Uffd {
     }
 
     pub fn zeropage(&self, addr: u64, len: u64) -> Result<Fill, UffdError> {
-        let mut z = RangeModeResult { range: Range { start: addr, len }, mode: 0, result: 0 };
+        let mut z = RangeModeResult {
+            range: Range { start: addr, len },
+            mode: 0,
+            result: 0,
+        };
         loop {
             if ioctl(self.fd.as_raw_fd(), UFFDIO_ZEROPAGE, &mut z) == 0 {
                 return Ok(Fill::Done);
@@ -229,7 +276,11 @@ impl Uffd {
     /// As `continue_`, optionally mapping the pages write-protected (so the
     /// next write raises a WP fault: dirty tracking).
     pub fn continue_mode(&self, addr: u64, len: u64, wp: bool) -> Result<Fill, UffdError> {
-        let mut z = RangeModeResult { range: Range { start: addr, len }, mode: if wp { 1 << 1 } else { 0 }, result: 0 };
+        let mut z = RangeModeResult {
+            range: Range { start: addr, len },
+            mode: if wp { 1 << 1 } else { 0 },
+            result: 0,
+        };
         loop {
             if ioctl(self.fd.as_raw_fd(), UFFDIO_CONTINUE, &mut z) == 0 {
                 return Ok(Fill::Done);
@@ -244,7 +295,10 @@ impl Uffd {
 
     /// Set (`wp` = true) or clear write protection; clearing wakes waiters.
     pub fn writeprotect(&self, addr: u64, len: u64, wp: bool) -> Result<(), UffdError> {
-        let mut w = WpArg { range: Range { start: addr, len }, mode: if wp { WP_MODE_WP } else { 0 } };
+        let mut w = WpArg {
+            range: Range { start: addr, len },
+            mode: if wp { WP_MODE_WP } else { 0 },
+        };
         if ioctl(self.fd.as_raw_fd(), UFFDIO_WRITEPROTECT, &mut w) != 0 {
             return Err(op_err("UFFDIO_WRITEPROTECT"));
         }
@@ -262,7 +316,11 @@ impl Uffd {
     /// Mark pages poisoned: the next access raises SIGBUS (a loud failure
     /// instead of silently reading zeros).
     pub fn poison(&self, addr: u64, len: u64) -> Result<(), UffdError> {
-        let mut z = RangeModeResult { range: Range { start: addr, len }, mode: 0, result: 0 };
+        let mut z = RangeModeResult {
+            range: Range { start: addr, len },
+            mode: 0,
+            result: 0,
+        };
         if ioctl(self.fd.as_raw_fd(), UFFDIO_POISON, &mut z) != 0 {
             return Err(op_err("UFFDIO_POISON"));
         }
@@ -271,7 +329,11 @@ impl Uffd {
 
     /// Wait up to `timeout_ms` (-1: forever) for the fd to become readable.
     pub fn poll(&self, timeout_ms: i32) -> io::Result<bool> {
-        let mut p = libc::pollfd { fd: self.fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        let mut p = libc::pollfd {
+            fd: self.fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
         // SAFETY: one valid pollfd.
         let r = unsafe { libc::poll(&mut p, 1, timeout_ms) };
         if r < 0 {
@@ -288,8 +350,16 @@ impl Uffd {
     /// returns (faults pending, other readable).
     pub fn poll_with(&self, other: RawFd, timeout_ms: i32) -> io::Result<(bool, bool)> {
         let mut p = [
-            libc::pollfd { fd: self.fd.as_raw_fd(), events: libc::POLLIN, revents: 0 },
-            libc::pollfd { fd: other, events: libc::POLLIN, revents: 0 },
+            libc::pollfd {
+                fd: self.fd.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: other,
+                events: libc::POLLIN,
+                revents: 0,
+            },
         ];
         // SAFETY: two valid pollfds.
         let r = unsafe { libc::poll(p.as_mut_ptr(), 2, timeout_ms) };
@@ -333,7 +403,12 @@ impl Uffd {
             } else {
                 FaultKind::Missing
             };
-            out.push(Fault { kind, addr, write: flags & PF_FLAG_WRITE != 0, tid });
+            out.push(Fault {
+                kind,
+                addr,
+                write: flags & PF_FLAG_WRITE != 0,
+                tid,
+            });
             k += 1;
         }
         Ok(k)
@@ -370,12 +445,22 @@ impl Mapping {
     pub fn shared(fd: RawFd, len: usize) -> io::Result<Mapping> {
         // SAFETY: new mapping, no hint.
         let p = unsafe {
-            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0)
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            )
         };
         if p == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
-        Ok(Mapping { addr: p.cast(), len })
+        Ok(Mapping {
+            addr: p.cast(),
+            len,
+        })
     }
     pub fn base(&self) -> u64 {
         self.addr as u64
@@ -399,7 +484,14 @@ impl Drop for Mapping {
 /// Free the file's pages in [off, off+len) (the next touch faults MISSING).
 pub fn punch_hole(fd: RawFd, off: u64, len: u64) -> io::Result<()> {
     // SAFETY: plain syscall.
-    let r = unsafe { libc::fallocate(fd, libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, off as i64, len as i64) };
+    let r = unsafe {
+        libc::fallocate(
+            fd,
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            off as i64,
+            len as i64,
+        )
+    };
     if r != 0 {
         return Err(io::Error::last_os_error());
     }

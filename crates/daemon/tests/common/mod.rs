@@ -1,7 +1,7 @@
 //! Test helper: a real pagefleetd child process on loopback, killed on drop.
 #![allow(dead_code)]
 
-use pagefleet_client::{ConnectOptions, Conn};
+use pagefleet_client::{Conn, ConnectOptions};
 use pagefleet_proto::auth::Secret;
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
@@ -16,7 +16,11 @@ pub struct Daemon {
 }
 
 pub fn tempdir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("pagefleet-test-{tag}-{}-{}", std::process::id(), pagefleet_proto::auth::random_u64()));
+    let d = std::env::temp_dir().join(format!(
+        "pagefleet-test-{tag}-{}-{}",
+        std::process::id(),
+        pagefleet_proto::auth::random_u64()
+    ));
     std::fs::create_dir_all(&d).unwrap();
     d
 }
@@ -38,13 +42,25 @@ impl Daemon {
             .expect("spawn pagefleetd");
         let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
         let first = lines.next().expect("pagefleetd printed nothing").unwrap();
-        let addr = first.strip_prefix("listening ").expect("listening line").to_string();
+        let addr = first
+            .strip_prefix("listening ")
+            .expect("listening line")
+            .to_string();
         let metrics = if extra.contains(&"off") {
             None
         } else {
-            lines.next().and_then(|l| l.ok()).and_then(|l| l.strip_prefix("metrics ").map(str::to_string))
+            lines
+                .next()
+                .and_then(|l| l.ok())
+                .and_then(|l| l.strip_prefix("metrics ").map(str::to_string))
         };
-        Daemon { child, addr, metrics, secret, dir }
+        Daemon {
+            child,
+            addr,
+            metrics,
+            secret,
+            dir,
+        }
     }
 
     pub fn conn(&self) -> Conn {
@@ -59,7 +75,12 @@ impl Daemon {
     pub fn rss(&self) -> u64 {
         let s = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap();
         let line = s.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
-        line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 1024
+        line.split_whitespace()
+            .nth(1)
+            .unwrap()
+            .parse::<u64>()
+            .unwrap()
+            * 1024
     }
 
     pub fn kill(&mut self) {
@@ -77,7 +98,9 @@ impl Drop for Daemon {
 
 /// Deterministic page contents: every 8-byte word depends on region, page and offset.
 pub fn fill_page(region: u64, page: u64, out: &mut [u8]) {
-    let mut x = region.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ page.wrapping_mul(0xC2B2_AE3D_27D4_EB4F) ^ 0x1656_67B1_9E37_79F9;
+    let mut x = region.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        ^ page.wrapping_mul(0xC2B2_AE3D_27D4_EB4F)
+        ^ 0x1656_67B1_9E37_79F9;
     for w in out.chunks_exact_mut(8) {
         x ^= x << 13;
         x ^= x >> 7;
