@@ -1,0 +1,203 @@
+//! Where a tenant's I/O is measured and capped: cgroup v1 blkio throttling,
+//! cgroup v2 io.stat / io.max, or a QEMU drive over QMP
+//! (query-blockstats / block_set_io_throttle).
+
+use crate::device::Dev;
+use crate::spec::Location;
+use anyhow::{anyhow, bail, Context, Result};
+use serde::Serialize;
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// Cumulative counters of one tenant on the device.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Counters {
+    pub rbytes: u64,
+    pub wbytes: u64,
+    pub rios: u64,
+    pub wios: u64,
+    /// Total time its requests took, ns (QMP only).
+    pub io_time_ns: Option<u64>,
+}
+
+/// A limit on a tenant (None: unlimited). Split between reads and writes by
+/// the caller when the backend limits them separately.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Limit {
+    pub rbps: Option<u64>,
+    pub wbps: Option<u64>,
+    pub riops: Option<u64>,
+    pub wiops: Option<u64>,
+}
+
+impl Limit {
+    pub fn none() -> Limit {
+        Limit::default()
+    }
+    pub fn is_none(&self) -> bool {
+        *self == Limit::default()
+    }
+}
+
+pub enum Backend {
+    V1(PathBuf),
+    V2(PathBuf),
+    Qmp(Qmp),
+}
+
+impl Backend {
+    pub fn open(l: &Location) -> Result<Backend> {
+        Ok(match l {
+            Location::CgroupV1(p) => Backend::V1(p.clone()),
+            Location::CgroupV2(p) => Backend::V2(p.clone()),
+            Location::Qmp { socket, device } => Backend::Qmp(Qmp::connect(socket, device)?),
+        })
+    }
+
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Backend::V1(_) => "cgroup v1 blkio",
+            Backend::V2(_) => "cgroup v2 io",
+            Backend::Qmp(_) => "QEMU QMP",
+        }
+    }
+
+    pub fn read(&mut self, dev: Dev) -> Result<Counters> {
+        match self {
+            Backend::V1(p) => {
+                let b = read_v1(&p.join("blkio.throttle.io_service_bytes_recursive"), dev)?;
+                let n = read_v1(&p.join("blkio.throttle.io_serviced_recursive"), dev)?;
+                Ok(Counters { rbytes: b.0, wbytes: b.1, rios: n.0, wios: n.1, io_time_ns: None })
+            }
+            Backend::V2(p) => read_v2(&p.join("io.stat"), dev),
+            Backend::Qmp(q) => q.stats(),
+        }
+    }
+
+    pub fn set(&mut self, dev: Dev, l: &Limit) -> Result<()> {
+        match self {
+            Backend::V1(p) => {
+                for (file, v) in [("read_bps_device", l.rbps), ("write_bps_device", l.wbps), ("read_iops_device", l.riops), ("write_iops_device", l.wiops)] {
+                    let f = p.join(format!("blkio.throttle.{file}"));
+                    // 0 removes the rule.
+                    std::fs::write(&f, format!("{dev} {}", v.unwrap_or(0))).with_context(|| format!("cannot write {}", f.display()))?;
+                }
+                Ok(())
+            }
+            Backend::V2(p) => {
+                let v = |x: Option<u64>| x.map(|x| x.to_string()).unwrap_or_else(|| "max".into());
+                let f = p.join("io.max");
+                std::fs::write(&f, format!("{dev} rbps={} wbps={} riops={} wiops={}", v(l.rbps), v(l.wbps), v(l.riops), v(l.wiops))).with_context(|| format!("cannot write {}", f.display()))
+            }
+            Backend::Qmp(q) => q.throttle(l),
+        }
+    }
+}
+
+/// "MAJ:MIN Read N" / "MAJ:MIN Write N" lines -> (read, write).
+fn read_v1(p: &Path, dev: Dev) -> Result<(u64, u64)> {
+    let s = std::fs::read_to_string(p).with_context(|| format!("cannot read {} (cgroup gone?)", p.display()))?;
+    let key = dev.to_string();
+    let (mut r, mut w) = (0, 0);
+    for l in s.lines() {
+        let mut it = l.split_whitespace();
+        if it.next() != Some(&key) {
+            continue;
+        }
+        match (it.next(), it.next().and_then(|v| v.parse::<u64>().ok())) {
+            (Some("Read"), Some(v)) => r = v,
+            (Some("Write"), Some(v)) => w = v,
+            _ => {}
+        }
+    }
+    Ok((r, w))
+}
+
+fn read_v2(p: &Path, dev: Dev) -> Result<Counters> {
+    let s = std::fs::read_to_string(p).with_context(|| format!("cannot read {} (cgroup gone?)", p.display()))?;
+    let mut c = Counters::default();
+    let key = dev.to_string();
+    if let Some(l) = s.lines().find(|l| l.split_whitespace().next() == Some(&key)) {
+        for kv in l.split_whitespace().skip(1) {
+            let Some((k, v)) = kv.split_once('=') else { continue };
+            let v: u64 = v.parse().unwrap_or(0);
+            match k {
+                "rbytes" => c.rbytes = v,
+                "wbytes" => c.wbytes = v,
+                "rios" => c.rios = v,
+                "wios" => c.wios = v,
+                _ => {}
+            }
+        }
+    }
+    Ok(c)
+}
+
+/// A QMP connection to one QEMU, for one of its drives.
+pub struct Qmp {
+    r: BufReader<UnixStream>,
+    w: UnixStream,
+    device: String,
+}
+
+impl Qmp {
+    pub fn connect(socket: &Path, device: &str) -> Result<Qmp> {
+        let s = UnixStream::connect(socket).with_context(|| format!("cannot connect to QMP at {}", socket.display()))?;
+        s.set_read_timeout(Some(Duration::from_secs(5)))?;
+        let mut q = Qmp { r: BufReader::new(s.try_clone()?), w: s, device: device.into() };
+        let greeting = q.line()?;
+        if greeting.get("QMP").is_none() {
+            bail!("{} is not a QMP socket", socket.display());
+        }
+        q.execute("qmp_capabilities", serde_json::json!({}))?;
+        q.stats().with_context(|| format!("QEMU has no drive {device}"))?;
+        Ok(q)
+    }
+
+    fn line(&mut self) -> Result<serde_json::Value> {
+        let mut l = String::new();
+        if self.r.read_line(&mut l)? == 0 {
+            bail!("QEMU closed its QMP socket");
+        }
+        Ok(serde_json::from_str(&l)?)
+    }
+
+    fn execute(&mut self, cmd: &str, args: serde_json::Value) -> Result<serde_json::Value> {
+        let m = serde_json::json!({"execute": cmd, "arguments": args});
+        self.w.write_all(format!("{m}\n").as_bytes())?;
+        loop {
+            let v = self.line()?;
+            if v.get("event").is_some() {
+                continue;
+            }
+            if let Some(e) = v.get("error") {
+                bail!("QMP {cmd}: {}", e["desc"].as_str().unwrap_or("error"));
+            }
+            return v.get("return").cloned().ok_or_else(|| anyhow!("QMP {cmd}: no return"));
+        }
+    }
+
+    pub fn stats(&mut self) -> Result<Counters> {
+        let r = self.execute("query-blockstats", serde_json::json!({}))?;
+        let d = self.device.clone();
+        let e = r
+            .as_array()
+            .and_then(|a| a.iter().find(|e| e["device"] == d.as_str() || e["qdev"] == d.as_str() || e["node-name"] == d.as_str()))
+            .ok_or_else(|| anyhow!("no drive {d} in query-blockstats"))?;
+        let s = &e["stats"];
+        let n = |k: &str| s[k].as_u64().unwrap_or(0);
+        Ok(Counters { rbytes: n("rd_bytes"), wbytes: n("wr_bytes"), rios: n("rd_operations"), wios: n("wr_operations"), io_time_ns: Some(n("rd_total_time_ns") + n("wr_total_time_ns")) })
+    }
+
+    pub fn throttle(&mut self, l: &Limit) -> Result<()> {
+        let v = |x: Option<u64>| x.unwrap_or(0);
+        let key = if self.device.starts_with('/') { "id" } else { "device" };
+        self.execute(
+            "block_set_io_throttle",
+            serde_json::json!({key: self.device, "bps": 0, "bps_rd": v(l.rbps), "bps_wr": v(l.wbps), "iops": 0, "iops_rd": v(l.riops), "iops_wr": v(l.wiops)}),
+        )
+        .map(|_| ())
+    }
+}

@@ -1,0 +1,35 @@
+//! The shared block device, by path (/dev/loop0) or MAJ:MIN.
+
+use anyhow::{bail, Context, Result};
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Dev {
+    pub major: u32,
+    pub minor: u32,
+}
+
+impl std::fmt::Display for Dev {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        write!(f, "{}:{}", self.major, self.minor)
+    }
+}
+
+impl Dev {
+    pub fn parse(s: &str) -> Result<Dev> {
+        let d = if let Some((a, b)) = s.split_once(':').filter(|_| !s.starts_with('/')) {
+            Dev { major: a.parse().context("bad major number")?, minor: b.parse().context("bad minor number")? }
+        } else {
+            let m = std::fs::metadata(s).with_context(|| format!("unknown device {s}"))?;
+            if !m.file_type().is_block_device() {
+                bail!("{s} is not a block device");
+            }
+            let r = m.rdev();
+            Dev { major: libc::major(r), minor: libc::minor(r) }
+        };
+        if !std::path::Path::new(&format!("/sys/dev/block/{d}")).exists() {
+            bail!("unknown device {s}: no block device {d} on this host");
+        }
+        Ok(d)
+    }
+}
