@@ -9,6 +9,7 @@ use pagefleet_proto::auth::Secret;
 use std::path::PathBuf;
 
 mod cluster;
+mod ioqos;
 mod ksm;
 mod run;
 mod runner;
@@ -93,6 +94,9 @@ enum Cmd {
     /// Same-page merging (KSM): a controller better than ksmtuned, status, enrolment.
     #[command(subcommand)]
     Ksm(ksm::KsmCmd),
+    /// I/O guarantee on a shared block device: every tenant keeps its minimum.
+    #[command(subcommand)]
+    Ioqos(ioqos::IoqosCmd),
     /// A runner waiting for an incoming migration (pagefleetd starts it; internal).
     #[command(hide = true)]
     RunnerIncoming {
@@ -496,6 +500,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Testbed(t) => testbed(t),
         Cmd::Blockdev(b) => blockdev(b, cli.secret_file.as_deref()),
         Cmd::Ksm(k) => ksm::main(k),
+        Cmd::Ioqos(c) => ioqos::main(c),
         Cmd::RunnerIncoming {
             listen,
             control,

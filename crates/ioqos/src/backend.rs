@@ -41,6 +41,10 @@ impl Limit {
     }
 }
 
+/// cgroup v1 only counts a group's I/O on a device while it has a throttle
+/// rule there, so "no cap" is this rule (1 TiB/s), not the absence of one.
+pub const V1_UNLIMITED: u64 = 1 << 40;
+
 pub enum Backend {
     V1(PathBuf),
     V2(PathBuf),
@@ -50,7 +54,12 @@ pub enum Backend {
 impl Backend {
     pub fn open(l: &Location) -> Result<Backend> {
         Ok(match l {
-            Location::CgroupV1(p) => Backend::V1(p.clone()),
+            Location::CgroupV1(p) => {
+                if !p.join("blkio.throttle.io_service_bytes_recursive").exists() {
+                    bail!("cgroup {} is gone", p.display());
+                }
+                Backend::V1(p.clone())
+            }
             Location::CgroupV2(p) => Backend::V2(p.clone()),
             Location::Qmp { socket, device } => Backend::Qmp(Qmp::connect(socket, device)?),
         })
@@ -64,12 +73,46 @@ impl Backend {
         }
     }
 
+    /// Start measuring (cgroup v1 needs a rule in place to count).
+    pub fn attach(&mut self, dev: Dev) -> Result<()> {
+        match self {
+            Backend::V1(_) => self.set(dev, &Limit::none()),
+            _ => Ok(()),
+        }
+    }
+
+    /// Leave the tenant as it was before the controller: no rules at all.
+    pub fn detach(&mut self, dev: Dev) -> Result<()> {
+        match self {
+            Backend::V1(p) => {
+                for file in [
+                    "read_bps_device",
+                    "write_bps_device",
+                    "read_iops_device",
+                    "write_iops_device",
+                ] {
+                    let f = p.join(format!("blkio.throttle.{file}"));
+                    std::fs::write(&f, format!("{dev} 0"))
+                        .with_context(|| format!("cannot write {}", f.display()))?;
+                }
+                Ok(())
+            }
+            _ => self.set(dev, &Limit::none()),
+        }
+    }
+
     pub fn read(&mut self, dev: Dev) -> Result<Counters> {
         match self {
             Backend::V1(p) => {
                 let b = read_v1(&p.join("blkio.throttle.io_service_bytes_recursive"), dev)?;
                 let n = read_v1(&p.join("blkio.throttle.io_serviced_recursive"), dev)?;
-                Ok(Counters { rbytes: b.0, wbytes: b.1, rios: n.0, wios: n.1, io_time_ns: None })
+                Ok(Counters {
+                    rbytes: b.0,
+                    wbytes: b.1,
+                    rios: n.0,
+                    wios: n.1,
+                    io_time_ns: None,
+                })
             }
             Backend::V2(p) => read_v2(&p.join("io.stat"), dev),
             Backend::Qmp(q) => q.stats(),
@@ -79,17 +122,33 @@ impl Backend {
     pub fn set(&mut self, dev: Dev, l: &Limit) -> Result<()> {
         match self {
             Backend::V1(p) => {
-                for (file, v) in [("read_bps_device", l.rbps), ("write_bps_device", l.wbps), ("read_iops_device", l.riops), ("write_iops_device", l.wiops)] {
+                for (file, v, none) in [
+                    ("read_bps_device", l.rbps, V1_UNLIMITED),
+                    ("write_bps_device", l.wbps, V1_UNLIMITED),
+                    ("read_iops_device", l.riops, 0),
+                    ("write_iops_device", l.wiops, 0),
+                ] {
                     let f = p.join(format!("blkio.throttle.{file}"));
-                    // 0 removes the rule.
-                    std::fs::write(&f, format!("{dev} {}", v.unwrap_or(0))).with_context(|| format!("cannot write {}", f.display()))?;
+                    // 0 removes a rule; bandwidth keeps an "unlimited" one so the I/O stays counted.
+                    std::fs::write(&f, format!("{dev} {}", v.unwrap_or(none)))
+                        .with_context(|| format!("cannot write {}", f.display()))?;
                 }
                 Ok(())
             }
             Backend::V2(p) => {
                 let v = |x: Option<u64>| x.map(|x| x.to_string()).unwrap_or_else(|| "max".into());
                 let f = p.join("io.max");
-                std::fs::write(&f, format!("{dev} rbps={} wbps={} riops={} wiops={}", v(l.rbps), v(l.wbps), v(l.riops), v(l.wiops))).with_context(|| format!("cannot write {}", f.display()))
+                std::fs::write(
+                    &f,
+                    format!(
+                        "{dev} rbps={} wbps={} riops={} wiops={}",
+                        v(l.rbps),
+                        v(l.wbps),
+                        v(l.riops),
+                        v(l.wiops)
+                    ),
+                )
+                .with_context(|| format!("cannot write {}", f.display()))
             }
             Backend::Qmp(q) => q.throttle(l),
         }
@@ -98,7 +157,8 @@ impl Backend {
 
 /// "MAJ:MIN Read N" / "MAJ:MIN Write N" lines -> (read, write).
 fn read_v1(p: &Path, dev: Dev) -> Result<(u64, u64)> {
-    let s = std::fs::read_to_string(p).with_context(|| format!("cannot read {} (cgroup gone?)", p.display()))?;
+    let s = std::fs::read_to_string(p)
+        .with_context(|| format!("cannot read {} (cgroup gone?)", p.display()))?;
     let key = dev.to_string();
     let (mut r, mut w) = (0, 0);
     for l in s.lines() {
@@ -116,12 +176,18 @@ fn read_v1(p: &Path, dev: Dev) -> Result<(u64, u64)> {
 }
 
 fn read_v2(p: &Path, dev: Dev) -> Result<Counters> {
-    let s = std::fs::read_to_string(p).with_context(|| format!("cannot read {} (cgroup gone?)", p.display()))?;
+    let s = std::fs::read_to_string(p)
+        .with_context(|| format!("cannot read {} (cgroup gone?)", p.display()))?;
     let mut c = Counters::default();
     let key = dev.to_string();
-    if let Some(l) = s.lines().find(|l| l.split_whitespace().next() == Some(&key)) {
+    if let Some(l) = s
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(&key))
+    {
         for kv in l.split_whitespace().skip(1) {
-            let Some((k, v)) = kv.split_once('=') else { continue };
+            let Some((k, v)) = kv.split_once('=') else {
+                continue;
+            };
             let v: u64 = v.parse().unwrap_or(0);
             match k {
                 "rbytes" => c.rbytes = v,
@@ -144,15 +210,21 @@ pub struct Qmp {
 
 impl Qmp {
     pub fn connect(socket: &Path, device: &str) -> Result<Qmp> {
-        let s = UnixStream::connect(socket).with_context(|| format!("cannot connect to QMP at {}", socket.display()))?;
+        let s = UnixStream::connect(socket)
+            .with_context(|| format!("cannot connect to QMP at {}", socket.display()))?;
         s.set_read_timeout(Some(Duration::from_secs(5)))?;
-        let mut q = Qmp { r: BufReader::new(s.try_clone()?), w: s, device: device.into() };
+        let mut q = Qmp {
+            r: BufReader::new(s.try_clone()?),
+            w: s,
+            device: device.into(),
+        };
         let greeting = q.line()?;
         if greeting.get("QMP").is_none() {
             bail!("{} is not a QMP socket", socket.display());
         }
         q.execute("qmp_capabilities", serde_json::json!({}))?;
-        q.stats().with_context(|| format!("QEMU has no drive {device}"))?;
+        q.stats()
+            .with_context(|| format!("QEMU has no drive {device}"))?;
         Ok(q)
     }
 
@@ -175,7 +247,10 @@ impl Qmp {
             if let Some(e) = v.get("error") {
                 bail!("QMP {cmd}: {}", e["desc"].as_str().unwrap_or("error"));
             }
-            return v.get("return").cloned().ok_or_else(|| anyhow!("QMP {cmd}: no return"));
+            return v
+                .get("return")
+                .cloned()
+                .ok_or_else(|| anyhow!("QMP {cmd}: no return"));
         }
     }
 
@@ -184,16 +259,32 @@ impl Qmp {
         let d = self.device.clone();
         let e = r
             .as_array()
-            .and_then(|a| a.iter().find(|e| e["device"] == d.as_str() || e["qdev"] == d.as_str() || e["node-name"] == d.as_str()))
+            .and_then(|a| {
+                a.iter().find(|e| {
+                    e["device"] == d.as_str()
+                        || e["qdev"] == d.as_str()
+                        || e["node-name"] == d.as_str()
+                })
+            })
             .ok_or_else(|| anyhow!("no drive {d} in query-blockstats"))?;
         let s = &e["stats"];
         let n = |k: &str| s[k].as_u64().unwrap_or(0);
-        Ok(Counters { rbytes: n("rd_bytes"), wbytes: n("wr_bytes"), rios: n("rd_operations"), wios: n("wr_operations"), io_time_ns: Some(n("rd_total_time_ns") + n("wr_total_time_ns")) })
+        Ok(Counters {
+            rbytes: n("rd_bytes"),
+            wbytes: n("wr_bytes"),
+            rios: n("rd_operations"),
+            wios: n("wr_operations"),
+            io_time_ns: Some(n("rd_total_time_ns") + n("wr_total_time_ns")),
+        })
     }
 
     pub fn throttle(&mut self, l: &Limit) -> Result<()> {
         let v = |x: Option<u64>| x.unwrap_or(0);
-        let key = if self.device.starts_with('/') { "id" } else { "device" };
+        let key = if self.device.starts_with('/') {
+            "id"
+        } else {
+            "device"
+        };
         self.execute(
             "block_set_io_throttle",
             serde_json::json!({key: self.device, "bps": 0, "bps_rd": v(l.rbps), "bps_wr": v(l.wbps), "iops": 0, "iops_rd": v(l.riops), "iops_wr": v(l.wiops)}),

@@ -18,14 +18,20 @@ impl std::fmt::Display for Dev {
 impl Dev {
     pub fn parse(s: &str) -> Result<Dev> {
         let d = if let Some((a, b)) = s.split_once(':').filter(|_| !s.starts_with('/')) {
-            Dev { major: a.parse().context("bad major number")?, minor: b.parse().context("bad minor number")? }
+            Dev {
+                major: a.parse().context("bad major number")?,
+                minor: b.parse().context("bad minor number")?,
+            }
         } else {
             let m = std::fs::metadata(s).with_context(|| format!("unknown device {s}"))?;
             if !m.file_type().is_block_device() {
                 bail!("{s} is not a block device");
             }
             let r = m.rdev();
-            Dev { major: libc::major(r), minor: libc::minor(r) }
+            Dev {
+                major: libc::major(r),
+                minor: libc::minor(r),
+            }
         };
         if !std::path::Path::new(&format!("/sys/dev/block/{d}")).exists() {
             bail!("unknown device {s}: no block device {d} on this host");

@@ -4,6 +4,7 @@
 //! `guarantee` policy that keeps every tenant at its minimum.
 
 pub mod backend;
+pub mod control;
 pub mod device;
 pub mod policy;
 pub mod spec;

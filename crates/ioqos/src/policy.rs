@@ -79,7 +79,12 @@ pub struct PaperConfig {
 
 impl Default for PaperConfig {
     fn default() -> Self {
-        PaperConfig { border: 0.9, rate: 0.5, cap_time_s: 60.0, cap_interval_s: 5.0 }
+        PaperConfig {
+            border: 0.9,
+            rate: 0.5,
+            cap_time_s: 60.0,
+            cap_interval_s: 5.0,
+        }
     }
 }
 
@@ -93,7 +98,12 @@ pub struct Paper {
 
 impl Paper {
     pub fn new(cfg: PaperConfig, model: Model, n: usize) -> Paper {
-        Paper { cfg, model, bw: vec![None; n], io: vec![None; n] }
+        Paper {
+            cfg,
+            model,
+            bw: vec![None; n],
+            io: vec![None; n],
+        }
     }
 
     /// One cap_interval: what each tenant did; the caps to apply.
@@ -106,7 +116,12 @@ impl Paper {
                 }
             }
         }
-        let top = |f: &dyn Fn(&Obs) -> f64| obs.iter().enumerate().max_by(|a, b| f(a.1).total_cmp(&f(b.1))).map(|(i, o)| (i, f(o)));
+        let top = |f: &dyn Fn(&Obs) -> f64| {
+            obs.iter()
+                .enumerate()
+                .max_by(|a, b| f(a.1).total_cmp(&f(b.1)))
+                .map(|(i, o)| (i, f(o)))
+        };
         let b_sum: f64 = obs.iter().map(|o| o.bps()).sum();
         if b_sum > self.cfg.border * self.model.max_bps {
             if let Some((i, b)) = top(&|o: &Obs| o.bps()) {
@@ -119,7 +134,12 @@ impl Paper {
                 self.io[i] = Some((self.cfg.rate * v, self.cfg.cap_time_s));
             }
         }
-        (0..obs.len()).map(|i| Cap { bps: self.bw[i].map(|c| c.0), iops: self.io[i].map(|c| c.0) }).collect()
+        (0..obs.len())
+            .map(|i| Cap {
+                bps: self.bw[i].map(|c| c.0),
+                iops: self.io[i].map(|c| c.0),
+            })
+            .collect()
     }
 }
 
@@ -139,7 +159,12 @@ pub struct GuaranteeConfig {
 
 impl Default for GuaranteeConfig {
     fn default() -> Self {
-        GuaranteeConfig { busy: 0.85, starved_below: 0.95, release_after: 3, release_step: 1.15 }
+        GuaranteeConfig {
+            busy: 0.85,
+            starved_below: 0.95,
+            release_after: 3,
+            release_step: 1.15,
+        }
     }
 }
 
@@ -164,7 +189,14 @@ pub struct Guarantee {
 impl Guarantee {
     pub fn new(cfg: GuaranteeConfig, model: Model, mins: Vec<Min>) -> Guarantee {
         let n = mins.len();
-        Guarantee { cfg, model, mins, caps: vec![None; n], calm: 0, starved: vec![false; n] }
+        Guarantee {
+            cfg,
+            model,
+            mins,
+            caps: vec![None; n],
+            calm: 0,
+            starved: vec![false; n],
+        }
     }
 
     fn min_cost(&self, i: usize) -> f64 {
@@ -187,21 +219,49 @@ impl Guarantee {
     /// of what the minimums of the active tenants leave.
     pub fn entitlement(&self, obs: &[Obs]) -> Vec<f64> {
         let active: Vec<bool> = obs.iter().map(|o| o.active()).collect();
-        let sum_min: f64 = (0..obs.len()).filter(|&i| active[i]).map(|i| self.min_cost(i)).sum();
-        let sum_w: f64 = (0..obs.len()).filter(|&i| active[i]).map(|i| self.mins[i].weight).sum::<f64>().max(1e-9);
+        let sum_min: f64 = (0..obs.len())
+            .filter(|&i| active[i])
+            .map(|i| self.min_cost(i))
+            .sum();
+        let sum_w: f64 = (0..obs.len())
+            .filter(|&i| active[i])
+            .map(|i| self.mins[i].weight)
+            .sum::<f64>()
+            .max(1e-9);
         let spare = (1.0 - sum_min).max(0.0);
-        (0..obs.len()).map(|i| self.min_cost(i) + if active[i] { spare * self.mins[i].weight / sum_w } else { 0.0 }).collect()
+        (0..obs.len())
+            .map(|i| {
+                self.min_cost(i)
+                    + if active[i] {
+                        spare * self.mins[i].weight / sum_w
+                    } else {
+                        0.0
+                    }
+            })
+            .collect()
     }
 
     pub fn step(&mut self, obs: &[Obs]) -> Vec<Cap> {
         let cost: Vec<f64> = obs.iter().map(|o| self.model.cost(o)).collect();
         let busy = cost.iter().sum::<f64>() >= self.cfg.busy;
         // Starved: has demand, is below its minimum, and is not held there by our own cap.
-        self.starved = (0..obs.len()).map(|i| obs[i].active() && self.below_min(i, &obs[i]) && self.caps[i].is_none() && busy).collect();
+        self.starved = (0..obs.len())
+            .map(|i| {
+                obs[i].active() && self.below_min(i, &obs[i]) && self.caps[i].is_none() && busy
+            })
+            .collect();
         let ent = self.entitlement(obs);
         if self.starved.iter().any(|s| *s) {
             self.calm = 0;
             for i in 0..obs.len() {
+                // A cap its tenant no longer presses against (burst over) is let go step by step.
+                if let Some(c) = self.caps[i] {
+                    if cost[i] < 0.5 * c {
+                        let v = c * self.cfg.release_step;
+                        self.caps[i] = (v < 1.0).then_some(v);
+                        continue;
+                    }
+                }
                 if self.starved[i] || cost[i] <= ent[i] {
                     continue;
                 }
@@ -231,9 +291,15 @@ impl Guarantee {
                     let c = cost[i].max(1e-9);
                     if o.active() {
                         let f = share / c;
-                        Cap { bps: Some((o.bps() * f).max(1.0)), iops: Some((o.iops() * f).max(1.0)) }
+                        Cap {
+                            bps: Some((o.bps() * f).max(1.0)),
+                            iops: Some((o.iops() * f).max(1.0)),
+                        }
                     } else {
-                        Cap { bps: Some(share * self.model.max_bps), iops: Some(share * self.model.max_iops) }
+                        Cap {
+                            bps: Some(share * self.model.max_bps),
+                            iops: Some(share * self.model.max_iops),
+                        }
                     }
                 }
             })
@@ -245,10 +311,17 @@ impl Guarantee {
 mod tests {
     use super::*;
 
-    const M: Model = Model { max_iops: 1000.0, max_bps: 100e6 };
+    const M: Model = Model {
+        max_iops: 1000.0,
+        max_bps: 100e6,
+    };
 
     fn w(bps: f64, iops: f64) -> Obs {
-        Obs { wbps: bps, wiops: iops, ..Default::default() }
+        Obs {
+            wbps: bps,
+            wiops: iops,
+            ..Default::default()
+        }
     }
 
     #[test]
@@ -263,7 +336,10 @@ mod tests {
         assert_eq!(c[0].bps, Some(25e6));
         // Below the border: nothing new, the cap runs out after 60 s.
         for _ in 0..11 {
-            assert_eq!(p.step(&[w(25e6, 10.0), w(20e6, 10.0), w(20e6, 10.0)], 5.0)[0].bps, Some(25e6));
+            assert_eq!(
+                p.step(&[w(25e6, 10.0), w(20e6, 10.0), w(20e6, 10.0)], 5.0)[0].bps,
+                Some(25e6)
+            );
         }
         assert!(p.step(&[w(25e6, 10.0), w(20e6, 10.0), w(20e6, 10.0)], 5.0)[0].is_none());
         // IOPS independently.
@@ -273,16 +349,29 @@ mod tests {
 
     #[test]
     fn guarantee_caps_only_while_someone_starves_and_releases_gradually() {
-        let mins = vec![Min { bps: 20e6, iops: 0.0, weight: 1.0 }; 3];
+        let mins = vec![
+            Min {
+                bps: 20e6,
+                iops: 0.0,
+                weight: 1.0
+            };
+            3
+        ];
         let mut g = Guarantee::new(GuaranteeConfig::default(), M, mins);
         // Busy but everyone at their minimum: no caps.
-        assert!(g.step(&[w(40e6, 300.0), w(25e6, 200.0), w(25e6, 200.0)]).iter().all(|c| c.is_none()));
+        assert!(g
+            .step(&[w(40e6, 300.0), w(25e6, 200.0), w(25e6, 200.0)])
+            .iter()
+            .all(|c| c.is_none()));
         // Tenant 0 hogs the device (64 KiB writes), 1 and 2 starve.
         let hog = [w(80e6, 1200.0), w(5e6, 80.0), w(5e6, 80.0)];
         let c = g.step(&hog);
         assert!(g.starved[1] && g.starved[2] && !g.starved[0]);
         let first = c[0].bps.unwrap();
-        assert!(first < 80e6 && first >= 20e6, "capped, never below its minimum: {first}");
+        assert!(
+            first < 80e6 && first >= 20e6,
+            "capped, never below its minimum: {first}"
+        );
         assert!(c[1].is_none() && c[2].is_none());
         // Still starving: the cap tightens further.
         let c = g.step(&hog);
@@ -312,19 +401,66 @@ mod tests {
     #[test]
     fn guarantee_charges_small_ios_by_their_cost() {
         // 4 KiB I/O: 900 IOPS is only 3.7 MB/s but 90% of the device.
-        let mins = vec![Min { bps: 20e6, iops: 0.0, weight: 1.0 }; 2];
+        let mins = vec![
+            Min {
+                bps: 20e6,
+                iops: 0.0,
+                weight: 1.0
+            };
+            2
+        ];
         let mut g = Guarantee::new(GuaranteeConfig::default(), M, mins);
         let c = g.step(&[w(3.7e6, 900.0), w(5e6, 80.0)]);
         assert!(g.starved[1]);
-        assert!(c[0].iops.unwrap() < 900.0, "the 4 KiB tenant is the one capped: {c:?}");
+        assert!(
+            c[0].iops.unwrap() < 900.0,
+            "the 4 KiB tenant is the one capped: {c:?}"
+        );
+    }
+
+    #[test]
+    fn a_burst_that_ends_loses_its_cap_even_while_another_starves() {
+        let mins = vec![
+            Min {
+                bps: 90e6,
+                iops: 0.0,
+                weight: 1.0,
+            },
+            Min {
+                bps: 1e6,
+                iops: 0.0,
+                weight: 1.0,
+            },
+        ];
+        let mut g = Guarantee::new(GuaranteeConfig::default(), M, mins);
+        assert!(!g.step(&[w(30e6, 500.0), w(70e6, 1100.0)])[1].is_none());
+        // The burst is over; tenant 0 still wants more than the device gives.
+        let mut gone = false;
+        for _ in 0..40 {
+            if g.step(&[w(80e6, 1250.0), Obs::default()])[1].is_none() {
+                gone = true;
+                break;
+            }
+        }
+        assert!(gone);
     }
 
     #[test]
     fn idle_device_or_idle_tenant_is_not_starvation() {
-        let mins = vec![Min { bps: 20e6, iops: 0.0, weight: 1.0 }; 2];
+        let mins = vec![
+            Min {
+                bps: 20e6,
+                iops: 0.0,
+                weight: 1.0
+            };
+            2
+        ];
         let mut g = Guarantee::new(GuaranteeConfig::default(), M, mins);
         // Below minimum but the device is nearly idle: the tenant just wants less.
-        assert!(g.step(&[w(10e6, 100.0), w(1e6, 10.0)]).iter().all(|c| c.is_none()));
+        assert!(g
+            .step(&[w(10e6, 100.0), w(1e6, 10.0)])
+            .iter()
+            .all(|c| c.is_none()));
         assert!(!g.starved.iter().any(|s| *s));
     }
 }

@@ -34,9 +34,13 @@ pub const V2_ROOT: &str = "/sys/fs/cgroup";
 /// "20MiB" -> 20971520, "20M" -> 20000000, "512" -> 512.
 pub fn parse_rate(s: &str) -> Result<u64> {
     let t = s.trim().trim_end_matches("/s");
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let v: f64 = num.parse().with_context(|| format!("bad rate {s:?}: want e.g. 20MiB or 5000K"))?;
+    let v: f64 = num
+        .parse()
+        .with_context(|| format!("bad rate {s:?}: want e.g. 20MiB or 5000K"))?;
     let mult = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1.0,
         "k" | "kb" => 1e3,
@@ -52,14 +56,26 @@ pub fn parse_rate(s: &str) -> Result<u64> {
 
 fn location(s: &str) -> Result<Location> {
     if let Some(q) = s.strip_prefix("qmp:") {
-        let (sock, dev) = q.rsplit_once('@').with_context(|| format!("{s}: want qmp:SOCKET@DEVICE"))?;
+        let (sock, dev) = q
+            .rsplit_once('@')
+            .with_context(|| format!("{s}: want qmp:SOCKET@DEVICE"))?;
         if dev.is_empty() {
             bail!("{s}: no device after @");
         }
-        return Ok(Location::Qmp { socket: sock.into(), device: dev.into() });
+        return Ok(Location::Qmp {
+            socket: sock.into(),
+            device: dev.into(),
+        });
     }
     let p = PathBuf::from(s);
-    let cands = if p.is_absolute() { vec![p] } else { vec![PathBuf::from(V1_ROOT).join(s), PathBuf::from(V2_ROOT).join(s)] };
+    let cands = if p.is_absolute() {
+        vec![p]
+    } else {
+        vec![
+            PathBuf::from(V1_ROOT).join(s),
+            PathBuf::from(V2_ROOT).join(s),
+        ]
+    };
     for c in &cands {
         if c.join("blkio.throttle.io_service_bytes").exists() {
             return Ok(Location::CgroupV1(c.clone()));
@@ -68,14 +84,23 @@ fn location(s: &str) -> Result<Location> {
             return Ok(Location::CgroupV2(c.clone()));
         }
     }
-    bail!("cgroup {s} not found (looked for {})", cands.iter().map(|c| c.display().to_string()).collect::<Vec<_>>().join(", "))
+    bail!(
+        "cgroup {s} not found (looked for {})",
+        cands
+            .iter()
+            .map(|c| c.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    )
 }
 
 /// Parse the tenant list; every location must exist now.
 pub fn parse(spec: &str) -> Result<Vec<Tenant>> {
     let mut out: Vec<Tenant> = Vec::new();
     for item in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
-        let (name, rest) = item.split_once('=').with_context(|| format!("tenant {item:?}: want NAME=LOCATION[:min=RATE][:weight=W]"))?;
+        let (name, rest) = item.split_once('=').with_context(|| {
+            format!("tenant {item:?}: want NAME=LOCATION[:min=RATE][:weight=W]")
+        })?;
         if name.is_empty() || out.iter().any(|t| t.name == name) {
             bail!("tenant names must be unique and not empty ({name:?})");
         }
@@ -86,14 +111,26 @@ pub fn parse(spec: &str) -> Result<Vec<Tenant>> {
             opts.push(parts.pop().unwrap());
         }
         let loc = parts.join(":");
-        let mut t = Tenant { name: name.into(), location: location(&loc).with_context(|| format!("tenant {name}"))?, min_bps: 0, min_iops: 0, weight: 1.0 };
+        let mut t = Tenant {
+            name: name.into(),
+            location: location(&loc).with_context(|| format!("tenant {name}"))?,
+            min_bps: 0,
+            min_iops: 0,
+            weight: 1.0,
+        };
         for o in opts {
             let (k, v) = o.split_once('=').unwrap();
             match k {
                 "min" => t.min_bps = parse_rate(v).with_context(|| format!("tenant {name}"))?,
-                "min-iops" => t.min_iops = v.parse().with_context(|| format!("tenant {name}: bad min-iops {v:?}"))?,
+                "min-iops" => {
+                    t.min_iops = v
+                        .parse()
+                        .with_context(|| format!("tenant {name}: bad min-iops {v:?}"))?
+                }
                 "weight" => {
-                    t.weight = v.parse().ok().filter(|w: &f64| *w > 0.0).with_context(|| format!("tenant {name}: weight must be a positive number"))?;
+                    t.weight = v.parse().ok().filter(|w: &f64| *w > 0.0).with_context(|| {
+                        format!("tenant {name}: weight must be a positive number")
+                    })?;
                 }
                 _ => bail!("tenant {name}: unknown option {k:?} (min, min-iops, weight)"),
             }
@@ -123,12 +160,20 @@ mod tests {
     #[test]
     fn qmp_tenants_and_errors() {
         let t = parse("vm1=qmp:/run/vm1.sock@drive0:min=10MiB:weight=2").unwrap();
-        assert_eq!(t[0].location, Location::Qmp { socket: "/run/vm1.sock".into(), device: "drive0".into() });
+        assert_eq!(
+            t[0].location,
+            Location::Qmp {
+                socket: "/run/vm1.sock".into(),
+                device: "drive0".into()
+            }
+        );
         assert_eq!((t[0].min_bps, t[0].weight), (10 << 20, 2.0));
         assert!(parse("").is_err());
         assert!(parse("a=qmp:/x@d,a=qmp:/y@d").is_err(), "duplicate names");
         assert!(format!("{:#}", parse("a=/no/such/cgroup").unwrap_err()).contains("not found"));
-        assert!(format!("{:#}", parse("a=qmp:/x@d:speed=1").unwrap_err()).contains("unknown option"));
+        assert!(
+            format!("{:#}", parse("a=qmp:/x@d:speed=1").unwrap_err()).contains("unknown option")
+        );
         assert!(parse("a=qmp:/x@d:weight=0").is_err());
     }
 }

@@ -1,0 +1,385 @@
+//! The controller loop: measure every tenant each interval, let the policy
+//! decide, apply caps through each tenant's backend, publish the state for
+//! `pagefleet ioqos status`, and remove every cap on exit.
+
+use crate::backend::{Backend, Counters, Limit};
+use crate::device::Dev;
+use crate::policy::{Cap, Guarantee, GuaranteeConfig, Min, Model, Obs, Paper, PaperConfig};
+use crate::spec::Tenant;
+use anyhow::{Context, Result};
+use serde::Serialize;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+use tracing::{info, warn};
+
+pub const DEFAULT_STATE: &str = "/run/pagefleet/ioqos.json";
+
+#[derive(Clone, Debug)]
+pub enum Policy {
+    /// Measure only (the "no control" baseline).
+    Observe,
+    Paper(PaperConfig),
+    Guarantee(GuaranteeConfig),
+}
+
+#[derive(Clone, Debug)]
+pub struct Options {
+    pub dev: Dev,
+    pub tenants: Vec<Tenant>,
+    pub policy: Policy,
+    pub model: Model,
+    /// Guarantee: decision interval (paper: its cap_interval).
+    pub interval: Duration,
+    pub state_file: Option<PathBuf>,
+    pub duration: Option<Duration>,
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct TenantState {
+    pub name: String,
+    pub backend: String,
+    pub bps: f64,
+    pub iops: f64,
+    /// Mean time per request over the interval, ms (QMP only).
+    pub latency_ms: Option<f64>,
+    pub cap_bps: Option<f64>,
+    pub cap_iops: Option<f64>,
+    pub capped_s: f64,
+    pub starved: bool,
+    pub error: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct State {
+    pub pid: u32,
+    pub policy: String,
+    pub device: String,
+    pub model: Model,
+    pub device_share_used: f64,
+    pub tenants: Vec<TenantState>,
+    pub updated_unix: u64,
+}
+
+/// Measure the device's limits with direct reads (safe on a device in use):
+/// random 4 KiB at depth 16 for IOPS, sequential 1 MiB at depth 4 for bandwidth.
+pub fn calibrate(path: &Path, secs: f64) -> Result<Model> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+        .with_context(|| format!("cannot open {} for calibration", path.display()))?;
+    let size = {
+        use std::io::Seek;
+        let mut g = f.try_clone()?;
+        g.seek(std::io::SeekFrom::End(0))?
+    };
+    if size < 8 << 20 {
+        anyhow::bail!(
+            "{} is too small to calibrate ({} bytes)",
+            path.display(),
+            size
+        );
+    }
+    let run = |bs: usize, threads: usize, random: bool| -> Result<(f64, f64)> {
+        let stop = AtomicBool::new(false);
+        let t0 = Instant::now();
+        let (ios, bytes) = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..threads)
+                .map(|t| {
+                    let (f, stop) = (&f, &stop);
+                    s.spawn(move || -> (u64, u64) {
+                        let layout = std::alloc::Layout::from_size_align(bs, 4096).unwrap();
+                        // SAFETY: aligned buffer for O_DIRECT, freed below.
+                        let buf = unsafe { std::alloc::alloc(layout) };
+                        let mut x = 0x9E37_79B9_7F4A_7C15u64 ^ t as u64;
+                        let blocks = size / bs as u64;
+                        let mut off = (t as u64 * blocks / threads as u64) * bs as u64;
+                        let (mut n, mut b) = (0u64, 0u64);
+                        while !stop.load(Ordering::Relaxed) {
+                            if random {
+                                x ^= x << 13;
+                                x ^= x >> 7;
+                                x ^= x << 17;
+                                off = (x % blocks) * bs as u64;
+                            } else {
+                                off = (off + bs as u64) % (blocks * bs as u64);
+                            }
+                            use std::os::unix::fs::FileExt;
+                            // SAFETY: buf is bs bytes.
+                            let s = unsafe { std::slice::from_raw_parts_mut(buf, bs) };
+                            match f.read_at(s, off) {
+                                Ok(k) if k > 0 => {
+                                    n += 1;
+                                    b += k as u64;
+                                }
+                                _ => break,
+                            }
+                        }
+                        unsafe { std::alloc::dealloc(buf, layout) };
+                        (n, b)
+                    })
+                })
+                .collect();
+            std::thread::sleep(Duration::from_secs_f64(secs / 2.0));
+            stop.store(true, Ordering::Relaxed);
+            hs.into_iter()
+                .map(|h| h.join().unwrap_or((0, 0)))
+                .fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1))
+        });
+        let dt = t0.elapsed().as_secs_f64();
+        Ok((ios as f64 / dt, bytes as f64 / dt))
+    };
+    let (iops, _) = run(4096, 16, true)?;
+    let (_, bps) = run(1 << 20, 4, false)?;
+    if iops < 1.0 || bps < 1.0 {
+        anyhow::bail!("calibration of {} read nothing", path.display());
+    }
+    Ok(Model {
+        max_iops: iops,
+        max_bps: bps,
+    })
+}
+
+enum Engine {
+    Observe,
+    Paper(Paper),
+    Guarantee(Guarantee),
+}
+
+/// A cap as per-direction limits, split by the tenant's read/write mix.
+fn limit(cap: &Cap, o: &Obs) -> Limit {
+    let rshare = if o.iops() > 0.0 {
+        (o.riops / o.iops()).clamp(0.05, 0.95)
+    } else {
+        0.5
+    };
+    let split = |v: Option<f64>, share: f64| v.map(|v| (v * share).max(1.0) as u64);
+    Limit {
+        rbps: split(cap.bps, rshare),
+        wbps: split(cap.bps, 1.0 - rshare),
+        riops: split(cap.iops, rshare),
+        wiops: split(cap.iops, 1.0 - rshare),
+    }
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+pub fn run(o: &Options, stop: &AtomicBool, mut on_tick: impl FnMut(&State)) -> Result<()> {
+    let n = o.tenants.len();
+    let mut backends: Vec<Option<Backend>> = Vec::new();
+    for t in &o.tenants {
+        backends.push(
+            match Backend::open(&t.location).and_then(|mut b| b.attach(o.dev).map(|_| b)) {
+                Ok(b) => Some(b),
+                Err(e) => {
+                    warn!("tenant {}: {e:#}; will retry", t.name);
+                    None
+                }
+            },
+        );
+    }
+    let (policy_name, mut engine, interval) = match &o.policy {
+        Policy::Observe => ("observe".to_string(), Engine::Observe, o.interval),
+        Policy::Paper(c) => (
+            "paper".to_string(),
+            Engine::Paper(Paper::new(c.clone(), o.model, n)),
+            Duration::from_secs_f64(c.cap_interval_s),
+        ),
+        Policy::Guarantee(c) => {
+            let mins = o
+                .tenants
+                .iter()
+                .map(|t| Min {
+                    bps: t.min_bps as f64,
+                    iops: t.min_iops as f64,
+                    weight: t.weight,
+                })
+                .collect();
+            (
+                "guarantee".to_string(),
+                Engine::Guarantee(Guarantee::new(c.clone(), o.model, mins)),
+                o.interval,
+            )
+        }
+    };
+    let mut last: Vec<Option<Counters>> = vec![None; n];
+    let mut applied: Vec<Limit> = vec![Limit::none(); n];
+    let mut st = State {
+        pid: std::process::id(),
+        policy: policy_name,
+        device: o.dev.to_string(),
+        model: o.model,
+        device_share_used: 0.0,
+        tenants: o
+            .tenants
+            .iter()
+            .map(|t| TenantState {
+                name: t.name.clone(),
+                ..Default::default()
+            })
+            .collect(),
+        updated_unix: 0,
+    };
+    let started = Instant::now();
+    let mut t_last = Instant::now();
+    let result = loop {
+        let dt = t_last.elapsed().as_secs_f64().max(1e-3);
+        t_last = Instant::now();
+        let mut obs = vec![Obs::default(); n];
+        for i in 0..n {
+            let t = &o.tenants[i];
+            if backends[i].is_none() {
+                backends[i] = Backend::open(&t.location)
+                    .and_then(|mut b| b.attach(o.dev).map(|_| b))
+                    .ok();
+            }
+            let Some(b) = backends[i].as_mut() else {
+                st.tenants[i].error = Some("not reachable (cgroup or QEMU gone?)".into());
+                continue;
+            };
+            st.tenants[i].backend = b.kind().into();
+            match b.read(o.dev) {
+                Ok(c) => {
+                    if let Some(p) = last[i] {
+                        let d = |a: u64, b: u64| a.saturating_sub(b) as f64 / dt;
+                        obs[i] = Obs {
+                            rbps: d(c.rbytes, p.rbytes),
+                            wbps: d(c.wbytes, p.wbytes),
+                            riops: d(c.rios, p.rios),
+                            wiops: d(c.wios, p.wios),
+                        };
+                        let ios = (c.rios + c.wios).saturating_sub(p.rios + p.wios);
+                        st.tenants[i].latency_ms = match (c.io_time_ns, p.io_time_ns) {
+                            (Some(a), Some(b)) if ios > 0 => {
+                                Some(a.saturating_sub(b) as f64 / ios as f64 / 1e6)
+                            }
+                            _ => None,
+                        };
+                    }
+                    last[i] = Some(c);
+                    st.tenants[i].error = None;
+                }
+                Err(e) => {
+                    if st.tenants[i].error.is_none() {
+                        warn!("tenant {}: {e:#}", t.name);
+                    }
+                    st.tenants[i].error = Some(format!("{e:#}"));
+                    backends[i] = None;
+                    last[i] = None;
+                }
+            }
+        }
+        let caps: Vec<Cap> = match &mut engine {
+            Engine::Observe => vec![Cap::default(); n],
+            Engine::Paper(p) => p.step(&obs, dt),
+            Engine::Guarantee(g) => {
+                let c = g.step(&obs);
+                for i in 0..n {
+                    st.tenants[i].starved = g.starved[i];
+                }
+                c
+            }
+        };
+        for i in 0..n {
+            let l = limit(&caps[i], &obs[i]);
+            // Rewrite only on a real change (5%), and always when a cap goes.
+            let changed = l.is_none() != applied[i].is_none() || differs(&l, &applied[i]);
+            if changed {
+                if let Some(b) = backends[i].as_mut() {
+                    match b.set(o.dev, &l) {
+                        Ok(()) => {
+                            if l.is_none() != applied[i].is_none() {
+                                info!(
+                                    "tenant {}: {}",
+                                    o.tenants[i].name,
+                                    if l.is_none() {
+                                        "cap removed".to_string()
+                                    } else {
+                                        format!(
+                                            "capped at {:.1} MB/s, {:.0} IOPS",
+                                            caps[i].bps.unwrap_or(0.0) / 1e6,
+                                            caps[i].iops.unwrap_or(0.0)
+                                        )
+                                    }
+                                );
+                            }
+                            applied[i] = l;
+                        }
+                        Err(e) => warn!("tenant {}: {e:#}", o.tenants[i].name),
+                    }
+                }
+            }
+            let ts = &mut st.tenants[i];
+            ts.bps = obs[i].bps();
+            ts.iops = obs[i].iops();
+            ts.cap_bps = caps[i].bps;
+            ts.cap_iops = caps[i].iops;
+            if !caps[i].is_none() {
+                ts.capped_s += dt;
+            }
+        }
+        st.device_share_used = obs.iter().map(|x| o.model.cost(x)).sum();
+        st.updated_unix = unix_now();
+        write_state(&o.state_file, &st);
+        on_tick(&st);
+        if sleep_until(interval, stop, o.duration.map(|d| started + d)) {
+            break Ok(());
+        }
+    };
+    // Nothing stays throttled (or ruled) after the controller is gone.
+    for i in 0..n {
+        if let Some(b) = backends[i].as_mut() {
+            if let Err(e) = b.detach(o.dev) {
+                warn!(
+                    "tenant {}: could not remove its cap: {e:#}",
+                    o.tenants[i].name
+                );
+            }
+        }
+    }
+    if let Some(p) = &o.state_file {
+        let _ = std::fs::remove_file(p);
+    }
+    result
+}
+
+fn differs(a: &Limit, b: &Limit) -> bool {
+    let f = |x: Option<u64>, y: Option<u64>| match (x, y) {
+        (Some(x), Some(y)) => (x as f64 - y as f64).abs() > 0.05 * y.max(1) as f64,
+        (None, None) => false,
+        _ => true,
+    };
+    f(a.rbps, b.rbps) || f(a.wbps, b.wbps) || f(a.riops, b.riops) || f(a.wiops, b.wiops)
+}
+
+fn write_state(path: &Option<PathBuf>, st: &State) {
+    let Some(p) = path else { return };
+    if let Some(d) = p.parent() {
+        let _ = std::fs::create_dir_all(d);
+    }
+    let tmp = p.with_extension("json.tmp");
+    if std::fs::write(&tmp, serde_json::to_vec_pretty(st).unwrap_or_default()).is_ok() {
+        let _ = std::fs::rename(&tmp, p);
+    }
+}
+
+fn sleep_until(d: Duration, stop: &AtomicBool, end: Option<Instant>) -> bool {
+    let until = Instant::now() + d;
+    loop {
+        if stop.load(Ordering::Relaxed) || end.is_some_and(|e| Instant::now() >= e) {
+            return true;
+        }
+        let now = Instant::now();
+        if now >= until {
+            return false;
+        }
+        std::thread::sleep((until - now).min(Duration::from_millis(50)));
+    }
+}
