@@ -334,13 +334,10 @@ pub fn run(o: &Options, stop: &AtomicBool, mut on_tick: impl FnMut(&State)) -> R
         }
     };
     // Nothing stays throttled (or ruled) after the controller is gone.
-    for i in 0..n {
-        if let Some(b) = backends[i].as_mut() {
+    for (b, t) in backends.iter_mut().zip(&o.tenants) {
+        if let Some(b) = b.as_mut() {
             if let Err(e) = b.detach(o.dev) {
-                warn!(
-                    "tenant {}: could not remove its cap: {e:#}",
-                    o.tenants[i].name
-                );
+                warn!("tenant {}: could not remove its cap: {e:#}", t.name);
             }
         }
     }

@@ -369,7 +369,7 @@ mod tests {
         assert!(g.starved[1] && g.starved[2] && !g.starved[0]);
         let first = c[0].bps.unwrap();
         assert!(
-            first < 80e6 && first >= 20e6,
+            (20e6..80e6).contains(&first),
             "capped, never below its minimum: {first}"
         );
         assert!(c[1].is_none() && c[2].is_none());
