@@ -663,6 +663,16 @@ fn goals(c: &[ConfigResult], o: &Opts) -> Vec<Goal> {
             adv.ksmd_cpu_mean_pct,
             "%",
         ));
+        // The same CPU for what it bought: the advisor may simply do less.
+        if adv.final_saved_mib >= 1.0 && a.final_saved_mib >= 1.0 {
+            let per = |c: &ConfigResult| c.ksmd_cpu_s / (c.final_saved_mib / 1024.0);
+            g.push(Goal::at_most(
+                "ksmd CPU s per GiB saved vs advisor",
+                per(a),
+                per(adv),
+                "s/GiB",
+            ));
+        }
     }
     g.push(Goal::at_least(
         "adaptive saves memory",
