@@ -129,8 +129,16 @@ impl Rig {
 impl Drop for Rig {
     fn drop(&mut self) {
         for g in &self.groups {
-            // Any process left in it first (fio is killed by its test).
+            // Any process left in it first (fio's job processes outlive a killed parent).
             for _ in 0..50 {
+                for pid in std::fs::read_to_string(g.join("cgroup.procs"))
+                    .unwrap_or_default()
+                    .lines()
+                    .filter_map(|l| l.trim().parse::<i32>().ok())
+                {
+                    // SAFETY: plain syscall on processes this test started in its own cgroup.
+                    unsafe { libc::kill(pid, libc::SIGKILL) };
+                }
                 if std::fs::remove_dir(g).is_ok() || !g.exists() {
                     break;
                 }
