@@ -186,6 +186,11 @@ fn load(addr: &str, keys: impl Iterator<Item = (String, Vec<u8>)>) -> Result<()>
     Ok(())
 }
 
+static INTERRUPTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+extern "C" fn on_signal(_: libc::c_int) {
+    INTERRUPTED.store(true, Relaxed);
+}
+
 /// The KSM policies compared.
 #[derive(Clone, Debug)]
 enum Policy {
@@ -476,6 +481,9 @@ fn run_one(
     let mut prev_t = 0.0;
     let mut samples = Vec::new();
     for k in 1..=o.duration_s {
+        if INTERRUPTED.load(Relaxed) {
+            bail!("interrupted");
+        }
         let until = t0 + Duration::from_secs(k);
         std::thread::sleep(until.saturating_duration_since(Instant::now()));
         let now = t0.elapsed().as_secs_f64();
@@ -568,6 +576,12 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
     let dir = o.out_dir.join("ksm-logs");
     std::fs::create_dir_all(&dir)?;
     let saved = Settings::save()?;
+    // Ctrl-C / SIGTERM end the run at the next second, with the host's KSM settings put back.
+    // SAFETY: the handler only stores to an atomic.
+    unsafe {
+        libc::signal(libc::SIGINT, on_signal as *const () as usize);
+        libc::signal(libc::SIGTERM, on_signal as *const () as usize);
+    }
     let m = Memory::read()?;
     let need = o.tenants as u64 * o.tenant_bytes;
     let leave = (m.total_kb as f64 * 1024.0 * o.leave_available) as u64;
@@ -584,11 +598,15 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
         Policy::Adaptive,
     ];
     let mut configs = Vec::new();
-    for p in policies.iter().filter(|p| {
-        o.only
-            .as_deref()
-            .is_none_or(|w| w.split(',').any(|w| p.name().contains(w.trim())))
-    }) {
+    for p in policies
+        .iter()
+        .filter(|_| !INTERRUPTED.load(Relaxed))
+        .filter(|p| {
+            o.only
+                .as_deref()
+                .is_none_or(|w| w.split(',').any(|w| p.name().contains(w.trim())))
+        })
+    {
         let r = run_one(p, o, &dir, log).unwrap_or_else(|e| {
             log(&format!("{}: FAILED: {e:#}", p.name()));
             ConfigResult {
