@@ -5,6 +5,7 @@
 
 pub mod blockdev;
 pub mod demo;
+pub mod ioqos;
 pub mod ksm;
 pub mod kvload;
 pub mod lab;

@@ -3,9 +3,7 @@
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
-use pagefleet_ioqos::control::{self, Options, Policy, DEFAULT_STATE};
-use pagefleet_ioqos::device::Dev;
-use pagefleet_ioqos::policy::{GuaranteeConfig, Model, PaperConfig};
+use pagefleet_ioqos::control::{self, Options, DEFAULT_STATE};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -33,6 +31,31 @@ pub enum IoqosCmd {
         json: bool,
         #[arg(long, default_value = DEFAULT_STATE)]
         state: PathBuf,
+    },
+    /// A slow shared disk with one FIFO queue (for trying the controllers
+    /// where parallelism takes the queue, as on paper 004's array): a file
+    /// on a FUSE filesystem served one request at a time, in arrival order,
+    /// each taking --per-io plus its size over --bandwidth, held in memory.
+    /// With --loop it is attached as a loop device with direct I/O, whose
+    /// path is printed; runs until interrupted, then detaches and unmounts.
+    ///
+    ///   pagefleet ioqos fifodisk --dir /run/fifo --size 1GiB --bandwidth 48MiB --per-io 0.2 --loop
+    #[command(verbatim_doc_comment)]
+    Fifodisk {
+        /// Mount point (created if missing); the disk is DIR/disk.
+        #[arg(long)]
+        dir: PathBuf,
+        #[arg(long, default_value = "1GiB", value_parser = pagefleet_daemon::units::parse_size)]
+        size: u64,
+        /// Transfer rate, bytes per second (e.g. 48MiB).
+        #[arg(long, default_value = "48MiB", value_parser = pagefleet_daemon::units::parse_size)]
+        bandwidth: u64,
+        /// Fixed cost of every request, milliseconds.
+        #[arg(long, default_value_t = 0.2)]
+        per_io: f64,
+        /// Attach a loop device (direct I/O) over the disk and print its path.
+        #[arg(long = "loop")]
+        attach_loop: bool,
     },
 }
 
@@ -81,87 +104,34 @@ extern "C" fn on_signal(_: libc::c_int) {
     STOP.store(true, Ordering::Relaxed);
 }
 
-fn share(what: &str, s: &str) -> Result<f64> {
-    pagefleet_ksm::parse_share(what, s)
-}
-
 pub fn options(o: &RunOpts) -> Result<Options> {
-    let dev = Dev::parse(&o.device)?;
-    let tenants = pagefleet_ioqos::spec::parse(&o.tenants)?;
-    let policy = match o.policy.as_str() {
-        "guarantee" => Policy::Guarantee(GuaranteeConfig::default()),
-        "observe" => Policy::Observe,
-        "paper" => {
-            if !(o.rate > 0.0 && o.rate < 1.0) {
-                bail!("--rate must be between 0 and 1 (exclusive)");
-            }
-            if !(o.cap_interval > 0.0 && o.cap_time > o.cap_interval) {
-                bail!("the paper requires cap_time > cap_interval > 0");
-            }
-            Policy::Paper(PaperConfig {
-                border: share("--border", &o.border)?,
-                rate: o.rate,
-                cap_time_s: o.cap_time,
-                cap_interval_s: o.cap_interval,
-            })
-        }
-        p => bail!("unknown --policy {p}: guarantee, paper or observe"),
+    let spec = control::Spec {
+        device: o.device.clone(),
+        tenants: o.tenants.clone(),
+        policy: o.policy.clone(),
+        model: o.model.clone(),
+        calibrate_secs: o.calibrate_secs,
+        interval: o.interval,
+        border: o.border.clone(),
+        rate: o.rate,
+        cap_time: o.cap_time,
+        cap_interval: o.cap_interval,
     };
-    if !(o.interval > 0.0 && o.interval <= 60.0) {
-        bail!("--interval must be between 0 and 60 seconds");
-    }
-    if o.duration.is_nan() || o.duration < 0.0 {
-        bail!("--duration must not be negative");
-    }
-    let model = match &o.model {
-        Some(m) => {
-            let (i, b) = m
-                .split_once(',')
-                .context("--model wants MAX_IOPS,MAX_BYTES_PER_S (e.g. 2000,200MiB)")?;
-            let iops: f64 = i
-                .trim()
-                .parse()
-                .ok()
-                .filter(|v: &f64| *v > 0.0)
-                .context("--model: MAX_IOPS must be a positive number")?;
-            let bps = pagefleet_ioqos::spec::parse_rate(b)? as f64;
-            if bps <= 0.0 {
-                bail!("--model: MAX_BYTES_PER_S must be positive");
-            }
-            Model {
-                max_iops: iops,
-                max_bps: bps,
-            }
-        }
-        None => {
-            let path = if o.device.starts_with('/') {
-                PathBuf::from(&o.device)
-            } else {
-                PathBuf::from(format!("/dev/block/{dev}"))
-            };
-            eprintln!(
-                "calibrating {} for {:.0} s (direct reads)...",
-                path.display(),
-                o.calibrate_secs
-            );
-            let m = control::calibrate(&path, o.calibrate_secs.max(0.5))?;
-            eprintln!(
-                "device model: {:.0} IOPS (4 KiB random), {:.1} MB/s (1 MiB sequential)",
-                m.max_iops,
-                m.max_bps / 1e6
-            );
-            m
-        }
+    let duration = if o.duration.is_nan() || o.duration < 0.0 {
+        bail!("--duration must not be negative")
+    } else {
+        (o.duration > 0.0).then(|| Duration::from_secs_f64(o.duration))
     };
-    Ok(Options {
-        dev,
-        tenants,
-        policy,
-        model,
-        interval: Duration::from_secs_f64(o.interval),
-        state_file: Some(o.state.clone()),
-        duration: (o.duration > 0.0).then(|| Duration::from_secs_f64(o.duration)),
-    })
+    let mut opts = spec.options(Some(o.state.clone()), duration)?;
+    if o.model.is_none() {
+        eprintln!(
+            "device model: {:.0} IOPS (4 KiB random), {:.1} MB/s (1 MiB sequential)",
+            opts.model.max_iops,
+            opts.model.max_bps / 1e6
+        );
+    }
+    opts.duration = duration;
+    Ok(opts)
 }
 
 pub fn main(c: IoqosCmd) -> Result<()> {
@@ -181,6 +151,13 @@ pub fn main(c: IoqosCmd) -> Result<()> {
             }
             control::run(&opts, &STOP, |_| {})
         }
+        IoqosCmd::Fifodisk {
+            dir,
+            size,
+            bandwidth,
+            per_io,
+            attach_loop,
+        } => fifodisk(&dir, size, bandwidth, per_io, attach_loop),
         IoqosCmd::Status { json, state } => {
             let v: serde_json::Value = std::fs::read(&state)
                 .ok()
@@ -242,4 +219,49 @@ pub fn main(c: IoqosCmd) -> Result<()> {
             Ok(())
         }
     }
+}
+
+fn fifodisk(dir: &std::path::Path, size: u64, bandwidth: u64, per_io: f64, attach_loop: bool) -> Result<()> {
+    use pagefleet_fifodisk::{FifoDisk, LoopDevice, Pace};
+    if !(0.0..=1000.0).contains(&per_io) || per_io.is_nan() {
+        bail!("--per-io is milliseconds per request, 0 to 1000");
+    }
+    if bandwidth == 0 {
+        bail!("--bandwidth must be positive");
+    }
+    let pace = Pace {
+        per_io: Duration::from_secs_f64(per_io / 1000.0),
+        bandwidth: bandwidth as f64,
+    };
+    // Interrupt and terminate end it cleanly: blocked here, waited for below.
+    // SAFETY: signal mask manipulation before any thread starts.
+    let set = unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    };
+    let disk = FifoDisk::mount(dir, size, pace)?;
+    let lo = if attach_loop {
+        Some(LoopDevice::attach(&disk.file(), true)?)
+    } else {
+        None
+    };
+    match &lo {
+        Some(l) => println!("{}", l.path.display()),
+        None => println!("{}", disk.file().display()),
+    }
+    eprintln!(
+        "FIFO disk of {size} bytes: {:.1} MB/s, {per_io} ms per request; Ctrl-C to stop",
+        bandwidth as f64 / 1e6
+    );
+    use std::io::Write;
+    std::io::stdout().flush()?;
+    let mut sig = 0;
+    // SAFETY: waiting for the blocked signals.
+    unsafe { libc::sigwait(&set, &mut sig) };
+    drop(lo);
+    disk.unmount()
 }

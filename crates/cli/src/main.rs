@@ -142,6 +142,15 @@ enum BenchCmd {
     /// Root; about 25 minutes (7 runs of 180 s). --dataset sets each tenant's
     /// memory (default 256MiB); --only picks policies by name (e.g. adaptive,ksmtuned).
     Ksm(BenchOpts),
+    /// I/O guarantee (paper 004): fio tenants (64 KiB random direct writes)
+    /// in blkio cgroups on a shared device, one raising its parallelism
+    /// (ramp), 12 tenants with 3 bursty (many), a 4 KiB burst (burst4k);
+    /// no control, static caps, BFQ weights, paper's Algorithm 1, guarantee.
+    /// Devices: a slow FIFO disk (FUSE, like the paper's array) and this
+    /// machine's disk (loop over a file, ramp only). Root; about 35 minutes
+    /// (--quick: one 30 s scenario). --only picks devices, scenarios and
+    /// policies by name (e.g. fifo,ramp,paper,guarantee); --secs sets each run's length.
+    Ioqos(BenchOpts),
     /// The raw-TCP baseline server used by `bench memserver` (internal).
     #[command(hide = true)]
     RawServer,
@@ -176,6 +185,9 @@ struct BenchOpts {
     /// closed loop that keeps the CPUs busy).
     #[arg(long)]
     pace: Option<f64>,
+    /// bench ioqos: seconds per run (default 80).
+    #[arg(long)]
+    secs: Option<f64>,
     /// bench migration: link rates to measure migration time on (10gbit,1gbit).
     #[arg(long, value_delimiter = ',')]
     links: Vec<pagefleet_testbed::Link>,
@@ -496,6 +508,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Bench(BenchCmd::Migration(o)) => bench_migration(o),
         Cmd::Bench(BenchCmd::Blockdev(o)) => bench_blockdev(o),
         Cmd::Bench(BenchCmd::Ksm(o)) => bench_ksm(o),
+        Cmd::Bench(BenchCmd::Ioqos(o)) => bench_ioqos(o),
         Cmd::Run(a) => run::run(a, cli.secret_file.as_deref()),
         Cmd::Testbed(t) => testbed(t),
         Cmd::Blockdev(b) => blockdev(b, cli.secret_file.as_deref()),
@@ -669,6 +682,60 @@ fn bench_ksm(o: BenchOpts) -> Result<()> {
         println!("{}", serde_json::to_string(&report)?);
     } else {
         ksm::print_table(&report, &mut std::io::stdout())?;
+    }
+    Ok(())
+}
+
+fn bench_ioqos(o: BenchOpts) -> Result<()> {
+    use pagefleet_bench::ioqos;
+    let mut opts = if o.quick {
+        ioqos::Opts::quick(o.out.clone())
+    } else {
+        ioqos::Opts::full(o.out.clone())
+    };
+    if let Some(s) = o.secs {
+        if !(20.0..=3600.0).contains(&s) {
+            bail!("--secs must be between 20 and 3600");
+        }
+        opts.secs = s;
+    }
+    if let Some(only) = &o.only {
+        let words: Vec<String> = only.split(',').map(|w| w.trim().to_string()).filter(|w| !w.is_empty()).collect();
+        if let Some(bad) = words.iter().find(|w| {
+            ![&ioqos::DEVICES[..], &ioqos::SCENARIOS[..], &ioqos::POLICIES[..]]
+                .iter()
+                .any(|set| set.contains(&w.as_str()))
+        }) {
+            bail!(
+                "--only {bad:?}: use devices ({}), scenarios ({}), policies ({})",
+                ioqos::DEVICES.join(","),
+                ioqos::SCENARIOS.join(","),
+                ioqos::POLICIES.join(",")
+            );
+        }
+        let pick = |all: &[&str], cur: &mut Vec<String>| {
+            let sel: Vec<String> = all.iter().filter(|x| words.iter().any(|w| w == *x)).map(|x| x.to_string()).collect();
+            if !sel.is_empty() {
+                *cur = sel;
+            }
+        };
+        pick(&ioqos::DEVICES, &mut opts.devices);
+        pick(&ioqos::SCENARIOS, &mut opts.scenarios);
+        pick(&ioqos::POLICIES, &mut opts.policies);
+    }
+    if let Some(d) = o.dataset {
+        if d < 64 << 20 {
+            bail!("--dataset (the shared device's size) must be at least 64MiB");
+        }
+        opts.disk_bytes = d / (4 << 20) * (4 << 20);
+    }
+    let mut log = |m: &str| eprintln!("  .. {m}");
+    let report = ioqos::run(&opts, &mut log)?;
+    if o.json {
+        ioqos::print_table(&report, &mut std::io::stderr())?;
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        ioqos::print_table(&report, &mut std::io::stdout())?;
     }
     Ok(())
 }

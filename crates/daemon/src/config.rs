@@ -26,6 +26,17 @@
 //! cpu_budget = "10%"         # adaptive: ksmd's share of one core
 //! pressure_below = "20%"     # adaptive: MemAvailable share that counts as pressure
 //! interval_scale = 1.0       # ksmtuned: factor on its 60 s interval
+//!
+//! [ioqos]                    # I/O guarantee on a shared device (root; off unless device is set)
+//! device = "/dev/sdb"        # path or MAJ:MIN
+//! tenants = "vm1=machine/vm1:min=20MiB,vm2=qmp:/run/vm2.qmp@drive0:min=10MiB:weight=2"
+//! policy = "guarantee"       # or "paper" (Algorithm 1 of paper 004), "observe"
+//! model = "2000,200MiB"      # MAX_IOPS,MAX_BYTES_PER_S; default: calibrate with direct reads
+//! interval = 1.0             # guarantee: seconds between decisions
+//! border = "90%"             # paper: border, rate, cap_time, cap_interval
+//! rate = 0.5
+//! cap_time = 60.0
+//! cap_interval = 5.0
 //! ```
 
 use crate::units;
@@ -45,6 +56,22 @@ pub struct FileConfig {
     pub guests: Option<GuestsSection>,
     pub registry: Option<RegistrySection>,
     pub ksm: Option<KsmSection>,
+    pub ioqos: Option<IoqosSection>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IoqosSection {
+    pub device: Option<String>,
+    pub tenants: Option<String>,
+    pub policy: Option<String>,
+    pub model: Option<String>,
+    pub calibrate_secs: Option<f64>,
+    pub interval: Option<f64>,
+    pub border: Option<String>,
+    pub rate: Option<f64>,
+    pub cap_time: Option<f64>,
+    pub cap_interval: Option<f64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -99,6 +126,9 @@ pub struct Flags {
     pub name: Option<String>,
     pub ksm: Option<String>,
     pub ksm_cpu_budget: Option<String>,
+    pub ioqos_device: Option<String>,
+    pub ioqos_tenants: Option<String>,
+    pub ioqos_policy: Option<String>,
 }
 
 /// The daemon's effective settings.
@@ -119,6 +149,8 @@ pub struct Settings {
     pub name: Option<String>,
     /// The KSM controller to run (None: none).
     pub ksm: Option<pagefleet_ksm::control::Spec>,
+    /// The I/O guarantee controller to run (None: none).
+    pub ioqos: Option<pagefleet_ioqos::control::Spec>,
 }
 
 impl FileConfig {
@@ -178,6 +210,36 @@ pub fn merge(file: FileConfig, flags: Flags) -> Result<Settings> {
             Some(spec)
         }
     };
+    let q = file.ioqos.unwrap_or_default();
+    let ioqos = match flags.ioqos_device.or(q.device) {
+        None => {
+            if flags.ioqos_tenants.is_some() || q.tenants.is_some() {
+                bail!("[ioqos] tenants given without a device (--ioqos-device)");
+            }
+            None
+        }
+        Some(device) => {
+            let d = pagefleet_ioqos::control::Spec::default();
+            let spec = pagefleet_ioqos::control::Spec {
+                device,
+                tenants: flags
+                    .ioqos_tenants
+                    .or(q.tenants)
+                    .context("[ioqos] needs tenants (--ioqos-tenants)")?,
+                policy: flags.ioqos_policy.or(q.policy).unwrap_or(d.policy.clone()),
+                model: q.model,
+                calibrate_secs: q.calibrate_secs.unwrap_or(d.calibrate_secs),
+                interval: q.interval.unwrap_or(d.interval),
+                border: q.border.unwrap_or(d.border.clone()),
+                rate: q.rate.unwrap_or(d.rate),
+                cap_time: q.cap_time.unwrap_or(d.cap_time),
+                cap_interval: q.cap_interval.unwrap_or(d.cap_interval),
+            };
+            // Checked now: a bad value is a startup error, not a silent no-op.
+            spec.check().context("[ioqos]")?;
+            Some(spec)
+        }
+    };
     let max_conns = flags.max_conns.or(m.max_conns).unwrap_or(512);
     if max_conns == 0 {
         bail!("max_conns must be at least 1");
@@ -206,6 +268,7 @@ pub fn merge(file: FileConfig, flags: Flags) -> Result<Settings> {
             .unwrap_or_default(),
         name: flags.name.or(file.name),
         ksm,
+        ioqos,
     })
 }
 
@@ -311,5 +374,55 @@ mod tests {
         .unwrap()
         .ksm
         .is_none());
+    }
+
+    #[test]
+    fn ioqos_section() {
+        // Any block device of this host, by MAJ:MIN (no root needed to parse it).
+        let Some(dev) = std::fs::read_dir("/sys/block")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .find_map(|e| std::fs::read_to_string(e.path().join("dev")).ok())
+            .map(|s| s.trim().to_string())
+        else {
+            eprintln!("skipped: no block device");
+            return;
+        };
+        let cfg = |rest: &str| {
+            FileConfig::parse(&format!("[ioqos]\ndevice = \"{dev}\"\n{rest}")).unwrap()
+        };
+        let q = merge(
+            cfg("tenants = \"a=qmp:/run/vm-a.qmp@drive0:min=10MiB\"\npolicy = \"paper\"\nmodel = \"2000,200MiB\"\ncap_time = 30.0\n"),
+            Flags::default(),
+        )
+        .unwrap()
+        .ioqos
+        .unwrap();
+        assert_eq!((q.policy.as_str(), q.cap_time), ("paper", 30.0));
+        let e = merge(
+            cfg("tenants = \"a=qmp:/run/vm-a.qmp@drive0\"\npolicy = \"paper\"\nrate = 1.5\n"),
+            Flags::default(),
+        )
+        .unwrap_err();
+        assert!(format!("{e:#}").contains("rate must be between 0 and 1"), "{e:#}");
+        let e = merge(
+            FileConfig::default(),
+            Flags {
+                ioqos_tenants: Some("a=x".into()),
+                ..Default::default()
+            },
+        )
+        .unwrap_err();
+        assert!(format!("{e:#}").contains("without a device"), "{e:#}");
+        let e = merge(
+            FileConfig::default(),
+            Flags {
+                ioqos_device: Some(dev.clone()),
+                ..Default::default()
+            },
+        )
+        .unwrap_err();
+        assert!(format!("{e:#}").contains("needs tenants"), "{e:#}");
     }
 }

@@ -19,6 +19,8 @@ use std::path::PathBuf;
 ///                   receives incoming migrations, sends guests away
 ///   registry        GET /cluster: every host's report and guests (--peers)
 ///   KSM controller  same-page merging tuned to what it saves (--ksm adaptive)
+///   I/O controller  every tenant of a shared disk keeps its minimum
+///                   (--ioqos-device DEV --ioqos-tenants SPEC)
 ///   HTTP            /metrics (Prometheus), /host, /guests, /cluster
 ///
 /// Example: lend 4 GiB on loopback, metrics on port 7071:
@@ -91,6 +93,17 @@ struct Args {
     /// ksmd's CPU budget for the adaptive controller (default 10%).
     #[arg(long)]
     ksm_cpu_budget: Option<String>,
+    /// Run the I/O guarantee controller on this shared block device (root);
+    /// with --ioqos-tenants. Its state shows in `pagefleet ioqos status`;
+    /// every cap is removed when pagefleetd stops.
+    #[arg(long)]
+    ioqos_device: Option<String>,
+    /// The device's tenants: NAME=CGROUP|qmp:SOCKET@DRIVE[:min=RATE][:min-iops=N][:weight=W],...
+    #[arg(long)]
+    ioqos_tenants: Option<String>,
+    /// guarantee (default), paper or observe.
+    #[arg(long)]
+    ioqos_policy: Option<String>,
     /// Log filter (error, warn, info, debug, trace; or RUST_LOG syntax; default info).
     #[arg(long, env = "PAGEFLEET_LOG")]
     log: Option<String>,
@@ -127,6 +140,9 @@ fn run() -> Result<()> {
             name: args.name,
             ksm: args.ksm,
             ksm_cpu_budget: args.ksm_cpu_budget,
+            ioqos_device: args.ioqos_device,
+            ioqos_tenants: args.ioqos_tenants,
+            ioqos_policy: args.ioqos_policy,
         },
     )?;
     tracing_subscriber::fmt()
@@ -135,8 +151,8 @@ fn run() -> Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
-    if a.lend.is_none() && a.guest_memory.is_none() && a.ksm.is_none() {
-        bail!("nothing to do: lend memory with --lend SIZE (e.g. --lend 4GiB), run guests with --guest-memory SIZE and/or control KSM with --ksm adaptive; see --help");
+    if a.lend.is_none() && a.guest_memory.is_none() && a.ksm.is_none() && a.ioqos.is_none() {
+        bail!("nothing to do: lend memory with --lend SIZE (e.g. --lend 4GiB), run guests with --guest-memory SIZE, control KSM with --ksm adaptive and/or guarantee I/O with --ioqos-device DEV --ioqos-tenants SPEC; see --help");
     }
     // SIGTERM/SIGINT end the daemon cleanly (the KSM controller puts the host's settings back).
     // SAFETY: the handler only stores to an atomic.
@@ -156,6 +172,26 @@ fn run() -> Result<()> {
             Some(std::thread::spawn(move || {
                 if let Err(e) = pagefleet_ksm::control::run(&opts, &STOP, |_| {}) {
                     tracing::error!("KSM controller stopped: {e:#}");
+                }
+            }))
+        }
+        None => None,
+    };
+    let ioqos = match &a.ioqos {
+        Some(spec) => {
+            let opts = spec.options(
+                Some(PathBuf::from(pagefleet_ioqos::control::DEFAULT_STATE)),
+                None,
+            )?;
+            tracing::info!(
+                "I/O controller: {} on {} ({} tenants)",
+                spec.policy,
+                spec.device,
+                opts.tenants.len()
+            );
+            Some(std::thread::spawn(move || {
+                if let Err(e) = pagefleet_ioqos::control::run(&opts, &STOP, |_| {}) {
+                    tracing::error!("I/O controller stopped: {e:#}");
                 }
             }))
         }
@@ -323,6 +359,9 @@ fn run() -> Result<()> {
     tracing::info!("stopping");
     if let Some(k) = ksm {
         let _ = k.join();
+    }
+    if let Some(q) = ioqos {
+        let _ = q.join();
     }
     Ok(())
 }

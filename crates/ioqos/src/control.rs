@@ -61,6 +61,132 @@ pub struct State {
     pub updated_unix: u64,
 }
 
+/// A controller as a user configures it (CLI flags or pagefleetd's
+/// `[ioqos]` section), checked and turned into [`Options`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct Spec {
+    /// The shared block device (path or MAJ:MIN).
+    pub device: String,
+    /// NAME=LOCATION[:min=RATE][:min-iops=N][:weight=W], comma-separated.
+    pub tenants: String,
+    /// guarantee, paper or observe.
+    pub policy: String,
+    /// MAX_IOPS,MAX_BYTES_PER_S; None: calibrate with direct reads.
+    pub model: Option<String>,
+    pub calibrate_secs: f64,
+    /// guarantee: seconds between decisions.
+    pub interval: f64,
+    /// paper: share of the device's maximum ("90%").
+    pub border: String,
+    pub rate: f64,
+    pub cap_time: f64,
+    pub cap_interval: f64,
+}
+
+impl Default for Spec {
+    fn default() -> Spec {
+        let p = PaperConfig::default();
+        Spec {
+            device: String::new(),
+            tenants: String::new(),
+            policy: "guarantee".into(),
+            model: None,
+            calibrate_secs: 4.0,
+            interval: 1.0,
+            border: format!("{}%", p.border * 100.0),
+            rate: p.rate,
+            cap_time: p.cap_time_s,
+            cap_interval: p.cap_interval_s,
+        }
+    }
+}
+
+impl Spec {
+    /// Everything but the device model, checked (cheap: for config validation).
+    pub fn check(&self) -> Result<(Dev, Vec<Tenant>, Policy, Option<Model>)> {
+        let dev = Dev::parse(&self.device)?;
+        let tenants = crate::spec::parse(&self.tenants)?;
+        let policy = match self.policy.as_str() {
+            "guarantee" => Policy::Guarantee(GuaranteeConfig::default()),
+            "observe" => Policy::Observe,
+            "paper" => {
+                if !(self.rate > 0.0 && self.rate < 1.0) {
+                    anyhow::bail!("rate must be between 0 and 1 (exclusive)");
+                }
+                if !(self.cap_interval > 0.0 && self.cap_time > self.cap_interval) {
+                    anyhow::bail!("the paper requires cap_time > cap_interval > 0");
+                }
+                let border = self.border.trim();
+                let border = match border.strip_suffix('%') {
+                    Some(p) => p.trim().parse::<f64>().ok().map(|v| v / 100.0),
+                    None => border.parse::<f64>().ok(),
+                }
+                .filter(|b| *b > 0.0 && *b <= 1.0)
+                .with_context(|| format!("border {:?}: a share of the device, e.g. 90%", self.border))?;
+                Policy::Paper(PaperConfig {
+                    border,
+                    rate: self.rate,
+                    cap_time_s: self.cap_time,
+                    cap_interval_s: self.cap_interval,
+                })
+            }
+            p => anyhow::bail!("unknown policy {p}: guarantee, paper or observe"),
+        };
+        if !(self.interval > 0.0 && self.interval <= 60.0) {
+            anyhow::bail!("interval must be between 0 and 60 seconds");
+        }
+        let model = match &self.model {
+            Some(m) => {
+                let (i, b) = m
+                    .split_once(',')
+                    .context("model wants MAX_IOPS,MAX_BYTES_PER_S (e.g. 2000,200MiB)")?;
+                let iops: f64 = i
+                    .trim()
+                    .parse()
+                    .ok()
+                    .filter(|v: &f64| *v > 0.0 && v.is_finite())
+                    .context("model: MAX_IOPS must be a positive number")?;
+                let bps = crate::spec::parse_rate(b.trim())? as f64;
+                if bps <= 0.0 {
+                    anyhow::bail!("model: MAX_BYTES_PER_S must be positive");
+                }
+                Some(Model {
+                    max_iops: iops,
+                    max_bps: bps,
+                })
+            }
+            None => None,
+        };
+        Ok((dev, tenants, policy, model))
+    }
+
+    /// Checked options; calibrates the device when no model was given.
+    pub fn options(&self, state_file: Option<PathBuf>, duration: Option<Duration>) -> Result<Options> {
+        let (dev, tenants, policy, model) = self.check()?;
+        let model = match model {
+            Some(m) => m,
+            None => {
+                let path = if self.device.starts_with('/') {
+                    PathBuf::from(&self.device)
+                } else {
+                    PathBuf::from(format!("/dev/block/{dev}"))
+                };
+                info!("calibrating {} for {:.0} s (direct reads)", path.display(), self.calibrate_secs);
+                calibrate(&path, self.calibrate_secs.max(0.5))?
+            }
+        };
+        Ok(Options {
+            dev,
+            tenants,
+            policy,
+            model,
+            interval: Duration::from_secs_f64(self.interval),
+            state_file,
+            duration,
+        })
+    }
+}
+
 /// Measure the device's limits with direct reads (safe on a device in use):
 /// random 4 KiB at depth 16 for IOPS, sequential 1 MiB at depth 4 for bandwidth.
 pub fn calibrate(path: &Path, secs: f64) -> Result<Model> {

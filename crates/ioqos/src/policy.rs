@@ -155,6 +155,9 @@ pub struct GuaranteeConfig {
     pub release_after: u32,
     /// Caps grow by this factor per interval while released.
     pub release_step: f64,
+    /// Caps are raised only while every uncapped tenant is at least this
+    /// share of its minimum (or the device has room).
+    pub release_margin: f64,
 }
 
 impl Default for GuaranteeConfig {
@@ -164,6 +167,7 @@ impl Default for GuaranteeConfig {
             starved_below: 0.95,
             release_after: 3,
             release_step: 1.15,
+            release_margin: 1.1,
         }
     }
 }
@@ -199,20 +203,33 @@ impl Guarantee {
         }
     }
 
-    fn min_cost(&self, i: usize) -> f64 {
+    /// What tenant i's minimum costs the device: at its current I/O size
+    /// when it is doing I/O (64 KiB writes cost per request as well as per
+    /// byte), but never more than the larger of its bytes-only cost and an
+    /// equal split among the active tenants, so a minimum in bytes/s does
+    /// not entitle a 4 KiB tenant to the whole device.
+    fn min_cost(&self, i: usize, obs: &[Obs]) -> f64 {
         let m = &self.mins[i];
-        // A bandwidth minimum at the tenant's own I/O size is charged through bytes; an IOPS one through I/Os.
-        m.iops / self.model.max_iops + m.bps / self.model.max_bps
+        let o = &obs[i];
+        let nominal = m.iops / self.model.max_iops + m.bps / self.model.max_bps;
+        if !(o.active() && o.iops() > 0.0 && o.bps() > 0.0) {
+            return nominal;
+        }
+        let size = o.bps() / o.iops();
+        let by_bytes = m.bps / self.model.max_bps + m.bps / size / self.model.max_iops;
+        let by_ios = m.iops / self.model.max_iops + m.iops * size / self.model.max_bps;
+        let n_active = obs.iter().filter(|o| o.active()).count().max(1) as f64;
+        by_bytes.max(by_ios).min(nominal.max(1.0 / n_active))
     }
 
     /// Below its minimum in its own terms *and* in device cost: a tenant
-    /// doing small I/O that occupies the device is not starved just because
-    /// its bytes/s are low.
-    fn below_min(&self, i: usize, o: &Obs) -> bool {
+    /// doing small I/O that occupies its share of the device is not starved
+    /// just because its bytes/s are low.
+    fn below(&self, i: usize, obs: &[Obs], k: f64) -> bool {
         let m = &self.mins[i];
-        let k = self.cfg.starved_below;
+        let o = &obs[i];
         let own = (m.bps > 0.0 && o.bps() < k * m.bps) || (m.iops > 0.0 && o.iops() < k * m.iops);
-        own && self.model.cost(o) < k * self.min_cost(i)
+        own && self.model.cost(o) < k * self.min_cost(i, obs)
     }
 
     /// Each tenant's entitled device share: its minimum plus a weighted part
@@ -221,7 +238,7 @@ impl Guarantee {
         let active: Vec<bool> = obs.iter().map(|o| o.active()).collect();
         let sum_min: f64 = (0..obs.len())
             .filter(|&i| active[i])
-            .map(|i| self.min_cost(i))
+            .map(|i| self.min_cost(i, obs))
             .sum();
         let sum_w: f64 = (0..obs.len())
             .filter(|&i| active[i])
@@ -231,7 +248,7 @@ impl Guarantee {
         let spare = (1.0 - sum_min).max(0.0);
         (0..obs.len())
             .map(|i| {
-                self.min_cost(i)
+                self.min_cost(i, obs)
                     + if active[i] {
                         spare * self.mins[i].weight / sum_w
                     } else {
@@ -247,7 +264,10 @@ impl Guarantee {
         // Starved: has demand, is below its minimum, and is not held there by our own cap.
         self.starved = (0..obs.len())
             .map(|i| {
-                obs[i].active() && self.below_min(i, &obs[i]) && self.caps[i].is_none() && busy
+                obs[i].active()
+                    && self.below(i, obs, self.cfg.starved_below)
+                    && self.caps[i].is_none()
+                    && busy
             })
             .collect();
         let ent = self.entitlement(obs);
@@ -266,11 +286,21 @@ impl Guarantee {
                     continue;
                 }
                 // Close half the gap to its entitlement; never below its own minimum.
-                let target = (cost[i] - 0.5 * (cost[i] - ent[i])).max(self.min_cost(i));
+                let target = (cost[i] - 0.5 * (cost[i] - ent[i])).max(self.min_cost(i, obs));
                 self.caps[i] = Some(self.caps[i].map_or(target, |c| c.min(target)));
             }
         } else {
-            self.calm += 1;
+            // Caps are raised only with room to spare: the device has idle
+            // capacity, or every uncapped tenant with a minimum is clear of
+            // it. Otherwise the cap that made the others whole is what keeps
+            // them whole, and it holds.
+            let room = !busy
+                || (0..obs.len()).all(|i| {
+                    !obs[i].active()
+                        || self.caps[i].is_some()
+                        || !self.below(i, obs, self.cfg.release_margin)
+                });
+            self.calm = if room { self.calm + 1 } else { 0 };
             if self.calm > self.cfg.release_after {
                 for c in self.caps.iter_mut() {
                     if let Some(v) = c {
@@ -462,5 +492,36 @@ mod tests {
             .iter()
             .all(|c| c.is_none()));
         assert!(!g.starved.iter().any(|s| *s));
+    }
+
+    #[test]
+    fn a_cap_holds_while_the_others_are_just_at_their_minimum() {
+        let mins = vec![
+            Min {
+                bps: 20e6,
+                iops: 0.0,
+                weight: 1.0
+            };
+            2
+        ];
+        let mut g = Guarantee::new(GuaranteeConfig::default(), M, mins);
+        // 64 KiB writes: tenant 1 starves while tenant 0 takes the device.
+        let c = g.step(&[w(60e6, 915.0), w(5e6, 76.0)]);
+        let first = c[0].bps.expect("the hog is capped");
+        // The others are back at their minimum, the device still busy: the cap
+        // neither goes nor grows (raising it would starve them again).
+        for _ in 0..20 {
+            let c = g.step(&[w(first, first / 65536.0), w(20e6, 305.0)]);
+            assert!(c[0].bps.is_some_and(|b| b <= first * 1.001), "{c:?}");
+        }
+        // With room to spare (the other one is well above its minimum), it is let go.
+        let mut gone = false;
+        for _ in 0..60 {
+            if g.step(&[w(first, first / 65536.0), w(30e6, 458.0)])[0].is_none() {
+                gone = true;
+                break;
+            }
+        }
+        assert!(gone);
     }
 }
