@@ -192,6 +192,10 @@ pub struct RunResult {
     pub t: Vec<f64>,
     pub bps: Vec<Vec<f64>>,
     pub cap_bps: Vec<Vec<Option<f64>>>,
+    /// Per second (controllers only): the device share the controller saw
+    /// in use and which tenants it judged starved.
+    pub ctl_device_share: Vec<Option<f64>>,
+    pub ctl_starved: Vec<Vec<bool>>,
     pub error: Option<String>,
 }
 
@@ -420,6 +424,7 @@ fn run_one(d: &Device, devname: &str, cal: &Calibration, sc: &str, policy: &str,
     }
     let caps: Arc<Mutex<Vec<Option<f64>>>> = Arc::new(Mutex::new(vec![None; n]));
     let capped: Arc<Mutex<Vec<f64>>> = Arc::new(Mutex::new(vec![0.0; n]));
+    let seen: Arc<Mutex<(Option<f64>, Vec<bool>)>> = Arc::new(Mutex::new((None, vec![false; n])));
     match policy {
         "static" => {
             // Everyone gets 1/n of the device, always (bytes and IOPS).
@@ -467,9 +472,13 @@ fn run_one(d: &Device, devname: &str, cal: &Calibration, sc: &str, policy: &str,
             state_file: None,
             duration: None,
         };
-        let (stop, caps, capped) = (stop.clone(), caps.clone(), capped.clone());
+        let (stop, caps, capped, seen) = (stop.clone(), caps.clone(), capped.clone(), seen.clone());
         std::thread::spawn(move || {
             control::run(&opts, &stop, |st| {
+                *seen.lock().unwrap() = (
+                    Some(st.device_share_used),
+                    st.tenants.iter().map(|t| t.starved).collect(),
+                );
                 let mut c = caps.lock().unwrap();
                 let mut k = capped.lock().unwrap();
                 for (i, t) in st.tenants.iter().enumerate() {
@@ -491,6 +500,7 @@ fn run_one(d: &Device, devname: &str, cal: &Calibration, sc: &str, policy: &str,
     let t0 = Instant::now();
     let mut last: Vec<_> = meters.iter_mut().map(|m| m.read(d.dev).unwrap_or_default()).collect();
     let (mut ts, mut bps, mut iops, mut capv) = (vec![], vec![vec![]; n], vec![vec![]; n], vec![vec![]; n]);
+    let (mut shares, mut starved) = (vec![], vec![]);
     let mut t_prev = Instant::now();
     let mut next = 1.0;
     let mut error = None;
@@ -509,6 +519,9 @@ fn run_one(d: &Device, devname: &str, cal: &Calibration, sc: &str, policy: &str,
         t_prev = Instant::now();
         ts.push(t0.elapsed().as_secs_f64());
         let c = caps.lock().unwrap().clone();
+        let (sh, sv) = seen.lock().unwrap().clone();
+        shares.push(sh);
+        starved.push(sv);
         for i in 0..n {
             let now = meters[i].read(d.dev).unwrap_or(last[i]);
             bps[i].push(now.wbytes.saturating_sub(last[i].wbytes) as f64 / dt);
@@ -584,6 +597,8 @@ fn run_one(d: &Device, devname: &str, cal: &Calibration, sc: &str, policy: &str,
         t: ts,
         bps,
         cap_bps: capv,
+        ctl_device_share: shares,
+        ctl_starved: starved,
         error,
     })
 }

@@ -261,15 +261,20 @@ impl Guarantee {
     pub fn step(&mut self, obs: &[Obs]) -> Vec<Cap> {
         let cost: Vec<f64> = obs.iter().map(|o| self.model.cost(o)).collect();
         let busy = cost.iter().sum::<f64>() >= self.cfg.busy;
-        // Starved: has demand, is below its minimum, and is not held there by our own cap.
+        // Starved: has demand, is below its minimum, and is not held there by
+        // our own cap (a cap it does not reach is not what holds it down).
+        let held = |i: usize| self.caps[i].is_some_and(|c| cost[i] >= 0.9 * c);
         self.starved = (0..obs.len())
             .map(|i| {
-                obs[i].active()
-                    && self.below(i, obs, self.cfg.starved_below)
-                    && self.caps[i].is_none()
-                    && busy
+                obs[i].active() && self.below(i, obs, self.cfg.starved_below) && !held(i) && busy
             })
             .collect();
+        // A cap left on a tenant that is now below its minimum is wrong: gone.
+        for i in 0..obs.len() {
+            if self.starved[i] {
+                self.caps[i] = None;
+            }
+        }
         let ent = self.entitlement(obs);
         if self.starved.iter().any(|s| *s) {
             self.calm = 0;
