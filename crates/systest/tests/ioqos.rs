@@ -483,7 +483,7 @@ fn fifo_disk_keeps_every_block_and_leaves_nothing_behind() {
     for (args, want) in [
         (vec!["--size", "1000"], "multiple of 4 KiB"),
         (vec!["--bandwidth", "0"], "--bandwidth must be positive"),
-        (vec!["--per-io", "-1"], "--per-io"),
+        (vec!["--per-io=-1"], "--per-io"),
     ] {
         let o = Command::new(bin("pagefleet"))
             .args(["ioqos", "fifodisk", "--dir"])
