@@ -228,17 +228,29 @@ impl Device {
     fn open(kind: &str, o: &Opts) -> Result<Device> {
         let (lo, fifo, file) = match kind {
             "fifo" => {
-                let dir = std::env::temp_dir().join(format!("pagefleet-fifo-{}", std::process::id()));
+                let dir =
+                    std::env::temp_dir().join(format!("pagefleet-fifo-{}", std::process::id()));
                 let d = FifoDisk::mount(&dir, o.disk_bytes, o.fifo)?;
                 let lo = LoopDevice::attach(&d.file(), true)?;
                 (lo, Some(d), None)
             }
             "disk" => {
-                let p = PathBuf::from(format!("/var/tmp/pagefleet-bench-ioqos-{}.img", std::process::id()));
-                let f = std::fs::File::create(&p).with_context(|| format!("cannot create {}", p.display()))?;
+                let p = PathBuf::from(format!(
+                    "/var/tmp/pagefleet-bench-ioqos-{}.img",
+                    std::process::id()
+                ));
+                let f = std::fs::File::create(&p)
+                    .with_context(|| format!("cannot create {}", p.display()))?;
                 // Allocated up front so the runs overwrite blocks, not allocate them.
                 // SAFETY: plain fallocate on an owned fd.
-                let r = unsafe { libc::fallocate(std::os::fd::AsRawFd::as_raw_fd(&f), 0, 0, o.disk_bytes as i64) };
+                let r = unsafe {
+                    libc::fallocate(
+                        std::os::fd::AsRawFd::as_raw_fd(&f),
+                        0,
+                        0,
+                        o.disk_bytes as i64,
+                    )
+                };
                 if r != 0 {
                     f.set_len(o.disk_bytes)?;
                 }
@@ -294,8 +306,13 @@ impl Groups {
     fn create(loads: &[Load]) -> Result<Groups> {
         let mut g = Groups(vec![]);
         for l in loads {
-            let p = PathBuf::from(V1).join(format!("pagefleet-bench-{}-{}", std::process::id(), l.name));
-            std::fs::create_dir_all(&p).with_context(|| format!("cannot create cgroup {}", p.display()))?;
+            let p = PathBuf::from(V1).join(format!(
+                "pagefleet-bench-{}-{}",
+                std::process::id(),
+                l.name
+            ));
+            std::fs::create_dir_all(&p)
+                .with_context(|| format!("cannot create cgroup {}", p.display()))?;
             g.0.push(p);
         }
         Ok(g)
@@ -307,7 +324,10 @@ impl Drop for Groups {
         for g in &self.0 {
             for _ in 0..50 {
                 let procs = std::fs::read_to_string(g.join("cgroup.procs")).unwrap_or_default();
-                for p in procs.split_whitespace().filter_map(|p| p.parse::<i32>().ok()) {
+                for p in procs
+                    .split_whitespace()
+                    .filter_map(|p| p.parse::<i32>().ok())
+                {
                     // SAFETY: killing a fio process this bench started in its own group.
                     unsafe { libc::kill(p, libc::SIGKILL) };
                 }
@@ -327,7 +347,15 @@ fn fio_bin() -> Result<PathBuf> {
 /// fio with no cgroup: (bytes/s, IOPS) for `jobs` processes of `bs` random writes.
 fn fio_plain(dev: &Path, bs: u32, jobs: u32, secs: u32, size: u64) -> Result<(f64, f64)> {
     let out = Command::new(fio_bin()?)
-        .args(["--name=cal", "--rw=randwrite", "--direct=1", "--ioengine=psync", "--time_based", "--group_reporting", "--output-format=json"])
+        .args([
+            "--name=cal",
+            "--rw=randwrite",
+            "--direct=1",
+            "--ioengine=psync",
+            "--time_based",
+            "--group_reporting",
+            "--output-format=json",
+        ])
         .arg(format!("--filename={}", dev.display()))
         .arg(format!("--bs={bs}"))
         .arg(format!("--numjobs={jobs}"))
@@ -339,7 +367,10 @@ fn fio_plain(dev: &Path, bs: u32, jobs: u32, secs: u32, size: u64) -> Result<(f6
     }
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).context("fio JSON")?;
     let w = &v["jobs"][0]["write"];
-    Ok((w["bw_bytes"].as_f64().unwrap_or(0.0), w["iops"].as_f64().unwrap_or(0.0)))
+    Ok((
+        w["bw_bytes"].as_f64().unwrap_or(0.0),
+        w["iops"].as_f64().unwrap_or(0.0),
+    ))
 }
 
 fn calibrate(d: &Device, size: u64) -> Result<Calibration> {
@@ -364,14 +395,25 @@ fn calibrate(d: &Device, size: u64) -> Result<Calibration> {
 }
 
 /// One fio process per tenant, in its cgroup, one job section per process.
-fn start_fio(dev: &Path, group: &Path, l: &Load, offset: u64, size: u64, out: &Path) -> Result<Child> {
+fn start_fio(
+    dev: &Path,
+    group: &Path,
+    l: &Load,
+    offset: u64,
+    size: u64,
+    out: &Path,
+) -> Result<Child> {
     let mut job = format!(
         "[global]\nfilename={}\ndirect=1\nioengine=psync\nrw=randwrite\nbs={}\noffset={offset}\nsize={size}\ntime_based\ngroup_reporting\n",
         dev.display(),
         l.bs
     );
     for (k, (s, e)) in l.jobs.iter().enumerate() {
-        job += &format!("[j{k}]\nstartdelay={}ms\nruntime={}ms\n", (s * 1000.0) as u64, ((e - s) * 1000.0).max(1.0) as u64);
+        job += &format!(
+            "[j{k}]\nstartdelay={}ms\nruntime={}ms\n",
+            (s * 1000.0) as u64,
+            ((e - s) * 1000.0).max(1.0) as u64
+        );
     }
     let jf = out.with_extension("fio");
     std::fs::write(&jf, job)?;
@@ -398,11 +440,22 @@ fn fio_p99_ms(out: &Path) -> Option<f64> {
         .map(|ns| ns / 1e6)
 }
 
-fn run_one(d: &Device, devname: &str, cal: &Calibration, sc: &str, policy: &str, o: &Opts, log: &mut dyn FnMut(&str)) -> Result<RunResult> {
+fn run_one(
+    d: &Device,
+    devname: &str,
+    cal: &Calibration,
+    sc: &str,
+    policy: &str,
+    o: &Opts,
+    log: &mut dyn FnMut(&str),
+) -> Result<RunResult> {
     let loads = scenario(sc, o.secs)?;
     let n = loads.len();
     let groups = Groups::create(&loads)?;
-    let mins: Vec<f64> = loads.iter().map(|l| l.min_share * cal.write64k_bps).collect();
+    let mins: Vec<f64> = loads
+        .iter()
+        .map(|l| l.min_share * cal.write64k_bps)
+        .collect();
     let tenants: Vec<Tenant> = loads
         .iter()
         .zip(&groups.0)
@@ -492,14 +545,28 @@ fn run_one(d: &Device, devname: &str, cal: &Calibration, sc: &str, policy: &str,
     std::fs::create_dir_all(&logs)?;
     let region = (o.disk_bytes / n as u64) / (1 << 20) * (1 << 20);
     let mut fios = vec![];
-    let outs: Vec<PathBuf> = loads.iter().map(|l| logs.join(format!("{devname}-{sc}-{policy}-{}.json", l.name))).collect();
+    let outs: Vec<PathBuf> = loads
+        .iter()
+        .map(|l| logs.join(format!("{devname}-{sc}-{policy}-{}.json", l.name)))
+        .collect();
     for (i, l) in loads.iter().enumerate() {
         let _ = std::fs::remove_file(&outs[i]);
-        fios.push(start_fio(d.path(), &groups.0[i], l, i as u64 * region, region, &outs[i])?);
+        fios.push(start_fio(
+            d.path(),
+            &groups.0[i],
+            l,
+            i as u64 * region,
+            region,
+            &outs[i],
+        )?);
     }
     let t0 = Instant::now();
-    let mut last: Vec<_> = meters.iter_mut().map(|m| m.read(d.dev).unwrap_or_default()).collect();
-    let (mut ts, mut bps, mut iops, mut capv) = (vec![], vec![vec![]; n], vec![vec![]; n], vec![vec![]; n]);
+    let mut last: Vec<_> = meters
+        .iter_mut()
+        .map(|m| m.read(d.dev).unwrap_or_default())
+        .collect();
+    let (mut ts, mut bps, mut iops, mut capv) =
+        (vec![], vec![vec![]; n], vec![vec![]; n], vec![vec![]; n]);
     let (mut shares, mut starved) = (vec![], vec![]);
     let mut t_prev = Instant::now();
     let mut next = 1.0;
@@ -531,7 +598,12 @@ fn run_one(d: &Device, devname: &str, cal: &Calibration, sc: &str, policy: &str,
         }
         if ts.len() % 10 == 0 {
             let tot: f64 = (0..n).map(|i| bps[i].last().unwrap()).sum();
-            log(&format!("{devname}/{sc}/{policy}: {:.0}/{:.0} s, device {:.1} MB/s", t0.elapsed().as_secs_f64(), o.secs, tot / 1e6));
+            log(&format!(
+                "{devname}/{sc}/{policy}: {:.0}/{:.0} s, device {:.1} MB/s",
+                t0.elapsed().as_secs_f64(),
+                o.secs,
+                tot / 1e6
+            ));
         }
     }
     // fio ends at the run's end; anything left is killed with the groups.
@@ -579,7 +651,11 @@ fn run_one(d: &Device, devname: &str, cal: &Calibration, sc: &str, policy: &str,
             min_window_bps: if minw.is_finite() { minw } else { 0.0 },
             mean_iops: si.iter().sum::<f64>() / si.len().max(1) as f64,
             p99_ms: fio_p99_ms(&outs[i]),
-            capped_s: if static_capped { ts.last().copied().unwrap_or(0.0) } else { capped_s[i] },
+            capped_s: if static_capped {
+                ts.last().copied().unwrap_or(0.0)
+            } else {
+                capped_s[i]
+            },
             isolation: loads[i].well_behaved.then(|| mean / mins[i]),
         });
     }
@@ -589,7 +665,10 @@ fn run_one(d: &Device, devname: &str, cal: &Calibration, sc: &str, policy: &str,
         device: devname.into(),
         scenario: sc.into(),
         policy: policy.into(),
-        worst_isolation: wb.clone().filter_map(|t| t.isolation).fold(f64::INFINITY, f64::min),
+        worst_isolation: wb
+            .clone()
+            .filter_map(|t| t.isolation)
+            .fold(f64::INFINITY, f64::min),
         worst_min_bps: wb.map(|t| t.min_window_bps).fold(f64::INFINITY, f64::min),
         tenants: tr,
         total_bps: total,
@@ -607,7 +686,10 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
     if !crate::is_root() {
         bail!("bench ioqos needs root (cgroups, loop devices, FUSE)");
     }
-    if !Path::new(V1).join("blkio.throttle.write_bps_device").exists() {
+    if !Path::new(V1)
+        .join("blkio.throttle.write_bps_device")
+        .exists()
+    {
         bail!("bench ioqos needs cgroup v1 blkio throttling at {V1}");
     }
     fio_bin()?;
@@ -628,7 +710,10 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
     let mut runs = vec![];
     'dev: for devname in &o.devices {
         let d = Device::open(devname, o)?;
-        log(&format!("{devname}: {} (direct I/O); calibrating with fio", d.path().display()));
+        log(&format!(
+            "{devname}: {} (direct I/O); calibrating with fio",
+            d.path().display()
+        ));
         let cal = calibrate(&d, o.disk_bytes)?;
         log(&format!(
             "{devname}: 64 KiB writes {:.1} MB/s ({:.0} IOPS), 4 KiB writes {:.0} IOPS; model {:.0} IOPS + {:.1} MB/s",
@@ -640,7 +725,11 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
         ));
         calibration.push((devname.clone(), cal.clone()));
         // The machine's disk gets the main scenario only: it has no FIFO queue to fight over.
-        let scs: Vec<&String> = o.scenarios.iter().filter(|s| devname == "fifo" || s.as_str() == "ramp").collect();
+        let scs: Vec<&String> = o
+            .scenarios
+            .iter()
+            .filter(|s| devname == "fifo" || s.as_str() == "ramp")
+            .collect();
         for sc in scs {
             for p in &o.policies {
                 if INTERRUPTED.load(Relaxed) {
@@ -697,8 +786,13 @@ pub fn goals(runs: &[RunResult]) -> Vec<Goal> {
             continue;
         }
         seen.push(k);
-        let find = |p: &str| runs.iter().find(|x| x.device == r.device && x.scenario == r.scenario && x.policy == p);
-        let Some(gu) = find("guarantee") else { continue };
+        let find = |p: &str| {
+            runs.iter()
+                .find(|x| x.device == r.device && x.scenario == r.scenario && x.policy == p)
+        };
+        let Some(gu) = find("guarantee") else {
+            continue;
+        };
         let tag = format!("{}/{}", r.device, r.scenario);
         g.push(Goal::at_least(
             &format!("{tag}: guarantee, worst well-behaved tenant's throughput / its minimum"),
@@ -731,7 +825,11 @@ pub fn goals(runs: &[RunResult]) -> Vec<Goal> {
 }
 
 pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<()> {
-    writeln!(out, "I/O guarantee (paper 004): fio tenants, 64 KiB random direct writes, {} s per run", r.secs)?;
+    writeln!(
+        out,
+        "I/O guarantee (paper 004): fio tenants, 64 KiB random direct writes, {} s per run",
+        r.secs
+    )?;
     for (d, c) in &r.calibration {
         writeln!(
             out,
@@ -750,16 +848,36 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
         }
     }
     for (d, s) in keys {
-        let runs: Vec<&RunResult> = r.runs.iter().filter(|x| x.device == d && x.scenario == s).collect();
+        let runs: Vec<&RunResult> = r
+            .runs
+            .iter()
+            .filter(|x| x.device == d && x.scenario == s)
+            .collect();
         writeln!(out, "\n{d} / {s}")?;
         writeln!(
             out,
             "  {:<10} {:>10} {:>10} {:>14} {:>14} {:>12} {:>12}",
-            "policy", "device MB/s", "work cons.", "worst WB mean", "worst WB min", "isolation", "max WB p99"
+            "policy",
+            "device MB/s",
+            "work cons.",
+            "worst WB mean",
+            "worst WB min",
+            "isolation",
+            "max WB p99"
         )?;
         for x in &runs {
-            let wb_p99 = x.tenants.iter().filter(|t| t.well_behaved).filter_map(|t| t.p99_ms).fold(0.0, f64::max);
-            let worst_mean = x.tenants.iter().filter(|t| t.well_behaved).map(|t| t.mean_bps).fold(f64::INFINITY, f64::min);
+            let wb_p99 = x
+                .tenants
+                .iter()
+                .filter(|t| t.well_behaved)
+                .filter_map(|t| t.p99_ms)
+                .fold(0.0, f64::max);
+            let worst_mean = x
+                .tenants
+                .iter()
+                .filter(|t| t.well_behaved)
+                .map(|t| t.mean_bps)
+                .fold(f64::INFINITY, f64::min);
             writeln!(
                 out,
                 "  {:<10} {:>10.2} {:>9.0}% {:>10.2} MB/s {:>9.2} MB/s {:>11.0}% {:>9.0} ms{}",
@@ -770,7 +888,10 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
                 x.worst_min_bps / 1e6,
                 x.worst_isolation * 100.0,
                 wb_p99,
-                x.error.as_ref().map(|e| format!("  ({e})")).unwrap_or_default()
+                x.error
+                    .as_ref()
+                    .map(|e| format!("  ({e})"))
+                    .unwrap_or_default()
             )?;
         }
         // Per tenant: mean / min MB/s and p99 under each policy.

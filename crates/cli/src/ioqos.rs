@@ -184,9 +184,10 @@ pub fn main(c: IoqosCmd) -> Result<()> {
                 v["device_share_used"].as_f64().unwrap_or(0.0) * 100.0
             );
             println!(
-                "{:<12} {:>16} {:>9} {:>11} {:>14} {:>11} {:>9} {:>8}",
+                "{:<12} {:>16} {:>8} {:>9} {:>9} {:>11} {:>10} {:>9} {:>8}",
                 "tenant",
                 "backend",
+                "demand",
                 "MB/s",
                 "IOPS",
                 "latency ms",
@@ -200,10 +201,21 @@ pub fn main(c: IoqosCmd) -> Result<()> {
                         .map(|x| format!("{:.1}", x / d))
                         .unwrap_or_else(|| "-".into())
                 };
+                // Demand as a share of the device; "+" when it presses against its cap.
+                let demand = format!(
+                    "{:.0}%{}",
+                    t["demand_share"].as_f64().unwrap_or(0.0) * 100.0,
+                    if t["pressing_cap"].as_bool().unwrap_or(false) {
+                        "+"
+                    } else {
+                        ""
+                    }
+                );
                 println!(
-                    "{:<12} {:>16} {:>9} {:>11} {:>14} {:>11} {:>9} {:>8}{}",
+                    "{:<12} {:>16} {:>8} {:>9} {:>9} {:>11} {:>10} {:>9} {:>8}{}",
                     t["name"].as_str().unwrap_or("?"),
                     t["backend"].as_str().unwrap_or("?"),
+                    demand,
                     f("bps", 1e6),
                     f("iops", 1.0),
                     f("latency_ms", 1.0),
@@ -216,12 +228,19 @@ pub fn main(c: IoqosCmd) -> Result<()> {
                         .unwrap_or_default()
                 );
             }
+            println!("(demand: share of the device's modelled capacity used; + = pressing against its cap, wants more)");
             Ok(())
         }
     }
 }
 
-fn fifodisk(dir: &std::path::Path, size: u64, bandwidth: u64, per_io: f64, attach_loop: bool) -> Result<()> {
+fn fifodisk(
+    dir: &std::path::Path,
+    size: u64,
+    bandwidth: u64,
+    per_io: f64,
+    attach_loop: bool,
+) -> Result<()> {
     use pagefleet_fifodisk::{FifoDisk, LoopDevice, Pace};
     if !(0.0..=1000.0).contains(&per_io) || per_io.is_nan() {
         bail!("--per-io is milliseconds per request, 0 to 1000");

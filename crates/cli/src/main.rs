@@ -185,7 +185,7 @@ struct BenchOpts {
     /// closed loop that keeps the CPUs busy).
     #[arg(long)]
     pace: Option<f64>,
-    /// bench ioqos: seconds per run (default 80).
+    /// bench ioqos / ksm: seconds each run lasts (default 80 / 180).
     #[arg(long)]
     secs: Option<f64>,
     /// bench migration: link rates to measure migration time on (10gbit,1gbit).
@@ -669,6 +669,12 @@ fn bench_ksm(o: BenchOpts) -> Result<()> {
         opts.tenant_bytes = d;
     }
     opts.only = o.only.clone();
+    if let Some(s) = o.secs {
+        if !(20.0..=7200.0).contains(&s) {
+            bail!("--secs must be between 20 and 7200");
+        }
+        opts.duration_s = s as u64;
+    }
     if let Some(p) = o.pace {
         if p.is_nan() || p <= 0.0 {
             bail!("--pace must be a positive number of operations per second");
@@ -700,11 +706,19 @@ fn bench_ioqos(o: BenchOpts) -> Result<()> {
         opts.secs = s;
     }
     if let Some(only) = &o.only {
-        let words: Vec<String> = only.split(',').map(|w| w.trim().to_string()).filter(|w| !w.is_empty()).collect();
+        let words: Vec<String> = only
+            .split(',')
+            .map(|w| w.trim().to_string())
+            .filter(|w| !w.is_empty())
+            .collect();
         if let Some(bad) = words.iter().find(|w| {
-            ![&ioqos::DEVICES[..], &ioqos::SCENARIOS[..], &ioqos::POLICIES[..]]
-                .iter()
-                .any(|set| set.contains(&w.as_str()))
+            ![
+                &ioqos::DEVICES[..],
+                &ioqos::SCENARIOS[..],
+                &ioqos::POLICIES[..],
+            ]
+            .iter()
+            .any(|set| set.contains(&w.as_str()))
         }) {
             bail!(
                 "--only {bad:?}: use devices ({}), scenarios ({}), policies ({})",
@@ -714,7 +728,11 @@ fn bench_ioqos(o: BenchOpts) -> Result<()> {
             );
         }
         let pick = |all: &[&str], cur: &mut Vec<String>| {
-            let sel: Vec<String> = all.iter().filter(|x| words.iter().any(|w| w == *x)).map(|x| x.to_string()).collect();
+            let sel: Vec<String> = all
+                .iter()
+                .filter(|x| words.iter().any(|w| w == *x))
+                .map(|x| x.to_string())
+                .collect();
             if !sel.is_empty() {
                 *cur = sel;
             }

@@ -405,7 +405,10 @@ mod tests {
             Flags::default(),
         )
         .unwrap_err();
-        assert!(format!("{e:#}").contains("rate must be between 0 and 1"), "{e:#}");
+        assert!(
+            format!("{e:#}").contains("rate must be between 0 and 1"),
+            "{e:#}"
+        );
         let e = merge(
             FileConfig::default(),
             Flags {

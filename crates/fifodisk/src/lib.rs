@@ -302,14 +302,17 @@ impl FifoDisk {
             stats: stats.clone(),
         };
         let mut cfg = fuser::Config::default();
-        cfg.mount_options = vec![
-            fuser::MountOption::FSName("pagefleet-fifodisk".into()),
-        ];
+        cfg.mount_options = vec![fuser::MountOption::FSName("pagefleet-fifodisk".into())];
         cfg.acl = fuser::SessionACL::All;
         // One thread: the FIFO and the single server are the point.
         cfg.n_threads = Some(1);
         let session = fuser::Session::new(fs, dir, &cfg)
-            .with_context(|| format!("cannot mount a FUSE filesystem at {} (need root and /dev/fuse)", dir.display()))?
+            .with_context(|| {
+                format!(
+                    "cannot mount a FUSE filesystem at {} (need root and /dev/fuse)",
+                    dir.display()
+                )
+            })?
             .spawn()
             .context("cannot start the FUSE server thread")?;
         Ok(FifoDisk {
@@ -371,7 +374,11 @@ impl LoopDevice {
         let path = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
         let dev = LoopDevice { path };
         if direct_io && !dev.direct_io() {
-            bail!("{} did not switch to direct I/O over {}", dev.path.display(), file.display());
+            bail!(
+                "{} did not switch to direct I/O over {}",
+                dev.path.display(),
+                file.display()
+            );
         }
         Ok(dev)
     }

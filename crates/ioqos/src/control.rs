@@ -39,6 +39,12 @@ pub struct Options {
 pub struct TenantState {
     pub name: String,
     pub backend: String,
+    /// Its demand on the device: the share of the device's modelled capacity
+    /// its I/O used over the interval (a lower bound while it presses
+    /// against a cap).
+    pub demand_share: f64,
+    /// Using ≥ 90% of its cap: it would take more if let.
+    pub pressing_cap: bool,
     pub bps: f64,
     pub iops: f64,
     /// Mean time per request over the interval, ms (QMP only).
@@ -122,7 +128,9 @@ impl Spec {
                     None => border.parse::<f64>().ok(),
                 }
                 .filter(|b| *b > 0.0 && *b <= 1.0)
-                .with_context(|| format!("border {:?}: a share of the device, e.g. 90%", self.border))?;
+                .with_context(|| {
+                    format!("border {:?}: a share of the device, e.g. 90%", self.border)
+                })?;
                 Policy::Paper(PaperConfig {
                     border,
                     rate: self.rate,
@@ -161,7 +169,11 @@ impl Spec {
     }
 
     /// Checked options; calibrates the device when no model was given.
-    pub fn options(&self, state_file: Option<PathBuf>, duration: Option<Duration>) -> Result<Options> {
+    pub fn options(
+        &self,
+        state_file: Option<PathBuf>,
+        duration: Option<Duration>,
+    ) -> Result<Options> {
         let (dev, tenants, policy, model) = self.check()?;
         let model = match model {
             Some(m) => m,
@@ -171,7 +183,11 @@ impl Spec {
                 } else {
                     PathBuf::from(format!("/dev/block/{dev}"))
                 };
-                info!("calibrating {} for {:.0} s (direct reads)", path.display(), self.calibrate_secs);
+                info!(
+                    "calibrating {} for {:.0} s (direct reads)",
+                    path.display(),
+                    self.calibrate_secs
+                );
                 calibrate(&path, self.calibrate_secs.max(0.5))?
             }
         };
@@ -447,6 +463,9 @@ pub fn run(o: &Options, stop: &AtomicBool, mut on_tick: impl FnMut(&State)) -> R
             ts.iops = obs[i].iops();
             ts.cap_bps = caps[i].bps;
             ts.cap_iops = caps[i].iops;
+            ts.demand_share = o.model.cost(&obs[i]);
+            ts.pressing_cap = caps[i].bps.is_some_and(|c| obs[i].bps() >= 0.9 * c)
+                || caps[i].iops.is_some_and(|c| obs[i].iops() >= 0.9 * c);
             if !caps[i].is_none() {
                 ts.capped_s += dt;
             }

@@ -29,8 +29,14 @@ pub struct AdaptiveConfig {
     pub min_gain_pages: u64,
     /// ksmd's sleep between batches at normal rates, ms.
     pub sleep_ms: u64,
-    /// While idling, one pass over the mergeable memory takes about this long.
+    /// While idling, one pass over the mergeable memory takes about this
+    /// long at first; every pass that finds nothing doubles it, up to
+    /// max_idle_pass_s (an idle ksmd costs next to nothing on a settled host).
     pub idle_pass_s: f64,
+    pub max_idle_pass_s: f64,
+    /// While idling, MemAvailable falling by this share of MemTotal (new
+    /// memory in use, maybe new duplicates) starts merging again.
+    pub wake_on_growth: f64,
     /// The highest priority ksmd is given when it starves while merging pays.
     pub min_nice: i32,
 }
@@ -48,6 +54,8 @@ impl Default for AdaptiveConfig {
             min_gain_pages: 256,
             sleep_ms: 20,
             idle_pass_s: 60.0,
+            max_idle_pass_s: 960.0,
+            wake_on_growth: 0.05,
             min_nice: -10,
         }
     }
@@ -91,6 +99,9 @@ pub struct Adaptive {
     /// Share of the last tick ksmd spent runnable but without a CPU.
     pub wait_share: f64,
     nice: i32,
+    /// The idle pass length now, and MemAvailable (kB) when idling began.
+    idle_pass: f64,
+    idle_avail_kb: u64,
 }
 
 impl Adaptive {
@@ -109,7 +120,14 @@ impl Adaptive {
             yield_bytes_per_cpu_s: 0.0,
             wait_share: 0.0,
             nice: crate::sysfs::KSMD_DEFAULT_NICE,
+            idle_pass: 60.0,
+            idle_avail_kb: 0,
         }
+    }
+
+    /// The current length of one idle pass, seconds.
+    pub fn idle_pass_s(&self) -> f64 {
+        self.idle_pass
     }
 
     pub fn phase(&self) -> Phase {
@@ -138,13 +156,19 @@ impl Adaptive {
         }
     }
 
-    /// One pass per idle_pass_s over the pages ksmd tracks (its rmap items,
-    /// recovered from general_profit = sharing x 4096 - rmap_items x 64).
+    /// One pass per idle pass length over the pages ksmd tracks (its rmap
+    /// items, recovered from general_profit = sharing x 4096 - rmap_items x 64).
     fn idle_rate(&self, s: &Stats) -> f64 {
         let rmap = ((s.pages_sharing + s.ksm_zero_pages) as i64 * PAGE as i64 - s.general_profit)
             .max(0) as f64
             / 64.0;
-        (rmap / self.cfg.idle_pass_s).max(self.cfg.min_rate)
+        (rmap / self.idle_pass).max(self.cfg.min_rate)
+    }
+
+    fn start_idling(&mut self, m: &Memory) {
+        self.phase = Phase::Idling;
+        self.idle_pass = self.cfg.idle_pass_s;
+        self.idle_avail_kb = m.available_kb;
     }
 
     fn decide(&self, why: String) -> Decision {
@@ -187,8 +211,10 @@ impl Adaptive {
         self.yield_bytes_per_cpu_s = gained as f64 / ((s.ksmd_cpu - last.ksmd_cpu).max(1e-4));
         let pays = gained >= self.cfg.min_gain_pages * PAGE
             && self.yield_bytes_per_cpu_s >= self.cfg.pay_bytes_per_cpu_s;
+        let mut empty_pass_done = false;
         if s.full_scans > last.full_scans {
             let pass_gain = s.saved().saturating_sub(self.pass_start_saved);
+            empty_pass_done = pass_gain < self.cfg.min_gain_pages * PAGE;
             self.empty_passes = if pass_gain < self.cfg.min_gain_pages * PAGE {
                 self.empty_passes + 1
             } else {
@@ -219,19 +245,37 @@ impl Adaptive {
                     return self
                         .start_merging(s, "the last pass found new duplicates: merging again");
                 }
+                let grown = self.idle_avail_kb.saturating_sub(m.available_kb);
+                if grown as f64 > self.cfg.wake_on_growth * m.total_kb as f64 {
+                    return self.start_merging(
+                        s,
+                        &format!(
+                            "{} MiB more memory in use since idling began: merging again",
+                            grown >> 10
+                        ),
+                    );
+                }
+                // Follow memory being freed, so growth is measured from the low point.
+                self.idle_avail_kb = self.idle_avail_kb.max(m.available_kb);
+                if empty_pass_done {
+                    self.idle_pass = (self.idle_pass * 2.0).min(self.cfg.max_idle_pass_s);
+                }
                 self.rate = self.idle_rate(s);
                 if self.cpu > self.cfg.cpu_budget / 4.0 {
                     self.rate = self.cfg.min_rate;
                 }
-                self.decide("nothing new to merge: idling".into())
+                self.decide(format!(
+                    "nothing new to merge: idling (a pass per {:.0} s)",
+                    self.idle_pass
+                ))
             }
             Phase::Merging => {
                 if nothing_left {
-                    self.phase = if self.pressure {
-                        Phase::Idling
+                    if self.pressure {
+                        self.start_idling(m);
                     } else {
-                        Phase::Off
-                    };
+                        self.phase = Phase::Off;
+                    }
                     self.rate = self.idle_rate(s);
                     self.nice = crate::sysfs::KSMD_DEFAULT_NICE;
                     return self.decide(
@@ -375,5 +419,34 @@ mod tests {
         let a = Adaptive::new(AdaptiveConfig::default());
         assert_eq!(a.knobs(50_000.0), (1000, 20));
         assert_eq!(a.knobs(500.0), (32, 64));
+    }
+
+    #[test]
+    fn idle_passes_back_off_and_memory_growth_wakes_merging() {
+        let mut a = Adaptive::new(AdaptiveConfig::default());
+        let st = |scans, cpu: f64| Stats {
+            run: 1,
+            pages_sharing: 100_000,
+            general_profit: 100_000 * 4096 - 400_000 * 64,
+            full_scans: scans,
+            ksmd_cpu: cpu,
+            ..Default::default()
+        };
+        a.step(&st(0, 0.0), &mem(0.1), 1.0);
+        a.step(&st(1, 0.1), &mem(0.1), 1.0);
+        let d = a.step(&st(2, 0.2), &mem(0.1), 1.0);
+        assert_eq!(d.phase, Phase::Idling);
+        let r0 = a.rate();
+        assert_eq!(a.idle_pass_s(), 60.0);
+        // Each empty idle pass doubles the pass length (halves the rate), up to the ceiling.
+        for (k, want) in [(3, 120.0), (4, 240.0), (5, 480.0), (6, 960.0), (7, 960.0)] {
+            let d = a.step(&st(k, 0.2), &mem(0.1), 1.0);
+            assert_eq!((d.phase, a.idle_pass_s()), (Phase::Idling, want));
+        }
+        assert!(a.rate() < r0 / 8.0 + 1.0);
+        // 5% of memory more in use: merging again, from the start rate.
+        let d = a.step(&st(7, 0.2), &mem(0.04), 1.0);
+        assert_eq!(d.phase, Phase::Merging, "{}", d.why);
+        assert!(d.why.contains("more memory in use"), "{}", d.why);
     }
 }

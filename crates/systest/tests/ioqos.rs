@@ -433,7 +433,18 @@ fn fifo_disk_keeps_every_block_and_leaves_nothing_behind() {
     let dir = pagefleet_systest::tempdir("fifo");
     let mnt = dir.join("mnt");
     let mut c = Ctl(Command::new(bin("pagefleet"))
-        .args(["ioqos", "fifodisk", "--size", "64MiB", "--bandwidth", "400MiB", "--per-io", "0.02", "--loop", "--dir"])
+        .args([
+            "ioqos",
+            "fifodisk",
+            "--size",
+            "64MiB",
+            "--bandwidth",
+            "400MiB",
+            "--per-io",
+            "0.02",
+            "--loop",
+            "--dir",
+        ])
         .arg(&mnt)
         .stdout(Stdio::piped())
         .spawn()
@@ -445,16 +456,33 @@ fn fifo_disk_keeps_every_block_and_leaves_nothing_behind() {
     )
     .unwrap();
     let dev = line.trim().to_string();
-    assert!(dev.starts_with("/dev/loop"), "prints its loop device: {line:?}");
+    assert!(
+        dev.starts_with("/dev/loop"),
+        "prints its loop device: {line:?}"
+    );
     let name = dev.trim_start_matches("/dev/");
     assert_eq!(
-        std::fs::read_to_string(format!("/sys/block/{name}/loop/dio")).unwrap().trim(),
+        std::fs::read_to_string(format!("/sys/block/{name}/loop/dio"))
+            .unwrap()
+            .trim(),
         "1",
         "direct I/O on the FUSE file"
     );
     // Mixed sizes, several writers at once, each block checked on read-back.
     let out = Command::new("fio")
-        .args(["--name=v", "--rw=randwrite", "--direct=1", "--ioengine=psync", "--bsrange=4k-128k", "--numjobs=4", "--size=12M", "--offset_increment=14M", "--verify=crc32c", "--do_verify=1", "--group_reporting"])
+        .args([
+            "--name=v",
+            "--rw=randwrite",
+            "--direct=1",
+            "--ioengine=psync",
+            "--bsrange=4k-128k",
+            "--numjobs=4",
+            "--size=12M",
+            "--offset_increment=14M",
+            "--verify=crc32c",
+            "--do_verify=1",
+            "--group_reporting",
+        ])
         .arg(format!("--filename={dev}"))
         .output()
         .unwrap();
@@ -468,12 +496,21 @@ fn fifo_disk_keeps_every_block_and_leaves_nothing_behind() {
     let mut a = vec![0u8; 1 << 20];
     let mut b = vec![0u8; 1 << 20];
     use std::io::Read;
-    std::fs::File::open(&dev).unwrap().read_exact(&mut a).unwrap();
-    std::fs::File::open(mnt.join("disk")).unwrap().read_exact(&mut b).unwrap();
+    std::fs::File::open(&dev)
+        .unwrap()
+        .read_exact(&mut a)
+        .unwrap();
+    std::fs::File::open(mnt.join("disk"))
+        .unwrap()
+        .read_exact(&mut b)
+        .unwrap();
     assert!(a == b && a.iter().any(|&x| x != 0));
     drop(c);
     let mounts = std::fs::read_to_string("/proc/mounts").unwrap();
-    assert!(!mounts.contains(mnt.to_str().unwrap()), "unmounted on SIGTERM");
+    assert!(
+        !mounts.contains(mnt.to_str().unwrap()),
+        "unmounted on SIGTERM"
+    );
     let lo = Command::new("losetup").arg("-a").output().unwrap();
     assert!(
         !String::from_utf8_lossy(&lo.stdout).contains(&format!("{dev}:")),
@@ -535,9 +572,15 @@ fn pagefleetd_runs_the_io_controller() {
             .filter(|o| o.status.success())
             .and_then(|o| serde_json::from_slice::<serde_json::Value>(&o.stdout).ok())
     };
-    wait_for("the daemon's controller to cap the bursty tenant", 25, || {
-        status().is_some_and(|v| v["tenants"][1]["cap_bps"].is_number() && v["policy"] == "guarantee")
-    });
+    wait_for(
+        "the daemon's controller to cap the bursty tenant",
+        25,
+        || {
+            status().is_some_and(|v| {
+                v["tenants"][1]["cap_bps"].is_number() && v["policy"] == "guarantee"
+            })
+        },
+    );
     let _ = fa.kill();
     let _ = fb.kill();
     let _ = fa.wait();
@@ -567,7 +610,18 @@ fn bench_ioqos_reports_runs_and_goals() {
     }
     let dir = pagefleet_systest::tempdir("bench-ioqos");
     let out = Command::new(bin("pagefleet"))
-        .args(["bench", "ioqos", "--json", "--secs", "20", "--dataset", "128MiB", "--only", "fifo,ramp,none,paper,guarantee", "--out"])
+        .args([
+            "bench",
+            "ioqos",
+            "--json",
+            "--secs",
+            "20",
+            "--dataset",
+            "128MiB",
+            "--only",
+            "fifo,ramp,none,paper,guarantee",
+            "--out",
+        ])
         .arg(&dir)
         .output()
         .unwrap();
@@ -590,14 +644,21 @@ fn bench_ioqos_reports_runs_and_goals() {
     let goals = v["goals"].as_array().unwrap();
     assert_eq!(goals.len(), 3, "{goals:?}");
     for g in goals {
-        assert!(g["value"].as_f64().is_some_and(f64::is_finite) && g["met"].is_boolean(), "{g}");
+        assert!(
+            g["value"].as_f64().is_some_and(f64::is_finite) && g["met"].is_boolean(),
+            "{g}"
+        );
     }
     // The table went to stderr; nothing of the run is left behind.
     assert!(err.contains("Goals (from this run)"), "{err}");
     let groups = std::fs::read_dir(V1)
         .unwrap()
         .flatten()
-        .filter(|e| e.file_name().to_string_lossy().starts_with("pagefleet-bench-"))
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .starts_with("pagefleet-bench-")
+        })
         .count();
     assert_eq!(groups, 0, "bench cgroups removed");
     let _ = std::fs::remove_dir_all(dir);
