@@ -727,7 +727,11 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
             d.path().display()
         ));
         // The machine's disk gets the main scenario only: it has no FIFO queue to fight over.
-        let scs: Vec<&String> = o.scenarios.iter().filter(|s| devname == "fifo" || s.as_str() == "ramp").collect();
+        let scs: Vec<&String> = o
+            .scenarios
+            .iter()
+            .filter(|s| devname == "fifo" || s.as_str() == "ramp")
+            .collect();
         let mut counts: Vec<usize> = vec![];
         for sc in &scs {
             let n = scenario(sc, o.secs)?.len();
@@ -744,13 +748,13 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
             cal.model.max_iops,
             cal.model.max_bps / 1e6
         ));
+        for (n, b) in &cal.equal_share_bps {
+            log(&format!(
+                "{devname}: {n} single-process writers get {:.2} MB/s each",
+                b / 1e6
+            ));
+        }
         calibration.push((devname.clone(), cal.clone()));
-        // The machine's disk gets the main scenario only: it has no FIFO queue to fight over.
-        let scs: Vec<&String> = o
-            .scenarios
-            .iter()
-            .filter(|s| devname == "fifo" || s.as_str() == "ramp")
-            .collect();
         for sc in scs {
             for p in &o.policies {
                 if INTERRUPTED.load(Relaxed) {
