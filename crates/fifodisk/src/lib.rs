@@ -285,7 +285,7 @@ impl FifoDisk {
     /// Mount a disk of `size` bytes (kept in memory) at `dir` (created if
     /// missing); the block-device-like file is `dir/disk`. Root only.
     pub fn mount(dir: &Path, size: u64, pace: Pace) -> Result<FifoDisk> {
-        if size < 1 << 20 || size % 4096 != 0 {
+        if size < 1 << 20 || !size.is_multiple_of(4096) {
             bail!("disk size must be a multiple of 4 KiB and at least 1 MiB (got {size})");
         }
         if !(pace.bandwidth.is_finite() && pace.bandwidth > 0.0) {
