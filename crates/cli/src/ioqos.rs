@@ -122,7 +122,7 @@ pub fn options(o: &RunOpts) -> Result<Options> {
     } else {
         (o.duration > 0.0).then(|| Duration::from_secs_f64(o.duration))
     };
-    let mut opts = spec.options(Some(o.state.clone()), duration)?;
+    let opts = spec.options(Some(o.state.clone()), duration)?;
     if o.model.is_none() {
         eprintln!(
             "device model: {:.0} IOPS (4 KiB random), {:.1} MB/s (1 MiB sequential)",
@@ -130,7 +130,6 @@ pub fn options(o: &RunOpts) -> Result<Options> {
             opts.model.max_bps / 1e6
         );
     }
-    opts.duration = duration;
     Ok(opts)
 }
 
@@ -253,15 +252,7 @@ fn fifodisk(
         bandwidth: bandwidth as f64,
     };
     // Interrupt and terminate end it cleanly: blocked here, waited for below.
-    // SAFETY: signal mask manipulation before any thread starts.
-    let set = unsafe {
-        let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut set);
-        libc::sigaddset(&mut set, libc::SIGINT);
-        libc::sigaddset(&mut set, libc::SIGTERM);
-        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
-        set
-    };
+    let set = crate::block_term_signals();
     let disk = FifoDisk::mount(dir, size, pace)?;
     let lo = if attach_loop {
         Some(LoopDevice::attach(&disk.file(), true)?)
@@ -278,9 +269,7 @@ fn fifodisk(
     );
     use std::io::Write;
     std::io::stdout().flush()?;
-    let mut sig = 0;
-    // SAFETY: waiting for the blocked signals.
-    unsafe { libc::sigwait(&set, &mut sig) };
+    crate::wait_term_signal(&set);
     drop(lo);
     disk.unmount()
 }

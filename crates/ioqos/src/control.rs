@@ -122,15 +122,7 @@ impl Spec {
                 if !(self.cap_interval > 0.0 && self.cap_time > self.cap_interval) {
                     anyhow::bail!("the paper requires cap_time > cap_interval > 0");
                 }
-                let border = self.border.trim();
-                let border = match border.strip_suffix('%') {
-                    Some(p) => p.trim().parse::<f64>().ok().map(|v| v / 100.0),
-                    None => border.parse::<f64>().ok(),
-                }
-                .filter(|b| *b > 0.0 && *b <= 1.0)
-                .with_context(|| {
-                    format!("border {:?}: a share of the device, e.g. 90%", self.border)
-                })?;
+                let border = pagefleet_ksm::parse_share("border", &self.border)?;
                 Policy::Paper(PaperConfig {
                     border,
                     rate: self.rate,
