@@ -11,16 +11,21 @@ import matplotlib.pyplot as plt  # noqa: E402
 def main(src, dst):
     r = json.load(open(src))
     cs = [c for c in r["configs"] if not c.get("error") and c["samples"]]
-    fig, axes = plt.subplots(3, 1, figsize=(11, 11), sharex=True)
+    paging = r["opts"].get("swap") is not None
+    fig, axes = plt.subplots(4 if paging else 3, 1, figsize=(11, 14 if paging else 11), sharex=True)
     for c in cs:
         t = [s["t"] for s in c["samples"]]
         axes[0].plot(t, [s["saved_mib"] for s in c["samples"]], label=c["name"])
         axes[1].plot(t, [s["ksmd_cpu_pct"] for s in c["samples"]], label=c["name"])
         axes[2].plot(t, [s["ops_per_s"] for s in c["samples"]], label=c["name"])
+        if paging:
+            axes[3].plot(t, [s.get("majflt_per_s", 0) for s in c["samples"]], label=c["name"])
     axes[0].set_ylabel("memory saved (MiB)")
     axes[1].set_ylabel("ksmd CPU (% of a core)")
     axes[2].set_ylabel("tenant throughput (ops/s, sum)")
-    axes[2].set_xlabel("seconds since the tenants were loaded")
+    if paging:
+        axes[3].set_ylabel("major page faults/s (host)")
+    axes[-1].set_xlabel("seconds since the tenants were loaded")
     for ax in axes:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)

@@ -30,8 +30,18 @@ pub struct Opts {
     pub duration_s: u64,
     /// ksmtuned's monitor interval before scaling (60 s in the script).
     pub ksmtuned_base_s: f64,
-    /// MemAvailable the balloon leaves, share of MemTotal (ksmtuned acts below 20%).
+    /// MemAvailable the balloon leaves with the tenants loaded, share of
+    /// MemTotal (ksmtuned acts below 20%).
     pub leave_available: f64,
+    /// A swap file of this size (None: no swap, nothing ever pages). With
+    /// it the tenants share one memory cgroup (as guests share a host's
+    /// machine slice) that keeps `fit` of the memory they use unmerged in
+    /// RAM: the rest pages until merging makes room.
+    pub swap: Option<u64>,
+    pub fit: f64,
+    /// The clients' key distribution (zipf; 0 = uniform, so every tenant's
+    /// whole common dataset is its working set).
+    pub theta: f64,
     pub only: Option<String>,
     /// Each tenant's client: operations per second (None: a closed loop,
     /// which keeps both CPUs busy).
@@ -48,9 +58,12 @@ impl Opts {
             shared_frac: 0.6,
             private_frac: 0.15,
             value_len: 2000,
-            duration_s: 180,
+            duration_s: 300,
             ksmtuned_base_s: 60.0,
             leave_available: 0.15,
+            swap: Some(2 << 30),
+            fit: 0.6,
+            theta: 0.0,
             only: None,
             pace: None,
             out_dir,
@@ -63,6 +76,7 @@ impl Opts {
             tenant_bytes: 96 << 20,
             duration_s: 40,
             ksmtuned_base_s: 10.0,
+            swap: Some(512 << 20),
             ..Opts::full(out_dir)
         }
     }
@@ -76,6 +90,10 @@ pub struct Sample {
     pub ksmd_cpu_pct: f64,
     pub ops_per_s: f64,
     pub scan_rate: f64,
+    pub full_scans: u64,
+    /// Swap in use on the host, and major page faults per second.
+    pub swap_mib: f64,
+    pub majflt_per_s: f64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -91,6 +109,11 @@ pub struct ConfigResult {
     /// All tenants together, ops/s (mean over the run), and the slowest tenant's.
     pub throughput: f64,
     pub min_tenant_throughput: f64,
+    /// Paced operations the clients dropped (over 100 ms behind).
+    pub dropped_ops: u64,
+    /// Major faults per second over the run, and swap in use at its end.
+    pub majflt_per_s: f64,
+    pub final_swap_mib: f64,
     pub error: Option<String>,
 }
 
@@ -99,6 +122,10 @@ pub struct Report {
     pub opts: Opts,
     pub mem_total_mib: u64,
     pub balloon_mib: u64,
+    /// The tenants' resident memory after loading, unmerged and unpressed.
+    pub tenants_rss_mib: u64,
+    /// The tenants' memory cgroup limit (with swap).
+    pub limit_mib: Option<u64>,
     pub configs: Vec<ConfigResult>,
     pub goals: Vec<Goal>,
     #[serde(flatten)]
@@ -404,16 +431,18 @@ impl Drop for Balloon {
     }
 }
 
-fn run_one(
-    p: &Policy,
-    o: &Opts,
-    dir: &std::path::Path,
-    log: &mut dyn FnMut(&str),
-) -> Result<ConfigResult> {
-    reset_ksm()?;
+/// Start the tenants and load them: the common dataset, then private data.
+/// Returns them and the number of common items.
+fn loaded_tenants(o: &Opts, cg: Option<&util::MemCgroup>) -> Result<(Vec<Tenant>, u64)> {
     let tenants = (0..o.tenants)
         .map(|_| Tenant::start(o.tenant_bytes))
         .collect::<Result<Vec<_>>>()?;
+    if let Some(cg) = cg {
+        for t in &tenants {
+            std::fs::write(cg.path.join("cgroup.procs"), t.child.id().to_string())
+                .context("cannot move a tenant into its memory cgroup")?;
+        }
+    }
     // Item = 32 B header + key + value, in power-of-two classes.
     let item = (32 + 14 + o.value_len).next_power_of_two() as f64;
     let shared = (o.tenant_bytes as f64 * o.shared_frac / item) as u64;
@@ -445,6 +474,61 @@ fn run_one(
         hs.into_iter()
             .try_for_each(|h| h.join().map_err(|_| anyhow!("loader panicked"))?)
     })?;
+    Ok((tenants, shared))
+}
+
+/// Resident memory of a process, bytes.
+fn rss(pid: u32) -> Result<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    s.lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|k| k << 10)
+        .ok_or_else(|| anyhow!("no VmRSS for {pid}"))
+}
+
+/// Host-wide: swap in use (bytes) and major faults so far.
+fn swap_and_majflt() -> (u64, u64) {
+    let kb = |k: &str, s: &str| {
+        s.lines()
+            .find_map(|l| l.strip_prefix(k))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let m = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let swap = kb("SwapTotal:", &m).saturating_sub(kb("SwapFree:", &m)) << 10;
+    let v = std::fs::read_to_string("/proc/vmstat").unwrap_or_default();
+    let maj = v
+        .lines()
+        .find_map(|l| l.strip_prefix("pgmajfault "))
+        .and_then(|x| x.trim().parse().ok())
+        .unwrap_or(0);
+    (swap, maj)
+}
+
+fn run_one(
+    p: &Policy,
+    o: &Opts,
+    limit: Option<u64>,
+    dir: &std::path::Path,
+    log: &mut dyn FnMut(&str),
+) -> Result<ConfigResult> {
+    reset_ksm()?;
+    // Declared before the tenants: removed after they are gone. Loaded
+    // without a limit (fast), then squeezed to it: the kernel pages the
+    // excess out before the run starts.
+    let cg = match limit {
+        Some(_) => Some(util::MemCgroup::new(u64::MAX >> 2)?),
+        None => None,
+    };
+    let (tenants, shared) = loaded_tenants(o, cg.as_ref())?;
+    if let (Some(cg), Some(l)) = (&cg, limit) {
+        std::fs::write(cg.path.join("memory.limit_in_bytes"), l.to_string())
+            .context("cannot limit the tenants' memory cgroup")?;
+    }
+    let item = (32 + 14 + o.value_len).next_power_of_two() as f64;
+    let private = (o.tenant_bytes as f64 * o.private_frac / item) as u64;
+    let vlen = o.value_len;
     log(&format!(
         "{}: {} tenants loaded ({} shared + {} private items each); running {} s",
         p.name(),
@@ -462,7 +546,7 @@ fn run_one(
                 value_len: vlen,
                 conns: 1,
                 get_frac: 1.0,
-                theta: 0.99,
+                theta: o.theta,
                 netns: None,
                 reconnect: false,
                 pace: o.pace,
@@ -479,6 +563,8 @@ fn run_one(
     let mut prev_ops: Vec<u64> = loads.iter().map(|l| l.counters.ops.load(Relaxed)).collect();
     let start_ops = prev_ops.clone();
     let mut prev_t = 0.0;
+    let (_, maj0) = swap_and_majflt();
+    let mut prev_maj = maj0;
     let mut samples = Vec::new();
     for k in 1..=o.duration_s {
         if INTERRUPTED.load(Relaxed) {
@@ -491,7 +577,11 @@ fn run_one(
         let ops: Vec<u64> = loads.iter().map(|l| l.counters.ops.load(Relaxed)).collect();
         let dt = now - prev_t;
         let dops: u64 = ops.iter().zip(&prev_ops).map(|(a, b)| a - b).sum();
+        let (swap, maj) = swap_and_majflt();
         samples.push(Sample {
+            full_scans: s.full_scans - first.full_scans,
+            swap_mib: swap as f64 / 1048576.0,
+            majflt_per_s: maj.saturating_sub(prev_maj) as f64 / dt,
             t: now,
             saved_mib: s.saved() as f64 / 1048576.0 - base,
             profit_mib: s.general_profit as f64 / 1048576.0 - base_profit,
@@ -505,14 +595,17 @@ fn run_one(
         if k % 15 == 0 {
             let x = samples.last().unwrap();
             log(&format!(
-                "{}: t={k}s saved {:.0} MiB, ksmd {:.1}%, {:.0} ops/s",
+                "{}: t={k}s saved {:.0} MiB, ksmd {:.1}%, {:.0} ops/s, {:.0} major faults/s, swap {:.0} MiB",
                 p.name(),
                 x.saved_mib,
                 x.ksmd_cpu_pct,
-                x.ops_per_s
+                x.ops_per_s,
+                x.majflt_per_s,
+                x.swap_mib
             ));
         }
         prev = s;
+        prev_maj = maj;
         prev_ops = ops;
         prev_t = now;
     }
@@ -526,6 +619,7 @@ fn run_one(
         .iter()
         .map(|l| l.counters.bad_values.load(Relaxed))
         .sum();
+    let dropped: u64 = loads.iter().map(|l| l.counters.dropped.load(Relaxed)).sum();
     for l in loads {
         l.stop()?;
     }
@@ -558,6 +652,9 @@ fn run_one(
         ksmd_cpu_s: cpu_s,
         throughput: per_tenant.iter().sum(),
         min_tenant_throughput: per_tenant.iter().cloned().fold(f64::INFINITY, f64::min),
+        dropped_ops: dropped,
+        majflt_per_s: prev_maj.saturating_sub(maj0) as f64 / elapsed,
+        final_swap_mib: samples.last().map(|s| s.swap_mib).unwrap_or(0.0),
         samples,
         error: None,
     })
@@ -582,11 +679,25 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
         libc::signal(libc::SIGINT, on_signal as *const () as usize);
         libc::signal(libc::SIGTERM, on_signal as *const () as usize);
     }
+    // What the tenants use unmerged, measured: loaded once without pressure.
+    reset_ksm()?;
+    let tenants_rss = {
+        let (t, _) = loaded_tenants(o, None)?;
+        t.iter().map(|t| rss(t.child.id())).sum::<Result<u64>>()?
+    };
     let m = Memory::read()?;
-    let need = o.tenants as u64 * o.tenant_bytes;
+    let _swap = match o.swap {
+        Some(sz) => Some(util::Swap::file(sz)?),
+        None => None,
+    };
+    let limit = o.swap.map(|_| (tenants_rss as f64 * o.fit) as u64);
     let leave = (m.total_kb as f64 * 1024.0 * o.leave_available) as u64;
-    let balloon = (m.available_kb * 1024).saturating_sub(need + leave) as usize;
+    let in_ram = limit.unwrap_or(tenants_rss);
+    let balloon = (m.available_kb * 1024).saturating_sub(in_ram + leave) as usize;
     log(&format!("host: {} total, {} available; balloon {} so that ~{:.0}% stays available with the tenants loaded", crate::fmt_bytes(m.total_kb * 1024), crate::fmt_bytes(m.available_kb * 1024), crate::fmt_bytes(balloon as u64), o.leave_available * 100.0));
+    if let Some(l) = limit {
+        log(&format!("the tenants use {} unmerged; their memory cgroup keeps {} ({:.0}%) in RAM, the rest pages to a {} swap file", crate::fmt_bytes(tenants_rss), crate::fmt_bytes(l), o.fit * 100.0, crate::fmt_bytes(o.swap.unwrap_or(0))));
+    }
     let _b = Balloon::inflate(balloon)?;
     let policies = [
         Policy::Off,
@@ -607,7 +718,7 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
                 .is_none_or(|w| w.split(',').any(|w| p.name().contains(w.trim())))
         })
     {
-        let r = run_one(p, o, &dir, log).unwrap_or_else(|e| {
+        let r = run_one(p, o, limit, &dir, log).unwrap_or_else(|e| {
             log(&format!("{}: FAILED: {e:#}", p.name()));
             ConfigResult {
                 name: p.name(),
@@ -619,6 +730,9 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
                 ksmd_cpu_s: 0.0,
                 throughput: 0.0,
                 min_tenant_throughput: 0.0,
+                dropped_ops: 0,
+                majflt_per_s: 0.0,
+                final_swap_mib: 0.0,
                 error: Some(format!("{e:#}")),
             }
         });
@@ -632,6 +746,8 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
         opts: o.clone(),
         mem_total_mib: m.total_kb >> 10,
         balloon_mib: (balloon >> 20) as u64,
+        tenants_rss_mib: tenants_rss >> 20,
+        limit_mib: limit.map(|l| l >> 20),
         goals: goals(&configs, o),
         configs,
         plot: PlotOutcome::default(),
@@ -707,10 +823,21 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
         .pace
         .map(|p| format!("clients paced at {p:.0} ops/s each"))
         .unwrap_or_else(|| "closed-loop clients".into());
-    writeln!(out, "\nKSM: {} kv tenants x {} ({:.0}% common data, {:.0}% private), {load}, host {} MiB with a {} MiB balloon, {} s per run\n", r.opts.tenants, crate::fmt_bytes(r.opts.tenant_bytes), r.opts.shared_frac * 100.0, r.opts.private_frac * 100.0, r.mem_total_mib, r.balloon_mib, r.opts.duration_s)?;
+    let pressure = match r.opts.swap {
+        Some(s) => format!(
+            "a {} MiB balloon; the tenants' cgroup keeps {} MiB ({:.0}% of their {} MiB) in RAM, {} swap file",
+            r.balloon_mib,
+            r.limit_mib.unwrap_or(0),
+            r.opts.fit * 100.0,
+            r.tenants_rss_mib,
+            crate::fmt_bytes(s)
+        ),
+        None => format!("a {} MiB balloon, no swap", r.balloon_mib),
+    };
+    writeln!(out, "\nKSM: {} kv tenants x {} ({:.0}% common data, {:.0}% private), {load} (zipf {}), host {} MiB, {pressure}, {} s per run\n", r.opts.tenants, crate::fmt_bytes(r.opts.tenant_bytes), r.opts.shared_frac * 100.0, r.opts.private_frac * 100.0, r.opts.theta, r.mem_total_mib, r.opts.duration_s)?;
     writeln!(
         out,
-        "{:<20} {:>11} {:>11} {:>9} {:>10} {:>9} {:>12} {:>12} {:>12}",
+        "{:<20} {:>11} {:>11} {:>9} {:>10} {:>9} {:>12} {:>12} {:>12} {:>10} {:>9}",
         "policy",
         "saved MiB",
         "profit MiB",
@@ -719,7 +846,9 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
         "ksmd CPU s",
         "CPU s/GiB",
         "ops/s (sum)",
-        "min tenant"
+        "min tenant",
+        "majflt/s",
+        "dropped"
     )?;
     for c in &r.configs {
         if let Some(e) = &c.error {
@@ -737,7 +866,7 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
         };
         writeln!(
             out,
-            "{:<20} {:>11.0} {:>11.0} {:>9} {:>10.2} {:>9.1} {:>12} {:>12.0} {:>12.0}",
+            "{:<20} {:>11.0} {:>11.0} {:>9} {:>10.2} {:>9.1} {:>12} {:>12.0} {:>12.0} {:>10.0} {:>9}",
             c.name,
             c.final_saved_mib,
             c.final_profit_mib,
@@ -746,7 +875,9 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
             c.ksmd_cpu_s,
             per_gib,
             c.throughput,
-            c.min_tenant_throughput
+            c.min_tenant_throughput,
+            c.majflt_per_s,
+            c.dropped_ops
         )?;
     }
     util::print_goals(&r.goals, out)?;

@@ -43,7 +43,8 @@ pub struct Spec {
     pub netns: Option<String>,
     /// Keep retrying a lost connection (a migrating guest) instead of failing.
     pub reconnect: bool,
-    /// Operations per second per connection (None: a closed loop, as fast as it goes).
+    /// Operations per second per connection (None: a closed loop, as fast
+    /// as it goes); operations over 100 ms behind schedule are dropped.
     pub pace: Option<f64>,
 }
 
@@ -117,6 +118,9 @@ pub struct Counters {
     /// Gets whose value was not the key's value, or that found nothing.
     pub bad_values: AtomicU64,
     pub misses: AtomicU64,
+    /// Paced operations dropped because the client was over 100 ms behind
+    /// its schedule (a request that would have timed out).
+    pub dropped: AtomicU64,
 }
 
 /// A load running in the background.
@@ -241,6 +245,16 @@ fn client(s: &Spec, t: usize, stop: &AtomicBool, c: &Counters, zipf: &Zipf) -> R
         while !stop.load(Relaxed) {
             if let Some(p) = s.pace {
                 // Open loop on a schedule: operation n is due at n / pace.
+                // Operations over 100 ms late are dropped, not caught up
+                // later: a stalled server loses that work, as with a
+                // client's timeout (so throughput shows the stall).
+                let due_s = sent as f64 / p;
+                let late = start.elapsed().as_secs_f64() - due_s;
+                if late > 0.1 {
+                    let skip = (late * p) as u64;
+                    c.dropped.fetch_add(skip, Relaxed);
+                    sent += skip;
+                }
                 let due = start + Duration::from_secs_f64(sent as f64 / p);
                 std::thread::sleep(due.saturating_duration_since(Instant::now()));
                 sent += 1;

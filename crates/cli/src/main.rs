@@ -139,8 +139,12 @@ enum BenchCmd {
     /// private data under host memory pressure: off, kernel defaults, Debian's
     /// ksmtuned (x0.5, x1, x2 interval), the kernel's scan-time advisor,
     /// pagefleet adaptive; memory saved over time, ksmd CPU, throughput.
-    /// Root; about 25 minutes (7 runs of 180 s). --dataset sets each tenant's
-    /// memory (default 256MiB); --only picks policies by name (e.g. adaptive,ksmtuned).
+    /// The tenants' memory does not fit unmerged (a locked balloon and a
+    /// swap file: --fit, --swap), so merging sooner means less paging and
+    /// more throughput; closed-loop clients (--pace, --theta).
+    /// Root; about 40 minutes (7 runs of 300 s, --secs). --dataset sets each
+    /// tenant's memory (default 256MiB); --only picks policies by name
+    /// (e.g. adaptive,ksmtuned).
     Ksm(BenchOpts),
     /// I/O guarantee (paper 004): fio tenants (64 KiB random direct writes)
     /// in blkio cgroups on a shared device, one raising its parallelism
@@ -181,11 +185,23 @@ struct BenchOpts {
     /// experiments to run (time, sort, kv), comma-separated.
     #[arg(long)]
     only: Option<String>,
-    /// bench ksm: pace each tenant's client at this many ops/s (default: a
-    /// closed loop that keeps the CPUs busy).
+    /// bench ksm: pace each tenant's client at this many ops/s instead of a
+    /// closed loop (operations over 100 ms late are dropped).
     #[arg(long)]
     pace: Option<f64>,
-    /// bench ioqos / ksm: seconds each run lasts (default 80 / 180).
+    /// bench ksm: swap file size (default 2GiB; 0 = no swap and no memory
+    /// cgroup: nothing ever pages).
+    #[arg(long, value_parser = units::parse_size)]
+    swap: Option<u64>,
+    /// bench ksm: share of the tenants' unmerged memory their memory cgroup
+    /// keeps in RAM (default 0.6); the rest pages until merging makes room.
+    #[arg(long)]
+    fit: Option<f64>,
+    /// bench ksm: the clients' zipf skew (default 0: uniform, every common
+    /// key is in the working set).
+    #[arg(long)]
+    theta: Option<f64>,
+    /// bench ioqos / ksm: seconds each run lasts (default 80 / 300).
     #[arg(long)]
     secs: Option<f64>,
     /// bench migration: link rates to measure migration time on (10gbit,1gbit).
@@ -685,6 +701,26 @@ fn bench_ksm(o: BenchOpts) -> Result<()> {
             bail!("--pace must be a positive number of operations per second");
         }
         opts.pace = Some(p);
+    }
+    if let Some(s) = o.swap {
+        if s != 0 && s < 64 << 20 {
+            bail!("--swap must be 0 (no swap) or at least 64MiB");
+        }
+        opts.swap = (s > 0).then_some(s);
+    }
+    if let Some(f) = o.fit {
+        if !(0.1..=1.0).contains(&f) {
+            bail!(
+                "--fit must be between 0.1 and 1 (share of the tenants' memory that fits in RAM)"
+            );
+        }
+        opts.fit = f;
+    }
+    if let Some(t) = o.theta {
+        if !(0.0..1.0).contains(&t) {
+            bail!("--theta must be in [0, 1)");
+        }
+        opts.theta = t;
     }
     let mut log = |m: &str| eprintln!("  .. {m}");
     let report = ksm::run(&opts, &mut log)?;

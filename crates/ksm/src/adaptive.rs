@@ -1,11 +1,15 @@
 //! The adaptive controller: scan fast while merging pays, within a CPU
-//! budget for ksmd, idle along at a trickle once two whole passes found
-//! nothing new, and switch KSM off when the host has no memory pressure and
-//! nothing is left to gain.
+//! budget for ksmd, idle along at a trickle once nothing new turns up, and
+//! switch KSM off when the host has no memory pressure and nothing is left
+//! to gain.
 //!
-//! Why two passes: ksmd only offers a page for merging once its checksum has
+//! "Nothing new": one empty pass after a pass that merged, two over new
+//! memory — ksmd only offers a page for merging once its checksum has
 //! stayed the same across a pass, so the first pass over new memory never
-//! merges anything; one empty pass proves nothing.
+//! merges anything. Idle passes are paced by what a pass costs: ksmd spends
+//! about the same CPU on a pass whatever its speed, so an idle pass lasts
+//! long enough to stay within a small idle budget (0.1% of a core), and
+//! longer after every pass that finds nothing.
 
 use crate::sysfs::{Memory, Stats, PAGE};
 use serde::Serialize;
@@ -29,10 +33,12 @@ pub struct AdaptiveConfig {
     pub min_gain_pages: u64,
     /// ksmd's sleep between batches at normal rates, ms.
     pub sleep_ms: u64,
-    /// While idling, one pass over the mergeable memory takes about this
-    /// long at first; every pass that finds nothing doubles it, up to
-    /// max_idle_pass_s (an idle ksmd costs next to nothing on a settled host).
+    /// While idling, one pass over the mergeable memory takes at least this
+    /// long, and long enough that ksmd stays within idle_cpu_budget at the
+    /// CPU the last pass cost; every pass that finds nothing doubles it, up
+    /// to max_idle_pass_s (an idle ksmd costs next to nothing on a settled host).
     pub idle_pass_s: f64,
+    pub idle_cpu_budget: f64,
     pub max_idle_pass_s: f64,
     /// While idling, MemAvailable falling by this share of MemTotal (new
     /// memory in use, maybe new duplicates) starts merging again.
@@ -54,7 +60,8 @@ impl Default for AdaptiveConfig {
             min_gain_pages: 256,
             sleep_ms: 20,
             idle_pass_s: 120.0,
-            max_idle_pass_s: 960.0,
+            idle_cpu_budget: 0.001,
+            max_idle_pass_s: 1920.0,
             wake_on_growth: 0.05,
             min_nice: -10,
         }
@@ -104,6 +111,11 @@ pub struct Adaptive {
     idle_avail_kb: u64,
     /// A full pass of the current merging phase saved something.
     merged_this_phase: bool,
+    /// ksmd's CPU time when the current pass began, and what the last whole pass cost (s).
+    pass_start_cpu: f64,
+    last_pass_cpu: f64,
+    /// The pass under way began before this merging phase did.
+    partial_pass: bool,
 }
 
 impl Adaptive {
@@ -125,6 +137,9 @@ impl Adaptive {
             idle_pass: 60.0,
             idle_avail_kb: 0,
             merged_this_phase: false,
+            pass_start_cpu: 0.0,
+            last_pass_cpu: 0.0,
+            partial_pass: false,
         }
     }
 
@@ -168,9 +183,20 @@ impl Adaptive {
         (rmap / self.idle_pass).max(self.cfg.min_rate)
     }
 
+    /// The shortest idle pass that keeps ksmd within the idle CPU budget,
+    /// at what the last pass cost.
+    fn budget_pass_s(&self) -> f64 {
+        (self.last_pass_cpu / self.cfg.idle_cpu_budget.max(1e-6)).max(self.cfg.idle_pass_s)
+    }
+
+    /// What the last whole pass cost ksmd, CPU-seconds.
+    pub fn last_pass_cpu_s(&self) -> f64 {
+        self.last_pass_cpu
+    }
+
     fn start_idling(&mut self, m: &Memory) {
         self.phase = Phase::Idling;
-        self.idle_pass = self.cfg.idle_pass_s;
+        self.idle_pass = self.budget_pass_s().min(self.cfg.max_idle_pass_s);
         self.idle_avail_kb = m.available_kb;
     }
 
@@ -188,6 +214,9 @@ impl Adaptive {
 
     fn start_merging(&mut self, s: &Stats, why: &str) -> Decision {
         self.phase = Phase::Merging;
+        // Unless a pass has just ended, ksmd is part-way through one: what
+        // that pass finds is no evidence about the memory it did not cover.
+        self.partial_pass = self.last.is_none_or(|l| l.full_scans == s.full_scans);
         self.rate = self.cfg.start_rate;
         self.empty_passes = 0;
         self.merged_this_phase = false;
@@ -199,6 +228,7 @@ impl Adaptive {
     pub fn step(&mut self, s: &Stats, m: &Memory, dt: f64) -> Decision {
         self.pressure = self.under_pressure(m);
         let Some(last) = self.last.replace(*s) else {
+            self.pass_start_cpu = s.ksmd_cpu;
             return if self.pressure {
                 self.start_merging(s, "memory pressure: start merging")
             } else {
@@ -216,7 +246,16 @@ impl Adaptive {
         let pays = gained >= self.cfg.min_gain_pages * PAGE
             && self.yield_bytes_per_cpu_s >= self.cfg.pay_bytes_per_cpu_s;
         let mut empty_pass_done = false;
-        if s.full_scans > last.full_scans {
+        if s.full_scans > last.full_scans
+            && self.partial_pass
+            && s.full_scans == last.full_scans + 1
+        {
+            // The end of a pass this phase saw only part of: start counting now.
+            self.partial_pass = false;
+            self.pass_start_saved = s.saved();
+            self.pass_start_cpu = s.ksmd_cpu;
+        } else if s.full_scans > last.full_scans {
+            self.partial_pass = false;
             let pass_gain = s.saved().saturating_sub(self.pass_start_saved);
             empty_pass_done = pass_gain < self.cfg.min_gain_pages * PAGE;
             if !empty_pass_done {
@@ -228,6 +267,10 @@ impl Adaptive {
                 0
             };
             self.pass_start_saved = s.saved();
+            // Exact when one pass ended this tick (always, but at the fastest rates).
+            let passes = (s.full_scans - last.full_scans) as f64;
+            self.last_pass_cpu = (s.ksmd_cpu - self.pass_start_cpu).max(0.0) / passes;
+            self.pass_start_cpu = s.ksmd_cpu;
         }
         // Two empty passes prove new memory has nothing (its first pass only
         // checksums); after a pass that merged, one empty pass is enough —
@@ -270,7 +313,9 @@ impl Adaptive {
                 // Follow memory being freed, so growth is measured from the low point.
                 self.idle_avail_kb = self.idle_avail_kb.max(m.available_kb);
                 if empty_pass_done {
-                    self.idle_pass = (self.idle_pass * 2.0).min(self.cfg.max_idle_pass_s);
+                    self.idle_pass = (self.idle_pass * 2.0)
+                        .max(self.budget_pass_s())
+                        .min(self.cfg.max_idle_pass_s);
                 }
                 self.rate = self.idle_rate(s);
                 if self.cpu > self.cfg.cpu_budget / 4.0 {
@@ -385,16 +430,19 @@ mod tests {
     fn two_empty_passes_idle_then_off_without_pressure() {
         let mut a = Adaptive::new(AdaptiveConfig::default());
         a.step(&st(0, 0, 0.0), &mem(0.1), 1.0);
-        a.step(&st(5000, 1, 0.05), &mem(0.1), 1.0);
-        // The first pass merged: one empty pass after it is enough.
-        let d = a.step(&st(5000, 2, 0.10), &mem(0.1), 1.0);
+        // The end of the pass ksmd was in when merging began: no evidence.
+        let d = a.step(&st(0, 1, 0.01), &mem(0.1), 1.0);
+        assert_eq!(d.phase, Phase::Merging);
+        a.step(&st(5000, 2, 0.05), &mem(0.1), 1.0);
+        // That pass merged: one empty pass after it is enough.
+        let d = a.step(&st(5000, 3, 0.10), &mem(0.1), 1.0);
         assert_eq!(d.phase, Phase::Idling);
         assert!(d.run);
-        let d = a.step(&st(5000, 3, 0.15), &mem(0.9), 1.0);
+        let d = a.step(&st(5000, 4, 0.15), &mem(0.9), 1.0);
         assert_eq!(d.phase, Phase::Off);
         assert!(!d.run);
         // Pressure again: merging again.
-        let d = a.step(&st(5000, 3, 0.15), &mem(0.1), 1.0);
+        let d = a.step(&st(5000, 4, 0.15), &mem(0.1), 1.0);
         assert_eq!(d.phase, Phase::Merging);
     }
 
@@ -419,9 +467,10 @@ mod tests {
         assert_eq!(d.ksmd_nice, -10);
         let d = a.step(&st(0, 0, 0.004, 3.6), &mem(0.1), 1.0);
         assert_eq!(d.ksmd_nice, -10, "never above the configured ceiling");
-        // Two empty passes: idling at the kernel's priority.
+        // A partial pass, then two empty passes: idling at the kernel's priority.
         a.step(&st(0, 1, 0.005, 3.6), &mem(0.1), 1.0);
-        let d = a.step(&st(0, 2, 0.006, 3.6), &mem(0.1), 1.0);
+        a.step(&st(0, 2, 0.006, 3.6), &mem(0.1), 1.0);
+        let d = a.step(&st(0, 3, 0.007, 3.6), &mem(0.1), 1.0);
         assert_eq!((d.phase, d.ksmd_nice), (Phase::Idling, 5));
     }
 
@@ -444,25 +493,50 @@ mod tests {
             ..Default::default()
         };
         a.step(&st(0, 0.0), &mem(0.1), 1.0);
-        let d = a.step(&st(1, 0.1), &mem(0.1), 1.0);
+        a.step(&st(1, 0.05), &mem(0.1), 1.0);
+        let d = a.step(&st(2, 0.1), &mem(0.1), 1.0);
         assert_eq!(
             d.phase,
             Phase::Merging,
             "one empty pass over new memory proves nothing"
         );
-        let d = a.step(&st(2, 0.2), &mem(0.1), 1.0);
+        let d = a.step(&st(3, 0.2), &mem(0.1), 1.0);
         assert_eq!(d.phase, Phase::Idling);
         let r0 = a.rate();
         assert_eq!(a.idle_pass_s(), 120.0);
         // Each empty idle pass doubles the pass length (halves the rate), up to the ceiling.
-        for (k, want) in [(3, 240.0), (4, 480.0), (5, 960.0), (6, 960.0)] {
+        for (k, want) in [(4, 240.0), (5, 480.0), (6, 960.0), (7, 1920.0), (8, 1920.0)] {
             let d = a.step(&st(k, 0.2), &mem(0.1), 1.0);
             assert_eq!((d.phase, a.idle_pass_s()), (Phase::Idling, want));
         }
         assert!(a.rate() < r0 / 4.0 + 1.0);
         // 5% of memory more in use: merging again, from the start rate.
-        let d = a.step(&st(6, 0.2), &mem(0.04), 1.0);
+        let d = a.step(&st(8, 0.2), &mem(0.04), 1.0);
         assert_eq!(d.phase, Phase::Merging, "{}", d.why);
         assert!(d.why.contains("more memory in use"), "{}", d.why);
+    }
+
+    #[test]
+    fn idle_passes_stay_within_the_idle_cpu_budget() {
+        let mut a = Adaptive::new(AdaptiveConfig::default());
+        let st = |sharing, scans, cpu: f64| Stats {
+            run: 1,
+            pages_sharing: sharing,
+            full_scans: scans,
+            ksmd_cpu: cpu,
+            ..Default::default()
+        };
+        a.step(&st(0, 0, 10.0), &mem(0.1), 1.0);
+        a.step(&st(0, 1, 10.1), &mem(0.1), 1.0);
+        a.step(&st(100_000, 2, 10.6), &mem(0.1), 1.0);
+        // The confirming pass cost 0.5 CPU-s: at 0.1% of a core, 500 s per idle pass.
+        let d = a.step(&st(100_000, 3, 11.1), &mem(0.1), 1.0);
+        assert_eq!(d.phase, Phase::Idling);
+        assert!((a.last_pass_cpu_s() - 0.5).abs() < 1e-9);
+        assert!(
+            (a.idle_pass_s() - 500.0).abs() < 1e-6,
+            "{}",
+            a.idle_pass_s()
+        );
     }
 }

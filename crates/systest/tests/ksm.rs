@@ -509,3 +509,71 @@ fn pagefleetd_runs_the_controller_as_a_service() {
     );
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// `bench ksm --quick` for real: kv tenants in a memory cgroup too small for
+/// them unmerged, a swap file, KSM off vs the adaptive controller. Merging
+/// must save memory, paging must have happened without it, and the swap
+/// file, the cgroup and the host's KSM settings must be gone / back after.
+#[test]
+fn bench_ksm_quick_pages_merges_and_cleans_up() {
+    let Some(_h) = host() else { return };
+    let before = Settings::save().unwrap();
+    let dir = pagefleet_systest::tempdir("ksm-bench");
+    let o = Command::new(bin("pagefleet"))
+        .args([
+            "bench",
+            "ksm",
+            "--quick",
+            "--json",
+            "--secs",
+            "25",
+            "--only",
+            "off,adaptive",
+            "--out",
+        ])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "bench ksm failed: {err}");
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).expect("one JSON object");
+    let cs = r["configs"].as_array().unwrap();
+    assert_eq!(cs.len(), 2, "{err}");
+    for c in cs {
+        assert!(c["error"].is_null(), "{}: {}", c["name"], c["error"]);
+        assert!(c["throughput"].as_f64().unwrap() > 100.0, "{}", c["name"]);
+        assert!(!c["samples"].as_array().unwrap().is_empty());
+    }
+    let off = &cs[0];
+    let ad = &cs[1];
+    assert_eq!(off["name"], "KSM off");
+    assert!(off["final_saved_mib"].as_f64().unwrap() < 1.0);
+    assert!(
+        off["majflt_per_s"].as_f64().unwrap() > 10.0,
+        "the tenants did not page without merging: {off}"
+    );
+    let saved = ad["final_saved_mib"].as_f64().unwrap();
+    assert!(saved > 20.0, "adaptive saved only {saved} MiB: {err}");
+    let goals = r["goals"].as_array().unwrap();
+    assert!(goals
+        .iter()
+        .any(|g| g["name"] == "adaptive saves memory" && g["met"] == true));
+    assert!(r["limit_mib"].as_u64().unwrap() > 0);
+    // Nothing left behind.
+    let swaps = std::fs::read_to_string("/proc/swaps").unwrap();
+    assert!(!swaps.contains("pagefleet-bench-swap"), "{swaps}");
+    let left: Vec<_> = std::fs::read_dir("/sys/fs/cgroup/memory")
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .starts_with("pagefleet-bench-")
+        })
+        .collect();
+    assert!(left.is_empty(), "memory cgroups left: {left:?}");
+    let after = Settings::save().unwrap();
+    assert_eq!(format!("{after:?}"), format!("{before:?}"));
+    assert!(dir.join("ksm.json").exists());
+    let _ = std::fs::remove_dir_all(dir);
+}
