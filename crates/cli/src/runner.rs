@@ -515,12 +515,15 @@ impl Running {
             sc.spawn(|| {
                 while !done.load(Relaxed) {
                     let line = json!({"progress": self.progress.json()});
-                    if writeln!(w.lock().unwrap(), "{line}").is_err() {
-                        // The caller went away: that is a Ctrl-C.
+                    // The caller went away (its write fails, or it hung up
+                    // between writes): that is a Ctrl-C — cancel at once,
+                    // before the migration passes its point of no return.
+                    if writeln!(w.lock().unwrap(), "{line}").is_err()
+                        || pagefleet_proto::io::peer_hung_up(&*out, 200)
+                    {
                         self.cancel.store(true, Relaxed);
                         break;
                     }
-                    std::thread::sleep(Duration::from_millis(200));
                 }
             });
             let r = source::migrate(&self.region, self, &o, &self.progress, &self.cancel);

@@ -58,11 +58,35 @@ pub fn control(
     path: &std::path::Path,
     req: &Value,
     timeout: Option<Duration>,
-    mut each: impl FnMut(Value) -> bool,
+    each: impl FnMut(Value) -> bool,
 ) -> anyhow::Result<()> {
-    let mut s = UnixStream::connect(path)
+    let s = UnixStream::connect(path)
         .map_err(|e| anyhow::anyhow!("runner control {}: {e}", path.display()))?;
     s.set_read_timeout(timeout)?;
+    lines(s, req, each)
+}
+
+/// A request without a timeout whose socket is also handed to `watcher`
+/// (which may shut it down to cancel the request).
+fn control_watched(
+    path: &std::path::Path,
+    req: &Value,
+    watcher: Option<std::sync::mpsc::Sender<UnixStream>>,
+    each: impl FnMut(Value) -> bool,
+) -> anyhow::Result<()> {
+    let s = UnixStream::connect(path)
+        .map_err(|e| anyhow::anyhow!("runner control {}: {e}", path.display()))?;
+    if let Some(w) = watcher {
+        let _ = w.send(s.try_clone()?);
+    }
+    lines(s, req, each)
+}
+
+fn lines(
+    mut s: UnixStream,
+    req: &Value,
+    mut each: impl FnMut(Value) -> bool,
+) -> anyhow::Result<()> {
     writeln!(s, "{req}")?;
     for line in BufReader::new(s).lines() {
         let v: Value = serde_json::from_str(&line?)?;
@@ -420,7 +444,25 @@ impl Guests {
                     let name = name.to_string();
                     let me = self.clone();
                     Response::Stream(Box::new(move |s| {
-                        let r = control(&c, &req, None, |v| {
+                        // The caller's Ctrl-C (its connection closing) reaches
+                        // the runner at once: a watcher shuts the runner's
+                        // socket down, which the runner takes as a cancel.
+                        let (runner_tx, runner_rx) = std::sync::mpsc::channel::<UnixStream>();
+                        let caller = s.try_clone();
+                        let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+                        let done2 = done.clone();
+                        if let Ok(caller) = caller {
+                            std::thread::spawn(move || {
+                                let Ok(runner) = runner_rx.recv() else { return };
+                                while !done2.load(std::sync::atomic::Ordering::Relaxed) {
+                                    if pagefleet_proto::io::peer_hung_up(&caller, 100) {
+                                        let _ = runner.shutdown(std::net::Shutdown::Both);
+                                        return;
+                                    }
+                                }
+                            });
+                        }
+                        let r = control_watched(&c, &req, Some(runner_tx), |v| {
                             if v.get("report").is_some() {
                                 // The guest runs elsewhere now: its memory here is free
                                 // at once (the runner exits right after).
@@ -428,6 +470,7 @@ impl Guests {
                             }
                             writeln!(s, "{v}").is_ok()
                         });
+                        done.store(true, std::sync::atomic::Ordering::Relaxed);
                         if let Err(e) = r {
                             warn!("migrate {name}: {e}");
                             let _ = writeln!(s, "{}", json!({"error": e.to_string()}));
