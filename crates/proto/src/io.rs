@@ -209,6 +209,21 @@ pub fn write_all_vectored<W: Write + ?Sized>(
     Ok(())
 }
 
+/// Waits up to `timeout_ms` for the peer of a connected socket to hang up
+/// (close or shut down its side); true when it has. A long-running request
+/// (a migration) uses it to notice its caller's Ctrl-C at once rather than
+/// at its next write.
+pub fn peer_hung_up(fd: &impl AsRawFd, timeout_ms: i32) -> bool {
+    let mut p = libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLRDHUP,
+        revents: 0,
+    };
+    // SAFETY: one pollfd on the stack.
+    let n = unsafe { libc::poll(&mut p, 1, timeout_ms) };
+    n > 0 && p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -248,19 +263,4 @@ mod tests {
             assert!(!rb.fill_to(&mut r, 1).unwrap());
         }
     }
-}
-
-/// Waits up to `timeout_ms` for the peer of a connected socket to hang up
-/// (close or shut down its side); true when it has. A long-running request
-/// (a migration) uses it to notice its caller's Ctrl-C at once rather than
-/// at its next write.
-pub fn peer_hung_up(fd: &impl AsRawFd, timeout_ms: i32) -> bool {
-    let mut p = libc::pollfd {
-        fd: fd.as_raw_fd(),
-        events: libc::POLLRDHUP,
-        revents: 0,
-    };
-    // SAFETY: one pollfd on the stack.
-    let n = unsafe { libc::poll(&mut p, 1, timeout_ms) };
-    n > 0 && p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
 }
