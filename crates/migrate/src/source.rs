@@ -281,6 +281,13 @@ pub fn migrate(
 }
 
 impl Run<'_> {
+    fn check_cancel(&self) -> Result<(), MigrateError> {
+        if self.cancel.load(Relaxed) {
+            return Err(MigrateError::Cancelled);
+        }
+        Ok(())
+    }
+
     fn go(
         &mut self,
         snap: Snapshot,
@@ -344,6 +351,9 @@ impl Run<'_> {
             self.round(rounds, &changed, &info, &servers)?;
             changed = region.take_changed();
         }
+        // A cancel (the caller's Ctrl-C) is honoured up to GO, however
+        // quickly the rounds went; the page loops check it too.
+        self.check_cancel()?;
         // Stop and copy.
         self.progress.set_phase("stop-and-copy");
         let td = Instant::now();
@@ -375,6 +385,7 @@ impl Run<'_> {
         self.progress.set_phase("commit");
         let prepared = self.stream.expect_json(Kind::Prepared)?;
         let commit_ms = t_copy.elapsed().as_secs_f64() * 1e3;
+        self.check_cancel()?;
         let t_go = Instant::now();
         guest.release_address();
         *released = true;
