@@ -521,6 +521,10 @@ fn run_one(
         Some(_) => Some(util::MemCgroup::new(u64::MAX >> 2)?),
         None => None,
     };
+    if let Some(cg) = &cg {
+        // Tenants over the limit page (and wait); they are never OOM-killed.
+        let _ = std::fs::write(cg.path.join("memory.oom_control"), "1");
+    }
     let (tenants, shared) = loaded_tenants(o, cg.as_ref())?;
     if let (Some(cg), Some(l)) = (&cg, limit) {
         std::fs::write(cg.path.join("memory.limit_in_bytes"), l.to_string())
