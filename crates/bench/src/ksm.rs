@@ -77,6 +77,9 @@ impl Opts {
             duration_s: 40,
             ksmtuned_base_s: 10.0,
             swap: Some(512 << 20),
+            // Small tenants are mostly code and heap: a gentler squeeze,
+            // or they thrash for seconds at a time.
+            fit: 0.75,
             ..Opts::full(out_dir)
         }
     }
