@@ -60,26 +60,13 @@ pub fn control(
     timeout: Option<Duration>,
     each: impl FnMut(Value) -> bool,
 ) -> anyhow::Result<()> {
-    let s = UnixStream::connect(path)
-        .map_err(|e| anyhow::anyhow!("runner control {}: {e}", path.display()))?;
+    let s = connect(path)?;
     s.set_read_timeout(timeout)?;
     lines(s, req, each)
 }
 
-/// A request without a timeout whose socket is also handed to `watcher`
-/// (which may shut it down to cancel the request).
-fn control_watched(
-    path: &std::path::Path,
-    req: &Value,
-    watcher: Option<std::sync::mpsc::Sender<UnixStream>>,
-    each: impl FnMut(Value) -> bool,
-) -> anyhow::Result<()> {
-    let s = UnixStream::connect(path)
-        .map_err(|e| anyhow::anyhow!("runner control {}: {e}", path.display()))?;
-    if let Some(w) = watcher {
-        let _ = w.send(s.try_clone()?);
-    }
-    lines(s, req, each)
+fn connect(path: &std::path::Path) -> anyhow::Result<UnixStream> {
+    UnixStream::connect(path).map_err(|e| anyhow::anyhow!("runner control {}: {e}", path.display()))
 }
 
 fn lines(
@@ -447,28 +434,27 @@ impl Guests {
                         // The caller's Ctrl-C (its connection closing) reaches
                         // the runner at once: a watcher shuts the runner's
                         // socket down, which the runner takes as a cancel.
-                        let (runner_tx, runner_rx) = std::sync::mpsc::channel::<UnixStream>();
-                        let caller = s.try_clone();
                         let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
-                        let done2 = done.clone();
-                        if let Ok(caller) = caller {
-                            std::thread::spawn(move || {
-                                let Ok(runner) = runner_rx.recv() else { return };
-                                while !done2.load(std::sync::atomic::Ordering::Relaxed) {
-                                    if pagefleet_proto::io::peer_hung_up(&caller, 100) {
-                                        let _ = runner.shutdown(std::net::Shutdown::Both);
-                                        return;
+                        let r = connect(&c).and_then(|runner| {
+                            if let (Ok(caller), Ok(r2)) = (s.try_clone(), runner.try_clone()) {
+                                let done = done.clone();
+                                std::thread::spawn(move || {
+                                    while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                                        if pagefleet_proto::io::peer_hung_up(&caller, 100) {
+                                            let _ = r2.shutdown(std::net::Shutdown::Both);
+                                            return;
+                                        }
                                     }
-                                }
-                            });
-                        }
-                        let r = control_watched(&c, &req, Some(runner_tx), |v| {
-                            if v.get("report").is_some() {
-                                // The guest runs elsewhere now: its memory here is free
-                                // at once (the runner exits right after).
-                                me.map.lock().unwrap().remove(&name);
+                                });
                             }
-                            writeln!(s, "{v}").is_ok()
+                            lines(runner, &req, |v| {
+                                if v.get("report").is_some() {
+                                    // The guest runs elsewhere now: its memory here is free
+                                    // at once (the runner exits right after).
+                                    me.map.lock().unwrap().remove(&name);
+                                }
+                                writeln!(s, "{v}").is_ok()
+                            })
                         });
                         done.store(true, std::sync::atomic::Ordering::Relaxed);
                         if let Err(e) = r {
