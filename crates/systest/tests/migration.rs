@@ -363,8 +363,17 @@ fn aborted_migrations_leave_the_source_running_and_nothing_behind() {
         "h3".into(),
     ]);
     wait_phase("round 1");
+    let t_int = Instant::now();
     unsafe { libc::kill(m.id() as i32, libc::SIGINT) };
+    // What the source runner reported right after the Ctrl-C: if the drill
+    // ever finds the guest on the destination, this says how far it was.
+    eprintln!("Ctrl-C drill: phase {:?} right after SIGINT", phase());
     let _ = m.wait();
+    eprintln!(
+        "Ctrl-C drill: command gone after {:?}, phase {:?}",
+        t_int.elapsed(),
+        phase()
+    );
     let t = Instant::now();
     while !phase().is_empty() && t.elapsed() < Duration::from_secs(20) {
         std::thread::sleep(Duration::from_millis(50));
