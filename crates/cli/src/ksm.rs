@@ -12,7 +12,7 @@ use std::time::Duration;
 pub enum KsmCmd {
     /// Run the KSM controller until interrupted (root). Adaptive (default):
     /// scans faster while merging saves memory per ksmd CPU-second, within a
-    /// CPU budget; idles once two passes find nothing new; turns KSM off
+    /// CPU budget; idles once a pass saves less than it cost; turns KSM off
     /// without memory pressure. ksmtuned: Debian's ksmtuned algorithm and
     /// defaults, with the paper's interval factor. The host's KSM settings
     /// are put back on exit (Ctrl-C, SIGTERM, --duration) unless --keep-settings.

@@ -3,7 +3,8 @@
 //! switch KSM off when the host has no memory pressure and nothing is left
 //! to gain.
 //!
-//! "Nothing new": one empty pass after a pass that merged, two over new
+//! "Nothing new": one empty pass (one that saved less than the pay
+//! threshold for the CPU it cost) after a pass that merged, two over new
 //! memory — ksmd only offers a page for merging once its checksum has
 //! stayed the same across a pass, so the first pass over new memory never
 //! merges anything. Idle passes are paced by what a pass costs: ksmd spends
@@ -257,20 +258,25 @@ impl Adaptive {
         } else if s.full_scans > last.full_scans {
             self.partial_pass = false;
             let pass_gain = s.saved().saturating_sub(self.pass_start_saved);
-            empty_pass_done = pass_gain < self.cfg.min_gain_pages * PAGE;
-            if !empty_pass_done {
-                self.merged_this_phase = true;
-            }
-            self.empty_passes = if pass_gain < self.cfg.min_gain_pages * PAGE {
-                self.empty_passes + 1
-            } else {
-                0
-            };
-            self.pass_start_saved = s.saved();
             // Exact when one pass ended this tick (always, but at the fastest rates).
             let passes = (s.full_scans - last.full_scans) as f64;
-            self.last_pass_cpu = (s.ksmd_cpu - self.pass_start_cpu).max(0.0) / passes;
+            let pass_cpu = (s.ksmd_cpu - self.pass_start_cpu).max(0.0);
+            self.last_pass_cpu = pass_cpu / passes;
             self.pass_start_cpu = s.ksmd_cpu;
+            self.pass_start_saved = s.saved();
+            // A pass that merged less than it cost (by the pay threshold) is
+            // as good as empty: under paging every pass finds a few pages
+            // swapped back in since the last, and chasing them at full speed
+            // costs more than the idle passes that pick them up anyway.
+            let paid = pass_gain >= self.cfg.min_gain_pages * PAGE
+                && pass_gain as f64 >= self.cfg.pay_bytes_per_cpu_s * pass_cpu;
+            empty_pass_done = !paid;
+            if paid {
+                self.merged_this_phase = true;
+                self.empty_passes = 0;
+            } else {
+                self.empty_passes += 1;
+            }
         }
         // Two empty passes prove new memory has nothing (its first pass only
         // checksums); after a pass that merged, one empty pass is enough —
@@ -337,7 +343,7 @@ impl Adaptive {
                     self.nice = crate::sysfs::KSMD_DEFAULT_NICE;
                     return self.decide(
                         if self.pressure {
-                            "two passes found nothing new: idling"
+                            "nothing left worth a pass's CPU: idling"
                         } else {
                             "nothing left to gain and no memory pressure: KSM off"
                         }
@@ -514,6 +520,20 @@ mod tests {
         let d = a.step(&st(8, 0.2), &mem(0.04), 1.0);
         assert_eq!(d.phase, Phase::Merging, "{}", d.why);
         assert!(d.why.contains("more memory in use"), "{}", d.why);
+    }
+
+    #[test]
+    fn a_pass_that_saves_less_than_it_costs_ends_merging() {
+        let mut a = Adaptive::new(AdaptiveConfig::default());
+        a.step(&st(0, 0, 0.0), &mem(0.1), 1.0);
+        a.step(&st(0, 1, 0.3), &mem(0.1), 1.0);
+        // 400 MiB for 0.3 CPU-s: pays.
+        let d = a.step(&st(102_400, 2, 0.6), &mem(0.1), 1.0);
+        assert_eq!(d.phase, Phase::Merging);
+        // 4 MiB (pages swapped back in since) for 0.3 CPU-s: 13 MiB per
+        // CPU-s, under the 16 MiB threshold — nothing left worth chasing.
+        let d = a.step(&st(103_424, 3, 0.9), &mem(0.1), 1.0);
+        assert_eq!(d.phase, Phase::Idling, "{}", d.why);
     }
 
     #[test]
