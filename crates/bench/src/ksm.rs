@@ -58,7 +58,11 @@ impl Opts {
             shared_frac: 0.6,
             private_frac: 0.15,
             value_len: 2000,
-            duration_s: 300,
+            // Long enough for the slowest policy to finish: under paging the
+            // kernel's advisor (one pass per 200 s target, slower under
+            // churn) merges from ~300 s to ~750 s; a shorter run stops it
+            // before its work and its CPU are counted.
+            duration_s: 900,
             ksmtuned_base_s: 60.0,
             leave_available: 0.15,
             swap: Some(2 << 30),

@@ -142,7 +142,8 @@ enum BenchCmd {
     /// The tenants' memory does not fit unmerged (a locked balloon and a
     /// swap file: --fit, --swap), so merging sooner means less paging and
     /// more throughput; closed-loop clients (--pace, --theta).
-    /// Root; about 40 minutes (7 runs of 300 s, --secs). --dataset sets each
+    /// Root; about 2 hours (7 runs of 900 s: the kernel advisor needs
+    /// ~750 s to merge; --secs). --dataset sets each
     /// tenant's memory (default 256MiB); --only picks policies by name
     /// (e.g. adaptive,ksmtuned).
     Ksm(BenchOpts),
@@ -201,7 +202,7 @@ struct BenchOpts {
     /// key is in the working set).
     #[arg(long)]
     theta: Option<f64>,
-    /// bench ioqos / ksm: seconds each run lasts (default 80 / 300).
+    /// bench ioqos / ksm: seconds each run lasts (default 80 / 900).
     #[arg(long)]
     secs: Option<f64>,
     /// bench migration: link rates to measure migration time on (10gbit,1gbit).
