@@ -528,7 +528,6 @@ fn run_one(
         Some(_) => Some(util::MemCgroup::new(u64::MAX >> 2)?),
         None => None,
     };
-
     let (tenants, shared) = loaded_tenants(o, cg.as_ref())?;
     if let (Some(cg), Some(l)) = (&cg, limit) {
         std::fs::write(cg.path.join("memory.limit_in_bytes"), l.to_string())

@@ -190,6 +190,13 @@ impl Adaptive {
         (self.last_pass_cpu / self.cfg.idle_cpu_budget.max(1e-6)).max(self.cfg.idle_pass_s)
     }
 
+    /// Merging `gain` bytes for `cpu` ksmd CPU-seconds pays: enough pages,
+    /// and at least the pay threshold per CPU-second (a tick or a pass).
+    fn pays(&self, gain: u64, cpu: f64) -> bool {
+        gain >= self.cfg.min_gain_pages * PAGE
+            && gain as f64 >= self.cfg.pay_bytes_per_cpu_s * cpu.max(1e-4)
+    }
+
     /// What the last whole pass cost ksmd, CPU-seconds.
     pub fn last_pass_cpu_s(&self) -> f64 {
         self.last_pass_cpu
@@ -244,8 +251,7 @@ impl Adaptive {
         self.wait_share = ((s.ksmd_wait - last.ksmd_wait) / dt).clamp(0.0, 1.0);
         let gained = s.saved().saturating_sub(last.saved());
         self.yield_bytes_per_cpu_s = gained as f64 / ((s.ksmd_cpu - last.ksmd_cpu).max(1e-4));
-        let pays = gained >= self.cfg.min_gain_pages * PAGE
-            && self.yield_bytes_per_cpu_s >= self.cfg.pay_bytes_per_cpu_s;
+        let pays = self.pays(gained, s.ksmd_cpu - last.ksmd_cpu);
         let mut empty_pass_done = false;
         if s.full_scans > last.full_scans
             && self.partial_pass
@@ -268,8 +274,7 @@ impl Adaptive {
             // as good as empty: under paging every pass finds a few pages
             // swapped back in since the last, and chasing them at full speed
             // costs more than the idle passes that pick them up anyway.
-            let paid = pass_gain >= self.cfg.min_gain_pages * PAGE
-                && pass_gain as f64 >= self.cfg.pay_bytes_per_cpu_s * pass_cpu;
+            let paid = self.pays(pass_gain, pass_cpu);
             empty_pass_done = !paid;
             if paid {
                 self.merged_this_phase = true;
