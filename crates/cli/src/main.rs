@@ -143,9 +143,9 @@ enum BenchCmd {
     /// swap file: --fit, --swap), so merging sooner means less paging and
     /// more throughput; closed-loop clients (--pace, --theta).
     /// Root; about 2 hours (7 runs of 900 s: the kernel advisor needs
-    /// ~750 s to merge; --secs). --dataset sets each
-    /// tenant's memory (default 256MiB); --only picks policies by name
-    /// (e.g. adaptive,ksmtuned).
+    /// ~750 s to merge; --secs). --dataset sets each tenant's memory
+    /// (default 256MiB); --only picks policies by name (e.g.
+    /// adaptive,ksmtuned).
     Ksm(BenchOpts),
     /// I/O guarantee (paper 004): fio tenants (64 KiB random direct writes)
     /// in blkio cgroups on a shared device, one raising its parallelism
