@@ -90,21 +90,31 @@ impl LabRun {
 }
 
 impl LabRun {
-    /// POST to host `h`'s pagefleetd from inside the lab (JSON reply).
-    pub fn post(
+    /// The lab's signed API client (its cluster secret).
+    pub fn client(&self) -> Result<pagefleet_common::http::Client> {
+        let secret = pagefleet_proto::auth::Secret::load(&self.lab.secret_file)?;
+        Ok(pagefleet_common::http::Client::new(secret))
+    }
+
+    /// POST to host `h`'s pagefleetd from inside the lab (typed JSON reply).
+    pub fn post<B, T>(
         &self,
         h: usize,
         path: &str,
-        body: &serde_json::Value,
+        body: &B,
         timeout: std::time::Duration,
-    ) -> Result<serde_json::Value> {
+    ) -> Result<T>
+    where
+        B: serde::Serialize + Send + Sync + 'static + Clone,
+        T: serde::de::DeserializeOwned + Send + 'static,
+    {
+        let c = self.client()?.timeout(timeout);
         let (addr, path, body) = (self.lab.hosts[h].http(), path.to_string(), body.clone());
         self.lab
-            .spawn_in(h, move || {
-                pagefleet_daemon::http::post(&addr, &path, &body, timeout)
-            })
+            .spawn_in(h, move || c.post::<B, T>(&addr, &path, &body))
             .join()
             .map_err(|_| anyhow::anyhow!("lab thread panicked"))??
+            .map_err(anyhow::Error::from)
     }
 }
 

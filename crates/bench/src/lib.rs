@@ -15,7 +15,7 @@ pub mod paging;
 pub mod util;
 
 /// Bytes with a binary unit (for benchmark logs and tables).
-pub use pagefleet_daemon::units::fmt_size as fmt_bytes;
+pub use pagefleet_common::units::fmt_size as fmt_bytes;
 
 pub fn is_root() -> bool {
     // SAFETY: plain syscall.

@@ -353,17 +353,16 @@ fn sort_experiment(o: &Opts, log: Log<'_>, rows: &mut Vec<SortRow>) -> Result<()
         std::thread::sleep(Duration::from_secs(if o.quick { 2 } else { 5 }));
         let res = migrate_to(&l, o, "s1", dest, &[]).and_then(|(r, sd)| {
             let (h, _) = l.guest("s1").context("s1 vanished after migrating")?;
-            let s = l.post(h, "/guests/s1/sort", &json!({}), Duration::from_secs(3600))?;
-            if let Some(e) = s["error"].as_str() {
-                bail!("sort: {e}");
-            }
-            Ok((r, s, sd))
+            let s: pagefleet_api::SortResult = l
+                .post(h, "/guests/s1/sort", &json!({}), Duration::from_secs(3600))
+                .context("sort")?;
+            Ok((r, Some(s), sd))
         });
         let (r, s, err, sd) = match res {
             Ok((r, s, sd)) => (r, s, None, sd),
             Err(e) => {
                 log(&format!("  FAILED: {e:#}"));
-                (Value::Null, Value::Null, Some(format!("{e:#}")), None)
+                (Value::Null, None, Some(format!("{e:#}")), None)
             }
         };
         stop_guest(&l, "s1")?;
@@ -371,9 +370,9 @@ fn sort_experiment(o: &Opts, log: Log<'_>, rows: &mut Vec<SortRow>) -> Result<()
         rows.push(SortRow {
             dest: dest.into(),
             history,
-            sort_secs: s["sort_secs"].as_f64().unwrap_or(f64::NAN),
-            page_ins: s["page_ins"].as_u64().unwrap_or(0),
-            sorted: s["sorted"].as_bool().unwrap_or(false),
+            sort_secs: s.as_ref().map_or(f64::NAN, |s| s.sort_secs),
+            page_ins: s.as_ref().map_or(0, |s| s.page_ins),
+            sorted: s.as_ref().is_some_and(|s| s.sorted),
             migration_secs: r["total_secs"].as_f64().unwrap_or(f64::NAN),
             error: err,
         });

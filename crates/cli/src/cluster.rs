@@ -1,14 +1,21 @@
-//! Cluster commands: `status`, `guest start|stop`, `migrate`. They talk to
-//! pagefleetd's HTTP endpoints; the registry (`GET /cluster` on any host
-//! started with `--peers`) gives every host's memory and guests.
+//! Cluster commands: `status`, `guest start|stop`, `migrate`, `gather`,
+//! `evacuate`. They talk to pagefleetd's signed HTTP API; the registry
+//! (`GET /cluster` on any host started with `--peers`) gives every host's
+//! memory and guests.
 
 use anyhow::{bail, Context, Result};
-use clap::{Args, Subcommand};
-use pagefleet_daemon::{http, units};
+use clap::{Args, Parser, Subcommand};
+use pagefleet_api::migration::Failure;
+use pagefleet_api::{
+    ClusterHost, ClusterView, GuestState, GuestStatus, HostReport, IncomingReply,
+    IncomingRequest, MigrateRequest, MigrationProgress, ProgressEvent, Report, StartGuest, SubHost,
+};
+use pagefleet_common::http::Client;
+use pagefleet_common::units;
 use pagefleet_migrate::placement::{self, HostInfo};
-use pagefleet_migrate::Report;
-use serde_json::{json, Value};
+use pagefleet_proto::auth::Secret;
 use std::io::Write;
+use std::path::Path;
 use std::time::Duration;
 
 #[derive(Args, Clone)]
@@ -19,76 +26,60 @@ pub struct Registry {
     pub registry: String,
 }
 
-/// One host as the registry reports it.
-#[derive(Clone, Debug)]
-pub struct Host {
-    pub http: String,
-    pub report: Option<pagefleet_daemon::HostReport>,
-    pub guests: Vec<Value>,
-    pub error: Option<String>,
-}
-
-impl Host {
-    pub fn name(&self) -> &str {
-        self.report
-            .as_ref()
-            .map(|r| r.hostname.as_str())
-            .unwrap_or(&self.http)
-    }
-}
-
-fn parse_host(v: &Value) -> Host {
-    Host {
-        http: v["http"].as_str().unwrap_or("").to_string(),
-        report: serde_json::from_value(v["host"].clone()).ok(),
-        guests: v["guests"].as_array().cloned().unwrap_or_default(),
-        error: v["error"].as_str().map(String::from),
-    }
+/// The signed API client, with the cluster secret.
+pub fn client(secret_file: Option<&Path>) -> Result<Client> {
+    Ok(Client::new(Secret::resolve(secret_file)?))
 }
 
 /// Every host: from the registry, or from an explicit list of daemons.
-pub fn hosts(registry: &str, explicit: &[String]) -> Result<Vec<Host>> {
-    let t = Duration::from_secs(5);
+pub fn hosts(c: &Client, registry: &str, explicit: &[String]) -> Result<Vec<ClusterHost>> {
     if explicit.is_empty() {
-        let body = http::get(registry, "/cluster", t).with_context(|| {
+        let v: ClusterView = c.get(registry, "/cluster").with_context(|| {
             format!("asking the registry at {registry} (set --registry or $PAGEFLEET_REGISTRY)")
         })?;
-        let v: Value = serde_json::from_str(&body)?;
-        return Ok(v["hosts"]
-            .as_array()
-            .map(|a| a.iter().map(parse_host).collect())
-            .unwrap_or_default());
+        return Ok(v.hosts);
     }
     Ok(explicit
         .iter()
-        .map(|h| match http::get(h, "/host", t) {
-            Ok(b) => Host {
+        .map(|h| match c.get::<HostReport>(h, "/host") {
+            Ok(r) => ClusterHost {
                 http: h.clone(),
-                report: serde_json::from_str(&b).ok(),
-                guests: http::get(h, "/guests", t)
-                    .ok()
-                    .and_then(|g| serde_json::from_str(&g).ok())
-                    .unwrap_or_default(),
+                host: Some(r),
+                guests: c.get(h, "/guests").unwrap_or_default(),
                 error: None,
             },
-            Err(e) => Host {
+            Err(e) => ClusterHost {
                 http: h.clone(),
-                report: None,
+                host: None,
                 guests: vec![],
-                error: Some(format!("{e:#}")),
+                error: Some(e.to_string()),
             },
         })
         .collect())
 }
 
-pub fn status(registry: &str, explicit: &[String], json_out: bool) -> Result<()> {
-    let hs = hosts(registry, explicit)?;
+/// `pagefleet status --json`: one entry per host.
+#[derive(serde::Serialize)]
+struct StatusJson<'a> {
+    host: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    report: Option<&'a HostReport>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    guests: Option<&'a [GuestStatus]>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<&'a str>,
+}
+
+pub fn status(c: &Client, registry: &str, explicit: &[String], json_out: bool) -> Result<()> {
+    let hs = hosts(c, registry, explicit)?;
     if json_out {
-        let v: Vec<Value> = hs
+        let v: Vec<StatusJson> = hs
             .iter()
-            .map(|h| match (&h.report, &h.error) {
-                (Some(r), _) => json!({"host": h.http, "report": r, "guests": h.guests}),
-                (None, e) => json!({"host": h.http, "error": e}),
+            .map(|h| StatusJson {
+                host: &h.http,
+                report: h.host.as_ref(),
+                guests: h.host.as_ref().map(|_| h.guests.as_slice()),
+                error: h.host.is_none().then_some(h.error.as_deref().unwrap_or("no report")),
             })
             .collect();
         println!("{}", serde_json::to_string_pretty(&v)?);
@@ -107,7 +98,7 @@ pub fn status(registry: &str, explicit: &[String], json_out: bool) -> Result<()>
         "guests"
     );
     for h in &hs {
-        match &h.report {
+        match &h.host {
             Some(r) => println!(
                 "{:<10} {:<20} {:<20} {:>10} {:>10} {:>10} {:>10} {:>10} {:>6}",
                 r.hostname,
@@ -132,7 +123,7 @@ pub fn status(registry: &str, explicit: &[String], json_out: bool) -> Result<()>
             ),
         }
     }
-    let guests: Vec<(&Host, &Value)> = hs
+    let guests: Vec<(&ClusterHost, &GuestStatus)> = hs
         .iter()
         .flat_map(|h| h.guests.iter().map(move |g| (h, g)))
         .collect();
@@ -144,55 +135,48 @@ pub fn status(registry: &str, explicit: &[String], json_out: bool) -> Result<()>
         );
         let name_of = |addr: &str| {
             hs.iter()
-                .find(|h| h.report.as_ref().and_then(|r| r.memserver.as_deref()) == Some(addr))
+                .find(|h| h.memserver() == Some(addr))
                 .map(|h| h.name().to_string())
                 .unwrap_or(addr.to_string())
         };
         for (h, g) in guests {
-            let p = &g["pages"];
-            let mut where_ = format!("local {}", p["local"].as_u64().unwrap_or(0));
-            if let Some(m) = p["remote"].as_object() {
-                for (addr, n) in m {
-                    where_.push_str(&format!(", {} {}", name_of(addr), n.as_u64().unwrap_or(0)));
+            let pages = g.pages.as_ref().map(|p| {
+                let mut w = format!("local {}", p.local);
+                for (addr, n) in &p.remote {
+                    w.push_str(&format!(", {} {n}", name_of(addr)));
                 }
-            }
+                w
+            });
             println!(
                 "{:<12} {:<10} {:<10} {:>10} {:>10} {:>10}  {}",
-                g["name"].as_str().unwrap_or("?"),
+                g.name,
                 h.name(),
-                g["state"].as_str().unwrap_or("?"),
-                g["size"].as_u64().map(units::fmt_size).unwrap_or_default(),
-                g["budget_pages"]
-                    .as_u64()
-                    .map(|b| units::fmt_size(b * 4096))
-                    .unwrap_or_default(),
-                g["ops"].as_u64().unwrap_or(0),
-                if p.is_null() { "-".to_string() } else { where_ }
+                format!("{:?}", g.state).to_lowercase(),
+                units::fmt_size(g.size),
+                units::fmt_size(g.budget_pages * 4096),
+                g.ops,
+                pages.unwrap_or_else(|| "-".into())
             );
         }
     }
-    if hs.iter().any(|h| h.report.is_none()) {
+    if hs.iter().any(|h| h.host.is_none()) {
         bail!("some hosts did not answer");
     }
     Ok(())
 }
 
-fn find_host(hs: &[Host], key: &str) -> Result<usize> {
+fn find_host(hs: &[ClusterHost], key: &str) -> Result<usize> {
     hs.iter()
-        .position(|h| {
-            h.name() == key
-                || h.http == key
-                || h.report.as_ref().and_then(|r| r.memserver.as_deref()) == Some(key)
-        })
+        .position(|h| h.name() == key || h.http == key || h.memserver() == Some(key))
         .ok_or_else(|| anyhow::anyhow!("no host {key:?} in the cluster (see pagefleet status)"))
 }
 
-fn find_guest(hs: &[Host], name: &str) -> Result<(usize, Value)> {
+fn find_guest(hs: &[ClusterHost], name: &str) -> Result<(usize, GuestStatus)> {
     for (i, h) in hs.iter().enumerate() {
         if let Some(g) = h
             .guests
             .iter()
-            .find(|g| g["name"].as_str() == Some(name) && g["state"].as_str() != Some("incoming"))
+            .find(|g| g.name == name && g.state != GuestState::Incoming)
         {
             return Ok((i, g.clone()));
         }
@@ -202,12 +186,17 @@ fn find_guest(hs: &[Host], name: &str) -> Result<(usize, Value)> {
 
 #[derive(Subcommand)]
 pub enum GuestCmd {
-    /// Start a guest on a host: `pagefleet guest start db --on h1 --size 1GiB -- kv --listen 10.200.77.201:11211`
+    /// Start a guest on a host: the workload and its flags as for `pagefleet
+    /// run` (synthetic, kv or sortjob), e.g.
+    ///
+    ///   pagefleet guest start db --on h1 --size 1GiB -- kv --listen 10.200.77.201:11211
     Start {
+        /// The guest's name (1-32 letters, digits, - or _).
         name: String,
         /// The host (name, HTTP or memory-server address).
         #[arg(long)]
         on: String,
+        /// Guest memory (e.g. 1GiB).
         #[arg(long, value_parser = units::parse_size)]
         size: u64,
         /// Pages resident locally (a size); default all of it.
@@ -215,20 +204,29 @@ pub enum GuestCmd {
         budget: Option<u64>,
         #[command(flatten)]
         reg: Registry,
-        /// The workload and its `pagefleet run` flags (synthetic or kv).
+        /// The workload and its `pagefleet run` flags (synthetic, kv or sortjob).
         #[arg(trailing_var_arg = true, required = true)]
         args: Vec<String>,
     },
     /// Stop a guest (its pages on memory servers are deleted).
     Stop {
+        /// The guest's name.
         name: String,
         #[command(flatten)]
         reg: Registry,
     },
 }
 
-pub fn guest(c: GuestCmd) -> Result<()> {
-    match c {
+/// The trailing `-- WORKLOAD FLAGS` of `guest start`, parsed as `pagefleet run` would.
+#[derive(Parser)]
+#[command(name = "pagefleet guest start NAME --on HOST --size SIZE --")]
+struct HostedRun {
+    #[command(flatten)]
+    run: crate::run::RunArgs,
+}
+
+pub fn guest(c: &Client, g: GuestCmd) -> Result<()> {
+    match g {
         GuestCmd::Start {
             name,
             on,
@@ -237,23 +235,30 @@ pub fn guest(c: GuestCmd) -> Result<()> {
             reg,
             args,
         } => {
-            let hs = hosts(&reg.registry, &[])?;
+            let parsed = HostedRun::try_parse_from(
+                std::iter::once("pagefleet guest start --".to_string()).chain(args),
+            )
+            .map_err(|e| anyhow::anyhow!("the guest's workload: {e}"))?;
+            let spec = crate::run::guest_spec(&parsed.run)?;
+            let hs = hosts(c, &reg.registry, &[])?;
             let h = &hs[find_host(&hs, &on)?];
-            let mut body = json!({"name": name, "size": size, "args": args});
-            if let Some(b) = budget {
-                body["budget_pages"] = json!(b / 4096);
-            }
-            http::post(&h.http, "/guests", &body, Duration::from_secs(30))?;
+            let req = StartGuest {
+                name: name.clone(),
+                size,
+                budget_pages: budget.map(|b| b / 4096),
+                spec,
+            };
+            c.timeout(Duration::from_secs(30))
+                .post::<_, pagefleet_api::Ok>(&h.http, "/guests", &req)?;
             println!("guest {name} started on {}", h.name());
         }
         GuestCmd::Stop { name, reg } => {
-            let hs = hosts(&reg.registry, &[])?;
+            let hs = hosts(c, &reg.registry, &[])?;
             let (i, _) = find_guest(&hs, &name)?;
-            http::post(
+            c.timeout(Duration::from_secs(30)).post::<_, pagefleet_api::Ok>(
                 &hs[i].http,
                 &format!("/guests/{name}/stop"),
-                &json!({}),
-                Duration::from_secs(30),
+                &serde_json::Map::new(),
             )?;
             println!("guest {name} stopped on {}", hs[i].name());
         }
@@ -263,6 +268,7 @@ pub fn guest(c: GuestCmd) -> Result<()> {
 
 #[derive(Args)]
 pub struct MigrateArgs {
+    /// The guest to move.
     pub guest: String,
     /// The main host (default: the one with the most free guest memory).
     #[arg(long)]
@@ -302,6 +308,7 @@ pub struct MigrateArgs {
 
 #[derive(Args)]
 pub struct GatherArgs {
+    /// The guest to bring together.
     pub guest: String,
     /// The host that takes the whole guest (default: the one with the most
     /// free guest memory, if the guest fits there).
@@ -310,14 +317,15 @@ pub struct GatherArgs {
     /// Compare region checksums at stop time and at resume.
     #[arg(long)]
     pub verify: bool,
+    /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
     pub reg: Registry,
 }
 
-fn info(h: &Host) -> HostInfo {
-    let r = h.report.as_ref();
+fn info(h: &ClusterHost) -> HostInfo {
+    let r = h.host.as_ref();
     HostInfo {
         name: h.name().to_string(),
         http: h.http.clone(),
@@ -329,32 +337,32 @@ fn info(h: &Host) -> HostInfo {
     }
 }
 
-fn bar(p: &Value) -> String {
-    let total = p["round_pages"].as_u64().unwrap_or(0).max(1);
-    let sent = p["round_sent"].as_u64().unwrap_or(0).min(total);
+fn bar(p: &MigrationProgress) -> String {
+    let total = p.round_pages.max(1);
+    let sent = p.round_sent.min(total);
     let w = 30;
     let fill = (sent * w / total) as usize;
     format!(
         "\r[{}{}] {:<14} main {:>8.1} MiB  subs {:>8.1} MiB ",
         "#".repeat(fill),
         " ".repeat(w as usize - fill),
-        p["phase"].as_str().unwrap_or(""),
-        p["bytes_main"].as_u64().unwrap_or(0) as f64 / 1048576.0,
-        p["bytes_subs"].as_u64().unwrap_or(0) as f64 / 1048576.0
+        p.phase,
+        p.bytes_main as f64 / 1048576.0,
+        p.bytes_subs as f64 / 1048576.0
     )
 }
 
 /// Run a migration; returns its report.
-pub fn migrate(a: &MigrateArgs, progress: bool) -> Result<Report> {
-    let hs = hosts(&a.reg.registry, &[])?;
+pub fn migrate(c: &Client, a: &MigrateArgs, progress: bool) -> Result<Report> {
+    let hs = hosts(c, &a.reg.registry, &[])?;
     let (src, g) = find_guest(&hs, &a.guest)?;
-    if g["state"].as_str() == Some("migrating") {
+    if g.state == GuestState::Migrating {
         bail!("{} is already migrating", a.guest);
     }
-    let size_pages = g["size"].as_u64().unwrap_or(0) / 4096;
-    let p = &g["pages"];
+    let size_pages = g.size / 4096;
+    let pages = g.pages.clone().unwrap_or_default();
     // Pages already on memory servers stay there: only resident ones need room.
-    let data_pages = p["local"].as_u64().unwrap_or(0);
+    let data_pages = pages.local;
     let to = a.to.as_deref().map(|t| find_host(&hs, t)).transpose()?;
     let subs = a
         .sub
@@ -366,31 +374,29 @@ pub fn migrate(a: &MigrateArgs, progress: bool) -> Result<Report> {
         })
         .transpose()?;
     let infos: Vec<HostInfo> = hs.iter().map(info).collect();
-    let c = if a.gather {
+    let choice = if a.gather {
         // Every page with data, wherever it is, goes to one host.
-        let remote: u64 = p["remote"]
-            .as_object()
-            .map(|m| m.values().filter_map(|v| v.as_u64()).sum())
-            .unwrap_or(0);
+        let remote: u64 = pages.remote.values().sum();
         placement::choose_whole(&infos, src, size_pages, data_pages + remote, to)
             .map_err(anyhow::Error::msg)?
     } else {
         placement::choose(&infos, src, size_pages, data_pages, to, subs.as_deref())
             .map_err(anyhow::Error::msg)?
     };
-    let main = &hs[c.main];
+    let main = &hs[choice.main];
     eprintln!(
         "migrating {} from {} to {} ({} pages resident there){}",
         a.guest,
         hs[src].name(),
         main.name(),
-        c.main_pages,
-        if c.subs.is_empty() {
+        choice.main_pages,
+        if choice.subs.is_empty() {
             String::new()
         } else {
             format!(
                 ", sub-hosts {}",
-                c.subs
+                choice
+                    .subs
                     .iter()
                     .map(|(h, _)| hs[*h].name())
                     .collect::<Vec<_>>()
@@ -398,15 +404,16 @@ pub fn migrate(a: &MigrateArgs, progress: bool) -> Result<Report> {
             )
         }
     );
-    let mut inc_req = json!({"name": a.guest, "budget_pages": c.main_pages});
-    if let Some(cg) = &a.dest_cgroup {
-        inc_req["cgroup"] = json!(cg);
-    }
-    let inc = http::post(&main.http, "/incoming", &inc_req, Duration::from_secs(30))?;
-    let mut addr = inc["migrate_addr"]
-        .as_str()
-        .context("no migrate_addr from the main host")?
-        .to_string();
+    let inc = IncomingRequest {
+        name: a.guest.clone(),
+        budget_pages: choice.main_pages,
+        cgroup: a.dest_cgroup.clone(),
+    };
+    let reply: IncomingReply = c
+        .timeout(Duration::from_secs(30))
+        .post(&main.http, "/incoming", &inc)
+        .with_context(|| format!("starting the destination runner on {}", main.name()))?;
+    let mut addr = reply.migrate_addr;
     if addr.starts_with("0.0.0.0:") {
         // The daemon listens on every address: use the one we reached it on.
         let ip = main
@@ -416,81 +423,86 @@ pub fn migrate(a: &MigrateArgs, progress: bool) -> Result<Report> {
             .unwrap_or("127.0.0.1");
         addr = format!("{ip}:{}", addr.rsplit(':').next().unwrap_or("0"));
     }
-    let mut req = json!({
-        "to": addr,
-        "subs": c.subs.iter().map(|(h, pages)| json!({"addr": hs[*h].report.as_ref().and_then(|r| r.memserver.clone()), "pages": pages})).collect::<Vec<_>>(),
-        "main_pages": c.main_pages,
-        "verify": a.verify,
-        "gather": a.gather,
-    });
-    if let Some(p) = a.policy {
-        req["policy"] = json!(format!("{p:?}").to_lowercase());
+    let mut sub_hosts = Vec::new();
+    for (h, pages) in &choice.subs {
+        let addr = hs[*h]
+            .memserver()
+            .with_context(|| format!("{} lends no memory", hs[*h].name()))?;
+        sub_hosts.push(SubHost {
+            addr: addr.to_string(),
+            pages: *pages,
+        });
     }
-    if let Some(c) = a.chunk {
-        req["chunk"] = json!(c);
-    }
-    if let Some(n) = a.max_rounds {
-        req["max_rounds"] = json!(n);
-    }
-    if let Some(n) = a.stop_pages {
-        req["stop_pages"] = json!(n);
-    }
+    let req = MigrateRequest {
+        to: addr,
+        subs: sub_hosts,
+        main_pages: Some(choice.main_pages),
+        verify: a.verify,
+        gather: a.gather,
+        policy: a.policy.map(|p| format!("{p:?}").to_lowercase()),
+        chunk: a.chunk,
+        max_rounds: a.max_rounds,
+        stop_pages: a.stop_pages,
+    };
     let mut report = None;
-    let mut err = None;
-    let mut in_doubt = false;
-    http::post_stream(
+    let mut failure: Option<Failure> = None;
+    c.post_stream(
         &hs[src].http,
         &format!("/guests/{}/migrate", a.guest),
         &req,
         Duration::from_secs(120),
-        |v| {
-            if let Some(p) = v.get("progress") {
-                if progress {
-                    eprint!("{}", bar(p));
-                    let _ = std::io::stderr().flush();
+        |ev: ProgressEvent| {
+            match ev {
+                ProgressEvent::Progress(p) => {
+                    if progress {
+                        eprint!("{}", bar(&p));
+                        let _ = std::io::stderr().flush();
+                    }
                 }
-            } else if let Some(r) = v.get("report") {
-                report = serde_json::from_value::<Report>(r.clone()).ok();
-            } else if let Some(e) = v.get("error") {
-                err = Some(e.as_str().unwrap_or("").to_string());
-                in_doubt = v["in_doubt"].as_bool().unwrap_or(false);
+                ProgressEvent::Report(r) => report = Some(r),
+                ProgressEvent::Failed(f) => failure = Some(f),
             }
+            true
         },
     )?;
     if progress {
         eprintln!();
     }
-    match (report, err) {
+    match (report, failure) {
         (Some(r), _) => Ok(r),
-        (None, Some(e)) if in_doubt => bail!("{e}"),
-        (None, Some(e)) => bail!(
-            "migration failed and was rolled back ({} still runs on {}): {e}",
+        (None, Some(f)) if f.in_doubt => bail!("{}", f.message),
+        (None, Some(f)) => bail!(
+            "migration failed and was rolled back ({} still runs on {}): {}",
             a.guest,
-            hs[src].name()
+            hs[src].name(),
+            f.message
         ),
         (None, None) => bail!("the source host ended the migration without a report"),
     }
 }
 
-pub fn gather_cmd(g: GatherArgs) -> Result<()> {
-    migrate_cmd(MigrateArgs {
-        guest: g.guest,
-        to: g.to,
-        sub: None,
-        policy: None,
-        chunk: None,
-        verify: g.verify,
-        max_rounds: None,
-        stop_pages: None,
-        json: g.json,
-        dest_cgroup: None,
-        reg: g.reg,
-        gather: true,
-    })
+pub fn gather_cmd(c: &Client, g: GatherArgs) -> Result<()> {
+    migrate_cmd(
+        c,
+        MigrateArgs {
+            guest: g.guest,
+            to: g.to,
+            sub: None,
+            policy: None,
+            chunk: None,
+            verify: g.verify,
+            max_rounds: None,
+            stop_pages: None,
+            json: g.json,
+            dest_cgroup: None,
+            reg: g.reg,
+            gather: true,
+        },
+    )
 }
 
-pub fn migrate_cmd(a: MigrateArgs) -> Result<()> {
-    let r = migrate(&a, !a.json)?;
+pub fn migrate_cmd(c: &Client, a: MigrateArgs) -> Result<()> {
+    let r = migrate(c, &a, !a.json)?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&r)?);
     } else {
@@ -514,58 +526,64 @@ pub struct EvacuateArgs {
 /// Empty a host for maintenance: pages guests keep on its memory server move
 /// to another memory server (the guests keep running and paging), and guests
 /// running there migrate away (their sub-host pages stay where they are).
-pub fn evacuate(a: EvacuateArgs) -> Result<()> {
-    let hs = hosts(&a.reg.registry, &[])?;
+pub fn evacuate(c: &Client, a: EvacuateArgs) -> Result<()> {
+    let hs = hosts(c, &a.reg.registry, &[])?;
     let x = find_host(&hs, &a.host)?;
     let to = a.to.as_deref().map(|t| find_host(&hs, t)).transpose()?;
-    let xms = hs[x].report.as_ref().and_then(|r| r.memserver.clone());
+    let xms = hs[x].memserver().map(String::from);
     let mut lend_free: Vec<u64> = hs.iter().map(|h| info(h).lend_free / 4096).collect();
     let mut moved_any = false;
     if let Some(xms) = &xms {
         for (gh, h) in hs.iter().enumerate() {
             for g in &h.guests {
-                let n = g["pages"]["remote"][xms].as_u64().unwrap_or(0);
+                let n = g
+                    .pages
+                    .as_ref()
+                    .and_then(|p| p.remote.get(xms).copied())
+                    .unwrap_or(0);
                 if n == 0 {
                     continue;
                 }
-                let name = g["name"].as_str().unwrap_or("");
+                let name = &g.name;
                 let target = match to {
                     Some(t) => t,
                     None => (0..hs.len())
                         .filter(|&t| {
-                            t != x
-                                && t != gh
-                                && hs[t].report.as_ref().is_some_and(|r| r.memserver.is_some())
-                                && lend_free[t] >= n
+                            t != x && t != gh && hs[t].memserver().is_some() && lend_free[t] >= n
                         })
                         .max_by_key(|&t| lend_free[t])
                         .ok_or_else(|| {
-                            anyhow::anyhow!("no memory server can take {n} pages of {name}")
+                            anyhow::anyhow!(
+                                "no memory server can take {} of {name}",
+                                units::fmt_size(n * 4096)
+                            )
                         })?,
                 };
                 let tms = hs[target]
-                    .report
-                    .as_ref()
-                    .and_then(|r| r.memserver.clone())
+                    .memserver()
                     .context("the target host lends no memory")?;
                 eprintln!(
                     "moving {n} pages of {name} from {} to {}",
                     hs[x].name(),
                     hs[target].name()
                 );
-                let r = http::post(
-                    &h.http,
-                    &format!("/guests/{name}/evacuate"),
-                    &json!({"from": xms, "to": tms}),
-                    Duration::from_secs(3600),
-                )?;
-                if let Some(e) = r["error"].as_str() {
-                    bail!("{name}: {e}");
+                #[derive(serde::Serialize)]
+                struct Evacuate<'a> {
+                    from: &'a str,
+                    to: &'a str,
                 }
+                let r: pagefleet_api::control::Moved = c
+                    .timeout(Duration::from_secs(3600))
+                    .post(
+                        &h.http,
+                        &format!("/guests/{name}/evacuate"),
+                        &Evacuate { from: xms, to: tms },
+                    )
+                    .with_context(|| format!("moving the pages of {name}"))?;
                 lend_free[target] = lend_free[target].saturating_sub(n);
                 println!(
                     "{name}: {} pages moved from {} to {}",
-                    r["moved"].as_u64().unwrap_or(0),
+                    r.moved,
                     hs[x].name(),
                     hs[target].name()
                 );
@@ -574,12 +592,11 @@ pub fn evacuate(a: EvacuateArgs) -> Result<()> {
         }
     }
     for g in &hs[x].guests {
-        let name = g["name"].as_str().unwrap_or("").to_string();
-        if g["state"].as_str() == Some("incoming") {
+        if g.state == GuestState::Incoming {
             continue;
         }
         let m = MigrateArgs {
-            guest: name.clone(),
+            guest: g.name.clone(),
             to: None,
             sub: None,
             policy: None,
@@ -592,7 +609,7 @@ pub fn evacuate(a: EvacuateArgs) -> Result<()> {
             reg: a.reg.clone(),
             gather: false,
         };
-        let r = migrate(&m, true)?;
+        let r = migrate(c, &m, true)?;
         r.print();
         moved_any = true;
     }

@@ -45,10 +45,10 @@ pub enum IoqosCmd {
         /// Mount point (created if missing); the disk is DIR/disk.
         #[arg(long)]
         dir: PathBuf,
-        #[arg(long, default_value = "1GiB", value_parser = pagefleet_daemon::units::parse_size)]
+        #[arg(long, default_value = "1GiB", value_parser = pagefleet_common::units::parse_size)]
         size: u64,
         /// Transfer rate, bytes per second (e.g. 48MiB).
-        #[arg(long, default_value = "48MiB", value_parser = pagefleet_daemon::units::parse_size)]
+        #[arg(long, default_value = "48MiB", value_parser = pagefleet_common::units::parse_size)]
         bandwidth: u64,
         /// Fixed cost of every request, milliseconds.
         #[arg(long, default_value_t = 0.2)]

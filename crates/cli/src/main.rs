@@ -4,7 +4,7 @@ use anyhow::{bail, Result};
 use clap::{Args, Parser, Subcommand};
 use pagefleet_bench::{memserver, paging};
 use pagefleet_client::{Conn, ConnectOptions};
-use pagefleet_daemon::units;
+use pagefleet_common::units;
 use pagefleet_proto::auth::Secret;
 use std::path::PathBuf;
 
@@ -12,7 +12,6 @@ mod cluster;
 mod ioqos;
 mod ksm;
 mod run;
-mod runner;
 
 /// pagefleet pools spare memory across hosts: memory servers lend it, guests
 /// page to it, and (as milestones land) large guests split-migrate onto it.
@@ -97,21 +96,19 @@ enum Cmd {
     /// I/O guarantee on a shared block device: every tenant keeps its minimum.
     #[command(subcommand)]
     Ioqos(ioqos::IoqosCmd),
+    /// A guest's runner (pagefleetd starts it and writes its job to stdin; internal).
+    #[command(hide = true)]
+    RunnerGuest {
+        /// The guest's name (a label for `ps`).
+        #[arg(long)]
+        name: String,
+    },
     /// A runner waiting for an incoming migration (pagefleetd starts it; internal).
     #[command(hide = true)]
     RunnerIncoming {
+        /// The guest's name (a label for `ps`).
         #[arg(long)]
-        listen: String,
-        #[arg(long)]
-        control: PathBuf,
-        /// Most pages this host gives the guest.
-        #[arg(long)]
-        budget_pages: Option<u64>,
-        #[arg(long, default_value = "eth0")]
-        service_dev: String,
-        /// Give up if no migration arrives within this many seconds.
-        #[arg(long, default_value_t = 60)]
-        timeout: u64,
+        name: String,
     },
 }
 
@@ -454,18 +451,20 @@ fn testbed(t: TestbedCmd) -> Result<()> {
                         .exec(i, &me)
                         .args(["status", "--json", "--hosts", &format!("{}:7071", h.ip)])
                         .output()?;
-                    let mem = serde_json::from_slice::<serde_json::Value>(&out.stdout)
+                    #[derive(serde::Deserialize)]
+                    struct Entry {
+                        report: Option<pagefleet_api::HostReport>,
+                    }
+                    let mem = serde_json::from_slice::<Vec<Entry>>(&out.stdout)
                         .ok()
-                        .and_then(|v| v[0]["report"].as_object().cloned())
+                        .and_then(|v| v.into_iter().next())
+                        .and_then(|e| e.report)
                         .map(|r| {
-                            let f = |k: &str| {
-                                units::fmt_size(r.get(k).and_then(|x| x.as_u64()).unwrap_or(0))
-                            };
                             format!(
                                 "lends {} ({} used), host memory available {}",
-                                f("lend_capacity"),
-                                f("lend_used"),
-                                f("mem_available")
+                                units::fmt_size(r.lend_capacity),
+                                units::fmt_size(r.lend_used),
+                                units::fmt_size(r.mem_available)
                             )
                         })
                         .unwrap_or_else(|| "no report".into());
@@ -521,7 +520,21 @@ fn main() {
     }
 }
 
+/// A hosted runner: its job comes from pagefleetd on stdin.
+fn runner(kind: &str) -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(
+            std::env::var("PAGEFLEET_LOG").unwrap_or_else(|_| "info".into()),
+        ))
+        .with_writer(std::io::stderr)
+        .init();
+    let exit = pagefleet_runner::launch(std::io::stdin().lock(), kind)?;
+    eprintln!("runner ends: {exit:?}");
+    Ok(())
+}
+
 fn run(cli: Cli) -> Result<()> {
+    let sf = cli.secret_file.as_deref();
     match cli.cmd {
         Cmd::Bench(BenchCmd::Memserver(o)) => bench_memserver(o),
         Cmd::Demo(o) => demo(o),
@@ -536,28 +549,15 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Blockdev(b) => blockdev(b, cli.secret_file.as_deref()),
         Cmd::Ksm(k) => ksm::main(k),
         Cmd::Ioqos(c) => ioqos::main(c),
-        Cmd::RunnerIncoming {
-            listen,
-            control,
-            budget_pages,
-            service_dev,
-            timeout,
-        } => {
-            let secret = Secret::resolve(cli.secret_file.as_deref())?;
-            runner::run_incoming(
-                &listen,
-                control,
-                budget_pages,
-                service_dev,
-                secret,
-                std::time::Duration::from_secs(timeout),
-            )
+        Cmd::RunnerGuest { .. } => runner("guest"),
+        Cmd::RunnerIncoming { .. } => runner("incoming"),
+        Cmd::Status { hosts, reg, json } => {
+            cluster::status(&cluster::client(sf)?, &reg.registry, &hosts, json)
         }
-        Cmd::Status { hosts, reg, json } => cluster::status(&reg.registry, &hosts, json),
-        Cmd::Guest(g) => cluster::guest(g),
-        Cmd::Migrate(m) => cluster::migrate_cmd(m),
-        Cmd::Gather(g) => cluster::gather_cmd(g),
-        Cmd::Evacuate(e) => cluster::evacuate(e),
+        Cmd::Guest(g) => cluster::guest(&cluster::client(sf)?, g),
+        Cmd::Migrate(m) => cluster::migrate_cmd(&cluster::client(sf)?, m),
+        Cmd::Gather(g) => cluster::gather_cmd(&cluster::client(sf)?, g),
+        Cmd::Evacuate(e) => cluster::evacuate(&cluster::client(sf)?, e),
         Cmd::Memserver(m) => {
             let secret = Secret::resolve(cli.secret_file.as_deref())?;
             let opts = ConnectOptions {

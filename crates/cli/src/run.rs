@@ -2,10 +2,11 @@
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
-use pagefleet_daemon::units;
+use pagefleet_api::{self as api, GuestSpec};
+use pagefleet_common::units;
 use pagefleet_guests::{kv, sort, synthetic, Mem};
 use pagefleet_region::{Config, Policy, Region, Secret};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -54,19 +55,11 @@ pub struct RunArgs {
     /// Print one JSON object with the outcome and the runtime's counters.
     #[arg(long, global = true)]
     pub json: bool,
-    /// Run hosted: serve this control socket (status, migrate, stop) and run
-    /// until stopped or migrated away (pagefleetd starts guests this way).
-    #[arg(long, global = true)]
-    pub control: Option<PathBuf>,
-    /// Guest name (hosted runs).
-    #[arg(long, global = true, default_value = "guest")]
-    pub name: String,
-    /// A service address that moves with the guest (added to --service-dev
-    /// here, and on the destination after a migration). kv: listen on it.
+    /// Hosted guests (`pagefleet guest start`): a service address that
+    /// moves with the guest (added to the host daemon's service device, and
+    /// on the destination after a migration). kv: listen on it.
     #[arg(long, global = true)]
     pub service_ip: Option<String>,
-    #[arg(long, global = true, default_value = "eth0")]
-    pub service_dev: String,
 }
 
 #[derive(Subcommand, Clone)]
@@ -232,36 +225,57 @@ fn progress(m: &Memory, sec: usize, rate: f64, last_ins: &mut u64) {
     }
 }
 
-/// The workload as a migration carries it to the destination runner.
-fn workload_spec(a: &RunArgs, workload: &Workload) -> Result<serde_json::Value> {
-    let mut v = match workload {
-        Workload::Synthetic {
+/// A hosted guest's typed spec from `run`-style flags (`pagefleet guest
+/// start NAME ... -- WORKLOAD FLAGS`): what the host daemon may start.
+pub fn guest_spec(a: &RunArgs) -> Result<GuestSpec> {
+    if a.merge || !a.command.is_empty() {
+        bail!("a hosted guest runs a built-in workload; --merge and commands after -- are for `pagefleet run` on this machine only");
+    }
+    if a.plain {
+        bail!("--plain guests cannot be hosted (they have no region to migrate)");
+    }
+    let workload = match &a.workload {
+        Some(Workload::Synthetic {
             dist,
             write_frac,
             prefill,
             rate,
             span,
-        } => serde_json::json!({
-            "kind": "synthetic", "dist": dist.to_string(), "write_frac": write_frac, "prefill": prefill, "rate": rate, "span": span,
-        }),
-        Workload::Kv { listen } => serde_json::json!({"kind": "kv", "listen": listen}),
-        Workload::Sort { .. } => {
-            bail!("sort runs to completion; it cannot run hosted (use sortjob)")
-        }
-        Workload::Sortjob {
+        }) => api::Workload::Synthetic {
+            dist: dist.to_string(),
+            write_frac: *write_frac,
+            prefill: *prefill,
+            rate: *rate,
+            span: *span,
+        },
+        Some(Workload::Kv { listen }) => api::Workload::Kv {
+            listen: listen.clone(),
+        },
+        Some(Workload::Sortjob {
             sort_frac,
             no_warm,
             seed,
-        } => {
-            serde_json::json!({"kind": "sortjob", "sort_frac": sort_frac, "warm": !no_warm, "seed": seed})
+        }) => api::Workload::Sortjob {
+            sort_frac: *sort_frac,
+            warm: !no_warm,
+            seed: *seed,
+        },
+        Some(Workload::Sort { .. }) => {
+            bail!("sort runs to completion; it cannot run hosted (use sortjob)")
         }
+        None => bail!("name the guest's workload: synthetic, kv or sortjob"),
     };
-    v["threads"] = serde_json::json!(a.threads);
-    v["policy"] = serde_json::json!(format!("{:?}", a.policy).to_lowercase());
-    if let Some(ip) = &a.service_ip {
-        v["service_ip"] = serde_json::json!(ip);
-    }
-    Ok(v)
+    let spec = GuestSpec {
+        workload,
+        threads: a.threads,
+        policy: format!("{:?}", a.policy).to_lowercase(),
+        chunk: a.chunk,
+        servers: a.servers.clone(),
+        sample_budget: a.sample_budget,
+        service_ip: a.service_ip.clone(),
+    };
+    spec.validate().map_err(anyhow::Error::msg)?;
+    Ok(spec)
 }
 
 pub fn run(a: RunArgs, secret_file: Option<&Path>) -> Result<()> {
@@ -284,19 +298,8 @@ pub fn run(a: RunArgs, secret_file: Option<&Path>) -> Result<()> {
     if a.threads == 0 {
         bail!("--threads must be at least 1");
     }
-    if let Some(control) = a.control.clone() {
-        if a.plain {
-            bail!("--plain guests cannot be hosted (they have no region to migrate)");
-        }
-        let spec = workload_spec(&a, &workload)?;
-        let secret = Secret::resolve(secret_file)?;
-        let m = open_memory(&a, secret_file)?;
-        let region = m.region.clone().expect("hosted guests have a region");
-        let service = a.service_ip.clone().map(|ip| crate::runner::Service {
-            ip,
-            dev: a.service_dev.clone(),
-        });
-        return crate::runner::run_hosted(a.name.clone(), spec, region, service, control, secret);
+    if a.service_ip.is_some() {
+        bail!("--service-ip is for hosted guests (pagefleet guest start)");
     }
     let m = open_memory(&a, secret_file)?;
     let mem = m.mem();

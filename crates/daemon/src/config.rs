@@ -8,7 +8,8 @@
 //! [memserver]
 //! lend = "4GiB"
 //! listen = "0.0.0.0:7070"
-//! metrics = "0.0.0.0:7071"   # or "off"
+//! metrics = "127.0.0.1:7071" # the HTTP API (default loopback), or "off"
+//! public_metrics = false     # GET /metrics without a signature
 //! max_conns = 512
 //! io_timeout_secs = 30
 //!
@@ -39,7 +40,7 @@
 //! cap_interval = 5.0
 //! ```
 
-use crate::units;
+use pagefleet_common::units;
 use anyhow::{bail, Context, Result};
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
@@ -104,6 +105,7 @@ pub struct MemserverSection {
     pub lend: Option<String>,
     pub listen: Option<String>,
     pub metrics: Option<String>,
+    pub public_metrics: Option<bool>,
     pub max_conns: Option<u32>,
     pub io_timeout_secs: Option<u64>,
 }
@@ -114,6 +116,7 @@ pub struct Flags {
     pub lend: Option<u64>,
     pub listen: Option<String>,
     pub metrics: Option<String>,
+    pub public_metrics: Option<bool>,
     pub secret_file: Option<PathBuf>,
     pub max_conns: Option<u32>,
     pub io_timeout_secs: Option<u64>,
@@ -137,6 +140,8 @@ pub struct Settings {
     pub lend: Option<u64>,
     pub listen: String,
     pub metrics: Option<String>,
+    /// `GET /metrics` without a signature.
+    pub public_metrics: bool,
     pub secret_file: Option<PathBuf>,
     pub max_conns: u32,
     pub io_timeout: Duration,
@@ -251,6 +256,7 @@ pub fn merge(file: FileConfig, flags: Flags) -> Result<Settings> {
             .or(m.listen)
             .unwrap_or_else(|| "127.0.0.1:7070".into()),
         metrics: flags.metrics.or(m.metrics),
+        public_metrics: flags.public_metrics.or(m.public_metrics).unwrap_or(false),
         secret_file: flags.secret_file.or(file.secret_file),
         max_conns,
         io_timeout: Duration::from_secs(io),

@@ -1,10 +1,19 @@
 //! The guest host service: starts and stops this host's runners, hands
 //! out this host's guest memory (a budget per guest, never more in total
 //! than `--guest-memory`), starts runners for incoming migrations, and
-//! forwards migrate requests to a guest's runner (its control socket).
+//! forwards requests to a guest's runner (its control socket).
+//!
+//! A runner is always the configured runner binary with a fixed hidden
+//! subcommand; what it runs comes as one typed [`Launch`] message on its
+//! stdin (a [`GuestSpec`], never a command line a caller chose), and the
+//! cluster secret with it (never on a command line).
 
-use crate::http::{Request, Response};
-use serde_json::{json, Value};
+use pagefleet_api::control::ControlRequest;
+use pagefleet_api::launch::{to_hex, Job, Launch};
+use pagefleet_api::{GuestState, GuestStatus, IncomingReply, IncomingRequest, StartGuest};
+use pagefleet_common::control::{self, ControlError};
+use pagefleet_proto::auth::Secret;
+use serde::de::DeserializeOwned;
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
@@ -12,8 +21,9 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tracing::{info, warn};
+use tracing::info;
 
+/// The guest host service's settings.
 #[derive(Clone, Debug)]
 pub struct GuestConfig {
     /// Memory this host gives guests (sum of budgets), bytes.
@@ -26,7 +36,35 @@ pub struct GuestConfig {
     pub service_dev: String,
     /// IP this host's runners listen on for incoming migrations.
     pub ip: String,
-    pub secret_file: Option<PathBuf>,
+    /// The cluster secret, handed to runners on their stdin.
+    pub secret: Secret,
+}
+
+/// A refused or failed request: the HTTP status and what to tell the caller.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    /// HTTP status.
+    pub status: u16,
+    /// For the caller.
+    pub message: String,
+}
+
+impl Refusal {
+    fn new(status: u16, message: impl std::fmt::Display) -> Refusal {
+        Refusal {
+            status,
+            message: message.to_string(),
+        }
+    }
+}
+
+impl From<ControlError> for Refusal {
+    fn from(e: ControlError) -> Refusal {
+        match e {
+            ControlError::Refused(m) => Refusal::new(409, m),
+            e => Refusal::new(502, e),
+        }
+    }
 }
 
 struct Entry {
@@ -38,7 +76,9 @@ struct Entry {
 
 type SpawnReq = (Command, std::sync::mpsc::Sender<std::io::Result<Child>>);
 
+/// This host's guests.
 pub struct Guests {
+    /// Its settings.
     pub cfg: GuestConfig,
     map: Mutex<BTreeMap<String, Entry>>,
     /// Runners are forked by one long-lived thread: their parent-death
@@ -46,62 +86,18 @@ pub struct Guests {
     spawner: Mutex<std::sync::mpsc::Sender<SpawnReq>>,
 }
 
-fn valid_name(n: &str) -> bool {
-    !n.is_empty()
-        && n.len() <= 32
-        && n.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
-}
-
-/// One request on a runner's control socket; every reply line goes to `each`.
-pub fn control(
-    path: &std::path::Path,
-    req: &Value,
-    timeout: Option<Duration>,
-    each: impl FnMut(Value) -> bool,
-) -> anyhow::Result<()> {
-    let s = connect(path)?;
-    s.set_read_timeout(timeout)?;
-    lines(s, req, each)
-}
-
-fn connect(path: &std::path::Path) -> anyhow::Result<UnixStream> {
-    UnixStream::connect(path).map_err(|e| anyhow::anyhow!("runner control {}: {e}", path.display()))
-}
-
-fn lines(
-    mut s: UnixStream,
-    req: &Value,
-    mut each: impl FnMut(Value) -> bool,
-) -> anyhow::Result<()> {
-    writeln!(s, "{req}")?;
-    for line in BufReader::new(s).lines() {
-        let v: Value = serde_json::from_str(&line?)?;
-        if !each(v) {
-            break;
-        }
-    }
-    Ok(())
-}
-
-fn control1(path: &std::path::Path, req: &Value) -> anyhow::Result<Value> {
-    control_within(path, req, Duration::from_secs(5))
-}
-
-/// One request; the first reply line (waiting at most `t`).
-pub fn control_within(path: &std::path::Path, req: &Value, t: Duration) -> anyhow::Result<Value> {
-    let mut out = Value::Null;
-    control(path, req, Some(t), |v| {
-        out = v;
-        false
-    })?;
-    Ok(out)
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Guests {
-    pub fn new(cfg: GuestConfig) -> anyhow::Result<Arc<Guests>> {
+    /// Start the service (creates its directory).
+    pub fn new(cfg: GuestConfig) -> std::io::Result<Arc<Guests>> {
         std::fs::create_dir_all(&cfg.dir).map_err(|e| {
-            anyhow::anyhow!("cannot create guest directory {}: {e}", cfg.dir.display())
+            std::io::Error::new(
+                e.kind(),
+                format!("cannot create guest directory {}: {e}", cfg.dir.display()),
+            )
         })?;
         let (tx, rx) = std::sync::mpsc::channel::<SpawnReq>();
         std::thread::Builder::new()
@@ -118,25 +114,23 @@ impl Guests {
         }))
     }
 
+    /// Pages reserved by guests here.
     pub fn used_pages(&self) -> u64 {
-        self.map
-            .lock()
-            .unwrap()
-            .values()
-            .map(|e| e.budget_pages)
-            .sum()
+        lock(&self.map).values().map(|e| e.budget_pages).sum()
     }
+    /// Guest memory still free, bytes.
     pub fn free_bytes(&self) -> u64 {
         self.cfg.memory.saturating_sub(self.used_pages() * 4096)
     }
+    /// Runners here.
     pub fn count(&self) -> usize {
-        self.map.lock().unwrap().len()
+        lock(&self.map).len()
     }
 
     /// Prometheus text for the guest host service.
     pub fn metrics(&self) -> String {
         let (n, incoming, used) = {
-            let m = self.map.lock().unwrap();
+            let m = lock(&self.map);
             (
                 m.len(),
                 m.values().filter(|e| e.incoming).count(),
@@ -157,50 +151,60 @@ impl Guests {
         )
     }
 
+    /// Reserve memory, start a runner for `job` and wait for its ready line.
     fn spawn(
         self: &Arc<Guests>,
         name: &str,
-        mut cmd: Command,
+        job: Job,
         budget_pages: u64,
-        incoming: bool,
-        ready: &str,
         cgroup: Option<PathBuf>,
-    ) -> Result<String, Response> {
+    ) -> Result<String, Refusal> {
+        let (sub, incoming, ready) = match &job {
+            Job::Guest { .. } => ("runner-guest", false, "guest "),
+            Job::Incoming { .. } => ("runner-incoming", true, "migrate listening "),
+        };
         let control = self.cfg.dir.join(format!("{name}.sock"));
-        let log = std::fs::File::create(self.cfg.dir.join(format!("{name}.log")))
-            .map_err(|e| Response::error(500, e))?;
-        cmd.arg("--control")
-            .arg(&control)
+        let log_path = self.cfg.dir.join(format!("{name}.log"));
+        let log = std::fs::File::create(&log_path).map_err(|e| Refusal::new(500, e))?;
+        let launch = Launch {
+            secret_hex: to_hex(self.cfg.secret.expose()),
+            control: control.clone(),
+            service_dev: self.cfg.service_dev.clone(),
+            job,
+        };
+        let mut cmd = Command::new(&self.cfg.runner);
+        // The name (validated: letters, digits, - and _) only labels the
+        // process for `ps`; the runner takes its job from stdin.
+        cmd.arg(sub)
+            .arg(format!("--name={name}"))
+            .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(log)
-            .stdin(Stdio::null());
-        if let Some(f) = &self.cfg.secret_file {
-            cmd.arg("--secret-file").arg(f);
-        }
-        // Runners die with their host daemon.
+            .stderr(log);
+        // SAFETY: the closure only calls prctl, which is async-signal-safe.
         unsafe {
             use std::os::unix::process::CommandExt;
             cmd.pre_exec(|| {
+                // Runners die with their host daemon.
                 libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
                 Ok(())
             });
         }
         {
-            let mut m = self.map.lock().unwrap();
+            let mut m = lock(&self.map);
             if m.contains_key(name) {
-                return Err(Response::error(
+                return Err(Refusal::new(
                     409,
                     format!("guest {name:?} already exists on this host"),
                 ));
             }
             let used: u64 = m.values().map(|e| e.budget_pages).sum();
             if (used + budget_pages) * 4096 > self.cfg.memory {
-                return Err(Response::error(
+                return Err(Refusal::new(
                     409,
                     format!(
-                        "not enough guest memory here: {} pages asked, {} free",
-                        budget_pages,
-                        (self.cfg.memory / 4096).saturating_sub(used)
+                        "not enough guest memory here: {} asked, {} free",
+                        crate::fmt_size(budget_pages * 4096),
+                        crate::fmt_size(self.cfg.memory.saturating_sub(used * 4096))
                     ),
                 ));
             }
@@ -215,8 +219,11 @@ impl Guests {
                 },
             );
         }
+        let forget = |me: &Guests| {
+            lock(&me.map).remove(name);
+        };
         let (tx, rx) = std::sync::mpsc::channel();
-        let sent = self.spawner.lock().unwrap().send((cmd, tx));
+        let sent = lock(&self.spawner).send((cmd, tx));
         let spawned = match sent {
             Ok(()) => rx
                 .recv()
@@ -226,41 +233,50 @@ impl Guests {
         let mut child: Child = match spawned {
             Ok(c) => c,
             Err(e) => {
-                self.map.lock().unwrap().remove(name);
-                return Err(Response::error(
+                forget(self);
+                return Err(Refusal::new(
                     500,
                     format!("cannot start runner {}: {e}", self.cfg.runner.display()),
                 ));
             }
         };
         let pid = child.id();
+        let fail = |child: &mut Child, me: &Guests, r: Refusal| {
+            let _ = child.kill();
+            let _ = child.wait();
+            forget(me);
+            Err(r)
+        };
         if let Some(cg) = &cgroup {
-            // Before it prints its address, so before any guest memory exists.
+            // Before it reads its launch message, so before any guest memory exists.
             if let Err(e) = std::fs::write(cg.join("cgroup.procs"), pid.to_string()) {
-                let _ = child.kill();
-                let _ = child.wait();
-                self.map.lock().unwrap().remove(name);
-                return Err(Response::error(
+                let r = Refusal::new(
                     400,
                     format!("cannot put the runner into cgroup {}: {e}", cg.display()),
-                ));
+                );
+                return fail(&mut child, self, r);
             }
         }
-        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let wrote = child.stdin.take().map(|mut i| {
+            let mut b = serde_json::to_vec(&launch).unwrap_or_default();
+            b.push(b'\n');
+            i.write_all(&b)
+        });
+        if !matches!(wrote, Some(Ok(()))) {
+            return fail(&mut child, self, Refusal::new(500, "cannot hand the runner its launch message"));
+        }
+        let Some(stdout) = child.stdout.take() else {
+            return fail(&mut child, self, Refusal::new(500, "runner has no stdout"));
+        };
+        let mut out = BufReader::new(stdout);
         let mut line = String::new();
         let got = out.read_line(&mut line).unwrap_or(0);
         if got == 0 || !line.starts_with(ready) {
-            let _ = child.kill();
-            let _ = child.wait();
-            self.map.lock().unwrap().remove(name);
-            let log = std::fs::read_to_string(self.cfg.dir.join(format!("{name}.log")))
-                .unwrap_or_default();
-            return Err(Response::error(
-                500,
-                format!("runner for {name} did not start: {}", log.trim()),
-            ));
+            let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+            let r = Refusal::new(500, format!("runner for {name} did not start: {}", log.trim()));
+            return fail(&mut child, self, r);
         }
-        if let Some(e) = self.map.lock().unwrap().get_mut(name) {
+        if let Some(e) = lock(&self.map).get_mut(name) {
             e.pid = pid;
         }
         // Reap it; its memory goes back when it exits (stopped or migrated away).
@@ -272,7 +288,7 @@ impl Guests {
                 sink.clear();
             }
             let st = child.wait();
-            let mut m = me.map.lock().unwrap();
+            let mut m = lock(&me.map);
             if m.get(&n).is_some_and(|e| e.pid == pid) {
                 m.remove(&n);
             }
@@ -281,190 +297,107 @@ impl Guests {
         Ok(line.trim().to_string())
     }
 
-    /// POST /guests {name, budget_pages, args: [workload and `pagefleet run` flags]}
-    fn start(self: &Arc<Guests>, v: &Value) -> Response {
-        let name = v["name"].as_str().unwrap_or("");
-        if !valid_name(name) {
-            return Response::error(400, "guest name: 1-32 letters, digits, - or _");
+    /// `POST /guests`: start a guest from its typed spec.
+    pub fn start(self: &Arc<Guests>, req: StartGuest) -> Result<(), Refusal> {
+        if !pagefleet_api::guest::valid_name(&req.name) {
+            return Err(Refusal::new(400, "guest name: 1-32 letters, digits, - or _, starting with a letter or digit"));
         }
-        let Some(args) = v["args"].as_array() else {
-            return Response::error(
-                400,
-                "\"args\": the workload and its flags, e.g. [\"kv\", \"--size\", \"1GiB\"]",
-            );
-        };
-        let args: Vec<String> = args
-            .iter()
-            .filter_map(|a| a.as_str().map(String::from))
-            .collect();
-        let Some(size) = v["size"].as_u64() else {
-            return Response::error(400, "\"size\" (bytes) is required");
-        };
-        let budget_pages = v["budget_pages"].as_u64().unwrap_or(size.div_ceil(4096));
-        let mut cmd = Command::new(&self.cfg.runner);
-        cmd.arg("run").args(&args).args([
-            "--name",
-            name,
-            "--size",
-            &size.to_string(),
-            "--budget",
-            &(budget_pages * 4096).to_string(),
-        ]);
-        cmd.args(["--service-dev", &self.cfg.service_dev]);
-        match self.spawn(name, cmd, budget_pages, false, "guest ", None) {
-            Ok(_) => Response::json(200, &json!({"ok": true, "name": name})),
-            Err(r) => r,
+        if req.size < 4096 {
+            return Err(Refusal::new(400, "size: at least one 4 KiB page"));
         }
+        req.spec.validate().map_err(|e| Refusal::new(400, e))?;
+        let budget_pages = req.budget_pages.unwrap_or(req.size.div_ceil(4096));
+        let job = Job::Guest {
+            name: req.name.clone(),
+            size: req.size,
+            budget_pages,
+            spec: req.spec,
+        };
+        self.spawn(&req.name, job, budget_pages, None).map(|_| ())
     }
 
-    /// POST /incoming {name, budget_pages, cgroup?}: a runner waiting for a migration.
-    fn incoming(self: &Arc<Guests>, v: &Value) -> Response {
-        let name = v["name"].as_str().unwrap_or("");
-        if !valid_name(name) {
-            return Response::error(400, "guest name: 1-32 letters, digits, - or _");
+    /// `POST /incoming`: a runner waiting for a migration.
+    pub fn incoming(self: &Arc<Guests>, req: IncomingRequest) -> Result<IncomingReply, Refusal> {
+        if !pagefleet_api::guest::valid_name(&req.name) {
+            return Err(Refusal::new(400, "guest name: 1-32 letters, digits, - or _, starting with a letter or digit"));
         }
-        let Some(budget_pages) = v["budget_pages"].as_u64() else {
-            return Response::error(400, "\"budget_pages\" is required");
-        };
-        let mut cmd = Command::new(&self.cfg.runner);
-        cmd.args([
-            "runner-incoming",
-            "--listen",
-            &format!("{}:0", self.cfg.ip),
-            "--budget-pages",
-            &budget_pages.to_string(),
-        ]);
-        cmd.args(["--service-dev", &self.cfg.service_dev]);
         // Optionally inside a memory cgroup the caller set up (e.g. a
         // destination whose memory is limited, with the kernel swapping).
-        let cgroup = v["cgroup"].as_str().map(PathBuf::from);
+        let cgroup = req.cgroup.as_ref().map(PathBuf::from);
         if let Some(cg) = &cgroup {
-            if !cg.starts_with("/sys/fs/cgroup/") || !cg.join("cgroup.procs").exists() {
-                return Response::error(400, format!("{} is not a cgroup", cg.display()));
+            let canonical = cg.canonicalize().unwrap_or_default();
+            if !canonical.starts_with("/sys/fs/cgroup/") || !canonical.join("cgroup.procs").exists()
+            {
+                return Err(Refusal::new(400, format!("{} is not a cgroup", cg.display())));
             }
         }
-        match self.spawn(name, cmd, budget_pages, true, "migrate listening ", cgroup) {
-            Ok(line) => Response::json(
-                200,
-                &json!({"ok": true, "migrate_addr": line.trim_start_matches("migrate listening ").trim()}),
-            ),
-            Err(r) => r,
-        }
+        let job = Job::Incoming {
+            name: req.name.clone(),
+            listen: format!("{}:0", self.cfg.ip),
+            budget_pages: req.budget_pages,
+            timeout_secs: 60,
+        };
+        let line = self.spawn(&req.name, job, req.budget_pages, cgroup)?;
+        Ok(IncomingReply {
+            migrate_addr: line
+                .trim_start_matches("migrate listening ")
+                .trim()
+                .to_string(),
+        })
     }
 
-    pub fn list(&self) -> Vec<Value> {
-        let entries: Vec<(String, PathBuf, u64, bool, u32)> = self
-            .map
-            .lock()
-            .unwrap()
+    /// Every guest here, as its runner reports it.
+    pub fn list(&self) -> Vec<GuestStatus> {
+        let entries: Vec<(String, PathBuf, u64, bool, u32)> = lock(&self.map)
             .iter()
-            .map(|(n, e)| {
-                (
-                    n.clone(),
-                    e.control.clone(),
-                    e.budget_pages,
-                    e.incoming,
-                    e.pid,
-                )
-            })
+            .map(|(n, e)| (n.clone(), e.control.clone(), e.budget_pages, e.incoming, e.pid))
             .collect();
         entries
             .into_iter()
-            .map(|(n, c, b, inc, pid)| match control1(&c, &json!({"op": "status"})) {
-                Ok(v) if v.get("name").is_some() => v,
-                _ => json!({"name": n, "state": if inc { "incoming" } else { "starting" }, "budget_pages": b, "pid": pid}),
+            .map(|(n, c, b, inc, pid)| {
+                control::call::<GuestStatus>(&c, &ControlRequest::Status, Duration::from_secs(5))
+                    .unwrap_or_else(|_| {
+                        let st = if inc {
+                            GuestState::Incoming
+                        } else {
+                            GuestState::Starting
+                        };
+                        GuestStatus::placeholder(&n, st, b, pid)
+                    })
             })
             .collect()
     }
 
-    fn entry_control(&self, name: &str) -> Option<PathBuf> {
-        self.map
-            .lock()
-            .unwrap()
+    fn control_path(&self, name: &str) -> Result<PathBuf, Refusal> {
+        lock(&self.map)
             .get(name)
             .map(|e| e.control.clone())
+            .ok_or_else(|| Refusal::new(404, format!("no guest {name:?} here")))
     }
 
-    /// Routes under /guests and /incoming.
-    pub fn route(self: &Arc<Guests>, r: &Request) -> Option<Response> {
-        let body = || serde_json::from_slice::<Value>(&r.body).unwrap_or(Value::Null);
-        let parts: Vec<&str> = r.path.trim_matches('/').split('/').collect();
-        Some(match (r.method.as_str(), parts.as_slice()) {
-            ("GET", ["guests"]) => Response::json(200, &Value::Array(self.list())),
-            ("POST", ["guests"]) => self.start(&body()),
-            ("POST", ["incoming"]) => self.incoming(&body()),
-            ("GET", ["guests", name]) => match self.entry_control(name) {
-                None => Response::error(404, format!("no guest {name:?} here")),
-                Some(c) => match control1(&c, &json!({"op": "status"})) {
-                    Ok(v) => Response::json(200, &v),
-                    Err(e) => Response::error(502, e),
-                },
-            },
-            (
-                "POST",
-                ["guests", name, op @ ("stop" | "cancel" | "set_budget" | "evacuate" | "sort")],
-            ) => match self.entry_control(name) {
-                None => Response::error(404, format!("no guest {name:?} here")),
-                Some(c) => {
-                    let mut req = body();
-                    if !req.is_object() {
-                        req = json!({});
-                    }
-                    req["op"] = json!(op);
-                    // Moving a sub-host's pages takes as long as they take.
-                    let t = if matches!(*op, "evacuate" | "sort") {
-                        Duration::from_secs(3600)
-                    } else {
-                        Duration::from_secs(5)
-                    };
-                    match control_within(&c, &req, t) {
-                        Ok(v) => Response::json(200, &v),
-                        Err(e) => Response::error(502, e),
-                    }
-                }
-            },
-            ("POST", ["guests", name, "migrate"]) => match self.entry_control(name) {
-                None => Response::error(404, format!("no guest {name:?} here")),
-                Some(c) => {
-                    let mut req = body();
-                    req["op"] = json!("migrate");
-                    let name = name.to_string();
-                    let me = self.clone();
-                    Response::Stream(Box::new(move |s| {
-                        // The caller's Ctrl-C (its connection closing) reaches
-                        // the runner at once: a watcher shuts the runner's
-                        // socket down, which the runner takes as a cancel.
-                        let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
-                        let r = connect(&c).and_then(|runner| {
-                            if let (Ok(caller), Ok(r2)) = (s.try_clone(), runner.try_clone()) {
-                                let done = done.clone();
-                                std::thread::spawn(move || {
-                                    while !done.load(std::sync::atomic::Ordering::Relaxed) {
-                                        if pagefleet_proto::io::peer_hung_up(&caller, 100) {
-                                            let _ = r2.shutdown(std::net::Shutdown::Both);
-                                            return;
-                                        }
-                                    }
-                                });
-                            }
-                            lines(runner, &req, |v| {
-                                if v.get("report").is_some() {
-                                    // The guest runs elsewhere now: its memory here is free
-                                    // at once (the runner exits right after).
-                                    me.map.lock().unwrap().remove(&name);
-                                }
-                                writeln!(s, "{v}").is_ok()
-                            })
-                        });
-                        done.store(true, std::sync::atomic::Ordering::Relaxed);
-                        if let Err(e) = r {
-                            warn!("migrate {name}: {e}");
-                            let _ = writeln!(s, "{}", json!({"error": e.to_string()}));
-                        }
-                    }))
-                }
-            },
-            _ => return None,
-        })
+    /// One control request to guest `name`'s runner, its typed reply.
+    pub fn control<T: DeserializeOwned>(
+        &self,
+        name: &str,
+        req: &ControlRequest,
+    ) -> Result<T, Refusal> {
+        let c = self.control_path(name)?;
+        // Moving a sub-host's pages or sorting takes as long as it takes.
+        let t = match req {
+            ControlRequest::Evacuate { .. } | ControlRequest::Sort => Duration::from_secs(3600),
+            _ => Duration::from_secs(5),
+        };
+        Ok(control::call::<T>(&c, req, t)?)
+    }
+
+    /// Start a migration of guest `name`: the runner's stream of progress lines.
+    pub fn migrate_stream(&self, name: &str, req: &ControlRequest) -> Result<UnixStream, Refusal> {
+        let c = self.control_path(name)?;
+        Ok(control::send(&c, req, None)?)
+    }
+
+    /// The guest left this host (its runner exits next): its memory is free at once.
+    pub fn forget(&self, name: &str) {
+        lock(&self.map).remove(name);
     }
 }

@@ -1,312 +1,153 @@
-//! A minimal HTTP/1.1 endpoint: Prometheus scrapes (`GET /metrics`), the
-//! host report (`GET /host`), the guest host service and the registry (see
-//! `docs/migration.md` for the routes). One thread per request (bounded),
-//! short timeouts on reading the request so a stuck client cannot wedge it;
-//! a streamed reply (a migration's progress) has no length and ends at close.
+//! pagefleetd's HTTP endpoint: hyper (through axum's router) on a small
+//! tokio runtime of its own. Every request is checked before any handler
+//! runs: it must be signed with the cluster secret
+//! ([`pagefleet_common::httpauth`]), except `GET /metrics` when the operator
+//! opened it (`public_metrics`). Limits: request head 16 KiB (hyper refuses
+//! longer lines), body 1 MiB, 5 s to send the head, 256 connections.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{header, Method, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::Router;
+use pagefleet_common::httpauth::{AuthError, Verifier};
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
-use tracing::warn;
+use tracing::{debug, warn};
 
-pub type Render = Arc<dyn Fn() -> String + Send + Sync>;
+/// Largest request body.
+pub const MAX_BODY: usize = 1 << 20;
+/// Largest request head (request line and headers).
+pub const MAX_HEAD: usize = 16 << 10;
+/// Most connections served at once; more wait in the listen queue.
+pub const MAX_CONNS: usize = 256;
+/// Time a client has to send its request head.
+pub const HEAD_TIMEOUT: Duration = Duration::from_secs(5);
 
-pub struct Request {
-    pub method: String,
-    pub path: String,
-    pub body: Vec<u8>,
+/// A JSON error reply `{"error": ...}` with its status.
+pub fn error(status: StatusCode, msg: impl std::fmt::Display) -> Response {
+    (
+        status,
+        axum::Json(pagefleet_api::ErrorReply {
+            error: msg.to_string(),
+        }),
+    )
+        .into_response()
 }
 
-pub enum Response {
-    Full {
-        status: u16,
-        ctype: &'static str,
-        body: String,
-    },
-    /// Written straight to the connection after the headers (JSON lines).
-    Stream(Box<dyn FnOnce(&mut TcpStream) + Send>),
+/// Who may do what on this endpoint.
+pub struct Gate {
+    /// Checks the signature of every request.
+    pub verifier: Verifier,
+    /// `GET /metrics` without a signature (for a Prometheus scraper).
+    pub public_metrics: bool,
 }
 
-impl Response {
-    pub fn json(status: u16, v: &serde_json::Value) -> Response {
-        Response::Full {
-            status,
-            ctype: "application/json",
-            body: format!("{v}\n"),
-        }
+/// Refuse a request that is not signed with the cluster secret, before any
+/// route sees it. The body is read (at most [`MAX_BODY`]) because the
+/// signature covers it.
+async fn authenticate(State(gate): State<Arc<Gate>>, req: Request, next: Next) -> Response {
+    let (parts, body) = req.into_parts();
+    if gate.public_metrics && parts.method == Method::GET && parts.uri.path() == "/metrics" {
+        return next.run(Request::from_parts(parts, body)).await;
     }
-    pub fn text(status: u16, body: impl Into<String>) -> Response {
-        Response::Full {
-            status,
-            ctype: "text/plain",
-            body: body.into(),
-        }
-    }
-    pub fn error(status: u16, msg: impl std::fmt::Display) -> Response {
-        Response::json(status, &serde_json::json!({ "error": msg.to_string() }))
-    }
-}
-
-pub type Handler = Arc<dyn Fn(Request) -> Response + Send + Sync>;
-
-const MAX_BODY: usize = 1 << 20;
-const MAX_THREADS: usize = 64;
-
-fn reason(status: u16) -> &'static str {
-    match status {
-        200 => "OK",
-        400 => "Bad Request",
-        404 => "Not Found",
-        405 => "Method Not Allowed",
-        409 => "Conflict",
-        413 => "Payload Too Large",
-        502 => "Bad Gateway",
-        503 => "Service Unavailable",
-        _ => "Error",
-    }
-}
-
-fn read_request(s: &TcpStream) -> Result<Request, Response> {
-    let mut r = BufReader::new(s);
-    let mut line = String::new();
-    r.read_line(&mut line)
-        .map_err(|_| Response::text(400, "bad request\n"))?;
-    let mut parts = line.split_whitespace();
-    let (method, path) = (
-        parts.next().unwrap_or("").to_string(),
-        parts.next().unwrap_or("").to_string(),
-    );
-    let mut len = 0usize;
-    for _ in 0..100 {
-        let mut h = String::new();
-        match r.read_line(&mut h) {
-            Ok(0) | Err(_) => break,
-            Ok(_) if h == "\r\n" || h == "\n" => break,
-            Ok(_) => {
-                if let Some((k, v)) = h.split_once(':') {
-                    if k.trim().eq_ignore_ascii_case("content-length") {
-                        len = v
-                            .trim()
-                            .parse()
-                            .map_err(|_| Response::text(400, "bad Content-Length\n"))?;
-                    }
-                }
-            }
-        }
-    }
-    if len > MAX_BODY {
-        return Err(Response::text(413, "body too large\n"));
-    }
-    let mut body = vec![0u8; len];
-    r.read_exact(&mut body)
-        .map_err(|_| Response::text(400, "short body\n"))?;
-    Ok(Request { method, path, body })
-}
-
-fn respond(s: &mut TcpStream, resp: Response) {
-    let r = match resp {
-        Response::Full { status, ctype, body } => s.write_all(
-            format!(
-                "HTTP/1.1 {status} {}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                reason(status),
-                body.len()
+    let path = parts
+        .uri
+        .path_and_query()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_else(|| parts.uri.path().to_string());
+    let bytes = match axum::body::to_bytes(body, MAX_BODY).await {
+        Ok(b) => b,
+        Err(_) => {
+            return error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("request body larger than {MAX_BODY} bytes, or cut short"),
             )
-            .as_bytes(),
-        ),
-        Response::Stream(f) => {
-            let r = s.write_all(b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\nConnection: close\r\n\r\n");
-            if r.is_ok() {
-                let _ = s.set_write_timeout(None);
-                f(s);
-            }
-            r
         }
     };
-    if let Err(e) = r {
-        warn!("http reply failed: {e}");
+    let auth = parts
+        .headers
+        .get(header::AUTHORIZATION)
+        .and_then(|h| h.to_str().ok());
+    if let Err(e) = gate
+        .verifier
+        .verify(auth, parts.method.as_str(), &path, &bytes)
+    {
+        debug!("refused {} {path}: {e}", parts.method);
+        let status = match e {
+            AuthError::Busy => StatusCode::SERVICE_UNAVAILABLE,
+            _ => StatusCode::UNAUTHORIZED,
+        };
+        let mut r = error(status, e);
+        r.headers_mut().insert(
+            header::WWW_AUTHENTICATE,
+            header::HeaderValue::from_static(pagefleet_common::httpauth::SCHEME),
+        );
+        return r;
     }
+    next.run(Request::from_parts(parts, Body::from(bytes)))
+        .await
 }
 
-/// Serve `handler` on `listen`; returns the bound address.
-pub fn serve(listen: &str, handler: Handler) -> anyhow::Result<SocketAddr> {
-    let l = TcpListener::bind(listen).map_err(|e| {
-        anyhow::anyhow!(
-            "cannot listen for HTTP on {listen}: {e} (use --metrics ADDR or --metrics off)"
-        )
+/// Serve `router` on `listen` behind the gate; returns the bound address.
+/// The endpoint runs on its own threads until the process ends.
+pub fn serve(listen: &str, router: Router, gate: Gate) -> anyhow::Result<SocketAddr> {
+    let l = std::net::TcpListener::bind(listen).map_err(|e| {
+        anyhow::anyhow!("cannot listen for HTTP on {listen}: {e} (use --metrics ADDR or --metrics off)")
     })?;
+    l.set_nonblocking(true)?;
     let addr = l.local_addr()?;
-    let busy = Arc::new(AtomicUsize::new(0));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .max_blocking_threads(64)
+        .thread_name("http")
+        .enable_all()
+        .build()?;
+    let gate = Arc::new(gate);
+    let app = router
+        .fallback(|| async { error(StatusCode::NOT_FOUND, "no such route; GET / lists them") })
+        .layer(axum::middleware::from_fn_with_state(gate, authenticate));
     std::thread::Builder::new()
-        .name("http".into())
-        .spawn(move || {
-            for s in l.incoming() {
-                let Ok(mut s) = s else { continue };
-                let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
-                let _ = s.set_write_timeout(Some(Duration::from_secs(5)));
-                if busy.load(Ordering::Relaxed) >= MAX_THREADS {
-                    respond(&mut s, Response::text(503, "busy\n"));
-                    continue;
-                }
-                busy.fetch_add(1, Ordering::Relaxed);
-                let (h, b) = (handler.clone(), busy.clone());
-                let spawned =
-                    std::thread::Builder::new()
-                        .name("http req".into())
-                        .spawn(move || {
-                            let resp = match read_request(&s) {
-                                Ok(req) => h(req),
-                                Err(r) => r,
-                            };
-                            respond(&mut s, resp);
-                            b.fetch_sub(1, Ordering::Relaxed);
-                        });
-                if spawned.is_err() {
-                    busy.fetch_sub(1, Ordering::Relaxed);
-                }
-            }
-        })?;
+        .name("http accept".into())
+        .spawn(move || rt.block_on(accept_loop(l, app)))?;
     Ok(addr)
 }
 
-/// The metrics and host report routes alone (what every pagefleetd serves).
-pub fn start(listen: &str, render: Render, host: Render) -> anyhow::Result<SocketAddr> {
-    serve(
-        listen,
-        Arc::new(
-            move |r: Request| match (r.method.as_str(), r.path.as_str()) {
-                ("GET", "/metrics") => Response::Full {
-                    status: 200,
-                    ctype: "text/plain; version=0.0.4",
-                    body: render(),
-                },
-                ("GET", "/host") => Response::Full {
-                    status: 200,
-                    ctype: "application/json",
-                    body: host(),
-                },
-                ("GET", "/") => {
-                    Response::text(200, "pagefleetd: /metrics (Prometheus), /host (JSON)\n")
-                }
-                ("GET", _) => Response::text(404, "not found; try /metrics or /host\n"),
-                _ => Response::text(405, "only GET\n"),
-            },
-        ),
-    )
-}
-
-fn connect(addr: &str, timeout: Duration) -> anyhow::Result<TcpStream> {
-    let sa: SocketAddr = std::net::ToSocketAddrs::to_socket_addrs(addr)?
-        .next()
-        .ok_or_else(|| anyhow::anyhow!("{addr} resolves to nothing"))?;
-    let s = TcpStream::connect_timeout(&sa, timeout)
-        .map_err(|e| anyhow::anyhow!("pagefleetd at {addr}: {e}"))?;
-    s.set_read_timeout(Some(timeout))?;
-    Ok(s)
-}
-
-fn split_reply(addr: &str, r: &str) -> anyhow::Result<(u16, String)> {
-    let (head, body) = r
-        .split_once("\r\n\r\n")
-        .ok_or_else(|| anyhow::anyhow!("pagefleetd at {addr}: malformed HTTP reply"))?;
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    Ok((status, body.to_string()))
-}
-
-fn fail(addr: &str, status: u16, body: &str) -> anyhow::Error {
-    let msg = serde_json::from_str::<serde_json::Value>(body)
-        .ok()
-        .and_then(|v| v["error"].as_str().map(String::from))
-        .unwrap_or_else(|| body.trim().to_string());
-    anyhow::anyhow!("pagefleetd at {addr}: {msg} (HTTP {status})")
-}
-
-/// `GET path` from a pagefleetd.
-pub fn get(addr: &str, path: &str, timeout: Duration) -> anyhow::Result<String> {
-    let mut s = connect(addr, timeout)?;
-    s.write_all(
-        format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
-    )?;
-    let mut r = String::new();
-    s.read_to_string(&mut r)?;
-    let (status, body) = split_reply(addr, &r)?;
-    if status != 200 {
-        return Err(fail(addr, status, &body));
-    }
-    Ok(body)
-}
-
-/// `POST path` with a JSON body; the JSON reply.
-pub fn post(
-    addr: &str,
-    path: &str,
-    body: &serde_json::Value,
-    timeout: Duration,
-) -> anyhow::Result<serde_json::Value> {
-    let mut s = post_open(addr, path, body, timeout)?;
-    let mut r = String::new();
-    s.read_to_string(&mut r)?;
-    let (status, body) = split_reply(addr, &r)?;
-    if status != 200 {
-        return Err(fail(addr, status, &body));
-    }
-    Ok(serde_json::from_str(&body)?)
-}
-
-fn post_open(
-    addr: &str,
-    path: &str,
-    body: &serde_json::Value,
-    timeout: Duration,
-) -> anyhow::Result<TcpStream> {
-    let mut s = connect(addr, timeout)?;
-    let b = body.to_string();
-    s.write_all(format!("POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{b}", b.len()).as_bytes())?;
-    Ok(s)
-}
-
-/// `POST path` whose reply is a stream of JSON lines: `each` sees every line.
-pub fn post_stream(
-    addr: &str,
-    path: &str,
-    body: &serde_json::Value,
-    idle: Duration,
-    mut each: impl FnMut(serde_json::Value),
-) -> anyhow::Result<()> {
-    let s = post_open(addr, path, body, idle)?;
-    let mut r = BufReader::new(s);
-    let mut head = String::new();
+async fn accept_loop(l: std::net::TcpListener, app: Router) {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    let l = match tokio::net::TcpListener::from_std(l) {
+        Ok(l) => l,
+        Err(e) => {
+            warn!("http listener: {e}");
+            return;
+        }
+    };
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNS));
     loop {
-        let mut l = String::new();
-        if r.read_line(&mut l)? == 0 {
-            break;
-        }
-        if l == "\r\n" || l == "\n" {
-            break;
-        }
-        head.push_str(&l);
+        let Ok(permit) = slots.clone().acquire_owned().await else {
+            return;
+        };
+        let (s, _) = match l.accept().await {
+            Ok(c) => c,
+            Err(e) => {
+                warn!("http accept: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let svc = hyper_util::service::TowerToHyperService::new(app.clone());
+        tokio::spawn(async move {
+            let mut b = hyper::server::conn::http1::Builder::new();
+            b.timer(TokioTimer::new())
+                .header_read_timeout(HEAD_TIMEOUT)
+                .max_buf_size(MAX_HEAD.max(8192))
+                .keep_alive(false);
+            if let Err(e) = b.serve_connection(TokioIo::new(s), svc).await {
+                debug!("http connection: {e}");
+            }
+            drop(permit);
+        });
     }
-    let status: u16 = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    if status != 200 {
-        let mut b = String::new();
-        r.read_to_string(&mut b)?;
-        return Err(fail(addr, status, &b));
-    }
-    for line in r.lines() {
-        let line = line?;
-        if line.trim().is_empty() {
-            continue;
-        }
-        each(serde_json::from_str(&line)?);
-    }
-    Ok(())
 }

@@ -1,12 +1,16 @@
 //! pagefleetd services: the memory server, the guest host service, the
-//! registry (every host's report, gathered from its peers) and metrics.
+//! registry (every host's report, gathered from its peers), metrics, and
+//! the signed HTTP API that serves them all.
 
+pub mod api;
 pub mod config;
 pub mod guests;
 pub mod http;
-pub mod units;
+pub mod registry;
 
 use anyhow::{Context, Result};
+pub use pagefleet_api::HostReport;
+pub use pagefleet_common::units::{fmt_size, parse_size};
 use pagefleet_memserver::{server, ServerConfig, ServerState, Store};
 use pagefleet_proto::auth::Secret;
 use std::net::{SocketAddr, TcpListener};
@@ -14,11 +18,14 @@ use std::sync::Arc;
 
 /// A memory server bound to its socket and serving on a background thread.
 pub struct MemServer {
+    /// Its pages and connections.
     pub state: Arc<ServerState>,
+    /// Where it listens.
     pub addr: SocketAddr,
 }
 
 impl MemServer {
+    /// Bind `listen` and serve `lend_bytes` of pages to clients holding `secret`.
     pub fn start(
         listen: &str,
         lend_bytes: u64,
@@ -39,29 +46,6 @@ impl MemServer {
     }
 }
 
-/// This host's memory as placement sees it, and what its memory server lends.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
-pub struct HostReport {
-    pub hostname: String,
-    pub mem_total: u64,
-    pub mem_available: u64,
-    /// The memory server: listen address, capacity and bytes stored.
-    pub memserver: Option<String>,
-    pub lend_capacity: u64,
-    pub lend_used: u64,
-    pub regions: u64,
-    /// This daemon's HTTP address (what peers and the CLI use).
-    #[serde(default)]
-    pub http: Option<String>,
-    /// The guest host service: memory it gives guests, what is still free, guests running.
-    #[serde(default)]
-    pub guest_memory: u64,
-    #[serde(default)]
-    pub guest_free: u64,
-    #[serde(default)]
-    pub guests: u64,
-}
-
 /// MemTotal and MemAvailable from /proc/meminfo, in bytes.
 pub fn meminfo() -> (u64, u64) {
     let s = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
@@ -76,68 +60,25 @@ pub fn meminfo() -> (u64, u64) {
     (get("MemTotal:"), get("MemAvailable:"))
 }
 
-impl HostReport {
-    pub fn collect(ms: Option<(&ServerState, SocketAddr)>) -> HostReport {
-        let (mem_total, mem_available) = meminfo();
-        let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname")
-            .unwrap_or_default()
-            .trim()
-            .to_string();
-        let (memserver, cap, used, regions) = match ms {
-            Some((st, addr)) => {
-                let s = st.store.stats(0);
-                (
-                    Some(addr.to_string()),
-                    s.capacity_pages * 4096,
-                    s.stored_pages * 4096,
-                    s.region_count,
-                )
-            }
-            None => (None, 0, 0, 0),
-        };
-        HostReport {
-            hostname,
-            mem_total,
-            mem_available,
-            memserver,
-            lend_capacity: cap,
-            lend_used: used,
-            regions,
-            http: None,
-            guest_memory: 0,
-            guest_free: 0,
-            guests: 0,
-        }
+/// This host's report: its memory and what its memory server lends.
+pub fn host_report(ms: Option<(&ServerState, SocketAddr)>) -> HostReport {
+    let (mem_total, mem_available) = meminfo();
+    let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .unwrap_or_default()
+        .trim()
+        .to_string();
+    let mut r = HostReport {
+        hostname,
+        mem_total,
+        mem_available,
+        ..HostReport::default()
+    };
+    if let Some((st, addr)) = ms {
+        let s = st.store.stats(0);
+        r.memserver = Some(addr.to_string());
+        r.lend_capacity = s.capacity_pages * 4096;
+        r.lend_used = s.stored_pages * 4096;
+        r.regions = s.region_count;
     }
-}
-
-/// The registry view: this host and every peer, each with its report and
-/// guests (`GET /cluster`). Peers are asked in parallel; one that does not
-/// answer is listed with its error.
-pub fn cluster(me: serde_json::Value, peers: &[String]) -> serde_json::Value {
-    let t = std::time::Duration::from_secs(2);
-    let others: Vec<serde_json::Value> = std::thread::scope(|s| {
-        let hs: Vec<_> = peers
-            .iter()
-            .map(|p| {
-                s.spawn(move || {
-                    let r = http::get(p, "/host", t).and_then(|h| {
-                        let host: serde_json::Value = serde_json::from_str(&h)?;
-                        let guests: serde_json::Value = http::get(p, "/guests", t)
-                            .ok()
-                            .and_then(|g| serde_json::from_str(&g).ok())
-                            .unwrap_or(serde_json::json!([]));
-                        Ok(serde_json::json!({"http": p, "host": host, "guests": guests}))
-                    });
-                    r.unwrap_or_else(|e| serde_json::json!({"http": p, "error": e.to_string()}))
-                })
-            })
-            .collect();
-        hs.into_iter()
-            .map(|h| h.join().unwrap_or(serde_json::Value::Null))
-            .collect()
-    });
-    let mut all = vec![me];
-    all.extend(others);
-    serde_json::json!({ "hosts": all })
+    r
 }

@@ -3,13 +3,18 @@
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use pagefleet_daemon::config::{self, FileConfig, Flags};
+use pagefleet_common::http::Client;
+use pagefleet_common::httpauth::Verifier;
+use pagefleet_common::units;
+use pagefleet_daemon::api::{self, App};
 use pagefleet_daemon::guests::{GuestConfig, Guests};
-use pagefleet_daemon::http::{Request, Response};
-use pagefleet_daemon::{http, units, MemServer};
+use pagefleet_daemon::http::{self, Gate};
+use pagefleet_daemon::MemServer;
 use pagefleet_memserver::{metrics, ServerConfig};
 use pagefleet_proto::auth::Secret;
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 /// The pagefleet host daemon. Services:
 ///
@@ -21,7 +26,9 @@ use std::path::PathBuf;
 ///   KSM controller  same-page merging tuned to what it saves (--ksm adaptive)
 ///   I/O controller  every tenant of a shared disk keeps its minimum
 ///                   (--ioqos-device DEV --ioqos-tenants SPEC)
-///   HTTP            /metrics (Prometheus), /host, /guests, /cluster
+///   HTTP API        /metrics (Prometheus), /host, /guests, /cluster,
+///                   /incoming; signed with the cluster secret; loopback
+///                   unless --metrics ADDR says otherwise
 ///
 /// Example: lend 4 GiB on loopback, metrics on port 7071:
 ///
@@ -52,10 +59,17 @@ struct Args {
     /// 0 picks a free port; the bound address is printed on stdout as `listening ADDR`.
     #[arg(long)]
     listen: Option<String>,
-    /// Prometheus metrics address (`GET /metrics`), or `off`. Default: the
-    /// listen address with port + 1 (or a free port when listening on port 0).
-    #[arg(long)]
+    /// The HTTP API's address (metrics, host report, guests, migrations,
+    /// registry), or `off`. Default: 127.0.0.1 with the --listen port + 1
+    /// (a free port when listening on port 0). Give this host's cluster
+    /// address so peers and CLIs elsewhere reach it; every request must be
+    /// signed with the cluster secret (the pagefleet CLI does).
+    #[arg(long, visible_alias = "http")]
     metrics: Option<String>,
+    /// Serve `GET /metrics` without a signature (for a Prometheus scraper);
+    /// every other route still requires the cluster secret.
+    #[arg(long)]
+    public_metrics: bool,
     /// Cluster secret file (default: $PAGEFLEET_SECRET_FILE, else
     /// /etc/pagefleet/secret as root, else ~/.config/pagefleet/secret).
     /// $PAGEFLEET_SECRET, if set, is the secret itself.
@@ -128,6 +142,7 @@ fn run() -> Result<()> {
             lend: args.lend,
             listen: args.listen,
             metrics: args.metrics,
+            public_metrics: args.public_metrics.then_some(true),
             secret_file: args.secret_file,
             max_conns: args.max_conns,
             io_timeout_secs: args.io_timeout,
@@ -213,7 +228,7 @@ fn run() -> Result<()> {
         io_timeout: a.io_timeout,
     };
     let ms = match a.lend {
-        Some(lend) => Some(MemServer::start(&a.listen, lend, secret, cfg)?),
+        Some(lend) => Some(MemServer::start(&a.listen, lend, secret.clone(), cfg)?),
         None => None,
     };
     let listen_addr: std::net::SocketAddr = match &ms {
@@ -226,14 +241,12 @@ fn run() -> Result<()> {
     let http_listen = match a.metrics.as_deref() {
         Some("off") => None,
         Some(m) => Some(m.to_string()),
+        // Loopback unless configured: the API is for this host's CLI until
+        // the operator opens it to the cluster's addresses.
         None if listen_addr.port() == 0 || a.listen.ends_with(":0") => {
-            Some(format!("{}:0", listen_addr.ip()))
+            Some("127.0.0.1:0".to_string())
         }
-        None => Some(format!(
-            "{}:{}",
-            listen_addr.ip(),
-            listen_addr.port().wrapping_add(1)
-        )),
+        None => Some(format!("127.0.0.1:{}", listen_addr.port().wrapping_add(1))),
     };
     let guests = match a.guest_memory {
         Some(mem) => {
@@ -255,24 +268,18 @@ fn run() -> Result<()> {
                 dir,
                 service_dev: a.service_dev.clone(),
                 ip: listen_addr.ip().to_string(),
-                secret_file: a.secret_file.clone(),
+                secret: secret.clone(),
             })?)
         }
         None => None,
     };
-    let self_http = std::sync::Arc::new(std::sync::OnceLock::<String>::new());
     let haddr = match http_listen {
         Some(h) => {
+            let self_http = Arc::new(std::sync::OnceLock::<String>::new());
             let st = ms.as_ref().map(|m| (m.state.clone(), m.addr));
-            let (g, me, peers, name) = (
-                guests.clone(),
-                self_http.clone(),
-                a.peers.clone(),
-                a.name.clone(),
-            );
+            let (g, me, name) = (guests.clone(), self_http.clone(), a.name.clone());
             let report = move || {
-                let mut r =
-                    pagefleet_daemon::HostReport::collect(st.as_ref().map(|(s, a)| (&**s, *a)));
+                let mut r = pagefleet_daemon::host_report(st.as_ref().map(|(s, a)| (&**s, *a)));
                 r.http = me.get().cloned();
                 if let Some(n) = &name {
                     r.hostname = n.clone();
@@ -284,48 +291,26 @@ fn run() -> Result<()> {
                 }
                 r
             };
-            let st = ms.as_ref().map(|m| m.state.clone());
-            let handler = move |r: Request| -> Response {
-                if let Some(g) = &guests {
-                    if let Some(resp) = g.route(&r) {
-                        return resp;
-                    }
+            let (st, g) = (ms.as_ref().map(|m| m.state.clone()), guests.clone());
+            let metrics_text = move || {
+                let mut b = st.as_ref().map(|s| metrics::render(s)).unwrap_or_default();
+                if let Some(g) = &g {
+                    b.push_str(&g.metrics());
                 }
-                match (r.method.as_str(), r.path.as_str()) {
-                    ("GET", "/metrics") => Response::Full {
-                        status: 200,
-                        ctype: "text/plain; version=0.0.4",
-                        body: {
-                            let mut b = st.as_ref().map(|s| metrics::render(s)).unwrap_or_default();
-                            if let Some(g) = &guests {
-                                b.push_str(&g.metrics());
-                            }
-                            b
-                        },
-                    },
-                    ("GET", "/host") => {
-                        Response::json(200, &serde_json::to_value(report()).unwrap_or_default())
-                    }
-                    ("GET", "/cluster") => {
-                        let guests = guests
-                            .as_ref()
-                            .map(|g| serde_json::Value::Array(g.list()))
-                            .unwrap_or(serde_json::json!([]));
-                        let r = report();
-                        let me = serde_json::json!({"http": r.http, "host": r, "guests": guests});
-                        Response::json(200, &pagefleet_daemon::cluster(me, &peers))
-                    }
-                    ("GET", "/") => Response::text(
-                        200,
-                        "pagefleetd: /metrics (Prometheus), /host, /guests, /cluster (JSON)\n",
-                    ),
-                    ("GET", _) => {
-                        Response::text(404, "not found; try /metrics, /host, /guests or /cluster\n")
-                    }
-                    _ => Response::text(405, "unknown route\n"),
-                }
+                b
             };
-            let addr = http::serve(&h, std::sync::Arc::new(handler))?;
+            let app = Arc::new(App {
+                guests: guests.clone(),
+                report: Box::new(report),
+                metrics: Box::new(metrics_text),
+                peers: a.peers.clone(),
+                client: Client::new(secret.clone()),
+            });
+            let gate = Gate {
+                verifier: Verifier::new(secret.clone()),
+                public_metrics: a.public_metrics,
+            };
+            let addr = http::serve(&h, api::router(app), gate)?;
             let _ = self_http.set(addr.to_string());
             Some(addr)
         }

@@ -542,7 +542,7 @@ fn killed_server_is_a_loud_error_naming_it() {
 
 #[test]
 fn metrics_endpoint_serves_prometheus_text() {
-    let d = Daemon::start("16MiB", &[]);
+    let d = Daemon::start("16MiB", &["--public-metrics"]);
     let mut c = d.conn();
     c.put(
         0xabc,
@@ -634,19 +634,15 @@ fn host_report_over_http() {
     let mut c = d.conn();
     c.put(3, Pages::Run { first: 0, count: 2 }, &vec![1u8; 2 * P], 2)
         .unwrap();
-    let body =
-        pagefleet_daemon::http::get(d.metrics.as_ref().unwrap(), "/host", Duration::from_secs(3))
-            .unwrap();
-    let r: pagefleet_daemon::HostReport = serde_json::from_str(&body).unwrap();
+    let client = pagefleet_common::http::Client::new(d.secret.clone());
+    let r: pagefleet_api::HostReport = client.get(d.metrics.as_ref().unwrap(), "/host").unwrap();
     assert_eq!(r.lend_capacity, 16 << 20);
     assert_eq!(r.lend_used, 2 * P as u64);
     assert_eq!(r.regions, 1);
     assert_eq!(r.memserver.as_deref(), Some(d.addr.as_str()));
     assert!(r.mem_total > 0 && r.mem_available > 0 && r.mem_available <= r.mem_total);
-    assert!(pagefleet_daemon::http::get(
-        d.metrics.as_ref().unwrap(),
-        "/nope",
-        Duration::from_secs(3)
-    )
-    .is_err());
+    let e = client
+        .get_text(d.metrics.as_ref().unwrap(), "/nope")
+        .unwrap_err();
+    assert!(e.to_string().contains("HTTP 404"), "{e}");
 }

@@ -26,8 +26,8 @@ pub struct Spec {
     /// Memory servers the guest's pages may be on (LOCATED indexes this).
     pub servers: Vec<String>,
     pub budget_pages: u64,
-    /// The workload and its parameters (the runner interprets it).
-    pub workload: serde_json::Value,
+    /// The workload and its parameters (the runner starts it).
+    pub workload: pagefleet_api::GuestSpec,
     pub verify: bool,
     /// Integrated migration: the destination also pulls every page that is
     /// on a memory server, so the whole guest ends up on it.
@@ -35,93 +35,7 @@ pub struct Spec {
     pub gather: bool,
 }
 
-/// The outcome of a migration, as `pagefleet migrate` prints it.
-#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
-pub struct Report {
-    pub guest: String,
-    pub main_host: String,
-    pub sub_hosts: Vec<String>,
-    /// Start to resumed at the destination (checksum time excluded).
-    pub total_secs: f64,
-    /// Guest paused to guest running at the destination (checksum time excluded).
-    pub downtime_ms: f64,
-    pub rounds: usize,
-    pub last_round_pages: u64,
-    pub pages_main: u64,
-    pub pages_subs: Vec<u64>,
-    pub bytes_main: u64,
-    pub bytes_subs: Vec<u64>,
-    pub pages_sent_twice: u64,
-    pub round1_secs: f64,
-    pub round1_bytes: u64,
-    pub region_build_ms: f64,
-    /// Gather: pages the destination pulled from memory servers, and pulled
-    /// copies that newer data from the main host replaced.
-    #[serde(default)]
-    pub pages_pulled: u64,
-    #[serde(default)]
-    pub pulled_then_replaced: u64,
-    /// Downtime parts: reaching the safepoint, the last round, COMMIT to
-    /// PREPARED (the destination builds its region), GO to STARTED.
-    #[serde(default)]
-    pub pause_ms: f64,
-    #[serde(default)]
-    pub final_copy_ms: f64,
-    #[serde(default)]
-    pub commit_ms: f64,
-    #[serde(default)]
-    pub start_ms: f64,
-    pub checksum_source: Option<String>,
-    pub checksum_dest: Option<String>,
-}
-
-impl Report {
-    pub fn print(&self) {
-        let mib = |b: u64| b as f64 / (1 << 20) as f64;
-        println!(
-            "migrated {} to {} in {:.2} s, downtime {:.1} ms, {} rounds",
-            self.guest, self.main_host, self.total_secs, self.downtime_ms, self.rounds
-        );
-        println!(
-            "  main host {:<22} {:>8} pages  {:>9.1} MiB sent",
-            self.main_host,
-            self.pages_main,
-            mib(self.bytes_main)
-        );
-        for (i, s) in self.sub_hosts.iter().enumerate() {
-            println!(
-                "  sub-host  {:<22} {:>8} pages  {:>9.1} MiB sent",
-                s,
-                self.pages_subs[i],
-                mib(self.bytes_subs[i])
-            );
-        }
-        if self.pages_pulled > 0 {
-            println!(
-                "  pulled from memory servers by the destination: {} pages ({} replaced by newer data from the main host)",
-                self.pages_pulled, self.pulled_then_replaced
-            );
-        }
-        println!(
-            "  round 1: {:.1} MiB in {:.2} s ({:.0} MiB/s); pages sent twice: {}; last round {} pages",
-            mib(self.round1_bytes),
-            self.round1_secs,
-            mib(self.round1_bytes) / self.round1_secs.max(1e-9),
-            self.pages_sent_twice,
-            self.last_round_pages
-        );
-        println!(
-            "  downtime: pause {:.1} ms, last round {:.1} ms, destination builds its region {:.1} ms (of which {:.1} ms in the runtime), start {:.1} ms",
-            self.pause_ms, self.final_copy_ms, self.commit_ms, self.region_build_ms, self.start_ms
-        );
-        if let (Some(a), Some(b)) = (&self.checksum_source, &self.checksum_dest) {
-            println!(
-                "  region checksum at stop {a}, at resume {b}: {}",
-                if a == b { "equal" } else { "DIFFERENT" }
-            );
-        }
-    }
-}
+pub use pagefleet_api::Report;
 
 /// Read whole pages of the region's memfd without faulting (holes read as zeros).
 pub fn pread_pages(fd: i32, first: u64, dst: &mut [u8]) -> std::io::Result<()> {

@@ -31,8 +31,8 @@ pub struct Options {
     /// Pages the main host keeps resident (its budget for the guest).
     pub main_pages: u64,
     pub secret: Secret,
-    /// Everything the destination needs to resume the workload (opaque here).
-    pub workload: serde_json::Value,
+    /// Everything the destination needs to resume the workload.
+    pub workload: pagefleet_api::GuestSpec,
     pub name: String,
     pub policy: String,
     /// Pages per chunk on the destination (default: as here).
@@ -51,13 +51,21 @@ pub struct Options {
 }
 
 impl Options {
-    pub fn new(to: String, subs: Vec<SubHost>, main_pages: u64, secret: Secret) -> Options {
+    /// Migrate a guest running `workload` to `to` (and `subs`), keeping
+    /// `main_pages` resident there; the rest are defaults.
+    pub fn new(
+        to: String,
+        subs: Vec<SubHost>,
+        main_pages: u64,
+        secret: Secret,
+        workload: pagefleet_api::GuestSpec,
+    ) -> Options {
         Options {
             to,
             subs,
             main_pages,
             secret,
-            workload: serde_json::Value::Null,
+            workload,
             name: "guest".into(),
             policy: "clock".into(),
             dest_chunk: None,
@@ -122,15 +130,18 @@ impl Progress {
     fn set_phase(&self, p: &str) {
         *self.phase.lock().unwrap() = p.to_string();
     }
-    pub fn json(&self) -> serde_json::Value {
-        serde_json::json!({
-            "phase": *self.phase.lock().unwrap(),
-            "round": self.round.load(Relaxed),
-            "round_pages": self.round_pages.load(Relaxed),
-            "round_sent": self.round_sent.load(Relaxed),
-            "bytes_main": self.bytes_main.load(Relaxed),
-            "bytes_subs": self.bytes_subs.load(Relaxed),
-        })
+    /// Back to zero, for a new attempt.
+    pub fn reset(&self) {
+        self.set_phase("");
+        for c in [
+            &self.round,
+            &self.round_pages,
+            &self.round_sent,
+            &self.bytes_main,
+            &self.bytes_subs,
+        ] {
+            c.store(0, Relaxed);
+        }
     }
 }
 

@@ -188,6 +188,43 @@ impl Secret {
     }
 }
 
+impl Secret {
+    /// The MAC of one signed HTTP request to a pagefleetd:
+    /// HMAC(secret, "pagefleet/1 http" | method | path | time | nonce | SHA-256(body)),
+    /// each part length-prefixed so no two requests share a message.
+    pub fn http_mac(
+        &self,
+        method: &str,
+        path: &str,
+        unix_secs: u64,
+        nonce: &[u8; 16],
+        body: &[u8],
+    ) -> [u8; 32] {
+        use sha2::Digest;
+        let body_hash: [u8; 32] = Sha256::digest(body).into();
+        let m = method.as_bytes();
+        let p = path.as_bytes();
+        self.mac(
+            b"pagefleet/1 http",
+            &[
+                &(m.len() as u32).to_le_bytes(),
+                m,
+                &(p.len() as u32).to_le_bytes(),
+                p,
+                &unix_secs.to_le_bytes(),
+                nonce,
+                &body_hash,
+            ],
+        )
+    }
+
+    /// The secret itself, for handing to a child process over a pipe
+    /// (never on a command line or in the environment).
+    pub fn expose(&self) -> &[u8] {
+        &self.0
+    }
+}
+
 /// Constant-time comparison of two MACs.
 pub fn macs_equal(a: &[u8; 32], b: &[u8; 32]) -> bool {
     a.iter()

@@ -31,7 +31,7 @@ pub fn tempdir(tag: &str) -> PathBuf {
 pub type Server = pagefleet_bench::util::ChildDaemon;
 
 fn start_server(lend: &str, secret_file: &std::path::Path) -> Server {
-    let bytes = pagefleet_daemon::units::parse_size(lend).expect("lend size");
+    let bytes = pagefleet_common::units::parse_size(lend).expect("lend size");
     Server::start_bin(&bin("pagefleetd"), bytes, secret_file).expect("start pagefleetd")
 }
 
@@ -106,9 +106,14 @@ pub fn lab(
     LabRun::up(tag, &bins, hosts, link, lend, guest_memory).expect("testbed up")
 }
 
-/// One JSON request on a runner's control socket; its first reply line.
-pub fn control(path: &std::path::Path, req: &serde_json::Value) -> Option<serde_json::Value> {
-    pagefleet_daemon::guests::control_within(path, req, std::time::Duration::from_secs(5)).ok()
+/// A guest's status from its runner's control socket (None: it did not answer).
+pub fn guest_status(path: &std::path::Path) -> Option<pagefleet_api::GuestStatus> {
+    pagefleet_common::control::call(
+        path,
+        &pagefleet_api::ControlRequest::Status,
+        std::time::Duration::from_secs(5),
+    )
+    .ok()
 }
 
 pub use pagefleet_bench::is_root;

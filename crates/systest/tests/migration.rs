@@ -2,6 +2,7 @@
 //! runners, real links. Every test checks data, not just exit codes: region
 //! checksums at stop time and at resume, or every kv value read back.
 
+use pagefleet_api::{IncomingReply, ProgressEvent};
 use pagefleet_bench::kvload;
 use pagefleet_systest::*;
 use pagefleet_testbed::Link;
@@ -282,8 +283,9 @@ fn aborted_migrations_leave_the_source_running_and_nothing_behind() {
     start_writer(&l, "a1", "128MiB");
     let src_ctl = l.control(0, "a1");
     let phase = || {
-        control(&src_ctl, &json!({"op": "status"}))
-            .map(|v| v["migration"]["phase"].as_str().unwrap_or("").to_string())
+        guest_status(&src_ctl)
+            .and_then(|g| g.migration)
+            .map(|m| m.phase)
             .unwrap_or_default()
     };
     let wait_phase = |p: &str| {
@@ -596,7 +598,7 @@ fn strangers_on_the_migration_port_do_not_stop_a_migration() {
     );
     assert!(ok, "{err}");
     std::thread::sleep(Duration::from_secs(2));
-    let inc = l
+    let inc: IncomingReply = l
         .post(
             1,
             "/incoming",
@@ -604,7 +606,7 @@ fn strangers_on_the_migration_port_do_not_stop_a_migration() {
             Duration::from_secs(10),
         )
         .expect("incoming");
-    let addr = inc["migrate_addr"].as_str().unwrap().to_string();
+    let addr = inc.migrate_addr;
     // From h3: garbage, a wrong secret, and a connection that says nothing.
     let a2 = addr.clone();
     let idle = l
@@ -632,31 +634,35 @@ fn strangers_on_the_migration_port_do_not_stop_a_migration() {
     // The real migration, through the source host's daemon.
     let body = json!({"to": addr, "subs": [{"addr": l.lab.hosts[2].addr, "pages": 65536}], "main_pages": 16384, "verify": true});
     let http = l.lab.hosts[0].http();
-    let report = l
+    let client = l.client().unwrap();
+    let last = l
         .lab
         .spawn_in(0, move || {
-            let mut rep = None;
-            pagefleet_daemon::http::post_stream(
-                &http,
-                "/guests/s1/migrate",
-                &body,
-                Duration::from_secs(60),
-                |v| {
-                    if v.get("report").is_some() || v.get("error").is_some() {
-                        rep = Some(v);
-                    }
-                },
-            )
-            .unwrap();
-            rep
+            let mut last = None;
+            client
+                .post_stream(
+                    &http,
+                    "/guests/s1/migrate",
+                    &body,
+                    Duration::from_secs(60),
+                    |ev: ProgressEvent| {
+                        if !matches!(ev, ProgressEvent::Progress(_)) {
+                            last = Some(ev);
+                        }
+                        true
+                    },
+                )
+                .unwrap();
+            last
         })
         .join()
         .unwrap()
         .unwrap()
         .expect("no report");
     drop(idle);
-    let r = &report["report"];
-    assert!(!r.is_null(), "migration failed: {report}");
-    assert_eq!(r["checksum_source"], r["checksum_dest"], "{r}");
+    let ProgressEvent::Report(r) = last else {
+        panic!("migration failed: {last:?}");
+    };
+    assert_eq!(r.checksum_source, r.checksum_dest, "{r:?}");
     assert_runs(&l, "s1", 1);
 }

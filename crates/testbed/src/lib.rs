@@ -359,6 +359,9 @@ fn start_daemon(o: &Options, h: &Host, secret: &Path, peers: &[String]) -> Resul
             &o.lend.to_string(),
             "--listen",
             &h.addr,
+            // The API on the lab address: the other hosts are its peers.
+            "--metrics",
+            &h.http(),
             "--log",
             "warn",
             "--name",

@@ -1,0 +1,353 @@
+//! Guests: what they run, how one is started, what a runner reports.
+
+use crate::migration::MigrationProgress;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// A built-in workload and its parameters. This is all a caller can ask a
+/// host to run: there is no command line in it.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
+pub enum Workload {
+    /// Page-granular accesses over the memory.
+    Synthetic {
+        /// uniform, zipf[:θ], seq or hotcold[:frac:prob].
+        dist: String,
+        /// Fraction of operations that write.
+        write_frac: f64,
+        /// Write every page once first.
+        #[serde(default)]
+        prefill: bool,
+        /// Operations per second, all threads together (none: as fast as possible).
+        #[serde(default)]
+        rate: Option<f64>,
+        /// Fraction of the pages the accesses fall on (the first ones).
+        span: f64,
+    },
+    /// A memcached-protocol key-value server whose table lives in the memory.
+    Kv {
+        /// Address it listens on.
+        listen: String,
+    },
+    /// The S-memV sort experiment: records fill the last `sort_frac` of the
+    /// memory; it scans them (unless `warm` is false) until asked to sort.
+    Sortjob {
+        /// Share of the memory the records fill.
+        sort_frac: f64,
+        /// Scan the records before sorting (builds the access history).
+        warm: bool,
+        /// Seed of the records.
+        seed: u64,
+    },
+}
+
+impl Workload {
+    /// The workload's kind as a word (synthetic, kv, sortjob).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Workload::Synthetic { .. } => "synthetic",
+            Workload::Kv { .. } => "kv",
+            Workload::Sortjob { .. } => "sortjob",
+        }
+    }
+
+    /// Range checks a host does before it starts anything.
+    pub fn validate(&self) -> Result<(), String> {
+        let frac = |name: &str, v: f64| {
+            if (0.0..=1.0).contains(&v) {
+                Ok(())
+            } else {
+                Err(format!("{name} must be between 0 and 1, not {v}"))
+            }
+        };
+        match self {
+            Workload::Synthetic {
+                write_frac,
+                rate,
+                span,
+                dist,
+                ..
+            } => {
+                frac("write_frac", *write_frac)?;
+                frac("span", *span)?;
+                if rate.is_some_and(|r| !(r >= 0.0 && r.is_finite())) {
+                    return Err("rate must be a non-negative number".into());
+                }
+                if dist.is_empty() || dist.len() > 64 {
+                    return Err("dist: uniform, zipf[:θ], seq or hotcold[:frac:prob]".into());
+                }
+                Ok(())
+            }
+            Workload::Kv { listen } => listen
+                .parse::<std::net::SocketAddr>()
+                .map(|_| ())
+                .map_err(|_| format!("listen {listen:?} is not IP:PORT")),
+            Workload::Sortjob { sort_frac, .. } => {
+                if *sort_frac > 0.0 && *sort_frac <= 1.0 {
+                    Ok(())
+                } else {
+                    Err(format!("sort_frac must be in (0, 1], not {sort_frac}"))
+                }
+            }
+        }
+    }
+}
+
+/// Everything a runner needs to run a guest, besides its memory: the
+/// workload and the paging runtime's settings. A migration carries it to
+/// the destination runner.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct GuestSpec {
+    /// What the guest runs.
+    pub workload: Workload,
+    /// Worker threads.
+    #[serde(default = "default_threads")]
+    pub threads: usize,
+    /// Victim choice: clock or aging.
+    #[serde(default = "default_policy")]
+    pub policy: String,
+    /// Pages per chunk (power of two, 1..64).
+    #[serde(default = "default_chunk")]
+    pub chunk: usize,
+    /// Memory servers the region pages to.
+    #[serde(default)]
+    pub servers: Vec<String>,
+    /// CPU share of one core the access sampling may cost.
+    #[serde(default = "default_sample_budget")]
+    pub sample_budget: f64,
+    /// A service address that moves with the guest.
+    #[serde(default)]
+    pub service_ip: Option<String>,
+}
+
+fn default_threads() -> usize {
+    2
+}
+fn default_policy() -> String {
+    "clock".into()
+}
+fn default_chunk() -> usize {
+    16
+}
+fn default_sample_budget() -> f64 {
+    0.02
+}
+
+impl GuestSpec {
+    /// A spec with the runtime's defaults.
+    pub fn new(workload: Workload) -> GuestSpec {
+        GuestSpec {
+            workload,
+            threads: default_threads(),
+            policy: default_policy(),
+            chunk: default_chunk(),
+            servers: vec![],
+            sample_budget: default_sample_budget(),
+            service_ip: None,
+        }
+    }
+
+    /// Range checks a host does before it starts anything.
+    pub fn validate(&self) -> Result<(), String> {
+        self.workload.validate()?;
+        if !(1..=256).contains(&self.threads) {
+            return Err("threads must be 1..256".into());
+        }
+        if !matches!(self.policy.as_str(), "clock" | "aging") {
+            return Err(format!("policy {:?}: use clock or aging", self.policy));
+        }
+        if !self.chunk.is_power_of_two() || self.chunk > 64 {
+            return Err("chunk must be a power of two, 1..64 pages".into());
+        }
+        if !(self.sample_budget > 0.0 && self.sample_budget <= 1.0) {
+            return Err("sample_budget must be in (0, 1]".into());
+        }
+        if let Some(ip) = &self.service_ip {
+            ip.parse::<std::net::Ipv4Addr>()
+                .map_err(|_| format!("service_ip {ip:?} is not an IPv4 address"))?;
+        }
+        for s in &self.servers {
+            if s.is_empty() || s.len() > 256 || s.contains(char::is_whitespace) {
+                return Err(format!("memory server {s:?} is not HOST:PORT"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `POST /guests`: start a guest on this host.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct StartGuest {
+    /// 1-32 letters, digits, - or _, starting with a letter or digit.
+    pub name: String,
+    /// Guest memory, bytes.
+    pub size: u64,
+    /// Pages resident here (default: all of them).
+    #[serde(default)]
+    pub budget_pages: Option<u64>,
+    /// What it runs.
+    pub spec: GuestSpec,
+}
+
+/// Whether `n` can name a guest: 1-32 letters, digits, - or _, starting
+/// with a letter or digit.
+pub fn valid_name(n: &str) -> bool {
+    n.as_bytes().first().is_some_and(u8::is_ascii_alphanumeric)
+        && n.len() <= 32
+        && n.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+}
+
+/// Where a guest is in its life.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum GuestState {
+    /// Its runner is starting.
+    Starting,
+    /// A runner waiting for an incoming migration.
+    Incoming,
+    /// Running.
+    Running,
+    /// Running and migrating away.
+    Migrating,
+}
+
+/// Where a guest's pages are.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct PageLocations {
+    /// Resident on the host it runs on.
+    pub local: u64,
+    /// Never written (read as zeros).
+    pub zero: u64,
+    /// On memory servers, by address.
+    pub remote: BTreeMap<String, u64>,
+}
+
+/// A guest as its runner reports it (`GET /guests`, control op `status`).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct GuestStatus {
+    /// Its name.
+    pub name: String,
+    /// Where it is in its life.
+    pub state: GuestState,
+    /// The runner's process id.
+    #[serde(default)]
+    pub pid: u32,
+    /// What it runs (absent while starting or waiting for a migration).
+    #[serde(default)]
+    pub workload: Option<GuestSpec>,
+    /// Guest memory, bytes.
+    #[serde(default)]
+    pub size: u64,
+    /// Pages allowed resident here.
+    #[serde(default)]
+    pub budget_pages: u64,
+    /// Pages resident here.
+    #[serde(default)]
+    pub resident_pages: u64,
+    /// Pages on memory servers.
+    #[serde(default)]
+    pub remote_pages: u64,
+    /// Pages brought in from memory servers so far.
+    #[serde(default)]
+    pub page_ins: u64,
+    /// Pages sent out to memory servers so far.
+    #[serde(default)]
+    pub page_outs: u64,
+    /// Operations the workload has done.
+    #[serde(default)]
+    pub ops: u64,
+    /// Whether the workload has finished setting up.
+    #[serde(default)]
+    pub ready: bool,
+    /// Seconds since it started here.
+    #[serde(default)]
+    pub uptime_secs: f64,
+    /// Its region id (hex).
+    #[serde(default)]
+    pub region_id: String,
+    /// Where its pages are.
+    #[serde(default)]
+    pub pages: Option<PageLocations>,
+    /// A migration's progress, while one runs.
+    #[serde(default)]
+    pub migration: Option<MigrationProgress>,
+}
+
+impl GuestStatus {
+    /// A guest known only from the host's bookkeeping (its runner did not answer).
+    pub fn placeholder(name: &str, state: GuestState, budget_pages: u64, pid: u32) -> GuestStatus {
+        GuestStatus {
+            name: name.into(),
+            state,
+            pid,
+            workload: None,
+            size: 0,
+            budget_pages,
+            resident_pages: 0,
+            remote_pages: 0,
+            page_ins: 0,
+            page_outs: 0,
+            ops: 0,
+            ready: false,
+            uptime_secs: 0.0,
+            region_id: String::new(),
+            pages: None,
+            migration: None,
+        }
+    }
+}
+
+/// What a sort job reports (control op `sort`).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct SortResult {
+    /// Seconds the sort took.
+    pub sort_secs: f64,
+    /// Whether the records came out sorted.
+    pub sorted: bool,
+    /// Records sorted.
+    pub records: u64,
+    /// Pages brought in during the sort.
+    pub page_ins: u64,
+    /// Pages sent out during the sort.
+    pub page_outs: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_start_request_cannot_carry_a_command() {
+        let smuggled = r#"{"name":"x","size":4096,"args":["run","--merge","--","id"],
+                          "spec":{"workload":{"kind":"kv","listen":"127.0.0.1:1"}}}"#;
+        assert!(serde_json::from_str::<StartGuest>(smuggled).is_err());
+        let cmd = r#"{"name":"x","size":4096,
+                     "spec":{"workload":{"kind":"kv","listen":"127.0.0.1:1","command":["id"]}}}"#;
+        assert!(serde_json::from_str::<StartGuest>(cmd).is_err());
+        let kind = r#"{"name":"x","size":4096,"spec":{"workload":{"kind":"exec","argv":["id"]}}}"#;
+        assert!(serde_json::from_str::<StartGuest>(kind).is_err());
+        let ok = r#"{"name":"x","size":4096,"spec":{"workload":{"kind":"kv","listen":"127.0.0.1:1"}}}"#;
+        let s: StartGuest = serde_json::from_str(ok).unwrap();
+        assert_eq!(s.spec.threads, 2);
+        assert!(s.spec.validate().is_ok());
+    }
+
+    #[test]
+    fn specs_are_range_checked() {
+        let mut s = GuestSpec::new(Workload::Kv {
+            listen: "nonsense".into(),
+        });
+        assert!(s.validate().is_err());
+        s.workload = Workload::Kv {
+            listen: "127.0.0.1:11211".into(),
+        };
+        s.chunk = 3;
+        assert!(s.validate().is_err());
+        s.chunk = 16;
+        s.policy = "lru; rm -rf /".into();
+        assert!(s.validate().is_err());
+    }
+}

@@ -1,0 +1,45 @@
+//! The typed messages between pagefleet processes: what the CLI, pagefleetd,
+//! guest runners, benchmarks and tests send each other over HTTP, a
+//! runner's control socket and the migration stream. Every message is a
+//! serde type here; nobody indexes untyped JSON.
+//!
+//! - [`host`]: a host's report and the registry's view of the cluster.
+//! - [`guest`]: what a guest runs ([`GuestSpec`]), starting one, its status.
+//! - [`migration`]: a migrate request, its progress events and report.
+//! - [`control`]: the requests a runner's control socket takes.
+
+#![warn(missing_docs)]
+
+pub mod control;
+pub mod guest;
+pub mod host;
+pub mod launch;
+pub mod migration;
+
+pub use control::{ControlReply, ControlRequest};
+pub use guest::{GuestSpec, GuestState, GuestStatus, PageLocations, SortResult, StartGuest, Workload};
+pub use host::{ClusterHost, ClusterView, HostReport};
+pub use migration::{
+    IncomingReply, IncomingRequest, MigrateRequest, MigrationProgress, ProgressEvent, Report,
+    SubHost,
+};
+
+/// The body of every error reply (HTTP and control socket).
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize, PartialEq)]
+pub struct ErrorReply {
+    /// What went wrong, for a person.
+    pub error: String,
+}
+
+/// A bare acknowledgement.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize, PartialEq)]
+pub struct Ok {
+    /// Always true.
+    pub ok: bool,
+}
+
+impl Default for Ok {
+    fn default() -> Ok {
+        Ok { ok: true }
+    }
+}

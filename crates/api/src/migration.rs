@@ -1,0 +1,227 @@
+//! Migrations: the request, the progress stream and the report.
+
+use serde::{Deserialize, Serialize};
+
+/// A sub-host: its memory server and how many pages it may take.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct SubHost {
+    /// The memory server's address.
+    pub addr: String,
+    /// Pages it takes.
+    pub pages: u64,
+}
+
+/// Migrate a guest (control op `migrate`, and the body of
+/// `POST /guests/NAME/migrate`): where to, and how.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct MigrateRequest {
+    /// The destination runner's migration address (main host).
+    pub to: String,
+    /// Sub-hosts for the pages the main host does not keep.
+    #[serde(default)]
+    pub subs: Vec<SubHost>,
+    /// Pages the main host keeps resident (default: all).
+    #[serde(default)]
+    pub main_pages: Option<u64>,
+    /// Compare region checksums at stop time and at resume.
+    #[serde(default)]
+    pub verify: bool,
+    /// Integrated migration: the destination pulls every page on memory servers too.
+    #[serde(default)]
+    pub gather: bool,
+    /// Paging policy on the main host (default: as on the source).
+    #[serde(default)]
+    pub policy: Option<String>,
+    /// Pages per chunk on the main host (default: as on the source).
+    #[serde(default)]
+    pub chunk: Option<usize>,
+    /// Most pre-copy rounds before stop-and-copy.
+    #[serde(default)]
+    pub max_rounds: Option<u64>,
+    /// Stop and copy once a round leaves at most this many changed pages.
+    #[serde(default)]
+    pub stop_pages: Option<u64>,
+}
+
+/// `POST /incoming`: start a runner here that waits for a migration.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct IncomingRequest {
+    /// The guest's name.
+    pub name: String,
+    /// Pages this host gives it.
+    pub budget_pages: u64,
+    /// A memory cgroup (under /sys/fs/cgroup) to start the runner in.
+    #[serde(default)]
+    pub cgroup: Option<String>,
+}
+
+/// The reply to `POST /incoming`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct IncomingReply {
+    /// Where the waiting runner takes the migration stream.
+    pub migrate_addr: String,
+}
+
+/// Live counters of a migration in progress.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct MigrationProgress {
+    /// What it is doing (connecting, round N, stop-and-copy, ...).
+    pub phase: String,
+    /// Pre-copy round.
+    pub round: u64,
+    /// Pages this round sends.
+    pub round_pages: u64,
+    /// Of which sent so far.
+    pub round_sent: u64,
+    /// Bytes sent to the main host.
+    /// Bytes sent to the main host.
+    pub bytes_main: u64,
+    /// Bytes sent to sub-hosts.
+    pub bytes_subs: u64,
+}
+
+/// Why a migration ended without moving the guest.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Failure {
+    /// What went wrong.
+    pub message: String,
+    /// True when the guest may be running at the destination: it stays
+    /// paused at the source, for a person to check.
+    #[serde(default)]
+    pub in_doubt: bool,
+}
+
+/// One line of a migration's progress stream.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "lowercase")]
+pub enum ProgressEvent {
+    /// Counters, every few hundred milliseconds.
+    Progress(MigrationProgress),
+    /// The guest runs at the destination now (the last line).
+    Report(Report),
+    /// The migration failed and was rolled back (the last line).
+    Failed(Failure),
+}
+
+/// The outcome of a migration, as `pagefleet migrate` prints it.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Report {
+    /// The guest.
+    pub guest: String,
+    /// Where it runs now.
+    pub main_host: String,
+    /// Memory servers that took pages.
+    pub sub_hosts: Vec<String>,
+    /// Start to resumed at the destination (checksum time excluded).
+    pub total_secs: f64,
+    /// Guest paused to guest running at the destination (checksum time excluded).
+    pub downtime_ms: f64,
+    /// Pre-copy rounds.
+    pub rounds: usize,
+    /// Pages of the stop-and-copy round.
+    pub last_round_pages: u64,
+    /// Pages sent to the main host.
+    pub pages_main: u64,
+    /// Pages sent to each sub-host.
+    pub pages_subs: Vec<u64>,
+    /// Bytes sent to the main host.
+    pub bytes_main: u64,
+    /// Bytes sent to each sub-host.
+    pub bytes_subs: Vec<u64>,
+    /// Pages sent again after they changed.
+    pub pages_sent_twice: u64,
+    /// Seconds of the first round.
+    pub round1_secs: f64,
+    /// Bytes of the first round.
+    pub round1_bytes: u64,
+    /// Of the commit, the time the runtime took to build the region.
+    pub region_build_ms: f64,
+    #[serde(default)]
+    /// Pages the destination pulled from memory servers.
+    pub pages_pulled: u64,
+    #[serde(default)]
+    /// Pulled pages replaced by newer data from the main host.
+    pub pulled_then_replaced: u64,
+    #[serde(default)]
+    /// Downtime part: reaching the safepoint.
+    pub pause_ms: f64,
+    #[serde(default)]
+    /// The last round.
+    pub final_copy_ms: f64,
+    #[serde(default)]
+    /// COMMIT to PREPARED.
+    pub commit_ms: f64,
+    #[serde(default)]
+    /// GO to STARTED.
+    pub start_ms: f64,
+    /// Region checksum at stop time (with verify).
+    pub checksum_source: Option<String>,
+    /// Region checksum at resume (with verify).
+    pub checksum_dest: Option<String>,
+}
+
+impl Report {
+    /// Print the report for a person (what `pagefleet migrate` shows).
+    pub fn print(&self) {
+        print!("{self}");
+    }
+}
+
+impl std::fmt::Display for Report {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mib = |b: u64| b as f64 / (1 << 20) as f64;
+        writeln!(
+            f,
+            "migrated {} to {} in {:.2} s, downtime {:.1} ms, {} rounds",
+            self.guest, self.main_host, self.total_secs, self.downtime_ms, self.rounds
+        )?;
+        writeln!(
+            f,
+            "  main host {:<22} {:>8} pages  {:>9.1} MiB sent",
+            self.main_host,
+            self.pages_main,
+            mib(self.bytes_main)
+        )?;
+        for (i, s) in self.sub_hosts.iter().enumerate() {
+            writeln!(
+            f,
+                "  sub-host  {:<22} {:>8} pages  {:>9.1} MiB sent",
+                s,
+                self.pages_subs[i],
+                mib(self.bytes_subs[i])
+            )?;
+        }
+        if self.pages_pulled > 0 {
+            writeln!(
+            f,
+                "  pulled from memory servers by the destination: {} pages ({} replaced by newer data from the main host)",
+                self.pages_pulled, self.pulled_then_replaced
+            )?;
+        }
+        writeln!(
+            f,
+            "  round 1: {:.1} MiB in {:.2} s ({:.0} MiB/s); pages sent twice: {}; last round {} pages",
+            mib(self.round1_bytes),
+            self.round1_secs,
+            mib(self.round1_bytes) / self.round1_secs.max(1e-9),
+            self.pages_sent_twice,
+            self.last_round_pages
+        )?;
+        writeln!(
+            f,
+            "  downtime: pause {:.1} ms, last round {:.1} ms, destination builds its region {:.1} ms (of which {:.1} ms in the runtime), start {:.1} ms",
+            self.pause_ms, self.final_copy_ms, self.commit_ms, self.region_build_ms, self.start_ms
+        )?;
+        if let (Some(a), Some(b)) = (&self.checksum_source, &self.checksum_dest) {
+            writeln!(
+            f,
+                "  region checksum at stop {a}, at resume {b}: {}",
+                if a == b { "equal" } else { "DIFFERENT" }
+            )?;
+        }
+        Ok(())
+    }
+}
+

@@ -1,0 +1,349 @@
+//! A running guest and its control socket: one typed request line
+//! ([`ControlRequest`]), typed reply lines. `migrate` streams
+//! [`ProgressEvent`]s and ends with a report (the guest runs on the main
+//! host now and this runner ends) or a failure (the guest runs here again).
+
+use crate::service::Service;
+use crate::workload::{self, SortJob};
+use crate::{Exit, RunnerError};
+use pagefleet_api::control::{Budget, Moved};
+use pagefleet_api::migration::Failure;
+use pagefleet_api::{
+    ControlRequest, ErrorReply, GuestSpec, GuestState, GuestStatus, MigrateRequest,
+    MigrationProgress, PageLocations, ProgressEvent,
+};
+use pagefleet_guests::Gate;
+use pagefleet_migrate::source;
+use pagefleet_region::{Location, Region, Secret};
+use serde::Serialize;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// A guest workload running on a region, reachable through its gate.
+pub struct Running {
+    name: String,
+    spec: GuestSpec,
+    region: Arc<Region>,
+    gate: Arc<Gate>,
+    ops: Arc<AtomicU64>,
+    sort: Option<Arc<SortJob>>,
+    service: Option<Service>,
+    started: Instant,
+    migrating: AtomicBool,
+    cancel: AtomicBool,
+    progress: source::Progress,
+    secret: Secret,
+}
+
+impl source::Guest for Running {
+    fn pause(&self, timeout: Duration) -> bool {
+        self.gate.pause(timeout)
+    }
+    fn resume(&self) {
+        self.gate.resume()
+    }
+    fn release_address(&self) {
+        if let Some(s) = &self.service {
+            s.release();
+        }
+    }
+    fn reclaim_address(&self) {
+        if let Some(s) = &self.service {
+            let _ = s.claim();
+        }
+    }
+}
+
+/// Where the region's pages are, by kind and memory server.
+fn locations(region: &Region) -> Option<PageLocations> {
+    let s = region.snapshot()?;
+    let mut p = PageLocations::default();
+    let mut remote = vec![0u64; s.servers.len()];
+    for l in &s.location {
+        match l {
+            Location::Local => p.local += 1,
+            Location::Zero => p.zero += 1,
+            Location::Remote(i) => remote[*i] += 1,
+        }
+    }
+    p.remote = s
+        .servers
+        .iter()
+        .zip(&remote)
+        .filter(|(_, n)| **n > 0)
+        .map(|(a, n)| (a.clone(), *n))
+        .collect();
+    Some(p)
+}
+
+/// The live counters of the source side as the typed progress.
+pub fn progress_of(p: &source::Progress) -> MigrationProgress {
+    MigrationProgress {
+        phase: p.phase.lock().map(|s| s.clone()).unwrap_or_default(),
+        round: p.round.load(Relaxed),
+        round_pages: p.round_pages.load(Relaxed),
+        round_sent: p.round_sent.load(Relaxed),
+        bytes_main: p.bytes_main.load(Relaxed),
+        bytes_subs: p.bytes_subs.load(Relaxed),
+    }
+}
+
+fn line(w: &mut impl Write, v: &impl Serialize) -> std::io::Result<()> {
+    let mut b = serde_json::to_vec(v).map_err(std::io::Error::other)?;
+    b.push(b'\n');
+    w.write_all(&b)
+}
+
+fn err(msg: impl std::fmt::Display) -> ErrorReply {
+    ErrorReply {
+        error: msg.to_string(),
+    }
+}
+
+impl Running {
+    /// A guest whose workload has been started on `region`.
+    pub fn new(
+        name: String,
+        spec: GuestSpec,
+        region: Arc<Region>,
+        gate: Arc<Gate>,
+        w: workload::Started,
+        service: Option<Service>,
+        secret: Secret,
+    ) -> Running {
+        Running {
+            name,
+            spec,
+            region,
+            gate,
+            ops: w.ops,
+            sort: w.sort,
+            service,
+            started: Instant::now(),
+            migrating: AtomicBool::new(false),
+            cancel: AtomicBool::new(false),
+            progress: source::Progress::default(),
+            secret,
+        }
+    }
+
+    /// The guest's status.
+    pub fn status(&self) -> GuestStatus {
+        let s = self.region.stats();
+        let migrating = self.migrating.load(Relaxed);
+        GuestStatus {
+            name: self.name.clone(),
+            state: if migrating {
+                GuestState::Migrating
+            } else {
+                GuestState::Running
+            },
+            pid: std::process::id(),
+            workload: Some(self.spec.clone()),
+            size: self.region.len() as u64,
+            budget_pages: s.budget_pages,
+            resident_pages: s.resident_pages,
+            remote_pages: s.remote_pages,
+            page_ins: s.page_ins,
+            page_outs: s.page_outs,
+            ops: self.ops.load(Relaxed),
+            ready: self.sort.as_ref().is_none_or(|j| j.ready.load(Relaxed)),
+            uptime_secs: self.started.elapsed().as_secs_f64(),
+            region_id: format!("{:#x}", self.region.region_id),
+            pages: locations(&self.region),
+            migration: migrating.then(|| progress_of(&self.progress)),
+        }
+    }
+
+    fn options(&self, req: &MigrateRequest) -> source::Options {
+        let main_pages = req.main_pages.unwrap_or(self.region.pages());
+        let subs = req
+            .subs
+            .iter()
+            .map(|s| source::SubHost {
+                addr: s.addr.clone(),
+                pages: s.pages,
+            })
+            .collect();
+        let mut o = source::Options::new(
+            req.to.clone(),
+            subs,
+            main_pages,
+            self.secret.clone(),
+            self.spec.clone(),
+        );
+        o.name = self.name.clone();
+        o.verify = req.verify;
+        o.policy = req.policy.clone().unwrap_or_else(|| self.spec.policy.clone());
+        o.dest_chunk = req.chunk;
+        o.gather = req.gather;
+        if let Some(n) = req.max_rounds {
+            o.max_rounds = n.max(1) as usize;
+        }
+        if let Some(n) = req.stop_pages {
+            o.stop_pages = n;
+        }
+        o
+    }
+
+    /// Migrate away, streaming progress to `out`. True when the guest runs
+    /// at the destination now.
+    fn migrate(&self, req: &MigrateRequest, out: &mut UnixStream) -> Result<bool, RunnerError> {
+        if self.migrating.swap(true, Relaxed) {
+            return Err(RunnerError::Invalid(format!(
+                "a migration of {} is already running",
+                self.name
+            )));
+        }
+        self.cancel.store(false, Relaxed);
+        // Counters of an earlier attempt must not show as this one's start.
+        self.progress.reset();
+        let o = self.options(req);
+        let done = AtomicBool::new(false);
+        let w = Mutex::new(
+            out.try_clone()
+                .map_err(|e| RunnerError::io("control socket", e))?,
+        );
+        let result = std::thread::scope(|sc| {
+            sc.spawn(|| {
+                while !done.load(Relaxed) {
+                    let ev = ProgressEvent::Progress(progress_of(&self.progress));
+                    let mut w = w.lock().unwrap_or_else(|e| e.into_inner());
+                    // The caller went away (its write fails, or it hung up
+                    // between writes): that is a Ctrl-C — cancel at once,
+                    // before the migration passes its point of no return.
+                    if line(&mut *w, &ev).is_err()
+                        || pagefleet_proto::io::peer_hung_up(&*out, 200)
+                    {
+                        self.cancel.store(true, Relaxed);
+                        break;
+                    }
+                }
+            });
+            let r = source::migrate(&self.region, self, &o, &self.progress, &self.cancel);
+            done.store(true, Relaxed);
+            r
+        });
+        let mut w = w.into_inner().unwrap_or_else(|e| e.into_inner());
+        match result {
+            Ok(rep) => {
+                tracing::info!("migrated out: {} -> {}", rep.guest, rep.main_host);
+                let _ = line(&mut w, &ProgressEvent::Report(rep));
+                let _ = w.flush();
+                Ok(true)
+            }
+            Err(e) => {
+                self.migrating.store(false, Relaxed);
+                let _ = line(
+                    &mut w,
+                    &ProgressEvent::Failed(Failure {
+                        in_doubt: matches!(e, source::MigrateError::InDoubt(_)),
+                        message: e.to_string(),
+                    }),
+                );
+                Ok(false)
+            }
+        }
+    }
+
+    /// Serve one control connection. Some(exit) when the runner must end.
+    fn serve_one(&self, mut c: UnixStream) -> Option<Exit> {
+        let mut text = String::new();
+        let _ = c.set_read_timeout(Some(Duration::from_secs(10)));
+        if BufReader::new((&c).take(1 << 20))
+            .read_line(&mut text)
+            .is_err()
+        {
+            return None;
+        }
+        let _ = c.set_read_timeout(None);
+        let req = match serde_json::from_str::<ControlRequest>(&text) {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = line(&mut c, &err(format!("bad request: {e}")));
+                return None;
+            }
+        };
+        let busy = || err(format!("{} is migrating", self.name));
+        let r = match req {
+            ControlRequest::Status => line(&mut c, &self.status()),
+            ControlRequest::Migrate(m) => match self.migrate(&m, &mut c) {
+                Ok(true) => return Some(Exit::MigratedAway),
+                Ok(false) => Ok(()),
+                Err(e) => line(&mut c, &err(e)),
+            },
+            ControlRequest::Evacuate { .. } | ControlRequest::Sort
+                if self.migrating.load(Relaxed) =>
+            {
+                line(&mut c, &busy())
+            }
+            ControlRequest::Evacuate { from, to } => match self.region.evacuate(&from, &to) {
+                Ok(n) => line(&mut c, &Moved { moved: n }),
+                Err(e) => line(&mut c, &err(e)),
+            },
+            ControlRequest::Sort => match &self.sort {
+                Some(j) => line(&mut c, &j.sort(&self.region)),
+                None => line(&mut c, &err("only a sortjob guest sorts")),
+            },
+            ControlRequest::Cancel => {
+                self.cancel.store(true, Relaxed);
+                line(&mut c, &pagefleet_api::Ok::default())
+            }
+            ControlRequest::SetBudget { pages } => {
+                self.region.set_budget(pages);
+                line(
+                    &mut c,
+                    &Budget {
+                        budget_pages: self.region.budget(),
+                    },
+                )
+            }
+            ControlRequest::Stop => {
+                source::Guest::release_address(self);
+                // The guest ends: its pages on the servers go too (before
+                // the reply, so the caller sees them gone).
+                self.gate.pause(Duration::from_secs(5));
+                let r = match self.region.delete_remote() {
+                    Ok(()) => line(&mut c, &pagefleet_api::Ok::default()),
+                    Err(e) => line(&mut c, &err(format!("pages on memory servers: {e}"))),
+                };
+                let _ = r;
+                return Some(Exit::Stopped);
+            }
+        };
+        if let Err(e) = r {
+            tracing::debug!("control reply: {e}");
+        }
+        None
+    }
+}
+
+/// Serve the control socket until a request ends the runner.
+pub fn serve(path: &Path, r: Arc<Running>) -> Result<Exit, RunnerError> {
+    let _ = std::fs::remove_file(path);
+    let l = UnixListener::bind(path)
+        .map_err(|e| RunnerError::io(format!("cannot create control socket {}", path.display()), e))?;
+    let (tx, rx) = std::sync::mpsc::channel::<Exit>();
+    let accept = move |tx: Sender<Exit>| {
+        for c in l.incoming() {
+            let Ok(c) = c else { continue };
+            let (r, tx) = (r.clone(), tx.clone());
+            std::thread::spawn(move || {
+                if let Some(exit) = r.serve_one(c) {
+                    let _ = tx.send(exit);
+                }
+            });
+        }
+    };
+    std::thread::Builder::new()
+        .name("control".into())
+        .spawn(move || accept(tx))
+        .map_err(|e| RunnerError::io("control thread", e))?;
+    rx.recv()
+        .map_err(|_| RunnerError::Invalid("the control socket closed".into()))
+}

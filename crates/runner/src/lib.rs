@@ -1,0 +1,271 @@
+//! The guest runner as a library: a guest's region, its workload, its
+//! control socket and its migrations. pagefleetd starts a runner (the
+//! `pagefleet` binary's hidden `runner-guest` / `runner-incoming`
+//! subcommands, which call [`launch`]) and writes one [`Launch`] message to
+//! its stdin; the runner then either runs a new guest ([`run_guest`]) or
+//! waits for a migration and runs the guest it brings ([`run_incoming`]).
+//!
+//! Errors come back as [`RunnerError`]; nothing here exits the process.
+//! The runner ends when the guest is stopped or has migrated away
+//! ([`Exit`]).
+
+#![warn(missing_docs)]
+
+pub mod control;
+pub mod service;
+pub mod workload;
+
+use pagefleet_api::launch::{from_hex, Job, Launch};
+use pagefleet_api::GuestSpec;
+use pagefleet_guests::Gate;
+use pagefleet_migrate::dest;
+use pagefleet_region::{Config, Region, Secret};
+pub use service::Service;
+use std::io::Write;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Why a runner failed.
+#[derive(Debug, thiserror::Error)]
+pub enum RunnerError {
+    /// An operating-system call failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// Why it failed.
+        source: std::io::Error,
+    },
+    /// A request or launch message the runner cannot carry out.
+    #[error("{0}")]
+    Invalid(String),
+    /// The guest's region.
+    #[error("the guest's region: {0}")]
+    Region(#[from] pagefleet_region::RegionError),
+    /// The service address.
+    #[error(transparent)]
+    Service(#[from] service::ServiceError),
+    /// The incoming migration failed.
+    #[error("incoming migration: {0}")]
+    Incoming(#[from] pagefleet_migrate::wire::WireError),
+    /// No migration came.
+    #[error("no migration arrived within {0} s")]
+    NoMigration(u64),
+}
+
+impl RunnerError {
+    /// An I/O error with what was being done.
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> RunnerError {
+        RunnerError::Io {
+            context: context.into(),
+            source,
+        }
+    }
+}
+
+/// How a runner ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Exit {
+    /// Stopped: its pages on memory servers were deleted.
+    Stopped,
+    /// The guest runs on another host now, which owns its pages.
+    MigratedAway,
+}
+
+/// Read the [`Launch`] message from `input` and run it.
+pub fn launch(input: impl std::io::Read, expect: &str) -> Result<Exit, RunnerError> {
+    let mut text = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(input.take(1 << 20)), &mut text)
+        .map_err(|e| RunnerError::io("reading the launch message", e))?;
+    let l: Launch = serde_json::from_str(&text)
+        .map_err(|e| RunnerError::Invalid(format!("bad launch message on stdin: {e}")))?;
+    let secret = from_hex(&l.secret_hex)
+        .ok_or_else(|| RunnerError::Invalid("launch: the secret is not hex".into()))
+        .and_then(|b| {
+            Secret::from_bytes(&b, "the launch message")
+                .map_err(|e| RunnerError::Invalid(e.to_string()))
+        })?;
+    match l.job {
+        Job::Guest {
+            name,
+            size,
+            budget_pages,
+            spec,
+        } if expect == "guest" => {
+            run_guest(&name, size, budget_pages, spec, &l.service_dev, &l.control, secret)
+        }
+        Job::Incoming {
+            name: _,
+            listen,
+            budget_pages,
+            timeout_secs,
+        } if expect == "incoming" => run_incoming(
+            &listen,
+            &l.control,
+            Some(budget_pages),
+            &l.service_dev,
+            secret,
+            Duration::from_secs(timeout_secs),
+        ),
+        _ => Err(RunnerError::Invalid(format!(
+            "launch message is not for a {expect} runner"
+        ))),
+    }
+}
+
+fn ready(line: &str) -> Result<(), RunnerError> {
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{line}")
+        .and_then(|_| out.flush())
+        .map_err(|e| RunnerError::io("telling the host daemon", e))
+}
+
+/// End the runner: on a migration away, the region's pages belong to the
+/// destination now, so its handle is left undropped (the process ends
+/// next; dropping it would delete the pages on the memory servers).
+fn finish(exit: Exit, r: Arc<control::Running>) -> Exit {
+    if exit == Exit::MigratedAway {
+        std::mem::forget(r);
+    }
+    exit
+}
+
+/// Run a new guest here until it is stopped or migrated away.
+pub fn run_guest(
+    name: &str,
+    size: u64,
+    budget_pages: u64,
+    spec: GuestSpec,
+    service_dev: &str,
+    control: &Path,
+    secret: Secret,
+) -> Result<Exit, RunnerError> {
+    spec.validate().map_err(RunnerError::Invalid)?;
+    let mut cfg = Config::new(size, budget_pages);
+    cfg.servers = spec.servers.clone();
+    cfg.policy = spec.policy.parse().map_err(RunnerError::Invalid)?;
+    cfg.chunk_pages = spec.chunk;
+    cfg.sample_cpu_budget = spec.sample_budget;
+    cfg.name = format!("pagefleet-runner {name}");
+    if !cfg.servers.is_empty() {
+        cfg.secret = Some(secret.clone());
+    }
+    let region = Arc::new(Region::new(cfg)?);
+    let service = spec.service_ip.clone().map(|ip| Service {
+        ip,
+        dev: service_dev.to_string(),
+    });
+    if let Some(s) = &service {
+        s.claim()?;
+    }
+    let gate = Arc::new(Gate::default());
+    let w = workload::start(&spec, &region, &gate, false)?;
+    let r = Arc::new(control::Running::new(
+        name.to_string(),
+        spec,
+        region,
+        gate,
+        w,
+        service,
+        secret,
+    ));
+    ready(&format!("guest {name} running, control {}", control.display()))?;
+    let exit = control::serve(control, r.clone())?;
+    Ok(finish(exit, r))
+}
+
+/// Wait for one migration on `listen`, then run the guest it brings until
+/// it is stopped or migrated away again.
+pub fn run_incoming(
+    listen: &str,
+    control: &Path,
+    budget_pages: Option<u64>,
+    service_dev: &str,
+    secret: Secret,
+    timeout: Duration,
+) -> Result<Exit, RunnerError> {
+    let l = std::net::TcpListener::bind(listen)
+        .map_err(|e| RunnerError::io(format!("cannot listen for the migration on {listen}"), e))?;
+    let addr = l
+        .local_addr()
+        .map_err(|e| RunnerError::io("listener address", e))?;
+    ready(&format!("migrate listening {addr}"))?;
+    l.set_nonblocking(true)
+        .map_err(|e| RunnerError::io("listener", e))?;
+    let t = Instant::now();
+    // The first connection that proves the cluster secret is the migration;
+    // anything else (a port scan, a wrong secret, garbage, a connection that
+    // says nothing) is turned away, each in its own thread so none delays it.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stream = loop {
+        if let Ok(st) = rx.try_recv() {
+            break st;
+        }
+        match l.accept() {
+            Ok((s, peer)) => {
+                let _ = s.set_nonblocking(false);
+                let (tx, secret) = (tx.clone(), secret.clone());
+                std::thread::spawn(move || {
+                    match dest::authenticate(s, &secret, Duration::from_secs(10)) {
+                        Ok(st) => {
+                            let _ = tx.send(st);
+                        }
+                        Err(e) => tracing::warn!("ignored a connection from {peer}: {e}"),
+                    }
+                });
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && t.elapsed() < timeout => {
+                std::thread::sleep(Duration::from_millis(5))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                return Err(RunnerError::NoMigration(timeout.as_secs()))
+            }
+            Err(e) => return Err(RunnerError::io("accepting the migration", e)),
+        }
+    };
+    drop(l);
+    stream.set_timeout(Some(Duration::from_secs(60)));
+    let progress = dest::Progress::default();
+    let received = dest::receive(stream, &secret, &progress)?;
+    let (here, remote) = received.counts();
+    tracing::info!("received {here} pages, {remote} located on servers; building the region");
+    let mut committed = received.commit(&secret, |c| {
+        if let Some(b) = budget_pages {
+            c.budget_pages = c.budget_pages.min(b);
+        }
+    })?;
+    let region = Arc::new(committed.take_region());
+    let spec = committed.spec.clone();
+    let (sum, secs) = if spec.verify {
+        let t = Instant::now();
+        region.hold_paging(true);
+        let s = pagefleet_migrate::checksum(&region, &secret)
+            .map_err(|e| RunnerError::Invalid(format!("checksum at resume: {e}")))?;
+        region.hold_paging(false);
+        (Some(s), t.elapsed().as_secs_f64())
+    } else {
+        (None, 0.0)
+    };
+    let service = spec.workload.service_ip.clone().map(|ip| Service {
+        ip,
+        dev: service_dev.to_string(),
+    });
+    if let Some(s) = &service {
+        s.claim()?;
+    }
+    let gate = Arc::new(Gate::default());
+    let w = workload::start(&spec.workload, &region, &gate, true)?;
+    committed.started(sum, secs);
+    let r = Arc::new(control::Running::new(
+        spec.name.clone(),
+        spec.workload.clone(),
+        region,
+        gate,
+        w,
+        service,
+        secret,
+    ));
+    let exit = control::serve(control, r.clone())?;
+    Ok(finish(exit, r))
+}

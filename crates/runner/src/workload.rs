@@ -1,0 +1,200 @@
+//! A guest's workload on its region: started in background threads, passing
+//! the runner's safepoint gate so a migration can quiesce it.
+
+use crate::RunnerError;
+use pagefleet_api::guest::SortResult;
+use pagefleet_api::{GuestSpec, Workload};
+use pagefleet_guests::{kv, synthetic, Gate, Mem};
+use pagefleet_region::Region;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// The S-memV sort experiment as a hosted guest: 100-byte records fill the
+/// last part of the memory, other data the rest. Before a migration it
+/// keeps scanning its records (building the access history the split
+/// uses), unless told not to; `sort` (a control op) sorts them and times it.
+pub struct SortJob {
+    records: Mem,
+    stop_warm: AtomicBool,
+    warm: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// The records exist (generated, or brought by a migration).
+    pub ready: AtomicBool,
+}
+
+impl SortJob {
+    fn start(mem: Mem, sort_frac: f64, warm: bool, seed: u64, incoming: bool) -> Arc<SortJob> {
+        let frac = sort_frac.clamp(0.01, 1.0);
+        let rec_bytes = ((mem.len as f64 * frac) as usize) / 4096 * 4096;
+        // The records sit at the end: a placement by address alone (no
+        // history) keeps the other data and sends the records away.
+        let other = mem.len - rec_bytes;
+        // SAFETY: a sub-range of the region, which outlives the job.
+        let records = unsafe { Mem::new(mem.base.add(other), rec_bytes) };
+        let job = Arc::new(SortJob {
+            records,
+            stop_warm: AtomicBool::new(false),
+            warm: Mutex::new(None),
+            ready: AtomicBool::new(incoming),
+        });
+        if incoming {
+            return job;
+        }
+        let j = job.clone();
+        let h = std::thread::spawn(move || {
+            let fill_other = || {
+                for off in (0..other).step_by(4096) {
+                    mem.write_u64(off, off as u64 | 1);
+                }
+            };
+            // Without warming, the other data is what was touched last:
+            // the history then says nothing about the records.
+            if warm {
+                fill_other();
+                pagefleet_guests::sort::generate(j.records, seed);
+            } else {
+                pagefleet_guests::sort::generate(j.records, seed);
+                fill_other();
+            }
+            j.ready.store(true, Relaxed);
+            while warm && !j.stop_warm.load(Relaxed) {
+                // Read every record page, as the running sort would.
+                let mut sum = 0u64;
+                for off in (0..j.records.len).step_by(4096) {
+                    sum = sum.wrapping_add(j.records.read_u64(off));
+                }
+                std::hint::black_box(sum);
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        });
+        *job.warm.lock().unwrap_or_else(|e| e.into_inner()) = Some(h);
+        job
+    }
+
+    /// Sort the records now (stopping the warm-up scans first).
+    pub fn sort(&self, region: &Region) -> SortResult {
+        self.stop_warm.store(true, Relaxed);
+        if let Some(h) = self.warm.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = h.join();
+        }
+        let before = region.stats();
+        let t = Instant::now();
+        let sorted = pagefleet_guests::sort::sort(self.records);
+        let sort_secs = t.elapsed().as_secs_f64();
+        let after = region.stats();
+        SortResult {
+            sort_secs,
+            sorted,
+            records: (self.records.len / pagefleet_guests::sort::RECORD) as u64,
+            page_ins: after.page_ins - before.page_ins,
+            page_outs: after.page_outs - before.page_outs,
+        }
+    }
+}
+
+/// A started workload: its operation counter and, for the sort job, its handle.
+pub struct Started {
+    /// Operations done so far.
+    pub ops: Arc<AtomicU64>,
+    /// The sort job, if that is the workload.
+    pub sort: Option<Arc<SortJob>>,
+}
+
+/// Start `spec`'s workload on the region in background threads.
+/// `incoming`: the memory came with a migration (nothing is filled again).
+pub fn start(
+    spec: &GuestSpec,
+    region: &Arc<Region>,
+    gate: &Arc<Gate>,
+    incoming: bool,
+) -> Result<Started, RunnerError> {
+    // SAFETY: the region outlives the workload: the runner keeps it until
+    // the process ends.
+    let mem = unsafe { Mem::new(region.as_ptr(), region.len()) };
+    match &spec.workload {
+        Workload::Synthetic {
+            dist,
+            write_frac,
+            prefill,
+            rate,
+            span,
+        } => {
+            let dist: synthetic::Dist = dist.parse().map_err(RunnerError::Invalid)?;
+            let o = synthetic::Opts {
+                dist,
+                write_frac: *write_frac,
+                threads: spec.threads,
+                duration: Duration::from_secs(10 * 365 * 86400),
+                max_ops: None,
+                // A migrated guest keeps its memory: never prefill again.
+                prefill: *prefill && !incoming,
+                gate: Some(gate.clone()),
+                rate: *rate,
+                span: *span,
+            };
+            let ops = Arc::new(AtomicU64::new(0));
+            let o2 = ops.clone();
+            std::thread::Builder::new()
+                .name("synthetic".into())
+                .spawn(move || {
+                    let mut total = 0u64;
+                    synthetic::run(mem, &o, |_, rate| {
+                        total += rate as u64;
+                        o2.store(total, Relaxed);
+                    });
+                })
+                .map_err(|e| RunnerError::io("starting the workload", e))?;
+            Ok(Started { ops, sort: None })
+        }
+        Workload::Kv { listen } => {
+            let mut k = kv::Kv::open(mem);
+            let r = region.clone();
+            k.extra_stats = Some(Box::new(move || {
+                let s = r.stats();
+                vec![
+                    ("pf_resident_pages".into(), s.resident_pages),
+                    ("pf_remote_pages".into(), s.remote_pages),
+                    ("pf_page_ins".into(), s.page_ins),
+                    ("pf_page_outs".into(), s.page_outs),
+                ]
+            }));
+            // Requests pass the runner's safepoint gate.
+            k.gate = gate.clone();
+            let kvs = Arc::new(k);
+            let l = bind_retry(listen)?;
+            let stop = Arc::new(AtomicBool::new(false));
+            let ops = Arc::new(AtomicU64::new(0));
+            let (k2, o2) = (kvs.clone(), ops.clone());
+            std::thread::spawn(move || kv::serve(k2, l, stop));
+            std::thread::spawn(move || loop {
+                std::thread::sleep(Duration::from_millis(100));
+                o2.store(kvs.ops.load(Relaxed), Relaxed);
+            });
+            Ok(Started { ops, sort: None })
+        }
+        Workload::Sortjob {
+            sort_frac,
+            warm,
+            seed,
+        } => Ok(Started {
+            ops: Arc::new(AtomicU64::new(0)),
+            sort: Some(SortJob::start(mem, *sort_frac, *warm, *seed, incoming)),
+        }),
+    }
+}
+
+/// A service address just added may take a moment to become bindable.
+fn bind_retry(listen: &str) -> Result<std::net::TcpListener, RunnerError> {
+    let mut last = None;
+    for _ in 0..50 {
+        match std::net::TcpListener::bind(listen) {
+            Ok(l) => return Ok(l),
+            Err(e) => last = Some(e),
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Err(RunnerError::io(
+        format!("kv cannot listen on {listen}"),
+        last.unwrap_or_else(|| std::io::Error::other("bind failed")),
+    ))
+}
