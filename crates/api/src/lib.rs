@@ -20,8 +20,8 @@ pub use control::{ControlReply, ControlRequest};
 pub use guest::{GuestSpec, GuestState, GuestStatus, PageLocations, SortResult, StartGuest, Workload};
 pub use host::{ClusterHost, ClusterView, HostReport};
 pub use migration::{
-    IncomingReply, IncomingRequest, MigrateRequest, MigrationProgress, ProgressEvent, Report,
-    SubHost,
+    Failure, IncomingReply, IncomingRequest, MigrateRequest, MigrationOrder, MigrationProgress,
+    Placed, ProgressEvent, Report, SubHost,
 };
 
 /// The body of every error reply (HTTP and control socket).

@@ -42,6 +42,67 @@ pub struct MigrateRequest {
     /// Stop and copy once a round leaves at most this many changed pages.
     #[serde(default)]
     pub stop_pages: Option<u64>,
+    /// Give a silent destination up after this many seconds (default 30).
+    #[serde(default)]
+    pub timeout_secs: Option<u64>,
+}
+
+/// `POST /migrations`, sent to the daemon of the host the guest runs on:
+/// that daemon runs placement over its registry, starts the destination
+/// runner and drives the migration, streaming [`ProgressEvent`]s. The
+/// migration goes on if the caller goes away; `POST /guests/NAME/cancel`
+/// stops it.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct MigrationOrder {
+    /// The guest to move (it runs on the host this is sent to).
+    pub guest: String,
+    /// The main host (name, HTTP or memory-server address; default: the
+    /// one with the most free guest memory).
+    #[serde(default)]
+    pub to: Option<String>,
+    /// Sub-hosts for the pages the main host cannot keep (default: the fewest that fit).
+    #[serde(default)]
+    pub subs: Option<Vec<String>>,
+    /// Integrated migration: the whole guest onto one host.
+    #[serde(default)]
+    pub gather: bool,
+    /// Compare region checksums at stop time and at resume.
+    #[serde(default)]
+    pub verify: bool,
+    /// Paging policy on the main host (default: as on the source).
+    #[serde(default)]
+    pub policy: Option<String>,
+    /// Pages per chunk on the main host (default: as on the source).
+    #[serde(default)]
+    pub chunk: Option<usize>,
+    /// Most pre-copy rounds before stop-and-copy.
+    #[serde(default)]
+    pub max_rounds: Option<u64>,
+    /// Stop and copy once a round leaves at most this many changed pages.
+    #[serde(default)]
+    pub stop_pages: Option<u64>,
+    /// Give a silent destination up after this many seconds (default 30).
+    #[serde(default)]
+    pub timeout_secs: Option<u64>,
+    /// A memory cgroup (under /sys/fs/cgroup) on the main host for the destination runner.
+    #[serde(default)]
+    pub dest_cgroup: Option<String>,
+}
+
+/// Where placement put a guest (the first event of `POST /migrations`).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Placed {
+    /// The guest.
+    pub guest: String,
+    /// The host it leaves.
+    pub source: String,
+    /// The main host.
+    pub main: String,
+    /// Pages resident on the main host.
+    pub main_pages: u64,
+    /// Sub-hosts and the pages each takes.
+    pub subs: Vec<(String, u64)>,
 }
 
 /// `POST /incoming`: start a runner here that waits for a migration.
@@ -91,12 +152,17 @@ pub struct Failure {
     /// paused at the source, for a person to check.
     #[serde(default)]
     pub in_doubt: bool,
+    /// What was undone, in order (for a person).
+    #[serde(default)]
+    pub rolled_back: Vec<String>,
 }
 
 /// One line of a migration's progress stream.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "lowercase")]
 pub enum ProgressEvent {
+    /// Where placement put the guest (orchestrated migrations only, first).
+    Placed(Placed),
     /// Counters, every few hundred milliseconds.
     Progress(MigrationProgress),
     /// The guest runs at the destination now (the last line).

@@ -6,6 +6,8 @@
 //! - `Stripe`: units of `unit` blocks dealt round-robin over the servers.
 //! - Mirror (either layout): every block also on the next server.
 
+use pagefleet_common::units::fmt_size;
+
 /// One copy of a block: (server index, block number on that server).
 pub type Place = (usize, u64);
 
@@ -36,8 +38,24 @@ pub enum LayoutError {
     Servers(usize),
     #[error("mirroring needs at least 2 servers")]
     MirrorServers,
-    #[error("the servers hold {have} blocks in all, the device needs {need}")]
-    TooSmall { need: u64, have: u64 },
+    #[error(
+        "the device needs {} but the memory servers have {} free in all{}: the largest device that fits is {} (--size {}KiB)",
+        fmt_size(need * 4096),
+        fmt_size(free * 4096),
+        if *mirror { " (each block is stored twice with --mirror)" } else { "" },
+        fmt_size(fits * 4096),
+        fits * 4
+    )]
+    TooSmall {
+        /// Blocks the device needs.
+        need: u64,
+        /// Blocks free on the servers in all.
+        free: u64,
+        /// The largest device, in blocks, these servers can hold.
+        fits: u64,
+        /// Whether every block is stored twice.
+        mirror: bool,
+    },
     #[error("stripe unit must be at least one block")]
     Unit,
 }
@@ -64,10 +82,15 @@ impl Translator {
             Some(unit) => {
                 // Every server holds about blocks/n of each copy.
                 let per = blocks.div_ceil(unit).div_ceil(n as u64) * unit * copies;
-                if let Some(&c) = capacity.iter().find(|c| **c < per) {
+                if capacity.iter().any(|c| *c < per) {
+                    // The smallest server bounds every server's share.
+                    let min = capacity.iter().copied().min().unwrap_or(0);
+                    let units_per_server = min / copies / unit;
                     return Err(LayoutError::TooSmall {
-                        need: per * n as u64,
-                        have: c * n as u64,
+                        need: blocks,
+                        free: capacity.iter().sum(),
+                        fits: units_per_server * unit * n as u64,
+                        mirror,
                     });
                 }
                 Layout::Stripe { servers: n, unit }
@@ -83,8 +106,13 @@ impl Translator {
                     left -= s;
                 }
                 if left > 0 {
-                    let have: u64 = capacity.iter().map(|c| c / copies).sum();
-                    return Err(LayoutError::TooSmall { need: blocks, have });
+                    let fits: u64 = capacity.iter().map(|c| c / copies).sum();
+                    return Err(LayoutError::TooSmall {
+                        need: blocks,
+                        free: capacity.iter().sum(),
+                        fits,
+                        mirror,
+                    });
                 }
                 Layout::Linear { sizes }
             }
@@ -214,10 +242,25 @@ mod tests {
             Translator::new(&[10, 10], 30, None, false),
             Err(LayoutError::TooSmall { .. })
         ));
-        assert!(matches!(
-            Translator::new(&[10, 10], 20, None, true),
-            Err(LayoutError::TooSmall { .. })
-        ));
+        let e = Translator::new(&[10, 10], 20, None, true).unwrap_err();
+        assert_eq!(
+            e,
+            LayoutError::TooSmall {
+                need: 20,
+                free: 20,
+                fits: 10,
+                mirror: true
+            }
+        );
+        // Bytes, the largest size that fits, and why it is halved.
+        let m = e.to_string();
+        assert!(m.contains("80.00 KiB") && m.contains("40.00 KiB"), "{m}");
+        assert!(m.contains("--size 40KiB") && m.contains("--mirror"), "{m}");
+        let e = Translator::new(&[10, 6], 16, Some(4), false).unwrap_err();
+        assert!(
+            matches!(e, LayoutError::TooSmall { fits: 8, .. }),
+            "{e:?}"
+        );
         assert_eq!(
             Translator::new(&[10, 10], 4, Some(0), false).unwrap_err(),
             LayoutError::Unit

@@ -32,20 +32,38 @@ pub enum Listener {
 }
 
 impl Listener {
+    /// Listen for NBD clients. NBD has no authentication of its own (TLS
+    /// comes with the cluster CA), so strangers are kept out by where the
+    /// export listens: TCP on loopback only, or a unix socket only its
+    /// owner may open (mode 0600).
     pub fn bind(spec: &str) -> Result<Listener> {
         Ok(match spec.strip_prefix("unix:") {
             Some(p) => {
                 let _ = std::fs::remove_file(p);
-                Listener::Unix(
-                    std::os::unix::net::UnixListener::bind(p)
-                        .with_context(|| format!("cannot listen on {p}"))?,
-                    p.into(),
+                let l = std::os::unix::net::UnixListener::bind(p)
+                    .with_context(|| format!("cannot listen on {p}"))?;
+                use std::os::unix::fs::PermissionsExt;
+                std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o600))
+                    .with_context(|| format!("cannot restrict {p} to its owner"))?;
+                Listener::Unix(l, p.into())
+            }
+            None => {
+                let addrs: Vec<std::net::SocketAddr> = std::net::ToSocketAddrs::to_socket_addrs(spec)
+                    .with_context(|| format!("--listen {spec}: not HOST:PORT or unix:PATH"))?
+                    .collect();
+                if let Some(a) = addrs.iter().find(|a| !a.ip().is_loopback()) {
+                    bail!(
+                        "--listen {spec}: the NBD export has no authentication of its own, so it \
+                         listens on loopback (127.0.0.1:PORT) or a unix socket (unix:PATH) only, \
+                         not on {}",
+                        a.ip()
+                    );
+                }
+                Listener::Tcp(
+                    std::net::TcpListener::bind(&addrs[..])
+                        .with_context(|| format!("cannot listen on {spec}"))?,
                 )
             }
-            None => Listener::Tcp(
-                std::net::TcpListener::bind(spec)
-                    .with_context(|| format!("cannot listen on {spec}"))?,
-            ),
         })
     }
     pub fn describe(&self) -> String {
@@ -83,8 +101,8 @@ impl Device {
                 name: "pagefleet-blockdev".into(),
                 ..Default::default()
             };
-            let c =
-                Conn::connect(s, &secret, &opts).with_context(|| format!("memory server {s}"))?;
+            // The client's error names the server already.
+            let c = Conn::connect(s, &secret, &opts)?;
             cap.push(c.info.capacity_pages.saturating_sub(c.info.used_pages));
         }
         let unit = match o.stripe {

@@ -7,12 +7,11 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use pagefleet_api::migration::Failure;
 use pagefleet_api::{
-    ClusterHost, ClusterView, GuestState, GuestStatus, HostReport, IncomingReply,
-    IncomingRequest, MigrateRequest, MigrationProgress, ProgressEvent, Report, StartGuest, SubHost,
+    ClusterHost, ClusterView, GuestState, GuestStatus, HostReport, MigrationOrder,
+    MigrationProgress, ProgressEvent, Report, StartGuest,
 };
 use pagefleet_common::http::Client;
 use pagefleet_common::units;
-use pagefleet_migrate::placement::{self, HostInfo};
 use pagefleet_proto::auth::Secret;
 use std::io::Write;
 use std::path::Path;
@@ -291,6 +290,10 @@ pub struct MigrateArgs {
     /// Stop and copy once a round leaves at most this many changed pages.
     #[arg(long)]
     pub stop_pages: Option<u64>,
+    /// Give the migration up (and roll it back) when the destination says
+    /// nothing for this many seconds.
+    #[arg(long, default_value_t = 30)]
+    pub timeout: u64,
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
@@ -324,16 +327,22 @@ pub struct GatherArgs {
     pub reg: Registry,
 }
 
-fn info(h: &ClusterHost) -> HostInfo {
-    let r = h.host.as_ref();
-    HostInfo {
-        name: h.name().to_string(),
-        http: h.http.clone(),
-        memserver: r.and_then(|r| r.memserver.clone()),
-        guest_free: r.map(|r| r.guest_free).unwrap_or(0),
-        lend_free: r
-            .map(|r| r.lend_capacity.saturating_sub(r.lend_used))
-            .unwrap_or(0),
+/// Ctrl-C during a migration: the first asks the source host to cancel
+/// (the migration is the daemon's, not this command's), a second one
+/// leaves at once.
+static INTERRUPTS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+extern "C" fn on_interrupt(_: libc::c_int) {
+    if INTERRUPTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) >= 1 {
+        // SAFETY: _exit is async-signal-safe.
+        unsafe { libc::_exit(130) };
+    }
+}
+
+fn catch_interrupts() {
+    // SAFETY: the handler only touches an atomic and calls _exit.
+    unsafe {
+        libc::signal(libc::SIGINT, on_interrupt as *const () as libc::sighandler_t);
     }
 }
 
@@ -352,110 +361,70 @@ fn bar(p: &MigrationProgress) -> String {
     )
 }
 
-/// Run a migration; returns its report.
+/// Run a migration through the source host's daemon; returns its report.
 pub fn migrate(c: &Client, a: &MigrateArgs, progress: bool) -> Result<Report> {
     let hs = hosts(c, &a.reg.registry, &[])?;
     let (src, g) = find_guest(&hs, &a.guest)?;
     if g.state == GuestState::Migrating {
         bail!("{} is already migrating", a.guest);
     }
-    let size_pages = g.size / 4096;
-    let pages = g.pages.clone().unwrap_or_default();
-    // Pages already on memory servers stay there: only resident ones need room.
-    let data_pages = pages.local;
-    let to = a.to.as_deref().map(|t| find_host(&hs, t)).transpose()?;
-    let subs = a
-        .sub
-        .as_ref()
-        .map(|s| {
-            s.iter()
-                .map(|x| find_host(&hs, x))
-                .collect::<Result<Vec<_>>>()
-        })
-        .transpose()?;
-    let infos: Vec<HostInfo> = hs.iter().map(info).collect();
-    let choice = if a.gather {
-        // Every page with data, wherever it is, goes to one host.
-        let remote: u64 = pages.remote.values().sum();
-        placement::choose_whole(&infos, src, size_pages, data_pages + remote, to)
-            .map_err(anyhow::Error::msg)?
-    } else {
-        placement::choose(&infos, src, size_pages, data_pages, to, subs.as_deref())
-            .map_err(anyhow::Error::msg)?
-    };
-    let main = &hs[choice.main];
-    eprintln!(
-        "migrating {} from {} to {} ({} pages resident there){}",
-        a.guest,
-        hs[src].name(),
-        main.name(),
-        choice.main_pages,
-        if choice.subs.is_empty() {
-            String::new()
-        } else {
-            format!(
-                ", sub-hosts {}",
-                choice
-                    .subs
-                    .iter()
-                    .map(|(h, _)| hs[*h].name())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )
-        }
-    );
-    let inc = IncomingRequest {
-        name: a.guest.clone(),
-        budget_pages: choice.main_pages,
-        cgroup: a.dest_cgroup.clone(),
-    };
-    let reply: IncomingReply = c
-        .timeout(Duration::from_secs(30))
-        .post(&main.http, "/incoming", &inc)
-        .with_context(|| format!("starting the destination runner on {}", main.name()))?;
-    let mut addr = reply.migrate_addr;
-    if addr.starts_with("0.0.0.0:") {
-        // The daemon listens on every address: use the one we reached it on.
-        let ip = main
-            .http
-            .rsplit_once(':')
-            .map(|x| x.0)
-            .unwrap_or("127.0.0.1");
-        addr = format!("{ip}:{}", addr.rsplit(':').next().unwrap_or("0"));
-    }
-    let mut sub_hosts = Vec::new();
-    for (h, pages) in &choice.subs {
-        let addr = hs[*h]
-            .memserver()
-            .with_context(|| format!("{} lends no memory", hs[*h].name()))?;
-        sub_hosts.push(SubHost {
-            addr: addr.to_string(),
-            pages: *pages,
-        });
-    }
-    let req = MigrateRequest {
-        to: addr,
-        subs: sub_hosts,
-        main_pages: Some(choice.main_pages),
-        verify: a.verify,
+    let source = &hs[src];
+    let order = MigrationOrder {
+        guest: a.guest.clone(),
+        to: a.to.clone(),
+        subs: a.sub.clone(),
         gather: a.gather,
+        verify: a.verify,
         policy: a.policy.map(|p| format!("{p:?}").to_lowercase()),
         chunk: a.chunk,
         max_rounds: a.max_rounds,
         stop_pages: a.stop_pages,
+        timeout_secs: Some(a.timeout),
+        dest_cgroup: a.dest_cgroup.clone(),
     };
+    catch_interrupts();
     let mut report = None;
     let mut failure: Option<Failure> = None;
+    let mut cancelled = false;
+    let mut drew = false;
+    let cancel_path = format!("/guests/{}/cancel", a.guest);
     c.post_stream(
-        &hs[src].http,
-        &format!("/guests/{}/migrate", a.guest),
-        &req,
+        &source.http,
+        "/migrations",
+        &order,
         Duration::from_secs(120),
         |ev: ProgressEvent| {
+            if !cancelled && INTERRUPTS.load(std::sync::atomic::Ordering::Relaxed) > 0 {
+                cancelled = true;
+                eprintln!("\ninterrupted: asking {} to cancel the migration", source.name());
+                if let Err(e) = c.post::<_, pagefleet_api::Ok>(
+                    &source.http,
+                    &cancel_path,
+                    &serde_json::Map::new(),
+                ) {
+                    eprintln!("cannot cancel: {e}");
+                }
+            }
             match ev {
+                ProgressEvent::Placed(p) => eprintln!(
+                    "migrating {} from {} to {} ({} pages resident there){}",
+                    p.guest,
+                    p.source,
+                    p.main,
+                    p.main_pages,
+                    if p.subs.is_empty() {
+                        String::new()
+                    } else {
+                        format!(
+                            ", sub-hosts {}",
+                            p.subs.iter().map(|s| s.0.as_str()).collect::<Vec<_>>().join(", ")
+                        )
+                    }
+                ),
                 ProgressEvent::Progress(p) => {
                     if progress {
                         eprint!("{}", bar(&p));
+                        drew = true;
                         let _ = std::io::stderr().flush();
                     }
                 }
@@ -465,18 +434,26 @@ pub fn migrate(c: &Client, a: &MigrateArgs, progress: bool) -> Result<Report> {
             true
         },
     )?;
-    if progress {
+    if drew {
         eprintln!();
     }
     match (report, failure) {
         (Some(r), _) => Ok(r),
-        (None, Some(f)) if f.in_doubt => bail!("{}", f.message),
-        (None, Some(f)) => bail!(
-            "migration failed and was rolled back ({} still runs on {}): {}",
-            a.guest,
-            hs[src].name(),
-            f.message
-        ),
+        (None, Some(f)) => {
+            for step in &f.rolled_back {
+                eprintln!("  rolled back: {step}");
+            }
+            if f.in_doubt {
+                bail!("{}", f.message)
+            }
+            bail!(
+                "migration {} and was rolled back ({} still runs on {}): {}",
+                if cancelled { "cancelled" } else { "failed" },
+                a.guest,
+                source.name(),
+                f.message
+            )
+        }
         (None, None) => bail!("the source host ended the migration without a report"),
     }
 }
@@ -493,6 +470,7 @@ pub fn gather_cmd(c: &Client, g: GatherArgs) -> Result<()> {
             verify: g.verify,
             max_rounds: None,
             stop_pages: None,
+            timeout: 30,
             json: g.json,
             dest_cgroup: None,
             reg: g.reg,
@@ -531,7 +509,14 @@ pub fn evacuate(c: &Client, a: EvacuateArgs) -> Result<()> {
     let x = find_host(&hs, &a.host)?;
     let to = a.to.as_deref().map(|t| find_host(&hs, t)).transpose()?;
     let xms = hs[x].memserver().map(String::from);
-    let mut lend_free: Vec<u64> = hs.iter().map(|h| info(h).lend_free / 4096).collect();
+    let mut lend_free: Vec<u64> = hs
+        .iter()
+        .map(|h| {
+            h.host
+                .as_ref()
+                .map_or(0, |r| r.lend_capacity.saturating_sub(r.lend_used) / 4096)
+        })
+        .collect();
     let mut moved_any = false;
     if let Some(xms) = &xms {
         for (gh, h) in hs.iter().enumerate() {
@@ -604,6 +589,7 @@ pub fn evacuate(c: &Client, a: EvacuateArgs) -> Result<()> {
             verify: false,
             max_rounds: None,
             stop_pages: None,
+            timeout: 30,
             json: false,
             dest_cgroup: None,
             reg: a.reg.clone(),

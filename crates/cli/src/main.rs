@@ -217,18 +217,27 @@ enum BlockdevCmd {
     /// Example: pagefleet blockdev serve --servers 127.0.0.1:7070,127.0.0.1:7080 --size 1GiB --listen 127.0.0.1:10809
     ///          qemu-img info nbd://127.0.0.1:10809
     Serve {
+        /// The memory servers whose memory makes up the device, comma-separated HOST:PORT.
         #[arg(long, value_delimiter = ',', required = true)]
         servers: Vec<String>,
+        /// The device's size (e.g. 1GiB; a multiple of 4 KiB). It must fit
+        /// in the servers' free memory (half of it with --mirror).
         #[arg(long, value_parser = units::parse_size)]
         size: u64,
+        /// linear: the servers' spaces one after another (DMPS); stripe:
+        /// --stripe-unit pieces dealt round-robin over the servers.
         #[arg(long, default_value = "linear", value_parser = ["linear", "stripe"])]
         layout: String,
         /// Stripe unit (a multiple of 4 KiB).
         #[arg(long, default_value = "128KiB", value_parser = units::parse_size)]
         stripe_unit: u64,
+        /// Keep every block on two servers (reads go to either; the device
+        /// survives one server's death but holds half as much).
         #[arg(long)]
         mirror: bool,
-        /// HOST:PORT or unix:PATH.
+        /// Where NBD clients connect: 127.0.0.1:PORT or unix:PATH (mode 0600).
+        /// NBD has no authentication of its own, so the export never
+        /// listens where strangers could reach it.
         #[arg(long, default_value = "127.0.0.1:10809")]
         listen: String,
         /// Export name (clients may also ask for "").
@@ -515,7 +524,10 @@ enum MemserverCmd {
 fn main() {
     let cli = Cli::parse();
     if let Err(e) = run(cli) {
-        eprintln!("pagefleet: error: {e:#}");
+        eprintln!(
+            "pagefleet: error: {}",
+            pagefleet_common::report::describe(e.as_ref())
+        );
         std::process::exit(1);
     }
 }

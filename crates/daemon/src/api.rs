@@ -14,6 +14,7 @@
 //! | `POST /guests/NAME/set_budget` | `{pages}` | `{budget_pages}` |
 //! | `POST /guests/NAME/evacuate` | `{from, to}` | `{moved}` |
 //! | `POST /guests/NAME/migrate` | `MigrateRequest` | `ProgressEvent` lines |
+//! | `POST /migrations` | `MigrationOrder` | `ProgressEvent` lines (placement first) |
 
 use crate::guests::{Guests, Refusal};
 use crate::http::error;
@@ -24,15 +25,13 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use pagefleet_api::control::{Budget, Moved};
-use pagefleet_api::migration::Failure;
 use pagefleet_api::{
-    ClusterHost, ControlRequest, GuestStatus, HostReport, IncomingRequest, MigrateRequest,
-    ProgressEvent, SortResult, StartGuest,
+    ClusterHost, ClusterView, ControlRequest, GuestStatus, HostReport, IncomingRequest,
+    MigrateRequest, MigrationOrder, ProgressEvent, SortResult, StartGuest,
 };
 use pagefleet_common::http::Client;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
-use std::io::Write;
 use std::sync::Arc;
 
 /// What the routes serve.
@@ -97,7 +96,7 @@ async fn blocking<T: Serialize + Send + 'static>(
 
 async fn index() -> &'static str {
     "pagefleetd: GET /metrics /host /cluster /guests /guests/NAME; POST /guests /incoming \
-     /guests/NAME/{stop,cancel,sort,set_budget,evacuate,migrate} (signed requests; see docs/architecture.md)\n"
+     /guests/NAME/{stop,cancel,sort,set_budget,evacuate,migrate} /migrations (signed requests; see docs/architecture.md)\n"
 }
 
 async fn metrics(State(app): Shared) -> Response {
@@ -112,20 +111,25 @@ async fn host(State(app): Shared) -> Json<HostReport> {
     Json((app.report)())
 }
 
-async fn cluster(State(app): Shared) -> Response {
-    tokio::task::spawn_blocking(move || {
-        let guests = app.guests.as_ref().map(|g| g.list()).unwrap_or_default();
-        let r = (app.report)();
+impl App {
+    /// The registry's view: this host first, then every peer.
+    pub fn view(&self) -> ClusterView {
+        let guests = self.guests.as_ref().map(|g| g.list()).unwrap_or_default();
+        let r = (self.report)();
         let me = ClusterHost {
             http: r.http.clone().unwrap_or_default(),
             host: Some(r),
             guests,
             error: None,
         };
-        Json(crate::registry::cluster(me, &app.peers, &app.client)).into_response()
-    })
-    .await
-    .unwrap_or_else(|e| error(StatusCode::INTERNAL_SERVER_ERROR, e))
+        crate::registry::cluster(me, &self.peers, &self.client)
+    }
+}
+
+async fn cluster(State(app): Shared) -> Response {
+    tokio::task::spawn_blocking(move || Json(app.view()).into_response())
+        .await
+        .unwrap_or_else(|e| error(StatusCode::INTERNAL_SERVER_ERROR, e))
 }
 
 async fn list(State(app): Shared) -> Response {
@@ -206,50 +210,45 @@ async fn guest_op(State(app): Shared, Path((name, op)): Path<(String, String)>, 
     }
 }
 
-/// Relay the runner's migration stream as JSON lines. When the caller goes
-/// away (its Ctrl-C), the relay ends and shuts the runner's socket, which
-/// the runner takes as a cancel.
-async fn migrate(g: Arc<Guests>, name: String, req: ControlRequest) -> Response {
-    let g2 = g.clone();
-    let n2 = name.clone();
-    let stream = match tokio::task::spawn_blocking(move || g2.migrate_stream(&n2, &req)).await {
-        Ok(Ok(s)) => s,
-        Ok(Err(r)) => return refusal(r),
-        Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, e),
-    };
+/// A reply streaming the events `f` emits as JSON lines. `f` runs on its
+/// own thread; its `emit` returns false once the caller has gone.
+fn events(f: impl FnOnce(&mut dyn FnMut(&ProgressEvent) -> bool) + Send + 'static) -> Response {
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::convert::Infallible>>(16);
-    tokio::task::spawn_blocking(move || {
-        let path = std::path::PathBuf::from(format!("guest {name}"));
-        let shut = stream.try_clone();
-        let r = pagefleet_common::control::read_lines::<ProgressEvent>(&path, stream, |ev| {
-            if matches!(ev, ProgressEvent::Report(_)) {
-                // The guest runs elsewhere now: its memory here is free at
-                // once (the runner exits right after).
-                g.forget(&name);
-            }
-            let mut line = serde_json::to_vec(&ev).unwrap_or_default();
+    std::thread::spawn(move || {
+        let mut emit = |ev: &ProgressEvent| {
+            let mut line = serde_json::to_vec(ev).unwrap_or_default();
             line.push(b'\n');
             tx.blocking_send(Ok(Bytes::from(line))).is_ok()
-        });
-        if let Err(e) = r {
-            let ev = ProgressEvent::Failed(Failure {
-                message: e.to_string(),
-                in_doubt: false,
-            });
-            let mut line = Vec::new();
-            let _ = serde_json::to_writer(&mut line, &ev);
-            let _ = line.write_all(b"\n");
-            let _ = tx.blocking_send(Ok(Bytes::from(line)));
-        }
-        if let Ok(s) = shut {
-            let _ = s.shutdown(std::net::Shutdown::Both);
-        }
+        };
+        f(&mut emit);
     });
     (
         [(header::CONTENT_TYPE, "application/x-ndjson")],
         Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx)),
     )
         .into_response()
+}
+
+/// `POST /guests/NAME/migrate`: the runner's migration to an explicit
+/// destination, relayed; the caller going away (its Ctrl-C) cancels it.
+async fn migrate(g: Arc<Guests>, name: String, req: ControlRequest) -> Response {
+    let ControlRequest::Migrate(m) = req else {
+        return error(StatusCode::BAD_REQUEST, "not a migration");
+    };
+    events(move |emit| crate::orchestrate::relay(&g, &name, m, true, emit))
+}
+
+/// `POST /migrations`: placement and the whole migration, on this (the
+/// source) host; it goes on if the caller leaves.
+async fn migrations(State(app): Shared, b: Bytes) -> Response {
+    let order = match body::<MigrationOrder>(&b) {
+        Ok(o) => o,
+        Err(r) => return r,
+    };
+    if let Err(r) = guests(&app) {
+        return r;
+    }
+    events(move |emit| crate::orchestrate::migrate(&app, order, emit))
 }
 
 /// Every route.
@@ -263,5 +262,6 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/guests/{name}", get(status))
         .route("/guests/{name}/{op}", post(guest_op))
         .route("/incoming", post(incoming))
+        .route("/migrations", post(migrations))
         .with_state(app)
 }

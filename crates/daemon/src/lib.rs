@@ -6,6 +6,7 @@ pub mod api;
 pub mod config;
 pub mod guests;
 pub mod http;
+pub mod orchestrate;
 pub mod registry;
 
 use anyhow::{Context, Result};

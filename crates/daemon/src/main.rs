@@ -125,7 +125,10 @@ struct Args {
 
 fn main() {
     if let Err(e) = run() {
-        eprintln!("pagefleetd: error: {e:#}");
+        eprintln!(
+            "pagefleetd: error: {}",
+            pagefleet_common::report::describe(e.as_ref())
+        );
         std::process::exit(1);
     }
 }

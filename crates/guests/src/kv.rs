@@ -70,6 +70,10 @@ pub struct Kv {
     pub gets: AtomicU64,
     pub hits: AtomicU64,
     pub sets: AtomicU64,
+    /// Connected clients (a copy of each socket), so a guest moving away
+    /// can hang them up at once instead of leaving them to time out.
+    clients: Mutex<std::collections::HashMap<u64, TcpStream>>,
+    next_client: AtomicU64,
 }
 
 fn now() -> u32 {
@@ -120,6 +124,8 @@ impl Kv {
             gets: AtomicU64::new(0),
             hits: AtomicU64::new(0),
             sets: AtomicU64::new(0),
+            clients: Mutex::new(std::collections::HashMap::new()),
+            next_client: AtomicU64::new(0),
         };
         if kv.r(H_MAGIC) != MAGIC {
             kv.format();
@@ -413,6 +419,18 @@ impl Kv {
     }
 }
 
+impl Kv {
+    /// Hang up every connected client now (they reconnect, e.g. to the
+    /// host the guest moved to). Returns how many there were.
+    pub fn close_clients(&self) -> usize {
+        let m = self.clients.lock().unwrap_or_else(|e| e.into_inner());
+        for s in m.values() {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+        m.len()
+    }
+}
+
 /// Serve the memcached text protocol until `stop` is set.
 pub fn serve(kv: Arc<Kv>, listener: TcpListener, stop: Arc<AtomicBool>) {
     let _ = listener.set_nonblocking(true);
@@ -421,11 +439,22 @@ pub fn serve(kv: Arc<Kv>, listener: TcpListener, stop: Arc<AtomicBool>) {
             Ok((s, peer)) => {
                 let kv = kv.clone();
                 let _ = s.set_nonblocking(false);
+                let id = kv.next_client.fetch_add(1, Relaxed);
+                if let Ok(c) = s.try_clone() {
+                    kv.clients
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(id, c);
+                }
                 std::thread::spawn(move || {
                     debug!(%peer, "kv client connected");
                     if let Err(e) = session(&kv, s) {
                         debug!(%peer, "kv client: {e}");
                     }
+                    kv.clients
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .remove(&id);
                 });
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {

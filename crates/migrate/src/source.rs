@@ -124,15 +124,36 @@ pub struct Progress {
     pub round_sent: AtomicU64,
     pub bytes_main: AtomicU64,
     pub bytes_subs: AtomicU64,
+    /// What an abort undid, in order (for the person who asked).
+    pub rolled_back: Mutex<Vec<String>>,
 }
 
 impl Progress {
     fn set_phase(&self, p: &str) {
         *self.phase.lock().unwrap() = p.to_string();
     }
+    fn undid(&self, what: String) {
+        self.rolled_back
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(what);
+    }
+
+    /// What the last abort undid.
+    pub fn rollback(&self) -> Vec<String> {
+        self.rolled_back
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
     /// Back to zero, for a new attempt.
     pub fn reset(&self) {
         self.set_phase("");
+        self.rolled_back
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
         for c in [
             &self.round,
             &self.round_pages,
@@ -239,6 +260,7 @@ pub fn migrate(
             region.track_changes(false);
             region.hold_paging(false);
             let _ = stream.send(Kind::Abort, 0, &[e.to_string().as_bytes()]);
+            progress.undid("told the destination to drop the migration".into());
             return Err(e.into());
         }
     };
@@ -282,10 +304,13 @@ pub fn migrate(
             run.abort(&e.to_string());
             if released {
                 guest.reclaim_address();
+                progress.undid("took the guest's service address back".into());
             }
             if paused {
                 guest.resume();
+                progress.undid("resumed the guest here".into());
             }
+            progress.undid(format!("{} runs on this host as before", o.name));
             Err(e)
         }
     }
@@ -579,7 +604,15 @@ impl Run<'_> {
     /// Tell the destination to drop everything and delete what the sub-hosts got.
     fn abort(&mut self, why: &str) {
         self.progress.set_phase("aborting");
+        // A frozen or dead destination must not hold the rollback up for
+        // another full timeout: the abort is a courtesy, the destination
+        // drops everything on its own when the stream ends.
+        self.stream.set_timeout(Some(Duration::from_secs(1)));
         let _ = self.stream.send(Kind::Abort, 0, &[why.as_bytes()]);
+        self.progress.undid(format!(
+            "told the destination {} to drop what it received",
+            self.o.to
+        ));
         let rid = self.region.region_id;
         for (j, list) in self.put.iter_mut().enumerate() {
             if list.is_empty() {
@@ -598,8 +631,18 @@ impl Run<'_> {
                 Err(_) => Conn::connect(addr, &self.o.secret, &opts)
                     .and_then(|mut c| c.delete(rid, Pages::List(list))),
             };
-            if let Err(e) = r {
-                warn!("could not delete this migration's pages on sub-host {addr}: {e}");
+            match r {
+                Ok(_) => self.progress.undid(format!(
+                    "deleted the {} pages sent to sub-host {addr}",
+                    list.len()
+                )),
+                Err(e) => {
+                    warn!("could not delete this migration's pages on sub-host {addr}: {e}");
+                    self.progress.undid(format!(
+                        "could NOT delete the {} pages sent to sub-host {addr}: {e}",
+                        list.len()
+                    ));
+                }
             }
         }
         self.region.track_changes(false);

@@ -91,6 +91,20 @@ pub struct Header {
 pub enum WireError {
     #[error("migration stream: {0}")]
     Io(#[from] io::Error),
+    /// The other end closed the connection (its process died, or it gave up).
+    #[error("the migration peer {peer} closed the connection (did its runner die?)")]
+    Closed {
+        /// The other end's address.
+        peer: String,
+    },
+    /// The other end sent or took nothing for the stream's timeout.
+    #[error("the migration peer {peer} did not answer: timed out after {secs} s")]
+    TimedOut {
+        /// The other end's address.
+        peer: String,
+        /// The timeout that passed.
+        secs: u64,
+    },
     #[error("migration stream: malformed message: {0}")]
     Malformed(String),
     #[error("migration peer refused the cluster secret (both hosts need the same secret file)")]
@@ -143,12 +157,35 @@ impl Header {
 /// One end of a migration stream.
 pub struct Stream {
     pub s: TcpStream,
+    peer: String,
+    timeout: std::cell::Cell<Option<Duration>>,
 }
 
 impl Stream {
     pub fn new(s: TcpStream) -> Stream {
         let _ = s.set_nodelay(true);
-        Stream { s }
+        let peer = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+        Stream {
+            s,
+            peer,
+            timeout: std::cell::Cell::new(None),
+        }
+    }
+
+    /// An I/O error on the stream, said the way a person can act on it.
+    pub fn io_error(&self, e: io::Error) -> WireError {
+        match e.kind() {
+            io::ErrorKind::UnexpectedEof
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::BrokenPipe => WireError::Closed {
+                peer: self.peer.clone(),
+            },
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => WireError::TimedOut {
+                peer: self.peer.clone(),
+                secs: self.timeout.get().map_or(0, |t| t.as_secs()),
+            },
+            _ => WireError::Io(e),
+        }
     }
 
     pub fn send(&mut self, kind: Kind, arg: u64, parts: &[&[u8]]) -> Result<(), WireError> {
@@ -167,8 +204,7 @@ impl Stream {
                 .filter(|p| !p.is_empty())
                 .map(|p| IoSlice::new(p)),
         );
-        pagefleet_proto::io::write_all_vectored(&mut self.s, &mut iov)?;
-        Ok(())
+        pagefleet_proto::io::write_all_vectored(&mut self.s, &mut iov).map_err(|e| self.io_error(e))
     }
 
     pub fn send_json(&mut self, kind: Kind, v: &serde_json::Value) -> Result<(), WireError> {
@@ -178,7 +214,7 @@ impl Stream {
 
     pub fn header(&mut self) -> Result<Header, WireError> {
         let mut b = [0u8; HEADER];
-        self.s.read_exact(&mut b)?;
+        self.s.read_exact(&mut b).map_err(|e| self.io_error(e))?;
         Header::decode(&b)
     }
 
@@ -191,13 +227,12 @@ impl Stream {
             )));
         }
         let mut v = vec![0u8; h.len as usize];
-        self.s.read_exact(&mut v)?;
+        self.s.read_exact(&mut v).map_err(|e| self.io_error(e))?;
         Ok(v)
     }
 
     pub fn read_exact(&mut self, dst: &mut [u8]) -> Result<(), WireError> {
-        self.s.read_exact(dst)?;
-        Ok(())
+        self.s.read_exact(dst).map_err(|e| self.io_error(e))
     }
 
     /// The next message, which must be `want` (ERROR and ABORT become errors).
@@ -224,6 +259,7 @@ impl Stream {
     pub fn set_timeout(&self, t: Option<Duration>) {
         let _ = self.s.set_read_timeout(t);
         let _ = self.s.set_write_timeout(t);
+        self.timeout.set(t);
     }
 
     /// Destination side of the mutual proof of the cluster secret.

@@ -32,6 +32,7 @@ pub struct Running {
     gate: Arc<Gate>,
     ops: Arc<AtomicU64>,
     sort: Option<Arc<SortJob>>,
+    kv: Option<Arc<pagefleet_guests::kv::Kv>>,
     service: Option<Service>,
     started: Instant,
     migrating: AtomicBool,
@@ -48,6 +49,13 @@ impl source::Guest for Running {
         self.gate.resume()
     }
     fn release_address(&self) {
+        // Hang up the clients while the address is still here, so they see
+        // the close now and reconnect (to the new host once it claims the
+        // address) instead of waiting out their own timeouts.
+        if let Some(k) = &self.kv {
+            let n = k.close_clients();
+            tracing::info!("hung up {n} kv clients");
+        }
         if let Some(s) = &self.service {
             s.release();
         }
@@ -123,6 +131,7 @@ impl Running {
             gate,
             ops: w.ops,
             sort: w.sort,
+            kv: w.kv,
             service,
             started: Instant::now(),
             migrating: AtomicBool::new(false),
@@ -188,6 +197,9 @@ impl Running {
         if let Some(n) = req.stop_pages {
             o.stop_pages = n;
         }
+        if let Some(t) = req.timeout_secs {
+            o.io_timeout = Duration::from_secs(t.max(1));
+        }
         o
     }
 
@@ -244,6 +256,7 @@ impl Running {
                     &ProgressEvent::Failed(Failure {
                         in_doubt: matches!(e, source::MigrateError::InDoubt(_)),
                         message: e.to_string(),
+                        rolled_back: self.progress.rollback(),
                     }),
                 );
                 Ok(false)

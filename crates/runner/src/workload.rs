@@ -98,6 +98,8 @@ pub struct Started {
     pub ops: Arc<AtomicU64>,
     /// The sort job, if that is the workload.
     pub sort: Option<Arc<SortJob>>,
+    /// The key-value server, if that is the workload.
+    pub kv: Option<Arc<kv::Kv>>,
 }
 
 /// Start `spec`'s workload on the region in background threads.
@@ -144,7 +146,11 @@ pub fn start(
                     });
                 })
                 .map_err(|e| RunnerError::io("starting the workload", e))?;
-            Ok(Started { ops, sort: None })
+            Ok(Started {
+                ops,
+                sort: None,
+                kv: None,
+            })
         }
         Workload::Kv { listen } => {
             let mut k = kv::Kv::open(mem);
@@ -164,13 +170,17 @@ pub fn start(
             let l = bind_retry(listen)?;
             let stop = Arc::new(AtomicBool::new(false));
             let ops = Arc::new(AtomicU64::new(0));
-            let (k2, o2) = (kvs.clone(), ops.clone());
+            let (k2, k3, o2) = (kvs.clone(), kvs.clone(), ops.clone());
             std::thread::spawn(move || kv::serve(k2, l, stop));
             std::thread::spawn(move || loop {
                 std::thread::sleep(Duration::from_millis(100));
-                o2.store(kvs.ops.load(Relaxed), Relaxed);
+                o2.store(k3.ops.load(Relaxed), Relaxed);
             });
-            Ok(Started { ops, sort: None })
+            Ok(Started {
+                ops,
+                sort: None,
+                kv: Some(kvs),
+            })
         }
         Workload::Sortjob {
             sort_frac,
@@ -179,6 +189,7 @@ pub fn start(
         } => Ok(Started {
             ops: Arc::new(AtomicU64::new(0)),
             sort: Some(SortJob::start(mem, *sort_frac, *warm, *seed, incoming)),
+            kv: None,
         }),
     }
 }

@@ -414,3 +414,57 @@ fn a_small_guest_swaps_to_the_export_and_gets_every_value_back() {
     eprintln!("swap on a local disk image: {secs:.1} s");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The export is out of strangers' reach: never on a network address, a
+/// unix socket only its owner may open; too big a device says what fits.
+#[test]
+fn the_export_listens_only_where_strangers_cannot_reach() {
+    let c = Cluster::start(2, "16MiB");
+    let serve = |listen: &str, size: &str, extra: &[&str]| {
+        Command::new(bin("pagefleet"))
+            .arg("--secret-file")
+            .arg(&c.secret_file)
+            .args(["blockdev", "serve", "--servers", &c.addrs().join(","), "--size", size])
+            .args(["--listen", listen])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let out = serve("0.0.0.0:0", "4MiB", &[]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("loopback") && err.contains("0.0.0.0"), "{err}");
+    // Too big for the servers, mirrored: bytes, and the largest size that fits.
+    let out = serve("127.0.0.1:0", "24MiB", &["--mirror"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("24.00 MiB") && err.contains("16.00 MiB") && err.contains("--mirror"),
+        "{err}"
+    );
+    // A unix socket is the owner's alone.
+    let dir = tempdir("nbdsock");
+    let sock = dir.join("nbd.sock");
+    let mut child = Command::new(bin("pagefleet"))
+        .arg("--secret-file")
+        .arg(&c.secret_file)
+        .args(["blockdev", "serve", "--servers", &c.addrs().join(","), "--size", "4MiB"])
+        .arg("--listen")
+        .arg(format!("unix:{}", sock.display()))
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&sock).unwrap().permissions().mode() & 0o777;
+    let _ = child.kill();
+    let _ = child.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(line.starts_with("listening"), "{line}");
+    assert_eq!(mode, 0o600, "socket mode {mode:o}");
+}

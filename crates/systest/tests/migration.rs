@@ -298,7 +298,7 @@ fn aborted_migrations_leave_the_source_running_and_nothing_behind() {
             std::thread::sleep(Duration::from_millis(2));
         }
     };
-    let kill_in = |h: usize, pattern: &str| {
+    let signal_in = |h: usize, pattern: &str, sig: i32| {
         let out = std::process::Command::new("ip")
             .args(["netns", "pids", &l.lab.hosts[h].netns])
             .output()
@@ -306,10 +306,11 @@ fn aborted_migrations_leave_the_source_running_and_nothing_behind() {
         for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
             let cmd = std::fs::read_to_string(format!("/proc/{pid}/cmdline")).unwrap_or_default();
             if cmd.contains(pattern) {
-                unsafe { libc::kill(pid.parse().unwrap(), libc::SIGKILL) };
+                unsafe { libc::kill(pid.parse().unwrap(), sig) };
             }
         }
     };
+    let kill_in = |h: usize, pattern: &str| signal_in(h, pattern, libc::SIGKILL);
     let check_clean = |what: &str| {
         assert_runs(&l, "a1", 0);
         for h in [2, 3] {
@@ -370,11 +371,17 @@ fn aborted_migrations_leave_the_source_running_and_nothing_behind() {
     // What the source runner reported right after the Ctrl-C: if the drill
     // ever finds the guest on the destination, this says how far it was.
     eprintln!("Ctrl-C drill: phase {:?} right after SIGINT", phase());
-    let _ = m.wait();
+    let out = m.wait_with_output().unwrap();
     eprintln!(
         "Ctrl-C drill: command gone after {:?}, phase {:?}",
         t_int.elapsed(),
         phase()
+    );
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "Ctrl-C: {said}");
+    assert!(
+        said.contains("cancel") && said.contains("rolled back:"),
+        "Ctrl-C must say what was undone: {said}"
     );
     let t = Instant::now();
     while !phase().is_empty() && t.elapsed() < Duration::from_secs(20) {
@@ -399,7 +406,30 @@ fn aborted_migrations_leave_the_source_running_and_nothing_behind() {
     assert!(!m.wait().unwrap().success());
     check_clean("destination killed at stop-and-copy");
 
-    // 4. The sub-host's daemon dies during pre-copy.
+    // 4. The destination freezes (SIGSTOP) during round 1: the migration
+    // is given up within its timeout, not after minutes.
+    let mut m = run_bg(vec![
+        "a1".into(),
+        "--to".into(),
+        "h2".into(),
+        "--sub".into(),
+        "h3".into(),
+        "--timeout".into(),
+        "5".into(),
+    ]);
+    wait_phase("round 1");
+    let t_stop = Instant::now();
+    signal_in(1, "runner-incoming", libc::SIGSTOP);
+    let out = m.wait_with_output().unwrap();
+    let took = t_stop.elapsed();
+    signal_in(1, "runner-incoming", libc::SIGKILL);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "frozen destination: {said}");
+    assert!(said.contains("timed out after 5 s"), "{said}");
+    assert!(took < Duration::from_secs(20), "gave up after {took:?}: {said}");
+    check_clean("destination frozen");
+
+    // 5. The sub-host's daemon dies during pre-copy.
     let mut m = run_bg(vec![
         "a1".into(),
         "--to".into(),

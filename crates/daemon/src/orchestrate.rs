@@ -1,0 +1,203 @@
+//! Migrations driven by the source host's daemon (`POST /migrations`):
+//! placement over this daemon's registry view, the destination runner
+//! started on the main host (`POST /incoming` there), then the runner's
+//! migration relayed as [`ProgressEvent`]s. The migration belongs to the
+//! daemon, not to the caller: it goes on when the caller goes away, and
+//! `POST /guests/NAME/cancel` stops it.
+
+use crate::api::App;
+use crate::guests::{Guests, Refusal};
+use pagefleet_api::migration::Failure;
+use pagefleet_api::{
+    ClusterHost, ControlRequest, GuestStatus, IncomingReply, IncomingRequest, MigrateRequest,
+    MigrationOrder, Placed, ProgressEvent, SubHost,
+};
+use pagefleet_migrate::placement::{self, HostInfo};
+use std::time::Duration;
+
+/// A host by name, HTTP address or memory-server address.
+fn find_host(hs: &[ClusterHost], key: &str) -> Result<usize, String> {
+    hs.iter()
+        .position(|h| h.name() == key || h.http == key || h.memserver() == Some(key))
+        .ok_or_else(|| format!("no host {key:?} in this host's registry (its --peers)"))
+}
+
+fn info(h: &ClusterHost) -> HostInfo {
+    let r = h.host.as_ref();
+    HostInfo {
+        name: h.name().to_string(),
+        http: h.http.clone(),
+        memserver: r.and_then(|r| r.memserver.clone()),
+        guest_free: r.map(|r| r.guest_free).unwrap_or(0),
+        lend_free: r
+            .map(|r| r.lend_capacity.saturating_sub(r.lend_used))
+            .unwrap_or(0),
+    }
+}
+
+/// Place the guest and start its destination runner: what to tell the
+/// source runner, and where things went.
+fn place(app: &App, g: &Guests, o: &MigrationOrder) -> Result<(Placed, MigrateRequest), Refusal> {
+    let bad = |m: String| Refusal { status: 400, message: m };
+    let st: GuestStatus = g.control(&o.guest, &ControlRequest::Status)?;
+    if st.state == pagefleet_api::GuestState::Migrating {
+        return Err(Refusal {
+            status: 409,
+            message: format!("{} is already migrating", o.guest),
+        });
+    }
+    let view = app.view();
+    let hs = &view.hosts;
+    // This host is the first of the view.
+    let src = 0;
+    let size_pages = st.size / 4096;
+    let pages = st.pages.clone().unwrap_or_default();
+    // Pages already on memory servers stay there: only resident ones need room.
+    let data_pages = pages.local;
+    let to = o.to.as_deref().map(|t| find_host(hs, t)).transpose().map_err(bad)?;
+    let subs = o
+        .subs
+        .as_ref()
+        .map(|s| s.iter().map(|x| find_host(hs, x)).collect::<Result<Vec<_>, _>>())
+        .transpose()
+        .map_err(bad)?;
+    let infos: Vec<HostInfo> = hs.iter().map(info).collect();
+    let choice = if o.gather {
+        // Every page with data, wherever it is, goes to one host.
+        let remote: u64 = pages.remote.values().sum();
+        placement::choose_whole(&infos, src, size_pages, data_pages + remote, to)
+    } else {
+        placement::choose(&infos, src, size_pages, data_pages, to, subs.as_deref())
+    }
+    .map_err(|m| Refusal { status: 409, message: m })?;
+    let main = &hs[choice.main];
+    let mut sub_hosts = Vec::new();
+    for (h, n) in &choice.subs {
+        let addr = hs[*h]
+            .memserver()
+            .ok_or_else(|| bad(format!("{} lends no memory", hs[*h].name())))?;
+        sub_hosts.push(SubHost {
+            addr: addr.to_string(),
+            pages: *n,
+        });
+    }
+    let inc = IncomingRequest {
+        name: o.guest.clone(),
+        budget_pages: choice.main_pages,
+        cgroup: o.dest_cgroup.clone(),
+    };
+    let reply: IncomingReply = app
+        .client
+        .timeout(Duration::from_secs(30))
+        .post(&main.http, "/incoming", &inc)
+        .map_err(|e| Refusal {
+            status: 502,
+            message: format!("starting the destination runner on {}: {e}", main.name()),
+        })?;
+    let mut addr = reply.migrate_addr;
+    if addr.starts_with("0.0.0.0:") {
+        // The daemon there listens on every address: use the one we reached it on.
+        let ip = main.http.rsplit_once(':').map(|x| x.0).unwrap_or("127.0.0.1");
+        addr = format!("{ip}:{}", addr.rsplit(':').next().unwrap_or("0"));
+    }
+    let placed = Placed {
+        guest: o.guest.clone(),
+        source: hs[src].name().to_string(),
+        main: main.name().to_string(),
+        main_pages: choice.main_pages,
+        subs: choice
+            .subs
+            .iter()
+            .map(|(h, n)| (hs[*h].name().to_string(), *n))
+            .collect(),
+    };
+    let req = MigrateRequest {
+        to: addr,
+        subs: sub_hosts,
+        main_pages: Some(choice.main_pages),
+        verify: o.verify,
+        gather: o.gather,
+        policy: o.policy.clone(),
+        chunk: o.chunk,
+        max_rounds: o.max_rounds,
+        stop_pages: o.stop_pages,
+        timeout_secs: o.timeout_secs,
+    };
+    Ok((placed, req))
+}
+
+/// Relay guest `name`'s migration (the runner's event stream) to `emit`
+/// until it ends. When `emit` returns false the caller is gone: with
+/// `leave_cancels` the runner's socket is shut (the runner cancels), else
+/// the relay keeps draining so the migration completes.
+pub fn relay(
+    g: &Guests,
+    name: &str,
+    req: MigrateRequest,
+    leave_cancels: bool,
+    mut emit: impl FnMut(&ProgressEvent) -> bool,
+) {
+    let s = match g.migrate_stream(name, &ControlRequest::Migrate(req)) {
+        Ok(s) => s,
+        Err(r) => {
+            emit(&failed(r.message));
+            return;
+        }
+    };
+    let shut = s.try_clone();
+    let mut listening = true;
+    let path = std::path::PathBuf::from(format!("guest {name}"));
+    let r = pagefleet_common::control::read_lines::<ProgressEvent>(&path, s, |ev| {
+        if matches!(ev, ProgressEvent::Report(_)) {
+            // The guest runs elsewhere now: its memory here is free at
+            // once (the runner exits right after).
+            g.forget(name);
+        }
+        if listening && !emit(&ev) {
+            listening = false;
+            if leave_cancels {
+                return false;
+            }
+        }
+        true
+    });
+    if let Err(e) = r {
+        if listening {
+            emit(&failed(e.to_string()));
+        }
+    }
+    if let Ok(s) = shut {
+        let _ = s.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+fn failed(message: String) -> ProgressEvent {
+    ProgressEvent::Failed(Failure {
+        message,
+        in_doubt: false,
+        rolled_back: vec![],
+    })
+}
+
+/// Carry out `order` on this (the source) host, emitting its events.
+pub fn migrate(app: &App, order: MigrationOrder, mut emit: impl FnMut(&ProgressEvent) -> bool) {
+    let Some(g) = app.guests.as_ref() else {
+        emit(&failed("this host runs no guests".into()));
+        return;
+    };
+    match place(app, g, &order) {
+        Err(r) => {
+            emit(&failed(r.message));
+        }
+        Ok((placed, req)) => {
+            let listening = emit(&ProgressEvent::Placed(placed));
+            let mut listening_now = listening;
+            relay(g, &order.guest, req, false, |ev| {
+                if listening_now {
+                    listening_now = emit(ev);
+                }
+                listening_now
+            });
+        }
+    }
+}
