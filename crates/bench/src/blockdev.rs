@@ -201,23 +201,15 @@ fn fio(uri: &str, rw: &str, bs: u64, qd: u32, size: u64, secs: u64) -> Result<(f
         bail!("fio: {}", String::from_utf8_lossy(&out.stderr).trim());
     }
     // fio may print engine messages before its JSON.
-    let text = String::from_utf8_lossy(&out.stdout);
-    let json = text
-        .find("\n{")
-        .map(|i| &text[i + 1..])
-        .or_else(|| text.starts_with('{').then_some(&text[..]))
-        .context("no JSON in fio's output")?;
-    let v: serde_json::Value = serde_json::from_str(json).context("fio JSON")?;
-    let job = &v["jobs"][0];
+    let f = pagefleet_lab::fio::Output::parse(&String::from_utf8_lossy(&out.stdout))
+        .map_err(anyhow::Error::msg)?;
+    let job = f.job().map_err(anyhow::Error::msg)?;
     let side = if rw.contains("read") {
-        &job["read"]
+        &job.read
     } else {
-        &job["write"]
+        &job.write
     };
-    Ok((
-        side["iops"].as_f64().unwrap_or(0.0),
-        side["bw_bytes"].as_f64().unwrap_or(0.0) / 1e6,
-    ))
+    Ok((side.iops, side.bw_bytes / 1e6))
 }
 
 pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
@@ -396,4 +388,38 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
     writeln!(out)?;
     util::print_goals(&r.goals, out)?;
     r.plot.print(out)
+}
+
+/// `pagefleet bench blockdev`: the DMPS NBD export against nbdkit's memory
+/// plugin and qemu-nbd on tmpfs, with fio.
+#[derive(clap::Args, Clone, Debug)]
+pub struct Args {
+    /// The device's size (at least 16MiB).
+    #[arg(long, value_parser = pagefleet_common::units::parse_size)]
+    pub dataset: Option<u64>,
+    /// Seconds each fio job runs.
+    #[arg(long = "secs", alias = "reps")]
+    pub secs: Option<u64>,
+}
+
+impl crate::Benchmark for Args {
+    type Report = Report;
+    fn run(&self, c: &crate::Common, log: &mut dyn FnMut(&str)) -> Result<Report> {
+        let mut o = if c.quick {
+            Opts::quick(c.out.clone())
+        } else {
+            Opts::full(c.out.clone())
+        };
+        if let Some(d) = self.dataset {
+            let d = crate::at_least("--dataset", "the device size", d, 16 << 20)?;
+            o.size = d / (1 << 20) * (1 << 20);
+        }
+        if let Some(s) = self.secs {
+            o.runtime_secs = s.max(1);
+        }
+        run(&o, log)
+    }
+    fn print(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<()> {
+        print_table(r, out)
+    }
 }

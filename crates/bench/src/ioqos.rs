@@ -368,12 +368,10 @@ fn fio_plain(dev: &Path, bs: u32, jobs: u32, secs: u32, size: u64) -> Result<(f6
     if !out.status.success() {
         bail!("fio: {}", String::from_utf8_lossy(&out.stderr));
     }
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).context("fio JSON")?;
-    let w = &v["jobs"][0]["write"];
-    Ok((
-        w["bw_bytes"].as_f64().unwrap_or(0.0),
-        w["iops"].as_f64().unwrap_or(0.0),
-    ))
+    let f = pagefleet_lab::fio::Output::parse(&String::from_utf8_lossy(&out.stdout))
+        .map_err(anyhow::Error::msg)?;
+    let w = &f.job().map_err(anyhow::Error::msg)?.write;
+    Ok((w.bw_bytes, w.iops))
 }
 
 fn calibrate(d: &Device, size: u64, tenant_counts: &[usize]) -> Result<Calibration> {
@@ -443,10 +441,9 @@ fn start_fio(
 }
 
 fn fio_p99_ms(out: &Path) -> Option<f64> {
-    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(out).ok()?).ok()?;
-    v["jobs"][0]["write"]["clat_ns"]["percentile"]["99.000000"]
-        .as_f64()
-        .map(|ns| ns / 1e6)
+    let text = std::fs::read_to_string(out).ok()?;
+    let f = pagefleet_lab::fio::Output::parse(&text).ok()?;
+    f.job().ok()?.write.p99_ms()
 }
 
 fn run_one(
@@ -953,4 +950,77 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
     writeln!(out, "\n(MB/s = 10^6 bytes/s; WB = well-behaved tenants; min = lowest {MIN_WINDOW_S} s mean after {WARMUP_S} s; a tenant's minimum = {:.0}% of its share when every tenant runs one process; isolation = mean / the tenant's minimum)", MIN_OF_EQUAL_SHARE * 100.0)?;
     crate::util::print_goals(&r.goals, out)?;
     r.plot.print(out)
+}
+
+/// `pagefleet bench ioqos` (root): paper 004 with fio tenants on a slow
+/// FIFO disk and this machine's disk.
+#[derive(clap::Args, Clone, Debug)]
+pub struct Args {
+    /// Seconds each run lasts (default 80; 20..3600).
+    #[arg(long)]
+    pub secs: Option<f64>,
+    /// Devices (fifo, disk), scenarios (ramp, many, burst4k) and policies
+    /// (none, static, bfq, paper, guarantee) to run, comma-separated.
+    #[arg(long)]
+    pub only: Option<String>,
+    /// The shared device's size (at least 64MiB).
+    #[arg(long, value_parser = pagefleet_common::units::parse_size)]
+    pub dataset: Option<u64>,
+}
+
+impl crate::Benchmark for Args {
+    type Report = Report;
+    fn run(&self, c: &crate::Common, log: &mut dyn FnMut(&str)) -> Result<Report> {
+        let mut o = if c.quick {
+            Opts::quick(c.out.clone())
+        } else {
+            Opts::full(c.out.clone())
+        };
+        if let Some(s) = self.secs {
+            if !(20.0..=3600.0).contains(&s) {
+                bail!("--secs must be between 20 and 3600");
+            }
+            o.secs = s;
+        }
+        if let Some(only) = &self.only {
+            let words: Vec<&str> = only
+                .split(',')
+                .map(str::trim)
+                .filter(|w| !w.is_empty())
+                .collect();
+            if let Some(bad) = words.iter().find(|w| {
+                ![&DEVICES[..], &SCENARIOS[..], &POLICIES[..]]
+                    .iter()
+                    .any(|set| set.contains(w))
+            }) {
+                bail!(
+                    "--only {bad:?}: use devices ({}), scenarios ({}), policies ({})",
+                    DEVICES.join(","),
+                    SCENARIOS.join(","),
+                    POLICIES.join(",")
+                );
+            }
+            let pick = |all: &[&str], cur: &mut Vec<String>| {
+                let sel: Vec<String> = all
+                    .iter()
+                    .filter(|x| words.contains(x))
+                    .map(|x| x.to_string())
+                    .collect();
+                if !sel.is_empty() {
+                    *cur = sel;
+                }
+            };
+            pick(&DEVICES, &mut o.devices);
+            pick(&SCENARIOS, &mut o.scenarios);
+            pick(&POLICIES, &mut o.policies);
+        }
+        if let Some(d) = self.dataset {
+            let d = crate::at_least("--dataset", "the shared device's size", d, 64 << 20)?;
+            o.disk_bytes = d / (4 << 20) * (4 << 20);
+        }
+        run(&o, log)
+    }
+    fn print(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<()> {
+        print_table(r, out)
+    }
 }

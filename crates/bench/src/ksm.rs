@@ -890,3 +890,84 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
     util::print_goals(&r.goals, out)?;
     r.plot.print(out)
 }
+
+/// `pagefleet bench ksm` (root): KSM policies on kv tenants sharing a
+/// dataset under memory pressure.
+#[derive(clap::Args, Clone, Debug)]
+pub struct Args {
+    /// Each tenant's memory (default 256MiB; at least 32MiB).
+    #[arg(long, value_parser = pagefleet_common::units::parse_size)]
+    pub dataset: Option<u64>,
+    /// Run only these policies, comma-separated names (e.g. adaptive,ksmtuned).
+    #[arg(long)]
+    pub only: Option<String>,
+    /// Seconds each policy runs (default 900; 20..7200).
+    #[arg(long)]
+    pub secs: Option<f64>,
+    /// Pace each tenant's client at this many ops/s instead of a closed
+    /// loop (operations over 100 ms late are dropped).
+    #[arg(long)]
+    pub pace: Option<f64>,
+    /// Swap file size (default 2GiB; 0 = no swap and no memory cgroup:
+    /// nothing ever pages).
+    #[arg(long, value_parser = pagefleet_common::units::parse_size)]
+    pub swap: Option<u64>,
+    /// Share of the tenants' unmerged memory their memory cgroup keeps in
+    /// RAM (default 0.6; 0.9 with --quick); the rest pages until merging
+    /// makes room.
+    #[arg(long)]
+    pub fit: Option<f64>,
+    /// The clients' zipf skew (default 0: uniform, every common key is in
+    /// the working set).
+    #[arg(long)]
+    pub theta: Option<f64>,
+}
+
+impl crate::Benchmark for Args {
+    type Report = Report;
+    fn run(&self, c: &crate::Common, log: &mut dyn FnMut(&str)) -> Result<Report> {
+        let mut o = if c.quick {
+            Opts::quick(c.out.clone())
+        } else {
+            Opts::full(c.out.clone())
+        };
+        if let Some(d) = self.dataset {
+            o.tenant_bytes = crate::at_least("--dataset", "each tenant's memory", d, 32 << 20)?;
+        }
+        o.only = self.only.clone();
+        if let Some(s) = self.secs {
+            if !(20.0..=7200.0).contains(&s) {
+                bail!("--secs must be between 20 and 7200");
+            }
+            o.duration_s = s as u64;
+        }
+        if let Some(p) = self.pace {
+            if p.is_nan() || p <= 0.0 {
+                bail!("--pace must be a positive number of operations per second");
+            }
+            o.pace = Some(p);
+        }
+        if let Some(s) = self.swap {
+            if s != 0 && s < 64 << 20 {
+                bail!("--swap must be 0 (no swap) or at least 64MiB");
+            }
+            o.swap = (s > 0).then_some(s);
+        }
+        if let Some(f) = self.fit {
+            if !(0.1..=1.0).contains(&f) {
+                bail!("--fit must be between 0.1 and 1 (share of the tenants' memory that fits in RAM)");
+            }
+            o.fit = f;
+        }
+        if let Some(t) = self.theta {
+            if !(0.0..1.0).contains(&t) {
+                bail!("--theta must be in [0, 1)");
+            }
+            o.theta = t;
+        }
+        run(&o, log)
+    }
+    fn print(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<()> {
+        print_table(r, out)
+    }
+}

@@ -2,22 +2,65 @@
 //! its baselines/peers side by side in one run, prints a table, writes a PNG
 //! (through `bench/plot_*.py`), and with `--json` prints one JSON object with
 //! every measurement and a `goals` list computed from this run.
+//!
+//! Every benchmark has the same shape ([`Benchmark`]): its own clap `Args`
+//! (so `pagefleet bench X --help` lists X's flags only) beside the flags all
+//! of them take ([`Common`]).
 
 pub mod blockdev;
-pub mod demo;
 pub mod ioqos;
 pub mod ksm;
-pub mod kvload;
-pub mod lab;
 pub mod memserver;
 pub mod migration;
 pub mod paging;
 pub mod util;
 
-/// Bytes with a binary unit (for benchmark logs and tables).
-pub use pagefleet_common::units::fmt_size as fmt_bytes;
+use anyhow::Result;
+pub use pagefleet_lab::{fmt_bytes, is_root, kvload, LabRun};
+use std::path::PathBuf;
 
-pub fn is_root() -> bool {
-    // SAFETY: plain syscall.
-    unsafe { libc::geteuid() == 0 }
+/// Flags every benchmark takes.
+#[derive(clap::Args, Clone, Debug)]
+pub struct Common {
+    /// Print one JSON object with every result and the goals (the table goes to stderr).
+    #[arg(long)]
+    pub json: bool,
+    /// Small dataset and one repetition: a smoke run, not for the record.
+    #[arg(long)]
+    pub quick: bool,
+    /// Directory for the results JSON and the PNG plot.
+    #[arg(long, default_value = "bench-results")]
+    pub out: PathBuf,
+}
+
+/// One benchmark: its flags are the implementing type.
+pub trait Benchmark {
+    /// Everything it measured, with its `goals`.
+    type Report: serde::Serialize;
+    /// Run it, logging progress lines to `log`.
+    fn run(&self, common: &Common, log: &mut dyn FnMut(&str)) -> Result<Self::Report>;
+    /// The table a person reads.
+    fn print(report: &Self::Report, out: &mut dyn std::io::Write) -> std::io::Result<()>;
+}
+
+/// Run a benchmark and print its table (to stdout, or to stderr with the
+/// JSON on stdout under `--json`).
+pub fn main<B: Benchmark>(common: &Common, b: &B) -> Result<()> {
+    let mut log = |m: &str| eprintln!("  .. {m}");
+    let report = b.run(common, &mut log)?;
+    if common.json {
+        B::print(&report, &mut std::io::stderr())?;
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        B::print(&report, &mut std::io::stdout())?;
+    }
+    Ok(())
+}
+
+/// A size flag's lower bound, said in the flag's terms.
+fn at_least(flag: &str, what: &str, v: u64, min: u64) -> Result<u64> {
+    if v < min {
+        anyhow::bail!("{flag} ({what}) must be at least {}", fmt_bytes(min));
+    }
+    Ok(v)
 }

@@ -1054,3 +1054,40 @@ impl Memcached {
         Ok((get, set))
     }
 }
+
+/// `pagefleet bench memserver`: page-out/page-in throughput and 4 KiB
+/// round trips against raw loopback TCP and memcached, plus server RSS.
+#[derive(clap::Args, Clone, Debug)]
+pub struct Args {
+    /// Bytes moved per throughput measurement (e.g. 512MiB; at least 16MiB).
+    #[arg(long, value_parser = pagefleet_common::units::parse_size)]
+    pub dataset: Option<u64>,
+    /// Repetitions per measurement (the median is reported).
+    #[arg(long)]
+    pub reps: Option<usize>,
+    /// Skip the memcached peer.
+    #[arg(long)]
+    pub no_memcached: bool,
+}
+
+impl crate::Benchmark for Args {
+    type Report = Report;
+    fn run(&self, c: &crate::Common, log: &mut dyn FnMut(&str)) -> Result<Report> {
+        let mut o = if c.quick {
+            Opts::quick(c.out.clone())
+        } else {
+            Opts::full(c.out.clone())
+        };
+        if let Some(d) = self.dataset {
+            o.dataset = crate::at_least("--dataset", "bytes per measurement", d, 16 << 20)?;
+        }
+        if let Some(r) = self.reps {
+            o.reps = r.max(1);
+        }
+        o.memcached = !self.no_memcached;
+        run(&o, log)
+    }
+    fn print(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
+        print_table(r, out)
+    }
+}

@@ -14,12 +14,13 @@
 //! migration (recovery time).
 
 use crate::kvload;
-use crate::lab::LabRun;
+use crate::LabRun;
 use crate::util::{self, Goal, MemCgroup, PlotOutcome, Swap};
 use anyhow::{bail, Context, Result};
 use pagefleet_testbed::Link;
 use serde::Serialize;
-use serde_json::{json, Value};
+use pagefleet_api::Report as MigrationReport;
+use serde_json::json;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
@@ -77,7 +78,7 @@ pub struct TimeRow {
     pub rounds: u64,
     pub pages_sent_twice: u64,
     pub round1_mb_per_s: f64,
-    pub report: Value,
+    pub report: Option<MigrationReport>,
     /// Why this configuration has no figures (it failed; the others still ran).
     pub error: Option<String>,
 }
@@ -143,7 +144,7 @@ fn lab(o: &Opts, link: Link) -> Result<LabRun> {
     )
 }
 
-fn pf_json(l: &LabRun, args: &[&str]) -> Result<Value> {
+fn pf_json(l: &LabRun, args: &[&str]) -> Result<MigrationReport> {
     let (ok, out, err) = l.pf(0, args);
     if !ok {
         bail!("pagefleet {}: {}", args.join(" "), err.trim());
@@ -175,7 +176,7 @@ fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> bool) -> Result<()> 
 fn wait_filled(l: &LabRun, name: &str, pages: u64) -> Result<()> {
     wait_until(&format!("{name} to fill its memory"), 600, || {
         l.guest(name).is_some_and(|(_, g)| {
-            g["ready"] == true && g["pages"]["local"].as_u64().unwrap_or(0) + 32 >= pages
+            g.ready && g.pages.as_ref().map_or(0, |p| p.local) + 32 >= pages
         })
     })
 }
@@ -206,7 +207,7 @@ fn migrate_to(
     name: &str,
     dest: &str,
     extra: &[&str],
-) -> Result<(Value, Option<SwapDest>)> {
+) -> Result<(MigrationReport, Option<SwapDest>)> {
     let mut args = vec!["migrate", name, "--json"];
     args.extend_from_slice(extra);
     let sd;
@@ -280,16 +281,17 @@ fn time_experiment(
             // Let the access history settle (a few sampling sweeps).
             std::thread::sleep(Duration::from_secs(if o.quick { 1 } else { 3 }));
             let (r, err, sd) = match migrate_to(&l, o, "m1", dest, &[]) {
-                Ok((r, sd)) => (r, None, sd),
+                Ok((r, sd)) => (Some(r), None, sd),
                 Err(e) => {
                     log(&format!("  FAILED: {e:#}"));
-                    (Value::Null, Some(format!("{e:#}")), None)
+                    (None, Some(format!("{e:#}")), None)
                 }
             };
             stop_guest(&l, "m1")?;
             drop(sd);
-            let r1 = r["round1_bytes"].as_f64().unwrap_or(0.0)
-                / r["round1_secs"].as_f64().unwrap_or(1.0).max(1e-9);
+            let r1 = r
+                .as_ref()
+                .map_or(0.0, |r| r.round1_bytes as f64 / r.round1_secs.max(1e-9));
             if workload == "idle" && dest == "split" {
                 if let Some(bps) = link.bytes_per_sec() {
                     util_rows.push((link.name().to_string(), r1 / bps));
@@ -299,10 +301,10 @@ fn time_experiment(
                 link: link.name().into(),
                 workload: workload.into(),
                 dest: dest.into(),
-                total_secs: r["total_secs"].as_f64().unwrap_or(f64::NAN),
-                downtime_ms: r["downtime_ms"].as_f64().unwrap_or(f64::NAN),
-                rounds: r["rounds"].as_u64().unwrap_or(0),
-                pages_sent_twice: r["pages_sent_twice"].as_u64().unwrap_or(0),
+                total_secs: r.as_ref().map_or(f64::NAN, |r| r.total_secs),
+                downtime_ms: r.as_ref().map_or(f64::NAN, |r| r.downtime_ms),
+                rounds: r.as_ref().map_or(0, |r| r.rounds as u64),
+                pages_sent_twice: r.as_ref().map_or(0, |r| r.pages_sent_twice),
                 round1_mb_per_s: r1 / 1e6,
                 report: r,
                 error: err,
@@ -356,13 +358,13 @@ fn sort_experiment(o: &Opts, log: Log<'_>, rows: &mut Vec<SortRow>) -> Result<()
             let s: pagefleet_api::SortResult = l
                 .post(h, "/guests/s1/sort", &json!({}), Duration::from_secs(3600))
                 .context("sort")?;
-            Ok((r, Some(s), sd))
+            Ok((Some(r), Some(s), sd))
         });
         let (r, s, err, sd) = match res {
             Ok((r, s, sd)) => (r, s, None, sd),
             Err(e) => {
                 log(&format!("  FAILED: {e:#}"));
-                (Value::Null, None, Some(format!("{e:#}")), None)
+                (None, None, Some(format!("{e:#}")), None)
             }
         };
         stop_guest(&l, "s1")?;
@@ -373,7 +375,7 @@ fn sort_experiment(o: &Opts, log: Log<'_>, rows: &mut Vec<SortRow>) -> Result<()
             sort_secs: s.as_ref().map_or(f64::NAN, |s| s.sort_secs),
             page_ins: s.as_ref().map_or(0, |s| s.page_ins),
             sorted: s.as_ref().is_some_and(|s| s.sorted),
-            migration_secs: r["total_secs"].as_f64().unwrap_or(f64::NAN),
+            migration_secs: r.as_ref().map_or(f64::NAN, |r| r.total_secs),
             error: err,
         });
     }
@@ -438,10 +440,10 @@ fn kv_experiment(o: &Opts, log: Log<'_>, rows: &mut Vec<KvRow>) -> Result<()> {
         std::thread::sleep(Duration::from_secs(o.kv_before));
         let t0 = load.now();
         let (r, merr, sd) = match migrate_to(&l, o, "k1", dest, &[]) {
-            Ok((r, sd)) => (r, None, sd),
+            Ok((r, sd)) => (Some(r), None, sd),
             Err(e) => {
                 log(&format!("  FAILED: {e:#}"));
-                (Value::Null, Some(format!("{e:#}")), None)
+                (None, Some(format!("{e:#}")), None)
             }
         };
         let t1 = load.now();
@@ -471,7 +473,7 @@ fn kv_experiment(o: &Opts, log: Log<'_>, rows: &mut Vec<KvRow>) -> Result<()> {
             after_ops: after,
             bad_values: c.bad_values.load(Relaxed),
             misses: c.misses.load(Relaxed),
-            downtime_ms: r["downtime_ms"].as_f64().unwrap_or(f64::NAN),
+            downtime_ms: r.as_ref().map_or(f64::NAN, |r| r.downtime_ms),
             error: merr,
         });
     }
@@ -716,5 +718,51 @@ mod tests {
         let r = recovery(&tl, 0.1, 1.0, 100.0).unwrap();
         assert!((r - 1.5).abs() < 1e-9, "{r}");
         assert_eq!(recovery(&[10.0; 30], 0.1, 1.0, 100.0), None);
+    }
+}
+
+/// `pagefleet bench migration` (root): S-memV Figs. 8-12 on a testbed.
+#[derive(clap::Args, Clone, Debug)]
+pub struct Args {
+    /// The guest's size (default 2GiB; at least 64MiB).
+    #[arg(long, value_parser = pagefleet_common::units::parse_size)]
+    pub dataset: Option<u64>,
+    /// Link rates to measure migration time on, comma-separated (10gbit,1gbit).
+    #[arg(long, value_delimiter = ',')]
+    pub links: Vec<Link>,
+    /// The experiments to run, comma-separated: time, sort, kv.
+    #[arg(long, value_delimiter = ',')]
+    pub only: Vec<String>,
+}
+
+impl crate::Benchmark for Args {
+    type Report = Report;
+    fn run(&self, c: &crate::Common, log: &mut dyn FnMut(&str)) -> Result<Report> {
+        let mut o = if c.quick {
+            Opts::quick(c.out.clone())
+        } else {
+            Opts::full(c.out.clone())
+        };
+        if let Some(d) = self.dataset {
+            let d = crate::at_least("--dataset", "the guest size", d, 64 << 20)?;
+            o.size = d / (64 << 10) * (64 << 10);
+        }
+        if !self.links.is_empty() {
+            o.links = self.links.clone();
+        }
+        if !self.only.is_empty() {
+            if let Some(bad) = self
+                .only
+                .iter()
+                .find(|s| !["time", "sort", "kv"].contains(&s.as_str()))
+            {
+                bail!("--only {bad:?}: use time, sort, kv");
+            }
+            o.only = self.only.clone();
+        }
+        run(&o, log)
+    }
+    fn print(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<()> {
+        print_table(r, out)
     }
 }

@@ -701,3 +701,41 @@ fn raw_uffd(iters: usize, two: bool) -> Result<Vec<f64>> {
     }
     Ok(v)
 }
+
+/// `pagefleet bench paging`: a kv guest under zipf load, all-local vs
+/// pagefleet configurations vs swap file and zram; single-fault latency.
+#[derive(clap::Args, Clone, Debug)]
+pub struct Args {
+    /// The guest's memory (at least 32MiB).
+    #[arg(long, value_parser = pagefleet_common::units::parse_size)]
+    pub dataset: Option<u64>,
+    /// Seconds each configuration is measured.
+    #[arg(long = "secs", alias = "reps")]
+    pub secs: Option<u64>,
+    /// Run only the configurations whose name contains this (all-local
+    /// always runs, as the reference).
+    #[arg(long)]
+    pub only: Option<String>,
+}
+
+impl crate::Benchmark for Args {
+    type Report = Report;
+    fn run(&self, c: &crate::Common, log: &mut dyn FnMut(&str)) -> Result<Report> {
+        let mut o = if c.quick {
+            Opts::quick(c.out.clone())
+        } else {
+            Opts::full(c.out.clone())
+        };
+        if let Some(d) = self.dataset {
+            o.size = crate::at_least("--dataset", "the guest memory size", d, 32 << 20)?;
+        }
+        if let Some(s) = self.secs {
+            o.measure_secs = s.max(1);
+        }
+        o.only = self.only.clone();
+        run(&o, log)
+    }
+    fn print(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
+        print_table(r, out)
+    }
+}

@@ -158,13 +158,11 @@ pub fn main(c: IoqosCmd) -> Result<()> {
             attach_loop,
         } => fifodisk(&dir, size, bandwidth, per_io, attach_loop),
         IoqosCmd::Status { json, state } => {
-            let v: serde_json::Value = std::fs::read(&state)
+            let v: control::State = std::fs::read(&state)
                 .ok()
                 .and_then(|b| serde_json::from_slice(&b).ok())
-                .filter(|v: &serde_json::Value| {
-                    v["pid"]
-                        .as_u64()
-                        .is_some_and(|p| std::path::Path::new(&format!("/proc/{p}")).exists())
+                .filter(|v: &control::State| {
+                    std::path::Path::new(&format!("/proc/{}", v.pid)).exists()
                 })
                 .with_context(|| {
                     format!(
@@ -178,9 +176,9 @@ pub fn main(c: IoqosCmd) -> Result<()> {
             }
             println!(
                 "policy {} on device {}: {:.0}% of the device in use",
-                v["policy"].as_str().unwrap_or("?"),
-                v["device"].as_str().unwrap_or("?"),
-                v["device_share_used"].as_f64().unwrap_or(0.0) * 100.0
+                v.policy,
+                v.device,
+                v.device_share_used * 100.0
             );
             println!(
                 "{:<12} {:>16} {:>8} {:>9} {:>9} {:>11} {:>10} {:>9} {:>8}",
@@ -194,35 +192,30 @@ pub fn main(c: IoqosCmd) -> Result<()> {
                 "capped s",
                 "starved"
             );
-            for t in v["tenants"].as_array().into_iter().flatten() {
-                let f = |k: &str, d: f64| {
-                    t[k].as_f64()
-                        .map(|x| format!("{:.1}", x / d))
+            for t in &v.tenants {
+                let f = |x: Option<f64>, d: f64| {
+                    x.map(|x| format!("{:.1}", x / d))
                         .unwrap_or_else(|| "-".into())
                 };
                 // Demand as a share of the device; "+" when it presses against its cap.
                 let demand = format!(
                     "{:.0}%{}",
-                    t["demand_share"].as_f64().unwrap_or(0.0) * 100.0,
-                    if t["pressing_cap"].as_bool().unwrap_or(false) {
-                        "+"
-                    } else {
-                        ""
-                    }
+                    t.demand_share * 100.0,
+                    if t.pressing_cap { "+" } else { "" }
                 );
                 println!(
                     "{:<12} {:>16} {:>8} {:>9} {:>9} {:>11} {:>10} {:>9} {:>8}{}",
-                    t["name"].as_str().unwrap_or("?"),
-                    t["backend"].as_str().unwrap_or("?"),
+                    t.name,
+                    t.backend,
                     demand,
-                    f("bps", 1e6),
-                    f("iops", 1.0),
-                    f("latency_ms", 1.0),
-                    f("cap_bps", 1e6),
-                    f("capped_s", 1.0),
-                    t["starved"],
-                    t["error"]
-                        .as_str()
+                    f(Some(t.bps), 1e6),
+                    f(Some(t.iops), 1.0),
+                    f(t.latency_ms, 1.0),
+                    f(t.cap_bps, 1e6),
+                    f(Some(t.capped_s), 1.0),
+                    t.starved,
+                    t.error
+                        .as_deref()
                         .map(|e| format!("  ({e})"))
                         .unwrap_or_default()
                 );

@@ -127,44 +127,43 @@ pub fn main(c: KsmCmd) -> Result<()> {
                 println!("{}", serde_json::to_string_pretty(&v)?);
                 return Ok(());
             }
-            let f = |k: &str| v[k].as_f64().unwrap_or(0.0);
+            let opt = |o: Option<String>| o.unwrap_or_else(|| "?".into());
             println!(
                 "KSM           {}",
-                if v["run"] == 1 { "running" } else { "stopped" }
+                if v.run == 1 { "running" } else { "stopped" }
             );
             println!(
                 "saved         {:.1} MiB   (general_profit {:.1} MiB)",
-                f("saved_mib"),
-                f("general_profit_mib")
+                v.saved_mib, v.general_profit_mib
             );
             println!(
                 "pages         shared {}  sharing {}  unshared {}  volatile {}  zero {}",
-                v["pages_shared"],
-                v["pages_sharing"],
-                v["pages_unshared"],
-                v["pages_volatile"],
-                v["ksm_zero_pages"]
+                v.pages_shared, v.pages_sharing, v.pages_unshared, v.pages_volatile, v.ksm_zero_pages
             );
-            println!("full scans    {}", v["full_scans"]);
+            println!("full scans    {}", v.full_scans);
             println!(
                 "ksmd CPU      {:.1}% of a core, waiting for a CPU {:.0}% of the time, nice {}",
-                f("ksmd_cpu_percent"),
-                f("ksmd_wait_percent"),
-                v["ksmd_nice"]
+                v.ksmd_cpu_percent,
+                v.ksmd_wait_percent,
+                opt(v.ksmd_nice.map(|n| n.to_string()))
             );
-            println!("scan rate     {:.0} pages/s  (pages_to_scan {}, sleep {} ms, advisor {}, smart_scan {})", f("scan_rate_pages_per_s"), v["pages_to_scan"], v["sleep_millisecs"], v["advisor_mode"].as_str().unwrap_or("?"), v["smart_scan"]);
+            println!(
+                "scan rate     {:.0} pages/s  (pages_to_scan {}, sleep {} ms, advisor {}, smart_scan {})",
+                v.scan_rate_pages_per_s,
+                v.pages_to_scan,
+                v.sleep_millisecs,
+                opt(v.advisor_mode.clone()),
+                opt(v.smart_scan.map(|n| n.to_string()))
+            );
             println!(
                 "memory        {:.1}% available, PSI some avg10 {}",
-                f("mem_available_percent"),
-                v["psi_memory_some_avg10"]
+                v.mem_available_percent,
+                opt(v.psi_memory_some_avg10.map(|p| p.to_string()))
             );
-            match v["controller"].as_object() {
+            match &v.controller {
                 Some(c) => println!(
                     "controller    {} (pid {}): {}, {}",
-                    c["policy"].as_str().unwrap_or("?"),
-                    c["pid"],
-                    c["phase"].as_str().unwrap_or("?"),
-                    c["why"].as_str().unwrap_or("")
+                    c.policy, c.pid, c.phase, c.why
                 ),
                 None => println!("controller    none running"),
             }

@@ -2,7 +2,7 @@
 
 use anyhow::{bail, Result};
 use clap::{Args, Parser, Subcommand};
-use pagefleet_bench::{memserver, paging};
+use pagefleet_bench as bench;
 use pagefleet_client::{Conn, ConnectOptions};
 use pagefleet_common::units;
 use pagefleet_proto::auth::Secret;
@@ -116,95 +116,50 @@ enum Cmd {
 enum BenchCmd {
     /// Memory server page-out/page-in throughput and 4 KiB round trips,
     /// against raw loopback TCP and memcached, plus server RSS at 1 GiB stored.
-    Memserver(BenchOpts),
+    Memserver(Bench<bench::memserver::Args>),
     /// The paging runtime: a kv guest under zipf load, all-local vs pagefleet
     /// (budgets, policies, chunk sizes, servers) vs swap file and zram in a
     /// memory cgroup; single-fault latency vs raw uffd + raw TCP.
-    Paging(BenchOpts),
+    Paging(Bench<bench::paging::Args>),
     /// Split migration (S-memV Figs. 8-12) on a testbed: migration time and
     /// downtime onto a host with enough memory, a split main host + sub-host,
     /// and a memory-limited host with swap; idle and rewriting guests; 10 and
     /// 1 Gbit links; sort time after migration (with/without access history);
-    /// kv throughput across the migration. Root only. --dataset sets the guest
-    /// size (default 2GiB), --only time,sort,kv picks experiments.
-    Migration(BenchOpts),
+    /// kv throughput across the migration. Root only.
+    Migration(Bench<bench::migration::Args>),
     /// The DMPS block device over NBD against nbdkit's memory plugin and
     /// qemu-nbd on tmpfs: fio sequential/random read/write, 4-128 KiB,
-    /// queue depth 1 and 16, IOPS and MB/s. --dataset sets the device size.
-    Blockdev(BenchOpts),
+    /// queue depth 1 and 16, IOPS and MB/s.
+    Blockdev(Bench<bench::blockdev::Args>),
     /// KSM policies (paper 001) on kv tenants holding the same dataset plus
     /// private data under host memory pressure: off, kernel defaults, Debian's
     /// ksmtuned (x0.5, x1, x2 interval), the kernel's scan-time advisor,
     /// pagefleet adaptive; memory saved over time, ksmd CPU, throughput.
-    /// The tenants' memory does not fit unmerged (a locked balloon and a
-    /// swap file: --fit, --swap), so merging sooner means less paging and
-    /// more throughput; closed-loop clients (--pace, --theta).
+    /// The tenants' memory does not fit unmerged (a memory cgroup and a
+    /// swap file), so merging sooner means less paging and more throughput.
     /// Root; about 2 hours (7 runs of 900 s: the kernel advisor needs
-    /// ~750 s to merge; --secs). --dataset sets each tenant's memory
-    /// (default 256MiB); --only picks policies by name (e.g.
-    /// adaptive,ksmtuned).
-    Ksm(BenchOpts),
+    /// ~750 s to merge).
+    Ksm(Bench<bench::ksm::Args>),
     /// I/O guarantee (paper 004): fio tenants (64 KiB random direct writes)
     /// in blkio cgroups on a shared device, one raising its parallelism
     /// (ramp), 12 tenants with 3 bursty (many), a 4 KiB burst (burst4k);
     /// no control, static caps, BFQ weights, paper's Algorithm 1, guarantee.
     /// Devices: a slow FIFO disk (FUSE, like the paper's array) and this
     /// machine's disk (loop over a file, ramp only). Root; about 35 minutes
-    /// (--quick: one 30 s scenario). --only picks devices, scenarios and
-    /// policies by name (e.g. fifo,ramp,paper,guarantee); --secs sets each run's length.
-    Ioqos(BenchOpts),
+    /// (--quick: one 30 s scenario).
+    Ioqos(Bench<bench::ioqos::Args>),
     /// The raw-TCP baseline server used by `bench memserver` (internal).
     #[command(hide = true)]
     RawServer,
 }
 
+/// A benchmark's own flags and those every benchmark takes.
 #[derive(Args, Clone)]
-struct BenchOpts {
-    /// Print one JSON object with every result and the goals (the table goes to stderr).
-    #[arg(long)]
-    json: bool,
-    /// Small dataset and one repetition: a smoke run, not for the record.
-    #[arg(long)]
-    quick: bool,
-    /// Directory for the results JSON and the PNG plot.
-    #[arg(long, default_value = "bench-results")]
-    out: PathBuf,
-    /// Bytes moved per throughput measurement (e.g. 512MiB).
-    #[arg(long, value_parser = units::parse_size)]
-    dataset: Option<u64>,
-    /// Repetitions per measurement (the median is reported).
-    #[arg(long)]
-    reps: Option<usize>,
-    /// Skip the memcached peer.
-    #[arg(long)]
-    no_memcached: bool,
-    /// bench paging: run only the configurations whose name contains this
-    /// (all-local always runs, as the reference). bench migration: the
-    /// experiments to run (time, sort, kv), comma-separated.
-    #[arg(long)]
-    only: Option<String>,
-    /// bench ksm: pace each tenant's client at this many ops/s instead of a
-    /// closed loop (operations over 100 ms late are dropped).
-    #[arg(long)]
-    pace: Option<f64>,
-    /// bench ksm: swap file size (default 2GiB; 0 = no swap and no memory
-    /// cgroup: nothing ever pages).
-    #[arg(long, value_parser = units::parse_size)]
-    swap: Option<u64>,
-    /// bench ksm: share of the tenants' unmerged memory their memory cgroup
-    /// keeps in RAM (default 0.6); the rest pages until merging makes room.
-    #[arg(long)]
-    fit: Option<f64>,
-    /// bench ksm: the clients' zipf skew (default 0: uniform, every common
-    /// key is in the working set).
-    #[arg(long)]
-    theta: Option<f64>,
-    /// bench ioqos / ksm: seconds each run lasts (default 80 / 900).
-    #[arg(long)]
-    secs: Option<f64>,
-    /// bench migration: link rates to measure migration time on (10gbit,1gbit).
-    #[arg(long, value_delimiter = ',')]
-    links: Vec<pagefleet_testbed::Link>,
+struct Bench<A: Args> {
+    #[command(flatten)]
+    common: bench::Common,
+    #[command(flatten)]
+    args: A,
 }
 
 #[derive(Subcommand)]
@@ -325,7 +280,7 @@ struct DemoOpts {
 }
 
 fn demo(o: DemoOpts) -> Result<()> {
-    use pagefleet_bench::demo;
+    use pagefleet_lab::demo;
     if o.size < 64 << 20 {
         bail!("--size must be at least 64MiB");
     }
@@ -548,14 +503,14 @@ fn runner(kind: &str) -> Result<()> {
 fn run(cli: Cli) -> Result<()> {
     let sf = cli.secret_file.as_deref();
     match cli.cmd {
-        Cmd::Bench(BenchCmd::Memserver(o)) => bench_memserver(o),
+        Cmd::Bench(BenchCmd::Memserver(b)) => bench::main(&b.common, &b.args),
+        Cmd::Bench(BenchCmd::Paging(b)) => bench::main(&b.common, &b.args),
+        Cmd::Bench(BenchCmd::Migration(b)) => bench::main(&b.common, &b.args),
+        Cmd::Bench(BenchCmd::Blockdev(b)) => bench::main(&b.common, &b.args),
+        Cmd::Bench(BenchCmd::Ksm(b)) => bench::main(&b.common, &b.args),
+        Cmd::Bench(BenchCmd::Ioqos(b)) => bench::main(&b.common, &b.args),
+        Cmd::Bench(BenchCmd::RawServer) => bench::memserver::raw_server_main(),
         Cmd::Demo(o) => demo(o),
-        Cmd::Bench(BenchCmd::RawServer) => memserver::raw_server_main(),
-        Cmd::Bench(BenchCmd::Paging(o)) => bench_paging(o),
-        Cmd::Bench(BenchCmd::Migration(o)) => bench_migration(o),
-        Cmd::Bench(BenchCmd::Blockdev(o)) => bench_blockdev(o),
-        Cmd::Bench(BenchCmd::Ksm(o)) => bench_ksm(o),
-        Cmd::Bench(BenchCmd::Ioqos(o)) => bench_ioqos(o),
         Cmd::Run(a) => run::run(a, cli.secret_file.as_deref()),
         Cmd::Testbed(t) => testbed(t),
         Cmd::Blockdev(b) => blockdev(b, cli.secret_file.as_deref()),
@@ -633,245 +588,4 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
     }
-}
-
-fn bench_memserver(o: BenchOpts) -> Result<()> {
-    let mut opts = if o.quick {
-        memserver::Opts::quick(o.out.clone())
-    } else {
-        memserver::Opts::full(o.out.clone())
-    };
-    if let Some(d) = o.dataset {
-        if d < 16 << 20 {
-            bail!("--dataset must be at least 16MiB");
-        }
-        opts.dataset = d;
-    }
-    if let Some(r) = o.reps {
-        opts.reps = r.max(1);
-    }
-    opts.memcached = !o.no_memcached;
-    let mut log = |m: &str| eprintln!("  .. {m}");
-    let report = memserver::run(&opts, &mut log)?;
-    if o.json {
-        memserver::print_table(&report, &mut std::io::stderr())?;
-        println!("{}", serde_json::to_string(&report)?);
-    } else {
-        memserver::print_table(&report, &mut std::io::stdout())?;
-    }
-    Ok(())
-}
-
-fn bench_blockdev(o: BenchOpts) -> Result<()> {
-    use pagefleet_bench::blockdev;
-    let mut opts = if o.quick {
-        blockdev::Opts::quick(o.out.clone())
-    } else {
-        blockdev::Opts::full(o.out.clone())
-    };
-    if let Some(d) = o.dataset {
-        if d < 16 << 20 {
-            bail!("--dataset (the device size) must be at least 16MiB");
-        }
-        opts.size = d / (1 << 20) * (1 << 20);
-    }
-    if let Some(r) = o.reps {
-        opts.runtime_secs = r.max(1) as u64;
-    }
-    let mut log = |m: &str| eprintln!("  .. {m}");
-    let report = blockdev::run(&opts, &mut log)?;
-    if o.json {
-        blockdev::print_table(&report, &mut std::io::stderr())?;
-        println!("{}", serde_json::to_string(&report)?);
-    } else {
-        blockdev::print_table(&report, &mut std::io::stdout())?;
-    }
-    Ok(())
-}
-
-fn bench_ksm(o: BenchOpts) -> Result<()> {
-    use pagefleet_bench::ksm;
-    let mut opts = if o.quick {
-        ksm::Opts::quick(o.out.clone())
-    } else {
-        ksm::Opts::full(o.out.clone())
-    };
-    if let Some(d) = o.dataset {
-        if d < 32 << 20 {
-            bail!("--dataset (each tenant's memory) must be at least 32MiB");
-        }
-        opts.tenant_bytes = d;
-    }
-    opts.only = o.only.clone();
-    if let Some(s) = o.secs {
-        if !(20.0..=7200.0).contains(&s) {
-            bail!("--secs must be between 20 and 7200");
-        }
-        opts.duration_s = s as u64;
-    }
-    if let Some(p) = o.pace {
-        if p.is_nan() || p <= 0.0 {
-            bail!("--pace must be a positive number of operations per second");
-        }
-        opts.pace = Some(p);
-    }
-    if let Some(s) = o.swap {
-        if s != 0 && s < 64 << 20 {
-            bail!("--swap must be 0 (no swap) or at least 64MiB");
-        }
-        opts.swap = (s > 0).then_some(s);
-    }
-    if let Some(f) = o.fit {
-        if !(0.1..=1.0).contains(&f) {
-            bail!(
-                "--fit must be between 0.1 and 1 (share of the tenants' memory that fits in RAM)"
-            );
-        }
-        opts.fit = f;
-    }
-    if let Some(t) = o.theta {
-        if !(0.0..1.0).contains(&t) {
-            bail!("--theta must be in [0, 1)");
-        }
-        opts.theta = t;
-    }
-    let mut log = |m: &str| eprintln!("  .. {m}");
-    let report = ksm::run(&opts, &mut log)?;
-    if o.json {
-        ksm::print_table(&report, &mut std::io::stderr())?;
-        println!("{}", serde_json::to_string(&report)?);
-    } else {
-        ksm::print_table(&report, &mut std::io::stdout())?;
-    }
-    Ok(())
-}
-
-fn bench_ioqos(o: BenchOpts) -> Result<()> {
-    use pagefleet_bench::ioqos;
-    let mut opts = if o.quick {
-        ioqos::Opts::quick(o.out.clone())
-    } else {
-        ioqos::Opts::full(o.out.clone())
-    };
-    if let Some(s) = o.secs {
-        if !(20.0..=3600.0).contains(&s) {
-            bail!("--secs must be between 20 and 3600");
-        }
-        opts.secs = s;
-    }
-    if let Some(only) = &o.only {
-        let words: Vec<String> = only
-            .split(',')
-            .map(|w| w.trim().to_string())
-            .filter(|w| !w.is_empty())
-            .collect();
-        if let Some(bad) = words.iter().find(|w| {
-            ![
-                &ioqos::DEVICES[..],
-                &ioqos::SCENARIOS[..],
-                &ioqos::POLICIES[..],
-            ]
-            .iter()
-            .any(|set| set.contains(&w.as_str()))
-        }) {
-            bail!(
-                "--only {bad:?}: use devices ({}), scenarios ({}), policies ({})",
-                ioqos::DEVICES.join(","),
-                ioqos::SCENARIOS.join(","),
-                ioqos::POLICIES.join(",")
-            );
-        }
-        let pick = |all: &[&str], cur: &mut Vec<String>| {
-            let sel: Vec<String> = all
-                .iter()
-                .filter(|x| words.iter().any(|w| w == *x))
-                .map(|x| x.to_string())
-                .collect();
-            if !sel.is_empty() {
-                *cur = sel;
-            }
-        };
-        pick(&ioqos::DEVICES, &mut opts.devices);
-        pick(&ioqos::SCENARIOS, &mut opts.scenarios);
-        pick(&ioqos::POLICIES, &mut opts.policies);
-    }
-    if let Some(d) = o.dataset {
-        if d < 64 << 20 {
-            bail!("--dataset (the shared device's size) must be at least 64MiB");
-        }
-        opts.disk_bytes = d / (4 << 20) * (4 << 20);
-    }
-    let mut log = |m: &str| eprintln!("  .. {m}");
-    let report = ioqos::run(&opts, &mut log)?;
-    if o.json {
-        ioqos::print_table(&report, &mut std::io::stderr())?;
-        println!("{}", serde_json::to_string(&report)?);
-    } else {
-        ioqos::print_table(&report, &mut std::io::stdout())?;
-    }
-    Ok(())
-}
-
-fn bench_migration(o: BenchOpts) -> Result<()> {
-    use pagefleet_bench::migration;
-    let mut opts = if o.quick {
-        migration::Opts::quick(o.out.clone())
-    } else {
-        migration::Opts::full(o.out.clone())
-    };
-    if let Some(d) = o.dataset {
-        if d < 64 << 20 {
-            bail!("--dataset (the guest size) must be at least 64MiB");
-        }
-        opts.size = d / (64 << 10) * (64 << 10);
-    }
-    if !o.links.is_empty() {
-        opts.links = o.links.clone();
-    }
-    if let Some(only) = &o.only {
-        opts.only = only.split(',').map(|s| s.trim().to_string()).collect();
-        if let Some(bad) = opts
-            .only
-            .iter()
-            .find(|s| !["time", "sort", "kv"].contains(&s.as_str()))
-        {
-            bail!("--only {bad:?}: use time, sort, kv");
-        }
-    }
-    let mut log = |m: &str| eprintln!("  .. {m}");
-    let report = migration::run(&opts, &mut log)?;
-    if o.json {
-        migration::print_table(&report, &mut std::io::stderr())?;
-        println!("{}", serde_json::to_string(&report)?);
-    } else {
-        migration::print_table(&report, &mut std::io::stdout())?;
-    }
-    Ok(())
-}
-
-fn bench_paging(o: BenchOpts) -> Result<()> {
-    let mut opts = if o.quick {
-        paging::Opts::quick(o.out.clone())
-    } else {
-        paging::Opts::full(o.out.clone())
-    };
-    if let Some(d) = o.dataset {
-        if d < 32 << 20 {
-            bail!("--dataset (the guest memory size) must be at least 32MiB");
-        }
-        opts.size = d;
-    }
-    if let Some(r) = o.reps {
-        opts.measure_secs = r.max(1) as u64;
-    }
-    opts.only = o.only.clone();
-    let mut log = |m: &str| eprintln!("  .. {m}");
-    let report = paging::run(&opts, &mut log)?;
-    if o.json {
-        paging::print_table(&report, &mut std::io::stderr())?;
-        println!("{}", serde_json::to_string(&report)?);
-    } else {
-        paging::print_table(&report, &mut std::io::stdout())?;
-    }
-    Ok(())
 }

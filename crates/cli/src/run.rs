@@ -392,8 +392,10 @@ pub fn run(a: RunArgs, secret_file: Option<&Path>) -> Result<()> {
     }
     if a.json {
         let mut v = out;
-        v["region"] = stats_json(&m);
-        v["size"] = serde_json::json!(a.size);
+        if let serde_json::Value::Object(o) = &mut v {
+            o.insert("region".into(), stats_json(&m));
+            o.insert("size".into(), serde_json::json!(a.size));
+        }
         println!("{}", serde_json::to_string(&v)?);
     }
     Ok(())

@@ -81,7 +81,7 @@ fn bench_paging_quick_json_has_rows_faults_and_goals() {
             "--json",
             "--dataset",
             "64MiB",
-            "--reps",
+            "--secs",
             "1",
             "--only",
             "50% clock c16",
@@ -239,4 +239,45 @@ fn bench_blockdev_quick_json_has_rows_and_goals() {
         );
     }
     let _ = std::fs::remove_dir_all(&out_dir);
+}
+
+/// Each benchmark's --help lists its own flags and the common ones, never
+/// another benchmark's.
+#[test]
+fn each_bench_help_lists_only_its_own_flags() {
+    let own: &[(&str, &[&str])] = &[
+        ("memserver", &["--dataset", "--reps", "--no-memcached"]),
+        ("paging", &["--dataset", "--secs", "--only"]),
+        ("migration", &["--dataset", "--links", "--only"]),
+        ("blockdev", &["--dataset", "--secs"]),
+        (
+            "ksm",
+            &["--dataset", "--only", "--secs", "--pace", "--swap", "--fit", "--theta"],
+        ),
+        ("ioqos", &["--secs", "--only", "--dataset"]),
+    ];
+    let common = ["--json", "--quick", "--out", "--secret-file", "--help"];
+    for (bench, flags) in own {
+        let out = Command::new(env!("CARGO_BIN_EXE_pagefleet"))
+            .args(["bench", bench, "--help"])
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        let help = String::from_utf8_lossy(&out.stdout);
+        let listed: Vec<&str> = help
+            .lines()
+            .filter_map(|l| l.trim_start().split_whitespace().next())
+            .filter(|w| w.starts_with("--"))
+            .map(|w| w.trim_end_matches(','))
+            .collect();
+        for f in *flags {
+            assert!(listed.contains(f), "bench {bench} --help lacks {f}:\n{help}");
+        }
+        for f in &listed {
+            assert!(
+                flags.contains(f) || common.contains(f),
+                "bench {bench} --help lists {f}, not its flag:\n{help}"
+            );
+        }
+    }
 }

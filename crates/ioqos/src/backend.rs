@@ -201,6 +201,53 @@ fn read_v2(p: &Path, dev: Dev) -> Result<Counters> {
     Ok(c)
 }
 
+/// One line QEMU sends on its QMP socket: a greeting, an event, a command's
+/// return value or its error.
+#[derive(serde::Deserialize)]
+struct QmpLine {
+    #[serde(rename = "QMP", default)]
+    greeting: Option<serde::de::IgnoredAny>,
+    #[serde(default)]
+    event: Option<String>,
+    #[serde(default)]
+    error: Option<QmpError>,
+    #[serde(rename = "return", default)]
+    ret: Option<serde_json::Value>,
+}
+
+#[derive(serde::Deserialize)]
+struct QmpError {
+    desc: String,
+}
+
+/// One drive of `query-blockstats`.
+#[derive(serde::Deserialize)]
+struct BlockStats {
+    #[serde(default)]
+    device: Option<String>,
+    #[serde(default)]
+    qdev: Option<String>,
+    #[serde(rename = "node-name", default)]
+    node_name: Option<String>,
+    stats: DriveStats,
+}
+
+#[derive(serde::Deserialize)]
+struct DriveStats {
+    #[serde(default)]
+    rd_bytes: u64,
+    #[serde(default)]
+    wr_bytes: u64,
+    #[serde(default)]
+    rd_operations: u64,
+    #[serde(default)]
+    wr_operations: u64,
+    #[serde(default)]
+    rd_total_time_ns: u64,
+    #[serde(default)]
+    wr_total_time_ns: u64,
+}
+
 /// A QMP connection to one QEMU, for one of its drives.
 pub struct Qmp {
     r: BufReader<UnixStream>,
@@ -219,7 +266,7 @@ impl Qmp {
             device: device.into(),
         };
         let greeting = q.line()?;
-        if greeting.get("QMP").is_none() {
+        if greeting.greeting.is_none() {
             bail!("{} is not a QMP socket", socket.display());
         }
         q.execute("qmp_capabilities", serde_json::json!({}))?;
@@ -228,7 +275,7 @@ impl Qmp {
         Ok(q)
     }
 
-    fn line(&mut self) -> Result<serde_json::Value> {
+    fn line(&mut self) -> Result<QmpLine> {
         let mut l = String::new();
         if self.r.read_line(&mut l)? == 0 {
             bail!("QEMU closed its QMP socket");
@@ -241,40 +288,36 @@ impl Qmp {
         self.w.write_all(format!("{m}\n").as_bytes())?;
         loop {
             let v = self.line()?;
-            if v.get("event").is_some() {
+            if v.event.is_some() {
                 continue;
             }
-            if let Some(e) = v.get("error") {
-                bail!("QMP {cmd}: {}", e["desc"].as_str().unwrap_or("error"));
+            if let Some(e) = v.error {
+                bail!("QMP {cmd}: {}", e.desc);
             }
-            return v
-                .get("return")
-                .cloned()
-                .ok_or_else(|| anyhow!("QMP {cmd}: no return"));
+            return v.ret.ok_or_else(|| anyhow!("QMP {cmd}: no return"));
         }
     }
 
     pub fn stats(&mut self) -> Result<Counters> {
         let r = self.execute("query-blockstats", serde_json::json!({}))?;
-        let d = self.device.clone();
-        let e = r
-            .as_array()
-            .and_then(|a| {
-                a.iter().find(|e| {
-                    e["device"] == d.as_str()
-                        || e["qdev"] == d.as_str()
-                        || e["node-name"] == d.as_str()
-                })
+        let drives: Vec<BlockStats> = serde_json::from_value(r)
+            .map_err(|e| anyhow!("QMP query-blockstats: unexpected reply: {e}"))?;
+        let d = self.device.as_str();
+        let e = drives
+            .into_iter()
+            .find(|e| {
+                [&e.device, &e.qdev, &e.node_name]
+                    .iter()
+                    .any(|n| n.as_deref() == Some(d))
             })
             .ok_or_else(|| anyhow!("no drive {d} in query-blockstats"))?;
-        let s = &e["stats"];
-        let n = |k: &str| s[k].as_u64().unwrap_or(0);
+        let s = e.stats;
         Ok(Counters {
-            rbytes: n("rd_bytes"),
-            wbytes: n("wr_bytes"),
-            rios: n("rd_operations"),
-            wios: n("wr_operations"),
-            io_time_ns: Some(n("rd_total_time_ns") + n("wr_total_time_ns")),
+            rbytes: s.rd_bytes,
+            wbytes: s.wr_bytes,
+            rios: s.rd_operations,
+            wios: s.wr_operations,
+            io_time_ns: Some(s.rd_total_time_ns + s.wr_total_time_ns),
         })
     }
 

@@ -35,7 +35,7 @@ pub struct Options {
     pub duration: Option<Duration>,
 }
 
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, serde::Deserialize)]
 pub struct TenantState {
     pub name: String,
     pub backend: String,
@@ -56,7 +56,7 @@ pub struct TenantState {
     pub error: Option<String>,
 }
 
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct State {
     pub pid: u32,
     pub policy: String,

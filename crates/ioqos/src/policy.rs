@@ -54,7 +54,7 @@ impl Cap {
 
 /// The device's linear cost model: the share of the device one second of
 /// this I/O takes.
-#[derive(Clone, Copy, Debug, Serialize)]
+#[derive(Clone, Copy, Debug, Serialize, serde::Deserialize)]
 pub struct Model {
     pub max_iops: f64,
     pub max_bps: f64,

@@ -103,7 +103,7 @@ impl Spec {
 }
 
 /// What the state file holds.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct State {
     pub pid: u32,
     pub policy: String,
@@ -343,8 +343,8 @@ fn lock(state: Option<&std::path::Path>) -> Result<Option<std::fs::File>> {
     if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
         let who = std::fs::read_to_string(state)
             .ok()
-            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-            .and_then(|v| v["pid"].as_u64());
+            .and_then(|t| serde_json::from_str::<State>(&t).ok())
+            .map(|st| st.pid);
         anyhow::bail!("another KSM controller is running{} ({} is locked): two would fight over /sys/kernel/mm/ksm", who.map(|p| format!(" (pid {p})")).unwrap_or_default(), p.display());
     }
     Ok(Some(f))
@@ -365,44 +365,66 @@ fn sleep_until(d: Duration, stop: &AtomicBool, done: &impl Fn(&AtomicBool) -> bo
     }
 }
 
+/// What `pagefleet ksm status` shows (its `--json`).
+#[derive(Clone, Debug, Serialize, serde::Deserialize)]
+pub struct Status {
+    pub run: u64,
+    pub saved_mib: f64,
+    pub general_profit_mib: f64,
+    pub pages_shared: u64,
+    pub pages_sharing: u64,
+    pub pages_unshared: u64,
+    pub pages_volatile: u64,
+    pub ksm_zero_pages: u64,
+    pub full_scans: u64,
+    pub ksmd_cpu_percent: f64,
+    pub ksmd_wait_percent: f64,
+    pub ksmd_nice: Option<i32>,
+    pub pages_to_scan: u64,
+    pub sleep_millisecs: u64,
+    pub scan_rate_pages_per_s: f64,
+    pub advisor_mode: Option<String>,
+    pub smart_scan: Option<u64>,
+    pub mem_available_percent: f64,
+    pub psi_memory_some_avg10: Option<f64>,
+    /// The running controller's state, if one runs (its state file is fresh).
+    pub controller: Option<State>,
+}
+
 /// `pagefleet ksm status`: the counters, ksmd's CPU share over `window`, and
 /// the running controller's state (if its state file is fresh).
-pub fn status(window: Duration, state_file: &std::path::Path) -> Result<serde_json::Value> {
+pub fn status(window: Duration, state_file: &std::path::Path) -> Result<Status> {
     sysfs::available()?;
     let a = Stats::read()?;
     let t0 = Instant::now();
     std::thread::sleep(window);
     let b = Stats::read()?;
-    let cpu = (b.ksmd_cpu - a.ksmd_cpu) / t0.elapsed().as_secs_f64();
+    let secs = t0.elapsed().as_secs_f64();
     let m = Memory::read()?;
     let controller = std::fs::read(state_file)
         .ok()
-        .and_then(|v| serde_json::from_slice::<serde_json::Value>(&v).ok())
-        .filter(|v| {
-            v["pid"]
-                .as_u64()
-                .is_some_and(|p| std::path::Path::new(&format!("/proc/{p}")).exists())
-        });
-    Ok(serde_json::json!({
-        "run": b.run,
-        "saved_mib": b.saved() as f64 / 1048576.0,
-        "general_profit_mib": b.general_profit as f64 / 1048576.0,
-        "pages_shared": b.pages_shared,
-        "pages_sharing": b.pages_sharing,
-        "pages_unshared": b.pages_unshared,
-        "pages_volatile": b.pages_volatile,
-        "ksm_zero_pages": b.ksm_zero_pages,
-        "full_scans": b.full_scans,
-        "ksmd_cpu_percent": cpu * 100.0,
-        "ksmd_wait_percent": (b.ksmd_wait - a.ksmd_wait) / t0.elapsed().as_secs_f64() * 100.0,
-        "ksmd_nice": sysfs::ksmd_nice().ok(),
-        "pages_to_scan": b.pages_to_scan,
-        "sleep_millisecs": b.sleep_millisecs,
-        "scan_rate_pages_per_s": b.scan_rate(),
-        "advisor_mode": sysfs::selected("advisor_mode").ok(),
-        "smart_scan": sysfs::read_u64("smart_scan").ok(),
-        "mem_available_percent": m.available_frac() * 100.0,
-        "psi_memory_some_avg10": m.psi_some10,
-        "controller": controller,
-    }))
+        .and_then(|v| serde_json::from_slice::<State>(&v).ok())
+        .filter(|st| std::path::Path::new(&format!("/proc/{}", st.pid)).exists());
+    Ok(Status {
+        run: b.run,
+        saved_mib: b.saved() as f64 / 1048576.0,
+        general_profit_mib: b.general_profit as f64 / 1048576.0,
+        pages_shared: b.pages_shared,
+        pages_sharing: b.pages_sharing,
+        pages_unshared: b.pages_unshared,
+        pages_volatile: b.pages_volatile,
+        ksm_zero_pages: b.ksm_zero_pages,
+        full_scans: b.full_scans,
+        ksmd_cpu_percent: (b.ksmd_cpu - a.ksmd_cpu) / secs * 100.0,
+        ksmd_wait_percent: (b.ksmd_wait - a.ksmd_wait) / secs * 100.0,
+        ksmd_nice: sysfs::ksmd_nice().ok(),
+        pages_to_scan: b.pages_to_scan,
+        sleep_millisecs: b.sleep_millisecs,
+        scan_rate_pages_per_s: b.scan_rate(),
+        advisor_mode: sysfs::selected("advisor_mode").ok(),
+        smart_scan: sysfs::read_u64("smart_scan").ok(),
+        mem_available_percent: m.available_frac() * 100.0,
+        psi_memory_some_avg10: m.psi_some10,
+        controller,
+    })
 }

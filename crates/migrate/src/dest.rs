@@ -296,8 +296,7 @@ pub fn receive(
     secret: &Secret,
     progress: &Progress,
 ) -> Result<Received, WireError> {
-    let spec: Spec = serde_json::from_value(stream.expect_json(Kind::Spec)?)
-        .map_err(|e| WireError::Malformed(format!("SPEC: {e}")))?;
+    let spec: Spec = stream.expect_json(Kind::Spec)?;
     if spec.size == 0 || !spec.size.is_multiple_of(PAGE as u64) || spec.size > (1u64 << 46) {
         let _ = stream.send(Kind::Error, 0, &[b"bad region size"]);
         return Err(WireError::Malformed(format!(
@@ -601,7 +600,14 @@ impl Received {
             }
         };
         let build_ms = t.elapsed().as_secs_f64() * 1000.0;
-        stream.send_json(Kind::Prepared, &serde_json::json!({ "build_ms": build_ms, "pulled": pulled, "pulled_then_replaced": replaced }))?;
+        stream.send_json(
+            Kind::Prepared,
+            &crate::wire::Prepared {
+                build_ms,
+                pulled,
+                pulled_then_replaced: replaced,
+            },
+        )?;
         match stream.expect(Kind::Go) {
             Ok(_) => Ok(Committed {
                 spec,
@@ -633,7 +639,10 @@ impl Committed {
     pub fn started(mut self, checksum: Option<String>, checksum_secs: f64) {
         let _ = self.stream.send_json(
             Kind::Started,
-            &serde_json::json!({ "checksum": checksum, "checksum_secs": checksum_secs }),
+            &crate::wire::Started {
+                checksum,
+                checksum_secs,
+            },
         );
         if self.spec.gather {
             // The guest is whole here: drop the copies left on the servers.

@@ -345,10 +345,7 @@ impl Run<'_> {
             verify: self.o.verify,
             gather: self.o.gather,
         };
-        self.stream.send_json(
-            Kind::Spec,
-            &serde_json::to_value(&spec).map_err(|e| MigrateError::Other(e.to_string()))?,
-        )?;
+        self.stream.send_json(Kind::Spec, &spec)?;
         self.stream.expect(Kind::Ready)?;
         info!(
             "migrating {}: {} pages to the main host, {:?} to sub-hosts",
@@ -417,9 +414,9 @@ impl Run<'_> {
         let t_copy = Instant::now();
         let final_copy_ms = (t_copy - td - t_sum).as_secs_f64() * 1e3 - pause_ms;
         self.stream
-            .send_json(Kind::Commit, &serde_json::json!({}))?;
+            .send_json(Kind::Commit, &crate::wire::Commit {})?;
         self.progress.set_phase("commit");
-        let prepared = self.stream.expect_json(Kind::Prepared)?;
+        let prepared: crate::wire::Prepared = self.stream.expect_json(Kind::Prepared)?;
         let commit_ms = t_copy.elapsed().as_secs_f64() * 1e3;
         self.check_cancel()?;
         let t_go = Instant::now();
@@ -427,11 +424,11 @@ impl Run<'_> {
         *released = true;
         self.stream.send(Kind::Go, 0, &[])?;
         // Past GO the destination may be running the guest: never resume here.
-        let started = self
+        let started: crate::wire::Started = self
             .stream
             .expect_json(Kind::Started)
             .map_err(|e| MigrateError::InDoubt(e.to_string()))?;
-        let dest_checksum_secs = started["checksum_secs"].as_f64().unwrap_or(0.0);
+        let dest_checksum_secs = started.checksum_secs;
         let start_ms = t_go.elapsed().as_secs_f64() * 1e3 - dest_checksum_secs * 1e3;
         let downtime = td.elapsed().as_secs_f64() - t_sum.as_secs_f64() - dest_checksum_secs;
         self.progress.set_phase("done");
@@ -450,19 +447,18 @@ impl Run<'_> {
                 .collect(),
             bytes_main: self.bytes_main,
             bytes_subs: self.bytes_subs.clone(),
-            pages_sent_twice: self.pages_twice
-                + prepared["pulled_then_replaced"].as_u64().unwrap_or(0),
+            pages_sent_twice: self.pages_twice + prepared.pulled_then_replaced,
             round1_secs,
             round1_bytes,
-            region_build_ms: prepared["build_ms"].as_f64().unwrap_or(0.0),
-            pages_pulled: prepared["pulled"].as_u64().unwrap_or(0),
-            pulled_then_replaced: prepared["pulled_then_replaced"].as_u64().unwrap_or(0),
+            region_build_ms: prepared.build_ms,
+            pages_pulled: prepared.pulled,
+            pulled_then_replaced: prepared.pulled_then_replaced,
             pause_ms,
             final_copy_ms,
             commit_ms,
             start_ms,
             checksum_source,
-            checksum_dest: started["checksum"].as_str().map(String::from),
+            checksum_dest: started.checksum,
         })
     }
 

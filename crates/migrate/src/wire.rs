@@ -154,6 +154,30 @@ impl Header {
     }
 }
 
+/// PREPARED: the destination built its region.
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+pub struct Prepared {
+    /// Milliseconds the runtime took to build the region.
+    pub build_ms: f64,
+    /// Gather: pages pulled from memory servers.
+    pub pulled: u64,
+    /// Of those, pages newer data from the main host replaced.
+    pub pulled_then_replaced: u64,
+}
+
+/// STARTED: the guest runs at the destination.
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+pub struct Started {
+    /// The region's checksum at resume (with verify).
+    pub checksum: Option<String>,
+    /// Seconds the checksum took (not downtime).
+    pub checksum_secs: f64,
+}
+
+/// COMMIT carries nothing.
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+pub struct Commit {}
+
 /// One end of a migration stream.
 pub struct Stream {
     pub s: TcpStream,
@@ -207,7 +231,7 @@ impl Stream {
         pagefleet_proto::io::write_all_vectored(&mut self.s, &mut iov).map_err(|e| self.io_error(e))
     }
 
-    pub fn send_json(&mut self, kind: Kind, v: &serde_json::Value) -> Result<(), WireError> {
+    pub fn send_json<T: serde::Serialize>(&mut self, kind: Kind, v: &T) -> Result<(), WireError> {
         let b = serde_json::to_vec(v).map_err(|e| WireError::Malformed(e.to_string()))?;
         self.send(kind, 0, &[&b])
     }
@@ -251,7 +275,10 @@ impl Stream {
         }
     }
 
-    pub fn expect_json(&mut self, want: Kind) -> Result<serde_json::Value, WireError> {
+    pub fn expect_json<T: serde::de::DeserializeOwned>(
+        &mut self,
+        want: Kind,
+    ) -> Result<T, WireError> {
         let (_, b) = self.expect(want)?;
         serde_json::from_slice(&b).map_err(|e| WireError::Malformed(format!("{want:?}: {e}")))
     }

@@ -28,7 +28,7 @@ pub fn tempdir(tag: &str) -> PathBuf {
 }
 
 /// A real pagefleetd child process on loopback, killed on drop.
-pub type Server = pagefleet_bench::util::ChildDaemon;
+pub type Server = pagefleet_lab::proc::ChildDaemon;
 
 fn start_server(lend: &str, secret_file: &std::path::Path) -> Server {
     let bytes = pagefleet_common::units::parse_size(lend).expect("lend size");
@@ -91,7 +91,7 @@ pub fn xorshift(x: &mut u64) -> u64 {
     *x
 }
 
-pub use pagefleet_bench::lab::LabRun;
+pub use pagefleet_lab::LabRun;
 
 /// A testbed lab for one test (removed on drop, even when the test fails).
 /// `guest_memory`: per host (the last value repeats).
@@ -116,4 +116,4 @@ pub fn guest_status(path: &std::path::Path) -> Option<pagefleet_api::GuestStatus
     .ok()
 }
 
-pub use pagefleet_bench::is_root;
+pub use pagefleet_lab::is_root;

@@ -22,11 +22,11 @@ impl Drop for Export {
 }
 
 fn have(tool: &str) -> bool {
-    pagefleet_bench::util::which(tool).is_ok()
+    pagefleet_lab::proc::which(tool).is_ok()
 }
 
 fn export(c: &Cluster, servers: &[String], size: &str, extra: &[&str]) -> Export {
-    let port = pagefleet_bench::util::free_port().unwrap();
+    let port = pagefleet_lab::proc::free_port().unwrap();
     let addr = format!("127.0.0.1:{port}");
     let mut child = Command::new(bin("pagefleet"))
         .arg("--secret-file")

@@ -23,7 +23,7 @@ impl Rig {
             || !Path::new(V1)
                 .join("blkio.throttle.read_bps_device")
                 .exists()
-            || pagefleet_bench::util::which("fio").is_err()
+            || pagefleet_lab::proc::which("fio").is_err()
         {
             eprintln!("skipped: needs root, cgroup v1 blkio and fio");
             return None;
@@ -425,7 +425,7 @@ fn bad_input_gets_clear_errors_and_vanished_tenants_are_survived() {
 fn fifo_disk_keeps_every_block_and_leaves_nothing_behind() {
     if !pagefleet_systest::is_root()
         || !Path::new("/dev/fuse").exists()
-        || pagefleet_bench::util::which("fio").is_err()
+        || pagefleet_lab::proc::which("fio").is_err()
     {
         eprintln!("skipped: needs root, /dev/fuse and fio");
         return;
@@ -603,7 +603,7 @@ fn pagefleetd_runs_the_io_controller() {
 fn bench_ioqos_reports_runs_and_goals() {
     if !pagefleet_systest::is_root()
         || !Path::new("/dev/fuse").exists()
-        || pagefleet_bench::util::which("fio").is_err()
+        || pagefleet_lab::proc::which("fio").is_err()
     {
         eprintln!("skipped: needs root, /dev/fuse and fio");
         return;

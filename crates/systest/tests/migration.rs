@@ -2,8 +2,8 @@
 //! runners, real links. Every test checks data, not just exit codes: region
 //! checksums at stop time and at resume, or every kv value read back.
 
-use pagefleet_api::{IncomingReply, ProgressEvent};
-use pagefleet_bench::kvload;
+use pagefleet_api::{GuestState, GuestStatus, IncomingReply, ProgressEvent};
+use pagefleet_lab::kvload;
 use pagefleet_systest::*;
 use pagefleet_testbed::Link;
 use serde_json::{json, Value};
@@ -79,17 +79,23 @@ fn kv_guest_under_load(l: &LabRun, name: &str, ip: &str, keys: u64, client: usiz
     kvload::Load::start(&spec)
 }
 
-fn ops(l: &LabRun, name: &str) -> u64 {
-    l.guest(name)
-        .map(|g| g.1["ops"].as_u64().unwrap_or(0))
+/// Pages of guest `g` on the memory server at `addr`.
+fn remote_on(g: &GuestStatus, addr: &str) -> u64 {
+    g.pages
+        .as_ref()
+        .and_then(|p| p.remote.get(addr).copied())
         .unwrap_or(0)
+}
+
+fn ops(l: &LabRun, name: &str) -> u64 {
+    l.guest(name).map(|g| g.1.ops).unwrap_or(0)
 }
 
 /// The guest keeps running: its operation count grows.
 fn assert_runs(l: &LabRun, name: &str, on: usize) {
     let (h, g) = l.guest(name).unwrap_or_else(|| panic!("{name} is gone"));
-    assert_eq!(h, on, "{name} should run on h{}: {g}", on + 1);
-    assert_eq!(g["state"], "running", "{g}");
+    assert_eq!(h, on, "{name} should run on h{}: {g:?}", on + 1);
+    assert_eq!(g.state, GuestState::Running, "{g:?}");
     let a = ops(l, name);
     let t = Instant::now();
     let mut b = a;
@@ -180,14 +186,12 @@ fn split_migration_under_writes_then_gather_then_partial_move_keep_every_byte() 
     // It runs on h2 now, paging with h3; the registry shows where its pages are.
     assert_runs(&l, "w1", 1);
     let (_, g) = l.guest("w1").unwrap();
-    let on_h3 = g["pages"]["remote"][&l.lab.hosts[2].addr]
-        .as_u64()
-        .unwrap_or(0);
-    assert!(on_h3 > 0, "no pages on h3: {g}");
-    assert!(g["resident_pages"].as_u64().unwrap() <= 32768, "{g}");
-    assert!(l.host_report(2)["lend_used"].as_u64().unwrap() > 0);
+    let on_h3 = remote_on(&g, &l.lab.hosts[2].addr);
+    assert!(on_h3 > 0, "no pages on h3: {g:?}");
+    assert!(g.resident_pages <= 32768, "{g:?}");
+    assert!(l.host_report(2).unwrap().lend_used > 0);
     // The source's memory is free again.
-    assert_eq!(l.host_report(0)["guest_free"].as_u64().unwrap(), 512 * MIB);
+    assert_eq!(l.host_report(0).unwrap().guest_free, 512 * MIB);
     // Gather it back onto h1 while it writes and pages (it is over its
     // budget on h2): the main host streams, h1 pulls from h3 in parallel.
     let g = migrate_gather(&l, &["w1", "--to", "h1", "--verify"]).expect("gather");
@@ -202,9 +206,9 @@ fn split_migration_under_writes_then_gather_then_partial_move_keep_every_byte() 
     );
     assert_runs(&l, "w1", 0);
     let (_, gs) = l.guest("w1").unwrap();
-    assert_eq!(gs["remote_pages"].as_u64(), Some(0), "{gs}");
+    assert_eq!(gs.remote_pages, 0, "{gs:?}");
     let t = Instant::now();
-    while l.host_report(2)["lend_used"].as_u64().unwrap() > 0 {
+    while l.host_report(2).unwrap().lend_used > 0 {
         assert!(
             t.elapsed() < Duration::from_secs(10),
             "the sub-host still holds the gathered guest's pages"
@@ -223,7 +227,7 @@ fn split_migration_under_writes_then_gather_then_partial_move_keep_every_byte() 
     let (ok, _, err) = l.pf(0, &["guest", "stop", "w1"]);
     assert!(ok, "{err}");
     // A stopped guest leaves nothing on the servers.
-    assert_eq!(l.host_report(2)["lend_used"].as_u64().unwrap(), 0);
+    assert_eq!(l.host_report(2).unwrap().lend_used, 0);
 }
 
 /// A kv guest serving clients through its service address: every value
@@ -264,7 +268,7 @@ fn kv_guest_migrates_under_client_load() {
         "service address did not move to h2"
     );
     let (h, g) = l.guest("kv1").unwrap();
-    assert_eq!((h, g["state"].as_str()), (1, Some("running")), "{g}");
+    assert_eq!((h, g.state), (1, GuestState::Running), "{g:?}");
 }
 
 /// Abort drills: the destination dies in pre-copy, at stop-and-copy, a
@@ -314,10 +318,9 @@ fn aborted_migrations_leave_the_source_running_and_nothing_behind() {
     let check_clean = |what: &str| {
         assert_runs(&l, "a1", 0);
         for h in [2, 3] {
-            let rep = l.host_report(h);
-            if !rep.is_null() {
+            if let Some(rep) = l.host_report(h) {
                 assert_eq!(
-                    rep["lend_used"].as_u64().unwrap(),
+                    rep.lend_used,
                     0,
                     "{what}: pages left on h{}",
                     h + 1
@@ -326,7 +329,7 @@ fn aborted_migrations_leave_the_source_running_and_nothing_behind() {
         }
         let t = Instant::now();
         // The destination's reserved memory comes back when its runner goes.
-        while l.host_report(1)["guest_free"].as_u64().unwrap() != 64 * MIB {
+        while l.host_report(1).unwrap().guest_free != 64 * MIB {
             assert!(
                 t.elapsed() < Duration::from_secs(10),
                 "{what}: destination memory still reserved"
@@ -358,7 +361,7 @@ fn aborted_migrations_leave_the_source_running_and_nothing_behind() {
     check_clean("destination killed in round 1");
 
     // 2. Ctrl-C on the command during round 1.
-    let mut m = run_bg(vec![
+    let m = run_bg(vec![
         "a1".into(),
         "--to".into(),
         "h2".into(),
@@ -408,7 +411,7 @@ fn aborted_migrations_leave_the_source_running_and_nothing_behind() {
 
     // 4. The destination freezes (SIGSTOP) during round 1: the migration
     // is given up within its timeout, not after minutes.
-    let mut m = run_bg(vec![
+    let m = run_bg(vec![
         "a1".into(),
         "--to".into(),
         "h2".into(),
@@ -490,7 +493,7 @@ fn placement_picks_the_roomiest_main_host_and_fewest_sub_hosts() {
     let t = Instant::now();
     while l
         .guest("p1")
-        .map(|g| g.1["pages"]["local"].as_u64().unwrap_or(0))
+        .map(|g| g.1.pages.map_or(0, |p| p.local))
         .unwrap_or(0)
         < 38400
     {
@@ -543,7 +546,7 @@ fn placement_picks_the_roomiest_main_host_and_fewest_sub_hosts() {
     let e = migrate(&l, &["p2"]).expect_err("a guest larger than the cluster's free memory");
     assert!(e.contains("not enough memory"), "{e}");
     let (h, g) = l.guest("p2").unwrap();
-    assert_eq!((h, g["state"].as_str()), (0, Some("running")), "{g}");
+    assert_eq!((h, g.state), (0, GuestState::Running), "{g:?}");
 }
 
 /// Maintenance: empty a sub-host while its guest serves clients (its pages
@@ -561,9 +564,7 @@ fn evacuating_sub_host_and_main_host_under_load_keeps_every_value() {
     let load = kv_guest_under_load(&l, "kv2", &ip, 70_000, 3);
     migrate(&l, &["kv2", "--to", "h2", "--sub", "h3"]).expect("split migration");
     let on = |h: usize| {
-        l.guest("kv2").unwrap().1["pages"]["remote"][&l.lab.hosts[h].addr]
-            .as_u64()
-            .unwrap_or(0)
+        remote_on(&l.guest("kv2").unwrap().1, &l.lab.hosts[h].addr)
     };
     assert!(on(2) > 0, "nothing on h3 to evacuate: {:?}", l.guest("kv2"));
     // 1. Empty the sub-host h3.
@@ -571,7 +572,7 @@ fn evacuating_sub_host_and_main_host_under_load_keeps_every_value() {
     assert!(ok, "evacuate h3: {err}");
     assert!(out.contains("pages moved from h3"), "{out}");
     assert_eq!(on(2), 0, "pages left on h3");
-    assert_eq!(l.host_report(2)["lend_used"].as_u64(), Some(0));
+    assert_eq!(l.host_report(2).map(|r| r.lend_used), Some(0));
     let moved_to: u64 = on(0) + on(3);
     assert!(moved_to > 0, "the pages went nowhere");
     // 2. Empty the main host h2: kv2 migrates away, its sub-host pages stay.

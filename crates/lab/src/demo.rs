@@ -6,8 +6,9 @@
 //! with the phases marked (S-memV Fig. 12 style).
 
 use crate::kvload;
-use crate::lab::LabRun;
-use crate::util::{self, PlotOutcome};
+use crate::labrun::LabRun;
+use crate::plot::{self, PlotOutcome};
+use crate::proc;
 use anyhow::{bail, Result};
 use pagefleet_testbed::Link;
 use serde::Serialize;
@@ -53,7 +54,7 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
     if !crate::is_root() {
         bail!("the demo builds a testbed of network namespaces: run it as root (sudo make demo)");
     }
-    let bins = util::sibling_binary("pagefleetd")?
+    let bins = proc::sibling_binary("pagefleetd")?
         .parent()
         .unwrap()
         .to_path_buf();
@@ -158,7 +159,7 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
         plot: PlotOutcome::default(),
     };
     std::fs::create_dir_all(&o.out_dir)?;
-    util::save_with_plot(
+    plot::save_with_plot(
         &mut r,
         |r| &mut r.plot,
         &o.out_dir,

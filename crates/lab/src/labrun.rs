@@ -3,6 +3,23 @@
 //! inside a host (as a user would), removed on drop even on failure.
 
 use anyhow::Result;
+use pagefleet_api::{GuestState, GuestStatus, HostReport};
+
+/// One host in `pagefleet status --json`.
+#[derive(Clone, Debug, serde::Deserialize)]
+pub struct StatusEntry {
+    /// Its HTTP address.
+    pub host: String,
+    /// Its report, if it answered.
+    #[serde(default)]
+    pub report: Option<HostReport>,
+    /// Its guests, if it answered.
+    #[serde(default)]
+    pub guests: Option<Vec<GuestStatus>>,
+    /// Why it did not answer.
+    #[serde(default)]
+    pub error: Option<String>,
+}
 use std::path::{Path, PathBuf};
 
 /// A testbed lab for one test, removed (daemons, runners, namespaces,
@@ -25,7 +42,7 @@ impl LabRun {
         guest_memory: &[u64],
     ) -> Result<LabRun> {
         let r = pagefleet_proto::auth::random_u64();
-        let dir = crate::util::temp_dir(tag)?;
+        let dir = crate::proc::temp_dir(tag)?;
         let mut o = pagefleet_testbed::Options::new(hosts, link, bins.join("pagefleetd"));
         o.prefix = format!("{}{:04x}", &tag[..1], r & 0xffff);
         o.dir = dir.clone();
@@ -56,29 +73,25 @@ impl LabRun {
     }
 
     /// `pagefleet status --json` from host `h`: one entry per host.
-    pub fn status(&self, h: usize) -> Vec<serde_json::Value> {
+    pub fn status(&self, h: usize) -> Vec<StatusEntry> {
         let (_, out, _) = self.pf(h, &["status", "--json"]);
         serde_json::from_str(&out).unwrap_or_default()
     }
 
     /// The guest `name` as the registry reports it: (host index, status).
-    pub fn guest(&self, name: &str) -> Option<(usize, serde_json::Value)> {
-        for (i, h) in self.status(0).iter().enumerate() {
-            for g in h["guests"].as_array().into_iter().flatten() {
-                if g["name"] == name && g["state"] != "incoming" {
-                    return Some((i, g.clone()));
-                }
-            }
-        }
-        None
+    pub fn guest(&self, name: &str) -> Option<(usize, GuestStatus)> {
+        self.status(0).into_iter().enumerate().find_map(|(i, h)| {
+            h.guests
+                .into_iter()
+                .flatten()
+                .find(|g| g.name == name && g.state != GuestState::Incoming)
+                .map(|g| (i, g))
+        })
     }
 
     /// A host's report (memory, lending) from the registry.
-    pub fn host_report(&self, h: usize) -> serde_json::Value {
-        self.status(0)
-            .get(h)
-            .map(|v| v["report"].clone())
-            .unwrap_or_default()
+    pub fn host_report(&self, h: usize) -> Option<HostReport> {
+        self.status(0).into_iter().nth(h).and_then(|v| v.report)
     }
 
     /// A guest's control socket on host `h` (reachable from the test's namespace).

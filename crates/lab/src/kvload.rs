@@ -326,5 +326,5 @@ pub fn run_for(s: &Spec, secs: u64) -> Result<(f64, Vec<f64>)> {
         // Shorter than one whole second of samples: the overall rate.
         per.push(c.ops.load(Relaxed) as f64 / secs.max(1e-3));
     }
-    Ok((crate::util::median(&per), per))
+    Ok((crate::stats::median(&per), per))
 }

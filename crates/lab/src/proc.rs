@@ -1,0 +1,135 @@
+//! Child processes and the machine's binaries: pagefleetd children killed on
+//! drop, sibling binaries, free ports, temporary directories.
+
+use anyhow::{anyhow, bail, Context, Result};
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A child pagefleetd on loopback, killed on drop.
+pub struct ChildDaemon {
+    pub child: Child,
+    pub addr: String,
+    pub secret_path: PathBuf,
+}
+
+impl ChildDaemon {
+    pub fn start(lend_bytes: u64, secret_path: &Path) -> Result<ChildDaemon> {
+        Self::start_bin(&sibling_binary("pagefleetd")?, lend_bytes, secret_path)
+    }
+
+    /// Start a given pagefleetd binary (tests pass the one cargo built).
+    pub fn start_bin(bin: &Path, lend_bytes: u64, secret_path: &Path) -> Result<ChildDaemon> {
+        let mut child = Command::new(bin)
+            .args([
+                "--lend",
+                &lend_bytes.to_string(),
+                "--listen",
+                "127.0.0.1:0",
+                "--metrics",
+                "off",
+                "--log",
+                "error",
+            ])
+            .arg("--secret-file")
+            .arg(secret_path)
+            .env_remove("PAGEFLEET_SECRET")
+            .stdout(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("cannot start {}", bin.display()))?;
+        let line = BufReader::new(child.stdout.take().unwrap())
+            .lines()
+            .next()
+            .ok_or_else(|| anyhow!("pagefleetd exited before listening"))??;
+        let addr = line
+            .strip_prefix("listening ")
+            .ok_or_else(|| anyhow!("unexpected pagefleetd output {line:?}"))?
+            .to_string();
+        Ok(ChildDaemon {
+            child,
+            addr,
+            secret_path: secret_path.to_path_buf(),
+        })
+    }
+    pub fn rss_bytes(&self) -> Result<u64> {
+        rss_of(self.child.id())
+    }
+
+    /// Kill the daemon now (a dead peer for failure tests).
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for ChildDaemon {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+pub fn rss_of(pid: u32) -> Result<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let l = s
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .ok_or_else(|| anyhow!("no VmRSS"))?;
+    Ok(l.split_whitespace().nth(1).unwrap_or("0").parse::<u64>()? * 1024)
+}
+
+/// A binary installed next to the running one (cargo puts all of a
+/// workspace's binaries in the same directory).
+pub fn sibling_binary(name: &str) -> Result<PathBuf> {
+    let me = std::env::current_exe()?;
+    let p = me.parent().unwrap().join(name);
+    if p.exists() {
+        return Ok(p);
+    }
+    if let Ok(p) = which(name) {
+        return Ok(p);
+    }
+    bail!(
+        "cannot find {name} next to {} or on PATH; build it with `cargo build --release`",
+        me.display()
+    )
+}
+
+pub fn which(name: &str) -> Result<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    for d in
+        std::env::split_paths(&path).chain([PathBuf::from("/usr/sbin"), PathBuf::from("/usr/bin")])
+    {
+        let p = d.join(name);
+        if p.is_file() {
+            return Ok(p);
+        }
+    }
+    bail!("{name} not found on PATH")
+}
+
+/// A free loopback TCP port (bound then released).
+pub fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+/// Wait until something accepts connections at addr.
+pub fn wait_listening(addr: &str, timeout: Duration) -> Result<()> {
+    let t = Instant::now();
+    while t.elapsed() < timeout {
+        if std::net::TcpStream::connect(addr).is_ok() {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    bail!("nothing listening on {addr} after {timeout:?}")
+}
+
+pub fn temp_dir(tag: &str) -> Result<PathBuf> {
+    let d = std::env::temp_dir().join(format!("pagefleet-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&d)?;
+    Ok(d)
+}
+

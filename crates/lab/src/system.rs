@@ -1,0 +1,182 @@
+//! The machine under a benchmark: CPU pinning, swap (file or zram),
+//! memory cgroups — each undone on drop.
+
+use anyhow::{bail, Context, Result};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+/// Pins the calling thread to CPU 0 and the given server processes (all
+/// their threads) to CPU 1 while alive; undone on drop. A no-op on one CPU.
+pub struct Pinning {
+    pids: Vec<u32>,
+    active: bool,
+}
+
+/// CPUs online (not the calling thread's affinity mask, which pinning changes).
+pub fn ncpus() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    (unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }).max(1) as usize
+}
+
+pub fn set_affinity(tid: i32, cpus: &[usize]) {
+    // SAFETY: cpu_set_t is plain data; sched_setaffinity reads it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        for c in cpus {
+            libc::CPU_SET(*c, &mut set);
+        }
+        libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &set);
+    }
+}
+
+pub fn set_process_affinity(pid: u32, cpus: &[usize]) {
+    if let Ok(rd) = std::fs::read_dir(format!("/proc/{pid}/task")) {
+        for t in rd.flatten() {
+            if let Some(tid) = t.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) {
+                set_affinity(tid, cpus);
+            }
+        }
+    }
+}
+
+impl Pinning {
+    pub fn split(server_pids: &[u32]) -> Pinning {
+        let active = ncpus() >= 2;
+        if active {
+            set_affinity(0, &[0]);
+            for p in server_pids {
+                set_process_affinity(*p, &[1]);
+            }
+        }
+        Pinning {
+            pids: server_pids.to_vec(),
+            active,
+        }
+    }
+    /// Pin threads a server created since (its new connection thread).
+    pub fn repin(pid: u32) {
+        if ncpus() >= 2 {
+            set_process_affinity(pid, &[1]);
+        }
+    }
+}
+
+impl Drop for Pinning {
+    fn drop(&mut self) {
+        if self.active {
+            let all: Vec<usize> = (0..ncpus()).collect();
+            set_affinity(0, &all);
+            for p in &self.pids {
+                set_process_affinity(*p, &all);
+            }
+        }
+    }
+}
+
+/// Swap the kernel can use: a swap file, or zram; switched off and removed on drop.
+pub struct Swap {
+    dev: PathBuf,
+    file: bool,
+}
+
+impl Swap {
+    pub fn file(size: u64) -> Result<Swap> {
+        let p = PathBuf::from(format!(
+            "/var/tmp/pagefleet-bench-swap-{}",
+            std::process::id()
+        ));
+        let ok = Command::new("fallocate")
+            .arg("-l")
+            .arg(size.to_string())
+            .arg(&p)
+            .status()?
+            .success()
+            && std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+                .is_ok()
+            && Command::new("mkswap")
+                .arg(&p)
+                .stdout(Stdio::null())
+                .status()?
+                .success();
+        let s = Swap {
+            dev: p.clone(),
+            file: true,
+        };
+        if !ok || !Command::new("swapon").arg(&p).status()?.success() {
+            bail!(
+                "cannot set up swap file {} (needs root and mkswap/swapon)",
+                p.display()
+            );
+        }
+        Ok(s)
+    }
+    pub fn zram(size: u64) -> Result<Swap> {
+        let dev = PathBuf::from("/dev/zram0");
+        if !dev.exists() {
+            bail!("no /dev/zram0 on this machine");
+        }
+        let _ = std::fs::write("/sys/block/zram0/reset", "1");
+        std::fs::write("/sys/block/zram0/disksize", size.to_string()).context("zram disksize")?;
+        let s = Swap {
+            dev: dev.clone(),
+            file: false,
+        };
+        if !Command::new("mkswap")
+            .arg(&dev)
+            .stdout(Stdio::null())
+            .status()?
+            .success()
+            || !Command::new("swapon")
+                .args(["-p", "100"])
+                .arg(&dev)
+                .status()?
+                .success()
+        {
+            bail!("cannot enable zram swap");
+        }
+        Ok(s)
+    }
+}
+
+impl Drop for Swap {
+    fn drop(&mut self) {
+        let _ = Command::new("swapoff").arg(&self.dev).status();
+        if self.file {
+            let _ = std::fs::remove_file(&self.dev);
+        } else {
+            let _ = std::fs::write("/sys/block/zram0/reset", "1");
+        }
+    }
+}
+
+/// A cgroup v1 memory group; removed on drop (after its processes are gone).
+pub struct MemCgroup {
+    pub path: PathBuf,
+}
+
+impl MemCgroup {
+    pub fn new(limit: u64) -> Result<MemCgroup> {
+        let path = PathBuf::from(format!(
+            "/sys/fs/cgroup/memory/pagefleet-bench-{}-{}",
+            std::process::id(),
+            pagefleet_proto::auth::random_u64() & 0xffff
+        ));
+        std::fs::create_dir_all(&path).context("cgroup v1 memory controller not available")?;
+        let g = MemCgroup { path };
+        std::fs::write(g.path.join("memory.limit_in_bytes"), limit.to_string())?;
+        let _ = std::fs::write(g.path.join("memory.swappiness"), "60");
+        Ok(g)
+    }
+}
+
+impl Drop for MemCgroup {
+    fn drop(&mut self) {
+        for _ in 0..50 {
+            if std::fs::remove_dir(&self.path).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
