@@ -17,7 +17,7 @@ APT_PKGS := build-essential pkg-config python3 python3-venv memcached libmemcach
 VENV := .venv
 FUZZ_SECONDS ?= 30
 
-.PHONY: all deps deps-apt deps-rust deps-python build guest test test-unit fuzz-smoke demo bench clean
+.PHONY: all deps deps-apt deps-rust deps-python build guest lint test test-unit fuzz-smoke demo bench clean
 
 all: build
 
@@ -36,6 +36,7 @@ deps-apt:
 deps-rust:
 	@command -v $(CARGO) >/dev/null || { echo "cargo not found: install Rust (rustup) first"; exit 1; }
 	@command -v cargo-fuzz >/dev/null || { echo "installing cargo-fuzz"; $(CARGO) install cargo-fuzz --locked --quiet; }
+	@$(CARGO) clippy --version >/dev/null 2>&1 || { command -v rustup >/dev/null && rustup component add clippy; }
 
 deps-python: $(VENV)/.ok
 $(VENV)/.ok: bench/requirements.txt
@@ -55,7 +56,13 @@ guest: deps
 # property, integration and testbed tests (real daemons on loopback and in
 # network namespaces, the guest swapping to the block device, the
 # benchmarks' smoke runs).
-test: build guest fuzz-smoke test-unit
+test: build guest lint fuzz-smoke test-unit
+
+# Clippy with the workspace lints (SAFETY comments on every unsafe block,
+# unsafe operations marked inside unsafe fns, documented library APIs),
+# every warning an error.
+lint: deps
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 # Doc-tests are skipped (there are none); the last line sums every runner's
 # result so the closing line counts the whole suite.

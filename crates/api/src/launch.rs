@@ -56,7 +56,7 @@ pub fn to_hex(b: &[u8]) -> String {
 
 /// Decode [`to_hex`]'s output.
 pub fn from_hex(s: &str) -> Option<Vec<u8>> {
-    if s.len() % 2 != 0 || !s.is_ascii() {
+    if !s.len().is_multiple_of(2) || !s.is_ascii() {
         return None;
     }
     (0..s.len())

@@ -1,3 +1,6 @@
+//! Loopback TCP throughput with plain reads and writes: the floor the
+//! memory-server benchmark compares against (`cargo run --release --example tcpmem`).
+
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::Instant;

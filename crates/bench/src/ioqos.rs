@@ -214,10 +214,6 @@ pub struct Report {
     pub plot: PlotOutcome,
 }
 
-static INTERRUPTED: AtomicBool = AtomicBool::new(false);
-extern "C" fn on_signal(_: libc::c_int) {
-    INTERRUPTED.store(true, Relaxed);
-}
 
 /// The shared device under test, torn down on drop (loop device first).
 struct Device {
@@ -581,7 +577,7 @@ fn run_one(
     let mut next = 1.0;
     let mut error = None;
     while t0.elapsed().as_secs_f64() < o.secs + 0.5 {
-        if INTERRUPTED.load(Relaxed) {
+        if interrupted().load(Relaxed) {
             error = Some("interrupted".to_string());
             break;
         }
@@ -618,7 +614,7 @@ fn run_one(
     // fio ends at the run's end; anything left is killed with the groups.
     let deadline = Instant::now() + Duration::from_secs(15);
     for f in fios.iter_mut() {
-        while f.try_wait()?.is_none() && Instant::now() < deadline && !INTERRUPTED.load(Relaxed) {
+        while f.try_wait()?.is_none() && Instant::now() < deadline && !interrupted().load(Relaxed) {
             std::thread::sleep(Duration::from_millis(100));
         }
         let _ = f.kill();
@@ -710,11 +706,7 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
     }
     std::fs::create_dir_all(&o.out_dir)?;
     // Ctrl-C / SIGTERM end the run at the next second, with everything torn down.
-    // SAFETY: the handler only stores to an atomic.
-    unsafe {
-        libc::signal(libc::SIGINT, on_signal as *const () as usize);
-        libc::signal(libc::SIGTERM, on_signal as *const () as usize);
-    }
+    let _ = interrupted();
     let mut calibration = vec![];
     let mut runs = vec![];
     'dev: for devname in &o.devices {
@@ -754,7 +746,7 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
         calibration.push((devname.clone(), cal.clone()));
         for sc in scs {
             for p in &o.policies {
-                if INTERRUPTED.load(Relaxed) {
+                if interrupted().load(Relaxed) {
                     break 'dev;
                 }
                 log(&format!("{devname}/{sc}/{p}: {} s", o.secs));
@@ -769,7 +761,7 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
             }
         }
     }
-    if INTERRUPTED.load(Relaxed) {
+    if interrupted().load(Relaxed) {
         log("interrupted: the runs so far are reported");
     }
     // Work conservation against the same device and scenario with no control.
@@ -1023,4 +1015,9 @@ impl crate::Benchmark for Args {
     fn print(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<()> {
         print_table(r, out)
     }
+}
+
+/// Set by SIGINT / SIGTERM (the run then ends at its next check).
+fn interrupted() -> &'static std::sync::atomic::AtomicBool {
+    pagefleet_common::signal::stop_flag()
 }

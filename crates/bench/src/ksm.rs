@@ -220,10 +220,6 @@ fn load(addr: &str, keys: impl Iterator<Item = (String, Vec<u8>)>) -> Result<()>
     Ok(())
 }
 
-static INTERRUPTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-extern "C" fn on_signal(_: libc::c_int) {
-    INTERRUPTED.store(true, Relaxed);
-}
 
 /// The KSM policies compared.
 #[derive(Clone, Debug)]
@@ -384,6 +380,7 @@ impl Drop for Driver {
     fn drop(&mut self) {
         if let Some(c) = &mut self.child {
             // SIGTERM: the controller puts the settings back itself.
+            // SAFETY: kill has no memory preconditions.
             unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
             let t = Instant::now();
             while t.elapsed() < Duration::from_secs(10) {
@@ -574,7 +571,7 @@ fn run_one(
     let mut prev_maj = maj0;
     let mut samples = Vec::new();
     for k in 1..=o.duration_s {
-        if INTERRUPTED.load(Relaxed) {
+        if interrupted().load(Relaxed) {
             bail!("interrupted");
         }
         let until = t0 + Duration::from_secs(k);
@@ -681,11 +678,7 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
     std::fs::create_dir_all(&dir)?;
     let saved = Settings::save()?;
     // Ctrl-C / SIGTERM end the run at the next second, with the host's KSM settings put back.
-    // SAFETY: the handler only stores to an atomic.
-    unsafe {
-        libc::signal(libc::SIGINT, on_signal as *const () as usize);
-        libc::signal(libc::SIGTERM, on_signal as *const () as usize);
-    }
+    let _ = interrupted();
     // What the tenants use unmerged, measured: loaded once without pressure.
     reset_ksm()?;
     let tenants_rss = {
@@ -718,7 +711,7 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
     let mut configs = Vec::new();
     for p in policies
         .iter()
-        .filter(|_| !INTERRUPTED.load(Relaxed))
+        .filter(|_| !interrupted().load(Relaxed))
         .filter(|p| {
             o.only
                 .as_deref()
@@ -970,4 +963,9 @@ impl crate::Benchmark for Args {
     fn print(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<()> {
         print_table(r, out)
     }
+}
+
+/// Set by SIGINT / SIGTERM (the run then ends at its next check).
+fn interrupted() -> &'static std::sync::atomic::AtomicBool {
+    pagefleet_common::signal::stop_flag()
 }

@@ -7,6 +7,9 @@
 //! (so `pagefleet bench X --help` lists X's flags only) beside the flags all
 //! of them take ([`Common`]).
 
+// Not a library API: a benchmark harness: what its reports mean is documented in docs/*.md.
+#![allow(missing_docs)]
+
 pub mod blockdev;
 pub mod ioqos;
 pub mod ksm;

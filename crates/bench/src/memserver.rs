@@ -862,6 +862,7 @@ impl Memcached {
                 "-m",
                 &mb.to_string(),
             ])
+            // SAFETY: geteuid has no preconditions.
             .args(if unsafe { libc::geteuid() } == 0 {
                 vec!["-u", "root"]
             } else {

@@ -658,9 +658,9 @@ fn raw_uffd(iters: usize, two: bool) -> Result<Vec<f64>> {
     let pages = iters + 16;
     let fd = uffd::memfd("raw-uffd", (pages * 4096) as u64)?;
     let m = uffd::Mapping::shared(fd.as_raw_fd(), pages * 4096)?;
-    m.madvise(0, m.len, libc::MADV_NOHUGEPAGE)?;
+    m.madvise(0, m.len(), libc::MADV_NOHUGEPAGE)?;
     let u = Arc::new(uffd::Uffd::open(uffd::FEATURE_MISSING_SHMEM)?);
-    u.register(m.base(), m.len as u64, uffd::MODE_MISSING)?;
+    u.register(m.base(), m.len() as u64, uffd::MODE_MISSING)?;
     let stop = Arc::new(AtomicBool::new(false));
     let (u2, s2) = (u.clone(), stop.clone());
     let h = std::thread::spawn(move || {
@@ -674,7 +674,7 @@ fn raw_uffd(iters: usize, two: bool) -> Result<Vec<f64>> {
                 fs.clear();
                 let _ = u2.read_faults(&mut fs, 16);
                 for f in &fs {
-                    let _ = u2.copy(f.addr & !4095, src.as_ptr(), 4096, false);
+                    let _ = u2.copy(f.addr & !4095, &src, false);
                 }
             }
         }
@@ -687,7 +687,7 @@ fn raw_uffd(iters: usize, two: bool) -> Result<Vec<f64>> {
     for i in 0..iters {
         let t = Instant::now();
         // SAFETY: inside the mapping.
-        let x = unsafe { std::ptr::read_volatile(m.addr.add(i * 4096)) };
+        let x = unsafe { std::ptr::read_volatile(m.addr().add(i * 4096)) };
         v.push(t.elapsed().as_secs_f64() * 1e6);
         if x != 7 {
             bail!("raw uffd page has wrong contents");

@@ -2,6 +2,10 @@
 //! aggregated into one virtual block device, exported over NBD so Linux,
 //! QEMU and every storage tool can use it (as swap, or as a disk).
 
+// Not every public item is documented yet (issue 16): remove this once
+// `cargo clippy -p pagefleet-blockdev` passes without it.
+#![allow(missing_docs)]
+
 pub mod backend;
 pub mod layout;
 pub mod nbd;

@@ -5,7 +5,6 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 use pagefleet_ioqos::control::{self, Options, DEFAULT_STATE};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 #[derive(Subcommand)]
@@ -99,10 +98,6 @@ pub struct RunOpts {
     state: PathBuf,
 }
 
-static STOP: AtomicBool = AtomicBool::new(false);
-extern "C" fn on_signal(_: libc::c_int) {
-    STOP.store(true, Ordering::Relaxed);
-}
 
 pub fn options(o: &RunOpts) -> Result<Options> {
     let spec = control::Spec {
@@ -143,12 +138,7 @@ pub fn main(c: IoqosCmd) -> Result<()> {
                 .with_writer(std::io::stderr)
                 .init();
             let opts = options(&o)?;
-            // SAFETY: the handler only stores to an atomic.
-            unsafe {
-                libc::signal(libc::SIGINT, on_signal as *const () as usize);
-                libc::signal(libc::SIGTERM, on_signal as *const () as usize);
-            }
-            control::run(&opts, &STOP, |_| {})
+            control::run(&opts, pagefleet_common::signal::stop_flag(), |_| {})
         }
         IoqosCmd::Fifodisk {
             dir,
@@ -158,12 +148,7 @@ pub fn main(c: IoqosCmd) -> Result<()> {
             attach_loop,
         } => fifodisk(&dir, size, bandwidth, per_io, attach_loop),
         IoqosCmd::Status { json, state } => {
-            let v: control::State = std::fs::read(&state)
-                .ok()
-                .and_then(|b| serde_json::from_slice(&b).ok())
-                .filter(|v: &control::State| {
-                    std::path::Path::new(&format!("/proc/{}", v.pid)).exists()
-                })
+            let v: control::State = pagefleet_common::controller::read_live(&state)
                 .with_context(|| {
                     format!(
                         "no I/O controller is running (no fresh state at {})",
@@ -245,7 +230,7 @@ fn fifodisk(
         bandwidth: bandwidth as f64,
     };
     // Interrupt and terminate end it cleanly: blocked here, waited for below.
-    let set = crate::block_term_signals();
+    let signals = pagefleet_common::signal::TermSignals::block();
     let disk = FifoDisk::mount(dir, size, pace)?;
     let lo = if attach_loop {
         Some(LoopDevice::attach(&disk.file(), true)?)
@@ -262,7 +247,7 @@ fn fifodisk(
     );
     use std::io::Write;
     std::io::stdout().flush()?;
-    crate::wait_term_signal(&set);
+    signals.wait();
     drop(lo);
     disk.unmount()
 }

@@ -5,7 +5,6 @@ use anyhow::{bail, Result};
 use clap::{Args, Subcommand};
 use pagefleet_ksm::control::{self, Options, DEFAULT_STATE};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 #[derive(Subcommand)]
@@ -73,10 +72,6 @@ pub struct RunOpts {
     state: PathBuf,
 }
 
-static STOP: AtomicBool = AtomicBool::new(false);
-extern "C" fn on_signal(_: libc::c_int) {
-    STOP.store(true, Ordering::Relaxed);
-}
 
 pub fn options(o: &RunOpts) -> Result<Options> {
     if o.duration.is_nan() || o.duration < 0.0 {
@@ -107,12 +102,7 @@ pub fn main(c: KsmCmd) -> Result<()> {
                 ))
                 .with_writer(std::io::stderr)
                 .init();
-            // SAFETY: the handler only stores to an atomic.
-            unsafe {
-                libc::signal(libc::SIGINT, on_signal as *const () as usize);
-                libc::signal(libc::SIGTERM, on_signal as *const () as usize);
-            }
-            control::run(&opts, &STOP, |_| {})
+            control::run(&opts, pagefleet_common::signal::stop_flag(), |_| {})
         }
         KsmCmd::Status {
             json,

@@ -227,7 +227,7 @@ fn blockdev(c: BlockdevCmd, secret_file: Option<&std::path::Path>) -> Result<()>
         name,
     };
     // Interrupt and terminate end the export cleanly: blocked here, waited for below.
-    let set = block_term_signals();
+    let signals = pagefleet_common::signal::TermSignals::block();
     let dev = std::sync::Arc::new(pagefleet_blockdev::Device::open(&o, secret)?);
     let l = pagefleet_blockdev::Listener::bind(&o.listen)?;
     println!("listening {}", l.describe());
@@ -238,7 +238,7 @@ fn blockdev(c: BlockdevCmd, secret_file: Option<&std::path::Path>) -> Result<()>
     std::thread::spawn(move || {
         let _ = d2.serve(l);
     });
-    wait_term_signal(&set);
+    signals.wait();
     dev.delete();
     if let Some(p) = o.listen.strip_prefix("unix:") {
         let _ = std::fs::remove_file(p);
@@ -246,25 +246,6 @@ fn blockdev(c: BlockdevCmd, secret_file: Option<&std::path::Path>) -> Result<()>
     Ok(())
 }
 
-/// Block SIGINT and SIGTERM (before any thread starts, so every thread
-/// inherits the mask); `wait_term_signal` then waits for one of them.
-pub(crate) fn block_term_signals() -> libc::sigset_t {
-    // SAFETY: plain signal-mask calls on a local set.
-    unsafe {
-        let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut set);
-        libc::sigaddset(&mut set, libc::SIGINT);
-        libc::sigaddset(&mut set, libc::SIGTERM);
-        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
-        set
-    }
-}
-
-pub(crate) fn wait_term_signal(set: &libc::sigset_t) {
-    let mut sig = 0;
-    // SAFETY: waiting for signals blocked by block_term_signals.
-    unsafe { libc::sigwait(set, &mut sig) };
-}
 
 #[derive(Args, Clone)]
 struct DemoOpts {
@@ -409,6 +390,7 @@ fn testbed(t: TestbedCmd) -> Result<()> {
                 );
                 let me = std::env::current_exe()?;
                 for (i, h) in lab.hosts.iter().enumerate() {
+                    // SAFETY: signal 0 only checks that the process exists.
                     let alive = unsafe { libc::kill(h.pid as i32, 0) } == 0;
                     // Ask the host's daemon from inside its own namespace.
                     let out = lab

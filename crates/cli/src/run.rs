@@ -118,6 +118,7 @@ impl Memory {
         match (&self.region, self.plain) {
             // SAFETY: the region/mapping outlives every use in this command.
             (Some(r), _) => unsafe { Mem::new(r.as_ptr(), r.len()) },
+            // SAFETY: our own mapping, unmapped only when Memory drops.
             (None, Some((p, n))) => unsafe { Mem::new(p, n) },
             _ => unreachable!(),
         }
@@ -168,6 +169,7 @@ fn open_memory(a: &RunArgs, secret_file: Option<&Path>) -> Result<Memory> {
             bail!("cannot map {} of memory", units::fmt_size(a.size));
         }
         // Same page size as a region: THP off.
+        // SAFETY: the mapping just made, whole.
         unsafe { libc::madvise(p, a.size as usize, libc::MADV_NOHUGEPAGE) };
         return Ok(Memory {
             region: None,

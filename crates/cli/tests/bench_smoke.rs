@@ -121,6 +121,7 @@ fn bench_paging_quick_json_has_rows_faults_and_goals() {
 /// experiments) and lists every goal with its measured value.
 #[test]
 fn bench_migration_quick_json_has_rows_and_goals() {
+    // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         eprintln!("skipped: the testbed needs root (CI runs as root)");
         return;
@@ -266,7 +267,7 @@ fn each_bench_help_lists_only_its_own_flags() {
         let help = String::from_utf8_lossy(&out.stdout);
         let listed: Vec<&str> = help
             .lines()
-            .filter_map(|l| l.trim_start().split_whitespace().next())
+            .filter_map(|l| l.split_whitespace().next())
             .filter(|w| w.starts_with("--"))
             .map(|w| w.trim_end_matches(','))
             .collect();

@@ -1,10 +1,14 @@
-//! Helpers every pagefleet crate shares: human sizes, the signed HTTP
-//! client for pagefleetd's API and the verifier the daemon checks it with.
+//! Helpers every pagefleet crate shares: human sizes and shares, the signed
+//! HTTP client for pagefleetd's API and the verifier the daemon checks it
+//! with, the runner control-socket client, the controller skeleton (state
+//! file, lock, waits), stop signals and error reports.
 
 #![warn(missing_docs)]
 
 pub mod control;
+pub mod controller;
 pub mod http;
 pub mod httpauth;
 pub mod report;
+pub mod signal;
 pub mod units;

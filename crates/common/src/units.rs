@@ -34,6 +34,23 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     Ok((v * mult).round() as u64)
 }
 
+/// A share written as a percentage or a fraction: "10%" or "0.1" -> 0.1
+/// (0 < share <= 1). `what` names the setting in the error.
+pub fn parse_share(what: &str, s: &str) -> Result<f64, String> {
+    let v = if let Some(p) = s.strip_suffix('%') {
+        p.trim().parse::<f64>().map(|v| v / 100.0)
+    } else {
+        s.trim().parse::<f64>()
+    };
+    match v {
+        Ok(v) if v > 0.0 && v <= 1.0 => Ok(v),
+        Ok(_) => Err(format!("{what} must be above 0 and at most 100% (got {s})")),
+        Err(_) => Err(format!(
+            "{what} must be a percentage like 10% or a fraction like 0.1 (got {s})"
+        )),
+    }
+}
+
 /// Format bytes with a binary unit.
 pub fn fmt_size(b: u64) -> String {
     const U: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
@@ -63,5 +80,9 @@ mod tests {
         assert!(parse_size("4 parsecs").is_err());
         assert!(parse_size("").is_err());
         assert_eq!(fmt_size(3 << 29), "1.50 GiB");
+        assert_eq!(parse_share("x", "10%"), Ok(0.1));
+        assert_eq!(parse_share("x", "0.25"), Ok(0.25));
+        assert!(parse_share("x", "150%").is_err());
+        assert!(parse_share("x", "lots").unwrap_err().contains("percentage"));
     }
 }

@@ -57,23 +57,22 @@ fn refusal(r: Refusal) -> Response {
     )
 }
 
-fn guests(app: &App) -> Result<Arc<Guests>, Response> {
+fn guests(app: &App) -> Result<Arc<Guests>, Refusal> {
     app.guests.clone().ok_or_else(|| {
-        error(
-            StatusCode::NOT_FOUND,
+        Refusal::new(
+            404,
             "this host runs no guests (start pagefleetd with --guest-memory)",
         )
     })
 }
 
 /// A typed body, or a 400 that says what is wrong with it.
-fn body<T: DeserializeOwned>(b: &Bytes) -> Result<T, Response> {
-    serde_json::from_slice(b)
-        .map_err(|e| error(StatusCode::BAD_REQUEST, format!("bad request body: {e}")))
+fn body<T: DeserializeOwned>(b: &Bytes) -> Result<T, Refusal> {
+    serde_json::from_slice(b).map_err(|e| Refusal::new(400, format!("bad request body: {e}")))
 }
 
 /// No body, or an empty JSON object.
-fn no_body(b: &Bytes) -> Result<(), Response> {
+fn no_body(b: &Bytes) -> Result<(), Refusal> {
     #[derive(Deserialize)]
     #[serde(deny_unknown_fields)]
     struct Empty {}
@@ -144,14 +143,14 @@ async fn status(State(app): Shared, Path(name): Path<String>) -> Response {
         Ok(g) => {
             blocking(move || g.control::<GuestStatus>(&name, &ControlRequest::Status)).await
         }
-        Err(r) => r,
+        Err(r) => refusal(r),
     }
 }
 
 async fn start(State(app): Shared, b: Bytes) -> Response {
     let (g, req) = match (guests(&app), body::<StartGuest>(&b)) {
         (Ok(g), Ok(r)) => (g, r),
-        (Err(r), _) | (_, Err(r)) => return r,
+        (Err(r), _) | (_, Err(r)) => return refusal(r),
     };
     blocking(move || g.start(req).map(|_| pagefleet_api::Ok::default())).await
 }
@@ -159,7 +158,7 @@ async fn start(State(app): Shared, b: Bytes) -> Response {
 async fn incoming(State(app): Shared, b: Bytes) -> Response {
     let (g, req) = match (guests(&app), body::<IncomingRequest>(&b)) {
         (Ok(g), Ok(r)) => (g, r),
-        (Err(r), _) | (_, Err(r)) => return r,
+        (Err(r), _) | (_, Err(r)) => return refusal(r),
     };
     blocking(move || g.incoming(req)).await
 }
@@ -180,7 +179,7 @@ struct Evacuate {
 async fn guest_op(State(app): Shared, Path((name, op)): Path<(String, String)>, b: Bytes) -> Response {
     let g = match guests(&app) {
         Ok(g) => g,
-        Err(r) => return r,
+        Err(r) => return refusal(r),
     };
     let parsed = match op.as_str() {
         "stop" => no_body(&b).map(|_| ControlRequest::Stop),
@@ -192,14 +191,14 @@ async fn guest_op(State(app): Shared, Path((name, op)): Path<(String, String)>, 
             to: e.to,
         }),
         "migrate" => body::<MigrateRequest>(&b).map(ControlRequest::Migrate),
-        _ => Err(error(
-            StatusCode::NOT_FOUND,
+        _ => Err(Refusal::new(
+            404,
             format!("no operation {op:?}: use stop, cancel, sort, set_budget, evacuate or migrate"),
         )),
     };
     let req = match parsed {
         Ok(r) => r,
-        Err(r) => return r,
+        Err(r) => return refusal(r),
     };
     match req {
         ControlRequest::Migrate(_) => migrate(g, name, req).await,
@@ -243,10 +242,10 @@ async fn migrate(g: Arc<Guests>, name: String, req: ControlRequest) -> Response 
 async fn migrations(State(app): Shared, b: Bytes) -> Response {
     let order = match body::<MigrationOrder>(&b) {
         Ok(o) => o,
-        Err(r) => return r,
+        Err(r) => return refusal(r),
     };
     if let Err(r) = guests(&app) {
-        return r;
+        return refusal(r);
     }
     events(move |emit| crate::orchestrate::migrate(&app, order, emit))
 }

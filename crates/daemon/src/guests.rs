@@ -50,7 +50,8 @@ pub struct Refusal {
 }
 
 impl Refusal {
-    fn new(status: u16, message: impl std::fmt::Display) -> Refusal {
+    /// A refusal with its HTTP status.
+    pub fn new(status: u16, message: impl std::fmt::Display) -> Refusal {
         Refusal {
             status,
             message: message.to_string(),

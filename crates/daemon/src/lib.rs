@@ -2,6 +2,10 @@
 //! registry (every host's report, gathered from its peers), metrics, and
 //! the signed HTTP API that serves them all.
 
+// Not every public item is documented yet (issue 16): remove this once
+// `cargo clippy -p pagefleet-daemon` passes without it.
+#![allow(missing_docs)]
+
 pub mod api;
 pub mod config;
 pub mod guests;

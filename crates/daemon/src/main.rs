@@ -173,11 +173,7 @@ fn run() -> Result<()> {
         bail!("nothing to do: lend memory with --lend SIZE (e.g. --lend 4GiB), run guests with --guest-memory SIZE, control KSM with --ksm adaptive and/or guarantee I/O with --ioqos-device DEV --ioqos-tenants SPEC; see --help");
     }
     // SIGTERM/SIGINT end the daemon cleanly (the KSM controller puts the host's settings back).
-    // SAFETY: the handler only stores to an atomic.
-    unsafe {
-        libc::signal(libc::SIGINT, on_signal as *const () as usize);
-        libc::signal(libc::SIGTERM, on_signal as *const () as usize);
-    }
+    let stop = pagefleet_common::signal::stop_flag();
     let ksm = match &a.ksm {
         Some(spec) => {
             let opts = spec.options(
@@ -188,7 +184,7 @@ fn run() -> Result<()> {
             pagefleet_ksm::sysfs::available()?;
             tracing::info!("KSM controller: {}", spec.mode);
             Some(std::thread::spawn(move || {
-                if let Err(e) = pagefleet_ksm::control::run(&opts, &STOP, |_| {}) {
+                if let Err(e) = pagefleet_ksm::control::run(&opts, stop, |_| {}) {
                     tracing::error!("KSM controller stopped: {e:#}");
                 }
             }))
@@ -208,7 +204,7 @@ fn run() -> Result<()> {
                 opts.tenants.len()
             );
             Some(std::thread::spawn(move || {
-                if let Err(e) = pagefleet_ioqos::control::run(&opts, &STOP, |_| {}) {
+                if let Err(e) = pagefleet_ioqos::control::run(&opts, stop, |_| {}) {
                     tracing::error!("I/O controller stopped: {e:#}");
                 }
             }))
@@ -341,7 +337,7 @@ fn run() -> Result<()> {
     }
     out.flush()?;
     drop(out);
-    while !STOP.load(std::sync::atomic::Ordering::Relaxed) {
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
     tracing::info!("stopping");
@@ -354,7 +350,3 @@ fn run() -> Result<()> {
     Ok(())
 }
 
-static STOP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-extern "C" fn on_signal(_: libc::c_int) {
-    STOP.store(true, std::sync::atomic::Ordering::Relaxed);
-}

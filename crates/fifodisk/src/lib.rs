@@ -10,6 +10,10 @@
 //! and whose queue is first-come first-served, so blkio throttling, BFQ and
 //! the ioqos controllers act on it exactly as on a real disk.
 
+// Not every public item is documented yet (issue 16): remove this once
+// `cargo clippy -p pagefleet-fifodisk` passes without it.
+#![allow(missing_docs)]
+
 use anyhow::{bail, Context, Result};
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,

@@ -696,6 +696,7 @@ mod tests {
 
     fn mem(n: usize) -> (Vec<u64>, Mem) {
         let mut v = vec![0u64; n / 8];
+        // SAFETY: the Vec outlives the Mem in every test (returned together).
         let m = unsafe { Mem::new(v.as_mut_ptr() as *mut u8, n) };
         (v, m)
     }

@@ -2,37 +2,75 @@
 //! they are given (a pagefleet region, or plain memory for the all-local
 //! baseline), like a VM's RAM, so a runner elsewhere could resume them.
 
+// Not every public item is documented yet (issue 16): remove this once
+// `cargo clippy -p pagefleet-guests` passes without it.
+#![allow(missing_docs)]
+
 pub mod kv;
 pub mod sort;
 pub mod synthetic;
 
 /// Guest memory: a raw, shared view of a region. Threads coordinate through
-/// the workload's own rules (disjoint slices, locks inside the data).
+/// the workload's own rules (disjoint slices, locks inside the data). Only
+/// [`Mem::new`] (unsafe) makes one, so every `Mem` covers mapped memory;
+/// accesses are bounds-checked.
 #[derive(Clone, Copy)]
 pub struct Mem {
-    pub base: *mut u8,
-    pub len: usize,
+    base: *mut u8,
+    len: usize,
 }
 
-// SAFETY: Mem is a plain view; workloads synchronise their own accesses.
+// SAFETY: Mem is a plain view of shared memory; workloads synchronise their
+// own accesses (volatile word accesses, locks inside the data).
 unsafe impl Send for Mem {}
+// SAFETY: as for Send.
 unsafe impl Sync for Mem {}
 
 impl Mem {
+    /// A view of `len` bytes at `base`.
+    ///
     /// # Safety
-    /// `base..base+len` must stay mapped and writable while the Mem is used.
+    /// `base..base+len` must stay mapped and writable while the Mem (or any
+    /// copy or sub-view of it) is used, and be 8-byte aligned.
     pub unsafe fn new(base: *mut u8, len: usize) -> Mem {
         Mem { base, len }
     }
+    /// Its length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Its first byte (for handing to code that takes raw memory).
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.base
+    }
+    /// The sub-view `[off, off+len)`; panics outside this view.
+    pub fn sub(&self, off: usize, len: usize) -> Mem {
+        assert!(
+            off.checked_add(len).is_some_and(|e| e <= self.len),
+            "sub-view {off}+{len} outside {} bytes",
+            self.len
+        );
+        Mem {
+            // SAFETY: in bounds (checked above) of memory valid for self.
+            base: unsafe { self.base.add(off) },
+            len,
+        }
+    }
+    /// Read the word at `off`; panics outside the view.
     #[inline]
     pub fn read_u64(&self, off: usize) -> u64 {
-        debug_assert!(off + 8 <= self.len);
+        assert!(off + 8 <= self.len, "read at {off} outside {} bytes", self.len);
         // SAFETY: in bounds; volatile so the access really touches guest memory.
         unsafe { std::ptr::read_volatile(self.base.add(off) as *const u64) }
     }
+    /// Write the word at `off`; panics outside the view.
     #[inline]
     pub fn write_u64(&self, off: usize, v: u64) {
-        debug_assert!(off + 8 <= self.len);
+        assert!(off + 8 <= self.len, "write at {off} outside {} bytes", self.len);
         // SAFETY: in bounds.
         unsafe { std::ptr::write_volatile(self.base.add(off) as *mut u64, v) }
     }

@@ -7,6 +7,7 @@ use crate::device::Dev;
 use crate::policy::{Cap, Guarantee, GuaranteeConfig, Min, Model, Obs, Paper, PaperConfig};
 use crate::spec::Tenant;
 use anyhow::{Context, Result};
+use pagefleet_common::controller::{self, HasPid, StateFile};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -67,6 +68,12 @@ pub struct State {
     pub updated_unix: u64,
 }
 
+impl HasPid for State {
+    fn pid(&self) -> u32 {
+        self.pid
+    }
+}
+
 /// A controller as a user configures it (CLI flags or pagefleetd's
 /// `[ioqos]` section), checked and turned into [`Options`].
 #[derive(Clone, Debug, PartialEq)]
@@ -122,7 +129,8 @@ impl Spec {
                 if !(self.cap_interval > 0.0 && self.cap_time > self.cap_interval) {
                     anyhow::bail!("the paper requires cap_time > cap_interval > 0");
                 }
-                let border = pagefleet_ksm::parse_share("border", &self.border)?;
+                let border = pagefleet_common::units::parse_share("border", &self.border)
+                    .map_err(anyhow::Error::msg)?;
                 Policy::Paper(PaperConfig {
                     border,
                     rate: self.rate,
@@ -251,6 +259,7 @@ pub fn calibrate(path: &Path, secs: f64) -> Result<Model> {
                                 _ => break,
                             }
                         }
+                        // SAFETY: `buf` came from alloc with this layout and is freed once.
                         unsafe { std::alloc::dealloc(buf, layout) };
                         (n, b)
                     })
@@ -298,14 +307,13 @@ fn limit(cap: &Cap, o: &Obs) -> Limit {
     }
 }
 
-fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
-}
 
 pub fn run(o: &Options, stop: &AtomicBool, mut on_tick: impl FnMut(&State)) -> Result<()> {
+    let state = o
+        .state_file
+        .as_deref()
+        .map(|p| StateFile::lock::<State>(p, "I/O controller"))
+        .transpose()?;
     let n = o.tenants.len();
     let mut backends: Vec<Option<Backend>> = Vec::new();
     for t in &o.tenants {
@@ -463,10 +471,12 @@ pub fn run(o: &Options, stop: &AtomicBool, mut on_tick: impl FnMut(&State)) -> R
             }
         }
         st.device_share_used = obs.iter().map(|x| o.model.cost(x)).sum();
-        st.updated_unix = unix_now();
-        write_state(&o.state_file, &st);
+        st.updated_unix = pagefleet_common::httpauth::unix_now();
+        if let Some(f) = &state {
+            f.publish(&st);
+        }
         on_tick(&st);
-        if sleep_until(interval, stop, o.duration.map(|d| started + d)) {
+        if controller::wait(interval, stop, o.duration.map(|d| started + d)) {
             break Ok(());
         }
     };
@@ -478,9 +488,7 @@ pub fn run(o: &Options, stop: &AtomicBool, mut on_tick: impl FnMut(&State)) -> R
             }
         }
     }
-    if let Some(p) = &o.state_file {
-        let _ = std::fs::remove_file(p);
-    }
+    // The state file goes with `state` (dropped here).
     result
 }
 
@@ -493,27 +501,4 @@ fn differs(a: &Limit, b: &Limit) -> bool {
     f(a.rbps, b.rbps) || f(a.wbps, b.wbps) || f(a.riops, b.riops) || f(a.wiops, b.wiops)
 }
 
-fn write_state(path: &Option<PathBuf>, st: &State) {
-    let Some(p) = path else { return };
-    if let Some(d) = p.parent() {
-        let _ = std::fs::create_dir_all(d);
-    }
-    let tmp = p.with_extension("json.tmp");
-    if std::fs::write(&tmp, serde_json::to_vec_pretty(st).unwrap_or_default()).is_ok() {
-        let _ = std::fs::rename(&tmp, p);
-    }
-}
 
-fn sleep_until(d: Duration, stop: &AtomicBool, end: Option<Instant>) -> bool {
-    let until = Instant::now() + d;
-    loop {
-        if stop.load(Ordering::Relaxed) || end.is_some_and(|e| Instant::now() >= e) {
-            return true;
-        }
-        let now = Instant::now();
-        if now >= until {
-            return false;
-        }
-        std::thread::sleep((until - now).min(Duration::from_millis(50)));
-    }
-}

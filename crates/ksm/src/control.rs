@@ -6,9 +6,11 @@ use crate::adaptive::{Adaptive, AdaptiveConfig};
 use crate::sysfs::{self, Memory, Settings, Stats};
 use crate::tuned::{self, Action, Tuned, TunedConfig};
 use anyhow::{Context, Result};
+use pagefleet_common::controller::{self, HasPid, StateFile};
+use pagefleet_common::units::parse_share;
 use serde::Serialize;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 use tracing::{info, warn};
 
@@ -73,8 +75,10 @@ impl Spec {
         }
         let policy = match self.mode.as_str() {
             "adaptive" => Policy::Adaptive(AdaptiveConfig {
-                cpu_budget: crate::parse_share("--cpu-budget", &self.cpu_budget)?,
-                pressure_below: crate::parse_share("--pressure-below", &self.pressure_below)?,
+                cpu_budget: parse_share("--cpu-budget", &self.cpu_budget)
+                    .map_err(anyhow::Error::msg)?,
+                pressure_below: parse_share("--pressure-below", &self.pressure_below)
+                    .map_err(anyhow::Error::msg)?,
                 psi_above: self.psi_above,
                 ..Default::default()
             }),
@@ -121,6 +125,12 @@ pub struct State {
     pub updated_unix: u64,
 }
 
+impl HasPid for State {
+    fn pid(&self) -> u32 {
+        self.pid
+    }
+}
+
 fn apply(run: bool, pages: u64, sleep: u64) -> Result<()> {
     if run {
         sysfs::write("pages_to_scan", &pages.to_string())?;
@@ -150,38 +160,28 @@ impl Drop for Restore {
     }
 }
 
-fn write_state(path: &Option<PathBuf>, st: &State) {
-    let Some(p) = path else { return };
-    if let Some(d) = p.parent() {
-        let _ = std::fs::create_dir_all(d);
-    }
-    let tmp = p.with_extension("json.tmp");
-    if std::fs::write(&tmp, serde_json::to_vec_pretty(st).unwrap_or_default()).is_ok() {
-        let _ = std::fs::rename(&tmp, p);
-    }
-}
 
-fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
-}
 
 /// Run until `stop` is set (or the duration passes). `on_decision` sees
 /// every state published (the CLI prints changes).
 pub fn run(o: &Options, stop: &AtomicBool, mut on_decision: impl FnMut(&State)) -> Result<()> {
     sysfs::available()?;
-    let _lock = lock(o.state_file.as_deref())?;
+    let state = o
+        .state_file
+        .as_deref()
+        .map(|p| StateFile::lock::<State>(p, "KSM controller (two would fight over /sys/kernel/mm/ksm)"))
+        .transpose()?;
+    let publish = |st: &State| {
+        if let Some(f) = &state {
+            f.publish(st)
+        }
+    };
     let saved = Settings::save()?;
     // Check we may write before deciding anything (clear error for non-root).
     sysfs::write("pages_to_scan", &saved.pages_to_scan.to_string())
         .context("the KSM controller must run as root")?;
     let _restore = Restore((!o.keep_settings).then_some(saved));
-    let started = Instant::now();
-    let done = |stop: &AtomicBool| {
-        stop.load(Ordering::Relaxed) || o.duration.is_some_and(|d| started.elapsed() >= d)
-    };
+    let end = o.duration.map(|d| Instant::now() + d);
     let mut st = State {
         pid: std::process::id(),
         policy: String::new(),
@@ -239,8 +239,8 @@ pub fn run(o: &Options, stop: &AtomicBool, mut on_decision: impl FnMut(&State)) 
                 st.ksmd_nice = nice;
                 st.saved_bytes = s.saved();
                 st.decisions += 1;
-                st.updated_unix = unix_now();
-                write_state(&o.state_file, &st);
+                st.updated_unix = pagefleet_common::httpauth::unix_now();
+                publish(&st);
                 if st.phase != prev_phase {
                     info!(
                         "{} (scan {:.0} pages/s, ksmd {:.1}% CPU, saved {} MiB)",
@@ -261,7 +261,7 @@ pub fn run(o: &Options, stop: &AtomicBool, mut on_decision: impl FnMut(&State)) 
                 }
                 prev_why = d.why;
                 on_decision(&st);
-                if sleep_until(o.tick, stop, &done) {
+                if controller::wait(o.tick, stop, end) {
                     break Ok(());
                 }
             }
@@ -271,9 +271,9 @@ pub fn run(o: &Options, stop: &AtomicBool, mut on_decision: impl FnMut(&State)) 
             let mut t = Tuned::new(cfg.clone());
             st.phase = "waiting".into();
             st.why = "ksmtuned sleeps a monitor interval before its first adjust".into();
-            write_state(&o.state_file, &st);
+            publish(&st);
             loop {
-                if sleep_until(Duration::from_secs_f64(cfg.monitor_interval_s), stop, &done) {
+                if controller::wait(Duration::from_secs_f64(cfg.monitor_interval_s), stop, end) {
                     break Ok(());
                 }
                 let m = Memory::read()?;
@@ -311,59 +311,18 @@ pub fn run(o: &Options, stop: &AtomicBool, mut on_decision: impl FnMut(&State)) 
                 st.pressure = m.free_kb < thres;
                 st.saved_bytes = Stats::read().map(|s| s.saved()).unwrap_or(0);
                 st.decisions += 1;
-                st.updated_unix = unix_now();
-                write_state(&o.state_file, &st);
+                st.updated_unix = pagefleet_common::httpauth::unix_now();
+                publish(&st);
                 info!("{}", st.why);
                 on_decision(&st);
             }
         }
     };
-    if let Some(p) = &o.state_file {
-        let _ = std::fs::remove_file(p);
-    }
+    // The state file goes with `state` (dropped here).
     result
 }
 
-/// One controller per host: an exclusive lock beside the state file.
-fn lock(state: Option<&std::path::Path>) -> Result<Option<std::fs::File>> {
-    use std::os::fd::AsRawFd;
-    let Some(state) = state else { return Ok(None) };
-    if let Some(d) = state.parent() {
-        std::fs::create_dir_all(d).with_context(|| format!("cannot create {}", d.display()))?;
-    }
-    let p = state.with_extension("lock");
-    let f = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .read(true)
-        .write(true)
-        .open(&p)
-        .with_context(|| format!("cannot open {}", p.display()))?;
-    // SAFETY: flock on our own descriptor.
-    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-        let who = std::fs::read_to_string(state)
-            .ok()
-            .and_then(|t| serde_json::from_str::<State>(&t).ok())
-            .map(|st| st.pid);
-        anyhow::bail!("another KSM controller is running{} ({} is locked): two would fight over /sys/kernel/mm/ksm", who.map(|p| format!(" (pid {p})")).unwrap_or_default(), p.display());
-    }
-    Ok(Some(f))
-}
 
-/// Sleep in small steps; true when it is time to stop.
-fn sleep_until(d: Duration, stop: &AtomicBool, done: &impl Fn(&AtomicBool) -> bool) -> bool {
-    let end = Instant::now() + d;
-    loop {
-        if done(stop) {
-            return true;
-        }
-        let now = Instant::now();
-        if now >= end {
-            return false;
-        }
-        std::thread::sleep((end - now).min(Duration::from_millis(50)));
-    }
-}
 
 /// What `pagefleet ksm status` shows (its `--json`).
 #[derive(Clone, Debug, Serialize, serde::Deserialize)]
@@ -401,10 +360,7 @@ pub fn status(window: Duration, state_file: &std::path::Path) -> Result<Status> 
     let b = Stats::read()?;
     let secs = t0.elapsed().as_secs_f64();
     let m = Memory::read()?;
-    let controller = std::fs::read(state_file)
-        .ok()
-        .and_then(|v| serde_json::from_slice::<State>(&v).ok())
-        .filter(|st| std::path::Path::new(&format!("/proc/{}", st.pid)).exists());
+    let controller = controller::read_live::<State>(state_file);
     Ok(Status {
         run: b.run,
         saved_mib: b.saved() as f64 / 1048576.0,

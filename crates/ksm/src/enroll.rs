@@ -72,11 +72,13 @@ pub fn enroll_pid(pid: u32) -> Result<()> {
     Ok(())
 }
 
+/// Wait until tracee `p` stops; its wait status.
 #[cfg(target_arch = "x86_64")]
-unsafe fn wait_stop(p: libc::pid_t) -> Result<libc::c_int> {
+fn wait_stop(p: libc::pid_t) -> Result<libc::c_int> {
     let mut st = 0;
     loop {
-        let r = libc::waitpid(p, &mut st, libc::__WALL);
+        // SAFETY: waitpid writes the status into our local.
+        let r = unsafe { libc::waitpid(p, &mut st, libc::__WALL) };
         if r == p {
             break;
         }
@@ -90,62 +92,74 @@ unsafe fn wait_stop(p: libc::pid_t) -> Result<libc::c_int> {
     Ok(st)
 }
 
+/// Make tracee `p` run `prctl(PR_SET_MEMORY_MERGE, 1)` once, then put its
+/// registers back; the prctl's return value.
+///
+/// # Safety
+/// `p` must be a thread this process seized with `PTRACE_SEIZE`, and `at`
+/// the address of a `syscall` instruction in its executable text: the
+/// thread is made to execute there.
 #[cfg(target_arch = "x86_64")]
 unsafe fn inject(p: libc::pid_t, at: u64) -> Result<i64> {
-    if libc::ptrace(libc::PTRACE_INTERRUPT, p, 0, 0) != 0 {
-        bail!(
-            "cannot stop the process: {}",
-            std::io::Error::last_os_error()
-        );
-    }
-    // A signal may arrive first: let it through and wait for our stop.
-    for _ in 0..16 {
-        let st = wait_stop(p)?;
-        if (st >> 16) == libc::PTRACE_EVENT_STOP {
-            break;
-        }
-        libc::ptrace(libc::PTRACE_CONT, p, 0, libc::WSTOPSIG(st));
-        libc::ptrace(libc::PTRACE_INTERRUPT, p, 0, 0);
-    }
-    let mut saved: libc::user_regs_struct = std::mem::zeroed();
-    if libc::ptrace(libc::PTRACE_GETREGS, p, 0, &mut saved) != 0 {
-        bail!("cannot read registers: {}", std::io::Error::last_os_error());
-    }
-    let mut r = saved;
-    r.rip = at;
-    r.rax = libc::SYS_prctl as u64;
-    r.orig_rax = u64::MAX; // not inside a syscall: no restart games
-    r.rdi = PR_SET_MEMORY_MERGE as u64;
-    r.rsi = 1;
-    r.rdx = 0;
-    r.r10 = 0;
-    r.r8 = 0;
-    let result = (|| {
-        if libc::ptrace(libc::PTRACE_SETREGS, p, 0, &r) != 0 {
-            bail!("cannot set registers: {}", std::io::Error::last_os_error());
-        }
-        if libc::ptrace(libc::PTRACE_SINGLESTEP, p, 0, 0) != 0 {
-            bail!("cannot single-step: {}", std::io::Error::last_os_error());
-        }
-        let st = wait_stop(p)?;
-        if libc::WSTOPSIG(st) != libc::SIGTRAP {
+    // SAFETY: ptrace requests on a tracee the caller seized, with register
+    // structs we own; the caller guarantees `at` is a syscall instruction,
+    // and the saved registers are restored on every path.
+    unsafe {
+        if libc::ptrace(libc::PTRACE_INTERRUPT, p, 0, 0) != 0 {
             bail!(
-                "unexpected stop (signal {}) while enrolling",
-                libc::WSTOPSIG(st)
+                "cannot stop the process: {}",
+                std::io::Error::last_os_error()
             );
         }
-        let mut after: libc::user_regs_struct = std::mem::zeroed();
-        if libc::ptrace(libc::PTRACE_GETREGS, p, 0, &mut after) != 0 {
+        // A signal may arrive first: let it through and wait for our stop.
+        for _ in 0..16 {
+            let st = wait_stop(p)?;
+            if (st >> 16) == libc::PTRACE_EVENT_STOP {
+                break;
+            }
+            libc::ptrace(libc::PTRACE_CONT, p, 0, libc::WSTOPSIG(st));
+            libc::ptrace(libc::PTRACE_INTERRUPT, p, 0, 0);
+        }
+        let mut saved: libc::user_regs_struct = std::mem::zeroed();
+        if libc::ptrace(libc::PTRACE_GETREGS, p, 0, &mut saved) != 0 {
             bail!("cannot read registers: {}", std::io::Error::last_os_error());
         }
-        if after.rip != at + 2 {
-            bail!("the injected syscall did not run (rip {:#x})", after.rip);
-        }
-        Ok(after.rax as i64)
-    })();
-    // Whatever happened, the thread continues exactly where it was.
-    libc::ptrace(libc::PTRACE_SETREGS, p, 0, &saved);
-    result
+        let mut r = saved;
+        r.rip = at;
+        r.rax = libc::SYS_prctl as u64;
+        r.orig_rax = u64::MAX; // not inside a syscall: no restart games
+        r.rdi = PR_SET_MEMORY_MERGE as u64;
+        r.rsi = 1;
+        r.rdx = 0;
+        r.r10 = 0;
+        r.r8 = 0;
+        let result = (|| {
+            if libc::ptrace(libc::PTRACE_SETREGS, p, 0, &r) != 0 {
+                bail!("cannot set registers: {}", std::io::Error::last_os_error());
+            }
+            if libc::ptrace(libc::PTRACE_SINGLESTEP, p, 0, 0) != 0 {
+                bail!("cannot single-step: {}", std::io::Error::last_os_error());
+            }
+            let st = wait_stop(p)?;
+            if libc::WSTOPSIG(st) != libc::SIGTRAP {
+                bail!(
+                    "unexpected stop (signal {}) while enrolling",
+                    libc::WSTOPSIG(st)
+                );
+            }
+            let mut after: libc::user_regs_struct = std::mem::zeroed();
+            if libc::ptrace(libc::PTRACE_GETREGS, p, 0, &mut after) != 0 {
+                bail!("cannot read registers: {}", std::io::Error::last_os_error());
+            }
+            if after.rip != at + 2 {
+                bail!("the injected syscall did not run (rip {:#x})", after.rip);
+            }
+            Ok(after.rax as i64)
+        })();
+        // Whatever happened, the thread continues exactly where it was.
+        libc::ptrace(libc::PTRACE_SETREGS, p, 0, &saved);
+        result
+    }
 }
 
 /// Address of a `syscall` instruction (0f 05) in an executable mapping of the process.

@@ -2,6 +2,9 @@
 //! real thing — testbed labs driven through the CLI, child pagefleetd
 //! processes, the kv load generator, swap and memory cgroups, plots.
 
+// Not a library API: a lab harness for benchmarks, the demo and tests.
+#![allow(missing_docs)]
+
 pub mod demo;
 pub mod fio;
 pub mod kvload;

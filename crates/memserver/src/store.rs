@@ -42,6 +42,7 @@ struct Pool {
 // SAFETY: the pool is plain memory; who may touch which slot is decided by
 // the index under the store's lock (reserved, pinned or published slots).
 unsafe impl Send for Pool {}
+// SAFETY: as for Send: shared access to a slot is arbitrated by the index.
 unsafe impl Sync for Pool {}
 
 impl Pool {
@@ -298,7 +299,9 @@ impl Store {
     /// `slot` must come from a `PutTarget::Fresh` of a live plan.
     #[allow(clippy::mut_from_ref)]
     pub unsafe fn fresh_slot_mut(&self, slot: u32) -> &mut [u8] {
-        std::slice::from_raw_parts_mut(self.pool.ptr(slot), PAGE_SIZE)
+        // SAFETY: a fresh slot is reserved for this caller alone (the
+        // caller's contract) and lies inside the pool mapping.
+        unsafe { std::slice::from_raw_parts_mut(self.pool.ptr(slot), PAGE_SIZE) }
     }
 
     /// Read-only view of a slot pinned or taken by a live `GetPlan`.
@@ -306,7 +309,9 @@ impl Store {
     /// # Safety
     /// `slot` must come from a live `GetPlan` (pinned or taken).
     pub unsafe fn slot(&self, slot: u32) -> &[u8] {
-        std::slice::from_raw_parts(self.pool.ptr(slot), PAGE_SIZE)
+        // SAFETY: a pinned or taken slot is not reused while the plan lives
+        // (the caller's contract) and lies inside the pool mapping.
+        unsafe { std::slice::from_raw_parts(self.pool.ptr(slot), PAGE_SIZE) }
     }
 
     /// Reserve fresh slots for the pages that are new; all-or-nothing.
@@ -603,6 +608,7 @@ mod tests {
         for (i, t) in plan.targets.iter().enumerate() {
             let v = fill.wrapping_add(i as u8);
             match t {
+                // SAFETY: `s` is a fresh slot of the live plan.
                 PutTarget::Fresh(s) => unsafe { st.fresh_slot_mut(*s).fill(v) },
                 PutTarget::Overwrite => staging[i * PAGE_SIZE..(i + 1) * PAGE_SIZE].fill(v),
             }
@@ -615,6 +621,7 @@ mod tests {
         let v = plan
             .slots
             .iter()
+            // SAFETY: the slots of the live plan.
             .map(|s| unsafe { st.slot(s.unwrap())[0] })
             .collect();
         st.end_get(plan, sel, true);
@@ -691,6 +698,7 @@ mod tests {
         // until the reader is done; the second fails as only one slot is free.
         put(&st, 2, &PageSel::List(vec![0]), 1).unwrap();
         assert!(put(&st, 2, &PageSel::List(vec![1]), 1).is_err());
+        // SAFETY: `pinned` belongs to the live plan.
         assert_eq!(unsafe { st.slot(pinned)[0] }, 42);
         st.end_get(plan, &a, true);
         put(&st, 2, &PageSel::List(vec![1]), 1).unwrap();

@@ -334,7 +334,7 @@ pub fn receive(
     stream.send(Kind::Ready, 0, &[])?;
     let shared = Arc::new(Shared {
         loc: Mutex::new(vec![ZERO_SERVER; pages]),
-        base: adopt.guest.addr as usize,
+        base: adopt.guest.addr() as usize,
         pulled: AtomicU64::new(0),
         replaced: AtomicU64::new(0),
     });
@@ -373,7 +373,7 @@ pub fn receive(
                 // before the region is built.
                 let dst = unsafe {
                     std::slice::from_raw_parts_mut(
-                        r.adopt.guest.addr.add(first * PAGE),
+                        r.adopt.guest.addr().add(first * PAGE),
                         count * PAGE,
                     )
                 };

@@ -4,6 +4,10 @@
 //! page-outs) — never main→sub — and resumes on the main host, which then
 //! pages with the sub-hosts. See docs/migration.md.
 
+// Not every public item is documented yet (issue 16): remove this once
+// `cargo clippy -p pagefleet-migrate` passes without it.
+#![allow(missing_docs)]
+
 pub mod dest;
 pub mod placement;
 pub mod plan;

@@ -22,6 +22,7 @@ impl ReadAll for TcpStream {
         let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
         msg.msg_iov = bufs.as_mut_ptr().cast();
         msg.msg_iovlen = n as _;
+        // SAFETY: the socket is ours; msg describes `n` live buffers.
         let r = unsafe { libc::recvmsg(self.as_raw_fd(), &mut msg, libc::MSG_WAITALL) };
         if r < 0 {
             return Err(io::Error::last_os_error());

@@ -36,20 +36,29 @@ pub struct PfStats {
     pub page_in_p99_us: f64,
 }
 
-fn set_err(err: *mut c_char, len: usize, msg: &str) {
+/// Copy `msg` (truncated, NUL-terminated) into the caller's error buffer.
+///
+/// # Safety
+/// `err` must be NULL or point to `len` writable bytes.
+unsafe fn set_err(err: *mut c_char, len: usize, msg: &str) {
     if err.is_null() || len == 0 {
         return;
     }
     let n = msg.len().min(len - 1);
-    // SAFETY: caller gives a buffer of `len` bytes.
+    // SAFETY: the caller gives a buffer of `len` bytes; n < len.
     unsafe {
         std::ptr::copy_nonoverlapping(msg.as_ptr(), err as *mut u8, n);
         *err.add(n) = 0;
     }
 }
 
+/// A C string argument (NULL: none).
+///
+/// # Safety
+/// `p` must be NULL or point to a NUL-terminated string.
 unsafe fn opt_str(p: *const c_char) -> Option<String> {
-    (!p.is_null()).then(|| CStr::from_ptr(p).to_string_lossy().into_owned())
+    // SAFETY: non-NULL and NUL-terminated by the caller's contract.
+    (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
 }
 
 /// # Safety
@@ -61,7 +70,8 @@ pub unsafe extern "C" fn pf_region_new(
     errlen: usize,
 ) -> *mut c_void {
     let r = (|| -> Result<Region, String> {
-        let c = cfg.as_ref().ok_or("pf_region_new: cfg is NULL")?;
+        // SAFETY: `cfg` is NULL or a valid pf_config (the caller's contract).
+        let c = unsafe { cfg.as_ref() }.ok_or("pf_region_new: cfg is NULL")?;
         let pages = c.size.div_ceil(4096);
         let mut k = Config::new(
             c.size,
@@ -82,7 +92,8 @@ pub unsafe extern "C" fn pf_region_new(
         if c.sample_cpu_budget > 0.0 {
             k.sample_cpu_budget = c.sample_cpu_budget;
         }
-        k.servers = opt_str(c.servers)
+        // SAFETY: pf_config's strings are NULL or NUL-terminated.
+        k.servers = unsafe { opt_str(c.servers) }
             .map(|s| {
                 s.split(',')
                     .map(str::trim)
@@ -92,7 +103,8 @@ pub unsafe extern "C" fn pf_region_new(
             })
             .unwrap_or_default();
         if !k.servers.is_empty() {
-            let f = opt_str(c.secret_file).map(std::path::PathBuf::from);
+            // SAFETY: as above.
+            let f = unsafe { opt_str(c.secret_file) }.map(std::path::PathBuf::from);
             k.secret = Some(Secret::resolve(f.as_deref()).map_err(|e| e.to_string())?);
         }
         // A C host decides itself what to do with a poisoned page (SIGBUS).
@@ -103,7 +115,8 @@ pub unsafe extern "C" fn pf_region_new(
     match r {
         Ok(r) => Box::into_raw(Box::new(r)) as *mut c_void,
         Err(e) => {
-            set_err(err, errlen, &e);
+            // SAFETY: `err` is NULL or `errlen` writable bytes (the caller's contract).
+            unsafe { set_err(err, errlen, &e) };
             std::ptr::null_mut()
         }
     }
@@ -113,36 +126,41 @@ pub unsafe extern "C" fn pf_region_new(
 /// `r` must come from pf_region_new and not be closed.
 #[no_mangle]
 pub unsafe extern "C" fn pf_region_base(r: *const c_void) -> *mut c_void {
-    (*(r as *const Region)).as_ptr() as *mut c_void
+    // SAFETY: `r` is a live region from pf_region_new (the caller's contract).
+    unsafe { &*(r as *const Region) }.as_ptr() as *mut c_void
 }
 
 /// # Safety
 /// As pf_region_base.
 #[no_mangle]
 pub unsafe extern "C" fn pf_region_len(r: *const c_void) -> u64 {
-    (*(r as *const Region)).len() as u64
+    // SAFETY: `r` is a live region from pf_region_new (the caller's contract).
+    unsafe { &*(r as *const Region) }.len() as u64
 }
 
 /// # Safety
 /// As pf_region_base.
 #[no_mangle]
 pub unsafe extern "C" fn pf_region_memfd(r: *const c_void) -> c_int {
-    (*(r as *const Region)).memfd().as_raw_fd()
+    // SAFETY: `r` is a live region from pf_region_new (the caller's contract).
+    unsafe { &*(r as *const Region) }.memfd().as_raw_fd()
 }
 
 /// # Safety
 /// As pf_region_base.
 #[no_mangle]
 pub unsafe extern "C" fn pf_region_set_budget(r: *mut c_void, pages: u64) {
-    (*(r as *const Region)).set_budget(pages)
+    // SAFETY: `r` is a live region from pf_region_new (the caller's contract).
+    unsafe { &*(r as *const Region) }.set_budget(pages)
 }
 
 /// # Safety
 /// As pf_region_base; `out` must be writable.
 #[no_mangle]
 pub unsafe extern "C" fn pf_region_stats(r: *const c_void, out: *mut PfStats) {
-    let s = (*(r as *const Region)).stats();
-    *out = PfStats {
+    // SAFETY: `r` is a live region from pf_region_new (the caller's contract).
+    let s = unsafe { &*(r as *const Region) }.stats();
+    let stats = PfStats {
         budget_pages: s.budget_pages,
         resident_pages: s.resident_pages,
         remote_pages: s.remote_pages,
@@ -160,6 +178,8 @@ pub unsafe extern "C" fn pf_region_stats(r: *const c_void, out: *mut PfStats) {
         page_in_p50_us: s.page_in_p50_us(),
         page_in_p99_us: s.page_in_p99_us(),
     };
+    // SAFETY: `out` is writable (the caller's contract).
+    unsafe { out.write(stats) };
 }
 
 /// # Safety
@@ -169,11 +189,13 @@ pub unsafe extern "C" fn pf_region_close(r: *mut c_void, err: *mut c_char, errle
     if r.is_null() {
         return 0;
     }
-    let r = Box::from_raw(r as *mut Region);
+    // SAFETY: `r` came from Box::into_raw in pf_region_new and is freed once.
+    let r = unsafe { Box::from_raw(r as *mut Region) };
     match r.close() {
         Ok(()) => 0,
         Err(e) => {
-            set_err(err, errlen, &e.to_string());
+            // SAFETY: `err` is NULL or `errlen` writable bytes (the caller's contract).
+            unsafe { set_err(err, errlen, &e.to_string()) };
             -1
         }
     }

@@ -99,11 +99,11 @@ impl Pager {
         let u = Uffd::open(need)?;
         u.register(
             guest.base(),
-            guest.len as u64,
+            guest.len() as u64,
             uffd::MODE_MISSING | uffd::MODE_MINOR | uffd::MODE_WP,
         )?;
         let shadow =
-            Mapping::shared(memfd.as_raw_fd(), guest.len).map_err(|source| RegionError::Io {
+            Mapping::shared(memfd.as_raw_fd(), guest.len()).map_err(|source| RegionError::Io {
                 what: "mmap shadow",
                 source,
             })?;
@@ -138,7 +138,7 @@ impl Pager {
                 conns.push(c);
             }
         }
-        let pages = guest.len / PAGE;
+        let pages = guest.len() / PAGE;
         let chunks = pages / cfg.chunk_pages;
         let max_rate = chunks as f64 / cfg.sample_period.as_secs_f64().max(0.01);
         let mut state = vec![ZERO; pages];
@@ -150,7 +150,7 @@ impl Pager {
             // Received pages are the memfd's data ranges.
             let runs: Vec<(u64, u64)> = match &a.resident {
                 Some(r) => r.clone(),
-                None => uffd::data_ranges(a.memfd.as_raw_fd(), guest.len as u64)
+                None => uffd::data_ranges(a.memfd.as_raw_fd(), guest.len() as u64)
                     .map_err(|source| RegionError::Io {
                         what: "SEEK_DATA on the adopted memfd",
                         source,
@@ -383,7 +383,7 @@ impl Pager {
     }
 
     fn command(&mut self, c: Command) {
-        let (base, len) = (self.guest.base(), self.guest.len as u64);
+        let (base, len) = (self.guest.base(), self.guest.len() as u64);
         match c {
             Command::TrackDirty(on, reply) => {
                 for p in std::mem::take(&mut self.dirty_list) {
@@ -531,7 +531,7 @@ impl Pager {
 
     fn handle(&mut self, f: Fault) {
         let base = self.guest.base();
-        if f.addr < base || f.addr >= base + self.guest.len as u64 {
+        if f.addr < base || f.addr >= base + self.guest.len() as u64 {
             return;
         }
         let p = ((f.addr - base) as usize) / PAGE;
@@ -755,7 +755,7 @@ impl Pager {
                 }
                 if let Err(e) = self
                     .uffd
-                    .copy(self.addr(p), self.buf.as_ptr(), PAGE as u64, false)
+                    .copy(self.addr(p), &self.buf[..PAGE], false)
                 {
                     return self.internal(p, e.to_string());
                 }
@@ -781,12 +781,10 @@ impl Pager {
                         j += 1;
                     }
                     let q = part[i] as usize;
-                    if let Err(e) = self.uffd.copy(
-                        self.addr(q),
-                        self.buf[i * PAGE..].as_ptr(),
-                        ((j - i) * PAGE) as u64,
-                        false,
-                    ) {
+                    if let Err(e) =
+                        self.uffd
+                            .copy(self.addr(q), &self.buf[i * PAGE..j * PAGE], false)
+                    {
                         return self.internal(q, e.to_string());
                     }
                     for r in part[i..j].iter() {
@@ -988,7 +986,7 @@ impl Pager {
             for (start, len) in &runs {
                 // SAFETY: inside the shadow mapping; pages are resident and write-protected.
                 let data = unsafe {
-                    std::slice::from_raw_parts(self.shadow.addr.add(start * PAGE), len * PAGE)
+                    std::slice::from_raw_parts(self.shadow.addr().add(start * PAGE), len * PAGE)
                 };
                 ids.push_back(self.conns[s].send_put(
                     region,

@@ -25,12 +25,11 @@ pub struct SortJob {
 impl SortJob {
     fn start(mem: Mem, sort_frac: f64, warm: bool, seed: u64, incoming: bool) -> Arc<SortJob> {
         let frac = sort_frac.clamp(0.01, 1.0);
-        let rec_bytes = ((mem.len as f64 * frac) as usize) / 4096 * 4096;
+        let rec_bytes = ((mem.len() as f64 * frac) as usize) / 4096 * 4096;
         // The records sit at the end: a placement by address alone (no
         // history) keeps the other data and sends the records away.
-        let other = mem.len - rec_bytes;
-        // SAFETY: a sub-range of the region, which outlives the job.
-        let records = unsafe { Mem::new(mem.base.add(other), rec_bytes) };
+        let other = mem.len() - rec_bytes;
+        let records = mem.sub(other, rec_bytes);
         let job = Arc::new(SortJob {
             records,
             stop_warm: AtomicBool::new(false),
@@ -60,7 +59,7 @@ impl SortJob {
             while warm && !j.stop_warm.load(Relaxed) {
                 // Read every record page, as the running sort would.
                 let mut sum = 0u64;
-                for off in (0..j.records.len).step_by(4096) {
+                for off in (0..j.records.len()).step_by(4096) {
                     sum = sum.wrapping_add(j.records.read_u64(off));
                 }
                 std::hint::black_box(sum);
@@ -85,7 +84,7 @@ impl SortJob {
         SortResult {
             sort_secs,
             sorted,
-            records: (self.records.len / pagefleet_guests::sort::RECORD) as u64,
+            records: (self.records.len() / pagefleet_guests::sort::RECORD) as u64,
             page_ins: after.page_ins - before.page_ins,
             page_outs: after.page_outs - before.page_outs,
         }

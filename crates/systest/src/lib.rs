@@ -1,6 +1,9 @@
 //! Helpers for system tests: start real pagefleetd processes on loopback
 //! (killed on drop), find the workspace's binaries, fill and check patterns.
 
+// Not a library API: system-test helpers.
+#![allow(missing_docs)]
+
 use pagefleet_proto::auth::Secret;
 use std::path::PathBuf;
 

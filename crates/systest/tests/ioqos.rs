@@ -153,6 +153,7 @@ impl Drop for Rig {
 struct Ctl(Child);
 impl Drop for Ctl {
     fn drop(&mut self) {
+        // SAFETY: kill has no memory preconditions.
         unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
         let t = Instant::now();
         while t.elapsed() < Duration::from_secs(10) && self.0.try_wait().ok().flatten().is_none() {

@@ -310,6 +310,7 @@ fn aborted_migrations_leave_the_source_running_and_nothing_behind() {
         for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
             let cmd = std::fs::read_to_string(format!("/proc/{pid}/cmdline")).unwrap_or_default();
             if cmd.contains(pattern) {
+                // SAFETY: kill has no memory preconditions.
                 unsafe { libc::kill(pid.parse().unwrap(), sig) };
             }
         }
@@ -370,6 +371,7 @@ fn aborted_migrations_leave_the_source_running_and_nothing_behind() {
     ]);
     wait_phase("round 1");
     let t_int = Instant::now();
+    // SAFETY: kill has no memory preconditions.
     unsafe { libc::kill(m.id() as i32, libc::SIGINT) };
     // What the source runner reported right after the Ctrl-C: if the drill
     // ever finds the guest on the destination, this says how far it was.

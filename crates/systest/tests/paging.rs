@@ -53,6 +53,7 @@ fn pattern_test(policy: Policy, chunk: usize) {
                     // Verify in a scrambled order.
                     for i in 0..per {
                         let p = lo + (i * 7919) % per;
+                        // SAFETY: inside the region's mapping, which outlives this use.
                         let page = unsafe {
                             std::slice::from_raw_parts((base + p as usize * P) as *const u8, P)
                         };
@@ -126,6 +127,7 @@ fn budget_shrinks_and_grows_while_running() {
     let r = region(&c, pages * P as u64, pages, Policy::Clock, 16);
     let base = r.as_ptr() as usize;
     for p in 0..pages {
+        // SAFETY: inside the region's mapping, which outlives this use.
         let page = unsafe { std::slice::from_raw_parts_mut((base + p as usize * P) as *mut u8, P) };
         fill(p, 1, page);
     }
@@ -143,6 +145,7 @@ fn budget_shrinks_and_grows_while_running() {
             while !stop.load(std::sync::atomic::Ordering::Relaxed) && n < 200_000 {
                 let p = (n * 13) % (pages / 8);
                 let page =
+                    // SAFETY: inside the region's mapping, which outlives this use.
                     unsafe { std::slice::from_raw_parts((base + p as usize * P) as *const u8, P) };
                 fill(p, 1, &mut want);
                 assert!(page == &want[..], "page {p} corrupted while shrinking");
@@ -166,12 +169,14 @@ fn budget_shrinks_and_grows_while_running() {
     r.set_budget(pages);
     let mut want = vec![0u8; P];
     for p in 0..pages {
+        // SAFETY: inside the region's mapping, which outlives this use.
         let page = unsafe { std::slice::from_raw_parts((base + p as usize * P) as *const u8, P) };
         fill(p, 1, &mut want);
         assert!(page == &want[..], "page {p} corrupted after shrink");
     }
     let outs = r.stats().page_outs;
     for p in 0..pages {
+        // SAFETY: inside the region's mapping, which outlives this use.
         let v = unsafe { std::ptr::read_volatile((base + p as usize * P) as *const u8) };
         std::hint::black_box(v);
     }
@@ -188,6 +193,7 @@ fn budget_shrinks_and_grows_while_running() {
 fn never_touched_pages_read_zero_without_server_trips() {
     let c = Cluster::start(1, "16MiB");
     let r = region(&c, 4 << 20, 256, Policy::Clock, 16);
+    // SAFETY: the test's only view of the region.
     let s = unsafe { r.slice_mut() };
     assert!(s.iter().step_by(513).all(|b| *b == 0));
     let st = r.stats();
@@ -204,9 +210,11 @@ fn change_tracking_reports_exactly_the_written_pages() {
     cfg.sample_cpu_budget = 0.5; // zap eagerly: tracking must survive re-mapped pages
     let r = Region::new(cfg).unwrap();
     let base = r.as_ptr() as usize;
+    // SAFETY: inside the region's mapping, which outlives this use.
     let w = |p: u64, v: u64| unsafe {
         std::ptr::write_volatile((base + p as usize * P) as *mut u64, v)
     };
+    // SAFETY: inside the region's mapping, which outlives this use.
     let rd = |p: u64| unsafe { std::ptr::read_volatile((base + p as usize * P) as *const u64) };
     for p in 0..1024 {
         w(p, p);
@@ -273,6 +281,7 @@ fn region_starts_with_pages_on_a_server() {
     let base = r.as_ptr() as usize;
     let mut want = vec![0u8; P];
     for p in 0..1024u64 {
+        // SAFETY: inside the region's mapping, which outlives this use.
         let page = unsafe { std::slice::from_raw_parts((base + p as usize * P) as *const u8, P) };
         if p < 512 {
             fill(p, 9, &mut want);

@@ -8,6 +8,9 @@
 //! tests) can coexist, and `down` removes everything with that prefix, also
 //! what a crashed run left behind.
 
+// Not a library API: a lab harness (network namespaces) for tests, benchmarks and the demo.
+#![allow(missing_docs)]
+
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -158,6 +161,7 @@ fn state_path(dir: &Path, prefix: &str) -> PathBuf {
 impl Lab {
     /// Create the lab. Anything left by an earlier lab with the same prefix is removed first.
     pub fn up(o: &Options) -> Result<Lab> {
+        // SAFETY: geteuid has no preconditions.
         if unsafe { libc::geteuid() } != 0 {
             bail!("the testbed creates network namespaces: run it as root");
         }

@@ -1,0 +1,48 @@
+//! Stopping on SIGINT / SIGTERM: long-running commands and daemons end
+//! cleanly (controllers put the host's settings back, exports delete their
+//! blocks) instead of dying mid-work.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+static STOP: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    STOP.store(true, Ordering::Relaxed);
+}
+
+/// Make SIGINT and SIGTERM set a flag instead of killing the process; the
+/// flag, for loops to poll.
+pub fn stop_flag() -> &'static AtomicBool {
+    // SAFETY: the handler only stores to an atomic (async-signal-safe).
+    unsafe {
+        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+    }
+    &STOP
+}
+
+/// SIGINT and SIGTERM, blocked in every thread started after this call,
+/// to be waited for with [`TermSignals::wait`].
+pub struct TermSignals(libc::sigset_t);
+
+impl TermSignals {
+    /// Block both signals (call before starting threads: they inherit the mask).
+    pub fn block() -> TermSignals {
+        // SAFETY: plain signal-mask calls on a local set.
+        unsafe {
+            let mut set: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut set);
+            libc::sigaddset(&mut set, libc::SIGINT);
+            libc::sigaddset(&mut set, libc::SIGTERM);
+            libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+            TermSignals(set)
+        }
+    }
+
+    /// Wait until one of them arrives.
+    pub fn wait(&self) {
+        let mut sig = 0;
+        // SAFETY: waits for signals this set blocked.
+        unsafe { libc::sigwait(&self.0, &mut sig) };
+    }
+}
