@@ -329,7 +329,8 @@ mod tests {
         assert!(serde_json::from_str::<StartGuest>(cmd).is_err());
         let kind = r#"{"name":"x","size":4096,"spec":{"workload":{"kind":"exec","argv":["id"]}}}"#;
         assert!(serde_json::from_str::<StartGuest>(kind).is_err());
-        let ok = r#"{"name":"x","size":4096,"spec":{"workload":{"kind":"kv","listen":"127.0.0.1:1"}}}"#;
+        let ok =
+            r#"{"name":"x","size":4096,"spec":{"workload":{"kind":"kv","listen":"127.0.0.1:1"}}}"#;
         let s: StartGuest = serde_json::from_str(ok).unwrap();
         assert_eq!(s.spec.threads, 2);
         assert!(s.spec.validate().is_ok());

@@ -17,11 +17,13 @@ pub mod launch;
 pub mod migration;
 
 pub use control::{ControlReply, ControlRequest};
-pub use guest::{GuestSpec, GuestState, GuestStatus, PageLocations, SortResult, StartGuest, Workload};
+pub use guest::{
+    GuestSpec, GuestState, GuestStatus, PageLocations, SortResult, StartGuest, Workload,
+};
 pub use host::{ClusterHost, ClusterView, HostReport};
 pub use migration::{
-    Failure, IncomingReply, IncomingRequest, MigrateRequest, MigrationOrder, MigrationProgress,
-    Placed, ProgressEvent, Report, SubHost,
+    EvacuationEvent, EvacuationOrder, Failure, IncomingReply, IncomingRequest, MigrateRequest,
+    MigrationOrder, MigrationProgress, Placed, ProgressEvent, Report, SubHost,
 };
 
 /// The body of every error reply (HTTP and control socket).

@@ -90,6 +90,57 @@ pub struct MigrationOrder {
     pub dest_cgroup: Option<String>,
 }
 
+/// `POST /evacuations`: empty a host for maintenance. Pages guests keep on
+/// its memory server move to another memory server (the guests keep
+/// running), then guests running there migrate away (their sub-host pages
+/// stay). Any daemon whose registry knows the host can carry it out.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct EvacuationOrder {
+    /// The host to empty (name, HTTP or memory-server address).
+    pub host: String,
+    /// Where its memory server's pages go (default: for each guest, the host
+    /// lending the most free memory that is neither this one nor the guest's).
+    #[serde(default)]
+    pub to: Option<String>,
+}
+
+/// One line of an evacuation's stream.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "snake_case")]
+pub enum EvacuationEvent {
+    /// A guest's pages moved off the host's memory server.
+    PagesMoved {
+        /// The guest.
+        guest: String,
+        /// Pages moved.
+        pages: u64,
+        /// The host emptied.
+        from: String,
+        /// The host that took them.
+        to: String,
+    },
+    /// A guest running on the host migrates away; its events follow.
+    Migrating {
+        /// The guest.
+        guest: String,
+    },
+    /// An event of that migration.
+    Migration(Box<ProgressEvent>),
+    /// Nothing is left on the host (the last line).
+    Done {
+        /// The host.
+        host: String,
+        /// Whether anything had to move.
+        moved_any: bool,
+    },
+    /// The evacuation stopped (the last line); what moved so far stays moved.
+    Failed {
+        /// Why.
+        message: String,
+    },
+}
+
 /// Where placement put a guest (the first event of `POST /migrations`).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct Placed {
@@ -252,7 +303,7 @@ impl std::fmt::Display for Report {
         )?;
         for (i, s) in self.sub_hosts.iter().enumerate() {
             writeln!(
-            f,
+                f,
                 "  sub-host  {:<22} {:>8} pages  {:>9.1} MiB sent",
                 s,
                 self.pages_subs[i],
@@ -282,7 +333,7 @@ impl std::fmt::Display for Report {
         )?;
         if let (Some(a), Some(b)) = (&self.checksum_source, &self.checksum_dest) {
             writeln!(
-            f,
+                f,
                 "  region checksum at stop {a}, at resume {b}: {}",
                 if a == b { "equal" } else { "DIFFERENT" }
             )?;
@@ -290,4 +341,3 @@ impl std::fmt::Display for Report {
         Ok(())
     }
 }
-

@@ -214,7 +214,6 @@ pub struct Report {
     pub plot: PlotOutcome,
 }
 
-
 /// The shared device under test, torn down on drop (loop device first).
 struct Device {
     lo: Option<LoopDevice>,

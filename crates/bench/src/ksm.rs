@@ -220,7 +220,6 @@ fn load(addr: &str, keys: impl Iterator<Item = (String, Vec<u8>)>) -> Result<()>
     Ok(())
 }
 
-
 /// The KSM policies compared.
 #[derive(Clone, Debug)]
 enum Policy {

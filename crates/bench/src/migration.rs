@@ -14,12 +14,12 @@
 //! migration (recovery time).
 
 use crate::kvload;
-use crate::LabRun;
 use crate::util::{self, Goal, MemCgroup, PlotOutcome, Swap};
+use crate::LabRun;
 use anyhow::{bail, Context, Result};
+use pagefleet_api::Report as MigrationReport;
 use pagefleet_testbed::Link;
 use serde::Serialize;
-use pagefleet_api::Report as MigrationReport;
 use serde_json::json;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering::Relaxed;
@@ -175,9 +175,8 @@ fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> bool) -> Result<()> 
 /// Wait until the guest is ready: all `pages` written (or a sort job ready).
 fn wait_filled(l: &LabRun, name: &str, pages: u64) -> Result<()> {
     wait_until(&format!("{name} to fill its memory"), 600, || {
-        l.guest(name).is_some_and(|(_, g)| {
-            g.ready && g.pages.as_ref().map_or(0, |p| p.local) + 32 >= pages
-        })
+        l.guest(name)
+            .is_some_and(|(_, g)| g.ready && g.pages.as_ref().map_or(0, |p| p.local) + 32 >= pages)
     })
 }
 

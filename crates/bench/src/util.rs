@@ -64,4 +64,3 @@ pub fn print_goals(goals: &[Goal], out: &mut dyn std::io::Write) -> std::io::Res
 pub fn gbps(bytes: u64, d: Duration) -> f64 {
     bytes as f64 / d.as_secs_f64() / 1e9
 }
-

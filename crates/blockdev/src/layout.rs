@@ -257,10 +257,7 @@ mod tests {
         assert!(m.contains("80.00 KiB") && m.contains("40.00 KiB"), "{m}");
         assert!(m.contains("--size 40KiB") && m.contains("--mirror"), "{m}");
         let e = Translator::new(&[10, 6], 16, Some(4), false).unwrap_err();
-        assert!(
-            matches!(e, LayoutError::TooSmall { fits: 8, .. }),
-            "{e:?}"
-        );
+        assert!(matches!(e, LayoutError::TooSmall { fits: 8, .. }), "{e:?}");
         assert_eq!(
             Translator::new(&[10, 10], 4, Some(0), false).unwrap_err(),
             LayoutError::Unit

@@ -52,9 +52,10 @@ impl Listener {
                 Listener::Unix(l, p.into())
             }
             None => {
-                let addrs: Vec<std::net::SocketAddr> = std::net::ToSocketAddrs::to_socket_addrs(spec)
-                    .with_context(|| format!("--listen {spec}: not HOST:PORT or unix:PATH"))?
-                    .collect();
+                let addrs: Vec<std::net::SocketAddr> =
+                    std::net::ToSocketAddrs::to_socket_addrs(spec)
+                        .with_context(|| format!("--listen {spec}: not HOST:PORT or unix:PATH"))?
+                        .collect();
                 if let Some(a) = addrs.iter().find(|a| !a.ip().is_loopback()) {
                     bail!(
                         "--listen {spec}: the NBD export has no authentication of its own, so it \
@@ -171,4 +172,28 @@ impl Device {
             }
         }
     }
+}
+
+/// `pagefleet blockdev serve`: export the device until SIGINT or SIGTERM,
+/// then delete its blocks on the memory servers (and a unix socket's file).
+/// Prints `listening ADDR` on stdout once clients may connect.
+pub fn serve_until_signal(o: &Options, secret: Secret) -> Result<()> {
+    // Blocked before any thread starts, so every thread inherits the mask.
+    let signals = pagefleet_common::signal::TermSignals::block();
+    let dev = Arc::new(Device::open(o, secret)?);
+    let l = Listener::bind(&o.listen)?;
+    println!("listening {}", l.describe());
+    eprintln!("{} bytes: {}", o.size, dev.export.description);
+    use std::io::Write;
+    std::io::stdout().flush()?;
+    let d2 = dev.clone();
+    std::thread::spawn(move || {
+        let _ = d2.serve(l);
+    });
+    signals.wait();
+    dev.delete();
+    if let Some(p) = o.listen.strip_prefix("unix:") {
+        let _ = std::fs::remove_file(p);
+    }
+    Ok(())
 }

@@ -7,8 +7,8 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use pagefleet_api::migration::Failure;
 use pagefleet_api::{
-    ClusterHost, ClusterView, GuestState, GuestStatus, HostReport, MigrationOrder,
-    MigrationProgress, ProgressEvent, Report, StartGuest,
+    ClusterHost, ClusterView, EvacuationEvent, EvacuationOrder, GuestState, GuestStatus,
+    HostReport, MigrationOrder, MigrationProgress, ProgressEvent, Report, StartGuest,
 };
 use pagefleet_common::http::Client;
 use pagefleet_common::units;
@@ -78,7 +78,10 @@ pub fn status(c: &Client, registry: &str, explicit: &[String], json_out: bool) -
                 host: &h.http,
                 report: h.host.as_ref(),
                 guests: h.host.as_ref().map(|_| h.guests.as_slice()),
-                error: h.host.is_none().then_some(h.error.as_deref().unwrap_or("no report")),
+                error: h
+                    .host
+                    .is_none()
+                    .then_some(h.error.as_deref().unwrap_or("no report")),
             })
             .collect();
         println!("{}", serde_json::to_string_pretty(&v)?);
@@ -254,11 +257,12 @@ pub fn guest(c: &Client, g: GuestCmd) -> Result<()> {
         GuestCmd::Stop { name, reg } => {
             let hs = hosts(c, &reg.registry, &[])?;
             let (i, _) = find_guest(&hs, &name)?;
-            c.timeout(Duration::from_secs(30)).post::<_, pagefleet_api::Ok>(
-                &hs[i].http,
-                &format!("/guests/{name}/stop"),
-                &serde_json::Map::new(),
-            )?;
+            c.timeout(Duration::from_secs(30))
+                .post::<_, pagefleet_api::Ok>(
+                    &hs[i].http,
+                    &format!("/guests/{name}/stop"),
+                    &serde_json::Map::new(),
+                )?;
             println!("guest {name} stopped on {}", hs[i].name());
         }
     }
@@ -342,7 +346,10 @@ extern "C" fn on_interrupt(_: libc::c_int) {
 fn catch_interrupts() {
     // SAFETY: the handler only touches an atomic and calls _exit.
     unsafe {
-        libc::signal(libc::SIGINT, on_interrupt as *const () as libc::sighandler_t);
+        libc::signal(
+            libc::SIGINT,
+            on_interrupt as *const () as libc::sighandler_t,
+        );
     }
 }
 
@@ -396,7 +403,10 @@ pub fn migrate(c: &Client, a: &MigrateArgs, progress: bool) -> Result<Report> {
         |ev: ProgressEvent| {
             if !cancelled && INTERRUPTS.load(std::sync::atomic::Ordering::Relaxed) > 0 {
                 cancelled = true;
-                eprintln!("\ninterrupted: asking {} to cancel the migration", source.name());
+                eprintln!(
+                    "\ninterrupted: asking {} to cancel the migration",
+                    source.name()
+                );
                 if let Err(e) = c.post::<_, pagefleet_api::Ok>(
                     &source.http,
                     &cancel_path,
@@ -417,7 +427,11 @@ pub fn migrate(c: &Client, a: &MigrateArgs, progress: bool) -> Result<Report> {
                     } else {
                         format!(
                             ", sub-hosts {}",
-                            p.subs.iter().map(|s| s.0.as_str()).collect::<Vec<_>>().join(", ")
+                            p.subs
+                                .iter()
+                                .map(|s| s.0.as_str())
+                                .collect::<Vec<_>>()
+                                .join(", ")
                         )
                     }
                 ),
@@ -501,106 +515,60 @@ pub struct EvacuateArgs {
     pub reg: Registry,
 }
 
-/// Empty a host for maintenance: pages guests keep on its memory server move
-/// to another memory server (the guests keep running and paging), and guests
-/// running there migrate away (their sub-host pages stay where they are).
+/// Empty a host for maintenance: the registry's daemon moves the pages
+/// guests keep on its memory server to another memory server (the guests
+/// keep running and paging), then migrates the guests running there away
+/// (their sub-host pages stay where they are).
 pub fn evacuate(c: &Client, a: EvacuateArgs) -> Result<()> {
-    let hs = hosts(c, &a.reg.registry, &[])?;
-    let x = find_host(&hs, &a.host)?;
-    let to = a.to.as_deref().map(|t| find_host(&hs, t)).transpose()?;
-    let xms = hs[x].memserver().map(String::from);
-    let mut lend_free: Vec<u64> = hs
-        .iter()
-        .map(|h| {
-            h.host
-                .as_ref()
-                .map_or(0, |r| r.lend_capacity.saturating_sub(r.lend_used) / 4096)
-        })
-        .collect();
-    let mut moved_any = false;
-    if let Some(xms) = &xms {
-        for (gh, h) in hs.iter().enumerate() {
-            for g in &h.guests {
-                let n = g
-                    .pages
-                    .as_ref()
-                    .and_then(|p| p.remote.get(xms).copied())
-                    .unwrap_or(0);
-                if n == 0 {
-                    continue;
+    let order = EvacuationOrder {
+        host: a.host.clone(),
+        to: a.to.clone(),
+    };
+    let mut end = None;
+    c.post_stream(
+        &a.reg.registry,
+        "/evacuations",
+        &order,
+        Duration::from_secs(3600),
+        |ev: EvacuationEvent| {
+            match ev {
+                EvacuationEvent::Migration(m) => match *m {
+                    ProgressEvent::Placed(p) => eprintln!(
+                        "  {} -> {} ({} pages resident there)",
+                        p.source, p.main, p.main_pages
+                    ),
+                    ProgressEvent::Progress(p) => {
+                        eprint!("{}", bar(&p));
+                        let _ = std::io::stderr().flush();
+                    }
+                    ProgressEvent::Report(r) => {
+                        eprintln!();
+                        r.print();
+                    }
+                    ProgressEvent::Failed(f) => eprintln!("\n  migration failed: {}", f.message),
+                },
+                EvacuationEvent::PagesMoved {
+                    guest,
+                    pages,
+                    from,
+                    to,
+                } => println!("{guest}: {pages} pages moved from {from} to {to}"),
+                EvacuationEvent::Migrating { guest } => eprintln!("migrating {guest} away"),
+                e @ (EvacuationEvent::Done { .. } | EvacuationEvent::Failed { .. }) => {
+                    end = Some(e)
                 }
-                let name = &g.name;
-                let target = match to {
-                    Some(t) => t,
-                    None => (0..hs.len())
-                        .filter(|&t| {
-                            t != x && t != gh && hs[t].memserver().is_some() && lend_free[t] >= n
-                        })
-                        .max_by_key(|&t| lend_free[t])
-                        .ok_or_else(|| {
-                            anyhow::anyhow!(
-                                "no memory server can take {} of {name}",
-                                units::fmt_size(n * 4096)
-                            )
-                        })?,
-                };
-                let tms = hs[target]
-                    .memserver()
-                    .context("the target host lends no memory")?;
-                eprintln!(
-                    "moving {n} pages of {name} from {} to {}",
-                    hs[x].name(),
-                    hs[target].name()
-                );
-                #[derive(serde::Serialize)]
-                struct Evacuate<'a> {
-                    from: &'a str,
-                    to: &'a str,
-                }
-                let r: pagefleet_api::control::Moved = c
-                    .timeout(Duration::from_secs(3600))
-                    .post(
-                        &h.http,
-                        &format!("/guests/{name}/evacuate"),
-                        &Evacuate { from: xms, to: tms },
-                    )
-                    .with_context(|| format!("moving the pages of {name}"))?;
-                lend_free[target] = lend_free[target].saturating_sub(n);
-                println!(
-                    "{name}: {} pages moved from {} to {}",
-                    r.moved,
-                    hs[x].name(),
-                    hs[target].name()
-                );
-                moved_any = true;
             }
+            true
+        },
+    )?;
+    match end {
+        Some(EvacuationEvent::Done { host, moved_any }) => {
+            if !moved_any {
+                println!("{host} holds no guest and no guest pages");
+            }
+            Ok(())
         }
+        Some(EvacuationEvent::Failed { message }) => bail!("evacuating {}: {message}", a.host),
+        _ => bail!("the registry ended the evacuation without a result"),
     }
-    for g in &hs[x].guests {
-        if g.state == GuestState::Incoming {
-            continue;
-        }
-        let m = MigrateArgs {
-            guest: g.name.clone(),
-            to: None,
-            sub: None,
-            policy: None,
-            chunk: None,
-            verify: false,
-            max_rounds: None,
-            stop_pages: None,
-            timeout: 30,
-            json: false,
-            dest_cgroup: None,
-            reg: a.reg.clone(),
-            gather: false,
-        };
-        let r = migrate(c, &m, true)?;
-        r.print();
-        moved_any = true;
-    }
-    if !moved_any {
-        println!("{} holds no guest and no guest pages", hs[x].name());
-    }
-    Ok(())
 }

@@ -9,8 +9,6 @@ use pagefleet_proto::auth::Secret;
 use std::path::PathBuf;
 
 mod cluster;
-mod ioqos;
-mod ksm;
 mod run;
 
 /// pagefleet pools spare memory across hosts: memory servers lend it, guests
@@ -92,10 +90,10 @@ enum Cmd {
     Blockdev(BlockdevCmd),
     /// Same-page merging (KSM): a controller better than ksmtuned, status, enrolment.
     #[command(subcommand)]
-    Ksm(ksm::KsmCmd),
+    Ksm(pagefleet_ksm::cli::Command),
     /// I/O guarantee on a shared block device: every tenant keeps its minimum.
     #[command(subcommand)]
-    Ioqos(ioqos::IoqosCmd),
+    Ioqos(pagefleet_ioqos::cli::Command),
     /// A guest's runner (pagefleetd starts it and writes its job to stdin; internal).
     #[command(hide = true)]
     RunnerGuest {
@@ -211,13 +209,7 @@ fn blockdev(c: BlockdevCmd, secret_file: Option<&std::path::Path>) -> Result<()>
         listen,
         name,
     } = c;
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::new(
-            std::env::var("PAGEFLEET_LOG").unwrap_or_else(|_| "warn".into()),
-        ))
-        .with_writer(std::io::stderr)
-        .init();
-    let secret = Secret::resolve(secret_file)?;
+    init_log("warn");
     let o = pagefleet_blockdev::Options {
         servers,
         size,
@@ -226,26 +218,18 @@ fn blockdev(c: BlockdevCmd, secret_file: Option<&std::path::Path>) -> Result<()>
         listen,
         name,
     };
-    // Interrupt and terminate end the export cleanly: blocked here, waited for below.
-    let signals = pagefleet_common::signal::TermSignals::block();
-    let dev = std::sync::Arc::new(pagefleet_blockdev::Device::open(&o, secret)?);
-    let l = pagefleet_blockdev::Listener::bind(&o.listen)?;
-    println!("listening {}", l.describe());
-    eprintln!("{} bytes: {}", o.size, dev.export.description);
-    use std::io::Write;
-    std::io::stdout().flush()?;
-    let d2 = dev.clone();
-    std::thread::spawn(move || {
-        let _ = d2.serve(l);
-    });
-    signals.wait();
-    dev.delete();
-    if let Some(p) = o.listen.strip_prefix("unix:") {
-        let _ = std::fs::remove_file(p);
-    }
-    Ok(())
+    pagefleet_blockdev::serve_until_signal(&o, Secret::resolve(secret_file)?)
 }
 
+/// Log to stderr at `$PAGEFLEET_LOG`, else at `default`.
+pub(crate) fn init_log(default: &str) {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(
+            std::env::var("PAGEFLEET_LOG").unwrap_or_else(|_| default.into()),
+        ))
+        .with_writer(std::io::stderr)
+        .init();
+}
 
 #[derive(Args, Clone)]
 struct DemoOpts {
@@ -471,12 +455,7 @@ fn main() {
 
 /// A hosted runner: its job comes from pagefleetd on stdin.
 fn runner(kind: &str) -> Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::new(
-            std::env::var("PAGEFLEET_LOG").unwrap_or_else(|_| "info".into()),
-        ))
-        .with_writer(std::io::stderr)
-        .init();
+    init_log("info");
     let exit = pagefleet_runner::launch(std::io::stdin().lock(), kind)?;
     eprintln!("runner ends: {exit:?}");
     Ok(())
@@ -496,8 +475,14 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Run(a) => run::run(a, cli.secret_file.as_deref()),
         Cmd::Testbed(t) => testbed(t),
         Cmd::Blockdev(b) => blockdev(b, cli.secret_file.as_deref()),
-        Cmd::Ksm(k) => ksm::main(k),
-        Cmd::Ioqos(c) => ioqos::main(c),
+        Cmd::Ksm(k) => {
+            init_log("info");
+            pagefleet_ksm::cli::main(k)
+        }
+        Cmd::Ioqos(c) => {
+            init_log("info");
+            pagefleet_ioqos::cli::main(c)
+        }
         Cmd::RunnerGuest { .. } => runner("guest"),
         Cmd::RunnerIncoming { .. } => runner("incoming"),
         Cmd::Status { hosts, reg, json } => {

@@ -253,7 +253,15 @@ fn each_bench_help_lists_only_its_own_flags() {
         ("blockdev", &["--dataset", "--secs"]),
         (
             "ksm",
-            &["--dataset", "--only", "--secs", "--pace", "--swap", "--fit", "--theta"],
+            &[
+                "--dataset",
+                "--only",
+                "--secs",
+                "--pace",
+                "--swap",
+                "--fit",
+                "--theta",
+            ],
         ),
         ("ioqos", &["--secs", "--only", "--dataset"]),
     ];
@@ -272,7 +280,10 @@ fn each_bench_help_lists_only_its_own_flags() {
             .map(|w| w.trim_end_matches(','))
             .collect();
         for f in *flags {
-            assert!(listed.contains(f), "bench {bench} --help lacks {f}:\n{help}");
+            assert!(
+                listed.contains(f),
+                "bench {bench} --help lacks {f}:\n{help}"
+            );
         }
         for f in &listed {
             assert!(

@@ -10,9 +10,6 @@
 //!
 //! [`Cluster`] holds connections to several servers.
 
-// Not every public item is documented yet (issue 16): remove this once
-// `cargo clippy -p pagefleet-client` passes without it.
-#![allow(missing_docs)]
 
 use pagefleet_proto::auth::{self, Secret, SecretError};
 use pagefleet_proto::io::{write_all_vectored, RecvBuf};
@@ -22,20 +19,51 @@ use std::io::{self, IoSlice, IoSliceMut, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
+/// What went wrong talking to a memory server; every variant names it.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
+    /// No connection could be made.
     #[error("memory server {addr}: cannot connect: {source}")]
-    Connect { addr: String, source: io::Error },
+    Connect {
+        /// The server.
+        addr: String,
+        /// Why.
+        source: io::Error,
+    },
+    /// The connection failed or timed out midway.
     #[error("memory server {addr}: connection lost: {source}")]
-    Io { addr: String, source: io::Error },
+    Io {
+        /// The server.
+        addr: String,
+        /// Why.
+        source: io::Error,
+    },
+    /// The server refused the request.
     #[error("memory server {addr}: {err}")]
-    Server { addr: String, err: WireError },
+    Server {
+        /// The server.
+        addr: String,
+        /// Its error code and message.
+        err: WireError,
+    },
+    /// The server broke the protocol.
     #[error("memory server {addr} sent an invalid frame: {msg}")]
-    Protocol { addr: String, msg: String },
+    Protocol {
+        /// The server.
+        addr: String,
+        /// What was wrong.
+        msg: String,
+    },
+    /// The server did not prove it holds the cluster secret.
     #[error("memory server {addr} could not prove it holds the cluster secret: wrong secret on one side, or not a pagefleet server")]
-    ServerAuth { addr: String },
+    ServerAuth {
+        /// The server.
+        addr: String,
+    },
+    /// The cluster secret could not be read.
     #[error(transparent)]
     Secret(#[from] SecretError),
+    /// A call the client cannot make (e.g. buffers of the wrong size).
     #[error("{0}")]
     Usage(String),
 }
@@ -50,21 +78,28 @@ impl ClientError {
     }
 }
 
+/// A client call's result.
 pub type Result<T> = std::result::Result<T, ClientError>;
 
 /// What the server said about itself at HELLO.
 #[derive(Clone, Debug)]
 pub struct ServerInfo {
+    /// Random per server process: a new id means it restarted (and lost its pages).
     pub server_id: u64,
+    /// Pages it lends in all.
     pub capacity_pages: u64,
+    /// Pages it holds now.
     pub used_pages: u64,
+    /// Most pages one request may carry.
     pub max_batch_pages: u32,
 }
 
+/// How to connect.
 #[derive(Clone, Debug)]
 pub struct ConnectOptions {
     /// Shown in the server's logs.
     pub name: String,
+    /// Give up connecting after this long.
     pub connect_timeout: Duration,
     /// A server silent this long while a reply is due is declared dead.
     pub io_timeout: Duration,
@@ -86,17 +121,26 @@ impl Default for ConnectOptions {
 /// Which pages a bulk call names: a run starting at a page, or a list.
 #[derive(Clone, Copy, Debug)]
 pub enum Pages<'a> {
-    Run { first: u64, count: u64 },
+    /// `count` pages from `first` on.
+    Run {
+        /// The first page.
+        first: u64,
+        /// How many.
+        count: u64,
+    },
+    /// These pages, in this order.
     List(&'a [u64]),
 }
 
 impl Pages<'_> {
+    /// How many pages.
     pub fn len(&self) -> usize {
         match self {
             Pages::Run { count, .. } => *count as usize,
             Pages::List(v) => v.len(),
         }
     }
+    /// Whether it names no page.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -114,6 +158,7 @@ impl Pages<'_> {
     }
 }
 
+/// Whether a GET leaves the pages on the server.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GetMode {
     /// Leave the pages on the server.
@@ -125,18 +170,24 @@ pub enum GetMode {
 /// A GET reply's presence information.
 #[derive(Clone, Debug)]
 pub struct GetReply {
+    /// Pages asked for.
     pub count: u32,
+    /// Pages the server held.
     pub present: u32,
     /// Indexes (within the request) of pages the server did not hold.
     pub missing: Vec<u32>,
 }
 
+/// One authenticated connection to a memory server, with pipelined
+/// bulk calls.
 pub struct Conn {
     stream: TcpStream,
     rb: RecvBuf,
     next_id: u64,
     sendbuf: Vec<u8>,
+    /// The server's address.
     pub addr: String,
+    /// What it said about itself at HELLO.
     pub info: ServerInfo,
     window: usize,
     spin: Duration,
@@ -230,6 +281,7 @@ impl Conn {
         Ok(c)
     }
 
+    /// Frames bulk calls keep in flight (at least 1).
     pub fn set_window(&mut self, window: usize) {
         self.window = window.max(1);
     }
@@ -369,6 +421,7 @@ impl Conn {
         Ok(t.elapsed())
     }
 
+    /// The server's capacity, use and connections (and its regions with `list_regions`).
     pub fn stat(&mut self, list_regions: bool) -> Result<StatOk> {
         let id = self.id();
         let req = StatReq {
@@ -678,10 +731,12 @@ impl Conn {
 
 /// Connections to several memory servers.
 pub struct Cluster {
+    /// One connection per server, in the order given.
     pub conns: Vec<Conn>,
 }
 
 impl Cluster {
+    /// Connect to every server in `addrs`.
     pub fn connect(addrs: &[String], secret: &Secret, opts: &ConnectOptions) -> Result<Cluster> {
         let conns = addrs
             .iter()

@@ -150,7 +150,11 @@ mod tests {
         });
         assert_eq!(read_live::<St>(&p).map(|s| s.n), Some(7));
         let e = StateFile::lock::<St>(&p, "test controller").err().unwrap();
-        assert!(e.to_string().contains(&format!("pid {}", std::process::id())), "{e}");
+        assert!(
+            e.to_string()
+                .contains(&format!("pid {}", std::process::id())),
+            "{e}"
+        );
         drop(a);
         assert!(read_live::<St>(&p).is_none());
         assert!(StateFile::lock::<St>(&p, "test controller").is_ok());

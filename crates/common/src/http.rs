@@ -148,7 +148,11 @@ impl Client {
         let head = read_head(addr, &mut r, idle)?;
         let mut body = Body::new(r, &head);
         if head.status != 200 {
-            return Err(status_error(addr, head.status, &read_all(addr, &mut body, idle)?));
+            return Err(status_error(
+                addr,
+                head.status,
+                &read_all(addr, &mut body, idle)?,
+            ));
         }
         let mut lines = BufReader::new(body);
         loop {
@@ -201,12 +205,10 @@ impl Client {
             .and_then(|mut a| a.next())
             .ok_or_else(|| HttpError::Resolve { addr: addr.into() })?;
         let mut s = TcpStream::connect_timeout(&sa, timeout).map_err(|e| match e.kind() {
-            std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock => {
-                HttpError::TimedOut {
-                    addr: addr.into(),
-                    secs: timeout.as_secs(),
-                }
-            }
+            std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock => HttpError::TimedOut {
+                addr: addr.into(),
+                secs: timeout.as_secs(),
+            },
             _ => HttpError::Connect {
                 addr: addr.into(),
                 source: e,
@@ -287,7 +289,9 @@ fn read_head(addr: &str, r: &mut impl BufRead, t: Duration) -> Result<Head, Http
             .read_line(&mut line)
             .map_err(|e| io_error(addr, e, t))?;
         if n == 0 {
-            return Err(bad("the connection closed before the reply's headers ended"));
+            return Err(bad(
+                "the connection closed before the reply's headers ended",
+            ));
         }
         if i == 0 {
             head.status = line

@@ -192,10 +192,7 @@ mod tests {
         let s = secret(b"0123456789abcdef0123");
         let other = secret(b"0123456789abcdef0124");
         let v = Verifier::new(s.clone());
-        assert_eq!(
-            v.verify(None, "GET", "/host", b""),
-            Err(AuthError::Missing)
-        );
+        assert_eq!(v.verify(None, "GET", "/host", b""), Err(AuthError::Missing));
         assert_eq!(
             v.verify(Some("Bearer x"), "GET", "/host", b""),
             Err(AuthError::Malformed)

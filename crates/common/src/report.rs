@@ -45,6 +45,9 @@ mod tests {
         let line = describe(&e);
         assert_eq!(line.matches("Connection refused").count(), 1, "{line}");
         assert_eq!(line.matches("memory server A").count(), 1, "{line}");
-        assert!(line.starts_with("opening the device: memory server A"), "{line}");
+        assert!(
+            line.starts_with("opening the device: memory server A"),
+            "{line}"
+        );
     }
 }

@@ -15,6 +15,7 @@
 //! | `POST /guests/NAME/evacuate` | `{from, to}` | `{moved}` |
 //! | `POST /guests/NAME/migrate` | `MigrateRequest` | `ProgressEvent` lines |
 //! | `POST /migrations` | `MigrationOrder` | `ProgressEvent` lines (placement first) |
+//! | `POST /evacuations` | `EvacuationOrder` | `EvacuationEvent` lines |
 
 use crate::guests::{Guests, Refusal};
 use crate::http::error;
@@ -26,8 +27,9 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use pagefleet_api::control::{Budget, Moved};
 use pagefleet_api::{
-    ClusterHost, ClusterView, ControlRequest, GuestStatus, HostReport, IncomingRequest,
-    MigrateRequest, MigrationOrder, ProgressEvent, SortResult, StartGuest,
+    ClusterHost, ClusterView, ControlRequest, EvacuationEvent, EvacuationOrder, GuestStatus,
+    HostReport, IncomingRequest, MigrateRequest, MigrationOrder, ProgressEvent, SortResult,
+    StartGuest,
 };
 use pagefleet_common::http::Client;
 use serde::de::DeserializeOwned;
@@ -95,7 +97,7 @@ async fn blocking<T: Serialize + Send + 'static>(
 
 async fn index() -> &'static str {
     "pagefleetd: GET /metrics /host /cluster /guests /guests/NAME; POST /guests /incoming \
-     /guests/NAME/{stop,cancel,sort,set_budget,evacuate,migrate} /migrations (signed requests; see docs/architecture.md)\n"
+     /guests/NAME/{stop,cancel,sort,set_budget,evacuate,migrate} /migrations /evacuations (signed requests; see docs/architecture.md)\n"
 }
 
 async fn metrics(State(app): Shared) -> Response {
@@ -140,9 +142,7 @@ async fn list(State(app): Shared) -> Response {
 
 async fn status(State(app): Shared, Path(name): Path<String>) -> Response {
     match guests(&app) {
-        Ok(g) => {
-            blocking(move || g.control::<GuestStatus>(&name, &ControlRequest::Status)).await
-        }
+        Ok(g) => blocking(move || g.control::<GuestStatus>(&name, &ControlRequest::Status)).await,
         Err(r) => refusal(r),
     }
 }
@@ -176,7 +176,11 @@ struct Evacuate {
     to: String,
 }
 
-async fn guest_op(State(app): Shared, Path((name, op)): Path<(String, String)>, b: Bytes) -> Response {
+async fn guest_op(
+    State(app): Shared,
+    Path((name, op)): Path<(String, String)>,
+    b: Bytes,
+) -> Response {
     let g = match guests(&app) {
         Ok(g) => g,
         Err(r) => return refusal(r),
@@ -203,7 +207,9 @@ async fn guest_op(State(app): Shared, Path((name, op)): Path<(String, String)>, 
     match req {
         ControlRequest::Migrate(_) => migrate(g, name, req).await,
         ControlRequest::Sort => blocking(move || g.control::<SortResult>(&name, &req)).await,
-        ControlRequest::SetBudget { .. } => blocking(move || g.control::<Budget>(&name, &req)).await,
+        ControlRequest::SetBudget { .. } => {
+            blocking(move || g.control::<Budget>(&name, &req)).await
+        }
         ControlRequest::Evacuate { .. } => blocking(move || g.control::<Moved>(&name, &req)).await,
         _ => blocking(move || g.control::<pagefleet_api::Ok>(&name, &req)).await,
     }
@@ -211,10 +217,12 @@ async fn guest_op(State(app): Shared, Path((name, op)): Path<(String, String)>, 
 
 /// A reply streaming the events `f` emits as JSON lines. `f` runs on its
 /// own thread; its `emit` returns false once the caller has gone.
-fn events(f: impl FnOnce(&mut dyn FnMut(&ProgressEvent) -> bool) + Send + 'static) -> Response {
+fn events<E: Serialize + 'static>(
+    f: impl FnOnce(&mut dyn FnMut(&E) -> bool) + Send + 'static,
+) -> Response {
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Bytes, std::convert::Infallible>>(16);
     std::thread::spawn(move || {
-        let mut emit = |ev: &ProgressEvent| {
+        let mut emit = |ev: &E| {
             let mut line = serde_json::to_vec(ev).unwrap_or_default();
             line.push(b'\n');
             tx.blocking_send(Ok(Bytes::from(line))).is_ok()
@@ -234,7 +242,7 @@ async fn migrate(g: Arc<Guests>, name: String, req: ControlRequest) -> Response 
     let ControlRequest::Migrate(m) = req else {
         return error(StatusCode::BAD_REQUEST, "not a migration");
     };
-    events(move |emit| crate::orchestrate::relay(&g, &name, m, true, emit))
+    events::<ProgressEvent>(move |emit| crate::orchestrate::relay(&g, &name, m, true, emit))
 }
 
 /// `POST /migrations`: placement and the whole migration, on this (the
@@ -247,7 +255,16 @@ async fn migrations(State(app): Shared, b: Bytes) -> Response {
     if let Err(r) = guests(&app) {
         return refusal(r);
     }
-    events(move |emit| crate::orchestrate::migrate(&app, order, emit))
+    events::<ProgressEvent>(move |emit| crate::orchestrate::migrate(&app, order, emit))
+}
+
+/// `POST /evacuations`: empty a host; goes on if the caller leaves.
+async fn evacuations(State(app): Shared, b: Bytes) -> Response {
+    let order = match body::<EvacuationOrder>(&b) {
+        Ok(o) => o,
+        Err(r) => return refusal(r),
+    };
+    events::<EvacuationEvent>(move |emit| crate::orchestrate::evacuate(&app, order, emit))
 }
 
 /// Every route.
@@ -262,5 +279,6 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/guests/{name}/{op}", post(guest_op))
         .route("/incoming", post(incoming))
         .route("/migrations", post(migrations))
+        .route("/evacuations", post(evacuations))
         .with_state(app)
 }

@@ -40,117 +40,187 @@
 //! cap_interval = 5.0
 //! ```
 
-use pagefleet_common::units;
 use anyhow::{bail, Context, Result};
+use pagefleet_common::units;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+/// The TOML configuration file (`--config`); see the module doc.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FileConfig {
     /// This host's name in reports (default: the hostname).
     pub name: Option<String>,
+    /// Log filter (error, warn, info, debug, trace; or RUST_LOG syntax).
     pub log: Option<String>,
+    /// The cluster secret file.
     pub secret_file: Option<PathBuf>,
+    /// `[memserver]`: lending memory.
     pub memserver: Option<MemserverSection>,
+    /// `[guests]`: the guest host service.
     pub guests: Option<GuestsSection>,
+    /// `[registry]`: the other hosts.
     pub registry: Option<RegistrySection>,
+    /// `[ksm]`: the same-page merging controller.
     pub ksm: Option<KsmSection>,
+    /// `[ioqos]`: the I/O guarantee controller.
     pub ioqos: Option<IoqosSection>,
 }
 
+/// `[ioqos]`.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct IoqosSection {
+    /// The shared block device (path or MAJ:MIN).
     pub device: Option<String>,
+    /// Its tenants: NAME=CGROUP|qmp:SOCKET@DRIVE[:min=RATE][:min-iops=N][:weight=W],...
     pub tenants: Option<String>,
+    /// guarantee, paper or observe.
     pub policy: Option<String>,
+    /// MAX_IOPS,MAX_BYTES_PER_S (default: calibrate with direct reads).
     pub model: Option<String>,
+    /// Seconds the calibration reads.
     pub calibrate_secs: Option<f64>,
+    /// guarantee: seconds between decisions.
     pub interval: Option<f64>,
+    /// paper: the share of the device that counts as busy.
     pub border: Option<String>,
+    /// paper: the capped tenant gets rate x its current value.
     pub rate: Option<f64>,
+    /// paper: how long a cap lasts, seconds.
     pub cap_time: Option<f64>,
+    /// paper: seconds between decisions.
     pub cap_interval: Option<f64>,
 }
 
+/// `[ksm]`.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct KsmSection {
+    /// adaptive, ksmtuned or off.
     pub mode: Option<String>,
+    /// adaptive: ksmd's share of one core.
     pub cpu_budget: Option<String>,
+    /// adaptive: the MemAvailable share that counts as pressure.
     pub pressure_below: Option<String>,
+    /// ksmtuned: factor on its 60 s interval.
     pub interval_scale: Option<f64>,
 }
 
+/// `[guests]`.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct GuestsSection {
+    /// Memory this host gives guests (sum of budgets).
     pub memory: Option<String>,
+    /// The pagefleet binary that runs guests (default: beside pagefleetd).
     pub runner: Option<PathBuf>,
+    /// Where guests' control sockets and logs go.
     pub dir: Option<PathBuf>,
+    /// Network device guests' service addresses go on.
     pub service_dev: Option<String>,
 }
 
+/// `[registry]`.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RegistrySection {
+    /// The other hosts' HTTP API addresses.
     pub peers: Option<Vec<String>>,
 }
 
+/// `[memserver]`.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct MemserverSection {
+    /// Memory to lend.
     pub lend: Option<String>,
+    /// The memory-server address.
     pub listen: Option<String>,
+    /// The HTTP API address, or off.
     pub metrics: Option<String>,
+    /// GET /metrics without a signature.
     pub public_metrics: Option<bool>,
+    /// Most simultaneous client connections.
     pub max_conns: Option<u32>,
+    /// Drop a client stalled this long, seconds.
     pub io_timeout_secs: Option<u64>,
 }
 
 /// What the command line said (None = not given).
 #[derive(Debug, Default, Clone)]
 pub struct Flags {
+    /// Memory to lend.
     pub lend: Option<u64>,
+    /// The memory-server address.
     pub listen: Option<String>,
+    /// The HTTP API address, or off.
     pub metrics: Option<String>,
+    /// GET /metrics without a signature.
     pub public_metrics: Option<bool>,
+    /// The cluster secret file.
     pub secret_file: Option<PathBuf>,
+    /// Most simultaneous client connections.
     pub max_conns: Option<u32>,
+    /// Drop a client stalled this long, seconds.
     pub io_timeout_secs: Option<u64>,
+    /// Log filter (error, warn, info, debug, trace; or RUST_LOG syntax).
     pub log: Option<String>,
+    /// Memory this host gives guests (guest host service on).
     pub guest_memory: Option<u64>,
+    /// The pagefleet binary that runs guests (default: beside pagefleetd).
     pub runner: Option<PathBuf>,
+    /// Where guests' control sockets and logs go.
     pub guest_dir: Option<PathBuf>,
+    /// Network device guests' service addresses go on.
     pub service_dev: Option<String>,
+    /// The other hosts' HTTP API addresses.
     pub peers: Option<Vec<String>>,
+    /// This host's name in reports (default: the hostname).
     pub name: Option<String>,
+    /// `[ksm]`: the same-page merging controller.
     pub ksm: Option<String>,
+    /// adaptive KSM: ksmd's share of one core.
     pub ksm_cpu_budget: Option<String>,
+    /// The I/O controller's shared device.
     pub ioqos_device: Option<String>,
+    /// The I/O controller's tenants.
     pub ioqos_tenants: Option<String>,
+    /// The I/O controller's policy.
     pub ioqos_policy: Option<String>,
 }
 
 /// The daemon's effective settings.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Settings {
+    /// Memory to lend.
     pub lend: Option<u64>,
+    /// The memory-server address.
     pub listen: String,
+    /// The HTTP API address, or off.
     pub metrics: Option<String>,
     /// `GET /metrics` without a signature.
     pub public_metrics: bool,
+    /// The cluster secret file.
     pub secret_file: Option<PathBuf>,
+    /// Most simultaneous client connections.
     pub max_conns: u32,
+    /// Drop a client stalled this long.
     pub io_timeout: Duration,
+    /// Log filter (error, warn, info, debug, trace; or RUST_LOG syntax).
     pub log: String,
+    /// Memory this host gives guests (guest host service on).
     pub guest_memory: Option<u64>,
+    /// The pagefleet binary that runs guests (default: beside pagefleetd).
     pub runner: Option<PathBuf>,
+    /// Where guests' control sockets and logs go.
     pub guest_dir: Option<PathBuf>,
+    /// Network device guests' service addresses go on.
     pub service_dev: String,
+    /// The other hosts' HTTP API addresses.
     pub peers: Vec<String>,
+    /// This host's name in reports (default: the hostname).
     pub name: Option<String>,
     /// The KSM controller to run (None: none).
     pub ksm: Option<pagefleet_ksm::control::Spec>,
@@ -159,11 +229,13 @@ pub struct Settings {
 }
 
 impl FileConfig {
+    /// Read and parse the file at `path`.
     pub fn load(path: &Path) -> Result<FileConfig> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read config {}", path.display()))?;
         FileConfig::parse(&text).with_context(|| format!("in config {}", path.display()))
     }
+    /// Parse TOML text.
     pub fn parse(text: &str) -> Result<FileConfig> {
         toml::from_str(text).map_err(|e| anyhow::anyhow!("{e}"))
     }

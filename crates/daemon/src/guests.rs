@@ -264,7 +264,11 @@ impl Guests {
             i.write_all(&b)
         });
         if !matches!(wrote, Some(Ok(()))) {
-            return fail(&mut child, self, Refusal::new(500, "cannot hand the runner its launch message"));
+            return fail(
+                &mut child,
+                self,
+                Refusal::new(500, "cannot hand the runner its launch message"),
+            );
         }
         let Some(stdout) = child.stdout.take() else {
             return fail(&mut child, self, Refusal::new(500, "runner has no stdout"));
@@ -274,7 +278,10 @@ impl Guests {
         let got = out.read_line(&mut line).unwrap_or(0);
         if got == 0 || !line.starts_with(ready) {
             let log = std::fs::read_to_string(&log_path).unwrap_or_default();
-            let r = Refusal::new(500, format!("runner for {name} did not start: {}", log.trim()));
+            let r = Refusal::new(
+                500,
+                format!("runner for {name} did not start: {}", log.trim()),
+            );
             return fail(&mut child, self, r);
         }
         if let Some(e) = lock(&self.map).get_mut(name) {
@@ -301,7 +308,10 @@ impl Guests {
     /// `POST /guests`: start a guest from its typed spec.
     pub fn start(self: &Arc<Guests>, req: StartGuest) -> Result<(), Refusal> {
         if !pagefleet_api::guest::valid_name(&req.name) {
-            return Err(Refusal::new(400, "guest name: 1-32 letters, digits, - or _, starting with a letter or digit"));
+            return Err(Refusal::new(
+                400,
+                "guest name: 1-32 letters, digits, - or _, starting with a letter or digit",
+            ));
         }
         if req.size < 4096 {
             return Err(Refusal::new(400, "size: at least one 4 KiB page"));
@@ -320,7 +330,10 @@ impl Guests {
     /// `POST /incoming`: a runner waiting for a migration.
     pub fn incoming(self: &Arc<Guests>, req: IncomingRequest) -> Result<IncomingReply, Refusal> {
         if !pagefleet_api::guest::valid_name(&req.name) {
-            return Err(Refusal::new(400, "guest name: 1-32 letters, digits, - or _, starting with a letter or digit"));
+            return Err(Refusal::new(
+                400,
+                "guest name: 1-32 letters, digits, - or _, starting with a letter or digit",
+            ));
         }
         // Optionally inside a memory cgroup the caller set up (e.g. a
         // destination whose memory is limited, with the kernel swapping).
@@ -329,7 +342,10 @@ impl Guests {
             let canonical = cg.canonicalize().unwrap_or_default();
             if !canonical.starts_with("/sys/fs/cgroup/") || !canonical.join("cgroup.procs").exists()
             {
-                return Err(Refusal::new(400, format!("{} is not a cgroup", cg.display())));
+                return Err(Refusal::new(
+                    400,
+                    format!("{} is not a cgroup", cg.display()),
+                ));
             }
         }
         let job = Job::Incoming {
@@ -351,7 +367,15 @@ impl Guests {
     pub fn list(&self) -> Vec<GuestStatus> {
         let entries: Vec<(String, PathBuf, u64, bool, u32)> = lock(&self.map)
             .iter()
-            .map(|(n, e)| (n.clone(), e.control.clone(), e.budget_pages, e.incoming, e.pid))
+            .map(|(n, e)| {
+                (
+                    n.clone(),
+                    e.control.clone(),
+                    e.budget_pages,
+                    e.incoming,
+                    e.pid,
+                )
+            })
             .collect();
         entries
             .into_iter()

@@ -95,7 +95,9 @@ async fn authenticate(State(gate): State<Arc<Gate>>, req: Request, next: Next) -
 /// The endpoint runs on its own threads until the process ends.
 pub fn serve(listen: &str, router: Router, gate: Gate) -> anyhow::Result<SocketAddr> {
     let l = std::net::TcpListener::bind(listen).map_err(|e| {
-        anyhow::anyhow!("cannot listen for HTTP on {listen}: {e} (use --metrics ADDR or --metrics off)")
+        anyhow::anyhow!(
+            "cannot listen for HTTP on {listen}: {e} (use --metrics ADDR or --metrics off)"
+        )
     })?;
     l.set_nonblocking(true)?;
     let addr = l.local_addr()?;

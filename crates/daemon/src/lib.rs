@@ -2,9 +2,6 @@
 //! registry (every host's report, gathered from its peers), metrics, and
 //! the signed HTTP API that serves them all.
 
-// Not every public item is documented yet (issue 16): remove this once
-// `cargo clippy -p pagefleet-daemon` passes without it.
-#![allow(missing_docs)]
 
 pub mod api;
 pub mod config;
@@ -12,6 +9,7 @@ pub mod guests;
 pub mod http;
 pub mod orchestrate;
 pub mod registry;
+pub mod service;
 
 use anyhow::{Context, Result};
 pub use pagefleet_api::HostReport;

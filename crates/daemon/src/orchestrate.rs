@@ -3,14 +3,15 @@
 //! started on the main host (`POST /incoming` there), then the runner's
 //! migration relayed as [`ProgressEvent`]s. The migration belongs to the
 //! daemon, not to the caller: it goes on when the caller goes away, and
-//! `POST /guests/NAME/cancel` stops it.
+//! `POST /guests/NAME/cancel` stops it. Evacuations (`POST /evacuations`)
+//! move a host's lent pages away and migrate its guests off it.
 
 use crate::api::App;
 use crate::guests::{Guests, Refusal};
 use pagefleet_api::migration::Failure;
 use pagefleet_api::{
-    ClusterHost, ControlRequest, GuestStatus, IncomingReply, IncomingRequest, MigrateRequest,
-    MigrationOrder, Placed, ProgressEvent, SubHost,
+    ClusterHost, ControlRequest, EvacuationEvent, EvacuationOrder, GuestStatus, IncomingReply,
+    IncomingRequest, MigrateRequest, MigrationOrder, Placed, ProgressEvent, SubHost,
 };
 use pagefleet_migrate::placement::{self, HostInfo};
 use std::time::Duration;
@@ -38,7 +39,10 @@ fn info(h: &ClusterHost) -> HostInfo {
 /// Place the guest and start its destination runner: what to tell the
 /// source runner, and where things went.
 fn place(app: &App, g: &Guests, o: &MigrationOrder) -> Result<(Placed, MigrateRequest), Refusal> {
-    let bad = |m: String| Refusal { status: 400, message: m };
+    let bad = |m: String| Refusal {
+        status: 400,
+        message: m,
+    };
     let st: GuestStatus = g.control(&o.guest, &ControlRequest::Status)?;
     if st.state == pagefleet_api::GuestState::Migrating {
         return Err(Refusal {
@@ -54,11 +58,19 @@ fn place(app: &App, g: &Guests, o: &MigrationOrder) -> Result<(Placed, MigrateRe
     let pages = st.pages.clone().unwrap_or_default();
     // Pages already on memory servers stay there: only resident ones need room.
     let data_pages = pages.local;
-    let to = o.to.as_deref().map(|t| find_host(hs, t)).transpose().map_err(bad)?;
+    let to =
+        o.to.as_deref()
+            .map(|t| find_host(hs, t))
+            .transpose()
+            .map_err(bad)?;
     let subs = o
         .subs
         .as_ref()
-        .map(|s| s.iter().map(|x| find_host(hs, x)).collect::<Result<Vec<_>, _>>())
+        .map(|s| {
+            s.iter()
+                .map(|x| find_host(hs, x))
+                .collect::<Result<Vec<_>, _>>()
+        })
         .transpose()
         .map_err(bad)?;
     let infos: Vec<HostInfo> = hs.iter().map(info).collect();
@@ -69,7 +81,10 @@ fn place(app: &App, g: &Guests, o: &MigrationOrder) -> Result<(Placed, MigrateRe
     } else {
         placement::choose(&infos, src, size_pages, data_pages, to, subs.as_deref())
     }
-    .map_err(|m| Refusal { status: 409, message: m })?;
+    .map_err(|m| Refusal {
+        status: 409,
+        message: m,
+    })?;
     let main = &hs[choice.main];
     let mut sub_hosts = Vec::new();
     for (h, n) in &choice.subs {
@@ -97,7 +112,11 @@ fn place(app: &App, g: &Guests, o: &MigrationOrder) -> Result<(Placed, MigrateRe
     let mut addr = reply.migrate_addr;
     if addr.starts_with("0.0.0.0:") {
         // The daemon there listens on every address: use the one we reached it on.
-        let ip = main.http.rsplit_once(':').map(|x| x.0).unwrap_or("127.0.0.1");
+        let ip = main
+            .http
+            .rsplit_once(':')
+            .map(|x| x.0)
+            .unwrap_or("127.0.0.1");
         addr = format!("{ip}:{}", addr.rsplit(':').next().unwrap_or("0"));
     }
     let placed = Placed {
@@ -200,4 +219,130 @@ pub fn migrate(app: &App, order: MigrationOrder, mut emit: impl FnMut(&ProgressE
             });
         }
     }
+}
+
+/// Carry out an evacuation of `order.host`, emitting its events. Runs on
+/// any daemon whose registry knows the host: page moves are asked of each
+/// guest's own host, migrations of the evacuated host's daemon.
+pub fn evacuate(app: &App, order: EvacuationOrder, mut emit: impl FnMut(&EvacuationEvent) -> bool) {
+    let fail = |m: String| EvacuationEvent::Failed { message: m };
+    let view = app.view();
+    let hs = &view.hosts;
+    let x = match find_host(hs, &order.host) {
+        Ok(x) => x,
+        Err(m) => {
+            emit(&fail(m));
+            return;
+        }
+    };
+    let to = match order.to.as_deref().map(|t| find_host(hs, t)).transpose() {
+        Ok(t) => t,
+        Err(m) => {
+            emit(&fail(m));
+            return;
+        }
+    };
+    let mut lend_free: Vec<u64> = hs.iter().map(|h| info(h).lend_free / 4096).collect();
+    let mut moved_any = false;
+    // 1. Pages guests keep on the host's memory server go to another one.
+    if let Some(xms) = hs[x].memserver().map(String::from) {
+        for (gh, h) in hs.iter().enumerate() {
+            for g in &h.guests {
+                let n = g
+                    .pages
+                    .as_ref()
+                    .and_then(|p| p.remote.get(&xms).copied())
+                    .unwrap_or(0);
+                if n == 0 {
+                    continue;
+                }
+                let target = to.or_else(|| {
+                    (0..hs.len())
+                        .filter(|&t| {
+                            t != x && t != gh && hs[t].memserver().is_some() && lend_free[t] >= n
+                        })
+                        .max_by_key(|&t| lend_free[t])
+                });
+                let Some(target) = target else {
+                    emit(&fail(format!(
+                        "no memory server can take the {} of {}",
+                        pagefleet_common::units::fmt_size(n * 4096),
+                        g.name
+                    )));
+                    return;
+                };
+                let Some(tms) = hs[target].memserver() else {
+                    emit(&fail(format!("{} lends no memory", hs[target].name())));
+                    return;
+                };
+                #[derive(serde::Serialize)]
+                struct Evacuate<'a> {
+                    from: &'a str,
+                    to: &'a str,
+                }
+                let r: Result<pagefleet_api::control::Moved, _> =
+                    app.client.timeout(Duration::from_secs(3600)).post(
+                        &h.http,
+                        &format!("/guests/{}/evacuate", g.name),
+                        &Evacuate {
+                            from: &xms,
+                            to: tms,
+                        },
+                    );
+                match r {
+                    Ok(m) => {
+                        lend_free[target] = lend_free[target].saturating_sub(n);
+                        moved_any = true;
+                        emit(&EvacuationEvent::PagesMoved {
+                            guest: g.name.clone(),
+                            pages: m.moved,
+                            from: hs[x].name().to_string(),
+                            to: hs[target].name().to_string(),
+                        });
+                    }
+                    Err(e) => {
+                        emit(&fail(format!("moving the pages of {}: {e}", g.name)));
+                        return;
+                    }
+                }
+            }
+        }
+    }
+    // 2. Guests running on the host migrate away (placement chooses where).
+    for g in &hs[x].guests {
+        if g.state == pagefleet_api::GuestState::Incoming {
+            continue;
+        }
+        emit(&EvacuationEvent::Migrating {
+            guest: g.name.clone(),
+        });
+        let order = MigrationOrder {
+            guest: g.name.clone(),
+            ..MigrationOrder::default()
+        };
+        let mut ok = false;
+        let r = app.client.post_stream(
+            &hs[x].http,
+            "/migrations",
+            &order,
+            Duration::from_secs(120),
+            |ev: ProgressEvent| {
+                ok |= matches!(ev, ProgressEvent::Report(_));
+                emit(&EvacuationEvent::Migration(Box::new(ev)))
+            },
+        );
+        if let Err(e) = r {
+            emit(&fail(format!("migrating {}: {e}", g.name)));
+            return;
+        }
+        if !ok {
+            emit(&fail(format!("{} did not migrate away", g.name)));
+            return;
+        }
+        moved_any = true;
+    }
+    emit(&EvacuationEvent::Done {
+        host: hs[x].name().to_string(),
+        moved_any,
+    });
 }

@@ -60,7 +60,10 @@ fn host() -> Host {
         ],
     );
     let http = d.metrics.clone().expect("HTTP address");
-    assert!(http.starts_with("127.0.0.1:"), "loopback by default: {http}");
+    assert!(
+        http.starts_with("127.0.0.1:"),
+        "loopback by default: {http}"
+    );
     Host {
         d,
         http,
@@ -81,7 +84,11 @@ fn raw(addr: &str, req: &[u8]) -> (u16, String) {
         .nth(1)
         .and_then(|x| x.parse().ok())
         .unwrap_or(0);
-    let body = out.split_once("\r\n\r\n").map(|x| x.1).unwrap_or("").to_string();
+    let body = out
+        .split_once("\r\n\r\n")
+        .map(|x| x.1)
+        .unwrap_or("")
+        .to_string();
     (status, body)
 }
 
@@ -104,7 +111,8 @@ fn request(method: &str, path: &str, auth: Option<&str>, body: &[u8]) -> Vec<u8>
 
 /// Every route, with a body a legitimate caller might send.
 fn routes() -> Vec<(&'static str, &'static str, &'static str)> {
-    let start = r#"{"name":"g1","size":4096,"spec":{"workload":{"kind":"kv","listen":"127.0.0.1:0"}}}"#;
+    let start =
+        r#"{"name":"g1","size":4096,"spec":{"workload":{"kind":"kv","listen":"127.0.0.1:0"}}}"#;
     vec![
         ("GET", "/", ""),
         ("GET", "/metrics", ""),
@@ -118,12 +126,18 @@ fn routes() -> Vec<(&'static str, &'static str, &'static str)> {
         ("POST", "/guests/g1/cancel", "{}"),
         ("POST", "/guests/g1/sort", "{}"),
         ("POST", "/guests/g1/set_budget", r#"{"pages":1}"#),
-        ("POST", "/guests/g1/evacuate", r#"{"from":"a:1","to":"b:1"}"#),
+        (
+            "POST",
+            "/guests/g1/evacuate",
+            r#"{"from":"a:1","to":"b:1"}"#,
+        ),
         (
             "POST",
             "/guests/g1/migrate",
             r#"{"to":"127.0.0.1:1","subs":[]}"#,
         ),
+        ("POST", "/migrations", r#"{"guest":"g1"}"#),
+        ("POST", "/evacuations", r#"{"host":"h9"}"#),
     ]
 }
 
@@ -166,7 +180,10 @@ fn every_route_refuses_strangers() {
         let (st, body) = raw(&h.http, &request(m, p, Some(&a), b.as_bytes()));
         assert_eq!(st, 401, "{m} {p} stale: {body}");
         // Garbage in the header.
-        let (st, _) = raw(&h.http, &request(m, p, Some("PF1 t=1,n=zz,m=00"), b.as_bytes()));
+        let (st, _) = raw(
+            &h.http,
+            &request(m, p, Some("PF1 t=1,n=zz,m=00"), b.as_bytes()),
+        );
         assert_eq!(st, 401, "{m} {p} malformed signature");
     }
     nothing_started(&h);
@@ -264,7 +281,10 @@ fn oversized_and_malformed_requests_are_refused() {
             Err(_) => break,
         }
     }
-    assert!(sent < 64 << 20, "the daemon took {sent} bytes of one request line");
+    assert!(
+        sent < 64 << 20,
+        "the daemon took {sent} bytes of one request line"
+    );
     drop(s);
     let grew = h.d.rss().saturating_sub(rss0);
     assert!(grew < 32 << 20, "RSS grew {grew} bytes");
@@ -274,7 +294,10 @@ fn oversized_and_malformed_requests_are_refused() {
         "a".repeat(64 << 10)
     );
     let (st, _) = raw(&h.http, big.as_bytes());
-    assert!(st == 431 || st == 400 || st == 0, "oversized head: HTTP {st}");
+    assert!(
+        st == 431 || st == 400 || st == 0,
+        "oversized head: HTTP {st}"
+    );
     // A body over 1 MiB, even signed.
     let body = vec![b' '; 2 << 20];
     let a = httpauth::sign(&h.d.secret, "POST", "/guests", &body);
@@ -289,7 +312,11 @@ fn oversized_and_malformed_requests_are_refused() {
     let t = Instant::now();
     let mut buf = [0u8; 64];
     let _ = s.read(&mut buf);
-    assert!(t.elapsed() < Duration::from_secs(15), "an idle client was kept {:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_secs(15),
+        "an idle client was kept {:?}",
+        t.elapsed()
+    );
     // The daemon still serves signed requests.
     let c = pagefleet_common::http::Client::new(h.d.secret.clone());
     let r: pagefleet_api::HostReport = c.get(&h.http, "/host").unwrap();

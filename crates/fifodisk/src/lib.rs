@@ -10,9 +10,6 @@
 //! and whose queue is first-come first-served, so blkio throttling, BFQ and
 //! the ioqos controllers act on it exactly as on a real disk.
 
-// Not every public item is documented yet (issue 16): remove this once
-// `cargo clippy -p pagefleet-fifodisk` passes without it.
-#![allow(missing_docs)]
 
 use anyhow::{bail, Context, Result};
 use fuser::{
@@ -36,6 +33,7 @@ pub struct Pace {
 }
 
 impl Pace {
+    /// The time one request of `bytes` takes.
     pub fn cost(&self, bytes: usize) -> Duration {
         self.per_io + Duration::from_secs_f64(bytes as f64 / self.bandwidth)
     }
@@ -44,8 +42,11 @@ impl Pace {
 /// Counters a caller can read while the disk is mounted.
 #[derive(Default, Debug)]
 pub struct Stats {
+    /// Read requests served.
     pub reads: AtomicU64,
+    /// Write requests served.
     pub writes: AtomicU64,
+    /// Bytes moved.
     pub bytes: AtomicU64,
     /// Time the device was busy serving requests, ns.
     pub busy_ns: AtomicU64,
@@ -282,6 +283,7 @@ impl Filesystem for Fs {
 pub struct FifoDisk {
     dir: PathBuf,
     session: Option<fuser::BackgroundSession>,
+    /// Its counters.
     pub stats: Arc<Stats>,
 }
 
@@ -326,10 +328,12 @@ impl FifoDisk {
         })
     }
 
+    /// The disk's file (to attach a loop device to).
     pub fn file(&self) -> PathBuf {
         self.dir.join("disk")
     }
 
+    /// Unmount now (dropping also does), reporting failure.
     pub fn unmount(mut self) -> Result<()> {
         self.stop()
     }
@@ -351,6 +355,7 @@ impl Drop for FifoDisk {
 
 /// A loop device over a file, detached when dropped.
 pub struct LoopDevice {
+    /// The device, e.g. /dev/loop3.
     pub path: PathBuf,
 }
 
@@ -401,6 +406,7 @@ impl LoopDevice {
         PathBuf::from(format!("/sys/block/{name}/queue"))
     }
 
+    /// Choose the device's I/O scheduler (e.g. bfq).
     pub fn set_scheduler(&self, name: &str) -> Result<()> {
         let p = self.queue_dir().join("scheduler");
         std::fs::write(&p, name).with_context(|| format!("cannot set {} to {name}", p.display()))

@@ -29,33 +29,50 @@ const NCLASS: usize = 16;
 const MIN_CLASS: usize = 64;
 const ITEM_HDR: usize = 32;
 const STRIPES: usize = 64;
+/// Longest key (memcached's limit).
 pub const MAX_KEY: usize = 250;
+/// Largest value.
 pub const MAX_VALUE: usize = 1 << 20;
 
+/// The outcome of a storage command.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Store {
+    /// Stored.
     Stored,
+    /// Not stored (add of an existing key, replace/append of a missing one).
     NotStored,
+    /// cas: the item changed since it was read.
     Exists,
+    /// cas: no such item.
     NotFound,
+    /// No room in the guest memory.
     NoMemory,
 }
 
+/// A storage command.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
+    /// Store unconditionally.
     Set,
+    /// Store if absent.
     Add,
+    /// Store if present.
     Replace,
+    /// Add to the end of a present value.
     Append,
+    /// Add to the start of a present value.
     Prepend,
+    /// Store if the item still has this cas id.
     Cas(u64),
 }
 
 /// Extra `stats` lines a host adds (the runner adds its region's counters).
 pub type ExtraStats = Box<dyn Fn() -> Vec<(String, u64)> + Send + Sync>;
 
+/// A memcached-protocol table living entirely in guest memory.
 pub struct Kv {
     mem: Mem,
+    /// Extra lines for `stats` (the runner adds its region's counters).
     pub extra_stats: Option<ExtraStats>,
     /// Bucket-striped locks: a page fault while one request holds its stripe
     /// (the item is on a memory server) does not stall requests elsewhere.
@@ -66,9 +83,13 @@ pub struct Kv {
     alloc_lock: Mutex<()>,
     /// Safepoint: every request passes through it (migration quiesces here).
     pub gate: Arc<crate::Gate>,
+    /// Requests served.
     pub ops: AtomicU64,
+    /// get requests.
     pub gets: AtomicU64,
+    /// gets that found their item.
     pub hits: AtomicU64,
+    /// Storage requests.
     pub sets: AtomicU64,
     /// Connected clients (a copy of each socket), so a guest moving away
     /// can hang them up at once instead of leaving them to time out.
@@ -169,9 +190,11 @@ impl Kv {
         self.w(H_MAGIC, MAGIC);
     }
 
+    /// Items stored.
     pub fn items(&self) -> u64 {
         self.r(H_ITEMS)
     }
+    /// Bytes of values stored.
     pub fn value_bytes(&self) -> u64 {
         self.r(H_BYTES)
     }
@@ -314,6 +337,7 @@ impl Kv {
         Some((flags, cas, self.bytes(it + ITEM_HDR + klen, vlen).to_vec()))
     }
 
+    /// A storage command on `key`.
     pub fn store(&self, mode: Mode, key: &[u8], flags: u32, exptime: i64, data: &[u8]) -> Store {
         let _g = self.stripe(key);
         self.sets.fetch_add(1, Relaxed);
@@ -352,6 +376,7 @@ impl Kv {
         Store::Stored
     }
 
+    /// Remove `key`; whether it was there.
     pub fn delete(&self, key: &[u8]) -> bool {
         let _g = self.stripe(key);
         match self.find(key) {
@@ -398,6 +423,7 @@ impl Kv {
         Ok(Some(new))
     }
 
+    /// Give `key` a new expiry; whether it was there.
     pub fn touch(&self, key: &[u8], exptime: i64) -> bool {
         let _g = self.stripe(key);
         let Some((_, it)) = self.find(key) else {
@@ -408,6 +434,7 @@ impl Kv {
         true
     }
 
+    /// Empty the table.
     pub fn flush_all(&self) {
         let _all: Vec<_> = self
             .stripes

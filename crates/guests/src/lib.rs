@@ -2,9 +2,6 @@
 //! they are given (a pagefleet region, or plain memory for the all-local
 //! baseline), like a VM's RAM, so a runner elsewhere could resume them.
 
-// Not every public item is documented yet (issue 16): remove this once
-// `cargo clippy -p pagefleet-guests` passes without it.
-#![allow(missing_docs)]
 
 pub mod kv;
 pub mod sort;
@@ -63,14 +60,22 @@ impl Mem {
     /// Read the word at `off`; panics outside the view.
     #[inline]
     pub fn read_u64(&self, off: usize) -> u64 {
-        assert!(off + 8 <= self.len, "read at {off} outside {} bytes", self.len);
+        assert!(
+            off + 8 <= self.len,
+            "read at {off} outside {} bytes",
+            self.len
+        );
         // SAFETY: in bounds; volatile so the access really touches guest memory.
         unsafe { std::ptr::read_volatile(self.base.add(off) as *const u64) }
     }
     /// Write the word at `off`; panics outside the view.
     #[inline]
     pub fn write_u64(&self, off: usize, v: u64) {
-        assert!(off + 8 <= self.len, "write at {off} outside {} bytes", self.len);
+        assert!(
+            off + 8 <= self.len,
+            "write at {off} outside {} bytes",
+            self.len
+        );
         // SAFETY: in bounds.
         unsafe { std::ptr::write_volatile(self.base.add(off) as *mut u64, v) }
     }
@@ -81,9 +86,11 @@ impl Mem {
 pub struct Rng(u64);
 
 impl Rng {
+    /// A generator seeded with `seed` (any value).
     pub fn new(seed: u64) -> Rng {
         Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
     }
+    /// The next 64 random bits.
     #[inline]
     pub fn next_u64(&mut self) -> u64 {
         let mut x = self.0;
@@ -93,6 +100,7 @@ impl Rng {
         self.0 = x;
         x.wrapping_mul(0x2545_F491_4F6C_DD1D)
     }
+    /// A uniform number in [0, 1).
     #[inline]
     pub fn unit(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
@@ -109,6 +117,7 @@ pub struct Gate {
 }
 
 impl Gate {
+    /// Start a unit of work (waits while paused).
     pub fn enter(&self) {
         let mut g = self.st.lock().unwrap_or_else(|e| e.into_inner());
         while g.0 {
@@ -116,6 +125,7 @@ impl Gate {
         }
         g.1 += 1;
     }
+    /// End a unit of work.
     pub fn exit(&self) {
         let mut g = self.st.lock().unwrap_or_else(|e| e.into_inner());
         g.1 -= 1;
@@ -143,11 +153,13 @@ impl Gate {
         }
         true
     }
+    /// Let work go on after a pause.
     pub fn resume(&self) {
         let mut g = self.st.lock().unwrap_or_else(|e| e.into_inner());
         g.0 = false;
         self.cv.notify_all();
     }
+    /// Whether the gate holds work back now.
     pub fn is_paused(&self) -> bool {
         self.st.lock().unwrap_or_else(|e| e.into_inner()).0
     }

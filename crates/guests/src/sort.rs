@@ -5,14 +5,21 @@
 use crate::{Mem, Rng};
 use std::time::Instant;
 
+/// Bytes per record (the sort benchmark's 100-byte records).
 pub const RECORD: usize = 100;
+/// Bytes of the key at the start of a record.
 pub const KEY: usize = 10;
 
+/// What a sort run measured.
 #[derive(Clone, Debug, Default)]
 pub struct Outcome {
+    /// Records sorted.
     pub records: u64,
+    /// Seconds generating them.
     pub generate_secs: f64,
+    /// Seconds sorting them.
     pub sort_secs: f64,
+    /// Whether they came out sorted.
     pub sorted: bool,
 }
 
@@ -40,6 +47,7 @@ pub fn sort(mem: Mem) -> bool {
     recs.windows(2).all(|w| w[0][..KEY] <= w[1][..KEY])
 }
 
+/// Generate (with `generate_first`) and sort records filling `mem`.
 pub fn run(mem: Mem, seed: u64, generate_first: bool) -> Outcome {
     let t = Instant::now();
     let records = if generate_first {

@@ -5,15 +5,20 @@ use crate::{Mem, Rng};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
+/// How accesses fall on the pages.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Dist {
+    /// Every page alike.
     Uniform,
     /// Zipf over page numbers with exponent θ (YCSB's generator); low pages hottest.
     Zipf(f64),
+    /// Page after page, wrapping around.
     Sequential,
     /// `hot_frac` of the pages get `hot_prob` of the accesses.
     HotCold {
+        /// Share of the pages that are hot.
         hot_frac: f64,
+        /// Share of the accesses that go to them.
         hot_prob: f64,
     },
 }
@@ -75,6 +80,7 @@ pub struct Zipf {
 }
 
 impl Zipf {
+    /// Zipf over `n` items with exponent `theta`.
     pub fn new(n: u64, theta: f64) -> Zipf {
         let zeta = |k: u64| (1..=k).map(|i| 1.0 / (i as f64).powf(theta)).sum::<f64>();
         let zetan = zeta(n);
@@ -88,6 +94,7 @@ impl Zipf {
             eta,
         }
     }
+    /// The item for uniform `u` in [0, 1).
     #[inline]
     pub fn sample(&self, u: f64) -> u64 {
         let uz = u * self.zetan;
@@ -101,12 +108,16 @@ impl Zipf {
     }
 }
 
+/// How to run the synthetic workload.
 #[derive(Clone, Debug)]
 pub struct Opts {
+    /// The access distribution.
     pub dist: Dist,
     /// Fraction of operations that write.
     pub write_frac: f64,
+    /// Worker threads.
     pub threads: usize,
+    /// How long to run.
     pub duration: Duration,
     /// Stop after this many operations in total (whichever comes first).
     pub max_ops: Option<u64>,
@@ -121,10 +132,14 @@ pub struct Opts {
     pub span: f64,
 }
 
+/// What a run measured.
 #[derive(Clone, Debug, Default)]
 pub struct Outcome {
+    /// Operations done.
     pub ops: u64,
+    /// Seconds it ran.
     pub secs: f64,
+    /// Operations per second.
     pub ops_per_sec: f64,
     /// ops/s in each whole second of the run.
     pub per_second: Vec<f64>,

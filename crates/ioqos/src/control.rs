@@ -74,6 +74,62 @@ impl HasPid for State {
     }
 }
 
+impl std::fmt::Display for State {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "policy {} on device {}: {:.0}% of the device in use",
+            self.policy,
+            self.device,
+            self.device_share_used * 100.0
+        )?;
+        writeln!(
+            f,
+            "{:<12} {:>16} {:>8} {:>9} {:>9} {:>11} {:>10} {:>9} {:>8}",
+            "tenant",
+            "backend",
+            "demand",
+            "MB/s",
+            "IOPS",
+            "latency ms",
+            "cap MB/s",
+            "capped s",
+            "starved"
+        )?;
+        for t in &self.tenants {
+            let num = |x: Option<f64>, d: f64| {
+                x.map(|x| format!("{:.1}", x / d))
+                    .unwrap_or_else(|| "-".into())
+            };
+            // Demand as a share of the device; "+" when it presses against its cap.
+            let demand = format!(
+                "{:.0}%{}",
+                t.demand_share * 100.0,
+                if t.pressing_cap { "+" } else { "" }
+            );
+            writeln!(
+                f,
+                "{:<12} {:>16} {:>8} {:>9} {:>9} {:>11} {:>10} {:>9} {:>8}{}",
+                t.name,
+                t.backend,
+                demand,
+                num(Some(t.bps), 1e6),
+                num(Some(t.iops), 1.0),
+                num(t.latency_ms, 1.0),
+                num(t.cap_bps, 1e6),
+                num(Some(t.capped_s), 1.0),
+                t.starved,
+                t.error
+                    .as_deref()
+                    .map(|e| format!("  ({e})"))
+                    .unwrap_or_default()
+            )?;
+        }
+        writeln!(f, "(demand: share of the device's modelled capacity used; + = pressing against its cap, wants more)")?;
+        Ok(())
+    }
+}
+
 /// A controller as a user configures it (CLI flags or pagefleetd's
 /// `[ioqos]` section), checked and turned into [`Options`].
 #[derive(Clone, Debug, PartialEq)]
@@ -307,7 +363,6 @@ fn limit(cap: &Cap, o: &Obs) -> Limit {
     }
 }
 
-
 pub fn run(o: &Options, stop: &AtomicBool, mut on_tick: impl FnMut(&State)) -> Result<()> {
     let state = o
         .state_file
@@ -500,5 +555,3 @@ fn differs(a: &Limit, b: &Limit) -> bool {
     };
     f(a.rbps, b.rbps) || f(a.wbps, b.wbps) || f(a.riops, b.riops) || f(a.wiops, b.wiops)
 }
-
-

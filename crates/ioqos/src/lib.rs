@@ -8,6 +8,7 @@
 #![allow(missing_docs)]
 
 pub mod backend;
+pub mod cli;
 pub mod control;
 pub mod device;
 pub mod policy;

@@ -160,8 +160,6 @@ impl Drop for Restore {
     }
 }
 
-
-
 /// Run until `stop` is set (or the duration passes). `on_decision` sees
 /// every state published (the CLI prints changes).
 pub fn run(o: &Options, stop: &AtomicBool, mut on_decision: impl FnMut(&State)) -> Result<()> {
@@ -169,7 +167,12 @@ pub fn run(o: &Options, stop: &AtomicBool, mut on_decision: impl FnMut(&State)) 
     let state = o
         .state_file
         .as_deref()
-        .map(|p| StateFile::lock::<State>(p, "KSM controller (two would fight over /sys/kernel/mm/ksm)"))
+        .map(|p| {
+            StateFile::lock::<State>(
+                p,
+                "KSM controller (two would fight over /sys/kernel/mm/ksm)",
+            )
+        })
         .transpose()?;
     let publish = |st: &State| {
         if let Some(f) = &state {
@@ -322,8 +325,6 @@ pub fn run(o: &Options, stop: &AtomicBool, mut on_decision: impl FnMut(&State)) 
     result
 }
 
-
-
 /// What `pagefleet ksm status` shows (its `--json`).
 #[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct Status {
@@ -348,6 +349,62 @@ pub struct Status {
     pub psi_memory_some_avg10: Option<f64>,
     /// The running controller's state, if one runs (its state file is fresh).
     pub controller: Option<State>,
+}
+
+impl std::fmt::Display for Status {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let opt = |o: Option<String>| o.unwrap_or_else(|| "?".into());
+        writeln!(
+            f,
+            "KSM           {}",
+            if self.run == 1 { "running" } else { "stopped" }
+        )?;
+        writeln!(
+            f,
+            "saved         {:.1} MiB   (general_profit {:.1} MiB)",
+            self.saved_mib, self.general_profit_mib
+        )?;
+        writeln!(
+            f,
+            "pages         shared {}  sharing {}  unshared {}  volatile {}  zero {}",
+            self.pages_shared,
+            self.pages_sharing,
+            self.pages_unshared,
+            self.pages_volatile,
+            self.ksm_zero_pages
+        )?;
+        writeln!(f, "full scans    {}", self.full_scans)?;
+        writeln!(
+            f,
+            "ksmd CPU      {:.1}% of a core, waiting for a CPU {:.0}% of the time, nice {}",
+            self.ksmd_cpu_percent,
+            self.ksmd_wait_percent,
+            opt(self.ksmd_nice.map(|n| n.to_string()))
+        )?;
+        writeln!(
+            f,
+            "scan rate     {:.0} pages/s  (pages_to_scan {}, sleep {} ms, advisor {}, smart_scan {})",
+            self.scan_rate_pages_per_s,
+            self.pages_to_scan,
+            self.sleep_millisecs,
+            opt(self.advisor_mode.clone()),
+            opt(self.smart_scan.map(|n| n.to_string()))
+        )?;
+        writeln!(
+            f,
+            "memory        {:.1}% available, PSI some avg10 {}",
+            self.mem_available_percent,
+            opt(self.psi_memory_some_avg10.map(|p| p.to_string()))
+        )?;
+        match &self.controller {
+            Some(c) => writeln!(
+                f,
+                "controller    {} (pid {}): {}, {}",
+                c.policy, c.pid, c.phase, c.why
+            ),
+            None => writeln!(f, "controller    none running"),
+        }
+    }
 }
 
 /// `pagefleet ksm status`: the counters, ksmd's CPU share over `window`, and

@@ -8,6 +8,7 @@
 #![allow(missing_docs)]
 
 pub mod adaptive;
+pub mod cli;
 pub mod control;
 pub mod enroll;
 pub mod sysfs;

@@ -54,7 +54,9 @@ impl Output {
 
     /// The first job (fio runs with group reporting here).
     pub fn job(&self) -> Result<&Job, String> {
-        self.jobs.first().ok_or_else(|| "fio reported no job".to_string())
+        self.jobs
+            .first()
+            .ok_or_else(|| "fio reported no job".to_string())
     }
 }
 

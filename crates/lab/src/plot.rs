@@ -105,4 +105,3 @@ pub fn plot(script_name: &str, script: &str, json_path: &Path, png: &Path) -> Re
     }
     Ok(png.to_path_buf())
 }
-

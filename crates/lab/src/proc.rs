@@ -132,4 +132,3 @@ pub fn temp_dir(tag: &str) -> Result<PathBuf> {
     std::fs::create_dir_all(&d)?;
     Ok(d)
 }
-

@@ -14,4 +14,3 @@ pub fn median(v: &[f64]) -> f64 {
     let mut s = v.to_vec();
     percentile(&mut s, 50.0)
 }
-

@@ -5,9 +5,6 @@
 //! - [`server`]: the protocol-v1 connection loop (auth, pipelining, errors);
 //! - [`metrics`]: counters and their Prometheus text rendering.
 
-// Not every public item is documented yet (issue 16): remove this once
-// `cargo clippy -p pagefleet-memserver` passes without it.
-#![allow(missing_docs)]
 
 pub mod metrics;
 pub mod server;

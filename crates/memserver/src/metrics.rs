@@ -1,6 +1,6 @@
 //! Server counters and their Prometheus text exposition.
 
-use crate::server::ServerState;
+use crate::store::StoreStats;
 use pagefleet_proto::{ErrorCode, Opcode};
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -14,38 +14,49 @@ const OPS: [Opcode; 6] = [
     Opcode::Ping,
 ];
 
+/// The server's counters (Prometheus text: `render`).
 #[derive(Default)]
 pub struct Metrics {
     requests: [AtomicU64; 8],
     errors: [AtomicU64; 16],
+    /// Bytes read from clients.
     pub bytes_in: AtomicU64,
+    /// Bytes sent to clients.
     pub bytes_out: AtomicU64,
+    /// Pages stored by PUTs.
     pub pages_put: AtomicU64,
+    /// Pages sent by GETs.
     pub pages_got: AtomicU64,
+    /// Of those, pages removed as sent (take).
     pub pages_taken: AtomicU64,
+    /// Connections accepted.
     pub connections_total: AtomicU64,
+    /// Connections refused (over max_conns).
     pub connections_refused: AtomicU64,
+    /// Connections that failed the cluster-secret proof.
     pub auth_failures: AtomicU64,
 }
 
 impl Metrics {
+    /// Count one request of `op`.
     pub fn request(&self, op: Opcode) {
         if let Some(i) = OPS.iter().position(|o| *o == op) {
             self.requests[i].fetch_add(1, Relaxed);
         }
     }
+    /// Count one error reply with `code`.
     pub fn error(&self, code: ErrorCode) {
         self.errors[code as usize].fetch_add(1, Relaxed);
     }
+    /// Error replies with `code` so far.
     pub fn errors_of(&self, code: ErrorCode) -> u64 {
         self.errors[code as usize].load(Relaxed)
     }
 }
 
 /// Render every metric in Prometheus text format (version 0.0.4).
-pub fn render(st: &ServerState) -> String {
-    let m = &st.metrics;
-    let s = st.store.stats(1000);
+/// The Prometheus text for these counters, the store's `s` and `connections` open.
+pub fn render(m: &Metrics, s: &StoreStats, connections: u32) -> String {
     let mut o = String::with_capacity(4096);
     let mut gauge = |name: &str, help: &str, kind: &str, v: u64| {
         let _ = writeln!(
@@ -93,7 +104,7 @@ pub fn render(st: &ServerState) -> String {
         "memserver_connections",
         "Open client connections.",
         "gauge",
-        st.connections() as u64,
+        connections as u64,
     );
     gauge(
         "memserver_connections_total",

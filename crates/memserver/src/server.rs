@@ -19,6 +19,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tracing::{debug, info, warn};
 
+/// How the server treats its clients.
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
     /// Most simultaneous connections; more are refused with BUSY.
@@ -36,18 +37,29 @@ impl Default for ServerConfig {
     }
 }
 
+/// Everything the server's connections share.
 pub struct ServerState {
+    /// The pages.
     pub store: Store,
+    /// The cluster secret clients must prove.
     pub secret: Secret,
     /// Random per process: a client seeing a new id knows the server restarted
     /// and lost whatever it held.
     pub server_id: u64,
+    /// Its counters.
     pub metrics: Metrics,
+    /// Its settings.
     pub cfg: ServerConfig,
     conns: AtomicU32,
 }
 
 impl ServerState {
+    /// Prometheus text for this server (`GET /metrics`).
+    pub fn render_metrics(&self) -> String {
+        crate::metrics::render(&self.metrics, &self.store.stats(1000), self.connections())
+    }
+
+    /// A server over `store`, accepting clients that hold `secret`.
     pub fn new(store: Store, secret: Secret, cfg: ServerConfig) -> ServerState {
         ServerState {
             store,
@@ -58,6 +70,7 @@ impl ServerState {
             conns: AtomicU32::new(0),
         }
     }
+    /// Connections open now.
     pub fn connections(&self) -> u32 {
         self.conns.load(Relaxed)
     }
@@ -192,6 +205,7 @@ pub struct Session<'a, T: Transport> {
 }
 
 impl<'a, T: Transport> Session<'a, T> {
+    /// A session on transport `t` from `peer`.
     pub fn new(st: &'a ServerState, t: &'a mut T, peer: &'a str) -> Session<'a, T> {
         let mut rb = RecvBuf::new(16 * 1024);
         rb.set_read_max(READ_AHEAD);

@@ -19,18 +19,49 @@ const LEAF_PAGES: usize = 1 << LEAF_SHIFT;
 const NO_SLOT: u32 = u32::MAX;
 const ZOMBIE: u16 = 0x8000;
 
+/// Why the store refused a request.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
+    /// More new pages than free slots.
     #[error("out of capacity: {need} new pages requested, {free} free of {capacity}")]
-    OutOfCapacity { need: u64, free: u64, capacity: u64 },
+    OutOfCapacity {
+        /// New pages asked for.
+        need: u64,
+        /// Free slots.
+        free: u64,
+        /// Slots in all.
+        capacity: u64,
+    },
+    /// A page asked for is not here.
     #[error("page {page} of region {region:#x} is not stored here")]
-    NotFound { region: u64, page: u64 },
+    NotFound {
+        /// Its region.
+        region: u64,
+        /// The page.
+        page: u64,
+    },
+    /// A take names a page twice.
     #[error("page {page} is named twice in one take request")]
-    DuplicateTake { page: u64 },
+    DuplicateTake {
+        /// The page.
+        page: u64,
+    },
+    /// The pool could not be mapped.
     #[error("cannot reserve {bytes} bytes of memory for the page pool: {source}")]
-    Pool { bytes: u64, source: std::io::Error },
+    Pool {
+        /// Its size.
+        bytes: u64,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The capacity asked for is beyond what page numbers address.
     #[error("capacity of {pages} pages exceeds the limit of {max} pages (16 TiB)")]
-    TooLarge { pages: u64, max: u64 },
+    TooLarge {
+        /// Pages asked for.
+        pages: u64,
+        /// The limit.
+        max: u64,
+    },
 }
 
 /// The slot pool: one private anonymous mapping, populated on first use.
@@ -215,19 +246,26 @@ pub enum PutTarget {
     Overwrite,
 }
 
+/// Where a PUT's pages go, reserved until `commit_put`.
 pub struct PutPlan {
+    /// The region.
     pub region: u64,
+    /// Per page: a fresh slot, or overwrite in place.
     pub targets: Vec<PutTarget>,
 }
 
+/// The slots a GET reads, pinned (or taken) until `end_get`.
 pub struct GetPlan {
+    /// The region.
     pub region: u64,
     /// Slot of each requested page, None if absent (ALLOW_MISSING).
     pub slots: Vec<Option<u32>>,
+    /// The pages leave the store when sent.
     pub take: bool,
 }
 
 impl GetPlan {
+    /// Pages found.
     pub fn present(&self) -> usize {
         self.slots.iter().filter(|s| s.is_some()).count()
     }
@@ -236,18 +274,23 @@ impl GetPlan {
 /// Numbers for STAT and metrics.
 #[derive(Clone, Debug, Default)]
 pub struct StoreStats {
+    /// Slots in all.
     pub capacity_pages: u64,
+    /// Pages stored.
     pub stored_pages: u64,
     /// Slots not free: stored + reserved for arriving PUTs + being sent.
     pub used_slots: u64,
     /// Slots ever touched (upper bound of the pool's resident memory).
     pub touched_slots: u64,
+    /// Regions with pages here.
     pub region_count: u64,
     /// (region, pages, bytes_in, bytes_out), ascending region id.
     pub regions: Vec<(u64, u64, u64, u64)>,
+    /// More regions exist than listed.
     pub truncated: bool,
 }
 
+/// The page store: one pool of exactly its capacity, indexed by (region, page).
 pub struct Store {
     pool: Pool,
     capacity: u64,
@@ -258,6 +301,7 @@ impl Store {
     /// Largest capacity: slot numbers are u32.
     pub const MAX_PAGES: u64 = (u32::MAX - 1) as u64;
 
+    /// A store of `capacity_bytes` (whole pages).
     pub fn new(capacity_bytes: u64) -> Result<Store, StoreError> {
         let pages = capacity_bytes / PAGE_SIZE as u64;
         if pages > Self::MAX_PAGES {
@@ -279,6 +323,7 @@ impl Store {
         })
     }
 
+    /// Slots in all.
     pub fn capacity_pages(&self) -> u64 {
         self.capacity
     }
@@ -289,6 +334,7 @@ impl Store {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Pages stored now.
     pub fn stored_pages(&self) -> u64 {
         self.lock().stored
     }
@@ -550,6 +596,7 @@ impl Store {
         n
     }
 
+    /// Numbers for STAT and metrics, listing at most `max_regions` regions.
     pub fn stats(&self, max_regions: usize) -> StoreStats {
         let g = self.lock();
         let mut ids: Vec<u64> = g.regions.keys().copied().collect();
@@ -573,6 +620,7 @@ impl Store {
         }
     }
 
+    /// The STAT reply.
     pub fn stat_reply(
         &self,
         list: bool,

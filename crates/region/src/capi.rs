@@ -5,34 +5,59 @@ use crate::{Config, OnFatal, Policy, Region, Secret};
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::os::fd::AsRawFd;
 
+/// pf_config: how to create a region (C ABI).
 #[repr(C)]
 pub struct PfConfig {
+    /// Guest memory, bytes.
     pub size: u64,
+    /// Pages allowed resident (0: all).
     pub budget_pages: u64,
+    /// Pages per chunk.
     pub chunk_pages: u32,
+    /// 0: clock, 1: aging.
     pub policy: u32,
+    /// Memory servers, comma-separated HOST:PORT (NULL: none).
     pub servers: *const c_char,
+    /// Cluster secret file (NULL: the default).
     pub secret_file: *const c_char,
+    /// CPU share of one core the sampling may cost (0: default).
     pub sample_cpu_budget: f64,
 }
 
+/// pf_stats: a region's counters (C ABI).
 #[repr(C)]
 pub struct PfStats {
+    /// Pages allowed resident (0: all).
     pub budget_pages: u64,
+    /// Pages resident now.
     pub resident_pages: u64,
+    /// Pages on memory servers.
     pub remote_pages: u64,
+    /// MISSING faults served (first touch or page-in).
     pub missing_faults: u64,
+    /// MINOR faults (access sampling).
     pub minor_faults: u64,
+    /// Write-protect faults (migration change tracking).
     pub wp_faults: u64,
+    /// Never-touched pages filled with zeros.
     pub zero_filled_pages: u64,
+    /// Pages brought in from memory servers.
     pub page_ins: u64,
+    /// GET requests that brought them.
     pub page_in_requests: u64,
+    /// Pages sent out to memory servers.
     pub page_outs: u64,
+    /// Chunks evicted.
     pub page_out_chunks: u64,
+    /// Bytes received from memory servers.
     pub bytes_in: u64,
+    /// Bytes sent to them.
     pub bytes_out: u64,
+    /// Chunks the sampling hand has swept.
     pub sampled_chunks: u64,
+    /// Median page-in latency, µs.
     pub page_in_p50_us: f64,
+    /// 99th-percentile page-in latency, µs.
     pub page_in_p99_us: f64,
 }
 

@@ -16,9 +16,6 @@
 //! - **sampling**: a clock hand zaps chunks' PTEs at a rate bounded by a CPU
 //!   budget for the MINOR faults it causes, faster while victims are needed.
 
-// Not every public item is documented yet (issue 16): remove this once
-// `cargo clippy -p pagefleet-region` passes without it.
-#![allow(missing_docs)]
 
 pub mod capi;
 mod pager;
@@ -35,6 +32,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+/// The page size.
 pub const PAGE: usize = 4096;
 
 /// The pager keeps resident pages between `budget - slack` and
@@ -45,6 +43,7 @@ pub fn paging_slack(budget_pages: u64, chunk_pages: usize) -> u64 {
     (chunk_pages as u64 * 4).max(budget_pages / 32)
 }
 
+/// How a victim chunk is chosen when the budget is exceeded.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Policy {
     /// One reference bit per page, OR-accumulated; chunk hotness = sum of bits.
@@ -76,6 +75,7 @@ pub enum OnFatal {
     Poison,
 }
 
+/// How to make a region.
 #[derive(Clone, Debug)]
 pub struct Config {
     /// Region size in bytes (rounded up to whole chunks).
@@ -84,9 +84,11 @@ pub struct Config {
     pub budget_pages: u64,
     /// Pages per chunk (a power of two, 1..=64): the paging and placement unit.
     pub chunk_pages: usize,
+    /// Victim choice.
     pub policy: Policy,
     /// Memory servers (HOST:PORT) pages may go to.
     pub servers: Vec<String>,
+    /// The cluster secret (needed with servers).
     pub secret: Option<Secret>,
     /// Region id on the servers (0: random).
     pub region_id: u64,
@@ -96,7 +98,9 @@ pub struct Config {
     pub sample_period: Duration,
     /// Estimated guest cost of one sampling (MINOR) fault.
     pub minor_fault_cost: Duration,
+    /// What a lost page does to the guest.
     pub on_fatal: OnFatal,
+    /// Shown in the memory servers' logs.
     pub name: String,
     /// Pages that start out on memory servers: (first page, count, index
     /// into `servers`), under `region_id` (a guest resumed from elsewhere).
@@ -112,8 +116,11 @@ pub struct Config {
 /// history per page. Pages with data in the memfd become resident; holes are
 /// never-touched pages unless `initial_remote` places them on a server.
 pub struct Adopt {
+    /// The memfd holding the received pages.
     pub memfd: Arc<OwnedFd>,
+    /// Its guest mapping.
     pub guest: Arc<Mapping>,
+    /// Per page: its access history.
     pub history: Vec<u8>,
     /// Connections to the region's servers made ahead (during the
     /// migration, not in its downtime): (address, connection).
@@ -146,6 +153,7 @@ impl Adopt {
 }
 
 impl Config {
+    /// A region of `size` bytes keeping at most `budget_pages` resident; the rest default.
     pub fn new(size: u64, budget_pages: u64) -> Config {
         Config {
             size,
@@ -166,17 +174,24 @@ impl Config {
     }
 }
 
+/// Why a region failed.
 #[derive(Debug, thiserror::Error)]
 pub enum RegionError {
+    /// userfaultfd.
     #[error(transparent)]
     Uffd(#[from] uffd::UffdError),
+    /// A system call.
     #[error("{what}: {source}")]
     Io {
+        /// What was being done.
         what: &'static str,
+        /// Why.
         source: std::io::Error,
     },
+    /// A memory server.
     #[error(transparent)]
     Client(#[from] pagefleet_client::ClientError),
+    /// A configuration the runtime cannot use.
     #[error("bad region configuration: {0}")]
     Config(String),
 }
@@ -201,8 +216,11 @@ pub(crate) enum Command {
 /// Where every page is and how hot it has been (for migration planning).
 #[derive(Clone, Debug)]
 pub struct Snapshot {
+    /// The region's id on the memory servers.
     pub region_id: u64,
+    /// Pages per chunk.
     pub chunk_pages: usize,
+    /// Memory servers (Location::Remote indexes this).
     pub servers: Vec<String>,
     /// Per page: Location.
     pub location: Vec<Location>,
@@ -210,10 +228,12 @@ pub struct Snapshot {
     pub history: Vec<u8>,
 }
 
+/// Where a page is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Location {
     /// Never touched: reads as zeros.
     Zero,
+    /// Resident here.
     Local,
     /// On `servers[i]`.
     Remote(usize),
@@ -238,13 +258,16 @@ pub struct Region {
     memfd: Arc<OwnedFd>,
     shared: Arc<Shared>,
     pager: Option<JoinHandle<()>>,
+    /// The region's id on the memory servers.
     pub region_id: u64,
+    /// Pages per chunk.
     pub chunk_pages: usize,
     servers: Vec<String>,
     secret: Option<Secret>,
 }
 
 impl Region {
+    /// Create the region and start its pager thread.
     pub fn new(mut cfg: Config) -> Result<Region, RegionError> {
         if !cfg.chunk_pages.is_power_of_two() || cfg.chunk_pages > 64 {
             return Err(RegionError::Config(format!(
@@ -288,7 +311,8 @@ impl Region {
                 if a.guest.len() as u64 != cfg.size || a.history.len() as u64 != pages {
                     return Err(RegionError::Config(format!(
                         "adopted memory is {} bytes, region {}",
-                        a.guest.len(), cfg.size
+                        a.guest.len(),
+                        cfg.size
                     )));
                 }
                 (a.memfd.clone(), a.guest.clone())
@@ -363,15 +387,19 @@ impl Region {
         })
     }
 
+    /// Guest memory, bytes.
     pub fn len(&self) -> usize {
         self.guest.len()
     }
+    /// Whether it has no memory.
     pub fn is_empty(&self) -> bool {
         self.guest.len() == 0
     }
+    /// Guest memory, pages.
     pub fn pages(&self) -> u64 {
         (self.guest.len() / PAGE) as u64
     }
+    /// The guest memory (valid as long as the region).
     pub fn as_ptr(&self) -> *mut u8 {
         self.guest.addr()
     }
@@ -394,10 +422,12 @@ impl Region {
             .budget
             .store(pages.max(self.chunk_pages as u64 * 2), Ordering::Relaxed);
     }
+    /// Pages allowed resident now.
     pub fn budget(&self) -> u64 {
         self.shared.budget.load(Ordering::Relaxed)
     }
 
+    /// Its counters now.
     pub fn stats(&self) -> Stats {
         self.shared.stats.snapshot(self.budget())
     }

@@ -753,10 +753,7 @@ impl Pager {
                 if let Err(e) = self.conns[s].recv_get(id, &mut self.buf[..PAGE]) {
                     return self.lost(p, s, e);
                 }
-                if let Err(e) = self
-                    .uffd
-                    .copy(self.addr(p), &self.buf[..PAGE], false)
-                {
+                if let Err(e) = self.uffd.copy(self.addr(p), &self.buf[..PAGE], false) {
                     return self.internal(p, e.to_string());
                 }
                 self.set_local(p);

@@ -9,6 +9,7 @@ pub struct Histogram {
 }
 
 impl Histogram {
+    /// Count one latency of `us` microseconds.
     pub fn record_us(&self, us: f64) {
         let b = if us < 1.0 {
             0
@@ -17,6 +18,7 @@ impl Histogram {
         };
         self.buckets[b].fetch_add(1, Relaxed);
     }
+    /// The bucket counts.
     pub fn counts(&self) -> Vec<u64> {
         self.buckets.iter().map(|b| b.load(Relaxed)).collect()
     }
@@ -64,29 +66,48 @@ pub struct Counters {
 /// A consistent-enough snapshot for reporting.
 #[derive(Clone, Debug, Default)]
 pub struct Stats {
+    /// Pages allowed resident.
     pub budget_pages: u64,
+    /// Pages resident now.
     pub resident_pages: u64,
+    /// Pages on memory servers.
     pub remote_pages: u64,
+    /// MISSING faults served (first touch or page-in).
     pub missing_faults: u64,
+    /// MINOR faults (access sampling).
     pub minor_faults: u64,
+    /// Write-protect faults (migration change tracking).
     pub wp_faults: u64,
+    /// Never-touched pages filled with zeros.
     pub zero_filled_pages: u64,
+    /// Pages brought in from memory servers.
     pub page_ins: u64,
+    /// GET requests that brought them.
     pub page_in_requests: u64,
+    /// Pages sent out to memory servers.
     pub page_outs: u64,
+    /// Chunks evicted.
     pub page_out_chunks: u64,
+    /// Bytes received from memory servers.
     pub bytes_in: u64,
+    /// Bytes sent to them.
     pub bytes_out: u64,
+    /// Chunks the sampling hand has swept.
     pub sampled_chunks: u64,
+    /// Sweep rate of the sampling hand, chunks/s.
     pub sample_rate: u64,
+    /// Total fault service time, ns.
     pub fault_ns: u64,
+    /// Page-in latency histogram (bucket i: [2^i, 2^(i+1)) µs).
     pub page_in_latency_buckets: Vec<u64>,
 }
 
 impl Stats {
+    /// Median page-in latency, µs.
     pub fn page_in_p50_us(&self) -> f64 {
         Histogram::percentile(&self.page_in_latency_buckets, 50.0)
     }
+    /// 99th-percentile page-in latency, µs.
     pub fn page_in_p99_us(&self) -> f64 {
         Histogram::percentile(&self.page_in_latency_buckets, 99.0)
     }

@@ -188,7 +188,10 @@ impl Running {
         );
         o.name = self.name.clone();
         o.verify = req.verify;
-        o.policy = req.policy.clone().unwrap_or_else(|| self.spec.policy.clone());
+        o.policy = req
+            .policy
+            .clone()
+            .unwrap_or_else(|| self.spec.policy.clone());
         o.dest_chunk = req.chunk;
         o.gather = req.gather;
         if let Some(n) = req.max_rounds {
@@ -229,8 +232,7 @@ impl Running {
                     // The caller went away (its write fails, or it hung up
                     // between writes): that is a Ctrl-C — cancel at once,
                     // before the migration passes its point of no return.
-                    if line(&mut *w, &ev).is_err()
-                        || pagefleet_proto::io::peer_hung_up(&*out, 200)
+                    if line(&mut *w, &ev).is_err() || pagefleet_proto::io::peer_hung_up(&*out, 200)
                     {
                         self.cancel.store(true, Relaxed);
                         break;
@@ -339,8 +341,12 @@ impl Running {
 /// Serve the control socket until a request ends the runner.
 pub fn serve(path: &Path, r: Arc<Running>) -> Result<Exit, RunnerError> {
     let _ = std::fs::remove_file(path);
-    let l = UnixListener::bind(path)
-        .map_err(|e| RunnerError::io(format!("cannot create control socket {}", path.display()), e))?;
+    let l = UnixListener::bind(path).map_err(|e| {
+        RunnerError::io(
+            format!("cannot create control socket {}", path.display()),
+            e,
+        )
+    })?;
     let (tx, rx) = std::sync::mpsc::channel::<Exit>();
     let accept = move |tx: Sender<Exit>| {
         for c in l.incoming() {

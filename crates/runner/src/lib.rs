@@ -12,6 +12,7 @@
 #![warn(missing_docs)]
 
 pub mod control;
+pub mod local;
 pub mod service;
 pub mod workload;
 
@@ -92,9 +93,15 @@ pub fn launch(input: impl std::io::Read, expect: &str) -> Result<Exit, RunnerErr
             size,
             budget_pages,
             spec,
-        } if expect == "guest" => {
-            run_guest(&name, size, budget_pages, spec, &l.service_dev, &l.control, secret)
-        }
+        } if expect == "guest" => run_guest(
+            &name,
+            size,
+            budget_pages,
+            spec,
+            &l.service_dev,
+            &l.control,
+            secret,
+        ),
         Job::Incoming {
             name: _,
             listen,
@@ -170,7 +177,10 @@ pub fn run_guest(
         service,
         secret,
     ));
-    ready(&format!("guest {name} running, control {}", control.display()))?;
+    ready(&format!(
+        "guest {name} running, control {}",
+        control.display()
+    ))?;
     let exit = control::serve(control, r.clone())?;
     Ok(finish(exit, r))
 }

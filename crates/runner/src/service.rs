@@ -71,7 +71,10 @@ fn addr_change(dev: &str, ip: &str, add: bool) -> Result<(), ServiceError> {
             libc::NETLINK_ROUTE,
         );
         if fd < 0 {
-            return Err(ServiceError::Os("netlink socket", std::io::Error::last_os_error()));
+            return Err(ServiceError::Os(
+                "netlink socket",
+                std::io::Error::last_os_error(),
+            ));
         }
         // nlmsghdr (16) + ifaddrmsg (8) + IFA_LOCAL (8) + IFA_ADDRESS (8)
         let mut m = Vec::with_capacity(40);
@@ -119,7 +122,10 @@ fn addr_change(dev: &str, ip: &str, add: bool) -> Result<(), ServiceError> {
         let n = libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), 0);
         libc::close(fd);
         if n < 36 {
-            return Err(ServiceError::Os("netlink reply", std::io::Error::other("short reply")));
+            return Err(ServiceError::Os(
+                "netlink reply",
+                std::io::Error::other("short reply"),
+            ));
         }
         // NLMSG_ERROR carries an errno (0: the ack).
         let ty = u16::from_ne_bytes([buf[4], buf[5]]);
@@ -131,7 +137,10 @@ fn addr_change(dev: &str, ip: &str, add: bool) -> Result<(), ServiceError> {
                 libc::EADDRNOTAVAIL
             };
             if errno != 0 && errno != benign {
-                return Err(ServiceError::Os("netlink", std::io::Error::from_raw_os_error(errno)));
+                return Err(ServiceError::Os(
+                    "netlink",
+                    std::io::Error::from_raw_os_error(errno),
+                ));
             }
         }
     }
@@ -157,7 +166,10 @@ fn gratuitous_arp(dev: &str, ip: &str) -> Result<(), ServiceError> {
             (libc::ETH_P_ARP as u16).to_be() as i32,
         );
         if fd < 0 {
-            return Err(ServiceError::Os("packet socket", std::io::Error::last_os_error()));
+            return Err(ServiceError::Os(
+                "packet socket",
+                std::io::Error::last_os_error(),
+            ));
         }
         let mut ifr: libc::ifreq = std::mem::zeroed();
         for (i, b) in dev.bytes().take(15).enumerate() {
@@ -204,4 +216,3 @@ fn gratuitous_arp(dev: &str, ip: &str) -> Result<(), ServiceError> {
     }
     Ok(())
 }
-

@@ -425,7 +425,14 @@ fn the_export_listens_only_where_strangers_cannot_reach() {
         Command::new(bin("pagefleet"))
             .arg("--secret-file")
             .arg(&c.secret_file)
-            .args(["blockdev", "serve", "--servers", &c.addrs().join(","), "--size", size])
+            .args([
+                "blockdev",
+                "serve",
+                "--servers",
+                &c.addrs().join(","),
+                "--size",
+                size,
+            ])
             .args(["--listen", listen])
             .args(extra)
             .output()
@@ -449,7 +456,14 @@ fn the_export_listens_only_where_strangers_cannot_reach() {
     let mut child = Command::new(bin("pagefleet"))
         .arg("--secret-file")
         .arg(&c.secret_file)
-        .args(["blockdev", "serve", "--servers", &c.addrs().join(","), "--size", "4MiB"])
+        .args([
+            "blockdev",
+            "serve",
+            "--servers",
+            &c.addrs().join(","),
+            "--size",
+            "4MiB",
+        ])
         .arg("--listen")
         .arg(format!("unix:{}", sock.display()))
         .stdout(Stdio::piped())

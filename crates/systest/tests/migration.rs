@@ -320,12 +320,7 @@ fn aborted_migrations_leave_the_source_running_and_nothing_behind() {
         assert_runs(&l, "a1", 0);
         for h in [2, 3] {
             if let Some(rep) = l.host_report(h) {
-                assert_eq!(
-                    rep.lend_used,
-                    0,
-                    "{what}: pages left on h{}",
-                    h + 1
-                );
+                assert_eq!(rep.lend_used, 0, "{what}: pages left on h{}", h + 1);
             }
         }
         let t = Instant::now();
@@ -431,7 +426,10 @@ fn aborted_migrations_leave_the_source_running_and_nothing_behind() {
     let said = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "frozen destination: {said}");
     assert!(said.contains("timed out after 5 s"), "{said}");
-    assert!(took < Duration::from_secs(20), "gave up after {took:?}: {said}");
+    assert!(
+        took < Duration::from_secs(20),
+        "gave up after {took:?}: {said}"
+    );
     check_clean("destination frozen");
 
     // 5. The sub-host's daemon dies during pre-copy.
@@ -565,9 +563,7 @@ fn evacuating_sub_host_and_main_host_under_load_keeps_every_value() {
     let ip = l.lab.service_ip(2);
     let load = kv_guest_under_load(&l, "kv2", &ip, 70_000, 3);
     migrate(&l, &["kv2", "--to", "h2", "--sub", "h3"]).expect("split migration");
-    let on = |h: usize| {
-        remote_on(&l.guest("kv2").unwrap().1, &l.lab.hosts[h].addr)
-    };
+    let on = |h: usize| remote_on(&l.guest("kv2").unwrap().1, &l.lab.hosts[h].addr);
     assert!(on(2) > 0, "nothing on h3 to evacuate: {:?}", l.guest("kv2"));
     // 1. Empty the sub-host h3.
     let (ok, out, err) = l.pf(0, &["evacuate", "h3"]);

@@ -3,13 +3,11 @@
 //! memfd, `fallocate(PUNCH_HOLE)` and `madvise`. Ioctl numbers and structs are
 //! defined here (Debian's 6.1 headers lack the newer ones; see FACTS.md).
 
-// Not every public item is documented yet (issue 16): remove this once
-// `cargo clippy -p pagefleet-uffd` passes without it.
-#![allow(missing_docs)]
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
+/// The page size everything here works in.
 pub const PAGE: usize = 4096;
 
 // ioctl numbers: _IOWR(0xAA, nr, size) / _IOR(0xAA, nr, size).
@@ -24,15 +22,24 @@ const UFFDIO_CONTINUE: u64 = 0xC020_AA07;
 const UFFDIO_POISON: u64 = 0xC020_AA08;
 
 const UFFD_API: u64 = 0xAA;
+/// UFFD_FEATURE_PAGEFAULT_FLAG_WP: write-protect faults are reported.
 pub const FEATURE_PAGEFAULT_FLAG_WP: u64 = 1 << 0;
+/// UFFD_FEATURE_MISSING_SHMEM: MISSING faults on shared memory (memfd).
 pub const FEATURE_MISSING_SHMEM: u64 = 1 << 5;
+/// UFFD_FEATURE_THREAD_ID: faults carry the faulting thread's id.
 pub const FEATURE_THREAD_ID: u64 = 1 << 8;
+/// UFFD_FEATURE_MINOR_SHMEM: MINOR faults (page in the file, not mapped here).
 pub const FEATURE_MINOR_SHMEM: u64 = 1 << 10;
+/// UFFD_FEATURE_WP_HUGETLBFS_SHMEM: write protection on shared memory.
 pub const FEATURE_WP_HUGETLBFS_SHMEM: u64 = 1 << 12;
+/// UFFD_FEATURE_POISON: UFFDIO_POISON (a lost page raises SIGBUS).
 pub const FEATURE_POISON: u64 = 1 << 14;
 
+/// Register for faults on pages never filled.
 pub const MODE_MISSING: u64 = 1 << 0;
+/// Register for writes to write-protected pages.
 pub const MODE_WP: u64 = 1 << 1;
+/// Register for faults on pages the file holds but this mapping lacks.
 pub const MODE_MINOR: u64 = 1 << 2;
 
 const COPY_MODE_DONTWAKE: u64 = 1 << 0;
@@ -44,14 +51,26 @@ const PF_FLAG_WP: u64 = 1 << 1;
 const PF_FLAG_MINOR: u64 = 1 << 2;
 const USER_MODE_ONLY: i32 = 1;
 
+/// What went wrong with userfaultfd.
 #[derive(Debug, thiserror::Error)]
 pub enum UffdError {
+    /// userfaultfd(2) failed.
     #[error("userfaultfd is not available: {0} (as non-root, vm.unprivileged_userfaultfd=0 needs UFFD_USER_MODE_ONLY, which this runtime uses; check that the kernel has CONFIG_USERFAULTFD)")]
     Create(io::Error),
+    /// The kernel lacks features the runtime needs.
     #[error("userfaultfd lacks features {missing:#x} the runtime needs (MISSING/MINOR/WP on shmem; kernel 5.19+)")]
-    Features { missing: u64 },
+    Features {
+        /// The feature bits missing.
+        missing: u64,
+    },
+    /// An ioctl failed.
     #[error("{op} failed: {source}")]
-    Op { op: &'static str, source: io::Error },
+    Op {
+        /// Which ioctl.
+        op: &'static str,
+        /// Why.
+        source: io::Error,
+    },
 }
 
 fn op_err(op: &'static str) -> UffdError {
@@ -110,11 +129,16 @@ pub enum FaultKind {
     WriteProtect,
 }
 
+/// One page fault read from the uffd.
 #[derive(Clone, Copy, Debug)]
 pub struct Fault {
+    /// MISSING, MINOR or WP.
     pub kind: FaultKind,
+    /// The faulting address.
     pub addr: u64,
+    /// A write (not a read).
     pub write: bool,
+    /// The faulting thread.
     pub tid: u32,
 }
 
@@ -122,12 +146,16 @@ pub struct Fault {
 /// concurrent fault or prefetch won; the waiter still needs a wake).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fill {
+    /// The page is installed.
     Done,
+    /// It was there already.
     Exists,
 }
 
+/// A userfaultfd, user-mode faults only (works unprivileged).
 pub struct Uffd {
     fd: OwnedFd,
+    /// The features the kernel granted.
     pub features: u64,
 }
 
@@ -195,6 +223,8 @@ impl Uffd {
         Ok(a.features)
     }
 
+    /// Register `[addr, addr+len)` for the `MODE_*` faults in `mode`; the
+    /// ioctls the range supports.
     pub fn register(&self, addr: u64, len: u64, mode: u64) -> Result<u64, UffdError> {
         let mut r = RegisterArg {
             range: Range { start: addr, len },
@@ -207,6 +237,7 @@ impl Uffd {
         Ok(r.ioctls)
     }
 
+    /// Stop handling faults on `[addr, addr+len)`.
     pub fn unregister(&self, addr: u64, len: u64) -> Result<(), UffdError> {
         let mut r = Range { start: addr, len };
         if ioctl(self.fd.as_raw_fd(), UFFDIO_UNREGISTER, &mut r) != 0 {
@@ -250,6 +281,7 @@ impl Uffd {
         }
     }
 
+    /// Install zero pages at `[addr, addr+len)` and wake the waiters.
     pub fn zeropage(&self, addr: u64, len: u64) -> Result<Fill, UffdError> {
         let mut z = RangeModeResult {
             range: Range { start: addr, len },
@@ -305,6 +337,7 @@ impl Uffd {
         Ok(())
     }
 
+    /// Wake threads waiting on faults in `[addr, addr+len)`.
     pub fn wake(&self, addr: u64, len: u64) -> Result<(), UffdError> {
         let mut r = Range { start: addr, len };
         if ioctl(self.fd.as_raw_fd(), UFFDIO_WAKE, &mut r) != 0 {
@@ -447,6 +480,7 @@ unsafe impl Send for Mapping {}
 unsafe impl Sync for Mapping {}
 
 impl Mapping {
+    /// Map `len` bytes of file `fd` shared, read-write.
     pub fn shared(fd: RawFd, len: usize) -> io::Result<Mapping> {
         // SAFETY: new mapping, no hint.
         let p = unsafe {

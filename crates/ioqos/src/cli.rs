@@ -1,14 +1,14 @@
 //! `pagefleet ioqos`: keep every tenant of a shared block device at its
 //! minimum (paper 004), and show what the controller sees.
 
+use crate::control::{self, Options, DEFAULT_STATE};
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
-use pagefleet_ioqos::control::{self, Options, DEFAULT_STATE};
 use std::path::PathBuf;
 use std::time::Duration;
 
 #[derive(Subcommand)]
-pub enum IoqosCmd {
+pub enum Command {
     /// Run the controller until interrupted (root). Tenants are cgroups
     /// (v1 blkio or v2 io) or QEMU drives (qmp:SOCKET@DRIVE):
     ///
@@ -98,7 +98,6 @@ pub struct RunOpts {
     state: PathBuf,
 }
 
-
 pub fn options(o: &RunOpts) -> Result<Options> {
     let spec = control::Spec {
         device: o.device.clone(),
@@ -128,28 +127,22 @@ pub fn options(o: &RunOpts) -> Result<Options> {
     Ok(opts)
 }
 
-pub fn main(c: IoqosCmd) -> Result<()> {
+pub fn main(c: Command) -> Result<()> {
     match c {
-        IoqosCmd::Run(o) => {
-            tracing_subscriber::fmt()
-                .with_env_filter(tracing_subscriber::EnvFilter::new(
-                    std::env::var("PAGEFLEET_LOG").unwrap_or_else(|_| "info".into()),
-                ))
-                .with_writer(std::io::stderr)
-                .init();
+        Command::Run(o) => {
             let opts = options(&o)?;
             control::run(&opts, pagefleet_common::signal::stop_flag(), |_| {})
         }
-        IoqosCmd::Fifodisk {
+        Command::Fifodisk {
             dir,
             size,
             bandwidth,
             per_io,
             attach_loop,
         } => fifodisk(&dir, size, bandwidth, per_io, attach_loop),
-        IoqosCmd::Status { json, state } => {
-            let v: control::State = pagefleet_common::controller::read_live(&state)
-                .with_context(|| {
+        Command::Status { json, state } => {
+            let v: control::State =
+                pagefleet_common::controller::read_live(&state).with_context(|| {
                     format!(
                         "no I/O controller is running (no fresh state at {})",
                         state.display()
@@ -159,53 +152,7 @@ pub fn main(c: IoqosCmd) -> Result<()> {
                 println!("{}", serde_json::to_string_pretty(&v)?);
                 return Ok(());
             }
-            println!(
-                "policy {} on device {}: {:.0}% of the device in use",
-                v.policy,
-                v.device,
-                v.device_share_used * 100.0
-            );
-            println!(
-                "{:<12} {:>16} {:>8} {:>9} {:>9} {:>11} {:>10} {:>9} {:>8}",
-                "tenant",
-                "backend",
-                "demand",
-                "MB/s",
-                "IOPS",
-                "latency ms",
-                "cap MB/s",
-                "capped s",
-                "starved"
-            );
-            for t in &v.tenants {
-                let f = |x: Option<f64>, d: f64| {
-                    x.map(|x| format!("{:.1}", x / d))
-                        .unwrap_or_else(|| "-".into())
-                };
-                // Demand as a share of the device; "+" when it presses against its cap.
-                let demand = format!(
-                    "{:.0}%{}",
-                    t.demand_share * 100.0,
-                    if t.pressing_cap { "+" } else { "" }
-                );
-                println!(
-                    "{:<12} {:>16} {:>8} {:>9} {:>9} {:>11} {:>10} {:>9} {:>8}{}",
-                    t.name,
-                    t.backend,
-                    demand,
-                    f(Some(t.bps), 1e6),
-                    f(Some(t.iops), 1.0),
-                    f(t.latency_ms, 1.0),
-                    f(t.cap_bps, 1e6),
-                    f(Some(t.capped_s), 1.0),
-                    t.starved,
-                    t.error
-                        .as_deref()
-                        .map(|e| format!("  ({e})"))
-                        .unwrap_or_default()
-                );
-            }
-            println!("(demand: share of the device's modelled capacity used; + = pressing against its cap, wants more)");
+            print!("{v}");
             Ok(())
         }
     }

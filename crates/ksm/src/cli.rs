@@ -1,14 +1,14 @@
 //! `pagefleet ksm`: run the same-page-merging controller, show KSM's state,
 //! enrol running processes.
 
+use crate::control::{self, Options, DEFAULT_STATE};
 use anyhow::{bail, Result};
 use clap::{Args, Subcommand};
-use pagefleet_ksm::control::{self, Options, DEFAULT_STATE};
 use std::path::PathBuf;
 use std::time::Duration;
 
 #[derive(Subcommand)]
-pub enum KsmCmd {
+pub enum Command {
     /// Run the KSM controller until interrupted (root). Adaptive (default):
     /// scans faster while merging saves memory per ksmd CPU-second, within a
     /// CPU budget; idles once a pass saves less than it cost; turns KSM off
@@ -72,7 +72,6 @@ pub struct RunOpts {
     state: PathBuf,
 }
 
-
 pub fn options(o: &RunOpts) -> Result<Options> {
     if o.duration.is_nan() || o.duration < 0.0 {
         bail!("--duration must not be negative");
@@ -92,19 +91,13 @@ pub fn options(o: &RunOpts) -> Result<Options> {
     )
 }
 
-pub fn main(c: KsmCmd) -> Result<()> {
+pub fn main(c: Command) -> Result<()> {
     match c {
-        KsmCmd::Run(o) => {
+        Command::Run(o) => {
             let opts = options(&o)?;
-            tracing_subscriber::fmt()
-                .with_env_filter(tracing_subscriber::EnvFilter::new(
-                    std::env::var("PAGEFLEET_LOG").unwrap_or_else(|_| "info".into()),
-                ))
-                .with_writer(std::io::stderr)
-                .init();
             control::run(&opts, pagefleet_common::signal::stop_flag(), |_| {})
         }
-        KsmCmd::Status {
+        Command::Status {
             json,
             window,
             state,
@@ -117,52 +110,13 @@ pub fn main(c: KsmCmd) -> Result<()> {
                 println!("{}", serde_json::to_string_pretty(&v)?);
                 return Ok(());
             }
-            let opt = |o: Option<String>| o.unwrap_or_else(|| "?".into());
-            println!(
-                "KSM           {}",
-                if v.run == 1 { "running" } else { "stopped" }
-            );
-            println!(
-                "saved         {:.1} MiB   (general_profit {:.1} MiB)",
-                v.saved_mib, v.general_profit_mib
-            );
-            println!(
-                "pages         shared {}  sharing {}  unshared {}  volatile {}  zero {}",
-                v.pages_shared, v.pages_sharing, v.pages_unshared, v.pages_volatile, v.ksm_zero_pages
-            );
-            println!("full scans    {}", v.full_scans);
-            println!(
-                "ksmd CPU      {:.1}% of a core, waiting for a CPU {:.0}% of the time, nice {}",
-                v.ksmd_cpu_percent,
-                v.ksmd_wait_percent,
-                opt(v.ksmd_nice.map(|n| n.to_string()))
-            );
-            println!(
-                "scan rate     {:.0} pages/s  (pages_to_scan {}, sleep {} ms, advisor {}, smart_scan {})",
-                v.scan_rate_pages_per_s,
-                v.pages_to_scan,
-                v.sleep_millisecs,
-                opt(v.advisor_mode.clone()),
-                opt(v.smart_scan.map(|n| n.to_string()))
-            );
-            println!(
-                "memory        {:.1}% available, PSI some avg10 {}",
-                v.mem_available_percent,
-                opt(v.psi_memory_some_avg10.map(|p| p.to_string()))
-            );
-            match &v.controller {
-                Some(c) => println!(
-                    "controller    {} (pid {}): {}, {}",
-                    c.policy, c.pid, c.phase, c.why
-                ),
-                None => println!("controller    none running"),
-            }
+            print!("{v}");
             Ok(())
         }
-        KsmCmd::Enroll { targets } => {
+        Command::Enroll { targets } => {
             for t in targets {
                 if let Ok(pid) = t.parse::<u32>() {
-                    pagefleet_ksm::enroll::enroll_pid(pid)?;
+                    crate::enroll::enroll_pid(pid)?;
                     println!("process {pid}: enrolled");
                     continue;
                 }
@@ -180,7 +134,7 @@ pub fn main(c: KsmCmd) -> Result<()> {
                     .find(|d| d.join("cgroup.procs").exists())
                     .unwrap_or(p)
                 };
-                let pids = pagefleet_ksm::enroll::enroll_cgroup(&dir)?;
+                let pids = crate::enroll::enroll_cgroup(&dir)?;
                 println!(
                     "cgroup {}: {} processes enrolled",
                     dir.display(),

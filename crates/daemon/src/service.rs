@@ -1,0 +1,201 @@
+//! pagefleetd's services, started from its settings: the KSM and I/O
+//! controllers, the memory server, the guest host service and the HTTP API
+//! that serves them; they run until SIGINT or SIGTERM.
+
+use crate::api::{self, App};
+use crate::config::Settings;
+use crate::guests::{GuestConfig, Guests};
+use crate::http::{self, Gate};
+use crate::MemServer;
+use anyhow::{bail, Context, Result};
+use pagefleet_common::http::Client;
+use pagefleet_common::httpauth::Verifier;
+use pagefleet_common::units;
+use pagefleet_memserver::ServerConfig;
+use pagefleet_proto::auth::Secret;
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// Start every service `a` asks for and serve until SIGINT or SIGTERM.
+pub fn run(a: Settings) -> Result<()> {
+    if a.lend.is_none() && a.guest_memory.is_none() && a.ksm.is_none() && a.ioqos.is_none() {
+        bail!("nothing to do: lend memory with --lend SIZE (e.g. --lend 4GiB), run guests with --guest-memory SIZE, control KSM with --ksm adaptive and/or guarantee I/O with --ioqos-device DEV --ioqos-tenants SPEC; see --help");
+    }
+    // SIGTERM/SIGINT end the daemon cleanly (the KSM controller puts the host's settings back).
+    let stop = pagefleet_common::signal::stop_flag();
+    let ksm = match &a.ksm {
+        Some(spec) => {
+            let opts = spec.options(
+                Some(PathBuf::from(pagefleet_ksm::control::DEFAULT_STATE)),
+                false,
+                None,
+            )?;
+            pagefleet_ksm::sysfs::available()?;
+            tracing::info!("KSM controller: {}", spec.mode);
+            Some(std::thread::spawn(move || {
+                if let Err(e) = pagefleet_ksm::control::run(&opts, stop, |_| {}) {
+                    tracing::error!("KSM controller stopped: {e:#}");
+                }
+            }))
+        }
+        None => None,
+    };
+    let ioqos = match &a.ioqos {
+        Some(spec) => {
+            let opts = spec.options(
+                Some(PathBuf::from(pagefleet_ioqos::control::DEFAULT_STATE)),
+                None,
+            )?;
+            tracing::info!(
+                "I/O controller: {} on {} ({} tenants)",
+                spec.policy,
+                spec.device,
+                opts.tenants.len()
+            );
+            Some(std::thread::spawn(move || {
+                if let Err(e) = pagefleet_ioqos::control::run(&opts, stop, |_| {}) {
+                    tracing::error!("I/O controller stopped: {e:#}");
+                }
+            }))
+        }
+        None => None,
+    };
+    if a.lend.is_some_and(|l| l < 4096) {
+        bail!("--lend is less than one 4 KiB page");
+    }
+    let (secret, created) = Secret::load_or_create(a.secret_file.as_deref())?;
+    if created {
+        let p = a.secret_file.clone().unwrap_or_else(Secret::default_path);
+        tracing::info!(
+            "created a new cluster secret at {}; copy it to every host of the cluster",
+            p.display()
+        );
+    }
+    let cfg = ServerConfig {
+        max_conns: a.max_conns,
+        io_timeout: a.io_timeout,
+    };
+    let ms = match a.lend {
+        Some(lend) => Some(MemServer::start(&a.listen, lend, secret.clone(), cfg)?),
+        None => None,
+    };
+    let listen_addr: std::net::SocketAddr = match &ms {
+        Some(m) => m.addr,
+        None => a
+            .listen
+            .parse()
+            .with_context(|| format!("--listen {} is not IP:PORT", a.listen))?,
+    };
+    let http_listen = match a.metrics.as_deref() {
+        Some("off") => None,
+        Some(m) => Some(m.to_string()),
+        // Loopback unless configured: the API is for this host's CLI until
+        // the operator opens it to the cluster's addresses.
+        None if listen_addr.port() == 0 || a.listen.ends_with(":0") => {
+            Some("127.0.0.1:0".to_string())
+        }
+        None => Some(format!("127.0.0.1:{}", listen_addr.port().wrapping_add(1))),
+    };
+    let guests = match a.guest_memory {
+        Some(mem) => {
+            if http_listen.is_none() {
+                bail!("the guest host service needs the HTTP endpoint: drop --metrics off");
+            }
+            let runner = match a.runner.clone() {
+                Some(r) => r,
+                None => std::env::current_exe()?.with_file_name("pagefleet"),
+            };
+            let port = listen_addr.port();
+            let dir = a
+                .guest_dir
+                .clone()
+                .unwrap_or_else(|| PathBuf::from(format!("/run/pagefleet/guests-{port}")));
+            Some(Guests::new(GuestConfig {
+                memory: mem,
+                runner,
+                dir,
+                service_dev: a.service_dev.clone(),
+                ip: listen_addr.ip().to_string(),
+                secret: secret.clone(),
+            })?)
+        }
+        None => None,
+    };
+    let haddr = match http_listen {
+        Some(h) => {
+            let self_http = Arc::new(std::sync::OnceLock::<String>::new());
+            let st = ms.as_ref().map(|m| (m.state.clone(), m.addr));
+            let (g, me, name) = (guests.clone(), self_http.clone(), a.name.clone());
+            let report = move || {
+                let mut r = crate::host_report(st.as_ref().map(|(s, a)| (&**s, *a)));
+                r.http = me.get().cloned();
+                if let Some(n) = &name {
+                    r.hostname = n.clone();
+                }
+                if let Some(g) = &g {
+                    r.guest_memory = g.cfg.memory;
+                    r.guest_free = g.free_bytes();
+                    r.guests = g.count() as u64;
+                }
+                r
+            };
+            let (st, g) = (ms.as_ref().map(|m| m.state.clone()), guests.clone());
+            let metrics_text = move || {
+                let mut b = st.as_ref().map(|s| s.render_metrics()).unwrap_or_default();
+                if let Some(g) = &g {
+                    b.push_str(&g.metrics());
+                }
+                b
+            };
+            let app = Arc::new(App {
+                guests: guests.clone(),
+                report: Box::new(report),
+                metrics: Box::new(metrics_text),
+                peers: a.peers.clone(),
+                client: Client::new(secret.clone()),
+            });
+            let gate = Gate {
+                verifier: Verifier::new(secret.clone()),
+                public_metrics: a.public_metrics,
+            };
+            let addr = http::serve(&h, api::router(app), gate)?;
+            let _ = self_http.set(addr.to_string());
+            Some(addr)
+        }
+        None => None,
+    };
+    if let Some(m) = &ms {
+        tracing::info!(
+            "memory server lending {} on {}{}",
+            units::fmt_size(m.state.store.stats(0).capacity_pages * 4096),
+            m.addr,
+            haddr
+                .map(|m| format!(", metrics on http://{m}/metrics"))
+                .unwrap_or_default()
+        );
+    }
+    if let Some(g) = a.guest_memory {
+        tracing::info!("guest host service: {} for guests", units::fmt_size(g));
+    }
+    let mut out = std::io::stdout().lock();
+    if let Some(m) = &ms {
+        writeln!(out, "listening {}", m.addr)?;
+    }
+    if let Some(m) = haddr {
+        writeln!(out, "metrics {m}")?;
+    }
+    out.flush()?;
+    drop(out);
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    tracing::info!("stopping");
+    if let Some(k) = ksm {
+        let _ = k.join();
+    }
+    if let Some(q) = ioqos {
+        let _ = q.join();
+    }
+    Ok(())
+}

@@ -1,0 +1,287 @@
+//! `pagefleet run`: a workload run once on this machine, on a pagefleet
+//! region paging to memory servers or on plain memory (the all-local
+//! baseline), with a progress line per second and a JSON outcome.
+
+use crate::RunnerError;
+use pagefleet_guests::{kv, sort, synthetic, Mem};
+use pagefleet_region::{Config, Policy, Region, Secret};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub enum Workload {
+    /// Page-granular accesses.
+    Synthetic {
+        /// The access distribution.
+        dist: synthetic::Dist,
+        /// Fraction of operations that write.
+        write_frac: f64,
+        /// Write every page once first.
+        prefill: bool,
+        /// Operations per second (none: as fast as possible).
+        rate: Option<f64>,
+        /// Fraction of the pages the accesses fall on.
+        span: f64,
+    },
+    /// Generate and sort 100-byte records filling the memory.
+    Sort {
+        /// Seed of the records.
+        seed: u64,
+    },
+    /// A memcached-protocol key-value server.
+    Kv {
+        /// Where it listens.
+        listen: String,
+    },
+}
+
+/// How to run it.
+#[derive(Clone, Debug)]
+pub struct LocalRun {
+    /// Guest memory, bytes.
+    pub size: u64,
+    /// Pages allowed resident.
+    pub budget_pages: u64,
+    /// Memory servers (none: nothing pages out).
+    pub servers: Vec<String>,
+    /// The cluster secret (needed with servers).
+    pub secret: Option<Secret>,
+    /// Victim choice.
+    pub policy: Policy,
+    /// Pages per chunk.
+    pub chunk: usize,
+    /// CPU share the sampling faults may cost.
+    pub sample_budget: f64,
+    /// Worker threads.
+    pub threads: usize,
+    /// Seconds to run (kv: 0 = until killed).
+    pub duration: u64,
+    /// Plain anonymous memory instead of a region.
+    pub plain: bool,
+    /// Print a progress line per second (to stderr).
+    pub progress: bool,
+}
+
+/// The guest's memory: a region, or a plain mapping.
+struct Memory {
+    /// Shared with the kv server's `stats` (its connection threads may outlive this command's scope).
+    region: Option<Arc<Region>>,
+    plain: Option<(*mut u8, usize)>,
+}
+
+impl Memory {
+    fn mem(&self) -> Mem {
+        match (&self.region, self.plain) {
+            // SAFETY: the region/mapping outlives every use in this command.
+            (Some(r), _) => unsafe { Mem::new(r.as_ptr(), r.len()) },
+            // SAFETY: our own mapping, unmapped only when Memory drops.
+            (None, Some((p, n))) => unsafe { Mem::new(p, n) },
+            _ => unreachable!(),
+        }
+    }
+}
+
+impl Drop for Memory {
+    fn drop(&mut self) {
+        if let Some((p, n)) = self.plain {
+            // SAFETY: our mapping.
+            unsafe { libc::munmap(p.cast(), n) };
+        }
+    }
+}
+
+fn open_memory(a: &LocalRun) -> Result<Memory, RunnerError> {
+    if a.plain {
+        // SAFETY: fresh anonymous mapping.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                a.size as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(RunnerError::io(
+                format!("cannot map {} bytes of memory", a.size),
+                std::io::Error::last_os_error(),
+            ));
+        }
+        // Same page size as a region: THP off.
+        // SAFETY: the mapping just made, whole.
+        unsafe { libc::madvise(p, a.size as usize, libc::MADV_NOHUGEPAGE) };
+        return Ok(Memory {
+            region: None,
+            plain: Some((p.cast(), a.size as usize)),
+        });
+    }
+    let mut cfg = Config::new(a.size, a.budget_pages);
+    cfg.servers = a.servers.clone();
+    cfg.policy = a.policy;
+    cfg.chunk_pages = a.chunk;
+    cfg.sample_cpu_budget = a.sample_budget;
+    cfg.name = "pagefleet-run".into();
+    cfg.secret = a.secret.clone();
+    let r = Region::new(cfg)?;
+    Ok(Memory {
+        region: Some(Arc::new(r)),
+        plain: None,
+    })
+}
+
+fn stats_json(m: &Memory) -> serde_json::Value {
+    let Some(r) = &m.region else {
+        return serde_json::Value::Null;
+    };
+    let s = r.stats();
+    serde_json::json!({
+        "budget_pages": s.budget_pages, "resident_pages": s.resident_pages, "remote_pages": s.remote_pages,
+        "missing_faults": s.missing_faults, "minor_faults": s.minor_faults, "wp_faults": s.wp_faults,
+        "zero_filled_pages": s.zero_filled_pages, "page_ins": s.page_ins, "page_in_requests": s.page_in_requests,
+        "page_outs": s.page_outs, "page_out_chunks": s.page_out_chunks, "bytes_in": s.bytes_in, "bytes_out": s.bytes_out,
+        "sampled_chunks": s.sampled_chunks, "sample_rate_chunks_per_s": s.sample_rate,
+        "page_in_p50_us": s.page_in_p50_us(), "page_in_p99_us": s.page_in_p99_us(),
+        "page_in_latency_log2_us_buckets": s.page_in_latency_buckets,
+    })
+}
+
+fn progress(m: &Memory, sec: usize, rate: f64, last_ins: &mut u64) {
+    match &m.region {
+        Some(r) => {
+            let s = r.stats();
+            eprintln!(
+                "  t={:>3}s  {:>12.0} ops/s  resident {:>8} / {} pages  page-ins/s {:>7}  page-outs {}",
+                sec + 1,
+                rate,
+                s.resident_pages,
+                s.budget_pages,
+                s.page_ins - *last_ins,
+                s.page_outs
+            );
+            *last_ins = s.page_ins;
+        }
+        None => eprintln!("  t={:>3}s  {:>12.0} ops/s  (plain memory)", sec + 1, rate),
+    }
+}
+
+/// Run `w` once; its outcome as JSON (the region's counters included).
+pub fn run(a: &LocalRun, w: &Workload) -> Result<serde_json::Value, RunnerError> {
+    let m = open_memory(a)?;
+    let mem = m.mem();
+    let mut last_ins = 0;
+    let out = match w {
+        Workload::Synthetic {
+            dist,
+            write_frac,
+            prefill,
+            rate,
+            span,
+        } => {
+            let o = synthetic::Opts {
+                dist: dist.clone(),
+                write_frac: *write_frac,
+                threads: a.threads,
+                duration: Duration::from_secs(a.duration.max(1)),
+                max_ops: None,
+                prefill: *prefill,
+                gate: None,
+                rate: *rate,
+                span: *span,
+            };
+            let r = synthetic::run(mem, &o, |s, rate| {
+                if a.progress {
+                    progress(&m, s, rate, &mut last_ins)
+                }
+            });
+            eprintln!(
+                "synthetic {:?}: {:.0} ops/s over {:.1} s ({} ops)",
+                o.dist, r.ops_per_sec, r.secs, r.ops
+            );
+            serde_json::json!({"workload": "synthetic", "ops": r.ops, "secs": r.secs, "ops_per_sec": r.ops_per_sec, "per_second": r.per_second})
+        }
+        Workload::Sort { seed } => {
+            let r = sort::run(mem, *seed, true);
+            if !r.sorted {
+                return Err(RunnerError::Invalid(
+                    "sort produced unsorted output: memory corrupted".into(),
+                ));
+            }
+            eprintln!(
+                "sort: {} records generated in {:.2} s, sorted in {:.2} s",
+                r.records, r.generate_secs, r.sort_secs
+            );
+            serde_json::json!({"workload": "sort", "records": r.records, "generate_secs": r.generate_secs, "sort_secs": r.sort_secs, "sorted": r.sorted})
+        }
+        Workload::Kv { listen } => {
+            let mut k = kv::Kv::open(mem);
+            if let Some(r) = m.region.clone() {
+                k.extra_stats = Some(Box::new(move || {
+                    let s = r.stats();
+                    vec![
+                        ("pf_resident_pages".into(), s.resident_pages),
+                        ("pf_budget_pages".into(), s.budget_pages),
+                        ("pf_remote_pages".into(), s.remote_pages),
+                        ("pf_page_ins".into(), s.page_ins),
+                        ("pf_page_in_requests".into(), s.page_in_requests),
+                        ("pf_page_outs".into(), s.page_outs),
+                        ("pf_minor_faults".into(), s.minor_faults),
+                        ("pf_page_in_p50_us".into(), s.page_in_p50_us() as u64),
+                        ("pf_page_in_p99_us".into(), s.page_in_p99_us() as u64),
+                    ]
+                }));
+            }
+            let kvs = Arc::new(k);
+            let l = std::net::TcpListener::bind(listen)
+                .map_err(|e| RunnerError::io(format!("cannot listen on {listen}"), e))?;
+            let addr = l
+                .local_addr()
+                .map_err(|e| RunnerError::io("kv listener", e))?;
+            println!("kv listening {addr}");
+            use std::io::Write;
+            let _ = std::io::stdout().flush();
+            let stop = Arc::new(AtomicBool::new(false));
+            let (k2, s2) = (kvs.clone(), stop.clone());
+            let h = std::thread::spawn(move || kv::serve(k2, l, s2));
+            let start = Instant::now();
+            let mut last = 0;
+            let mut per_second = Vec::new();
+            let mut sec = 0;
+            while a.duration == 0 || start.elapsed() < Duration::from_secs(a.duration) {
+                std::thread::sleep(
+                    Duration::from_millis(1000)
+                        .saturating_sub(start.elapsed() - Duration::from_secs(sec)),
+                );
+                let n = kvs.ops.load(Ordering::Relaxed);
+                let rate = (n - last) as f64;
+                per_second.push(rate);
+                if a.progress {
+                    progress(&m, sec as usize, rate, &mut last_ins);
+                }
+                last = n;
+                sec += 1;
+            }
+            stop.store(true, Ordering::Relaxed);
+            let _ = h.join();
+            serde_json::json!({"workload": "kv", "ops": kvs.ops.load(Ordering::Relaxed), "items": kvs.items(), "per_second": per_second})
+        }
+    };
+    if let Some(r) = &m.region {
+        let s = r.stats();
+        eprintln!(
+            "region: {} resident / {} budget pages; {} page-ins ({} requests), {} page-outs; page-in p50 {:.0} us p99 {:.0} us; \
+             {} sampling faults ({} chunks sampled)",
+            s.resident_pages, s.budget_pages, s.page_ins, s.page_in_requests, s.page_outs, s.page_in_p50_us(), s.page_in_p99_us(),
+            s.minor_faults, s.sampled_chunks
+        );
+    }
+    let mut v = out;
+    if let serde_json::Value::Object(o) = &mut v {
+        o.insert("region".into(), stats_json(&m));
+        o.insert("size".into(), serde_json::json!(a.size));
+    }
+    Ok(v)
+}
