@@ -11,14 +11,20 @@ use pagefleet_proto::MAX_BATCH_PAGES;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
 
+/// The block size (one memory-server page).
 pub const BLOCK: usize = 4096;
 
 /// What all connections share: the layout, the servers and which are down.
 pub struct Shared {
+    /// Where each block lives.
     pub t: Translator,
+    /// The device's region id on the servers.
     pub region: u64,
+    /// The memory servers.
     pub servers: Vec<String>,
+    /// The cluster secret.
     pub secret: Secret,
+    /// Servers seen down (mirrored reads skip them).
     pub down: Vec<AtomicBool>,
 }
 
@@ -28,15 +34,19 @@ pub struct Backend {
     conns: Vec<Option<Conn>>,
 }
 
+/// A block request that cannot be served.
 #[derive(Debug, thiserror::Error)]
 pub enum IoError {
+    /// No copy of the block is reachable.
     #[error("no copy of block {0} is reachable")]
     Unreachable(u64),
+    /// The servers are full.
     #[error("{0}")]
     NoSpace(String),
 }
 
 impl Backend {
+    /// A worker over the shared state.
     pub fn new(sh: Arc<Shared>) -> Backend {
         let n = sh.servers.len();
         Backend {

@@ -11,31 +11,42 @@ use pagefleet_common::units::fmt_size;
 /// One copy of a block: (server index, block number on that server).
 pub type Place = (usize, u64);
 
+/// How blocks are spread over the servers.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Layout {
     /// Blocks each server holds, in order (S_0, S_1, ...).
     Linear {
+        /// Blocks each server holds, in order.
         sizes: Vec<u64>,
     },
+    /// Units dealt round-robin.
     Stripe {
+        /// How many servers.
         servers: usize,
+        /// Blocks per unit.
         unit: u64,
     },
 }
 
+/// Block number to (server, block there).
 #[derive(Clone, Debug)]
 pub struct Translator {
+    /// The layout.
     pub layout: Layout,
+    /// Every block also on the next server.
     pub mirror: bool,
     /// Blocks of the virtual device.
     pub blocks: u64,
     servers: usize,
 }
 
+/// A device shape the servers cannot hold.
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum LayoutError {
+    /// Not 1 to 16 servers.
     #[error("a device needs 1 to 16 memory servers (DMPS), got {0}")]
     Servers(usize),
+    /// A mirror with one server.
     #[error("mirroring needs at least 2 servers")]
     MirrorServers,
     #[error(
@@ -46,6 +57,7 @@ pub enum LayoutError {
         fmt_size(fits * 4096),
         fits * 4
     )]
+    /// The servers lack room.
     TooSmall {
         /// Blocks the device needs.
         need: u64,
@@ -56,6 +68,7 @@ pub enum LayoutError {
         /// Whether every block is stored twice.
         mirror: bool,
     },
+    /// A zero stripe unit.
     #[error("stripe unit must be at least one block")]
     Unit,
 }
@@ -125,6 +138,7 @@ impl Translator {
         })
     }
 
+    /// How many servers.
     pub fn servers(&self) -> usize {
         self.servers
     }
@@ -190,6 +204,7 @@ impl Translator {
 
 /// Mirror copies: server block MIRROR_BASE + source_server * MIRROR_STRIDE + block.
 pub const MIRROR_BASE: u64 = 1 << 48;
+/// Offset of a server's mirror copies (a second area after its primaries).
 pub const MIRROR_STRIDE: u64 = 1 << 40;
 
 #[cfg(test)]

@@ -2,10 +2,6 @@
 //! aggregated into one virtual block device, exported over NBD so Linux,
 //! QEMU and every storage tool can use it (as swap, or as a disk).
 
-// Not every public item is documented yet (issue 16): remove this once
-// `cargo clippy -p pagefleet-blockdev` passes without it.
-#![allow(missing_docs)]
-
 pub mod backend;
 pub mod layout;
 pub mod nbd;
@@ -17,21 +13,28 @@ use pagefleet_proto::auth::Secret;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
+/// What `blockdev serve` exports and how.
 #[derive(Clone, Debug)]
 pub struct Options {
+    /// The memory servers making up the device.
     pub servers: Vec<String>,
+    /// The device size, bytes.
     pub size: u64,
     /// Stripe unit in bytes (None: linear, DMPS eq. (1)).
     pub stripe: Option<u64>,
+    /// Keep every block on two servers.
     pub mirror: bool,
     /// HOST:PORT or unix:PATH.
     pub listen: String,
+    /// Export name.
     pub name: String,
 }
 
 /// Where the export listens.
 pub enum Listener {
+    /// TCP on loopback.
     Tcp(std::net::TcpListener),
+    /// A unix socket (its path, removed at the end).
     Unix(std::os::unix::net::UnixListener, std::path::PathBuf),
 }
 
@@ -71,6 +74,7 @@ impl Listener {
             }
         })
     }
+    /// Where it listens, as a client would name it.
     pub fn describe(&self) -> String {
         match self {
             Listener::Tcp(l) => l.local_addr().map(|a| a.to_string()).unwrap_or_default(),
@@ -91,11 +95,14 @@ impl Listener {
 
 /// A device ready to serve: connected to its servers, its layout fixed.
 pub struct Device {
+    /// What every connection shares.
     pub shared: Arc<Shared>,
+    /// What NBD clients are told.
     pub export: nbd::Export,
 }
 
 impl Device {
+    /// Connect to the servers and fix the layout for a device of `o.size`.
     pub fn open(o: &Options, secret: Secret) -> Result<Device> {
         if o.size == 0 || !o.size.is_multiple_of(BLOCK as u64) {
             bail!("--size must be a positive multiple of 4096 bytes");

@@ -10,63 +10,62 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use tracing::{debug, warn};
 
-pub const NBDMAGIC: u64 = 0x4e42_444d_4147_4943;
-pub const IHAVEOPT: u64 = 0x4948_4156_454F_5054;
-pub const REPLY_MAGIC: u64 = 0x0003_e889_0455_65a9;
-pub const REQUEST_MAGIC: u32 = 0x2560_9513;
-pub const SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
-pub const STRUCTURED_REPLY_MAGIC: u32 = 0x668e_33ef;
+pub(crate) const NBDMAGIC: u64 = 0x4e42_444d_4147_4943;
+pub(crate) const IHAVEOPT: u64 = 0x4948_4156_454F_5054;
+pub(crate) const REPLY_MAGIC: u64 = 0x0003_e889_0455_65a9;
+pub(crate) const REQUEST_MAGIC: u32 = 0x2560_9513;
+pub(crate) const SIMPLE_REPLY_MAGIC: u32 = 0x6744_6698;
+pub(crate) const STRUCTURED_REPLY_MAGIC: u32 = 0x668e_33ef;
 
-pub const FLAG_FIXED_NEWSTYLE: u16 = 1;
-pub const FLAG_NO_ZEROES: u16 = 2;
-pub const FLAG_C_FIXED_NEWSTYLE: u32 = 1;
-pub const FLAG_C_NO_ZEROES: u32 = 2;
+pub(crate) const FLAG_FIXED_NEWSTYLE: u16 = 1;
+pub(crate) const FLAG_NO_ZEROES: u16 = 2;
+pub(crate) const FLAG_C_FIXED_NEWSTYLE: u32 = 1;
+pub(crate) const FLAG_C_NO_ZEROES: u32 = 2;
 
-pub const OPT_EXPORT_NAME: u32 = 1;
-pub const OPT_ABORT: u32 = 2;
-pub const OPT_LIST: u32 = 3;
-pub const OPT_INFO: u32 = 6;
-pub const OPT_GO: u32 = 7;
-pub const OPT_STRUCTURED_REPLY: u32 = 8;
+pub(crate) const OPT_EXPORT_NAME: u32 = 1;
+pub(crate) const OPT_ABORT: u32 = 2;
+pub(crate) const OPT_LIST: u32 = 3;
+pub(crate) const OPT_INFO: u32 = 6;
+pub(crate) const OPT_GO: u32 = 7;
+pub(crate) const OPT_STRUCTURED_REPLY: u32 = 8;
 
-pub const REP_ACK: u32 = 1;
-pub const REP_SERVER: u32 = 2;
-pub const REP_INFO: u32 = 3;
-pub const REP_ERR_UNSUP: u32 = (1 << 31) + 1;
-pub const REP_ERR_INVALID: u32 = (1 << 31) + 3;
-pub const REP_ERR_UNKNOWN: u32 = (1 << 31) + 6;
-pub const REP_ERR_BLOCK_SIZE_REQD: u32 = (1 << 31) + 8;
+pub(crate) const REP_ACK: u32 = 1;
+pub(crate) const REP_SERVER: u32 = 2;
+pub(crate) const REP_INFO: u32 = 3;
+pub(crate) const REP_ERR_UNSUP: u32 = (1 << 31) + 1;
+pub(crate) const REP_ERR_INVALID: u32 = (1 << 31) + 3;
+pub(crate) const REP_ERR_UNKNOWN: u32 = (1 << 31) + 6;
+pub(crate) const REP_ERR_BLOCK_SIZE_REQD: u32 = (1 << 31) + 8;
 
-pub const INFO_EXPORT: u16 = 0;
-pub const INFO_NAME: u16 = 1;
-pub const INFO_DESCRIPTION: u16 = 2;
-pub const INFO_BLOCK_SIZE: u16 = 3;
+pub(crate) const INFO_EXPORT: u16 = 0;
+pub(crate) const INFO_NAME: u16 = 1;
+pub(crate) const INFO_DESCRIPTION: u16 = 2;
+pub(crate) const INFO_BLOCK_SIZE: u16 = 3;
 
-pub const TF_HAS_FLAGS: u16 = 1;
-pub const TF_SEND_FLUSH: u16 = 1 << 2;
-pub const TF_SEND_FUA: u16 = 1 << 3;
-pub const TF_SEND_TRIM: u16 = 1 << 5;
-pub const TF_SEND_WRITE_ZEROES: u16 = 1 << 6;
-pub const TF_CAN_MULTI_CONN: u16 = 1 << 8;
+pub(crate) const TF_HAS_FLAGS: u16 = 1;
+pub(crate) const TF_SEND_FLUSH: u16 = 1 << 2;
+pub(crate) const TF_SEND_FUA: u16 = 1 << 3;
+pub(crate) const TF_SEND_TRIM: u16 = 1 << 5;
+pub(crate) const TF_SEND_WRITE_ZEROES: u16 = 1 << 6;
+pub(crate) const TF_CAN_MULTI_CONN: u16 = 1 << 8;
 
-pub const CMD_READ: u16 = 0;
-pub const CMD_WRITE: u16 = 1;
-pub const CMD_DISC: u16 = 2;
-pub const CMD_FLUSH: u16 = 3;
-pub const CMD_TRIM: u16 = 4;
-pub const CMD_WRITE_ZEROES: u16 = 6;
-pub const CMD_FLAG_NO_HOLE: u16 = 2;
+pub(crate) const CMD_READ: u16 = 0;
+pub(crate) const CMD_WRITE: u16 = 1;
+pub(crate) const CMD_DISC: u16 = 2;
+pub(crate) const CMD_FLUSH: u16 = 3;
+pub(crate) const CMD_TRIM: u16 = 4;
+pub(crate) const CMD_WRITE_ZEROES: u16 = 6;
+pub(crate) const CMD_FLAG_NO_HOLE: u16 = 2;
 
-pub const REPLY_FLAG_DONE: u16 = 1;
-pub const REPLY_TYPE_NONE: u16 = 0;
-pub const REPLY_TYPE_OFFSET_DATA: u16 = 1;
-pub const REPLY_TYPE_ERROR: u16 = (1 << 15) + 1;
+pub(crate) const REPLY_FLAG_DONE: u16 = 1;
+pub(crate) const REPLY_TYPE_NONE: u16 = 0;
+pub(crate) const REPLY_TYPE_OFFSET_DATA: u16 = 1;
+pub(crate) const REPLY_TYPE_ERROR: u16 = (1 << 15) + 1;
 
-pub const EIO: u32 = 5;
-pub const EINVAL: u32 = 22;
-pub const ENOSPC: u32 = 28;
-pub const EOVERFLOW: u32 = 75;
-pub const ENOTSUP: u32 = 95;
+pub(crate) const EIO: u32 = 5;
+pub(crate) const EINVAL: u32 = 22;
+pub(crate) const ENOSPC: u32 = 28;
+pub(crate) const EOVERFLOW: u32 = 75;
 
 /// Largest request payload accepted (and advertised).
 pub const MAX_PAYLOAD: u32 = 32 << 20;
@@ -75,16 +74,22 @@ const MAX_OPTION: u32 = 64 << 10;
 /// Requests served in parallel per connection.
 const WORKERS: usize = 8;
 
+/// What NBD clients are told about the export.
 #[derive(Clone, Debug)]
 pub struct Export {
+    /// Its name.
     pub name: String,
+    /// Its description.
     pub description: String,
+    /// Its size, bytes.
     pub size: u64,
 }
 
 /// A client connection: TCP or Unix.
 pub trait Io: Read + Write + Send + 'static {
+    /// Another handle on the connection (for the reply writer).
     fn try_clone_box(&self) -> std::io::Result<Box<dyn Io>>;
+    /// Shut the connection down.
     fn close(&self);
 }
 

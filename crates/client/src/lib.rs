@@ -10,7 +10,6 @@
 //!
 //! [`Cluster`] holds connections to several servers.
 
-
 use pagefleet_proto::auth::{self, Secret, SecretError};
 use pagefleet_proto::io::{write_all_vectored, RecvBuf};
 use pagefleet_proto::*;

@@ -2,7 +2,6 @@
 //! registry (every host's report, gathered from its peers), metrics, and
 //! the signed HTTP API that serves them all.
 
-
 pub mod api;
 pub mod config;
 pub mod guests;

@@ -10,7 +10,6 @@
 //! and whose queue is first-come first-served, so blkio throttling, BFQ and
 //! the ioqos controllers act on it exactly as on a real disk.
 
-
 use anyhow::{bail, Context, Result};
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,

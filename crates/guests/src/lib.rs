@@ -2,7 +2,6 @@
 //! they are given (a pagefleet region, or plain memory for the all-local
 //! baseline), like a VM's RAM, so a runner elsewhere could resume them.
 
-
 pub mod kv;
 pub mod sort;
 pub mod synthetic;

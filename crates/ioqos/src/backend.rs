@@ -14,9 +14,13 @@ use std::time::Duration;
 /// Cumulative counters of one tenant on the device.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct Counters {
+    /// Bytes read.
     pub rbytes: u64,
+    /// Bytes written.
     pub wbytes: u64,
+    /// Reads.
     pub rios: u64,
+    /// Writes.
     pub wios: u64,
     /// Total time its requests took, ns (QMP only).
     pub io_time_ns: Option<u64>,
@@ -26,16 +30,22 @@ pub struct Counters {
 /// the caller when the backend limits them separately.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct Limit {
+    /// Read bytes/s (None: unlimited).
     pub rbps: Option<u64>,
+    /// Write bytes/s.
     pub wbps: Option<u64>,
+    /// Read IOPS.
     pub riops: Option<u64>,
+    /// Write IOPS.
     pub wiops: Option<u64>,
 }
 
 impl Limit {
+    /// No limit.
     pub fn none() -> Limit {
         Limit::default()
     }
+    /// Whether nothing is limited.
     pub fn is_none(&self) -> bool {
         *self == Limit::default()
     }
@@ -45,13 +55,18 @@ impl Limit {
 /// rule there, so "no cap" is this rule (1 TiB/s), not the absence of one.
 pub const V1_UNLIMITED: u64 = 1 << 40;
 
+/// How a tenant's I/O is measured and capped.
 pub enum Backend {
+    /// A cgroup v1 blkio group.
     V1(PathBuf),
+    /// A cgroup v2 group (io controller).
     V2(PathBuf),
+    /// A QEMU drive, through QMP's block_set_io_throttle.
     Qmp(Qmp),
 }
 
 impl Backend {
+    /// Open the tenant at `l`.
     pub fn open(l: &Location) -> Result<Backend> {
         Ok(match l {
             Location::CgroupV1(p) => {
@@ -65,6 +80,7 @@ impl Backend {
         })
     }
 
+    /// cgroup-v1, cgroup-v2 or qmp.
     pub fn kind(&self) -> &'static str {
         match self {
             Backend::V1(_) => "cgroup v1 blkio",
@@ -101,6 +117,7 @@ impl Backend {
         }
     }
 
+    /// The tenant's counters on `dev`.
     pub fn read(&mut self, dev: Dev) -> Result<Counters> {
         match self {
             Backend::V1(p) => {
@@ -119,6 +136,7 @@ impl Backend {
         }
     }
 
+    /// Set (or clear) its cap on `dev`.
     pub fn set(&mut self, dev: Dev, l: &Limit) -> Result<()> {
         match self {
             Backend::V1(p) => {
@@ -256,6 +274,7 @@ pub struct Qmp {
 }
 
 impl Qmp {
+    /// Connect to QEMU at `socket` for drive `device`.
     pub fn connect(socket: &Path, device: &str) -> Result<Qmp> {
         let s = UnixStream::connect(socket)
             .with_context(|| format!("cannot connect to QMP at {}", socket.display()))?;
@@ -298,6 +317,7 @@ impl Qmp {
         }
     }
 
+    /// The drive's counters.
     pub fn stats(&mut self) -> Result<Counters> {
         let r = self.execute("query-blockstats", serde_json::json!({}))?;
         let drives: Vec<BlockStats> = serde_json::from_value(r)
@@ -321,6 +341,7 @@ impl Qmp {
         })
     }
 
+    /// Set the drive's I/O throttle.
     pub fn throttle(&mut self, l: &Limit) -> Result<()> {
         let v = |x: Option<u64>| x.unwrap_or(0);
         let key = if self.device.starts_with('/') {

@@ -7,6 +7,7 @@ use clap::{Args, Subcommand};
 use std::path::PathBuf;
 use std::time::Duration;
 
+/// `pagefleet ioqos`.
 #[derive(Subcommand)]
 pub enum Command {
     /// Run the controller until interrupted (root). Tenants are cgroups
@@ -26,8 +27,10 @@ pub enum Command {
     /// Per tenant: throughput, IOPS, latency (QEMU drives), current cap,
     /// time capped, starved; from the running controller.
     Status {
+        /// Print JSON.
         #[arg(long)]
         json: bool,
+        /// The running controller's state file.
         #[arg(long, default_value = DEFAULT_STATE)]
         state: PathBuf,
     },
@@ -44,6 +47,7 @@ pub enum Command {
         /// Mount point (created if missing); the disk is DIR/disk.
         #[arg(long)]
         dir: PathBuf,
+        /// The disk's size.
         #[arg(long, default_value = "1GiB", value_parser = pagefleet_common::units::parse_size)]
         size: u64,
         /// Transfer rate, bytes per second (e.g. 48MiB).
@@ -58,6 +62,7 @@ pub enum Command {
     },
 }
 
+/// `pagefleet ioqos run` flags.
 #[derive(Args)]
 pub struct RunOpts {
     /// The shared block device (path or MAJ:MIN).
@@ -98,6 +103,7 @@ pub struct RunOpts {
     state: PathBuf,
 }
 
+/// The controller's options from the flags.
 pub fn options(o: &RunOpts) -> Result<Options> {
     let spec = control::Spec {
         device: o.device.clone(),
@@ -127,6 +133,7 @@ pub fn options(o: &RunOpts) -> Result<Options> {
     Ok(opts)
 }
 
+/// Carry out a `pagefleet ioqos` command.
 pub fn main(c: Command) -> Result<()> {
     match c {
         Command::Run(o) => {

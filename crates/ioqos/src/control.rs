@@ -14,31 +14,45 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 use tracing::{info, warn};
 
+/// Where a controller publishes its state by default.
 pub const DEFAULT_STATE: &str = "/run/pagefleet/ioqos.json";
 
+/// Which algorithm.
 #[derive(Clone, Debug)]
 pub enum Policy {
     /// Measure only (the "no control" baseline).
     Observe,
+    /// Paper 004's Algorithm 1.
     Paper(PaperConfig),
+    /// pagefleet's guarantee policy.
     Guarantee(GuaranteeConfig),
 }
 
+/// How to run the controller.
 #[derive(Clone, Debug)]
 pub struct Options {
+    /// The shared device.
     pub dev: Dev,
+    /// Its tenants.
     pub tenants: Vec<Tenant>,
+    /// The algorithm.
     pub policy: Policy,
+    /// The device's cost model.
     pub model: Model,
     /// Guarantee: decision interval (paper: its cap_interval).
     pub interval: Duration,
+    /// Where to publish its state.
     pub state_file: Option<PathBuf>,
+    /// Stop after this long (None: until stopped).
     pub duration: Option<Duration>,
 }
 
+/// A tenant as the controller saw it last.
 #[derive(Clone, Debug, Default, Serialize, serde::Deserialize)]
 pub struct TenantState {
+    /// Its name.
     pub name: String,
+    /// cgroup-v1, cgroup-v2 or qmp.
     pub backend: String,
     /// Its demand on the device: the share of the device's modelled capacity
     /// its I/O used over the interval (a lower bound while it presses
@@ -46,25 +60,40 @@ pub struct TenantState {
     pub demand_share: f64,
     /// Using ≥ 90% of its cap: it would take more if let.
     pub pressing_cap: bool,
+    /// Bytes/s.
     pub bps: f64,
+    /// IOPS.
     pub iops: f64,
     /// Mean time per request over the interval, ms (QMP only).
     pub latency_ms: Option<f64>,
+    /// Its cap, bytes/s.
     pub cap_bps: Option<f64>,
+    /// Its cap, IOPS.
     pub cap_iops: Option<f64>,
+    /// Seconds capped so far.
     pub capped_s: f64,
+    /// Below its minimum on a busy device.
     pub starved: bool,
+    /// Why it could not be read or capped.
     pub error: Option<String>,
 }
 
+/// The controller's published state.
 #[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct State {
+    /// The controller's process.
     pub pid: u32,
+    /// Its policy.
     pub policy: String,
+    /// The device.
     pub device: String,
+    /// The device's cost model.
     pub model: Model,
+    /// Share of the device's capacity in use.
     pub device_share_used: f64,
+    /// Every tenant.
     pub tenants: Vec<TenantState>,
+    /// When it was written (Unix seconds).
     pub updated_unix: u64,
 }
 
@@ -142,13 +171,17 @@ pub struct Spec {
     pub policy: String,
     /// MAX_IOPS,MAX_BYTES_PER_S; None: calibrate with direct reads.
     pub model: Option<String>,
+    /// Seconds the calibration reads.
     pub calibrate_secs: f64,
     /// guarantee: seconds between decisions.
     pub interval: f64,
     /// paper: share of the device's maximum ("90%").
     pub border: String,
+    /// paper: the capped tenant gets rate x its current value.
     pub rate: f64,
+    /// paper: how long a cap lasts, s.
     pub cap_time: f64,
+    /// paper: seconds between decisions.
     pub cap_interval: f64,
 }
 
@@ -363,6 +396,7 @@ fn limit(cap: &Cap, o: &Obs) -> Limit {
     }
 }
 
+/// Run until `stop` is set (or the duration passes), removing every cap at the end; `on_tick` sees each state published.
 pub fn run(o: &Options, stop: &AtomicBool, mut on_tick: impl FnMut(&State)) -> Result<()> {
     let state = o
         .state_file

@@ -3,9 +3,12 @@
 use anyhow::{bail, Context, Result};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 
+/// A block device by number.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct Dev {
+    /// Major number.
     pub major: u32,
+    /// Minor number.
     pub minor: u32,
 }
 
@@ -16,6 +19,7 @@ impl std::fmt::Display for Dev {
 }
 
 impl Dev {
+    /// A device path or MAJ:MIN.
     pub fn parse(s: &str) -> Result<Dev> {
         let d = if let Some((a, b)) = s.split_once(':').filter(|_| !s.starts_with('/')) {
             Dev {

@@ -3,10 +3,6 @@
 //! or QEMU's block throttling over QMP; the paper's Algorithm 1 and a
 //! `guarantee` policy that keeps every tenant at its minimum.
 
-// Not every public item is documented yet (issue 16): remove this once
-// `cargo clippy -p pagefleet-ioqos` passes without it.
-#![allow(missing_docs)]
-
 pub mod backend;
 pub mod cli;
 pub mod control;

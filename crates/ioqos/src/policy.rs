@@ -21,19 +21,26 @@ use serde::Serialize;
 /// One tenant's last interval.
 #[derive(Clone, Copy, Debug, Default, Serialize)]
 pub struct Obs {
+    /// Read bytes/s.
     pub rbps: f64,
+    /// Write bytes/s.
     pub wbps: f64,
+    /// Read IOPS.
     pub riops: f64,
+    /// Write IOPS.
     pub wiops: f64,
 }
 
 impl Obs {
+    /// Bytes/s both ways.
     pub fn bps(&self) -> f64 {
         self.rbps + self.wbps
     }
+    /// IOPS both ways.
     pub fn iops(&self) -> f64 {
         self.riops + self.wiops
     }
+    /// Whether it did any I/O.
     pub fn active(&self) -> bool {
         self.iops() > 0.0
     }
@@ -42,11 +49,14 @@ impl Obs {
 /// A cap on a tenant's total bandwidth and/or IOPS.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct Cap {
+    /// Bytes/s (None: uncapped).
     pub bps: Option<f64>,
+    /// IOPS (None: uncapped).
     pub iops: Option<f64>,
 }
 
 impl Cap {
+    /// Whether nothing is capped.
     pub fn is_none(&self) -> bool {
         self.bps.is_none() && self.iops.is_none()
     }
@@ -56,11 +66,14 @@ impl Cap {
 /// this I/O takes.
 #[derive(Clone, Copy, Debug, Serialize, serde::Deserialize)]
 pub struct Model {
+    /// IOPS the device sustains.
     pub max_iops: f64,
+    /// Bytes/s it sustains.
     pub max_bps: f64,
 }
 
 impl Model {
+    /// The share of the device `o` uses.
     pub fn cost(&self, o: &Obs) -> f64 {
         o.iops() / self.max_iops + o.bps() / self.max_bps
     }
@@ -68,12 +81,16 @@ impl Model {
 
 // ---------------------------------------------------------------- paper
 
+/// Algorithm 1's settings (paper 004).
 #[derive(Clone, Debug, Serialize)]
 pub struct PaperConfig {
     /// Border: this share of the device's maximum (0.9).
     pub border: f64,
+    /// The capped tenant gets rate x its current value.
     pub rate: f64,
+    /// How long a cap lasts, s.
     pub cap_time_s: f64,
+    /// Seconds between decisions.
     pub cap_interval_s: f64,
 }
 
@@ -88,8 +105,11 @@ impl Default for PaperConfig {
     }
 }
 
+/// Paper 004's Algorithm 1: cap the top tenant when the device is busy.
 pub struct Paper {
+    /// Its settings.
     pub cfg: PaperConfig,
+    /// The device's cost model.
     pub model: Model,
     /// Per tenant: (bandwidth cap, seconds left), (IOPS cap, seconds left).
     bw: Vec<Option<(f64, f64)>>,
@@ -97,6 +117,7 @@ pub struct Paper {
 }
 
 impl Paper {
+    /// The algorithm for `n` tenants.
     pub fn new(cfg: PaperConfig, model: Model, n: usize) -> Paper {
         Paper {
             cfg,
@@ -145,6 +166,7 @@ impl Paper {
 
 // ------------------------------------------------------------ guarantee
 
+/// The guarantee policy's settings.
 #[derive(Clone, Debug, Serialize)]
 pub struct GuaranteeConfig {
     /// The device counts as busy above this share of its modelled capacity.
@@ -175,22 +197,31 @@ impl Default for GuaranteeConfig {
 /// A tenant's guarantee.
 #[derive(Clone, Copy, Debug, Serialize)]
 pub struct Min {
+    /// Its minimum, bytes/s.
     pub bps: f64,
+    /// Its minimum, IOPS.
     pub iops: f64,
+    /// Its share weight.
     pub weight: f64,
 }
 
+/// The guarantee policy: caps only tenants above their entitled share while another starves.
 pub struct Guarantee {
+    /// Its settings.
     pub cfg: GuaranteeConfig,
+    /// The device's cost model.
     pub model: Model,
+    /// Each tenant's minimum.
     pub mins: Vec<Min>,
     /// Cap per tenant as a device share (cost units).
     caps: Vec<Option<f64>>,
     calm: u32,
+    /// Which tenants starved at the last step.
     pub starved: Vec<bool>,
 }
 
 impl Guarantee {
+    /// The policy for these tenants.
     pub fn new(cfg: GuaranteeConfig, model: Model, mins: Vec<Min>) -> Guarantee {
         let n = mins.len();
         Guarantee {
@@ -258,6 +289,7 @@ impl Guarantee {
             .collect()
     }
 
+    /// One decision: every tenant's cap from what each did.
     pub fn step(&mut self, obs: &[Obs]) -> Vec<Cap> {
         let cost: Vec<f64> = obs.iter().map(|o| self.model.cost(o)).collect();
         let busy = cost.iter().sum::<f64>() >= self.cfg.busy;

@@ -10,25 +10,40 @@ use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use std::path::PathBuf;
 
+/// Where a tenant's I/O is measured and capped.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub enum Location {
+    /// A cgroup v1 blkio group.
     CgroupV1(PathBuf),
+    /// A cgroup v2 group.
     CgroupV2(PathBuf),
-    Qmp { socket: PathBuf, device: String },
+    /// A QEMU drive.
+    Qmp {
+        /// QEMU's QMP socket.
+        socket: PathBuf,
+        /// The drive (device, qdev or node name).
+        device: String,
+    },
 }
 
+/// A tenant of the shared device.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Tenant {
+    /// Its name.
     pub name: String,
+    /// Where it is.
     pub location: Location,
     /// Guaranteed bytes per second (0: none).
     pub min_bps: u64,
     /// Guaranteed I/Os per second (0: none).
     pub min_iops: u64,
+    /// Its share weight.
     pub weight: f64,
 }
 
+/// Where cgroup v1 blkio groups live.
 pub const V1_ROOT: &str = "/sys/fs/cgroup/blkio";
+/// Where cgroup v2 groups live.
 pub const V2_ROOT: &str = "/sys/fs/cgroup";
 
 /// "20MiB" -> 20971520, "20M" -> 20000000, "512" -> 512.

@@ -15,6 +15,7 @@
 use crate::sysfs::{Memory, Stats, PAGE};
 use serde::Serialize;
 
+/// The adaptive controller's settings.
 #[derive(Clone, Debug, Serialize)]
 pub struct AdaptiveConfig {
     /// ksmd's CPU share of one core the controller allows (0.10 = 10%).
@@ -27,6 +28,7 @@ pub struct AdaptiveConfig {
     pub min_rate: f64,
     /// Pages per second when merging starts.
     pub start_rate: f64,
+    /// Pages per second at most.
     pub max_rate: f64,
     /// Merging pays while it saves at least this much per ksmd CPU-second.
     pub pay_bytes_per_cpu_s: f64,
@@ -39,7 +41,9 @@ pub struct AdaptiveConfig {
     /// CPU the last pass cost; every pass that finds nothing doubles it, up
     /// to max_idle_pass_s (an idle ksmd costs next to nothing on a settled host).
     pub idle_pass_s: f64,
+    /// ksmd's CPU share while idling.
     pub idle_cpu_budget: f64,
+    /// Longest idle pass, seconds.
     pub max_idle_pass_s: f64,
     /// While idling, MemAvailable falling by this share of MemTotal (new
     /// memory in use, maybe new duplicates) starts merging again.
@@ -69,6 +73,7 @@ impl Default for AdaptiveConfig {
     }
 }
 
+/// The controller's phase.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Phase {
@@ -83,16 +88,23 @@ pub enum Phase {
 /// What to set, and why.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Decision {
+    /// KSM running (run=1).
     pub run: bool,
+    /// Pages per batch.
     pub pages_to_scan: u64,
+    /// Sleep between batches, ms.
     pub sleep_millisecs: u64,
     /// ksmd's nice value (the kernel's 5 unless it starved while merging paid).
     pub ksmd_nice: i32,
+    /// The phase.
     pub phase: Phase,
+    /// Why, for a person.
     pub why: String,
 }
 
+/// The adaptive controller: scans while merging pays, within a CPU budget.
 pub struct Adaptive {
+    /// Its settings.
     pub cfg: AdaptiveConfig,
     phase: Phase,
     rate: f64,
@@ -101,8 +113,11 @@ pub struct Adaptive {
     /// Saved bytes when the current pass began, and the gains of the last passes.
     pass_start_saved: u64,
     empty_passes: u32,
+    /// The host is under memory pressure.
     pub pressure: bool,
+    /// ksmd's CPU share over the last tick.
     pub cpu_share: f64,
+    /// Bytes saved per ksmd CPU-second lately.
     pub yield_bytes_per_cpu_s: f64,
     /// Share of the last tick ksmd spent runnable but without a CPU.
     pub wait_share: f64,
@@ -120,6 +135,7 @@ pub struct Adaptive {
 }
 
 impl Adaptive {
+    /// A controller starting off.
     pub fn new(cfg: AdaptiveConfig) -> Adaptive {
         let rate = cfg.start_rate;
         Adaptive {
@@ -149,9 +165,11 @@ impl Adaptive {
         self.idle_pass
     }
 
+    /// Its phase now.
     pub fn phase(&self) -> Phase {
         self.phase
     }
+    /// Its scan rate now, pages/s.
     pub fn rate(&self) -> f64 {
         self.rate
     }

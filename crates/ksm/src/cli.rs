@@ -7,6 +7,7 @@ use clap::{Args, Subcommand};
 use std::path::PathBuf;
 use std::time::Duration;
 
+/// `pagefleet ksm`.
 #[derive(Subcommand)]
 pub enum Command {
     /// Run the KSM controller until interrupted (root). Adaptive (default):
@@ -24,11 +25,13 @@ pub enum Command {
     /// unshared/volatile, full scans), ksmd's CPU share over --window, the
     /// scan rate and the running controller's phase.
     Status {
+        /// Print JSON.
         #[arg(long)]
         json: bool,
         /// Seconds over which ksmd's CPU share is measured.
         #[arg(long, default_value_t = 1.0)]
         window: f64,
+        /// The running controller's state file.
         #[arg(long, default_value = DEFAULT_STATE)]
         state: PathBuf,
     },
@@ -36,11 +39,13 @@ pub enum Command {
     /// (every process in cgroup.procs). Root; uses ptrace to have the process
     /// call prctl(PR_SET_MEMORY_MERGE) itself. New processes: `pagefleet run --merge -- CMD`.
     Enroll {
+        /// PIDs or cgroups (paths, or names under /sys/fs/cgroup).
         #[arg(required = true)]
         targets: Vec<String>,
     },
 }
 
+/// `pagefleet ksm run` flags.
 #[derive(Args)]
 pub struct RunOpts {
     /// adaptive or ksmtuned.
@@ -72,6 +77,7 @@ pub struct RunOpts {
     state: PathBuf,
 }
 
+/// The controller's options from the flags.
 pub fn options(o: &RunOpts) -> Result<Options> {
     if o.duration.is_nan() || o.duration < 0.0 {
         bail!("--duration must not be negative");
@@ -91,6 +97,7 @@ pub fn options(o: &RunOpts) -> Result<Options> {
     )
 }
 
+/// Carry out a `pagefleet ksm` command.
 pub fn main(c: Command) -> Result<()> {
     match c {
         Command::Run(o) => {

@@ -14,22 +14,28 @@ use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 use tracing::{info, warn};
 
+/// Where a controller publishes its state by default.
 pub const DEFAULT_STATE: &str = "/run/pagefleet/ksm.json";
 
+/// Which controller.
 #[derive(Clone, Debug)]
 pub enum Policy {
+    /// pagefleet's adaptive controller.
     Adaptive(AdaptiveConfig),
     /// ksmtuned's script; `monitor_interval_s` already scaled.
     Ksmtuned(TunedConfig),
 }
 
+/// How to run a controller.
 #[derive(Clone, Debug)]
 pub struct Options {
+    /// Which controller.
     pub policy: Policy,
     /// Adaptive: seconds between decisions.
     pub tick: Duration,
     /// Leave KSM as the controller last set it instead of restoring.
     pub keep_settings: bool,
+    /// Where to publish its state (None: nowhere).
     pub state_file: Option<PathBuf>,
     /// Stop by itself after this long (None: until stopped).
     pub duration: Option<Duration>,
@@ -44,8 +50,11 @@ pub struct Spec {
     pub interval_scale: f64,
     /// adaptive: "10%" or "0.1".
     pub cpu_budget: String,
+    /// adaptive: the MemAvailable share that counts as pressure.
     pub pressure_below: String,
+    /// adaptive: PSI memory some avg10 above this is pressure.
     pub psi_above: f64,
+    /// adaptive: seconds between decisions.
     pub tick_s: f64,
 }
 
@@ -109,19 +118,33 @@ impl Spec {
 /// What the state file holds.
 #[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct State {
+    /// The controller's process.
     pub pid: u32,
+    /// Its policy.
     pub policy: String,
+    /// Its phase.
     pub phase: String,
+    /// KSM running.
     pub run: bool,
+    /// pages_to_scan set.
     pub pages_to_scan: u64,
+    /// sleep_millisecs set.
     pub sleep_millisecs: u64,
+    /// The scan rate set, pages/s.
     pub scan_rate: f64,
+    /// Why, for a person.
     pub why: String,
+    /// Memory pressure seen.
     pub pressure: bool,
+    /// ksmd's CPU share.
     pub ksmd_cpu_share: f64,
+    /// ksmd's nice value.
     pub ksmd_nice: i32,
+    /// Memory KSM saves.
     pub saved_bytes: u64,
+    /// Decisions so far.
     pub decisions: u64,
+    /// When it was written (Unix seconds).
     pub updated_unix: u64,
 }
 
@@ -328,24 +351,43 @@ pub fn run(o: &Options, stop: &AtomicBool, mut on_decision: impl FnMut(&State)) 
 /// What `pagefleet ksm status` shows (its `--json`).
 #[derive(Clone, Debug, Serialize, serde::Deserialize)]
 pub struct Status {
+    /// KSM run (1: running).
     pub run: u64,
+    /// Memory saved, MiB.
     pub saved_mib: f64,
+    /// The kernel's general_profit, MiB.
     pub general_profit_mib: f64,
+    /// KSM pages in use.
     pub pages_shared: u64,
+    /// Sites sharing them.
     pub pages_sharing: u64,
+    /// Pages checked, unique.
     pub pages_unshared: u64,
+    /// Pages changing too fast.
     pub pages_volatile: u64,
+    /// Zero pages merged.
     pub ksm_zero_pages: u64,
+    /// Full scans done.
     pub full_scans: u64,
+    /// ksmd's CPU, % of a core.
     pub ksmd_cpu_percent: f64,
+    /// Time ksmd waited for a CPU, %.
     pub ksmd_wait_percent: f64,
+    /// ksmd's nice value.
     pub ksmd_nice: Option<i32>,
+    /// pages_to_scan set.
     pub pages_to_scan: u64,
+    /// sleep_millisecs set.
     pub sleep_millisecs: u64,
+    /// Scan rate, pages/s.
     pub scan_rate_pages_per_s: f64,
+    /// The kernel's scan-time advisor mode.
     pub advisor_mode: Option<String>,
+    /// smart_scan setting.
     pub smart_scan: Option<u64>,
+    /// MemAvailable, % of MemTotal.
     pub mem_available_percent: f64,
+    /// PSI memory some avg10.
     pub psi_memory_some_avg10: Option<f64>,
     /// The running controller's state, if one runs (its state file is fresh).
     pub controller: Option<State>,

@@ -13,7 +13,9 @@
 use anyhow::{anyhow, bail, Context, Result};
 use std::path::Path;
 
+/// prctl: make the whole process mergeable.
 pub const PR_SET_MEMORY_MERGE: libc::c_int = 67;
+/// prctl: whether it is.
 pub const PR_GET_MEMORY_MERGE: libc::c_int = 68;
 
 /// Mark this process (and what it forks and execs) mergeable.

@@ -5,13 +5,16 @@ use anyhow::{anyhow, bail, Context, Result};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 
+/// KSM's sysfs directory.
 pub const KSM: &str = "/sys/kernel/mm/ksm";
+/// The page size.
 pub const PAGE: u64 = 4096;
 
 fn knob(name: &str) -> PathBuf {
     Path::new(KSM).join(name)
 }
 
+/// Whether this kernel has KSM.
 pub fn available() -> Result<()> {
     if !knob("run").exists() {
         bail!("this kernel has no KSM ({KSM} is missing: CONFIG_KSM is off)");
@@ -19,12 +22,14 @@ pub fn available() -> Result<()> {
     Ok(())
 }
 
+/// Read a KSM sysfs file.
 pub fn read(name: &str) -> Result<String> {
     let s =
         std::fs::read_to_string(knob(name)).with_context(|| format!("cannot read {KSM}/{name}"))?;
     Ok(s.trim().to_string())
 }
 
+/// Read a numeric KSM sysfs file.
 pub fn read_u64(name: &str) -> Result<u64> {
     read(name)?
         .parse()
@@ -37,6 +42,7 @@ fn read_i64(name: &str) -> Result<i64> {
         .map_err(|_| anyhow!("{KSM}/{name} is not a number"))
 }
 
+/// Write a KSM sysfs file (root).
 pub fn write(name: &str, v: &str) -> Result<()> {
     std::fs::write(knob(name), v)
         .with_context(|| format!("cannot write {v} to {KSM}/{name} (root needed)"))
@@ -54,16 +60,27 @@ pub fn selected(name: &str) -> Result<String> {
 /// One reading of the counters.
 #[derive(Clone, Copy, Debug, Default, Serialize)]
 pub struct Stats {
+    /// run.
     pub run: u64,
+    /// pages_to_scan.
     pub pages_to_scan: u64,
+    /// sleep_millisecs.
     pub sleep_millisecs: u64,
+    /// pages_shared.
     pub pages_shared: u64,
+    /// pages_sharing.
     pub pages_sharing: u64,
+    /// pages_unshared.
     pub pages_unshared: u64,
+    /// pages_volatile.
     pub pages_volatile: u64,
+    /// pages_scanned.
     pub pages_scanned: u64,
+    /// full_scans.
     pub full_scans: u64,
+    /// general_profit, bytes.
     pub general_profit: i64,
+    /// ksm_zero_pages.
     pub ksm_zero_pages: u64,
     /// ksmd's CPU time so far, seconds.
     pub ksmd_cpu: f64,
@@ -72,6 +89,7 @@ pub struct Stats {
 }
 
 impl Stats {
+    /// Read the counters.
     pub fn read() -> Result<Stats> {
         let (cpu, wait) = ksmd_sched()?;
         Ok(Stats {
@@ -123,6 +141,7 @@ pub fn ksmd_sched() -> Result<(f64, f64)> {
 /// The kernel starts ksmd at nice 5.
 pub const KSMD_DEFAULT_NICE: i32 = 5;
 
+/// ksmd's nice value.
 pub fn ksmd_nice() -> Result<i32> {
     let pid = ksmd_pid()?;
     // SAFETY: plain syscalls; errno distinguishes -1 from an error.
@@ -139,6 +158,7 @@ pub fn ksmd_nice() -> Result<i32> {
     }
 }
 
+/// Set ksmd's nice value (root).
 pub fn set_ksmd_nice(n: i32) -> Result<()> {
     let pid = ksmd_pid()?;
     // SAFETY: plain syscall.
@@ -174,15 +194,22 @@ fn ksmd_pid() -> Result<u32> {
 /// The writable knobs a controller changes, saved to be put back.
 #[derive(Clone, Debug, Serialize)]
 pub struct Settings {
+    /// run.
     pub run: u64,
+    /// pages_to_scan.
     pub pages_to_scan: u64,
+    /// sleep_millisecs.
     pub sleep_millisecs: u64,
+    /// smart_scan, if the kernel has it.
     pub smart_scan: Option<u64>,
+    /// advisor_mode, if the kernel has it.
     pub advisor_mode: Option<String>,
+    /// ksmd's nice value.
     pub ksmd_nice: Option<i32>,
 }
 
 impl Settings {
+    /// The settings now (to restore later).
     pub fn save() -> Result<Settings> {
         available()?;
         Ok(Settings {
@@ -215,7 +242,9 @@ impl Settings {
 /// What the host's memory looks like (kB values from /proc/meminfo).
 #[derive(Clone, Copy, Debug, Default, Serialize)]
 pub struct Memory {
+    /// MemTotal, kB.
     pub total_kb: u64,
+    /// MemAvailable, kB.
     pub available_kb: u64,
     /// ksmtuned's "free": MemFree + Buffers + Cached.
     pub free_kb: u64,
@@ -224,6 +253,7 @@ pub struct Memory {
 }
 
 impl Memory {
+    /// Read /proc/meminfo and PSI.
     pub fn read() -> Result<Memory> {
         let s = std::fs::read_to_string("/proc/meminfo").context("cannot read /proc/meminfo")?;
         let mut m = Memory::default();
@@ -251,6 +281,7 @@ impl Memory {
             });
         Ok(m)
     }
+    /// MemAvailable as a share of MemTotal.
     pub fn available_frac(&self) -> f64 {
         self.available_kb as f64 / self.total_kb.max(1) as f64
     }

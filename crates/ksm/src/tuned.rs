@@ -12,13 +12,21 @@ use serde::Serialize;
 /// ksmtuned's configuration variables (defaults as in the script).
 #[derive(Clone, Debug, Serialize)]
 pub struct TunedConfig {
+    /// KSM_MONITOR_INTERVAL: seconds between adjustments.
     pub monitor_interval_s: f64,
+    /// KSM_NPAGES_BOOST.
     pub npages_boost: i64,
+    /// KSM_NPAGES_DECAY.
     pub npages_decay: i64,
+    /// KSM_NPAGES_MIN.
     pub npages_min: i64,
+    /// KSM_NPAGES_MAX.
     pub npages_max: i64,
+    /// KSM_SLEEP_MSEC (per 16 GiB of memory).
     pub sleep_msec: u64,
+    /// KSM_THRES_COEF (% of memory).
     pub thres_coef: u64,
+    /// KSM_THRES_CONST (kB).
     pub thres_const: u64,
 }
 
@@ -40,19 +48,26 @@ impl Default for TunedConfig {
 /// What one `adjust` decides.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub enum Action {
+    /// Stop KSM.
     Stop,
+    /// Run KSM with these settings.
     Start {
+        /// pages_to_scan.
         pages_to_scan: u64,
+        /// sleep_millisecs.
         sleep_millisecs: u64,
     },
 }
 
+/// Debian's ksmtuned algorithm.
 pub struct Tuned {
+    /// Its settings.
     pub cfg: TunedConfig,
     npages: i64,
 }
 
 impl Tuned {
+    /// A ksmtuned as the script starts.
     pub fn new(cfg: TunedConfig) -> Tuned {
         Tuned { cfg, npages: 0 }
     }
@@ -67,6 +82,7 @@ impl Tuned {
         }
     }
 
+    /// ksmtuned's free-memory threshold, kB.
     pub fn thres_kb(&self, total_kb: u64) -> u64 {
         (total_kb * self.cfg.thres_coef / 100).max(self.cfg.thres_const)
     }

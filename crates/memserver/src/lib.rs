@@ -5,7 +5,6 @@
 //! - [`server`]: the protocol-v1 connection loop (auth, pipelining, errors);
 //! - [`metrics`]: counters and their Prometheus text rendering.
 
-
 pub mod metrics;
 pub mod server;
 pub mod store;

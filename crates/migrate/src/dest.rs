@@ -21,8 +21,11 @@ const PULLED: u16 = 0xFFFD;
 /// Live counters of an incoming migration.
 #[derive(Default, Debug)]
 pub struct Progress {
+    /// Pages received.
     pub pages: AtomicU64,
+    /// Pages located on memory servers.
     pub located: AtomicU64,
+    /// Pre-copy round.
     pub round: AtomicU64,
 }
 
@@ -162,6 +165,7 @@ pub struct Received {
     // Declared first, so dropped first: the pullers stop writing into the
     // guest memory before it is unmapped.
     pullers: Pullers,
+    /// What the source sent about the guest.
     pub spec: Spec,
     stream: Stream,
     adopt: Adopt,
@@ -625,6 +629,7 @@ impl Received {
 
 /// The guest is ours: start it, then confirm with [`Committed::started`].
 pub struct Committed {
+    /// What the source sent about the guest.
     pub spec: Spec,
     stream: Stream,
     region: Option<Region>,
@@ -632,6 +637,7 @@ pub struct Committed {
 }
 
 impl Committed {
+    /// The region (once).
     pub fn take_region(&mut self) -> Region {
         self.region.take().expect("region taken once")
     }

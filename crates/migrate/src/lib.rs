@@ -4,10 +4,6 @@
 //! page-outs) — never main→sub — and resumes on the main host, which then
 //! pages with the sub-hosts. See docs/migration.md.
 
-// Not every public item is documented yet (issue 16): remove this once
-// `cargo clippy -p pagefleet-migrate` passes without it.
-#![allow(missing_docs)]
-
 pub mod dest;
 pub mod placement;
 pub mod plan;
@@ -22,16 +18,23 @@ use std::os::fd::AsRawFd;
 /// What a destination needs to resume a guest (the SPEC message).
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct Spec {
+    /// The guest's name.
     pub name: String,
+    /// Guest memory, bytes.
     pub size: u64,
+    /// Pages per chunk on the destination.
     pub chunk_pages: usize,
+    /// Paging policy on the destination.
     pub policy: String,
+    /// The region's id on the memory servers (kept).
     pub region_id: u64,
     /// Memory servers the guest's pages may be on (LOCATED indexes this).
     pub servers: Vec<String>,
+    /// Pages the destination keeps resident.
     pub budget_pages: u64,
     /// The workload and its parameters (the runner starts it).
     pub workload: pagefleet_api::GuestSpec,
+    /// Compare region checksums at stop and at resume.
     pub verify: bool,
     /// Integrated migration: the destination also pulls every page that is
     /// on a memory server, so the whole guest ends up on it.

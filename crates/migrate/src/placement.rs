@@ -3,8 +3,10 @@
 //! keep go to the fewest sub-hosts whose memory servers can hold them
 //! (largest free first), or to the ones named.
 
+/// A host as placement sees it.
 #[derive(Clone, Debug)]
 pub struct HostInfo {
+    /// The host's name.
     pub name: String,
     /// The host's pagefleetd HTTP address.
     pub http: String,
@@ -16,8 +18,10 @@ pub struct HostInfo {
     pub lend_free: u64,
 }
 
+/// Placement's answer.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Choice {
+    /// The main host (index into the hosts).
     pub main: usize,
     /// The guest's budget on the main host.
     pub main_pages: u64,

@@ -6,22 +6,31 @@ use pagefleet_region::{Location, Snapshot};
 
 /// Per chunk: `MAIN`, or `SUB0 + j` for sub-host j.
 pub const MAIN: u8 = 0;
+/// Sub-host 0 (sub-host j is SUB0 + j).
 pub const SUB0: u8 = 1;
 
+/// Where every chunk of a guest goes.
 #[derive(Debug, Clone)]
 pub struct Plan {
+    /// Pages per chunk.
     pub chunk_pages: usize,
+    /// Per chunk: MAIN or SUB0 + j.
     pub target: Vec<u8>,
     /// Pages with data planned for the main host and for each sub-host.
     pub main_pages: u64,
+    /// Pages with data for each sub-host.
     pub sub_pages: Vec<u64>,
 }
 
+/// The guest does not fit where it was asked to go.
 #[derive(Debug, thiserror::Error)]
 #[error("not enough memory for the guest: {need} pages to place, main host takes {main}, sub-hosts {subs} more")]
 pub struct PlanError {
+    /// Pages to place.
     pub need: u64,
+    /// Pages the main host takes.
     pub main: u64,
+    /// Pages the sub-hosts take.
     pub subs: u64,
 }
 

@@ -19,21 +19,28 @@ use tracing::{info, warn};
 /// A sub-host: its memory server and how many pages it may take.
 #[derive(Clone, Debug)]
 pub struct SubHost {
+    /// Its memory server.
     pub addr: String,
+    /// Pages it may take.
     pub pages: u64,
 }
 
+/// How to migrate.
 #[derive(Clone, Debug)]
 pub struct Options {
     /// The destination runner's migration address (main host).
     pub to: String,
+    /// Sub-hosts for the pages the main host does not keep.
     pub subs: Vec<SubHost>,
     /// Pages the main host keeps resident (its budget for the guest).
     pub main_pages: u64,
+    /// The cluster secret.
     pub secret: Secret,
     /// Everything the destination needs to resume the workload.
     pub workload: pagefleet_api::GuestSpec,
+    /// The guest's name.
     pub name: String,
+    /// Paging policy on the destination.
     pub policy: String,
     /// Pages per chunk on the destination (default: as here).
     pub dest_chunk: Option<usize>,
@@ -42,9 +49,11 @@ pub struct Options {
     pub gather: bool,
     /// Compare region checksums at stop time (source) and at resume (destination).
     pub verify: bool,
+    /// Most pre-copy rounds before stop-and-copy.
     pub max_rounds: usize,
     /// Stop and copy once a round leaves at most this many changed pages.
     pub stop_pages: u64,
+    /// Give up reaching a safepoint after this long.
     pub pause_timeout: Duration,
     /// Give up the stream after this long without progress.
     pub io_timeout: Duration,
@@ -83,6 +92,7 @@ impl Options {
 pub trait Guest: Sync {
     /// Reach a safepoint: no guest work in flight (false on timeout).
     fn pause(&self, timeout: Duration) -> bool;
+    /// Let it run again.
     fn resume(&self);
     /// Give up the guest's service address (the destination takes it over).
     fn release_address(&self) {}
@@ -90,23 +100,33 @@ pub trait Guest: Sync {
     fn reclaim_address(&self) {}
 }
 
+/// Why a migration failed (everything before GO is rolled back).
 #[derive(Debug, thiserror::Error)]
 pub enum MigrateError {
+    /// The migration stream.
     #[error(transparent)]
     Wire(#[from] WireError),
+    /// The guest does not fit.
     #[error(transparent)]
     Plan(#[from] plan::PlanError),
+    /// A sub-host's memory server.
     #[error("sub-host {addr}: {source}")]
     Sub {
+        /// Its address.
         addr: String,
+        /// What went wrong.
         source: pagefleet_client::ClientError,
     },
+    /// The destination cannot be reached.
     #[error("cannot reach the destination {0}: {1}")]
     Connect(String, std::io::Error),
+    /// The guest did not reach a safepoint.
     #[error("the guest did not reach a safepoint within {0:?}")]
     PauseTimeout(Duration),
+    /// Cancelled by the caller.
     #[error("cancelled")]
     Cancelled,
+    /// Anything else.
     #[error("{0}")]
     Other(String),
     /// GO was sent but the destination never confirmed the start: the guest
@@ -118,11 +138,17 @@ pub enum MigrateError {
 /// Live counters for a progress bar (`pagefleet migrate` polls them).
 #[derive(Default, Debug)]
 pub struct Progress {
+    /// What it is doing.
     pub phase: Mutex<String>,
+    /// Pre-copy round.
     pub round: AtomicU64,
+    /// Pages this round sends.
     pub round_pages: AtomicU64,
+    /// Of which sent.
     pub round_sent: AtomicU64,
+    /// Bytes sent to the main host.
     pub bytes_main: AtomicU64,
+    /// Bytes sent to sub-hosts.
     pub bytes_subs: AtomicU64,
     /// What an abort undid, in order (for the person who asked).
     pub rolled_back: Mutex<Vec<String>>,

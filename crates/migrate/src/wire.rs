@@ -26,8 +26,11 @@ use std::io::{self, IoSlice, Read};
 use std::net::TcpStream;
 use std::time::Duration;
 
+/// Every message starts with these bytes.
 pub const MAGIC: [u8; 2] = *b"PM";
+/// The stream protocol version.
 pub const VERSION: u8 = 1;
+/// Header bytes.
 pub const HEADER: usize = 16;
 /// Pages per PAGES message (256 KiB).
 pub const MAX_PAGES: usize = 64;
@@ -36,27 +39,44 @@ pub const MAX_BODY: usize = 1 << 20;
 /// LOCATED server value for "never touched: reads as zeros".
 pub const ZERO_SERVER: u16 = 0xFFFF;
 
+/// Message kinds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
 pub enum Kind {
+    /// Destination: greeting with its nonce.
     Welcome = 1,
+    /// Source: its nonce and HMAC proof.
     Hello = 2,
+    /// Destination: its HMAC proof.
     Proof = 3,
+    /// Source: the guest's shape, servers and workload (JSON).
     Spec = 4,
+    /// Destination: ready for pages.
     Ready = 5,
+    /// Source: pages with their history.
     Pages = 6,
+    /// Source: pages that stay on memory servers, and where.
     Located = 7,
+    /// Source: a pre-copy round ends.
     Round = 8,
+    /// Source: the last round is sent; build the region.
     Commit = 9,
+    /// Destination: the region is built (JSON).
     Prepared = 10,
+    /// Source: the guest is paused here; start it.
     Go = 11,
+    /// Destination: the guest runs (JSON).
     Started = 12,
+    /// Either side: drop the migration.
     Abort = 13,
+    /// Either side: a failure, with its message.
     Error = 14,
+    /// Destination: everything of the round has arrived.
     RoundDone = 15,
 }
 
 impl Kind {
+    /// The kind of a byte, if known.
     pub fn from_u8(v: u8) -> Option<Kind> {
         use Kind::*;
         Some(match v {
@@ -80,15 +100,21 @@ impl Kind {
     }
 }
 
+/// A message header.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Header {
+    /// What it is.
     pub kind: Kind,
+    /// Body bytes.
     pub len: u32,
+    /// A kind-specific number.
     pub arg: u64,
 }
 
+/// What went wrong on the migration stream.
 #[derive(Debug, thiserror::Error)]
 pub enum WireError {
+    /// A socket error.
     #[error("migration stream: {0}")]
     Io(#[from] io::Error),
     /// The other end closed the connection (its process died, or it gave up).
@@ -105,17 +131,22 @@ pub enum WireError {
         /// The timeout that passed.
         secs: u64,
     },
+    /// A message that cannot be parsed.
     #[error("migration stream: malformed message: {0}")]
     Malformed(String),
+    /// The other end does not hold the cluster secret.
     #[error("migration peer refused the cluster secret (both hosts need the same secret file)")]
     Auth,
+    /// The other end reported an error.
     #[error("migration peer reported: {0}")]
     Peer(String),
+    /// The other end aborted.
     #[error("migration peer aborted: {0}")]
     Aborted(String),
 }
 
 impl Header {
+    /// The wire form.
     pub fn encode(&self) -> [u8; HEADER] {
         let mut b = [0u8; HEADER];
         b[0..2].copy_from_slice(&MAGIC);
@@ -125,6 +156,7 @@ impl Header {
         b[8..16].copy_from_slice(&self.arg.to_le_bytes());
         b
     }
+    /// Parse a header.
     pub fn decode(b: &[u8; HEADER]) -> Result<Header, WireError> {
         if b[0..2] != MAGIC {
             return Err(WireError::Malformed(format!(
@@ -180,12 +212,14 @@ pub struct Commit {}
 
 /// One end of a migration stream.
 pub struct Stream {
+    /// The socket (pages are spliced straight from it).
     pub s: TcpStream,
     peer: String,
     timeout: std::cell::Cell<Option<Duration>>,
 }
 
 impl Stream {
+    /// A stream over `s` (no delay).
     pub fn new(s: TcpStream) -> Stream {
         let _ = s.set_nodelay(true);
         let peer = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
@@ -212,6 +246,7 @@ impl Stream {
         }
     }
 
+    /// Send one message whose body is `parts` in order.
     pub fn send(&mut self, kind: Kind, arg: u64, parts: &[&[u8]]) -> Result<(), WireError> {
         let len: usize = parts.iter().map(|p| p.len()).sum();
         let h = Header {
@@ -231,11 +266,13 @@ impl Stream {
         pagefleet_proto::io::write_all_vectored(&mut self.s, &mut iov).map_err(|e| self.io_error(e))
     }
 
+    /// Send one message with a JSON body.
     pub fn send_json<T: serde::Serialize>(&mut self, kind: Kind, v: &T) -> Result<(), WireError> {
         let b = serde_json::to_vec(v).map_err(|e| WireError::Malformed(e.to_string()))?;
         self.send(kind, 0, &[&b])
     }
 
+    /// Read the next header.
     pub fn header(&mut self) -> Result<Header, WireError> {
         let mut b = [0u8; HEADER];
         self.s.read_exact(&mut b).map_err(|e| self.io_error(e))?;
@@ -255,6 +292,7 @@ impl Stream {
         Ok(v)
     }
 
+    /// Read exactly `dst.len()` bytes.
     pub fn read_exact(&mut self, dst: &mut [u8]) -> Result<(), WireError> {
         self.s.read_exact(dst).map_err(|e| self.io_error(e))
     }
@@ -275,6 +313,7 @@ impl Stream {
         }
     }
 
+    /// The next message, which must be `want`, its JSON body parsed.
     pub fn expect_json<T: serde::de::DeserializeOwned>(
         &mut self,
         want: Kind,
@@ -283,6 +322,7 @@ impl Stream {
         serde_json::from_slice(&b).map_err(|e| WireError::Malformed(format!("{want:?}: {e}")))
     }
 
+    /// Give up reads and writes after `t`.
     pub fn set_timeout(&self, t: Option<Duration>) {
         let _ = self.s.set_read_timeout(t);
         let _ = self.s.set_write_timeout(t);

@@ -17,6 +17,7 @@ pub const SECRET_FILE_ENV: &str = "PAGEFLEET_SECRET_FILE";
 /// Secrets shorter than this are refused: they would be guessable.
 pub const MIN_SECRET_LEN: usize = 16;
 
+/// The cluster secret (never printed, never sent).
 #[derive(Clone)]
 pub struct Secret(Vec<u8>);
 
@@ -26,28 +27,46 @@ impl std::fmt::Debug for Secret {
     }
 }
 
+/// Why the secret could not be had.
 #[derive(Debug, thiserror::Error)]
 pub enum SecretError {
+    /// No secret file.
     #[error(
         "no cluster secret at {path}: start pagefleetd once on this host (it creates one), \
          copy the cluster's secret file there, or point --secret-file / ${SECRET_FILE_ENV} at it"
     )]
-    Missing { path: PathBuf },
+    Missing {
+        /// Where it was looked for.
+        path: PathBuf,
+    },
+    /// The file could not be read.
     #[error("cannot read cluster secret {path}: {source}")]
     Read {
+        /// The file.
         path: PathBuf,
+        /// Why.
         source: std::io::Error,
     },
+    /// The file could not be created.
     #[error("cannot create cluster secret {path}: {source}")]
     Create {
+        /// The file.
         path: PathBuf,
+        /// Why.
         source: std::io::Error,
     },
+    /// The secret is too short to be safe.
     #[error("cluster secret {origin} is {len} bytes; use at least {MIN_SECRET_LEN} (e.g. `head -c32 /dev/urandom | xxd -p -c64`)")]
-    TooShort { origin: String, len: usize },
+    TooShort {
+        /// Where it came from.
+        origin: String,
+        /// Its length.
+        len: usize,
+    },
 }
 
 impl Secret {
+    /// A secret from its bytes (surrounding whitespace trimmed); `origin` names it in errors.
     pub fn from_bytes(b: &[u8], origin: &str) -> Result<Secret, SecretError> {
         let t = trim(b);
         if t.len() < MIN_SECRET_LEN {
@@ -100,6 +119,7 @@ impl Secret {
         Secret::load(&path)
     }
 
+    /// Read the secret file at `path`.
     pub fn load(path: &Path) -> Result<Secret, SecretError> {
         match std::fs::read(path) {
             Ok(b) => Secret::from_bytes(&b, &path.display().to_string()),
@@ -233,12 +253,14 @@ pub fn macs_equal(a: &[u8; 32], b: &[u8; 32]) -> bool {
         == 0
 }
 
+/// 32 random bytes from the OS.
 pub fn random_nonce() -> [u8; 32] {
     let mut n = [0u8; 32];
     getrandom::getrandom(&mut n).expect("getrandom");
     n
 }
 
+/// A random u64 from the OS.
 pub fn random_u64() -> u64 {
     let mut n = [0u8; 8];
     getrandom::getrandom(&mut n).expect("getrandom");

@@ -21,6 +21,7 @@ pub const MAX_BODY: usize = 16 + MAX_BATCH_PAGES * 8 + MAX_BATCH_PAGES * PAGE_SI
 pub const MAX_PAGE: u64 = 1 << 52;
 /// Longest client name in HELLO and error message text.
 pub const MAX_NAME: usize = 64;
+/// Longest error message carried (longer ones are cut).
 pub const MAX_MESSAGE: usize = 1024;
 /// Longest PING payload.
 pub const MAX_PING: usize = 256;
@@ -30,23 +31,38 @@ pub const MAX_PING: usize = 256;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum Opcode {
+    /// Client: authenticate (answers WELCOME).
     Hello = 0x01,
+    /// Client: store pages.
     Put = 0x02,
+    /// Client: read (or take) pages.
     Get = 0x03,
+    /// Client: drop pages or a whole region.
     Delete = 0x04,
+    /// Client: capacity, use and regions.
     Stat = 0x05,
+    /// Client: a round trip.
     Ping = 0x06,
+    /// Server: greeting with its nonce.
     Welcome = 0x80,
+    /// Server: authenticated; its proof and numbers.
     HelloOk = 0x81,
+    /// Server: pages stored.
     PutOk = 0x82,
+    /// Server: the pages asked for.
     GetOk = 0x83,
+    /// Server: pages dropped.
     DeleteOk = 0x84,
+    /// Server: its numbers.
     StatOk = 0x85,
+    /// Server: the round trip.
     Pong = 0x86,
+    /// Server: the request failed.
     Error = 0xff,
 }
 
 impl Opcode {
+    /// The opcode of a byte, if known.
     pub fn from_u8(v: u8) -> Option<Opcode> {
         use Opcode::*;
         Some(match v {
@@ -67,6 +83,7 @@ impl Opcode {
             _ => return None,
         })
     }
+    /// Its name as the protocol document spells it.
     pub fn name(self) -> &'static str {
         use Opcode::*;
         match self {
@@ -105,12 +122,16 @@ impl Opcode {
 /// can be answered with UNKNOWN_OPCODE after its body has been skipped.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Header {
+    /// The opcode byte (kept raw: an unknown one is answered after its body is skipped).
     pub opcode: u8,
+    /// Body length, bytes.
     pub body_len: u32,
+    /// Request id (replies echo it).
     pub id: u64,
 }
 
 impl Header {
+    /// A header for a frame of `op` with a `body_len`-byte body.
     pub fn new(op: Opcode, body_len: usize, id: u64) -> Header {
         Header {
             opcode: op as u8,
@@ -118,6 +139,7 @@ impl Header {
             id,
         }
     }
+    /// Append the wire form to `out`.
     pub fn encode(&self) -> [u8; HEADER_LEN] {
         let mut b = [0u8; HEADER_LEN];
         b[0..2].copy_from_slice(&MAGIC);
@@ -169,22 +191,36 @@ impl Header {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u16)]
 pub enum ErrorCode {
+    /// The frame does not start with the magic.
     BadMagic = 1,
+    /// No common protocol version.
     UnsupportedVersion = 2,
+    /// The body is over the limit.
     FrameTooLarge = 3,
+    /// The body cannot be parsed.
     Malformed = 4,
+    /// No such request.
     UnknownOpcode = 5,
+    /// A request before HELLO.
     NotAuthenticated = 6,
+    /// The HMAC proof is wrong.
     AuthFailed = 7,
+    /// Not enough free slots (detail: free pages).
     OutOfCapacity = 8,
+    /// A page is not stored (detail: the first missing).
     NotFound = 9,
+    /// Flags or counts out of range.
     InvalidArgument = 10,
+    /// Too many connections.
     Busy = 11,
+    /// The server failed.
     Internal = 12,
+    /// The client broke the protocol.
     ProtocolViolation = 13,
 }
 
 impl ErrorCode {
+    /// Every code.
     pub const ALL: [ErrorCode; 13] = [
         ErrorCode::BadMagic,
         ErrorCode::UnsupportedVersion,
@@ -200,9 +236,11 @@ impl ErrorCode {
         ErrorCode::Internal,
         ErrorCode::ProtocolViolation,
     ];
+    /// The error code of a number, if known.
     pub fn from_u16(v: u16) -> Option<ErrorCode> {
         ErrorCode::ALL.iter().copied().find(|c| *c as u16 == v)
     }
+    /// Its name as the protocol document spells it.
     pub fn name(self) -> &'static str {
         use ErrorCode::*;
         match self {
@@ -244,7 +282,9 @@ impl std::fmt::Display for ErrorCode {
 #[derive(Clone, Debug, PartialEq, Eq, Error)]
 #[error("{code}: {message}")]
 pub struct WireError {
+    /// What kind of error.
     pub code: ErrorCode,
+    /// For a person.
     pub message: String,
     /// Request id the error answers (0 when it answers no parsed request).
     pub id: u64,
@@ -254,6 +294,7 @@ pub struct WireError {
 }
 
 impl WireError {
+    /// An error (the message cut to MAX_MESSAGE).
     pub fn new(code: ErrorCode, message: impl Into<String>) -> WireError {
         let mut message = message.into();
         if message.len() > MAX_MESSAGE {
@@ -270,14 +311,17 @@ impl WireError {
             detail: 0,
         }
     }
+    /// The same error answering request `id`.
     pub fn with_id(mut self, id: u64) -> WireError {
         self.id = id;
         self
     }
+    /// The same error with its code-specific detail.
     pub fn with_detail(mut self, detail: u64) -> WireError {
         self.detail = detail;
         self
     }
+    /// A MALFORMED error.
     pub fn malformed(message: impl Into<String>) -> WireError {
         WireError::new(ErrorCode::Malformed, message)
     }

@@ -10,6 +10,7 @@ use std::os::fd::AsRawFd;
 /// knows how. For TCP sockets this is `recvmsg(MSG_WAITALL)`: one syscall per
 /// 128 KiB frame instead of one per arriving segment batch.
 pub trait ReadAll: Read {
+    /// Fill `bufs` in order, waiting for all of it (recvmsg MSG_WAITALL); bytes read.
     fn read_vectored_all(&mut self, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
         self.read_vectored(bufs)
     }
@@ -43,6 +44,7 @@ pub struct RecvBuf {
 }
 
 impl RecvBuf {
+    /// A buffer of `cap` bytes.
     pub fn new(cap: usize) -> RecvBuf {
         RecvBuf {
             buf: vec![0u8; cap].into_boxed_slice(),
@@ -58,18 +60,23 @@ impl RecvBuf {
     pub fn set_read_max(&mut self, n: usize) {
         self.read_max = n.clamp(1, self.buf.len());
     }
+    /// Its size.
     pub fn capacity(&self) -> usize {
         self.buf.len()
     }
+    /// Bytes received and not yet consumed.
     pub fn available(&self) -> &[u8] {
         &self.buf[self.start..self.end]
     }
+    /// How many (pages, bytes).
     pub fn len(&self) -> usize {
         self.end - self.start
     }
+    /// Whether there are none.
     pub fn is_empty(&self) -> bool {
         self.start == self.end
     }
+    /// Drop `n` bytes from the front.
     pub fn consume(&mut self, n: usize) {
         assert!(n <= self.len());
         self.start += n;
@@ -92,6 +99,7 @@ impl RecvBuf {
         let hi = (self.end + self.read_max).min(self.buf.len());
         &mut self.buf[self.end..hi]
     }
+    /// Count `n` bytes written into the free space as received.
     pub fn commit(&mut self, n: usize) {
         assert!(self.end + n <= self.buf.len());
         self.end += n;

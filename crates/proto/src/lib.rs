@@ -6,10 +6,6 @@
 //! shared by the server (`pagefleet-memserver`) and the client
 //! (`pagefleet-client`), so both sides parse frames with the same code.
 
-// Not every public item is documented yet (issue 16): remove this once
-// `cargo clippy -p pagefleet-proto` passes without it.
-#![allow(missing_docs)]
-
 pub mod auth;
 pub mod frame;
 pub mod io;

@@ -17,8 +17,11 @@ pub mod flags {
     pub const ALLOW_MISSING: u32 = 4;
     /// DELETE: drop the whole region; count must be 0 and no descriptor follows.
     pub const WHOLE_REGION: u32 = 8;
+    /// Flags a PUT may carry.
     pub const PUT_ALLOWED: u32 = RUN;
+    /// Flags a GET may carry.
     pub const GET_ALLOWED: u32 = RUN | TAKE | ALLOW_MISSING;
+    /// Flags a DELETE may carry.
     pub const DELETE_ALLOWED: u32 = RUN | WHOLE_REGION;
 }
 
@@ -30,9 +33,11 @@ pub struct Reader<'a> {
 }
 
 impl<'a> Reader<'a> {
+    /// A reader over `buf`; `what` names the message in errors.
     pub fn new(buf: &'a [u8], what: &'static str) -> Reader<'a> {
         Reader { buf, pos: 0, what }
     }
+    /// The next `n` bytes.
     pub fn bytes(&mut self, n: usize) -> Result<&'a [u8], WireError> {
         if self.buf.len() - self.pos < n {
             return Err(WireError::malformed(format!(
@@ -47,21 +52,27 @@ impl<'a> Reader<'a> {
         self.pos += n;
         Ok(s)
     }
+    /// The next little-endian integer.
     pub fn u8(&mut self) -> Result<u8, WireError> {
         Ok(self.bytes(1)?[0])
     }
+    /// The next little-endian integer.
     pub fn u16(&mut self) -> Result<u16, WireError> {
         Ok(u16::from_le_bytes(self.bytes(2)?.try_into().unwrap()))
     }
+    /// The next little-endian integer.
     pub fn u32(&mut self) -> Result<u32, WireError> {
         Ok(u32::from_le_bytes(self.bytes(4)?.try_into().unwrap()))
     }
+    /// The next little-endian integer.
     pub fn u64(&mut self) -> Result<u64, WireError> {
         Ok(u64::from_le_bytes(self.bytes(8)?.try_into().unwrap()))
     }
+    /// The next 32 bytes.
     pub fn array32(&mut self) -> Result<[u8; 32], WireError> {
         Ok(self.bytes(32)?.try_into().unwrap())
     }
+    /// Bytes left.
     pub fn remaining(&self) -> usize {
         self.buf.len() - self.pos
     }
@@ -81,15 +92,22 @@ impl<'a> Reader<'a> {
 /// Server greeting, sent unsolicited right after accept (request id 0).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Welcome {
+    /// Oldest version the server speaks.
     pub min_version: u16,
+    /// Newest version it speaks.
     pub max_version: u16,
+    /// Flags (none defined: 0).
     pub flags: u32,
+    /// The server's challenge.
     pub server_nonce: [u8; 32],
+    /// Random per server process (a new one means it restarted).
     pub server_id: u64,
 }
 
 impl Welcome {
+    /// Wire length, bytes.
     pub const LEN: usize = 48;
+    /// Append the wire form to `out`.
     pub fn encode(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(&self.min_version.to_le_bytes());
         out.extend_from_slice(&self.max_version.to_le_bytes());
@@ -97,6 +115,7 @@ impl Welcome {
         out.extend_from_slice(&self.server_nonce);
         out.extend_from_slice(&self.server_id.to_le_bytes());
     }
+    /// Parse the wire form.
     pub fn decode(b: &[u8]) -> Result<Welcome, WireError> {
         let mut r = Reader::new(b, "WELCOME");
         let w = Welcome {
@@ -114,14 +133,20 @@ impl Welcome {
 /// HELLO: the client's answer to WELCOME: version, nonce and HMAC proof.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Hello {
+    /// The version the client chose.
     pub version: u16,
+    /// Flags (none defined: 0).
     pub flags: u16,
+    /// The client's challenge.
     pub client_nonce: [u8; 32],
+    /// The HMAC proof.
     pub mac: [u8; 32],
+    /// The client's name (for the server's logs).
     pub name: String,
 }
 
 impl Hello {
+    /// Append the wire form to `out`.
     pub fn encode(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(&self.version.to_le_bytes());
         out.extend_from_slice(&self.flags.to_le_bytes());
@@ -131,6 +156,7 @@ impl Hello {
         out.push(name.len() as u8);
         out.extend_from_slice(name.as_bytes());
     }
+    /// Parse the wire form.
     pub fn decode(b: &[u8]) -> Result<Hello, WireError> {
         let mut r = Reader::new(b, "HELLO");
         let version = r.u16()?;
@@ -158,16 +184,24 @@ impl Hello {
 /// HELLO_OK: the server's proof and its vital numbers.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HelloOk {
+    /// The HMAC proof.
     pub mac: [u8; 32],
+    /// Random per server process (a new one means it restarted).
     pub server_id: u64,
+    /// Pages the server lends.
     pub capacity_pages: u64,
+    /// Pages it holds.
     pub used_pages: u64,
+    /// Bytes per page (4096).
     pub page_size: u32,
+    /// Most pages per request.
     pub max_batch_pages: u32,
 }
 
 impl HelloOk {
+    /// Wire length, bytes.
     pub const LEN: usize = 64;
+    /// Append the wire form to `out`.
     pub fn encode(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(&self.mac);
         out.extend_from_slice(&self.server_id.to_le_bytes());
@@ -176,6 +210,7 @@ impl HelloOk {
         out.extend_from_slice(&self.page_size.to_le_bytes());
         out.extend_from_slice(&self.max_batch_pages.to_le_bytes());
     }
+    /// Parse the wire form.
     pub fn decode(b: &[u8]) -> Result<HelloOk, WireError> {
         let mut r = Reader::new(b, "HELLO_OK");
         let v = HelloOk {
@@ -195,18 +230,25 @@ impl HelloOk {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum PageSel {
     /// `count` consecutive pages starting at `first`.
-    Run { first: u64, count: u32 },
+    Run {
+        /// The first page.
+        first: u64,
+        /// How many.
+        count: u32,
+    },
     /// Explicit page numbers, in the order the data follows.
     List(Vec<u64>),
 }
 
 impl PageSel {
+    /// How many (pages, bytes).
     pub fn len(&self) -> usize {
         match self {
             PageSel::Run { count, .. } => *count as usize,
             PageSel::List(v) => v.len(),
         }
     }
+    /// Whether there are none.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -217,6 +259,7 @@ impl PageSel {
             PageSel::List(v) => v[i],
         }
     }
+    /// The page numbers in order.
     pub fn iter(&self) -> impl Iterator<Item = u64> + '_ {
         (0..self.len()).map(move |i| self.page(i))
     }
@@ -225,13 +268,18 @@ impl PageSel {
 /// The fixed 16-byte start of every PUT / GET / DELETE body.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PagesPrefix {
+    /// The region.
     pub region: u64,
+    /// Pages named.
     pub count: u32,
+    /// Flags (none defined: 0).
     pub flags: u32,
 }
 
 impl PagesPrefix {
+    /// Wire length, bytes.
     pub const LEN: usize = 16;
+    /// Append the wire form to `out`.
     pub fn encode(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(&self.region.to_le_bytes());
         out.extend_from_slice(&self.count.to_le_bytes());
@@ -357,11 +405,14 @@ pub fn encode_pages_req(region: u64, sel: &PageSel, extra_flags: u32, out: &mut 
 /// A fully decoded GET or DELETE request (PUT data is streamed separately).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PagesReq {
+    /// The fixed part.
     pub prefix: PagesPrefix,
+    /// The pages.
     pub sel: PageSel,
 }
 
 impl PagesReq {
+    /// Parse the wire form.
     pub fn decode(op: Opcode, b: &[u8]) -> Result<PagesReq, WireError> {
         if b.len() < PagesPrefix::LEN {
             return Err(WireError::malformed(format!(
@@ -396,16 +447,21 @@ impl PagesReq {
 /// PUT_OK.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PutOk {
+    /// Pages stored.
     pub stored: u32,
+    /// Of which were new (not overwrites).
     pub new_pages: u32,
 }
 
 impl PutOk {
+    /// Wire length, bytes.
     pub const LEN: usize = 8;
+    /// Append the wire form to `out`.
     pub fn encode(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(&self.stored.to_le_bytes());
         out.extend_from_slice(&self.new_pages.to_le_bytes());
     }
+    /// Parse the wire form.
     pub fn decode(b: &[u8]) -> Result<PutOk, WireError> {
         let mut r = Reader::new(b, "PUT_OK");
         let v = PutOk {
@@ -421,21 +477,28 @@ impl PutOk {
 /// ceil(count/8) bytes (bit i of byte i/8, LSB first), then `present` pages.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct GetOkHead {
+    /// Pages named.
     pub count: u32,
+    /// Pages present.
     pub present: u32,
+    /// Presence bitmap, bit i of byte i/8, LSB first.
     pub bitmap: Vec<u8>,
 }
 
 impl GetOkHead {
+    /// Bitmap bytes for `count` pages.
     pub fn bitmap_len(count: u32) -> usize {
         (count as usize).div_ceil(8)
     }
+    /// Bytes of the fixed part for `count` pages.
     pub fn head_len(count: u32) -> usize {
         8 + Self::bitmap_len(count)
     }
+    /// Whether page `i` of the request is present.
     pub fn is_present(&self, i: usize) -> bool {
         self.bitmap[i / 8] & (1 << (i % 8)) != 0
     }
+    /// Append the wire form to `out`.
     pub fn encode(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(&self.count.to_le_bytes());
         out.extend_from_slice(&self.present.to_le_bytes());
@@ -476,13 +539,16 @@ impl GetOkHead {
 /// DELETE_OK.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DeleteOk {
+    /// Pages dropped.
     pub deleted: u64,
 }
 
 impl DeleteOk {
+    /// Append the wire form to `out`.
     pub fn encode(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(&self.deleted.to_le_bytes());
     }
+    /// Parse the wire form.
     pub fn decode(b: &[u8]) -> Result<DeleteOk, WireError> {
         let mut r = Reader::new(b, "DELETE_OK");
         let v = DeleteOk { deleted: r.u64()? };
@@ -494,18 +560,23 @@ impl DeleteOk {
 /// STAT request: flags bit 0 = list regions; at most `max_regions` listed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StatReq {
+    /// Flags (none defined: 0).
     pub flags: u32,
+    /// Most regions to list.
     pub max_regions: u32,
 }
 
 impl StatReq {
+    /// Flag: list the regions.
     pub const LIST_REGIONS: u32 = 1;
     /// Most regions one STAT_OK lists (keeps the reply under MAX_BODY).
     pub const MAX_LISTED: u32 = 4096;
+    /// Append the wire form to `out`.
     pub fn encode(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(&self.flags.to_le_bytes());
         out.extend_from_slice(&self.max_regions.to_le_bytes());
     }
+    /// Parse the wire form.
     pub fn decode(b: &[u8]) -> Result<StatReq, WireError> {
         let mut r = Reader::new(b, "STAT");
         let v = StatReq {
@@ -526,10 +597,15 @@ impl StatReq {
 /// STAT_OK.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
 pub struct StatOk {
+    /// Pages the server lends.
     pub capacity_pages: u64,
+    /// Pages it holds.
     pub used_pages: u64,
+    /// Random per server process (a new one means it restarted).
     pub server_id: u64,
+    /// Open connections.
     pub connections: u32,
+    /// Regions with pages.
     pub region_count: u32,
     /// More regions exist than are listed.
     pub truncated: bool,
@@ -538,6 +614,7 @@ pub struct StatOk {
 }
 
 impl StatOk {
+    /// Append the wire form to `out`.
     pub fn encode(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(&self.capacity_pages.to_le_bytes());
         out.extend_from_slice(&self.used_pages.to_le_bytes());
@@ -551,6 +628,7 @@ impl StatOk {
             out.extend_from_slice(&n.to_le_bytes());
         }
     }
+    /// Parse the wire form.
     pub fn decode(b: &[u8]) -> Result<StatOk, WireError> {
         let mut r = Reader::new(b, "STAT_OK");
         let mut v = StatOk {
@@ -576,6 +654,7 @@ impl StatOk {
 /// ERROR frame body: code, flags (bit 0: fatal, the server closes the
 /// connection after it), detail, message.
 impl WireError {
+    /// Append the wire form to `out`.
     pub fn encode(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(&(self.code as u16).to_le_bytes());
         out.extend_from_slice(&(self.code.is_fatal() as u16).to_le_bytes());
@@ -584,6 +663,7 @@ impl WireError {
         out.extend_from_slice(&(m.len() as u16).to_le_bytes());
         out.extend_from_slice(m.as_bytes());
     }
+    /// Parse the wire form.
     pub fn decode(b: &[u8], id: u64) -> Result<WireError, WireError> {
         let mut r = Reader::new(b, "ERROR");
         let raw = r.u16()?;

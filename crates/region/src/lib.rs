@@ -16,7 +16,6 @@
 //! - **sampling**: a clock hand zaps chunks' PTEs at a rate bounded by a CPU
 //!   budget for the MINOR faults it causes, faster while victims are needed.
 
-
 pub mod capi;
 mod pager;
 mod stats;

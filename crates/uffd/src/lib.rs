@@ -3,7 +3,6 @@
 //! memfd, `fallocate(PUNCH_HOLE)` and `madvise`. Ioctl numbers and structs are
 //! defined here (Debian's 6.1 headers lack the newer ones; see FACTS.md).
 
-
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
