@@ -4,6 +4,30 @@ use crate::migration::MigrationProgress;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
+/// A guest spec a host refuses to start, and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InvalidSpec(pub String);
+
+impl std::fmt::Display for InvalidSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for InvalidSpec {}
+
+impl From<String> for InvalidSpec {
+    fn from(s: String) -> InvalidSpec {
+        InvalidSpec(s)
+    }
+}
+
+impl From<&str> for InvalidSpec {
+    fn from(s: &str) -> InvalidSpec {
+        InvalidSpec(s.to_string())
+    }
+}
+
 /// A built-in workload and its parameters. This is all a caller can ask a
 /// host to run: there is no command line in it.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -52,12 +76,14 @@ impl Workload {
     }
 
     /// Range checks a host does before it starts anything.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), InvalidSpec> {
         let frac = |name: &str, v: f64| {
             if (0.0..=1.0).contains(&v) {
                 Ok(())
             } else {
-                Err(format!("{name} must be between 0 and 1, not {v}"))
+                Err(InvalidSpec(format!(
+                    "{name} must be between 0 and 1, not {v}"
+                )))
             }
         };
         match self {
@@ -81,12 +107,14 @@ impl Workload {
             Workload::Kv { listen } => listen
                 .parse::<std::net::SocketAddr>()
                 .map(|_| ())
-                .map_err(|_| format!("listen {listen:?} is not IP:PORT")),
+                .map_err(|_| InvalidSpec(format!("listen {listen:?} is not IP:PORT"))),
             Workload::Sortjob { sort_frac, .. } => {
                 if *sort_frac > 0.0 && *sort_frac <= 1.0 {
                     Ok(())
                 } else {
-                    Err(format!("sort_frac must be in (0, 1], not {sort_frac}"))
+                    Err(InvalidSpec(format!(
+                        "sort_frac must be in (0, 1], not {sort_frac}"
+                    )))
                 }
             }
         }
@@ -149,13 +177,13 @@ impl GuestSpec {
     }
 
     /// Range checks a host does before it starts anything.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), InvalidSpec> {
         self.workload.validate()?;
         if !(1..=256).contains(&self.threads) {
             return Err("threads must be 1..256".into());
         }
         if !matches!(self.policy.as_str(), "clock" | "aging") {
-            return Err(format!("policy {:?}: use clock or aging", self.policy));
+            return Err(format!("policy {:?}: use clock or aging", self.policy).into());
         }
         if !self.chunk.is_power_of_two() || self.chunk > 64 {
             return Err("chunk must be a power of two, 1..64 pages".into());
@@ -165,11 +193,11 @@ impl GuestSpec {
         }
         if let Some(ip) = &self.service_ip {
             ip.parse::<std::net::Ipv4Addr>()
-                .map_err(|_| format!("service_ip {ip:?} is not an IPv4 address"))?;
+                .map_err(|_| InvalidSpec(format!("service_ip {ip:?} is not an IPv4 address")))?;
         }
         for s in &self.servers {
             if s.is_empty() || s.len() > 256 || s.contains(char::is_whitespace) {
-                return Err(format!("memory server {s:?} is not HOST:PORT"));
+                return Err(format!("memory server {s:?} is not HOST:PORT").into());
             }
         }
         Ok(())

@@ -257,7 +257,7 @@ impl Device {
                     Ok(lo) => (lo, None, Some(p)),
                     Err(e) => {
                         let _ = std::fs::remove_file(&p);
-                        return Err(e);
+                        return Err(e.into());
                     }
                 }
             }
@@ -277,7 +277,7 @@ impl Device {
     }
 
     fn set_scheduler(&self, s: &str) -> Result<()> {
-        self.lo.as_ref().unwrap().set_scheduler(s)
+        Ok(self.lo.as_ref().unwrap().set_scheduler(s)?)
     }
 }
 

@@ -264,7 +264,7 @@ fn settle() -> Result<()> {
             last = now;
         }
     }
-    sysfs::write("run", "0")
+    Ok(sysfs::write("run", "0")?)
 }
 
 /// A clean slate between runs: stopped, kernel defaults.

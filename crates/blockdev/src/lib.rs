@@ -6,7 +6,45 @@ pub mod backend;
 pub mod layout;
 pub mod nbd;
 
-use anyhow::{bail, Context, Result};
+/// Why the export could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum BlockdevError {
+    /// A size or unit that is not whole blocks.
+    #[error("{flag} must be a positive multiple of 4096 bytes")]
+    NotBlocks {
+        /// The flag.
+        flag: &'static str,
+    },
+    /// A listen address strangers could reach.
+    #[error("--listen {spec}: the NBD export has no authentication of its own, so it listens on loopback (127.0.0.1:PORT) or a unix socket (unix:PATH) only, not on {ip}")]
+    Exposed {
+        /// The address given.
+        spec: String,
+        /// The non-loopback address it resolves to.
+        ip: std::net::IpAddr,
+    },
+    /// A socket or file operation failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A memory server.
+    #[error(transparent)]
+    Server(#[from] pagefleet_client::ClientError),
+    /// The layout does not fit the servers.
+    #[error(transparent)]
+    Layout(#[from] layout::LayoutError),
+}
+
+type Result<T> = std::result::Result<T, BlockdevError>;
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> BlockdevError {
+    let what = what.into();
+    move |source| BlockdevError::Io { what, source }
+}
 use backend::{Shared, BLOCK};
 use pagefleet_client::{Conn, ConnectOptions};
 use pagefleet_proto::auth::Secret;
@@ -48,28 +86,26 @@ impl Listener {
             Some(p) => {
                 let _ = std::fs::remove_file(p);
                 let l = std::os::unix::net::UnixListener::bind(p)
-                    .with_context(|| format!("cannot listen on {p}"))?;
+                    .map_err(io(format!("cannot listen on {p}")))?;
                 use std::os::unix::fs::PermissionsExt;
                 std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o600))
-                    .with_context(|| format!("cannot restrict {p} to its owner"))?;
+                    .map_err(io(format!("cannot restrict {p} to its owner")))?;
                 Listener::Unix(l, p.into())
             }
             None => {
                 let addrs: Vec<std::net::SocketAddr> =
                     std::net::ToSocketAddrs::to_socket_addrs(spec)
-                        .with_context(|| format!("--listen {spec}: not HOST:PORT or unix:PATH"))?
+                        .map_err(io(format!("--listen {spec}: not HOST:PORT or unix:PATH")))?
                         .collect();
                 if let Some(a) = addrs.iter().find(|a| !a.ip().is_loopback()) {
-                    bail!(
-                        "--listen {spec}: the NBD export has no authentication of its own, so it \
-                         listens on loopback (127.0.0.1:PORT) or a unix socket (unix:PATH) only, \
-                         not on {}",
-                        a.ip()
-                    );
+                    return Err(BlockdevError::Exposed {
+                        spec: spec.to_string(),
+                        ip: a.ip(),
+                    });
                 }
                 Listener::Tcp(
                     std::net::TcpListener::bind(&addrs[..])
-                        .with_context(|| format!("cannot listen on {spec}"))?,
+                        .map_err(io(format!("cannot listen on {spec}")))?,
                 )
             }
         })
@@ -105,7 +141,7 @@ impl Device {
     /// Connect to the servers and fix the layout for a device of `o.size`.
     pub fn open(o: &Options, secret: Secret) -> Result<Device> {
         if o.size == 0 || !o.size.is_multiple_of(BLOCK as u64) {
-            bail!("--size must be a positive multiple of 4096 bytes");
+            return Err(BlockdevError::NotBlocks { flag: "--size" });
         }
         let mut cap = Vec::new();
         for s in &o.servers {
@@ -119,7 +155,9 @@ impl Device {
         }
         let unit = match o.stripe {
             Some(u) if u == 0 || !u.is_multiple_of(BLOCK as u64) => {
-                bail!("--stripe-unit must be a positive multiple of 4096 bytes")
+                return Err(BlockdevError::NotBlocks {
+                    flag: "--stripe-unit",
+                })
             }
             Some(u) => Some(u / BLOCK as u64),
             None => None,
@@ -192,7 +230,7 @@ pub fn serve_until_signal(o: &Options, secret: Secret) -> Result<()> {
     println!("listening {}", l.describe());
     eprintln!("{} bytes: {}", o.size, dev.export.description);
     use std::io::Write;
-    std::io::stdout().flush()?;
+    std::io::stdout().flush().map_err(io("stdout"))?;
     let d2 = dev.clone();
     std::thread::spawn(move || {
         let _ = d2.serve(l);

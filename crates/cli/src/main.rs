@@ -218,7 +218,10 @@ fn blockdev(c: BlockdevCmd, secret_file: Option<&std::path::Path>) -> Result<()>
         listen,
         name,
     };
-    pagefleet_blockdev::serve_until_signal(&o, Secret::resolve(secret_file)?)
+    Ok(pagefleet_blockdev::serve_until_signal(
+        &o,
+        Secret::resolve(secret_file)?,
+    )?)
 }
 
 /// Log to stderr at `$PAGEFLEET_LOG`, else at `default`.
@@ -477,11 +480,11 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Blockdev(b) => blockdev(b, cli.secret_file.as_deref()),
         Cmd::Ksm(k) => {
             init_log("info");
-            pagefleet_ksm::cli::main(k)
+            Ok(pagefleet_ksm::cli::main(k)?)
         }
         Cmd::Ioqos(c) => {
             init_log("info");
-            pagefleet_ioqos::cli::main(c)
+            Ok(pagefleet_ioqos::cli::main(c)?)
         }
         Cmd::RunnerGuest { .. } => runner("guest"),
         Cmd::RunnerIncoming { .. } => runner("incoming"),

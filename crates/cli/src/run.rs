@@ -172,7 +172,7 @@ pub fn guest_spec(a: &RunArgs) -> Result<GuestSpec> {
         sample_budget: a.sample_budget,
         service_ip: a.service_ip.clone(),
     };
-    spec.validate().map_err(anyhow::Error::msg)?;
+    spec.validate()?;
     Ok(spec)
 }
 

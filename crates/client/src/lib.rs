@@ -29,7 +29,15 @@ pub enum ClientError {
         /// Why.
         source: io::Error,
     },
-    /// The connection failed or timed out midway.
+    /// The server said nothing for the I/O timeout.
+    #[error("memory server {addr}: no answer: timed out after {secs} s")]
+    TimedOut {
+        /// The server.
+        addr: String,
+        /// The timeout that passed.
+        secs: u64,
+    },
+    /// The connection failed midway.
     #[error("memory server {addr}: connection lost: {source}")]
     Io {
         /// The server.
@@ -190,6 +198,22 @@ pub struct Conn {
     pub info: ServerInfo,
     window: usize,
     spin: Duration,
+    io_timeout: Duration,
+}
+
+/// An I/O error on a connection, said as a person would want it: a timeout
+/// says how long, anything else is a lost connection.
+fn io_error(addr: &str, timeout: Duration, source: io::Error) -> ClientError {
+    match source.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => ClientError::TimedOut {
+            addr: addr.to_string(),
+            secs: timeout.as_secs(),
+        },
+        _ => ClientError::Io {
+            addr: addr.to_string(),
+            source,
+        },
+    }
 }
 
 fn resolve(addr: &str) -> io::Result<SocketAddr> {
@@ -231,6 +255,7 @@ impl Conn {
             },
             window: opts.window.max(1),
             spin: Duration::ZERO,
+            io_timeout: opts.io_timeout,
         };
         let (h, body) = c.read_frame()?;
         if h.opcode != Opcode::Welcome as u8 {
@@ -323,10 +348,7 @@ impl Conn {
     }
 
     fn io(&self, source: io::Error) -> ClientError {
-        ClientError::Io {
-            addr: self.addr.clone(),
-            source,
-        }
+        io_error(&self.addr, self.io_timeout, source)
     }
 
     fn proto(&self, msg: impl Into<String>) -> ClientError {
@@ -562,10 +584,7 @@ impl Conn {
             }
             self.rb
                 .read_exact_vectored(&mut self.stream, &mut iov)
-                .map_err(|e| ClientError::Io {
-                    addr: self.addr.clone(),
-                    source: e,
-                })?;
+                .map_err(|e| io_error(&self.addr, self.io_timeout, e))?;
         }
         Ok(GetReply {
             count,

@@ -1,8 +1,13 @@
 //! Human sizes: "4GiB", "512MiB", "1.5G", "4096", "64k".
 
+/// A size or share that does not parse, and what would.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct UnitError(pub String);
+
 /// Parse a size in bytes. Binary units (KiB, MiB, GiB, TiB, and the short
 /// K/M/G/T, case-insensitive) are powers of 1024; KB/MB/GB/TB are powers of 1000.
-pub fn parse_size(s: &str) -> Result<u64, String> {
+pub fn parse_size(s: &str) -> Result<u64, UnitError> {
     let t = s.trim();
     let split = t
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
@@ -20,23 +25,25 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         "gb" => 1e9,
         "tb" => 1e12,
         _ => {
-            return Err(format!(
+            return Err(UnitError(format!(
                 "unknown size unit {unit:?} in {s:?}; use e.g. 4GiB, 512MiB, 64KiB or bytes"
-            ))
+            )))
         }
     };
-    let v: f64 = num
-        .parse()
-        .map_err(|_| format!("{s:?} is not a size; use e.g. 4GiB, 512MiB, 64KiB or bytes"))?;
+    let v: f64 = num.parse().map_err(|_| {
+        UnitError(format!(
+            "{s:?} is not a size; use e.g. 4GiB, 512MiB, 64KiB or bytes"
+        ))
+    })?;
     if !v.is_finite() || v < 0.0 || v * mult > u64::MAX as f64 {
-        return Err(format!("size {s:?} is out of range"));
+        return Err(UnitError(format!("size {s:?} is out of range")));
     }
     Ok((v * mult).round() as u64)
 }
 
 /// A share written as a percentage or a fraction: "10%" or "0.1" -> 0.1
 /// (0 < share <= 1). `what` names the setting in the error.
-pub fn parse_share(what: &str, s: &str) -> Result<f64, String> {
+pub fn parse_share(what: &str, s: &str) -> Result<f64, UnitError> {
     let v = if let Some(p) = s.strip_suffix('%') {
         p.trim().parse::<f64>().map(|v| v / 100.0)
     } else {
@@ -44,10 +51,12 @@ pub fn parse_share(what: &str, s: &str) -> Result<f64, String> {
     };
     match v {
         Ok(v) if v > 0.0 && v <= 1.0 => Ok(v),
-        Ok(_) => Err(format!("{what} must be above 0 and at most 100% (got {s})")),
-        Err(_) => Err(format!(
+        Ok(_) => Err(UnitError(format!(
+            "{what} must be above 0 and at most 100% (got {s})"
+        ))),
+        Err(_) => Err(UnitError(format!(
             "{what} must be a percentage like 10% or a fraction like 0.1 (got {s})"
-        )),
+        ))),
     }
 }
 
@@ -83,6 +92,9 @@ mod tests {
         assert_eq!(parse_share("x", "10%"), Ok(0.1));
         assert_eq!(parse_share("x", "0.25"), Ok(0.25));
         assert!(parse_share("x", "150%").is_err());
-        assert!(parse_share("x", "lots").unwrap_err().contains("percentage"));
+        assert!(parse_share("x", "lots")
+            .unwrap_err()
+            .0
+            .contains("percentage"));
     }
 }

@@ -83,7 +83,7 @@ fn place(app: &App, g: &Guests, o: &MigrationOrder) -> Result<(Placed, MigrateRe
     }
     .map_err(|m| Refusal {
         status: 409,
-        message: m,
+        message: m.to_string(),
     })?;
     let main = &hs[choice.main];
     let mut sub_hosts = Vec::new();

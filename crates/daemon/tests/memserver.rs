@@ -646,3 +646,45 @@ fn host_report_over_http() {
         .unwrap_err();
     assert!(e.to_string().contains("HTTP 404"), "{e}");
 }
+
+/// A frozen server is given up on within the client's timeout, and the
+/// error says so in those words (not "Resource temporarily unavailable").
+#[test]
+fn frozen_server_times_out_in_plain_words() {
+    let d = Daemon::start("16MiB", &[]);
+    let opts = ConnectOptions {
+        io_timeout: Duration::from_secs(1),
+        ..ConnectOptions::default()
+    };
+    let mut c = Conn::connect(&d.addr, &d.secret, &opts).unwrap();
+    // SAFETY: kill has no memory preconditions; SIGCONT follows below.
+    unsafe { libc::kill(d.pid() as i32, libc::SIGSTOP) };
+    // kill returns before the stop lands: wait until the process is stopped.
+    let stopped = || {
+        std::fs::read_dir(format!("/proc/{}/task", d.pid()))
+            .unwrap()
+            .flatten()
+            .all(|t| {
+                std::fs::read_to_string(t.path().join("stat"))
+                    .unwrap_or_default()
+                    .rsplit(") ")
+                    .next()
+                    .is_some_and(|r| r.starts_with('T'))
+            })
+    };
+    let w = std::time::Instant::now();
+    while !stopped() {
+        assert!(
+            w.elapsed() < Duration::from_secs(5),
+            "the daemon never stopped"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let t = std::time::Instant::now();
+    let e = c.ping().unwrap_err();
+    // SAFETY: as above.
+    unsafe { libc::kill(d.pid() as i32, libc::SIGCONT) };
+    assert!(matches!(e, ClientError::TimedOut { secs: 1, .. }), "{e}");
+    assert!(e.to_string().contains("timed out after 1 s"), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+}

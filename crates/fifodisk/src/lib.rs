@@ -10,7 +10,29 @@
 //! and whose queue is first-come first-served, so blkio throttling, BFQ and
 //! the ioqos controllers act on it exactly as on a real disk.
 
-use anyhow::{bail, Context, Result};
+/// Why the disk could not be made, mounted or attached.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A size or rate that cannot be used.
+    #[error("{0}")]
+    Invalid(String),
+    /// A system operation failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
+/// A result of this crate.
+pub type Result<T> = std::result::Result<T, Error>;
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> Error {
+    let what = what.into();
+    move |source| Error::Io { what, source }
+}
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
     KernelConfig, LockOwner, OpenFlags, ReplyAttr, ReplyData, ReplyDirectory, ReplyEmpty,
@@ -291,12 +313,16 @@ impl FifoDisk {
     /// missing); the block-device-like file is `dir/disk`. Root only.
     pub fn mount(dir: &Path, size: u64, pace: Pace) -> Result<FifoDisk> {
         if size < 1 << 20 || !size.is_multiple_of(4096) {
-            bail!("disk size must be a multiple of 4 KiB and at least 1 MiB (got {size})");
+            return Err(Error::Invalid(format!(
+                "disk size must be a multiple of 4 KiB and at least 1 MiB (got {size})"
+            )));
         }
         if !(pace.bandwidth.is_finite() && pace.bandwidth > 0.0) {
-            bail!("disk bandwidth must be positive");
+            return Err(Error::Invalid(
+                "disk bandwidth must be positive".to_string(),
+            ));
         }
-        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+        std::fs::create_dir_all(dir).map_err(io(format!("cannot create {}", dir.display())))?;
         let stats = Arc::new(Stats::default());
         let fs = Fs {
             size,
@@ -312,14 +338,12 @@ impl FifoDisk {
         // One thread: the FIFO and the single server are the point.
         cfg.n_threads = Some(1);
         let session = fuser::Session::new(fs, dir, &cfg)
-            .with_context(|| {
-                format!(
-                    "cannot mount a FUSE filesystem at {} (need root and /dev/fuse)",
-                    dir.display()
-                )
-            })?
+            .map_err(io(format!(
+                "cannot mount a FUSE filesystem at {} (need root and /dev/fuse)",
+                dir.display()
+            )))?
             .spawn()
-            .context("cannot start the FUSE server thread")?;
+            .map_err(io("cannot start the FUSE server thread"))?;
         Ok(FifoDisk {
             dir: dir.to_path_buf(),
             session: Some(session),
@@ -340,7 +364,7 @@ impl FifoDisk {
     fn stop(&mut self) -> Result<()> {
         if let Some(s) = self.session.take() {
             s.umount_and_join()
-                .with_context(|| format!("cannot unmount {}", self.dir.display()))?;
+                .map_err(io(format!("cannot unmount {}", self.dir.display())))?;
         }
         Ok(())
     }
@@ -371,22 +395,22 @@ impl LoopDevice {
         let out = c
             .arg(file)
             .output()
-            .context("cannot run losetup (util-linux)")?;
+            .map_err(io("cannot run losetup (util-linux)"))?;
         if !out.status.success() {
-            bail!(
+            return Err(Error::Invalid(format!(
                 "losetup {}: {}",
                 file.display(),
                 String::from_utf8_lossy(&out.stderr).trim()
-            );
+            )));
         }
         let path = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
         let dev = LoopDevice { path };
         if direct_io && !dev.direct_io() {
-            bail!(
+            return Err(Error::Invalid(format!(
                 "{} did not switch to direct I/O over {}",
                 dev.path.display(),
                 file.display()
-            );
+            )));
         }
         Ok(dev)
     }
@@ -408,7 +432,7 @@ impl LoopDevice {
     /// Choose the device's I/O scheduler (e.g. bfq).
     pub fn set_scheduler(&self, name: &str) -> Result<()> {
         let p = self.queue_dir().join("scheduler");
-        std::fs::write(&p, name).with_context(|| format!("cannot set {} to {name}", p.display()))
+        std::fs::write(&p, name).map_err(io(format!("cannot set {} to {name}", p.display())))
     }
 }
 

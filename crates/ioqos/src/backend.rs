@@ -3,8 +3,8 @@
 //! (query-blockstats / block_set_io_throttle).
 
 use crate::device::Dev;
+use crate::error::{Context, Result};
 use crate::spec::Location;
-use anyhow::{anyhow, bail, Context, Result};
 use serde::Serialize;
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
@@ -71,7 +71,10 @@ impl Backend {
         Ok(match l {
             Location::CgroupV1(p) => {
                 if !p.join("blkio.throttle.io_service_bytes_recursive").exists() {
-                    bail!("cgroup {} is gone", p.display());
+                    return Err(crate::Error::Invalid(format!(
+                        "cgroup {} is gone",
+                        p.display()
+                    )));
                 }
                 Backend::V1(p.clone())
             }
@@ -286,7 +289,10 @@ impl Qmp {
         };
         let greeting = q.line()?;
         if greeting.greeting.is_none() {
-            bail!("{} is not a QMP socket", socket.display());
+            return Err(crate::Error::Invalid(format!(
+                "{} is not a QMP socket",
+                socket.display()
+            )));
         }
         q.execute("qmp_capabilities", serde_json::json!({}))?;
         q.stats()
@@ -297,7 +303,9 @@ impl Qmp {
     fn line(&mut self) -> Result<QmpLine> {
         let mut l = String::new();
         if self.r.read_line(&mut l)? == 0 {
-            bail!("QEMU closed its QMP socket");
+            return Err(crate::Error::Invalid(
+                "QEMU closed its QMP socket".to_string(),
+            ));
         }
         Ok(serde_json::from_str(&l)?)
     }
@@ -311,17 +319,20 @@ impl Qmp {
                 continue;
             }
             if let Some(e) = v.error {
-                bail!("QMP {cmd}: {}", e.desc);
+                return Err(crate::Error::Invalid(format!("QMP {cmd}: {}", e.desc)));
             }
-            return v.ret.ok_or_else(|| anyhow!("QMP {cmd}: no return"));
+            return v
+                .ret
+                .ok_or_else(|| crate::Error::Invalid(format!("QMP {cmd}: no return")));
         }
     }
 
     /// The drive's counters.
     pub fn stats(&mut self) -> Result<Counters> {
         let r = self.execute("query-blockstats", serde_json::json!({}))?;
-        let drives: Vec<BlockStats> = serde_json::from_value(r)
-            .map_err(|e| anyhow!("QMP query-blockstats: unexpected reply: {e}"))?;
+        let drives: Vec<BlockStats> = serde_json::from_value(r).map_err(|e| {
+            crate::Error::Invalid(format!("QMP query-blockstats: unexpected reply: {e}"))
+        })?;
         let d = self.device.as_str();
         let e = drives
             .into_iter()
@@ -330,7 +341,7 @@ impl Qmp {
                     .iter()
                     .any(|n| n.as_deref() == Some(d))
             })
-            .ok_or_else(|| anyhow!("no drive {d} in query-blockstats"))?;
+            .ok_or_else(|| crate::Error::Invalid(format!("no drive {d} in query-blockstats")))?;
         let s = e.stats;
         Ok(Counters {
             rbytes: s.rd_bytes,

@@ -2,7 +2,7 @@
 //! minimum (paper 004), and show what the controller sees.
 
 use crate::control::{self, Options, DEFAULT_STATE};
-use anyhow::{bail, Context, Result};
+use crate::error::{Context, Result};
 use clap::{Args, Subcommand};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -118,7 +118,9 @@ pub fn options(o: &RunOpts) -> Result<Options> {
         cap_interval: o.cap_interval,
     };
     let duration = if o.duration.is_nan() || o.duration < 0.0 {
-        bail!("--duration must not be negative")
+        return Err(crate::Error::Invalid(
+            "--duration must not be negative".to_string(),
+        ));
     } else {
         (o.duration > 0.0).then(|| Duration::from_secs_f64(o.duration))
     };
@@ -174,10 +176,14 @@ fn fifodisk(
 ) -> Result<()> {
     use pagefleet_fifodisk::{FifoDisk, LoopDevice, Pace};
     if !(0.0..=1000.0).contains(&per_io) || per_io.is_nan() {
-        bail!("--per-io is milliseconds per request, 0 to 1000");
+        return Err(crate::Error::Invalid(
+            "--per-io is milliseconds per request, 0 to 1000".to_string(),
+        ));
     }
     if bandwidth == 0 {
-        bail!("--bandwidth must be positive");
+        return Err(crate::Error::Invalid(
+            "--bandwidth must be positive".to_string(),
+        ));
     }
     let pace = Pace {
         per_io: Duration::from_secs_f64(per_io / 1000.0),
@@ -203,5 +209,5 @@ fn fifodisk(
     std::io::stdout().flush()?;
     signals.wait();
     drop(lo);
-    disk.unmount()
+    Ok(disk.unmount()?)
 }

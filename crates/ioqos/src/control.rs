@@ -4,9 +4,9 @@
 
 use crate::backend::{Backend, Counters, Limit};
 use crate::device::Dev;
+use crate::error::{Context, Result};
 use crate::policy::{Cap, Guarantee, GuaranteeConfig, Min, Model, Obs, Paper, PaperConfig};
 use crate::spec::Tenant;
-use anyhow::{Context, Result};
 use pagefleet_common::controller::{self, HasPid, StateFile};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
@@ -213,13 +213,17 @@ impl Spec {
             "observe" => Policy::Observe,
             "paper" => {
                 if !(self.rate > 0.0 && self.rate < 1.0) {
-                    anyhow::bail!("rate must be between 0 and 1 (exclusive)");
+                    return Err(crate::Error::Invalid(
+                        "rate must be between 0 and 1 (exclusive)".to_string(),
+                    ));
                 }
                 if !(self.cap_interval > 0.0 && self.cap_time > self.cap_interval) {
-                    anyhow::bail!("the paper requires cap_time > cap_interval > 0");
+                    return Err(crate::Error::Invalid(
+                        "the paper requires cap_time > cap_interval > 0".to_string(),
+                    ));
                 }
                 let border = pagefleet_common::units::parse_share("border", &self.border)
-                    .map_err(anyhow::Error::msg)?;
+                    .map_err(|e| crate::Error::Invalid(e.0))?;
                 Policy::Paper(PaperConfig {
                     border,
                     rate: self.rate,
@@ -227,10 +231,16 @@ impl Spec {
                     cap_interval_s: self.cap_interval,
                 })
             }
-            p => anyhow::bail!("unknown policy {p}: guarantee, paper or observe"),
+            p => {
+                return Err(crate::Error::Invalid(format!(
+                    "unknown policy {p}: guarantee, paper or observe"
+                )))
+            }
         };
         if !(self.interval > 0.0 && self.interval <= 60.0) {
-            anyhow::bail!("interval must be between 0 and 60 seconds");
+            return Err(crate::Error::Invalid(
+                "interval must be between 0 and 60 seconds".to_string(),
+            ));
         }
         let model = match &self.model {
             Some(m) => {
@@ -245,7 +255,9 @@ impl Spec {
                     .context("model: MAX_IOPS must be a positive number")?;
                 let bps = crate::spec::parse_rate(b.trim())? as f64;
                 if bps <= 0.0 {
-                    anyhow::bail!("model: MAX_BYTES_PER_S must be positive");
+                    return Err(crate::Error::Invalid(
+                        "model: MAX_BYTES_PER_S must be positive".to_string(),
+                    ));
                 }
                 Some(Model {
                     max_iops: iops,
@@ -307,11 +319,11 @@ pub fn calibrate(path: &Path, secs: f64) -> Result<Model> {
         g.seek(std::io::SeekFrom::End(0))?
     };
     if size < 8 << 20 {
-        anyhow::bail!(
+        return Err(crate::Error::Invalid(format!(
             "{} is too small to calibrate ({} bytes)",
             path.display(),
             size
-        );
+        )));
     }
     let run = |bs: usize, threads: usize, random: bool| -> Result<(f64, f64)> {
         let stop = AtomicBool::new(false);
@@ -366,7 +378,10 @@ pub fn calibrate(path: &Path, secs: f64) -> Result<Model> {
     let (iops, _) = run(4096, 16, true)?;
     let (_, bps) = run(1 << 20, 4, false)?;
     if iops < 1.0 || bps < 1.0 {
-        anyhow::bail!("calibration of {} read nothing", path.display());
+        return Err(crate::Error::Invalid(format!(
+            "calibration of {} read nothing",
+            path.display()
+        )));
     }
     Ok(Model {
         max_iops: iops,

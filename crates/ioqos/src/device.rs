@@ -1,6 +1,6 @@
 //! The shared block device, by path (/dev/loop0) or MAJ:MIN.
 
-use anyhow::{bail, Context, Result};
+use crate::error::{Context, Result};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 
 /// A block device by number.
@@ -29,7 +29,7 @@ impl Dev {
         } else {
             let m = std::fs::metadata(s).with_context(|| format!("unknown device {s}"))?;
             if !m.file_type().is_block_device() {
-                bail!("{s} is not a block device");
+                return Err(crate::Error::Invalid(format!("{s} is not a block device")));
             }
             let r = m.rdev();
             Dev {
@@ -38,7 +38,9 @@ impl Dev {
             }
         };
         if !std::path::Path::new(&format!("/sys/dev/block/{d}")).exists() {
-            bail!("unknown device {s}: no block device {d} on this host");
+            return Err(crate::Error::Invalid(format!(
+                "unknown device {s}: no block device {d} on this host"
+            )));
         }
         Ok(d)
     }

@@ -7,5 +7,8 @@ pub mod backend;
 pub mod cli;
 pub mod control;
 pub mod device;
+pub mod error;
 pub mod policy;
 pub mod spec;
+
+pub use error::{Error, Result};

@@ -6,7 +6,7 @@
 //! hierarchy) or `qmp:SOCKET@DEVICE` for a QEMU guest's drive. RATE is bytes
 //! per second with an optional unit: 20MiB, 20M (= MB), 5000K.
 
-use anyhow::{bail, Context, Result};
+use crate::error::{Context, Result};
 use serde::Serialize;
 use std::path::PathBuf;
 
@@ -64,7 +64,11 @@ pub fn parse_rate(s: &str) -> Result<u64> {
         "kib" => 1024.0,
         "mib" => 1048576.0,
         "gib" => 1073741824.0,
-        u => bail!("bad rate {s:?}: unknown unit {u:?}"),
+        u => {
+            return Err(crate::Error::Invalid(format!(
+                "bad rate {s:?}: unknown unit {u:?}"
+            )))
+        }
     };
     Ok((v * mult) as u64)
 }
@@ -75,7 +79,7 @@ fn location(s: &str) -> Result<Location> {
             .rsplit_once('@')
             .with_context(|| format!("{s}: want qmp:SOCKET@DEVICE"))?;
         if dev.is_empty() {
-            bail!("{s}: no device after @");
+            return Err(crate::Error::Invalid(format!("{s}: no device after @")));
         }
         return Ok(Location::Qmp {
             socket: sock.into(),
@@ -99,14 +103,14 @@ fn location(s: &str) -> Result<Location> {
             return Ok(Location::CgroupV2(c.clone()));
         }
     }
-    bail!(
+    Err(crate::Error::Invalid(format!(
         "cgroup {s} not found (looked for {})",
         cands
             .iter()
             .map(|c| c.display().to_string())
             .collect::<Vec<_>>()
             .join(", ")
-    )
+    )))
 }
 
 /// Parse the tenant list; every location must exist now.
@@ -117,7 +121,9 @@ pub fn parse(spec: &str) -> Result<Vec<Tenant>> {
             format!("tenant {item:?}: want NAME=LOCATION[:min=RATE][:weight=W]")
         })?;
         if name.is_empty() || out.iter().any(|t| t.name == name) {
-            bail!("tenant names must be unique and not empty ({name:?})");
+            return Err(crate::Error::Invalid(format!(
+                "tenant names must be unique and not empty ({name:?})"
+            )));
         }
         // Options are the trailing ":key=value" parts (paths may contain ':' only before them).
         let mut parts: Vec<&str> = rest.split(':').collect();
@@ -147,13 +153,17 @@ pub fn parse(spec: &str) -> Result<Vec<Tenant>> {
                         format!("tenant {name}: weight must be a positive number")
                     })?;
                 }
-                _ => bail!("tenant {name}: unknown option {k:?} (min, min-iops, weight)"),
+                _ => {
+                    return Err(crate::Error::Invalid(format!(
+                        "tenant {name}: unknown option {k:?} (min, min-iops, weight)"
+                    )))
+                }
             }
         }
         out.push(t);
     }
     if out.is_empty() {
-        bail!("no tenants given");
+        return Err(crate::Error::Invalid("no tenants given".to_string()));
     }
     Ok(out)
 }

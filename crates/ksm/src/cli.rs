@@ -2,7 +2,7 @@
 //! enrol running processes.
 
 use crate::control::{self, Options, DEFAULT_STATE};
-use anyhow::{bail, Result};
+use crate::Result;
 use clap::{Args, Subcommand};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -80,7 +80,9 @@ pub struct RunOpts {
 /// The controller's options from the flags.
 pub fn options(o: &RunOpts) -> Result<Options> {
     if o.duration.is_nan() || o.duration < 0.0 {
-        bail!("--duration must not be negative");
+        return Err(crate::Error::Invalid(
+            "--duration must not be negative".to_string(),
+        ));
     }
     let spec = control::Spec {
         mode: o.mode.clone(),
@@ -110,11 +112,13 @@ pub fn main(c: Command) -> Result<()> {
             state,
         } => {
             if !(window > 0.0 && window <= 60.0) {
-                bail!("--window must be between 0 and 60 seconds");
+                return Err(crate::Error::Invalid(
+                    "--window must be between 0 and 60 seconds".to_string(),
+                ));
             }
             let v = control::status(Duration::from_secs_f64(window), &state)?;
             if json {
-                println!("{}", serde_json::to_string_pretty(&v)?);
+                println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
                 return Ok(());
             }
             print!("{v}");

@@ -5,7 +5,7 @@
 use crate::adaptive::{Adaptive, AdaptiveConfig};
 use crate::sysfs::{self, Memory, Settings, Stats};
 use crate::tuned::{self, Action, Tuned, TunedConfig};
-use anyhow::{Context, Result};
+use crate::{Error, Result};
 use pagefleet_common::controller::{self, HasPid, StateFile};
 use pagefleet_common::units::parse_share;
 use serde::Serialize;
@@ -80,22 +80,25 @@ impl Spec {
         duration: Option<Duration>,
     ) -> Result<Options> {
         if !(self.tick_s > 0.0 && self.tick_s <= 600.0) {
-            anyhow::bail!("--tick must be between 0 and 600 seconds");
+            return Err(crate::Error::Invalid(
+                "--tick must be between 0 and 600 seconds".to_string(),
+            ));
         }
         let policy = match self.mode.as_str() {
             "adaptive" => Policy::Adaptive(AdaptiveConfig {
                 cpu_budget: parse_share("--cpu-budget", &self.cpu_budget)
-                    .map_err(anyhow::Error::msg)?,
+                    .map_err(|e| Error::Invalid(e.0))?,
                 pressure_below: parse_share("--pressure-below", &self.pressure_below)
-                    .map_err(anyhow::Error::msg)?,
+                    .map_err(|e| Error::Invalid(e.0))?,
                 psi_above: self.psi_above,
                 ..Default::default()
             }),
             "ksmtuned" => {
                 if !(self.interval_scale > 0.0 && self.interval_scale <= 100.0) {
-                    anyhow::bail!(
+                    return Err(crate::Error::Invalid(
                         "--interval-scale must be positive (the paper uses 0.5, 1 and 2)"
-                    );
+                            .to_string(),
+                    ));
                 }
                 let base = TunedConfig::default();
                 Policy::Ksmtuned(TunedConfig {
@@ -103,7 +106,11 @@ impl Spec {
                     ..base
                 })
             }
-            m => anyhow::bail!("unknown --mode {m}: adaptive or ksmtuned"),
+            m => {
+                return Err(crate::Error::Invalid(format!(
+                    "unknown --mode {m}: adaptive or ksmtuned"
+                )))
+            }
         };
         Ok(Options {
             policy,
@@ -205,7 +212,7 @@ pub fn run(o: &Options, stop: &AtomicBool, mut on_decision: impl FnMut(&State)) 
     let saved = Settings::save()?;
     // Check we may write before deciding anything (clear error for non-root).
     sysfs::write("pages_to_scan", &saved.pages_to_scan.to_string())
-        .context("the KSM controller must run as root")?;
+        .map_err(|e| Error::Invalid(format!("the KSM controller must run as root: {e}")))?;
     let _restore = Restore((!o.keep_settings).then_some(saved));
     let end = o.duration.map(|d| Instant::now() + d);
     let mut st = State {

@@ -10,7 +10,8 @@
 //! in its inferior). The flag covers the whole address space and every
 //! thread.
 
-use anyhow::{anyhow, bail, Context, Result};
+use crate::error::io;
+use crate::Result;
 use std::path::Path;
 
 /// prctl: make the whole process mergeable.
@@ -23,19 +24,19 @@ pub fn merge_self() -> Result<()> {
     // SAFETY: plain prctl.
     let r = unsafe { libc::prctl(PR_SET_MEMORY_MERGE, 1, 0, 0, 0) };
     if r != 0 {
-        bail!(
+        return Err(crate::Error::Enroll(format!(
             "prctl(PR_SET_MEMORY_MERGE) failed: {} (needs Linux 6.4+ with KSM)",
             std::io::Error::last_os_error()
-        );
+        )));
     }
     Ok(())
 }
 
 /// Whether a process is enrolled (/proc/PID/status "ksm_merge_any" or ksm_stat).
 pub fn is_enrolled(pid: u32) -> Result<bool> {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/ksm_stat")).with_context(|| {
-        format!("cannot read /proc/{pid}/ksm_stat (no such process, or not root)")
-    })?;
+    let s = std::fs::read_to_string(format!("/proc/{pid}/ksm_stat")).map_err(io(format!(
+        "cannot read /proc/{pid}/ksm_stat (no such process, or not root)"
+    )))?;
     Ok(s.lines().any(|l| l.trim() == "ksm_merge_any: yes"))
 }
 
@@ -46,7 +47,7 @@ pub fn enroll_pid(pid: u32) -> Result<()> {
         return merge_self();
     }
     if !Path::new(&format!("/proc/{pid}")).exists() {
-        bail!("no such process: {pid}");
+        return Err(crate::Error::Enroll(format!("no such process: {pid}")));
     }
     if is_enrolled(pid)? {
         return Ok(());
@@ -56,19 +57,19 @@ pub fn enroll_pid(pid: u32) -> Result<()> {
     // SAFETY: ptrace on another process; every path below detaches.
     unsafe {
         if libc::ptrace(libc::PTRACE_SEIZE, p, 0, 0) != 0 {
-            bail!(
+            return Err(crate::Error::Enroll(format!(
                 "cannot attach to process {pid}: {} (root needed; or it is being traced)",
                 std::io::Error::last_os_error()
-            );
+            )));
         }
         let r = inject(p, at);
         libc::ptrace(libc::PTRACE_DETACH, p, 0, 0);
         let ret = r?;
         if ret != 0 {
-            bail!(
+            return Err(crate::Error::Enroll(format!(
                 "process {pid}: prctl(PR_SET_MEMORY_MERGE) returned {}",
                 std::io::Error::from_raw_os_error((-ret) as i32)
-            );
+            )));
         }
     }
     Ok(())
@@ -85,11 +86,16 @@ fn wait_stop(p: libc::pid_t) -> Result<libc::c_int> {
             break;
         }
         if std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
-            bail!("waitpid failed: {}", std::io::Error::last_os_error());
+            return Err(crate::Error::Enroll(format!(
+                "waitpid failed: {}",
+                std::io::Error::last_os_error()
+            )));
         }
     }
     if !libc::WIFSTOPPED(st) {
-        bail!("the process exited while being enrolled");
+        return Err(crate::Error::Enroll(
+            "the process exited while being enrolled".to_string(),
+        ));
     }
     Ok(st)
 }
@@ -108,10 +114,10 @@ unsafe fn inject(p: libc::pid_t, at: u64) -> Result<i64> {
     // and the saved registers are restored on every path.
     unsafe {
         if libc::ptrace(libc::PTRACE_INTERRUPT, p, 0, 0) != 0 {
-            bail!(
+            return Err(crate::Error::Enroll(format!(
                 "cannot stop the process: {}",
                 std::io::Error::last_os_error()
-            );
+            )));
         }
         // A signal may arrive first: let it through and wait for our stop.
         for _ in 0..16 {
@@ -124,7 +130,10 @@ unsafe fn inject(p: libc::pid_t, at: u64) -> Result<i64> {
         }
         let mut saved: libc::user_regs_struct = std::mem::zeroed();
         if libc::ptrace(libc::PTRACE_GETREGS, p, 0, &mut saved) != 0 {
-            bail!("cannot read registers: {}", std::io::Error::last_os_error());
+            return Err(crate::Error::Enroll(format!(
+                "cannot read registers: {}",
+                std::io::Error::last_os_error()
+            )));
         }
         let mut r = saved;
         r.rip = at;
@@ -137,24 +146,36 @@ unsafe fn inject(p: libc::pid_t, at: u64) -> Result<i64> {
         r.r8 = 0;
         let result = (|| {
             if libc::ptrace(libc::PTRACE_SETREGS, p, 0, &r) != 0 {
-                bail!("cannot set registers: {}", std::io::Error::last_os_error());
+                return Err(crate::Error::Enroll(format!(
+                    "cannot set registers: {}",
+                    std::io::Error::last_os_error()
+                )));
             }
             if libc::ptrace(libc::PTRACE_SINGLESTEP, p, 0, 0) != 0 {
-                bail!("cannot single-step: {}", std::io::Error::last_os_error());
+                return Err(crate::Error::Enroll(format!(
+                    "cannot single-step: {}",
+                    std::io::Error::last_os_error()
+                )));
             }
             let st = wait_stop(p)?;
             if libc::WSTOPSIG(st) != libc::SIGTRAP {
-                bail!(
+                return Err(crate::Error::Enroll(format!(
                     "unexpected stop (signal {}) while enrolling",
                     libc::WSTOPSIG(st)
-                );
+                )));
             }
             let mut after: libc::user_regs_struct = std::mem::zeroed();
             if libc::ptrace(libc::PTRACE_GETREGS, p, 0, &mut after) != 0 {
-                bail!("cannot read registers: {}", std::io::Error::last_os_error());
+                return Err(crate::Error::Enroll(format!(
+                    "cannot read registers: {}",
+                    std::io::Error::last_os_error()
+                )));
             }
             if after.rip != at + 2 {
-                bail!("the injected syscall did not run (rip {:#x})", after.rip);
+                return Err(crate::Error::Enroll(format!(
+                    "the injected syscall did not run (rip {:#x})",
+                    after.rip
+                )));
             }
             Ok(after.rax as i64)
         })();
@@ -168,9 +189,10 @@ unsafe fn inject(p: libc::pid_t, at: u64) -> Result<i64> {
 fn find_syscall_insn(pid: u32) -> Result<u64> {
     use std::io::{Read, Seek, SeekFrom};
     let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))
-        .with_context(|| format!("no process {pid}"))?;
-    let mut mem = std::fs::File::open(format!("/proc/{pid}/mem"))
-        .with_context(|| format!("cannot read process {pid}'s memory (root needed)"))?;
+        .map_err(io(format!("no process {pid}")))?;
+    let mut mem = std::fs::File::open(format!("/proc/{pid}/mem")).map_err(io(format!(
+        "cannot read process {pid}'s memory (root needed)"
+    )))?;
     // The vDSO first (always there, tiny), then any executable mapping.
     let mut maps: Vec<&str> = maps
         .lines()
@@ -194,17 +216,19 @@ fn find_syscall_insn(pid: u32) -> Result<u64> {
             return Ok(a + i as u64);
         }
     }
-    Err(anyhow!(
+    Err(crate::Error::Enroll(format!(
         "process {pid} has no syscall instruction in its code (is it a kernel thread?)"
-    ))
+    )))
 }
 
 /// Enrol every process of a cgroup (a directory with cgroup.procs, v1 or v2).
 /// Returns the pids enrolled; processes that vanish meanwhile are skipped.
 pub fn enroll_cgroup(dir: &Path) -> Result<Vec<u32>> {
     let procs = dir.join("cgroup.procs");
-    let s = std::fs::read_to_string(&procs)
-        .with_context(|| format!("{} is not a cgroup (no cgroup.procs)", dir.display()))?;
+    let s = std::fs::read_to_string(&procs).map_err(io(format!(
+        "{} is not a cgroup (no cgroup.procs)",
+        dir.display()
+    )))?;
     let mut done = Vec::new();
     for pid in s.lines().filter_map(|l| l.trim().parse::<u32>().ok()) {
         match enroll_pid(pid) {
@@ -213,7 +237,10 @@ pub fn enroll_cgroup(dir: &Path) -> Result<Vec<u32>> {
                 tracing::debug!("process {pid} left: {e}")
             }
             Err(e) => {
-                return Err(e.context(format!("enrolling process {pid} of {}", dir.display())))
+                return Err(crate::Error::Enroll(format!(
+                    "enrolling process {pid} of {}: {e}",
+                    dir.display()
+                )))
             }
         }
     }

@@ -7,5 +7,8 @@ pub mod adaptive;
 pub mod cli;
 pub mod control;
 pub mod enroll;
+pub mod error;
+
+pub use error::{Error, Result};
 pub mod sysfs;
 pub mod tuned;

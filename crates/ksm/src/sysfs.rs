@@ -1,7 +1,8 @@
 //! The kernel's KSM interface (/sys/kernel/mm/ksm), ksmd's CPU time and the
 //! host's memory pressure (/proc/meminfo, PSI).
 
-use anyhow::{anyhow, bail, Context, Result};
+use crate::error::io;
+use crate::Result;
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 
@@ -17,15 +18,16 @@ fn knob(name: &str) -> PathBuf {
 /// Whether this kernel has KSM.
 pub fn available() -> Result<()> {
     if !knob("run").exists() {
-        bail!("this kernel has no KSM ({KSM} is missing: CONFIG_KSM is off)");
+        return Err(crate::Error::Kernel(format!(
+            "this kernel has no KSM ({KSM} is missing: CONFIG_KSM is off)"
+        )));
     }
     Ok(())
 }
 
 /// Read a KSM sysfs file.
 pub fn read(name: &str) -> Result<String> {
-    let s =
-        std::fs::read_to_string(knob(name)).with_context(|| format!("cannot read {KSM}/{name}"))?;
+    let s = std::fs::read_to_string(knob(name)).map_err(io(format!("cannot read {KSM}/{name}")))?;
     Ok(s.trim().to_string())
 }
 
@@ -33,19 +35,20 @@ pub fn read(name: &str) -> Result<String> {
 pub fn read_u64(name: &str) -> Result<u64> {
     read(name)?
         .parse()
-        .map_err(|_| anyhow!("{KSM}/{name} is not a number"))
+        .map_err(|_| crate::Error::Kernel(format!("{KSM}/{name} is not a number")))
 }
 
 fn read_i64(name: &str) -> Result<i64> {
     read(name)?
         .parse()
-        .map_err(|_| anyhow!("{KSM}/{name} is not a number"))
+        .map_err(|_| crate::Error::Kernel(format!("{KSM}/{name} is not a number")))
 }
 
 /// Write a KSM sysfs file (root).
 pub fn write(name: &str, v: &str) -> Result<()> {
-    std::fs::write(knob(name), v)
-        .with_context(|| format!("cannot write {v} to {KSM}/{name} (root needed)"))
+    std::fs::write(knob(name), v).map_err(io(format!(
+        "cannot write {v} to {KSM}/{name} (root needed)"
+    )))
 }
 
 /// The selected word of a "[a] b" style knob (advisor_mode).
@@ -130,11 +133,13 @@ pub fn ksmd_cpu() -> Result<f64> {
 pub fn ksmd_sched() -> Result<(f64, f64)> {
     let pid = ksmd_pid()?;
     let s = std::fs::read_to_string(format!("/proc/{pid}/schedstat"))
-        .context("cannot read ksmd's schedstat")?;
+        .map_err(io("cannot read ksmd's schedstat"))?;
     let mut w = s.split_whitespace().map(|w| w.parse::<u64>().ok());
     match (w.next().flatten(), w.next().flatten()) {
         (Some(run), Some(wait)) => Ok((run as f64 / 1e9, wait as f64 / 1e9)),
-        _ => bail!("bad schedstat for ksmd: {s:?}"),
+        _ => Err(crate::Error::Kernel(format!(
+            "bad schedstat for ksmd: {s:?}"
+        ))),
     }
 }
 
@@ -149,10 +154,10 @@ pub fn ksmd_nice() -> Result<i32> {
         *libc::__errno_location() = 0;
         let n = libc::getpriority(libc::PRIO_PROCESS, pid);
         if n == -1 && *libc::__errno_location() != 0 {
-            bail!(
+            return Err(crate::Error::Kernel(format!(
                 "cannot read ksmd's priority: {}",
                 std::io::Error::last_os_error()
-            );
+            )));
         }
         Ok(n)
     }
@@ -163,10 +168,10 @@ pub fn set_ksmd_nice(n: i32) -> Result<()> {
     let pid = ksmd_pid()?;
     // SAFETY: plain syscall.
     if unsafe { libc::setpriority(libc::PRIO_PROCESS, pid, n) } != 0 {
-        bail!(
+        return Err(crate::Error::Kernel(format!(
             "cannot set ksmd's priority to {n}: {}",
             std::io::Error::last_os_error()
-        );
+        )));
     }
     Ok(())
 }
@@ -177,7 +182,10 @@ fn ksmd_pid() -> Result<u32> {
     if let Some(p) = PID.get() {
         return Ok(*p);
     }
-    for e in std::fs::read_dir("/proc")?.flatten() {
+    for e in std::fs::read_dir("/proc")
+        .map_err(io("cannot list /proc"))?
+        .flatten()
+    {
         let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
             continue;
         };
@@ -188,7 +196,9 @@ fn ksmd_pid() -> Result<u32> {
             return Ok(*PID.get_or_init(|| pid));
         }
     }
-    bail!("no ksmd kernel thread found")
+    Err(crate::Error::Kernel(
+        "no ksmd kernel thread found".to_string(),
+    ))
 }
 
 /// The writable knobs a controller changes, saved to be put back.
@@ -255,7 +265,8 @@ pub struct Memory {
 impl Memory {
     /// Read /proc/meminfo and PSI.
     pub fn read() -> Result<Memory> {
-        let s = std::fs::read_to_string("/proc/meminfo").context("cannot read /proc/meminfo")?;
+        let s =
+            std::fs::read_to_string("/proc/meminfo").map_err(io("cannot read /proc/meminfo"))?;
         let mut m = Memory::default();
         for l in s.lines() {
             let mut w = l.split_whitespace();

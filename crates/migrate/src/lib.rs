@@ -73,14 +73,34 @@ pub fn pread_pages(fd: i32, first: u64, dst: &mut [u8]) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Why a region's checksum could not be taken.
+#[derive(Debug, thiserror::Error)]
+pub enum ChecksumError {
+    /// The region's pager did not answer.
+    #[error("the region's pager did not answer")]
+    PagerGone,
+    /// Reading its memfd failed.
+    #[error("reading the region: {0}")]
+    Read(#[from] std::io::Error),
+    /// A memory server holding some of its pages failed.
+    #[error(transparent)]
+    Server(#[from] pagefleet_client::ClientError),
+    /// A memory server lacks pages the region places there.
+    #[error("{server}: {pages} pages missing")]
+    Missing {
+        /// The memory server.
+        server: String,
+        /// How many are missing.
+        pages: u64,
+    },
+}
+
 /// A checksum of the region's content wherever each page is (local pages
 /// read from the memfd, remote pages fetched without taking them, never
 /// touched pages as zeros), without disturbing paging. Order-independent:
 /// the wrapping sum of per-page xxh3 hashes seeded with the page number.
-pub fn checksum(region: &Region, secret: &Secret) -> Result<String, String> {
-    let snap = region
-        .snapshot()
-        .ok_or("the region's pager did not answer")?;
+pub fn checksum(region: &Region, secret: &Secret) -> Result<String, ChecksumError> {
+    let snap = region.snapshot().ok_or(ChecksumError::PagerGone)?;
     let fd = region.memfd().as_raw_fd();
     let zero = vec![0u8; PAGE];
     let mut sum = 0u64;
@@ -105,8 +125,7 @@ pub fn checksum(region: &Region, secret: &Secret) -> Result<String, String> {
                 {
                     n += 1;
                 }
-                pread_pages(fd, p as u64, &mut buf[..n * PAGE])
-                    .map_err(|e| format!("reading the region: {e}"))?;
+                pread_pages(fd, p as u64, &mut buf[..n * PAGE])?;
                 for k in 0..n {
                     sum = sum.wrapping_add(xxhash_rust::xxh3::xxh3_64_with_seed(
                         &buf[k * PAGE..(k + 1) * PAGE],
@@ -125,21 +144,22 @@ pub fn checksum(region: &Region, secret: &Secret) -> Result<String, String> {
             name: "pagefleet-checksum".into(),
             ..Default::default()
         };
-        let mut c = Conn::connect(&snap.servers[s], secret, &opts).map_err(|e| e.to_string())?;
+        let mut c = Conn::connect(&snap.servers[s], secret, &opts)?;
         for part in list.chunks(1024) {
             let mut data = vec![0u8; part.len() * PAGE];
-            let missing = c
-                .get(
-                    snap.region_id,
-                    Pages::List(part),
-                    &mut data,
-                    GetMode::Keep,
-                    false,
-                    32,
-                )
-                .map_err(|e| format!("{}: {e}", snap.servers[s]))?;
+            let missing = c.get(
+                snap.region_id,
+                Pages::List(part),
+                &mut data,
+                GetMode::Keep,
+                false,
+                32,
+            )?;
             if missing > 0 {
-                return Err(format!("{}: {missing} pages missing", snap.servers[s]));
+                return Err(ChecksumError::Missing {
+                    server: snap.servers[s].clone(),
+                    pages: missing as u64,
+                });
             }
             for (k, &q) in part.iter().enumerate() {
                 sum = sum.wrapping_add(xxhash_rust::xxh3::xxh3_64_with_seed(

@@ -29,6 +29,29 @@ pub struct Choice {
     pub subs: Vec<(usize, u64)>,
 }
 
+/// Why placement found no home for a guest (for the person who asked).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct PlacementError(pub String);
+
+impl PlacementError {
+    fn new(m: String) -> PlacementError {
+        PlacementError(m)
+    }
+}
+
+impl From<&str> for PlacementError {
+    fn from(m: &str) -> PlacementError {
+        PlacementError(m.to_string())
+    }
+}
+
+impl From<String> for PlacementError {
+    fn from(m: String) -> PlacementError {
+        PlacementError(m)
+    }
+}
+
 /// `size_pages`: the guest's size; `data_pages`: pages holding data (what
 /// must be placed somewhere). `to` / `subs`: hosts the user named.
 pub fn choose(
@@ -38,9 +61,14 @@ pub fn choose(
     data_pages: u64,
     to: Option<usize>,
     subs: Option<&[usize]>,
-) -> Result<Choice, String> {
+) -> Result<Choice, PlacementError> {
     let main = match to {
-        Some(m) if m == source => return Err(format!("{} already runs the guest", hosts[m].name)),
+        Some(m) if m == source => {
+            return Err(PlacementError::new(format!(
+                "{} already runs the guest",
+                hosts[m].name
+            )))
+        }
         Some(m) => m,
         None => (0..hosts.len())
             .filter(|&h| h != source)
@@ -50,7 +78,10 @@ pub fn choose(
     let main_free = hosts[main].guest_free / 4096;
     // A budget below two chunks of 64 pages cannot page.
     if main_free < 128 {
-        return Err(format!("{} has no free guest memory", hosts[main].name));
+        return Err(PlacementError::new(format!(
+            "{} has no free guest memory",
+            hosts[main].name
+        )));
     }
     let main_pages = size_pages.min(main_free);
     // The migration fills a smaller main host only to its pager's low
@@ -73,13 +104,13 @@ pub fn choose(
         Some(s) => {
             for &h in s {
                 if h == main || h == source {
-                    return Err(format!("{} cannot be a sub-host of this migration (it is the source or the main host)", hosts[h].name));
+                    return Err(PlacementError::new(format!("{} cannot be a sub-host of this migration (it is the source or the main host)", hosts[h].name)));
                 }
                 if hosts[h].memserver.is_none() {
-                    return Err(format!(
+                    return Err(PlacementError::new(format!(
                         "{} lends no memory (no memory server)",
                         hosts[h].name
-                    ));
+                    )));
                 }
             }
             s.to_vec()
@@ -108,16 +139,16 @@ pub fn choose(
     };
     let total: u64 = chosen.iter().map(|&h| cap(h)).sum();
     if main_pages < size_pages && chosen.is_empty() {
-        return Err(format!(
+        return Err(PlacementError::new(format!(
             "{} keeps {} of the guest's {} pages and no other host lends memory for the rest",
             hosts[main].name, main_pages, size_pages
-        ));
+        )));
     }
     if total < rest {
-        return Err(format!(
+        return Err(PlacementError::new(format!(
             "not enough memory: {} pages to place beyond the main host {} ({} pages free), sub-hosts can take {}",
             rest, hosts[main].name, main_free, total
-        ));
+        )));
     }
     Ok(Choice {
         main,
@@ -134,23 +165,23 @@ pub fn choose_whole(
     size_pages: u64,
     data_pages: u64,
     to: Option<usize>,
-) -> Result<Choice, String> {
+) -> Result<Choice, PlacementError> {
     let _ = data_pages;
     let fits = |h: usize| hosts[h].guest_free / 4096 >= size_pages;
     let main = match to {
         Some(m) if m == source => {
-            return Err(format!(
+            return Err(PlacementError::new(format!(
                 "{} already runs the guest (its main part); gather it onto another host",
                 hosts[m].name
-            ))
+            )))
         }
         Some(m) if !fits(m) => {
-            return Err(format!(
+            return Err(PlacementError::new(format!(
                 "{} has {} pages of guest memory free, the guest needs {}",
                 hosts[m].name,
                 hosts[m].guest_free / 4096,
                 size_pages
-            ))
+            )))
         }
         Some(m) => m,
         None => (0..hosts.len())
@@ -212,6 +243,7 @@ mod tests {
         let lonely = [h("src", 0, None), h("a", 5000, None)];
         assert!(choose(&lonely, 0, 8000, 4000, None, None)
             .unwrap_err()
+            .0
             .contains("no other host lends"));
     }
 
@@ -230,6 +262,7 @@ mod tests {
         assert!(choose_whole(&hosts, 0, 6000, 4000, None).is_err());
         assert!(choose_whole(&hosts, 0, 4500, 4000, Some(1))
             .unwrap_err()
+            .0
             .contains("free"));
         assert!(choose_whole(&hosts, 0, 9000, 9000, None).is_err());
     }
@@ -244,17 +277,21 @@ mod tests {
         ];
         assert!(choose(&hosts, 0, 4000, 4000, Some(0), None)
             .unwrap_err()
+            .0
             .contains("already runs"));
         assert!(choose(&hosts, 0, 4000, 4000, Some(1), Some(&[2]))
             .unwrap_err()
+            .0
             .contains("lends no memory"));
         assert!(choose(&hosts, 0, 4000, 4000, Some(1), Some(&[1]))
             .unwrap_err()
+            .0
             .contains("cannot be a sub-host"));
         let c = choose(&hosts, 0, 4000, 4000, Some(1), Some(&[3])).unwrap();
         assert_eq!(c.subs, vec![(3, 5000)]);
         assert!(choose(&hosts, 0, 40000, 40000, None, None)
             .unwrap_err()
+            .0
             .contains("not enough memory"));
     }
 }

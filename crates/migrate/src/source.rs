@@ -422,7 +422,7 @@ impl Run<'_> {
         *paused = true;
         let pause_ms = td.elapsed().as_secs_f64() * 1e3;
         let checksum_source = if self.o.verify {
-            Some(checksum(region, &self.o.secret).map_err(MigrateError::Other)?)
+            Some(checksum(region, &self.o.secret).map_err(|e| MigrateError::Other(e.to_string()))?)
         } else {
             None
         };

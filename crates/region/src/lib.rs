@@ -193,6 +193,12 @@ pub enum RegionError {
     /// A configuration the runtime cannot use.
     #[error("bad region configuration: {0}")]
     Config(String),
+    /// Moving pages between memory servers failed.
+    #[error("evacuating pages: {0}")]
+    Evacuate(String),
+    /// The pager thread did not answer (it stopped).
+    #[error("the region's pager did not answer")]
+    PagerGone,
 }
 
 /// Requests to the pager thread (it owns the location DB and history).
@@ -461,13 +467,14 @@ impl Region {
     /// at the old server, a batch at a time between faults, which the pager
     /// keeps serving. Pages never page out to `from` again. Returns how many
     /// pages moved.
-    pub fn evacuate(&self, from: &str, to: &str) -> Result<u64, String> {
+    pub fn evacuate(&self, from: &str, to: &str) -> Result<u64, RegionError> {
         let (from, to) = (from.to_string(), to.to_string());
         self.ask_within(
             |reply| Command::Evacuate { from, to, reply },
             Duration::from_secs(3600),
         )
-        .unwrap_or_else(|| Err("the pager did not answer".into()))
+        .ok_or(RegionError::PagerGone)?
+        .map_err(RegionError::Evacuate)
     }
 
     /// Start (or stop) tracking which pages change: content written, or

@@ -148,7 +148,8 @@ pub fn run_guest(
     control: &Path,
     secret: Secret,
 ) -> Result<Exit, RunnerError> {
-    spec.validate().map_err(RunnerError::Invalid)?;
+    spec.validate()
+        .map_err(|e| RunnerError::Invalid(e.to_string()))?;
     let mut cfg = Config::new(size, budget_pages);
     cfg.servers = spec.servers.clone();
     cfg.policy = spec.policy.parse().map_err(RunnerError::Invalid)?;
