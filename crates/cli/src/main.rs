@@ -55,6 +55,7 @@ enum Cmd {
         hosts: Vec<String>,
         #[command(flatten)]
         reg: cluster::Registry,
+        /// Print one JSON entry per host.
         #[arg(long)]
         json: bool,
     },
@@ -267,6 +268,7 @@ fn demo(o: DemoOpts) -> Result<()> {
 enum TestbedCmd {
     /// Create the hosts (removing any earlier lab with the same prefix first).
     Up {
+        /// How many hosts (h1..hN).
         #[arg(long, default_value_t = 3)]
         hosts: usize,
         /// Link rate: 10gbit, 1gbit or none.
@@ -288,21 +290,27 @@ enum TestbedCmd {
     },
     /// Remove the lab: daemons, namespaces, state. Safe to run twice.
     Down {
+        /// Name prefix of the lab's namespaces.
         #[arg(long, default_value = "pf")]
         prefix: String,
     },
     /// Show the lab's hosts.
     Status {
+        /// Name prefix of the lab's namespaces.
         #[arg(long, default_value = "pf")]
         prefix: String,
+        /// Print the lab as JSON.
         #[arg(long)]
         json: bool,
     },
     /// Run a command inside a host (h1, h2, ...).
     Exec {
+        /// The host (h1, h2, ...).
         host: String,
+        /// Name prefix of the lab's namespaces.
         #[arg(long, default_value = "pf")]
         prefix: String,
+        /// The command and its arguments.
         #[arg(trailing_var_arg = true, required = true)]
         cmd: Vec<String>,
     },
@@ -433,13 +441,16 @@ enum MemserverCmd {
         /// Server address, HOST:PORT.
         #[arg(long, default_value = "127.0.0.1:7070")]
         server: String,
+        /// Print JSON.
         #[arg(long)]
         json: bool,
     },
     /// Authenticate and measure a few round trips.
     Ping {
+        /// Server address, HOST:PORT.
         #[arg(long, default_value = "127.0.0.1:7070")]
         server: String,
+        /// Round trips to measure.
         #[arg(long, default_value_t = 5)]
         count: u32,
     },

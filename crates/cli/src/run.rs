@@ -64,6 +64,7 @@ pub struct RunArgs {
 pub enum Workload {
     /// Page-granular accesses: uniform, zipf[:θ], seq, hotcold[:frac:prob].
     Synthetic {
+        /// The access distribution: uniform, zipf[:θ] (zipf:0.99), seq, hotcold[:frac:prob].
         #[arg(long, default_value = "zipf:0.99")]
         dist: synthetic::Dist,
         /// Fraction of operations that write.
@@ -82,6 +83,7 @@ pub enum Workload {
     },
     /// Generate and sort fixed-size 100-byte records filling the memory (the S-memV sort experiment).
     Sort {
+        /// Seed of the generated records.
         #[arg(long, default_value_t = 42)]
         seed: u64,
     },
@@ -89,17 +91,20 @@ pub enum Workload {
     /// ... -- sortjob): records fill the last --sort-frac of the memory,
     /// other data the rest; it scans its records until asked to sort (control op `sort`).
     Sortjob {
+        /// Share of the memory the records fill.
         #[arg(long, default_value_t = 0.5)]
         sort_frac: f64,
         /// Do not scan the records before sorting (the split then has no
         /// access history of the sort).
         #[arg(long)]
         no_warm: bool,
+        /// Seed of the generated records.
         #[arg(long, default_value_t = 42)]
         seed: u64,
     },
     /// A memcached-protocol key-value server whose table lives in the memory.
     Kv {
+        /// Address the memcached-protocol server listens on.
         #[arg(long, default_value = "127.0.0.1:11211")]
         listen: String,
     },

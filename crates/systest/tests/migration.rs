@@ -451,6 +451,30 @@ fn aborted_migrations_leave_the_source_running_and_nothing_behind() {
         .expect("migration after the drills");
     assert_eq!(r["checksum_source"], r["checksum_dest"], "{r}");
     assert_runs(&l, "a1", 1);
+
+    // 6. The migration belongs to the source host's daemon: the command
+    // killed outright (no Ctrl-C, no cancel) does not stop it.
+    let mut m = run_bg(vec!["a1".into(), "--to".into(), "h1".into()]);
+    let src_ctl = l.control(1, "a1");
+    let t = Instant::now();
+    while !guest_status(&src_ctl)
+        .and_then(|g| g.migration)
+        .is_some_and(|p| p.phase.starts_with("round"))
+    {
+        assert!(t.elapsed() < Duration::from_secs(60), "never started");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let _ = m.kill();
+    let _ = m.wait();
+    let t = Instant::now();
+    while l.guest("a1").map(|g| g.0) != Some(0) {
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "the migration stopped with its command"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_runs(&l, "a1", 0);
 }
 
 /// Placement without hints: the main host is the one with the most free
