@@ -32,7 +32,7 @@ pub struct Running {
     gate: Arc<Gate>,
     ops: Arc<AtomicU64>,
     sort: Option<Arc<SortJob>>,
-    kv: Option<Arc<pagefleet_guests::kv::Kv>>,
+    kv: Option<Arc<workload::KvServer>>,
     service: Option<Service>,
     started: Instant,
     migrating: AtomicBool,
@@ -49,11 +49,14 @@ impl source::Guest for Running {
         self.gate.resume()
     }
     fn release_address(&self) {
-        // Hang up the clients while the address is still here, so they see
-        // the close now and reconnect (to the new host once it claims the
-        // address) instead of waiting out their own timeouts.
+        // Stop accepting first (a client reconnecting now must not land on
+        // this paused copy), then hang up the clients while the address is
+        // still here, so they see the close at once and reconnect to the new
+        // host once it claims the address, instead of waiting out their own
+        // timeouts.
         if let Some(k) = &self.kv {
-            let n = k.close_clients();
+            k.stop_accepting();
+            let n = k.kv.close_clients();
             tracing::info!("hung up {n} kv clients");
         }
         if let Some(s) = &self.service {
@@ -63,6 +66,11 @@ impl source::Guest for Running {
     fn reclaim_address(&self) {
         if let Some(s) = &self.service {
             let _ = s.claim();
+        }
+        if let Some(k) = &self.kv {
+            if let Err(e) = k.start_accepting() {
+                tracing::warn!("kv: {e}");
+            }
         }
     }
 }

@@ -91,6 +91,59 @@ impl SortJob {
     }
 }
 
+/// A kv guest's server: its table and the thread accepting clients, which
+/// a migration stops (and an aborted one starts again).
+pub struct KvServer {
+    /// The table.
+    pub kv: Arc<kv::Kv>,
+    listen: String,
+    /// The accept loop's stop flag and a handle on its listening socket.
+    accepting: Mutex<Option<(Arc<AtomicBool>, std::net::TcpListener)>>,
+}
+
+impl KvServer {
+    fn start(kv: Arc<kv::Kv>, listen: &str) -> Result<Arc<KvServer>, RunnerError> {
+        let s = Arc::new(KvServer {
+            kv,
+            listen: listen.to_string(),
+            accepting: Mutex::new(None),
+        });
+        s.start_accepting()?;
+        Ok(s)
+    }
+
+    /// Listen for clients (again).
+    pub fn start_accepting(&self) -> Result<(), RunnerError> {
+        let mut a = self.accepting.lock().unwrap_or_else(|e| e.into_inner());
+        if a.is_some() {
+            return Ok(());
+        }
+        let l = bind_retry(&self.listen)?;
+        let handle = l
+            .try_clone()
+            .map_err(|e| RunnerError::io("kv listener", e))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let (k, s) = (self.kv.clone(), stop.clone());
+        std::thread::spawn(move || kv::serve(k, l, s));
+        *a = Some((stop, handle));
+        Ok(())
+    }
+
+    /// Stop listening at once: connection attempts are refused from now on
+    /// (shutting a listening socket down resets it), and the accept loop
+    /// ends on its own.
+    pub fn stop_accepting(&self) {
+        let taken = self.accepting.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some((stop, l)) = taken {
+            stop.store(true, Relaxed);
+            use std::os::fd::AsRawFd;
+            // SAFETY: shutdown on a socket this value owns (a dup of the
+            // accept loop's); no memory is involved.
+            unsafe { libc::shutdown(l.as_raw_fd(), libc::SHUT_RDWR) };
+        }
+    }
+}
+
 /// A started workload: its operation counter and, for the sort job, its handle.
 pub struct Started {
     /// Operations done so far.
@@ -98,7 +151,7 @@ pub struct Started {
     /// The sort job, if that is the workload.
     pub sort: Option<Arc<SortJob>>,
     /// The key-value server, if that is the workload.
-    pub kv: Option<Arc<kv::Kv>>,
+    pub kv: Option<Arc<KvServer>>,
 }
 
 /// Start `spec`'s workload on the region in background threads.
@@ -166,19 +219,17 @@ pub fn start(
             // Requests pass the runner's safepoint gate.
             k.gate = gate.clone();
             let kvs = Arc::new(k);
-            let l = bind_retry(listen)?;
-            let stop = Arc::new(AtomicBool::new(false));
+            let server = KvServer::start(kvs.clone(), listen)?;
             let ops = Arc::new(AtomicU64::new(0));
-            let (k2, k3, o2) = (kvs.clone(), kvs.clone(), ops.clone());
-            std::thread::spawn(move || kv::serve(k2, l, stop));
+            let o2 = ops.clone();
             std::thread::spawn(move || loop {
                 std::thread::sleep(Duration::from_millis(100));
-                o2.store(k3.ops.load(Relaxed), Relaxed);
+                o2.store(kvs.ops.load(Relaxed), Relaxed);
             });
             Ok(Started {
                 ops,
                 sort: None,
-                kv: Some(kvs),
+                kv: Some(server),
             })
         }
         Workload::Sortjob {
