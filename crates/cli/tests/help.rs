@@ -65,9 +65,13 @@ fn undocumented(bin: &str, path: Vec<String>, bad: &mut Vec<String>) {
 
 #[test]
 fn every_flag_of_every_command_has_help() {
-    for bin in [env!("CARGO_BIN_EXE_pagefleet")] {
-        let mut bad = Vec::new();
-        undocumented(bin, Vec::new(), &mut bad);
-        assert!(bad.is_empty(), "flags without help: {bad:#?}");
+    let pagefleet = env!("CARGO_BIN_EXE_pagefleet");
+    // pagefleetd is built beside it (same workspace, same profile).
+    let daemon = std::path::Path::new(pagefleet).with_file_name("pagefleetd");
+    let mut bad = Vec::new();
+    undocumented(pagefleet, Vec::new(), &mut bad);
+    if daemon.exists() {
+        undocumented(daemon.to_str().unwrap(), Vec::new(), &mut bad);
     }
+    assert!(bad.is_empty(), "flags without help: {bad:#?}");
 }

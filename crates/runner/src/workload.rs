@@ -133,7 +133,11 @@ impl KvServer {
     /// (shutting a listening socket down resets it), and the accept loop
     /// ends on its own.
     pub fn stop_accepting(&self) {
-        let taken = self.accepting.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let taken = self
+            .accepting
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
         if let Some((stop, l)) = taken {
             stop.store(true, Relaxed);
             use std::os::fd::AsRawFd;
