@@ -40,7 +40,7 @@
 //! cap_interval = 5.0
 //! ```
 
-use anyhow::{bail, Context, Result};
+use crate::error::{Context, Result};
 use pagefleet_common::units;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
@@ -237,7 +237,7 @@ impl FileConfig {
     }
     /// Parse TOML text.
     pub fn parse(text: &str) -> Result<FileConfig> {
-        toml::from_str(text).map_err(|e| anyhow::anyhow!("{e}"))
+        Ok(toml::from_str(text)?)
     }
 }
 
@@ -247,25 +247,19 @@ pub fn merge(file: FileConfig, flags: Flags) -> Result<Settings> {
     let g = file.guests.unwrap_or_default();
     let guest_memory = match (flags.guest_memory, g.memory) {
         (Some(l), _) => Some(l),
-        (None, Some(s)) => Some(
-            units::parse_size(&s)
-                .map_err(anyhow::Error::msg)
-                .context("[guests] memory")?,
-        ),
+        (None, Some(s)) => Some(units::parse_size(&s).context("[guests] memory")?),
         (None, None) => None,
     };
     let lend = match (flags.lend, m.lend) {
         (Some(l), _) => Some(l),
-        (None, Some(s)) => Some(
-            units::parse_size(&s)
-                .map_err(anyhow::Error::msg)
-                .context("[memserver] lend")?,
-        ),
+        (None, Some(s)) => Some(units::parse_size(&s).context("[memserver] lend")?),
         (None, None) => None,
     };
     let io = flags.io_timeout_secs.or(m.io_timeout_secs).unwrap_or(30);
     if io == 0 {
-        bail!("io_timeout must be at least 1 second");
+        return Err(crate::Error::Invalid(
+            "io_timeout must be at least 1 second".to_string(),
+        ));
     }
     let k = file.ksm.unwrap_or_default();
     let ksm = match flags.ksm.or(k.mode).as_deref() {
@@ -291,7 +285,9 @@ pub fn merge(file: FileConfig, flags: Flags) -> Result<Settings> {
     let ioqos = match flags.ioqos_device.or(q.device) {
         None => {
             if flags.ioqos_tenants.is_some() || q.tenants.is_some() {
-                bail!("[ioqos] tenants given without a device (--ioqos-device)");
+                return Err(crate::Error::Invalid(
+                    "[ioqos] tenants given without a device (--ioqos-device)".to_string(),
+                ));
             }
             None
         }
@@ -319,7 +315,9 @@ pub fn merge(file: FileConfig, flags: Flags) -> Result<Settings> {
     };
     let max_conns = flags.max_conns.or(m.max_conns).unwrap_or(512);
     if max_conns == 0 {
-        bail!("max_conns must be at least 1");
+        return Err(crate::Error::Invalid(
+            "max_conns must be at least 1".to_string(),
+        ));
     }
     Ok(Settings {
         lend,

@@ -93,11 +93,11 @@ async fn authenticate(State(gate): State<Arc<Gate>>, req: Request, next: Next) -
 
 /// Serve `router` on `listen` behind the gate; returns the bound address.
 /// The endpoint runs on its own threads until the process ends.
-pub fn serve(listen: &str, router: Router, gate: Gate) -> anyhow::Result<SocketAddr> {
+pub fn serve(listen: &str, router: Router, gate: Gate) -> crate::error::Result<SocketAddr> {
     let l = std::net::TcpListener::bind(listen).map_err(|e| {
-        anyhow::anyhow!(
+        crate::Error::Invalid(format!(
             "cannot listen for HTTP on {listen}: {e} (use --metrics ADDR or --metrics off)"
-        )
+        ))
     })?;
     l.set_nonblocking(true)?;
     let addr = l.local_addr()?;

@@ -4,13 +4,15 @@
 
 pub mod api;
 pub mod config;
+pub mod error;
 pub mod guests;
 pub mod http;
 pub mod orchestrate;
 pub mod registry;
 pub mod service;
 
-use anyhow::{Context, Result};
+use crate::error::Context;
+pub use error::{Error, Result};
 pub use pagefleet_api::HostReport;
 pub use pagefleet_common::units::{fmt_size, parse_size};
 use pagefleet_memserver::{server, ServerConfig, ServerState, Store};

@@ -159,5 +159,5 @@ fn run() -> Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
-    pagefleet_daemon::service::run(a)
+    Ok(pagefleet_daemon::service::run(a)?)
 }

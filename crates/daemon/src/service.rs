@@ -4,10 +4,10 @@
 
 use crate::api::{self, App};
 use crate::config::Settings;
+use crate::error::{Context, Result};
 use crate::guests::{GuestConfig, Guests};
 use crate::http::{self, Gate};
 use crate::MemServer;
-use anyhow::{bail, Context, Result};
 use pagefleet_common::http::Client;
 use pagefleet_common::httpauth::Verifier;
 use pagefleet_common::units;
@@ -20,7 +20,7 @@ use std::sync::Arc;
 /// Start every service `a` asks for and serve until SIGINT or SIGTERM.
 pub fn run(a: Settings) -> Result<()> {
     if a.lend.is_none() && a.guest_memory.is_none() && a.ksm.is_none() && a.ioqos.is_none() {
-        bail!("nothing to do: lend memory with --lend SIZE (e.g. --lend 4GiB), run guests with --guest-memory SIZE, control KSM with --ksm adaptive and/or guarantee I/O with --ioqos-device DEV --ioqos-tenants SPEC; see --help");
+        return Err(crate::Error::Invalid("nothing to do: lend memory with --lend SIZE (e.g. --lend 4GiB), run guests with --guest-memory SIZE, control KSM with --ksm adaptive and/or guarantee I/O with --ioqos-device DEV --ioqos-tenants SPEC; see --help".to_string()));
     }
     // SIGTERM/SIGINT end the daemon cleanly (the KSM controller puts the host's settings back).
     let stop = pagefleet_common::signal::stop_flag();
@@ -62,7 +62,9 @@ pub fn run(a: Settings) -> Result<()> {
         None => None,
     };
     if a.lend.is_some_and(|l| l < 4096) {
-        bail!("--lend is less than one 4 KiB page");
+        return Err(crate::Error::Invalid(
+            "--lend is less than one 4 KiB page".to_string(),
+        ));
     }
     let (secret, created) = Secret::load_or_create(a.secret_file.as_deref())?;
     if created {
@@ -100,7 +102,10 @@ pub fn run(a: Settings) -> Result<()> {
     let guests = match a.guest_memory {
         Some(mem) => {
             if http_listen.is_none() {
-                bail!("the guest host service needs the HTTP endpoint: drop --metrics off");
+                return Err(crate::Error::Invalid(
+                    "the guest host service needs the HTTP endpoint: drop --metrics off"
+                        .to_string(),
+                ));
             }
             let runner = match a.runner.clone() {
                 Some(r) => r,

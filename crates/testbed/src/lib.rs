@@ -11,7 +11,10 @@
 // Not a library API: a lab harness (network namespaces) for tests, benchmarks and the demo.
 #![allow(missing_docs)]
 
-use anyhow::{bail, Context, Result};
+pub mod error;
+pub use error::{Error, Result};
+
+use crate::error::Context;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -28,7 +31,7 @@ pub enum Link {
 
 impl std::str::FromStr for Link {
     type Err = String;
-    fn from_str(s: &str) -> Result<Link, String> {
+    fn from_str(s: &str) -> std::result::Result<Link, String> {
         match s {
             "1gbit" => Ok(Link::Gbit1),
             "10gbit" => Ok(Link::Gbit10),
@@ -135,11 +138,11 @@ fn run(args: &[&str]) -> Result<()> {
         .output()
         .with_context(|| format!("cannot run {} (is iproute2 installed?)", args[0]))?;
     if !out.status.success() {
-        bail!(
+        return Err(crate::Error::Invalid(format!(
             "`{}` failed: {}",
             args.join(" "),
             String::from_utf8_lossy(&out.stderr).trim()
-        );
+        )));
     }
     Ok(())
 }
@@ -163,16 +166,20 @@ impl Lab {
     pub fn up(o: &Options) -> Result<Lab> {
         // SAFETY: geteuid has no preconditions.
         if unsafe { libc::geteuid() } != 0 {
-            bail!("the testbed creates network namespaces: run it as root");
+            return Err(crate::Error::Invalid(
+                "the testbed creates network namespaces: run it as root".to_string(),
+            ));
         }
         if o.hosts == 0 || o.hosts > 200 {
-            bail!("--hosts must be 1..=200");
+            return Err(crate::Error::Invalid("--hosts must be 1..=200".to_string()));
         }
         if !o.prefix.chars().all(|c| c.is_ascii_alphanumeric())
             || o.prefix.is_empty()
             || o.prefix.len() > 6
         {
-            bail!("lab prefix must be 1-6 letters or digits");
+            return Err(crate::Error::Invalid(
+                "lab prefix must be 1-6 letters or digits".to_string(),
+            ));
         }
         down_prefix(&o.dir, &o.prefix)?;
         std::fs::create_dir_all(&o.dir)?;
@@ -255,7 +262,10 @@ impl Lab {
         })();
         if let Err(e) = r {
             let _ = down_prefix(&o.dir, &o.prefix);
-            return Err(e.context("testbed up failed; everything it created was removed"));
+            return Err(Error::Failed {
+                what: "testbed up failed; everything it created was removed".into(),
+                source: Box::new(e),
+            });
         }
         Ok(lab)
     }
@@ -419,7 +429,7 @@ fn wait_listening(ns: &str, addr: &str) -> Result<()> {
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    bail!("pagefleetd in {ns} did not start listening on {addr}; see its log in the testbed directory")
+    Err(crate::Error::Invalid(format!("pagefleetd in {ns} did not start listening on {addr}; see its log in the testbed directory")))
 }
 
 /// Remove every namespace, daemon and file of the lab `prefix`. Safe to run
@@ -467,7 +477,9 @@ pub fn down_prefix(dir: &Path, prefix: &str) -> Result<()> {
         .filter(|n| n.starts_with(&format!("{prefix}-")))
         .collect();
     if !left.is_empty() {
-        bail!("could not remove namespaces {left:?}");
+        return Err(crate::Error::Invalid(format!(
+            "could not remove namespaces {left:?}"
+        )));
     }
     Ok(())
 }
@@ -480,7 +492,10 @@ pub fn enter_netns(netns: &str) -> Result<()> {
         .with_context(|| format!("no network namespace {netns}"))?;
     // SAFETY: setns on a namespace file we opened, for this thread only.
     if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-        bail!("setns into {netns}: {}", std::io::Error::last_os_error());
+        return Err(crate::Error::Invalid(format!(
+            "setns into {netns}: {}",
+            std::io::Error::last_os_error()
+        )));
     }
     Ok(())
 }
