@@ -233,7 +233,7 @@ impl FileConfig {
     pub fn load(path: &Path) -> Result<FileConfig> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read config {}", path.display()))?;
-        FileConfig::parse(&text).with_context(|| format!("in config {}", path.display()))
+        Ok(FileConfig::parse(&text).with_context(|| format!("in config {}", path.display()))?)
     }
     /// Parse TOML text.
     pub fn parse(text: &str) -> Result<FileConfig> {

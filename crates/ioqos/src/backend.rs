@@ -169,7 +169,8 @@ impl Backend {
                         v(l.wiops)
                     ),
                 )
-                .with_context(|| format!("cannot write {}", f.display()))
+                .with_context(|| format!("cannot write {}", f.display()))?;
+                Ok(())
             }
             Backend::Qmp(q) => q.throttle(l),
         }

@@ -262,10 +262,10 @@ impl Lab {
         })();
         if let Err(e) = r {
             let _ = down_prefix(&o.dir, &o.prefix);
-            return Err(Error::Failed {
+            return Err(Error::Failed(pagefleet_common::context::Failed {
                 what: "testbed up failed; everything it created was removed".into(),
-                source: Box::new(e),
-            });
+                cause: Some(Box::new(e)),
+            }));
         }
         Ok(lab)
     }
