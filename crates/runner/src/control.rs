@@ -355,6 +355,11 @@ pub fn serve(path: &Path, r: Arc<Running>) -> Result<Exit, RunnerError> {
             e,
         )
     })?;
+    // The control socket is the host daemon's (same user) alone: connecting
+    // to a unix socket needs write permission on it.
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+        .map_err(|e| RunnerError::io(format!("cannot restrict {}", path.display()), e))?;
     let (tx, rx) = std::sync::mpsc::channel::<Exit>();
     let accept = move |tx: Sender<Exit>| {
         for c in l.incoming() {
