@@ -962,11 +962,7 @@ pub struct Args {
 impl crate::Benchmark for Args {
     type Report = Report;
     fn run(&self, c: &crate::Common, log: &mut dyn FnMut(&str)) -> Result<Report> {
-        let mut o = if c.quick {
-            Opts::quick(c.out.clone())
-        } else {
-            Opts::full(c.out.clone())
-        };
+        let mut o = c.opts(Opts::quick, Opts::full);
         if let Some(s) = self.secs {
             if !(20.0..=3600.0).contains(&s) {
                 bail!("--secs must be between 20 and 3600");

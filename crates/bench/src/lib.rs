@@ -36,6 +36,17 @@ pub struct Common {
     pub out: PathBuf,
 }
 
+impl Common {
+    /// A benchmark's options: its quick set or its full one, writing to `--out`.
+    pub fn opts<O>(&self, quick: fn(PathBuf) -> O, full: fn(PathBuf) -> O) -> O {
+        if self.quick {
+            quick(self.out.clone())
+        } else {
+            full(self.out.clone())
+        }
+    }
+}
+
 /// One benchmark: its flags are the implementing type.
 pub trait Benchmark {
     /// Everything it measured, with its `goals`.

@@ -737,11 +737,7 @@ pub struct Args {
 impl crate::Benchmark for Args {
     type Report = Report;
     fn run(&self, c: &crate::Common, log: &mut dyn FnMut(&str)) -> Result<Report> {
-        let mut o = if c.quick {
-            Opts::quick(c.out.clone())
-        } else {
-            Opts::full(c.out.clone())
-        };
+        let mut o = c.opts(Opts::quick, Opts::full);
         if let Some(d) = self.dataset {
             let d = crate::at_least("--dataset", "the guest size", d, 64 << 20)?;
             o.size = d / (64 << 10) * (64 << 10);

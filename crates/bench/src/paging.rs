@@ -721,11 +721,7 @@ pub struct Args {
 impl crate::Benchmark for Args {
     type Report = Report;
     fn run(&self, c: &crate::Common, log: &mut dyn FnMut(&str)) -> Result<Report> {
-        let mut o = if c.quick {
-            Opts::quick(c.out.clone())
-        } else {
-            Opts::full(c.out.clone())
-        };
+        let mut o = c.opts(Opts::quick, Opts::full);
         if let Some(d) = self.dataset {
             o.size = crate::at_least("--dataset", "the guest memory size", d, 32 << 20)?;
         }

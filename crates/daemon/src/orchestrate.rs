@@ -10,8 +10,8 @@ use crate::api::App;
 use crate::guests::{Guests, Refusal};
 use pagefleet_api::migration::Failure;
 use pagefleet_api::{
-    ClusterHost, ControlRequest, EvacuationEvent, EvacuationOrder, GuestStatus, IncomingReply,
-    IncomingRequest, MigrateRequest, MigrationOrder, Placed, ProgressEvent, SubHost,
+    ClusterHost, ControlRequest, EvacuationEvent, EvacuationOrder, IncomingReply, IncomingRequest,
+    MigrateRequest, MigrationOrder, Placed, ProgressEvent, SubHost,
 };
 use pagefleet_migrate::placement::{self, HostInfo};
 use std::time::Duration;
@@ -38,22 +38,38 @@ fn info(h: &ClusterHost) -> HostInfo {
 
 /// Place the guest and start its destination runner: what to tell the
 /// source runner, and where things went.
-fn place(app: &App, g: &Guests, o: &MigrationOrder) -> Result<(Placed, MigrateRequest), Refusal> {
+fn place(app: &App, o: &MigrationOrder) -> Result<(Placed, MigrateRequest), Refusal> {
     let bad = |m: String| Refusal {
         status: 400,
         message: m,
     };
-    let st: GuestStatus = g.control(&o.guest, &ControlRequest::Status)?;
-    if st.state == pagefleet_api::GuestState::Migrating {
-        return Err(Refusal {
-            status: 409,
-            message: format!("{} is already migrating", o.guest),
-        });
-    }
+    // This host is the first of the view, with its guests' status.
     let view = app.view();
     let hs = &view.hosts;
-    // This host is the first of the view.
     let src = 0;
+    let st = hs[src]
+        .guests
+        .iter()
+        .find(|x| x.name == o.guest && x.state != pagefleet_api::GuestState::Incoming)
+        .ok_or_else(|| Refusal {
+            status: 404,
+            message: format!("no guest {:?} runs here", o.guest),
+        })?;
+    match st.state {
+        pagefleet_api::GuestState::Migrating => {
+            return Err(Refusal::new(
+                409,
+                format!("{} is already migrating", o.guest),
+            ))
+        }
+        pagefleet_api::GuestState::Starting => {
+            return Err(Refusal::new(
+                409,
+                format!("{}'s runner does not answer yet", o.guest),
+            ))
+        }
+        _ => {}
+    }
     let size_pages = st.size / 4096;
     let pages = st.pages.clone().unwrap_or_default();
     // Pages already on memory servers stay there: only resident ones need room.
@@ -204,7 +220,7 @@ pub fn migrate(app: &App, order: MigrationOrder, mut emit: impl FnMut(&ProgressE
         emit(&failed("this host runs no guests".into()));
         return;
     };
-    match place(app, g, &order) {
+    match place(app, &order) {
         Err(r) => {
             emit(&failed(r.message));
         }

@@ -26,27 +26,25 @@ fn have(tool: &str) -> bool {
     pagefleet_lab::proc::which(tool).is_ok()
 }
 
-fn export(c: &Cluster, servers: &[String], size: &str, extra: &[&str]) -> Export {
-    let port = pagefleet_lab::proc::free_port().unwrap();
-    let addr = format!("127.0.0.1:{port}");
-    let mut child = Command::new(bin("pagefleet"))
-        .arg("--secret-file")
-        .arg(&c.secret_file)
-        .args([
-            "blockdev",
-            "serve",
-            "--servers",
-            &servers.join(","),
-            "--size",
-            size,
-            "--listen",
-            &addr,
-        ])
-        .args(extra)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
+/// `pagefleet blockdev serve` over `servers`, a device of `size`, at `listen`.
+fn serve_cmd(c: &Cluster, servers: &[String], size: &str, listen: &str) -> Command {
+    let mut cmd = Command::new(bin("pagefleet"));
+    cmd.arg("--secret-file").arg(&c.secret_file).args([
+        "blockdev",
+        "serve",
+        "--servers",
+        &servers.join(","),
+        "--size",
+        size,
+        "--listen",
+        listen,
+    ]);
+    cmd
+}
+
+/// Start `cmd` and wait for its `listening` line.
+fn spawn_listening(cmd: &mut Command) -> std::process::Child {
+    let mut child = cmd.stdout(Stdio::piped()).spawn().unwrap();
     let mut line = String::new();
     std::io::BufRead::read_line(
         &mut std::io::BufReader::new(child.stdout.take().unwrap()),
@@ -56,6 +54,17 @@ fn export(c: &Cluster, servers: &[String], size: &str, extra: &[&str]) -> Export
     assert!(
         line.starts_with("listening"),
         "blockdev serve said {line:?}"
+    );
+    child
+}
+
+fn export(c: &Cluster, servers: &[String], size: &str, extra: &[&str]) -> Export {
+    let port = pagefleet_lab::proc::free_port().unwrap();
+    let addr = format!("127.0.0.1:{port}");
+    let child = spawn_listening(
+        serve_cmd(c, servers, size, &addr)
+            .args(extra)
+            .stderr(Stdio::inherit()),
     );
     Export {
         child,
@@ -422,18 +431,7 @@ fn a_small_guest_swaps_to_the_export_and_gets_every_value_back() {
 fn the_export_listens_only_where_strangers_cannot_reach() {
     let c = Cluster::start(2, "16MiB");
     let serve = |listen: &str, size: &str, extra: &[&str]| {
-        Command::new(bin("pagefleet"))
-            .arg("--secret-file")
-            .arg(&c.secret_file)
-            .args([
-                "blockdev",
-                "serve",
-                "--servers",
-                &c.addrs().join(","),
-                "--size",
-                size,
-            ])
-            .args(["--listen", listen])
+        serve_cmd(&c, &c.addrs(), size, listen)
             .args(extra)
             .output()
             .unwrap()
@@ -453,33 +451,16 @@ fn the_export_listens_only_where_strangers_cannot_reach() {
     // A unix socket is the owner's alone.
     let dir = tempdir("nbdsock");
     let sock = dir.join("nbd.sock");
-    let mut child = Command::new(bin("pagefleet"))
-        .arg("--secret-file")
-        .arg(&c.secret_file)
-        .args([
-            "blockdev",
-            "serve",
-            "--servers",
-            &c.addrs().join(","),
-            "--size",
-            "4MiB",
-        ])
-        .arg("--listen")
-        .arg(format!("unix:{}", sock.display()))
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
-        &mut line,
-    )
-    .unwrap();
+    let mut child = spawn_listening(&mut serve_cmd(
+        &c,
+        &c.addrs(),
+        "4MiB",
+        &format!("unix:{}", sock.display()),
+    ));
     use std::os::unix::fs::PermissionsExt;
     let mode = std::fs::metadata(&sock).unwrap().permissions().mode() & 0o777;
     let _ = child.kill();
     let _ = child.wait();
     let _ = std::fs::remove_dir_all(&dir);
-    assert!(line.starts_with("listening"), "{line}");
     assert_eq!(mode, 0o600, "socket mode {mode:o}");
 }
