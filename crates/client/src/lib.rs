@@ -76,6 +76,19 @@ pub enum ClientError {
 }
 
 impl ClientError {
+    /// Whether trying again later may succeed: the server is busy, or the
+    /// connection could not be made or was lost (not: refused credentials,
+    /// a protocol violation, a request the server rejects).
+    pub fn is_transient(&self) -> bool {
+        match self {
+            ClientError::Connect { .. } | ClientError::Io { .. } | ClientError::TimedOut { .. } => {
+                true
+            }
+            ClientError::Server { err, .. } => err.code == ErrorCode::Busy,
+            _ => false,
+        }
+    }
+
     /// The server's error code, when the server refused the request.
     pub fn code(&self) -> Option<ErrorCode> {
         match self {
@@ -303,6 +316,31 @@ impl Conn {
             max_batch_pages: ok.max_batch_pages,
         };
         Ok(c)
+    }
+
+    /// Connect like [`Conn::connect`], but retry for up to `patience` while
+    /// the server answers BUSY, refuses or drops the connection (a restart,
+    /// a full session table, a flood of strangers): a pager should ride out a
+    /// moment's trouble, not kill its guest. Errors that retrying cannot fix
+    /// (wrong secret, protocol) return at once.
+    pub fn connect_patiently(
+        addr: &str,
+        secret: &Secret,
+        opts: &ConnectOptions,
+        patience: Duration,
+    ) -> Result<Conn> {
+        let start = Instant::now();
+        let mut pause = Duration::from_millis(10);
+        loop {
+            match Conn::connect(addr, secret, opts) {
+                Ok(c) => return Ok(c),
+                Err(e) if e.is_transient() && start.elapsed() + pause < patience => {
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(Duration::from_millis(500));
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     /// Frames bulk calls keep in flight (at least 1).

@@ -12,6 +12,7 @@
 //! public_metrics = false     # GET /metrics without a signature
 //! max_conns = 512
 //! io_timeout_secs = 30
+//! handshake_timeout_secs = 5
 //!
 //! [guests]                   # the guest host service (off unless memory is set)
 //! memory = "8GiB"            # sum of guest budgets this host accepts
@@ -146,6 +147,8 @@ pub struct MemserverSection {
     pub max_conns: Option<u32>,
     /// Drop a client stalled this long, seconds.
     pub io_timeout_secs: Option<u64>,
+    /// Drop a connection not authenticated after this long, seconds.
+    pub handshake_timeout_secs: Option<u64>,
 }
 
 /// What the command line said (None = not given).
@@ -165,6 +168,8 @@ pub struct Flags {
     pub max_conns: Option<u32>,
     /// Drop a client stalled this long, seconds.
     pub io_timeout_secs: Option<u64>,
+    /// Drop a connection not authenticated after this long, seconds.
+    pub handshake_timeout_secs: Option<u64>,
     /// Log filter (error, warn, info, debug, trace; or RUST_LOG syntax).
     pub log: Option<String>,
     /// Memory this host gives guests (guest host service on).
@@ -208,6 +213,8 @@ pub struct Settings {
     pub max_conns: u32,
     /// Drop a client stalled this long.
     pub io_timeout: Duration,
+    /// Drop a connection not authenticated after this long.
+    pub handshake_timeout: Duration,
     /// Log filter (error, warn, info, debug, trace; or RUST_LOG syntax).
     pub log: String,
     /// Memory this host gives guests (guest host service on).
@@ -259,6 +266,15 @@ pub fn merge(file: FileConfig, flags: Flags) -> Result<Settings> {
     if io == 0 {
         return Err(crate::Error::Invalid(
             "io_timeout must be at least 1 second".to_string(),
+        ));
+    }
+    let hs = flags
+        .handshake_timeout_secs
+        .or(m.handshake_timeout_secs)
+        .unwrap_or(5);
+    if hs == 0 {
+        return Err(crate::Error::Invalid(
+            "handshake_timeout must be at least 1 second".to_string(),
         ));
     }
     let k = file.ksm.unwrap_or_default();
@@ -330,6 +346,7 @@ pub fn merge(file: FileConfig, flags: Flags) -> Result<Settings> {
         secret_file: flags.secret_file.or(file.secret_file),
         max_conns,
         io_timeout: Duration::from_secs(io),
+        handshake_timeout: Duration::from_secs(hs),
         log: flags.log.or(file.log).unwrap_or_else(|| "info".into()),
         guest_memory,
         runner: flags.runner.or(g.runner),

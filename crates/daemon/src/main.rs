@@ -65,12 +65,19 @@ struct Args {
     /// $PAGEFLEET_SECRET, if set, is the secret itself.
     #[arg(long)]
     secret_file: Option<PathBuf>,
-    /// Most simultaneous client connections (default 512).
+    /// Most simultaneous authenticated client sessions (default 512).
+    /// Connections waiting to authenticate do not count: they have their
+    /// own cap and deadline (see --handshake-timeout).
     #[arg(long)]
     max_conns: Option<u32>,
-    /// Drop a client stalled mid-frame (or not reading replies) this long, in seconds (default 30).
+    /// Drop a client whose request or reply frame is not complete after
+    /// this many seconds (default 30). Idle between frames is fine.
     #[arg(long)]
     io_timeout: Option<u64>,
+    /// Drop a connection that has not proved the cluster secret after this
+    /// many seconds (default 5).
+    #[arg(long)]
+    handshake_timeout: Option<u64>,
     /// Run guests here: the memory their budgets may add up to (e.g. 8GiB).
     #[arg(long, value_parser = units::parse_size)]
     guest_memory: Option<u64>,
@@ -139,6 +146,7 @@ fn run() -> Result<()> {
             secret_file: args.secret_file,
             max_conns: args.max_conns,
             io_timeout_secs: args.io_timeout,
+            handshake_timeout_secs: args.handshake_timeout,
             log: args.log,
             guest_memory: args.guest_memory,
             runner: args.runner,

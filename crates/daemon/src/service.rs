@@ -77,6 +77,8 @@ pub fn run(a: Settings) -> Result<()> {
     let cfg = ServerConfig {
         max_conns: a.max_conns,
         io_timeout: a.io_timeout,
+        handshake_timeout: a.handshake_timeout,
+        ..ServerConfig::default()
     };
     let ms = match a.lend {
         Some(lend) => Some(MemServer::start(&a.listen, lend, secret.clone(), cfg)?),

@@ -515,6 +515,157 @@ fn connection_limit_answers_busy() {
     assert_eq!(e.code(), Some(ErrorCode::Busy), "{e}");
 }
 
+/// Threads of a process, from /proc.
+fn threads(pid: u32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = s.lines().find(|l| l.starts_with("Threads:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+/// Let this test process hold `n` file descriptors.
+fn allow_fds(n: u64) {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: r is a valid rlimit to fill and then to read.
+    unsafe {
+        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut r), 0);
+        r.rlim_cur = r.rlim_max.min(n.max(r.rlim_cur));
+        assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &r), 0);
+    }
+}
+
+/// 2 000 connections that never authenticate hold no thread and no session
+/// slot: real clients still get in and work, and the strangers are closed
+/// after the handshake deadline.
+#[test]
+fn idle_strangers_cannot_crowd_out_clients() {
+    allow_fds(8192);
+    let d = Daemon::start("16MiB", &["--max-conns", "4", "--handshake-timeout", "2"]);
+    let before = threads(d.pid());
+    let mut strangers = Vec::new();
+    for _ in 0..2000 {
+        match TcpStream::connect(&d.addr) {
+            Ok(s) => strangers.push(s),
+            Err(e) => panic!("connect #{}: {e}", strangers.len()),
+        }
+    }
+    // Clients still get in, up to --max-conns of them, and work.
+    let mut clients: Vec<Conn> = (0..4).map(|_| d.conn()).collect();
+    for (i, c) in clients.iter_mut().enumerate() {
+        c.put(
+            9,
+            Pages::Run {
+                first: i as u64,
+                count: 1,
+            },
+            &vec![i as u8; P],
+            1,
+        )
+        .unwrap();
+    }
+    let mut buf = vec![0u8; P];
+    clients[0]
+        .get(
+            9,
+            Pages::Run { first: 3, count: 1 },
+            &mut buf,
+            GetMode::Keep,
+            false,
+            1,
+        )
+        .unwrap();
+    assert!(buf.iter().all(|b| *b == 3));
+    // A fifth authenticated client is told BUSY; one retrying patiently gets
+    // in once a slot frees.
+    let e = Conn::connect(&d.addr, &d.secret, &ConnectOptions::default())
+        .err()
+        .expect("over --max-conns");
+    assert_eq!(e.code(), Some(ErrorCode::Busy), "{e}");
+    let (addr, secret) = (d.addr.clone(), d.secret.clone());
+    let waiter = std::thread::spawn(move || {
+        Conn::connect_patiently(
+            &addr,
+            &secret,
+            &ConnectOptions::default(),
+            Duration::from_secs(20),
+        )
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    clients.pop();
+    let mut late = waiter
+        .join()
+        .unwrap()
+        .expect("patient client gets the freed slot");
+    late.ping().unwrap();
+    // The strangers cost no threads: sessions are 4, plus nothing per stranger.
+    let during = threads(d.pid());
+    assert!(
+        during <= before + 6,
+        "{} threads with 2000 strangers and 4 sessions (was {before})",
+        during
+    );
+    // Strangers are closed within the handshake deadline (all of them,
+    // whether evicted by newer ones or timed out).
+    let t = Instant::now();
+    for s in strangers.iter_mut() {
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut b = [0u8; 256];
+        loop {
+            match s.read(&mut b) {
+                Ok(0) | Err(_) => break,
+                Ok(_) => continue, // the WELCOME
+            }
+        }
+    }
+    assert!(t.elapsed() < Duration::from_secs(10));
+    late.ping().unwrap();
+}
+
+/// A session's frame must complete within --io-timeout as a whole: a
+/// client dribbling one byte at a time is dropped, however often it sends.
+#[test]
+fn dribbling_client_is_dropped_per_frame() {
+    let d = Daemon::start("16MiB", &["--io-timeout", "2"]);
+    let (mut s, w) = raw_connect(&d.addr);
+    raw_hello(&mut s, &w, &d.secret);
+    let mut out = Vec::new();
+    frame(Opcode::Put, 2, &mut out, |b| {
+        encode_pages_req(1, &PageSel::Run { first: 0, count: 1 }, 0, b);
+        b.extend_from_slice(&[5u8; P]);
+    });
+    let t = Instant::now();
+    let mut closed = false;
+    for byte in out.iter() {
+        if s.write_all(&[*byte]).is_err() {
+            closed = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        if t.elapsed() > Duration::from_secs(15) {
+            break;
+        }
+        // Closed by the server: a read sees EOF (or an error) at once.
+        s.set_nonblocking(true).unwrap();
+        let mut b = [0u8; 64];
+        let gone = matches!(s.read(&mut b), Ok(0))
+            || matches!(s.read(&mut b), Err(e) if e.kind() != std::io::ErrorKind::WouldBlock);
+        s.set_nonblocking(false).unwrap();
+        if gone {
+            closed = true;
+            break;
+        }
+    }
+    assert!(
+        closed,
+        "a frame dribbled over {:?} was not dropped",
+        t.elapsed()
+    );
+    // Nothing of the half-sent PUT was stored; the server serves others.
+    assert_eq!(d.conn().stat(false).unwrap().used_pages, 0);
+}
+
 #[test]
 fn killed_server_is_a_loud_error_naming_it() {
     let mut d = Daemon::start("16MiB", &[]);

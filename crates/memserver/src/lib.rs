@@ -2,9 +2,11 @@
 //!
 //! - [`store`]: pages kept per (region, page number) in page arrays inside
 //!   one pre-sized pool, so memory use never exceeds the lent capacity;
-//! - [`server`]: the protocol-v1 connection loop (auth, pipelining, errors);
+//! - [`gate`]: one thread where connections wait until they authenticate;
+//! - [`server`]: the protocol-v1 session loop (pipelining, errors, per-frame deadlines);
 //! - [`metrics`]: counters and their Prometheus text rendering.
 
+pub mod gate;
 pub mod metrics;
 pub mod server;
 pub mod store;

@@ -35,6 +35,10 @@ pub struct Metrics {
     pub connections_refused: AtomicU64,
     /// Connections that failed the cluster-secret proof.
     pub auth_failures: AtomicU64,
+    /// Connections dropped for not authenticating in time.
+    pub handshake_timeouts: AtomicU64,
+    /// Waiting connections dropped to admit newer ones (handshake cap full).
+    pub handshake_evictions: AtomicU64,
 }
 
 impl Metrics {
@@ -102,7 +106,7 @@ pub fn render(m: &Metrics, s: &StoreStats, connections: u32) -> String {
     );
     gauge(
         "memserver_connections",
-        "Open client connections.",
+        "Open authenticated sessions.",
         "gauge",
         connections as u64,
     );
@@ -123,6 +127,18 @@ pub fn render(m: &Metrics, s: &StoreStats, connections: u32) -> String {
         "Failed HELLO authentications.",
         "counter",
         m.auth_failures.load(Relaxed),
+    );
+    gauge(
+        "memserver_handshake_timeouts_total",
+        "Connections closed for not authenticating in time.",
+        "counter",
+        m.handshake_timeouts.load(Relaxed),
+    );
+    gauge(
+        "memserver_handshake_evictions_total",
+        "Unauthenticated connections dropped to admit newer ones.",
+        "counter",
+        m.handshake_evictions.load(Relaxed),
     );
     gauge(
         "memserver_received_bytes_total",

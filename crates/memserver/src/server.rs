@@ -16,16 +16,23 @@ use std::net::{TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tracing::{debug, info, warn};
 
 /// How the server treats its clients.
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
-    /// Most simultaneous connections; more are refused with BUSY.
+    /// Most simultaneous authenticated sessions; more are refused with BUSY
+    /// (only after they authenticated: strangers learn nothing).
     pub max_conns: u32,
-    /// A client that stops mid-frame, or stops reading replies, this long is dropped.
+    /// A frame (request or reply) not completed within this long drops the
+    /// connection.
     pub io_timeout: Duration,
+    /// Most connections waiting to authenticate; a new one beyond this
+    /// drops the oldest waiting one.
+    pub max_handshakes: u32,
+    /// A connection that has not authenticated within this long is dropped.
+    pub handshake_timeout: Duration,
 }
 
 impl Default for ServerConfig {
@@ -33,6 +40,8 @@ impl Default for ServerConfig {
         ServerConfig {
             max_conns: 512,
             io_timeout: Duration::from_secs(30),
+            max_handshakes: 256,
+            handshake_timeout: Duration::from_secs(5),
         }
     }
 }
@@ -70,9 +79,23 @@ impl ServerState {
             conns: AtomicU32::new(0),
         }
     }
-    /// Connections open now.
+    /// Authenticated sessions open now.
     pub fn connections(&self) -> u32 {
         self.conns.load(Relaxed)
+    }
+
+    /// Count one more session if there is room for it.
+    pub(crate) fn try_admit(&self) -> bool {
+        self.conns
+            .fetch_update(Relaxed, Relaxed, |n| {
+                (n < self.cfg.max_conns).then_some(n + 1)
+            })
+            .is_ok()
+    }
+
+    /// A session ended.
+    pub(crate) fn release(&self) {
+        self.conns.fetch_sub(1, Relaxed);
     }
 }
 
@@ -80,6 +103,9 @@ impl ServerState {
 pub trait Transport: ReadAll + Write {
     /// Read without blocking: `Ok(None)` when nothing is available now.
     fn read_nonblocking(&mut self, buf: &mut [u8]) -> io::Result<Option<usize>>;
+    /// Reads and writes from now on fail with `TimedOut` after `deadline`
+    /// (`None`: no deadline). Transports without timeouts ignore it.
+    fn set_deadline(&mut self, _deadline: Option<Instant>) {}
 }
 
 impl Transport for TcpStream {
@@ -105,69 +131,189 @@ impl Transport for TcpStream {
     }
 }
 
-/// Accept connections forever, one thread each.
+/// Accept connections forever: handshakes in the gate thread, each
+/// authenticated session on its own thread (see [`crate::gate`]).
 pub fn serve(listener: TcpListener, state: Arc<ServerState>) -> io::Result<()> {
-    loop {
-        let (stream, peer) = match listener.accept() {
-            Ok(x) => x,
-            Err(e) => {
-                // EMFILE and friends: back off instead of spinning.
-                warn!("accept failed: {e}");
-                std::thread::sleep(Duration::from_millis(50));
-                continue;
-            }
-        };
-        let st = state.clone();
-        let spawned = std::thread::Builder::new()
-            .name(format!("conn {peer}"))
-            .spawn(move || {
-                let peer = peer.to_string();
-                serve_stream(&st, stream, &peer);
-            });
-        if let Err(e) = spawned {
-            warn!("cannot start a thread for {peer}: {e}");
-        }
-    }
+    crate::gate::serve(listener, state)
 }
 
-/// Run one TCP connection to completion.
-pub fn serve_stream(st: &ServerState, mut stream: TcpStream, peer: &str) {
-    st.metrics.connections_total.fetch_add(1, Relaxed);
-    let n = st.conns.fetch_add(1, Relaxed) + 1;
-    struct Dec<'a>(&'a AtomicU32);
-    impl Drop for Dec<'_> {
+/// Run one authenticated connection to completion (the gate has admitted it
+/// and counted it in `connections`; released here).
+pub(crate) fn serve_authenticated(
+    st: &ServerState,
+    stream: TcpStream,
+    peer: &str,
+    client: String,
+    extra: &[u8],
+) {
+    struct Release<'a>(&'a ServerState);
+    impl Drop for Release<'_> {
         fn drop(&mut self) {
-            self.0.fetch_sub(1, Relaxed);
+            self.0.release();
         }
     }
-    let _dec = Dec(&st.conns);
-    let _ = stream.set_nodelay(true);
-    let _ = stream.set_read_timeout(Some(st.cfg.io_timeout));
-    let _ = stream.set_write_timeout(Some(st.cfg.io_timeout));
+    let _release = Release(st);
+    if stream.set_nonblocking(false).is_err() {
+        return;
+    }
     let ka = socket2::TcpKeepalive::new()
         .with_time(Duration::from_secs(30))
         .with_interval(Duration::from_secs(10));
     let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(&ka);
-    if n > st.cfg.max_conns {
-        st.metrics.connections_refused.fetch_add(1, Relaxed);
-        st.metrics.error(ErrorCode::Busy);
-        let e = WireError::new(
-            ErrorCode::Busy,
-            format!(
-                "server at its limit of {} connections; retry later",
-                st.cfg.max_conns
-            ),
-        );
-        let mut out = Vec::new();
-        frame(Opcode::Error, 0, &mut out, |b| e.encode(b));
-        let _ = stream.write_all(&out);
-        return;
-    }
-    debug!(peer, "connected");
-    match Session::new(st, &mut stream, peer).run() {
+    let mut t = FrameStream::new(stream, st.cfg.io_timeout);
+    debug!(peer, client, "session started");
+    let mut s = Session::new(st, &mut t, peer);
+    s.authed = true;
+    s.client = client;
+    s.preload(extra);
+    match s.run() {
         Ok(()) => debug!(peer, "closed"),
         Err(e) => info!(peer, "connection ended: {e}"),
     }
+}
+
+/// A TCP stream whose reads and writes give up at a deadline that holds for a
+/// whole frame, not per system call: a client that sends one byte every few
+/// seconds is dropped when the frame's time is up. Between frames (no
+/// deadline) an idle client may wait forever.
+pub struct FrameStream {
+    s: TcpStream,
+    deadline: Option<Instant>,
+    /// The socket timeout set now (both directions).
+    set: Option<Duration>,
+    idle: Duration,
+}
+
+impl FrameStream {
+    /// `idle` is the socket timeout between frames (the session just loops on it).
+    pub fn new(s: TcpStream, idle: Duration) -> FrameStream {
+        FrameStream {
+            s,
+            deadline: None,
+            set: None,
+            idle,
+        }
+    }
+
+    /// Arm the socket timeout for the next system call.
+    fn arm(&mut self) -> io::Result<()> {
+        let want = match self.deadline {
+            None => self.idle,
+            Some(d) => {
+                let left = d.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "frame not completed within the I/O timeout",
+                    ));
+                }
+                left
+            }
+        };
+        // One setsockopt per change of more than 50 ms: fast frames keep the
+        // timeout they have; a slow one tightens it as its deadline nears.
+        let stale = self
+            .set
+            .is_none_or(|s| s.abs_diff(want) > Duration::from_millis(50));
+        if stale {
+            self.s.set_read_timeout(Some(want))?;
+            self.s.set_write_timeout(Some(want))?;
+            self.set = Some(want);
+        }
+        Ok(())
+    }
+}
+
+impl io::Read for FrameStream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.arm()?;
+        self.s.read(buf)
+    }
+}
+
+impl ReadAll for FrameStream {
+    fn read_vectored_all(&mut self, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
+        self.arm()?;
+        self.s.read_vectored_all(bufs)
+    }
+}
+
+impl Write for FrameStream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.arm()?;
+        self.s.write(buf)
+    }
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        self.arm()?;
+        self.s.write_vectored(bufs)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Transport for FrameStream {
+    fn read_nonblocking(&mut self, buf: &mut [u8]) -> io::Result<Option<usize>> {
+        self.s.read_nonblocking(buf)
+    }
+    fn set_deadline(&mut self, deadline: Option<Instant>) {
+        self.deadline = deadline;
+    }
+}
+
+/// Longest HELLO body: nonce, MAC, version and a name of at most MAX_NAME bytes.
+pub(crate) const MAX_HELLO_BODY: usize = 72 + MAX_NAME + 1;
+
+/// Check a HELLO body against the nonce this server sent: the reply to send
+/// and the client's name, or the error to answer before closing.
+pub(crate) fn check_hello(
+    st: &ServerState,
+    nonce: &[u8; 32],
+    body: &[u8],
+    peer: &str,
+) -> Result<(HelloOk, String), WireError> {
+    let hello = Hello::decode(body)?;
+    if hello.version != VERSION as u16 {
+        return Err(WireError::new(
+            ErrorCode::UnsupportedVersion,
+            format!("client asks for version {}, server speaks 1", hello.version),
+        ));
+    }
+    let expect = st
+        .secret
+        .client_mac(nonce, &hello.client_nonce, st.server_id);
+    if !auth::macs_equal(&expect, &hello.mac) {
+        st.metrics.auth_failures.fetch_add(1, Relaxed);
+        info!(peer, client = %hello.name, "authentication failed");
+        return Err(WireError::new(
+            ErrorCode::AuthFailed,
+            "authentication failed: the client does not hold this cluster's secret",
+        ));
+    }
+    debug!(peer, client = %hello.name, "authenticated");
+    let ok = HelloOk {
+        mac: st
+            .secret
+            .server_mac(nonce, &hello.client_nonce, st.server_id),
+        server_id: st.server_id,
+        capacity_pages: st.store.capacity_pages(),
+        used_pages: st.store.stored_pages(),
+        page_size: PAGE_SIZE as u32,
+        max_batch_pages: MAX_BATCH_PAGES as u32,
+    };
+    Ok((ok, hello.name))
+}
+
+/// The WELCOME frame that opens every connection, with this connection's nonce.
+pub(crate) fn welcome(st: &ServerState, nonce: [u8; 32], out: &mut Vec<u8>) {
+    let w = Welcome {
+        min_version: 1,
+        max_version: 1,
+        flags: 0,
+        server_nonce: nonce,
+        server_id: st.server_id,
+    };
+    frame(Opcode::Welcome, 0, out, |b| w.encode(b));
 }
 
 /// Bytes read past the current need: many pipelined small requests per
@@ -202,6 +348,8 @@ pub struct Session<'a, T: Transport> {
     peer: &'a str,
     client: String,
     since_flush: usize,
+    /// When the frame being read must be complete.
+    frame_deadline: Option<Instant>,
 }
 
 impl<'a, T: Transport> Session<'a, T> {
@@ -221,6 +369,7 @@ impl<'a, T: Transport> Session<'a, T> {
             peer,
             client: String::new(),
             since_flush: 0,
+            frame_deadline: None,
         }
     }
 
@@ -232,17 +381,19 @@ impl<'a, T: Transport> Session<'a, T> {
         s
     }
 
+    /// Bytes the gate read past the HELLO: the start of the first requests.
+    fn preload(&mut self, extra: &[u8]) {
+        let n = extra.len().min(self.rb.spare().len());
+        self.rb.spare()[..n].copy_from_slice(&extra[..n]);
+        self.rb.commit(n);
+    }
+
     /// Serve until the peer closes, a fatal error is answered, or I/O fails.
     pub fn run(mut self) -> io::Result<()> {
-        let w = Welcome {
-            min_version: 1,
-            max_version: 1,
-            flags: 0,
-            server_nonce: self.nonce,
-            server_id: self.st.server_id,
-        };
-        frame(Opcode::Welcome, 0, &mut self.out, |b| w.encode(b));
-        self.flush()?;
+        if !self.authed {
+            welcome(self.st, self.nonce, &mut self.out);
+            self.flush()?;
+        }
         loop {
             if !self.next_header()? {
                 return self.flush();
@@ -260,7 +411,10 @@ impl<'a, T: Transport> Session<'a, T> {
                 .bytes_in
                 .fetch_add((HEADER_LEN + h.body_len as usize) as u64, Relaxed);
             self.since_flush += HEADER_LEN + h.body_len as usize;
-            match self.dispatch(h)? {
+            let flow = self.dispatch(h)?;
+            self.frame_deadline = None;
+            self.t.set_deadline(None);
+            match flow {
                 Flow::Continue => {}
                 Flow::Close => return Ok(()),
             }
@@ -276,6 +430,9 @@ impl<'a, T: Transport> Session<'a, T> {
     /// the next read would block. Returns false on a clean close.
     fn next_header(&mut self) -> io::Result<bool> {
         while self.rb.len() < HEADER_LEN {
+            if !self.rb.is_empty() {
+                self.frame_started();
+            }
             if !self.out.is_empty() {
                 match self.t.read_nonblocking(self.rb.spare()) {
                     Ok(Some(0)) => {
@@ -295,7 +452,8 @@ impl<'a, T: Transport> Session<'a, T> {
                     Err(e) => return Err(e),
                 }
             }
-            match self.rb.fill_to(self.t, HEADER_LEN) {
+            let want = self.rb.len() + 1;
+            match self.rb.fill_to(self.t, want) {
                 Ok(true) => {}
                 Ok(false) => return Ok(false),
                 // Idle between frames is fine; only a stall mid-frame is not.
@@ -303,18 +461,34 @@ impl<'a, T: Transport> Session<'a, T> {
                 Err(e) => return Err(e),
             }
         }
+        self.frame_started();
         Ok(true)
+    }
+
+    /// The first bytes of a frame are here: the rest must follow within the I/O timeout.
+    fn frame_started(&mut self) {
+        if self.frame_deadline.is_none() {
+            let d = Instant::now() + self.st.cfg.io_timeout;
+            self.frame_deadline = Some(d);
+            self.t.set_deadline(Some(d));
+        }
     }
 
     fn flush(&mut self) -> io::Result<()> {
         self.since_flush = 0;
         if !self.out.is_empty() {
+            // Replies too must be taken within the I/O timeout, whole.
+            if self.frame_deadline.is_none() {
+                self.t
+                    .set_deadline(Some(Instant::now() + self.st.cfg.io_timeout));
+            }
             self.st
                 .metrics
                 .bytes_out
                 .fetch_add(self.out.len() as u64, Relaxed);
             let r = self.t.write_all(&self.out).and_then(|_| self.t.flush());
             self.out.clear();
+            self.t.set_deadline(self.frame_deadline);
             r?;
         }
         Ok(())
@@ -393,54 +567,19 @@ impl<'a, T: Transport> Session<'a, T> {
                 WireError::new(ErrorCode::ProtocolViolation, "HELLO sent twice").with_id(h.id),
             ));
         }
-        if h.body_len as usize > 72 + MAX_NAME + 1 {
+        if h.body_len as usize > MAX_HELLO_BODY {
             return Ok(self.fatal(WireError::malformed("HELLO body too long").with_id(h.id)));
         }
         self.read_body(h.body_len as usize)?;
-        let hello = match Hello::decode(&self.body) {
-            Ok(x) => x,
-            Err(e) => return Ok(self.fatal(e.with_id(h.id))),
-        };
-        if hello.version != VERSION as u16 {
-            return Ok(self.fatal(
-                WireError::new(
-                    ErrorCode::UnsupportedVersion,
-                    format!("client asks for version {}, server speaks 1", hello.version),
-                )
-                .with_id(h.id),
-            ));
+        match check_hello(self.st, &self.nonce, &self.body, self.peer) {
+            Ok((ok, name)) => {
+                self.authed = true;
+                self.client = name;
+                frame(Opcode::HelloOk, h.id, &mut self.out, |b| ok.encode(b));
+                Ok(Flow::Continue)
+            }
+            Err(e) => Ok(self.fatal(e.with_id(h.id))),
         }
-        let expect = self
-            .st
-            .secret
-            .client_mac(&self.nonce, &hello.client_nonce, self.st.server_id);
-        if !auth::macs_equal(&expect, &hello.mac) {
-            self.st.metrics.auth_failures.fetch_add(1, Relaxed);
-            info!(peer = self.peer, client = %hello.name, "authentication failed");
-            return Ok(self.fatal(
-                WireError::new(
-                    ErrorCode::AuthFailed,
-                    "authentication failed: the client does not hold this cluster's secret",
-                )
-                .with_id(h.id),
-            ));
-        }
-        self.authed = true;
-        self.client = hello.name;
-        debug!(peer = self.peer, client = %self.client, "authenticated");
-        let ok = HelloOk {
-            mac: self
-                .st
-                .secret
-                .server_mac(&self.nonce, &hello.client_nonce, self.st.server_id),
-            server_id: self.st.server_id,
-            capacity_pages: self.st.store.capacity_pages(),
-            used_pages: self.st.store.stored_pages(),
-            page_size: PAGE_SIZE as u32,
-            max_batch_pages: MAX_BATCH_PAGES as u32,
-        };
-        frame(Opcode::HelloOk, h.id, &mut self.out, |b| ok.encode(b));
-        Ok(Flow::Continue)
     }
 
     fn store_error(&mut self, e: StoreError, id: u64) {

@@ -18,6 +18,10 @@ const ZERO: u8 = 0;
 const LOCAL: u8 = 1;
 const REMOTE: u8 = 2;
 
+/// How long a pager keeps trying to reach a server that is busy or
+/// momentarily unreachable before the guest gives up on it.
+const CONNECT_PATIENCE: Duration = Duration::from_secs(15);
+
 pub(crate) struct Pager {
     rx: std::sync::mpsc::Receiver<Command>,
     doorbell: Arc<OwnedFd>,
@@ -128,7 +132,7 @@ impl Pager {
                             window: 4,
                             ..Default::default()
                         };
-                        Conn::connect(a, secret, &opts)?
+                        Conn::connect_patiently(a, secret, &opts, CONNECT_PATIENCE)?
                     }
                 };
                 // Page-ins are on the guest's critical path: spin for the
@@ -313,7 +317,8 @@ impl Pager {
             window: 4,
             ..Default::default()
         };
-        let mut c = Conn::connect(addr, secret, &opts).map_err(|e| e.to_string())?;
+        let mut c = Conn::connect_patiently(addr, secret, &opts, CONNECT_PATIENCE)
+            .map_err(|e| e.to_string())?;
         c.set_spin(Duration::from_micros(60));
         self.free
             .push(c.info.capacity_pages.saturating_sub(c.info.used_pages));

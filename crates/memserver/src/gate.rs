@@ -1,0 +1,268 @@
+//! The gate: every new connection waits here, in one thread, until it proves
+//! the cluster secret. Only an authenticated connection gets a session
+//! thread, so clients that connect and never authenticate cost a file
+//! descriptor and a few hundred bytes each, never a thread, and they can
+//! never use up `max_conns` (which counts authenticated sessions only).
+//!
+//! Unauthenticated connections have their own cap (`max_handshakes`): when it
+//! is full, the oldest waiting connection is dropped to admit the new one, so
+//! a flood of idle connections delays a real client by at most the time it
+//! takes to send its HELLO (microseconds), and each waits at most
+//! `handshake_timeout`.
+
+use crate::server::{check_hello, welcome, ServerState, MAX_HELLO_BODY};
+use pagefleet_proto::auth;
+use pagefleet_proto::*;
+use std::collections::VecDeque;
+use std::io::{self, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tracing::{debug, warn};
+
+/// A connection that has not authenticated yet.
+struct Waiting {
+    stream: TcpStream,
+    peer: String,
+    nonce: [u8; 32],
+    buf: Vec<u8>,
+    since: Instant,
+}
+
+enum Step {
+    /// Still waiting for the rest of the HELLO.
+    More,
+    /// Answered (an error) or gone: close it.
+    Close,
+    /// Authenticated: hand to a session thread with the bytes read past HELLO.
+    Authed {
+        client: String,
+        /// The HELLO_OK to send if a session slot is free.
+        ok: Vec<u8>,
+        /// The HELLO's id, for a BUSY answer.
+        id: u64,
+        extra: Vec<u8>,
+    },
+}
+
+/// Accept connections forever: handshakes here, sessions on their own threads.
+pub fn serve(listener: TcpListener, state: Arc<ServerState>) -> io::Result<()> {
+    listener.set_nonblocking(true)?;
+    let mut waiting: VecDeque<Waiting> = VecDeque::new();
+    let mut fds: Vec<libc::pollfd> = Vec::new();
+    loop {
+        fds.clear();
+        fds.push(pollfd(listener.as_raw_fd()));
+        fds.extend(waiting.iter().map(|w| pollfd(w.stream.as_raw_fd())));
+        // Wake at least every 100 ms to expire handshakes.
+        // SAFETY: fds is a live array of fds.len() pollfd structs.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 100) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                warn!("poll in the connection gate: {e}");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            continue;
+        }
+        // Serve the waiting connections that have bytes (indices shift as we remove).
+        let ready: Vec<bool> = fds[1..].iter().map(|f| f.revents != 0).collect();
+        let mut i = 0;
+        let mut k = 0;
+        while i < waiting.len() {
+            let r = ready.get(k).copied().unwrap_or(false);
+            k += 1;
+            if !r {
+                i += 1;
+                continue;
+            }
+            match step(&state, &mut waiting[i]) {
+                Step::More => i += 1,
+                Step::Close => {
+                    waiting.remove(i);
+                }
+                Step::Authed {
+                    client,
+                    ok,
+                    id,
+                    extra,
+                } => {
+                    let w = waiting.remove(i).expect("index in range");
+                    start_session(&state, w, client, &ok, id, extra);
+                }
+            }
+        }
+        let deadline = state.cfg.handshake_timeout;
+        while waiting
+            .front()
+            .is_some_and(|w| w.since.elapsed() >= deadline)
+        {
+            let w = waiting.pop_front().expect("front exists");
+            state.metrics.handshake_timeouts.fetch_add(1, Relaxed);
+            debug!(peer = w.peer, "no HELLO within {deadline:?}: closed");
+        }
+        if fds[0].revents != 0 {
+            accept_all(&listener, &state, &mut waiting);
+        }
+    }
+}
+
+fn pollfd(fd: i32) -> libc::pollfd {
+    libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    }
+}
+
+fn accept_all(listener: &TcpListener, st: &Arc<ServerState>, waiting: &mut VecDeque<Waiting>) {
+    loop {
+        let (mut stream, peer) = match listener.accept() {
+            Ok(x) => x,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+            Err(e) => {
+                // EMFILE and friends: back off instead of spinning.
+                warn!("accept failed: {e}");
+                std::thread::sleep(Duration::from_millis(20));
+                return;
+            }
+        };
+        st.metrics.connections_total.fetch_add(1, Relaxed);
+        if waiting.len() >= st.cfg.max_handshakes.max(1) as usize {
+            // The oldest has had the longest to authenticate and has not.
+            waiting.pop_front();
+            st.metrics.handshake_evictions.fetch_add(1, Relaxed);
+        }
+        let nonce = auth::random_nonce();
+        let mut out = Vec::with_capacity(64);
+        welcome(st, nonce, &mut out);
+        let _ = stream.set_nodelay(true);
+        // A fresh socket's send buffer always takes the 64-byte WELCOME.
+        if stream.set_nonblocking(true).is_err() || stream.write_all(&out).is_err() {
+            continue;
+        }
+        st.metrics.bytes_out.fetch_add(out.len() as u64, Relaxed);
+        waiting.push_back(Waiting {
+            stream,
+            peer: peer.to_string(),
+            nonce,
+            buf: Vec::with_capacity(HEADER_LEN + MAX_HELLO_BODY),
+            since: Instant::now(),
+        });
+    }
+}
+
+/// Read what the connection sent; answer once its HELLO is complete.
+fn step(st: &ServerState, w: &mut Waiting) -> Step {
+    let mut tmp = [0u8; HEADER_LEN + MAX_HELLO_BODY + 256];
+    let n = match w.stream.read(&mut tmp) {
+        Ok(0) => return Step::Close,
+        Ok(n) => n,
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Step::More,
+        Err(e) if e.kind() == io::ErrorKind::Interrupted => return Step::More,
+        Err(_) => return Step::Close,
+    };
+    w.buf.extend_from_slice(&tmp[..n]);
+    st.metrics.bytes_in.fetch_add(n as u64, Relaxed);
+    if w.buf.len() < HEADER_LEN {
+        return Step::More;
+    }
+    let h = match Header::decode(&w.buf[..HEADER_LEN]) {
+        Ok(h) => h,
+        Err(e) => return refuse(st, w, e),
+    };
+    if Opcode::from_u8(h.opcode) != Some(Opcode::Hello) {
+        return refuse(
+            st,
+            w,
+            WireError::new(
+                ErrorCode::NotAuthenticated,
+                "authenticate with HELLO before any other request",
+            )
+            .with_id(h.id),
+        );
+    }
+    st.metrics.request(Opcode::Hello);
+    let len = h.body_len as usize;
+    if len > MAX_HELLO_BODY {
+        return refuse(
+            st,
+            w,
+            WireError::malformed("HELLO body too long").with_id(h.id),
+        );
+    }
+    if w.buf.len() < HEADER_LEN + len {
+        return Step::More;
+    }
+    let body = &w.buf[HEADER_LEN..HEADER_LEN + len];
+    match check_hello(st, &w.nonce, body, &w.peer) {
+        Ok((ok, client)) => {
+            let mut out = Vec::with_capacity(96);
+            frame(Opcode::HelloOk, h.id, &mut out, |b| ok.encode(b));
+            Step::Authed {
+                client,
+                ok: out,
+                id: h.id,
+                extra: w.buf[HEADER_LEN + len..].to_vec(),
+            }
+        }
+        Err(e) => refuse(st, w, e.with_id(h.id)),
+    }
+}
+
+fn refuse(st: &ServerState, w: &mut Waiting, e: WireError) -> Step {
+    st.metrics.error(e.code);
+    debug!(peer = w.peer, "refused before authentication: {e}");
+    let mut out = Vec::new();
+    frame(Opcode::Error, e.id, &mut out, |b| e.encode(b));
+    let _ = w.stream.write_all(&out);
+    Step::Close
+}
+
+/// Admit an authenticated connection (HELLO_OK, a session thread) or, with
+/// every session slot taken, answer its HELLO with BUSY.
+fn start_session(
+    st: &Arc<ServerState>,
+    w: Waiting,
+    client: String,
+    ok: &[u8],
+    id: u64,
+    extra: Vec<u8>,
+) {
+    let Waiting {
+        mut stream, peer, ..
+    } = w;
+    if !st.try_admit() {
+        st.metrics.connections_refused.fetch_add(1, Relaxed);
+        let e = WireError::new(
+            ErrorCode::Busy,
+            format!(
+                "server at its limit of {} sessions; retry later",
+                st.cfg.max_conns
+            ),
+        );
+        st.metrics.error(e.code);
+        let mut out = Vec::new();
+        frame(Opcode::Error, id, &mut out, |b| e.encode(b));
+        let _ = stream.write_all(&out);
+        return;
+    }
+    // A fresh connection's send buffer always takes the 80-byte HELLO_OK.
+    if stream.write_all(ok).is_err() {
+        st.release();
+        return;
+    }
+    st.metrics.bytes_out.fetch_add(ok.len() as u64, Relaxed);
+    let st2 = st.clone();
+    let spawned = std::thread::Builder::new()
+        .name(format!("conn {peer}"))
+        .spawn(move || {
+            crate::server::serve_authenticated(&st2, stream, &peer, client, &extra);
+        });
+    if let Err(e) = spawned {
+        st.release();
+        warn!("cannot start a session thread: {e}");
+    }
+}
