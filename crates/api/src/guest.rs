@@ -138,6 +138,9 @@ pub struct GuestSpec {
     /// Pages per chunk (power of two, 1..64).
     #[serde(default = "default_chunk")]
     pub chunk: usize,
+    /// What a remote fault brings in besides its page: adaptive or chunk.
+    #[serde(default = "default_prefetch")]
+    pub prefetch: String,
     /// Memory servers the region pages to.
     #[serde(default)]
     pub servers: Vec<String>,
@@ -158,6 +161,9 @@ fn default_policy() -> String {
 fn default_chunk() -> usize {
     16
 }
+fn default_prefetch() -> String {
+    "adaptive".into()
+}
 fn default_sample_budget() -> f64 {
     0.02
 }
@@ -170,6 +176,7 @@ impl GuestSpec {
             threads: default_threads(),
             policy: default_policy(),
             chunk: default_chunk(),
+            prefetch: default_prefetch(),
             servers: vec![],
             sample_budget: default_sample_budget(),
             service_ip: None,
@@ -187,6 +194,9 @@ impl GuestSpec {
         }
         if !self.chunk.is_power_of_two() || self.chunk > 64 {
             return Err("chunk must be a power of two, 1..64 pages".into());
+        }
+        if !matches!(self.prefetch.as_str(), "adaptive" | "chunk") {
+            return Err(format!("prefetch {:?}: use adaptive or chunk", self.prefetch).into());
         }
         if !(self.sample_budget > 0.0 && self.sample_budget <= 1.0) {
             return Err("sample_budget must be in (0, 1]".into());

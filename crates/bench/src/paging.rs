@@ -87,11 +87,16 @@ pub struct Row {
     pub per_second: Vec<f64>,
     pub ratio_to_local: f64,
     pub page_ins_per_sec: f64,
-    pub page_outs: u64,
+    /// Pages sent to the server per second in the measured window.
+    pub page_outs_per_sec: f64,
+    /// Evictions that were local drops (clean pages), per second.
+    pub clean_drops_per_sec: f64,
     /// MINOR faults per second: the guest-visible cost of access sampling.
     pub sampling_faults_per_sec: f64,
     pub fault_p50_us: Option<f64>,
     pub fault_p99_us: Option<f64>,
+    /// The region's counters over the measured window (pf_* of the kv stats).
+    pub region_deltas: std::collections::BTreeMap<String, u64>,
     pub error: Option<String>,
 }
 
@@ -247,10 +252,12 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
                 per_second: vec![],
                 ratio_to_local: 0.0,
                 page_ins_per_sec: 0.0,
-                page_outs: 0,
+                page_outs_per_sec: 0.0,
+                clean_drops_per_sec: 0.0,
                 sampling_faults_per_sec: 0.0,
                 fault_p50_us: None,
                 fault_p99_us: None,
+                region_deltas: Default::default(),
                 error: Some(format!("{e:#}")),
             },
         };
@@ -347,8 +354,16 @@ pub fn print_table(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
     )?;
     writeln!(
         out,
-        "\n  {:<34} {:>10} {:>9} {:>12} {:>10} {:>10} {:>9} {:>9}",
-        "config", "ops/s", "x local", "page-ins/s", "page-outs", "sampling/s", "p50 us", "p99 us"
+        "\n  {:<34} {:>10} {:>9} {:>11} {:>11} {:>9} {:>10} {:>7} {:>7}",
+        "config",
+        "ops/s",
+        "x local",
+        "page-ins/s",
+        "page-outs/s",
+        "drops/s",
+        "sampling/s",
+        "p50 us",
+        "p99 us"
     )?;
     for row in &r.rows {
         if let Some(e) = &row.error {
@@ -358,12 +373,13 @@ pub fn print_table(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
         let f = |v: Option<f64>| v.map_or("-".to_string(), |x| format!("{x:.0}"));
         writeln!(
             out,
-            "  {:<34} {:>10.0} {:>9.3} {:>12.0} {:>10} {:>10.0} {:>9} {:>9}",
+            "  {:<34} {:>10.0} {:>9.3} {:>11.0} {:>11.0} {:>9.0} {:>10.0} {:>7} {:>7}",
             row.cfg.name,
             row.ops_per_sec,
             row.ratio_to_local,
             row.page_ins_per_sec,
-            row.page_outs,
+            row.page_outs_per_sec,
+            row.clean_drops_per_sec,
             row.sampling_faults_per_sec,
             f(row.fault_p50_us),
             f(row.fault_p99_us)
@@ -545,12 +561,18 @@ fn run_config(o: &Opts, c: &Cfg, keys: u64, secret_path: &Path) -> Result<Row> {
         } else {
             swapins as f64 / secs
         },
-        page_outs: after.get("pf_page_outs").copied().unwrap_or(0),
+        page_outs_per_sec: d("pf_page_outs") as f64 / secs,
+        clean_drops_per_sec: d("pf_clean_drops") as f64 / secs,
         sampling_faults_per_sec: d("pf_minor_faults") as f64 / secs,
         fault_p50_us: (c.kind == Kind::Region && d("pf_page_ins") > 0)
             .then(|| after["pf_page_in_p50_us"] as f64),
         fault_p99_us: (c.kind == Kind::Region && d("pf_page_ins") > 0)
             .then(|| after["pf_page_in_p99_us"] as f64),
+        region_deltas: after
+            .keys()
+            .filter(|k| k.starts_with("pf_") && !k.contains("_us") && !k.ends_with("_pages"))
+            .map(|k| (k.clone(), d(k)))
+            .collect(),
         error: None,
     };
     drop(g);

@@ -35,9 +35,14 @@ pub struct RunArgs {
     /// Victim choice: clock (sum of reference bits per chunk) or aging (max 8-bit age).
     #[arg(long, global = true, default_value = "clock")]
     pub policy: Policy,
-    /// Pages per chunk (power of two, 1..64).
+    /// Pages per chunk (power of two, 1..64): the unit of eviction and placement.
     #[arg(long, global = true, default_value_t = 16)]
     pub chunk: usize,
+    /// What a remote fault brings in besides its page: adaptive (a
+    /// read-ahead window that grows while faults are sequential and is one
+    /// page for random access) or chunk (the rest of the faulting chunk).
+    #[arg(long, global = true, default_value = "adaptive")]
+    pub prefetch: pagefleet_region::Prefetch,
     /// Worker threads.
     #[arg(long, global = true, default_value_t = 2)]
     pub threads: usize,
@@ -173,6 +178,7 @@ pub fn guest_spec(a: &RunArgs) -> Result<GuestSpec> {
         threads: a.threads,
         policy: format!("{:?}", a.policy).to_lowercase(),
         chunk: a.chunk,
+        prefetch: format!("{:?}", a.prefetch).to_lowercase(),
         servers: a.servers.clone(),
         sample_budget: a.sample_budget,
         service_ip: a.service_ip.clone(),
@@ -235,6 +241,7 @@ pub fn run(a: RunArgs, secret_file: Option<&Path>) -> Result<()> {
         secret,
         policy: a.policy,
         chunk: a.chunk,
+        prefetch: a.prefetch,
         sample_budget: a.sample_budget,
         threads: a.threads,
         duration: a.duration,

@@ -74,6 +74,28 @@ pub enum OnFatal {
     Poison,
 }
 
+/// What a remote fault brings in besides the faulting page.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Prefetch {
+    /// A window that doubles while faults continue a sequential stream and
+    /// is one page for random access (the default).
+    #[default]
+    Adaptive,
+    /// The rest of the faulting page's chunk (on the same server).
+    Chunk,
+}
+
+impl std::str::FromStr for Prefetch {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Prefetch, String> {
+        match s {
+            "adaptive" => Ok(Prefetch::Adaptive),
+            "chunk" => Ok(Prefetch::Chunk),
+            _ => Err(format!("prefetch {s:?}: use adaptive or chunk")),
+        }
+    }
+}
+
 /// How to make a region.
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -85,6 +107,8 @@ pub struct Config {
     pub chunk_pages: usize,
     /// Victim choice.
     pub policy: Policy,
+    /// What a remote fault brings in besides its page.
+    pub prefetch: Prefetch,
     /// Memory servers (HOST:PORT) pages may go to.
     pub servers: Vec<String>,
     /// The cluster secret (needed with servers).
@@ -159,6 +183,7 @@ impl Config {
             budget_pages,
             chunk_pages: 16,
             policy: Policy::Clock,
+            prefetch: Prefetch::Adaptive,
             servers: Vec::new(),
             secret: None,
             region_id: 0,

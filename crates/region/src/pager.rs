@@ -46,6 +46,20 @@ pub(crate) struct Pager {
     refb: Vec<u8>,
     hist: Vec<u8>,
     chunk_res: Vec<u16>,
+    /// Server holding a slot for a resident page (server + 1; 0: none):
+    /// what a page-in kept there (a later page-out overwrites it in place).
+    copy: Vec<u8>,
+    /// The kept copy equals the resident page (write-protected since page-in,
+    /// no write seen): evicting it is a local drop, nothing is sent.
+    clean: Vec<bool>,
+    /// Pages with a kept copy, per server.
+    copies: Vec<u64>,
+    prefetch: crate::Prefetch,
+    /// Sequential fault streams for adaptive read-ahead.
+    streams: [Stream; STREAMS],
+    stream_next: usize,
+    /// Where `drop_copies` looks next.
+    copy_hand: usize,
     resident: u64,
     remote: u64,
     conns: Vec<Conn>,
@@ -69,12 +83,28 @@ pub(crate) struct Pager {
     full_warned: bool,
     /// Between the high and low watermarks: keep evicting.
     evicting: bool,
-    /// Remote faults of the current batch: (page, server).
-    pending_in: Vec<(usize, usize)>,
+    /// Remote faults of the current batch: (page, server, write fault).
+    pending_in: Vec<(usize, usize, bool)>,
     /// For connecting to servers added later (evacuation targets).
     secret: Option<pagefleet_proto::auth::Secret>,
     name: String,
     evac: Option<Evac>,
+}
+
+/// Faults that continue a stream (at or just past where its last read-ahead
+/// window ended) double its window, up to this many pages; any other fault
+/// starts a new stream with a window of one page (Leap's trend detection,
+/// Linux readahead's window growth). Random access (kv) thus moves one page
+/// per fault, a scan moves up to 1 MiB per round trip.
+const MAX_READAHEAD: usize = 256;
+const STREAMS: usize = 8;
+
+#[derive(Clone, Copy, Default)]
+struct Stream {
+    /// First page after the last window brought in.
+    next: usize,
+    /// Its window, pages.
+    window: usize,
 }
 
 /// An evacuation in progress: pages on server `from` move to `to`.
@@ -150,6 +180,7 @@ impl Pager {
         let mut hist = vec![0u8; pages];
         let mut chunk_res = vec![0u16; chunks];
         let mut resident = 0u64;
+        let nservers = cfg.servers.len();
         if let Some(a) = &cfg.adopt {
             // Received pages are the memfd's data ranges.
             let runs: Vec<(u64, u64)> = match &a.resident {
@@ -229,6 +260,13 @@ impl Pager {
             refb,
             hist,
             chunk_res,
+            copy: vec![0; pages],
+            clean: vec![false; pages],
+            copies: vec![0; nservers],
+            prefetch: cfg.prefetch,
+            streams: [Stream::default(); STREAMS],
+            stream_next: 0,
+            copy_hand: 0,
             resident,
             remote,
             conns,
@@ -323,6 +361,7 @@ impl Pager {
         self.free
             .push(c.info.capacity_pages.saturating_sub(c.info.used_pages));
         self.conns.push(c);
+        self.copies.push(0);
         self.addrs.push(addr.to_string());
         self.servers_list.push(addr.to_string());
         Ok(self.addrs.len() - 1)
@@ -395,6 +434,12 @@ impl Pager {
                     self.dirty[p as usize] = false;
                 }
                 self.tracking = on;
+                // A migration moves resident pages itself: copies kept on
+                // servers would be orphaned there, so they go now (and
+                // page-ins take while tracking).
+                if on {
+                    self.drop_copies(None, u64::MAX);
+                }
                 // Mapped resident pages fault on their next write; unmapped
                 // ones fault MINOR first and are mapped write-protected.
                 if let Err(e) = self.uffd.writeprotect(base, len, on) {
@@ -444,7 +489,9 @@ impl Pager {
                 }
                 match self.server_index(&to) {
                     Ok(t) => {
-                        // Nothing pages out to the server being emptied.
+                        // Nothing pages out to the server being emptied,
+                        // and nothing stays kept there.
+                        self.drop_copies(Some(f), u64::MAX);
                         self.free[f] = 0;
                         self.evac = Some(Evac {
                             from: f,
@@ -551,9 +598,10 @@ impl Pager {
             FaultKind::WriteProtect => s.wp_faults.fetch_add(1, Relaxed),
         };
         match (f.kind, st) {
-            // Change tracking: the first write to a resident page this round.
-            (FaultKind::WriteProtect, LOCAL) if self.tracking => {
-                self.mark(p);
+            // The first write to a resident page since its page-in (its kept
+            // copy is stale from now on) or, while tracking changes, this round.
+            (FaultKind::WriteProtect, LOCAL) => {
+                self.dirtied(p);
                 if let Err(e) = self.uffd.writeprotect(self.addr(p), PAGE as u64, false) {
                     self.internal(p, e.to_string());
                 }
@@ -564,11 +612,8 @@ impl Pager {
             (FaultKind::Minor, LOCAL) => {
                 self.window_minor += 1;
                 self.refb[p] = 1;
-                // While tracking, a read maps the page write-protected so the
-                // first write is still seen; a write is a change now.
-                let wp = self.tracking && !f.write;
-                if self.tracking && f.write {
-                    self.mark(p);
+                if f.write {
+                    self.dirtied(p);
                 }
                 // Map the whole run of resident pages of this chunk that the
                 // sampler unmapped, not just this page: one sampling fault
@@ -584,14 +629,17 @@ impl Pager {
                 while b < lo + self.cp && self.state[b] == LOCAL {
                     b += 1;
                 }
-                // While tracking changes a write maps only its own page
-                // writable (and marks it); a read maps the run protected.
-                let whole = if b - a > 1 && !(self.tracking && f.write) {
+                // Pages whose writes must be seen (tracking, clean copies)
+                // are mapped write-protected; a write maps only its own
+                // page writable (it is dirty now).
+                let guarded = self.tracking || self.clean[a..b].iter().any(|c| *c);
+                let whole = if b - a > 1 && !(f.write && guarded) {
                     self.uffd
-                        .continue_mode(self.addr(a), ((b - a) * PAGE) as u64, wp)
+                        .continue_mode(self.addr(a), ((b - a) * PAGE) as u64, guarded)
                 } else {
                     Ok(Fill::Exists)
                 };
+                let wp = !f.write && (self.tracking || self.clean[p]);
                 match whole {
                     Ok(Fill::Done) => {}
                     // Part of the run was mapped already: just this page.
@@ -605,22 +653,24 @@ impl Pager {
                     Err(e) => self.internal(p, e.to_string()),
                 }
             }
-            // Stale: the page was installed by a chunk page-in meanwhile.
+            // Stale: the page was installed by a read-ahead meanwhile.
             (FaultKind::Missing, LOCAL) => self.wake(p),
             (_, s) => {
                 let s = (s - REMOTE) as usize;
-                // One page-in per chunk, server and batch: a second fault in the
-                // same chunk on the same server is served by the first one's
-                // rest-of-chunk transfer (which covers every page there).
-                if !self
-                    .pending_in
-                    .iter()
-                    .any(|(q, s2)| q / self.cp == p / self.cp && *s2 == s)
-                {
-                    self.pending_in.push((p, s));
+                if !self.pending_in.iter().any(|(q, _, _)| *q == p) {
+                    self.pending_in.push((p, s, f.write));
                 }
             }
         }
+    }
+
+    /// Page `p` was written: its kept copy is stale; tracking sees a change.
+    fn dirtied(&mut self, p: usize) {
+        if self.clean[p] {
+            self.clean[p] = false;
+            self.shared.stats.first_writes.fetch_add(1, Relaxed);
+        }
+        self.mark(p);
     }
 
     fn wake(&self, p: usize) {
@@ -697,110 +747,232 @@ impl Pager {
         self.publish();
     }
 
+    /// The read-ahead window for a remote fault at `p` (pages, p included).
+    fn readahead(&mut self, p: usize) -> usize {
+        match self.prefetch {
+            crate::Prefetch::Chunk => return self.cp,
+            crate::Prefetch::Adaptive => {}
+        }
+        if let Some(st) = self
+            .streams
+            .iter_mut()
+            .find(|st| st.window > 0 && p >= st.next && p <= st.next + st.window)
+        {
+            st.window = (st.window * 2).min(MAX_READAHEAD);
+            st.next = p + st.window;
+            return st.window;
+        }
+        self.streams[self.stream_next] = Stream {
+            next: p + 1,
+            window: 1,
+        };
+        self.stream_next = (self.stream_next + 1) % STREAMS;
+        1
+    }
+
+    /// The pages to bring with a fault at `p` from server `s`: the rest of
+    /// its chunk (fixed prefetch) or its stream's window (adaptive), only
+    /// those on `s` and not asked for already.
+    fn prefetch_list(&mut self, p: usize, s: usize, skip: &[usize]) -> Vec<u64> {
+        let tag = (REMOTE as usize + s) as u8;
+        let (lo, hi) = match self.prefetch {
+            crate::Prefetch::Chunk => {
+                let lo = p / self.cp * self.cp;
+                (lo, lo + self.cp)
+            }
+            crate::Prefetch::Adaptive => {
+                let w = self.readahead(p);
+                (p, (p + w).min(self.state.len()))
+            }
+        };
+        (lo..hi)
+            .filter(|q| *q != p && self.state[*q] == tag && !skip.contains(q))
+            .map(|q| q as u64)
+            .collect()
+    }
+
     /// Bring back the pages of this batch's remote faults: for every server,
     /// first the faulting pages (each installed, and its thread woken, as
-    /// soon as it arrives), then the rest of their chunks that live there.
+    /// soon as it arrives), then their read-ahead that lives there.
+    ///
+    /// Outside change tracking the server keeps its copy (GET keep) and the
+    /// page is installed write-protected: until the guest writes it, evicting
+    /// it again is a local drop. A write fault installs its page writable
+    /// (dirty at once: no second fault for the write).
     fn page_in_batch(&mut self, t_read: Instant) {
         let pending = std::mem::take(&mut self.pending_in);
-        let region = self.region_id;
         let mut servers: Vec<usize> = pending.iter().map(|x| x.1).collect();
         servers.sort_unstable();
         servers.dedup();
         for s in servers {
-            let tag = (REMOTE as usize + s) as u8;
-            let firsts: Vec<usize> = pending.iter().filter(|x| x.1 == s).map(|x| x.0).collect();
-            let rests: Vec<Vec<u64>> = firsts
+            let firsts: Vec<(usize, bool)> = pending
                 .iter()
-                .map(|&p| {
-                    let lo = p / self.cp * self.cp;
-                    (lo..lo + self.cp)
-                        .filter(|q| *q != p && self.state[*q] == tag)
-                        .map(|q| q as u64)
-                        .collect()
-                })
+                .filter(|x| x.1 == s)
+                .map(|x| (x.0, x.2))
                 .collect();
-            let conn = &mut self.conns[s];
-            let mut first_ids = Vec::new();
-            let mut rest_ids = Vec::new();
-            let queued: Result<(), pagefleet_client::ClientError> = (|| {
-                for &p in &firsts {
-                    first_ids.push(conn.queue_get(
-                        region,
-                        &PageSel::Run {
-                            first: p as u64,
-                            count: 1,
-                        },
-                        GetMode::Take,
-                        false,
-                    )?);
-                }
-                for rest in &rests {
-                    for part in rest.chunks(MAX_BATCH_PAGES) {
-                        rest_ids.push((
-                            conn.queue_get(
-                                region,
-                                &PageSel::List(part.to_vec()),
-                                GetMode::Take,
-                                false,
-                            )?,
-                            part.to_vec(),
-                        ));
-                    }
-                }
-                conn.flush()
-            })();
-            if let Err(e) = queued {
-                return self.lost(firsts[0], s, e);
+            let skip: Vec<usize> = firsts.iter().map(|x| x.0).collect();
+            let mut rests = Vec::with_capacity(firsts.len());
+            for &(p, _) in &firsts {
+                let mut r = self.prefetch_list(p, s, &skip);
+                r.retain(|q| !rests.iter().any(|v: &Vec<u64>| v.contains(q)));
+                rests.push(r);
             }
-            let shared = self.shared.clone();
-            let st = &shared.stats;
-            for (&p, id) in firsts.iter().zip(first_ids) {
-                if let Err(e) = self.conns[s].recv_get(id, &mut self.buf[..PAGE]) {
-                    return self.lost(p, s, e);
-                }
-                if let Err(e) = self.uffd.copy(self.addr(p), &self.buf[..PAGE], false) {
-                    return self.internal(p, e.to_string());
-                }
-                self.set_local(p);
-                self.refb[p] = 1;
-                st.page_in_latency
-                    .record_us(t_read.elapsed().as_secs_f64() * 1e6);
-                st.page_ins.fetch_add(1, Relaxed);
-                st.page_in_requests.fetch_add(1, Relaxed);
-                st.bytes_in.fetch_add(PAGE as u64, Relaxed);
-                self.free[s] += 1;
+            // Pages of a server being emptied are taken, never kept there.
+            let keep = !self.tracking && self.evac.as_ref().is_none_or(|ev| ev.from != s);
+            let Err((p, e)) = self.fetch(s, &firsts, &rests, keep, t_read) else {
+                continue;
+            };
+            // A keep GET can be repeated: ride out a dropped connection or a
+            // restarting proxy by reconnecting once (a take cannot: the
+            // server may have dropped the pages already).
+            if !(keep && e.is_transient()) || self.reconnect(s).is_err() {
+                return self.lost(p, s, e);
             }
-            for (id, part) in rest_ids {
-                let len = part.len() * PAGE;
-                if let Err(e) = self.conns[s].recv_get(id, &mut self.buf[..len]) {
-                    return self.lost(part[0] as usize, s, e);
-                }
-                // Install contiguous runs with one ioctl each.
-                let mut i = 0;
-                while i < part.len() {
-                    let mut j = i + 1;
-                    while j < part.len() && part[j] == part[j - 1] + 1 {
-                        j += 1;
-                    }
-                    let q = part[i] as usize;
-                    if let Err(e) =
-                        self.uffd
-                            .copy(self.addr(q), &self.buf[i * PAGE..j * PAGE], false)
-                    {
-                        return self.internal(q, e.to_string());
-                    }
-                    for r in part[i..j].iter() {
-                        self.set_local(*r as usize);
-                    }
-                    i = j;
-                }
-                st.page_ins.fetch_add(part.len() as u64, Relaxed);
-                st.page_in_requests.fetch_add(1, Relaxed);
-                st.bytes_in.fetch_add(len as u64, Relaxed);
-                self.free[s] += part.len() as u64;
+            let tag = (REMOTE as usize + s) as u8;
+            let firsts: Vec<(usize, bool)> = firsts
+                .into_iter()
+                .filter(|x| self.state[x.0] == tag)
+                .collect();
+            for r in rests.iter_mut() {
+                r.retain(|q| self.state[*q as usize] == tag);
+            }
+            if let Err((p, e)) = self.fetch(s, &firsts, &rests, keep, t_read) {
+                return self.lost(p, s, e);
             }
         }
         self.publish();
+    }
+
+    /// A fresh connection to server `s` in place of a broken one.
+    fn reconnect(&mut self, s: usize) -> Result<(), pagefleet_client::ClientError> {
+        let secret = self.secret.clone().ok_or_else(|| {
+            pagefleet_client::ClientError::Usage("no cluster secret to reconnect with".into())
+        })?;
+        let opts = ConnectOptions {
+            name: format!("{}-pager", self.name),
+            window: 4,
+            ..Default::default()
+        };
+        let mut c = Conn::connect_patiently(&self.addrs[s], &secret, &opts, CONNECT_PATIENCE)?;
+        c.set_spin(Duration::from_micros(60));
+        if c.info.server_id != self.conns[s].info.server_id {
+            // Restarted: whatever it held is gone; reconnecting cannot help.
+            return Err(pagefleet_client::ClientError::Protocol {
+                addr: self.addrs[s].clone(),
+                msg: "the server restarted and lost its pages".into(),
+            });
+        }
+        self.conns[s] = c;
+        Ok(())
+    }
+
+    /// GET the faulting pages, then their read-ahead, from server `s`, and
+    /// install each as it arrives. On failure: the page that could not be
+    /// brought in and why.
+    fn fetch(
+        &mut self,
+        s: usize,
+        firsts: &[(usize, bool)],
+        rests: &[Vec<u64>],
+        keep: bool,
+        t_read: Instant,
+    ) -> Result<(), (usize, pagefleet_client::ClientError)> {
+        let region = self.region_id;
+        let mode = if keep { GetMode::Keep } else { GetMode::Take };
+        let conn = &mut self.conns[s];
+        let mut first_ids = Vec::new();
+        let mut rest_ids = Vec::new();
+        let queued: Result<(), pagefleet_client::ClientError> = (|| {
+            for &(p, _) in firsts {
+                first_ids.push(conn.queue_get(
+                    region,
+                    &PageSel::Run {
+                        first: p as u64,
+                        count: 1,
+                    },
+                    mode,
+                    false,
+                )?);
+            }
+            for rest in rests {
+                for part in rest.chunks(MAX_BATCH_PAGES) {
+                    rest_ids.push((
+                        conn.queue_get(region, &PageSel::List(part.to_vec()), mode, false)?,
+                        part.to_vec(),
+                    ));
+                }
+            }
+            conn.flush()
+        })();
+        if let Err(e) = queued {
+            return Err((firsts.first().map_or(0, |x| x.0), e));
+        }
+        let shared = self.shared.clone();
+        let st = &shared.stats;
+        for (&(p, write), id) in firsts.iter().zip(first_ids) {
+            if let Err(e) = self.conns[s].recv_get(id, &mut self.buf[..PAGE]) {
+                return Err((p, e));
+            }
+            let wp = keep && !write;
+            if let Err(e) = self
+                .uffd
+                .copy_mode(self.addr(p), &self.buf[..PAGE], false, wp)
+            {
+                self.internal(p, e.to_string());
+                return Ok(());
+            }
+            self.arrived(p, s, keep, wp);
+            self.refb[p] = 1;
+            st.page_in_latency
+                .record_us(t_read.elapsed().as_secs_f64() * 1e6);
+            st.page_ins.fetch_add(1, Relaxed);
+            st.page_in_requests.fetch_add(1, Relaxed);
+            st.bytes_in.fetch_add(PAGE as u64, Relaxed);
+        }
+        for (id, part) in rest_ids {
+            let len = part.len() * PAGE;
+            if let Err(e) = self.conns[s].recv_get(id, &mut self.buf[..len]) {
+                return Err((part[0] as usize, e));
+            }
+            // Install contiguous runs with one ioctl each.
+            let mut i = 0;
+            while i < part.len() {
+                let mut j = i + 1;
+                while j < part.len() && part[j] == part[j - 1] + 1 {
+                    j += 1;
+                }
+                let q = part[i] as usize;
+                if let Err(e) =
+                    self.uffd
+                        .copy_mode(self.addr(q), &self.buf[i * PAGE..j * PAGE], false, keep)
+                {
+                    self.internal(q, e.to_string());
+                    return Ok(());
+                }
+                for r in part[i..j].iter() {
+                    self.arrived(*r as usize, s, keep, keep);
+                }
+                i = j;
+            }
+            st.page_ins.fetch_add(part.len() as u64, Relaxed);
+            st.prefetched_pages.fetch_add(part.len() as u64, Relaxed);
+            st.page_in_requests.fetch_add(1, Relaxed);
+            st.bytes_in.fetch_add(len as u64, Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Page `q` arrived from server `s` and is resident now; with `keep` the
+    /// server still holds it (clean while installed write-protected).
+    fn arrived(&mut self, q: usize, s: usize, keep: bool, clean: bool) {
+        self.set_local(q);
+        if keep {
+            self.copy[q] = s as u8 + 1;
+            self.copies[s] += 1;
+            self.clean[q] = clean;
+        } else {
+            self.free[s] += 1;
+        }
     }
 
     fn lost(&mut self, p: usize, s: usize, e: pagefleet_client::ClientError) {
@@ -940,23 +1112,51 @@ impl Pager {
         }
     }
 
-    /// Page out the chunks atomically, to the server with the most free
-    /// room: write-protect them, send their resident pages straight from the
-    /// shadow mapping (pipelined), wait for every ack, punch the holes,
-    /// update the location DB, unprotect (which wakes blocked writers; their
-    /// retry faults MISSING and pages back in). Returns false if no server can
-    /// take them (balancing stops; the guest keeps running over budget).
+    /// Page out the chunks atomically: write-protect them; send each dirty
+    /// resident page (straight from the shadow mapping, pipelined) to the
+    /// server that keeps its copy, or, without one, to the server with the
+    /// most free room; wait for every ack; punch the holes; update the
+    /// location DB; unprotect (which wakes blocked writers; their retry faults
+    /// MISSING and pages back in). Clean pages (their kept copy is current)
+    /// are only dropped. Returns false if no server can take the dirty pages
+    /// (balancing stops; the guest keeps running over budget).
     fn page_out(&mut self, chunks: &[usize]) -> bool {
-        let n: u64 = chunks.iter().map(|c| self.chunk_res[*c] as u64).sum();
-        let Some(s) = (0..self.conns.len())
-            .filter(|s| self.free[*s] >= n)
-            .max_by_key(|s| self.free[*s])
-        else {
+        let mut pages = Vec::new();
+        for &c in chunks {
+            let lo = c * self.cp;
+            pages.extend((lo..lo + self.cp).filter(|q| self.state[*q] == LOCAL));
+        }
+        let n = pages.len() as u64;
+        let fresh = |copy: &[u8]| pages.iter().filter(|q| copy[**q] == 0).count() as u64;
+        let pick = |free: &[u64], new: u64| {
+            (0..free.len())
+                .filter(|s| free[*s] >= new)
+                .max_by_key(|s| free[*s])
+        };
+        let mut new = fresh(&self.copy);
+        let mut chosen = pick(&self.free, new);
+        if chosen.is_none() && new > 0 && self.copies.iter().any(|c| *c > 0) {
+            // Room held by kept copies of resident pages is worth less
+            // than room for pages that must leave: give it back.
+            if !self.drop_copies(None, new.max(64)) {
+                return false;
+            }
+            new = fresh(&self.copy);
+            chosen = pick(&self.free, new);
+        }
+        let Some(s) = chosen.or(if new == 0 { Some(0) } else { None }) else {
             if !self.full_warned {
                 warn!("every memory server is full: the region stays over its budget");
                 self.full_warned = true;
             }
             return false;
+        };
+        let target = |q: usize, copy: &[u8]| {
+            if copy[q] > 0 {
+                copy[q] as usize - 1
+            } else {
+                s
+            }
         };
         let span = (self.cp * PAGE) as u64;
         for &c in chunks {
@@ -965,111 +1165,171 @@ impl Pager {
                 return false;
             }
         }
-        // Runs of resident pages.
-        let mut runs = Vec::new();
-        for &c in chunks {
-            let lo = c * self.cp;
-            let mut q = lo;
-            while q < lo + self.cp {
-                if self.state[q] != LOCAL {
-                    q += 1;
-                    continue;
+        // Runs of dirty pages with the same destination, per destination.
+        let mut runs: Vec<(usize, usize, usize)> = Vec::new(); // (server, start, len)
+        for &q in &pages {
+            if self.clean[q] {
+                continue;
+            }
+            let t = target(q, &self.copy);
+            match runs.last_mut() {
+                Some((rs, start, len))
+                    if *rs == t && *start + *len == q && *len < MAX_BATCH_PAGES =>
+                {
+                    *len += 1
                 }
-                let start = q;
-                while q < lo + self.cp && self.state[q] == LOCAL && q - start < MAX_BATCH_PAGES {
-                    q += 1;
-                }
-                runs.push((start, q - start));
+                _ => runs.push((t, q, 1)),
             }
         }
         let region = self.region_id;
-        let sent: Result<(), pagefleet_client::ClientError> = (|| {
-            let mut ids = std::collections::VecDeque::new();
-            for (start, len) in &runs {
-                // SAFETY: inside the shadow mapping; pages are resident and write-protected.
-                let data = unsafe {
-                    std::slice::from_raw_parts(self.shadow.addr().add(start * PAGE), len * PAGE)
-                };
-                ids.push_back(self.conns[s].send_put(
-                    region,
-                    &PageSel::Run {
-                        first: *start as u64,
-                        count: *len as u32,
-                    },
-                    data,
-                )?);
-                // Bound the acks outstanding so neither side's buffers fill up.
-                if ids.len() >= 64 {
-                    self.conns[s].recv_put(ids.pop_front().unwrap())?;
+        let mut failed: Option<(usize, pagefleet_client::ClientError)> = None;
+        let mut servers: Vec<usize> = runs.iter().map(|r| r.0).collect();
+        servers.sort_unstable();
+        servers.dedup();
+        for t in servers {
+            let sent: Result<(), pagefleet_client::ClientError> = (|| {
+                let mut ids = std::collections::VecDeque::new();
+                for (_, start, len) in runs.iter().filter(|r| r.0 == t) {
+                    // SAFETY: inside the shadow mapping; pages are resident and write-protected.
+                    let data = unsafe {
+                        std::slice::from_raw_parts(self.shadow.addr().add(start * PAGE), len * PAGE)
+                    };
+                    ids.push_back(self.conns[t].send_put(
+                        region,
+                        &PageSel::Run {
+                            first: *start as u64,
+                            count: *len as u32,
+                        },
+                        data,
+                    )?);
+                    // Bound the acks outstanding so neither side's buffers fill up.
+                    if ids.len() >= 64 {
+                        self.conns[t].recv_put(ids.pop_front().unwrap())?;
+                    }
                 }
+                for id in ids {
+                    self.conns[t].recv_put(id)?;
+                }
+                Ok(())
+            })();
+            if let Err(e) = sent {
+                failed = Some((t, e));
+                break;
             }
-            for id in ids {
-                self.conns[s].recv_put(id)?;
-            }
-            Ok(())
-        })();
-        if let Err(e) = sent {
+        }
+        if let Some((t, e)) = failed {
             for &c in chunks {
                 let _ = self.uffd.writeprotect(self.addr(c * self.cp), span, false);
             }
             if e.code() == Some(pagefleet_proto::ErrorCode::OutOfCapacity) {
-                debug!("memory server {} is full", self.addrs[s]);
-                self.free[s] = 0;
+                debug!("memory server {} is full", self.addrs[t]);
+                self.free[t] = 0;
                 return true;
             }
             let msg = format!(
                 "pagefleet: cannot page out to memory server {} (region {:#x}): {e}. The server is unusable; \
                  pages already there cannot be trusted to come back.",
-                self.addrs[s], self.region_id
+                self.addrs[t], self.region_id
             );
             self.fatal(msg, chunks[0] * self.cp);
             return false;
         }
-        // Punch holes, coalescing adjacent runs.
+        // Punch holes, coalescing adjacent pages.
         let mut i = 0;
-        while i < runs.len() {
-            let (start, mut len) = runs[i];
+        while i < pages.len() {
             let mut j = i + 1;
-            while j < runs.len() && runs[j].0 == start + len {
-                len += runs[j].1;
+            while j < pages.len() && pages[j] == pages[j - 1] + 1 {
                 j += 1;
             }
             if let Err(e) = uffd::punch_hole(
                 self.memfd.as_raw_fd(),
-                (start * PAGE) as u64,
-                (len * PAGE) as u64,
+                (pages[i] * PAGE) as u64,
+                ((j - i) * PAGE) as u64,
             ) {
-                self.internal(start, e.to_string());
+                self.internal(pages[i], e.to_string());
                 return false;
             }
             i = j;
         }
-        for (start, len) in &runs {
-            for q in *start..start + len {
-                if self.tracking && !self.dirty[q] {
-                    self.dirty[q] = true;
-                    self.dirty_list.push(q as u32);
-                }
-                self.state[q] = REMOTE + s as u8;
-                self.hist[q] = 0;
-                self.refb[q] = 0;
+        let mut dropped = 0u64;
+        for &q in &pages {
+            if self.tracking && !self.dirty[q] {
+                self.dirty[q] = true;
+                self.dirty_list.push(q as u32);
             }
+            let t = target(q, &self.copy);
+            if self.copy[q] > 0 {
+                self.copies[t] -= 1;
+                if self.clean[q] {
+                    dropped += 1;
+                }
+            }
+            self.state[q] = REMOTE + t as u8;
+            self.copy[q] = 0;
+            self.clean[q] = false;
+            self.hist[q] = 0;
+            self.refb[q] = 0;
         }
         for &c in chunks {
             self.chunk_res[c] = 0;
         }
         self.resident -= n;
         self.remote += n;
-        self.free[s] -= n;
+        self.free[s] -= new;
         let st = &self.shared.stats;
-        st.page_outs.fetch_add(n, Relaxed);
+        st.page_outs.fetch_add(n - dropped, Relaxed);
+        st.clean_drops.fetch_add(dropped, Relaxed);
         st.page_out_chunks.fetch_add(chunks.len() as u64, Relaxed);
-        st.bytes_out.fetch_add(n * PAGE as u64, Relaxed);
+        st.bytes_out.fetch_add((n - dropped) * PAGE as u64, Relaxed);
         for &c in chunks {
             if let Err(e) = self.uffd.writeprotect(self.addr(c * self.cp), span, false) {
                 self.internal(c * self.cp, e.to_string());
                 return false;
             }
+        }
+        true
+    }
+
+    /// Delete kept copies of resident pages (on server `only`, or on any),
+    /// at most `max` of them; their pages become plain resident (dirty).
+    /// Returns false if a server could not be told (the guest is ended).
+    fn drop_copies(&mut self, only: Option<usize>, max: u64) -> bool {
+        let mut lists: Vec<Vec<u64>> = vec![Vec::new(); self.conns.len()];
+        let mut n = 0u64;
+        // A hand, so repeated small calls do not rescan the same pages.
+        let len = self.copy.len();
+        for i in 0..len {
+            if n >= max {
+                self.copy_hand = (self.copy_hand + i) % len;
+                break;
+            }
+            let q = (self.copy_hand + i) % len;
+            let c = self.copy[q];
+            if c == 0 || only.is_some_and(|o| o + 1 != c as usize) {
+                continue;
+            }
+            lists[c as usize - 1].push(q as u64);
+            self.copy[q] = 0;
+            self.clean[q] = false;
+            n += 1;
+        }
+        let region = self.region_id;
+        for (s, list) in lists.into_iter().enumerate() {
+            if list.is_empty() {
+                continue;
+            }
+            for part in list.chunks(pagefleet_proto::MAX_DELETE_LIST) {
+                if let Err(e) = self.conns[s].delete(region, Pages::List(part)) {
+                    let msg = format!(
+                        "pagefleet: cannot free kept pages on memory server {} (region {:#x}): {e}",
+                        self.addrs[s], self.region_id
+                    );
+                    self.fatal(msg, part[0] as usize);
+                    return false;
+                }
+            }
+            self.copies[s] -= list.len() as u64;
+            self.free[s] += list.len() as u64;
         }
         true
     }

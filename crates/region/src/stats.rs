@@ -61,6 +61,9 @@ pub struct Counters {
     pub page_in_latency: Histogram,
     /// Sweep rate of the sampling hand, chunks/s (current).
     pub sample_rate: AtomicU64,
+    pub clean_drops: AtomicU64,
+    pub first_writes: AtomicU64,
+    pub prefetched_pages: AtomicU64,
 }
 
 /// A consistent-enough snapshot for reporting.
@@ -100,9 +103,42 @@ pub struct Stats {
     pub fault_ns: u64,
     /// Page-in latency histogram (bucket i: [2^i, 2^(i+1)) µs).
     pub page_in_latency_buckets: Vec<u64>,
+    /// Evicted pages whose kept server copy was current: dropped, not sent.
+    pub clean_drops: u64,
+    /// Paged-in pages written afterwards (their kept copy went stale).
+    pub first_writes: u64,
+    /// Of the page-ins, pages brought by read-ahead (not the faulting page).
+    pub prefetched_pages: u64,
 }
 
 impl Stats {
+    /// Every counter by name (the kv guest's `stats` shows them as `pf_NAME`).
+    pub fn named(&self) -> Vec<(&'static str, u64)> {
+        vec![
+            ("budget_pages", self.budget_pages),
+            ("resident_pages", self.resident_pages),
+            ("remote_pages", self.remote_pages),
+            ("missing_faults", self.missing_faults),
+            ("minor_faults", self.minor_faults),
+            ("wp_faults", self.wp_faults),
+            ("zero_filled_pages", self.zero_filled_pages),
+            ("page_ins", self.page_ins),
+            ("page_in_requests", self.page_in_requests),
+            ("prefetched_pages", self.prefetched_pages),
+            ("page_outs", self.page_outs),
+            ("page_out_chunks", self.page_out_chunks),
+            ("clean_drops", self.clean_drops),
+            ("first_writes", self.first_writes),
+            ("bytes_in", self.bytes_in),
+            ("bytes_out", self.bytes_out),
+            ("sampled_chunks", self.sampled_chunks),
+            ("sample_rate_chunks_per_s", self.sample_rate),
+            ("fault_ns", self.fault_ns),
+            ("page_in_p50_us", self.page_in_p50_us() as u64),
+            ("page_in_p99_us", self.page_in_p99_us() as u64),
+        ]
+    }
+
     /// Median page-in latency, µs.
     pub fn page_in_p50_us(&self) -> f64 {
         Histogram::percentile(&self.page_in_latency_buckets, 50.0)
@@ -133,6 +169,9 @@ impl Counters {
             sample_rate: self.sample_rate.load(Relaxed),
             fault_ns: self.fault_ns.load(Relaxed),
             page_in_latency_buckets: self.page_in_latency.counts(),
+            clean_drops: self.clean_drops.load(Relaxed),
+            first_writes: self.first_writes.load(Relaxed),
+            prefetched_pages: self.prefetched_pages.load(Relaxed),
         }
     }
 }

@@ -154,6 +154,7 @@ pub fn run_guest(
     cfg.servers = spec.servers.clone();
     cfg.policy = spec.policy.parse().map_err(RunnerError::Invalid)?;
     cfg.chunk_pages = spec.chunk;
+    cfg.prefetch = spec.prefetch.parse().map_err(RunnerError::Invalid)?;
     cfg.sample_cpu_budget = spec.sample_budget;
     cfg.name = format!("pagefleet-runner {name}");
     if !cfg.servers.is_empty() {

@@ -52,6 +52,8 @@ pub struct LocalRun {
     pub policy: Policy,
     /// Pages per chunk.
     pub chunk: usize,
+    /// What a remote fault brings in besides its page.
+    pub prefetch: pagefleet_region::Prefetch,
     /// CPU share the sampling faults may cost.
     pub sample_budget: f64,
     /// Worker threads.
@@ -123,6 +125,7 @@ fn open_memory(a: &LocalRun) -> Result<Memory, RunnerError> {
     cfg.servers = a.servers.clone();
     cfg.policy = a.policy;
     cfg.chunk_pages = a.chunk;
+    cfg.prefetch = a.prefetch;
     cfg.sample_cpu_budget = a.sample_budget;
     cfg.name = "pagefleet-run".into();
     cfg.secret = a.secret.clone();
@@ -138,15 +141,16 @@ fn stats_json(m: &Memory) -> serde_json::Value {
         return serde_json::Value::Null;
     };
     let s = r.stats();
-    serde_json::json!({
-        "budget_pages": s.budget_pages, "resident_pages": s.resident_pages, "remote_pages": s.remote_pages,
-        "missing_faults": s.missing_faults, "minor_faults": s.minor_faults, "wp_faults": s.wp_faults,
-        "zero_filled_pages": s.zero_filled_pages, "page_ins": s.page_ins, "page_in_requests": s.page_in_requests,
-        "page_outs": s.page_outs, "page_out_chunks": s.page_out_chunks, "bytes_in": s.bytes_in, "bytes_out": s.bytes_out,
-        "sampled_chunks": s.sampled_chunks, "sample_rate_chunks_per_s": s.sample_rate,
-        "page_in_p50_us": s.page_in_p50_us(), "page_in_p99_us": s.page_in_p99_us(),
-        "page_in_latency_log2_us_buckets": s.page_in_latency_buckets,
-    })
+    let mut v: serde_json::Map<String, serde_json::Value> = s
+        .named()
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.into()))
+        .collect();
+    v.insert(
+        "page_in_latency_log2_us_buckets".into(),
+        s.page_in_latency_buckets.clone().into(),
+    );
+    serde_json::Value::Object(v)
 }
 
 fn progress(m: &Memory, sec: usize, rate: f64, last_ins: &mut u64) {
@@ -219,20 +223,7 @@ pub fn run(a: &LocalRun, w: &Workload) -> Result<serde_json::Value, RunnerError>
         Workload::Kv { listen } => {
             let mut k = kv::Kv::open(mem);
             if let Some(r) = m.region.clone() {
-                k.extra_stats = Some(Box::new(move || {
-                    let s = r.stats();
-                    vec![
-                        ("pf_resident_pages".into(), s.resident_pages),
-                        ("pf_budget_pages".into(), s.budget_pages),
-                        ("pf_remote_pages".into(), s.remote_pages),
-                        ("pf_page_ins".into(), s.page_ins),
-                        ("pf_page_in_requests".into(), s.page_in_requests),
-                        ("pf_page_outs".into(), s.page_outs),
-                        ("pf_minor_faults".into(), s.minor_faults),
-                        ("pf_page_in_p50_us".into(), s.page_in_p50_us() as u64),
-                        ("pf_page_in_p99_us".into(), s.page_in_p99_us() as u64),
-                    ]
-                }));
+                k.extra_stats = Some(Box::new(move || crate::workload::pf_stats(&r.stats())));
             }
             let kvs = Arc::new(k);
             let l = std::net::TcpListener::bind(listen)

@@ -211,15 +211,7 @@ pub fn start(
         Workload::Kv { listen } => {
             let mut k = kv::Kv::open(mem);
             let r = region.clone();
-            k.extra_stats = Some(Box::new(move || {
-                let s = r.stats();
-                vec![
-                    ("pf_resident_pages".into(), s.resident_pages),
-                    ("pf_remote_pages".into(), s.remote_pages),
-                    ("pf_page_ins".into(), s.page_ins),
-                    ("pf_page_outs".into(), s.page_outs),
-                ]
-            }));
+            k.extra_stats = Some(Box::new(move || pf_stats(&r.stats())));
             // Requests pass the runner's safepoint gate.
             k.gate = gate.clone();
             let kvs = Arc::new(k);
@@ -262,4 +254,12 @@ fn bind_retry(listen: &str) -> Result<std::net::TcpListener, RunnerError> {
         format!("kv cannot listen on {listen}"),
         last.unwrap_or_else(|| std::io::Error::other("bind failed")),
     ))
+}
+
+/// The region's counters as the kv guest's `stats` lines (`pf_NAME`).
+pub(crate) fn pf_stats(s: &pagefleet_region::Stats) -> Vec<(String, u64)> {
+    s.named()
+        .into_iter()
+        .map(|(k, v)| (format!("pf_{k}"), v))
+        .collect()
 }

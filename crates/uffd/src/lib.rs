@@ -42,6 +42,7 @@ pub const MODE_WP: u64 = 1 << 1;
 pub const MODE_MINOR: u64 = 1 << 2;
 
 const COPY_MODE_DONTWAKE: u64 = 1 << 0;
+const COPY_MODE_WP: u64 = 1 << 1;
 const WP_MODE_WP: u64 = 1 << 0;
 
 const EVENT_PAGEFAULT: u8 = 0x12;
@@ -250,11 +251,28 @@ impl Uffd {
     /// The kernel only fills missing pages there (an existing page is
     /// `Fill::Exists`), so no memory Rust owns is written.
     pub fn copy(&self, dst: u64, src: &[u8], dontwake: bool) -> Result<Fill, UffdError> {
+        self.copy_mode(dst, src, dontwake, false)
+    }
+
+    /// [`Uffd::copy`], installing the pages write-protected when `wp` (the
+    /// range must be registered for WP): the first write to each raises a
+    /// WP fault, so the handler learns the page changed.
+    pub fn copy_mode(
+        &self,
+        dst: u64,
+        src: &[u8],
+        dontwake: bool,
+        wp: bool,
+    ) -> Result<Fill, UffdError> {
+        let mut mode = if dontwake { COPY_MODE_DONTWAKE } else { 0 };
+        if wp {
+            mode |= COPY_MODE_WP;
+        }
         let mut c = CopyArg {
             dst,
             src: src.as_ptr() as u64,
             len: src.len() as u64,
-            mode: if dontwake { COPY_MODE_DONTWAKE } else { 0 },
+            mode,
             copy: 0,
         };
         loop {
