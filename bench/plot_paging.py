@@ -9,12 +9,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def color(kind):
-    return {"Local": "black", "Region": "tab:blue", "SwapFile": "tab:red", "Zram": "tab:orange"}.get(kind, "grey")
+    return {"Local": "black", "Region": "tab:blue", "SwapFile": "tab:red", "SwapSsd": "tab:purple", "Zram": "tab:orange"}.get(kind, "grey")
 
 
 def main(src, dst):
     r = json.load(open(src))
-    rows = [x for x in r["rows"] if not x.get("error")]
+    rows = [x for x in r["rows"] if not x.get("error") and x["cfg"].get("workload", "kv") == "kv"]
     fig, axes = plt.subplots(1, 3, figsize=(18, 6), gridspec_kw={"width_ratios": [2.2, 1.4, 1]})
     ax = axes[0]
     names = [x["cfg"]["name"] for x in rows]

@@ -24,8 +24,8 @@ const P: usize = PAGE_SIZE;
 const RING_PAGES: usize = 4096; // 16 MiB
 /// Bytes on the wire of our GET request / GET_OK reply / PUT / PUT_OK for one
 /// page; the raw baseline moves exactly these sizes.
-const GET_REQ: usize = 16 + 16 + 8;
-const GET_REP: usize = 16 + 8 + 1 + P;
+pub(crate) const GET_REQ: usize = 16 + 16 + 8;
+pub(crate) const GET_REP: usize = 16 + 8 + 1 + P;
 const PUT_REQ: usize = 16 + 16 + 8 + P;
 const PUT_REP: usize = 16 + 8;
 
@@ -672,7 +672,7 @@ impl RawServer {
         Ok(RawServer { addr, child })
     }
 
-    fn connect(&self, mode: u8, total: u64) -> Result<TcpStream> {
+    pub(crate) fn connect(&self, mode: u8, total: u64) -> Result<TcpStream> {
         let mut s = TcpStream::connect(&self.addr)?;
         s.set_nodelay(true)?;
         let mut h = [0u8; 9];

@@ -11,6 +11,7 @@ use crate::kvload;
 use crate::memserver::RawServer;
 use crate::util::{self, Goal, MemCgroup, Swap};
 use anyhow::{anyhow, bail, Result};
+use pagefleet_fifodisk::{FifoDisk, LoopDevice, Pace};
 use pagefleet_proto::auth::Secret;
 use serde::Serialize;
 use std::io::{BufRead, BufReader, Write};
@@ -66,7 +67,13 @@ impl Opts {
 pub enum Kind {
     Local,
     Region,
+    /// Swap to a file on this machine's virtual disk (the hypervisor caches
+    /// it, so it is close to RAM speed: a flattering baseline).
     SwapFile,
+    /// Swap to an SSD-like device: the FIFO disk with an NVMe-like service
+    /// time (80 µs per request + 2 GB/s), one queue.
+    SwapSsd,
+    /// Swap to zram (compressed RAM outside the memory cgroup).
     Zram,
 }
 
@@ -77,7 +84,10 @@ pub struct Cfg {
     pub budget_pct: f64,
     pub policy: String,
     pub chunk: usize,
+    pub prefetch: String,
     pub servers: usize,
+    /// The workload: "kv" (zipf gets/sets) or "seq" (synthetic sequential read scan).
+    pub workload: String,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -97,6 +107,10 @@ pub struct Row {
     pub fault_p99_us: Option<f64>,
     /// The region's counters over the measured window (pf_* of the kv stats).
     pub region_deltas: std::collections::BTreeMap<String, u64>,
+    /// zram: original / compressed bytes of what it held at the end.
+    pub zram_compression: Option<f64>,
+    /// Sequential scan rows: bytes paged in per second, GB/s.
+    pub seq_page_in_gbps: Option<f64>,
     pub error: Option<String>,
 }
 
@@ -106,6 +120,18 @@ pub struct FaultLat {
     pub p50_us: f64,
     pub p99_us: f64,
     pub samples: usize,
+}
+
+/// CPU time per page-in, both ends together, pagefleet vs the floor program.
+#[derive(Clone, Debug, Serialize)]
+pub struct CpuPerPage {
+    pub what: String,
+    pub pages: u64,
+    /// On the faulting side (guest + handler/pager threads), µs per page.
+    pub guest_us: f64,
+    /// On the server side, µs per page.
+    pub server_us: f64,
+    pub total_us: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -120,105 +146,76 @@ pub struct Report {
     pub measure_secs: u64,
     pub rows: Vec<Row>,
     pub faults: Vec<FaultLat>,
+    pub cpu: Vec<CpuPerPage>,
     pub goals: Vec<Goal>,
     #[serde(flatten)]
     pub plot: util::PlotOutcome,
 }
 
-fn cfg(name: &str, kind: Kind, pct: f64, policy: &str, chunk: usize, servers: usize) -> Cfg {
+/// A pagefleet region with the defaults (clock, 16-page chunks, adaptive
+/// read-ahead, one server) except what `f` changes.
+fn region(name: &str, pct: f64, f: impl FnOnce(&mut Cfg)) -> Cfg {
+    let mut c = Cfg {
+        name: name.into(),
+        kind: Kind::Region,
+        budget_pct: pct,
+        policy: "clock".into(),
+        chunk: 16,
+        prefetch: "adaptive".into(),
+        servers: 1,
+        workload: "kv".into(),
+    };
+    f(&mut c);
+    c
+}
+
+fn baseline(name: &str, kind: Kind, pct: f64) -> Cfg {
     Cfg {
         name: name.into(),
         kind,
         budget_pct: pct,
-        policy: policy.into(),
-        chunk,
-        servers,
+        policy: "-".into(),
+        chunk: 0,
+        prefetch: "-".into(),
+        servers: 0,
+        workload: "kv".into(),
     }
 }
 
+pub const DEFAULT_50: &str = "pagefleet 50% default";
+pub const DEFAULT_25: &str = "pagefleet 25% default";
+pub const SEQ_DEFAULT: &str = "seq scan 25% pagefleet default";
+
 pub fn configs(quick: bool) -> Vec<Cfg> {
     let mut v = vec![
-        cfg("all local", Kind::Local, 100.0, "-", 0, 0),
-        cfg(
-            "pagefleet 100% (sampling only)",
-            Kind::Region,
-            100.0,
-            "clock",
-            16,
-            1,
-        ),
-        cfg(
-            "pagefleet 50% clock c16 1srv",
-            Kind::Region,
-            50.0,
-            "clock",
-            16,
-            1,
-        ),
-        cfg("swap file 50%", Kind::SwapFile, 50.0, "-", 0, 0),
+        baseline("all local", Kind::Local, 100.0),
+        region("pagefleet 100% (sampling only)", 100.0, |_| {}),
+        region(DEFAULT_50, 50.0, |_| {}),
+        baseline("swap file 50% (virtual disk)", Kind::SwapFile, 50.0),
     ];
     if !quick {
         v.extend([
-            cfg(
-                "pagefleet 50% aging c16 1srv",
-                Kind::Region,
-                50.0,
-                "aging",
-                16,
-                1,
-            ),
-            cfg(
-                "pagefleet 50% clock c16 2srv",
-                Kind::Region,
-                50.0,
-                "clock",
-                16,
-                2,
-            ),
-            cfg(
-                "pagefleet 50% clock c1 1srv",
-                Kind::Region,
-                50.0,
-                "clock",
-                1,
-                1,
-            ),
-            cfg(
-                "pagefleet 50% clock c4 1srv",
-                Kind::Region,
-                50.0,
-                "clock",
-                4,
-                1,
-            ),
-            cfg(
-                "pagefleet 50% clock c64 1srv",
-                Kind::Region,
-                50.0,
-                "clock",
-                64,
-                1,
-            ),
-            cfg(
-                "pagefleet 25% clock c16 1srv",
-                Kind::Region,
-                25.0,
-                "clock",
-                16,
-                1,
-            ),
-            cfg(
-                "pagefleet 25% aging c16 2srv",
-                Kind::Region,
-                25.0,
-                "aging",
-                16,
-                2,
-            ),
-            cfg("swap file 25%", Kind::SwapFile, 25.0, "-", 0, 0),
-            cfg("zram 50%", Kind::Zram, 50.0, "-", 0, 0),
+            baseline("swap SSD-like 50% (fifodisk)", Kind::SwapSsd, 50.0),
+            baseline("zram 50%", Kind::Zram, 50.0),
+            region("pagefleet 50% chunk prefetch c16", 50.0, |c| {
+                c.prefetch = "chunk".into()
+            }),
+            region("pagefleet 50% chunk 1", 50.0, |c| c.chunk = 1),
+            region("pagefleet 50% aging", 50.0, |c| c.policy = "aging".into()),
+            region("pagefleet 50% 2 servers", 50.0, |c| c.servers = 2),
+            region(DEFAULT_25, 25.0, |_| {}),
+            baseline("zram 25%", Kind::Zram, 25.0),
+            baseline("swap file 25% (virtual disk)", Kind::SwapFile, 25.0),
+            region(SEQ_DEFAULT, 25.0, |c| c.workload = "seq".into()),
+            region("seq scan 25% chunk prefetch c16", 25.0, |c| {
+                c.workload = "seq".into();
+                c.prefetch = "chunk".into()
+            }),
         ]);
     }
+    // All-local again at the end: this machine's speed drifts during a run;
+    // the faster of the two is the reference (ratios err low, never high).
+    v.push(baseline("all local (again)", Kind::Local, 100.0));
     v
 }
 
@@ -235,6 +232,8 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
 
     log("single-fault latency: raw uffd, raw TCP, pagefleet page-in");
     let faults = fault_latencies(o, &secret_path, &secret)?;
+    log("CPU per page-in: floor program and pagefleet");
+    let cpu = cpu_per_page_in(o, &secret_path, &secret)?;
 
     let mut rows: Vec<Row> = Vec::new();
     for c in configs(o.quick) {
@@ -258,6 +257,8 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
                 fault_p50_us: None,
                 fault_p99_us: None,
                 region_deltas: Default::default(),
+                zram_compression: None,
+                seq_page_in_gbps: None,
                 error: Some(format!("{e:#}")),
             },
         };
@@ -265,34 +266,64 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
     }
     let local = rows
         .iter()
-        .find(|r| r.cfg.kind == Kind::Local)
+        .filter(|r| r.cfg.kind == Kind::Local && r.error.is_none())
         .map(|r| r.ops_per_sec)
-        .unwrap_or(f64::NAN);
-    for r in rows.iter_mut() {
+        .fold(f64::NAN, f64::max);
+    for r in rows.iter_mut().filter(|r| r.cfg.workload == "kv") {
         r.ratio_to_local = r.ops_per_sec / local;
     }
     let _ = std::fs::remove_dir_all(&tmp);
 
     let get = |name: &str| {
         rows.iter()
-            .find(|r| r.cfg.name == name)
+            .find(|r| r.cfg.name == name && r.error.is_none())
             .map(|r| r.ops_per_sec)
     };
     let mut goals = Vec::new();
-    if let (Some(pf), Some(l)) = (get("pagefleet 50% clock c16 1srv"), get("all local")) {
-        goals.push(Goal::at_least(
-            "kv zipf0.99 50% budget / all local",
-            pf / l,
-            0.9,
+    let mut ratio_goal = |name: &str, a: Option<f64>, b: Option<f64>, target: f64| {
+        if let (Some(a), Some(b)) = (a, b) {
+            goals.push(Goal::at_least(name, a / b.max(1e-9), target, "ratio"));
+        }
+    };
+    let pf50 = get(DEFAULT_50);
+    ratio_goal("kv 50% default / all local", pf50, Some(local), 0.75);
+    ratio_goal(
+        "kv 50% default / swap on SSD-like device",
+        pf50,
+        get("swap SSD-like 50% (fifodisk)"),
+        2.0,
+    );
+    ratio_goal(
+        "kv 50% default / swap file on virtual disk",
+        pf50,
+        get("swap file 50% (virtual disk)"),
+        0.9,
+    );
+    ratio_goal("kv 50% default / zram", pf50, get("zram 50%"), 0.9);
+    ratio_goal(
+        "kv 25% default / zram 25%",
+        get(DEFAULT_25),
+        get("zram 25%"),
+        0.9,
+    );
+    if let [floor, pf] = &cpu[..] {
+        goals.push(Goal::at_most(
+            "CPU per page-in (guest host + server) / floor",
+            pf.total_us / floor.total_us,
+            1.5,
             "ratio",
         ));
     }
-    if let (Some(pf), Some(sw)) = (get("pagefleet 50% clock c16 1srv"), get("swap file 50%")) {
+    if let Some(g) = rows
+        .iter()
+        .find(|r| r.cfg.name == SEQ_DEFAULT)
+        .and_then(|r| r.seq_page_in_gbps)
+    {
         goals.push(Goal::at_least(
-            "kv zipf0.99 50% budget / swap file",
-            pf / sw.max(1e-9),
-            3.0,
-            "ratio",
+            "sequential scan 25% page-in rate",
+            g,
+            1.5,
+            "GB/s",
         ));
     }
     let fp = |w: &str| faults.iter().find(|f| f.what == w).map(|f| f.p50_us);
@@ -308,7 +339,17 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
             "ratio",
         ));
     }
-    if let (Some(s), Some(l)) = (get("pagefleet 100% (sampling only)"), get("all local")) {
+    if let Some(r) = rows.iter().find(|r| r.cfg.name == DEFAULT_50) {
+        if let (Some(p50), Some(p99)) = (r.fault_p50_us, r.fault_p99_us) {
+            goals.push(Goal::at_most(
+                "kv 50% default: fault service p99 / p50",
+                p99 / p50.max(1.0),
+                10.0,
+                "ratio",
+            ));
+        }
+    }
+    if let (Some(s), l) = (get("pagefleet 100% (sampling only)"), local) {
         goals.push(Goal::at_most(
             "sampling cost, all resident",
             (1.0 - s / l) * 100.0,
@@ -327,6 +368,7 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
         measure_secs: o.measure_secs,
         rows,
         faults,
+        cpu,
         goals,
         plot: util::PlotOutcome::default(),
     };
@@ -385,7 +427,43 @@ pub fn print_table(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
             f(row.fault_p99_us)
         )?;
     }
-    writeln!(out, "  (p50/p99: pagefleet page-in service time, log2 buckets; swap: pages swapped in per second)")?;
+    writeln!(out, "  (p50/p99: pagefleet page-in service time, log2 buckets; swap: pages swapped in per second;")?;
+    writeln!(
+        out,
+        "   page-outs/s: pages sent; drops/s: clean pages evicted without sending;"
+    )?;
+    writeln!(
+        out,
+        "   swap file: on this VM's virtual disk, which the hypervisor caches (near RAM speed);"
+    )?;
+    writeln!(out, "   swap SSD-like: a FIFO disk with 78 us + 2 GB/s per request, one queue; zram: compressed RAM outside the cgroup)")?;
+    for row in &r.rows {
+        if let Some(z) = row.zram_compression {
+            writeln!(
+                out,
+                "  {}: compression ratio {z:.2} on this data",
+                row.cfg.name
+            )?;
+        }
+        if let Some(g) = row.seq_page_in_gbps {
+            writeln!(
+                out,
+                "  {}: page-in rate {g:.2} GB/s ({:.0} pages/s)",
+                row.cfg.name, row.page_ins_per_sec
+            )?;
+        }
+    }
+    writeln!(
+        out,
+        "\nCPU per page-in, faulting side + server side (same pages, same order):"
+    )?;
+    for c in &r.cpu {
+        writeln!(
+            out,
+            "  {:<28} {:>6.1} us guest + {:>6.1} us server = {:>6.1} us   ({} pages)",
+            c.what, c.guest_us, c.server_us, c.total_us, c.pages
+        )?;
+    }
     writeln!(
         out,
         "\nSingle 4 KiB fault (client on CPU 0, handler/server on CPU 1):"
@@ -443,6 +521,8 @@ fn start_guest(
                 &c.policy,
                 "--chunk",
                 &c.chunk.to_string(),
+                "--prefetch",
+                &c.prefetch,
             ]);
             if let Ok(v) = std::env::var("PF_BENCH_SAMPLE_BUDGET") {
                 cmd.args(["--sample-budget", &v]);
@@ -516,9 +596,13 @@ fn run_config(o: &Opts, c: &Cfg, keys: u64, secret_path: &Path) -> Result<Row> {
         .map(|_| util::ChildDaemon::start(o.size + (64 << 20), secret_path))
         .collect::<Result<_>>()?;
     let addrs: Vec<String> = servers.iter().map(|s| s.addr.clone()).collect();
+    if c.workload == "seq" {
+        return seq_scan(o, c, &addrs, secret_path);
+    }
     let swap = match c.kind {
-        Kind::SwapFile => Some(Swap::file(o.size + (64 << 20))?),
-        Kind::Zram => Some(Swap::zram(o.size + (64 << 20))?),
+        Kind::SwapFile => Some(SwapKind::File(Swap::file(o.size + (64 << 20))?)),
+        Kind::SwapSsd => Some(SwapKind::Ssd(SsdSwap::new(o.size + (64 << 20))?)),
+        Kind::Zram => Some(SwapKind::File(Swap::zram(o.size + (64 << 20))?)),
         _ => None,
     };
     // The baseline's process may also keep its binary, stacks and buffers
@@ -543,6 +627,7 @@ fn run_config(o: &Opts, c: &Cfg, keys: u64, secret_path: &Path) -> Result<Row> {
     let (ops, per_second) = kvload::run_for(&kv_spec(&g.addr, keys, o), o.measure_secs)?;
     let after = kv_stats(&g.addr).unwrap_or_default();
     let swapins = vmstat("pswpin") - swapin0;
+    let zram_compression = (c.kind == Kind::Zram).then(zram_ratio).flatten();
     let d = |k: &str| {
         after
             .get(k)
@@ -568,6 +653,8 @@ fn run_config(o: &Opts, c: &Cfg, keys: u64, secret_path: &Path) -> Result<Row> {
             .then(|| after["pf_page_in_p50_us"] as f64),
         fault_p99_us: (c.kind == Kind::Region && d("pf_page_ins") > 0)
             .then(|| after["pf_page_in_p99_us"] as f64),
+        zram_compression,
+        seq_page_in_gbps: None,
         region_deltas: after
             .keys()
             .filter(|k| k.starts_with("pf_") && !k.contains("_us") && !k.ends_with("_pages"))
@@ -580,6 +667,131 @@ fn run_config(o: &Opts, c: &Cfg, keys: u64, secret_path: &Path) -> Result<Row> {
     drop(swap);
     drop(servers);
     Ok(row)
+}
+
+/// Swap on an SSD-like device: the FIFO disk (kept in this process's
+/// memory, served by one FUSE thread) with an NVMe-like service time, as a
+/// loop device with direct I/O. Torn down in order: swap, loop, disk.
+struct SsdSwap {
+    swap: Option<Swap>,
+    dev: Option<LoopDevice>,
+    disk: Option<FifoDisk>,
+    dir: PathBuf,
+}
+
+impl SsdSwap {
+    /// ~80 µs per 4 KiB read and ~2 GB/s: a datacenter NVMe drive's read
+    /// latency and bandwidth (one queue: requests are served in order).
+    const PACE: Pace = Pace {
+        per_io: Duration::from_micros(78),
+        bandwidth: 2e9,
+    };
+
+    fn new(size: u64) -> Result<SsdSwap> {
+        let dir = util::temp_dir("bench-ssd-swap")?;
+        let mut s = SsdSwap {
+            swap: None,
+            dev: None,
+            disk: None,
+            dir: dir.clone(),
+        };
+        let disk = FifoDisk::mount(&dir.join("mnt"), size.next_multiple_of(4096), Self::PACE)?;
+        let dev = LoopDevice::attach(&disk.file(), true);
+        s.disk = Some(disk);
+        s.dev = Some(dev?);
+        s.swap = Some(Swap::device(&s.dev.as_ref().unwrap().path)?);
+        Ok(s)
+    }
+}
+
+impl Drop for SsdSwap {
+    fn drop(&mut self) {
+        drop(self.swap.take());
+        drop(self.dev.take());
+        drop(self.disk.take());
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A swap baseline, held until the configuration ends (switched off and
+/// removed on drop).
+#[allow(dead_code, reason = "held only to be dropped at the end")]
+enum SwapKind {
+    File(Swap),
+    Ssd(SsdSwap),
+}
+
+/// zram's original / compressed bytes now (`mm_stat`).
+fn zram_ratio() -> Option<f64> {
+    let s = std::fs::read_to_string("/sys/block/zram0/mm_stat").ok()?;
+    let v: Vec<f64> = s
+        .split_whitespace()
+        .take(2)
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    (v.len() == 2 && v[1] > 0.0).then(|| v[0] / v[1])
+}
+
+/// A sequential read scan over a region 4x its budget (`pagefleet run
+/// synthetic --dist seq`, one thread, after a prefill): the page-in rate.
+fn seq_scan(o: &Opts, c: &Cfg, servers: &[String], secret_path: &Path) -> Result<Row> {
+    let me = std::env::current_exe()?;
+    let out = Command::new(me)
+        .arg("--secret-file")
+        .arg(secret_path)
+        .args([
+            "run",
+            "synthetic",
+            "--dist",
+            "seq",
+            "--write-frac",
+            "0",
+            "--prefill",
+        ])
+        .args(["--threads", "1", "--json", "--size"])
+        .arg(o.size.to_string())
+        .args(["--budget", &format!("{}%", c.budget_pct)])
+        .args(["--chunk", &c.chunk.to_string(), "--prefetch", &c.prefetch])
+        .args(["--duration", &o.measure_secs.to_string()])
+        .arg("--servers")
+        .arg(servers.join(","))
+        .stderr(Stdio::null())
+        .output()?;
+    if !out.status.success() {
+        bail!("the sequential scan guest failed ({})", out.status);
+    }
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let secs = v["secs"].as_f64().unwrap_or(f64::NAN);
+    let reg = &v["region"];
+    let n = |k: &str| reg[k].as_u64().unwrap_or(0);
+    let region_deltas = reg
+        .as_object()
+        .map(|m| {
+            m.iter()
+                .filter_map(|(k, x)| x.as_u64().map(|x| (format!("pf_{k}"), x)))
+                .filter(|(k, _)| !k.contains("_us") && !k.ends_with("_pages"))
+                .collect()
+        })
+        .unwrap_or_default();
+    Ok(Row {
+        cfg: c.clone(),
+        ops_per_sec: v["ops_per_sec"].as_f64().unwrap_or(0.0),
+        per_second: v["per_second"]
+            .as_array()
+            .map(|a| a.iter().filter_map(|x| x.as_f64()).collect())
+            .unwrap_or_default(),
+        ratio_to_local: 0.0,
+        page_ins_per_sec: n("page_ins") as f64 / secs,
+        page_outs_per_sec: 0.0,
+        clean_drops_per_sec: n("clean_drops") as f64 / secs,
+        sampling_faults_per_sec: n("minor_faults") as f64 / secs,
+        fault_p50_us: reg["page_in_p50_us"].as_f64(),
+        fault_p99_us: reg["page_in_p99_us"].as_f64(),
+        region_deltas,
+        zram_compression: None,
+        seq_page_in_gbps: Some(n("bytes_in") as f64 / secs / 1e9),
+        error: None,
+    })
 }
 
 fn kv_spec(addr: &str, keys: u64, o: &Opts) -> kvload::Spec {
@@ -672,6 +884,117 @@ fn fault_latencies(o: &Opts, secret_path: &Path, secret: &Secret) -> Result<Vec<
     out.push(percentiles(v, "pagefleet page-in"));
     drop(r);
     Ok(out)
+}
+
+/// CPU time all threads of process `pid` have run, ns (schedstat).
+fn process_cpu_ns(pid: u32) -> u64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0;
+    };
+    tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum()
+}
+
+fn per_page(what: &str, pages: u64, guest_ns: u64, server_ns: u64) -> CpuPerPage {
+    let g = guest_ns as f64 / 1e3 / pages.max(1) as f64;
+    let s = server_ns as f64 / 1e3 / pages.max(1) as f64;
+    CpuPerPage {
+        what: what.into(),
+        pages,
+        guest_us: g,
+        server_us: s,
+        total_us: g + s,
+    }
+}
+
+/// CPU per page-in, both ends: the floor program (a uffd handler thread
+/// that asks a raw TCP server for each faulting page, 40-byte request,
+/// 4121-byte reply, and installs it) against a pagefleet region (chunk 1,
+/// no sampling) paging from pagefleetd, the same pages touched in the same
+/// scattered order by one thread.
+fn cpu_per_page_in(o: &Opts, secret_path: &Path, secret: &Secret) -> Result<Vec<CpuPerPage>> {
+    use pagefleet_uffd as uffd;
+    use std::os::fd::AsRawFd;
+    let pages: u64 = if o.quick { 4096 } else { 32768 };
+    let order = |i: u64| (i * 7919) % pages;
+    let me = std::process::id();
+    // The floor.
+    let raw = RawServer::start()?;
+    let fd = uffd::memfd("floor", pages * 4096)?;
+    let m = uffd::Mapping::shared(fd.as_raw_fd(), (pages * 4096) as usize)?;
+    m.madvise(0, m.len(), libc::MADV_NOHUGEPAGE)?;
+    let u = Arc::new(uffd::Uffd::open(uffd::FEATURE_MISSING_SHMEM)?);
+    u.register(m.base(), m.len() as u64, uffd::MODE_MISSING)?;
+    let mut conn = raw.connect(b'G', 0)?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let (u2, s2) = (u.clone(), stop.clone());
+    let h = std::thread::spawn(move || -> std::io::Result<()> {
+        let req = [1u8; crate::memserver::GET_REQ];
+        let mut rep = vec![0u8; crate::memserver::GET_REP];
+        let mut fs = Vec::new();
+        while !s2.load(Relaxed) {
+            if u2.poll(5).unwrap_or(false) {
+                fs.clear();
+                let _ = u2.read_faults(&mut fs, 16);
+                for f in &fs {
+                    conn.write_all(&req)?;
+                    std::io::Read::read_exact(&mut conn, &mut rep)?;
+                    let _ = u2.copy(f.addr & !4095, &rep[..4096], false);
+                }
+            }
+        }
+        Ok(())
+    });
+    let (g0, s0) = (process_cpu_ns(me), process_cpu_ns(raw.child.id()));
+    for i in 0..pages {
+        // SAFETY: inside the mapping.
+        std::hint::black_box(unsafe {
+            std::ptr::read_volatile(m.addr().add(order(i) as usize * 4096))
+        });
+    }
+    let (g1, s1) = (process_cpu_ns(me), process_cpu_ns(raw.child.id()));
+    stop.store(true, Relaxed);
+    let _ = h.join();
+    drop(raw);
+    let floor = per_page("floor: raw uffd + raw TCP", pages, g1 - g0, s1 - s0);
+    // pagefleet.
+    let d = util::ChildDaemon::start(pages * 4096 + (64 << 20), secret_path)?;
+    let mut cfg = pagefleet_region::Config::new(pages * 4096, 64);
+    cfg.servers = vec![d.addr.clone()];
+    cfg.secret = Some(secret.clone());
+    cfg.chunk_pages = 1;
+    cfg.sample_cpu_budget = 0.0;
+    let r = pagefleet_region::Region::new(cfg)?;
+    let base = r.as_ptr();
+    for p in 0..pages {
+        // SAFETY: inside the region.
+        unsafe { std::ptr::write_volatile(base.add(p as usize * 4096) as *mut u64, p) };
+    }
+    let t = Instant::now();
+    while r.stats().resident_pages > 64 && t.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    r.set_budget(pages);
+    let ins0 = r.stats().page_ins;
+    let (g0, s0) = (process_cpu_ns(me), process_cpu_ns(d.child.id()));
+    for i in 0..pages {
+        let p = order(i);
+        // SAFETY: inside the region.
+        let x = unsafe { std::ptr::read_volatile(base.add(p as usize * 4096) as *const u64) };
+        if x != p {
+            bail!("page {p} came back as {x}");
+        }
+    }
+    let (g1, s1) = (process_cpu_ns(me), process_cpu_ns(d.child.id()));
+    let ins = r.stats().page_ins - ins0;
+    drop(r);
+    Ok(vec![
+        floor,
+        per_page("pagefleet page-in", ins, g1 - g0, s1 - s0),
+    ])
 }
 
 fn raw_uffd(iters: usize, two: bool) -> Result<Vec<f64>> {

@@ -84,7 +84,7 @@ fn bench_paging_quick_json_has_rows_faults_and_goals() {
             "--secs",
             "1",
             "--only",
-            "50% clock c16",
+            "50% default",
             "--out",
         ])
         .arg(&out_dir)
@@ -95,7 +95,7 @@ fn bench_paging_quick_json_has_rows_faults_and_goals() {
     let v: serde_json::Value =
         serde_json::from_slice(&out.stdout).expect("stdout is one JSON object");
     let rows = v["rows"].as_array().unwrap();
-    assert_eq!(rows.len(), 2, "{rows:?}");
+    assert_eq!(rows.len(), 3, "all local twice and the default: {rows:?}");
     for r in rows {
         assert!(r["error"].is_null(), "config failed: {r}");
         assert!(r["ops_per_sec"].as_f64().unwrap() > 0.0, "{r}");
@@ -105,6 +105,9 @@ fn bench_paging_quick_json_has_rows_faults_and_goals() {
         pf["page_ins_per_sec"].as_f64().unwrap() > 0.0,
         "a 50% budget must page: {pf}"
     );
+    let cpu = v["cpu"].as_array().unwrap();
+    assert_eq!(cpu.len(), 2, "floor and pagefleet: {cpu:?}");
+    assert!(cpu.iter().all(|c| c["total_us"].as_f64().unwrap() > 0.0));
     let faults = v["faults"].as_array().unwrap();
     assert_eq!(faults.len(), 3);
     assert!(faults.iter().all(|f| f["p50_us"].as_f64().unwrap() > 0.0));

@@ -2,7 +2,7 @@
 //! memory cgroups — each undone on drop.
 
 use anyhow::{bail, Context, Result};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
@@ -111,6 +111,28 @@ impl Swap {
         }
         Ok(s)
     }
+    /// Swap on a block device the caller owns (made a swap area here; only
+    /// switched off on drop).
+    pub fn device(dev: &Path) -> Result<Swap> {
+        let s = Swap {
+            dev: dev.to_path_buf(),
+            file: false,
+        };
+        if !Command::new("mkswap")
+            .arg(dev)
+            .stdout(Stdio::null())
+            .status()?
+            .success()
+            || !Command::new("swapon")
+                .args(["-p", "100"])
+                .arg(dev)
+                .status()?
+                .success()
+        {
+            bail!("cannot enable swap on {}", dev.display());
+        }
+        Ok(s)
+    }
     pub fn zram(size: u64) -> Result<Swap> {
         let dev = PathBuf::from("/dev/zram0");
         if !dev.exists() {
@@ -144,7 +166,7 @@ impl Drop for Swap {
         let _ = Command::new("swapoff").arg(&self.dev).status();
         if self.file {
             let _ = std::fs::remove_file(&self.dev);
-        } else {
+        } else if self.dev == Path::new("/dev/zram0") {
             let _ = std::fs::write("/sys/block/zram0/reset", "1");
         }
     }

@@ -109,6 +109,11 @@ pub struct Config {
     pub policy: Policy,
     /// What a remote fault brings in besides its page.
     pub prefetch: Prefetch,
+    /// Spin this long for a server's reply before sleeping, while the host
+    /// has idle CPUs (never under load). Zero by default: measured here, a
+    /// 60 µs spin cut the single-fault p50 from 126 to 77 µs but made a
+    /// page-in cost 1.6x the CPU of the floor program (1.2x without).
+    pub reply_spin: Duration,
     /// Memory servers (HOST:PORT) pages may go to.
     pub servers: Vec<String>,
     /// The cluster secret (needed with servers).
@@ -184,6 +189,7 @@ impl Config {
             chunk_pages: 16,
             policy: Policy::Clock,
             prefetch: Prefetch::Adaptive,
+            reply_spin: Duration::ZERO,
             servers: Vec::new(),
             secret: None,
             region_id: 0,

@@ -60,6 +60,7 @@ pub(crate) struct Pager {
     stream_next: usize,
     /// Where `drop_copies` looks next.
     copy_hand: usize,
+    reply_spin: Duration,
     resident: u64,
     remote: u64,
     conns: Vec<Conn>,
@@ -165,9 +166,9 @@ impl Pager {
                         Conn::connect_patiently(a, secret, &opts, CONNECT_PATIENCE)?
                     }
                 };
-                // Page-ins are on the guest's critical path: spin for the
-                // reply rather than sleep through a wake-up.
-                c.set_spin(Duration::from_micros(60));
+                // Optionally spin for replies rather than sleep through a
+                // wake-up (Config::reply_spin).
+                c.set_spin(cfg.reply_spin);
                 free.push(c.info.capacity_pages.saturating_sub(c.info.used_pages));
                 conns.push(c);
             }
@@ -267,6 +268,7 @@ impl Pager {
             streams: [Stream::default(); STREAMS],
             stream_next: 0,
             copy_hand: 0,
+            reply_spin: cfg.reply_spin,
             resident,
             remote,
             conns,
@@ -357,7 +359,7 @@ impl Pager {
         };
         let mut c = Conn::connect_patiently(addr, secret, &opts, CONNECT_PATIENCE)
             .map_err(|e| e.to_string())?;
-        c.set_spin(Duration::from_micros(60));
+        c.set_spin(self.reply_spin);
         self.free
             .push(c.info.capacity_pages.saturating_sub(c.info.used_pages));
         self.conns.push(c);
@@ -854,7 +856,7 @@ impl Pager {
             ..Default::default()
         };
         let mut c = Conn::connect_patiently(&self.addrs[s], &secret, &opts, CONNECT_PATIENCE)?;
-        c.set_spin(Duration::from_micros(60));
+        c.set_spin(self.reply_spin);
         if c.info.server_id != self.conns[s].info.server_id {
             // Restarted: whatever it held is gone; reconnecting cannot help.
             return Err(pagefleet_client::ClientError::Protocol {
@@ -1354,7 +1356,7 @@ impl Pager {
             // Spinning for replies only pays on a host with idle CPUs: on an
             // oversubscribed one it takes the CPU the server or a guest needs.
             let spin = if rq <= 1.0 {
-                Duration::from_micros(60)
+                self.reply_spin
             } else {
                 Duration::ZERO
             };

@@ -319,11 +319,14 @@ fn clean_pages_are_dropped_not_resent_and_no_write_is_lost() {
     cfg.chunk_pages = 4;
     let r = Region::new(cfg).unwrap();
     let base = r.as_ptr() as usize;
-    // SAFETY (both closures): inside the region's mapping, which outlives this use.
-    let page =
-        |p: u64| unsafe { std::slice::from_raw_parts((base + p as usize * P) as *const u8, P) };
-    let page_mut =
-        |p: u64| unsafe { std::slice::from_raw_parts_mut((base + p as usize * P) as *mut u8, P) };
+    let page = |p: u64| {
+        // SAFETY: inside the region's mapping, which outlives this use.
+        unsafe { std::slice::from_raw_parts((base + p as usize * P) as *const u8, P) }
+    };
+    let page_mut = |p: u64| {
+        // SAFETY: as above; one thread, no other view of this page is alive.
+        unsafe { std::slice::from_raw_parts_mut((base + p as usize * P) as *mut u8, P) }
+    };
     let mut want = vec![0u8; P];
     let mut version = vec![1u64; pages as usize];
     for p in 0..pages {
@@ -346,7 +349,7 @@ fn clean_pages_are_dropped_not_resent_and_no_write_is_lost() {
     // mixed with reads, then everything verified twice.
     for i in 0..pages {
         let p = (i * 4099) % pages;
-        if p % 3 == 0 {
+        if p.is_multiple_of(3) {
             version[p as usize] += 1;
             fill(p, version[p as usize], page_mut(p));
         } else {
@@ -411,7 +414,7 @@ fn one_chunk_hammered_while_evicted() {
                     n += 1;
                     // SAFETY: as above.
                     unsafe { std::ptr::write_volatile(slot, n * 8 + t) };
-                    if n % 64 == 0 {
+                    if n.is_multiple_of(64) {
                         std::thread::yield_now();
                     }
                     // SAFETY: as above.
