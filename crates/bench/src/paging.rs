@@ -32,6 +32,8 @@ pub struct Opts {
     pub theta: f64,
     pub get_frac: f64,
     pub fault_iters: usize,
+    /// Seconds of load before each measured window.
+    pub warmup_secs: u64,
     pub quick: bool,
     pub out_dir: PathBuf,
     /// Only configurations whose name contains this (plus all-local).
@@ -47,6 +49,7 @@ impl Opts {
             theta: 0.99,
             get_frac: 0.9,
             fault_iters: 4000,
+            warmup_secs: 8,
             quick: false,
             out_dir,
             only: None,
@@ -57,6 +60,7 @@ impl Opts {
             size: 128 << 20,
             measure_secs: 2,
             fault_iters: 500,
+            warmup_secs: 1,
             quick: true,
             ..Opts::full(out_dir)
         }
@@ -620,8 +624,10 @@ fn run_config(o: &Opts, c: &Cfg, keys: u64, secret_path: &Path) -> Result<Row> {
         cg.as_ref().map(|g| g.path.as_path()),
     )?;
     kvload::prefill(&kv_spec(&g.addr, keys, o))?;
-    // Warm-up second, then the measured window.
-    kvload::run_for(&kv_spec(&g.addr, keys, o), 1)?;
+    // Warm-up, then the measured window. The prefill leaves the resident
+    // half dirty; the warm-up lets paging (pagefleet and swap alike) reach
+    // its steady state, where evicted pages were mostly paged in before.
+    kvload::run_for(&kv_spec(&g.addr, keys, o), o.warmup_secs)?;
     let before = kv_stats(&g.addr).unwrap_or_default();
     let swapin0 = vmstat("pswpin");
     let (ops, per_second) = kvload::run_for(&kv_spec(&g.addr, keys, o), o.measure_secs)?;

@@ -519,6 +519,34 @@ impl Conn {
         Ok(id)
     }
 
+    /// Send one PUT frame whose pages are scattered in memory: `pages[i]`
+    /// (4096 bytes each) is the data of the selection's i-th page; written
+    /// with one vectored write, no copy.
+    pub fn send_put_pages(&mut self, region: u64, sel: &PageSel, pages: &[&[u8]]) -> Result<u64> {
+        if sel.is_empty()
+            || sel.len() > MAX_BATCH_PAGES
+            || pages.len() != sel.len()
+            || pages.iter().any(|p| p.len() != PAGE_SIZE)
+        {
+            return Err(ClientError::Usage(format!(
+                "a PUT frame takes 1..={MAX_BATCH_PAGES} pages of {PAGE_SIZE} bytes, one per selected page ({} pages, {} slices given)",
+                sel.len(),
+                pages.len()
+            )));
+        }
+        let id = self.id();
+        let mut meta = Vec::with_capacity(HEADER_LEN + 16 + sel.len() * 8);
+        meta.extend_from_slice(&[0u8; HEADER_LEN]);
+        encode_pages_req(region, sel, 0, &mut meta);
+        let body_len = meta.len() - HEADER_LEN + pages.len() * PAGE_SIZE;
+        meta[..HEADER_LEN].copy_from_slice(&Header::new(Opcode::Put, body_len, id).encode());
+        let mut iov = Vec::with_capacity(1 + pages.len());
+        iov.push(IoSlice::new(&meta));
+        iov.extend(pages.iter().map(|p| IoSlice::new(p)));
+        write_all_vectored(&mut self.stream, &mut iov).map_err(|e| self.io(e))?;
+        Ok(id)
+    }
+
     /// Receive the reply to a PUT sent with `send_put`.
     pub fn recv_put(&mut self, id: u64) -> Result<PutOk> {
         let body = self.expect_reply(id, Opcode::PutOk)?;

@@ -1167,43 +1167,56 @@ impl Pager {
                 return false;
             }
         }
-        // Runs of dirty pages with the same destination, per destination.
-        let mut runs: Vec<(usize, usize, usize)> = Vec::new(); // (server, start, len)
+        // Dirty pages per destination server, in frames of up to
+        // MAX_BATCH_PAGES (scattered pages share a frame: one send and one
+        // ack per 32 pages, not per run).
+        let mut batches: Vec<(usize, Vec<u64>)> = Vec::new();
         for &q in &pages {
             if self.clean[q] {
                 continue;
             }
             let t = target(q, &self.copy);
-            match runs.last_mut() {
-                Some((rs, start, len))
-                    if *rs == t && *start + *len == q && *len < MAX_BATCH_PAGES =>
-                {
-                    *len += 1
-                }
-                _ => runs.push((t, q, 1)),
+            match batches
+                .iter_mut()
+                .rev()
+                .find(|(bt, b)| *bt == t && b.len() < MAX_BATCH_PAGES)
+            {
+                Some((_, b)) => b.push(q as u64),
+                None => batches.push((t, vec![q as u64])),
             }
         }
         let region = self.region_id;
         let mut failed: Option<(usize, pagefleet_client::ClientError)> = None;
-        let mut servers: Vec<usize> = runs.iter().map(|r| r.0).collect();
+        let mut servers: Vec<usize> = batches.iter().map(|r| r.0).collect();
         servers.sort_unstable();
         servers.dedup();
         for t in servers {
             let sent: Result<(), pagefleet_client::ClientError> = (|| {
                 let mut ids = std::collections::VecDeque::new();
-                for (_, start, len) in runs.iter().filter(|r| r.0 == t) {
-                    // SAFETY: inside the shadow mapping; pages are resident and write-protected.
-                    let data = unsafe {
-                        std::slice::from_raw_parts(self.shadow.addr().add(start * PAGE), len * PAGE)
+                for (_, list) in batches.iter().filter(|r| r.0 == t) {
+                    let data: Vec<&[u8]> = list
+                        .iter()
+                        .map(|&q| {
+                            // SAFETY: inside the shadow mapping; the page is
+                            // resident and write-protected until it is punched.
+                            unsafe {
+                                std::slice::from_raw_parts(
+                                    self.shadow.addr().add(q as usize * PAGE),
+                                    PAGE,
+                                )
+                            }
+                        })
+                        .collect();
+                    let contiguous = list.windows(2).all(|w| w[1] == w[0] + 1);
+                    let sel = if contiguous {
+                        PageSel::Run {
+                            first: list[0],
+                            count: list.len() as u32,
+                        }
+                    } else {
+                        PageSel::List(list.clone())
                     };
-                    ids.push_back(self.conns[t].send_put(
-                        region,
-                        &PageSel::Run {
-                            first: *start as u64,
-                            count: *len as u32,
-                        },
-                        data,
-                    )?);
+                    ids.push_back(self.conns[t].send_put_pages(region, &sel, &data)?);
                     // Bound the acks outstanding so neither side's buffers fill up.
                     if ids.len() >= 64 {
                         self.conns[t].recv_put(ids.pop_front().unwrap())?;
