@@ -431,7 +431,8 @@ pub fn print_table(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
             f(row.fault_p99_us)
         )?;
     }
-    writeln!(out, "  (p50/p99: pagefleet page-in service time, log2 buckets; swap: pages swapped in per second;")?;
+    writeln!(out, "  (guest on CPU 1; kv client and memory servers, standing for other hosts, on CPU 0;")?;
+    writeln!(out, "   p50/p99: pagefleet page-in service time, log2 buckets; swap: pages swapped in per second;")?;
     writeln!(
         out,
         "   page-outs/s: pages sent; drops/s: clean pages evicted without sending;"
@@ -601,7 +602,7 @@ fn run_config(o: &Opts, c: &Cfg, keys: u64, secret_path: &Path) -> Result<Row> {
         .collect::<Result<_>>()?;
     let addrs: Vec<String> = servers.iter().map(|s| s.addr.clone()).collect();
     if c.workload == "seq" {
-        return seq_scan(o, c, &addrs, secret_path);
+        return seq_scan(o, c, &servers, secret_path);
     }
     let swap = match c.kind {
         Kind::SwapFile => Some(SwapKind::File(Swap::file(o.size + (64 << 20))?)),
@@ -623,6 +624,9 @@ fn run_config(o: &Opts, c: &Cfg, keys: u64, secret_path: &Path) -> Result<Row> {
         secret_path,
         cg.as_ref().map(|g| g.path.as_path()),
     )?;
+    // The guest host is CPU 1; the client and the memory servers stand for
+    // other hosts and share CPU 0 (with 2+ CPUs).
+    let _topology = Topology::pin(g.child.id(), &servers);
     kvload::prefill(&kv_spec(&g.addr, keys, o))?;
     // Warm-up, then the measured window. The prefill leaves the resident
     // half dirty; the warm-up lets paging (pagefleet and swap alike) reach
@@ -673,6 +677,36 @@ fn run_config(o: &Opts, c: &Cfg, keys: u64, secret_path: &Path) -> Result<Row> {
     drop(swap);
     drop(servers);
     Ok(row)
+}
+
+/// Where the processes of one configuration run: the guest (its workload
+/// threads and its pager) on CPU 1, this process (the kv client, the FIFO
+/// disk's server thread) and the memory servers on CPU 0. Undone on drop.
+struct Topology {
+    active: bool,
+}
+
+impl Topology {
+    fn pin(guest: u32, servers: &[util::ChildDaemon]) -> Topology {
+        let active = util::ncpus() >= 2;
+        if active {
+            util::set_process_affinity(guest, &[1]);
+            util::set_process_affinity(std::process::id(), &[0]);
+            for s in servers {
+                util::set_process_affinity(s.child.id(), &[0]);
+            }
+        }
+        Topology { active }
+    }
+}
+
+impl Drop for Topology {
+    fn drop(&mut self) {
+        if self.active {
+            let all: Vec<usize> = (0..util::ncpus()).collect();
+            util::set_process_affinity(std::process::id(), &all);
+        }
+    }
 }
 
 /// Swap on an SSD-like device: the FIFO disk (kept in this process's
@@ -740,7 +774,13 @@ fn zram_ratio() -> Option<f64> {
 
 /// A sequential read scan over a region 4x its budget (`pagefleet run
 /// synthetic --dist seq`, one thread, after a prefill): the page-in rate.
-fn seq_scan(o: &Opts, c: &Cfg, servers: &[String], secret_path: &Path) -> Result<Row> {
+fn seq_scan(
+    o: &Opts,
+    c: &Cfg,
+    daemons: &[util::ChildDaemon],
+    secret_path: &Path,
+) -> Result<Row> {
+    let servers: Vec<String> = daemons.iter().map(|d| d.addr.clone()).collect();
     let me = std::env::current_exe()?;
     let out = Command::new(me)
         .arg("--secret-file")
@@ -761,8 +801,11 @@ fn seq_scan(o: &Opts, c: &Cfg, servers: &[String], secret_path: &Path) -> Result
         .args(["--duration", &o.measure_secs.to_string()])
         .arg("--servers")
         .arg(servers.join(","))
+        .stdout(Stdio::piped())
         .stderr(Stdio::null())
-        .output()?;
+        .spawn()?;
+    let _topology = Topology::pin(out.id(), daemons);
+    let out = out.wait_with_output()?;
     if !out.status.success() {
         bail!("the sequential scan guest failed ({})", out.status);
     }
