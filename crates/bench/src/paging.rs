@@ -9,9 +9,8 @@
 
 use crate::kvload;
 use crate::memserver::RawServer;
-use crate::util::{self, Goal, MemCgroup, Swap};
+use crate::util::{self, Goal, MemCgroup, SsdSwap, Swap};
 use anyhow::{anyhow, bail, Result};
-use pagefleet_fifodisk::{FifoDisk, LoopDevice, Pace};
 use pagefleet_proto::auth::Secret;
 use serde::Serialize;
 use std::io::{BufRead, BufReader, Write};
@@ -706,50 +705,6 @@ impl Drop for Topology {
             let all: Vec<usize> = (0..util::ncpus()).collect();
             util::set_process_affinity(std::process::id(), &all);
         }
-    }
-}
-
-/// Swap on an SSD-like device: the FIFO disk (kept in this process's
-/// memory, served by one FUSE thread) with an NVMe-like service time, as a
-/// loop device with direct I/O. Torn down in order: swap, loop, disk.
-struct SsdSwap {
-    swap: Option<Swap>,
-    dev: Option<LoopDevice>,
-    disk: Option<FifoDisk>,
-    dir: PathBuf,
-}
-
-impl SsdSwap {
-    /// ~80 µs per 4 KiB read and ~2 GB/s: a datacenter NVMe drive's read
-    /// latency and bandwidth (one queue: requests are served in order).
-    const PACE: Pace = Pace {
-        per_io: Duration::from_micros(78),
-        bandwidth: 2e9,
-    };
-
-    fn new(size: u64) -> Result<SsdSwap> {
-        let dir = util::temp_dir("bench-ssd-swap")?;
-        let mut s = SsdSwap {
-            swap: None,
-            dev: None,
-            disk: None,
-            dir: dir.clone(),
-        };
-        let disk = FifoDisk::mount(&dir.join("mnt"), size.next_multiple_of(4096), Self::PACE)?;
-        let dev = LoopDevice::attach(&disk.file(), true);
-        s.disk = Some(disk);
-        s.dev = Some(dev?);
-        s.swap = Some(Swap::device(&s.dev.as_ref().unwrap().path)?);
-        Ok(s)
-    }
-}
-
-impl Drop for SsdSwap {
-    fn drop(&mut self) {
-        drop(self.swap.take());
-        drop(self.dev.take());
-        drop(self.disk.take());
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
