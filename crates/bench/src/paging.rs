@@ -430,7 +430,10 @@ pub fn print_table(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
             f(row.fault_p99_us)
         )?;
     }
-    writeln!(out, "  (guest on CPU 1; kv client and memory servers, standing for other hosts, on CPU 0;")?;
+    writeln!(
+        out,
+        "  (guest on CPU 1; kv client and memory servers, standing for other hosts, on CPU 0;"
+    )?;
     writeln!(out, "   p50/p99: pagefleet page-in service time, log2 buckets; swap: pages swapped in per second;")?;
     writeln!(
         out,
@@ -729,12 +732,7 @@ fn zram_ratio() -> Option<f64> {
 
 /// A sequential read scan over a region 4x its budget (`pagefleet run
 /// synthetic --dist seq`, one thread, after a prefill): the page-in rate.
-fn seq_scan(
-    o: &Opts,
-    c: &Cfg,
-    daemons: &[util::ChildDaemon],
-    secret_path: &Path,
-) -> Result<Row> {
+fn seq_scan(o: &Opts, c: &Cfg, daemons: &[util::ChildDaemon], secret_path: &Path) -> Result<Row> {
     let servers: Vec<String> = daemons.iter().map(|d| d.addr.clone()).collect();
     let me = std::env::current_exe()?;
     let out = Command::new(me)

@@ -112,4 +112,3 @@ impl Drop for SsdSwap {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
-

@@ -1,6 +1,8 @@
 //! Page store: one anonymous pool of `capacity` 4 KiB slots, and per region
-//! a page array (a B-tree of 512-entry leaves indexed by page number) mapping
-//! page number -> slot. Page data is never copied through the index: the
+//! a page array (a B-tree of leaves of 512 page numbers each) mapping page
+//! number -> slot. A leaf holding few pages is a sorted list (8 bytes a page),
+//! a full one a 2 KiB array (4 bytes a page), so the index costs under 2% of
+//! the stored bytes for any pattern, sparse or dense. Page data is never copied through the index: the
 //! server reads PUT data from the socket straight into fresh slots and writes
 //! GET replies straight out of them.
 //!
@@ -120,15 +122,189 @@ impl Drop for Pool {
     }
 }
 
-struct Leaf {
-    slot: [u32; LEAF_PAGES],
-    count: u32,
+/// The slots of up to 512 consecutive page numbers.
+enum Leaf {
+    /// (index in the leaf, slot), sorted by index: for sparse leaves.
+    Sparse(Vec<(u16, u32)>),
+    /// slot per index (NO_SLOT: absent), and how many are present.
+    Dense(Box<[u32; LEAF_PAGES]>, u32),
+}
+
+/// A sparse leaf becomes dense beyond this many pages (8 bytes each vs 2 KiB)
+/// and a dense one sparse again below a quarter of it (no flapping).
+const SPARSE_MAX: usize = 256;
+
+impl Leaf {
+    fn count(&self) -> usize {
+        match self {
+            Leaf::Sparse(v) => v.len(),
+            Leaf::Dense(_, n) => *n as usize,
+        }
+    }
+    fn get(&self, i: usize) -> Option<u32> {
+        match self {
+            Leaf::Sparse(v) => v
+                .binary_search_by_key(&(i as u16), |e| e.0)
+                .ok()
+                .map(|k| v[k].1),
+            Leaf::Dense(a, _) => (a[i] != NO_SLOT).then_some(a[i]),
+        }
+    }
+    /// Set index i to `slot`; the slot it replaces, if any.
+    fn insert(&mut self, i: usize, slot: u32) -> Option<u32> {
+        match self {
+            Leaf::Sparse(v) => match v.binary_search_by_key(&(i as u16), |e| e.0) {
+                Ok(k) => Some(std::mem::replace(&mut v[k].1, slot)),
+                Err(k) => {
+                    v.insert(k, (i as u16, slot));
+                    if v.len() > SPARSE_MAX {
+                        let mut a = Box::new([NO_SLOT; LEAF_PAGES]);
+                        for (j, s) in v.iter() {
+                            a[*j as usize] = *s;
+                        }
+                        *self = Leaf::Dense(a, (SPARSE_MAX + 1) as u32);
+                    }
+                    None
+                }
+            },
+            Leaf::Dense(a, n) => {
+                let old = std::mem::replace(&mut a[i], slot);
+                if old == NO_SLOT {
+                    *n += 1;
+                    None
+                } else {
+                    Some(old)
+                }
+            }
+        }
+    }
+    fn remove(&mut self, i: usize) -> Option<u32> {
+        match self {
+            Leaf::Sparse(v) => {
+                let k = v.binary_search_by_key(&(i as u16), |e| e.0).ok()?;
+                Some(v.remove(k).1)
+            }
+            Leaf::Dense(a, n) => {
+                let old = std::mem::replace(&mut a[i], NO_SLOT);
+                if old == NO_SLOT {
+                    return None;
+                }
+                *n -= 1;
+                if (*n as usize) < SPARSE_MAX / 4 {
+                    let v = a
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, s)| **s != NO_SLOT)
+                        .map(|(j, s)| (j as u16, *s))
+                        .collect();
+                    *self = Leaf::Sparse(v);
+                }
+                Some(old)
+            }
+        }
+    }
+    fn slots(&self) -> Box<dyn Iterator<Item = u32> + '_> {
+        match self {
+            Leaf::Sparse(v) => Box::new(v.iter().map(|e| e.1)),
+            Leaf::Dense(a, _) => Box::new(a.iter().copied().filter(|s| *s != NO_SLOT)),
+        }
+    }
+}
+
+/// A region's leaves by leaf number: a short sorted list while the region
+/// has few (a B-tree node costs ~460 bytes even for one leaf, 11% of the
+/// page a one-page region stores), a B-tree beyond.
+enum Leaves {
+    Few(Vec<(u64, Leaf)>),
+    Many(BTreeMap<u64, Leaf>),
+}
+
+/// Leaves kept in the short list at most.
+const FEW_LEAVES: usize = 16;
+
+impl Default for Leaves {
+    fn default() -> Leaves {
+        Leaves::Few(Vec::new())
+    }
+}
+
+impl Leaves {
+    fn get(&self, k: u64) -> Option<&Leaf> {
+        match self {
+            Leaves::Few(v) => v.binary_search_by_key(&k, |e| e.0).ok().map(|i| &v[i].1),
+            Leaves::Many(m) => m.get(&k),
+        }
+    }
+    fn get_mut(&mut self, k: u64) -> Option<&mut Leaf> {
+        match self {
+            Leaves::Few(v) => match v.binary_search_by_key(&k, |e| e.0) {
+                Ok(i) => Some(&mut v[i].1),
+                Err(_) => None,
+            },
+            Leaves::Many(m) => m.get_mut(&k),
+        }
+    }
+    /// The leaf `k`, made (empty) if absent.
+    fn get_or_make(&mut self, k: u64) -> &mut Leaf {
+        if let Leaves::Few(v) = self {
+            if v.len() >= FEW_LEAVES && v.binary_search_by_key(&k, |e| e.0).is_err() {
+                *self = Leaves::Many(std::mem::take(v).into_iter().collect());
+            }
+        }
+        match self {
+            Leaves::Few(v) => {
+                let i = match v.binary_search_by_key(&k, |e| e.0) {
+                    Ok(i) => i,
+                    Err(i) => {
+                        if v.capacity() == 0 {
+                            v.reserve_exact(1);
+                        }
+                        v.insert(i, (k, Leaf::Sparse(Vec::with_capacity(1))));
+                        i
+                    }
+                };
+                &mut v[i].1
+            }
+            Leaves::Many(m) => m
+                .entry(k)
+                .or_insert_with(|| Leaf::Sparse(Vec::with_capacity(1))),
+        }
+    }
+    fn remove(&mut self, k: u64) {
+        match self {
+            Leaves::Few(v) => {
+                if let Ok(i) = v.binary_search_by_key(&k, |e| e.0) {
+                    v.remove(i);
+                }
+            }
+            Leaves::Many(m) => {
+                m.remove(&k);
+            }
+        }
+    }
+    /// Leaf numbers in [lo, hi].
+    fn keys_in(&self, lo: u64, hi: u64) -> Vec<u64> {
+        match self {
+            Leaves::Few(v) => v
+                .iter()
+                .map(|e| e.0)
+                .filter(|k| (lo..=hi).contains(k))
+                .collect(),
+            Leaves::Many(m) => m.range(lo..=hi).map(|(k, _)| *k).collect(),
+        }
+    }
+    fn values(&self) -> Box<dyn Iterator<Item = &Leaf> + '_> {
+        match self {
+            Leaves::Few(v) => Box::new(v.iter().map(|e| &e.1)),
+            Leaves::Many(m) => Box::new(m.values()),
+        }
+    }
 }
 
 /// One region's page array and counters.
 #[derive(Default)]
 struct Region {
-    leaves: BTreeMap<u64, Box<Leaf>>,
+    leaves: Leaves,
     pages: u64,
     bytes_in: u64,
     bytes_out: u64,
@@ -136,52 +312,34 @@ struct Region {
 
 impl Region {
     fn get(&self, page: u64) -> Option<u32> {
-        let leaf = self.leaves.get(&(page >> LEAF_SHIFT))?;
-        let s = leaf.slot[(page as usize) & (LEAF_PAGES - 1)];
-        (s != NO_SLOT).then_some(s)
+        self.leaves
+            .get(page >> LEAF_SHIFT)?
+            .get((page as usize) & (LEAF_PAGES - 1))
     }
     fn insert(&mut self, page: u64, slot: u32) -> Option<u32> {
-        let leaf = self.leaves.entry(page >> LEAF_SHIFT).or_insert_with(|| {
-            Box::new(Leaf {
-                slot: [NO_SLOT; LEAF_PAGES],
-                count: 0,
-            })
-        });
-        let e = &mut leaf.slot[(page as usize) & (LEAF_PAGES - 1)];
-        let old = *e;
-        *e = slot;
-        if old == NO_SLOT {
-            leaf.count += 1;
+        let leaf = self.leaves.get_or_make(page >> LEAF_SHIFT);
+        let old = leaf.insert((page as usize) & (LEAF_PAGES - 1), slot);
+        if old.is_none() {
             self.pages += 1;
-            None
-        } else {
-            Some(old)
         }
+        old
     }
     fn remove(&mut self, page: u64) -> Option<u32> {
         let key = page >> LEAF_SHIFT;
-        let leaf = self.leaves.get_mut(&key)?;
-        let e = &mut leaf.slot[(page as usize) & (LEAF_PAGES - 1)];
-        if *e == NO_SLOT {
-            return None;
-        }
-        let old = *e;
-        *e = NO_SLOT;
-        leaf.count -= 1;
+        let leaf = self.leaves.get_mut(key)?;
+        let old = leaf.remove((page as usize) & (LEAF_PAGES - 1))?;
         self.pages -= 1;
-        if leaf.count == 0 {
-            self.leaves.remove(&key);
+        if leaf.count() == 0 {
+            self.leaves.remove(key);
         }
         Some(old)
     }
     /// Remove every page in [first, first+count) and return their slots.
     fn remove_range(&mut self, first: u64, count: u64, out: &mut Vec<u32>) {
         let end = first + count;
-        let keys: Vec<u64> = self
+        let keys = self
             .leaves
-            .range(first >> LEAF_SHIFT..=(end - 1) >> LEAF_SHIFT)
-            .map(|(k, _)| *k)
-            .collect();
+            .keys_in(first >> LEAF_SHIFT, (end - 1) >> LEAF_SHIFT);
         for k in keys {
             let lo = (k << LEAF_SHIFT).max(first);
             let hi = ((k + 1) << LEAF_SHIFT).min(end);
@@ -570,7 +728,7 @@ impl Store {
             None => {
                 if let Some(reg) = g.regions.remove(&region) {
                     for leaf in reg.leaves.values() {
-                        slots.extend(leaf.slot.iter().copied().filter(|s| *s != NO_SLOT));
+                        slots.extend(leaf.slots());
                     }
                 }
             }
