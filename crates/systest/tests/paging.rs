@@ -438,3 +438,63 @@ fn one_chunk_hammered_while_evicted() {
     });
     assert!(r.stats().page_outs > pages, "{:?}", r.stats());
 }
+
+/// A guest keeps paging, every byte verified, while 2 000 connections that
+/// never authenticate sit on its memory server: they hold no session slot
+/// and no thread there.
+#[test]
+fn guest_pages_through_a_flood_of_idle_strangers() {
+    // SAFETY: r is a valid rlimit to fill and then to read.
+    unsafe {
+        let mut r = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut r), 0);
+        r.rlim_cur = r.rlim_max.min(8192).max(r.rlim_cur);
+        assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &r), 0);
+    }
+    let c = Cluster::start(1, "64MiB");
+    let pid = c.servers[0].child.id();
+    let threads = || {
+        let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        s.lines()
+            .find(|l| l.starts_with("Threads:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .unwrap()
+            .parse::<u64>()
+            .unwrap()
+    };
+    let before = threads();
+    let strangers: Vec<std::net::TcpStream> = (0..2000)
+        .map(|_| std::net::TcpStream::connect(&c.servers[0].addr).unwrap())
+        .collect();
+    let pages = 4096u64;
+    let r = region(&c, pages * P as u64, pages / 4, Policy::Clock, 16);
+    let base = r.as_ptr() as usize;
+    let mut want = vec![0u8; P];
+    for round in 1..=2u64 {
+        for p in 0..pages {
+            // SAFETY: inside the region's mapping; this thread is its only user.
+            let page =
+                unsafe { std::slice::from_raw_parts_mut((base + p as usize * P) as *mut u8, P) };
+            fill(p, round, page);
+        }
+        for i in 0..pages {
+            let p = (i * 7919) % pages;
+            // SAFETY: as above.
+            let page =
+                unsafe { std::slice::from_raw_parts((base + p as usize * P) as *const u8, P) };
+            fill(p, round, &mut want);
+            assert!(page == &want[..], "round {round}: page {p} corrupted");
+        }
+    }
+    assert!(r.stats().page_ins > pages / 2, "{:?}", r.stats());
+    // One session (the pager's), no thread per stranger.
+    assert!(
+        threads() <= before + 3,
+        "{} threads (was {before})",
+        threads()
+    );
+    drop(strangers);
+}
