@@ -309,6 +309,9 @@ pub struct GuestStatus {
     /// Where its pages are.
     #[serde(default)]
     pub pages: Option<PageLocations>,
+    /// What paging costs it (absent for guests without a region).
+    #[serde(default)]
+    pub paging: Option<PagingCosts>,
     /// A migration's progress, while one runs.
     #[serde(default)]
     pub migration: Option<MigrationProgress>,
@@ -333,9 +336,29 @@ impl GuestStatus {
             uptime_secs: 0.0,
             region_id: String::new(),
             pages: None,
+            paging: None,
             migration: None,
         }
     }
+}
+
+/// What paging costs a guest, measured by its runtime since it started here.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct PagingCosts {
+    /// Pager CPU per page brought in, µs (guest host side).
+    pub cpu_per_page_in_us: f64,
+    /// Pager CPU per page evicted, sent or dropped, µs.
+    pub cpu_per_page_out_us: f64,
+    /// Fault service time (fault read to page installed), median, µs.
+    pub fault_p50_us: f64,
+    /// Its 99th percentile, µs.
+    pub fault_p99_us: f64,
+    /// Evictions that were local drops (clean pages).
+    pub clean_drops: u64,
+    /// Page-out batches that ran with the guest over its budget (faults waited).
+    pub direct_reclaims: u64,
+    /// Their total time, ms.
+    pub direct_reclaim_ms: f64,
 }
 
 /// What a sort job reports (control op `sort`).

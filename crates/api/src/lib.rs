@@ -18,7 +18,8 @@ pub mod migration;
 
 pub use control::{ControlReply, ControlRequest};
 pub use guest::{
-    GuestSpec, GuestState, GuestStatus, PageLocations, SortResult, StartGuest, Workload,
+    GuestSpec, GuestState, GuestStatus, PageLocations, PagingCosts, SortResult, StartGuest,
+    Workload,
 };
 pub use host::{ClusterHost, ClusterView, HostReport};
 pub use migration::{

@@ -210,6 +210,18 @@ pub enum GuestCmd {
         #[arg(trailing_var_arg = true, required = true)]
         args: Vec<String>,
     },
+    /// One guest in detail: where it runs, where its pages are, and what
+    /// paging costs it (pager CPU per page in and out, fault service time,
+    /// evictions that sent nothing, waits for page-out).
+    Status {
+        /// The guest's name.
+        name: String,
+        /// Print its status as JSON.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        reg: Registry,
+    },
     /// Stop a guest (its pages on memory servers are deleted).
     Stop {
         /// The guest's name.
@@ -253,6 +265,44 @@ pub fn guest(c: &Client, g: GuestCmd) -> Result<()> {
             c.timeout(Duration::from_secs(30))
                 .post::<_, pagefleet_api::Ok>(&h.http, "/guests", &req)?;
             println!("guest {name} started on {}", h.name());
+        }
+        GuestCmd::Status { name, json, reg } => {
+            let hs = hosts(c, &reg.registry, &[])?;
+            let (i, g) = find_guest(&hs, &name)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&g)?);
+                return Ok(());
+            }
+            println!(
+                "guest {} on {}: {}, {} memory, budget {}, {} ops, up {:.0} s",
+                g.name,
+                hs[i].name(),
+                format!("{:?}", g.state).to_lowercase(),
+                units::fmt_size(g.size),
+                units::fmt_size(g.budget_pages * 4096),
+                g.ops,
+                g.uptime_secs
+            );
+            println!(
+                "  pages: {} resident, {} on memory servers; {} paged in, {} sent out",
+                g.resident_pages, g.remote_pages, g.page_ins, g.page_outs
+            );
+            if let Some(p) = &g.pages {
+                for (addr, n) in &p.remote {
+                    println!("    {n} on {addr}");
+                }
+            }
+            if let Some(p) = &g.paging {
+                println!(
+                    "  paging costs: {:.1} us pager CPU per page in, {:.1} us per page out; \
+                     faults served in {:.0} us (p50), {:.0} us (p99)",
+                    p.cpu_per_page_in_us, p.cpu_per_page_out_us, p.fault_p50_us, p.fault_p99_us
+                );
+                println!(
+                    "  evictions that sent nothing (clean pages): {}; page-outs with faults waiting: {} ({:.1} ms)",
+                    p.clean_drops, p.direct_reclaims, p.direct_reclaim_ms
+                );
+            }
         }
         GuestCmd::Stop { name, reg } => {
             let hs = hosts(c, &reg.registry, &[])?;

@@ -128,8 +128,88 @@ impl Guests {
         lock(&self.map).len()
     }
 
-    /// Prometheus text for the guest host service.
+    /// Prometheus text for the guest host service: this host's guest
+    /// memory, and per guest what its runner reports (asked over its control
+    /// socket: call from a blocking context).
     pub fn metrics(&self) -> String {
+        let mut per = String::new();
+        type Get = fn(&GuestStatus) -> f64;
+        let series: [(&str, &str, &str, Get); 10] = [
+            (
+                "resident_pages",
+                "gauge",
+                "Pages resident on this host.",
+                |g| g.resident_pages as f64,
+            ),
+            ("remote_pages", "gauge", "Pages on memory servers.", |g| {
+                g.remote_pages as f64
+            }),
+            (
+                "page_ins_total",
+                "counter",
+                "Pages brought in from memory servers.",
+                |g| g.page_ins as f64,
+            ),
+            (
+                "page_outs_total",
+                "counter",
+                "Pages sent to memory servers.",
+                |g| g.page_outs as f64,
+            ),
+            (
+                "clean_drops_total",
+                "counter",
+                "Evictions that sent nothing (clean pages).",
+                |g| g.paging.as_ref().map_or(0.0, |p| p.clean_drops as f64),
+            ),
+            (
+                "page_in_cpu_us",
+                "gauge",
+                "Pager CPU per page brought in, microseconds.",
+                |g| g.paging.as_ref().map_or(0.0, |p| p.cpu_per_page_in_us),
+            ),
+            (
+                "page_out_cpu_us",
+                "gauge",
+                "Pager CPU per page evicted, microseconds.",
+                |g| g.paging.as_ref().map_or(0.0, |p| p.cpu_per_page_out_us),
+            ),
+            (
+                "fault_p50_us",
+                "gauge",
+                "Fault service time, median, microseconds.",
+                |g| g.paging.as_ref().map_or(0.0, |p| p.fault_p50_us),
+            ),
+            (
+                "fault_p99_us",
+                "gauge",
+                "Fault service time, 99th percentile, microseconds.",
+                |g| g.paging.as_ref().map_or(0.0, |p| p.fault_p99_us),
+            ),
+            (
+                "direct_reclaims_total",
+                "counter",
+                "Page-outs run over the budget (faults waited).",
+                |g| g.paging.as_ref().map_or(0.0, |p| p.direct_reclaims as f64),
+            ),
+        ];
+        let guests: Vec<GuestStatus> = self
+            .list()
+            .into_iter()
+            .filter(|g| g.state != GuestState::Incoming)
+            .collect();
+        for (name, kind, help, get) in series {
+            per.push_str(&format!(
+                "# HELP pagefleet_guest_{name} {help}\n# TYPE pagefleet_guest_{name} {kind}\n"
+            ));
+            for g in &guests {
+                per.push_str(&format!(
+                    "pagefleet_guest_{name}{{guest=\"{}\"}} {}\n",
+                    g.name,
+                    get(g)
+                ));
+            }
+        }
         let (n, incoming, used) = {
             let m = lock(&self.map);
             (
@@ -149,7 +229,7 @@ impl Guests {
             used * 4096,
             n - incoming,
             incoming
-        )
+        ) + &per
     }
 
     /// Reserve memory, start a runner for `job` and wait for its ready line.

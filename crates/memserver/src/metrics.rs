@@ -212,5 +212,30 @@ pub fn render(m: &Metrics, s: &StoreStats, connections: u32) -> String {
             r.0, r.3
         );
     }
+    let _ = writeln!(
+        o,
+        "# HELP process_cpu_seconds_total CPU time of pagefleetd (the memory server and whatever else it runs); \
+         per page moved: divide by pages put + pages got.\n# TYPE process_cpu_seconds_total counter\n\
+         process_cpu_seconds_total {:.3}",
+        process_cpu_secs()
+    );
     o
+}
+
+/// CPU time of this process so far, seconds (utime + stime).
+fn process_cpu_secs() -> f64 {
+    let Ok(s) = std::fs::read_to_string("/proc/self/stat") else {
+        return 0.0;
+    };
+    // Fields after the command name (which may hold spaces) end with ')'.
+    let rest = s.rsplit_once(')').map_or("", |x| x.1);
+    let f: Vec<u64> = rest
+        .split_whitespace()
+        .skip(11)
+        .take(2)
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    // SAFETY: sysconf has no preconditions.
+    let hz = (unsafe { libc::sysconf(libc::_SC_CLK_TCK) }).max(1) as f64;
+    f.iter().sum::<u64>() as f64 / hz
 }

@@ -563,7 +563,12 @@ impl Pager {
                 // Remote faults of this batch go out together: one pipelined
                 // burst per server, so their round trips overlap.
                 if !self.pending_in.is_empty() {
+                    let c0 = thread_cpu_ns();
                     self.page_in_batch(t);
+                    self.shared
+                        .stats
+                        .page_in_cpu_ns
+                        .fetch_add(thread_cpu_ns().saturating_sub(c0), Relaxed);
                 }
                 self.shared
                     .stats
@@ -1051,7 +1056,21 @@ impl Pager {
                 pages += self.chunk_res[c] as u64;
                 batch.push(c);
             }
-            if batch.is_empty() || !self.page_out(&batch) {
+            let c0 = thread_cpu_ns();
+            let t0 = Instant::now();
+            let ok = !batch.is_empty() && self.page_out(&batch);
+            let st = &self.shared.stats;
+            st.page_out_cpu_ns
+                .fetch_add(thread_cpu_ns().saturating_sub(c0), Relaxed);
+            if over {
+                // Over the budget itself: faults queue behind this page-out
+                // (direct reclaim); between the watermarks they do not wait
+                // long (one small batch between fault batches).
+                st.direct_reclaims.fetch_add(1, Relaxed);
+                st.direct_reclaim_ns
+                    .fetch_add(t0.elapsed().as_nanos() as u64, Relaxed);
+            }
+            if !ok {
                 self.evicting = false;
                 break;
             }
@@ -1462,4 +1481,15 @@ fn runqueue_factor() -> f64 {
     // SAFETY: sysconf has no preconditions.
     let cpus = (unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }).max(1) as f64;
     running.map_or(1.0, |r| (r / cpus).max(1.0))
+}
+
+/// CPU time this thread has run, ns.
+fn thread_cpu_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: ts is a valid timespec to fill.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }

@@ -64,6 +64,10 @@ pub struct Counters {
     pub clean_drops: AtomicU64,
     pub first_writes: AtomicU64,
     pub prefetched_pages: AtomicU64,
+    pub page_in_cpu_ns: AtomicU64,
+    pub page_out_cpu_ns: AtomicU64,
+    pub direct_reclaims: AtomicU64,
+    pub direct_reclaim_ns: AtomicU64,
 }
 
 /// A consistent-enough snapshot for reporting.
@@ -109,9 +113,26 @@ pub struct Stats {
     pub first_writes: u64,
     /// Of the page-ins, pages brought by read-ahead (not the faulting page).
     pub prefetched_pages: u64,
+    /// Pager CPU time spent bringing pages in, ns.
+    pub page_in_cpu_ns: u64,
+    /// Pager CPU time spent evicting (sending and dropping), ns.
+    pub page_out_cpu_ns: u64,
+    /// Page-out batches run while over the budget itself (faults wait).
+    pub direct_reclaims: u64,
+    /// Wall time of those batches, ns.
+    pub direct_reclaim_ns: u64,
 }
 
 impl Stats {
+    /// Pager CPU per page brought in, µs (0 before any).
+    pub fn cpu_per_page_in_us(&self) -> f64 {
+        self.page_in_cpu_ns as f64 / 1e3 / self.page_ins.max(1) as f64
+    }
+    /// Pager CPU per page evicted (sent or dropped), µs (0 before any).
+    pub fn cpu_per_page_out_us(&self) -> f64 {
+        self.page_out_cpu_ns as f64 / 1e3 / (self.page_outs + self.clean_drops).max(1) as f64
+    }
+
     /// Every counter by name (the kv guest's `stats` shows them as `pf_NAME`).
     pub fn named(&self) -> Vec<(&'static str, u64)> {
         vec![
@@ -134,6 +155,10 @@ impl Stats {
             ("sampled_chunks", self.sampled_chunks),
             ("sample_rate_chunks_per_s", self.sample_rate),
             ("fault_ns", self.fault_ns),
+            ("page_in_cpu_ns", self.page_in_cpu_ns),
+            ("page_out_cpu_ns", self.page_out_cpu_ns),
+            ("direct_reclaims", self.direct_reclaims),
+            ("direct_reclaim_ns", self.direct_reclaim_ns),
             ("page_in_p50_us", self.page_in_p50_us() as u64),
             ("page_in_p99_us", self.page_in_p99_us() as u64),
         ]
@@ -172,6 +197,10 @@ impl Counters {
             clean_drops: self.clean_drops.load(Relaxed),
             first_writes: self.first_writes.load(Relaxed),
             prefetched_pages: self.prefetched_pages.load(Relaxed),
+            page_in_cpu_ns: self.page_in_cpu_ns.load(Relaxed),
+            page_out_cpu_ns: self.page_out_cpu_ns.load(Relaxed),
+            direct_reclaims: self.direct_reclaims.load(Relaxed),
+            direct_reclaim_ns: self.direct_reclaim_ns.load(Relaxed),
         }
     }
 }

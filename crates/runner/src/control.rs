@@ -10,7 +10,7 @@ use pagefleet_api::control::{Budget, Moved};
 use pagefleet_api::migration::Failure;
 use pagefleet_api::{
     ControlRequest, ErrorReply, GuestSpec, GuestState, GuestStatus, MigrateRequest,
-    MigrationProgress, PageLocations, ProgressEvent,
+    MigrationProgress, PageLocations, PagingCosts, ProgressEvent,
 };
 use pagefleet_guests::Gate;
 use pagefleet_migrate::source;
@@ -173,6 +173,15 @@ impl Running {
             uptime_secs: self.started.elapsed().as_secs_f64(),
             region_id: format!("{:#x}", self.region.region_id),
             pages: locations(&self.region),
+            paging: Some(PagingCosts {
+                cpu_per_page_in_us: s.cpu_per_page_in_us(),
+                cpu_per_page_out_us: s.cpu_per_page_out_us(),
+                fault_p50_us: s.page_in_p50_us(),
+                fault_p99_us: s.page_in_p99_us(),
+                clean_drops: s.clean_drops,
+                direct_reclaims: s.direct_reclaims,
+                direct_reclaim_ms: s.direct_reclaim_ns as f64 / 1e6,
+            }),
             migration: migrating.then(|| progress_of(&self.progress)),
         }
     }

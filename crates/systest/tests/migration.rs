@@ -190,6 +190,27 @@ fn split_migration_under_writes_then_gather_then_partial_move_keep_every_byte() 
     assert!(on_h3 > 0, "no pages on h3: {g:?}");
     assert!(g.resident_pages <= 32768, "{g:?}");
     assert!(l.host_report(2).unwrap().lend_used > 0);
+    // `guest status` shows what paging costs it there.
+    let t = Instant::now();
+    loop {
+        let (ok, out, err) = l.pf(0, &["guest", "status", "w1", "--json"]);
+        assert!(ok, "guest status: {err}");
+        let s: serde_json::Value = serde_json::from_str(&out).expect("guest status JSON");
+        let p = &s["paging"];
+        assert!(p.is_object(), "no paging costs: {s}");
+        if s["page_ins"].as_u64().unwrap_or(0) > 0 {
+            assert!(p["cpu_per_page_in_us"].as_f64().unwrap() > 0.0, "{s}");
+            assert!(p["fault_p50_us"].as_f64().unwrap() > 0.0, "{s}");
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "no page-ins on h2: {s}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let (ok, out, _) = l.pf(0, &["guest", "status", "w1"]);
+    assert!(ok && out.contains("paging costs"), "{out}");
     // The source's memory is free again.
     assert_eq!(l.host_report(0).unwrap().guest_free, 512 * MIB);
     // Gather it back onto h1 while it writes and pages (it is over its
