@@ -1,0 +1,116 @@
+//! Commands from the region's owner (tracking, snapshots, holds, evacuations).
+
+use super::*;
+
+impl Pager {
+    pub(super) fn command(&mut self, c: Command) {
+        let (base, len) = (self.guest.base(), self.guest.len() as u64);
+        match c {
+            Command::TrackDirty(on, reply) => {
+                for p in std::mem::take(&mut self.dirty_list) {
+                    self.dirty[p as usize] = false;
+                }
+                self.tracking = on;
+                // A migration moves resident pages itself: copies kept on
+                // servers would be orphaned there, so they go now (and
+                // page-ins take while tracking).
+                if on {
+                    self.drop_copies(None, u64::MAX);
+                }
+                // Mapped resident pages fault on their next write; unmapped
+                // ones fault MINOR first and are mapped write-protected.
+                if let Err(e) = self.uffd.writeprotect(base, len, on) {
+                    warn!("change tracking: {e}");
+                }
+                let _ = reply.send(());
+            }
+            Command::TakeDirty(reply) => {
+                let mut list: Vec<u64> = std::mem::take(&mut self.dirty_list)
+                    .into_iter()
+                    .map(u64::from)
+                    .collect();
+                list.sort_unstable();
+                for &p in &list {
+                    self.dirty[p as usize] = false;
+                }
+                // Re-arm: resident pages written this round fault on their next write.
+                let mut i = 0;
+                while i < list.len() {
+                    let mut j = i + 1;
+                    while j < list.len() && list[j] == list[j - 1] + 1 {
+                        j += 1;
+                    }
+                    if self.tracking {
+                        let _ = self.uffd.writeprotect(
+                            self.addr(list[i] as usize),
+                            ((j - i) * PAGE) as u64,
+                            true,
+                        );
+                    }
+                    i = j;
+                }
+                let _ = reply.send(list);
+            }
+            Command::Evacuate { from, to, reply } => {
+                if self.evac.is_some() {
+                    let _ = reply.send(Err("an evacuation is already running".into()));
+                    return;
+                }
+                let Some(f) = self.addrs.iter().position(|a| *a == from) else {
+                    let _ = reply.send(Ok(0));
+                    return;
+                };
+                if from == to {
+                    let _ = reply.send(Err("evacuating a server onto itself".into()));
+                    return;
+                }
+                match self.server_index(&to) {
+                    Ok(t) => {
+                        // Nothing pages out to the server being emptied,
+                        // and nothing stays kept there.
+                        self.drop_copies(Some(f), u64::MAX);
+                        self.free[f] = 0;
+                        self.evac = Some(super::evacuate::Evac {
+                            from: f,
+                            to: t,
+                            cursor: 0,
+                            moved: 0,
+                            reply,
+                        });
+                    }
+                    Err(e) => {
+                        let _ = reply.send(Err(format!("cannot use {to}: {e}")));
+                    }
+                }
+            }
+            Command::Hold(on, reply) => {
+                self.hold = on;
+                self.evicting = false;
+                let _ = reply.send(());
+            }
+            Command::Pages(pages, reply) => {
+                let v = pages
+                    .iter()
+                    .map(|&p| {
+                        let p = (p as usize).min(self.loc.pages() - 1);
+                        (self.loc.location(p), self.access.byte(p))
+                    })
+                    .collect();
+                let _ = reply.send(v);
+            }
+            Command::Snapshot(reply) => {
+                let location = (0..self.loc.pages())
+                    .map(|p| self.loc.location(p))
+                    .collect();
+                let history = (0..self.loc.pages()).map(|p| self.access.byte(p)).collect();
+                let _ = reply.send(Snapshot {
+                    region_id: self.region_id,
+                    chunk_pages: self.cp,
+                    servers: self.servers_list.clone(),
+                    location,
+                    history,
+                });
+            }
+        }
+    }
+}

@@ -1,0 +1,71 @@
+//! Evacuation: moving every page on one server to another.
+
+use super::*;
+
+/// An evacuation in progress: pages on server `from` move to `to`.
+pub(super) struct Evac {
+    /// The server being emptied.
+    pub(super) from: usize,
+    /// Where its pages go.
+    pub(super) to: usize,
+    /// The next page to look at.
+    pub(super) cursor: usize,
+    /// Pages moved so far.
+    pub(super) moved: u64,
+    /// Told the outcome when done.
+    pub(super) reply: std::sync::mpsc::Sender<Result<u64, String>>,
+}
+
+impl Pager {
+    /// Move up to a few batches of an evacuation, then go back to faults.
+    pub(super) fn evacuate_step(&mut self) {
+        let Some(mut ev) = self.evac.take() else {
+            return;
+        };
+        let tag = REMOTE + ev.from as u8;
+        let region = self.region_id;
+        for _ in 0..4 {
+            let mut list = Vec::with_capacity(MAX_BATCH_PAGES);
+            while ev.cursor < self.loc.state.len() && list.len() < MAX_BATCH_PAGES {
+                if self.loc.state[ev.cursor] == tag {
+                    list.push(ev.cursor as u64);
+                }
+                ev.cursor += 1;
+            }
+            if list.is_empty() {
+                let _ = ev.reply.send(Ok(ev.moved));
+                return;
+            }
+            let n = list.len();
+            let buf = &mut self.buf[..n * PAGE];
+            // Copy, store at the new server, and only then delete at the old one.
+            let r = self.conns[ev.from]
+                .get(
+                    region,
+                    Pages::List(&list),
+                    buf,
+                    GetMode::Keep,
+                    false,
+                    MAX_BATCH_PAGES,
+                )
+                .and_then(|_| {
+                    self.conns[ev.to].put(region, Pages::List(&list), buf, MAX_BATCH_PAGES)
+                })
+                .and_then(|_| self.conns[ev.from].delete(region, Pages::List(&list)));
+            if let Err(e) = r {
+                let _ = ev.reply.send(Err(format!(
+                    "moving pages from {} to {}: {e} ({} moved before)",
+                    self.addrs[ev.from], self.addrs[ev.to], ev.moved
+                )));
+                return;
+            }
+            for &p in &list {
+                self.loc.state[p as usize] = REMOTE + ev.to as u8;
+                self.mark(p as usize);
+            }
+            self.free[ev.to] = self.free[ev.to].saturating_sub(n as u64);
+            ev.moved += n as u64;
+        }
+        self.evac = Some(ev);
+    }
+}

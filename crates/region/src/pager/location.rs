@@ -1,0 +1,217 @@
+//! The location DB and the access history: per-page state the pager owns.
+
+use crate::{Location, Policy};
+
+/// Location DB values: never touched, resident here, or on server `s` (REMOTE + s).
+pub(super) const ZERO: u8 = 0;
+pub(super) const LOCAL: u8 = 1;
+pub(super) const REMOTE: u8 = 2;
+
+/// Where every page of a region is, and what servers hold for it.
+pub(super) struct LocationDb {
+    /// Per page: ZERO, LOCAL or REMOTE + server.
+    pub(super) state: Vec<u8>,
+    /// Server holding a slot for a resident page (server + 1; 0: none):
+    /// what a page-in kept there (a later page-out overwrites it in place).
+    pub(super) copy: Vec<u8>,
+    /// The kept copy equals the resident page (write-protected since page-in,
+    /// no write seen): evicting it is a local drop, nothing is sent.
+    pub(super) clean: Vec<bool>,
+    /// Resident pages per chunk.
+    pub(super) chunk_res: Vec<u16>,
+    /// Pages with a kept copy, per server.
+    pub(super) copies: Vec<u64>,
+    /// Pages resident.
+    pub(super) resident: u64,
+    /// Pages on servers.
+    pub(super) remote: u64,
+    /// Pages per chunk.
+    pub(super) cp: usize,
+}
+
+impl LocationDb {
+    /// All pages never touched, `servers` servers known.
+    pub(super) fn new(pages: usize, chunk_pages: usize, servers: usize) -> LocationDb {
+        LocationDb {
+            state: vec![ZERO; pages],
+            copy: vec![0; pages],
+            clean: vec![false; pages],
+            chunk_res: vec![0; pages / chunk_pages],
+            copies: vec![0; servers],
+            resident: 0,
+            remote: 0,
+            cp: chunk_pages,
+        }
+    }
+
+    /// Pages in the region.
+    pub(super) fn pages(&self) -> usize {
+        self.state.len()
+    }
+
+    /// Where page `p` is, as the region reports it.
+    pub(super) fn location(&self, p: usize) -> Location {
+        match self.state[p] {
+            ZERO => Location::Zero,
+            LOCAL => Location::Local,
+            r => Location::Remote((r - REMOTE) as usize),
+        }
+    }
+
+    /// Page `q` is resident now (from zero, a server, or a migration).
+    pub(super) fn set_local(&mut self, q: usize) {
+        if self.state[q] == LOCAL {
+            return;
+        }
+        if self.state[q] >= REMOTE {
+            self.remote -= 1;
+        }
+        self.state[q] = LOCAL;
+        self.chunk_res[q / self.cp] += 1;
+        self.resident += 1;
+    }
+
+    /// Resident page `q` is on server `s` now; any kept copy is gone.
+    /// Returns whether it had a kept copy.
+    pub(super) fn set_remote(&mut self, q: usize, s: usize) -> bool {
+        debug_assert_eq!(self.state[q], LOCAL);
+        let had = self.copy[q] > 0;
+        if had {
+            self.copies[self.copy[q] as usize - 1] -= 1;
+        }
+        self.state[q] = REMOTE + s as u8;
+        self.copy[q] = 0;
+        self.clean[q] = false;
+        self.chunk_res[q / self.cp] -= 1;
+        self.resident -= 1;
+        self.remote += 1;
+        had
+    }
+
+    /// Server `s` keeps a copy of resident page `q`; `clean` if it equals the page.
+    pub(super) fn keep_copy(&mut self, q: usize, s: usize, clean: bool) {
+        debug_assert_eq!(self.state[q], LOCAL);
+        if self.copy[q] > 0 {
+            self.copies[self.copy[q] as usize - 1] -= 1;
+        }
+        self.copy[q] = s as u8 + 1;
+        self.copies[s] += 1;
+        self.clean[q] = clean;
+    }
+
+    /// Forget the kept copy of `q` (deleted on its server); which server held it.
+    pub(super) fn forget_copy(&mut self, q: usize) -> Option<usize> {
+        let c = self.copy[q];
+        if c == 0 {
+            return None;
+        }
+        self.copies[c as usize - 1] -= 1;
+        self.copy[q] = 0;
+        self.clean[q] = false;
+        Some(c as usize - 1)
+    }
+}
+
+/// What the sampler and the faults have seen of each page's use.
+pub(super) struct AccessHistory {
+    /// Referenced since the hand last passed (a fault or a sampling fault).
+    pub(super) refb: Vec<u8>,
+    /// Clock: the last sweep's bit. Aging: an 8-bit age, newest bit highest.
+    pub(super) age: Vec<u8>,
+    pub(super) policy: Policy,
+}
+
+impl AccessHistory {
+    /// No page used yet.
+    pub(super) fn new(pages: usize, policy: Policy) -> AccessHistory {
+        AccessHistory {
+            refb: vec![0; pages],
+            age: vec![0; pages],
+            policy,
+        }
+    }
+
+    /// How hot pages `lo..hi` (a chunk) are: clock, how many were referenced;
+    /// aging, the highest age (a reference counts as the newest bit).
+    pub(super) fn hotness(&self, lo: usize, hi: usize) -> u32 {
+        let (h, r) = (&self.age[lo..hi], &self.refb[lo..hi]);
+        match self.policy {
+            Policy::Clock => h.iter().zip(r).map(|(a, b)| (a | b) as u32 & 1).sum(),
+            Policy::Aging => h
+                .iter()
+                .zip(r)
+                .map(|(a, b)| (*a | (b << 7)) as u32)
+                .max()
+                .unwrap_or(0),
+        }
+    }
+
+    /// The sampling hand passes pages `lo..hi`: fold the reference bits into the history.
+    pub(super) fn sweep(&mut self, lo: usize, hi: usize) {
+        for q in lo..hi {
+            let r = self.refb[q];
+            self.age[q] = match self.policy {
+                Policy::Aging => (self.age[q] >> 1) | (r << 7),
+                Policy::Clock => r,
+            };
+            self.refb[q] = 0;
+        }
+    }
+
+    /// Second chance (clock): the chunk counts as unused from now on.
+    pub(super) fn clear(&mut self, lo: usize, hi: usize) {
+        self.refb[lo..hi].fill(0);
+        self.age[lo..hi].fill(0);
+    }
+
+    /// Page `p`'s history byte as snapshots report it (reference bit on top).
+    pub(super) fn byte(&self, p: usize) -> u8 {
+        self.age[p] | (self.refb[p] << 7)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn locations_and_counters_follow_the_pages() {
+        let mut db = LocationDb::new(64, 16, 2);
+        assert_eq!(db.location(5), Location::Zero);
+        db.set_local(5);
+        db.set_local(5);
+        assert_eq!((db.resident, db.chunk_res[0]), (1, 1));
+        db.keep_copy(5, 1, true);
+        assert_eq!((db.copies[1], db.clean[5]), (1, true));
+        assert!(db.set_remote(5, 1), "it had a kept copy");
+        assert_eq!(db.location(5), Location::Remote(1));
+        assert_eq!((db.resident, db.remote, db.copies[1]), (0, 1, 0));
+        db.set_local(5);
+        assert_eq!((db.resident, db.remote), (1, 0));
+        db.keep_copy(5, 0, false);
+        assert_eq!(db.forget_copy(5), Some(0));
+        assert_eq!((db.copies[0], db.forget_copy(5)), (0, None));
+    }
+
+    #[test]
+    fn clock_counts_references_and_aging_ranks_recency() {
+        let mut h = AccessHistory::new(32, Policy::Clock);
+        h.refb[3] = 1;
+        h.refb[5] = 1;
+        assert_eq!(h.hotness(0, 16), 2);
+        h.sweep(0, 16);
+        assert_eq!(h.hotness(0, 16), 2, "the sweep keeps the last bit");
+        h.sweep(0, 16);
+        assert_eq!(h.hotness(0, 16), 0, "unused for a whole sweep");
+        let mut a = AccessHistory::new(32, Policy::Aging);
+        a.refb[1] = 1; // chunk 0 used long ago
+        a.sweep(0, 32);
+        a.sweep(0, 32);
+        a.refb[20] = 1; // chunk 1 used just now
+        a.sweep(0, 32);
+        assert!(a.hotness(16, 32) > a.hotness(0, 16));
+        a.clear(16, 32);
+        assert_eq!(a.hotness(16, 32), 0);
+        assert_eq!(a.byte(1), 0b0010_0000);
+    }
+}

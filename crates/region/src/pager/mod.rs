@@ -1,0 +1,423 @@
+//! The pager thread: owns the uffd, the location DB, the access history and
+//! the connections to memory servers. Single-threaded by design: page-out
+//! (write-protect, send, punch, unprotect) is atomic with respect to faults
+//! because every fault is served by this same thread.
+//!
+//! One file per concern: [`faults`] (reading and dispatching fault events),
+//! [`pagein`] (bringing pages and their read-ahead in), [`reclaim`] (victim
+//! choice and page-out), [`sampling`] (the access-history hand),
+//! [`evacuate`] (moving a server's pages elsewhere), [`commands`] (what the
+//! region's owner asks: tracking, snapshots, holds).
+
+mod commands;
+mod evacuate;
+mod faults;
+mod location;
+mod pagein;
+mod readahead;
+mod reclaim;
+mod sampling;
+
+use crate::{Command, Config, OnFatal, Policy, RegionError, Shared, Snapshot, PAGE};
+use pagefleet_client::{Conn, ConnectOptions, GetMode, Pages};
+use pagefleet_proto::{PageSel, MAX_BATCH_PAGES};
+use pagefleet_uffd::{self as uffd, Fault, FaultKind, Fill, Mapping, Uffd};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tracing::{debug, warn};
+
+use location::{AccessHistory, LocationDb, LOCAL, REMOTE, ZERO};
+
+/// How long a pager keeps trying to reach a server that is busy or
+/// momentarily unreachable before the guest gives up on it.
+const CONNECT_PATIENCE: Duration = Duration::from_secs(15);
+
+pub(crate) struct Pager {
+    rx: std::sync::mpsc::Receiver<Command>,
+    doorbell: Arc<OwnedFd>,
+    /// Change tracking for migration: pages whose content or location changed.
+    tracking: bool,
+    /// Balancing and sampling paused (a migration's final copy).
+    hold: bool,
+    dirty: Vec<bool>,
+    dirty_list: Vec<u32>,
+    servers_list: Vec<String>,
+    uffd: Uffd,
+    guest: Arc<Mapping>,
+    memfd: Arc<OwnedFd>,
+    shadow: Mapping,
+    shared: Arc<Shared>,
+    region_id: u64,
+    policy: Policy,
+    on_fatal: OnFatal,
+    cp: usize,
+    chunks: usize,
+    /// Where every page is.
+    loc: LocationDb,
+    /// What is known of every page's use.
+    access: AccessHistory,
+    prefetch: crate::Prefetch,
+    /// Sequential fault streams for adaptive read-ahead.
+    readahead: readahead::Readahead,
+    /// Where `drop_copies` looks next.
+    copy_hand: usize,
+    reply_spin: Duration,
+    conns: Vec<Conn>,
+    addrs: Vec<String>,
+    free: Vec<u64>,
+    buf: Vec<u8>,
+    faults: Vec<Fault>,
+    // sampling hand and victim hand
+    hand: usize,
+    victim_hand: usize,
+    rate: f64,
+    max_rate: f64,
+    carry: f64,
+    last_tick: Instant,
+    window_start: Instant,
+    window_minor: u64,
+    window_zaps: u64,
+    tick_secs: f64,
+    cpu_budget: f64,
+    minor_cost: Duration,
+    full_warned: bool,
+    /// Between the high and low watermarks: keep evicting.
+    evicting: bool,
+    /// Remote faults of the current batch: (page, server, write fault).
+    pending_in: Vec<(usize, usize, bool)>,
+    /// For connecting to servers added later (evacuation targets).
+    secret: Option<pagefleet_proto::auth::Secret>,
+    name: String,
+    evac: Option<evacuate::Evac>,
+}
+
+impl Pager {
+    pub fn new(
+        cfg: &Config,
+        guest: Arc<Mapping>,
+        memfd: Arc<OwnedFd>,
+        shared: Arc<Shared>,
+        rx: std::sync::mpsc::Receiver<Command>,
+        doorbell: Arc<OwnedFd>,
+    ) -> Result<Pager, RegionError> {
+        let need = uffd::FEATURE_MISSING_SHMEM
+            | uffd::FEATURE_MINOR_SHMEM
+            | uffd::FEATURE_WP_HUGETLBFS_SHMEM
+            | uffd::FEATURE_PAGEFAULT_FLAG_WP
+            | uffd::FEATURE_THREAD_ID;
+        let u = Uffd::open(need)?;
+        u.register(
+            guest.base(),
+            guest.len() as u64,
+            uffd::MODE_MISSING | uffd::MODE_MINOR | uffd::MODE_WP,
+        )?;
+        let shadow =
+            Mapping::shared(memfd.as_raw_fd(), guest.len()).map_err(|source| RegionError::Io {
+                what: "mmap shadow",
+                source,
+            })?;
+        let mut conns = Vec::new();
+        let mut free = Vec::new();
+        if let Some(secret) = &cfg.secret {
+            for a in &cfg.servers {
+                let ready = cfg.adopt.as_ref().and_then(|ad| {
+                    let mut v = ad.conns.lock().unwrap();
+                    v.iter()
+                        .position(|(x, _)| x == a)
+                        .map(|i| v.swap_remove(i).1)
+                });
+                let mut c = match ready {
+                    Some(mut c) => {
+                        c.set_window(4);
+                        c
+                    }
+                    None => {
+                        let opts = ConnectOptions {
+                            name: format!("{}-pager", cfg.name),
+                            window: 4,
+                            ..Default::default()
+                        };
+                        Conn::connect_patiently(a, secret, &opts, CONNECT_PATIENCE)?
+                    }
+                };
+                // Optionally spin for replies rather than sleep through a
+                // wake-up (Config::reply_spin).
+                c.set_spin(cfg.reply_spin);
+                free.push(c.info.capacity_pages.saturating_sub(c.info.used_pages));
+                conns.push(c);
+            }
+        }
+        let pages = guest.len() / PAGE;
+        let chunks = pages / cfg.chunk_pages;
+        let max_rate = chunks as f64 / cfg.sample_period.as_secs_f64().max(0.01);
+        let nservers = cfg.servers.len();
+        let mut loc = LocationDb::new(pages, cfg.chunk_pages, nservers);
+        let mut access = AccessHistory::new(pages, cfg.policy);
+        if let Some(a) = &cfg.adopt {
+            // Received pages are the memfd's data ranges.
+            let runs: Vec<(u64, u64)> = match &a.resident {
+                Some(r) => r.clone(),
+                None => uffd::data_ranges(a.memfd.as_raw_fd(), guest.len() as u64)
+                    .map_err(|source| RegionError::Io {
+                        what: "SEEK_DATA on the adopted memfd",
+                        source,
+                    })?
+                    .into_iter()
+                    .map(|(lo, hi)| {
+                        (
+                            lo / PAGE as u64,
+                            hi.div_ceil(PAGE as u64) - lo / PAGE as u64,
+                        )
+                    })
+                    .collect(),
+            };
+            for (first, count) in runs {
+                for q in first as usize..((first + count) as usize).min(pages) {
+                    loc.set_local(q);
+                }
+            }
+            for (q, h) in a.history.iter().enumerate().take(pages) {
+                access.age[q] = match cfg.policy {
+                    Policy::Clock => h & 1,
+                    Policy::Aging => *h,
+                };
+                // Placed here because they ranked hottest: every resident
+                // page starts referenced, so eviction gives each chunk a
+                // full second chance before calling it cold (the history
+                // that came along is a sample, not a full picture).
+                if loc.state[q] == LOCAL {
+                    access.refb[q] = 1;
+                }
+            }
+        }
+        for &(first, count, srv) in &cfg.initial_remote {
+            for q in first..first + count {
+                let q = q as usize;
+                if loc.state[q] == LOCAL {
+                    // A migration's location list wins over stale data.
+                    loc.set_remote(q, srv);
+                    let _ = uffd::punch_hole(memfd.as_raw_fd(), (q * PAGE) as u64, PAGE as u64);
+                } else {
+                    if loc.state[q] < REMOTE {
+                        loc.remote += 1;
+                    }
+                    loc.state[q] = REMOTE + srv as u8;
+                }
+            }
+        }
+        shared.stats.remote_pages.store(loc.remote, Relaxed);
+        shared.stats.resident_pages.store(loc.resident, Relaxed);
+        Ok(Pager {
+            rx,
+            doorbell,
+            tracking: false,
+            hold: false,
+            dirty: vec![false; pages],
+            dirty_list: Vec::new(),
+            servers_list: cfg.servers.clone(),
+            uffd: u,
+            guest,
+            memfd,
+            shadow,
+            shared,
+            region_id: cfg.region_id,
+            policy: cfg.policy,
+            on_fatal: cfg.on_fatal,
+            cp: cfg.chunk_pages,
+            chunks,
+            loc,
+            access,
+            prefetch: cfg.prefetch,
+            readahead: readahead::Readahead::default(),
+            copy_hand: 0,
+            reply_spin: cfg.reply_spin,
+            conns,
+            addrs: cfg.servers.clone(),
+            free,
+            buf: vec![0u8; cfg.chunk_pages.max(MAX_BATCH_PAGES) * PAGE],
+            faults: Vec::with_capacity(64),
+            hand: 0,
+            victim_hand: 0,
+            // Start slow; the controller raises the rate while faults stay cheap.
+            rate: (max_rate / 64.0).clamp(1.0, 64.0),
+            max_rate: max_rate.max(10.0),
+            carry: 0.0,
+            last_tick: Instant::now(),
+            window_start: Instant::now(),
+            window_minor: 0,
+            window_zaps: 0,
+            tick_secs: 0.005,
+            cpu_budget: cfg.sample_cpu_budget,
+            minor_cost: cfg.minor_fault_cost,
+            full_warned: false,
+            evicting: false,
+            pending_in: Vec::new(),
+            secret: cfg.secret.clone(),
+            name: cfg.name.clone(),
+            evac: None,
+        })
+    }
+
+    fn addr(&self, p: usize) -> u64 {
+        self.guest.base() + (p * PAGE) as u64
+    }
+
+    pub fn run(mut self) {
+        // SAFETY: gettid has no preconditions.
+        let tid = unsafe { libc::gettid() };
+        self.shared.pager_tid.store(tid, Relaxed);
+        // Faults wait for this thread: on a busy host it must get a CPU as
+        // soon as a fault arrives, not after a scheduler slice of every busy
+        // guest thread. Highest nice (works as root / with CAP_SYS_NICE;
+        // otherwise the default priority stays).
+        // SAFETY: plain syscall on our own thread id.
+        if unsafe { libc::setpriority(libc::PRIO_PROCESS, tid as u32, -20) } != 0 {
+            debug!("pager runs at normal priority (no permission to raise it)");
+        }
+        while !self.shared.stop.load(Relaxed) {
+            // While evicting, only peek for faults; otherwise sleep until one comes.
+            let busy = self.evicting || self.evac.is_some();
+            match self
+                .uffd
+                .poll_with(self.doorbell.as_raw_fd(), if busy { 0 } else { 5 })
+            {
+                Ok((faults, bell)) => {
+                    if bell {
+                        uffd::drain(self.doorbell.as_raw_fd());
+                    }
+                    if faults {
+                        self.serve_pending();
+                    }
+                }
+                Err(e) => warn!("polling userfaultfd: {e}"),
+            }
+            self.balance();
+            self.sample_tick();
+            while let Ok(c) = self.rx.try_recv() {
+                self.command(c);
+            }
+            self.evacuate_step();
+        }
+    }
+
+    /// Index of server `addr`, connecting to it if it is new.
+    fn server_index(&mut self, addr: &str) -> Result<usize, String> {
+        if let Some(i) = self.addrs.iter().position(|a| a == addr) {
+            return Ok(i);
+        }
+        if self.addrs.len() >= 250 {
+            return Err("at most 250 memory servers per region".into());
+        }
+        let secret = self
+            .secret
+            .as_ref()
+            .ok_or("this region has no cluster secret (it was made without memory servers)")?;
+        let opts = ConnectOptions {
+            name: format!("{}-pager", self.name),
+            window: 4,
+            ..Default::default()
+        };
+        let mut c = Conn::connect_patiently(addr, secret, &opts, CONNECT_PATIENCE)
+            .map_err(|e| e.to_string())?;
+        c.set_spin(self.reply_spin);
+        self.free
+            .push(c.info.capacity_pages.saturating_sub(c.info.used_pages));
+        self.conns.push(c);
+        self.loc.copies.push(0);
+        self.addrs.push(addr.to_string());
+        self.servers_list.push(addr.to_string());
+        Ok(self.addrs.len() - 1)
+    }
+
+    fn mark(&mut self, p: usize) {
+        if self.tracking && !self.dirty[p] {
+            self.dirty[p] = true;
+            self.dirty_list.push(p as u32);
+        }
+    }
+
+    fn publish(&self) {
+        self.shared
+            .stats
+            .resident_pages
+            .store(self.loc.resident, Relaxed);
+        self.shared
+            .stats
+            .remote_pages
+            .store(self.loc.remote, Relaxed);
+    }
+
+    fn wake(&self, p: usize) {
+        let _ = self.uffd.wake(self.addr(p), PAGE as u64);
+    }
+
+    fn internal(&self, p: usize, e: String) {
+        // Not a server problem: the mapping itself misbehaves. Nothing sane to do.
+        self.fatal(
+            format!(
+                "pagefleet: internal paging error at page {p} of region {:#x}: {e}",
+                self.region_id
+            ),
+            p,
+        );
+    }
+
+    fn fatal(&self, msg: String, p: usize) {
+        *self.shared.fatal.lock().unwrap() = Some(msg.clone());
+        match self.on_fatal {
+            OnFatal::Exit => {
+                eprintln!("{msg}");
+                std::process::exit(75);
+            }
+            OnFatal::Poison => {
+                let _ = self.uffd.poison(self.addr(p), PAGE as u64);
+            }
+        }
+    }
+
+    /// A fresh connection to server `s` in place of a broken one.
+    fn reconnect(&mut self, s: usize) -> Result<(), pagefleet_client::ClientError> {
+        let secret = self.secret.clone().ok_or_else(|| {
+            pagefleet_client::ClientError::Usage("no cluster secret to reconnect with".into())
+        })?;
+        let opts = ConnectOptions {
+            name: format!("{}-pager", self.name),
+            window: 4,
+            ..Default::default()
+        };
+        let mut c = Conn::connect_patiently(&self.addrs[s], &secret, &opts, CONNECT_PATIENCE)?;
+        c.set_spin(self.reply_spin);
+        if c.info.server_id != self.conns[s].info.server_id {
+            // Restarted: whatever it held is gone; reconnecting cannot help.
+            return Err(pagefleet_client::ClientError::Protocol {
+                addr: self.addrs[s].clone(),
+                msg: "the server restarted and lost its pages".into(),
+            });
+        }
+        self.conns[s] = c;
+        Ok(())
+    }
+
+    fn lost(&mut self, p: usize, s: usize, e: pagefleet_client::ClientError) {
+        self.publish();
+        let msg = format!(
+            "pagefleet: page {p} of region {:#x} cannot be brought back from memory server {}: {e}. \
+             The guest cannot continue without its memory.",
+            self.region_id, self.addrs[s]
+        );
+        self.fatal(msg, p);
+    }
+}
+
+/// CPU time this thread has run, ns.
+fn thread_cpu_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: ts is a valid timespec to fill.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}

@@ -1,0 +1,111 @@
+//! Access sampling: the budgeted hand that ages chunks and re-arms their reference bits.
+
+use super::*;
+
+impl Pager {
+    /// Advance the sampling hand by as many resident chunks as the rate allows.
+    pub(super) fn sample_tick(&mut self) {
+        let now = Instant::now();
+        let dt = now.duration_since(self.last_tick).as_secs_f64();
+        if self.hold || dt < self.tick_secs {
+            return;
+        }
+        self.last_tick = now;
+        // Controller: keep the guest's cost of sampling faults within budget.
+        let win = now.duration_since(self.window_start).as_secs_f64();
+        if win >= 0.1 {
+            // Each sampling fault and each zap (a TLB shootdown) costs the
+            // guest. A fault also turns a running thread into one waiting for
+            // a CPU: on an oversubscribed host that wait grows with the run
+            // queue, so the estimated cost does too.
+            let rq = runqueue_factor();
+            let per = self.minor_cost.as_secs_f64() * rq;
+            // Spinning for replies only pays on a host with idle CPUs: on an
+            // oversubscribed one it takes the CPU the server or a guest needs.
+            let spin = if rq <= 1.0 {
+                self.reply_spin
+            } else {
+                Duration::ZERO
+            };
+            for c in self.conns.iter_mut() {
+                c.set_spin(spin);
+            }
+            let used = (self.window_minor as f64 + self.window_zaps as f64) * per;
+            let allowed = self.cpu_budget * win;
+            if used > allowed {
+                self.rate = (self.rate * (allowed / used) * 0.8).max(1.0);
+            } else if used < allowed * 0.5 {
+                self.rate = (self.rate * 1.25).min(self.max_rate);
+            }
+            self.window_start = now;
+            self.window_minor = 0;
+            self.window_zaps = 0;
+            self.shared
+                .stats
+                .sample_rate
+                .store(self.rate as u64, Relaxed);
+        }
+        // Needing victims soon: look harder, the budget notwithstanding.
+        let budget = self.shared.budget.load(Relaxed);
+        let can_overflow = (self.loc.state.len() as u64) > budget;
+        let boost = if can_overflow && self.loc.resident as f64 > budget as f64 * 0.97 {
+            4.0
+        } else {
+            1.0
+        };
+        self.carry += self.rate * boost * dt;
+        let mut todo = self.carry as usize;
+        self.carry -= todo as f64;
+        if todo == 0 {
+            return;
+        }
+        // Visit the next resident chunks, then zap the whole swept span with
+        // one madvise per contiguous piece: every zap is a TLB shootdown (an
+        // IPI to each CPU running the guest), so one per tick, not per chunk.
+        let mut scanned = 0;
+        let start = self.hand;
+        while todo > 0 && scanned < self.chunks {
+            let c = self.hand;
+            self.hand = (self.hand + 1) % self.chunks;
+            scanned += 1;
+            if self.loc.chunk_res[c] == 0 {
+                continue;
+            }
+            self.visit(c);
+            todo -= 1;
+        }
+        let first = (self.chunks - start).min(scanned);
+        let _ = self.guest.madvise(
+            start * self.cp * PAGE,
+            first * self.cp * PAGE,
+            libc::MADV_DONTNEED,
+        );
+        if scanned > first {
+            let _ = self
+                .guest
+                .madvise(0, (scanned - first) * self.cp * PAGE, libc::MADV_DONTNEED);
+        }
+        self.window_zaps += 1 + (scanned > first) as u64;
+    }
+
+    pub(super) fn visit(&mut self, c: usize) {
+        self.access.sweep(c * self.cp, (c + 1) * self.cp);
+        // The caller zaps the PTEs (page cache stays): the next touch is a MINOR fault.
+        self.shared.stats.sampled_chunks.fetch_add(1, Relaxed);
+    }
+}
+
+/// Runnable threads per CPU right now (at least 1), from /proc/loadavg.
+fn runqueue_factor() -> f64 {
+    let Ok(s) = std::fs::read_to_string("/proc/loadavg") else {
+        return 1.0;
+    };
+    let running = s
+        .split_whitespace()
+        .nth(3)
+        .and_then(|f| f.split('/').next())
+        .and_then(|r| r.parse::<f64>().ok());
+    // SAFETY: sysconf has no preconditions.
+    let cpus = (unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }).max(1) as f64;
+    running.map_or(1.0, |r| (r / cpus).max(1.0))
+}
