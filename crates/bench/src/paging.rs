@@ -91,6 +91,8 @@ pub struct Cfg {
     pub servers: usize,
     /// The workload: "kv" (zipf gets/sets) or "seq" (synthetic sequential read scan).
     pub workload: String,
+    /// Idle connections that never authenticate, held on the memory server.
+    pub strangers: usize,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -167,6 +169,7 @@ fn region(name: &str, pct: f64, f: impl FnOnce(&mut Cfg)) -> Cfg {
         prefetch: "adaptive".into(),
         servers: 1,
         workload: "kv".into(),
+        strangers: 0,
     };
     f(&mut c);
     c
@@ -182,12 +185,14 @@ fn baseline(name: &str, kind: Kind, pct: f64) -> Cfg {
         prefetch: "-".into(),
         servers: 0,
         workload: "kv".into(),
+        strangers: 0,
     }
 }
 
 pub const DEFAULT_50: &str = "pagefleet 50% default";
 pub const DEFAULT_25: &str = "pagefleet 25% default";
 pub const SEQ_DEFAULT: &str = "seq scan 25% pagefleet default";
+pub const STRANGERS_50: &str = "pagefleet 50% + 2000 idle strangers";
 
 pub fn configs(quick: bool) -> Vec<Cfg> {
     let mut v = vec![
@@ -206,6 +211,7 @@ pub fn configs(quick: bool) -> Vec<Cfg> {
             region("pagefleet 50% chunk 1", 50.0, |c| c.chunk = 1),
             region("pagefleet 50% aging", 50.0, |c| c.policy = "aging".into()),
             region("pagefleet 50% 2 servers", 50.0, |c| c.servers = 2),
+            region(STRANGERS_50, 50.0, |c| c.strangers = 2000),
             region(DEFAULT_25, 25.0, |_| {}),
             baseline("zram 25%", Kind::Zram, 25.0),
             baseline("swap file 25% (virtual disk)", Kind::SwapFile, 25.0),
@@ -307,6 +313,12 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
         "kv 25% default / zram 25%",
         get(DEFAULT_25),
         get("zram 25%"),
+        0.9,
+    );
+    ratio_goal(
+        "kv 50% with 2000 idle unauthenticated connections on the server / without",
+        get(STRANGERS_50),
+        pf50,
         0.9,
     );
     if let [floor, pf] = &cpu[..] {
@@ -603,6 +615,17 @@ fn run_config(o: &Opts, c: &Cfg, keys: u64, secret_path: &Path) -> Result<Row> {
         .map(|_| util::ChildDaemon::start(o.size + (64 << 20), secret_path))
         .collect::<Result<_>>()?;
     let addrs: Vec<String> = servers.iter().map(|s| s.addr.clone()).collect();
+    // Connections that never authenticate, held on the server while the
+    // guest pages (they must cost it nothing).
+    let _strangers: Vec<TcpStream> = match (c.strangers, addrs.first()) {
+        (0, _) | (_, None) => Vec::new(),
+        (n, Some(a)) => {
+            util::allow_fds(n as u64 + 1024);
+            (0..n)
+                .map(|_| TcpStream::connect(a))
+                .collect::<std::io::Result<_>>()?
+        }
+    };
     if c.workload == "seq" {
         return seq_scan(o, c, &servers, secret_path);
     }

@@ -202,3 +202,18 @@ impl Drop for MemCgroup {
         }
     }
 }
+
+/// Let this process hold at least `n` file descriptors (up to the hard limit).
+pub fn allow_fds(n: u64) {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: r is a valid rlimit to fill and then to read.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 && r.rlim_cur < n {
+            r.rlim_cur = r.rlim_max.min(n);
+            libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+        }
+    }
+}
