@@ -14,7 +14,8 @@ impl Pager {
                 (lo, lo + self.cp)
             }
             crate::Prefetch::Adaptive => {
-                let w = self.readahead.window(p);
+                let cap = (self.shared.budget.load(Relaxed) / 16) as usize;
+                let w = self.readahead.window(p, cap);
                 (p, (p + w).min(self.loc.state.len()))
             }
         };
