@@ -45,7 +45,7 @@ def main(src, dst):
     ax.set_title("single 4 KiB fault")
     ax.legend(fontsize=8)
     met = sum(g["met"] for g in r["goals"])
-    fig.suptitle(f"pagefleet paging vs all-local, swap file and zram — goals met {met}/{len(r['goals'])}")
+    fig.suptitle(f"pagefleet paging vs all-local, swap (virtual disk, SSD-like) and zram — goals met {met}/{len(r['goals'])}")
     fig.tight_layout()
     fig.savefig(dst, dpi=100)
 

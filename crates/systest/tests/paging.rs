@@ -498,3 +498,94 @@ fn guest_pages_through_a_flood_of_idle_strangers() {
     );
     drop(strangers);
 }
+
+/// A TCP relay to `upstream` that cuts its first connection (both ways)
+/// once `cut_after` bytes went through it towards the server; later
+/// connections are relayed untouched. Returns its address and a count of
+/// the connections it accepted.
+fn cutting_relay(
+    upstream: String,
+    cut_after: u64,
+) -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = accepted.clone();
+    use std::io::{Read, Write};
+    use std::net::{Shutdown, TcpListener, TcpStream};
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        for (n, c) in l.incoming().enumerate() {
+            let Ok(c) = c else { return };
+            counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let Ok(s) = TcpStream::connect(&upstream) else {
+                return;
+            };
+            let _ = c.set_nodelay(true);
+            let _ = s.set_nodelay(true);
+            let (mut c2, mut s2) = (c.try_clone().unwrap(), s.try_clone().unwrap());
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut s2, &mut c2);
+                let _ = c2.shutdown(Shutdown::Both);
+            });
+            let (mut c, mut s) = (c, s);
+            std::thread::spawn(move || {
+                let mut buf = vec![0u8; 64 * 1024];
+                let mut sent = 0u64;
+                loop {
+                    let k = match c.read(&mut buf) {
+                        Ok(0) | Err(_) => break,
+                        Ok(k) => k,
+                    };
+                    if s.write_all(&buf[..k]).is_err() {
+                        break;
+                    }
+                    sent += k as u64;
+                    if n == 0 && sent > cut_after {
+                        break; // the cut
+                    }
+                }
+                let _ = s.shutdown(Shutdown::Both);
+                let _ = c.shutdown(Shutdown::Both);
+            });
+        }
+    });
+    (addr, accepted)
+}
+
+/// The connection to the memory server drops while the guest pages: the
+/// pager reconnects (same server, its pages still there) and repeats the
+/// page-in or page-out it was doing; every byte is still right.
+#[test]
+fn pager_rides_out_a_dropped_connection() {
+    let c = Cluster::start(1, "64MiB");
+    let (relay, accepted) = cutting_relay(c.servers[0].addr.clone(), 4 << 20);
+    let pages = 4096u64;
+    let mut cfg = Config::new(pages * P as u64, pages / 4);
+    cfg.servers = vec![relay];
+    cfg.secret = Some(c.secret.clone());
+    let r = Region::new(cfg).unwrap();
+    let base = r.as_ptr() as usize;
+    let mut want = vec![0u8; P];
+    for round in 1..=3u64 {
+        for p in 0..pages {
+            // SAFETY: inside the region's mapping; this thread is its only user.
+            let page =
+                unsafe { std::slice::from_raw_parts_mut((base + p as usize * P) as *mut u8, P) };
+            fill(p, round, page);
+        }
+        for i in 0..pages {
+            let p = (i * 7919) % pages;
+            // SAFETY: as above.
+            let page =
+                unsafe { std::slice::from_raw_parts((base + p as usize * P) as *const u8, P) };
+            fill(p, round, &mut want);
+            assert!(page == &want[..], "round {round}: page {p} corrupted");
+        }
+    }
+    // The cut happened (more than 4 MiB went out) and the pager reconnected.
+    assert!(r.stats().bytes_out > 16 << 20, "{:?}", r.stats());
+    assert!(
+        accepted.load(std::sync::atomic::Ordering::SeqCst) >= 2,
+        "the pager never reconnected"
+    );
+}

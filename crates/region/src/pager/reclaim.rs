@@ -203,48 +203,17 @@ impl Pager {
                 None => batches.push((t, vec![q as u64])),
             }
         }
-        let region = self.region_id;
         let mut failed: Option<(usize, pagefleet_client::ClientError)> = None;
         let mut servers: Vec<usize> = batches.iter().map(|r| r.0).collect();
         servers.sort_unstable();
         servers.dedup();
         for t in servers {
-            let sent: Result<(), pagefleet_client::ClientError> = (|| {
-                let mut ids = std::collections::VecDeque::new();
-                for (_, list) in batches.iter().filter(|r| r.0 == t) {
-                    let data: Vec<&[u8]> = list
-                        .iter()
-                        .map(|&q| {
-                            // SAFETY: inside the shadow mapping; the page is
-                            // resident and write-protected until it is punched.
-                            unsafe {
-                                std::slice::from_raw_parts(
-                                    self.shadow.addr().add(q as usize * PAGE),
-                                    PAGE,
-                                )
-                            }
-                        })
-                        .collect();
-                    let contiguous = list.windows(2).all(|w| w[1] == w[0] + 1);
-                    let sel = if contiguous {
-                        PageSel::Run {
-                            first: list[0],
-                            count: list.len() as u32,
-                        }
-                    } else {
-                        PageSel::List(list.clone())
-                    };
-                    ids.push_back(self.conns[t].send_put_pages(region, &sel, &data)?);
-                    // Bound the acks outstanding so neither side's buffers fill up.
-                    if ids.len() >= 64 {
-                        self.conns[t].recv_put(ids.pop_front().unwrap())?;
-                    }
-                }
-                for id in ids {
-                    self.conns[t].recv_put(id)?;
-                }
-                Ok(())
-            })();
+            let mut sent = self.send_batches(t, &batches);
+            // A PUT can be repeated (it overwrites): ride out a dropped
+            // connection by reconnecting once; the pages are still here.
+            if sent.as_ref().is_err_and(|e| e.is_transient()) && self.reconnect(t).is_ok() {
+                sent = self.send_batches(t, &batches);
+            }
             if let Err(e) = sent {
                 failed = Some((t, e));
                 break;
@@ -309,6 +278,46 @@ impl Pager {
         true
     }
 
+    /// PUT the batches bound for server `t` and wait for every ack.
+    fn send_batches(
+        &mut self,
+        t: usize,
+        batches: &[(usize, Vec<u64>)],
+    ) -> Result<(), pagefleet_client::ClientError> {
+        let region = self.region_id;
+        let mut ids = std::collections::VecDeque::new();
+        for (_, list) in batches.iter().filter(|r| r.0 == t) {
+            let data: Vec<&[u8]> = list
+                .iter()
+                .map(|&q| {
+                    // SAFETY: inside the shadow mapping; the page is
+                    // resident and write-protected until it is punched.
+                    unsafe {
+                        std::slice::from_raw_parts(self.shadow.addr().add(q as usize * PAGE), PAGE)
+                    }
+                })
+                .collect();
+            let contiguous = list.windows(2).all(|w| w[1] == w[0] + 1);
+            let sel = if contiguous {
+                PageSel::Run {
+                    first: list[0],
+                    count: list.len() as u32,
+                }
+            } else {
+                PageSel::List(list.clone())
+            };
+            ids.push_back(self.conns[t].send_put_pages(region, &sel, &data)?);
+            // Bound the acks outstanding so neither side's buffers fill up.
+            if ids.len() >= 64 {
+                self.conns[t].recv_put(ids.pop_front().unwrap())?;
+            }
+        }
+        for id in ids {
+            self.conns[t].recv_put(id)?;
+        }
+        Ok(())
+    }
+
     /// Delete kept copies of resident pages (on server `only`, or on any),
     /// at most `max` of them; their pages become plain resident (dirty).
     /// Returns false if a server could not be told (the guest is ended).
@@ -337,7 +346,11 @@ impl Pager {
                 continue;
             }
             for part in list.chunks(pagefleet_proto::MAX_DELETE_LIST) {
-                if let Err(e) = self.conns[s].delete(region, Pages::List(part)) {
+                let mut r = self.conns[s].delete(region, Pages::List(part));
+                if r.as_ref().is_err_and(|e| e.is_transient()) && self.reconnect(s).is_ok() {
+                    r = self.conns[s].delete(region, Pages::List(part));
+                }
+                if let Err(e) = r {
                     let msg = format!(
                         "pagefleet: cannot free kept pages on memory server {} (region {:#x}): {e}",
                         self.addrs[s], self.region_id
