@@ -865,22 +865,8 @@ fn fault_latencies(o: &Opts, secret_path: &Path, secret: &Secret) -> Result<Vec<
     // pagefleet: a page-in of one remote page (chunk 1), nothing else going on.
     let d = util::ChildDaemon::start(256 << 20, secret_path)?;
     let pages = 16384u64;
-    let mut cfg = pagefleet_region::Config::new(pages * 4096, 64);
-    cfg.servers = vec![d.addr.clone()];
-    cfg.secret = Some(secret.clone());
-    cfg.chunk_pages = 1;
-    cfg.sample_cpu_budget = 0.0;
-    let r = pagefleet_region::Region::new(cfg)?;
+    let r = all_remote_region(&d, pages, secret)?;
     let base = r.as_ptr();
-    for p in 0..pages {
-        // SAFETY: inside the region.
-        unsafe { std::ptr::write_volatile(base.add(p as usize * 4096) as *mut u64, p) };
-    }
-    let t = Instant::now();
-    while r.stats().resident_pages > 64 && t.elapsed() < Duration::from_secs(10) {
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    r.set_budget(pages);
     if two {
         util::set_affinity(0, &[0]);
         util::set_affinity(r.pager_tid(), &[1]);
@@ -987,22 +973,8 @@ fn cpu_per_page_in(o: &Opts, secret_path: &Path, secret: &Secret) -> Result<Vec<
     let floor = per_page("floor: raw uffd + raw TCP", pages, g1 - g0, s1 - s0);
     // pagefleet.
     let d = util::ChildDaemon::start(pages * 4096 + (64 << 20), secret_path)?;
-    let mut cfg = pagefleet_region::Config::new(pages * 4096, 64);
-    cfg.servers = vec![d.addr.clone()];
-    cfg.secret = Some(secret.clone());
-    cfg.chunk_pages = 1;
-    cfg.sample_cpu_budget = 0.0;
-    let r = pagefleet_region::Region::new(cfg)?;
+    let r = all_remote_region(&d, pages, secret)?;
     let base = r.as_ptr();
-    for p in 0..pages {
-        // SAFETY: inside the region.
-        unsafe { std::ptr::write_volatile(base.add(p as usize * 4096) as *mut u64, p) };
-    }
-    let t = Instant::now();
-    while r.stats().resident_pages > 64 && t.elapsed() < Duration::from_secs(10) {
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    r.set_budget(pages);
     let ins0 = r.stats().page_ins;
     let (g0, s0) = (process_cpu_ns(me), process_cpu_ns(d.child.id()));
     for i in 0..pages {
@@ -1020,6 +992,33 @@ fn cpu_per_page_in(o: &Opts, secret_path: &Path, secret: &Secret) -> Result<Vec<
         floor,
         per_page("pagefleet page-in", ins, g1 - g0, s1 - s0),
     ])
+}
+
+/// A region of `pages` (chunk 1, no sampling) paging to `d`, each page
+/// holding its number, with all but 64 pages sent out, and a budget that
+/// lets every page come back: each first touch is one page-in.
+fn all_remote_region(
+    d: &util::ChildDaemon,
+    pages: u64,
+    secret: &Secret,
+) -> Result<pagefleet_region::Region> {
+    let mut cfg = pagefleet_region::Config::new(pages * 4096, 64);
+    cfg.servers = vec![d.addr.clone()];
+    cfg.secret = Some(secret.clone());
+    cfg.chunk_pages = 1;
+    cfg.sample_cpu_budget = 0.0;
+    let r = pagefleet_region::Region::new(cfg)?;
+    let base = r.as_ptr();
+    for p in 0..pages {
+        // SAFETY: inside the region.
+        unsafe { std::ptr::write_volatile(base.add(p as usize * 4096) as *mut u64, p) };
+    }
+    let t = Instant::now();
+    while r.stats().resident_pages > 64 && t.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    r.set_budget(pages);
+    Ok(r)
 }
 
 fn raw_uffd(iters: usize, two: bool) -> Result<Vec<f64>> {

@@ -471,24 +471,7 @@ fn guest_pages_through_a_flood_of_idle_strangers() {
         .collect();
     let pages = 4096u64;
     let r = region(&c, pages * P as u64, pages / 4, Policy::Clock, 16);
-    let base = r.as_ptr() as usize;
-    let mut want = vec![0u8; P];
-    for round in 1..=2u64 {
-        for p in 0..pages {
-            // SAFETY: inside the region's mapping; this thread is its only user.
-            let page =
-                unsafe { std::slice::from_raw_parts_mut((base + p as usize * P) as *mut u8, P) };
-            fill(p, round, page);
-        }
-        for i in 0..pages {
-            let p = (i * 7919) % pages;
-            // SAFETY: as above.
-            let page =
-                unsafe { std::slice::from_raw_parts((base + p as usize * P) as *const u8, P) };
-            fill(p, round, &mut want);
-            assert!(page == &want[..], "round {round}: page {p} corrupted");
-        }
-    }
+    write_then_verify(&r, pages, 2);
     assert!(r.stats().page_ins > pages / 2, "{:?}", r.stats());
     // One session (the pager's), no thread per stranger.
     assert!(
@@ -564,9 +547,21 @@ fn pager_rides_out_a_dropped_connection() {
     cfg.servers = vec![relay];
     cfg.secret = Some(c.secret.clone());
     let r = Region::new(cfg).unwrap();
+    write_then_verify(&r, pages, 3);
+    // The cut happened (more than 4 MiB went out) and the pager reconnected.
+    assert!(r.stats().bytes_out > 16 << 20, "{:?}", r.stats());
+    assert!(
+        accepted.load(std::sync::atomic::Ordering::SeqCst) >= 2,
+        "the pager never reconnected"
+    );
+}
+
+/// Write every page of `r` (pages `0..pages`) with a round's pattern, then
+/// read them back in a scattered order and check every byte; `rounds` times.
+fn write_then_verify(r: &Region, pages: u64, rounds: u64) {
     let base = r.as_ptr() as usize;
     let mut want = vec![0u8; P];
-    for round in 1..=3u64 {
+    for round in 1..=rounds {
         for p in 0..pages {
             // SAFETY: inside the region's mapping; this thread is its only user.
             let page =
@@ -582,10 +577,4 @@ fn pager_rides_out_a_dropped_connection() {
             assert!(page == &want[..], "round {round}: page {p} corrupted");
         }
     }
-    // The cut happened (more than 4 MiB went out) and the pager reconnected.
-    assert!(r.stats().bytes_out > 16 << 20, "{:?}", r.stats());
-    assert!(
-        accepted.load(std::sync::atomic::Ordering::SeqCst) >= 2,
-        "the pager never reconnected"
-    );
 }
