@@ -508,15 +508,8 @@ impl Conn {
                 data.len()
             )));
         }
-        let id = self.id();
-        let mut meta = Vec::with_capacity(HEADER_LEN + 16 + sel.len() * 8);
-        meta.extend_from_slice(&[0u8; HEADER_LEN]);
-        encode_pages_req(region, sel, 0, &mut meta);
-        let body_len = meta.len() - HEADER_LEN + data.len();
-        meta[..HEADER_LEN].copy_from_slice(&Header::new(Opcode::Put, body_len, id).encode());
-        let mut iov = [IoSlice::new(&meta), IoSlice::new(data)];
-        write_all_vectored(&mut self.stream, &mut iov).map_err(|e| self.io(e))?;
-        Ok(id)
+        let pages: Vec<&[u8]> = data.chunks(PAGE_SIZE).collect();
+        self.send_put_pages(region, sel, &pages)
     }
 
     /// Send one PUT frame whose pages are scattered in memory: `pages[i]`
