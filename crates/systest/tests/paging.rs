@@ -444,16 +444,7 @@ fn one_chunk_hammered_while_evicted() {
 /// and no thread there.
 #[test]
 fn guest_pages_through_a_flood_of_idle_strangers() {
-    // SAFETY: r is a valid rlimit to fill and then to read.
-    unsafe {
-        let mut r = libc::rlimit {
-            rlim_cur: 0,
-            rlim_max: 0,
-        };
-        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut r), 0);
-        r.rlim_cur = r.rlim_max.min(8192).max(r.rlim_cur);
-        assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &r), 0);
-    }
+    pagefleet_lab::system::allow_fds(8192);
     let c = Cluster::start(1, "64MiB");
     let pid = c.servers[0].child.id();
     let threads = || {

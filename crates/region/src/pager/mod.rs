@@ -133,17 +133,8 @@ impl Pager {
                         c.set_window(4);
                         c
                     }
-                    None => {
-                        let opts = ConnectOptions {
-                            name: format!("{}-pager", cfg.name),
-                            window: 4,
-                            ..Default::default()
-                        };
-                        Conn::connect_patiently(a, secret, &opts, CONNECT_PATIENCE)?
-                    }
+                    None => connect(&cfg.name, a, secret, cfg.reply_spin)?,
                 };
-                // Optionally spin for replies rather than sleep through a
-                // wake-up (Config::reply_spin).
                 c.set_spin(cfg.reply_spin);
                 free.push(c.info.capacity_pages.saturating_sub(c.info.used_pages));
                 conns.push(c);
@@ -314,14 +305,7 @@ impl Pager {
             .secret
             .as_ref()
             .ok_or("this region has no cluster secret (it was made without memory servers)")?;
-        let opts = ConnectOptions {
-            name: format!("{}-pager", self.name),
-            window: 4,
-            ..Default::default()
-        };
-        let mut c = Conn::connect_patiently(addr, secret, &opts, CONNECT_PATIENCE)
-            .map_err(|e| e.to_string())?;
-        c.set_spin(self.reply_spin);
+        let c = connect(&self.name, addr, secret, self.reply_spin).map_err(|e| e.to_string())?;
         self.free
             .push(c.info.capacity_pages.saturating_sub(c.info.used_pages));
         self.conns.push(c);
@@ -382,13 +366,7 @@ impl Pager {
         let secret = self.secret.clone().ok_or_else(|| {
             pagefleet_client::ClientError::Usage("no cluster secret to reconnect with".into())
         })?;
-        let opts = ConnectOptions {
-            name: format!("{}-pager", self.name),
-            window: 4,
-            ..Default::default()
-        };
-        let mut c = Conn::connect_patiently(&self.addrs[s], &secret, &opts, CONNECT_PATIENCE)?;
-        c.set_spin(self.reply_spin);
+        let c = connect(&self.name, &self.addrs[s], &secret, self.reply_spin)?;
         if c.info.server_id != self.conns[s].info.server_id {
             // Restarted: whatever it held is gone; reconnecting cannot help.
             return Err(pagefleet_client::ClientError::Protocol {
@@ -420,4 +398,23 @@ fn thread_cpu_ns() -> u64 {
     // SAFETY: ts is a valid timespec to fill.
     unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// A pager's connection to a memory server: a window of 4 frames, patient
+/// with a busy or restarting server, spinning for replies as configured
+/// (`Config::reply_spin`) rather than sleeping through a wake-up.
+fn connect(
+    name: &str,
+    addr: &str,
+    secret: &pagefleet_proto::auth::Secret,
+    spin: Duration,
+) -> Result<Conn, pagefleet_client::ClientError> {
+    let opts = ConnectOptions {
+        name: format!("{name}-pager"),
+        window: 4,
+        ..Default::default()
+    };
+    let mut c = Conn::connect_patiently(addr, secret, &opts, CONNECT_PATIENCE)?;
+    c.set_spin(spin);
+    Ok(c)
 }

@@ -1,12 +1,18 @@
 //! Page-in: the faulting pages and their read-ahead, from their servers.
 
 use super::*;
+use std::collections::HashSet;
 
 impl Pager {
     /// The pages to bring with a fault at `p` from server `s`: the rest of
     /// its chunk (fixed prefetch) or its stream's window (adaptive), only
-    /// those on `s` and not asked for already.
-    pub(super) fn prefetch_list(&mut self, p: usize, s: usize, skip: &[usize]) -> Vec<u64> {
+    /// those on `s` and not in `asked` (which gains them).
+    pub(super) fn prefetch_list(
+        &mut self,
+        p: usize,
+        s: usize,
+        asked: &mut HashSet<usize>,
+    ) -> Vec<u64> {
         let tag = (REMOTE as usize + s) as u8;
         let (lo, hi) = match self.prefetch {
             crate::Prefetch::Chunk => {
@@ -20,7 +26,7 @@ impl Pager {
             }
         };
         (lo..hi)
-            .filter(|q| *q != p && self.loc.state[*q] == tag && !skip.contains(q))
+            .filter(|q| *q != p && self.loc.state[*q] == tag && asked.insert(*q))
             .map(|q| q as u64)
             .collect()
     }
@@ -44,13 +50,12 @@ impl Pager {
                 .filter(|x| x.1 == s)
                 .map(|x| (x.0, x.2))
                 .collect();
-            let skip: Vec<usize> = firsts.iter().map(|x| x.0).collect();
-            let mut rests = Vec::with_capacity(firsts.len());
-            for &(p, _) in &firsts {
-                let mut r = self.prefetch_list(p, s, &skip);
-                r.retain(|q| !rests.iter().any(|v: &Vec<u64>| v.contains(q)));
-                rests.push(r);
-            }
+            // Every page is asked for once: the faulting ones first.
+            let mut asked: HashSet<usize> = firsts.iter().map(|x| x.0).collect();
+            let mut rests: Vec<Vec<u64>> = firsts
+                .iter()
+                .map(|&(p, _)| self.prefetch_list(p, s, &mut asked))
+                .collect();
             // Pages of a server being emptied are taken, never kept there.
             let keep = !self.tracking && self.evac.as_ref().is_none_or(|ev| ev.from != s);
             let Err((p, e)) = self.fetch(s, &firsts, &rests, keep, t_read) else {
