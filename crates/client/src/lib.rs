@@ -11,10 +11,10 @@
 //! [`Cluster`] holds connections to several servers.
 
 use pagefleet_proto::auth::{self, Secret, SecretError};
-use pagefleet_proto::io::{write_all_vectored, RecvBuf};
+use pagefleet_proto::io::RecvBuf;
 use pagefleet_proto::*;
 use std::collections::VecDeque;
-use std::io::{self, IoSlice, IoSliceMut, Write};
+use std::io::{self, IoSliceMut, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
@@ -516,13 +516,33 @@ impl Conn {
     /// (4096 bytes each) is the data of the selection's i-th page; written
     /// with one vectored write, no copy.
     pub fn send_put_pages(&mut self, region: u64, sel: &PageSel, pages: &[&[u8]]) -> Result<u64> {
-        if sel.is_empty()
-            || sel.len() > MAX_BATCH_PAGES
-            || pages.len() != sel.len()
-            || pages.iter().any(|p| p.len() != PAGE_SIZE)
-        {
+        if pages.iter().any(|p| p.len() != PAGE_SIZE) {
             return Err(ClientError::Usage(format!(
-                "a PUT frame takes 1..={MAX_BATCH_PAGES} pages of {PAGE_SIZE} bytes, one per selected page ({} pages, {} slices given)",
+                "a PUT frame takes pages of {PAGE_SIZE} bytes"
+            )));
+        }
+        let ptrs: Vec<*const u8> = pages.iter().map(|p| p.as_ptr()).collect();
+        // SAFETY: every pointer is a live 4096-byte slice borrowed for the call.
+        unsafe { self.send_put_raw(region, sel, &ptrs) }
+    }
+
+    /// [`Conn::send_put_pages`] from raw page addresses: for memory another
+    /// thread (a guest) may write while it is sent. The kernel copies the
+    /// bytes into the socket during the call; a concurrent write makes that
+    /// page's copy torn, which the caller must treat as stale.
+    ///
+    /// # Safety
+    /// Each pointer must be valid for reads of 4096 bytes for the whole call
+    /// (mapped, not unmapped or truncated by another thread meanwhile).
+    pub unsafe fn send_put_raw(
+        &mut self,
+        region: u64,
+        sel: &PageSel,
+        pages: &[*const u8],
+    ) -> Result<u64> {
+        if sel.is_empty() || sel.len() > MAX_BATCH_PAGES || pages.len() != sel.len() {
+            return Err(ClientError::Usage(format!(
+                "a PUT frame takes 1..={MAX_BATCH_PAGES} pages, one per selected page ({} pages, {} given)",
                 sel.len(),
                 pages.len()
             )));
@@ -534,9 +554,17 @@ impl Conn {
         let body_len = meta.len() - HEADER_LEN + pages.len() * PAGE_SIZE;
         meta[..HEADER_LEN].copy_from_slice(&Header::new(Opcode::Put, body_len, id).encode());
         let mut iov = Vec::with_capacity(1 + pages.len());
-        iov.push(IoSlice::new(&meta));
-        iov.extend(pages.iter().map(|p| IoSlice::new(p)));
-        write_all_vectored(&mut self.stream, &mut iov).map_err(|e| self.io(e))?;
+        iov.push(libc::iovec {
+            iov_base: meta.as_ptr() as *mut libc::c_void,
+            iov_len: meta.len(),
+        });
+        iov.extend(pages.iter().map(|p| libc::iovec {
+            iov_base: *p as *mut libc::c_void,
+            iov_len: PAGE_SIZE,
+        }));
+        // SAFETY: `meta` lives to the end of this call; the pages are valid
+        // for reads per this function's contract.
+        unsafe { writev_all(&self.stream, &mut iov) }.map_err(|e| self.io(e))?;
         Ok(id)
     }
 
@@ -838,4 +866,42 @@ impl Cluster {
         best.map(|(i, _)| i)
             .ok_or_else(|| ClientError::Usage("no memory servers configured".into()))
     }
+}
+
+/// Write every byte the iovecs describe (retrying short writes).
+///
+/// # Safety
+/// Each iovec must describe memory valid for reads for the whole call.
+unsafe fn writev_all(stream: &TcpStream, iov: &mut [libc::iovec]) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let mut i = 0;
+    while i < iov.len() {
+        let n = (iov.len() - i).min(1024) as libc::c_int;
+        // SAFETY: the iovecs are valid per the caller's contract.
+        let w = unsafe { libc::writev(stream.as_raw_fd(), iov[i..].as_ptr(), n) };
+        if w < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if w == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::WriteZero,
+                "connection accepted no more bytes",
+            ));
+        }
+        let mut w = w as usize;
+        while i < iov.len() && w >= iov[i].iov_len {
+            w -= iov[i].iov_len;
+            i += 1;
+        }
+        if w > 0 {
+            // Part of this iovec went out: send the rest of it next.
+            iov[i].iov_base = (iov[i].iov_base as usize + w) as *mut libc::c_void;
+            iov[i].iov_len -= w;
+        }
+    }
+    Ok(())
 }

@@ -7,6 +7,9 @@ impl Pager {
         let (base, len) = (self.guest.base(), self.guest.len() as u64);
         match c {
             Command::TrackDirty(on, reply) => {
+                // Page-outs in flight land first: tracking starts (or ends)
+                // on settled locations and no kept copy is in a job.
+                self.quiesce();
                 for p in std::mem::take(&mut self.dirty_list) {
                     self.dirty[p as usize] = false;
                 }
@@ -66,6 +69,7 @@ impl Pager {
                 }
                 match self.server_index(&to) {
                     Ok(t) => {
+                        self.quiesce();
                         // Nothing pages out to the server being emptied,
                         // and nothing stays kept there.
                         self.drop_copies(Some(f), u64::MAX);
@@ -84,6 +88,9 @@ impl Pager {
                 }
             }
             Command::Hold(on, reply) => {
+                // A hold precedes a migration's final copy: what is in
+                // flight lands first, so the memfd and the location DB agree.
+                self.quiesce();
                 self.hold = on;
                 self.evicting = false;
                 let _ = reply.send(());

@@ -84,14 +84,17 @@ impl Pager {
                 // Pages whose writes must be seen (tracking, clean copies)
                 // are mapped write-protected; a write maps only its own
                 // page writable (it is dirty now).
-                let guarded = self.tracking || self.loc.clean[a..b].iter().any(|c| *c);
+                let guarded = self.tracking
+                    || self.loc.clean[a..b].iter().any(|c| *c)
+                    || self.loc.out[a..b].contains(&OUT_LEAVING);
                 let whole = if b - a > 1 && !(f.write && guarded) {
                     self.uffd
                         .continue_mode(self.addr(a), ((b - a) * PAGE) as u64, guarded)
                 } else {
                     Ok(Fill::Exists)
                 };
-                let wp = !f.write && (self.tracking || self.loc.clean[p]);
+                let wp = !f.write
+                    && (self.tracking || self.loc.clean[p] || self.loc.out[p] == OUT_LEAVING);
                 match whole {
                     Ok(Fill::Done) => {}
                     // Part of the run was mapped already: just this page.
@@ -116,8 +119,12 @@ impl Pager {
         }
     }
 
-    /// Page `p` was written: its kept copy is stale; tracking sees a change.
+    /// Page `p` was written: its kept copy is stale; tracking sees a change;
+    /// a page-out in flight leaves it resident (the copy it sends is stale).
     pub(super) fn dirtied(&mut self, p: usize) {
+        if self.loc.rescue(p) {
+            self.shared.stats.rescued_pages.fetch_add(1, Relaxed);
+        }
         if self.loc.clean[p] {
             self.loc.clean[p] = false;
             self.shared.stats.first_writes.fetch_add(1, Relaxed);

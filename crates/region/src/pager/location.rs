@@ -7,6 +7,14 @@ pub(super) const ZERO: u8 = 0;
 pub(super) const LOCAL: u8 = 1;
 pub(super) const REMOTE: u8 = 2;
 
+/// Outbound states of a resident page (`LocationDb::out`): not in a
+/// page-out; in a page-out job and write-protected (punched once the server
+/// acks); or written while its job was in flight (stays resident: the
+/// server's copy is stale once it lands).
+pub(super) const OUT_NONE: u8 = 0;
+pub(super) const OUT_LEAVING: u8 = 1;
+pub(super) const OUT_RESCUED: u8 = 2;
+
 /// Where every page of a region is, and what servers hold for it.
 pub(super) struct LocationDb {
     /// Per page: ZERO, LOCAL or REMOTE + server.
@@ -17,6 +25,10 @@ pub(super) struct LocationDb {
     /// The kept copy equals the resident page (write-protected since page-in,
     /// no write seen): evicting it is a local drop, nothing is sent.
     pub(super) clean: Vec<bool>,
+    /// Per page: OUT_NONE, OUT_LEAVING or OUT_RESCUED.
+    pub(super) out: Vec<u8>,
+    /// Pages OUT_LEAVING: resident now, gone once their job lands.
+    pub(super) leaving: u64,
     /// Resident pages per chunk.
     pub(super) chunk_res: Vec<u16>,
     /// Pages with a kept copy, per server.
@@ -36,6 +48,8 @@ impl LocationDb {
             state: vec![ZERO; pages],
             copy: vec![0; pages],
             clean: vec![false; pages],
+            out: vec![OUT_NONE; pages],
+            leaving: 0,
             chunk_res: vec![0; pages / chunk_pages],
             copies: vec![0; servers],
             resident: 0,
@@ -86,6 +100,46 @@ impl LocationDb {
         self.resident -= 1;
         self.remote += 1;
         had
+    }
+
+    /// Resident pages that will still be resident once the page-outs in
+    /// flight land.
+    pub(super) fn staying(&self) -> u64 {
+        self.resident - self.leaving
+    }
+
+    /// Whether resident page `q` can be chosen for a page-out (it is not
+    /// in one already).
+    pub(super) fn evictable(&self, q: usize) -> bool {
+        self.state[q] == LOCAL && self.out[q] == OUT_NONE
+    }
+
+    /// Resident page `q` joins a page-out job.
+    pub(super) fn set_leaving(&mut self, q: usize) {
+        debug_assert!(self.evictable(q));
+        self.out[q] = OUT_LEAVING;
+        self.leaving += 1;
+    }
+
+    /// Page `q` was written while leaving: it stays. Returns whether it was leaving.
+    pub(super) fn rescue(&mut self, q: usize) -> bool {
+        if self.out[q] != OUT_LEAVING {
+            return false;
+        }
+        self.out[q] = OUT_RESCUED;
+        self.leaving -= 1;
+        true
+    }
+
+    /// Page `q`'s job was answered: whether it is still leaving (then it
+    /// leaves now, if stored). Either way it is out of the job.
+    pub(super) fn job_done(&mut self, q: usize) -> bool {
+        let was = self.out[q] == OUT_LEAVING;
+        if was {
+            self.leaving -= 1;
+        }
+        self.out[q] = OUT_NONE;
+        was
     }
 
     /// Server `s` keeps a copy of resident page `q`; `clean` if it equals the page.
@@ -191,6 +245,27 @@ mod tests {
         db.keep_copy(5, 0, false);
         assert_eq!(db.forget_copy(5), Some(0));
         assert_eq!((db.copies[0], db.forget_copy(5)), (0, None));
+    }
+
+    #[test]
+    fn leaving_pages_count_until_their_job_lands() {
+        let mut db = LocationDb::new(64, 16, 1);
+        for q in 0..4 {
+            db.set_local(q);
+        }
+        db.set_leaving(1);
+        db.set_leaving(2);
+        assert_eq!((db.resident, db.staying()), (4, 2));
+        assert!(!db.evictable(1) && db.evictable(3));
+        assert!(db.rescue(2), "a write keeps page 2");
+        assert!(!db.rescue(2));
+        assert_eq!(db.staying(), 3);
+        assert!(!db.evictable(2), "not chosen again while its job is out");
+        assert!(db.job_done(1), "page 1 leaves");
+        assert!(!db.job_done(2), "page 2 stays");
+        db.set_remote(1, 0);
+        assert_eq!((db.resident, db.staying(), db.leaving), (3, 3, 0));
+        assert!(db.evictable(2));
     }
 
     #[test]

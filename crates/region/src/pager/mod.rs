@@ -1,13 +1,18 @@
 //! The pager thread: owns the uffd, the location DB, the access history and
-//! the connections to memory servers. Single-threaded by design: page-out
-//! (write-protect, send, punch, unprotect) is atomic with respect to faults
-//! because every fault is served by this same thread.
+//! the connections to memory servers it pages in from. Every change of a
+//! page's state happens on this thread; the writer thread ([`writer`]) only
+//! sends the contents of pages the pager handed it, so a page-out runs
+//! while faults go on being served. A page-out stays atomic with respect to
+//! faults: its pages are write-protected before they are sent, a write
+//! meanwhile keeps its page (the job's copy is stale), and only pages still
+//! untouched when the server acks are punched.
 //!
 //! One file per concern: [`faults`] (reading and dispatching fault events),
 //! [`pagein`] (bringing pages and their read-ahead in), [`reclaim`] (victim
-//! choice and page-out), [`sampling`] (the access-history hand),
-//! [`evacuate`] (moving a server's pages elsewhere), [`commands`] (what the
-//! region's owner asks: tracking, snapshots, holds).
+//! choice and page-out jobs), [`writer`] (the thread sending them),
+//! [`sampling`] (the access-history hand), [`evacuate`] (moving a server's
+//! pages elsewhere), [`commands`] (what the region's owner asks: tracking,
+//! snapshots, holds).
 
 mod commands;
 mod evacuate;
@@ -17,6 +22,7 @@ mod pagein;
 mod readahead;
 mod reclaim;
 mod sampling;
+mod writer;
 
 use crate::{Command, Config, OnFatal, Policy, RegionError, Shared, Snapshot, PAGE};
 use pagefleet_client::{Conn, ConnectOptions, GetMode, Pages};
@@ -28,7 +34,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tracing::{debug, warn};
 
-use location::{AccessHistory, LocationDb, LOCAL, REMOTE, ZERO};
+use location::{AccessHistory, LocationDb, LOCAL, OUT_LEAVING, OUT_NONE, REMOTE, ZERO};
 
 /// How long a pager keeps trying to reach a server that is busy or
 /// momentarily unreachable before the guest gives up on it.
@@ -47,7 +53,8 @@ pub(crate) struct Pager {
     uffd: Uffd,
     guest: Arc<Mapping>,
     memfd: Arc<OwnedFd>,
-    shadow: Mapping,
+    /// The page-out thread.
+    writer: writer::Writer,
     shared: Arc<Shared>,
     region_id: u64,
     policy: Policy,
@@ -118,6 +125,18 @@ impl Pager {
                 what: "mmap shadow",
                 source,
             })?;
+        let writer = writer::Writer::start(writer::WriterSetup {
+            shadow: Arc::new(shadow),
+            region_id: cfg.region_id,
+            name: cfg.name.clone(),
+            secret: cfg.secret.clone(),
+            doorbell: doorbell.clone(),
+            spin: cfg.reply_spin,
+        })
+        .map_err(|source| RegionError::Io {
+            what: "spawn page-out writer thread",
+            source,
+        })?;
         let mut conns = Vec::new();
         let mut free = Vec::new();
         if let Some(secret) = &cfg.secret {
@@ -211,7 +230,7 @@ impl Pager {
             uffd: u,
             guest,
             memfd,
-            shadow,
+            writer,
             shared,
             region_id: cfg.region_id,
             policy: cfg.policy,
@@ -268,8 +287,10 @@ impl Pager {
             debug!("pager runs at normal priority (no permission to raise it)");
         }
         while !self.shared.stop.load(Relaxed) {
-            // While evicting, only peek for faults; otherwise sleep until one comes.
-            let busy = self.evicting || self.evac.is_some();
+            // With more page-out to start, only peek for faults; otherwise
+            // sleep until a fault, a command or a finished page-out comes.
+            let busy = (self.evicting && self.writer.in_flight < reclaim::MAX_JOBS)
+                || self.evac.is_some();
             match self
                 .uffd
                 .poll_with(self.doorbell.as_raw_fd(), if busy { 0 } else { 5 })
@@ -284,6 +305,7 @@ impl Pager {
                 }
                 Err(e) => warn!("polling userfaultfd: {e}"),
             }
+            self.reap();
             self.balance();
             self.sample_tick();
             while let Ok(c) = self.rx.try_recv() {

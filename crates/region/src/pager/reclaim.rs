@@ -12,74 +12,92 @@ impl Pager {
     /// no reference bit and gives the others a second chance (bits cleared,
     /// PTEs zapped so the next touch sets them again); aging evicts the chunk
     /// with the least max age among the next few resident chunks.
+    ///
+    /// Page-outs are jobs for the writer thread: between the watermarks
+    /// this returns at once and faults go on being served while victims are
+    /// sent. Only when resident memory is over the budget itself does the
+    /// pager wait for jobs to land (direct reclaim, counted in the stats).
     pub(super) fn balance(&mut self) {
         let budget = self.shared.budget.load(Relaxed);
         if self.hold || self.loc.state.len() as u64 <= budget {
             self.evicting = false;
             return;
         }
-        // Watermarks: start evicting half a slack below the budget, stop a
-        // slack below it; evict in small batches between fault batches so a
-        // fault never waits behind a long eviction.
+        // Watermarks on the pages that stay once the jobs in flight land:
+        // start half a slack below the budget, stop a slack below it.
         let slack = crate::paging_slack(budget, self.cp);
         let high = budget.saturating_sub(slack / 2);
         let low = budget.saturating_sub(slack);
-        if self.loc.resident > high {
+        if self.loc.staying() > high {
             self.evicting = true;
         }
-        if !self.evicting {
-            return;
-        }
-        if self.loc.resident <= low {
-            self.evicting = false;
-            return;
-        }
-        // Over the budget itself: get back under it now, in batches of up
-        // to 2 MiB; between the watermarks: one small batch per loop.
-        let mut steps = 0usize;
-        loop {
-            // Serve the faults queued meanwhile first: a queued touch is a
-            // reference, and a page about to be used must not be chosen.
-            if self.uffd.poll(0).unwrap_or(false) {
-                self.serve_pending();
+        let c0 = thread_cpu_ns();
+        while self.evicting && self.writer.in_flight < MAX_JOBS {
+            let staying = self.loc.staying();
+            if staying <= low {
+                self.evicting = false;
+                break;
             }
-            let over = self.loc.resident > budget;
-            let cap = if over { 512 } else { 64 };
+            // Far over: bigger jobs (fewer round trips to catch up).
+            let cap = if staying > budget { 512 } else { 64 };
             let mut batch = Vec::new();
             let mut pages = 0u64;
-            while self.loc.resident - pages > low && pages < cap && steps < self.chunks * 3 {
+            let mut steps = 0usize;
+            while staying - pages > low && pages < cap && steps < self.chunks * 3 {
                 let Some(c) = self.next_victim(&mut steps) else {
                     break;
                 };
                 if batch.contains(&c) {
                     break;
                 }
-                pages += self.loc.chunk_res[c] as u64;
-                batch.push(c);
+                let n = (c * self.cp..(c + 1) * self.cp)
+                    .filter(|q| self.loc.evictable(*q))
+                    .count() as u64;
+                if n > 0 {
+                    pages += n;
+                    batch.push(c);
+                }
             }
-            let c0 = thread_cpu_ns();
-            let t0 = Instant::now();
-            let ok = !batch.is_empty() && self.page_out(&batch);
-            let st = &self.shared.stats;
-            st.page_out_cpu_ns
-                .fetch_add(thread_cpu_ns().saturating_sub(c0), Relaxed);
-            if over {
-                // Over the budget itself: faults queue behind this page-out
-                // (direct reclaim); between the watermarks they do not wait
-                // long (one small batch between fault batches).
-                st.direct_reclaims.fetch_add(1, Relaxed);
-                st.direct_reclaim_ns
-                    .fetch_add(t0.elapsed().as_nanos() as u64, Relaxed);
-            }
-            if !ok {
+            if batch.is_empty() || !self.page_out(&batch) {
                 self.evicting = false;
                 break;
             }
-            if self.loc.resident <= budget || !over {
-                break;
+        }
+        self.shared
+            .stats
+            .page_out_cpu_ns
+            .fetch_add(thread_cpu_ns().saturating_sub(c0), Relaxed);
+        // Direct reclaim: memory itself is over the budget; faults wait
+        // until enough of what is in flight has landed.
+        if self.loc.resident > budget && self.writer.in_flight > 0 {
+            let t0 = Instant::now();
+            while self.loc.resident > budget {
+                let Some(d) = self.writer.wait_done() else {
+                    break;
+                };
+                self.job_landed(d);
             }
+            let st = &self.shared.stats;
+            st.direct_reclaims.fetch_add(1, Relaxed);
+            st.direct_reclaim_ns
+                .fetch_add(t0.elapsed().as_nanos() as u64, Relaxed);
         }
         self.publish();
+    }
+
+    /// Take in every page-out job the writer has finished.
+    pub(super) fn reap(&mut self) {
+        while let Some(d) = self.writer.try_done() {
+            self.job_landed(d);
+        }
+    }
+
+    /// Wait until no page-out is in flight (before anything that moves or
+    /// deletes server copies, or a migration's final copy).
+    pub(super) fn quiesce(&mut self) {
+        while let Some(d) = self.writer.wait_done() {
+            self.job_landed(d);
+        }
     }
 
     pub(super) fn next_resident(&mut self, steps: &mut usize) -> Option<usize> {
@@ -132,28 +150,32 @@ impl Pager {
         }
     }
 
-    /// Page out the chunks atomically: write-protect them; send each dirty
-    /// resident page (straight from the shadow mapping, pipelined) to the
-    /// server that keeps its copy, or, without one, to the server with the
-    /// most free room; wait for every ack; punch the holes; update the
-    /// location DB; unprotect (which wakes blocked writers; their retry faults
-    /// MISSING and pages back in). Clean pages (their kept copy is current)
-    /// are only dropped. Returns false if no server can take the dirty pages
-    /// (balancing stops; the guest keeps running over budget).
+    /// Start paging out the chunks' resident pages. Clean pages (their
+    /// kept copy is current) are dropped here and now. Dirty ones are
+    /// write-protected, marked leaving and handed to the writer, bound for
+    /// the server that keeps their copy or, without one, the server with the
+    /// most free room; [`Pager::job_landed`] punches them once stored.
+    /// Returns false if no server can take them (balancing stops; the guest
+    /// keeps running over budget).
     pub(super) fn page_out(&mut self, chunks: &[usize]) -> bool {
         let mut pages = Vec::new();
         for &c in chunks {
             let lo = c * self.cp;
-            pages.extend((lo..lo + self.cp).filter(|q| self.loc.state[*q] == LOCAL));
+            pages.extend((lo..lo + self.cp).filter(|q| self.loc.evictable(*q)));
         }
-        let n = pages.len() as u64;
-        let fresh = |copy: &[u8]| pages.iter().filter(|q| copy[**q] == 0).count() as u64;
+        pages.sort_unstable();
+        let fresh = |copy: &[u8], clean: &[bool]| {
+            pages
+                .iter()
+                .filter(|q| copy[**q] == 0 && !clean[**q])
+                .count() as u64
+        };
         let pick = |free: &[u64], new: u64| {
             (0..free.len())
                 .filter(|s| free[*s] >= new)
                 .max_by_key(|s| free[*s])
         };
-        let mut new = fresh(&self.loc.copy);
+        let mut new = fresh(&self.loc.copy, &self.loc.clean);
         let mut chosen = pick(&self.free, new);
         if chosen.is_none() && new > 0 && self.loc.copies.iter().any(|c| *c > 0) {
             // Room held by kept copies of resident pages is worth less
@@ -161,7 +183,7 @@ impl Pager {
             if !self.drop_copies(None, new.max(64)) {
                 return false;
             }
-            new = fresh(&self.loc.copy);
+            new = fresh(&self.loc.copy, &self.loc.clean);
             chosen = pick(&self.free, new);
         }
         let Some(s) = chosen.or(if new == 0 { Some(0) } else { None }) else {
@@ -171,151 +193,142 @@ impl Pager {
             }
             return false;
         };
-        let target = |q: usize, copy: &[u8]| {
-            if copy[q] > 0 {
-                copy[q] as usize - 1
-            } else {
-                s
+        // Clean pages: the server's copy is the page; dropping it is local.
+        // (They are write-protected since their page-in: a write racing this
+        // waits in a WP fault and finds the page remote, so pages back in.)
+        let (clean, dirty): (Vec<usize>, Vec<usize>) =
+            pages.into_iter().partition(|q| self.loc.clean[*q]);
+        if !self.punch(&clean) {
+            return false;
+        }
+        for &q in &clean {
+            let t = self.loc.copy[q] as usize - 1;
+            self.left(q, t);
+        }
+        self.shared
+            .stats
+            .clean_drops
+            .fetch_add(clean.len() as u64, Relaxed);
+        // Dirty pages: one job per destination server.
+        let mut jobs: Vec<(usize, Vec<u64>)> = Vec::new();
+        for &q in &dirty {
+            let t = match self.loc.copy[q] {
+                0 => s,
+                c => c as usize - 1,
+            };
+            match jobs.iter_mut().find(|(jt, _)| *jt == t) {
+                Some((_, list)) => list.push(q as u64),
+                None => jobs.push((t, vec![q as u64])),
             }
-        };
-        let span = (self.cp * PAGE) as u64;
-        for &c in chunks {
-            if let Err(e) = self.uffd.writeprotect(self.addr(c * self.cp), span, true) {
-                self.internal(c * self.cp, e.to_string());
+        }
+        // Write-protect before the writer reads: from here on a write
+        // faults, and the fault keeps the page (see `dirtied`).
+        for run in runs(&dirty) {
+            if let Err(e) =
+                self.uffd
+                    .writeprotect(self.addr(run.start), (run.len() * PAGE) as u64, true)
+            {
+                self.internal(run.start, e.to_string());
                 return false;
             }
         }
-        // Dirty pages per destination server, in frames of up to
-        // MAX_BATCH_PAGES (scattered pages share a frame: one send and one
-        // ack per 32 pages, not per run).
-        let mut batches: Vec<(usize, Vec<u64>)> = Vec::new();
-        for &q in &pages {
-            if self.loc.clean[q] {
-                continue;
-            }
-            let t = target(q, &self.loc.copy);
-            match batches
-                .iter_mut()
-                .rev()
-                .find(|(bt, b)| *bt == t && b.len() < MAX_BATCH_PAGES)
-            {
-                Some((_, b)) => b.push(q as u64),
-                None => batches.push((t, vec![q as u64])),
+        for &q in &dirty {
+            self.loc.set_leaving(q);
+        }
+        self.free[s] -= new;
+        for (t, pages) in jobs {
+            self.writer.submit(writer::Job {
+                server: t,
+                addr: self.addrs[t].clone(),
+                server_id: self.conns[t].info.server_id,
+                pages,
+            });
+        }
+        self.shared
+            .stats
+            .page_out_chunks
+            .fetch_add(chunks.len() as u64, Relaxed);
+        true
+    }
+
+    /// A page-out job came back: punch the pages that were stored and are
+    /// still leaving, and unprotect them (waking writers that faulted since:
+    /// they retry, fault MISSING and page back in). A page written while
+    /// its job was out stays resident; the server's copy of it is stale
+    /// (a dirty slot). Pages not stored stay resident (and writable unless
+    /// change tracking watches them).
+    pub(super) fn job_landed(&mut self, d: writer::Done) {
+        let c0 = thread_cpu_ns();
+        let t = d.server;
+        let mut gone = Vec::new();
+        let mut sent = 0u64;
+        for (&q, &ok) in d.pages.iter().zip(&d.stored) {
+            let q = q as usize;
+            let leaving = self.loc.job_done(q);
+            sent += ok as u64;
+            match (leaving, ok) {
+                (true, true) => gone.push(q),
+                (true, false) if !self.tracking => {
+                    let _ = self.uffd.writeprotect(self.addr(q), PAGE as u64, false);
+                }
+                (false, true) => self.loc.keep_copy(q, t, false),
+                _ => {}
             }
         }
-        let mut failed: Option<(usize, pagefleet_client::ClientError)> = None;
-        let mut servers: Vec<usize> = batches.iter().map(|r| r.0).collect();
-        servers.sort_unstable();
-        servers.dedup();
-        for t in servers {
-            let mut sent = self.send_batches(t, &batches);
-            // A PUT can be repeated (it overwrites): ride out a dropped
-            // connection by reconnecting once; the pages are still here.
-            if sent.as_ref().is_err_and(|e| e.is_transient()) && self.reconnect(t).is_ok() {
-                sent = self.send_batches(t, &batches);
+        if self.punch(&gone) {
+            for &q in &gone {
+                self.left(q, t);
             }
-            if let Err(e) = sent {
-                failed = Some((t, e));
-                break;
+            for run in runs(&gone) {
+                if let Err(e) =
+                    self.uffd
+                        .writeprotect(self.addr(run.start), (run.len() * PAGE) as u64, false)
+                {
+                    self.internal(run.start, e.to_string());
+                }
             }
         }
-        if let Some((t, e)) = failed {
-            for &c in chunks {
-                let _ = self.uffd.writeprotect(self.addr(c * self.cp), span, false);
-            }
+        let st = &self.shared.stats;
+        st.page_outs.fetch_add(sent, Relaxed);
+        st.bytes_out.fetch_add(sent * PAGE as u64, Relaxed);
+        st.page_out_cpu_ns
+            .fetch_add(d.cpu_ns + thread_cpu_ns().saturating_sub(c0), Relaxed);
+        if let Some(e) = d.error {
             if e.code() == Some(pagefleet_proto::ErrorCode::OutOfCapacity) {
                 debug!("memory server {} is full", self.addrs[t]);
                 self.free[t] = 0;
-                return true;
+            } else {
+                let msg = format!(
+                    "pagefleet: cannot page out to memory server {} (region {:#x}): {e}. The server is unusable; \
+                     pages already there cannot be trusted to come back.",
+                    self.addrs[t], self.region_id
+                );
+                self.fatal(msg, d.pages[0] as usize);
             }
-            let msg = format!(
-                "pagefleet: cannot page out to memory server {} (region {:#x}): {e}. The server is unusable; \
-                 pages already there cannot be trusted to come back.",
-                self.addrs[t], self.region_id
-            );
-            self.fatal(msg, chunks[0] * self.cp);
-            return false;
         }
-        // Punch holes, coalescing adjacent pages.
-        let mut i = 0;
-        while i < pages.len() {
-            let mut j = i + 1;
-            while j < pages.len() && pages[j] == pages[j - 1] + 1 {
-                j += 1;
-            }
+        self.publish();
+    }
+
+    /// Resident page `q` is on server `t` now (its data punched out here).
+    fn left(&mut self, q: usize, t: usize) {
+        self.mark(q);
+        self.loc.set_remote(q, t);
+        self.access.clear(q, q + 1);
+    }
+
+    /// Punch the pages' data out of the memfd, a run at a time.
+    fn punch(&self, pages: &[usize]) -> bool {
+        for run in runs(pages) {
             if let Err(e) = uffd::punch_hole(
                 self.memfd.as_raw_fd(),
-                (pages[i] * PAGE) as u64,
-                ((j - i) * PAGE) as u64,
+                (run.start * PAGE) as u64,
+                (run.len() * PAGE) as u64,
             ) {
-                self.internal(pages[i], e.to_string());
-                return false;
-            }
-            i = j;
-        }
-        let mut dropped = 0u64;
-        for &q in &pages {
-            self.mark(q);
-            let t = target(q, &self.loc.copy);
-            if self.loc.clean[q] {
-                dropped += 1;
-            }
-            self.loc.set_remote(q, t);
-            self.access.clear(q, q + 1);
-        }
-        self.free[s] -= new;
-        let st = &self.shared.stats;
-        st.page_outs.fetch_add(n - dropped, Relaxed);
-        st.clean_drops.fetch_add(dropped, Relaxed);
-        st.page_out_chunks.fetch_add(chunks.len() as u64, Relaxed);
-        st.bytes_out.fetch_add((n - dropped) * PAGE as u64, Relaxed);
-        for &c in chunks {
-            if let Err(e) = self.uffd.writeprotect(self.addr(c * self.cp), span, false) {
-                self.internal(c * self.cp, e.to_string());
+                self.internal(run.start, e.to_string());
                 return false;
             }
         }
         true
-    }
-
-    /// PUT the batches bound for server `t` and wait for every ack.
-    fn send_batches(
-        &mut self,
-        t: usize,
-        batches: &[(usize, Vec<u64>)],
-    ) -> Result<(), pagefleet_client::ClientError> {
-        let region = self.region_id;
-        let mut ids = std::collections::VecDeque::new();
-        for (_, list) in batches.iter().filter(|r| r.0 == t) {
-            let data: Vec<&[u8]> = list
-                .iter()
-                .map(|&q| {
-                    // SAFETY: inside the shadow mapping; the page is
-                    // resident and write-protected until it is punched.
-                    unsafe {
-                        std::slice::from_raw_parts(self.shadow.addr().add(q as usize * PAGE), PAGE)
-                    }
-                })
-                .collect();
-            let contiguous = list.windows(2).all(|w| w[1] == w[0] + 1);
-            let sel = if contiguous {
-                PageSel::Run {
-                    first: list[0],
-                    count: list.len() as u32,
-                }
-            } else {
-                PageSel::List(list.clone())
-            };
-            ids.push_back(self.conns[t].send_put_pages(region, &sel, &data)?);
-            // Bound the acks outstanding so neither side's buffers fill up.
-            if ids.len() >= 64 {
-                self.conns[t].recv_put(ids.pop_front().unwrap())?;
-            }
-        }
-        for id in ids {
-            self.conns[t].recv_put(id)?;
-        }
-        Ok(())
     }
 
     /// Delete kept copies of resident pages (on server `only`, or on any),
@@ -333,7 +346,12 @@ impl Pager {
             }
             let q = (self.copy_hand + i) % len;
             let c = self.loc.copy[q];
-            if c == 0 || only.is_some_and(|o| o + 1 != c as usize) {
+            // A page in a page-out job keeps its slot: the PUT in flight
+            // (on the writer's connection) could land after a delete.
+            if c == 0
+                || only.is_some_and(|o| o + 1 != c as usize)
+                || self.loc.out[q] != OUT_NONE
+            {
                 continue;
             }
             lists[c as usize - 1].push(q as u64);
@@ -363,4 +381,25 @@ impl Pager {
         }
         true
     }
+}
+
+/// Page-out jobs in flight at once: enough to keep the writer busy while
+/// the pager takes each answer in.
+pub(super) const MAX_JOBS: usize = 4;
+
+/// Runs of consecutive page numbers in a sorted list.
+fn runs(pages: &[usize]) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
+    let mut i = 0;
+    std::iter::from_fn(move || {
+        if i >= pages.len() {
+            return None;
+        }
+        let mut j = i + 1;
+        while j < pages.len() && pages[j] == pages[j - 1] + 1 {
+            j += 1;
+        }
+        let r = pages[i]..pages[j - 1] + 1;
+        i = j;
+        Some(r)
+    })
 }

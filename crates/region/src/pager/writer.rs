@@ -1,0 +1,218 @@
+//! The page-out writer: a thread that sends victims' contents to memory
+//! servers and waits for their acks, so faults never queue behind a
+//! page-out (Fastswap's and kswapd's lesson: reclaim off the fault path).
+//!
+//! Ownership: the pager chooses victims, write-protects them, marks them
+//! leaving in its location DB and hands a [`Job`] over; the writer owns its
+//! own connection per server (the pager's GET replies never wait behind PUT
+//! acks) and only reads the job's pages, through the shadow mapping. It
+//! answers with a [`Done`] and rings the pager's doorbell; the pager then
+//! punches what was stored. Nothing else crosses between the two threads.
+
+use pagefleet_client::{ClientError, Conn};
+use pagefleet_proto::{auth::Secret, PageSel, MAX_BATCH_PAGES};
+use pagefleet_uffd::Mapping;
+use std::collections::{HashMap, VecDeque};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crate::PAGE;
+
+/// Dirty pages bound for one server.
+pub(super) struct Job {
+    /// Index of the server in the pager's list.
+    pub(super) server: usize,
+    /// Its address (the writer connects on first use).
+    pub(super) addr: String,
+    /// Its id at the pager's HELLO: a reconnect that meets another id met a
+    /// restarted server, which lost the region's pages.
+    pub(super) server_id: u64,
+    /// Sorted page numbers.
+    pub(super) pages: Vec<u64>,
+}
+
+/// What became of a job.
+pub(super) struct Done {
+    pub(super) server: usize,
+    pub(super) pages: Vec<u64>,
+    /// Per page: the server acknowledged storing it.
+    pub(super) stored: Vec<bool>,
+    /// Why some were not stored.
+    pub(super) error: Option<ClientError>,
+    /// CPU time the writer spent on the job, ns.
+    pub(super) cpu_ns: u64,
+}
+
+/// The pager's handle on its writer thread.
+pub(super) struct Writer {
+    jobs: Option<Sender<Job>>,
+    done: Receiver<Done>,
+    thread: Option<JoinHandle<()>>,
+    /// Jobs handed over and not yet answered.
+    pub(super) in_flight: usize,
+}
+
+/// What the writer thread needs to reach servers and read pages.
+pub(super) struct WriterSetup {
+    pub(super) shadow: Arc<Mapping>,
+    pub(super) region_id: u64,
+    pub(super) name: String,
+    pub(super) secret: Option<Secret>,
+    pub(super) doorbell: Arc<OwnedFd>,
+    pub(super) spin: Duration,
+}
+
+impl Writer {
+    pub(super) fn start(setup: WriterSetup) -> std::io::Result<Writer> {
+        let (jtx, jrx) = mpsc::channel();
+        let (dtx, drx) = mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name("pagefleet-writer".into())
+            .spawn(move || run(setup, jrx, dtx))?;
+        Ok(Writer {
+            jobs: Some(jtx),
+            done: drx,
+            thread: Some(thread),
+            in_flight: 0,
+        })
+    }
+
+    pub(super) fn submit(&mut self, job: Job) {
+        if let Some(tx) = &self.jobs {
+            if tx.send(job).is_ok() {
+                self.in_flight += 1;
+            }
+        }
+    }
+
+    /// A finished job, if one is ready.
+    pub(super) fn try_done(&mut self) -> Option<Done> {
+        let d = self.done.try_recv().ok()?;
+        self.in_flight -= 1;
+        Some(d)
+    }
+
+    /// Wait for the next finished job (None: nothing in flight).
+    pub(super) fn wait_done(&mut self) -> Option<Done> {
+        if self.in_flight == 0 {
+            return None;
+        }
+        let d = self.done.recv().ok()?;
+        self.in_flight -= 1;
+        Some(d)
+    }
+}
+
+impl Drop for Writer {
+    fn drop(&mut self) {
+        // Closing the job channel ends the thread after its current job.
+        self.jobs = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn run(setup: WriterSetup, jobs: Receiver<Job>, done: Sender<Done>) {
+    let mut conns: HashMap<usize, Conn> = HashMap::new();
+    for job in jobs {
+        let c0 = super::thread_cpu_ns();
+        let mut stored = vec![false; job.pages.len()];
+        let mut error = write_job(&setup, &mut conns, &job, &mut stored);
+        // A PUT can be repeated (it overwrites): ride out a dropped
+        // connection by reconnecting once and sending what is unacked.
+        if error.as_ref().is_some_and(|e| e.is_transient()) {
+            conns.remove(&job.server);
+            error = write_job(&setup, &mut conns, &job, &mut stored);
+        }
+        let d = Done {
+            server: job.server,
+            pages: job.pages,
+            stored,
+            error,
+            cpu_ns: super::thread_cpu_ns().saturating_sub(c0),
+        };
+        if done.send(d).is_err() {
+            return;
+        }
+        pagefleet_uffd::ring(setup.doorbell.as_raw_fd());
+    }
+}
+
+/// Send the job's pages not yet stored, in frames of up to MAX_BATCH_PAGES,
+/// all pipelined, and read every ack. The first error is returned after the
+/// in-flight acks are read (a refused frame leaves the connection usable).
+fn write_job(
+    setup: &WriterSetup,
+    conns: &mut HashMap<usize, Conn>,
+    job: &Job,
+    stored: &mut [bool],
+) -> Option<ClientError> {
+    let conn = match conns.entry(job.server) {
+        std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+        std::collections::hash_map::Entry::Vacant(v) => {
+            let Some(secret) = &setup.secret else {
+                return Some(ClientError::Usage(
+                    "no cluster secret to reach memory servers with".into(),
+                ));
+            };
+            match super::connect(&setup.name, &job.addr, secret, setup.spin) {
+                Ok(c) if c.info.server_id != job.server_id => {
+                    return Some(ClientError::Protocol {
+                        addr: job.addr.clone(),
+                        msg: "the server restarted and lost its pages".into(),
+                    })
+                }
+                Ok(c) => v.insert(c),
+                Err(e) => return Some(e),
+            }
+        }
+    };
+    let todo: Vec<usize> = (0..job.pages.len()).filter(|i| !stored[*i]).collect();
+    let mut acks: VecDeque<(u64, &[usize])> = VecDeque::new();
+    let mut first_err = None;
+    for frame in todo.chunks(MAX_BATCH_PAGES) {
+        let list: Vec<u64> = frame.iter().map(|i| job.pages[*i]).collect();
+        let contiguous = list.windows(2).all(|w| w[1] == w[0] + 1);
+        let sel = if contiguous {
+            PageSel::Run {
+                first: list[0],
+                count: list.len() as u32,
+            }
+        } else {
+            PageSel::List(list.clone())
+        };
+        let ptrs: Vec<*const u8> = list
+            .iter()
+            // SAFETY: in bounds of the shadow mapping (a page of the region).
+            .map(|&q| unsafe { setup.shadow.addr().add(q as usize * PAGE) } as *const u8)
+            .collect();
+        // SAFETY: the shadow mapping lives as long as `setup`; the pager
+        // punches a job's pages only after this job is answered, so every
+        // page stays readable for the call (a guest write meanwhile only
+        // makes the copy stale, which the pager accounts for).
+        match unsafe { conn.send_put_raw(setup.region_id, &sel, &ptrs) } {
+            Ok(id) => acks.push_back((id, frame)),
+            Err(e) => {
+                first_err = Some(e);
+                break;
+            }
+        }
+    }
+    for (id, frame) in acks {
+        match conn.recv_put(id) {
+            Ok(_) => frame.iter().for_each(|i| stored[*i] = true),
+            Err(e) => {
+                let broken = e.code().is_none();
+                first_err.get_or_insert(e);
+                if broken {
+                    break;
+                }
+            }
+        }
+    }
+    first_err
+}
