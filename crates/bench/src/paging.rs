@@ -446,7 +446,7 @@ pub fn print_table(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
         out,
         "  (guest on CPU 1; kv client and memory servers, standing for other hosts, on CPU 0;"
     )?;
-    writeln!(out, "   p50/p99: pagefleet page-in service time, log2 buckets; swap: pages swapped in per second;")?;
+    writeln!(out, "   p50/p99: pagefleet page-in service time, quarter-octave buckets; swap: pages swapped in per second;")?;
     writeln!(
         out,
         "   page-outs/s: pages sent; drops/s: clean pages evicted without sending;"
@@ -706,7 +706,9 @@ fn run_config(o: &Opts, c: &Cfg, keys: u64, secret_path: &Path) -> Result<Row> {
 
 /// Where the processes of one configuration run: the guest (its workload
 /// threads and its pager) on CPU 1, this process (the kv client, the FIFO
-/// disk's server thread) and the memory servers on CPU 0. Undone on drop.
+/// disk's server thread) and the memory servers on CPU 0. The pager's
+/// page-out writer may run on either CPU, as the kernel's kswapd does for
+/// the swap and zram baselines. Undone on drop.
 struct Topology {
     active: bool,
 }
@@ -716,6 +718,12 @@ impl Topology {
         let active = util::ncpus() >= 2;
         if active {
             util::set_process_affinity(guest, &[1]);
+            let all: Vec<usize> = (0..util::ncpus()).collect();
+            util::set_thread_affinity_by_name(
+                guest,
+                pagefleet_region::WRITER_THREAD,
+                &all,
+            );
             util::set_process_affinity(std::process::id(), &[0]);
             for s in servers {
                 util::set_process_affinity(s.child.id(), &[0]);

@@ -40,6 +40,22 @@ pub fn set_process_affinity(pid: u32, cpus: &[usize]) {
     }
 }
 
+/// Pin the threads of process `pid` named `comm` (as /proc shows it).
+pub fn set_thread_affinity_by_name(pid: u32, comm: &str, cpus: &[usize]) {
+    if let Ok(rd) = std::fs::read_dir(format!("/proc/{pid}/task")) {
+        for t in rd.flatten() {
+            let named = std::fs::read_to_string(t.path().join("comm"))
+                .is_ok_and(|c| c.trim_end() == comm);
+            if let (true, Some(tid)) = (
+                named,
+                t.file_name().to_str().and_then(|s| s.parse::<i32>().ok()),
+            ) {
+                set_affinity(tid, cpus);
+            }
+        }
+    }
+}
+
 impl Pinning {
     pub fn split(server_pids: &[u32]) -> Pinning {
         let active = ncpus() >= 2;

@@ -23,6 +23,7 @@ mod stats;
 pub use pagefleet_client::ConnectOptions;
 pub use pagefleet_proto::auth::Secret;
 pub use stats::{Histogram, Stats};
+pub use pager::WRITER_THREAD;
 
 use pagefleet_uffd::{self as uffd, Mapping};
 use std::os::fd::{AsRawFd, OwnedFd};

@@ -146,9 +146,17 @@ fn stats_json(m: &Memory) -> serde_json::Value {
         .into_iter()
         .map(|(k, v)| (k.to_string(), v.into()))
         .collect();
+    // [upper bound µs, count] of each non-empty bucket.
+    let buckets: Vec<(f64, u64)> = s
+        .page_in_latency_buckets
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| **c > 0)
+        .map(|(i, c)| (pagefleet_region::Histogram::upper_us(i), *c))
+        .collect();
     v.insert(
-        "page_in_latency_log2_us_buckets".into(),
-        s.page_in_latency_buckets.clone().into(),
+        "page_in_latency_us_buckets".into(),
+        serde_json::to_value(buckets).unwrap_or_default(),
     );
     serde_json::Value::Object(v)
 }

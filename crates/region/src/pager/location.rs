@@ -186,7 +186,8 @@ impl AccessHistory {
     }
 
     /// How hot pages `lo..hi` (a chunk) are: clock, how many were referenced;
-    /// aging, the highest age (a reference counts as the newest bit).
+    /// aging, the highest age, a reference since the last sweep counting as
+    /// a ninth, newest bit (used now ranks above used last period).
     pub(super) fn hotness(&self, lo: usize, hi: usize) -> u32 {
         let (h, r) = (&self.age[lo..hi], &self.refb[lo..hi]);
         match self.policy {
@@ -194,7 +195,7 @@ impl AccessHistory {
             Policy::Aging => h
                 .iter()
                 .zip(r)
-                .map(|(a, b)| (*a | (b << 7)) as u32)
+                .map(|(a, b)| *a as u32 | ((*b as u32) << 8))
                 .max()
                 .unwrap_or(0),
         }

@@ -8,8 +8,9 @@
 //! untouched when the server acks are punched.
 //!
 //! One file per concern: [`faults`] (reading and dispatching fault events),
-//! [`pagein`] (bringing pages and their read-ahead in), [`reclaim`] (victim
-//! choice and page-out jobs), [`writer`] (the thread sending them),
+//! [`pagein`] (bringing pages and their read-ahead in), [`reclaim`]
+//! (watermarks and page-out jobs), [`victims`] (which chunks go),
+//! [`writer`] (the thread sending them),
 //! [`sampling`] (the access-history hand), [`evacuate`] (moving a server's
 //! pages elsewhere), [`commands`] (what the region's owner asks: tracking,
 //! snapshots, holds).
@@ -22,7 +23,9 @@ mod pagein;
 mod readahead;
 mod reclaim;
 mod sampling;
+mod victims;
 mod writer;
+pub use writer::WRITER_THREAD;
 
 use crate::{Command, Config, OnFatal, Policy, RegionError, Shared, Snapshot, PAGE};
 use pagefleet_client::{Conn, ConnectOptions, GetMode, Pages};
@@ -57,7 +60,6 @@ pub(crate) struct Pager {
     writer: writer::Writer,
     shared: Arc<Shared>,
     region_id: u64,
-    policy: Policy,
     on_fatal: OnFatal,
     cp: usize,
     chunks: usize,
@@ -76,9 +78,10 @@ pub(crate) struct Pager {
     free: Vec<u64>,
     buf: Vec<u8>,
     faults: Vec<Fault>,
-    // sampling hand and victim hand
+    /// The sampling hand.
     hand: usize,
-    victim_hand: usize,
+    /// Where the victim search stands.
+    victims: victims::VictimHand,
     rate: f64,
     max_rate: f64,
     carry: f64,
@@ -233,7 +236,6 @@ impl Pager {
             writer,
             shared,
             region_id: cfg.region_id,
-            policy: cfg.policy,
             on_fatal: cfg.on_fatal,
             cp: cfg.chunk_pages,
             chunks,
@@ -249,7 +251,7 @@ impl Pager {
             buf: vec![0u8; cfg.chunk_pages.max(MAX_BATCH_PAGES) * PAGE],
             faults: Vec::with_capacity(64),
             hand: 0,
-            victim_hand: 0,
+            victims: victims::VictimHand::new(chunks, cfg.chunk_pages),
             // Start slow; the controller raises the rate while faults stay cheap.
             rate: (max_rate / 64.0).clamp(1.0, 64.0),
             max_rate: max_rate.max(10.0),

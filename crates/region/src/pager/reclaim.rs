@@ -3,15 +3,8 @@
 use super::*;
 
 impl Pager {
-    pub(super) fn hotness(&self, c: usize) -> u32 {
-        self.access.hotness(c * self.cp, (c + 1) * self.cp)
-    }
-
-    /// Over budget: page out cold chunks until a slack below it. A victim
-    /// hand sweeps the chunks (LRU approximation): clock evicts a chunk with
-    /// no reference bit and gives the others a second chance (bits cleared,
-    /// PTEs zapped so the next touch sets them again); aging evicts the chunk
-    /// with the least max age among the next few resident chunks.
+    /// Over budget: page out cold chunks (chosen by [`victims`]) until a
+    /// slack below it.
     ///
     /// Page-outs are jobs for the writer thread: between the watermarks
     /// this returns at once and faults go on being served while victims are
@@ -40,24 +33,7 @@ impl Pager {
             }
             // Far over: bigger jobs (fewer round trips to catch up).
             let cap = if staying > budget { 512 } else { 64 };
-            let mut batch = Vec::new();
-            let mut pages = 0u64;
-            let mut steps = 0usize;
-            while staying - pages > low && pages < cap && steps < self.chunks * 3 {
-                let Some(c) = self.next_victim(&mut steps) else {
-                    break;
-                };
-                if batch.contains(&c) {
-                    break;
-                }
-                let n = (c * self.cp..(c + 1) * self.cp)
-                    .filter(|q| self.loc.evictable(*q))
-                    .count() as u64;
-                if n > 0 {
-                    pages += n;
-                    batch.push(c);
-                }
-            }
+            let batch = self.victims.batch(&self.loc, &mut self.access, low, cap);
             if batch.is_empty() || !self.page_out(&batch) {
                 self.evicting = false;
                 break;
@@ -97,56 +73,6 @@ impl Pager {
     pub(super) fn quiesce(&mut self) {
         while let Some(d) = self.writer.wait_done() {
             self.job_landed(d);
-        }
-    }
-
-    pub(super) fn next_resident(&mut self, steps: &mut usize) -> Option<usize> {
-        for _ in 0..self.chunks {
-            let c = self.victim_hand;
-            self.victim_hand = (self.victim_hand + 1) % self.chunks;
-            *steps += 1;
-            if self.loc.chunk_res[c] > 0 {
-                return Some(c);
-            }
-        }
-        None
-    }
-
-    pub(super) fn next_victim(&mut self, steps: &mut usize) -> Option<usize> {
-        match self.policy {
-            Policy::Clock => loop {
-                let c = self.next_resident(steps)?;
-                if self.hotness(c) == 0 || *steps > self.chunks * 2 {
-                    return Some(c);
-                }
-                // Second chance: clear the bits. Whether the chunk is touched
-                // again is seen by the (budgeted) sampler or by a page-in:
-                // zapping here too would make every hot chunk fault once per
-                // revolution, unbudgeted.
-                self.access.clear(c * self.cp, (c + 1) * self.cp);
-            },
-            Policy::Aging => {
-                const WINDOW: usize = 32;
-                let mut best: Option<(u32, usize)> = None;
-                let mut seen = 0;
-                while seen < WINDOW {
-                    let Some(c) = self.next_resident(steps) else {
-                        break;
-                    };
-                    let h = self.hotness(c);
-                    if best.is_none_or(|(bh, _)| h < bh) {
-                        best = Some((h, c));
-                    }
-                    seen += 1;
-                    if h == 0 {
-                        break;
-                    }
-                }
-                let (_, c) = best?;
-                // Resume right after the victim: the rest of the window is looked at again.
-                self.victim_hand = (c + 1) % self.chunks;
-                Some(c)
-            }
         }
     }
 

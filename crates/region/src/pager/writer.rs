@@ -21,6 +21,10 @@ use std::time::Duration;
 
 use crate::PAGE;
 
+/// The writer thread's name (as `/proc/PID/task/TID/comm` shows it, at most
+/// 15 bytes): benchmarks find it by this to place it.
+pub const WRITER_THREAD: &str = "pagefleet-write";
+
 /// Dirty pages bound for one server.
 pub(super) struct Job {
     /// Index of the server in the pager's list.
@@ -70,7 +74,7 @@ impl Writer {
         let (jtx, jrx) = mpsc::channel();
         let (dtx, drx) = mpsc::channel();
         let thread = std::thread::Builder::new()
-            .name("pagefleet-writer".into())
+            .name(WRITER_THREAD.into())
             .spawn(move || run(setup, jrx, dtx))?;
         Ok(Writer {
             jobs: Some(jtx),
