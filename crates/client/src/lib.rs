@@ -355,6 +355,32 @@ impl Conn {
         self.spin = spin;
     }
 
+    /// The connection's socket (for polling it beside other fds).
+    pub fn raw_fd(&self) -> std::os::fd::RawFd {
+        use std::os::fd::AsRawFd;
+        self.stream.as_raw_fd()
+    }
+
+    /// Whether a reply (or its start) is here already: buffered, or
+    /// readable on the socket. Receiving then does not wait for the server.
+    pub fn reply_ready(&self) -> bool {
+        if !self.rb.is_empty() {
+            return true;
+        }
+        let mut b = [0u8; 1];
+        // SAFETY: one-byte peek into a local buffer.
+        let n = unsafe {
+            libc::recv(
+                self.raw_fd(),
+                b.as_mut_ptr().cast(),
+                1,
+                libc::MSG_PEEK | libc::MSG_DONTWAIT,
+            )
+        };
+        // 0: the server closed; receiving reports it at once.
+        n >= 0
+    }
+
     fn spin_until_readable(&mut self) {
         if self.spin.is_zero() || !self.rb.is_empty() {
             return;

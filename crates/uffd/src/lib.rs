@@ -396,31 +396,41 @@ impl Uffd {
         Ok(r > 0)
     }
 
-    /// Like `poll`, also waking when `other` (e.g. an eventfd) is readable;
-    /// returns (faults pending, other readable).
-    pub fn poll_with(&self, other: RawFd, timeout_ms: i32) -> io::Result<(bool, bool)> {
-        let mut p = [
-            libc::pollfd {
-                fd: self.fd.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-            libc::pollfd {
-                fd: other,
-                events: libc::POLLIN,
-                revents: 0,
-            },
-        ];
-        // SAFETY: two valid pollfds.
-        let r = unsafe { libc::poll(p.as_mut_ptr(), 2, timeout_ms) };
+    /// Like `poll`, also waking when one of `others` (an eventfd, sockets)
+    /// is readable; `ready[i]` tells whether `others[i]` is. Returns whether
+    /// faults are pending.
+    pub fn poll_with(
+        &self,
+        others: &[RawFd],
+        ready: &mut Vec<bool>,
+        timeout_ms: i32,
+    ) -> io::Result<bool> {
+        let mut p = Vec::with_capacity(1 + others.len());
+        p.push(libc::pollfd {
+            fd: self.fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        });
+        p.extend(others.iter().map(|fd| libc::pollfd {
+            fd: *fd,
+            events: libc::POLLIN,
+            revents: 0,
+        }));
+        ready.clear();
+        ready.resize(others.len(), false);
+        // SAFETY: `p` holds p.len() valid pollfds.
+        let r = unsafe { libc::poll(p.as_mut_ptr(), p.len() as libc::nfds_t, timeout_ms) };
         if r < 0 {
             let e = io::Error::last_os_error();
             if e.kind() == io::ErrorKind::Interrupted {
-                return Ok((false, false));
+                return Ok(false);
             }
             return Err(e);
         }
-        Ok((p[0].revents != 0, p[1].revents != 0))
+        for (i, q) in p[1..].iter().enumerate() {
+            ready[i] = q.revents != 0;
+        }
+        Ok(p[0].revents != 0)
     }
 
     /// Read pending fault messages (non-blocking) into `out`; returns how many.

@@ -22,12 +22,16 @@ impl Pager {
         let Some(mut ev) = self.evac.take() else {
             return;
         };
+        // Replies come in order on a connection: the GETs in flight first.
+        self.take_replies(ev.from, true);
+        self.take_replies(ev.to, true);
         let tag = REMOTE + ev.from as u8;
         let region = self.region_id;
         for _ in 0..4 {
             let mut list = Vec::with_capacity(MAX_BATCH_PAGES);
             while ev.cursor < self.loc.state.len() && list.len() < MAX_BATCH_PAGES {
-                if self.loc.state[ev.cursor] == tag {
+                // (An arriving page is taken from `from` by its GET.)
+                if self.loc.state[ev.cursor] == tag && self.loc.out[ev.cursor] == OUT_NONE {
                     list.push(ev.cursor as u64);
                 }
                 ev.cursor += 1;

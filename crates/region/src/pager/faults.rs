@@ -14,10 +14,10 @@ impl Pager {
                     self.handle(*f);
                 }
                 // Remote faults of this batch go out together: one pipelined
-                // burst per server, so their round trips overlap.
+                // burst per server; the replies are taken in as they come.
                 if !self.pending_in.is_empty() {
                     let c0 = thread_cpu_ns();
-                    self.page_in_batch(t);
+                    self.request_faulted(t);
                     self.shared
                         .stats
                         .page_in_cpu_ns
@@ -110,6 +110,8 @@ impl Pager {
             }
             // Stale: the page was installed by a read-ahead meanwhile.
             (FaultKind::Missing, LOCAL) => self.wake(p),
+            // Arriving: its install wakes this thread too.
+            (_, _) if self.loc.out[p] == OUT_ARRIVING => {}
             (_, s) => {
                 let s = (s - REMOTE) as usize;
                 if !self.pending_in.iter().any(|(q, _, _)| *q == p) {

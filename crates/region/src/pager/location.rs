@@ -14,6 +14,8 @@ pub(super) const REMOTE: u8 = 2;
 pub(super) const OUT_NONE: u8 = 0;
 pub(super) const OUT_LEAVING: u8 = 1;
 pub(super) const OUT_RESCUED: u8 = 2;
+/// A remote page whose GET is in flight (`LocationDb::out` of a remote page).
+pub(super) const OUT_ARRIVING: u8 = 3;
 
 /// Where every page of a region is, and what servers hold for it.
 pub(super) struct LocationDb {
@@ -25,7 +27,8 @@ pub(super) struct LocationDb {
     /// The kept copy equals the resident page (write-protected since page-in,
     /// no write seen): evicting it is a local drop, nothing is sent.
     pub(super) clean: Vec<bool>,
-    /// Per page: OUT_NONE, OUT_LEAVING or OUT_RESCUED.
+    /// Per page: OUT_NONE, OUT_LEAVING or OUT_RESCUED (resident pages),
+    /// OUT_ARRIVING (remote pages).
     pub(super) out: Vec<u8>,
     /// Pages OUT_LEAVING: resident now, gone once their job lands.
     pub(super) leaving: u64,
@@ -77,6 +80,9 @@ impl LocationDb {
         if self.state[q] == LOCAL {
             return;
         }
+        if self.out[q] == OUT_ARRIVING {
+            self.out[q] = OUT_NONE;
+        }
         if self.state[q] >= REMOTE {
             self.remote -= 1;
         }
@@ -112,6 +118,12 @@ impl LocationDb {
     /// in one already).
     pub(super) fn evictable(&self, q: usize) -> bool {
         self.state[q] == LOCAL && self.out[q] == OUT_NONE
+    }
+
+    /// Remote page `q` is asked for.
+    pub(super) fn set_arriving(&mut self, q: usize) {
+        debug_assert!(self.state[q] >= REMOTE && self.out[q] == OUT_NONE);
+        self.out[q] = OUT_ARRIVING;
     }
 
     /// Resident page `q` joins a page-out job.

@@ -37,7 +37,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tracing::{debug, warn};
 
-use location::{AccessHistory, LocationDb, LOCAL, OUT_LEAVING, OUT_NONE, REMOTE, ZERO};
+use location::{AccessHistory, LocationDb, LOCAL, OUT_ARRIVING, OUT_LEAVING, OUT_NONE, REMOTE, ZERO};
 
 /// How long a pager keeps trying to reach a server that is busy or
 /// momentarily unreachable before the guest gives up on it.
@@ -97,6 +97,12 @@ pub(crate) struct Pager {
     evicting: bool,
     /// Remote faults of the current batch: (page, server, write fault).
     pending_in: Vec<(usize, usize, bool)>,
+    /// GETs in flight, per server.
+    gets: pagein::GetQueues,
+    /// Fds polled beside the uffd (doorbell, servers with GETs in flight)
+    /// and which were ready: kept to avoid allocating on every loop.
+    poll_fds: Vec<std::os::fd::RawFd>,
+    poll_ready: Vec<bool>,
     /// For connecting to servers added later (evacuation targets).
     secret: Option<pagefleet_proto::auth::Secret>,
     name: String,
@@ -266,6 +272,9 @@ impl Pager {
             full_warned: false,
             evicting: false,
             pending_in: Vec::new(),
+            gets: (0..cfg.servers.len()).map(|_| Default::default()).collect(),
+            poll_fds: Vec::new(),
+            poll_ready: Vec::new(),
             secret: cfg.secret.clone(),
             name: cfg.name.clone(),
             evac: None,
@@ -289,17 +298,35 @@ impl Pager {
             debug!("pager runs at normal priority (no permission to raise it)");
         }
         while !self.shared.stop.load(Relaxed) {
-            // With more page-out to start, only peek for faults; otherwise
-            // sleep until a fault, a command or a finished page-out comes.
+            // With more page-out to start or replies already buffered, only
+            // peek; otherwise sleep until a fault, a reply, a command or a
+            // finished page-out comes.
+            let buffered = (0..self.conns.len())
+                .any(|s| !self.gets[s].is_empty() && self.conns[s].reply_ready());
             let busy = (self.evicting && self.writer.in_flight < reclaim::MAX_JOBS)
-                || self.evac.is_some();
+                || self.evac.is_some()
+                || buffered;
+            self.poll_fds.clear();
+            self.poll_fds.push(self.doorbell.as_raw_fd());
+            let waiting: Vec<usize> = (0..self.conns.len())
+                .filter(|s| !self.gets[*s].is_empty())
+                .collect();
+            self.poll_fds
+                .extend(waiting.iter().map(|s| self.conns[*s].raw_fd()));
+            let mut ready = std::mem::take(&mut self.poll_ready);
             match self
                 .uffd
-                .poll_with(self.doorbell.as_raw_fd(), if busy { 0 } else { 5 })
+                .poll_with(&self.poll_fds, &mut ready, if busy { 0 } else { 5 })
             {
-                Ok((faults, bell)) => {
-                    if bell {
+                Ok(faults) => {
+                    if ready[0] {
                         uffd::drain(self.doorbell.as_raw_fd());
+                    }
+                    // Replies first: installing a page wakes a guest thread.
+                    for (i, &s) in waiting.iter().enumerate() {
+                        if ready[i + 1] || buffered {
+                            self.take_replies(s, false);
+                        }
                     }
                     if faults {
                         self.serve_pending();
@@ -307,6 +334,7 @@ impl Pager {
                 }
                 Err(e) => warn!("polling userfaultfd: {e}"),
             }
+            self.poll_ready = ready;
             self.reap();
             self.balance();
             self.sample_tick();
@@ -333,6 +361,7 @@ impl Pager {
         self.free
             .push(c.info.capacity_pages.saturating_sub(c.info.used_pages));
         self.conns.push(c);
+        self.gets.push(Default::default());
         self.loc.copies.push(0);
         self.addrs.push(addr.to_string());
         self.servers_list.push(addr.to_string());

@@ -1,12 +1,30 @@
-//! Page-in: the faulting pages and their read-ahead, from their servers.
+//! Page-in: the faulting pages and their read-ahead, from their servers,
+//! with many requests in flight. A fault's GET goes out at once; its reply
+//! is taken in whenever the server's connection has it, while faults that
+//! came meanwhile are read and asked for too. A page whose GET is in flight
+//! is *arriving*: another fault on it asks nothing more and waits for the
+//! same install (`UFFDIO_COPY` wakes every thread waiting on the page).
 
 use super::*;
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
+
+/// One GET in flight on a server connection (replies come in order).
+pub(super) struct Get {
+    id: u64,
+    /// Page numbers asked for, in the request's order.
+    pages: Vec<u64>,
+    /// For a faulting page (a GET of its own): whether the fault was a write.
+    fault: Option<bool>,
+    /// The server keeps its copy (the page is installed clean).
+    keep: bool,
+    /// When the fault was read (service time is measured from there).
+    since: Instant,
+}
 
 impl Pager {
     /// The pages to bring with a fault at `p` from server `s`: the rest of
     /// its chunk (fixed prefetch) or its stream's window (adaptive), only
-    /// those on `s` and not in `asked` (which gains them).
+    /// those on `s`, not arriving already and not in `asked` (which gains them).
     pub(super) fn prefetch_list(
         &mut self,
         p: usize,
@@ -26,20 +44,26 @@ impl Pager {
             }
         };
         (lo..hi)
-            .filter(|q| *q != p && self.loc.state[*q] == tag && asked.insert(*q))
+            .filter(|q| {
+                *q != p
+                    && self.loc.state[*q] == tag
+                    && self.loc.out[*q] == OUT_NONE
+                    && asked.insert(*q)
+            })
             .map(|q| q as u64)
             .collect()
     }
 
-    /// Bring back the pages of this batch's remote faults: for every server,
-    /// first the faulting pages (each installed, and its thread woken, as
-    /// soon as it arrives), then their read-ahead that lives there.
+    /// Ask for the pages of this batch's remote faults: for every server,
+    /// first the faulting pages (a GET each, so each is installed and its
+    /// thread woken as soon as it arrives), then their read-ahead. Nothing
+    /// here waits for a reply.
     ///
     /// Outside change tracking the server keeps its copy (GET keep) and the
     /// page is installed write-protected: until the guest writes it, evicting
     /// it again is a local drop. A write fault installs its page writable
     /// (dirty at once: no second fault for the write).
-    pub(super) fn page_in_batch(&mut self, t_read: Instant) {
+    pub(super) fn request_faulted(&mut self, since: Instant) {
         let pending = std::mem::take(&mut self.pending_in);
         let mut servers: Vec<usize> = pending.iter().map(|x| x.1).collect();
         servers.sort_unstable();
@@ -52,130 +76,186 @@ impl Pager {
                 .collect();
             // Every page is asked for once: the faulting ones first.
             let mut asked: HashSet<usize> = firsts.iter().map(|x| x.0).collect();
-            let mut rests: Vec<Vec<u64>> = firsts
+            let rests: Vec<Vec<u64>> = firsts
                 .iter()
                 .map(|&(p, _)| self.prefetch_list(p, s, &mut asked))
                 .collect();
             // Pages of a server being emptied are taken, never kept there.
             let keep = !self.tracking && self.evac.as_ref().is_none_or(|ev| ev.from != s);
-            let Err((p, e)) = self.fetch(s, &firsts, &rests, keep, t_read) else {
-                continue;
-            };
-            // A keep GET can be repeated: ride out a dropped connection or a
-            // restarting proxy by reconnecting once (a take cannot: the
-            // server may have dropped the pages already).
-            if !(keep && e.is_transient()) || self.reconnect(s).is_err() {
-                return self.lost(p, s, e);
-            }
-            let tag = (REMOTE as usize + s) as u8;
-            let firsts: Vec<(usize, bool)> = firsts
-                .into_iter()
-                .filter(|x| self.loc.state[x.0] == tag)
+            let mut gets: Vec<Get> = firsts
+                .iter()
+                .map(|&(p, write)| Get {
+                    id: 0,
+                    pages: vec![p as u64],
+                    fault: Some(write),
+                    keep,
+                    since,
+                })
                 .collect();
-            for r in rests.iter_mut() {
-                r.retain(|q| self.loc.state[*q as usize] == tag);
-            }
-            if let Err((p, e)) = self.fetch(s, &firsts, &rests, keep, t_read) {
-                return self.lost(p, s, e);
-            }
-        }
-        self.publish();
-    }
-
-    /// GET the faulting pages, then their read-ahead, from server `s`, and
-    /// install each as it arrives. On failure: the page that could not be
-    /// brought in and why.
-    pub(super) fn fetch(
-        &mut self,
-        s: usize,
-        firsts: &[(usize, bool)],
-        rests: &[Vec<u64>],
-        keep: bool,
-        t_read: Instant,
-    ) -> Result<(), (usize, pagefleet_client::ClientError)> {
-        let region = self.region_id;
-        let mode = if keep { GetMode::Keep } else { GetMode::Take };
-        let conn = &mut self.conns[s];
-        let mut first_ids = Vec::new();
-        let mut rest_ids = Vec::new();
-        let queued: Result<(), pagefleet_client::ClientError> = (|| {
-            for &(p, _) in firsts {
-                first_ids.push(conn.queue_get(
-                    region,
-                    &PageSel::Run {
-                        first: p as u64,
-                        count: 1,
-                    },
-                    mode,
-                    false,
-                )?);
-            }
             for rest in rests {
                 for part in rest.chunks(MAX_BATCH_PAGES) {
-                    rest_ids.push((
-                        conn.queue_get(region, &PageSel::List(part.to_vec()), mode, false)?,
-                        part.to_vec(),
-                    ));
+                    gets.push(Get {
+                        id: 0,
+                        pages: part.to_vec(),
+                        fault: None,
+                        keep,
+                        since,
+                    });
                 }
             }
-            conn.flush()
-        })();
-        if let Err(e) = queued {
-            return Err((firsts.first().map_or(0, |x| x.0), e));
-        }
-        let shared = self.shared.clone();
-        let st = &shared.stats;
-        for (&(p, write), id) in firsts.iter().zip(first_ids) {
-            if let Err(e) = self.conns[s].recv_get(id, &mut self.buf[..PAGE]) {
-                return Err((p, e));
+            for g in &gets {
+                for &q in &g.pages {
+                    self.loc.set_arriving(q as usize);
+                }
             }
-            let wp = keep && !write;
-            if let Err(e) = self
-                .uffd
-                .copy_mode(self.addr(p), &self.buf[..PAGE], false, wp)
-            {
+            let from = self.gets[s].len();
+            self.gets[s].extend(gets);
+            if let Err(e) = self.send_gets(s, from) {
+                self.get_failed(s, e);
+            }
+        }
+    }
+
+    /// Send the GETs of server `s` from index `from` of its queue on.
+    fn send_gets(&mut self, s: usize, from: usize) -> Result<(), pagefleet_client::ClientError> {
+        let region = self.region_id;
+        let conn = &mut self.conns[s];
+        for g in self.gets[s].iter_mut().skip(from) {
+            let sel = if g.pages.len() == 1 {
+                PageSel::Run {
+                    first: g.pages[0],
+                    count: 1,
+                }
+            } else {
+                PageSel::List(g.pages.clone())
+            };
+            let mode = if g.keep { GetMode::Keep } else { GetMode::Take };
+            g.id = conn.queue_get(region, &sel, mode, false)?;
+        }
+        conn.flush()
+    }
+
+    /// A GET of server `s` failed: a connection that dropped is reconnected
+    /// once and every GET in flight asked again (a keep GET can be repeated;
+    /// a take cannot: the server may have dropped the pages already).
+    /// Anything else ends the guest.
+    fn get_failed(&mut self, s: usize, e: pagefleet_client::ClientError) {
+        let repeatable = self.gets[s].iter().all(|g| g.keep);
+        if repeatable && e.is_transient() && self.reconnect(s).is_ok() {
+            match self.send_gets(s, 0) {
+                Ok(()) => return,
+                Err(e2) => return self.lose_gets(s, e2),
+            }
+        }
+        self.lose_gets(s, e)
+    }
+
+    /// Server `s` cannot give its pages back: the guest cannot go on.
+    fn lose_gets(&mut self, s: usize, e: pagefleet_client::ClientError) {
+        let gets = std::mem::take(&mut self.gets[s]);
+        let first = gets
+            .iter()
+            .find(|g| g.fault.is_some())
+            .or(gets.front())
+            .map_or(0, |g| g.pages[0] as usize);
+        self.lost(first, s, e);
+        // (Only reached when the guest is not ended outright: every page
+        // asked for is poisoned, so no thread waits for it forever.)
+        for g in gets {
+            for q in g.pages {
+                let _ = self.uffd.poison(self.addr(q as usize), PAGE as u64);
+            }
+        }
+    }
+
+    /// Take in the replies server `s` has ready (or, with `wait`, every
+    /// reply in flight), installing each page as it arrives.
+    pub(super) fn take_replies(&mut self, s: usize, wait: bool) {
+        let c0 = thread_cpu_ns();
+        let t0 = Instant::now();
+        let mut n = 0u64;
+        let mut retried = false;
+        while !self.gets[s].is_empty() && (wait || self.conns[s].reply_ready()) {
+            if let Err(e) = self.take_reply(s) {
+                // Reconnect once per call: a server that keeps dropping
+                // the connection is not ridden out forever.
+                if retried {
+                    self.lose_gets(s, e);
+                } else {
+                    retried = true;
+                    self.get_failed(s, e);
+                }
+            }
+            n += 1;
+        }
+        if n > 0 {
+            let st = &self.shared.stats;
+            st.page_in_cpu_ns
+                .fetch_add(thread_cpu_ns().saturating_sub(c0), Relaxed);
+            st.fault_ns
+                .fetch_add(t0.elapsed().as_nanos() as u64, Relaxed);
+            self.publish();
+        }
+    }
+
+    /// Receive the reply to the oldest GET of server `s` and install its pages.
+    fn take_reply(&mut self, s: usize) -> Result<(), pagefleet_client::ClientError> {
+        let len = self.gets[s][0].pages.len() * PAGE;
+        let id = self.gets[s][0].id;
+        self.conns[s].recv_get(id, &mut self.buf[..len])?;
+        let g = self.gets[s].pop_front().expect("a GET in flight");
+        let st = self.shared.clone();
+        let st = &st.stats;
+        if let Some(write) = g.fault {
+            let p = g.pages[0] as usize;
+            let wp = g.keep && !write;
+            if let Err(e) = self.uffd.copy_mode(self.addr(p), &self.buf[..PAGE], false, wp) {
                 self.internal(p, e.to_string());
                 return Ok(());
             }
-            self.arrived(p, s, keep, wp);
+            self.arrived(p, s, g.keep, wp);
             self.access.refb[p] = 1;
             st.page_in_latency
-                .record_us(t_read.elapsed().as_secs_f64() * 1e6);
+                .record_us(g.since.elapsed().as_secs_f64() * 1e6);
             st.page_ins.fetch_add(1, Relaxed);
             st.page_in_requests.fetch_add(1, Relaxed);
             st.bytes_in.fetch_add(PAGE as u64, Relaxed);
+            return Ok(());
         }
-        for (id, part) in rest_ids {
-            let len = part.len() * PAGE;
-            if let Err(e) = self.conns[s].recv_get(id, &mut self.buf[..len]) {
-                return Err((part[0] as usize, e));
+        // Read-ahead: install contiguous runs with one ioctl each.
+        let part = &g.pages;
+        let mut i = 0;
+        while i < part.len() {
+            let mut j = i + 1;
+            while j < part.len() && part[j] == part[j - 1] + 1 {
+                j += 1;
             }
-            // Install contiguous runs with one ioctl each.
-            let mut i = 0;
-            while i < part.len() {
-                let mut j = i + 1;
-                while j < part.len() && part[j] == part[j - 1] + 1 {
-                    j += 1;
-                }
-                let q = part[i] as usize;
-                if let Err(e) =
-                    self.uffd
-                        .copy_mode(self.addr(q), &self.buf[i * PAGE..j * PAGE], false, keep)
-                {
-                    self.internal(q, e.to_string());
-                    return Ok(());
-                }
-                for r in part[i..j].iter() {
-                    self.arrived(*r as usize, s, keep, keep);
-                }
-                i = j;
+            let q = part[i] as usize;
+            if let Err(e) =
+                self.uffd
+                    .copy_mode(self.addr(q), &self.buf[i * PAGE..j * PAGE], false, g.keep)
+            {
+                self.internal(q, e.to_string());
+                return Ok(());
             }
-            st.page_ins.fetch_add(part.len() as u64, Relaxed);
-            st.prefetched_pages.fetch_add(part.len() as u64, Relaxed);
-            st.page_in_requests.fetch_add(1, Relaxed);
-            st.bytes_in.fetch_add(len as u64, Relaxed);
+            for r in part[i..j].iter() {
+                self.arrived(*r as usize, s, g.keep, g.keep);
+            }
+            i = j;
         }
+        st.page_ins.fetch_add(part.len() as u64, Relaxed);
+        st.prefetched_pages.fetch_add(part.len() as u64, Relaxed);
+        st.page_in_requests.fetch_add(1, Relaxed);
+        st.bytes_in.fetch_add(len as u64, Relaxed);
         Ok(())
+    }
+
+    /// Wait for every GET in flight (before anything that needs settled
+    /// locations: change tracking, a hold, an evacuation).
+    pub(super) fn drain_gets(&mut self) {
+        for s in 0..self.gets.len() {
+            self.take_replies(s, true);
+        }
     }
 
     /// Page `q` arrived from server `s` and is resident now; with `keep` the
@@ -189,3 +269,6 @@ impl Pager {
         }
     }
 }
+
+/// GETs in flight per server.
+pub(super) type GetQueues = Vec<VecDeque<Get>>;

@@ -68,9 +68,10 @@ impl Pager {
         }
     }
 
-    /// Wait until no page-out is in flight (before anything that moves or
-    /// deletes server copies, or a migration's final copy).
+    /// Wait until no page-in or page-out is in flight (before anything that
+    /// moves or deletes server copies, or a migration's final copy).
     pub(super) fn quiesce(&mut self) {
+        self.drain_gets();
         while let Some(d) = self.writer.wait_done() {
             self.job_landed(d);
         }
@@ -290,6 +291,9 @@ impl Pager {
                 continue;
             }
             for part in list.chunks(pagefleet_proto::MAX_DELETE_LIST) {
+                // Replies on this connection come in order: the GETs in
+                // flight first.
+                self.take_replies(s, true);
                 let mut r = self.conns[s].delete(region, Pages::List(part));
                 if r.as_ref().is_err_and(|e| e.is_transient()) && self.reconnect(s).is_ok() {
                     r = self.conns[s].delete(region, Pages::List(part));
