@@ -24,7 +24,8 @@ impl Pager {
         if self.loc.staying() > high {
             self.evicting = true;
         }
-        let c0 = thread_cpu_ns();
+        // (The CPU clock is a system call: read only when there is work.)
+        let c0 = if self.evicting { thread_cpu_ns() } else { 0 };
         while self.evicting && self.writer.in_flight < MAX_JOBS {
             let staying = self.loc.staying();
             if staying <= low {
@@ -39,10 +40,12 @@ impl Pager {
                 break;
             }
         }
-        self.shared
-            .stats
-            .page_out_cpu_ns
-            .fetch_add(thread_cpu_ns().saturating_sub(c0), Relaxed);
+        if c0 > 0 {
+            self.shared
+                .stats
+                .page_out_cpu_ns
+                .fetch_add(thread_cpu_ns().saturating_sub(c0), Relaxed);
+        }
         // Direct reclaim: memory itself is over the budget; faults wait
         // until enough of what is in flight has landed.
         if self.loc.resident > budget && self.writer.in_flight > 0 {
