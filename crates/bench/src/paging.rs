@@ -785,7 +785,13 @@ fn run_config(o: &Opts, c: &Cfg, keys: u64, secret_path: &Path) -> Result<Row> {
         seq_page_in_gbps: None,
         region_deltas: after
             .keys()
-            .filter(|k| k.starts_with("pf_") && !k.contains("_us") && !k.ends_with("_pages"))
+            // Counters, not gauges (budget, resident, remote) or percentiles.
+            .filter(|k| {
+                k.starts_with("pf_")
+                    && !k.contains("_us")
+                    && !["pf_budget_pages", "pf_resident_pages", "pf_remote_pages"]
+                        .contains(&k.as_str())
+            })
             .map(|k| (k.clone(), d(k)))
             .collect(),
         error: None,

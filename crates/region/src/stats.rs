@@ -92,6 +92,7 @@ pub struct Counters {
     pub first_writes: AtomicU64,
     pub prefetched_pages: AtomicU64,
     pub rescued_pages: AtomicU64,
+    pub write_hinted_pages: AtomicU64,
     pub page_in_cpu_ns: AtomicU64,
     pub page_out_cpu_ns: AtomicU64,
     pub direct_reclaims: AtomicU64,
@@ -143,6 +144,9 @@ pub struct Stats {
     pub prefetched_pages: u64,
     /// Pages written while their page-out was in flight: kept resident.
     pub rescued_pages: u64,
+    /// Faulting pages installed writable, not clean, because they were
+    /// written when resident before (no WP fault for their next write).
+    pub write_hinted_pages: u64,
     /// Pager CPU time spent bringing pages in, ns.
     pub page_in_cpu_ns: u64,
     /// Pager CPU time spent evicting (sending and dropping), ns.
@@ -177,6 +181,7 @@ impl Stats {
             ("page_in_requests", self.page_in_requests),
             ("prefetched_pages", self.prefetched_pages),
             ("rescued_pages", self.rescued_pages),
+            ("write_hinted_pages", self.write_hinted_pages),
             ("page_outs", self.page_outs),
             ("page_out_chunks", self.page_out_chunks),
             ("clean_drops", self.clean_drops),
@@ -229,6 +234,7 @@ impl Counters {
             first_writes: self.first_writes.load(Relaxed),
             prefetched_pages: self.prefetched_pages.load(Relaxed),
             rescued_pages: self.rescued_pages.load(Relaxed),
+            write_hinted_pages: self.write_hinted_pages.load(Relaxed),
             page_in_cpu_ns: self.page_in_cpu_ns.load(Relaxed),
             page_out_cpu_ns: self.page_out_cpu_ns.load(Relaxed),
             direct_reclaims: self.direct_reclaims.load(Relaxed),

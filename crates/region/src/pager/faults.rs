@@ -131,6 +131,7 @@ impl Pager {
             self.loc.clean[p] = false;
             self.shared.stats.first_writes.fetch_add(1, Relaxed);
         }
+        self.loc.written[p] = true;
         self.mark(p);
     }
 

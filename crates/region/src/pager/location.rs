@@ -14,6 +14,9 @@ pub(super) const REMOTE: u8 = 2;
 pub(super) const OUT_NONE: u8 = 0;
 pub(super) const OUT_LEAVING: u8 = 1;
 pub(super) const OUT_RESCUED: u8 = 2;
+/// Page-ins a page is installed writable after a residency that wrote it.
+pub(super) const WRITE_HINT: u8 = 3;
+
 /// A remote page whose GET is in flight (`LocationDb::out` of a remote page).
 pub(super) const OUT_ARRIVING: u8 = 3;
 
@@ -27,6 +30,12 @@ pub(super) struct LocationDb {
     /// The kept copy equals the resident page (write-protected since page-in,
     /// no write seen): evicting it is a local drop, nothing is sent.
     pub(super) clean: Vec<bool>,
+    /// Per page, kept across residencies: how many more page-ins install
+    /// it writable rather than clean (a write was seen while it was
+    /// resident before: a clean install would only cost a WP fault).
+    pub(super) write_hint: Vec<u8>,
+    /// Per resident page: a write was seen in this residency.
+    pub(super) written: Vec<bool>,
     /// Per page: OUT_NONE, OUT_LEAVING or OUT_RESCUED (resident pages),
     /// OUT_ARRIVING (remote pages).
     pub(super) out: Vec<u8>,
@@ -51,6 +60,8 @@ impl LocationDb {
             state: vec![ZERO; pages],
             copy: vec![0; pages],
             clean: vec![false; pages],
+            write_hint: vec![0; pages],
+            written: vec![false; pages],
             out: vec![OUT_NONE; pages],
             leaving: 0,
             chunk_res: vec![0; pages / chunk_pages],
@@ -86,6 +97,7 @@ impl LocationDb {
         if self.state[q] >= REMOTE {
             self.remote -= 1;
         }
+        self.written[q] = false;
         self.state[q] = LOCAL;
         self.chunk_res[q / self.cp] += 1;
         self.resident += 1;
@@ -99,6 +111,16 @@ impl LocationDb {
         if had {
             self.copies[self.copy[q] as usize - 1] -= 1;
         }
+        // A write seen: install it writable for the next WRITE_HINT page-ins
+        // (each without a seen write uses one up); evicted clean: never.
+        self.write_hint[q] = if self.written[q] {
+            WRITE_HINT
+        } else if self.clean[q] {
+            0
+        } else {
+            self.write_hint[q].saturating_sub(1)
+        };
+        self.written[q] = false;
         self.state[q] = REMOTE + s as u8;
         self.copy[q] = 0;
         self.clean[q] = false;
@@ -258,6 +280,27 @@ mod tests {
         db.keep_copy(5, 0, false);
         assert_eq!(db.forget_copy(5), Some(0));
         assert_eq!((db.copies[0], db.forget_copy(5)), (0, None));
+    }
+
+    #[test]
+    fn a_page_written_last_time_is_hinted_writable_for_a_while() {
+        let mut db = LocationDb::new(16, 16, 1);
+        db.set_local(3);
+        db.written[3] = true;
+        db.set_remote(3, 0);
+        assert_eq!(db.write_hint[3], WRITE_HINT);
+        for left in (0..WRITE_HINT).rev() {
+            db.set_local(3);
+            db.set_remote(3, 0);
+            assert_eq!(db.write_hint[3], left, "a residency without a write uses one up");
+        }
+        db.set_local(3);
+        db.written[3] = true;
+        db.set_remote(3, 0);
+        db.set_local(3);
+        db.keep_copy(3, 0, true);
+        db.set_remote(3, 0);
+        assert_eq!(db.write_hint[3], 0, "evicted clean: no hint");
     }
 
     #[test]

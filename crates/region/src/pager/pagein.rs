@@ -208,12 +208,20 @@ impl Pager {
         let st = &st.stats;
         if let Some(write) = g.fault {
             let p = g.pages[0] as usize;
-            let wp = g.keep && !write;
+            // Clean (write-protected) unless this is a write, or the page
+            // was written when it was here before (its WP fault would come).
+            let hinted = !write && self.loc.write_hint[p] > 0;
+            let wp = g.keep && !write && !hinted;
             if let Err(e) = self.uffd.copy_mode(self.addr(p), &self.buf[..PAGE], false, wp) {
                 self.internal(p, e.to_string());
                 return Ok(());
             }
             self.arrived(p, s, g.keep, wp);
+            if write {
+                self.loc.written[p] = true;
+            } else if hinted && g.keep {
+                st.write_hinted_pages.fetch_add(1, Relaxed);
+            }
             self.access.refb[p] = 1;
             st.page_in_latency
                 .record_us(g.since.elapsed().as_secs_f64() * 1e6);
