@@ -125,13 +125,14 @@ pub struct Config {
     pub sample_cpu_budget: f64,
     /// Fastest full sweep of all chunks by the sampling hand.
     pub sample_period: Duration,
-    /// Estimated guest cost of one sampling event (a MINOR fault or a
-    /// zap), before scaling by the run queue. 80 µs, not the 20 µs a fault
-    /// takes: a guest thread that faults while holding a lock stalls every
-    /// thread waiting for it. Measured on the kv bench: at 20 µs the
-    /// controller allowed 44 faults/s, which cost 4.5–6.7% of throughput;
-    /// at a quarter of that rate the cost was not measurable (−0.9%).
+    /// Estimated guest cost of one sampling (MINOR) fault, before scaling by
+    /// the run queue. 80 µs, not the 20 µs a fault takes: a guest thread
+    /// that faults while holding a lock stalls every thread waiting for it.
+    /// Measured on the kv bench: with 20 µs for faults and zaps alike the
+    /// controller allowed 44 faults/s, which cost 4.5–6.7% of throughput.
     pub minor_fault_cost: Duration,
+    /// Estimated guest cost of one zap (a TLB shootdown; nobody waits).
+    pub zap_cost: Duration,
     /// What a lost page does to the guest.
     pub on_fatal: OnFatal,
     /// Shown in the memory servers' logs.
@@ -202,6 +203,7 @@ impl Config {
             sample_cpu_budget: 0.02,
             sample_period: Duration::from_secs(1),
             minor_fault_cost: Duration::from_micros(80),
+            zap_cost: Duration::from_micros(20),
             on_fatal: OnFatal::Exit,
             name: "pagefleet-region".into(),
             initial_remote: Vec::new(),

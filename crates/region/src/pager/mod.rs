@@ -92,6 +92,7 @@ pub(crate) struct Pager {
     tick_secs: f64,
     cpu_budget: f64,
     minor_cost: Duration,
+    zap_cost: Duration,
     full_warned: bool,
     /// Between the high and low watermarks: keep evicting.
     evicting: bool,
@@ -269,6 +270,7 @@ impl Pager {
             tick_secs: 0.005,
             cpu_budget: cfg.sample_cpu_budget,
             minor_cost: cfg.minor_fault_cost,
+            zap_cost: cfg.zap_cost,
             full_warned: false,
             evicting: false,
             pending_in: Vec::new(),

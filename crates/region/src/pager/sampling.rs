@@ -19,7 +19,10 @@ impl Pager {
             // a CPU: on an oversubscribed host that wait grows with the run
             // queue, so the estimated cost does too.
             let rq = runqueue_factor();
-            let per = self.minor_cost.as_secs_f64() * rq;
+            let (per_fault, per_zap) = (
+                self.minor_cost.as_secs_f64() * rq,
+                self.zap_cost.as_secs_f64() * rq,
+            );
             // Spinning for replies only pays on a host with idle CPUs: on an
             // oversubscribed one it takes the CPU the server or a guest needs.
             let spin = if rq <= 1.0 {
@@ -30,7 +33,8 @@ impl Pager {
             for c in self.conns.iter_mut() {
                 c.set_spin(spin);
             }
-            let used = (self.window_minor as f64 + self.window_zaps as f64) * per;
+            let used =
+                self.window_minor as f64 * per_fault + self.window_zaps as f64 * per_zap;
             let allowed = self.cpu_budget * win;
             if used > allowed {
                 self.rate = (self.rate * (allowed / used) * 0.8).max(1.0);
