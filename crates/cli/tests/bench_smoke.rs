@@ -106,8 +106,13 @@ fn bench_paging_quick_json_has_rows_faults_and_goals() {
         "a 50% budget must page: {pf}"
     );
     let cpu = v["cpu"].as_array().unwrap();
-    assert_eq!(cpu.len(), 2, "floor and pagefleet: {cpu:?}");
+    assert_eq!(
+        cpu.len(),
+        4,
+        "floor and pagefleet, one thread and 16 threads faulting: {cpu:?}"
+    );
     assert!(cpu.iter().all(|c| c["total_us"].as_f64().unwrap() > 0.0));
+    assert!(cpu[2]["what"].as_str().unwrap().contains("16 threads"));
     let faults = v["faults"].as_array().unwrap();
     assert_eq!(faults.len(), 3);
     assert!(faults.iter().all(|f| f["p50_us"].as_f64().unwrap() > 0.0));
