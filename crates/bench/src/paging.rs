@@ -419,7 +419,10 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
         ));
     }
     let mut floor_bounds = Vec::new();
-    let row = |name: &str| rows.iter().find(|r| r.cfg.name == name && r.error.is_none());
+    let row = |name: &str| {
+        rows.iter()
+            .find(|r| r.cfg.name == name && r.error.is_none())
+    };
     if let Some(ssd) = get("swap SSD-like 50% (fifodisk)") {
         let bound = local / ssd;
         floor_bounds.push(FloorBound {
@@ -830,11 +833,7 @@ impl Topology {
         if active {
             util::set_process_affinity(guest, &[1]);
             let all: Vec<usize> = (0..util::ncpus()).collect();
-            util::set_thread_affinity_by_name(
-                guest,
-                pagefleet_region::WRITER_THREAD,
-                &all,
-            );
+            util::set_thread_affinity_by_name(guest, pagefleet_region::WRITER_THREAD, &all);
             util::set_process_affinity(std::process::id(), &[0]);
             for s in servers {
                 util::set_process_affinity(s.child.id(), &[0]);
@@ -1093,8 +1092,10 @@ fn touch_all(
                 })
             })
             .collect();
-        hs.into_iter()
-            .try_for_each(|h| h.join().map_err(|_| anyhow::anyhow!("a toucher panicked"))?)
+        hs.into_iter().try_for_each(|h| {
+            h.join()
+                .map_err(|_| anyhow::anyhow!("a toucher panicked"))?
+        })
     })
 }
 

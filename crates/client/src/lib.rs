@@ -361,10 +361,16 @@ impl Conn {
         self.stream.as_raw_fd()
     }
 
+    /// Whether bytes of a reply were read ahead into this connection's
+    /// buffer (a poll of the socket does not see them). No system call.
+    pub fn buffered(&self) -> bool {
+        !self.rb.is_empty()
+    }
+
     /// Whether a reply (or its start) is here already: buffered, or
     /// readable on the socket. Receiving then does not wait for the server.
     pub fn reply_ready(&self) -> bool {
-        if !self.rb.is_empty() {
+        if self.buffered() {
             return true;
         }
         let mut b = [0u8; 1];

@@ -31,26 +31,25 @@ pub fn set_affinity(tid: i32, cpus: &[usize]) {
 }
 
 pub fn set_process_affinity(pid: u32, cpus: &[usize]) {
-    if let Ok(rd) = std::fs::read_dir(format!("/proc/{pid}/task")) {
-        for t in rd.flatten() {
-            if let Some(tid) = t.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) {
-                set_affinity(tid, cpus);
-            }
-        }
-    }
+    for_each_thread(pid, |tid, _| set_affinity(tid, cpus));
 }
 
 /// Pin the threads of process `pid` named `comm` (as /proc shows it).
 pub fn set_thread_affinity_by_name(pid: u32, comm: &str, cpus: &[usize]) {
+    for_each_thread(pid, |tid, dir| {
+        let named = std::fs::read_to_string(dir.join("comm")).is_ok_and(|c| c.trim_end() == comm);
+        if named {
+            set_affinity(tid, cpus);
+        }
+    });
+}
+
+/// Call `f(tid, /proc/PID/task/TID)` for every thread of process `pid`.
+fn for_each_thread(pid: u32, mut f: impl FnMut(i32, &std::path::Path)) {
     if let Ok(rd) = std::fs::read_dir(format!("/proc/{pid}/task")) {
         for t in rd.flatten() {
-            let named = std::fs::read_to_string(t.path().join("comm"))
-                .is_ok_and(|c| c.trim_end() == comm);
-            if let (true, Some(tid)) = (
-                named,
-                t.file_name().to_str().and_then(|s| s.parse::<i32>().ok()),
-            ) {
-                set_affinity(tid, cpus);
+            if let Some(tid) = t.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) {
+                f(tid, &t.path());
             }
         }
     }

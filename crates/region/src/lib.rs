@@ -22,8 +22,8 @@ mod stats;
 
 pub use pagefleet_client::ConnectOptions;
 pub use pagefleet_proto::auth::Secret;
-pub use stats::{Histogram, Stats};
 pub use pager::WRITER_THREAD;
+pub use stats::{Histogram, Stats};
 
 use pagefleet_uffd::{self as uffd, Mapping};
 use std::os::fd::{AsRawFd, OwnedFd};

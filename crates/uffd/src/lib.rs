@@ -405,17 +405,32 @@ impl Uffd {
         ready: &mut Vec<bool>,
         timeout_ms: i32,
     ) -> io::Result<bool> {
-        let mut p = Vec::with_capacity(1 + others.len());
-        p.push(libc::pollfd {
+        // On the stack for the usual few fds: this is the fault loop.
+        const EMPTY: libc::pollfd = libc::pollfd {
+            fd: -1,
+            events: 0,
+            revents: 0,
+        };
+        let mut stack = [EMPTY; 32];
+        let mut heap = Vec::new();
+        let p: &mut [libc::pollfd] = if others.len() < stack.len() {
+            &mut stack[..1 + others.len()]
+        } else {
+            heap.resize(1 + others.len(), EMPTY);
+            &mut heap
+        };
+        p[0] = libc::pollfd {
             fd: self.fd.as_raw_fd(),
             events: libc::POLLIN,
             revents: 0,
-        });
-        p.extend(others.iter().map(|fd| libc::pollfd {
-            fd: *fd,
-            events: libc::POLLIN,
-            revents: 0,
-        }));
+        };
+        for (q, fd) in p[1..].iter_mut().zip(others) {
+            *q = libc::pollfd {
+                fd: *fd,
+                events: libc::POLLIN,
+                revents: 0,
+            };
+        }
         ready.clear();
         ready.resize(others.len(), false);
         // SAFETY: `p` holds p.len() valid pollfds.

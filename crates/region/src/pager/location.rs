@@ -292,7 +292,10 @@ mod tests {
         for left in (0..WRITE_HINT).rev() {
             db.set_local(3);
             db.set_remote(3, 0);
-            assert_eq!(db.write_hint[3], left, "a residency without a write uses one up");
+            assert_eq!(
+                db.write_hint[3], left,
+                "a residency without a write uses one up"
+            );
         }
         db.set_local(3);
         db.written[3] = true;

@@ -37,7 +37,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tracing::{debug, warn};
 
-use location::{AccessHistory, LocationDb, LOCAL, OUT_ARRIVING, OUT_LEAVING, OUT_NONE, REMOTE, ZERO};
+use location::{
+    AccessHistory, LocationDb, LOCAL, OUT_ARRIVING, OUT_LEAVING, OUT_NONE, REMOTE, ZERO,
+};
 
 /// How long a pager keeps trying to reach a server that is busy or
 /// momentarily unreachable before the guest gives up on it.
@@ -100,9 +102,11 @@ pub(crate) struct Pager {
     pending_in: Vec<(usize, usize, bool)>,
     /// GETs in flight, per server.
     gets: pagein::GetQueues,
-    /// Fds polled beside the uffd (doorbell, servers with GETs in flight)
-    /// and which were ready: kept to avoid allocating on every loop.
+    /// Fds polled beside the uffd (doorbell, then the servers with GETs in
+    /// flight, `poll_servers`) and which were ready: kept to avoid
+    /// allocating on every loop.
     poll_fds: Vec<std::os::fd::RawFd>,
+    poll_servers: Vec<usize>,
     poll_ready: Vec<bool>,
     /// For connecting to servers added later (evacuation targets).
     secret: Option<pagefleet_proto::auth::Secret>,
@@ -276,6 +280,7 @@ impl Pager {
             pending_in: Vec::new(),
             gets: (0..cfg.servers.len()).map(|_| Default::default()).collect(),
             poll_fds: Vec::new(),
+            poll_servers: Vec::new(),
             poll_ready: Vec::new(),
             secret: cfg.secret.clone(),
             name: cfg.name.clone(),
@@ -300,21 +305,22 @@ impl Pager {
             debug!("pager runs at normal priority (no permission to raise it)");
         }
         while !self.shared.stop.load(Relaxed) {
-            // With more page-out to start or replies already buffered, only
-            // peek; otherwise sleep until a fault, a reply, a command or a
+            // Servers with GETs in flight are polled beside the uffd and
+            // the doorbell. With more page-out to start, or reply bytes
+            // already read ahead (which a poll does not see), only peek;
+            // otherwise sleep until a fault, a reply, a command or a
             // finished page-out comes.
-            let buffered = (0..self.conns.len())
-                .any(|s| !self.gets[s].is_empty() && self.conns[s].reply_ready());
+            self.poll_servers.clear();
+            self.poll_servers
+                .extend((0..self.conns.len()).filter(|s| !self.gets[*s].is_empty()));
+            self.poll_fds.clear();
+            self.poll_fds.push(self.doorbell.as_raw_fd());
+            self.poll_fds
+                .extend(self.poll_servers.iter().map(|s| self.conns[*s].raw_fd()));
+            let buffered = self.poll_servers.iter().any(|s| self.conns[*s].buffered());
             let busy = (self.evicting && self.writer.in_flight < reclaim::MAX_JOBS)
                 || self.evac.is_some()
                 || buffered;
-            self.poll_fds.clear();
-            self.poll_fds.push(self.doorbell.as_raw_fd());
-            let waiting: Vec<usize> = (0..self.conns.len())
-                .filter(|s| !self.gets[*s].is_empty())
-                .collect();
-            self.poll_fds
-                .extend(waiting.iter().map(|s| self.conns[*s].raw_fd()));
             let mut ready = std::mem::take(&mut self.poll_ready);
             match self
                 .uffd
@@ -325,8 +331,9 @@ impl Pager {
                         uffd::drain(self.doorbell.as_raw_fd());
                     }
                     // Replies first: installing a page wakes a guest thread.
-                    for (i, &s) in waiting.iter().enumerate() {
-                        if ready[i + 1] || buffered {
+                    for i in 0..self.poll_servers.len() {
+                        let s = self.poll_servers[i];
+                        if ready[i + 1] || self.conns[s].buffered() {
                             self.take_replies(s, false);
                         }
                     }

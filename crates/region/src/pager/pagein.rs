@@ -212,7 +212,10 @@ impl Pager {
             // was written when it was here before (its WP fault would come).
             let hinted = !write && self.loc.write_hint[p] > 0;
             let wp = g.keep && !write && !hinted;
-            if let Err(e) = self.uffd.copy_mode(self.addr(p), &self.buf[..PAGE], false, wp) {
+            if let Err(e) = self
+                .uffd
+                .copy_mode(self.addr(p), &self.buf[..PAGE], false, wp)
+            {
                 self.internal(p, e.to_string());
                 return Ok(());
             }

@@ -278,10 +278,7 @@ impl Pager {
             let c = self.loc.copy[q];
             // A page in a page-out job keeps its slot: the PUT in flight
             // (on the writer's connection) could land after a delete.
-            if c == 0
-                || only.is_some_and(|o| o + 1 != c as usize)
-                || self.loc.out[q] != OUT_NONE
-            {
+            if c == 0 || only.is_some_and(|o| o + 1 != c as usize) || self.loc.out[q] != OUT_NONE {
                 continue;
             }
             lists[c as usize - 1].push(q as u64);

@@ -33,8 +33,7 @@ impl Pager {
             for c in self.conns.iter_mut() {
                 c.set_spin(spin);
             }
-            let used =
-                self.window_minor as f64 * per_fault + self.window_zaps as f64 * per_zap;
+            let used = self.window_minor as f64 * per_fault + self.window_zaps as f64 * per_zap;
             let allowed = self.cpu_budget * win;
             if used > allowed {
                 self.rate = (self.rate * (allowed / used) * 0.8).max(1.0);

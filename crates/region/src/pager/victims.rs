@@ -171,7 +171,9 @@ mod tests {
                     ZERO => 0,
                     s => {
                         assert_eq!(s, REMOTE, "one server");
-                        self.server.remove(&p).expect("the server holds every remote page")
+                        self.server
+                            .remove(&p)
+                            .expect("the server holds every remote page")
                     }
                 };
                 self.mem.insert(p, v);
