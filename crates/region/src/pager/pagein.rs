@@ -6,7 +6,7 @@
 //! same install (`UFFDIO_COPY` wakes every thread waiting on the page).
 
 use super::*;
-use std::collections::{HashSet, VecDeque};
+use std::collections::VecDeque;
 
 /// One GET in flight on a server connection (replies come in order).
 pub(super) struct Get {
@@ -24,13 +24,8 @@ pub(super) struct Get {
 impl Pager {
     /// The pages to bring with a fault at `p` from server `s`: the rest of
     /// its chunk (fixed prefetch) or its stream's window (adaptive), only
-    /// those on `s`, not arriving already and not in `asked` (which gains them).
-    pub(super) fn prefetch_list(
-        &mut self,
-        p: usize,
-        s: usize,
-        asked: &mut HashSet<usize>,
-    ) -> Vec<u64> {
+    /// those on `s` and not asked for already; they are arriving from now on.
+    pub(super) fn prefetch_list(&mut self, p: usize, s: usize) -> Vec<u64> {
         let tag = (REMOTE as usize + s) as u8;
         let (lo, hi) = match self.prefetch {
             crate::Prefetch::Chunk => {
@@ -43,15 +38,14 @@ impl Pager {
                 (p, (p + w).min(self.loc.state.len()))
             }
         };
-        (lo..hi)
-            .filter(|q| {
-                *q != p
-                    && self.loc.state[*q] == tag
-                    && self.loc.out[*q] == OUT_NONE
-                    && asked.insert(*q)
-            })
+        let list: Vec<u64> = (lo..hi)
+            .filter(|q| self.loc.state[*q] == tag && self.loc.out[*q] == OUT_NONE)
             .map(|q| q as u64)
-            .collect()
+            .collect();
+        for &q in &list {
+            self.loc.set_arriving(q as usize);
+        }
+        list
     }
 
     /// Ask for the pages of this batch's remote faults: for every server,
@@ -74,11 +68,14 @@ impl Pager {
                 .filter(|x| x.1 == s)
                 .map(|x| (x.0, x.2))
                 .collect();
-            // Every page is asked for once: the faulting ones first.
-            let mut asked: HashSet<usize> = firsts.iter().map(|x| x.0).collect();
+            // Every page is asked for once (an arriving page is not asked
+            // again): the faulting ones first.
+            for &(p, _) in &firsts {
+                self.loc.set_arriving(p);
+            }
             let rests: Vec<Vec<u64>> = firsts
                 .iter()
-                .map(|&(p, _)| self.prefetch_list(p, s, &mut asked))
+                .map(|&(p, _)| self.prefetch_list(p, s))
                 .collect();
             // Pages of a server being emptied are taken, never kept there.
             let keep = !self.tracking && self.evac.as_ref().is_none_or(|ev| ev.from != s);
@@ -101,11 +98,6 @@ impl Pager {
                         keep,
                         since,
                     });
-                }
-            }
-            for g in &gets {
-                for &q in &g.pages {
-                    self.loc.set_arriving(q as usize);
                 }
             }
             let from = self.gets[s].len();
