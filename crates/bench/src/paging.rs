@@ -116,6 +116,9 @@ pub struct Row {
     pub zram_compression: Option<f64>,
     /// Sequential scan rows: bytes paged in per second, GB/s.
     pub seq_page_in_gbps: Option<f64>,
+    /// Each CPU's busy share over the measured window (CPU 0: client and
+    /// servers; CPU 1: the guest).
+    pub cpu_busy: Vec<f64>,
     pub error: Option<String>,
 }
 
@@ -302,6 +305,7 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
                 region_deltas: Default::default(),
                 zram_compression: None,
                 seq_page_in_gbps: None,
+                cpu_busy: Vec::new(),
                 error: Some(format!("{e:#}")),
             },
         };
@@ -498,7 +502,7 @@ pub fn print_table(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
     )?;
     writeln!(
         out,
-        "\n  {:<38} {:>6} {:>9} {:>11} {:>11} {:>9} {:>10} {:>7} {:>7}",
+        "\n  {:<38} {:>6} {:>9} {:>11} {:>11} {:>9} {:>10} {:>7} {:>7} {:>9}",
         "config",
         "ops/s",
         "x local",
@@ -507,7 +511,8 @@ pub fn print_table(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
         "drops/s",
         "sampling/s",
         "p50 us",
-        "p99 us"
+        "p99 us",
+        "CPU busy"
     )?;
     for row in &r.rows {
         if let Some(e) = &row.error {
@@ -515,9 +520,15 @@ pub fn print_table(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
             continue;
         }
         let f = |v: Option<f64>| v.map_or("-".to_string(), |x| format!("{x:.0}"));
+        let busy = row
+            .cpu_busy
+            .iter()
+            .map(|b| format!("{:.0}", b * 100.0))
+            .collect::<Vec<_>>()
+            .join("/");
         writeln!(
             out,
-            "  {:<38} {:>6.0} {:>9.3} {:>11.0} {:>11.0} {:>9.0} {:>10.0} {:>7} {:>7}",
+            "  {:<38} {:>6.0} {:>9.3} {:>11.0} {:>11.0} {:>9.0} {:>10.0} {:>7} {:>7} {:>9}",
             row.cfg.name,
             row.ops_per_sec,
             row.ratio_to_local,
@@ -526,7 +537,8 @@ pub fn print_table(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
             row.clean_drops_per_sec,
             row.sampling_faults_per_sec,
             f(row.fault_p50_us),
-            f(row.fault_p99_us)
+            f(row.fault_p99_us),
+            busy
         )?;
     }
     writeln!(
@@ -534,6 +546,10 @@ pub fn print_table(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
         "  (guest on CPU 1; kv client and memory servers, standing for other hosts, on CPU 0;"
     )?;
     writeln!(out, "   p50/p99: pagefleet page-in service time, quarter-octave buckets; swap: pages swapped in per second;")?;
+    writeln!(
+        out,
+        "   CPU busy: % of each CPU (0/1) busy over the measured window;"
+    )?;
     writeln!(
         out,
         "   page-outs/s: pages sent; drops/s: clean pages evicted without sending;"
@@ -767,7 +783,9 @@ fn run_config(o: &Opts, c: &Cfg, keys: u64, secret_path: &Path) -> Result<Row> {
     kvload::run_for(&kv_spec(&g.addr, keys, o), o.warmup_secs)?;
     let before = kv_stats(&g.addr).unwrap_or_default();
     let swapin0 = vmstat("pswpin");
+    let cpu0 = util::cpu_times();
     let (ops, per_second) = kvload::run_for(&kv_spec(&g.addr, keys, o), o.measure_secs)?;
+    let cpu_busy = util::cpu_busy(&cpu0, &util::cpu_times());
     let after = kv_stats(&g.addr).unwrap_or_default();
     let swapins = vmstat("pswpin") - swapin0;
     let zram_compression = (c.kind == Kind::Zram).then(zram_ratio).flatten();
@@ -798,6 +816,7 @@ fn run_config(o: &Opts, c: &Cfg, keys: u64, secret_path: &Path) -> Result<Row> {
             .then(|| after["pf_page_in_p99_us"] as f64),
         zram_compression,
         seq_page_in_gbps: None,
+        cpu_busy,
         region_deltas: after
             .keys()
             // Counters, not gauges (budget, resident, remote) or percentiles.
@@ -933,6 +952,7 @@ fn seq_scan(o: &Opts, c: &Cfg, daemons: &[util::ChildDaemon], secret_path: &Path
         region_deltas,
         zram_compression: None,
         seq_page_in_gbps: Some(n("bytes_in") as f64 / secs / 1e9),
+        cpu_busy: Vec::new(),
         error: None,
     })
 }

@@ -44,6 +44,41 @@ pub fn set_thread_affinity_by_name(pid: u32, comm: &str, cpus: &[usize]) {
     });
 }
 
+/// Busy (non-idle, non-iowait) jiffies and total jiffies per CPU, from
+/// `/proc/stat`; two readings give each CPU's busy share in between.
+pub fn cpu_times() -> Vec<(u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    stat.lines()
+        .filter(|l| l.starts_with("cpu") && l.as_bytes().get(3).is_some_and(u8::is_ascii_digit))
+        .map(|l| {
+            let v: Vec<u64> = l
+                .split_whitespace()
+                .skip(1)
+                .filter_map(|x| x.parse().ok())
+                .collect();
+            let total: u64 = v.iter().take(8).sum();
+            let idle = v.get(3).copied().unwrap_or(0) + v.get(4).copied().unwrap_or(0);
+            (total - idle, total)
+        })
+        .collect()
+}
+
+/// Each CPU's busy share between two `cpu_times` readings (0..1).
+pub fn cpu_busy(before: &[(u64, u64)], after: &[(u64, u64)]) -> Vec<f64> {
+    before
+        .iter()
+        .zip(after)
+        .map(|(b, a)| {
+            let total = a.1.saturating_sub(b.1);
+            if total == 0 {
+                0.0
+            } else {
+                a.0.saturating_sub(b.0) as f64 / total as f64
+            }
+        })
+        .collect()
+}
+
 /// Call `f(tid, /proc/PID/task/TID)` for every thread of process `pid`.
 fn for_each_thread(pid: u32, mut f: impl FnMut(i32, &std::path::Path)) {
     if let Ok(rd) = std::fs::read_dir(format!("/proc/{pid}/task")) {

@@ -35,7 +35,8 @@ pub struct PfStats {
     pub remote_pages: u64,
     /// MISSING faults served (first touch or page-in).
     pub missing_faults: u64,
-    /// MINOR faults (access sampling).
+    /// Pages the sampler found touched since it unmapped them (each a minor
+    /// fault the kernel resolved).
     pub minor_faults: u64,
     /// Write-protect faults (migration change tracking).
     pub wp_faults: u64,

@@ -28,9 +28,25 @@ fn region(c: &Cluster, size: u64, budget_pages: u64, policy: Policy, chunk: usiz
 /// their quarters in random order for several rounds, under constant page-out
 /// and page-in. Every byte is checked.
 fn pattern_test(policy: Policy, chunk: usize) {
+    pattern_test_with(policy, chunk, false)
+}
+
+/// `storm`: the sampler may spend a whole core and sweep every 10 ms, so
+/// pages are unmapped under the threads all the time (reads map them back
+/// in the kernel, writes to clean or leaving pages must still fault WP).
+fn pattern_test_with(policy: Policy, chunk: usize, storm: bool) {
     let c = Cluster::start(2, "64MiB");
     let pages = 8192u64; // 32 MiB
-    let r = region(&c, pages * P as u64, pages / 4, policy, chunk);
+    let mut cfg = Config::new(pages * P as u64, pages / 4);
+    cfg.servers = c.addrs();
+    cfg.secret = Some(c.secret.clone());
+    cfg.policy = policy;
+    cfg.chunk_pages = chunk;
+    if storm {
+        cfg.sample_cpu_budget = 1.0;
+        cfg.sample_period = std::time::Duration::from_millis(10);
+    }
+    let r = Region::new(cfg).expect("region");
     let base = r.as_ptr() as usize;
     const THREADS: u64 = 4;
     std::thread::scope(|s| {
@@ -41,13 +57,20 @@ fn pattern_test(policy: Policy, chunk: usize) {
                 let mut want = vec![0u8; P];
                 let seed = 0x1234_5678 + t;
                 for round in 1..=3u64 {
-                    // Write every page of the quarter in a random order.
+                    // Write every page of the quarter in a random order
+                    // (with a sampling storm, read each first: the page is
+                    // then mapped clean and write-protected before the write).
                     for i in 0..per {
                         let p = lo + (i * 4099 + round * 17 + (seed % 2)) % per;
                         // SAFETY: each thread owns its quarter.
                         let page = unsafe {
                             std::slice::from_raw_parts_mut((base + p as usize * P) as *mut u8, P)
                         };
+                        if storm {
+                            // SAFETY: as above.
+                            unsafe { std::ptr::read_volatile(page.as_ptr()) };
+                            std::thread::yield_now();
+                        }
                         fill(p, round, page);
                     }
                     // Verify in a scrambled order.
@@ -69,6 +92,12 @@ fn pattern_test(policy: Policy, chunk: usize) {
     });
     settle(|| r.stats().resident_pages <= r.stats().budget_pages);
     let st = r.stats();
+    if storm {
+        assert!(
+            st.minor_faults > 0 && st.sampled_chunks > 0,
+            "the sampler unmapped pages and saw them touched again: {st:?}"
+        );
+    }
     assert!(
         st.page_outs > pages,
         "expected constant page-out, got {} page-outs",
@@ -107,6 +136,11 @@ fn pattern_test(policy: Policy, chunk: usize) {
 #[test]
 fn pattern_4x_budget_two_servers_clock() {
     pattern_test(Policy::Clock, 16);
+}
+
+#[test]
+fn no_write_is_lost_while_the_sampler_unmaps_pages_all_the_time() {
+    pattern_test_with(Policy::Aging, 16, true);
 }
 
 #[test]

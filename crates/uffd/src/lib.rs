@@ -1,10 +1,13 @@
 //! Thin, safe wrappers over the kernel mechanisms the paging runtime uses:
 //! userfaultfd (MISSING, MINOR and WP faults on a shared memfd mapping),
-//! memfd, `fallocate(PUNCH_HOLE)` and `madvise`. Ioctl numbers and structs are
+//! `PAGEMAP_SCAN` (which pages are mapped), memfd, `fallocate(PUNCH_HOLE)` and `madvise`. Ioctl numbers and structs are
 //! defined here (Debian's 6.1 headers lack the newer ones; see FACTS.md).
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+
+mod pagemap;
+pub use pagemap::Pagemap;
 
 /// The page size everything here works in.
 pub const PAGE: usize = 4096;

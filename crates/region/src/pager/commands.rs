@@ -21,7 +21,7 @@ impl Pager {
                     self.drop_copies(None, u64::MAX);
                 }
                 // Mapped resident pages fault on their next write; unmapped
-                // ones fault MINOR first and are mapped write-protected.
+                // ones keep a write-protect marker (the kernel installs one).
                 if let Err(e) = self.uffd.writeprotect(base, len, on) {
                     warn!("change tracking: {e}");
                 }

@@ -41,12 +41,10 @@ impl Pager {
         let p = ((f.addr - base) as usize) / PAGE;
         let st = self.loc.state[p];
         let s = &self.shared.stats;
+        // (The region is not registered for MINOR faults: a page the
+        // sampler unmapped is mapped back by the kernel, see `refs`.)
         match f.kind {
-            FaultKind::Missing => s.missing_faults.fetch_add(1, Relaxed),
-            // Only MINOR faults on resident pages are sampling faults; a MINOR
-            // fault on a remote page is a stale event served as a page-in.
-            FaultKind::Minor if st == LOCAL => s.minor_faults.fetch_add(1, Relaxed),
-            FaultKind::Minor => s.missing_faults.fetch_add(1, Relaxed),
+            FaultKind::Missing | FaultKind::Minor => s.missing_faults.fetch_add(1, Relaxed),
             FaultKind::WriteProtect => s.wp_faults.fetch_add(1, Relaxed),
         };
         match (f.kind, st) {
@@ -61,55 +59,8 @@ impl Pager {
             // A write that waited out a page-out: unprotecting woke it already.
             (FaultKind::WriteProtect, _) => self.wake(p),
             (_, ZERO) => self.zero_fill(p),
-            (FaultKind::Minor, LOCAL) => {
-                self.window_minor += 1;
-                self.access.refb[p] = 1;
-                if f.write {
-                    self.dirtied(p);
-                }
-                // Map the whole run of resident pages of this chunk that the
-                // sampler unmapped, not just this page: one sampling fault
-                // per touched chunk instead of one per page (placement and
-                // eviction rank chunks), so the same CPU budget samples
-                // many more chunks. Pages of the run the guest then touches
-                // set no bits of their own: the chunk already counts as used.
-                let lo = p / self.cp * self.cp;
-                let (mut a, mut b) = (p, p + 1);
-                while a > lo && self.loc.state[a - 1] == LOCAL {
-                    a -= 1;
-                }
-                while b < lo + self.cp && self.loc.state[b] == LOCAL {
-                    b += 1;
-                }
-                // Pages whose writes must be seen (tracking, clean copies)
-                // are mapped write-protected; a write maps only its own
-                // page writable (it is dirty now).
-                let guarded = self.tracking
-                    || self.loc.clean[a..b].iter().any(|c| *c)
-                    || self.loc.out[a..b].contains(&OUT_LEAVING);
-                let whole = if b - a > 1 && !(f.write && guarded) {
-                    self.uffd
-                        .continue_mode(self.addr(a), ((b - a) * PAGE) as u64, guarded)
-                } else {
-                    Ok(Fill::Exists)
-                };
-                let wp = !f.write
-                    && (self.tracking || self.loc.clean[p] || self.loc.out[p] == OUT_LEAVING);
-                match whole {
-                    Ok(Fill::Done) => {}
-                    // Part of the run was mapped already: just this page.
-                    Ok(Fill::Exists) => {
-                        match self.uffd.continue_mode(self.addr(p), PAGE as u64, wp) {
-                            Ok(Fill::Done) => {}
-                            Ok(Fill::Exists) => self.wake(p),
-                            Err(e) => self.internal(p, e.to_string()),
-                        }
-                    }
-                    Err(e) => self.internal(p, e.to_string()),
-                }
-            }
             // Stale: the page was installed by a read-ahead meanwhile.
-            (FaultKind::Missing, LOCAL) => self.wake(p),
+            (_, LOCAL) => self.wake(p),
             // Arriving: its install wakes this thread too.
             (_, _) if self.loc.out[p] == OUT_ARRIVING => {}
             (_, s) => {

@@ -10,8 +10,8 @@
 //! One file per concern: [`faults`] (reading and dispatching fault events),
 //! [`pagein`] (bringing pages and their read-ahead in), [`reclaim`]
 //! (watermarks and page-out jobs), [`victims`] (which chunks go),
-//! [`writer`] (the thread sending them),
-//! [`sampling`] (the access-history hand), [`evacuate`] (moving a server's
+//! [`writer`] (the thread sending them), [`refs`] (reference bits from
+//! the page tables), [`sampling`] (the access-history hand), [`evacuate`] (moving a server's
 //! pages elsewhere), [`commands`] (what the region's owner asks: tracking,
 //! snapshots, holds).
 
@@ -22,6 +22,7 @@ mod location;
 mod pagein;
 mod readahead;
 mod reclaim;
+mod refs;
 mod sampling;
 mod victims;
 mod writer;
@@ -30,16 +31,14 @@ pub use writer::WRITER_THREAD;
 use crate::{Command, Config, OnFatal, Policy, RegionError, Shared, Snapshot, PAGE};
 use pagefleet_client::{Conn, ConnectOptions, GetMode, Pages};
 use pagefleet_proto::{PageSel, MAX_BATCH_PAGES};
-use pagefleet_uffd::{self as uffd, Fault, FaultKind, Fill, Mapping, Uffd};
+use pagefleet_uffd::{self as uffd, Fault, FaultKind, Mapping, Uffd};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tracing::{debug, warn};
 
-use location::{
-    AccessHistory, LocationDb, LOCAL, OUT_ARRIVING, OUT_LEAVING, OUT_NONE, REMOTE, ZERO,
-};
+use location::{AccessHistory, LocationDb, LOCAL, OUT_ARRIVING, OUT_NONE, REMOTE, ZERO};
 
 /// How long a pager keeps trying to reach a server that is busy or
 /// momentarily unreachable before the guest gives up on it.
@@ -84,6 +83,9 @@ pub(crate) struct Pager {
     hand: usize,
     /// Where the victim search stands.
     victims: victims::VictimHand,
+    /// `PAGEMAP_SCAN` for reference bits ([`refs`]); None on kernels
+    /// before 6.7 (then only page-ins count as references).
+    pagemap: Option<uffd::Pagemap>,
     rate: f64,
     max_rate: f64,
     carry: f64,
@@ -124,7 +126,6 @@ impl Pager {
         doorbell: Arc<OwnedFd>,
     ) -> Result<Pager, RegionError> {
         let need = uffd::FEATURE_MISSING_SHMEM
-            | uffd::FEATURE_MINOR_SHMEM
             | uffd::FEATURE_WP_HUGETLBFS_SHMEM
             | uffd::FEATURE_PAGEFAULT_FLAG_WP
             | uffd::FEATURE_THREAD_ID;
@@ -132,8 +133,17 @@ impl Pager {
         u.register(
             guest.base(),
             guest.len() as u64,
-            uffd::MODE_MISSING | uffd::MODE_MINOR | uffd::MODE_WP,
+            // Not MINOR: a resident page the sampler unmapped is mapped
+            // back by the kernel itself, and PAGEMAP_SCAN shows it ([`refs`]).
+            uffd::MODE_MISSING | uffd::MODE_WP,
         )?;
+        let pagemap = match uffd::Pagemap::open() {
+            Ok(pm) => Some(pm),
+            Err(e) => {
+                warn!("PAGEMAP_SCAN unavailable ({e}; Linux 6.7+): victims are chosen by page-ins alone");
+                None
+            }
+        };
         let shadow =
             Mapping::shared(memfd.as_raw_fd(), guest.len()).map_err(|source| RegionError::Io {
                 what: "mmap shadow",
@@ -263,6 +273,7 @@ impl Pager {
             faults: Vec::with_capacity(64),
             hand: 0,
             victims: victims::VictimHand::new(chunks, cfg.chunk_pages),
+            pagemap,
             // Start slow; the controller raises the rate while faults stay cheap.
             rate: (max_rate / 64.0).clamp(1.0, 64.0),
             max_rate: max_rate.max(10.0),

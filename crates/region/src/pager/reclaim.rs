@@ -34,7 +34,19 @@ impl Pager {
             }
             // Far over: bigger jobs (fewer round trips to catch up).
             let cap = if staying > budget { 512 } else { 64 };
-            let batch = self.victims.batch(&self.loc, &mut self.access, low, cap);
+            let mut probe = refs::PagemapProbe::new(
+                self.pagemap.as_mut(),
+                self.guest.base(),
+                self.cp,
+                self.chunks,
+            );
+            let batch = self
+                .victims
+                .batch(&self.loc, &mut self.access, &mut probe, low, cap);
+            // Spared chunks are unmapped again: their next touch shows.
+            let mut spared = std::mem::take(&mut self.victims.spared);
+            self.rearm(&mut spared);
+            self.victims.spared = spared;
             if batch.is_empty() || !self.page_out(&batch) {
                 self.evicting = false;
                 break;

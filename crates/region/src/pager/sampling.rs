@@ -14,18 +14,13 @@ impl Pager {
         // Controller: keep the guest's cost of sampling faults within budget.
         let win = now.duration_since(self.window_start).as_secs_f64();
         if win >= 0.1 {
-            // Each sampling fault and each zap (a TLB shootdown) costs the
-            // guest. A fault also turns a running thread into one waiting for
-            // a CPU: on an oversubscribed host that wait grows with the run
-            // queue, so the estimated cost does too.
-            let rq = runqueue_factor();
-            let (per_fault, per_zap) = (
-                self.minor_cost.as_secs_f64() * rq,
-                self.zap_cost.as_secs_f64() * rq,
-            );
+            // What sampling costs the guest: each page touched after a zap
+            // took a minor fault (resolved by the kernel, no thread waits
+            // for the pager), each zap a TLB shootdown.
+            let (per_fault, per_zap) = (self.minor_cost.as_secs_f64(), self.zap_cost.as_secs_f64());
             // Spinning for replies only pays on a host with idle CPUs: on an
             // oversubscribed one it takes the CPU the server or a guest needs.
-            let spin = if rq <= 1.0 {
+            let spin = if runqueue_factor() <= 1.0 {
                 self.reply_spin
             } else {
                 Duration::ZERO
@@ -62,11 +57,14 @@ impl Pager {
         if todo == 0 {
             return;
         }
-        // Visit the next resident chunks, then zap the whole swept span with
-        // one madvise per contiguous piece: every zap is a TLB shootdown (an
-        // IPI to each CPU running the guest), so one per tick, not per chunk.
+        // Visit the next resident chunks: read which of their pages were
+        // touched since the last zap (reference bits), fold that into the
+        // history, then zap the whole swept span with one madvise per
+        // contiguous piece: every zap is a TLB shootdown (an IPI to each
+        // CPU running the guest), so one per tick, not per chunk.
         let mut scanned = 0;
         let start = self.hand;
+        let mut visit = Vec::new();
         while todo > 0 && scanned < self.chunks {
             let c = self.hand;
             self.hand = (self.hand + 1) % self.chunks;
@@ -74,10 +72,23 @@ impl Pager {
             if self.loc.chunk_res[c] == 0 {
                 continue;
             }
-            self.visit(c);
+            visit.push(c);
             todo -= 1;
         }
         let first = (self.chunks - start).min(scanned);
+        let mut touched = self.read_refs(start * self.cp, (start + first) * self.cp);
+        if scanned > first {
+            touched += self.read_refs(0, (scanned - first) * self.cp);
+        }
+        for c in visit {
+            self.access.sweep(c * self.cp, (c + 1) * self.cp);
+            self.shared.stats.sampled_chunks.fetch_add(1, Relaxed);
+        }
+        self.window_minor += touched;
+        self.shared.stats.minor_faults.fetch_add(touched, Relaxed);
+        if self.pagemap.is_none() {
+            return;
+        }
         let _ = self.guest.madvise(
             start * self.cp * PAGE,
             first * self.cp * PAGE,
@@ -89,12 +100,6 @@ impl Pager {
                 .madvise(0, (scanned - first) * self.cp * PAGE, libc::MADV_DONTNEED);
         }
         self.window_zaps += 1 + (scanned > first) as u64;
-    }
-
-    pub(super) fn visit(&mut self, c: usize) {
-        self.access.sweep(c * self.cp, (c + 1) * self.cp);
-        // The caller zaps the PTEs (page cache stays): the next touch is a MINOR fault.
-        self.shared.stats.sampled_chunks.fetch_add(1, Relaxed);
     }
 }
 

@@ -1,0 +1,121 @@
+//! Reference bits from the page tables: which resident pages the guest
+//! touched since the pager last unmapped them.
+//!
+//! The region is registered for MISSING and WP faults only. Unmapping a
+//! resident page (`madvise(DONTNEED)`, a *zap*: the memfd keeps the page)
+//! arms it: the guest's next touch is an ordinary minor fault the kernel
+//! resolves by itself in about 1 µs — no userfaultfd event, no pager wake-up,
+//! and one page per touch (userfaultfd-WP registration turns fault-around
+//! off) — and `PAGEMAP_SCAN` then reports the page as mapped. Mapped since
+//! the zap = referenced: the accessed bit the kernel's own LRU reads, at a
+//! fraction of a uffd MINOR fault's cost (a pager round trip of ~20 µs that
+//! also stops the touching thread). Write protection survives a zap (the
+//! kernel leaves a uffd-wp marker), so clean-page and change tracking are
+//! unaffected.
+
+use super::location::AccessHistory;
+use super::victims::RefProbe;
+use super::*;
+
+/// Chunks read per `PAGEMAP_SCAN` while the victim hand advances.
+const PROBE_WINDOW: usize = 64;
+
+/// The victim hand's probe: reads the mapped pages of a window of chunks at
+/// a time and sets their reference bits.
+pub(super) struct PagemapProbe<'a> {
+    pub(super) pm: Option<&'a mut uffd::Pagemap>,
+    pub(super) base: u64,
+    pub(super) cp: usize,
+    pub(super) chunks: usize,
+    /// Chunks `lo..hi` are read already in this batch.
+    lo: usize,
+    hi: usize,
+    /// Referenced pages found.
+    pub(super) found: u64,
+}
+
+impl<'a> PagemapProbe<'a> {
+    pub(super) fn new(
+        pm: Option<&'a mut uffd::Pagemap>,
+        base: u64,
+        cp: usize,
+        chunks: usize,
+    ) -> Self {
+        PagemapProbe {
+            pm,
+            base,
+            cp,
+            chunks,
+            lo: 0,
+            hi: 0,
+            found: 0,
+        }
+    }
+}
+
+impl RefProbe for PagemapProbe<'_> {
+    fn refresh(&mut self, chunk: usize, access: &mut AccessHistory) {
+        if (self.lo..self.hi).contains(&chunk) {
+            return;
+        }
+        let Some(pm) = self.pm.as_deref_mut() else {
+            return;
+        };
+        self.lo = chunk;
+        self.hi = (chunk + PROBE_WINDOW).min(self.chunks);
+        let first = self.lo * self.cp;
+        let addr = self.base + (first * PAGE) as u64;
+        let len = ((self.hi - self.lo) * self.cp * PAGE) as u64;
+        let mut found = 0;
+        let _ = pm.present(addr, len, &mut |a, b| {
+            access.refb[first + a..first + b].fill(1);
+            found += (b - a) as u64;
+        });
+        self.found += found;
+    }
+}
+
+impl Pager {
+    /// Set the reference bits of pages `lo..hi` mapped now (touched since
+    /// their last zap, or installed since); returns how many.
+    pub(super) fn read_refs(&mut self, lo: usize, hi: usize) -> u64 {
+        let Some(pm) = self.pagemap.as_mut() else {
+            return 0;
+        };
+        let addr = self.guest.base() + (lo * PAGE) as u64;
+        let refb = &mut self.access.refb;
+        let mut found = 0;
+        let _ = pm.present(addr, ((hi - lo) * PAGE) as u64, &mut |a, b| {
+            refb[lo + a..lo + b].fill(1);
+            found += (b - a) as u64;
+        });
+        found
+    }
+
+    /// Unmap the pages of these chunks (sorted or not), one `madvise` per
+    /// contiguous run: their next touch shows in the page tables again.
+    /// Returns the number of `madvise` calls (each a TLB shootdown).
+    pub(super) fn rearm(&mut self, chunks: &mut [usize]) -> u64 {
+        if self.pagemap.is_none() || chunks.is_empty() {
+            return 0;
+        }
+        chunks.sort_unstable();
+        let mut calls = 0;
+        let mut i = 0;
+        while i < chunks.len() {
+            let mut j = i + 1;
+            while j < chunks.len() && chunks[j] <= chunks[j - 1] + 1 {
+                j += 1;
+            }
+            let (a, b) = (chunks[i], chunks[j - 1] + 1);
+            let _ = self.guest.madvise(
+                a * self.cp * PAGE,
+                (b - a) * self.cp * PAGE,
+                libc::MADV_DONTNEED,
+            );
+            calls += 1;
+            i = j;
+        }
+        calls
+    }
+}
