@@ -6,7 +6,9 @@
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
+mod epoll;
 mod pagemap;
+pub use epoll::{Epoll, Trigger};
 pub use pagemap::Pagemap;
 
 /// The page size everything here works in.
@@ -397,58 +399,6 @@ impl Uffd {
             return Err(e);
         }
         Ok(r > 0)
-    }
-
-    /// Like `poll`, also waking when one of `others` (an eventfd, sockets)
-    /// is readable; `ready[i]` tells whether `others[i]` is. Returns whether
-    /// faults are pending.
-    pub fn poll_with(
-        &self,
-        others: &[RawFd],
-        ready: &mut Vec<bool>,
-        timeout_ms: i32,
-    ) -> io::Result<bool> {
-        // On the stack for the usual few fds: this is the fault loop.
-        const EMPTY: libc::pollfd = libc::pollfd {
-            fd: -1,
-            events: 0,
-            revents: 0,
-        };
-        let mut stack = [EMPTY; 32];
-        let mut heap = Vec::new();
-        let p: &mut [libc::pollfd] = if others.len() < stack.len() {
-            &mut stack[..1 + others.len()]
-        } else {
-            heap.resize(1 + others.len(), EMPTY);
-            &mut heap
-        };
-        p[0] = libc::pollfd {
-            fd: self.fd.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        for (q, fd) in p[1..].iter_mut().zip(others) {
-            *q = libc::pollfd {
-                fd: *fd,
-                events: libc::POLLIN,
-                revents: 0,
-            };
-        }
-        ready.clear();
-        ready.resize(others.len(), false);
-        // SAFETY: `p` holds p.len() valid pollfds.
-        let r = unsafe { libc::poll(p.as_mut_ptr(), p.len() as libc::nfds_t, timeout_ms) };
-        if r < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                return Ok(false);
-            }
-            return Err(e);
-        }
-        for (i, q) in p[1..].iter().enumerate() {
-            ready[i] = q.revents != 0;
-        }
-        Ok(p[0].revents != 0)
     }
 
     /// Read pending fault messages (non-blocking) into `out`; returns how many.

@@ -40,6 +40,12 @@ use tracing::{debug, warn};
 
 use location::{AccessHistory, LocationDb, LOCAL, OUT_ARRIVING, OUT_NONE, REMOTE, ZERO};
 
+/// The fault loop's epoll tokens: the uffd, the doorbell, server `s` at
+/// `TOKEN_SERVER0 + s`.
+const TOKEN_UFFD: u64 = 0;
+const TOKEN_DOORBELL: u64 = 1;
+const TOKEN_SERVER0: u64 = 2;
+
 /// How long a pager keeps trying to reach a server that is busy or
 /// momentarily unreachable before the guest gives up on it.
 const CONNECT_PATIENCE: Duration = Duration::from_secs(15);
@@ -104,12 +110,14 @@ pub(crate) struct Pager {
     pending_in: Vec<(usize, usize, bool)>,
     /// GETs in flight, per server.
     gets: pagein::GetQueues,
-    /// Fds polled beside the uffd (doorbell, then the servers with GETs in
-    /// flight, `poll_servers`) and which were ready: kept to avoid
-    /// allocating on every loop.
-    poll_fds: Vec<std::os::fd::RawFd>,
-    poll_servers: Vec<usize>,
-    poll_ready: Vec<bool>,
+    /// The fault loop waits here: the uffd and the doorbell (level
+    /// triggered), every server connection (edge triggered: replies are
+    /// read until none is left, bytes nobody asked for are ignored).
+    epoll: uffd::Epoll,
+    /// The connection fd registered per server (a reconnect replaces it).
+    epoll_fds: Vec<std::os::fd::RawFd>,
+    /// Servers whose connection reported new bytes in the last wait.
+    ready: Vec<bool>,
     /// For connecting to servers added later (evacuation targets).
     secret: Option<pagefleet_proto::auth::Secret>,
     name: String,
@@ -243,6 +251,16 @@ impl Pager {
         }
         shared.stats.remote_pages.store(loc.remote, Relaxed);
         shared.stats.resident_pages.store(loc.resident, Relaxed);
+        let epoll = uffd::Epoll::new()
+            .and_then(|e| {
+                e.add(u.as_raw_fd(), TOKEN_UFFD, uffd::Trigger::Level)?;
+                e.add(doorbell.as_raw_fd(), TOKEN_DOORBELL, uffd::Trigger::Level)?;
+                Ok(e)
+            })
+            .map_err(|source| RegionError::Io {
+                what: "epoll for the fault loop",
+                source,
+            })?;
         Ok(Pager {
             rx,
             doorbell,
@@ -290,9 +308,9 @@ impl Pager {
             evicting: false,
             pending_in: Vec::new(),
             gets: (0..cfg.servers.len()).map(|_| Default::default()).collect(),
-            poll_fds: Vec::new(),
-            poll_servers: Vec::new(),
-            poll_ready: Vec::new(),
+            epoll,
+            epoll_fds: Vec::new(),
+            ready: Vec::new(),
             secret: cfg.secret.clone(),
             name: cfg.name.clone(),
             evac: None,
@@ -316,35 +334,35 @@ impl Pager {
             debug!("pager runs at normal priority (no permission to raise it)");
         }
         while !self.shared.stop.load(Relaxed) {
-            // Servers with GETs in flight are polled beside the uffd and
-            // the doorbell. With more page-out to start, or reply bytes
-            // already read ahead (which a poll does not see), only peek;
-            // otherwise sleep until a fault, a reply, a command or a
-            // finished page-out comes.
-            self.poll_servers.clear();
-            self.poll_servers
-                .extend((0..self.conns.len()).filter(|s| !self.gets[*s].is_empty()));
-            self.poll_fds.clear();
-            self.poll_fds.push(self.doorbell.as_raw_fd());
-            self.poll_fds
-                .extend(self.poll_servers.iter().map(|s| self.conns[*s].raw_fd()));
-            let buffered = self.poll_servers.iter().any(|s| self.conns[*s].buffered());
+            // Sleep until a fault, a reply, a command or a finished
+            // page-out comes; with more page-out to start, or reply bytes
+            // already read ahead (which epoll does not see), only look.
+            self.watch_servers();
+            let buffered =
+                (0..self.conns.len()).any(|s| !self.gets[s].is_empty() && self.conns[s].buffered());
             let busy = (self.evicting && self.writer.in_flight < reclaim::MAX_JOBS)
                 || self.evac.is_some()
                 || buffered;
-            let mut ready = std::mem::take(&mut self.poll_ready);
-            match self
-                .uffd
-                .poll_with(&self.poll_fds, &mut ready, if busy { 0 } else { 5 })
-            {
-                Ok(faults) => {
-                    if ready[0] {
+            let (mut faults, mut bell) = (false, false);
+            let ready = &mut self.ready;
+            ready.iter_mut().for_each(|r| *r = false);
+            let waited = self.epoll.wait(if busy { 0 } else { 5 }, &mut |t| match t {
+                TOKEN_UFFD => faults = true,
+                TOKEN_DOORBELL => bell = true,
+                s => {
+                    if let Some(r) = ready.get_mut((s - TOKEN_SERVER0) as usize) {
+                        *r = true;
+                    }
+                }
+            });
+            match waited {
+                Ok(_) => {
+                    if bell {
                         uffd::drain(self.doorbell.as_raw_fd());
                     }
                     // Replies first: installing a page wakes a guest thread.
-                    for i in 0..self.poll_servers.len() {
-                        let s = self.poll_servers[i];
-                        if ready[i + 1] || self.conns[s].buffered() {
+                    for s in 0..self.conns.len() {
+                        if !self.gets[s].is_empty() && (self.ready[s] || self.conns[s].buffered()) {
                             self.take_replies(s, false);
                         }
                     }
@@ -352,9 +370,8 @@ impl Pager {
                         self.serve_pending();
                     }
                 }
-                Err(e) => warn!("polling userfaultfd: {e}"),
+                Err(e) => warn!("waiting for faults: {e}"),
             }
-            self.poll_ready = ready;
             self.reap();
             self.balance();
             self.sample_tick();
@@ -362,6 +379,25 @@ impl Pager {
                 self.command(c);
             }
             self.evacuate_step();
+        }
+    }
+
+    /// Register connections that are new (a server added, a reconnect)
+    /// with the fault loop's epoll; a closed fd left the set by itself.
+    fn watch_servers(&mut self) {
+        self.ready.resize(self.conns.len(), false);
+        self.epoll_fds.resize(self.conns.len(), -1);
+        for s in 0..self.conns.len() {
+            let fd = self.conns[s].raw_fd();
+            if self.epoll_fds[s] != fd {
+                match self
+                    .epoll
+                    .add(fd, TOKEN_SERVER0 + s as u64, uffd::Trigger::Edge)
+                {
+                    Ok(()) => self.epoll_fds[s] = fd,
+                    Err(e) => warn!("watching server {}: {e}", self.addrs[s]),
+                }
+            }
         }
     }
 
@@ -448,6 +484,10 @@ impl Pager {
             });
         }
         self.conns[s] = c;
+        // The old fd is closed (it left the epoll set); register the new one.
+        if let Some(fd) = self.epoll_fds.get_mut(s) {
+            *fd = -1;
+        }
         Ok(())
     }
 
