@@ -29,10 +29,9 @@ impl Epoll {
         if fd < 0 {
             return Err(io::Error::last_os_error());
         }
-        // SAFETY: a new fd we own.
-        Ok(Epoll {
-            fd: unsafe { OwnedFd::from_raw_fd(fd) },
-        })
+        // SAFETY: a new fd that nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        Ok(Epoll { fd })
     }
 
     /// Watch `fd` for input, reporting `token`. An fd closed later leaves
