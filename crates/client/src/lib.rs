@@ -361,6 +361,12 @@ impl Conn {
         self.stream.as_raw_fd()
     }
 
+    /// Bytes arrived on the socket since the last read (an epoll edge):
+    /// [`Conn::reply_ready`] must look again.
+    pub fn note_readable(&mut self) {
+        self.rb.forget_drained();
+    }
+
     /// Whether bytes of a reply were read ahead into this connection's
     /// buffer (a poll of the socket does not see them). No system call.
     pub fn buffered(&self) -> bool {
@@ -369,9 +375,14 @@ impl Conn {
 
     /// Whether a reply (or its start) is here already: buffered, or
     /// readable on the socket. Receiving then does not wait for the server.
+    /// No system call when the last read came back short and nobody said
+    /// bytes arrived since ([`Conn::note_readable`]): the socket was empty.
     pub fn reply_ready(&self) -> bool {
         if self.buffered() {
             return true;
+        }
+        if self.rb.drained() {
+            return false;
         }
         let mut b = [0u8; 1];
         // SAFETY: one-byte peek into a local buffer.

@@ -41,6 +41,9 @@ pub struct RecvBuf {
     start: usize,
     end: usize,
     read_max: usize,
+    /// The last read returned less than it asked for: the stream had
+    /// nothing more at that moment.
+    drained: bool,
 }
 
 impl RecvBuf {
@@ -51,6 +54,7 @@ impl RecvBuf {
             start: 0,
             end: 0,
             read_max: cap,
+            drained: false,
         }
     }
     /// Read at most this many bytes ahead of what is needed. A small value
@@ -59,6 +63,16 @@ impl RecvBuf {
     /// straight into its destination instead of being copied out of here.
     pub fn set_read_max(&mut self, n: usize) {
         self.read_max = n.clamp(1, self.buf.len());
+    }
+    /// Whether the last read from the stream came back short (it had no
+    /// more bytes then). Whoever learns that bytes arrived since (an edge
+    /// from epoll) clears it with `forget_drained`.
+    pub fn drained(&self) -> bool {
+        self.drained
+    }
+    /// Bytes may have arrived since the last read.
+    pub fn forget_drained(&mut self) {
+        self.drained = false;
     }
     /// Its size.
     pub fn capacity(&self) -> usize {
@@ -118,6 +132,7 @@ impl RecvBuf {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => return Err(e),
             };
+            self.drained = got < hi - self.end;
             if got == 0 {
                 if self.is_empty() {
                     return Ok(false);
@@ -141,6 +156,7 @@ impl RecvBuf {
         dst[..n].copy_from_slice(&self.buf[self.start..self.start + n]);
         self.consume(n);
         if n < dst.len() {
+            self.drained = false;
             r.read_exact(&mut dst[n..])?;
         }
         Ok(())
@@ -165,6 +181,7 @@ impl RecvBuf {
                 IoSliceMut::advance_slices(&mut bufs, 0);
                 continue;
             }
+            self.drained = false;
             match r.read_vectored_all(bufs) {
                 Ok(0) => {
                     return Err(io::Error::new(

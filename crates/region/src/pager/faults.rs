@@ -16,12 +16,8 @@ impl Pager {
                 // Remote faults of this batch go out together: one pipelined
                 // burst per server; the replies are taken in as they come.
                 if !self.pending_in.is_empty() {
-                    let c0 = thread_cpu_ns();
                     self.request_faulted(t);
-                    self.shared
-                        .stats
-                        .page_in_cpu_ns
-                        .fetch_add(thread_cpu_ns().saturating_sub(c0), Relaxed);
+                    self.meter.page_in(t);
                 }
                 self.shared
                     .stats

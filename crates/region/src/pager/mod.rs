@@ -19,6 +19,7 @@ mod commands;
 mod evacuate;
 mod faults;
 mod location;
+mod meter;
 mod pagein;
 mod readahead;
 mod reclaim;
@@ -104,6 +105,8 @@ pub(crate) struct Pager {
     minor_cost: Duration,
     zap_cost: Duration,
     full_warned: bool,
+    /// CPU per page-in and per page-out ([`meter`]).
+    meter: meter::CpuMeter,
     /// Between the high and low watermarks: keep evicting.
     evicting: bool,
     /// Remote faults of the current batch: (page, server, write fault).
@@ -305,6 +308,7 @@ impl Pager {
             minor_cost: cfg.minor_fault_cost,
             zap_cost: cfg.zap_cost,
             full_warned: false,
+            meter: meter::CpuMeter::new(),
             evicting: false,
             pending_in: Vec::new(),
             gets: (0..cfg.servers.len()).map(|_| Default::default()).collect(),
@@ -325,6 +329,8 @@ impl Pager {
         // SAFETY: gettid has no preconditions.
         let tid = unsafe { libc::gettid() };
         self.shared.pager_tid.store(tid, Relaxed);
+        // The CPU clock read is this thread's.
+        self.meter = meter::CpuMeter::new();
         // Faults wait for this thread: on a busy host it must get a CPU as
         // soon as a fault arrives, not after a scheduler slice of every busy
         // guest thread. Highest nice (works as root / with CAP_SYS_NICE;
@@ -362,6 +368,9 @@ impl Pager {
                     }
                     // Replies first: installing a page wakes a guest thread.
                     for s in 0..self.conns.len() {
+                        if self.ready[s] {
+                            self.conns[s].note_readable();
+                        }
                         if !self.gets[s].is_empty() && (self.ready[s] || self.conns[s].buffered()) {
                             self.take_replies(s, false);
                         }
@@ -379,6 +388,7 @@ impl Pager {
                 self.command(c);
             }
             self.evacuate_step();
+            self.meter.turn(&self.shared);
         }
     }
 

@@ -163,7 +163,6 @@ impl Pager {
     /// Take in the replies server `s` has ready (or, with `wait`, every
     /// reply in flight), installing each page as it arrives.
     pub(super) fn take_replies(&mut self, s: usize, wait: bool) {
-        let c0 = thread_cpu_ns();
         let t0 = Instant::now();
         let mut n = 0u64;
         let mut retried = false;
@@ -181,10 +180,14 @@ impl Pager {
             n += 1;
         }
         if n > 0 {
-            let st = &self.shared.stats;
-            st.page_in_cpu_ns
-                .fetch_add(thread_cpu_ns().saturating_sub(c0), Relaxed);
-            st.fault_ns
+            // (Waiting for replies, `wait`, is no CPU: only a turn that
+            // takes what is there counts as paging-in work.)
+            if !wait {
+                self.meter.page_in(t0);
+            }
+            self.shared
+                .stats
+                .fault_ns
                 .fetch_add(t0.elapsed().as_nanos() as u64, Relaxed);
             self.publish();
         }

@@ -24,8 +24,7 @@ impl Pager {
         if self.loc.staying() > high {
             self.evicting = true;
         }
-        // (The CPU clock is a system call: read only when there is work.)
-        let c0 = if self.evicting { thread_cpu_ns() } else { 0 };
+        let (t0, evicted) = (Instant::now(), self.evicting);
         while self.evicting && self.writer.in_flight < MAX_JOBS {
             let staying = self.loc.staying();
             if staying <= low {
@@ -52,11 +51,8 @@ impl Pager {
                 break;
             }
         }
-        if c0 > 0 {
-            self.shared
-                .stats
-                .page_out_cpu_ns
-                .fetch_add(thread_cpu_ns().saturating_sub(c0), Relaxed);
+        if evicted {
+            self.meter.page_out(t0);
         }
         // Direct reclaim: memory itself is over the budget; faults wait
         // until enough of what is in flight has landed.
@@ -200,7 +196,7 @@ impl Pager {
     /// (a dirty slot). Pages not stored stay resident (and writable unless
     /// change tracking watches them).
     pub(super) fn job_landed(&mut self, d: writer::Done) {
-        let c0 = thread_cpu_ns();
+        let t0 = Instant::now();
         let t = d.server;
         let mut gone = Vec::new();
         let mut sent = 0u64;
@@ -233,8 +229,9 @@ impl Pager {
         let st = &self.shared.stats;
         st.page_outs.fetch_add(sent, Relaxed);
         st.bytes_out.fetch_add(sent * PAGE as u64, Relaxed);
-        st.page_out_cpu_ns
-            .fetch_add(d.cpu_ns + thread_cpu_ns().saturating_sub(c0), Relaxed);
+        // The writer's CPU for the job; the pager's share is metered.
+        st.page_out_cpu_ns.fetch_add(d.cpu_ns, Relaxed);
+        self.meter.page_out(t0);
         if let Some(e) = d.error {
             if e.code() == Some(pagefleet_proto::ErrorCode::OutOfCapacity) {
                 debug!("memory server {} is full", self.addrs[t]);
@@ -259,8 +256,23 @@ impl Pager {
     }
 
     /// Punch the pages' data out of the memfd, a run at a time.
+    /// Free the memfd's copy of `pages` (sorted). Runs separated only by
+    /// pages that are not resident (nothing in the memfd to free) go in
+    /// one `fallocate`: scattered victims of one chunk cost one call, not
+    /// one each.
     fn punch(&self, pages: &[usize]) -> bool {
+        let mut merged: Vec<std::ops::Range<usize>> = Vec::new();
         for run in runs(pages) {
+            if let Some(last) = merged.last_mut() {
+                let gap = last.end..run.start;
+                if gap.len() <= PUNCH_GAP && self.loc.state[gap].iter().all(|s| *s != LOCAL) {
+                    last.end = run.end;
+                    continue;
+                }
+            }
+            merged.push(run);
+        }
+        for run in merged {
             if let Err(e) = uffd::punch_hole(
                 self.memfd.as_raw_fd(),
                 (run.start * PAGE) as u64,
@@ -330,6 +342,9 @@ impl Pager {
 pub(super) const MAX_JOBS: usize = 4;
 
 /// Runs of consecutive page numbers in a sorted list.
+/// Longest gap of non-resident pages a punch spans to join two runs.
+const PUNCH_GAP: usize = 64;
+
 fn runs(pages: &[usize]) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
     let mut i = 0;
     std::iter::from_fn(move || {
