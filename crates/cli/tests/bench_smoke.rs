@@ -108,11 +108,15 @@ fn bench_paging_quick_json_has_rows_faults_and_goals() {
     let cpu = v["cpu"].as_array().unwrap();
     assert_eq!(
         cpu.len(),
-        4,
-        "floor and pagefleet, one thread and 16 threads faulting: {cpu:?}"
+        6,
+        "floor and pagefleet: one thread, 16 threads, 16 with work between faults: {cpu:?}"
     );
     assert!(cpu.iter().all(|c| c["total_us"].as_f64().unwrap() > 0.0));
     assert!(cpu[2]["what"].as_str().unwrap().contains("16 threads"));
+    assert!(cpu[4]["what"]
+        .as_str()
+        .unwrap()
+        .contains("work between faults"));
     let faults = v["faults"].as_array().unwrap();
     assert_eq!(faults.len(), 3);
     assert!(faults.iter().all(|f| f["p50_us"].as_f64().unwrap() > 0.0));
