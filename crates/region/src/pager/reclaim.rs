@@ -42,10 +42,9 @@ impl Pager {
             let batch = self
                 .victims
                 .batch(&self.loc, &mut self.access, &mut probe, low, cap);
-            // Spared chunks are unmapped again: their next touch shows.
-            let mut spared = std::mem::take(&mut self.victims.spared);
-            self.rearm(&mut spared);
-            self.victims.spared = spared;
+            // Spared chunks are unmapped again (with the sampler's next
+            // tick: one TLB shootdown per run per tick, not per batch).
+            self.rearm_pending.extend_from_slice(&self.victims.spared);
             if batch.is_empty() || !self.page_out(&batch) {
                 self.evicting = false;
                 break;

@@ -17,6 +17,10 @@ use super::location::AccessHistory;
 use super::victims::RefProbe;
 use super::*;
 
+/// Spared chunks this close together are unmapped by one `madvise` (the
+/// chunks between are read first, so their references are kept).
+const REARM_GAP: usize = 8;
+
 /// Chunks read per `PAGEMAP_SCAN` while the victim hand advances.
 const PROBE_WINDOW: usize = 64;
 
@@ -93,7 +97,8 @@ impl Pager {
     }
 
     /// Unmap the pages of these chunks (sorted or not), one `madvise` per
-    /// contiguous run: their next touch shows in the page tables again.
+    /// run of chunks at most `REARM_GAP` apart: their next touch shows in
+    /// the page tables again.
     /// Returns the number of `madvise` calls (each a TLB shootdown).
     pub(super) fn rearm(&mut self, chunks: &mut [usize]) -> u64 {
         if self.pagemap.is_none() || chunks.is_empty() {
@@ -104,10 +109,14 @@ impl Pager {
         let mut i = 0;
         while i < chunks.len() {
             let mut j = i + 1;
-            while j < chunks.len() && chunks[j] <= chunks[j - 1] + 1 {
+            while j < chunks.len() && chunks[j] <= chunks[j - 1] + REARM_GAP {
                 j += 1;
             }
             let (a, b) = (chunks[i], chunks[j - 1] + 1);
+            if b - a > j - i {
+                // Gaps between spared chunks: keep what their pages show.
+                self.read_refs(a * self.cp, b * self.cp);
+            }
             let _ = self.guest.madvise(
                 a * self.cp * PAGE,
                 (b - a) * self.cp * PAGE,

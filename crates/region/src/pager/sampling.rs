@@ -54,6 +54,13 @@ impl Pager {
         self.carry += self.rate * boost * dt;
         let mut todo = self.carry as usize;
         self.carry -= todo as f64;
+        if !self.rearm_pending.is_empty() {
+            let mut spared = std::mem::take(&mut self.rearm_pending);
+            spared.dedup();
+            self.window_zaps += self.rearm(&mut spared);
+            spared.clear();
+            self.rearm_pending = spared;
+        }
         if todo == 0 {
             return;
         }
