@@ -129,8 +129,11 @@ pub struct Config {
     pub sample_period: Duration,
     /// Estimated guest cost of one page touched after a sampling zap: the
     /// minor fault the kernel resolves (1.1 µs measured with its zap) and
-    /// cache misses around it. (As uffd MINOR faults, a pager round trip
-    /// that stopped the thread, they were charged 80 µs.)
+    /// cache misses around it: 10 µs, from the kv bench with everything
+    /// resident (charged 5 µs, 1 627 touches/s and 20 zaps/s cost it 1.6%
+    /// and 2.3% in two runs, medians of three side-by-side pairs). (As uffd
+    /// MINOR faults, a pager round trip that stopped the thread, they were
+    /// charged 80 µs.)
     pub minor_fault_cost: Duration,
     /// Estimated guest cost of one zap: a TLB shootdown, and in a VM the
     /// refills of every TLB entry the guest threads then miss. Measured on
@@ -206,7 +209,7 @@ impl Config {
             region_id: 0,
             sample_cpu_budget: 0.02,
             sample_period: Duration::from_secs(1),
-            minor_fault_cost: Duration::from_micros(5),
+            minor_fault_cost: Duration::from_micros(10),
             zap_cost: Duration::from_micros(200),
             on_fatal: OnFatal::Exit,
             name: "pagefleet-region".into(),
