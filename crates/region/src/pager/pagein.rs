@@ -19,20 +19,7 @@ pub(super) struct Get {
     keep: bool,
     /// When the fault was read (service time is measured from there).
     since: Instant,
-    /// A faulting page installed without waking its thread: a long
-    /// read-ahead follows it (see `WAKE_AFTER_WINDOW`).
-    defer_wake: bool,
-    /// Once this GET's pages are in, wake the thread that faulted on this
-    /// page (at the time given).
-    wake_after: Option<(u64, Instant)>,
 }
-
-/// A faulting page whose read-ahead is at least this long (a sequential
-/// stream) wakes its thread only when the whole window is in. Woken at
-/// once, on a CPU it shares with the pager, the thread ran into the
-/// window's next page before the pager installed it: a fault, a wait and a
-/// wake-up per page instead of one per window.
-const WAKE_AFTER_WINDOW: usize = 64;
 
 impl Pager {
     /// The pages to bring with a fault at `p` from server `s`: the rest of
@@ -94,18 +81,15 @@ impl Pager {
             let keep = !self.tracking && self.evac.as_ref().is_none_or(|ev| ev.from != s);
             let mut gets: Vec<Get> = firsts
                 .iter()
-                .zip(&rests)
-                .map(|(&(p, write), rest)| Get {
+                .map(|&(p, write)| Get {
                     id: 0,
                     pages: vec![p as u64],
                     fault: Some(write),
                     keep,
                     since,
-                    defer_wake: rest.len() >= WAKE_AFTER_WINDOW,
-                    wake_after: None,
                 })
                 .collect();
-            for (&(p, _), rest) in firsts.iter().zip(&rests) {
+            for rest in rests {
                 for part in rest.chunks(MAX_BATCH_PAGES) {
                     gets.push(Get {
                         id: 0,
@@ -113,14 +97,7 @@ impl Pager {
                         fault: None,
                         keep,
                         since,
-                        defer_wake: false,
-                        wake_after: None,
                     });
-                }
-                if rest.len() >= WAKE_AFTER_WINDOW {
-                    if let Some(last) = gets.last_mut() {
-                        last.wake_after = Some((p as u64, since));
-                    }
                 }
             }
             let from = self.gets[s].len();
@@ -180,10 +157,6 @@ impl Pager {
             for q in g.pages {
                 let _ = self.uffd.poison(self.addr(q as usize), PAGE as u64);
             }
-            // Its faulting page is in; its thread waited for this window.
-            if let Some((p, _)) = g.wake_after {
-                self.wake(p as usize);
-            }
         }
     }
 
@@ -236,7 +209,7 @@ impl Pager {
             let wp = g.keep && !write && !hinted;
             if let Err(e) = self
                 .uffd
-                .copy_mode(self.addr(p), &self.buf[..PAGE], g.defer_wake, wp)
+                .copy_mode(self.addr(p), &self.buf[..PAGE], false, wp)
             {
                 self.internal(p, e.to_string());
                 return Ok(());
@@ -248,10 +221,8 @@ impl Pager {
                 st.write_hinted_pages.fetch_add(1, Relaxed);
             }
             self.access.refb[p] = 1;
-            if !g.defer_wake {
-                st.page_in_latency
-                    .record_us(g.since.elapsed().as_secs_f64() * 1e6);
-            }
+            st.page_in_latency
+                .record_us(g.since.elapsed().as_secs_f64() * 1e6);
             st.page_ins.fetch_add(1, Relaxed);
             st.page_in_requests.fetch_add(1, Relaxed);
             st.bytes_in.fetch_add(PAGE as u64, Relaxed);
@@ -270,9 +241,6 @@ impl Pager {
                 self.uffd
                     .copy_mode(self.addr(q), &self.buf[i * PAGE..j * PAGE], false, g.keep)
             {
-                if let Some((p, _)) = g.wake_after {
-                    self.wake(p as usize);
-                }
                 self.internal(q, e.to_string());
                 return Ok(());
             }
@@ -280,11 +248,6 @@ impl Pager {
                 self.arrived(*r as usize, s, g.keep, g.keep);
             }
             i = j;
-        }
-        if let Some((p, since)) = g.wake_after {
-            self.wake(p as usize);
-            st.page_in_latency
-                .record_us(since.elapsed().as_secs_f64() * 1e6);
         }
         st.page_ins.fetch_add(part.len() as u64, Relaxed);
         st.prefetched_pages.fetch_add(part.len() as u64, Relaxed);
