@@ -394,8 +394,15 @@ impl Conn {
                 libc::MSG_PEEK | libc::MSG_DONTWAIT,
             )
         };
-        // 0: the server closed; receiving reports it at once.
-        n >= 0
+        // 0: the server closed; an error other than "nothing yet" (a
+        // reset): receiving reports either at once. (Saying "not ready"
+        // to a reset left a reply awaited forever: an edge-triggered poll
+        // does not report the dead socket again.)
+        if n >= 0 {
+            return true;
+        }
+        let e = std::io::Error::last_os_error().raw_os_error();
+        !matches!(e, Some(libc::EAGAIN) | Some(libc::EINTR))
     }
 
     fn spin_until_readable(&mut self) {
