@@ -20,14 +20,8 @@ struct Host {
     d: Daemon,
     http: String,
     record: PathBuf,
-    dir: PathBuf,
-}
-
-impl Drop for Host {
-    fn drop(&mut self) {
-        self.d.kill();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
+    // Removed on drop, after the daemon (fields drop in order).
+    _dir: common::TempDir,
 }
 
 fn host() -> Host {
@@ -68,7 +62,7 @@ fn host() -> Host {
         d,
         http,
         record,
-        dir,
+        _dir: dir,
     }
 }
 

@@ -303,6 +303,8 @@ impl Filesystem for Fs {
 /// A mounted FIFO disk; unmounted when dropped.
 pub struct FifoDisk {
     dir: PathBuf,
+    /// The mount point was made by `mount` and goes with the disk.
+    made_dir: bool,
     session: Option<fuser::BackgroundSession>,
     /// Its counters.
     pub stats: Arc<Stats>,
@@ -322,6 +324,7 @@ impl FifoDisk {
                 "disk bandwidth must be positive".to_string(),
             ));
         }
+        let made_dir = !dir.exists();
         std::fs::create_dir_all(dir).map_err(io(format!("cannot create {}", dir.display())))?;
         let stats = Arc::new(Stats::default());
         let fs = Fs {
@@ -341,11 +344,20 @@ impl FifoDisk {
             .map_err(io(format!(
                 "cannot mount a FUSE filesystem at {} (need root and /dev/fuse)",
                 dir.display()
-            )))?
-            .spawn()
-            .map_err(io("cannot start the FUSE server thread"))?;
+            )))
+            .and_then(|s| s.spawn().map_err(io("cannot start the FUSE server thread")));
+        let session = match session {
+            Ok(s) => s,
+            Err(e) => {
+                if made_dir {
+                    let _ = std::fs::remove_dir(dir);
+                }
+                return Err(e);
+            }
+        };
         Ok(FifoDisk {
             dir: dir.to_path_buf(),
+            made_dir,
             session: Some(session),
             stats,
         })
@@ -365,6 +377,10 @@ impl FifoDisk {
         if let Some(s) = self.session.take() {
             s.umount_and_join()
                 .map_err(io(format!("cannot unmount {}", self.dir.display())))?;
+            if self.made_dir {
+                // Empty once unmounted; a failure leaves only an empty dir.
+                let _ = std::fs::remove_dir(&self.dir);
+            }
         }
         Ok(())
     }

@@ -20,7 +20,46 @@ pub fn bin(name: &str) -> PathBuf {
     p
 }
 
-pub fn tempdir(tag: &str) -> PathBuf {
+/// A scratch directory under the temp dir, removed with its contents on drop
+/// (also when the test fails).
+pub struct TempDir(PathBuf);
+
+impl TempDir {
+    pub fn path(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl std::ops::Deref for TempDir {
+    type Target = std::path::Path;
+    fn deref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl AsRef<std::path::Path> for TempDir {
+    fn as_ref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl AsRef<std::ffi::OsStr> for TempDir {
+    fn as_ref(&self) -> &std::ffi::OsStr {
+        self.0.as_os_str()
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+pub fn tempdir(tag: &str) -> TempDir {
+    TempDir(make_dir(tag))
+}
+
+fn make_dir(tag: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!(
         "pagefleet-systest-{tag}-{}-{}",
         std::process::id(),
@@ -48,7 +87,7 @@ pub struct Cluster {
 
 impl Cluster {
     pub fn start(n: usize, lend: &str) -> Cluster {
-        let dir = tempdir("cluster");
+        let dir = make_dir("cluster");
         let secret_file = dir.join("secret");
         std::fs::write(&secret_file, Secret::generate_hex()).unwrap();
         let secret = Secret::load(&secret_file).unwrap();

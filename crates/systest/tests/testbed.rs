@@ -35,7 +35,7 @@ fn testbed_up_connects_hosts_shapes_links_and_comes_down_twice() {
     let dir = tempdir("testbed");
     let mut o = Options::new(3, Link::Gbit1, bin("pagefleetd"));
     o.prefix = prefix.clone();
-    o.dir = dir.clone();
+    o.dir = dir.to_path_buf();
     o.lend = 64 << 20;
     o.subnet_octet = 100 + (r >> 16) as u8 % 100;
     let lab = Guard(Lab::up(&o).expect("testbed up"));
@@ -123,7 +123,7 @@ fn service_address_moves_between_hosts() {
     let dir = tempdir("svc");
     let mut o = Options::new(3, Link::Unshaped, bin("pagefleetd"));
     o.prefix = prefix.clone();
-    o.dir = dir.clone();
+    o.dir = dir.to_path_buf();
     o.lend = 16 << 20;
     o.subnet_octet = 100 + (r >> 16) as u8 % 100;
     let lab = Guard(Lab::up(&o).expect("testbed up"));
