@@ -1,0 +1,158 @@
+/* vmwork: the VM guest's self-verifying memory workload.
+ *
+ * Fills MB MiB with pages whose every 8-byte word is a function of
+ * (seed, page, version), then reads and writes pages picked with a zipf
+ * skew, checking every word of every page it reads. A write bumps the
+ * page's version and rewrites the page. Each second it prints one line
+ * (on the serial console, which the runner keeps and parses):
+ *
+ *   vmwork: t=12 ops=48211 ops_s=4012 errors=0 phase=run
+ *
+ * and at the end a full pass over every page, then
+ *
+ *   vmwork: done ops=... errors=... verified=PAGES
+ *
+ * Usage: vmwork MB SECONDS WRITE_PERCENT SEED THETA_PERCENT
+ * (SECONDS 0: run until killed.)
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+
+#define WORDS 512 /* 8-byte words per 4 KiB page */
+
+static uint64_t seed;
+
+static inline uint64_t word(uint64_t page, uint32_t version, uint64_t i) {
+    uint64_t x = (page * 0x9E3779B97F4A7C15ull) ^ ((uint64_t)version << 40) ^ (i * 0xC2B2AE3D27D4EB4Full) ^ seed;
+    x ^= x >> 31;
+    x *= 0xBF58476D1CE4E5B9ull;
+    return x ^ (x >> 29);
+}
+
+static void fill(uint64_t *p, uint64_t page, uint32_t version) {
+    for (uint64_t i = 0; i < WORDS; i++)
+        p[i] = word(page, version, i);
+}
+
+static uint64_t check(const uint64_t *p, uint64_t page, uint32_t version) {
+    uint64_t bad = 0;
+    for (uint64_t i = 0; i < WORDS; i++)
+        bad += p[i] != word(page, version, i);
+    return bad;
+}
+
+static uint64_t rng = 0x243F6A8885A308D3ull;
+static inline uint64_t next(void) {
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return rng;
+}
+static inline double unit(void) { return (next() >> 11) * (1.0 / 9007199254740992.0); }
+
+/* Gray et al.'s zipf generator (as YCSB uses): rank 0 is the hottest. */
+static double zeta_n, alpha, eta, theta;
+static uint64_t zn;
+static void zipf_init(uint64_t n, double t) {
+    zn = n;
+    theta = t;
+    zeta_n = 0;
+    for (uint64_t i = 1; i <= n; i++)
+        zeta_n += 1.0 / pow((double)i, t);
+    double zeta2 = 1.0 + 1.0 / pow(2.0, t);
+    alpha = 1.0 / (1.0 - t);
+    eta = (1.0 - pow(2.0 / n, 1.0 - t)) / (1.0 - zeta2 / zeta_n);
+}
+static uint64_t zipf(void) {
+    double u = unit(), uz = u * zeta_n;
+    if (uz < 1.0)
+        return 0;
+    if (uz < 1.0 + pow(0.5, theta))
+        return 1;
+    uint64_t r = (uint64_t)(zn * pow(eta * u - eta + 1.0, alpha));
+    return r < zn ? r : zn - 1;
+}
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 6) {
+        fprintf(stderr, "usage: vmwork MB SECONDS WRITE_PERCENT SEED THETA_PERCENT\n");
+        return 2;
+    }
+    uint64_t mb = strtoull(argv[1], 0, 10);
+    double secs = strtod(argv[2], 0);
+    uint64_t wpct = strtoull(argv[3], 0, 10);
+    seed = strtoull(argv[4], 0, 10) * 0x2545F4914F6CDD1Dull;
+    double th = strtod(argv[5], 0) / 100.0;
+    if (th <= 0 || th >= 1)
+        th = 0.99;
+    uint64_t pages = (mb << 20) / 4096;
+    uint64_t *mem = mmap(0, pages * 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    uint32_t *version = calloc(pages, sizeof *version);
+    if (mem == MAP_FAILED || !version || pages == 0) {
+        printf("vmwork: FAIL cannot allocate %llu MiB\n", (unsigned long long)mb);
+        return 1;
+    }
+    double t0 = now(), last = t0;
+    for (uint64_t q = 0; q < pages; q++) {
+        fill(mem + q * WORDS, q, 0);
+        if ((q & 4095) == 0 && now() - last >= 1.0) {
+            last = now();
+            printf("vmwork: t=%.0f filled=%llu/%llu phase=fill\n", last - t0, (unsigned long long)q,
+                   (unsigned long long)pages);
+            fflush(stdout);
+        }
+    }
+    zipf_init(pages, th);
+    printf("vmwork: filled %llu MiB in %.1f s\n", (unsigned long long)mb, now() - t0);
+    fflush(stdout);
+    uint64_t ops = 0, errors = 0, at_last = 0;
+    double start = now();
+    last = start;
+    for (;;) {
+        for (int k = 0; k < 64; k++) {
+            /* Scatter ranks over the memory: hot pages are not neighbours. */
+            uint64_t q = (zipf() * 0x9E3779B97F4A7C15ull) % pages;
+            uint64_t *p = mem + q * WORDS;
+            if (next() % 100 < wpct) {
+                version[q]++;
+                fill(p, q, version[q]);
+            } else {
+                uint64_t bad = check(p, q, version[q]);
+                if (bad && errors < 10)
+                    printf("vmwork: ERROR page %llu version %u: %llu bad words\n", (unsigned long long)q,
+                           version[q], (unsigned long long)bad);
+                errors += bad;
+            }
+            ops++;
+        }
+        double t = now();
+        if (t - last >= 1.0) {
+            printf("vmwork: t=%.0f ops=%llu ops_s=%.0f errors=%llu phase=run\n", t - start,
+                   (unsigned long long)ops, (ops - at_last) / (t - last), (unsigned long long)errors);
+            fflush(stdout);
+            last = t;
+            at_last = ops;
+        }
+        if (secs > 0 && t - start >= secs)
+            break;
+    }
+    uint64_t bad = 0;
+    for (uint64_t q = 0; q < pages; q++)
+        bad += check(mem + q * WORDS, q, version[q]);
+    errors += bad;
+    printf("vmwork: done ops=%llu errors=%llu verified=%llu\n", (unsigned long long)ops,
+           (unsigned long long)errors, (unsigned long long)pages);
+    fflush(stdout);
+    return errors != 0;
+}
