@@ -19,11 +19,14 @@
 //!   victims are needed.
 
 pub mod capi;
+mod guestmem;
 mod pager;
 mod stats;
 
 pub use pagefleet_client::ConnectOptions;
 pub use pagefleet_proto::auth::Secret;
+pub use guestmem::{Foreign, Unmapper};
+use guestmem::GuestMem;
 pub use pager::WRITER_THREAD;
 pub use stats::{Histogram, Stats};
 
@@ -150,6 +153,10 @@ pub struct Config {
     /// Start from memory a migration filled (see [`Adopt`]) instead of an
     /// empty memfd.
     pub adopt: Option<Arc<Adopt>>,
+    /// The guest memory is mapped by another process (a VM), which
+    /// registered it with the userfaultfd it passed here; the memfd is
+    /// `adopt`'s (required with this).
+    pub foreign: Option<Arc<Foreign>>,
 }
 
 /// Guest memory received by an incoming migration: the memfd, its guest
@@ -215,6 +222,7 @@ impl Config {
             name: "pagefleet-region".into(),
             initial_remote: Vec::new(),
             adopt: None,
+            foreign: None,
         }
     }
 }
@@ -305,7 +313,7 @@ pub struct Region {
     cmd: Mutex<std::sync::mpsc::Sender<Command>>,
     /// Rung after each command so the pager answers at once, not at its next poll timeout.
     doorbell: Arc<OwnedFd>,
-    guest: Arc<Mapping>,
+    guest: GuestMem,
     memfd: Arc<OwnedFd>,
     shared: Arc<Shared>,
     pager: Option<JoinHandle<()>>,
@@ -366,7 +374,22 @@ impl Region {
                         cfg.size
                     )));
                 }
-                (a.memfd.clone(), a.guest.clone())
+                let guest = match &cfg.foreign {
+                    Some(f) if f.len != cfg.size => {
+                        return Err(RegionError::Config(format!(
+                            "the guest maps {} bytes, the region is {}",
+                            f.len, cfg.size
+                        )))
+                    }
+                    Some(f) => GuestMem::Foreign(f.clone()),
+                    None => GuestMem::Local(a.guest.clone()),
+                };
+                (a.memfd.clone(), guest)
+            }
+            None if cfg.foreign.is_some() => {
+                return Err(RegionError::Config(
+                    "a guest mapped elsewhere needs the memfd it maps (adopt)".into(),
+                ))
             }
             None => {
                 let memfd = uffd::memfd(&cfg.name, cfg.size).map_err(|source| RegionError::Io {
@@ -387,7 +410,7 @@ impl Region {
                         what: "madvise",
                         source,
                     })?;
-                (Arc::new(memfd), Arc::new(guest))
+                (Arc::new(memfd), GuestMem::Local(Arc::new(guest)))
             }
         };
         let shared = Arc::new(Shared {
@@ -451,8 +474,21 @@ impl Region {
         (self.guest.len() / PAGE) as u64
     }
     /// The guest memory (valid as long as the region).
+    ///
+    /// # Panics
+    /// If the memory is mapped by another process (a VM): it has no
+    /// address here.
     pub fn as_ptr(&self) -> *mut u8 {
-        self.guest.addr()
+        self.local().addr()
+    }
+
+    fn local(&self) -> &Mapping {
+        match &self.guest {
+            GuestMem::Local(m) => m,
+            GuestMem::Foreign(f) => {
+                panic!("the region's memory is mapped by process {}, not here", f.pid)
+            }
+        }
     }
 
     /// The guest memory. Threads may read and write it concurrently (with
@@ -464,7 +500,7 @@ impl Region {
     pub unsafe fn slice_mut(&self) -> &mut [u8] {
         // SAFETY: the guest mapping lives as long as the region; aliasing is
         // the caller's contract.
-        unsafe { std::slice::from_raw_parts_mut(self.guest.addr(), self.guest.len()) }
+        unsafe { std::slice::from_raw_parts_mut(self.local().addr(), self.guest.len()) }
     }
 
     /// Change the budget while running: shrinking pages out, growing just allows more.

@@ -159,3 +159,24 @@ pub fn guest_status(path: &std::path::Path) -> Option<pagefleet_api::GuestStatus
 }
 
 pub use pagefleet_lab::is_root;
+
+/// The VM guest image (kernel + initramfs running vmwork), built by
+/// `crates/systest/vm/build.sh` into `target/vm` (`make test` builds it;
+/// built here if missing): (vmlinuz, initrd.gz).
+pub fn vm_image() -> (PathBuf, PathBuf) {
+    let dir = bin("pagefleet")
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("vm");
+    if !dir.join("initrd.gz").exists() {
+        let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("vm/build.sh");
+        let st = std::process::Command::new(script)
+            .arg(&dir)
+            .status()
+            .expect("run vm/build.sh");
+        assert!(st.success(), "building the VM image failed");
+    }
+    (dir.join("vmlinuz"), dir.join("initrd.gz"))
+}

@@ -7,6 +7,7 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 mod epoll;
+pub mod handoff;
 mod pagemap;
 pub use epoll::{Epoll, Trigger};
 pub use pagemap::Pagemap;
@@ -179,11 +180,35 @@ impl Uffd {
     /// Open a non-blocking, close-on-exec userfaultfd handling user-mode
     /// faults only (works unprivileged) and negotiate `required` features.
     pub fn open(required: u64) -> Result<Uffd, UffdError> {
+        Uffd::open_flags(required, USER_MODE_ONLY)
+    }
+
+    /// Like [`Uffd::open`], but faults the kernel takes on the process's
+    /// behalf (a `read()` into the memory) are reported too: what a
+    /// process whose memory is filled by system calls (QEMU's disk and
+    /// network I/O into guest RAM) needs. Needs CAP_SYS_PTRACE or
+    /// `vm.unprivileged_userfaultfd=1`.
+    pub fn open_all_faults(required: u64) -> Result<Uffd, UffdError> {
+        Uffd::open_flags(required, 0)
+    }
+
+    /// A userfaultfd opened and negotiated elsewhere (another process
+    /// registered its memory and passed the fd over a Unix socket).
+    pub fn from_fd(fd: OwnedFd, features: u64) -> Uffd {
+        Uffd { fd, features }
+    }
+
+    /// The fd itself (to pass it to another process).
+    pub fn into_fd(self) -> OwnedFd {
+        self.fd
+    }
+
+    fn open_flags(required: u64, extra: i32) -> Result<Uffd, UffdError> {
         // SAFETY: raw syscall with integer flags.
         let fd = unsafe {
             libc::syscall(
                 libc::SYS_userfaultfd,
-                libc::O_CLOEXEC | libc::O_NONBLOCK | USER_MODE_ONLY,
+                libc::O_CLOEXEC | libc::O_NONBLOCK | extra,
             )
         };
         if fd < 0 {

@@ -55,8 +55,18 @@ pub struct Pagemap {
 impl Pagemap {
     /// Open it and check that this kernel has `PAGEMAP_SCAN` (6.7+).
     pub fn open() -> io::Result<Pagemap> {
+        Pagemap::open_path("/proc/self/pagemap")
+    }
+
+    /// The page tables of process `pid` (a VM whose memory this process
+    /// pages; needs ptrace-read access to it, as root has).
+    pub fn open_pid(pid: i32) -> io::Result<Pagemap> {
+        Pagemap::open_path(&format!("/proc/{pid}/pagemap"))
+    }
+
+    fn open_path(path: &str) -> io::Result<Pagemap> {
         let mut pm = Pagemap {
-            file: File::open("/proc/self/pagemap")?,
+            file: File::open(path)?,
             ranges: vec![PageRegion::default(); RANGES],
         };
         // An empty range: accepted by a kernel that knows the ioctl.
@@ -66,7 +76,7 @@ impl Pagemap {
 
     /// Call `f(first_page, end_page)` for each run of pages mapped now in
     /// `[addr, addr + len)`, page numbers relative to `addr` (page-aligned).
-    /// Only reads page tables of this process; nothing changes.
+    /// Only reads page tables (of the process it was opened for); nothing changes.
     pub fn present(
         &mut self,
         addr: u64,

@@ -29,6 +29,7 @@ mod victims;
 mod writer;
 pub use writer::WRITER_THREAD;
 
+use crate::guestmem::GuestMem;
 use crate::{Command, Config, OnFatal, Policy, RegionError, Shared, Snapshot, PAGE};
 use pagefleet_client::{Conn, ConnectOptions, GetMode, Pages};
 use pagefleet_proto::{PageSel, MAX_BATCH_PAGES};
@@ -62,7 +63,7 @@ pub(crate) struct Pager {
     dirty_list: Vec<u32>,
     servers_list: Vec<String>,
     uffd: Uffd,
-    guest: Arc<Mapping>,
+    guest: GuestMem,
     memfd: Arc<OwnedFd>,
     /// The page-out thread.
     writer: writer::Writer,
@@ -132,7 +133,7 @@ pub(crate) struct Pager {
 impl Pager {
     pub fn new(
         cfg: &Config,
-        guest: Arc<Mapping>,
+        guest: GuestMem,
         memfd: Arc<OwnedFd>,
         shared: Arc<Shared>,
         rx: std::sync::mpsc::Receiver<Command>,
@@ -142,15 +143,36 @@ impl Pager {
             | uffd::FEATURE_WP_HUGETLBFS_SHMEM
             | uffd::FEATURE_PAGEFAULT_FLAG_WP
             | uffd::FEATURE_THREAD_ID;
-        let u = Uffd::open(need)?;
-        u.register(
-            guest.base(),
-            guest.len() as u64,
-            // Not MINOR: a resident page the sampler unmapped is mapped
-            // back by the kernel itself, and PAGEMAP_SCAN shows it ([`refs`]).
-            uffd::MODE_MISSING | uffd::MODE_WP,
-        )?;
-        let pagemap = match uffd::Pagemap::open() {
+        let u = match &guest {
+            GuestMem::Local(m) => {
+                let u = Uffd::open(need)?;
+                u.register(
+                    m.base(),
+                    m.len() as u64,
+                    // Not MINOR: a resident page the sampler unmapped is mapped
+                    // back by the kernel itself, and PAGEMAP_SCAN shows it ([`refs`]).
+                    uffd::MODE_MISSING | uffd::MODE_WP,
+                )?;
+                u
+            }
+            GuestMem::Foreign(f) => {
+                if f.features & need != need {
+                    return Err(RegionError::Config(format!(
+                        "the guest's userfaultfd lacks features {:#x}",
+                        need & !f.features
+                    )));
+                }
+                let fd = f.take_uffd().ok_or_else(|| {
+                    RegionError::Config("the guest's userfaultfd was used already".into())
+                })?;
+                Uffd::from_fd(fd, f.features)
+            }
+        };
+        let pagemap = match &guest {
+            GuestMem::Local(_) => uffd::Pagemap::open(),
+            GuestMem::Foreign(f) => uffd::Pagemap::open_pid(f.pid),
+        };
+        let pagemap = match pagemap {
             Ok(pm) => Some(pm),
             Err(e) => {
                 warn!("PAGEMAP_SCAN unavailable ({e}; Linux 6.7+): victims are chosen by page-ins alone");

@@ -117,11 +117,9 @@ impl Pager {
                 // Gaps between spared chunks: keep what their pages show.
                 self.read_refs(a * self.cp, b * self.cp);
             }
-            let _ = self.guest.madvise(
-                a * self.cp * PAGE,
-                (b - a) * self.cp * PAGE,
-                libc::MADV_DONTNEED,
-            );
+            let _ = self
+                .guest
+                .unmap(a * self.cp * PAGE, (b - a) * self.cp * PAGE);
             calls += 1;
             i = j;
         }

@@ -96,15 +96,11 @@ impl Pager {
         if self.pagemap.is_none() {
             return;
         }
-        let _ = self.guest.madvise(
-            start * self.cp * PAGE,
-            first * self.cp * PAGE,
-            libc::MADV_DONTNEED,
-        );
+        let _ = self
+            .guest
+            .unmap(start * self.cp * PAGE, first * self.cp * PAGE);
         if scanned > first {
-            let _ = self
-                .guest
-                .madvise(0, (scanned - first) * self.cp * PAGE, libc::MADV_DONTNEED);
+            let _ = self.guest.unmap(0, (scanned - first) * self.cp * PAGE);
         }
         self.window_zaps += 1 + (scanned > first) as u64;
     }

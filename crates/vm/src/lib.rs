@@ -1,0 +1,54 @@
+//! VM guests: a QEMU (TCG) process whose RAM is a pagefleet region.
+//!
+//! The runner makes the region's memfd, starts QEMU with its RAM backend on
+//! that memfd (`memory-backend-file,share=on` over `/proc/PID/fd/N`) and
+//! `LD_PRELOAD=libpagefleet_vmshim.so`; the shim registers QEMU's RAM
+//! mapping with a userfaultfd and passes it back ([`Vm::start`] returns it
+//! as a [`pagefleet_region::Foreign`]). From then on the region's pager
+//! serves the VM's faults as a native guest's. QMP ([`qmp`]) stops,
+//! continues and migrates the VM's device state; the serial console
+//! ([`console`]) is logged and parsed.
+//!
+//! Nothing a request names is run: QEMU is the host's binary
+//! (`PAGEFLEET_QEMU`, else `qemu-system-x86_64` on PATH), with a fixed
+//! command line built from typed fields.
+
+#![warn(missing_docs)]
+
+pub mod console;
+pub mod qmp;
+mod qemu;
+
+pub use qemu::{Vm, VmSpec};
+
+/// Why a VM could not be started or driven.
+#[derive(Debug, thiserror::Error)]
+pub enum VmError {
+    /// An operating-system call failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// Why it failed.
+        source: std::io::Error,
+    },
+    /// A spec that cannot be run.
+    #[error("{0}")]
+    Invalid(String),
+    /// QEMU failed or exited.
+    #[error("QEMU: {0}")]
+    Qemu(String),
+    /// QEMU's QMP answered with an error or not at all.
+    #[error("QMP: {0}")]
+    Qmp(String),
+}
+
+impl VmError {
+    /// An I/O error with what was being done.
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> VmError {
+        VmError::Io {
+            context: context.into(),
+            source,
+        }
+    }
+}

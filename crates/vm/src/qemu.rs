@@ -1,0 +1,345 @@
+//! Starting QEMU on a region's memfd and taking the shim's hand-over.
+
+use crate::console::Console;
+use crate::qmp::Qmp;
+use crate::VmError;
+use pagefleet_region::{Foreign, Unmapper};
+use pagefleet_uffd::handoff::{self, agent, Hello, HELLO_LEN};
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tracing::{info, warn};
+
+/// What to boot: typed fields only (no free-form QEMU arguments).
+#[derive(Clone, Debug)]
+pub struct VmSpec {
+    /// The guest kernel (`-kernel`).
+    pub kernel: PathBuf,
+    /// Its initramfs (`-initrd`).
+    pub initrd: PathBuf,
+    /// Kernel command line after pagefleet's own (`console=ttyS0 ...`).
+    pub append: String,
+    /// A raw disk image, attached as virtio-blk with writes kept in a
+    /// temporary overlay (`snapshot=on`: the image is never modified).
+    pub disk: Option<PathBuf>,
+    /// Virtual CPUs.
+    pub smp: u32,
+    /// RAM bytes (the region's size; a whole number of MiB).
+    pub size: u64,
+    /// Guest name (QEMU's `-name`, log lines).
+    pub name: String,
+}
+
+impl VmSpec {
+    /// Checks before anything starts.
+    pub fn validate(&self) -> Result<(), VmError> {
+        if self.size == 0 || !self.size.is_multiple_of(1 << 20) {
+            return Err(VmError::Invalid(format!(
+                "VM memory must be a whole number of MiB (got {} bytes)",
+                self.size
+            )));
+        }
+        if !(1..=64).contains(&self.smp) {
+            return Err(VmError::Invalid(format!("--smp {}: 1 to 64", self.smp)));
+        }
+        for (what, p) in [("kernel", Some(&self.kernel)), ("initrd", Some(&self.initrd)), ("disk", self.disk.as_ref())] {
+            if let Some(p) = p {
+                if !p.is_file() {
+                    return Err(VmError::Invalid(format!("{what} {} is not a file", p.display())));
+                }
+            }
+        }
+        // The append line is one argument to QEMU; keep it printable.
+        if self.append.chars().any(|c| c.is_control()) || self.append.len() > 2048 {
+            return Err(VmError::Invalid("--append: printable text up to 2048 bytes".into()));
+        }
+        Ok(())
+    }
+}
+
+/// The host's QEMU.
+fn qemu_binary() -> PathBuf {
+    std::env::var_os("PAGEFLEET_QEMU")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("qemu-system-x86_64"))
+}
+
+/// The shim library: next to the running executable (cargo puts both in
+/// `target/<profile>/`), or `PAGEFLEET_VMSHIM`.
+fn shim_path() -> Result<PathBuf, VmError> {
+    if let Some(p) = std::env::var_os("PAGEFLEET_VMSHIM") {
+        return Ok(PathBuf::from(p));
+    }
+    let exe = std::env::current_exe().map_err(|e| VmError::io("current executable", e))?;
+    let mut dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();
+    for _ in 0..2 {
+        let p = dir.join("libpagefleet_vmshim.so");
+        if p.is_file() {
+            return Ok(p);
+        }
+        // Test binaries live one level down, in deps/.
+        dir = dir.parent().map(Path::to_path_buf).unwrap_or_default();
+    }
+    Err(VmError::Invalid(format!(
+        "libpagefleet_vmshim.so not found next to {} (cargo build --release --workspace builds it)",
+        exe.display()
+    )))
+}
+
+/// The shim's agent inside QEMU, as the region's [`Unmapper`].
+struct Agent(Mutex<UnixStream>);
+
+impl Unmapper for Agent {
+    fn unmap(&self, off: u64, len: u64) -> std::io::Result<()> {
+        let mut s = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        s.write_all(&agent::request(agent::ZAP, off, len))?;
+        let mut r = [0u8; 8];
+        s.read_exact(&mut r)?;
+        match i64::from_le_bytes(r) {
+            0 => Ok(()),
+            e => Err(std::io::Error::from_raw_os_error((-e) as i32)),
+        }
+    }
+}
+
+/// A running QEMU whose RAM a region pages.
+pub struct Vm {
+    child: Mutex<Child>,
+    /// Its QMP session (after [`Vm::release`]).
+    qmp: Mutex<Option<Qmp>>,
+    qmp_path: PathBuf,
+    /// Its serial console.
+    pub console: Arc<Console>,
+    agent: Arc<Agent>,
+    /// QEMU's pid.
+    pub pid: u32,
+    name: String,
+}
+
+impl Vm {
+    /// Start QEMU with its RAM on `memfd` (of `spec.size` bytes), sockets in
+    /// `dir` (private to the runner). `incoming`: wait for a migration's
+    /// device state instead of booting (`-incoming defer`). Returns once
+    /// the shim handed the RAM's userfaultfd over: QEMU waits in that
+    /// `mmap` until [`Vm::release`], so the caller can start the pager on
+    /// the returned mapping first.
+    pub fn start(
+        spec: &VmSpec,
+        memfd: &OwnedFd,
+        dir: &Path,
+        incoming: bool,
+    ) -> Result<(Vm, Foreign), VmError> {
+        spec.validate()?;
+        let shim = shim_path()?;
+        let sock_path = dir.join("shim.sock");
+        let qmp_path = dir.join("qmp.sock");
+        let _ = std::fs::remove_file(&sock_path);
+        let _ = std::fs::remove_file(&qmp_path);
+        let listener =
+            UnixListener::bind(&sock_path).map_err(|e| VmError::io(sock_path.display().to_string(), e))?;
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&sock_path, std::fs::Permissions::from_mode(0o600))
+            .map_err(|e| VmError::io("shim socket permissions", e))?;
+        // SAFETY: fstat into a zeroed buffer on an fd we hold.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        if unsafe { libc::fstat(memfd.as_raw_fd(), &mut st) } != 0 {
+            return Err(VmError::io("fstat memfd", std::io::Error::last_os_error()));
+        }
+        let mem_path = format!("/proc/{}/fd/{}", std::process::id(), memfd.as_raw_fd());
+        let mib = spec.size >> 20;
+        let mut cmd = Command::new(qemu_binary());
+        cmd.arg("-name")
+            .arg(format!("pagefleet-{}", spec.name))
+            .args(["-machine", "pc,memory-backend=pf-ram", "-accel", "tcg"])
+            .args(["-smp", &spec.smp.to_string(), "-m", &format!("{mib}M")])
+            .arg("-object")
+            .arg(format!(
+                "memory-backend-file,id=pf-ram,size={mib}M,mem-path={mem_path},share=on"
+            ))
+            .arg("-kernel")
+            .arg(&spec.kernel)
+            .arg("-initrd")
+            .arg(&spec.initrd)
+            .arg("-append")
+            .arg(format!("console=ttyS0 panic=-1 {}", spec.append))
+            .args(["-nodefaults", "-no-user-config", "-display", "none", "-no-reboot"])
+            .args(["-serial", "stdio"])
+            .arg("-qmp")
+            .arg(format!("unix:{},server=on,wait=off", qmp_path.display()));
+        if let Some(d) = &spec.disk {
+            cmd.arg("-drive").arg(format!(
+                "file={},if=virtio,format=raw,snapshot=on",
+                d.display()
+            ));
+        }
+        if incoming {
+            cmd.args(["-incoming", "defer"]);
+        }
+        cmd.env("LD_PRELOAD", &shim)
+            .env("PAGEFLEET_VM_RAM", format!("{}:{}", st.st_dev, st.st_ino))
+            .env("PAGEFLEET_VM_SOCKET", &sock_path)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| VmError::io(format!("cannot start {}", qemu_binary().display()), e))?;
+        let pid = child.id();
+        let console = Arc::new(Console::default());
+        let name = spec.name.clone();
+        if let Some(out) = child.stdout.take() {
+            let (c, n) = (console.clone(), name.clone());
+            std::thread::spawn(move || c.pump(out, &|l| info!(target: "vm-console", "{n}: {l}")));
+        }
+        if let Some(err) = child.stderr.take() {
+            let (c, n) = (console.clone(), name.clone());
+            std::thread::spawn(move || {
+                c.pump(err, &|l| warn!(target: "qemu", "{n}: {l}"));
+            });
+        }
+        let stream = match accept_shim(&listener, &mut child) {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                // Give the console threads a moment to take QEMU's last words.
+                std::thread::sleep(Duration::from_millis(50));
+                let tail = console.tail(5).join(" | ");
+                return Err(VmError::Qemu(format!("{e}{}", if tail.is_empty() { String::new() } else { format!(" (QEMU said: {tail})") })));
+            }
+        };
+        let _ = std::fs::remove_file(&sock_path);
+        let mut buf = [0u8; 64];
+        let got = handoff::recv_fd(stream.as_raw_fd(), &mut buf)
+            .map_err(|e| VmError::io("receiving the shim's userfaultfd", e))?;
+        let Some((n, uffd)) = got else {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(VmError::Qemu("the shim closed its socket before handing over".into()));
+        };
+        let hello = match Hello::decode(&buf[..n]) {
+            Some(h) if n == HELLO_LEN && h.len == spec.size && h.pid == pid as u64 => h,
+            h => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(VmError::Qemu(format!("unexpected hand-over {h:?} (pid {pid}, {} bytes)", spec.size)));
+            }
+        };
+        let agent = Arc::new(Agent(Mutex::new(stream)));
+        let foreign = Foreign::new(
+            hello.base,
+            hello.len,
+            pid as i32,
+            hello.features,
+            uffd,
+            Box::new(AgentRef(agent.clone())),
+        );
+        Ok((
+            Vm {
+                child: Mutex::new(child),
+                qmp: Mutex::new(None),
+                qmp_path,
+                console,
+                agent,
+                pid,
+                name,
+            },
+            foreign,
+        ))
+    }
+
+    /// Let QEMU go on from its RAM `mmap` (the pager serves its faults
+    /// now) and open QMP.
+    pub fn release(&self) -> Result<(), VmError> {
+        {
+            let mut s = self.agent.0.lock().unwrap_or_else(|e| e.into_inner());
+            s.write_all(&agent::request(agent::ACK, 0, 0))
+                .map_err(|e| VmError::io("releasing QEMU", e))?;
+        }
+        let q = Qmp::connect(&self.qmp_path, Duration::from_secs(30))?;
+        *self.qmp.lock().unwrap_or_else(|e| e.into_inner()) = Some(q);
+        Ok(())
+    }
+
+    /// Run `f` on the QMP session.
+    pub fn qmp<T>(&self, f: impl FnOnce(&mut Qmp) -> Result<T, VmError>) -> Result<T, VmError> {
+        let mut g = self.qmp.lock().unwrap_or_else(|e| e.into_inner());
+        let q = g
+            .as_mut()
+            .ok_or_else(|| VmError::Qmp("not connected yet".into()))?;
+        f(q)
+    }
+
+    /// QEMU's exit status, if it has exited.
+    pub fn exited(&self) -> Option<std::process::ExitStatus> {
+        self.child
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .try_wait()
+            .ok()
+            .flatten()
+    }
+
+    /// Stop QEMU: `quit` over QMP, then a kill after `grace`.
+    pub fn shutdown(&self, grace: Duration) {
+        let _ = self.qmp(|q| q.execute::<serde_json::Value>("quit", None));
+        let t0 = Instant::now();
+        while self.exited().is_none() && t0.elapsed() < grace {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let mut c = self.child.lock().unwrap_or_else(|e| e.into_inner());
+        if c.try_wait().ok().flatten().is_none() {
+            warn!("{}: QEMU did not quit; killing it", self.name);
+            let _ = c.kill();
+        }
+        let _ = c.wait();
+    }
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        if self.exited().is_none() {
+            self.shutdown(Duration::from_secs(2));
+        }
+    }
+}
+
+/// The agent shared between the region (unmaps) and the VM (the ack).
+struct AgentRef(Arc<Agent>);
+
+impl Unmapper for AgentRef {
+    fn unmap(&self, off: u64, len: u64) -> std::io::Result<()> {
+        self.0.unmap(off, len)
+    }
+}
+
+/// Wait for the shim's connection while QEMU starts (it exits on a bad
+/// command line or a missing file: reported instead of a timeout).
+fn accept_shim(l: &UnixListener, child: &mut Child) -> Result<UnixStream, VmError> {
+    l.set_nonblocking(true)
+        .map_err(|e| VmError::io("shim socket", e))?;
+    let t0 = Instant::now();
+    loop {
+        match l.accept() {
+            Ok((s, _)) => {
+                s.set_nonblocking(false)
+                    .map_err(|e| VmError::io("shim socket", e))?;
+                return Ok(s);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(VmError::io("accepting the shim", e)),
+        }
+        if let Ok(Some(st)) = child.try_wait() {
+            return Err(VmError::Qemu(format!("exited ({st}) before mapping its RAM")));
+        }
+        if t0.elapsed() > Duration::from_secs(30) {
+            return Err(VmError::Qemu("did not map its RAM within 30 s (is the shim loaded?)".into()));
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
