@@ -53,6 +53,25 @@ pub enum Workload {
         /// Address it listens on.
         listen: String,
     },
+    /// A QEMU (TCG) virtual machine whose RAM is the guest memory. Files
+    /// are paths on the host running it, which starts QEMU only on images
+    /// under the directories its operator allowed (`pagefleetd
+    /// --vm-images`); there is no free-form QEMU argument.
+    Vm {
+        /// The guest kernel.
+        kernel: String,
+        /// Its initramfs.
+        initrd: String,
+        /// Kernel command line (after `console=ttyS0`).
+        #[serde(default)]
+        append: String,
+        /// A raw disk image (virtio-blk; writes go to a throw-away overlay).
+        #[serde(default)]
+        disk: Option<String>,
+        /// Virtual CPUs.
+        #[serde(default = "default_smp")]
+        smp: u32,
+    },
     /// The S-memV sort experiment: records fill the last `sort_frac` of the
     /// memory; it scans them (unless `warm` is false) until asked to sort.
     Sortjob {
@@ -72,6 +91,7 @@ impl Workload {
             Workload::Synthetic { .. } => "synthetic",
             Workload::Kv { .. } => "kv",
             Workload::Sortjob { .. } => "sortjob",
+            Workload::Vm { .. } => "vm",
         }
     }
 
@@ -108,6 +128,30 @@ impl Workload {
                 .parse::<std::net::SocketAddr>()
                 .map(|_| ())
                 .map_err(|_| InvalidSpec(format!("listen {listen:?} is not IP:PORT"))),
+            Workload::Vm {
+                kernel,
+                initrd,
+                append,
+                disk,
+                smp,
+            } => {
+                for (what, p) in [("kernel", Some(kernel)), ("initrd", Some(initrd)), ("disk", disk.as_ref())] {
+                    if let Some(p) = p {
+                        if !p.starts_with('/') || p.len() > 4096 || p.split('/').any(|c| c == "..") {
+                            return Err(InvalidSpec(format!(
+                                "{what} {p:?}: an absolute path without '..'"
+                            )));
+                        }
+                    }
+                }
+                if !(1..=64).contains(smp) {
+                    return Err(InvalidSpec(format!("smp {smp}: 1 to 64")));
+                }
+                if append.len() > 2048 || append.chars().any(|c| c.is_control()) {
+                    return Err("append: printable text up to 2048 bytes".into());
+                }
+                Ok(())
+            }
             Workload::Sortjob { sort_frac, .. } => {
                 if *sort_frac > 0.0 && *sort_frac <= 1.0 {
                     Ok(())
@@ -150,6 +194,10 @@ pub struct GuestSpec {
     /// A service address that moves with the guest.
     #[serde(default)]
     pub service_ip: Option<String>,
+}
+
+fn default_smp() -> u32 {
+    1
 }
 
 fn default_threads() -> usize {
@@ -315,6 +363,26 @@ pub struct GuestStatus {
     /// A migration's progress, while one runs.
     #[serde(default)]
     pub migration: Option<MigrationProgress>,
+    /// A VM guest: its QEMU and what its in-guest workload reports.
+    #[serde(default)]
+    pub vm: Option<VmStatus>,
+}
+
+/// A VM guest's QEMU and its in-guest workload (vmwork's console reports).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct VmStatus {
+    /// QEMU's process id.
+    pub qemu_pid: u32,
+    /// QEMU's run state (running, paused, ...), or how it exited.
+    pub state: String,
+    /// The in-guest workload's operations per second (last report).
+    pub ops_per_sec: f64,
+    /// Wrong values it read (must be 0).
+    pub errors: u64,
+    /// It finished and verified every page.
+    pub done: bool,
+    /// The last console lines.
+    pub console: Vec<String>,
 }
 
 impl GuestStatus {
@@ -338,6 +406,7 @@ impl GuestStatus {
             pages: None,
             paging: None,
             migration: None,
+            vm: None,
         }
     }
 }

@@ -113,6 +113,41 @@ pub enum Workload {
         #[arg(long, default_value = "127.0.0.1:11211")]
         listen: String,
     },
+    /// A QEMU (TCG) virtual machine whose RAM (--size) is the guest memory.
+    /// `make vm` builds a test image (target/vm): a kernel and an initramfs
+    /// running vmwork, a memory workload that checks every value it reads,
+    /// set on the kernel command line: vmwork_mb=N vmwork_secs=S
+    /// vmwork_write=PCT vmwork_seed=N.
+    Vm {
+        /// Guest kernel (bzImage).
+        #[arg(long)]
+        kernel: std::path::PathBuf,
+        /// Its initramfs.
+        #[arg(long)]
+        initrd: std::path::PathBuf,
+        /// Kernel command line, after console=ttyS0.
+        #[arg(long, default_value = "")]
+        append: String,
+        /// A raw disk image (virtio-blk, writes kept in a throw-away overlay).
+        #[arg(long)]
+        disk: Option<std::path::PathBuf>,
+        /// Virtual CPUs.
+        #[arg(long, default_value_t = 1)]
+        smp: u32,
+    },
+}
+
+/// A path as given, made absolute against this directory (a hosted guest's
+/// files are named on the host that runs it).
+fn absolute(p: &Path) -> Result<String> {
+    let p = if p.is_absolute() {
+        p.to_path_buf()
+    } else {
+        std::env::current_dir()?.join(p)
+    };
+    p.to_str()
+        .map(str::to_string)
+        .with_context(|| format!("{} is not UTF-8", p.display()))
 }
 
 fn budget_pages(spec: Option<&str>, size: u64) -> Result<u64> {
@@ -168,10 +203,23 @@ pub fn guest_spec(a: &RunArgs) -> Result<GuestSpec> {
             warm: !no_warm,
             seed: *seed,
         },
+        Some(Workload::Vm {
+            kernel,
+            initrd,
+            append,
+            disk,
+            smp,
+        }) => api::Workload::Vm {
+            kernel: absolute(kernel)?,
+            initrd: absolute(initrd)?,
+            append: append.clone(),
+            disk: disk.as_deref().map(absolute).transpose()?,
+            smp: *smp,
+        },
         Some(Workload::Sort { .. }) => {
             bail!("sort runs to completion; it cannot run hosted (use sortjob)")
         }
-        None => bail!("name the guest's workload: synthetic, kv or sortjob"),
+        None => bail!("name the guest's workload: synthetic, kv, sortjob or vm"),
     };
     let spec = GuestSpec {
         workload,
@@ -202,7 +250,7 @@ pub fn run(a: RunArgs, secret_file: Option<&Path>) -> Result<()> {
         bail!("cannot run {}: {e}", a.command[0]);
     }
     let Some(workload) = a.workload.clone() else {
-        bail!("name a workload (synthetic, sort, sortjob, kv) or a command after --; see pagefleet run --help");
+        bail!("name a workload (synthetic, sort, sortjob, kv, vm) or a command after --; see pagefleet run --help");
     };
     if a.threads == 0 {
         bail!("--threads must be at least 1");
@@ -232,6 +280,21 @@ pub fn run(a: RunArgs, secret_file: Option<&Path>) -> Result<()> {
         },
         Workload::Sort { seed } => local::Workload::Sort { seed },
         Workload::Kv { listen } => local::Workload::Kv { listen },
+        Workload::Vm {
+            kernel,
+            initrd,
+            append,
+            disk,
+            smp,
+        } => local::Workload::Vm(pagefleet_vm::VmSpec {
+            kernel,
+            initrd,
+            append,
+            disk,
+            smp,
+            size: a.size,
+            name: "run".into(),
+        }),
         Workload::Sortjob { .. } => bail!("sortjob runs hosted (pagefleet guest start NAME --on HOST --size SIZE -- sortjob); for a one-shot sort use `pagefleet run sort`"),
     };
     let o = local::LocalRun {

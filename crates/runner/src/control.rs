@@ -28,6 +28,9 @@ use std::time::{Duration, Instant};
 pub struct Running {
     name: String,
     spec: GuestSpec,
+    /// Before `region`: fields drop in order, and QEMU must stop before
+    /// the region that serves its faults goes.
+    vm: Option<Arc<crate::vm::VmGuest>>,
     region: Arc<Region>,
     gate: Arc<Gate>,
     ops: Arc<AtomicU64>,
@@ -43,10 +46,16 @@ pub struct Running {
 
 impl source::Guest for Running {
     fn pause(&self, timeout: Duration) -> bool {
-        self.gate.pause(timeout)
+        match &self.vm {
+            Some(v) => v.pause(),
+            None => self.gate.pause(timeout),
+        }
     }
     fn resume(&self) {
-        self.gate.resume()
+        match &self.vm {
+            Some(v) => v.resume(),
+            None => self.gate.resume(),
+        }
     }
     fn release_address(&self) {
         // Stop accepting first (a client reconnecting now must not land on
@@ -135,6 +144,7 @@ impl Running {
         Running {
             name,
             spec,
+            vm: w.vm,
             region,
             gate,
             ops: w.ops,
@@ -183,6 +193,7 @@ impl Running {
                 direct_reclaim_ms: s.direct_reclaim_ns as f64 / 1e6,
             }),
             migration: migrating.then(|| progress_of(&self.progress)),
+            vm: self.vm.as_ref().map(|v| v.status()),
         }
     }
 
@@ -226,6 +237,12 @@ impl Running {
     /// Migrate away, streaming progress to `out`. True when the guest runs
     /// at the destination now.
     fn migrate(&self, req: &MigrateRequest, out: &mut UnixStream) -> Result<bool, RunnerError> {
+        if self.vm.is_some() {
+            return Err(RunnerError::Invalid(format!(
+                "{} is a VM: VM migration is not available yet",
+                self.name
+            )));
+        }
         if self.migrating.swap(true, Relaxed) {
             return Err(RunnerError::Invalid(format!(
                 "a migration of {} is already running",

@@ -14,6 +14,7 @@
 pub mod control;
 pub mod local;
 pub mod service;
+pub mod vm;
 pub mod workload;
 
 use pagefleet_api::launch::{from_hex, Job, Launch};
@@ -160,16 +161,25 @@ pub fn run_guest(
     if !cfg.servers.is_empty() {
         cfg.secret = Some(secret.clone());
     }
-    let region = Arc::new(Region::new(cfg)?);
     let service = spec.service_ip.clone().map(|ip| Service {
         ip,
         dev: service_dev.to_string(),
     });
-    if let Some(s) = &service {
-        s.claim()?;
-    }
     let gate = Arc::new(Gate::default());
-    let w = workload::start(&spec, &region, &gate, false)?;
+    let (region, w) = match vm::spec_of(&spec.workload, size, name) {
+        Some(v) => {
+            let (region, g) = vm::boot(cfg, &v, None, false)?;
+            (Arc::new(region), vm::started(&g))
+        }
+        None => {
+            let region = Arc::new(Region::new(cfg)?);
+            if let Some(s) = &service {
+                s.claim()?;
+            }
+            let w = workload::start(&spec, &region, &gate, false)?;
+            (region, w)
+        }
+    };
     let r = Arc::new(control::Running::new(
         name.to_string(),
         spec,

@@ -35,6 +35,8 @@ pub enum Workload {
         /// Where it listens.
         listen: String,
     },
+    /// A QEMU VM on the region (its in-guest workload reports on the console).
+    Vm(pagefleet_vm::VmSpec),
 }
 
 /// How to run it.
@@ -121,6 +123,14 @@ fn open_memory(a: &LocalRun) -> Result<Memory, RunnerError> {
             plain: Some((p.cast(), a.size as usize)),
         });
     }
+    let r = Region::new(region_config(a))?;
+    Ok(Memory {
+        region: Some(Arc::new(r)),
+        plain: None,
+    })
+}
+
+fn region_config(a: &LocalRun) -> Config {
     let mut cfg = Config::new(a.size, a.budget_pages);
     cfg.servers = a.servers.clone();
     cfg.policy = a.policy;
@@ -129,11 +139,62 @@ fn open_memory(a: &LocalRun) -> Result<Memory, RunnerError> {
     cfg.sample_cpu_budget = a.sample_budget;
     cfg.name = "pagefleet-run".into();
     cfg.secret = a.secret.clone();
-    let r = Region::new(cfg)?;
-    Ok(Memory {
-        region: Some(Arc::new(r)),
+    cfg
+}
+
+/// A VM until its workload is done, QEMU exits or `duration` (0: no limit) passes.
+fn run_vm(a: &LocalRun, spec: &pagefleet_vm::VmSpec) -> Result<serde_json::Value, RunnerError> {
+    if a.plain {
+        return Err(RunnerError::Invalid("a VM runs on a region, not --plain memory".into()));
+    }
+    let mut spec = spec.clone();
+    spec.size = a.size;
+    let (region, g) = crate::vm::boot(region_config(a), &spec, None, false)?;
+    let m = Memory {
+        region: Some(Arc::new(region)),
         plain: None,
-    })
+    };
+    let start = Instant::now();
+    let mut last_ins = 0;
+    let mut sec = 0;
+    let exit = loop {
+        std::thread::sleep(Duration::from_millis(1000).saturating_sub(start.elapsed() - Duration::from_secs(sec)));
+        let w = g.vm.console.workload();
+        if a.progress {
+            progress(&m, sec as usize, w.ops_per_sec, &mut last_ins);
+        }
+        sec += 1;
+        if let Some(st) = g.vm.exited() {
+            break Some(st.to_string());
+        }
+        if w.done || (a.duration > 0 && start.elapsed() >= Duration::from_secs(a.duration)) {
+            break None;
+        }
+    };
+    // vmwork's last lines come right after its "done".
+    std::thread::sleep(Duration::from_millis(300));
+    let w = g.vm.console.workload();
+    drop(g);
+    eprintln!(
+        "vm: {} ops, {} errors, {} pages verified at the end{}",
+        w.ops,
+        w.errors,
+        w.verified,
+        exit.as_deref().map(|e| format!("; QEMU {e}")).unwrap_or_default()
+    );
+    if w.errors > 0 {
+        return Err(RunnerError::Invalid(format!(
+            "the VM's workload read {} wrong values: memory corrupted",
+            w.errors
+        )));
+    }
+    let mut v = serde_json::json!({"workload": "vm", "ops": w.ops, "done": w.done, "verified": w.verified,
+        "errors": w.errors, "per_second": w.history.iter().map(|h| h.1).collect::<Vec<_>>()});
+    if let serde_json::Value::Object(o) = &mut v {
+        o.insert("region".into(), stats_json(&m));
+        o.insert("size".into(), serde_json::json!(a.size));
+    }
+    Ok(v)
 }
 
 fn stats_json(m: &Memory) -> serde_json::Value {
@@ -182,6 +243,9 @@ fn progress(m: &Memory, sec: usize, rate: f64, last_ins: &mut u64) {
 
 /// Run `w` once; its outcome as JSON (the region's counters included).
 pub fn run(a: &LocalRun, w: &Workload) -> Result<serde_json::Value, RunnerError> {
+    if let Workload::Vm(spec) = w {
+        return run_vm(a, spec);
+    }
     let m = open_memory(a)?;
     let mem = m.mem();
     let mut last_ins = 0;
@@ -267,6 +331,7 @@ pub fn run(a: &LocalRun, w: &Workload) -> Result<serde_json::Value, RunnerError>
             let _ = h.join();
             serde_json::json!({"workload": "kv", "ops": kvs.ops.load(Ordering::Relaxed), "items": kvs.items(), "per_second": per_second})
         }
+        Workload::Vm(_) => unreachable!("run_vm"),
     };
     if let Some(r) = &m.region {
         let s = r.stats();

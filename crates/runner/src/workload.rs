@@ -156,6 +156,8 @@ pub struct Started {
     pub sort: Option<Arc<SortJob>>,
     /// The key-value server, if that is the workload.
     pub kv: Option<Arc<KvServer>>,
+    /// The VM, if the guest is one.
+    pub vm: Option<Arc<crate::vm::VmGuest>>,
 }
 
 /// Start `spec`'s workload on the region in background threads.
@@ -166,6 +168,11 @@ pub fn start(
     gate: &Arc<Gate>,
     incoming: bool,
 ) -> Result<Started, RunnerError> {
+    if let Workload::Vm { .. } = spec.workload {
+        return Err(RunnerError::Invalid(
+            "a VM's region is made with its QEMU (vm::boot)".into(),
+        ));
+    }
     // SAFETY: the region outlives the workload: the runner keeps it until
     // the process ends.
     let mem = unsafe { Mem::new(region.as_ptr(), region.len()) };
@@ -206,6 +213,7 @@ pub fn start(
                 ops,
                 sort: None,
                 kv: None,
+                vm: None,
             })
         }
         Workload::Kv { listen } => {
@@ -226,6 +234,7 @@ pub fn start(
                 ops,
                 sort: None,
                 kv: Some(server),
+                vm: None,
             })
         }
         Workload::Sortjob {
@@ -236,7 +245,9 @@ pub fn start(
             ops: Arc::new(AtomicU64::new(0)),
             sort: Some(SortJob::start(mem, *sort_frac, *warm, *seed, incoming)),
             kv: None,
+            vm: None,
         }),
+        Workload::Vm { .. } => unreachable!("returned above"),
     }
 }
 

@@ -1,0 +1,150 @@
+//! VM guests in the runner: QEMU started on the region's memfd, the
+//! region made on the mapping QEMU hands over, QMP for pause and resume,
+//! vmwork's console reports as the guest's operations.
+
+use crate::workload::Started;
+use crate::RunnerError;
+use pagefleet_api::guest::VmStatus;
+use pagefleet_api::Workload;
+use pagefleet_region::{Adopt, Config, Region};
+use pagefleet_vm::{Vm, VmSpec};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A VM guest's QEMU and the private directory of its sockets.
+pub struct VmGuest {
+    /// The QEMU process.
+    pub vm: Vm,
+    dir: PathBuf,
+}
+
+impl Drop for VmGuest {
+    fn drop(&mut self) {
+        // QEMU first: once the region is gone nobody serves its faults.
+        self.vm.shutdown(Duration::from_secs(3));
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The QEMU spec of a `Workload::Vm` (None for other workloads).
+pub fn spec_of(w: &Workload, size: u64, name: &str) -> Option<VmSpec> {
+    match w {
+        Workload::Vm {
+            kernel,
+            initrd,
+            append,
+            disk,
+            smp,
+        } => Some(VmSpec {
+            kernel: kernel.into(),
+            initrd: initrd.into(),
+            append: append.clone(),
+            disk: disk.as_ref().map(PathBuf::from),
+            smp: *smp,
+            size,
+            name: name.to_string(),
+        }),
+        _ => None,
+    }
+}
+
+fn private_dir(name: &str) -> Result<PathBuf, RunnerError> {
+    let dir = std::env::temp_dir().join(format!(
+        "pagefleet-vm-{}-{}",
+        std::process::id(),
+        name.chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+            .collect::<String>()
+    ));
+    std::fs::create_dir_all(&dir).map_err(|e| RunnerError::io(dir.display().to_string(), e))?;
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))
+        .map_err(|e| RunnerError::io("VM socket directory", e))?;
+    Ok(dir)
+}
+
+/// Start QEMU on a fresh memfd (or `adopt`'s, for a VM a migration
+/// brought: then it waits for its device state, `incoming`), and the
+/// region that pages its RAM under `cfg`'s budget.
+pub fn boot(
+    mut cfg: Config,
+    spec: &VmSpec,
+    adopt: Option<Arc<Adopt>>,
+    incoming: bool,
+) -> Result<(Region, Arc<VmGuest>), RunnerError> {
+    let adopt = match adopt {
+        Some(a) => a,
+        None => Arc::new(
+            Adopt::create(&format!("pagefleet-vm-{}", spec.name), spec.size)
+                .map_err(|e| RunnerError::io("guest memory", e))?,
+        ),
+    };
+    let dir = private_dir(&spec.name)?;
+    let (vm, foreign) = Vm::start(spec, &adopt.memfd, &dir, incoming)
+        .map_err(|e| RunnerError::Invalid(format!("VM: {e}")))?;
+    let guest = Arc::new(VmGuest { vm, dir });
+    cfg.adopt = Some(adopt);
+    cfg.foreign = Some(Arc::new(foreign));
+    let region = Region::new(cfg)?;
+    guest
+        .vm
+        .release()
+        .map_err(|e| RunnerError::Invalid(format!("VM: {e}")))?;
+    Ok((region, guest))
+}
+
+/// The VM as a started workload: its operation count follows vmwork's reports.
+pub fn started(g: &Arc<VmGuest>) -> Started {
+    let ops = Arc::new(AtomicU64::new(0));
+    let (o, c) = (ops.clone(), g.vm.console.clone());
+    std::thread::spawn(move || loop {
+        o.store(c.workload().ops, Relaxed);
+        std::thread::sleep(Duration::from_millis(200));
+        if Arc::strong_count(&o) == 1 {
+            break;
+        }
+    });
+    Started {
+        ops,
+        sort: None,
+        kv: None,
+        vm: Some(g.clone()),
+    }
+}
+
+impl VmGuest {
+    /// Stop the vCPUs (a migration's safepoint).
+    pub fn pause(&self) -> bool {
+        self.vm.qmp(|q| q.stop()).is_ok()
+    }
+
+    /// Let them run again.
+    pub fn resume(&self) {
+        if let Err(e) = self.vm.qmp(|q| q.cont()) {
+            tracing::warn!("VM: cont: {e}");
+        }
+    }
+
+    /// What `pagefleet status` shows about it.
+    pub fn status(&self) -> VmStatus {
+        let w = self.vm.console.workload();
+        let state = match self.vm.exited() {
+            Some(st) => format!("exited ({st})"),
+            None => self
+                .vm
+                .qmp(|q| q.status())
+                .map(|s| s.status)
+                .unwrap_or_else(|e| format!("unknown ({e})")),
+        };
+        VmStatus {
+            qemu_pid: self.vm.pid,
+            state,
+            ops_per_sec: w.ops_per_sec,
+            errors: w.errors,
+            done: w.done,
+            console: self.vm.console.tail(10),
+        }
+    }
+}
