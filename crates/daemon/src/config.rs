@@ -121,6 +121,8 @@ pub struct GuestsSection {
     pub dir: Option<PathBuf>,
     /// Network device guests' service addresses go on.
     pub service_dev: Option<String>,
+    /// Directories VM guests' kernels, initramfs and disks may come from.
+    pub vm_images: Option<Vec<PathBuf>>,
 }
 
 /// `[registry]`.
@@ -194,6 +196,8 @@ pub struct Flags {
     pub ioqos_tenants: Option<String>,
     /// The I/O controller's policy.
     pub ioqos_policy: Option<String>,
+    /// Directories VM images may come from.
+    pub vm_images: Option<Vec<PathBuf>>,
 }
 
 /// The daemon's effective settings.
@@ -233,6 +237,8 @@ pub struct Settings {
     pub ksm: Option<pagefleet_ksm::control::Spec>,
     /// The I/O guarantee controller to run (None: none).
     pub ioqos: Option<pagefleet_ioqos::control::Spec>,
+    /// Directories VM guests' files may come from (none: no VMs here).
+    pub vm_images: Vec<PathBuf>,
 }
 
 impl FileConfig {
@@ -335,6 +341,7 @@ pub fn merge(file: FileConfig, flags: Flags) -> Result<Settings> {
             "max_conns must be at least 1".to_string(),
         ));
     }
+    let vm_images = flags.vm_images.clone().or(g.vm_images.clone()).unwrap_or_default();
     Ok(Settings {
         lend,
         listen: flags
@@ -362,6 +369,7 @@ pub fn merge(file: FileConfig, flags: Flags) -> Result<Settings> {
         name: flags.name.or(file.name),
         ksm,
         ioqos,
+        vm_images,
     })
 }
 

@@ -38,6 +38,8 @@ pub struct GuestConfig {
     pub ip: String,
     /// The cluster secret, handed to runners on their stdin.
     pub secret: Secret,
+    /// Directories VM guests' files may come from.
+    pub vm_images: Vec<PathBuf>,
 }
 
 /// A refused or failed request: the HTTP status and what to tell the caller.
@@ -397,6 +399,7 @@ impl Guests {
             return Err(Refusal::new(400, "size: at least one 4 KiB page"));
         }
         req.spec.validate().map_err(|e| Refusal::new(400, e))?;
+        check_vm_files(&req.spec.workload, &self.cfg.vm_images)?;
         let budget_pages = req.budget_pages.unwrap_or(req.size.div_ceil(4096));
         let job = Job::Guest {
             name: req.name.clone(),
@@ -505,4 +508,40 @@ impl Guests {
     pub fn forget(&self, name: &str) {
         lock(&self.map).remove(name);
     }
+}
+
+/// A VM guest's files must lie under a directory the operator allowed
+/// (`--vm-images`): QEMU reads them as root, so a request must not make it
+/// read anything else on this host. Symlinks are resolved first.
+fn check_vm_files(w: &pagefleet_api::Workload, allowed: &[PathBuf]) -> Result<(), Refusal> {
+    let pagefleet_api::Workload::Vm {
+        kernel,
+        initrd,
+        disk,
+        ..
+    } = w
+    else {
+        return Ok(());
+    };
+    if allowed.is_empty() {
+        return Err(Refusal::new(
+            403,
+            "this host runs no VM guests: its pagefleetd has no --vm-images",
+        ));
+    }
+    let roots: Vec<PathBuf> = allowed
+        .iter()
+        .filter_map(|d| std::fs::canonicalize(d).ok())
+        .collect();
+    for f in [Some(kernel), Some(initrd), disk.as_ref()].into_iter().flatten() {
+        let real = std::fs::canonicalize(f)
+            .map_err(|e| Refusal::new(400, format!("VM file {f}: {e}")))?;
+        if !real.is_file() || !roots.iter().any(|r| real.starts_with(r)) {
+            return Err(Refusal::new(
+                403,
+                format!("VM file {f} is not a file under this host's --vm-images"),
+            ));
+        }
+    }
+    Ok(())
 }

@@ -90,6 +90,11 @@ struct Args {
     /// Network device guests' service addresses are added to (default eth0).
     #[arg(long)]
     service_dev: Option<String>,
+    /// Directories VM guests' kernels, initramfs and disk images may come
+    /// from, comma-separated (default: none, so no VM guests here). A
+    /// request naming a file elsewhere is refused.
+    #[arg(long, value_delimiter = ',')]
+    vm_images: Option<Vec<PathBuf>>,
     /// The other hosts' pagefleetd HTTP addresses (registry), comma-separated.
     #[arg(long, value_delimiter = ',')]
     peers: Option<Vec<String>>,
@@ -159,6 +164,7 @@ fn run() -> Result<()> {
             ioqos_device: args.ioqos_device,
             ioqos_tenants: args.ioqos_tenants,
             ioqos_policy: args.ioqos_policy,
+            vm_images: args.vm_images,
         },
     )?;
     tracing_subscriber::fmt()

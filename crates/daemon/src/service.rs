@@ -125,6 +125,7 @@ pub fn run(a: Settings) -> Result<()> {
                 service_dev: a.service_dev.clone(),
                 ip: listen_addr.ip().to_string(),
                 secret: secret.clone(),
+                vm_images: a.vm_images.clone(),
             })?)
         }
         None => None,
