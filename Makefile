@@ -17,7 +17,7 @@ APT_PKGS := build-essential pkg-config python3 python3-venv memcached libmemcach
 VENV := .venv
 FUZZ_SECONDS ?= 30
 
-.PHONY: all deps deps-apt deps-rust deps-python build guest lint test test-unit fuzz-smoke demo bench clean
+.PHONY: all deps deps-apt deps-rust deps-python build guest vm lint test test-unit fuzz-smoke demo bench clean
 
 all: build
 
@@ -52,11 +52,17 @@ build: deps
 guest: deps
 	crates/systest/guest/build.sh target/guest
 
+# The VM guest image: the same kernel, busybox and vmwork (a memory workload
+# that checks every value it reads), in target/vm (`pagefleet run vm`,
+# `guest start ... -- vm`, the VM tests and `bench vm-migration`).
+vm: deps
+	crates/systest/vm/build.sh target/vm
+
 # Every test: a short fuzz run of the server and the decoders, then unit,
 # property, integration and testbed tests (real daemons on loopback and in
 # network namespaces, the guest swapping to the block device, the
 # benchmarks' smoke runs).
-test: build guest lint fuzz-smoke test-unit
+test: build guest vm lint fuzz-smoke test-unit
 
 # Clippy with the workspace lints (SAFETY comments on every unsafe block,
 # unsafe operations marked inside unsafe fns, documented library APIs),

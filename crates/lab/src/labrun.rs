@@ -48,6 +48,10 @@ impl LabRun {
         o.dir = dir.clone();
         o.lend = lend;
         o.guest_memory = guest_memory.to_vec();
+        // The VM image `make vm` builds (target/vm, beside target/release).
+        if let Some(t) = bins.parent() {
+            o.vm_images = vec![t.join("vm")];
+        }
         o.subnet_octet = 100 + (r >> 16) as u8 % 100;
         let lab = pagefleet_testbed::Lab::up(&o)?;
         Ok(LabRun {

@@ -160,6 +160,9 @@ fn splice_in(p: &mut Pipe, sock: i32, file: i32, off: u64, len: usize) -> Result
     Ok(())
 }
 
+/// Largest VM device state accepted (QEMU's is ~1 MB without RAM).
+pub const MAX_DEVICE_STATE: u64 = 256 << 20;
+
 /// A migration received up to its COMMIT.
 pub struct Received {
     // Declared first, so dropped first: the pullers stop writing into the
@@ -171,6 +174,8 @@ pub struct Received {
     adopt: Adopt,
     shared: Arc<Shared>,
     secret: Secret,
+    /// A VM's device state, as its QEMU wrote it on the source.
+    device_state: Vec<u8>,
 }
 
 /// Gather's pullers, one per memory server; dropping them waits for them.
@@ -350,6 +355,7 @@ pub fn receive(
         adopt,
         shared,
         secret: secret.clone(),
+        device_state: Vec::new(),
     };
     let gather = r.spec.gather;
     let mut tmp = vec![0u8; MAX_PAGES * PAGE];
@@ -473,6 +479,13 @@ pub fn receive(
                 progress.round.store(h.arg, Relaxed);
                 r.stream.send(Kind::RoundDone, h.arg, &[])?;
             }
+            Kind::DeviceState => {
+                let b = r.stream.body(&h)?;
+                if h.arg > MAX_DEVICE_STATE || (r.device_state.len() + b.len()) as u64 > h.arg {
+                    return Err(r.fail(format!("DEVICE_STATE of {} bytes", h.arg)));
+                }
+                r.device_state.extend_from_slice(&b);
+            }
             Kind::Commit => {
                 r.stream.body(&h)?;
                 return Ok(r);
@@ -553,9 +566,28 @@ impl Received {
     /// dropped without touching the servers: their pages still belong to
     /// the source.
     pub fn commit(
+        self,
+        secret: &Secret,
+        tweak: impl FnOnce(&mut Config),
+    ) -> Result<Committed, WireError> {
+        self.commit_with(secret, tweak, |cfg| {
+            Region::new(cfg).map_err(|e| e.to_string())
+        })
+    }
+
+    /// A VM's device state that came with the migration (empty for a
+    /// native guest).
+    pub fn device_state(&self) -> &[u8] {
+        &self.device_state
+    }
+
+    /// [`Received::commit`], with the region made by `build` from its
+    /// configuration (a VM's: QEMU started on the received memory first).
+    pub fn commit_with(
         mut self,
         secret: &Secret,
         tweak: impl FnOnce(&mut Config),
+        build: impl FnOnce(Config) -> Result<Region, String>,
     ) -> Result<Committed, WireError> {
         let t = Instant::now();
         if let Err(e) = self.finish_pulls() {
@@ -591,11 +623,12 @@ impl Received {
             spec,
             mut stream,
             mut adopt,
+            device_state,
             ..
         } = self;
         adopt.resident = Some(resident);
         cfg.adopt = Some(Arc::new(adopt));
-        let region = match Region::new(cfg) {
+        let region = match build(cfg) {
             Ok(r) => r,
             Err(e) => {
                 let msg = format!("cannot build the region: {e}");
@@ -618,6 +651,7 @@ impl Received {
                 stream,
                 region: Some(region),
                 secret: secret.clone(),
+                device_state,
             }),
             Err(e) => {
                 region.detach();
@@ -634,6 +668,8 @@ pub struct Committed {
     stream: Stream,
     region: Option<Region>,
     secret: Secret,
+    /// A VM's device state (empty for a native guest).
+    pub device_state: Vec<u8>,
 }
 
 impl Committed {

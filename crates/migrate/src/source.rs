@@ -98,6 +98,12 @@ pub trait Guest: Sync {
     fn release_address(&self) {}
     /// Take it back (the migration was aborted after releasing it).
     fn reclaim_address(&self) {}
+    /// State besides memory that must move while the guest is paused (a
+    /// VM's device state from QEMU's own migration, RAM excluded); None for
+    /// a native guest, whose state is all in its memory.
+    fn device_state(&self) -> Result<Option<Vec<u8>>, String> {
+        Ok(None)
+    }
 }
 
 /// Why a migration failed (everything before GO is rolled back).
@@ -437,6 +443,13 @@ impl Run<'_> {
             .ok_or_else(|| MigrateError::Other("the region's pager did not answer".into()))?;
         let last_pages = last.len();
         self.round(rounds, &last, &info, &servers)?;
+        if let Some(state) = guest.device_state().map_err(MigrateError::Other)? {
+            let total = state.len() as u64;
+            for piece in state.chunks(crate::wire::MAX_BODY) {
+                self.stream.send(Kind::DeviceState, total, &[piece])?;
+            }
+            self.bytes_main += total;
+        }
         let t_copy = Instant::now();
         let final_copy_ms = (t_copy - td - t_sum).as_secs_f64() * 1e3 - pause_ms;
         self.stream

@@ -73,6 +73,9 @@ pub enum Kind {
     Error = 14,
     /// Destination: everything of the round has arrived.
     RoundDone = 15,
+    /// Source: a piece of a VM's device state (QEMU's own migration stream
+    /// without RAM), sent while the VM is stopped; `arg` is the total length.
+    DeviceState = 16,
 }
 
 impl Kind {
@@ -95,6 +98,7 @@ impl Kind {
             13 => Abort,
             14 => Error,
             15 => RoundDone,
+            16 => DeviceState,
             _ => return None,
         })
     }
@@ -379,7 +383,7 @@ mod tests {
 
     proptest! {
         #[test]
-        fn header_roundtrip(k in 1u8..=15, len in 0u32..(MAX_BODY as u32), arg: u64) {
+        fn header_roundtrip(k in 1u8..=16, len in 0u32..(MAX_BODY as u32), arg: u64) {
             let h = Header { kind: Kind::from_u8(k).unwrap(), len, arg };
             prop_assert_eq!(Header::decode(&h.encode()).unwrap(), h);
         }

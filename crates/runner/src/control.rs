@@ -72,6 +72,9 @@ impl source::Guest for Running {
             s.release();
         }
     }
+    fn device_state(&self) -> Result<Option<Vec<u8>>, String> {
+        self.vm.as_ref().map(|v| v.device_state()).transpose()
+    }
     fn reclaim_address(&self) {
         if let Some(s) = &self.service {
             let _ = s.claim();
@@ -237,12 +240,6 @@ impl Running {
     /// Migrate away, streaming progress to `out`. True when the guest runs
     /// at the destination now.
     fn migrate(&self, req: &MigrateRequest, out: &mut UnixStream) -> Result<bool, RunnerError> {
-        if self.vm.is_some() {
-            return Err(RunnerError::Invalid(format!(
-                "{} is a VM: VM migration is not available yet",
-                self.name
-            )));
-        }
         if self.migrating.swap(true, Relaxed) {
             return Err(RunnerError::Invalid(format!(
                 "a migration of {} is already running",
@@ -281,6 +278,10 @@ impl Running {
         match result {
             Ok(rep) => {
                 tracing::info!("migrated out: {} -> {}", rep.guest, rep.main_host);
+                if let Some(v) = &self.vm {
+                    // Its device state runs on the destination now.
+                    v.vm.shutdown(Duration::from_secs(3));
+                }
                 let _ = line(&mut w, &ProgressEvent::Report(rep));
                 let _ = w.flush();
                 Ok(true)

@@ -252,11 +252,30 @@ pub fn run_incoming(
     let received = dest::receive(stream, &secret, &progress)?;
     let (here, remote) = received.counts();
     tracing::info!("received {here} pages, {remote} located on servers; building the region");
-    let mut committed = received.commit(&secret, |c| {
-        if let Some(b) = budget_pages {
-            c.budget_pages = c.budget_pages.min(b);
-        }
-    })?;
+    let vm_spec = vm::spec_of(
+        &received.spec.workload.workload,
+        received.spec.size,
+        &received.spec.name,
+    );
+    let mut vm_guest = None;
+    let mut committed = received.commit_with(
+        &secret,
+        |c| {
+            if let Some(b) = budget_pages {
+                c.budget_pages = c.budget_pages.min(b);
+            }
+        },
+        |mut cfg| match &vm_spec {
+            // QEMU starts on the received memory and waits for its device state.
+            Some(v) => {
+                let adopt = cfg.adopt.take();
+                let (region, g) = vm::boot(cfg, v, adopt, true).map_err(|e| e.to_string())?;
+                vm_guest = Some(g);
+                Ok(region)
+            }
+            None => Region::new(cfg).map_err(|e| e.to_string()),
+        },
+    )?;
     let region = Arc::new(committed.take_region());
     let spec = committed.spec.clone();
     let (sum, secs) = if spec.verify {
@@ -277,7 +296,13 @@ pub fn run_incoming(
         s.claim()?;
     }
     let gate = Arc::new(Gate::default());
-    let w = workload::start(&spec.workload, &region, &gate, true)?;
+    let w = match &vm_guest {
+        Some(g) => {
+            g.resume_from(&committed.device_state)?;
+            vm::started(g)
+        }
+        None => workload::start(&spec.workload, &region, &gate, true)?,
+    };
     committed.started(sum, secs);
     let r = Arc::new(control::Running::new(
         spec.name.clone(),

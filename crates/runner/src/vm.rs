@@ -120,6 +120,19 @@ impl VmGuest {
         self.vm.qmp(|q| q.stop()).is_ok()
     }
 
+    /// Its device state (the VM must be paused).
+    pub fn device_state(&self) -> Result<Vec<u8>, String> {
+        self.vm.save_state(&self.dir).map_err(|e| e.to_string())
+    }
+
+    /// Load a migrated device state, then run.
+    pub fn resume_from(&self, state: &[u8]) -> Result<(), RunnerError> {
+        self.vm
+            .load_state(state, &self.dir)
+            .and_then(|_| self.vm.qmp(|q| q.cont()))
+            .map_err(|e| RunnerError::Invalid(format!("VM: {e}")))
+    }
+
     /// Let them run again.
     pub fn resume(&self) {
         if let Err(e) = self.vm.qmp(|q| q.cont()) {

@@ -65,3 +65,117 @@ fn a_vm_with_a_quarter_of_its_memory_resident_verifies_every_value() {
     vm.shutdown(Duration::from_secs(5));
     region.close().expect("pages freed on the server");
 }
+
+/// `pagefleet CMD --json ARGS` in h1: the report, or the error text.
+fn report(l: &pagefleet_lab::LabRun, cmd: &str, args: &[&str]) -> Result<serde_json::Value, String> {
+    let mut a = vec![cmd, "--json"];
+    a.extend_from_slice(args);
+    let (ok, out, err) = l.pf(0, &a);
+    if ok {
+        Ok(serde_json::from_str(&out).unwrap_or_else(|e| panic!("report: {e}: {out}")))
+    } else {
+        Err(err)
+    }
+}
+
+/// The VM runs on host `on` and its workload makes progress with 0 errors.
+fn assert_vm_runs(l: &pagefleet_lab::LabRun, name: &str, on: usize) -> pagefleet_api::GuestStatus {
+    let (h, g) = l.guest(name).unwrap_or_else(|| panic!("{name} is gone"));
+    assert_eq!(h, on, "{name} should run on h{}: {g:?}", on + 1);
+    let a = g.ops;
+    let t = Instant::now();
+    loop {
+        let (_, g) = l.guest(name).expect("guest");
+        let vm = g.vm.clone().expect("VM status");
+        assert_eq!(vm.errors, 0, "the VM read wrong values: {:?}", vm.console);
+        if g.ops > a {
+            return g;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "{name} makes no progress on h{}: {vm:?}",
+            on + 1
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
+}
+
+#[test]
+fn a_vm_is_split_migrated_and_gathered_back_while_its_workload_checks_every_value() {
+    if !is_root() {
+        eprintln!("skipped: the testbed needs root (CI runs as root)");
+        return;
+    }
+    let (kernel, initrd) = vm_image();
+    // h1 runs the VM; h2 has memory for half of it; h3 only lends.
+    let l = lab(
+        "vmmig",
+        3,
+        pagefleet_testbed::Link::Gbit10,
+        512 * MIB,
+        &[512 * MIB, 128 * MIB, 0],
+    );
+    let (ok, _, err) = l.pf(
+        0,
+        &[
+            "guest",
+            "start",
+            "vm1",
+            "--on",
+            "h1",
+            "--size",
+            "256MiB",
+            "--",
+            "vm",
+            "--kernel",
+            kernel.to_str().unwrap(),
+            "--initrd",
+            initrd.to_str().unwrap(),
+            "--append",
+            "vmwork_mb=120 vmwork_secs=0 vmwork_write=20 vmwork_seed=3",
+        ],
+    );
+    assert!(ok, "guest start: {err}");
+    // Booted, filled, and running its checked reads and writes.
+    let t = Instant::now();
+    while l.guest("vm1").is_none_or(|(_, g)| g.ops == 0) {
+        assert!(t.elapsed() < Duration::from_secs(60), "the VM never started its workload: {:?}", l.guest("vm1"));
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_vm_runs(&l, "vm1", 0);
+    // Split: h2 keeps what fits, h3 gets the rest.
+    let r = report(&l, "migrate", &["vm1", "--verify"]).expect("split migration of the VM");
+    assert_eq!(r["checksum_source"], r["checksum_dest"], "{r}");
+    assert!(r["checksum_source"].is_string(), "{r}");
+    assert!(r["pages_subs"][0].as_u64().unwrap() > 1000, "nothing went to the sub-host: {r}");
+    eprintln!("split: total {} s, downtime {} ms, main {} pages, subs {}", r["total_secs"], r["downtime_ms"], r["pages_main"], r["pages_subs"]);
+    let g = assert_vm_runs(&l, "vm1", 1);
+    assert!(g.resident_pages <= 128 * MIB / 4096, "{g:?}");
+    // Gather it back to h1 (it pages on h2 meanwhile).
+    let r = report(&l, "gather", &["vm1", "--to", "h1", "--verify"]).expect("gather of the VM");
+    assert_eq!(r["checksum_source"], r["checksum_dest"], "{r}");
+    let g = assert_vm_runs(&l, "vm1", 0);
+    assert_eq!(g.remote_pages, 0, "{g:?}");
+    let (ok, _, err) = l.pf(0, &["guest", "stop", "vm1"]);
+    assert!(ok, "guest stop: {err}");
+}
+
+#[test]
+fn a_host_refuses_vm_files_outside_its_image_directories() {
+    if !is_root() {
+        eprintln!("skipped: the testbed needs root (CI runs as root)");
+        return;
+    }
+    let (kernel, _) = vm_image();
+    let l = lab("vmref", 1, pagefleet_testbed::Link::Gbit10, 64 * MIB, &[256 * MIB]);
+    let (ok, _, err) = l.pf(
+        0,
+        &[
+            "guest", "start", "v", "--on", "h1", "--size", "64MiB", "--", "vm", "--kernel",
+            kernel.to_str().unwrap(), "--initrd", "/etc/shadow",
+        ],
+    );
+    assert!(!ok, "a VM with /etc/shadow as its initrd was started");
+    assert!(err.contains("--vm-images"), "{err}");
+    assert!(l.guest("v").is_none());
+}

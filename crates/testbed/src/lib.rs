@@ -113,6 +113,8 @@ pub struct Options {
     pub pagefleetd: PathBuf,
     /// Where state, logs and the lab's secret live.
     pub dir: PathBuf,
+    /// Directories VM guests' images may come from (`--vm-images`).
+    pub vm_images: Vec<PathBuf>,
 }
 
 impl Options {
@@ -126,6 +128,7 @@ impl Options {
             subnet_octet: 77,
             pagefleetd,
             dir: PathBuf::from("/run/pagefleet/testbed"),
+            vm_images: Vec::new(),
         }
     }
 }
@@ -398,6 +401,12 @@ fn start_daemon(o: &Options, h: &Host, secret: &Path, peers: &[String]) -> Resul
                     .display()
                     .to_string(),
             ]
+        } else {
+            vec![]
+        })
+        .args(if h.guest_memory > 0 && !o.vm_images.is_empty() {
+            let dirs: Vec<String> = o.vm_images.iter().map(|d| d.display().to_string()).collect();
+            vec!["--vm-images".to_string(), dirs.join(",")]
         } else {
             vec![]
         })

@@ -178,7 +178,8 @@ impl Vm {
             ));
         }
         if incoming {
-            cmd.args(["-incoming", "defer"]);
+            // Paused after the device state is in: the runner says `cont`.
+            cmd.args(["-incoming", "defer", "-S"]);
         }
         cmd.env("LD_PRELOAD", &shim)
             .env("PAGEFLEET_VM_RAM", format!("{}:{}", st.st_dev, st.st_ino))
@@ -298,6 +299,99 @@ impl Vm {
             let _ = c.kill();
         }
         let _ = c.wait();
+    }
+}
+
+impl Vm {
+    /// A stopped VM's device state: QEMU's own migration into a Unix
+    /// socket of `dir`, with `x-ignore-shared` so the RAM (the region,
+    /// which pagefleet moves) is left out. ~1 MB; the VM stays stopped.
+    pub fn save_state(&self, dir: &Path) -> Result<Vec<u8>, VmError> {
+        let path = dir.join("state-out.sock");
+        let _ = std::fs::remove_file(&path);
+        let l = UnixListener::bind(&path).map_err(|e| VmError::io(path.display().to_string(), e))?;
+        self.qmp(|q| {
+            q.set_capabilities(&[("x-ignore-shared", true)])?;
+            q.execute::<serde_json::Value>(
+                "migrate",
+                Some(serde_json::json!({ "uri": format!("unix:{}", path.display()) })),
+            )
+        })?;
+        let reader = std::thread::spawn(move || -> std::io::Result<Vec<u8>> {
+            let (mut s, _) = l.accept()?;
+            let mut v = Vec::new();
+            s.read_to_end(&mut v)?;
+            Ok(v)
+        });
+        let t0 = Instant::now();
+        loop {
+            let info = self.qmp(|q| q.query_migrate())?;
+            match info.status.as_deref() {
+                Some("completed") => break,
+                Some("failed") | Some("cancelled") => {
+                    let _ = std::fs::remove_file(&path);
+                    return Err(VmError::Qemu(format!(
+                        "saving the device state failed: {}",
+                        info.error_desc.unwrap_or_default()
+                    )));
+                }
+                _ if t0.elapsed() > Duration::from_secs(60) => {
+                    let _ = self.qmp(|q| q.execute::<serde_json::Value>("migrate_cancel", None));
+                    return Err(VmError::Qemu("saving the device state took over 60 s".into()));
+                }
+                _ => std::thread::sleep(Duration::from_millis(1)),
+            }
+        }
+        let _ = std::fs::remove_file(&path);
+        reader
+            .join()
+            .map_err(|_| VmError::Qemu("device state reader panicked".into()))?
+            .map_err(|e| VmError::io("reading the device state", e))
+    }
+
+    /// Load a device state [`Vm::save_state`] produced into this VM
+    /// (started `incoming`); it stays paused until `cont`.
+    pub fn load_state(&self, state: &[u8], dir: &Path) -> Result<(), VmError> {
+        let path = dir.join("state-in.sock");
+        let _ = std::fs::remove_file(&path);
+        self.qmp(|q| {
+            q.set_capabilities(&[("x-ignore-shared", true)])?;
+            q.execute::<serde_json::Value>(
+                "migrate-incoming",
+                Some(serde_json::json!({ "uri": format!("unix:{}", path.display()) })),
+            )
+        })?;
+        let t0 = Instant::now();
+        let mut s = loop {
+            match UnixStream::connect(&path) {
+                Ok(s) => break s,
+                Err(_) if t0.elapsed() < Duration::from_secs(10) => {
+                    std::thread::sleep(Duration::from_millis(1))
+                }
+                Err(e) => return Err(VmError::io("QEMU's incoming socket", e)),
+            }
+        };
+        s.write_all(state)
+            .and_then(|_| s.shutdown(std::net::Shutdown::Write))
+            .map_err(|e| VmError::io("writing the device state", e))?;
+        loop {
+            if let Some(st) = self.exited() {
+                return Err(VmError::Qemu(format!(
+                    "exited ({st}) loading the device state: {}",
+                    self.console.tail(3).join(" | ")
+                )));
+            }
+            let st = self.qmp(|q| q.status())?;
+            if st.status != "inmigrate" {
+                break;
+            }
+            if t0.elapsed() > Duration::from_secs(60) {
+                return Err(VmError::Qemu("loading the device state took over 60 s".into()));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let _ = std::fs::remove_file(&path);
+        Ok(())
     }
 }
 
