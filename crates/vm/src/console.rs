@@ -25,7 +25,8 @@ pub struct Workload {
     pub done: bool,
     /// Pages its final pass verified.
     pub verified: u64,
-    /// Every report of the run phase: (seconds, ops/s).
+    /// Every report of the run phase: (host time it arrived, Unix seconds;
+    /// ops/s over the second before).
     pub history: Vec<(f64, f64)>,
 }
 
@@ -96,7 +97,11 @@ fn parse_report(rest: &str, w: &mut Workload) {
         w.ops = field(rest, "ops").unwrap_or(w.ops);
         w.ops_per_sec = field(rest, "ops_s").unwrap_or(w.ops_per_sec);
         w.errors = field(rest, "errors").unwrap_or(w.errors);
-        w.history.push((w.t, w.ops_per_sec));
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs_f64())
+            .unwrap_or(0.0);
+        w.history.push((now, w.ops_per_sec));
     }
 }
 
@@ -121,7 +126,9 @@ mod tests {
         assert_eq!(w.ops_per_sec, 5000.0);
         assert!(w.done);
         assert_eq!(w.verified, 16384);
-        assert_eq!(w.history, vec![(1.0, 4000.0), (2.0, 5000.0)]);
+        let rates: Vec<f64> = w.history.iter().map(|h| h.1).collect();
+        assert_eq!(rates, vec![4000.0, 5000.0]);
+        assert!(w.history[1].0 >= w.history[0].0 && w.history[0].0 > 1.7e9);
         assert_eq!(c.tail(2)[1], "vmwork: done ops=9100 errors=0 verified=16384");
     }
 

@@ -16,9 +16,11 @@
 #![warn(missing_docs)]
 
 pub mod console;
-pub mod qmp;
+mod plain;
 mod qemu;
+pub mod qmp;
 
+pub use plain::{PlainLaunch, PlainVm};
 pub use qemu::{Vm, VmSpec};
 
 /// Why a VM could not be started or driven.

@@ -61,8 +61,44 @@ impl VmSpec {
     }
 }
 
+impl VmSpec {
+    /// QEMU's command line for this spec with RAM backend `ram` (an
+    /// `-object` value with id `pf-ram`) and QMP on `qmp` (no
+    /// `-incoming`).
+    pub fn qemu_args(&self, ram: &str, qmp: &Path) -> Vec<std::ffi::OsString> {
+        let mib = self.size >> 20;
+        let mut a: Vec<std::ffi::OsString> = Vec::new();
+        let mut push = |s: &str| a.push(s.into());
+        push("-name");
+        push(&format!("pagefleet-{}", self.name));
+        for s in ["-machine", "pc,memory-backend=pf-ram", "-accel", "tcg", "-smp"] {
+            push(s);
+        }
+        push(&self.smp.to_string());
+        push("-m");
+        push(&format!("{mib}M"));
+        push("-object");
+        push(ram);
+        for s in ["-nodefaults", "-no-user-config", "-display", "none", "-no-reboot", "-serial", "stdio", "-qmp"] {
+            push(s);
+        }
+        push(&format!("unix:{},server=on,wait=off", qmp.display()));
+        push("-append");
+        push(&format!("console=ttyS0 panic=-1 {}", self.append));
+        a.push("-kernel".into());
+        a.push(self.kernel.clone().into());
+        a.push("-initrd".into());
+        a.push(self.initrd.clone().into());
+        if let Some(d) = &self.disk {
+            a.push("-drive".into());
+            a.push(format!("file={},if=virtio,format=raw,snapshot=on", d.display()).into());
+        }
+        a
+    }
+}
+
 /// The host's QEMU.
-fn qemu_binary() -> PathBuf {
+pub fn qemu_binary() -> PathBuf {
     std::env::var_os("PAGEFLEET_QEMU")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from("qemu-system-x86_64"))
@@ -151,32 +187,14 @@ impl Vm {
             return Err(VmError::io("fstat memfd", std::io::Error::last_os_error()));
         }
         let mem_path = format!("/proc/{}/fd/{}", std::process::id(), memfd.as_raw_fd());
-        let mib = spec.size >> 20;
         let mut cmd = Command::new(qemu_binary());
-        cmd.arg("-name")
-            .arg(format!("pagefleet-{}", spec.name))
-            .args(["-machine", "pc,memory-backend=pf-ram", "-accel", "tcg"])
-            .args(["-smp", &spec.smp.to_string(), "-m", &format!("{mib}M")])
-            .arg("-object")
-            .arg(format!(
-                "memory-backend-file,id=pf-ram,size={mib}M,mem-path={mem_path},share=on"
-            ))
-            .arg("-kernel")
-            .arg(&spec.kernel)
-            .arg("-initrd")
-            .arg(&spec.initrd)
-            .arg("-append")
-            .arg(format!("console=ttyS0 panic=-1 {}", spec.append))
-            .args(["-nodefaults", "-no-user-config", "-display", "none", "-no-reboot"])
-            .args(["-serial", "stdio"])
-            .arg("-qmp")
-            .arg(format!("unix:{},server=on,wait=off", qmp_path.display()));
-        if let Some(d) = &spec.disk {
-            cmd.arg("-drive").arg(format!(
-                "file={},if=virtio,format=raw,snapshot=on",
-                d.display()
-            ));
-        }
+        cmd.args(spec.qemu_args(
+            &format!(
+                "memory-backend-file,id=pf-ram,size={}M,mem-path={mem_path},share=on",
+                spec.size >> 20
+            ),
+            &qmp_path,
+        ));
         if incoming {
             // Paused after the device state is in: the runner says `cont`.
             cmd.args(["-incoming", "defer", "-S"]);

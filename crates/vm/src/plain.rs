@@ -1,0 +1,133 @@
+//! A QEMU without pagefleet: ordinary anonymous RAM, QEMU's own migration
+//! (pre-copy or post-copy). The baselines `pagefleet bench vm-migration`
+//! compares against, driven the same way (QMP, console).
+
+use crate::console::Console;
+use crate::qemu::qemu_binary;
+use crate::qmp::Qmp;
+use crate::{VmError, VmSpec};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Where and how to start one.
+pub struct PlainLaunch<'a> {
+    /// What to boot (the destination of a migration boots nothing: same spec).
+    pub spec: &'a VmSpec,
+    /// Run inside this network namespace (a testbed host).
+    pub netns: Option<&'a str>,
+    /// Wait for a migration on this URI (`tcp:IP:PORT`), paused after it.
+    pub incoming: Option<String>,
+    /// Directory for its QMP socket.
+    pub dir: &'a Path,
+    /// Put it in this memory cgroup (v1 directory) right after it starts.
+    pub cgroup: Option<PathBuf>,
+}
+
+/// A running baseline QEMU.
+pub struct PlainVm {
+    child: Mutex<Child>,
+    qmp: Mutex<Qmp>,
+    /// Its serial console.
+    pub console: Arc<Console>,
+    /// QEMU's pid.
+    pub pid: u32,
+}
+
+impl PlainVm {
+    /// Start it and open QMP.
+    pub fn start(l: PlainLaunch<'_>) -> Result<PlainVm, VmError> {
+        l.spec.validate()?;
+        let qmp_path = l.dir.join(format!("{}-qmp.sock", l.spec.name));
+        let _ = std::fs::remove_file(&qmp_path);
+        let mut cmd = match l.netns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns]).arg(qemu_binary());
+                c
+            }
+            None => Command::new(qemu_binary()),
+        };
+        cmd.args(l.spec.qemu_args(
+            &format!("memory-backend-ram,id=pf-ram,size={}M", l.spec.size >> 20),
+            &qmp_path,
+        ));
+        if let Some(uri) = &l.incoming {
+            cmd.args(["-incoming", uri, "-S"]);
+        }
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| VmError::io(format!("cannot start {}", qemu_binary().display()), e))?;
+        // `ip netns exec` execs QEMU: the child's pid is QEMU's.
+        let pid = child.id();
+        if let Some(cg) = &l.cgroup {
+            if let Err(e) = std::fs::write(cg.join("cgroup.procs"), pid.to_string()) {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(VmError::io(format!("moving QEMU into {}", cg.display()), e));
+            }
+        }
+        let console = Arc::new(Console::default());
+        if let Some(out) = child.stdout.take() {
+            let c = console.clone();
+            std::thread::spawn(move || c.pump(out, &|_| {}));
+        }
+        if let Some(err) = child.stderr.take() {
+            let c = console.clone();
+            std::thread::spawn(move || c.pump(err, &|l| tracing::warn!(target: "qemu", "{l}")));
+        }
+        let qmp = match Qmp::connect(&qmp_path, Duration::from_secs(30)) {
+            Ok(q) => q,
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(e);
+            }
+        };
+        Ok(PlainVm {
+            child: Mutex::new(child),
+            qmp: Mutex::new(qmp),
+            console,
+            pid,
+        })
+    }
+
+    /// Run `f` on its QMP session.
+    pub fn qmp<T>(&self, f: impl FnOnce(&mut Qmp) -> Result<T, VmError>) -> Result<T, VmError> {
+        f(&mut self.qmp.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Its exit status, if it has exited.
+    pub fn exited(&self) -> Option<std::process::ExitStatus> {
+        self.child
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .try_wait()
+            .ok()
+            .flatten()
+    }
+
+    /// `quit`, then a kill after `grace`.
+    pub fn shutdown(&self, grace: Duration) {
+        let _ = self.qmp(|q| q.execute::<serde_json::Value>("quit", None));
+        let t0 = Instant::now();
+        while self.exited().is_none() && t0.elapsed() < grace {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let mut c = self.child.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}
+
+impl Drop for PlainVm {
+    fn drop(&mut self) {
+        if self.exited().is_none() {
+            self.shutdown(Duration::from_secs(2));
+        }
+    }
+}
