@@ -17,6 +17,7 @@ pub mod memserver;
 pub mod migration;
 pub mod paging;
 pub mod util;
+pub mod vm_migration;
 
 use anyhow::Result;
 pub use pagefleet_lab::{fmt_bytes, is_root, kvload, LabRun};

@@ -145,7 +145,7 @@ fn lab(o: &Opts, link: Link) -> Result<LabRun> {
     )
 }
 
-fn pf_json(l: &LabRun, args: &[&str]) -> Result<MigrationReport> {
+pub(crate) fn pf_json(l: &LabRun, args: &[&str]) -> Result<MigrationReport> {
     let (ok, out, err) = l.pf(0, args);
     if !ok {
         bail!("pagefleet {}: {}", args.join(" "), err.trim());
@@ -154,7 +154,7 @@ fn pf_json(l: &LabRun, args: &[&str]) -> Result<MigrationReport> {
         .with_context(|| format!("pagefleet {}: not JSON: {out}", args.join(" ")))
 }
 
-fn pf_ok(l: &LabRun, args: &[&str]) -> Result<()> {
+pub(crate) fn pf_ok(l: &LabRun, args: &[&str]) -> Result<()> {
     let (ok, _, err) = l.pf(0, args);
     if !ok {
         bail!("pagefleet {}: {}", args.join(" "), err.trim());
@@ -162,7 +162,7 @@ fn pf_ok(l: &LabRun, args: &[&str]) -> Result<()> {
     Ok(())
 }
 
-fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> bool) -> Result<()> {
+pub(crate) fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> bool) -> Result<()> {
     let t = Instant::now();
     while !f() {
         if t.elapsed() > Duration::from_secs(secs) {

@@ -126,6 +126,12 @@ enum BenchCmd {
     /// 1 Gbit links; sort time after migration (with/without access history);
     /// kv throughput across the migration. Root only.
     Migration(Bench<bench::migration::Args>),
+    /// The same QEMU VM migrated five ways on a testbed: QEMU pre-copy,
+    /// QEMU post-copy, QEMU pre-copy into a half-size memory cgroup with
+    /// SSD-like swap, pagefleet split (half the memory + a sub-host) and
+    /// pagefleet to a host with enough memory; migration time, downtime,
+    /// bytes, in-guest ops/s before, during and after. Root; `make vm` first.
+    VmMigration(Bench<bench::vm_migration::Args>),
     /// The DMPS block device over NBD against nbdkit's memory plugin and
     /// qemu-nbd on tmpfs: fio sequential/random read/write, 4-128 KiB,
     /// queue depth 1 and 16, IOPS and MB/s.
@@ -481,6 +487,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Bench(BenchCmd::Memserver(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::Paging(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::Migration(b)) => bench::main(&b.common, &b.args),
+        Cmd::Bench(BenchCmd::VmMigration(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::Blockdev(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::Ksm(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::Ioqos(b)) => bench::main(&b.common, &b.args),

@@ -3,7 +3,7 @@
  * Fills MB MiB with pages whose every 8-byte word is a function of
  * (seed, page, version), then reads and writes pages picked with a zipf
  * skew, checking every word of every page it reads. A write bumps the
- * page's version and rewrites the page. Each second it prints one line
+ * page's version and rewrites the page. Four times a second it prints one line
  * (on the serial console, which the runner keeps and parses):
  *
  *   vmwork: t=12 ops=48211 ops_s=4012 errors=0 phase=run
@@ -137,8 +137,8 @@ int main(int argc, char **argv) {
             ops++;
         }
         double t = now();
-        if (t - last >= 1.0) {
-            printf("vmwork: t=%.0f ops=%llu ops_s=%.0f errors=%llu phase=run\n", t - start,
+        if (t - last >= 0.25) {
+            printf("vmwork: t=%.2f ops=%llu ops_s=%.0f errors=%llu phase=run\n", t - start,
                    (unsigned long long)ops, (ops - at_last) / (t - last), (unsigned long long)errors);
             fflush(stdout);
             last = t;

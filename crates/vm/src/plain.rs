@@ -17,7 +17,8 @@ pub struct PlainLaunch<'a> {
     pub spec: &'a VmSpec,
     /// Run inside this network namespace (a testbed host).
     pub netns: Option<&'a str>,
-    /// Wait for a migration on this URI (`tcp:IP:PORT`), paused after it.
+    /// Wait for a migration on this URI (`tcp:IP:PORT`); it runs as soon
+    /// as the migration lets it (QEMU's default).
     pub incoming: Option<String>,
     /// Directory for its QMP socket.
     pub dir: &'a Path,
@@ -54,7 +55,7 @@ impl PlainVm {
             &qmp_path,
         ));
         if let Some(uri) = &l.incoming {
-            cmd.args(["-incoming", uri, "-S"]);
+            cmd.args(["-incoming", uri]);
         }
         cmd.stdin(Stdio::null())
             .stdout(Stdio::piped())

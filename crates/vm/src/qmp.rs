@@ -15,8 +15,9 @@ use std::time::{Duration, Instant};
 pub struct Qmp {
     reader: BufReader<UnixStream>,
     writer: UnixStream,
-    /// Events seen while waiting for replies (name, data), oldest first.
-    pub events: Vec<(String, Value)>,
+    /// Events seen while waiting for replies (name, data, QEMU's
+    /// timestamp in Unix seconds), oldest first.
+    pub events: Vec<(String, Value, f64)>,
 }
 
 /// One line from QEMU.
@@ -29,6 +30,13 @@ struct Line {
     data: Option<Value>,
     #[serde(rename = "QMP")]
     greeting: Option<Value>,
+    timestamp: Option<Stamp>,
+}
+
+#[derive(Deserialize)]
+struct Stamp {
+    seconds: i64,
+    microseconds: i64,
 }
 
 #[derive(Deserialize)]
@@ -138,7 +146,11 @@ impl Qmp {
         loop {
             let l = self.line()?;
             if let Some(ev) = l.event {
-                self.events.push((ev, l.data.unwrap_or(Value::Null)));
+                let t = l
+                    .timestamp
+                    .map(|s| s.seconds as f64 + s.microseconds as f64 * 1e-6)
+                    .unwrap_or(0.0);
+                self.events.push((ev, l.data.unwrap_or(Value::Null), t));
                 continue;
             }
             if let Some(e) = l.error {
@@ -149,6 +161,11 @@ impl Qmp {
                     .map_err(|e| VmError::Qmp(format!("{command}: unexpected reply: {e}")));
             }
         }
+    }
+
+    /// When event `name` last arrived (QEMU's timestamp), if it did.
+    pub fn last_event(&self, name: &str) -> Option<f64> {
+        self.events.iter().rev().find(|e| e.0 == name).map(|e| e.2)
     }
 
     /// `query-status`.

@@ -1,0 +1,68 @@
+"""Plot `pagefleet bench vm-migration` results: usage: plot_vm_migration.py RESULTS.json OUT.png"""
+import json
+import math
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+COLORS = {
+    "qemu-precopy": "black",
+    "qemu-postcopy": "tab:gray",
+    "qemu-swap": "tab:red",
+    "pagefleet-split": "tab:blue",
+    "pagefleet-enough": "tab:green",
+}
+
+
+def ok(v):
+    return v is not None and not (isinstance(v, float) and math.isnan(v))
+
+
+def main(src, dst):
+    r = json.load(open(src))
+    rows = [x for x in r["rows"] if not x.get("error")]
+    workloads = []
+    for x in rows:
+        if x["workload"] not in workloads:
+            workloads.append(x["workload"])
+    n = max(1, len(workloads))
+    fig, axes = plt.subplots(n, 3, figsize=(17, 4.5 * n), squeeze=False)
+    for i, wl in enumerate(workloads):
+        sub = [x for x in rows if x["workload"] == wl]
+        ax = axes[i][0]
+        for x in sub:
+            t = [p[0] for p in x["timeline"]]
+            v = [p[1] for p in x["timeline"]]
+            ax.plot(t, v, label=x["mode"], color=COLORS.get(x["mode"]))
+        ax.axvline(0, color="gray", ls=":")
+        ax.set_xlabel("seconds since the migration started")
+        ax.set_ylabel("in-guest ops/s")
+        ax.set_title(f"{wl}: vmwork throughput across the migration")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        names = [x["mode"] for x in sub]
+        cols = [COLORS.get(m) for m in names]
+        ax = axes[i][1]
+        ax.bar(range(len(sub)), [x["total_secs"] if ok(x["total_secs"]) else 0 for x in sub], color=cols)
+        ax.set_xticks(range(len(sub)))
+        ax.set_xticklabels(names, rotation=20, fontsize=8)
+        ax.set_ylabel("seconds")
+        ax.set_title(f"{wl}: migration time")
+        ax.grid(alpha=0.3, axis="y")
+        ax = axes[i][2]
+        ax.bar(range(len(sub)), [x["downtime_ms"] if ok(x["downtime_ms"]) else 0 for x in sub], color=cols)
+        ax.set_xticks(range(len(sub)))
+        ax.set_xticklabels(names, rotation=20, fontsize=8)
+        ax.set_ylabel("ms")
+        ax.set_title(f"{wl}: downtime")
+        ax.grid(alpha=0.3, axis="y")
+    fig.suptitle(f"VM of {r['size_bytes'] >> 20} MiB, {r['link']} link")
+    fig.tight_layout()
+    fig.savefig(dst, dpi=110)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

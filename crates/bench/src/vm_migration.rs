@@ -1,0 +1,624 @@
+//! `pagefleet bench vm-migration`: the same QEMU VM migrated five ways on the
+//! testbed (hosts in network namespaces, shaped links), side by side:
+//!
+//! - (a) `qemu-precopy`: QEMU's own pre-copy to a host with enough memory;
+//! - (b) `qemu-postcopy`: QEMU's post-copy (one pre-copy pass, then the
+//!   destination runs and faults the rest over);
+//! - (c) `qemu-swap`: QEMU's pre-copy to a host whose memory cgroup holds
+//!   half the VM, with swap on the SSD-like device of the paging bench;
+//! - (d) `pagefleet-split`: pagefleet split migration to a main host with
+//!   half the memory plus a sub-host (QEMU moves only its device state);
+//! - (e) `pagefleet-enough`: pagefleet to a host with enough memory.
+//!
+//! The VM runs vmwork (crates/systest/vm), which checks every value it
+//! reads; "reading" never writes after its fill, "writing" rewrites 20% of
+//! the pages it touches. Measured per run: migration time, downtime (QEMU's
+//! own figure; pagefleet's pause-to-resume), bytes sent, and the in-guest
+//! ops/s before, during and after (the mean of the last 3 s).
+//!
+//! Hosts: h1 source, h2 half the VM's memory (split main), h3 only lends
+//! (sub-host), h4 enough memory (a, b, c, e).
+
+use crate::migration::{pf_json, pf_ok, wait_until};
+use crate::util::{self, Goal, MemCgroup, PlotOutcome, SsdSwap};
+use crate::LabRun;
+use anyhow::{bail, Context, Result};
+use pagefleet_testbed::Link;
+use pagefleet_vm::{PlainLaunch, PlainVm, VmSpec};
+use serde::Serialize;
+use serde_json::json;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+const MIB: u64 = 1 << 20;
+const MODES: [&str; 5] = [
+    "qemu-precopy",
+    "qemu-postcopy",
+    "qemu-swap",
+    "pagefleet-split",
+    "pagefleet-enough",
+];
+
+#[derive(Clone, Debug)]
+pub struct Opts {
+    /// VM memory.
+    pub size: u64,
+    /// What vmwork fills and works on.
+    pub work_mb: u64,
+    /// (name, percent of operations that write).
+    pub workloads: Vec<(String, u32)>,
+    pub modes: Vec<String>,
+    pub link: Link,
+    pub before_secs: u64,
+    pub after_secs: u64,
+    pub quick: bool,
+    pub out_dir: PathBuf,
+}
+
+impl Opts {
+    pub fn full(out_dir: PathBuf) -> Opts {
+        Opts {
+            size: 1 << 30,
+            work_mb: 640,
+            workloads: vec![("reading".into(), 0), ("writing".into(), 20)],
+            modes: MODES.iter().map(|s| s.to_string()).collect(),
+            link: Link::Gbit10,
+            before_secs: 5,
+            after_secs: 8,
+            quick: false,
+            out_dir,
+        }
+    }
+    pub fn quick(out_dir: PathBuf) -> Opts {
+        Opts {
+            size: 256 * MIB,
+            work_mb: 140,
+            workloads: vec![("writing".into(), 20)],
+            before_secs: 3,
+            after_secs: 5,
+            quick: true,
+            ..Opts::full(out_dir)
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Row {
+    pub mode: String,
+    pub workload: String,
+    pub total_secs: f64,
+    pub downtime_ms: f64,
+    pub bytes_sent: u64,
+    pub ops_before: f64,
+    pub ops_during: f64,
+    pub ops_after: f64,
+    /// vmwork's wrong values, source and destination (must be 0).
+    pub errors: u64,
+    /// pagefleet --verify: region checksums at stop time and resume agree.
+    pub checksums_equal: Option<bool>,
+    /// (seconds since the migration started, ops/s).
+    pub timeline: Vec<(f64, f64)>,
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Report {
+    pub size_bytes: u64,
+    pub work_mb: u64,
+    pub link: String,
+    pub quick: bool,
+    pub rows: Vec<Row>,
+    pub goals: Vec<Goal>,
+    #[serde(flatten)]
+    pub plot: PlotOutcome,
+}
+
+type Log<'a> = &'a mut dyn FnMut(&str);
+
+fn now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+/// Cumulative operations over host time: (Unix seconds, ops).
+#[derive(Default, Clone)]
+struct Samples(Vec<(f64, u64)>);
+
+impl Samples {
+    fn push(&mut self, t: f64, ops: u64) {
+        if self.0.last().is_none_or(|l| ops >= l.1 && t > l.0) {
+            self.0.push((t, ops));
+        }
+    }
+    /// Operations per second between the samples nearest `a` and `b`.
+    fn rate(&self, a: f64, b: f64) -> f64 {
+        let at = |t: f64| {
+            self.0
+                .iter()
+                .min_by(|x, y| (x.0 - t).abs().total_cmp(&(y.0 - t).abs()))
+                .copied()
+        };
+        match (at(a), at(b)) {
+            (Some(x), Some(y)) if y.0 > x.0 => (y.1 - x.1) as f64 / (y.0 - x.0),
+            _ => f64::NAN,
+        }
+    }
+    /// ops/s between consecutive samples, at their midpoints relative to `t0`.
+    fn timeline(&self, t0: f64) -> Vec<(f64, f64)> {
+        self.0
+            .windows(2)
+            .map(|w| ((w[0].0 + w[1].0) / 2.0 - t0, (w[1].1 - w[0].1) as f64 / (w[1].0 - w[0].0)))
+            .collect()
+    }
+}
+
+fn image(bins: &Path) -> Result<(PathBuf, PathBuf)> {
+    let dir = bins.parent().map(|p| p.join("vm")).unwrap_or_default();
+    let (k, i) = (dir.join("vmlinuz"), dir.join("initrd.gz"));
+    if !k.is_file() || !i.is_file() {
+        bail!("the VM image is missing in {}: run `make vm`", dir.display());
+    }
+    Ok((k, i))
+}
+
+fn append(o: &Opts, write_pct: u32) -> String {
+    format!(
+        "vmwork_mb={} vmwork_secs=0 vmwork_write={write_pct} vmwork_seed=11",
+        o.work_mb
+    )
+}
+
+/// Wait until vmwork reports its run phase, then `secs` more.
+fn warm(ops: impl Fn() -> u64, secs: u64) -> Result<()> {
+    wait_until("the VM's workload to start", 180, || ops() > 0)?;
+    std::thread::sleep(Duration::from_secs(secs));
+    Ok(())
+}
+
+/// (a), (b), (c): QEMU's own migration between plain QEMUs.
+#[allow(clippy::too_many_arguments)]
+fn run_qemu(
+    l: &LabRun,
+    o: &Opts,
+    mode: &str,
+    wl: &(String, u32),
+    kernel: &Path,
+    initrd: &Path,
+    dir: &Path,
+    port: u16,
+) -> Result<Row> {
+    let spec = VmSpec {
+        kernel: kernel.into(),
+        initrd: initrd.into(),
+        append: append(o, wl.1),
+        disk: None,
+        smp: 1,
+        size: o.size,
+        name: format!("{mode}-src"),
+    };
+    let src = PlainVm::start(PlainLaunch {
+        spec: &spec,
+        netns: Some(&l.lab.hosts[0].netns),
+        incoming: None,
+        dir,
+        cgroup: None,
+    })?;
+    // Samples: each console report's arrival and the cumulative count it carried.
+    let mut samples = Samples::default();
+    let sample = |vm: &PlainVm, s: &mut Samples| {
+        let w = vm.console.workload();
+        if let Some(h) = w.history.last() {
+            s.push(h.0, w.ops);
+        }
+    };
+    warm(|| src.console.workload().ops, 0)?;
+    let t_warm = Instant::now() + Duration::from_secs(o.before_secs);
+    while Instant::now() < t_warm {
+        sample(&src, &mut samples);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let swap = if mode == "qemu-swap" {
+        Some((SsdSwap::new(o.size + 128 * MIB)?, MemCgroup::new(o.size / 2 + 128 * MIB)?))
+    } else {
+        None
+    };
+    let dest_ip = &l.lab.hosts[3].ip;
+    let mut dspec = spec.clone();
+    dspec.name = format!("{mode}-dst");
+    let dst = PlainVm::start(PlainLaunch {
+        spec: &dspec,
+        netns: Some(&l.lab.hosts[3].netns),
+        incoming: Some(format!("tcp:{dest_ip}:{port}")),
+        dir,
+        cgroup: swap.as_ref().map(|s| s.1.path.clone()),
+    })?;
+    let post = mode == "qemu-postcopy";
+    let bw = o.link.bytes_per_sec().unwrap_or(4e9) as u64;
+    for vm in [&src, &dst] {
+        vm.qmp(|q| {
+            q.set_capabilities(&[("postcopy-ram", post)])?;
+            q.execute::<serde_json::Value>(
+                "migrate-set-parameters",
+                Some(json!({ "max-bandwidth": bw })),
+            )
+        })?;
+    }
+    sample(&src, &mut samples);
+    let t0 = now();
+    src.qmp(|q| {
+        q.execute::<serde_json::Value>(
+            "migrate",
+            Some(json!({ "uri": format!("tcp:{dest_ip}:{port}") })),
+        )
+    })?;
+    let started = Instant::now();
+    let mut postcopy_asked = false;
+    let info = loop {
+        let info = src.qmp(|q| q.query_migrate())?;
+        match info.status.as_deref() {
+            Some("completed") => break info,
+            Some("failed") | Some("cancelled") => bail!(
+                "QEMU migration {}: {}",
+                info.status.unwrap_or_default(),
+                info.error_desc.unwrap_or_default()
+            ),
+            Some("active") if post && !postcopy_asked && started.elapsed() > Duration::from_millis(200) => {
+                src.qmp(|q| q.execute::<serde_json::Value>("migrate-start-postcopy", None))?;
+                postcopy_asked = true;
+            }
+            _ => {}
+        }
+        if started.elapsed() > Duration::from_secs(600) {
+            bail!("QEMU migration did not finish in 600 s");
+        }
+        sample(&src, &mut samples);
+        sample(&dst, &mut samples);
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let t1 = now();
+    // The destination resumes paused (-S) unless post-copy already runs it.
+    let st = dst.qmp(|q| q.status())?;
+    if !st.running {
+        dst.qmp(|q| q.cont())?;
+    }
+    let t_end = Instant::now() + Duration::from_secs(o.after_secs);
+    while Instant::now() < t_end {
+        sample(&dst, &mut samples);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let errors = src.console.workload().errors + dst.console.workload().errors;
+    // Post-copy: QEMU's `downtime` is not the pause; it is from the
+    // source's STOP to the destination's RESUME (QMP event timestamps).
+    let downtime_ms = if post {
+        let _ = src.qmp(|q| q.status());
+        let _ = dst.qmp(|q| q.status());
+        let stop = src.qmp(|q| Ok(q.last_event("STOP"))).ok().flatten();
+        let resume = dst.qmp(|q| Ok(q.last_event("RESUME"))).ok().flatten();
+        match (stop, resume) {
+            (Some(a), Some(b)) if b >= a => (b - a) * 1e3,
+            _ => f64::NAN,
+        }
+    } else {
+        info.downtime.map(|d| d as f64).unwrap_or(f64::NAN)
+    };
+    src.shutdown(Duration::from_secs(2));
+    dst.shutdown(Duration::from_secs(2));
+    drop(swap);
+    let total_secs = info.total_time.map(|ms| ms as f64 / 1e3).unwrap_or(t1 - t0);
+    Ok(finish_row(
+        o,
+        mode,
+        wl,
+        &samples,
+        t0,
+        t0 + total_secs,
+        total_secs,
+        downtime_ms,
+        info.ram.map(|r| r.transferred).unwrap_or(0),
+        errors,
+        None,
+    ))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn finish_row(
+    o: &Opts,
+    mode: &str,
+    wl: &(String, u32),
+    samples: &Samples,
+    t0: f64,
+    t1: f64,
+    total_secs: f64,
+    downtime_ms: f64,
+    bytes_sent: u64,
+    errors: u64,
+    checksums_equal: Option<bool>,
+) -> Row {
+    let end = samples.0.last().map(|s| s.0).unwrap_or(t1);
+    Row {
+        mode: mode.into(),
+        workload: wl.0.clone(),
+        total_secs,
+        downtime_ms,
+        bytes_sent,
+        ops_before: samples.rate(t0 - o.before_secs.min(4) as f64, t0),
+        // vmwork reports 4 times a second: at least a second, to average.
+        ops_during: samples.rate(t0, t1.max(t0 + 1.0)),
+        ops_after: samples.rate(end - 3.0, end),
+        errors,
+        checksums_equal,
+        timeline: samples.timeline(t0),
+        error: None,
+    }
+}
+
+/// (d), (e): pagefleet migrating a VM guest.
+fn run_pagefleet(l: &LabRun, o: &Opts, mode: &str, wl: &(String, u32), kernel: &Path, initrd: &Path) -> Result<Row> {
+    let name = format!("vm{}", wl.1);
+    let size = format!("{}MiB", o.size >> 20);
+    pf_ok(
+        l,
+        &[
+            "guest", "start", &name, "--on", "h1", "--size", &size, "--", "vm", "--kernel",
+            kernel.to_str().context("kernel path")?, "--initrd", initrd.to_str().context("initrd path")?,
+            "--append", &append(o, wl.1),
+        ],
+    )?;
+    let result = (|| -> Result<Row> {
+        let ops = || l.guest(&name).map(|g| g.1.ops).unwrap_or(0);
+        warm(ops, 0)?;
+        let mut samples = Samples::default();
+        let t_warm = Instant::now() + Duration::from_secs(o.before_secs);
+        while Instant::now() < t_warm {
+            samples.push(now(), ops());
+            std::thread::sleep(Duration::from_millis(250));
+        }
+        let args: Vec<&str> = match mode {
+            "pagefleet-split" => vec!["migrate", &name, "--json", "--verify", "--to", "h2", "--sub", "h3"],
+            _ => vec!["migrate", &name, "--json", "--verify", "--to", "h4"],
+        };
+        let t0 = now();
+        let rep = std::thread::scope(|s| {
+            let h = s.spawn(|| pf_json(l, &args));
+            while !h.is_finished() {
+                samples.push(now(), ops());
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            h.join().expect("migrate thread")
+        })?;
+        let t1 = now();
+        let t_end = Instant::now() + Duration::from_secs(o.after_secs);
+        let mut errors = 0;
+        while Instant::now() < t_end {
+            if let Some((_, g)) = l.guest(&name) {
+                samples.push(now(), g.ops);
+                errors = errors.max(g.vm.map(|v| v.errors).unwrap_or(0));
+            }
+            std::thread::sleep(Duration::from_millis(250));
+        }
+        let equal = rep.checksum_source.is_some() && rep.checksum_source == rep.checksum_dest;
+        let _ = t1;
+        Ok(finish_row(
+            o,
+            mode,
+            wl,
+            &samples,
+            t0,
+            t0 + rep.total_secs,
+            rep.total_secs,
+            rep.downtime_ms,
+            rep.bytes_main + rep.bytes_subs.iter().sum::<u64>(),
+            errors,
+            Some(equal),
+        ))
+    })();
+    let _ = pf_ok(l, &["guest", "stop", &name]);
+    let _ = wait_until("the VM guest to stop", 30, || l.guest(&name).is_none());
+    result
+}
+
+pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
+    if !crate::is_root() {
+        bail!("bench vm-migration needs root (network namespaces, cgroups, swap)");
+    }
+    std::fs::create_dir_all(&o.out_dir)?;
+    let bins = util::sibling_binary("pagefleetd")?
+        .parent()
+        .unwrap()
+        .to_path_buf();
+    let (kernel, initrd) = image(&bins)?;
+    let g = 2 * o.size + 128 * MIB;
+    let l = LabRun::up("bvm", &bins, 4, o.link, o.size + 64 * MIB, &[g, o.size / 2, 0, g])?;
+    let dir = util::temp_dir("bench-vm")?;
+    let mut rows = Vec::new();
+    let mut port = 4700u16;
+    for wl in &o.workloads {
+        for mode in MODES.iter().filter(|m| o.modes.iter().any(|x| x == *m)) {
+            log(&format!("{mode}, {} VM of {} MiB ({} MiB of vmwork)", wl.0, o.size >> 20, o.work_mb));
+            port += 1;
+            let r = if mode.starts_with("qemu") {
+                run_qemu(&l, o, mode, wl, &kernel, &initrd, &dir, port)
+            } else {
+                run_pagefleet(&l, o, mode, wl, &kernel, &initrd)
+            };
+            rows.push(r.unwrap_or_else(|e| Row {
+                mode: mode.to_string(),
+                workload: wl.0.clone(),
+                total_secs: f64::NAN,
+                downtime_ms: f64::NAN,
+                bytes_sent: 0,
+                ops_before: f64::NAN,
+                ops_during: f64::NAN,
+                ops_after: f64::NAN,
+                errors: 0,
+                checksums_equal: None,
+                timeline: vec![],
+                error: Some(format!("{e:#}")),
+            }));
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut r = Report {
+        size_bytes: o.size,
+        work_mb: o.work_mb,
+        link: o.link.name().into(),
+        quick: o.quick,
+        goals: goals(&rows),
+        rows,
+        plot: PlotOutcome::default(),
+    };
+    util::save_with_plot(
+        &mut r,
+        |r| &mut r.plot,
+        &o.out_dir,
+        "vm-migration",
+        include_str!("../../../bench/plot_vm_migration.py"),
+    )?;
+    Ok(r)
+}
+
+fn goals(rows: &[Row]) -> Vec<Goal> {
+    let mut g = Vec::new();
+    // The writing workload when it ran, else the first one.
+    let wl = if rows.iter().any(|r| r.workload == "writing") {
+        "writing"
+    } else {
+        rows.first().map(|r| r.workload.as_str()).unwrap_or("")
+    };
+    let find = |m: &str| rows.iter().find(|r| r.mode == m && r.workload == wl);
+    if let (Some(a), Some(d)) = (find("qemu-precopy"), find("pagefleet-split")) {
+        g.push(Goal::at_most(
+            &format!("{wl}: (d) split migration time / (a) QEMU pre-copy"),
+            d.total_secs / a.total_secs,
+            1.05,
+            "ratio",
+        ));
+        g.push(Goal::at_most(
+            &format!("{wl}: (d) split downtime - (a) QEMU pre-copy downtime"),
+            d.downtime_ms - a.downtime_ms,
+            10.0,
+            "ms",
+        ));
+        g.push(Goal::at_least(
+            &format!("{wl}: (d) split ops/s after / (a) QEMU pre-copy ops/s after"),
+            d.ops_after / a.ops_after,
+            0.8,
+            "ratio",
+        ));
+    }
+    if let (Some(c), Some(d)) = (find("qemu-swap"), find("pagefleet-split")) {
+        g.push(Goal::at_least(
+            &format!("{wl}: (c) QEMU pre-copy to swap time / (d) split time"),
+            c.total_secs / d.total_secs,
+            1.0,
+            "ratio",
+        ));
+    }
+    let errors: u64 = rows.iter().map(|r| r.errors).sum::<u64>()
+        + rows.iter().filter(|r| r.checksums_equal == Some(false)).count() as u64
+        + rows.iter().filter(|r| r.error.is_some()).count() as u64;
+    g.push(Goal::at_most(
+        "verification errors (vmwork wrong values, checksum mismatches, failed runs)",
+        errors as f64,
+        0.0,
+        "count",
+    ));
+    g
+}
+
+fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<()> {
+    writeln!(
+        out,
+        "pagefleet bench vm-migration: QEMU (TCG) VM of {} MiB, vmwork on {} MiB, {} link\n",
+        r.size_bytes >> 20,
+        r.work_mb,
+        r.link
+    )?;
+    writeln!(
+        out,
+        "  {:<18} {:<9} {:>8} {:>10} {:>10} {:>10} {:>10} {:>10} {:>6} {:>7}",
+        "mode", "workload", "time s", "downtime", "MiB sent", "ops/s bef", "ops/s dur", "ops/s aft", "errors", "verify"
+    )?;
+    for x in &r.rows {
+        if let Some(e) = &x.error {
+            writeln!(out, "  {:<18} {:<9} FAILED: {e}", x.mode, x.workload)?;
+            continue;
+        }
+        writeln!(
+            out,
+            "  {:<18} {:<9} {:>8.2} {:>7.1} ms {:>10.0} {:>10.0} {:>10.0} {:>10.0} {:>6} {:>7}",
+            x.mode,
+            x.workload,
+            x.total_secs,
+            x.downtime_ms,
+            x.bytes_sent as f64 / MIB as f64,
+            x.ops_before,
+            x.ops_during,
+            x.ops_after,
+            x.errors,
+            match x.checksums_equal {
+                Some(true) => "equal",
+                Some(false) => "DIFFER",
+                None => "-",
+            }
+        )?;
+    }
+    writeln!(
+        out,
+        "  (a) QEMU pre-copy to a host with enough memory; (b) QEMU post-copy; (c) QEMU pre-copy into a memory\n   \
+         cgroup of half the VM with swap on the SSD-like device; (d) pagefleet split: main host with half the\n   \
+         memory + a sub-host, QEMU moving only device state; (e) pagefleet to a host with enough memory.\n   \
+         downtime: QEMU's figure for (a)-(c), pause to resume for (d)-(e); ops/s after: mean of the last 3 s."
+    )?;
+    writeln!(out)?;
+    util::print_goals(&r.goals, out)?;
+    r.plot.print(out)
+}
+
+#[derive(clap::Args, Clone, Debug)]
+pub struct Args {
+    /// The VM's memory (default 1GiB; at least 128MiB).
+    #[arg(long, value_parser = pagefleet_common::units::parse_size)]
+    pub size: Option<u64>,
+    /// The ways to migrate, comma-separated: qemu-precopy, qemu-postcopy,
+    /// qemu-swap, pagefleet-split, pagefleet-enough (default: all).
+    #[arg(long, value_delimiter = ',')]
+    pub only: Vec<String>,
+    /// Workloads, comma-separated: reading, writing (default: both).
+    #[arg(long, value_delimiter = ',')]
+    pub workloads: Vec<String>,
+}
+
+impl crate::Benchmark for Args {
+    type Report = Report;
+    fn run(&self, c: &crate::Common, log: &mut dyn FnMut(&str)) -> Result<Report> {
+        let mut o = c.opts(Opts::quick, Opts::full);
+        if let Some(s) = self.size {
+            let s = crate::at_least("--size", "the VM's memory", s, 128 * MIB)?;
+            o.size = s / MIB * MIB;
+            o.work_mb = (o.size / MIB) * 5 / 8;
+        }
+        if !self.only.is_empty() {
+            if let Some(bad) = self.only.iter().find(|m| !MODES.contains(&m.as_str())) {
+                bail!("--only {bad:?}: use {}", MODES.join(", "));
+            }
+            o.modes = self.only.clone();
+        }
+        if !self.workloads.is_empty() {
+            o.workloads = Vec::new();
+            for w in &self.workloads {
+                match w.as_str() {
+                    "reading" => o.workloads.push(("reading".into(), 0)),
+                    "writing" => o.workloads.push(("writing".into(), 20)),
+                    x => bail!("--workloads {x:?}: use reading, writing"),
+                }
+            }
+        }
+        run(&o, log)
+    }
+    fn print(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<()> {
+        print_table(r, out)
+    }
+}
