@@ -17,7 +17,7 @@ APT_PKGS := build-essential pkg-config python3 python3-venv memcached libmemcach
 VENV := .venv
 FUZZ_SECONDS ?= 30
 
-.PHONY: all deps deps-apt deps-rust deps-python build guest vm lint test test-unit fuzz-smoke demo bench clean
+.PHONY: all deps deps-apt deps-rust deps-python build guest vm lint test test-unit fuzz-smoke demo demo-vm bench clean
 
 all: build
 
@@ -88,6 +88,10 @@ fuzz-smoke:
 # The split-migration demo on a 4-host testbed (root: network namespaces).
 demo: build
 	./target/release/pagefleet demo
+
+# The same story with a QEMU VM (vmwork inside checks every value).
+demo-vm: build vm
+	./target/release/pagefleet demo --vm
 
 # make bench BENCH=memserver|paging|migration
 BENCH ?= memserver

@@ -27,8 +27,10 @@ def main(src, dst):
     ax.text((r["phases"][1][2] + t[-1]) / 2 if t else 0, ymax * 1.02, "gathered on h1", ha="center")
     ax.set_ylim(0, ymax * 1.1)
     ax.set_xlabel("seconds")
-    ax.set_ylabel("kv ops/s")
-    ax.set_title(f"pagefleet demo: a {r['size_bytes'] >> 20} MiB kv guest split-migrates, pages, and is gathered back")
+    vm = r.get("workload") == "vm"
+    ax.set_ylabel("in-guest ops/s (vmwork)" if vm else "kv ops/s")
+    what = "QEMU VM" if vm else "kv guest"
+    ax.set_title(f"pagefleet demo: a {r['size_bytes'] >> 20} MiB {what} split-migrates, pages, and is gathered back")
     ax.legend(loc="lower left")
     ax.grid(alpha=0.3)
     fig.tight_layout()

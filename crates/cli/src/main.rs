@@ -252,6 +252,10 @@ struct DemoOpts {
     /// Directory for demo.json and demo.png.
     #[arg(long, default_value = "bench-results")]
     out: PathBuf,
+    /// Migrate a QEMU VM instead of the kv guest (image from `make vm`:
+    /// target/vm; plot demo-vm.png).
+    #[arg(long)]
+    vm: bool,
 }
 
 fn demo(o: DemoOpts) -> Result<()> {
@@ -259,10 +263,25 @@ fn demo(o: DemoOpts) -> Result<()> {
     if o.size < 64 << 20 {
         bail!("--size must be at least 64MiB");
     }
+    let vm = if o.vm {
+        let dir = std::env::current_exe()?
+            .parent()
+            .and_then(|p| p.parent())
+            .map(|p| p.join("vm"))
+            .unwrap_or_default();
+        let (k, i) = (dir.join("vmlinuz"), dir.join("initrd.gz"));
+        if !k.is_file() || !i.is_file() {
+            bail!("no VM image in {}: run `make vm`", dir.display());
+        }
+        Some((k, i))
+    } else {
+        None
+    };
     let opts = demo::Opts {
         size: o.size / (64 << 10) * (64 << 10),
         out_dir: o.out,
         phase_secs: o.phase.max(2),
+        vm,
     };
     let mut log = |m: &str| eprintln!("  .. {m}");
     let r = demo::run(&opts, &mut log)?;

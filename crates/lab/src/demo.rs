@@ -22,10 +22,14 @@ pub struct Opts {
     pub size: u64,
     pub out_dir: PathBuf,
     pub phase_secs: u64,
+    /// A QEMU VM (kernel, initramfs running vmwork) instead of the kv guest.
+    pub vm: Option<(PathBuf, PathBuf)>,
 }
 
 #[derive(Debug, Serialize)]
 pub struct Report {
+    /// "kv" (client ops/s) or "vm" (vmwork's in-guest ops/s).
+    pub workload: String,
     pub size_bytes: u64,
     /// ops/s per 100 ms.
     pub timeline: Vec<f64>,
@@ -51,6 +55,9 @@ fn run_pf(l: &LabRun, args: &[&str], log: &mut dyn FnMut(&str)) -> Result<String
 }
 
 pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
+    if o.vm.is_some() {
+        return run_vm(o, log);
+    }
     if !crate::is_root() {
         bail!("the demo builds a testbed of network namespaces: run it as root (sudo make demo)");
     }
@@ -144,6 +151,7 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
         bail!("client load: {e}");
     }
     let mut r = Report {
+        workload: "kv".into(),
         size_bytes: o.size,
         timeline: tl.ops_per_sec,
         phases: vec![
@@ -164,6 +172,123 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
         |r| &mut r.plot,
         &o.out_dir,
         "demo",
+        include_str!("../../../bench/plot_demo.py"),
+    )?;
+    Ok(r)
+}
+
+/// The demo with a QEMU VM: it boots on h1 with vmwork (which checks every
+/// value it reads), split-migrates, pages with the sub-host, and is gathered
+/// back; the in-guest throughput over time is plotted.
+fn run_vm(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
+    let (kernel, initrd) = o.vm.clone().expect("vm demo");
+    if !crate::is_root() {
+        bail!("the demo builds a testbed of network namespaces: run it as root (sudo make demo)");
+    }
+    let bins = proc::sibling_binary("pagefleetd")?
+        .parent()
+        .unwrap()
+        .to_path_buf();
+    let half = o.size / 2;
+    log(&format!(
+        "testbed: h1 (source, {} for guests), h2 (main host: {} free), h3 and h4 (memory servers), 10 Gbit links",
+        crate::fmt_bytes(o.size + (64 << 20)),
+        crate::fmt_bytes(half)
+    ));
+    let l = LabRun::up("dvm", &bins, 4, Link::Gbit10, o.size, &[o.size + (64 << 20), half, 0, 0])?;
+    let size = o.size.to_string();
+    let append = format!(
+        "vmwork_mb={} vmwork_secs=0 vmwork_write=10 vmwork_seed=1",
+        (o.size >> 20) * 6 / 10
+    );
+    let (k, i) = (
+        kernel.to_str().unwrap_or_default().to_string(),
+        initrd.to_str().unwrap_or_default().to_string(),
+    );
+    run_pf(
+        &l,
+        &["guest", "start", "vm", "--on", "h1", "--size", &size, "--", "vm", "--kernel", &k, "--initrd", &i, "--append", &append],
+        log,
+    )?;
+    log("the VM boots (QEMU, TCG) and vmwork fills 60% of its memory, then reads and writes zipf-picked pages, checking every value");
+    // Sampled every 100 ms: vmwork's cumulative count (it reports 4x a second).
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let t_start = std::time::Instant::now();
+    let ops = || l.guest("vm").map(|g| g.1.ops).unwrap_or(0);
+    let errors = || l.guest("vm").and_then(|g| g.1.vm).map(|v| v.errors).unwrap_or(0);
+    let w0 = std::time::Instant::now();
+    while ops() == 0 {
+        if w0.elapsed() > Duration::from_secs(180) {
+            bail!("the VM's workload did not start within 180 s");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let base = t_start.elapsed().as_secs_f64();
+    let (samples, res) = std::thread::scope(|s| {
+        let h = s.spawn(|| {
+            let mut v: Vec<(f64, u64)> = Vec::new();
+            while !stop.load(Relaxed) {
+                v.push((t_start.elapsed().as_secs_f64() - base, ops()));
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            v
+        });
+        let res = (|| -> Result<_> {
+            let now = || t_start.elapsed().as_secs_f64() - base;
+            std::thread::sleep(Duration::from_secs(o.phase_secs));
+            let t0 = now();
+            let split: Value = serde_json::from_str(&run_pf(&l, &["migrate", "vm", "--json", "--verify"], log)?)?;
+            let t1 = now();
+            let (_, status, _) = l.pf(0, &["status"]);
+            std::thread::sleep(Duration::from_secs(o.phase_secs * 2));
+            let t2 = now();
+            let gather: Value =
+                serde_json::from_str(&run_pf(&l, &["gather", "vm", "--to", "h1", "--json", "--verify"], log)?)?;
+            let t3 = now();
+            std::thread::sleep(Duration::from_secs(o.phase_secs));
+            Ok((t0, t1, t2, t3, split, gather, status))
+        })();
+        stop.store(true, Relaxed);
+        (h.join().unwrap_or_default(), res)
+    });
+    let (t0, t1, t2, t3, split, gather, status) = res?;
+    // ops/s per 100 ms from the cumulative counts.
+    let end = samples.last().map(|s| s.0).unwrap_or(0.0);
+    let mut timeline = vec![0.0; (end / 0.1) as usize];
+    for w in samples.windows(2) {
+        let (a, b) = (w[0], w[1]);
+        let rate = (b.1.saturating_sub(a.1)) as f64 / (b.0 - a.0).max(1e-3);
+        let (i, j) = ((a.0 / 0.1) as usize, ((b.0 / 0.1) as usize).min(timeline.len()));
+        for x in timeline.iter_mut().take(j).skip(i) {
+            *x = rate;
+        }
+    }
+    let bad = errors();
+    let _ = l.pf(0, &["guest", "stop", "vm"]);
+    for (what, v) in [("split", &split), ("gather", &gather)] {
+        if v["checksum_source"] != v["checksum_dest"] {
+            bail!("{what}: the VM's memory differs after the migration: {v}");
+        }
+    }
+    let mut r = Report {
+        workload: "vm".into(),
+        size_bytes: o.size,
+        timeline,
+        phases: vec![("split migration".into(), t0, t1), ("gather".into(), t2, t3)],
+        split,
+        gather,
+        status_after_split: status,
+        bad_values: bad,
+        misses: 0,
+        reconnects: 0,
+        plot: PlotOutcome::default(),
+    };
+    std::fs::create_dir_all(&o.out_dir)?;
+    plot::save_with_plot(
+        &mut r,
+        |r| &mut r.plot,
+        &o.out_dir,
+        "demo-vm",
         include_str!("../../../bench/plot_demo.py"),
     )?;
     Ok(r)
@@ -200,7 +325,11 @@ pub fn print(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<()> {
     let (s0, s1) = (r.phases[0].1, r.phases[0].2);
     let (g0, g1) = (r.phases[1].1, r.phases[1].2);
     let end = r.timeline.len() as f64 * 0.1;
-    writeln!(out, "\n== kv client throughput (ops/s) ==")?;
+    if r.workload == "vm" {
+        writeln!(out, "\n== the VM's in-guest throughput (vmwork ops/s) ==")?;
+    } else {
+        writeln!(out, "\n== kv client throughput (ops/s) ==")?;
+    }
     let before = avg(&r.timeline, (s0 - 3.0).max(1.0), s0);
     let steady = avg(&r.timeline, (g0 - 3.0).max(s1), g0);
     writeln!(out, "  on h1 before:                  {before:>10.0}")?;
@@ -219,10 +348,18 @@ pub fn print(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<()> {
         "  back on h1 after the gather:   {:>10.0}",
         avg(&r.timeline, g1 + 1.0, end)
     )?;
-    writeln!(
-        out,
-        "  values checked: {} wrong, {} missing; clients reconnected {} times",
-        r.bad_values, r.misses, r.reconnects
-    )?;
+    if r.workload == "vm" {
+        writeln!(
+            out,
+            "  values checked by vmwork inside the VM: {} wrong",
+            r.bad_values
+        )?;
+    } else {
+        writeln!(
+            out,
+            "  values checked: {} wrong, {} missing; clients reconnected {} times",
+            r.bad_values, r.misses, r.reconnects
+        )?;
+    }
     r.plot.print(out)
 }
