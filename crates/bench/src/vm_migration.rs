@@ -98,6 +98,10 @@ pub struct Row {
     pub checksums_equal: Option<bool>,
     /// (seconds since the migration started, ops/s).
     pub timeline: Vec<(f64, f64)>,
+    /// Console lines of vmwork's errors, if any.
+    pub error_lines: Vec<String>,
+    /// pagefleet's migration report.
+    pub report: Option<pagefleet_api::Report>,
     pub error: Option<String>,
 }
 
@@ -289,6 +293,14 @@ fn run_qemu(
         std::thread::sleep(Duration::from_millis(100));
     }
     let errors = src.console.workload().errors + dst.console.workload().errors;
+    let error_lines: Vec<String> = src
+        .console
+        .tail(200)
+        .into_iter()
+        .chain(dst.console.tail(200))
+        .filter(|l| l.contains("ERROR") || l.contains("errors=") && !l.contains("errors=0 "))
+        .take(12)
+        .collect();
     // Post-copy: QEMU's `downtime` is not the pause; it is from the
     // source's STOP to the destination's RESUME (QMP event timestamps).
     let downtime_ms = if post {
@@ -307,7 +319,7 @@ fn run_qemu(
     dst.shutdown(Duration::from_secs(2));
     drop(swap);
     let total_secs = info.total_time.map(|ms| ms as f64 / 1e3).unwrap_or(t1 - t0);
-    Ok(finish_row(
+    let mut row = finish_row(
         o,
         mode,
         wl,
@@ -319,7 +331,9 @@ fn run_qemu(
         info.ram.map(|r| r.transferred).unwrap_or(0),
         errors,
         None,
-    ))
+    );
+    row.error_lines = error_lines;
+    Ok(row)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -350,6 +364,8 @@ fn finish_row(
         errors,
         checksums_equal,
         timeline: samples.timeline(t0),
+        error_lines: vec![],
+        report: None,
         error: None,
     }
 }
@@ -400,19 +416,23 @@ fn run_pagefleet(l: &LabRun, o: &Opts, mode: &str, wl: &(String, u32), kernel: &
         }
         let equal = rep.checksum_source.is_some() && rep.checksum_source == rep.checksum_dest;
         let _ = t1;
-        Ok(finish_row(
+        let bytes = rep.bytes_main + rep.bytes_subs.iter().sum::<u64>();
+        let (total, down) = (rep.total_secs, rep.downtime_ms);
+        let mut row = finish_row(
             o,
             mode,
             wl,
             &samples,
             t0,
-            t0 + rep.total_secs,
-            rep.total_secs,
-            rep.downtime_ms,
-            rep.bytes_main + rep.bytes_subs.iter().sum::<u64>(),
+            t0 + total,
+            total,
+            down,
+            bytes,
             errors,
             Some(equal),
-        ))
+        );
+        row.report = Some(rep);
+        Ok(row)
     })();
     let _ = pf_ok(l, &["guest", "stop", &name]);
     let _ = wait_until("the VM guest to stop", 30, || l.guest(&name).is_none());
@@ -455,6 +475,8 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
                 errors: 0,
                 checksums_equal: None,
                 timeline: vec![],
+                error_lines: vec![],
+                report: None,
                 error: Some(format!("{e:#}")),
             }));
         }

@@ -8,7 +8,7 @@ use crate::Spec;
 use pagefleet_client::{Conn, ConnectOptions, GetMode, Pages};
 use pagefleet_proto::auth::Secret;
 use pagefleet_region::{Adopt, Config, Policy, Region, PAGE};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -301,9 +301,21 @@ pub fn authenticate(
 
 /// Receive an authenticated migration until COMMIT.
 pub fn receive(
+    stream: Stream,
+    secret: &Secret,
+    progress: &Progress,
+) -> Result<Received, WireError> {
+    receive_with(stream, secret, progress, &mut |_, _| {})
+}
+
+/// [`receive`], calling `prepare` with the guest's spec and the memfd its
+/// memory is being received into, once, before the first page (a VM's
+/// QEMU is started on it then, off the downtime).
+pub fn receive_with(
     mut stream: Stream,
     secret: &Secret,
     progress: &Progress,
+    prepare: &mut dyn FnMut(&Spec, &Arc<OwnedFd>),
 ) -> Result<Received, WireError> {
     let spec: Spec = stream.expect_json(Kind::Spec)?;
     if spec.size == 0 || !spec.size.is_multiple_of(PAGE as u64) || spec.size > (1u64 << 46) {
@@ -321,6 +333,7 @@ pub fn receive(
             return Err(WireError::Peer(msg));
         }
     };
+    prepare(&spec, &adopt.memfd);
     let pages = (spec.size / PAGE as u64) as usize;
     if !spec.gather {
         // Connect to the guest's memory servers now, not in the downtime.

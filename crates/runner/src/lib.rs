@@ -168,7 +168,7 @@ pub fn run_guest(
     let gate = Arc::new(Gate::default());
     let (region, w) = match vm::spec_of(&spec.workload, size, name) {
         Some(v) => {
-            let (region, g) = vm::boot(cfg, &v, None, false)?;
+            let (region, g) = vm::boot(cfg, &v)?;
             (Arc::new(region), vm::started(&g))
         }
         None => {
@@ -249,14 +249,17 @@ pub fn run_incoming(
     drop(l);
     stream.set_timeout(Some(Duration::from_secs(60)));
     let progress = dest::Progress::default();
-    let received = dest::receive(stream, &secret, &progress)?;
+    // A VM's QEMU starts while its memory arrives (off the downtime).
+    type Early = std::thread::JoinHandle<Result<(Arc<vm::VmGuest>, pagefleet_region::Foreign), RunnerError>>;
+    let mut early: Option<Early> = None;
+    let received = dest::receive_with(stream, &secret, &progress, &mut |spec, memfd| {
+        if let Some(v) = vm::spec_of(&spec.workload.workload, spec.size, &spec.name) {
+            let memfd = memfd.clone();
+            early = Some(std::thread::spawn(move || vm::start_incoming(&v, &memfd)));
+        }
+    })?;
     let (here, remote) = received.counts();
     tracing::info!("received {here} pages, {remote} located on servers; building the region");
-    let vm_spec = vm::spec_of(
-        &received.spec.workload.workload,
-        received.spec.size,
-        &received.spec.name,
-    );
     let mut vm_guest = None;
     let mut committed = received.commit_with(
         &secret,
@@ -265,11 +268,14 @@ pub fn run_incoming(
                 c.budget_pages = c.budget_pages.min(b);
             }
         },
-        |mut cfg| match &vm_spec {
-            // QEMU starts on the received memory and waits for its device state.
-            Some(v) => {
-                let adopt = cfg.adopt.take();
-                let (region, g) = vm::boot(cfg, v, adopt, true).map_err(|e| e.to_string())?;
+        |cfg| match early.take() {
+            // QEMU runs on the received memory and waits for its device state.
+            Some(h) => {
+                let (g, f) = h
+                    .join()
+                    .map_err(|_| "starting QEMU panicked".to_string())?
+                    .map_err(|e| e.to_string())?;
+                let region = vm::attach(cfg, &g, f).map_err(|e| e.to_string())?;
                 vm_guest = Some(g);
                 Ok(region)
             }

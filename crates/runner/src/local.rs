@@ -149,7 +149,7 @@ fn run_vm(a: &LocalRun, spec: &pagefleet_vm::VmSpec) -> Result<serde_json::Value
     }
     let mut spec = spec.clone();
     spec.size = a.size;
-    let (region, g) = crate::vm::boot(region_config(a), &spec, None, false)?;
+    let (region, g) = crate::vm::boot(region_config(a), &spec)?;
     let m = Memory {
         region: Some(Arc::new(region)),
         plain: None,

@@ -65,34 +65,65 @@ fn private_dir(name: &str) -> Result<PathBuf, RunnerError> {
     Ok(dir)
 }
 
-/// Start QEMU on a fresh memfd (or `adopt`'s, for a VM a migration
-/// brought: then it waits for its device state, `incoming`), and the
-/// region that pages its RAM under `cfg`'s budget.
-pub fn boot(
-    mut cfg: Config,
-    spec: &VmSpec,
-    adopt: Option<Arc<Adopt>>,
-    incoming: bool,
-) -> Result<(Region, Arc<VmGuest>), RunnerError> {
-    let adopt = match adopt {
-        Some(a) => a,
-        None => Arc::new(
-            Adopt::create(&format!("pagefleet-vm-{}", spec.name), spec.size)
-                .map_err(|e| RunnerError::io("guest memory", e))?,
-        ),
-    };
-    let dir = private_dir(&spec.name)?;
-    let (vm, foreign) = Vm::start(spec, &adopt.memfd, &dir, incoming)
-        .map_err(|e| RunnerError::Invalid(format!("VM: {e}")))?;
-    let guest = Arc::new(VmGuest { vm, dir });
+/// Start QEMU on a fresh memfd and the region that pages its RAM under
+/// `cfg`'s budget.
+pub fn boot(mut cfg: Config, spec: &VmSpec) -> Result<(Region, Arc<VmGuest>), RunnerError> {
+    let adopt = Arc::new(
+        Adopt::create(&format!("pagefleet-vm-{}", spec.name), spec.size)
+            .map_err(|e| RunnerError::io("guest memory", e))?,
+    );
+    let (guest, foreign) = start_qemu(spec, &adopt.memfd, false)?;
     cfg.adopt = Some(adopt);
     cfg.foreign = Some(Arc::new(foreign));
     let region = Region::new(cfg)?;
-    guest
-        .vm
-        .release()
-        .map_err(|e| RunnerError::Invalid(format!("VM: {e}")))?;
+    guest.vm.release().map_err(vm_err)?;
+    guest.vm.connect_qmp().map_err(vm_err)?;
     Ok((region, guest))
+}
+
+fn vm_err(e: pagefleet_vm::VmError) -> RunnerError {
+    RunnerError::Invalid(format!("VM: {e}"))
+}
+
+/// A migration's destination: QEMU started during pre-copy on the memfd
+/// being filled, waiting for its device state (`-incoming defer`), and let
+/// on through its RAM `mmap` at once so its start-up is off the downtime
+/// (it does not touch guest RAM before the device state; a fault it took
+/// would wait for the region). [`attach`] makes the region at commit.
+pub fn start_incoming(
+    spec: &VmSpec,
+    memfd: &std::os::fd::OwnedFd,
+) -> Result<(Arc<VmGuest>, pagefleet_region::Foreign), RunnerError> {
+    let (g, f) = start_qemu(spec, memfd, true)?;
+    g.vm.release().map_err(vm_err)?;
+    Ok((g, f))
+}
+
+/// The region of an incoming VM (its memfd is `cfg.adopt`'s), then QMP.
+pub fn attach(
+    mut cfg: Config,
+    guest: &Arc<VmGuest>,
+    foreign: pagefleet_region::Foreign,
+) -> Result<Region, RunnerError> {
+    cfg.foreign = Some(Arc::new(foreign));
+    let region = Region::new(cfg)?;
+    guest.vm.connect_qmp().map_err(vm_err)?;
+    Ok(region)
+}
+
+fn start_qemu(
+    spec: &VmSpec,
+    memfd: &std::os::fd::OwnedFd,
+    incoming: bool,
+) -> Result<(Arc<VmGuest>, pagefleet_region::Foreign), RunnerError> {
+    let dir = private_dir(&spec.name)?;
+    match Vm::start(spec, memfd, &dir, incoming) {
+        Ok((vm, foreign)) => Ok((Arc::new(VmGuest { vm, dir }), foreign)),
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&dir);
+            Err(vm_err(e))
+        }
+    }
 }
 
 /// The VM as a started workload: its operation count follows vmwork's reports.

@@ -272,14 +272,17 @@ impl Vm {
         ))
     }
 
-    /// Let QEMU go on from its RAM `mmap` (the pager serves its faults
-    /// now) and open QMP.
+    /// Let QEMU go on from its RAM `mmap`. Faults it takes on its RAM
+    /// wait in the userfaultfd until a pager serves them.
     pub fn release(&self) -> Result<(), VmError> {
-        {
-            let mut s = self.agent.0.lock().unwrap_or_else(|e| e.into_inner());
-            s.write_all(&agent::request(agent::ACK, 0, 0))
-                .map_err(|e| VmError::io("releasing QEMU", e))?;
-        }
+        let mut s = self.agent.0.lock().unwrap_or_else(|e| e.into_inner());
+        s.write_all(&agent::request(agent::ACK, 0, 0))
+            .map_err(|e| VmError::io("releasing QEMU", e))
+    }
+
+    /// Open QMP (once QEMU's main loop runs: after [`Vm::release`], with a
+    /// pager serving its faults).
+    pub fn connect_qmp(&self) -> Result<(), VmError> {
         let q = Qmp::connect(&self.qmp_path, Duration::from_secs(30))?;
         *self.qmp.lock().unwrap_or_else(|e| e.into_inner()) = Some(q);
         Ok(())
