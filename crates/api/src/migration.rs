@@ -42,6 +42,10 @@ pub struct MigrateRequest {
     /// Stop and copy once a round leaves at most this many changed pages.
     #[serde(default)]
     pub stop_pages: Option<u64>,
+    /// Stop and copy once the changed pages would take at most this long
+    /// to send at the last round's rate (default 50 ms).
+    #[serde(default)]
+    pub max_downtime_ms: Option<u64>,
     /// Give a silent destination up after this many seconds (default 30).
     #[serde(default)]
     pub timeout_secs: Option<u64>,
@@ -82,6 +86,10 @@ pub struct MigrationOrder {
     /// Stop and copy once a round leaves at most this many changed pages.
     #[serde(default)]
     pub stop_pages: Option<u64>,
+    /// Stop and copy once the changed pages would take at most this long
+    /// to send at the last round's rate (default 50 ms).
+    #[serde(default)]
+    pub max_downtime_ms: Option<u64>,
     /// Give a silent destination up after this many seconds (default 30).
     #[serde(default)]
     pub timeout_secs: Option<u64>,

@@ -344,6 +344,11 @@ pub struct MigrateArgs {
     /// Stop and copy once a round leaves at most this many changed pages.
     #[arg(long)]
     pub stop_pages: Option<u64>,
+    /// Stop and copy once the changed pages would take at most this many
+    /// milliseconds to send at the last round's rate (default 50): higher
+    /// means fewer rounds and a longer pause.
+    #[arg(long)]
+    pub max_downtime: Option<u64>,
     /// Give the migration up (and roll it back) when the destination says
     /// nothing for this many seconds.
     #[arg(long, default_value_t = 30)]
@@ -436,6 +441,7 @@ pub fn migrate(c: &Client, a: &MigrateArgs, progress: bool) -> Result<Report> {
         chunk: a.chunk,
         max_rounds: a.max_rounds,
         stop_pages: a.stop_pages,
+        max_downtime_ms: a.max_downtime,
         timeout_secs: Some(a.timeout),
         dest_cgroup: a.dest_cgroup.clone(),
     };
@@ -534,6 +540,7 @@ pub fn gather_cmd(c: &Client, g: GatherArgs) -> Result<()> {
             verify: g.verify,
             max_rounds: None,
             stop_pages: None,
+            max_downtime: None,
             timeout: 30,
             json: g.json,
             dest_cgroup: None,

@@ -156,6 +156,7 @@ fn place(app: &App, o: &MigrationOrder) -> Result<(Placed, MigrateRequest), Refu
         chunk: o.chunk,
         max_rounds: o.max_rounds,
         stop_pages: o.stop_pages,
+        max_downtime_ms: o.max_downtime_ms,
         timeout_secs: o.timeout_secs,
     };
     Ok((placed, req))

@@ -334,6 +334,9 @@ pub fn receive_with(
         }
     };
     prepare(&spec, &adopt.memfd);
+    // A native guest's received pages are mapped in its guest mapping so
+    // it takes no fault on them; a VM's guest mapping is QEMU's.
+    let populate = spec.workload.workload.kind() != "vm";
     let pages = (spec.size / PAGE as u64) as usize;
     if !spec.gather {
         // Connect to the guest's memory servers now, not in the downtime.
@@ -429,7 +432,9 @@ pub fn receive_with(
                             (first * PAGE) as u64,
                             count * PAGE,
                         )?;
-                        map_resident(dst);
+                        if populate {
+                            map_resident(dst);
+                        }
                     }
                     r.shared.loc.lock().unwrap()[first..first + count].fill(HERE);
                 }

@@ -53,6 +53,10 @@ pub struct Options {
     pub max_rounds: usize,
     /// Stop and copy once a round leaves at most this many changed pages.
     pub stop_pages: u64,
+    /// Stop and copy once the changed pages would take at most this long
+    /// to send at the last round's rate (QEMU's `downtime-limit` idea;
+    /// its default is 300 ms).
+    pub max_downtime: Duration,
     /// Give up reaching a safepoint after this long.
     pub pause_timeout: Duration,
     /// Give up the stream after this long without progress.
@@ -82,6 +86,7 @@ impl Options {
             verify: false,
             max_rounds: 30,
             stop_pages: 1024,
+            max_downtime: Duration::from_millis(50),
             pause_timeout: Duration::from_secs(10),
             io_timeout: Duration::from_secs(30),
         }
@@ -403,7 +408,14 @@ impl Run<'_> {
         let mut rounds = 1;
         let mut prev = u64::MAX;
         let mut changed = region.take_changed();
+        // Bytes per second the last round achieved (main host and
+        // sub-hosts together): what the final copy can expect.
+        let mut rate = round1_bytes as f64 / round1_secs.max(1e-3);
+        let fits = |n: usize, rate: f64| {
+            (n * PAGE) as f64 / rate.max(1.0) <= self.o.max_downtime.as_secs_f64()
+        };
         while (changed.len() as u64) > self.o.stop_pages
+            && !fits(changed.len(), rate)
             && rounds < self.o.max_rounds
             && (changed.len() as u64) < prev
         {
@@ -413,7 +425,13 @@ impl Run<'_> {
             let info = region
                 .page_info(changed.clone())
                 .ok_or_else(|| MigrateError::Other("the region's pager did not answer".into()))?;
+            let (t, b) = (Instant::now(), self.bytes_main + self.bytes_subs.iter().sum::<u64>());
             self.round(rounds, &changed, &info, &servers)?;
+            let sent = self.bytes_main + self.bytes_subs.iter().sum::<u64>() - b;
+            // A small round's rate says little (latency, not bandwidth).
+            if sent >= 4 << 20 {
+                rate = sent as f64 / t.elapsed().as_secs_f64().max(1e-3);
+            }
             changed = region.take_changed();
         }
         // A cancel (the caller's Ctrl-C) is honoured up to GO, however

@@ -231,6 +231,9 @@ impl Running {
         if let Some(n) = req.stop_pages {
             o.stop_pages = n;
         }
+        if let Some(ms) = req.max_downtime_ms {
+            o.max_downtime = Duration::from_millis(ms);
+        }
         if let Some(t) = req.timeout_secs {
             o.io_timeout = Duration::from_secs(t.max(1));
         }
