@@ -43,8 +43,11 @@ const MODES: [&str; 5] = [
 pub struct Opts {
     /// VM memory.
     pub size: u64,
-    /// What vmwork fills and works on.
+    /// What vmwork fills.
     pub work_mb: u64,
+    /// The share of it the reads and writes fall on (zipf 0.99 over the
+    /// first pages): the guest's working set; the rest is cold data.
+    pub span_pct: u32,
     /// (name, percent of operations that write).
     pub workloads: Vec<(String, u32)>,
     pub modes: Vec<String>,
@@ -60,6 +63,7 @@ impl Opts {
         Opts {
             size: 1 << 30,
             work_mb: 640,
+            span_pct: 50,
             workloads: vec![("reading".into(), 0), ("writing".into(), 20)],
             modes: MODES.iter().map(|s| s.to_string()).collect(),
             link: Link::Gbit10,
@@ -109,6 +113,7 @@ pub struct Row {
 pub struct Report {
     pub size_bytes: u64,
     pub work_mb: u64,
+    pub span_pct: u32,
     pub link: String,
     pub quick: bool,
     pub rows: Vec<Row>,
@@ -169,8 +174,8 @@ fn image(bins: &Path) -> Result<(PathBuf, PathBuf)> {
 
 fn append(o: &Opts, write_pct: u32) -> String {
     format!(
-        "vmwork_mb={} vmwork_secs=0 vmwork_write={write_pct} vmwork_seed=11",
-        o.work_mb
+        "vmwork_mb={} vmwork_span={} vmwork_secs=0 vmwork_write={write_pct} vmwork_seed=11",
+        o.work_mb, o.span_pct
     )
 }
 
@@ -485,6 +490,7 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
     let mut r = Report {
         size_bytes: o.size,
         work_mb: o.work_mb,
+        span_pct: o.span_pct,
         link: o.link.name().into(),
         quick: o.quick,
         goals: goals(&rows),
@@ -553,9 +559,10 @@ fn goals(rows: &[Row]) -> Vec<Goal> {
 fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<()> {
     writeln!(
         out,
-        "pagefleet bench vm-migration: QEMU (TCG) VM of {} MiB, vmwork on {} MiB, {} link\n",
+        "pagefleet bench vm-migration: QEMU (TCG) VM of {} MiB; vmwork fills {} MiB and works (zipf 0.99) on the first {}% of it; {} link\n",
         r.size_bytes >> 20,
         r.work_mb,
+        r.span_pct,
         r.link
     )?;
     writeln!(
@@ -611,6 +618,10 @@ pub struct Args {
     /// Workloads, comma-separated: reading, writing (default: both).
     #[arg(long, value_delimiter = ',')]
     pub workloads: Vec<String>,
+    /// The share of vmwork's memory its reads and writes fall on, percent
+    /// (default 50: a working set that fits the split's main host).
+    #[arg(long)]
+    pub span: Option<u32>,
 }
 
 impl crate::Benchmark for Args {
@@ -621,6 +632,12 @@ impl crate::Benchmark for Args {
             let s = crate::at_least("--size", "the VM's memory", s, 128 * MIB)?;
             o.size = s / MIB * MIB;
             o.work_mb = (o.size / MIB) * 5 / 8;
+        }
+        if let Some(s) = self.span {
+            if !(1..=100).contains(&s) {
+                bail!("--span {s}: a percentage from 1 to 100");
+            }
+            o.span_pct = s;
         }
         if !self.only.is_empty() {
             if let Some(bad) = self.only.iter().find(|m| !MODES.contains(&m.as_str())) {

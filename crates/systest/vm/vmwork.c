@@ -12,8 +12,11 @@
  *
  *   vmwork: done ops=... errors=... verified=PAGES
  *
- * Usage: vmwork MB SECONDS WRITE_PERCENT SEED THETA_PERCENT
- * (SECONDS 0: run until killed.)
+ * Usage: vmwork MB SECONDS WRITE_PERCENT SEED THETA_PERCENT [SPAN_PERCENT]
+ * (SECONDS 0: run until killed; SPAN_PERCENT: the share of the filled
+ * pages the reads and writes fall on, the first ones — the rest is cold
+ * data, as in a large guest whose working set is smaller than its memory;
+ * the final pass checks every page.)
  */
 #include <math.h>
 #include <stdint.h>
@@ -94,6 +97,9 @@ int main(int argc, char **argv) {
     uint64_t wpct = strtoull(argv[3], 0, 10);
     seed = strtoull(argv[4], 0, 10) * 0x2545F4914F6CDD1Dull;
     double th = strtod(argv[5], 0) / 100.0;
+    uint64_t span_pct = argc > 6 ? strtoull(argv[6], 0, 10) : 100;
+    if (span_pct == 0 || span_pct > 100)
+        span_pct = 100;
     if (th <= 0 || th >= 1)
         th = 0.99;
     uint64_t pages = (mb << 20) / 4096;
@@ -113,7 +119,10 @@ int main(int argc, char **argv) {
             fflush(stdout);
         }
     }
-    zipf_init(pages, th);
+    uint64_t span = pages * span_pct / 100;
+    if (span == 0)
+        span = 1;
+    zipf_init(span, th);
     printf("vmwork: filled %llu MiB in %.1f s\n", (unsigned long long)mb, now() - t0);
     fflush(stdout);
     uint64_t ops = 0, errors = 0, at_last = 0;
@@ -122,7 +131,7 @@ int main(int argc, char **argv) {
     for (;;) {
         for (int k = 0; k < 64; k++) {
             /* Scatter ranks over the memory: hot pages are not neighbours. */
-            uint64_t q = (zipf() * 0x9E3779B97F4A7C15ull) % pages;
+            uint64_t q = (zipf() * 0x9E3779B97F4A7C15ull) % span;
             uint64_t *p = mem + q * WORDS;
             if (next() % 100 < wpct) {
                 version[q]++;
