@@ -379,6 +379,13 @@ pub struct VmStatus {
     pub ops_per_sec: f64,
     /// Wrong values it read (must be 0).
     pub errors: u64,
+    /// Operations so far, as of its last report.
+    #[serde(default)]
+    pub ops: u64,
+    /// When that report arrived (Unix seconds): with `ops`, a timeline
+    /// that does not depend on when status is asked.
+    #[serde(default)]
+    pub report_unix_secs: f64,
     /// It finished and verified every page.
     pub done: bool,
     /// The last console lines.

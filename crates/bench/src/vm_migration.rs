@@ -106,6 +106,8 @@ pub struct Row {
     pub error_lines: Vec<String>,
     /// pagefleet's migration report.
     pub report: Option<pagefleet_api::Report>,
+    /// pagefleet: the guest's status at the end (its paging counters).
+    pub status_after: Option<pagefleet_api::GuestStatus>,
     pub error: Option<String>,
 }
 
@@ -371,6 +373,7 @@ fn finish_row(
         timeline: samples.timeline(t0),
         error_lines: vec![],
         report: None,
+        status_after: None,
         error: None,
     }
 }
@@ -389,12 +392,20 @@ fn run_pagefleet(l: &LabRun, o: &Opts, mode: &str, wl: &(String, u32), kernel: &
     )?;
     let result = (|| -> Result<Row> {
         let ops = || l.guest(&name).map(|g| g.1.ops).unwrap_or(0);
+        // vmwork's count as of its last console report, at that report's time.
+        let sample = |s: &mut Samples| {
+            if let Some(v) = l.guest(&name).and_then(|g| g.1.vm) {
+                if v.report_unix_secs > 0.0 {
+                    s.push(v.report_unix_secs, v.ops);
+                }
+            }
+        };
         warm(ops, 0)?;
         let mut samples = Samples::default();
         let t_warm = Instant::now() + Duration::from_secs(o.before_secs);
         while Instant::now() < t_warm {
-            samples.push(now(), ops());
-            std::thread::sleep(Duration::from_millis(250));
+            sample(&mut samples);
+            std::thread::sleep(Duration::from_millis(200));
         }
         let args: Vec<&str> = match mode {
             "pagefleet-split" => vec!["migrate", &name, "--json", "--verify", "--to", "h2", "--sub", "h3"],
@@ -404,7 +415,7 @@ fn run_pagefleet(l: &LabRun, o: &Opts, mode: &str, wl: &(String, u32), kernel: &
         let rep = std::thread::scope(|s| {
             let h = s.spawn(|| pf_json(l, &args));
             while !h.is_finished() {
-                samples.push(now(), ops());
+                sample(&mut samples);
                 std::thread::sleep(Duration::from_millis(100));
             }
             h.join().expect("migrate thread")
@@ -412,12 +423,16 @@ fn run_pagefleet(l: &LabRun, o: &Opts, mode: &str, wl: &(String, u32), kernel: &
         let t1 = now();
         let t_end = Instant::now() + Duration::from_secs(o.after_secs);
         let mut errors = 0;
+        let mut last = None;
         while Instant::now() < t_end {
             if let Some((_, g)) = l.guest(&name) {
-                samples.push(now(), g.ops);
-                errors = errors.max(g.vm.map(|v| v.errors).unwrap_or(0));
+                if let Some(v) = &g.vm {
+                    samples.push(v.report_unix_secs, v.ops);
+                    errors = errors.max(v.errors);
+                }
+                last = Some(g);
             }
-            std::thread::sleep(Duration::from_millis(250));
+            std::thread::sleep(Duration::from_millis(200));
         }
         let equal = rep.checksum_source.is_some() && rep.checksum_source == rep.checksum_dest;
         let _ = t1;
@@ -437,6 +452,7 @@ fn run_pagefleet(l: &LabRun, o: &Opts, mode: &str, wl: &(String, u32), kernel: &
             Some(equal),
         );
         row.report = Some(rep);
+        row.status_after = last;
         Ok(row)
     })();
     let _ = pf_ok(l, &["guest", "stop", &name]);
@@ -482,6 +498,7 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
                 timeline: vec![],
                 error_lines: vec![],
                 report: None,
+                status_after: None,
                 error: Some(format!("{e:#}")),
             }));
         }

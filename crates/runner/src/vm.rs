@@ -187,6 +187,8 @@ impl VmGuest {
             state,
             ops_per_sec: w.ops_per_sec,
             errors: w.errors,
+            ops: w.ops,
+            report_unix_secs: w.history.last().map(|h| h.0).unwrap_or(0.0),
             done: w.done,
             console: self.vm.console.tail(10),
         }
