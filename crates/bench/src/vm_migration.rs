@@ -54,6 +54,8 @@ pub struct Opts {
     pub link: Link,
     pub before_secs: u64,
     pub after_secs: u64,
+    /// Runs of (a) and (d) side by side on the goals' workload.
+    pub pairs: usize,
     pub quick: bool,
     pub out_dir: PathBuf,
 }
@@ -69,6 +71,7 @@ impl Opts {
             link: Link::Gbit10,
             before_secs: 5,
             after_secs: 8,
+            pairs: 3,
             quick: false,
             out_dir,
         }
@@ -80,6 +83,7 @@ impl Opts {
             workloads: vec![("writing".into(), 20)],
             before_secs: 3,
             after_secs: 5,
+            pairs: 1,
             quick: true,
             ..Opts::full(out_dir)
         }
@@ -88,6 +92,9 @@ impl Opts {
 
 #[derive(Clone, Debug, Serialize)]
 pub struct Row {
+    /// Which side-by-side pair of (a) and (d) this run belongs to (1: the
+    /// first run of every mode).
+    pub pair: usize,
     pub mode: String,
     pub workload: String,
     pub total_secs: f64,
@@ -359,6 +366,7 @@ fn finish_row(
 ) -> Row {
     let end = samples.0.last().map(|s| s.0).unwrap_or(t1);
     Row {
+        pair: 1,
         mode: mode.into(),
         workload: wl.0.clone(),
         total_secs,
@@ -475,16 +483,46 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
     let dir = util::temp_dir("bench-vm")?;
     let mut rows = Vec::new();
     let mut port = 4700u16;
+    // The goals compare (d) with (a): on the goals' workload they run as
+    // side-by-side pairs (this machine's speed drifts between phases of a
+    // run by more than the differences measured), (a) first, then (d)
+    // first, then (a) first; the goals take the median pair.
+    let goal_wl = goal_workload(&o.workloads);
+    let mut plan: Vec<(&(String, u32), &str, usize)> = Vec::new();
     for wl in &o.workloads {
         for mode in MODES.iter().filter(|m| o.modes.iter().any(|x| x == *m)) {
-            log(&format!("{mode}, {} VM of {} MiB ({} MiB of vmwork)", wl.0, o.size >> 20, o.work_mb));
+            plan.push((wl, mode, 1));
+        }
+        let pair = ["qemu-precopy", "pagefleet-split"];
+        if wl.0 == goal_wl && o.pairs > 1 && pair.iter().all(|m| o.modes.iter().any(|x| x == m)) {
+            for k in 2..=o.pairs {
+                let order = if k % 2 == 0 { [pair[1], pair[0]] } else { pair };
+                for m in order {
+                    plan.push((wl, m, k));
+                }
+            }
+        }
+    }
+    for (wl, mode, k) in plan {
+        {
+            log(&format!(
+                "{mode}{}, {} VM of {} MiB ({} MiB of vmwork)",
+                if k > 1 { format!(" ({k})") } else { String::new() },
+                wl.0,
+                o.size >> 20,
+                o.work_mb
+            ));
             port += 1;
             let r = if mode.starts_with("qemu") {
                 run_qemu(&l, o, mode, wl, &kernel, &initrd, &dir, port)
             } else {
                 run_pagefleet(&l, o, mode, wl, &kernel, &initrd)
             };
-            rows.push(r.unwrap_or_else(|e| Row {
+            rows.push(r.map(|mut r| {
+                r.pair = k;
+                r
+            }).unwrap_or_else(|e| Row {
+                pair: k,
                 mode: mode.to_string(),
                 workload: wl.0.clone(),
                 total_secs: f64::NAN,
@@ -524,31 +562,55 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
     Ok(r)
 }
 
+/// The workload the goals are computed on: writing when it runs.
+fn goal_workload(w: &[(String, u32)]) -> String {
+    if w.iter().any(|x| x.0 == "writing") {
+        "writing".into()
+    } else {
+        w.first().map(|x| x.0.clone()).unwrap_or_default()
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.retain(|x| !x.is_nan());
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
 fn goals(rows: &[Row]) -> Vec<Goal> {
     let mut g = Vec::new();
-    // The writing workload when it ran, else the first one.
-    let wl = if rows.iter().any(|r| r.workload == "writing") {
-        "writing"
-    } else {
-        rows.first().map(|r| r.workload.as_str()).unwrap_or("")
-    };
+    let wls: Vec<(String, u32)> = rows.iter().map(|r| (r.workload.clone(), 0)).collect();
+    let wl = goal_workload(&wls);
+    let wl = wl.as_str();
     let find = |m: &str| rows.iter().find(|r| r.mode == m && r.workload == wl);
-    if let (Some(a), Some(d)) = (find("qemu-precopy"), find("pagefleet-split")) {
+    // (a, d) of each pair.
+    let pairs: Vec<(&Row, &Row)> = (1..=rows.iter().map(|r| r.pair).max().unwrap_or(1))
+        .filter_map(|k| {
+            let at = |m: &str| rows.iter().find(|r| r.mode == m && r.workload == wl && r.pair == k);
+            Some((at("qemu-precopy")?, at("pagefleet-split")?))
+        })
+        .collect();
+    if !pairs.is_empty() {
+        let n = pairs.len();
+        let of = |f: &dyn Fn(&Row, &Row) -> f64| median(pairs.iter().map(|(a, d)| f(a, d)).collect());
         g.push(Goal::at_most(
-            &format!("{wl}: (d) split migration time / (a) QEMU pre-copy"),
-            d.total_secs / a.total_secs,
+            &format!("{wl}: (d) split migration time / (a) QEMU pre-copy (median of {n} pairs)"),
+            of(&|a, d| d.total_secs / a.total_secs),
             1.05,
             "ratio",
         ));
         g.push(Goal::at_most(
-            &format!("{wl}: (d) split downtime - (a) QEMU pre-copy downtime"),
-            d.downtime_ms - a.downtime_ms,
+            &format!("{wl}: (d) split downtime - (a) QEMU pre-copy downtime (median of {n} pairs)"),
+            of(&|a, d| d.downtime_ms - a.downtime_ms),
             10.0,
             "ms",
         ));
         g.push(Goal::at_least(
-            &format!("{wl}: (d) split ops/s after / (a) QEMU pre-copy ops/s after"),
-            d.ops_after / a.ops_after,
+            &format!("{wl}: (d) split ops/s after / (a) QEMU pre-copy ops/s after (median of {n} pairs)"),
+            of(&|a, d| d.ops_after / a.ops_after),
             0.8,
             "ratio",
         ));
@@ -561,14 +623,30 @@ fn goals(rows: &[Row]) -> Vec<Goal> {
             "ratio",
         ));
     }
-    let errors: u64 = rows.iter().map(|r| r.errors).sum::<u64>()
-        + rows.iter().filter(|r| r.checksums_equal == Some(false)).count() as u64
-        + rows.iter().filter(|r| r.error.is_some()).count() as u64;
+    // Every run, by who moved the memory: QEMU's own pre-copy under TCG
+    // loses guest writes on this machine (see docs/vm.md), which is a
+    // finding about the baseline, reported beside pagefleet's own count.
+    let bad = |pf: bool| -> u64 {
+        rows.iter()
+            .filter(|r| r.mode.starts_with("pagefleet") == pf)
+            .map(|r| {
+                (r.errors > 0) as u64
+                    + (r.checksums_equal == Some(false)) as u64
+                    + r.error.is_some() as u64
+            })
+            .sum()
+    };
     g.push(Goal::at_most(
-        "verification errors (vmwork wrong values, checksum mismatches, failed runs)",
-        errors as f64,
+        "pagefleet runs with verification errors (vmwork wrong values, checksum mismatch, failure)",
+        bad(true) as f64,
         0.0,
-        "count",
+        "runs",
+    ));
+    g.push(Goal::at_most(
+        "QEMU baseline runs with verification errors (vmwork wrong values, failure)",
+        bad(false) as f64,
+        0.0,
+        "runs",
     ));
     g
 }
@@ -584,18 +662,23 @@ fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<()> 
     )?;
     writeln!(
         out,
-        "  {:<18} {:<9} {:>8} {:>10} {:>10} {:>10} {:>10} {:>10} {:>6} {:>7}",
+        "  {:<22} {:<9} {:>8} {:>10} {:>10} {:>10} {:>10} {:>10} {:>6} {:>7}",
         "mode", "workload", "time s", "downtime", "MiB sent", "ops/s bef", "ops/s dur", "ops/s aft", "errors", "verify"
     )?;
     for x in &r.rows {
+        let mode = if x.pair > 1 {
+            format!("{} ({})", x.mode, x.pair)
+        } else {
+            x.mode.clone()
+        };
         if let Some(e) = &x.error {
-            writeln!(out, "  {:<18} {:<9} FAILED: {e}", x.mode, x.workload)?;
+            writeln!(out, "  {:<18} {:<9} FAILED: {e}", mode, x.workload)?;
             continue;
         }
         writeln!(
             out,
-            "  {:<18} {:<9} {:>8.2} {:>7.1} ms {:>10.0} {:>10.0} {:>10.0} {:>10.0} {:>6} {:>7}",
-            x.mode,
+            "  {:<22} {:<9} {:>8.2} {:>7.1} ms {:>10.0} {:>10.0} {:>10.0} {:>10.0} {:>6} {:>7}",
+            mode,
             x.workload,
             x.total_secs,
             x.downtime_ms,
@@ -618,6 +701,16 @@ fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<()> 
          memory + a sub-host, QEMU moving only device state; (e) pagefleet to a host with enough memory.\n   \
          downtime: QEMU's figure for (a)-(c), pause to resume for (d)-(e); ops/s after: mean of the last 3 s."
     )?;
+    let qemu: Vec<&Row> = r.rows.iter().filter(|x| x.mode.starts_with("qemu") && x.error.is_none()).collect();
+    let corrupted = qemu.iter().filter(|x| x.errors > 0).count();
+    if corrupted > 0 {
+        writeln!(
+            out,
+            "  QEMU's own migration left stale pages in the guest in {corrupted} of {} runs (vmwork read wrong\n   \
+             words afterwards; reproduce without pagefleet: python3 bench/qemu_tcg_migration_check.py).",
+            qemu.len()
+        )?;
+    }
     writeln!(out)?;
     util::print_goals(&r.goals, out)?;
     r.plot.print(out)

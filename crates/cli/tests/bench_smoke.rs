@@ -199,6 +199,57 @@ fn bench_migration_quick_json_has_rows_and_goals() {
     let _ = std::fs::remove_dir_all(&out_dir);
 }
 
+/// The VM migration benchmark runs end to end on a small VM (every mode,
+/// the writing workload): each run has figures, pagefleet's runs verify
+/// (vmwork read no wrong value, checksums equal), and every goal's verdict
+/// matches its value.
+#[test]
+fn bench_vm_migration_quick_json_has_rows_and_goals() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: the testbed needs root (CI runs as root)");
+        return;
+    }
+    let out_dir = std::env::temp_dir().join(format!(
+        "pagefleet-bench-vm-smoke-{}",
+        std::process::id()
+    ));
+    let out = Command::new(env!("CARGO_BIN_EXE_pagefleet"))
+        .args(["bench", "vm-migration", "--quick", "--json", "--out"])
+        .arg(&out_dir)
+        .output()
+        .expect("run pagefleet bench vm-migration");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "bench failed: {stderr}");
+    let v: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("stdout is one JSON object");
+    let rows = v["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 5, "one workload x 5 modes: {stderr}");
+    for r in rows {
+        assert!(r["error"].is_null(), "{r}");
+        assert!(r["total_secs"].as_f64().unwrap() > 0.0, "{r}");
+        if r["mode"].as_str().unwrap().starts_with("pagefleet") {
+            assert_eq!(r["errors"], 0, "{r}");
+            assert_eq!(r["checksums_equal"], true, "{r}");
+            assert!(r["ops_after"].as_f64().unwrap() > 0.0, "{r}");
+        }
+    }
+    let goals = v["goals"].as_array().unwrap();
+    assert!(goals.len() >= 6, "{goals:?}");
+    for g in goals {
+        let (val, tgt) = (
+            g["value"].as_f64().unwrap_or(f64::NAN),
+            g["target"].as_f64().unwrap(),
+        );
+        assert_eq!(
+            g["met"].as_bool().unwrap(),
+            if g["cmp"] == ">=" { val >= tgt } else { val <= tgt },
+            "goal verdict inconsistent: {g}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&out_dir);
+}
+
 /// The block-device benchmark runs end to end (quick: the 2-server export
 /// and nbdkit's memory plugin, two block sizes, both queue depths).
 #[test]
@@ -276,6 +327,7 @@ fn each_bench_help_lists_only_its_own_flags() {
             ],
         ),
         ("ioqos", &["--secs", "--only", "--dataset"]),
+        ("vm-migration", &["--size", "--only", "--workloads", "--span"]),
     ];
     let common = ["--json", "--quick", "--out", "--secret-file", "--help"];
     for (bench, flags) in own {
