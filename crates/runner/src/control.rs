@@ -283,7 +283,7 @@ impl Running {
                 tracing::info!("migrated out: {} -> {}", rep.guest, rep.main_host);
                 if let Some(v) = &self.vm {
                     // Its device state runs on the destination now.
-                    v.vm.shutdown(Duration::from_secs(3));
+                    v.retire();
                 }
                 let _ = line(&mut w, &ProgressEvent::Report(rep));
                 let _ = w.flush();

@@ -168,7 +168,7 @@ pub fn run_guest(
     let gate = Arc::new(Gate::default());
     let (region, w) = match vm::spec_of(&spec.workload, size, name) {
         Some(v) => {
-            let (region, g) = vm::boot(cfg, &v)?;
+            let (region, g) = vm::boot(cfg, &v, &vm::socket_dir(Some(control), name))?;
             (Arc::new(region), vm::started(&g))
         }
         None => {
@@ -255,7 +255,8 @@ pub fn run_incoming(
     let received = dest::receive_with(stream, &secret, &progress, &mut |spec, memfd| {
         if let Some(v) = vm::spec_of(&spec.workload.workload, spec.size, &spec.name) {
             let memfd = memfd.clone();
-            early = Some(std::thread::spawn(move || vm::start_incoming(&v, &memfd)));
+            let dir = vm::socket_dir(Some(control), &spec.name);
+            early = Some(std::thread::spawn(move || vm::start_incoming(&v, &memfd, &dir)));
         }
     })?;
     let (here, remote) = received.counts();

@@ -149,7 +149,8 @@ fn run_vm(a: &LocalRun, spec: &pagefleet_vm::VmSpec) -> Result<serde_json::Value
     }
     let mut spec = spec.clone();
     spec.size = a.size;
-    let (region, g) = crate::vm::boot(region_config(a), &spec)?;
+    let dir = crate::vm::socket_dir(None, &spec.name);
+    let (region, g) = crate::vm::boot(region_config(a), &spec, &dir)?;
     let m = Memory {
         region: Some(Arc::new(region)),
         plain: None,

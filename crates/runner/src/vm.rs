@@ -50,14 +50,24 @@ pub fn spec_of(w: &Workload, size: u64, name: &str) -> Option<VmSpec> {
     }
 }
 
-fn private_dir(name: &str) -> Result<PathBuf, RunnerError> {
-    let dir = std::env::temp_dir().join(format!(
-        "pagefleet-vm-{}-{}",
-        std::process::id(),
-        name.chars()
-            .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
-            .collect::<String>()
-    ));
+/// Where a VM's sockets go: beside the runner's control socket
+/// (`GUESTDIR/NAME.vm`, removed by the host daemon when the runner exits,
+/// however it ends), or a temporary directory for `pagefleet run vm`.
+pub fn socket_dir(control: Option<&std::path::Path>, name: &str) -> PathBuf {
+    match control {
+        Some(c) => c.with_extension("vm"),
+        None => std::env::temp_dir().join(format!(
+            "pagefleet-vm-{}-{}",
+            std::process::id(),
+            name.chars()
+                .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+                .collect::<String>()
+        )),
+    }
+}
+
+fn private_dir(dir: &std::path::Path) -> Result<PathBuf, RunnerError> {
+    let dir = dir.to_path_buf();
     std::fs::create_dir_all(&dir).map_err(|e| RunnerError::io(dir.display().to_string(), e))?;
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))
@@ -67,12 +77,16 @@ fn private_dir(name: &str) -> Result<PathBuf, RunnerError> {
 
 /// Start QEMU on a fresh memfd and the region that pages its RAM under
 /// `cfg`'s budget.
-pub fn boot(mut cfg: Config, spec: &VmSpec) -> Result<(Region, Arc<VmGuest>), RunnerError> {
+pub fn boot(
+    mut cfg: Config,
+    spec: &VmSpec,
+    dir: &std::path::Path,
+) -> Result<(Region, Arc<VmGuest>), RunnerError> {
     let adopt = Arc::new(
         Adopt::create(&format!("pagefleet-vm-{}", spec.name), spec.size)
             .map_err(|e| RunnerError::io("guest memory", e))?,
     );
-    let (guest, foreign) = start_qemu(spec, &adopt.memfd, false)?;
+    let (guest, foreign) = start_qemu(spec, &adopt.memfd, false, dir)?;
     cfg.adopt = Some(adopt);
     cfg.foreign = Some(Arc::new(foreign));
     let region = Region::new(cfg)?;
@@ -93,8 +107,9 @@ fn vm_err(e: pagefleet_vm::VmError) -> RunnerError {
 pub fn start_incoming(
     spec: &VmSpec,
     memfd: &std::os::fd::OwnedFd,
+    dir: &std::path::Path,
 ) -> Result<(Arc<VmGuest>, pagefleet_region::Foreign), RunnerError> {
-    let (g, f) = start_qemu(spec, memfd, true)?;
+    let (g, f) = start_qemu(spec, memfd, true, dir)?;
     g.vm.release().map_err(vm_err)?;
     Ok((g, f))
 }
@@ -115,8 +130,9 @@ fn start_qemu(
     spec: &VmSpec,
     memfd: &std::os::fd::OwnedFd,
     incoming: bool,
+    dir: &std::path::Path,
 ) -> Result<(Arc<VmGuest>, pagefleet_region::Foreign), RunnerError> {
-    let dir = private_dir(&spec.name)?;
+    let dir = private_dir(dir)?;
     match Vm::start(spec, memfd, &dir, incoming) {
         Ok((vm, foreign)) => Ok((Arc::new(VmGuest { vm, dir }), foreign)),
         Err(e) => {
@@ -162,6 +178,13 @@ impl VmGuest {
             .load_state(state, &self.dir)
             .and_then(|_| self.vm.qmp(|q| q.cont()))
             .map_err(|e| RunnerError::Invalid(format!("VM: {e}")))
+    }
+
+    /// The VM runs elsewhere now: quit this QEMU and drop its sockets
+    /// (the runner ends without dropping its state).
+    pub fn retire(&self) {
+        self.vm.shutdown(Duration::from_secs(3));
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 
     /// Let them run again.
