@@ -143,6 +143,9 @@ fn a_vm_is_split_migrated_and_gathered_back_while_its_workload_checks_every_valu
         std::thread::sleep(Duration::from_millis(200));
     }
     assert_vm_runs(&l, "vm1", 0);
+    // Its serial console is kept in the runner's log.
+    let log = std::fs::read_to_string(l.control(0, "vm1").with_extension("log")).unwrap_or_default();
+    assert!(log.contains("vmwork: filled"), "no console lines in the runner's log:\n{log}");
     // Split: h2 keeps what fits, h3 gets the rest.
     let r = report(&l, "migrate", &["vm1", "--verify"]).expect("split migration of the VM");
     assert_eq!(r["checksum_source"], r["checksum_dest"], "{r}");
