@@ -493,8 +493,8 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
     // everything back through the slow device, and the host was seen slow
     // for a while after it.
     for wl in &o.workloads {
-        let chosen = |m: &&str| o.modes.iter().any(|x| x == *m);
-        for mode in MODES.iter().filter(chosen).filter(|m| **m != "qemu-swap") {
+        let chosen = |m: &str| o.modes.iter().any(|x| x == m);
+        for mode in MODES.iter().filter(|m| chosen(m) && **m != "qemu-swap") {
             plan.push((wl, mode, 1));
         }
         let pair = ["qemu-precopy", "pagefleet-split"];
@@ -506,7 +506,7 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
                 }
             }
         }
-        if chosen(&"qemu-swap") {
+        if chosen("qemu-swap") {
             plan.push((wl, "qemu-swap", 1));
         }
     }
