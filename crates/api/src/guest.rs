@@ -373,6 +373,10 @@ pub struct GuestStatus {
 pub struct VmStatus {
     /// QEMU's process id.
     pub qemu_pid: u32,
+    /// Its QMP socket for the host's operator tools (`pagefleet ioqos`'s
+    /// `qmp:SOCKET@disk0`), when the VM is hosted.
+    #[serde(default)]
+    pub operator_qmp: Option<String>,
     /// QEMU's run state (running, paused, ...), or how it exited.
     pub state: String,
     /// The in-guest workload's operations per second (last report).

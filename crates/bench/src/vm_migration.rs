@@ -215,6 +215,7 @@ fn run_qemu(
         smp: 1,
         size: o.size,
         name: format!("{mode}-src"),
+        operator_qmp: None,
     };
     let src = PlainVm::start(PlainLaunch {
         spec: &spec,

@@ -294,6 +294,7 @@ pub fn run(a: RunArgs, secret_file: Option<&Path>) -> Result<()> {
             smp,
             size: a.size,
             name: "run".into(),
+            operator_qmp: None,
         }),
         Workload::Sortjob { .. } => bail!("sortjob runs hosted (pagefleet guest start NAME --on HOST --size SIZE -- sortjob); for a one-shot sort use `pagefleet run sort`"),
     };

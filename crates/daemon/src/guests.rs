@@ -380,6 +380,7 @@ impl Guests {
             let st = child.wait();
             // A VM runner's socket directory (its QEMU is gone with it).
             let _ = std::fs::remove_dir_all(me.cfg.dir.join(format!("{n}.vm")));
+            let _ = std::fs::remove_file(me.cfg.dir.join(format!("{n}.qmp")));
             let mut m = lock(&me.map);
             if m.get(&n).is_some_and(|e| e.pid == pid) {
                 m.remove(&n);

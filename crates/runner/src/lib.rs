@@ -166,7 +166,7 @@ pub fn run_guest(
         dev: service_dev.to_string(),
     });
     let gate = Arc::new(Gate::default());
-    let (region, w) = match vm::spec_of(&spec.workload, size, name) {
+    let (region, w) = match vm::spec_of(&spec.workload, size, name, Some(control)) {
         Some(v) => {
             let (region, g) = vm::boot(cfg, &v, &vm::socket_dir(Some(control), name))?;
             (Arc::new(region), vm::started(&g))
@@ -253,7 +253,7 @@ pub fn run_incoming(
     type Early = std::thread::JoinHandle<Result<(Arc<vm::VmGuest>, pagefleet_region::Foreign), RunnerError>>;
     let mut early: Option<Early> = None;
     let received = dest::receive_with(stream, &secret, &progress, &mut |spec, memfd| {
-        if let Some(v) = vm::spec_of(&spec.workload.workload, spec.size, &spec.name) {
+        if let Some(v) = vm::spec_of(&spec.workload.workload, spec.size, &spec.name, Some(control)) {
             let memfd = memfd.clone();
             let dir = vm::socket_dir(Some(control), &spec.name);
             early = Some(std::thread::spawn(move || vm::start_incoming(&v, &memfd, &dir)));

@@ -18,6 +18,7 @@ pub struct VmGuest {
     /// The QEMU process.
     pub vm: Vm,
     dir: PathBuf,
+    operator_qmp: Option<String>,
 }
 
 impl Drop for VmGuest {
@@ -25,11 +26,20 @@ impl Drop for VmGuest {
         // QEMU first: once the region is gone nobody serves its faults.
         self.vm.shutdown(Duration::from_secs(3));
         let _ = std::fs::remove_dir_all(&self.dir);
+        if let Some(q) = &self.operator_qmp {
+            let _ = std::fs::remove_file(q);
+        }
     }
 }
 
-/// The QEMU spec of a `Workload::Vm` (None for other workloads).
-pub fn spec_of(w: &Workload, size: u64, name: &str) -> Option<VmSpec> {
+/// The QEMU spec of a `Workload::Vm` (None for other workloads); a hosted
+/// VM's operator QMP socket goes beside its control socket.
+pub fn spec_of(
+    w: &Workload,
+    size: u64,
+    name: &str,
+    control: Option<&std::path::Path>,
+) -> Option<VmSpec> {
     match w {
         Workload::Vm {
             kernel,
@@ -45,6 +55,7 @@ pub fn spec_of(w: &Workload, size: u64, name: &str) -> Option<VmSpec> {
             smp: *smp,
             size,
             name: name.to_string(),
+            operator_qmp: control.map(|c| c.with_extension("qmp")),
         }),
         _ => None,
     }
@@ -148,7 +159,14 @@ fn start_qemu(
 ) -> Result<(Arc<VmGuest>, pagefleet_region::Foreign), RunnerError> {
     let dir = private_dir(dir)?;
     match Vm::start(spec, memfd, &dir, incoming) {
-        Ok((vm, foreign)) => Ok((Arc::new(VmGuest { vm, dir }), foreign)),
+        Ok((vm, foreign)) => Ok((
+            Arc::new(VmGuest {
+                vm,
+                dir,
+                operator_qmp: spec.operator_qmp.as_ref().map(|p| p.display().to_string()),
+            }),
+            foreign,
+        )),
         Err(e) => {
             let _ = std::fs::remove_dir_all(&dir);
             Err(vm_err(e))
@@ -199,6 +217,9 @@ impl VmGuest {
     pub fn retire(&self) {
         self.vm.shutdown(Duration::from_secs(3));
         let _ = std::fs::remove_dir_all(&self.dir);
+        if let Some(q) = &self.operator_qmp {
+            let _ = std::fs::remove_file(q);
+        }
     }
 
     /// Let them run again.
@@ -221,6 +242,7 @@ impl VmGuest {
         };
         VmStatus {
             qemu_pid: self.vm.pid,
+            operator_qmp: self.operator_qmp.clone(),
             state,
             ops_per_sec: w.ops_per_sec,
             errors: w.errors,

@@ -39,6 +39,7 @@ fn a_vm_with_a_quarter_of_its_memory_resident_verifies_every_value() {
         smp: 1,
         size,
         name: "vmtest".into(),
+        operator_qmp: None,
     };
     let adopt = Adopt::create("pagefleet-vmtest", size).expect("memfd");
     let (vm, foreign) = Vm::start(&spec, &adopt.memfd, &dir, false).expect("QEMU starts");
@@ -133,6 +134,8 @@ fn a_vm_is_split_migrated_and_gathered_back_while_its_workload_checks_every_valu
             initrd.to_str().unwrap(),
             "--append",
             "vmwork_mb=120 vmwork_secs=0 vmwork_write=20 vmwork_seed=3",
+            "--disk",
+            kernel.with_file_name("disk.img").to_str().unwrap(),
         ],
     );
     assert!(ok, "guest start: {err}");
@@ -143,6 +146,28 @@ fn a_vm_is_split_migrated_and_gathered_back_while_its_workload_checks_every_valu
         std::thread::sleep(Duration::from_millis(200));
     }
     assert_vm_runs(&l, "vm1", 0);
+    // The operator's QMP socket reaches the VM's disk (what the I/O
+    // guarantee's QMP backend throttles).
+    let (_, g) = l.guest("vm1").unwrap();
+    let qmp_path = g.vm.and_then(|v| v.operator_qmp).expect("operator QMP socket");
+    let mut q = pagefleet_vm::qmp::Qmp::connect(std::path::Path::new(&qmp_path), Duration::from_secs(5))
+        .expect("operator QMP");
+    let blocks: serde_json::Value = q.execute("query-block", None).unwrap();
+    assert!(blocks.to_string().contains("disk0"), "{blocks}");
+    q.execute::<serde_json::Value>(
+        "block_set_io_throttle",
+        Some(serde_json::json!({"id": "/machine/peripheral-anon/device[0]/virtio-backend",
+            "bps": 0, "bps_rd": 0, "bps_wr": 0, "iops": 100, "iops_rd": 0, "iops_wr": 0})),
+    )
+    .or_else(|_| {
+        q.execute::<serde_json::Value>(
+            "block_set_io_throttle",
+            Some(serde_json::json!({"device": "disk0",
+                "bps": 0, "bps_rd": 0, "bps_wr": 0, "iops": 100, "iops_rd": 0, "iops_wr": 0})),
+        )
+    })
+    .expect("throttle the VM's disk");
+    drop(q);
     // Its serial console is kept in the runner's log.
     let log = std::fs::read_to_string(l.control(0, "vm1").with_extension("log")).unwrap_or_default();
     assert!(log.contains("vmwork: filled"), "no console lines in the runner's log:\n{log}");
@@ -154,6 +179,19 @@ fn a_vm_is_split_migrated_and_gathered_back_while_its_workload_checks_every_valu
     eprintln!("split: total {} s, downtime {} ms, main {} pages, subs {}", r["total_secs"], r["downtime_ms"], r["pages_main"], r["pages_subs"]);
     let g = assert_vm_runs(&l, "vm1", 1);
     assert!(g.resident_pages <= 128 * MIB / 4096, "{g:?}");
+    // Evacuate the sub-host: the VM's pages move off h3 while it runs.
+    let on = |h: usize| {
+        l.guest("vm1")
+            .and_then(|g| g.1.pages)
+            .and_then(|p| p.remote.get(&l.lab.hosts[h].addr).copied())
+            .unwrap_or(0)
+    };
+    assert!(on(2) > 0, "nothing on h3 to evacuate");
+    let (ok, out, err) = l.pf(0, &["evacuate", "h3"]);
+    assert!(ok && out.contains("pages moved from h3"), "evacuate h3: {out} {err}");
+    assert_eq!(on(2), 0, "pages left on h3");
+    assert!(on(0) + on(1) > 0, "the pages went nowhere");
+    assert_vm_runs(&l, "vm1", 1);
     // Gather it back to h1 (it pages on h2 meanwhile).
     let r = report(&l, "gather", &["vm1", "--to", "h1", "--verify"]).expect("gather of the VM");
     assert_eq!(r["checksum_source"], r["checksum_dest"], "{r}");

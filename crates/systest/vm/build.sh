@@ -1,12 +1,15 @@
 #!/bin/sh
 # Build the VM guest image from Debian packages: the cloud kernel
 # (linux-image-cloud-amd64) and busybox-static, unpacked with dpkg-deb (not
-# installed), plus vmwork.c compiled static. Output: OUT/vmlinuz, OUT/initrd.gz.
+# installed), plus vmwork.c compiled static. Output: OUT/vmlinuz, OUT/initrd.gz,
+# and a blank 16 MiB raw disk OUT/disk.img.
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
 out=${1:?usage: build.sh OUTDIR}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
+# A blank raw disk for VMs that take one (--disk).
+[ -f "$out/disk.img" ] || truncate -s 16M "$out/disk.img"
 [ -f "$out/initrd.gz" ] && [ -f "$out/vmlinuz" ] && [ "$out/initrd.gz" -nt "$here/init" ] && [ "$out/initrd.gz" -nt "$here/vmwork.c" ] && exit 0
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

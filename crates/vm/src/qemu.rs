@@ -32,6 +32,10 @@ pub struct VmSpec {
     pub size: u64,
     /// Guest name (QEMU's `-name`, log lines).
     pub name: String,
+    /// A second QMP socket for the host's operator tools (the I/O
+    /// guarantee's QMP backend throttles the VM's `disk0` through it); the
+    /// runner keeps the first one to itself.
+    pub operator_qmp: Option<PathBuf>,
 }
 
 impl VmSpec {
@@ -83,6 +87,10 @@ impl VmSpec {
             push(s);
         }
         push(&format!("unix:{},server=on,wait=off", qmp.display()));
+        if let Some(o) = &self.operator_qmp {
+            push("-qmp");
+            push(&format!("unix:{},server=on,wait=off", o.display()));
+        }
         push("-append");
         push(&format!("console=ttyS0 panic=-1 {}", self.append));
         a.push("-kernel".into());
@@ -91,7 +99,7 @@ impl VmSpec {
         a.push(self.initrd.clone().into());
         if let Some(d) = &self.disk {
             a.push("-drive".into());
-            a.push(format!("file={},if=virtio,format=raw,snapshot=on", d.display()).into());
+            a.push(format!("file={},if=virtio,format=raw,snapshot=on,id=disk0", d.display()).into());
         }
         a
     }
