@@ -116,8 +116,11 @@ pub enum Workload {
     /// A QEMU (TCG) virtual machine whose RAM (--size) is the guest memory.
     /// `make vm` builds a test image (target/vm): a kernel and an initramfs
     /// running vmwork, a memory workload that checks every value it reads,
-    /// set on the kernel command line: vmwork_mb=N vmwork_secs=S
-    /// vmwork_write=PCT vmwork_seed=N.
+    /// set on the kernel command line: vmwork_mb=N vmwork_secs=S (0: until
+    /// stopped) vmwork_write=PCT vmwork_span=PCT (share of its pages it
+    /// works on) vmwork_seed=N. `pagefleet run vm` ends when vmwork is done,
+    /// QEMU exits or --duration passes (0: no limit); a wrong value read
+    /// makes it fail.
     Vm {
         /// Guest kernel (bzImage).
         #[arg(long)]
