@@ -429,7 +429,6 @@ fn run_pagefleet(l: &LabRun, o: &Opts, mode: &str, wl: &(String, u32), kernel: &
             }
             h.join().expect("migrate thread")
         })?;
-        let t1 = now();
         let t_end = Instant::now() + Duration::from_secs(o.after_secs);
         let mut errors = 0;
         let mut last = None;
@@ -444,7 +443,6 @@ fn run_pagefleet(l: &LabRun, o: &Opts, mode: &str, wl: &(String, u32), kernel: &
             std::thread::sleep(Duration::from_millis(200));
         }
         let equal = rep.checksum_source.is_some() && rep.checksum_source == rep.checksum_dest;
-        let _ = t1;
         let bytes = rep.bytes_main + rep.bytes_subs.iter().sum::<u64>();
         let (total, down) = (rep.total_secs, rep.downtime_ms);
         let mut row = finish_row(

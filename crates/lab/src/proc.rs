@@ -132,3 +132,58 @@ pub fn temp_dir(tag: &str) -> Result<PathBuf> {
     std::fs::create_dir_all(&d)?;
     Ok(d)
 }
+
+/// A uniquely named scratch directory under the temp dir, removed with its
+/// contents on drop (also when a test fails); `keep` hands its path over
+/// for an owner that removes it itself.
+pub struct TempDir(PathBuf);
+
+impl TempDir {
+    /// `pagefleet-PREFIX-PID-RANDOM`, created now.
+    pub fn new(prefix: &str) -> TempDir {
+        let d = std::env::temp_dir().join(format!(
+            "pagefleet-{prefix}-{}-{}",
+            std::process::id(),
+            pagefleet_proto::auth::random_u64()
+        ));
+        std::fs::create_dir_all(&d)
+            .unwrap_or_else(|e| panic!("cannot create {}: {e}", d.display()));
+        TempDir(d)
+    }
+
+    /// Its path.
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+
+    /// Keep the directory; the caller removes it.
+    pub fn keep(self) -> PathBuf {
+        let me = std::mem::ManuallyDrop::new(self);
+        me.0.clone()
+    }
+}
+
+impl std::ops::Deref for TempDir {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for TempDir {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<std::ffi::OsStr> for TempDir {
+    fn as_ref(&self) -> &std::ffi::OsStr {
+        self.0.as_os_str()
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}

@@ -101,13 +101,54 @@ fn assert_vm_runs(l: &pagefleet_lab::LabRun, name: &str, on: usize) -> pagefleet
     }
 }
 
+/// `guest start NAME --on h1 --size 256MiB -- vm ...` with the test image,
+/// vmwork's `append` and `extra` vm flags; returns once vmwork runs.
+fn start_vm(l: &pagefleet_lab::LabRun, name: &str, append: &str, extra: &[&str]) {
+    let (kernel, initrd) = vm_image();
+    let mut args = vec![
+        "guest", "start", name, "--on", "h1", "--size", "256MiB", "--", "vm", "--kernel",
+        kernel.to_str().unwrap(), "--initrd", initrd.to_str().unwrap(), "--append", append,
+    ];
+    args.extend_from_slice(extra);
+    let (ok, _, err) = l.pf(0, &args);
+    assert!(ok, "guest start: {err}");
+    // Booted, filled, and running its checked reads and writes.
+    let t = Instant::now();
+    while l.guest(name).is_none_or(|(_, g)| g.ops == 0) {
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "the VM never started its workload: {:?}",
+            l.guest(name)
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// SIGKILL every process of host `h` whose command line contains
+/// `pattern`; whether there was one.
+fn kill_in(l: &pagefleet_lab::LabRun, h: usize, pattern: &str) -> bool {
+    let out = std::process::Command::new("ip")
+        .args(["netns", "pids", &l.lab.hosts[h].netns])
+        .output()
+        .unwrap();
+    let mut killed = false;
+    for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
+        let cmd = std::fs::read_to_string(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        if cmd.contains(pattern) {
+            // SAFETY: kill has no memory preconditions.
+            unsafe { libc::kill(pid.parse().unwrap(), libc::SIGKILL) };
+            killed = true;
+        }
+    }
+    killed
+}
+
 #[test]
 fn a_vm_is_split_migrated_and_gathered_back_while_its_workload_checks_every_value() {
     if !is_root() {
         eprintln!("skipped: the testbed needs root (CI runs as root)");
         return;
     }
-    let (kernel, initrd) = vm_image();
     // h1 runs the VM; h2 has memory for half of it; h3 only lends.
     let l = lab(
         "vmmig",
@@ -116,35 +157,13 @@ fn a_vm_is_split_migrated_and_gathered_back_while_its_workload_checks_every_valu
         512 * MIB,
         &[512 * MIB, 128 * MIB, 0],
     );
-    let (ok, _, err) = l.pf(
-        0,
-        &[
-            "guest",
-            "start",
-            "vm1",
-            "--on",
-            "h1",
-            "--size",
-            "256MiB",
-            "--",
-            "vm",
-            "--kernel",
-            kernel.to_str().unwrap(),
-            "--initrd",
-            initrd.to_str().unwrap(),
-            "--append",
-            "vmwork_mb=120 vmwork_secs=0 vmwork_write=20 vmwork_seed=3",
-            "--disk",
-            kernel.with_file_name("disk.img").to_str().unwrap(),
-        ],
+    let disk = vm_image().0.with_file_name("disk.img");
+    start_vm(
+        &l,
+        "vm1",
+        "vmwork_mb=120 vmwork_secs=0 vmwork_write=20 vmwork_seed=3",
+        &["--disk", disk.to_str().unwrap()],
     );
-    assert!(ok, "guest start: {err}");
-    // Booted, filled, and running its checked reads and writes.
-    let t = Instant::now();
-    while l.guest("vm1").is_none_or(|(_, g)| g.ops == 0) {
-        assert!(t.elapsed() < Duration::from_secs(60), "the VM never started its workload: {:?}", l.guest("vm1"));
-        std::thread::sleep(Duration::from_millis(200));
-    }
     assert_vm_runs(&l, "vm1", 0);
     // The operator's QMP socket reaches the VM's disk (what the I/O
     // guarantee's QMP backend throttles).
@@ -233,7 +252,6 @@ fn aborted_vm_migrations_leave_the_vm_running_on_the_source() {
         eprintln!("skipped: the testbed needs root (CI runs as root)");
         return;
     }
-    let (kernel, initrd) = vm_image();
     // 1 Gbit links: round 1 of ~130 MiB takes about a second.
     let l = lab(
         "vmabt",
@@ -242,20 +260,7 @@ fn aborted_vm_migrations_leave_the_vm_running_on_the_source() {
         512 * MIB,
         &[512 * MIB, 128 * MIB, 0],
     );
-    let (ok, _, err) = l.pf(
-        0,
-        &[
-            "guest", "start", "va", "--on", "h1", "--size", "256MiB", "--", "vm", "--kernel",
-            kernel.to_str().unwrap(), "--initrd", initrd.to_str().unwrap(), "--append",
-            "vmwork_mb=120 vmwork_secs=0 vmwork_write=20 vmwork_seed=5",
-        ],
-    );
-    assert!(ok, "guest start: {err}");
-    let t = Instant::now();
-    while l.guest("va").is_none_or(|(_, g)| g.ops == 0) {
-        assert!(t.elapsed() < Duration::from_secs(60), "the VM never started its workload");
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    start_vm(&l, "va", "vmwork_mb=120 vmwork_secs=0 vmwork_write=20 vmwork_seed=5", &[]);
     let src_ctl = l.control(0, "va");
     let phase = || {
         guest_status(&src_ctl)
@@ -274,17 +279,7 @@ fn aborted_vm_migrations_leave_the_vm_running_on_the_source() {
         true
     };
     let kill_dest = || {
-        let out = std::process::Command::new("ip")
-            .args(["netns", "pids", &l.lab.hosts[1].netns])
-            .output()
-            .unwrap();
-        for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
-            let cmd = std::fs::read_to_string(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            if cmd.contains("runner-incoming") {
-                // SAFETY: kill has no memory preconditions.
-                unsafe { libc::kill(pid.parse().unwrap(), libc::SIGKILL) };
-            }
-        }
+        kill_in(&l, 1, "runner-incoming");
     };
     let run_bg = |extra: &[&str]| {
         let mut c = l.lab.exec(0, bin("pagefleet"));
@@ -354,18 +349,7 @@ fn aborted_vm_migrations_leave_the_vm_running_on_the_source() {
     let t = Instant::now();
     let mut killed = false;
     while !killed && t.elapsed() < Duration::from_secs(10) {
-        let out = std::process::Command::new("ip")
-            .args(["netns", "pids", &l.lab.hosts[1].netns])
-            .output()
-            .unwrap();
-        for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
-            let cmd = std::fs::read_to_string(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            if cmd.contains("qemu-system") {
-                // SAFETY: kill has no memory preconditions.
-                unsafe { libc::kill(pid.parse().unwrap(), libc::SIGKILL) };
-                killed = true;
-            }
-        }
+        killed = kill_in(&l, 1, "qemu-system");
         std::thread::sleep(Duration::from_millis(5));
     }
     assert!(killed, "the destination's QEMU never started");

@@ -15,58 +15,16 @@ pub struct Daemon {
     pub dir: PathBuf,
 }
 
-/// A scratch directory under the temp dir, removed with its contents on drop
-/// (also when the test fails).
-pub struct TempDir(PathBuf);
+pub use pagefleet_lab::proc::TempDir;
 
-impl TempDir {
-    pub fn path(&self) -> &std::path::Path {
-        &self.0
-    }
-}
-
-impl std::ops::Deref for TempDir {
-    type Target = std::path::Path;
-    fn deref(&self) -> &std::path::Path {
-        &self.0
-    }
-}
-
-impl AsRef<std::path::Path> for TempDir {
-    fn as_ref(&self) -> &std::path::Path {
-        &self.0
-    }
-}
-
-impl AsRef<std::ffi::OsStr> for TempDir {
-    fn as_ref(&self) -> &std::ffi::OsStr {
-        self.0.as_os_str()
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
+/// A scratch directory for a test, removed on drop.
 pub fn tempdir(tag: &str) -> TempDir {
-    TempDir(make_dir(tag))
-}
-
-fn make_dir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!(
-        "pagefleet-test-{tag}-{}-{}",
-        std::process::id(),
-        pagefleet_proto::auth::random_u64()
-    ));
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    TempDir::new(&format!("test-{tag}"))
 }
 
 impl Daemon {
     pub fn start(lend: &str, extra: &[&str]) -> Daemon {
-        let dir = make_dir("daemon");
+        let dir = tempdir("daemon").keep();
         let secret_path = dir.join("secret");
         std::fs::write(&secret_path, "test-secret-0123456789abcdef\n").unwrap();
         let secret = Secret::load(&secret_path).unwrap();
