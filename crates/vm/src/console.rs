@@ -129,7 +129,10 @@ mod tests {
         let rates: Vec<f64> = w.history.iter().map(|h| h.1).collect();
         assert_eq!(rates, vec![4000.0, 5000.0]);
         assert!(w.history[1].0 >= w.history[0].0 && w.history[0].0 > 1.7e9);
-        assert_eq!(c.tail(2)[1], "vmwork: done ops=9100 errors=0 verified=16384");
+        assert_eq!(
+            c.tail(2)[1],
+            "vmwork: done ops=9100 errors=0 verified=16384"
+        );
     }
 
     #[test]

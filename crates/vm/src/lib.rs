@@ -17,6 +17,7 @@
 
 pub mod console;
 mod plain;
+mod process;
 mod qemu;
 pub mod qmp;
 

@@ -3,13 +3,14 @@
 //! compares against, driven the same way (QMP, console).
 
 use crate::console::Console;
+use crate::process::Process;
 use crate::qemu::qemu_binary;
 use crate::qmp::Qmp;
 use crate::{VmError, VmSpec};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Where and how to start one.
 pub struct PlainLaunch<'a> {
@@ -28,7 +29,7 @@ pub struct PlainLaunch<'a> {
 
 /// A running baseline QEMU.
 pub struct PlainVm {
-    child: Mutex<Child>,
+    child: Process,
     qmp: Mutex<Qmp>,
     /// Its serial console.
     pub console: Arc<Console>,
@@ -57,40 +58,24 @@ impl PlainVm {
         if let Some(uri) = &l.incoming {
             cmd.args(["-incoming", uri]);
         }
-        cmd.stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        let mut child = cmd
-            .spawn()
-            .map_err(|e| VmError::io(format!("cannot start {}", qemu_binary().display()), e))?;
-        // `ip netns exec` execs QEMU: the child's pid is QEMU's.
-        let pid = child.id();
+        let console = Arc::new(Console::default());
+        let child = Process::spawn(cmd, &console, &l.spec.name, false)?;
+        let pid = child.pid;
         if let Some(cg) = &l.cgroup {
             if let Err(e) = std::fs::write(cg.join("cgroup.procs"), pid.to_string()) {
-                let _ = child.kill();
-                let _ = child.wait();
+                child.kill();
                 return Err(VmError::io(format!("moving QEMU into {}", cg.display()), e));
             }
-        }
-        let console = Arc::new(Console::default());
-        if let Some(out) = child.stdout.take() {
-            let c = console.clone();
-            std::thread::spawn(move || c.pump(out, &|_| {}));
-        }
-        if let Some(err) = child.stderr.take() {
-            let c = console.clone();
-            std::thread::spawn(move || c.pump(err, &|l| tracing::warn!(target: "qemu", "{l}")));
         }
         let qmp = match Qmp::connect(&qmp_path, Duration::from_secs(30)) {
             Ok(q) => q,
             Err(e) => {
-                let _ = child.kill();
-                let _ = child.wait();
+                child.kill();
                 return Err(e);
             }
         };
         Ok(PlainVm {
-            child: Mutex::new(child),
+            child,
             qmp: Mutex::new(qmp),
             console,
             pid,
@@ -104,24 +89,14 @@ impl PlainVm {
 
     /// Its exit status, if it has exited.
     pub fn exited(&self) -> Option<std::process::ExitStatus> {
-        self.child
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .try_wait()
-            .ok()
-            .flatten()
+        self.child.exited()
     }
 
     /// `quit`, then a kill after `grace`.
     pub fn shutdown(&self, grace: Duration) {
-        let _ = self.qmp(|q| q.execute::<serde_json::Value>("quit", None));
-        let t0 = Instant::now();
-        while self.exited().is_none() && t0.elapsed() < grace {
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        let mut c = self.child.lock().unwrap_or_else(|e| e.into_inner());
-        let _ = c.kill();
-        let _ = c.wait();
+        self.child.stop(grace, || {
+            let _ = self.qmp(|q| q.execute::<serde_json::Value>("quit", None));
+        });
     }
 }
 

@@ -1,6 +1,7 @@
 //! Starting QEMU on a region's memfd and taking the shim's hand-over.
 
 use crate::console::Console;
+use crate::process::Process;
 use crate::qmp::Qmp;
 use crate::VmError;
 use pagefleet_region::{Foreign, Unmapper};
@@ -9,10 +10,9 @@ use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use tracing::{info, warn};
 
 /// What to boot: typed fields only (no free-form QEMU arguments).
 #[derive(Clone, Debug)]
@@ -50,16 +50,25 @@ impl VmSpec {
         if !(1..=64).contains(&self.smp) {
             return Err(VmError::Invalid(format!("--smp {}: 1 to 64", self.smp)));
         }
-        for (what, p) in [("kernel", Some(&self.kernel)), ("initrd", Some(&self.initrd)), ("disk", self.disk.as_ref())] {
+        for (what, p) in [
+            ("kernel", Some(&self.kernel)),
+            ("initrd", Some(&self.initrd)),
+            ("disk", self.disk.as_ref()),
+        ] {
             if let Some(p) = p {
                 if !p.is_file() {
-                    return Err(VmError::Invalid(format!("{what} {} is not a file", p.display())));
+                    return Err(VmError::Invalid(format!(
+                        "{what} {} is not a file",
+                        p.display()
+                    )));
                 }
             }
         }
         // The append line is one argument to QEMU; keep it printable.
         if self.append.chars().any(|c| c.is_control()) || self.append.len() > 2048 {
-            return Err(VmError::Invalid("--append: printable text up to 2048 bytes".into()));
+            return Err(VmError::Invalid(
+                "--append: printable text up to 2048 bytes".into(),
+            ));
         }
         Ok(())
     }
@@ -75,7 +84,13 @@ impl VmSpec {
         let mut push = |s: &str| a.push(s.into());
         push("-name");
         push(&format!("pagefleet-{}", self.name));
-        for s in ["-machine", "pc,memory-backend=pf-ram", "-accel", "tcg", "-smp"] {
+        for s in [
+            "-machine",
+            "pc,memory-backend=pf-ram",
+            "-accel",
+            "tcg",
+            "-smp",
+        ] {
             push(s);
         }
         push(&self.smp.to_string());
@@ -83,7 +98,16 @@ impl VmSpec {
         push(&format!("{mib}M"));
         push("-object");
         push(ram);
-        for s in ["-nodefaults", "-no-user-config", "-display", "none", "-no-reboot", "-serial", "stdio", "-qmp"] {
+        for s in [
+            "-nodefaults",
+            "-no-user-config",
+            "-display",
+            "none",
+            "-no-reboot",
+            "-serial",
+            "stdio",
+            "-qmp",
+        ] {
             push(s);
         }
         push(&format!("unix:{},server=on,wait=off", qmp.display()));
@@ -99,7 +123,13 @@ impl VmSpec {
         a.push(self.initrd.clone().into());
         if let Some(d) = &self.disk {
             a.push("-drive".into());
-            a.push(format!("file={},if=virtio,format=raw,snapshot=on,id=disk0", d.display()).into());
+            a.push(
+                format!(
+                    "file={},if=virtio,format=raw,snapshot=on,id=disk0",
+                    d.display()
+                )
+                .into(),
+            );
         }
         a
     }
@@ -152,7 +182,7 @@ impl Unmapper for Agent {
 
 /// A running QEMU whose RAM a region pages.
 pub struct Vm {
-    child: Mutex<Child>,
+    child: Process,
     /// Its QMP session (after [`Vm::release`]).
     qmp: Mutex<Option<Qmp>>,
     qmp_path: PathBuf,
@@ -161,7 +191,6 @@ pub struct Vm {
     agent: Arc<Agent>,
     /// QEMU's pid.
     pub pid: u32,
-    name: String,
 }
 
 impl Vm {
@@ -183,8 +212,8 @@ impl Vm {
         let qmp_path = dir.join("qmp.sock");
         let _ = std::fs::remove_file(&sock_path);
         let _ = std::fs::remove_file(&qmp_path);
-        let listener =
-            UnixListener::bind(&sock_path).map_err(|e| VmError::io(sock_path.display().to_string(), e))?;
+        let listener = UnixListener::bind(&sock_path)
+            .map_err(|e| VmError::io(sock_path.display().to_string(), e))?;
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&sock_path, std::fs::Permissions::from_mode(0o600))
             .map_err(|e| VmError::io("shim socket permissions", e))?;
@@ -209,35 +238,25 @@ impl Vm {
         }
         cmd.env("LD_PRELOAD", &shim)
             .env("PAGEFLEET_VM_RAM", format!("{}:{}", st.st_dev, st.st_ino))
-            .env("PAGEFLEET_VM_SOCKET", &sock_path)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        let mut child = cmd
-            .spawn()
-            .map_err(|e| VmError::io(format!("cannot start {}", qemu_binary().display()), e))?;
-        let pid = child.id();
+            .env("PAGEFLEET_VM_SOCKET", &sock_path);
         let console = Arc::new(Console::default());
-        let name = spec.name.clone();
-        if let Some(out) = child.stdout.take() {
-            let (c, n) = (console.clone(), name.clone());
-            std::thread::spawn(move || c.pump(out, &|l| info!(target: "vm-console", "{n}: {l}")));
-        }
-        if let Some(err) = child.stderr.take() {
-            let (c, n) = (console.clone(), name.clone());
-            std::thread::spawn(move || {
-                c.pump(err, &|l| warn!(target: "qemu", "{n}: {l}"));
-            });
-        }
-        let stream = match accept_shim(&listener, &mut child) {
+        let child = Process::spawn(cmd, &console, &spec.name, true)?;
+        let pid = child.pid;
+        let stream = match accept_shim(&listener, &child) {
             Ok(s) => s,
             Err(e) => {
-                let _ = child.kill();
-                let _ = child.wait();
+                child.kill();
                 // Give the console threads a moment to take QEMU's last words.
                 std::thread::sleep(Duration::from_millis(50));
                 let tail = console.tail(5).join(" | ");
-                return Err(VmError::Qemu(format!("{e}{}", if tail.is_empty() { String::new() } else { format!(" (QEMU said: {tail})") })));
+                return Err(VmError::Qemu(format!(
+                    "{e}{}",
+                    if tail.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" (QEMU said: {tail})")
+                    }
+                )));
             }
         };
         let _ = std::fs::remove_file(&sock_path);
@@ -245,16 +264,19 @@ impl Vm {
         let got = handoff::recv_fd(stream.as_raw_fd(), &mut buf)
             .map_err(|e| VmError::io("receiving the shim's userfaultfd", e))?;
         let Some((n, uffd)) = got else {
-            let _ = child.kill();
-            let _ = child.wait();
-            return Err(VmError::Qemu("the shim closed its socket before handing over".into()));
+            child.kill();
+            return Err(VmError::Qemu(
+                "the shim closed its socket before handing over".into(),
+            ));
         };
         let hello = match Hello::decode(&buf[..n]) {
             Some(h) if n == HELLO_LEN && h.len == spec.size && h.pid == pid as u64 => h,
             h => {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(VmError::Qemu(format!("unexpected hand-over {h:?} (pid {pid}, {} bytes)", spec.size)));
+                child.kill();
+                return Err(VmError::Qemu(format!(
+                    "unexpected hand-over {h:?} (pid {pid}, {} bytes)",
+                    spec.size
+                )));
             }
         };
         let agent = Arc::new(Agent(Mutex::new(stream)));
@@ -268,13 +290,12 @@ impl Vm {
         );
         Ok((
             Vm {
-                child: Mutex::new(child),
+                child,
                 qmp: Mutex::new(None),
                 qmp_path,
                 console,
                 agent,
                 pid,
-                name,
             },
             foreign,
         ))
@@ -307,27 +328,14 @@ impl Vm {
 
     /// QEMU's exit status, if it has exited.
     pub fn exited(&self) -> Option<std::process::ExitStatus> {
-        self.child
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .try_wait()
-            .ok()
-            .flatten()
+        self.child.exited()
     }
 
     /// Stop QEMU: `quit` over QMP, then a kill after `grace`.
     pub fn shutdown(&self, grace: Duration) {
-        let _ = self.qmp(|q| q.execute::<serde_json::Value>("quit", None));
-        let t0 = Instant::now();
-        while self.exited().is_none() && t0.elapsed() < grace {
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        let mut c = self.child.lock().unwrap_or_else(|e| e.into_inner());
-        if c.try_wait().ok().flatten().is_none() {
-            warn!("{}: QEMU did not quit; killing it", self.name);
-            let _ = c.kill();
-        }
-        let _ = c.wait();
+        self.child.stop(grace, || {
+            let _ = self.qmp(|q| q.execute::<serde_json::Value>("quit", None));
+        });
     }
 }
 
@@ -338,7 +346,8 @@ impl Vm {
     pub fn save_state(&self, dir: &Path) -> Result<Vec<u8>, VmError> {
         let path = dir.join("state-out.sock");
         let _ = std::fs::remove_file(&path);
-        let l = UnixListener::bind(&path).map_err(|e| VmError::io(path.display().to_string(), e))?;
+        let l =
+            UnixListener::bind(&path).map_err(|e| VmError::io(path.display().to_string(), e))?;
         self.qmp(|q| {
             q.set_capabilities(&[("x-ignore-shared", true)])?;
             q.execute::<serde_json::Value>(
@@ -366,7 +375,9 @@ impl Vm {
                 }
                 _ if t0.elapsed() > Duration::from_secs(60) => {
                     let _ = self.qmp(|q| q.execute::<serde_json::Value>("migrate_cancel", None));
-                    return Err(VmError::Qemu("saving the device state took over 60 s".into()));
+                    return Err(VmError::Qemu(
+                        "saving the device state took over 60 s".into(),
+                    ));
                 }
                 _ => std::thread::sleep(Duration::from_millis(1)),
             }
@@ -415,7 +426,9 @@ impl Vm {
                 break;
             }
             if t0.elapsed() > Duration::from_secs(60) {
-                return Err(VmError::Qemu("loading the device state took over 60 s".into()));
+                return Err(VmError::Qemu(
+                    "loading the device state took over 60 s".into(),
+                ));
             }
             std::thread::sleep(Duration::from_millis(1));
         }
@@ -443,7 +456,7 @@ impl Unmapper for AgentRef {
 
 /// Wait for the shim's connection while QEMU starts (it exits on a bad
 /// command line or a missing file: reported instead of a timeout).
-fn accept_shim(l: &UnixListener, child: &mut Child) -> Result<UnixStream, VmError> {
+fn accept_shim(l: &UnixListener, child: &Process) -> Result<UnixStream, VmError> {
     l.set_nonblocking(true)
         .map_err(|e| VmError::io("shim socket", e))?;
     let t0 = Instant::now();
@@ -457,11 +470,15 @@ fn accept_shim(l: &UnixListener, child: &mut Child) -> Result<UnixStream, VmErro
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
             Err(e) => return Err(VmError::io("accepting the shim", e)),
         }
-        if let Ok(Some(st)) = child.try_wait() {
-            return Err(VmError::Qemu(format!("exited ({st}) before mapping its RAM")));
+        if let Some(st) = child.exited() {
+            return Err(VmError::Qemu(format!(
+                "exited ({st}) before mapping its RAM"
+            )));
         }
         if t0.elapsed() > Duration::from_secs(30) {
-            return Err(VmError::Qemu("did not map its RAM within 30 s (is the shim loaded?)".into()));
+            return Err(VmError::Qemu(
+                "did not map its RAM within 30 s (is the shim loaded?)".into(),
+            ));
         }
         std::thread::sleep(Duration::from_millis(5));
     }

@@ -1,0 +1,83 @@
+//! A QEMU child process: spawned with its serial console and stderr fed
+//! into a [`Console`], polled, stopped (`quit`, then a kill).
+
+use crate::console::Console;
+use crate::qemu::qemu_binary;
+use crate::VmError;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tracing::{info, warn};
+
+pub(crate) struct Process {
+    child: Mutex<Child>,
+    /// Its pid (QEMU's, also behind `ip netns exec`, which execs it).
+    pub(crate) pid: u32,
+    name: String,
+}
+
+impl Process {
+    /// Spawn `cmd` with stdin closed; its stdout (the serial console) and
+    /// stderr go to `console`, stdout lines also to the log when `log`.
+    pub(crate) fn spawn(
+        mut cmd: Command,
+        console: &Arc<Console>,
+        name: &str,
+        log: bool,
+    ) -> Result<Process, VmError> {
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| VmError::io(format!("cannot start {}", qemu_binary().display()), e))?;
+        if let Some(out) = child.stdout.take() {
+            let (c, n) = (console.clone(), name.to_string());
+            std::thread::spawn(move || {
+                c.pump(out, &|l| {
+                    if log {
+                        info!(target: "vm-console", "{n}: {l}")
+                    }
+                })
+            });
+        }
+        if let Some(err) = child.stderr.take() {
+            let (c, n) = (console.clone(), name.to_string());
+            std::thread::spawn(move || c.pump(err, &|l| warn!(target: "qemu", "{n}: {l}")));
+        }
+        Ok(Process {
+            pid: child.id(),
+            child: Mutex::new(child),
+            name: name.to_string(),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Child> {
+        self.child.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Its exit status, if it has exited.
+    pub(crate) fn exited(&self) -> Option<ExitStatus> {
+        self.lock().try_wait().ok().flatten()
+    }
+
+    /// Kill it now and reap it.
+    pub(crate) fn kill(&self) {
+        let mut c = self.lock();
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+
+    /// Ask it to end with `quit` (QMP), kill it after `grace`.
+    pub(crate) fn stop(&self, grace: Duration, quit: impl FnOnce()) {
+        quit();
+        let t0 = Instant::now();
+        while self.exited().is_none() && t0.elapsed() < grace {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        if self.exited().is_none() {
+            warn!("{}: QEMU did not quit; killing it", self.name);
+        }
+        self.kill();
+    }
+}
