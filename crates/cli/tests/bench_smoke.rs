@@ -181,21 +181,7 @@ fn bench_migration_quick_json_has_rows_and_goals() {
     }
     let goals = v["goals"].as_array().unwrap();
     assert!(goals.len() >= 10, "{goals:?}");
-    for g in goals {
-        let (val, tgt) = (
-            g["value"].as_f64().unwrap_or(f64::NAN),
-            g["target"].as_f64().unwrap(),
-        );
-        assert_eq!(
-            g["met"].as_bool().unwrap(),
-            if g["cmp"] == ">=" {
-                val >= tgt
-            } else {
-                val <= tgt
-            },
-            "goal verdict inconsistent: {g}"
-        );
-    }
+    assert_verdicts(goals);
     let _ = std::fs::remove_dir_all(&out_dir);
 }
 
@@ -236,17 +222,7 @@ fn bench_vm_migration_quick_json_has_rows_and_goals() {
     }
     let goals = v["goals"].as_array().unwrap();
     assert!(goals.len() >= 6, "{goals:?}");
-    for g in goals {
-        let (val, tgt) = (
-            g["value"].as_f64().unwrap_or(f64::NAN),
-            g["target"].as_f64().unwrap(),
-        );
-        assert_eq!(
-            g["met"].as_bool().unwrap(),
-            if g["cmp"] == ">=" { val >= tgt } else { val <= tgt },
-            "goal verdict inconsistent: {g}"
-        );
-    }
+    assert_verdicts(goals);
     let _ = std::fs::remove_dir_all(&out_dir);
 }
 
@@ -287,21 +263,7 @@ fn bench_blockdev_quick_json_has_rows_and_goals() {
     }
     let goals = v["goals"].as_array().unwrap();
     assert_eq!(goals.len(), 9);
-    for g in goals {
-        let (val, tgt) = (
-            g["value"].as_f64().unwrap_or(f64::NAN),
-            g["target"].as_f64().unwrap(),
-        );
-        assert_eq!(
-            g["met"].as_bool().unwrap(),
-            if g["cmp"] == ">=" {
-                val >= tgt
-            } else {
-                val <= tgt
-            },
-            "goal verdict inconsistent: {g}"
-        );
-    }
+    assert_verdicts(goals);
     let _ = std::fs::remove_dir_all(&out_dir);
 }
 
@@ -355,5 +317,18 @@ fn each_bench_help_lists_only_its_own_flags() {
                 "bench {bench} --help lists {f}, not its flag:\n{help}"
             );
         }
+    }
+}
+
+/// Every goal's `met` agrees with its value, target and comparison (a goal
+/// whose value could not be measured is not met).
+fn assert_verdicts(goals: &[serde_json::Value]) {
+    for g in goals {
+        let (val, tgt) = (
+            g["value"].as_f64().unwrap_or(f64::NAN),
+            g["target"].as_f64().unwrap(),
+        );
+        let want = if g["cmp"] == ">=" { val >= tgt } else { val <= tgt };
+        assert_eq!(g["met"].as_bool().unwrap(), want, "goal verdict inconsistent: {g}");
     }
 }
