@@ -65,9 +65,15 @@ pub enum Workload {
         /// Kernel command line (after `console=ttyS0`).
         #[serde(default)]
         append: String,
-        /// A raw disk image (virtio-blk; writes go to a throw-away overlay).
+        /// A raw disk image (virtio-blk). Writable by default: the guest's
+        /// writes land in the image, and a migration hands it over as
+        /// QEMU's shared-storage migration does (the destination must
+        /// see the same file).
         #[serde(default)]
         disk: Option<String>,
+        /// Attach the disk read-only (several VMs may share one image).
+        #[serde(default)]
+        disk_readonly: bool,
         /// Virtual CPUs.
         #[serde(default = "default_smp")]
         smp: u32,
@@ -134,10 +140,16 @@ impl Workload {
                 append,
                 disk,
                 smp,
+                ..
             } => {
-                for (what, p) in [("kernel", Some(kernel)), ("initrd", Some(initrd)), ("disk", disk.as_ref())] {
+                for (what, p) in [
+                    ("kernel", Some(kernel)),
+                    ("initrd", Some(initrd)),
+                    ("disk", disk.as_ref()),
+                ] {
                     if let Some(p) = p {
-                        if !p.starts_with('/') || p.len() > 4096 || p.split('/').any(|c| c == "..") {
+                        if !p.starts_with('/') || p.len() > 4096 || p.split('/').any(|c| c == "..")
+                        {
                             return Err(InvalidSpec(format!(
                                 "{what} {p:?}: an absolute path without '..'"
                             )));

@@ -167,7 +167,12 @@ impl Samples {
     fn timeline(&self, t0: f64) -> Vec<(f64, f64)> {
         self.0
             .windows(2)
-            .map(|w| ((w[0].0 + w[1].0) / 2.0 - t0, (w[1].1 - w[0].1) as f64 / (w[1].0 - w[0].0)))
+            .map(|w| {
+                (
+                    (w[0].0 + w[1].0) / 2.0 - t0,
+                    (w[1].1 - w[0].1) as f64 / (w[1].0 - w[0].0),
+                )
+            })
             .collect()
     }
 }
@@ -176,7 +181,10 @@ fn image(bins: &Path) -> Result<(PathBuf, PathBuf)> {
     let dir = bins.parent().map(|p| p.join("vm")).unwrap_or_default();
     let (k, i) = (dir.join("vmlinuz"), dir.join("initrd.gz"));
     if !k.is_file() || !i.is_file() {
-        bail!("the VM image is missing in {}: run `make vm`", dir.display());
+        bail!(
+            "the VM image is missing in {}: run `make vm`",
+            dir.display()
+        );
     }
     Ok((k, i))
 }
@@ -212,6 +220,7 @@ fn run_qemu(
         initrd: initrd.into(),
         append: append(o, wl.1),
         disk: None,
+        disk_readonly: false,
         smp: 1,
         size: o.size,
         name: format!("{mode}-src"),
@@ -239,7 +248,10 @@ fn run_qemu(
         std::thread::sleep(Duration::from_millis(100));
     }
     let swap = if mode == "qemu-swap" {
-        Some((SsdSwap::new(o.size + 128 * MIB)?, MemCgroup::new(o.size / 2 + 128 * MIB)?))
+        Some((
+            SsdSwap::new(o.size + 128 * MIB)?,
+            MemCgroup::new(o.size / 2 + 128 * MIB)?,
+        ))
     } else {
         None
     };
@@ -283,7 +295,9 @@ fn run_qemu(
                 info.status.unwrap_or_default(),
                 info.error_desc.unwrap_or_default()
             ),
-            Some("active") if post && !postcopy_asked && started.elapsed() > Duration::from_millis(200) => {
+            Some("active")
+                if post && !postcopy_asked && started.elapsed() > Duration::from_millis(200) =>
+            {
                 src.qmp(|q| q.execute::<serde_json::Value>("migrate-start-postcopy", None))?;
                 postcopy_asked = true;
             }
@@ -388,15 +402,34 @@ fn finish_row(
 }
 
 /// (d), (e): pagefleet migrating a VM guest.
-fn run_pagefleet(l: &LabRun, o: &Opts, mode: &str, wl: &(String, u32), kernel: &Path, initrd: &Path) -> Result<Row> {
+fn run_pagefleet(
+    l: &LabRun,
+    o: &Opts,
+    mode: &str,
+    wl: &(String, u32),
+    kernel: &Path,
+    initrd: &Path,
+) -> Result<Row> {
     let name = format!("vm{}", wl.1);
     let size = format!("{}MiB", o.size >> 20);
     pf_ok(
         l,
         &[
-            "guest", "start", &name, "--on", "h1", "--size", &size, "--", "vm", "--kernel",
-            kernel.to_str().context("kernel path")?, "--initrd", initrd.to_str().context("initrd path")?,
-            "--append", &append(o, wl.1),
+            "guest",
+            "start",
+            &name,
+            "--on",
+            "h1",
+            "--size",
+            &size,
+            "--",
+            "vm",
+            "--kernel",
+            kernel.to_str().context("kernel path")?,
+            "--initrd",
+            initrd.to_str().context("initrd path")?,
+            "--append",
+            &append(o, wl.1),
         ],
     )?;
     let result = (|| -> Result<Row> {
@@ -417,7 +450,9 @@ fn run_pagefleet(l: &LabRun, o: &Opts, mode: &str, wl: &(String, u32), kernel: &
             std::thread::sleep(Duration::from_millis(200));
         }
         let args: Vec<&str> = match mode {
-            "pagefleet-split" => vec!["migrate", &name, "--json", "--verify", "--to", "h2", "--sub", "h3"],
+            "pagefleet-split" => vec![
+                "migrate", &name, "--json", "--verify", "--to", "h2", "--sub", "h3",
+            ],
             _ => vec!["migrate", &name, "--json", "--verify", "--to", "h4"],
         };
         let t0 = now();
@@ -478,7 +513,14 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
         .to_path_buf();
     let (kernel, initrd) = image(&bins)?;
     let g = 2 * o.size + 128 * MIB;
-    let l = LabRun::up("bvm", &bins, 4, o.link, o.size + 64 * MIB, &[g, o.size / 2, 0, g])?;
+    let l = LabRun::up(
+        "bvm",
+        &bins,
+        4,
+        o.link,
+        o.size + 64 * MIB,
+        &[g, o.size / 2, 0, g],
+    )?;
     let dir = util::temp_dir("bench-vm")?;
     let mut rows = Vec::new();
     let mut port = 4700u16;
@@ -513,7 +555,11 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
         {
             log(&format!(
                 "{mode}{}, {} VM of {} MiB ({} MiB of vmwork)",
-                if k > 1 { format!(" ({k})") } else { String::new() },
+                if k > 1 {
+                    format!(" ({k})")
+                } else {
+                    String::new()
+                },
                 wl.0,
                 o.size >> 20,
                 o.work_mb
@@ -524,27 +570,30 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
             } else {
                 run_pagefleet(&l, o, mode, wl, &kernel, &initrd)
             };
-            rows.push(r.map(|mut r| {
-                r.pair = k;
-                r
-            }).unwrap_or_else(|e| Row {
-                pair: k,
-                mode: mode.to_string(),
-                workload: wl.0.clone(),
-                total_secs: f64::NAN,
-                downtime_ms: f64::NAN,
-                bytes_sent: 0,
-                ops_before: f64::NAN,
-                ops_during: f64::NAN,
-                ops_after: f64::NAN,
-                errors: 0,
-                checksums_equal: None,
-                timeline: vec![],
-                error_lines: vec![],
-                report: None,
-                status_after: None,
-                error: Some(format!("{e:#}")),
-            }));
+            rows.push(
+                r.map(|mut r| {
+                    r.pair = k;
+                    r
+                })
+                .unwrap_or_else(|e| Row {
+                    pair: k,
+                    mode: mode.to_string(),
+                    workload: wl.0.clone(),
+                    total_secs: f64::NAN,
+                    downtime_ms: f64::NAN,
+                    bytes_sent: 0,
+                    ops_before: f64::NAN,
+                    ops_during: f64::NAN,
+                    ops_after: f64::NAN,
+                    errors: 0,
+                    checksums_equal: None,
+                    timeline: vec![],
+                    error_lines: vec![],
+                    report: None,
+                    status_after: None,
+                    error: Some(format!("{e:#}")),
+                }),
+            );
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
@@ -595,13 +644,17 @@ fn goals(rows: &[Row]) -> Vec<Goal> {
     // (a, d) of each pair.
     let pairs: Vec<(&Row, &Row)> = (1..=rows.iter().map(|r| r.pair).max().unwrap_or(1))
         .filter_map(|k| {
-            let at = |m: &str| rows.iter().find(|r| r.mode == m && r.workload == wl && r.pair == k);
+            let at = |m: &str| {
+                rows.iter()
+                    .find(|r| r.mode == m && r.workload == wl && r.pair == k)
+            };
             Some((at("qemu-precopy")?, at("pagefleet-split")?))
         })
         .collect();
     if !pairs.is_empty() {
         let n = pairs.len();
-        let of = |f: &dyn Fn(&Row, &Row) -> f64| median(pairs.iter().map(|(a, d)| f(a, d)).collect());
+        let of =
+            |f: &dyn Fn(&Row, &Row) -> f64| median(pairs.iter().map(|(a, d)| f(a, d)).collect());
         g.push(Goal::at_most(
             &format!("{wl}: (d) split migration time / (a) QEMU pre-copy (median of {n} pairs)"),
             of(&|a, d| d.total_secs / a.total_secs),
@@ -615,7 +668,9 @@ fn goals(rows: &[Row]) -> Vec<Goal> {
             "ms",
         ));
         g.push(Goal::at_least(
-            &format!("{wl}: (d) split ops/s after / (a) QEMU pre-copy ops/s after (median of {n} pairs)"),
+            &format!(
+                "{wl}: (d) split ops/s after / (a) QEMU pre-copy ops/s after (median of {n} pairs)"
+            ),
             of(&|a, d| d.ops_after / a.ops_after),
             0.8,
             "ratio",
@@ -630,7 +685,7 @@ fn goals(rows: &[Row]) -> Vec<Goal> {
         ));
     }
     // Every run, by who moved the memory: QEMU's own pre-copy under TCG
-    // loses guest writes on this machine (see docs/vm.md), which is a
+    // loses guest writes on this machine (see docs/vms.md), which is a
     // finding about the baseline, reported beside pagefleet's own count.
     let bad = |pf: bool| -> u64 {
         rows.iter()
@@ -669,7 +724,16 @@ fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<()> 
     writeln!(
         out,
         "  {:<22} {:<9} {:>8} {:>10} {:>10} {:>10} {:>10} {:>10} {:>6} {:>7}",
-        "mode", "workload", "time s", "downtime", "MiB sent", "ops/s bef", "ops/s dur", "ops/s aft", "errors", "verify"
+        "mode",
+        "workload",
+        "time s",
+        "downtime",
+        "MiB sent",
+        "ops/s bef",
+        "ops/s dur",
+        "ops/s aft",
+        "errors",
+        "verify"
     )?;
     for x in &r.rows {
         let mode = if x.pair > 1 {
@@ -707,7 +771,11 @@ fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<()> 
          memory + a sub-host, QEMU moving only device state; (e) pagefleet to a host with enough memory.\n   \
          downtime: QEMU's figure for (a)-(c), pause to resume for (d)-(e); ops/s after: mean of the last 3 s."
     )?;
-    let qemu: Vec<&Row> = r.rows.iter().filter(|x| x.mode.starts_with("qemu") && x.error.is_none()).collect();
+    let qemu: Vec<&Row> = r
+        .rows
+        .iter()
+        .filter(|x| x.mode.starts_with("qemu") && x.error.is_none())
+        .collect();
     let corrupted = qemu.iter().filter(|x| x.errors > 0).count();
     if corrupted > 0 {
         writeln!(

@@ -189,9 +189,13 @@ fn find_guest(hs: &[ClusterHost], name: &str) -> Result<(usize, GuestStatus)> {
 #[derive(Subcommand)]
 pub enum GuestCmd {
     /// Start a guest on a host: the workload and its flags as for `pagefleet
-    /// run` (synthetic, kv or sortjob), e.g.
+    /// run` (synthetic, kv, sortjob or vm), e.g.
     ///
     ///   pagefleet guest start db --on h1 --size 1GiB -- kv --listen 10.200.77.201:11211
+    ///
+    ///   pagefleet guest start web1 --on h1 --size 2GiB --budget 1GiB -- vm --kernel /srv/images/vmlinuz --initrd /srv/images/initrd.img --disk /srv/images/web1.img
+    ///
+    /// (VM files must lie under the host's `pagefleetd --vm-images` directories.)
     Start {
         /// The guest's name (1-32 letters, digits, - or _).
         name: String,
@@ -206,7 +210,7 @@ pub enum GuestCmd {
         budget: Option<u64>,
         #[command(flatten)]
         reg: Registry,
-        /// The workload and its `pagefleet run` flags (synthetic, kv or sortjob).
+        /// The workload and its `pagefleet run` flags (synthetic, kv, sortjob or vm).
         #[arg(trailing_var_arg = true, required = true)]
         args: Vec<String>,
     },

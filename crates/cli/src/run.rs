@@ -131,9 +131,14 @@ pub enum Workload {
         /// Kernel command line, after console=ttyS0.
         #[arg(long, default_value = "")]
         append: String,
-        /// A raw disk image (virtio-blk, writes kept in a throw-away overlay).
+        /// A raw disk image (virtio-blk). The guest's writes land in it; a
+        /// migration hands it to the destination's QEMU, which must see the
+        /// same file (shared storage, as for QEMU's own migration).
         #[arg(long)]
         disk: Option<std::path::PathBuf>,
+        /// Attach --disk read-only (several VMs may then share one image).
+        #[arg(long, requires = "disk")]
+        disk_readonly: bool,
         /// Virtual CPUs.
         #[arg(long, default_value_t = 1)]
         smp: u32,
@@ -211,12 +216,14 @@ pub fn guest_spec(a: &RunArgs) -> Result<GuestSpec> {
             initrd,
             append,
             disk,
+            disk_readonly,
             smp,
         }) => api::Workload::Vm {
             kernel: absolute(kernel)?,
             initrd: absolute(initrd)?,
             append: append.clone(),
             disk: disk.as_deref().map(absolute).transpose()?,
+            disk_readonly: *disk_readonly,
             smp: *smp,
         },
         Some(Workload::Sort { .. }) => {
@@ -288,12 +295,14 @@ pub fn run(a: RunArgs, secret_file: Option<&Path>) -> Result<()> {
             initrd,
             append,
             disk,
+            disk_readonly,
             smp,
         } => local::Workload::Vm(pagefleet_vm::VmSpec {
             kernel,
             initrd,
             append,
             disk,
+            disk_readonly,
             smp,
             size: a.size,
             name: "run".into(),

@@ -196,10 +196,8 @@ fn bench_vm_migration_quick_json_has_rows_and_goals() {
         eprintln!("skipped: the testbed needs root (CI runs as root)");
         return;
     }
-    let out_dir = std::env::temp_dir().join(format!(
-        "pagefleet-bench-vm-smoke-{}",
-        std::process::id()
-    ));
+    let out_dir =
+        std::env::temp_dir().join(format!("pagefleet-bench-vm-smoke-{}", std::process::id()));
     let out = Command::new(env!("CARGO_BIN_EXE_pagefleet"))
         .args(["bench", "vm-migration", "--quick", "--json", "--out"])
         .arg(&out_dir)
@@ -289,7 +287,10 @@ fn each_bench_help_lists_only_its_own_flags() {
             ],
         ),
         ("ioqos", &["--secs", "--only", "--dataset"]),
-        ("vm-migration", &["--size", "--only", "--workloads", "--span"]),
+        (
+            "vm-migration",
+            &["--size", "--only", "--workloads", "--span"],
+        ),
     ];
     let common = ["--json", "--quick", "--out", "--secret-file", "--help"];
     for (bench, flags) in own {
@@ -328,7 +329,15 @@ fn assert_verdicts(goals: &[serde_json::Value]) {
             g["value"].as_f64().unwrap_or(f64::NAN),
             g["target"].as_f64().unwrap(),
         );
-        let want = if g["cmp"] == ">=" { val >= tgt } else { val <= tgt };
-        assert_eq!(g["met"].as_bool().unwrap(), want, "goal verdict inconsistent: {g}");
+        let want = if g["cmp"] == ">=" {
+            val >= tgt
+        } else {
+            val <= tgt
+        };
+        assert_eq!(
+            g["met"].as_bool().unwrap(),
+            want,
+            "goal verdict inconsistent: {g}"
+        );
     }
 }

@@ -341,7 +341,11 @@ pub fn merge(file: FileConfig, flags: Flags) -> Result<Settings> {
             "max_conns must be at least 1".to_string(),
         ));
     }
-    let vm_images = flags.vm_images.clone().or(g.vm_images.clone()).unwrap_or_default();
+    let vm_images = flags
+        .vm_images
+        .clone()
+        .or(g.vm_images.clone())
+        .unwrap_or_default();
     Ok(Settings {
         lend,
         listen: flags

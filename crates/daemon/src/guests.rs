@@ -536,9 +536,12 @@ fn check_vm_files(w: &pagefleet_api::Workload, allowed: &[PathBuf]) -> Result<()
         .iter()
         .filter_map(|d| std::fs::canonicalize(d).ok())
         .collect();
-    for f in [Some(kernel), Some(initrd), disk.as_ref()].into_iter().flatten() {
-        let real = std::fs::canonicalize(f)
-            .map_err(|e| Refusal::new(400, format!("VM file {f}: {e}")))?;
+    for f in [Some(kernel), Some(initrd), disk.as_ref()]
+        .into_iter()
+        .flatten()
+    {
+        let real =
+            std::fs::canonicalize(f).map_err(|e| Refusal::new(400, format!("VM file {f}: {e}")))?;
         if !real.is_file() || !roots.iter().any(|r| real.starts_with(r)) {
             return Err(Refusal::new(
                 403,

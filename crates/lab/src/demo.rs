@@ -195,7 +195,14 @@ fn run_vm(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
         crate::fmt_bytes(o.size + (64 << 20)),
         crate::fmt_bytes(half)
     ));
-    let l = LabRun::up("dvm", &bins, 4, Link::Gbit10, o.size, &[o.size + (64 << 20), half, 0, 0])?;
+    let l = LabRun::up(
+        "dvm",
+        &bins,
+        4,
+        Link::Gbit10,
+        o.size,
+        &[o.size + (64 << 20), half, 0, 0],
+    )?;
     let size = o.size.to_string();
     let append = format!(
         "vmwork_mb={} vmwork_span=50 vmwork_secs=0 vmwork_write=10 vmwork_seed=1",
@@ -207,7 +214,10 @@ fn run_vm(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
     );
     run_pf(
         &l,
-        &["guest", "start", "vm", "--on", "h1", "--size", &size, "--", "vm", "--kernel", &k, "--initrd", &i, "--append", &append],
+        &[
+            "guest", "start", "vm", "--on", "h1", "--size", &size, "--", "vm", "--kernel", &k,
+            "--initrd", &i, "--append", &append,
+        ],
         log,
     )?;
     log("the VM boots (QEMU, TCG) and vmwork fills 60% of its memory, then reads and writes zipf-picked pages of its first half (the working set), checking every value");
@@ -215,7 +225,12 @@ fn run_vm(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
     let stop = std::sync::atomic::AtomicBool::new(false);
     let t_start = std::time::Instant::now();
     let ops = || l.guest("vm").map(|g| g.1.ops).unwrap_or(0);
-    let errors = || l.guest("vm").and_then(|g| g.1.vm).map(|v| v.errors).unwrap_or(0);
+    let errors = || {
+        l.guest("vm")
+            .and_then(|g| g.1.vm)
+            .map(|v| v.errors)
+            .unwrap_or(0)
+    };
     let w0 = std::time::Instant::now();
     while ops() == 0 {
         if w0.elapsed() > Duration::from_secs(180) {
@@ -238,7 +253,9 @@ fn run_vm(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
             while !stop.load(Relaxed) {
                 if let Some(vm) = l.guest("vm").and_then(|g| g.1.vm) {
                     let t = vm.report_unix_secs - unix0;
-                    if v.last().is_none_or(|p: &(f64, u64)| t > p.0 && vm.ops >= p.1) {
+                    if v.last()
+                        .is_none_or(|p: &(f64, u64)| t > p.0 && vm.ops >= p.1)
+                    {
                         v.push((t, vm.ops));
                     }
                 }
@@ -250,13 +267,17 @@ fn run_vm(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
             let now = || t_start.elapsed().as_secs_f64() - base;
             std::thread::sleep(Duration::from_secs(o.phase_secs));
             let t0 = now();
-            let split: Value = serde_json::from_str(&run_pf(l, &["migrate", "vm", "--json", "--verify"], log)?)?;
+            let split: Value =
+                serde_json::from_str(&run_pf(l, &["migrate", "vm", "--json", "--verify"], log)?)?;
             let t1 = now();
             let (_, status, _) = l.pf(0, &["status"]);
             std::thread::sleep(Duration::from_secs(o.phase_secs * 2));
             let t2 = now();
-            let gather: Value =
-                serde_json::from_str(&run_pf(l, &["gather", "vm", "--to", "h1", "--json", "--verify"], log)?)?;
+            let gather: Value = serde_json::from_str(&run_pf(
+                l,
+                &["gather", "vm", "--to", "h1", "--json", "--verify"],
+                log,
+            )?)?;
             let t3 = now();
             std::thread::sleep(Duration::from_secs(o.phase_secs));
             Ok((t0, t1, t2, t3, split, gather, status))
@@ -271,7 +292,10 @@ fn run_vm(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
     for w in samples.windows(2) {
         let (a, b) = (w[0], w[1]);
         let rate = (b.1.saturating_sub(a.1)) as f64 / (b.0 - a.0).max(1e-3);
-        let (i, j) = ((a.0 / 0.1) as usize, ((b.0 / 0.1) as usize).min(timeline.len()));
+        let (i, j) = (
+            (a.0 / 0.1) as usize,
+            ((b.0 / 0.1) as usize).min(timeline.len()),
+        );
         for x in timeline.iter_mut().take(j).skip(i) {
             *x = rate;
         }
@@ -287,7 +311,10 @@ fn run_vm(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
         workload: "vm".into(),
         size_bytes: o.size,
         timeline,
-        phases: vec![("split migration".into(), t0, t1), ("gather".into(), t2, t3)],
+        phases: vec![
+            ("split migration".into(), t0, t1),
+            ("gather".into(), t2, t3),
+        ],
         split,
         gather,
         status_after_split: status,

@@ -425,7 +425,10 @@ impl Run<'_> {
             let info = region
                 .page_info(changed.clone())
                 .ok_or_else(|| MigrateError::Other("the region's pager did not answer".into()))?;
-            let (t, b) = (Instant::now(), self.bytes_main + self.bytes_subs.iter().sum::<u64>());
+            let (t, b) = (
+                Instant::now(),
+                self.bytes_main + self.bytes_subs.iter().sum::<u64>(),
+            );
             self.round(rounds, &changed, &info, &servers)?;
             let sent = self.bytes_main + self.bytes_subs.iter().sum::<u64>() - b;
             // A small round's rate says little (latency, not bandwidth).

@@ -59,7 +59,11 @@ impl Foreign {
 
 impl std::fmt::Debug for Foreign {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Foreign(pid {}, {:#x}+{})", self.pid, self.base, self.len)
+        write!(
+            f,
+            "Foreign(pid {}, {:#x}+{})",
+            self.pid, self.base, self.len
+        )
     }
 }
 

@@ -23,10 +23,10 @@ mod guestmem;
 mod pager;
 mod stats;
 
+use guestmem::GuestMem;
+pub use guestmem::{Foreign, Unmapper};
 pub use pagefleet_client::ConnectOptions;
 pub use pagefleet_proto::auth::Secret;
-pub use guestmem::{Foreign, Unmapper};
-use guestmem::GuestMem;
 pub use pager::WRITER_THREAD;
 pub use stats::{Histogram, Stats};
 
@@ -486,7 +486,10 @@ impl Region {
         match &self.guest {
             GuestMem::Local(m) => m,
             GuestMem::Foreign(f) => {
-                panic!("the region's memory is mapped by process {}, not here", f.pid)
+                panic!(
+                    "the region's memory is mapped by process {}, not here",
+                    f.pid
+                )
             }
         }
     }

@@ -250,13 +250,21 @@ pub fn run_incoming(
     stream.set_timeout(Some(Duration::from_secs(60)));
     let progress = dest::Progress::default();
     // A VM's QEMU starts while its memory arrives (off the downtime).
-    type Early = std::thread::JoinHandle<Result<(Arc<vm::VmGuest>, pagefleet_region::Foreign), RunnerError>>;
+    type Early =
+        std::thread::JoinHandle<Result<(Arc<vm::VmGuest>, pagefleet_region::Foreign), RunnerError>>;
     let mut early: Option<Early> = None;
     let received = dest::receive_with(stream, &secret, &progress, &mut |spec, memfd| {
-        if let Some(v) = vm::spec_of(&spec.workload.workload, spec.size, &spec.name, Some(control)) {
+        if let Some(v) = vm::spec_of(
+            &spec.workload.workload,
+            spec.size,
+            &spec.name,
+            Some(control),
+        ) {
             let memfd = memfd.clone();
             let dir = vm::socket_dir(Some(control), &spec.name);
-            early = Some(std::thread::spawn(move || vm::start_incoming(&v, &memfd, &dir)));
+            early = Some(std::thread::spawn(move || {
+                vm::start_incoming(&v, &memfd, &dir)
+            }));
         }
     })?;
     let (here, remote) = received.counts();

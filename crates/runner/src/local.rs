@@ -145,7 +145,9 @@ fn region_config(a: &LocalRun) -> Config {
 /// A VM until its workload is done, QEMU exits or `duration` (0: no limit) passes.
 fn run_vm(a: &LocalRun, spec: &pagefleet_vm::VmSpec) -> Result<serde_json::Value, RunnerError> {
     if a.plain {
-        return Err(RunnerError::Invalid("a VM runs on a region, not --plain memory".into()));
+        return Err(RunnerError::Invalid(
+            "a VM runs on a region, not --plain memory".into(),
+        ));
     }
     let mut spec = spec.clone();
     spec.size = a.size;
@@ -159,7 +161,9 @@ fn run_vm(a: &LocalRun, spec: &pagefleet_vm::VmSpec) -> Result<serde_json::Value
     let mut last_ins = 0;
     let mut sec = 0;
     let exit = loop {
-        std::thread::sleep(Duration::from_millis(1000).saturating_sub(start.elapsed() - Duration::from_secs(sec)));
+        std::thread::sleep(
+            Duration::from_millis(1000).saturating_sub(start.elapsed() - Duration::from_secs(sec)),
+        );
         let w = g.vm.console.workload();
         if a.progress {
             progress(&m, sec as usize, w.ops_per_sec, &mut last_ins);
@@ -181,7 +185,9 @@ fn run_vm(a: &LocalRun, spec: &pagefleet_vm::VmSpec) -> Result<serde_json::Value
         w.ops,
         w.errors,
         w.verified,
-        exit.as_deref().map(|e| format!("; QEMU {e}")).unwrap_or_default()
+        exit.as_deref()
+            .map(|e| format!("; QEMU {e}"))
+            .unwrap_or_default()
     );
     if w.errors > 0 {
         return Err(RunnerError::Invalid(format!(

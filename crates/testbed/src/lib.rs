@@ -405,7 +405,11 @@ fn start_daemon(o: &Options, h: &Host, secret: &Path, peers: &[String]) -> Resul
             vec![]
         })
         .args(if h.guest_memory > 0 && !o.vm_images.is_empty() {
-            let dirs: Vec<String> = o.vm_images.iter().map(|d| d.display().to_string()).collect();
+            let dirs: Vec<String> = o
+                .vm_images
+                .iter()
+                .map(|d| d.display().to_string())
+                .collect();
             vec!["--vm-images".to_string(), dirs.join(",")]
         } else {
             vec![]

@@ -11,7 +11,10 @@ pub const MAX_MSG: usize = 256;
 /// Send `msg` (at most [`MAX_MSG`] bytes) and `fd` in one datagram/record.
 pub fn send_fd(sock: RawFd, msg: &[u8], fd: RawFd) -> io::Result<()> {
     if msg.is_empty() || msg.len() > MAX_MSG {
-        return Err(io::Error::new(io::ErrorKind::InvalidInput, "message of 1..=256 bytes"));
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "message of 1..=256 bytes",
+        ));
     }
     let mut iov = libc::iovec {
         iov_base: msg.as_ptr() as *mut libc::c_void,
@@ -84,7 +87,10 @@ pub fn recv_fd(sock: RawFd, buf: &mut [u8]) -> io::Result<Option<(usize, OwnedFd
         }
     }
     if m.msg_flags & libc::MSG_CTRUNC != 0 {
-        return Err(io::Error::new(io::ErrorKind::InvalidData, "control message truncated"));
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "control message truncated",
+        ));
     }
     match got {
         Some(fd) => Ok(Some((n as usize, fd))),
@@ -117,7 +123,10 @@ impl Hello {
     pub fn encode(&self) -> [u8; HELLO_LEN] {
         let mut b = [0u8; HELLO_LEN];
         b[..8].copy_from_slice(HELLO_MAGIC);
-        for (i, v) in [self.base, self.len, self.pid, self.features].iter().enumerate() {
+        for (i, v) in [self.base, self.len, self.pid, self.features]
+            .iter()
+            .enumerate()
+        {
             b[8 + i * 8..16 + i * 8].copy_from_slice(&v.to_le_bytes());
         }
         b

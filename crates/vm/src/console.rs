@@ -25,6 +25,8 @@ pub struct Workload {
     pub done: bool,
     /// Pages its final pass verified.
     pub verified: u64,
+    /// O_DIRECT reads of its disk so far (`vmwork_disk=N`), each checked.
+    pub disk_reads: u64,
     /// Every report of the run phase: (host time it arrived, Unix seconds;
     /// ops/s over the second before).
     pub history: Vec<(f64, f64)>,
@@ -89,6 +91,7 @@ fn parse_report(rest: &str, w: &mut Workload) {
         w.ops = field(rest, "ops").unwrap_or(w.ops);
         w.errors = field(rest, "errors").unwrap_or(w.errors);
         w.verified = field(rest, "verified").unwrap_or(0);
+        w.disk_reads = field(rest, "disk_reads").unwrap_or(w.disk_reads);
     } else if rest.starts_with("ERROR") {
         // Counted by the next report; at least one.
         w.errors = w.errors.max(1);
@@ -97,6 +100,7 @@ fn parse_report(rest: &str, w: &mut Workload) {
         w.ops = field(rest, "ops").unwrap_or(w.ops);
         w.ops_per_sec = field(rest, "ops_s").unwrap_or(w.ops_per_sec);
         w.errors = field(rest, "errors").unwrap_or(w.errors);
+        w.disk_reads = field(rest, "disk_reads").unwrap_or(w.disk_reads);
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs_f64())
@@ -117,7 +121,7 @@ mod tests {
             "vmwork: start mb=64 secs=5 write=10",
             "vmwork: t=1 ops=4000 ops_s=4000 errors=0 phase=run",
             "vmwork: t=2 ops=9000 ops_s=5000 errors=0 phase=run",
-            "vmwork: done ops=9100 errors=0 verified=16384",
+            "vmwork: done ops=9100 errors=0 verified=16384 disk_reads=12",
         ] {
             c.feed(l);
         }
@@ -126,6 +130,7 @@ mod tests {
         assert_eq!(w.ops_per_sec, 5000.0);
         assert!(w.done);
         assert_eq!(w.verified, 16384);
+        assert_eq!(w.disk_reads, 12);
         let rates: Vec<f64> = w.history.iter().map(|h| h.1).collect();
         assert_eq!(rates, vec![4000.0, 5000.0]);
         assert!(w.history[1].0 >= w.history[0].0 && w.history[0].0 > 1.7e9);

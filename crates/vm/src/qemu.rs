@@ -23,9 +23,14 @@ pub struct VmSpec {
     pub initrd: PathBuf,
     /// Kernel command line after pagefleet's own (`console=ttyS0 ...`).
     pub append: String,
-    /// A raw disk image, attached as virtio-blk with writes kept in a
-    /// temporary overlay (`snapshot=on`: the image is never modified).
+    /// A raw disk image, attached as virtio-blk drive `disk0`. Writable
+    /// unless `disk_readonly`: writes land in the image (no throw-away
+    /// overlay — it would not follow the VM to another QEMU), and at a
+    /// migration QEMU inactivates it on the source before the
+    /// destination's QEMU takes it, as in its shared-storage migration.
     pub disk: Option<PathBuf>,
+    /// Attach `disk` read-only (`readonly=on`: several VMs may share it).
+    pub disk_readonly: bool,
     /// Virtual CPUs.
     pub smp: u32,
     /// RAM bytes (the region's size; a whole number of MiB).
@@ -125,8 +130,13 @@ impl VmSpec {
             a.push("-drive".into());
             a.push(
                 format!(
-                    "file={},if=virtio,format=raw,snapshot=on,id=disk0",
-                    d.display()
+                    "file={},if=virtio,format=raw,id=disk0{}",
+                    d.display(),
+                    if self.disk_readonly {
+                        ",readonly=on"
+                    } else {
+                        ""
+                    }
                 )
                 .into(),
             );

@@ -22,7 +22,8 @@ use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
-type MmapFn = unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, c_int, libc::off_t) -> *mut c_void;
+type MmapFn =
+    unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, c_int, libc::off_t) -> *mut c_void;
 
 /// The guest RAM was handed over (there is one such mapping per QEMU).
 static HANDED: AtomicBool = AtomicBool::new(false);
@@ -147,7 +148,9 @@ fn hand_over(base: u64, len: u64) -> std::io::Result<()> {
     sock.set_read_timeout(Some(std::time::Duration::from_secs(60)))?;
     std::io::Read::read_exact(&mut &sock, &mut ack)?;
     if agent::parse(&ack).map(|r| r.0) != Some(agent::ACK) {
-        return Err(std::io::Error::other("the runner did not acknowledge the guest RAM"));
+        return Err(std::io::Error::other(
+            "the runner did not acknowledge the guest RAM",
+        ));
     }
     sock.set_read_timeout(None)?;
     std::thread::Builder::new()
@@ -174,7 +177,9 @@ fn serve(sock: std::os::unix::net::UnixStream, base: u64, len: u64) {
                 if rc == 0 {
                     0
                 } else {
-                    -(std::io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO) as i64)
+                    -(std::io::Error::last_os_error()
+                        .raw_os_error()
+                        .unwrap_or(libc::EIO) as i64)
                 }
             }
             _ => -(libc::EINVAL as i64),
