@@ -74,6 +74,15 @@ pub enum Workload {
         /// Attach the disk read-only (several VMs may share one image).
         #[serde(default)]
         disk_readonly: bool,
+        /// The VM's service address (IP:PORT), like kv's `listen`: TCP
+        /// connections to it reach the guest's `guest_port` (one NIC on
+        /// QEMU's user-mode network, no connection out of the guest). It
+        /// follows the VM when it migrates.
+        #[serde(default)]
+        listen: Option<String>,
+        /// The guest's port behind `listen`.
+        #[serde(default = "default_guest_port")]
+        guest_port: u16,
         /// Virtual CPUs.
         #[serde(default = "default_smp")]
         smp: u32,
@@ -140,8 +149,17 @@ impl Workload {
                 append,
                 disk,
                 smp,
+                listen,
+                guest_port,
                 ..
             } => {
+                if let Some(l) = listen {
+                    if l.parse::<std::net::SocketAddrV4>().is_err() || *guest_port == 0 {
+                        return Err(InvalidSpec(format!(
+                            "listen {l:?} is not IPv4:PORT (or guest_port is 0)"
+                        )));
+                    }
+                }
                 for (what, p) in [
                     ("kernel", Some(kernel)),
                     ("initrd", Some(initrd)),
@@ -210,6 +228,10 @@ pub struct GuestSpec {
 
 fn default_smp() -> u32 {
     1
+}
+
+fn default_guest_port() -> u16 {
+    11211
 }
 
 fn default_threads() -> usize {

@@ -11,7 +11,8 @@
 //! - (e) `pagefleet-enough`: pagefleet to a host with enough memory.
 //!
 //! The VM runs vmwork (crates/systest/vm), which checks every value it
-//! reads; "reading" never writes after its fill, "writing" rewrites 20% of
+//! reads; "idle" fills its memory and then checks one page per 10 ms,
+//! "reading" never writes after its fill, "writing" rewrites 20% of
 //! the pages it touches. Measured per run: migration time, downtime (QEMU's
 //! own figure; pagefleet's pause-to-resume), bytes sent, and the in-guest
 //! ops/s before, during and after (the mean of the last 3 s).
@@ -66,7 +67,11 @@ impl Opts {
             size: 1 << 30,
             work_mb: 640,
             span_pct: 50,
-            workloads: vec![("reading".into(), 0), ("writing".into(), 20)],
+            workloads: vec![
+                ("idle".into(), 0),
+                ("reading".into(), 0),
+                ("writing".into(), 20),
+            ],
             modes: MODES.iter().map(|s| s.to_string()).collect(),
             link: Link::Gbit10,
             before_secs: 5,
@@ -189,10 +194,14 @@ fn image(bins: &Path) -> Result<(PathBuf, PathBuf)> {
     Ok((k, i))
 }
 
-fn append(o: &Opts, write_pct: u32) -> String {
+/// vmwork's parameters for workload `wl` (name, write percent).
+fn append(o: &Opts, wl: &(String, u32)) -> String {
     format!(
-        "vmwork_mb={} vmwork_span={} vmwork_secs=0 vmwork_write={write_pct} vmwork_seed=11",
-        o.work_mb, o.span_pct
+        "vmwork_mb={} vmwork_span={} vmwork_secs=0 vmwork_write={} vmwork_seed=11 vmwork_idle={}",
+        o.work_mb,
+        o.span_pct,
+        wl.1,
+        (wl.0 == "idle") as u8
     )
 }
 
@@ -218,9 +227,10 @@ fn run_qemu(
     let spec = VmSpec {
         kernel: kernel.into(),
         initrd: initrd.into(),
-        append: append(o, wl.1),
+        append: append(o, wl),
         disk: None,
         disk_readonly: false,
+        forward: None,
         smp: 1,
         size: o.size,
         name: format!("{mode}-src"),
@@ -429,7 +439,7 @@ fn run_pagefleet(
             "--initrd",
             initrd.to_str().context("initrd path")?,
             "--append",
-            &append(o, wl.1),
+            &append(o, wl),
         ],
     )?;
     let result = (|| -> Result<Row> {
@@ -799,7 +809,8 @@ pub struct Args {
     /// qemu-swap, pagefleet-split, pagefleet-enough (default: all).
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
-    /// Workloads, comma-separated: reading, writing (default: both).
+    /// Workloads, comma-separated: idle (100 checked reads/s), reading,
+    /// writing (default: all three).
     #[arg(long, value_delimiter = ',')]
     pub workloads: Vec<String>,
     /// The share of vmwork's memory its reads and writes fall on, percent
@@ -833,9 +844,10 @@ impl crate::Benchmark for Args {
             o.workloads = Vec::new();
             for w in &self.workloads {
                 match w.as_str() {
+                    "idle" => o.workloads.push(("idle".into(), 0)),
                     "reading" => o.workloads.push(("reading".into(), 0)),
                     "writing" => o.workloads.push(("writing".into(), 20)),
-                    x => bail!("--workloads {x:?}: use reading, writing"),
+                    x => bail!("--workloads {x:?}: use idle, reading, writing"),
                 }
             }
         }

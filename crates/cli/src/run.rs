@@ -139,6 +139,15 @@ pub enum Workload {
         /// Attach --disk read-only (several VMs may then share one image).
         #[arg(long, requires = "disk")]
         disk_readonly: bool,
+        /// The VM's service address: TCP connections to IP:PORT reach the
+        /// guest's --guest-port (one NIC on QEMU's user-mode network; the
+        /// guest can open no connection out). Like kv's --listen, it
+        /// follows the VM when it migrates.
+        #[arg(long)]
+        listen: Option<String>,
+        /// The guest's port behind --listen.
+        #[arg(long, default_value_t = 11211, requires = "listen")]
+        guest_port: u16,
         /// Virtual CPUs.
         #[arg(long, default_value_t = 1)]
         smp: u32,
@@ -173,6 +182,32 @@ fn budget_pages(spec: Option<&str>, size: u64) -> Result<u64> {
             ((pages as f64) * pct / 100.0) as u64
         }
         Some(s) => units::parse_size(s).map_err(anyhow::Error::msg)? / 4096,
+    })
+}
+
+/// A VM workload's typed form (paths made absolute), hosted or local.
+fn vm_workload(w: &Workload) -> Result<api::Workload> {
+    Ok(match w {
+        Workload::Vm {
+            kernel,
+            initrd,
+            append,
+            disk,
+            disk_readonly,
+            smp,
+            listen,
+            guest_port,
+        } => api::Workload::Vm {
+            kernel: absolute(kernel)?,
+            initrd: absolute(initrd)?,
+            append: append.clone(),
+            disk: disk.as_deref().map(absolute).transpose()?,
+            disk_readonly: *disk_readonly,
+            smp: *smp,
+            listen: listen.clone(),
+            guest_port: *guest_port,
+        },
+        _ => bail!("not a VM workload"),
     })
 }
 
@@ -211,21 +246,7 @@ pub fn guest_spec(a: &RunArgs) -> Result<GuestSpec> {
             warm: !no_warm,
             seed: *seed,
         },
-        Some(Workload::Vm {
-            kernel,
-            initrd,
-            append,
-            disk,
-            disk_readonly,
-            smp,
-        }) => api::Workload::Vm {
-            kernel: absolute(kernel)?,
-            initrd: absolute(initrd)?,
-            append: append.clone(),
-            disk: disk.as_deref().map(absolute).transpose()?,
-            disk_readonly: *disk_readonly,
-            smp: *smp,
-        },
+        Some(w @ Workload::Vm { .. }) => vm_workload(w)?,
         Some(Workload::Sort { .. }) => {
             bail!("sort runs to completion; it cannot run hosted (use sortjob)")
         }
@@ -290,24 +311,10 @@ pub fn run(a: RunArgs, secret_file: Option<&Path>) -> Result<()> {
         },
         Workload::Sort { seed } => local::Workload::Sort { seed },
         Workload::Kv { listen } => local::Workload::Kv { listen },
-        Workload::Vm {
-            kernel,
-            initrd,
-            append,
-            disk,
-            disk_readonly,
-            smp,
-        } => local::Workload::Vm(pagefleet_vm::VmSpec {
-            kernel,
-            initrd,
-            append,
-            disk,
-            disk_readonly,
-            smp,
-            size: a.size,
-            name: "run".into(),
-            operator_qmp: None,
-        }),
+        w @ Workload::Vm { .. } => local::Workload::Vm(
+            pagefleet_runner::vm::spec_of(&vm_workload(&w)?, a.size, "run", None)
+                .expect("a VM workload has a VM spec"),
+        ),
         Workload::Sortjob { .. } => bail!("sortjob runs hosted (pagefleet guest start NAME --on HOST --size SIZE -- sortjob); for a one-shot sort use `pagefleet run sort`"),
     };
     let o = local::LocalRun {

@@ -90,17 +90,21 @@ pub struct Spec {
     pub pace: Option<f64>,
 }
 
-fn connect(addr: &str, reconnect: bool, stop: &AtomicBool) -> Result<TcpStream> {
+/// A connection to `addr` (retried for up to 60 s with `reconnect`); None
+/// once `stop` is set (the run ended while the server was away: no error).
+fn connect(addr: &str, reconnect: bool, stop: &AtomicBool) -> Result<Option<TcpStream>> {
     let t = Instant::now();
     loop {
+        if stop.load(Relaxed) {
+            return Ok(None);
+        }
         match TcpStream::connect_timeout(&addr.parse()?, Duration::from_secs(1)) {
             Ok(s) => {
                 s.set_nodelay(true)?;
                 s.set_read_timeout(Some(Duration::from_secs(30)))?;
-                return Ok(s);
+                return Ok(Some(s));
             }
-            Err(e) if reconnect && t.elapsed() < Duration::from_secs(60) && !stop.load(Relaxed) => {
-                let _ = e;
+            Err(_) if reconnect && t.elapsed() < Duration::from_secs(60) => {
                 std::thread::sleep(Duration::from_millis(10));
             }
             Err(e) => bail!("kv at {addr}: {e}"),
@@ -119,7 +123,9 @@ pub fn prefill(s: &Spec) -> Result<()> {
                     if let Some(ns) = &s.netns {
                         pagefleet_testbed::enter_netns(ns)?;
                     }
-                    let mut st = connect(&s.addr, s.reconnect, stop)?;
+                    let Some(mut st) = connect(&s.addr, s.reconnect, stop)? else {
+                        return Ok(());
+                    };
                     let mut r = BufReader::new(st.try_clone()?);
                     let mut line = String::new();
                     let mut i = t;
@@ -282,7 +288,9 @@ fn client(s: &Spec, t: usize, stop: &AtomicBool, c: &Counters, zipf: &Zipf) -> R
     let start = Instant::now();
     let mut sent = 0u64;
     'conn: while !stop.load(Relaxed) {
-        let mut st = connect(&s.addr, s.reconnect, stop)?;
+        let Some(mut st) = connect(&s.addr, s.reconnect, stop)? else {
+            break;
+        };
         let mut r = BufReader::with_capacity(16384, st.try_clone()?);
         while !stop.load(Relaxed) {
             if let Some(p) = s.pace {

@@ -68,6 +68,9 @@ impl source::Guest for Running {
             let n = k.kv.close_clients();
             tracing::info!("hung up {n} kv clients");
         }
+        if let Some(v) = &self.vm {
+            v.serve(false);
+        }
         if let Some(s) = &self.service {
             s.release();
         }
@@ -78,6 +81,9 @@ impl source::Guest for Running {
     fn reclaim_address(&self) {
         if let Some(s) = &self.service {
             let _ = s.claim();
+        }
+        if let Some(v) = &self.vm {
+            v.serve(true);
         }
         if let Some(k) = &self.kv {
             if let Err(e) = k.start_accepting() {

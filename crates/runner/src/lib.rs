@@ -168,6 +168,10 @@ pub fn run_guest(
     let gate = Arc::new(Gate::default());
     let (region, w) = match vm::spec_of(&spec.workload, size, name, Some(control)) {
         Some(v) => {
+            // The address first: QEMU's forward binds it at boot.
+            if let Some(s) = &service {
+                s.claim()?;
+            }
             let (region, g) = vm::boot(cfg, &v, &vm::socket_dir(Some(control), name))?;
             (Arc::new(region), vm::started(&g))
         }

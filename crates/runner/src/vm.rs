@@ -7,7 +7,7 @@ use crate::RunnerError;
 use pagefleet_api::guest::VmStatus;
 use pagefleet_api::Workload;
 use pagefleet_region::{Adopt, Config, Region};
-use pagefleet_vm::{Vm, VmSpec};
+use pagefleet_vm::{Forward, Vm, VmSpec};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
@@ -48,6 +48,8 @@ pub fn spec_of(
             disk,
             disk_readonly,
             smp,
+            listen,
+            guest_port,
         } => Some(VmSpec {
             kernel: kernel.into(),
             initrd: initrd.into(),
@@ -55,6 +57,14 @@ pub fn spec_of(
             disk: disk.as_ref().map(PathBuf::from),
             disk_readonly: *disk_readonly,
             smp: *smp,
+            // Validated with the spec (GuestSpec::validate).
+            forward: listen
+                .as_ref()
+                .and_then(|l| l.parse().ok())
+                .map(|listen| Forward {
+                    listen,
+                    port: *guest_port,
+                }),
             size,
             name: name.to_string(),
             operator_qmp: control.map(|c| c.with_extension("qmp")),
@@ -106,6 +116,7 @@ pub fn boot(
     let region = Region::new(cfg)?;
     guest.vm.release().map_err(vm_err)?;
     guest.vm.connect_qmp().map_err(vm_err)?;
+    guest.vm.forward(true, FORWARD_PATIENCE).map_err(vm_err)?;
     Ok((region, guest))
 }
 
@@ -120,6 +131,10 @@ fn vm_sampling_costs(cfg: &mut Config) {
     cfg.minor_fault_cost *= 4;
     cfg.zap_cost *= 4;
 }
+
+/// How long a VM's service address may take to become bindable here (it
+/// may still be moving from the host the VM left).
+const FORWARD_PATIENCE: Duration = Duration::from_secs(2);
 
 fn vm_err(e: pagefleet_vm::VmError) -> RunnerError {
     RunnerError::Invalid(format!("VM: {e}"))
@@ -201,6 +216,16 @@ impl VmGuest {
         self.vm.qmp(|q| q.stop()).is_ok()
     }
 
+    /// Forward the service address into the VM (`on`, after the address
+    /// was claimed here) or stop (before it is released): clients then
+    /// reconnect to whichever host runs the VM.
+    pub fn serve(&self, on: bool) {
+        let patience = if on { FORWARD_PATIENCE } else { Duration::ZERO };
+        if let Err(e) = self.vm.forward(on, patience) {
+            tracing::warn!("VM: {e}");
+        }
+    }
+
     /// Its device state (the VM must be paused).
     pub fn device_state(&self) -> Result<Vec<u8>, String> {
         self.vm.save_state(&self.dir).map_err(|e| e.to_string())
@@ -211,7 +236,10 @@ impl VmGuest {
         self.vm
             .load_state(state, &self.dir)
             .and_then(|_| self.vm.qmp(|q| q.cont()))
-            .map_err(|e| RunnerError::Invalid(format!("VM: {e}")))
+            .map_err(vm_err)?;
+        // Running here now (the address was claimed): clients reconnect here.
+        self.serve(true);
+        Ok(())
     }
 
     /// The VM runs elsewhere now: quit this QEMU and drop its sockets

@@ -1,8 +1,9 @@
 #!/bin/sh
 # Build the VM guest image from Debian packages: the cloud kernel
 # (linux-image-cloud-amd64) and busybox-static, unpacked with dpkg-deb (not
-# installed), plus vmwork.c compiled static and the virtio modules a disk
-# needs. Output: OUT/vmlinuz, OUT/initrd.gz, and a 16 MiB raw disk
+# installed), plus vmwork.c compiled static, the virtio modules a disk and a
+# NIC need, and Debian's memcached with the libraries it links (for
+# memcached_mb=N: the kv client drives the VM as it drives the kv guest). Output: OUT/vmlinuz, OUT/initrd.gz, and a 16 MiB raw disk
 # OUT/disk.img holding vmwork's disk pattern (vmwork_disk=N checks it).
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
@@ -14,15 +15,25 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 cd "$work"
 kpkg=$(apt-cache depends linux-image-cloud-amd64 | awk '/Depends: linux-image-[0-9]/ {print $2; exit}')
-apt-get download -q "$kpkg" busybox-static >/dev/null 2>&1
+apt-get download -q "$kpkg" busybox-static memcached libevent-2.1-7 libsasl2-2 libssl3 >/dev/null 2>&1
 mkdir x root
 for d in ./*.deb; do dpkg-deb -x "$d" x; done
 cp x/boot/vmlinuz-* "$out/vmlinuz"
 mkdir -p root/bin root/proc root/sys root/dev root/lib/modules
 cp x/bin/busybox root/bin/busybox
-for m in virtio/virtio virtio/virtio_ring virtio/virtio_pci_legacy_dev virtio/virtio_pci_modern_dev virtio/virtio_pci block/virtio_blk; do
+for m in virtio/virtio virtio/virtio_ring virtio/virtio_pci_legacy_dev virtio/virtio_pci_modern_dev virtio/virtio_pci block/virtio_blk net/net_failover net/virtio_net; do
     cp x/lib/modules/*/kernel/drivers/$m.ko root/lib/modules/
 done
+cp x/lib/modules/*/kernel/net/core/failover.ko root/lib/modules/
+# memcached and every library it loads (the unpacked ones first, then this
+# Debian's libc).
+cp x/usr/bin/memcached root/bin/memcached
+LD_LIBRARY_PATH=$work/x/usr/lib/x86_64-linux-gnu ldd root/bin/memcached | awk '/=> \// {print $3} /^\t\/lib64/ {print $1}' |
+    while read -r lib; do
+        mkdir -p "root$(dirname "${lib#$work/x}")"
+        cp -L "$lib" "root${lib#$work/x}"
+    done
+[ -x root/bin/memcached ] && [ -e root/lib64/ld-linux-x86-64.so.2 ]
 cc -O2 -static -o root/vmwork "$here/vmwork.c" -lm
 # The disk for VMs that take one (--disk): vmwork's pattern, checked by vmwork_disk=N.
 root/vmwork mkdisk 16 > "$out/disk.img.tmp"

@@ -12,7 +12,7 @@
  *
  *   vmwork: done ops=... errors=... verified=PAGES
  *
- * Usage: vmwork MB SECONDS WRITE_PERCENT SEED THETA_PERCENT [SPAN_PERCENT [DISK_READS [DISK_WRITE_PERCENT]]]
+ * Usage: vmwork MB SECONDS WRITE_PERCENT SEED THETA_PERCENT [SPAN_PERCENT [DISK_READS [DISK_WRITE_PERCENT [IDLE]]]]
  * (SECONDS 0: run until killed; SPAN_PERCENT: the share of the filled
  * pages the reads and writes fall on, the first ones — the rest is cold
  * data, as in a large guest whose working set is smaller than its memory;
@@ -23,7 +23,9 @@
  * on QEMU's behalf. Every word read is checked against the disk pattern.
  * DISK_WRITE_PERCENT of those operations write a chunk instead, with the
  * pattern of the chunk's next generation: a later read checks the write
- * stuck, also after the VM migrated to another QEMU.)
+ * stuck, also after the VM migrated to another QEMU. IDLE 1: after the
+ * fill, one operation per 10 ms — a VM that mostly sits idle yet keeps
+ * checking what it reads.)
  *
  *   vmwork mkdisk MB > disk.img   writes that pattern (run on the host).
  */
@@ -163,7 +165,7 @@ int main(int argc, char **argv) {
     if (argc == 3 && strcmp(argv[1], "mkdisk") == 0)
         return mkdisk(strtoull(argv[2], 0, 10));
     if (argc < 6) {
-        fprintf(stderr, "usage: vmwork MB SECONDS WRITE_PERCENT SEED THETA_PERCENT [SPAN_PERCENT [DISK_READS [DISK_WRITE_PERCENT]]]\n"
+        fprintf(stderr, "usage: vmwork MB SECONDS WRITE_PERCENT SEED THETA_PERCENT [SPAN_PERCENT [DISK_READS [DISK_WRITE_PERCENT [IDLE]]]]\n"
                         "       vmwork mkdisk MB > disk.img\n");
         return 2;
     }
@@ -179,6 +181,7 @@ int main(int argc, char **argv) {
         th = 0.99;
     uint64_t disk_per_batch = argc > 7 ? strtoull(argv[7], 0, 10) : 0;
     uint64_t disk_wpct = argc > 8 ? strtoull(argv[8], 0, 10) : 0;
+    int idle = argc > 9 && strtoull(argv[9], 0, 10) != 0;
     if (disk_per_batch) {
         disk_fd = open("/dev/vda", (disk_wpct ? O_RDWR : O_RDONLY) | O_DIRECT);
         off_t size = disk_fd < 0 ? -1 : lseek(disk_fd, 0, SEEK_END);
@@ -217,7 +220,11 @@ int main(int argc, char **argv) {
     double start = now();
     last = start;
     for (;;) {
-        for (int k = 0; k < 64; k++) {
+        if (idle) {
+            struct timespec ts = {0, 10 * 1000 * 1000};
+            nanosleep(&ts, 0);
+        }
+        for (int k = 0; k < (idle ? 1 : 64); k++) {
             /* Scatter ranks over the memory: hot pages are not neighbours. */
             uint64_t q = (zipf() * 0x9E3779B97F4A7C15ull) % span;
             uint64_t *p = mem + q * WORDS;

@@ -16,13 +16,14 @@
 #![warn(missing_docs)]
 
 pub mod console;
+mod hangup;
 mod plain;
 mod process;
 mod qemu;
 pub mod qmp;
 
 pub use plain::{PlainLaunch, PlainVm};
-pub use qemu::{Vm, VmSpec};
+pub use qemu::{Forward, Vm, VmSpec, GUEST_IP};
 
 /// Why a VM could not be started or driven.
 #[derive(Debug, thiserror::Error)]

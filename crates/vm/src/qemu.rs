@@ -37,11 +37,31 @@ pub struct VmSpec {
     pub size: u64,
     /// Guest name (QEMU's `-name`, log lines).
     pub name: String,
+    /// A TCP service of the guest reachable from the network: one NIC
+    /// (virtio-net on QEMU's user-mode network, `restrict=on`: the guest
+    /// can open no connection out, not even to this host) and connections
+    /// to `listen` forwarded to the guest's 10.0.2.15:`port`. The
+    /// forward is added only while the VM runs on this host ([`Vm::forward`]),
+    /// so the address can follow it to another host, as a kv guest's
+    /// `--listen` does.
+    pub forward: Option<Forward>,
     /// A second QMP socket for the host's operator tools (the I/O
     /// guarantee's QMP backend throttles the VM's `disk0` through it); the
     /// runner keeps the first one to itself.
     pub operator_qmp: Option<PathBuf>,
 }
+
+/// A host address forwarded into the VM (see [`VmSpec::forward`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Forward {
+    /// Where clients connect (an address of the host running the VM).
+    pub listen: std::net::SocketAddr,
+    /// The guest's port.
+    pub port: u16,
+}
+
+/// The guest's address on QEMU's user-mode network.
+pub const GUEST_IP: &str = "10.0.2.15";
 
 impl VmSpec {
     /// Checks before anything starts.
@@ -67,6 +87,14 @@ impl VmSpec {
                         p.display()
                     )));
                 }
+            }
+        }
+        if let Some(f) = &self.forward {
+            if f.port == 0 || f.listen.port() == 0 || !f.listen.is_ipv4() {
+                return Err(VmError::Invalid(format!(
+                    "--listen {} to guest port {}: an IPv4 address with a port, and a port",
+                    f.listen, f.port
+                )));
             }
         }
         // The append line is one argument to QEMU; keep it printable.
@@ -141,6 +169,13 @@ impl VmSpec {
                 .into(),
             );
         }
+        if self.forward.is_some() {
+            a.push("-netdev".into());
+            a.push("user,id=net0,restrict=on,net=10.0.2.0/24".into());
+            a.push("-device".into());
+            // No option ROM: the VM boots its kernel directly.
+            a.push("virtio-net-pci,netdev=net0,romfile=".into());
+        }
         a
     }
 }
@@ -201,6 +236,7 @@ pub struct Vm {
     agent: Arc<Agent>,
     /// QEMU's pid.
     pub pid: u32,
+    forward: Option<Forward>,
 }
 
 impl Vm {
@@ -306,6 +342,7 @@ impl Vm {
                 console,
                 agent,
                 pid,
+                forward: spec.forward.clone(),
             },
             foreign,
         ))
@@ -334,6 +371,48 @@ impl Vm {
             .as_mut()
             .ok_or_else(|| VmError::Qmp("not connected yet".into()))?;
         f(q)
+    }
+
+    /// Add (`on`) or remove the forward of [`VmSpec::forward`] (nothing
+    /// when there is none). Adding retries for up to `patience` while the
+    /// address is not bindable yet (it is moving from another host).
+    /// Removing also hangs up the connections accepted on it (`hangup.rs`).
+    pub fn forward(&self, on: bool, patience: Duration) -> Result<(), VmError> {
+        let Some(f) = &self.forward else {
+            return Ok(());
+        };
+        let rule = format!("tcp:{}:{}", f.listen.ip(), f.listen.port());
+        let cmd = if on {
+            format!("hostfwd_add net0 {rule}-{GUEST_IP}:{}", f.port)
+        } else {
+            format!("hostfwd_remove net0 {rule}")
+        };
+        let t0 = std::time::Instant::now();
+        loop {
+            // HMP answers with an empty string on success, else the reason.
+            let out: String = self.qmp(|q| {
+                q.execute(
+                    "human-monitor-command",
+                    Some(serde_json::json!({ "command-line": cmd })),
+                )
+            })?;
+            let out = out.trim();
+            if !on {
+                if let std::net::SocketAddr::V4(a) = f.listen {
+                    match crate::hangup::hang_up(self.pid, a) {
+                        Ok(n) => tracing::info!("VM: hung up {n} connections on {a}"),
+                        Err(e) => tracing::warn!("VM: hanging up connections on {a}: {e}"),
+                    }
+                }
+            }
+            if out.is_empty() || (!on && out.contains("not found")) {
+                return Ok(());
+            }
+            if t0.elapsed() >= patience {
+                return Err(VmError::Qemu(format!("{cmd}: {out}")));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// QEMU's exit status, if it has exited.
