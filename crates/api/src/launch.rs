@@ -19,8 +19,8 @@ pub enum Job {
         size: u64,
         /// Pages resident here.
         budget_pages: u64,
-        /// What it runs.
-        spec: GuestSpec,
+        /// What it runs (boxed: far larger than the other variant).
+        spec: Box<GuestSpec>,
     },
     /// Wait for one incoming migration, then run the guest it brings.
     Incoming {

@@ -408,7 +408,7 @@ impl Guests {
             name: req.name.clone(),
             size: req.size,
             budget_pages,
-            spec: req.spec,
+            spec: Box::new(req.spec),
         };
         self.spawn(&req.name, job, budget_pages, None).map(|_| ())
     }

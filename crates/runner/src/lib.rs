@@ -98,7 +98,7 @@ pub fn launch(input: impl std::io::Read, expect: &str) -> Result<Exit, RunnerErr
             &name,
             size,
             budget_pages,
-            spec,
+            *spec,
             &l.service_dev,
             &l.control,
             secret,
