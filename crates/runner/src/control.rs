@@ -366,7 +366,9 @@ impl Running {
                 source::Guest::release_address(self);
                 // The guest ends: its pages on the servers go too (before
                 // the reply, so the caller sees them gone).
-                self.gate.pause(Duration::from_secs(5));
+                // Stopped first (a VM's vCPUs too), so nothing faults on
+                // pages being deleted.
+                source::Guest::pause(self, Duration::from_secs(5));
                 let r = match self.region.delete_remote() {
                     Ok(()) => line(&mut c, &pagefleet_api::Ok::default()),
                     Err(e) => line(&mut c, &err(format!("pages on memory servers: {e}"))),

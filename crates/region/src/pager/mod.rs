@@ -25,6 +25,7 @@ mod readahead;
 mod reclaim;
 mod refs;
 mod sampling;
+mod sched;
 mod victims;
 mod writer;
 pub use writer::WRITER_THREAD;
@@ -369,6 +370,18 @@ impl Pager {
         // fault waits until a running guest thread's slice ends, and the
         // pager then serves every fault and reply queued meanwhile in one
         // turn. On an idle CPU it runs at once either way.
+        //
+        // Experiment: PAGEFLEET_PAGER_SLICE_US asks EEVDF for a short slice
+        // (sched.rs).
+        if let Some(us) = std::env::var("PAGEFLEET_PAGER_SLICE_US")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+            .filter(|us| *us > 0)
+        {
+            if let Err(e) = sched::set_slice(Duration::from_micros(us)) {
+                warn!("pager slice {us} µs: {e}");
+            }
+        }
         while !self.shared.stop.load(Relaxed) {
             // Sleep until a fault, a reply, a command or a finished
             // page-out comes; with more page-out to start, or reply bytes
