@@ -43,6 +43,15 @@ impl Pager {
             FaultKind::Missing | FaultKind::Minor => s.missing_faults.fetch_add(1, Relaxed),
             FaultKind::WriteProtect => s.wp_faults.fetch_add(1, Relaxed),
         };
+        // A clean page being punched by a drop job: whatever the fault (a
+        // read after the punch, a write before it), it waits for the job —
+        // then the page is remote and the retried access pages it back in.
+        if st == LOCAL && self.loc.out[p] == OUT_DROPPING {
+            if !self.dropping_faults.contains(&p) {
+                self.dropping_faults.push(p);
+            }
+            return;
+        }
         match (f.kind, st) {
             // The first write to a resident page since its page-in (its kept
             // copy is stale from now on) or, while tracking changes, this round.

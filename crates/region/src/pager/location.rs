@@ -19,6 +19,9 @@ pub(super) const WRITE_HINT: u8 = 3;
 
 /// A remote page whose GET is in flight (`LocationDb::out` of a remote page).
 pub(super) const OUT_ARRIVING: u8 = 3;
+/// A clean resident page in a drop job: the writer thread punches its data
+/// (the server's copy is the page); faults on it wait for the job.
+pub(super) const OUT_DROPPING: u8 = 4;
 
 /// Where every page of a region is, and what servers hold for it.
 pub(super) struct LocationDb {
@@ -36,7 +39,7 @@ pub(super) struct LocationDb {
     pub(super) write_hint: Vec<u8>,
     /// Per resident page: a write was seen in this residency.
     pub(super) written: Vec<bool>,
-    /// Per page: OUT_NONE, OUT_LEAVING or OUT_RESCUED (resident pages),
+    /// Per page: OUT_NONE, OUT_LEAVING, OUT_RESCUED or OUT_DROPPING (resident pages),
     /// OUT_ARRIVING (remote pages).
     pub(super) out: Vec<u8>,
     /// Pages OUT_LEAVING: resident now, gone once their job lands.
@@ -153,6 +156,20 @@ impl LocationDb {
         debug_assert!(self.evictable(q));
         self.out[q] = OUT_LEAVING;
         self.leaving += 1;
+    }
+
+    /// Clean resident page `q` joins a drop job (it counts as leaving).
+    pub(super) fn set_dropping(&mut self, q: usize) {
+        debug_assert!(self.evictable(q) && self.clean[q] && self.copy[q] > 0);
+        self.out[q] = OUT_DROPPING;
+        self.leaving += 1;
+    }
+
+    /// Page `q`'s drop job was answered: it is out of the job.
+    pub(super) fn drop_done(&mut self, q: usize) {
+        debug_assert_eq!(self.out[q], OUT_DROPPING);
+        self.out[q] = OUT_NONE;
+        self.leaving -= 1;
     }
 
     /// Page `q` was written while leaving: it stays. Returns whether it was leaving.

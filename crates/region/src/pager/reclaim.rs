@@ -88,7 +88,8 @@ impl Pager {
     }
 
     /// Start paging out the chunks' resident pages. Clean pages (their
-    /// kept copy is current) are dropped here and now. Dirty ones are
+    /// kept copy is current) go in a drop job: the writer punches them,
+    /// nothing is sent ([`Pager::drop_landed`]). Dirty ones are
     /// write-protected, marked leaving and handed to the writer, bound for
     /// the server that keeps their copy or, without one, the server with the
     /// most free room; [`Pager::job_landed`] punches them once stored.
@@ -130,22 +131,24 @@ impl Pager {
             }
             return false;
         };
-        // Clean pages: the server's copy is the page; dropping it is local.
-        // (They are write-protected since their page-in: a write racing this
-        // waits in a WP fault and finds the page remote, so pages back in.)
+        // Clean pages: the server's copy is the page; dropping it is local,
+        // and the writer does it. (They are write-protected since their
+        // page-in: a fault on one, read after its punch or write, waits
+        // for the job and then finds the page remote, so it pages back in.)
         let (clean, dirty): (Vec<usize>, Vec<usize>) =
             pages.into_iter().partition(|q| self.loc.clean[*q]);
-        if !self.punch(&clean) {
-            return false;
+        if !clean.is_empty() {
+            for &q in &clean {
+                self.loc.set_dropping(q);
+            }
+            self.writer.submit(writer::Job {
+                server: 0,
+                addr: String::new(),
+                server_id: 0,
+                pages: clean.iter().map(|q| *q as u64).collect(),
+                drop: true,
+            });
         }
-        for &q in &clean {
-            let t = self.loc.copy[q] as usize - 1;
-            self.left(q, t);
-        }
-        self.shared
-            .stats
-            .clean_drops
-            .fetch_add(clean.len() as u64, Relaxed);
         // Dirty pages: one job per destination server.
         let mut jobs: Vec<(usize, Vec<u64>)> = Vec::new();
         for &q in &dirty {
@@ -179,6 +182,7 @@ impl Pager {
                 addr: self.addrs[t].clone(),
                 server_id: self.conns[t].info.server_id,
                 pages,
+                drop: false,
             });
         }
         self.shared
@@ -195,6 +199,9 @@ impl Pager {
     /// (a dirty slot). Pages not stored stay resident (and writable unless
     /// change tracking watches them).
     pub(super) fn job_landed(&mut self, d: writer::Done) {
+        if d.drop {
+            return self.drop_landed(d);
+        }
         let t0 = Instant::now();
         let t = d.server;
         let mut gone = Vec::new();
@@ -244,6 +251,36 @@ impl Pager {
                 self.fatal(msg, d.pages[0] as usize);
             }
         }
+        self.publish();
+    }
+
+    /// A drop job came back: its pages are remote now (their kept copies
+    /// are the pages); faults that waited on them retry and page back in.
+    pub(super) fn drop_landed(&mut self, d: writer::Done) {
+        let t0 = Instant::now();
+        for &q in &d.pages {
+            let q = q as usize;
+            self.loc.drop_done(q);
+            let t = self.loc.copy[q] as usize - 1;
+            self.left(q, t);
+        }
+        if let Some(e) = d.punch_error {
+            // Some of the pages may still hold data the location DB now
+            // calls remote: nothing sane to go on with.
+            return self.internal(d.pages[0] as usize, format!("punching clean pages: {e}"));
+        }
+        let st = &self.shared.stats;
+        st.clean_drops.fetch_add(d.pages.len() as u64, Relaxed);
+        st.page_out_cpu_ns.fetch_add(d.cpu_ns, Relaxed);
+        let waiting = std::mem::take(&mut self.dropping_faults);
+        for p in waiting {
+            if self.loc.out[p] == OUT_DROPPING {
+                self.dropping_faults.push(p);
+            } else {
+                self.wake(p);
+            }
+        }
+        self.meter.page_out(t0);
         self.publish();
     }
 

@@ -6,6 +6,17 @@
 //! thread's slice — what nice -20 gave without nice -20's weight (which let
 //! every single fault preempt and cost the kv guest 4x the CPU per page-in).
 
+/// The slice the pager and the writer ask for.
+pub const SLICE: std::time::Duration = std::time::Duration::from_micros(100);
+
+/// [`set_slice`] of [`SLICE`] for the calling thread; a kernel without
+/// custom slices (before 6.12) keeps its default, with a debug line.
+pub fn set_slice_or_warn(who: &str) {
+    if let Err(e) = set_slice(SLICE) {
+        tracing::debug!("{who}: a {SLICE:?} CPU slice: {e}");
+    }
+}
+
 /// `struct sched_attr` (include/uapi/linux/sched/types.h), version 1.
 #[repr(C)]
 #[derive(Default)]

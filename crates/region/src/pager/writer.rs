@@ -8,6 +8,13 @@
 //! acks) and only reads the job's pages, through the shadow mapping. It
 //! answers with a [`Done`] and rings the pager's doorbell; the pager then
 //! punches what was stored. Nothing else crosses between the two threads.
+//!
+//! Clean pages (the server's copy is current) leave by a drop job instead:
+//! the writer punches their data out of the memfd, exact runs of the job's
+//! pages only (a gap could hold a page the pager is installing meanwhile).
+//! The punch is most of what evicting a clean page costs (1.6 µs a page in
+//! the sequential scan, where the pager thread was the bottleneck); here it
+//! runs beside the pager, and faults on those pages wait for the job.
 
 use pagefleet_client::{ClientError, Conn};
 use pagefleet_proto::{auth::Secret, PageSel, MAX_BATCH_PAGES};
@@ -36,6 +43,8 @@ pub(super) struct Job {
     pub(super) server_id: u64,
     /// Sorted page numbers.
     pub(super) pages: Vec<u64>,
+    /// A drop job: punch these (clean) pages' data, send nothing.
+    pub(super) drop: bool,
 }
 
 /// What became of a job.
@@ -48,6 +57,10 @@ pub(super) struct Done {
     pub(super) error: Option<ClientError>,
     /// CPU time the writer spent on the job, ns.
     pub(super) cpu_ns: u64,
+    /// It was a drop job (`stored`: punched).
+    pub(super) drop: bool,
+    /// Why a drop job's punch failed.
+    pub(super) punch_error: Option<std::io::Error>,
 }
 
 /// The pager's handle on its writer thread.
@@ -62,6 +75,8 @@ pub(super) struct Writer {
 /// What the writer thread needs to reach servers and read pages.
 pub(super) struct WriterSetup {
     pub(super) shadow: Arc<Mapping>,
+    /// The guest memory's file, for drop jobs' punches.
+    pub(super) memfd: Arc<OwnedFd>,
     pub(super) region_id: u64,
     pub(super) name: String,
     pub(super) secret: Option<Secret>,
@@ -124,6 +139,23 @@ fn run(setup: WriterSetup, jobs: Receiver<Job>, done: Sender<Done>) {
     let mut conns: HashMap<usize, Conn> = HashMap::new();
     for job in jobs {
         let c0 = super::thread_cpu_ns();
+        if job.drop {
+            let punch_error = punch_runs(&setup, &job.pages).err();
+            let d = Done {
+                server: job.server,
+                stored: vec![punch_error.is_none(); job.pages.len()],
+                pages: job.pages,
+                error: None,
+                cpu_ns: super::thread_cpu_ns().saturating_sub(c0),
+                drop: true,
+                punch_error,
+            };
+            if done.send(d).is_err() {
+                return;
+            }
+            pagefleet_uffd::ring(setup.doorbell.as_raw_fd());
+            continue;
+        }
         let mut stored = vec![false; job.pages.len()];
         let mut error = write_job(&setup, &mut conns, &job, &mut stored);
         // A PUT can be repeated (it overwrites): ride out a dropped
@@ -138,12 +170,33 @@ fn run(setup: WriterSetup, jobs: Receiver<Job>, done: Sender<Done>) {
             stored,
             error,
             cpu_ns: super::thread_cpu_ns().saturating_sub(c0),
+            drop: false,
+            punch_error: None,
         };
         if done.send(d).is_err() {
             return;
         }
         pagefleet_uffd::ring(setup.doorbell.as_raw_fd());
     }
+}
+
+/// Punch the memfd's data of `pages` (sorted), one `fallocate` per run
+/// of consecutive pages.
+fn punch_runs(setup: &WriterSetup, pages: &[u64]) -> std::io::Result<()> {
+    let mut i = 0;
+    while i < pages.len() {
+        let mut j = i + 1;
+        while j < pages.len() && pages[j] == pages[j - 1] + 1 {
+            j += 1;
+        }
+        pagefleet_uffd::punch_hole(
+            setup.memfd.as_raw_fd(),
+            pages[i] * PAGE as u64,
+            (j - i) as u64 * PAGE as u64,
+        )?;
+        i = j;
+    }
+    Ok(())
 }
 
 /// Send the job's pages not yet stored, in frames of up to MAX_BATCH_PAGES,
