@@ -136,7 +136,7 @@ mod tests {
         assert!(w.history[1].0 >= w.history[0].0 && w.history[0].0 > 1.7e9);
         assert_eq!(
             c.tail(2)[1],
-            "vmwork: done ops=9100 errors=0 verified=16384"
+            "vmwork: done ops=9100 errors=0 verified=16384 disk_reads=12"
         );
     }
 
