@@ -808,6 +808,16 @@ fn raw_serve(mut s: TcpStream) -> std::io::Result<()> {
                 left -= n;
             }
         }
+        b'W' => {
+            // Windows: an 8-byte page count, answered with that many 4 KiB
+            // pages in one write (the scan floor's bulk page-in).
+            let data = vec![3u8; 1024 * P];
+            let mut n = [0u8; 8];
+            while s.read_exact(&mut n).is_ok() {
+                let k = (u64::from_le_bytes(n) as usize).min(1024);
+                s.write_all(&data[..k * P])?;
+            }
+        }
         m @ (b'G' | b'P') => {
             let (req, rep) = if m == b'G' {
                 (GET_REQ, GET_REP)

@@ -10,14 +10,14 @@
 use crate::kvload;
 use crate::memserver::RawServer;
 use crate::util::{self, Goal, MemCgroup, SsdSwap, Swap};
-use anyhow::{anyhow, bail, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use pagefleet_proto::auth::Secret;
 use serde::Serialize;
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -158,6 +158,9 @@ pub struct Report {
     pub goals: Vec<Goal>,
     /// For the goals against a baseline: the best the floor could do.
     pub floor_bounds: Vec<FloorBound>,
+    /// The sequential scan's floor program (raw TCP windows, `UFFDIO_COPY`,
+    /// punches), pinned as the scan is: GB/s paged in.
+    pub seq_floor_gbps: Option<f64>,
     #[serde(flatten)]
     pub plot: util::PlotOutcome,
 }
@@ -471,6 +474,30 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
         ));
     }
     let mut floor_bounds = Vec::new();
+    // The scan's floor, in the same run as the scan.
+    let seq_floor_gbps = if rows.iter().any(|r| r.cfg.name == SEQ_DEFAULT) {
+        log("sequential scan floor: raw TCP windows + UFFDIO_COPY + punches");
+        match seq_floor(o) {
+            Ok(g) => Some(g),
+            Err(e) => {
+                log(&format!("the sequential scan floor failed: {e:#}"));
+                None
+            }
+        }
+    } else {
+        None
+    };
+    if let Some(g) = seq_floor_gbps {
+        floor_bounds.push(FloorBound {
+            goal: "sequential scan 25% page-in rate".into(),
+            bound: g,
+            target: 1.5,
+            how: format!(
+                "floor program: one scanning thread and its fault handler on one CPU, raw TCP windows, UFFDIO_COPY, punch of the oldest window: {g:.2} GB/s"
+            ),
+            reachable: g >= 1.5,
+        });
+    }
     let row = |name: &str| {
         rows.iter()
             .find(|r| r.cfg.name == name && r.error.is_none())
@@ -525,6 +552,7 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
         cpu,
         goals,
         floor_bounds,
+        seq_floor_gbps,
         plot: util::PlotOutcome::default(),
     };
     util::save_with_plot(
@@ -1237,6 +1265,167 @@ fn fault_cpu(
         g = g.saturating_sub(process_cpu_ns(me) - g2);
     }
     Ok((g, s))
+}
+
+/// The sequential scan's floor: only the unavoidable work of paging a scan
+/// in at a 25% budget. One thread reads one word per page of a memfd
+/// mapping registered with userfaultfd (as `synthetic --dist seq` does); a
+/// handler thread on the same CPU (the bench pins the guest process to
+/// CPU 1) asks the raw TCP server (CPU 0) for the faulting page's window — as
+/// many pages as pagefleet's read-ahead cap, one 8-byte request, the pages
+/// back in one bulk reply with no header — and asks for the next window at
+/// once (one window always in flight ahead of the scanner), installs the
+/// window with one `UFFDIO_COPY`, and punches the oldest window out of the
+/// memfd once over the budget. Returns GB/s paged in.
+fn seq_floor(o: &Opts) -> Result<f64> {
+    use pagefleet_uffd as uffd;
+    use std::os::fd::AsRawFd;
+    let pages = o.size / 4096;
+    let budget = pages / 4;
+    let window = (budget / 16).clamp(1, 1024);
+    let raw = RawServer::start()?;
+    let two = util::ncpus() >= 2;
+    if two {
+        util::set_process_affinity(raw.child.id(), &[0]);
+    }
+    let fd = Arc::new(uffd::memfd("seq-floor", pages * 4096)?);
+    let m = uffd::Mapping::shared(fd.as_raw_fd(), (pages * 4096) as usize)?;
+    m.madvise(0, m.len(), libc::MADV_NOHUGEPAGE)?;
+    let u = Arc::new(uffd::Uffd::open(uffd::FEATURE_MISSING_SHMEM)?);
+    u.register(m.base(), m.len() as u64, uffd::MODE_MISSING)?;
+    let mut conn = raw.connect(b'W', 0)?;
+    let base = m.base();
+    let stop = Arc::new(AtomicBool::new(false));
+    let paged = Arc::new(AtomicU64::new(0));
+    let (u2, s2, fd2, n2) = (u.clone(), stop.clone(), fd.clone(), paged.clone());
+    let handler = std::thread::spawn(move || -> std::io::Result<()> {
+        if two {
+            util::set_affinity(0, &[1]);
+        }
+        let r = (|| -> std::io::Result<()> {
+            let mut rep = vec![0u8; 4096 * window as usize];
+            let mut here = vec![false; pages as usize];
+            // The window asked for ahead, its reply next on the stream.
+            let mut ahead: Option<(u64, u64)> = None;
+            let len = |p: u64| window.min(pages - p);
+            // One UFFDIO_COPY for the window; page by page if some page of it
+            // is there already (a whole-range copy stops at the first).
+            let install = |a: u64, data: &[u8]| {
+                if u2.copy(base + a * 4096, data, false).is_err() {
+                    for (i, pg) in data.chunks(4096).enumerate() {
+                        let _ = u2.copy(base + (a + i as u64) * 4096, pg, false);
+                    }
+                }
+            };
+            let mut windows: std::collections::VecDeque<(u64, u64)> = Default::default();
+            let mut resident = 0u64;
+            let mut fs = Vec::new();
+            while !s2.load(Relaxed) {
+                if !u2.poll(5).unwrap_or(false) {
+                    continue;
+                }
+                fs.clear();
+                let _ = u2.read_faults(&mut fs, 16);
+                for f in &fs {
+                    let p = (f.addr - base) / 4096;
+                    if here[p as usize] {
+                        let _ = u2.wake(f.addr & !4095, 4096);
+                        continue;
+                    }
+                    // The reply in flight is for another window: take it in
+                    // (its pages are good) before asking for this one.
+                    let (p, k) = match ahead.take() {
+                        Some((a, k)) if a == p => (a, k),
+                        other => {
+                            if let Some((a, k)) = other {
+                                std::io::Read::read_exact(
+                                    &mut conn,
+                                    &mut rep[..4096 * k as usize],
+                                )?;
+                                install(a, &rep[..4096 * k as usize]);
+                                here[a as usize..(a + k) as usize].fill(true);
+                                windows.push_back((a, k));
+                                resident += k;
+                                n2.fetch_add(k, Relaxed);
+                            }
+                            if here[p as usize] {
+                                let _ = u2.wake(f.addr & !4095, 4096);
+                                continue;
+                            }
+                            conn.write_all(&len(p).to_le_bytes())?;
+                            (p, len(p))
+                        }
+                    };
+                    let next = (p + k) % pages;
+                    conn.write_all(&len(next).to_le_bytes())?;
+                    ahead = Some((next, len(next)));
+                    std::io::Read::read_exact(&mut conn, &mut rep[..4096 * k as usize])?;
+                    install(p, &rep[..4096 * k as usize]);
+                    here[p as usize..(p + k) as usize].fill(true);
+                    windows.push_back((p, k));
+                    resident += k;
+                    n2.fetch_add(k, Relaxed);
+                    while resident > budget {
+                        let Some((q, c)) = windows.pop_front() else {
+                            break;
+                        };
+                        uffd::punch_hole(fd2.as_raw_fd(), q * 4096, c * 4096)?;
+                        here[q as usize..(q + c) as usize].fill(false);
+                        resident -= c;
+                    }
+                }
+            }
+            Ok(())
+        })();
+        // Failed: keep the scanner going (zero pages) until it stops, so
+        // it never waits on a fault nobody serves.
+        if r.is_err() {
+            while !s2.load(Relaxed) {
+                if u2.poll(5).unwrap_or(false) {
+                    fs_drain(&u2, base);
+                }
+            }
+        }
+        r
+    });
+    let secs = o.measure_secs.clamp(1, 10);
+    let scanned = std::thread::scope(|sc| {
+        sc.spawn(|| {
+            if two {
+                util::set_affinity(0, &[1]);
+            }
+            let t = Instant::now();
+            let p0 = paged.load(Relaxed);
+            let mut p = 0u64;
+            while t.elapsed() < Duration::from_secs(secs) {
+                for _ in 0..256 {
+                    // SAFETY: inside the mapping of `pages` pages.
+                    std::hint::black_box(unsafe {
+                        std::ptr::read_volatile((base + p * 4096) as *const u64)
+                    });
+                    p = (p + 1) % pages;
+                }
+            }
+            (paged.load(Relaxed) - p0, t.elapsed())
+        })
+        .join()
+    });
+    stop.store(true, Relaxed);
+    let handled = handler.join();
+    let (n, el) = scanned.map_err(|_| anyhow::anyhow!("the floor's scanner panicked"))?;
+    handled
+        .map_err(|_| anyhow::anyhow!("the floor's fault handler panicked"))?
+        .context("the floor's fault handler")?;
+    Ok(util::gbps(n * 4096, el))
+}
+
+/// Serve every queued fault with a zero page (a floor program that failed).
+fn fs_drain(u: &pagefleet_uffd::Uffd, base: u64) {
+    let mut fs = Vec::new();
+    let _ = u.read_faults(&mut fs, 64);
+    for f in &fs {
+        let _ = u.zeropage((f.addr & !4095).max(base), 4096);
+    }
 }
 
 fn floor_cpu(pages: u64, threads: usize, think: Option<Work>, tag: &str) -> Result<CpuPerPage> {
