@@ -154,9 +154,12 @@ impl Workload {
                 ..
             } => {
                 if let Some(l) = listen {
-                    if l.parse::<std::net::SocketAddrV4>().is_err() || *guest_port == 0 {
+                    let ok = l
+                        .parse::<std::net::SocketAddrV4>()
+                        .is_ok_and(|a| a.port() != 0);
+                    if !ok || *guest_port == 0 {
                         return Err(InvalidSpec(format!(
-                            "listen {l:?} is not IPv4:PORT (or guest_port is 0)"
+                            "listen {l:?} is not IPv4:PORT with a port (or guest_port is 0)"
                         )));
                     }
                 }

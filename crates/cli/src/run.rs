@@ -185,9 +185,10 @@ fn budget_pages(spec: Option<&str>, size: u64) -> Result<u64> {
     })
 }
 
-/// A VM workload's typed form (paths made absolute), hosted or local.
+/// A VM workload's typed form (paths made absolute, checked), hosted or
+/// local.
 fn vm_workload(w: &Workload) -> Result<api::Workload> {
-    Ok(match w {
+    let w = match w {
         Workload::Vm {
             kernel,
             initrd,
@@ -208,7 +209,9 @@ fn vm_workload(w: &Workload) -> Result<api::Workload> {
             guest_port: *guest_port,
         },
         _ => bail!("not a VM workload"),
-    })
+    };
+    w.validate()?;
+    Ok(w)
 }
 
 /// A hosted guest's typed spec from `run`-style flags (`pagefleet guest

@@ -382,7 +382,7 @@ impl Pager {
         // of waiting out its slice. Sequential scan at 25%: 0.91 GB/s
         // without, 1.14 GB/s with (2026-11-25, separate runs); kv at 25%
         // / zram unchanged (0.835 and 0.83).
-        sched::set_slice_or_warn("pager");
+        sched::ask_for_slice("pager");
         while !self.shared.stop.load(Relaxed) {
             // Sleep until a fault, a reply, a command or a finished
             // page-out comes; with more page-out to start, or reply bytes

@@ -11,7 +11,7 @@ pub const SLICE: std::time::Duration = std::time::Duration::from_micros(100);
 
 /// [`set_slice`] of [`SLICE`] for the calling thread; a kernel without
 /// custom slices (before 6.12) keeps its default, with a debug line.
-pub fn set_slice_or_warn(who: &str) {
+pub fn ask_for_slice(who: &str) {
     if let Err(e) = set_slice(SLICE) {
         tracing::debug!("{who}: a {SLICE:?} CPU slice: {e}");
     }
