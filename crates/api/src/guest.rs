@@ -28,6 +28,18 @@ impl From<&str> for InvalidSpec {
     }
 }
 
+/// Whole-page pseudo-random prefill content: a `shared` fraction of the
+/// pages (spread over the memory) the same on every guest filled this way,
+/// the rest this guest's own (`seed`). Paper 002's controlled sharing.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ContentFill {
+    /// Seed of this guest's own pages.
+    pub seed: u64,
+    /// Fraction of pages with the common content, 0 to 1.
+    pub shared: f64,
+}
+
 /// A built-in workload and its parameters. This is all a caller can ask a
 /// host to run: there is no command line in it.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -47,6 +59,11 @@ pub enum Workload {
         rate: Option<f64>,
         /// Fraction of the pages the accesses fall on (the first ones).
         span: f64,
+        /// Prefill whole pages with pseudo-random content, a `shared`
+        /// fraction of them the same on every guest (controlled sharing for
+        /// sharing-aware migration).
+        #[serde(default)]
+        fill: Option<ContentFill>,
     },
     /// A memcached-protocol key-value server whose table lives in the memory.
     Kv {
@@ -127,10 +144,14 @@ impl Workload {
                 rate,
                 span,
                 dist,
+                fill,
                 ..
             } => {
                 frac("write_frac", *write_frac)?;
                 frac("span", *span)?;
+                if let Some(f) = fill {
+                    frac("fill shared", f.shared)?;
+                }
                 if rate.is_some_and(|r| !(r >= 0.0 && r.is_finite())) {
                     return Err("rate must be a non-negative number".into());
                 }

@@ -33,6 +33,34 @@ pub struct HostReport {
     /// Guests (runners) on this host.
     #[serde(default)]
     pub guests: u64,
+    /// The content index sharing-aware migration asks (None: not kept here).
+    #[serde(default)]
+    pub dedup: Option<DedupIndexReport>,
+}
+
+/// A host's content index (sharing-aware migration).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct DedupIndexReport {
+    /// Distinct page contents indexed.
+    pub pages_indexed: u64,
+    /// Sources (guests' memories) it was fed from.
+    pub sources: u64,
+    /// Memory the index holds, bytes.
+    pub bytes: u64,
+    /// Memory per indexed page, bytes.
+    pub bytes_per_page: f64,
+    /// Lookups answered (contents asked about by incoming migrations).
+    pub lookups: u64,
+    /// Of which found here.
+    pub hits: u64,
+    /// hits / lookups.
+    pub hit_rate: f64,
+    /// Pages the scanner has hashed since the daemon started.
+    pub pages_scanned: u64,
+    /// CPU seconds the scanner spent on it.
+    pub scan_cpu_secs: f64,
+    /// Full passes over every guest's memory finished.
+    pub passes: u64,
 }
 
 /// One host in the registry's view: its report and guests, or why it did

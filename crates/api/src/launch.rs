@@ -47,6 +47,10 @@ pub struct Launch {
     pub service_dev: String,
     /// What to run.
     pub job: Job,
+    /// The host's content lookup socket (sharing-aware migration; an
+    /// incoming runner fills pages this host already holds through it).
+    #[serde(default)]
+    pub dedup_socket: Option<PathBuf>,
 }
 
 /// Hex-encode bytes (the secret in a [`Launch`]).

@@ -18,13 +18,13 @@ pub mod migration;
 
 pub use control::{ControlReply, ControlRequest};
 pub use guest::{
-    GuestSpec, GuestState, GuestStatus, PageLocations, PagingCosts, SortResult, StartGuest,
-    Workload,
+    ContentFill, GuestSpec, GuestState, GuestStatus, PageLocations, PagingCosts, SortResult,
+    StartGuest, Workload,
 };
-pub use host::{ClusterHost, ClusterView, HostReport};
+pub use host::{ClusterHost, ClusterView, DedupIndexReport, HostReport};
 pub use migration::{
-    EvacuationEvent, EvacuationOrder, Failure, IncomingReply, IncomingRequest, MigrateRequest,
-    MigrationOrder, MigrationProgress, Placed, ProgressEvent, Report, SubHost,
+    DedupReport, EvacuationEvent, EvacuationOrder, Failure, IncomingReply, IncomingRequest,
+    MigrateRequest, MigrationOrder, MigrationProgress, Placed, ProgressEvent, Report, SubHost,
 };
 
 /// The body of every error reply (HTTP and control socket).

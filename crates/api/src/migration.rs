@@ -49,6 +49,10 @@ pub struct MigrateRequest {
     /// Give a silent destination up after this many seconds (default 30).
     #[serde(default)]
     pub timeout_secs: Option<u64>,
+    /// Send every page as data, even where the destination holds its
+    /// content (sharing-aware migration is on by default).
+    #[serde(default)]
+    pub no_dedup: bool,
 }
 
 /// `POST /migrations`, sent to the daemon of the host the guest runs on:
@@ -96,6 +100,9 @@ pub struct MigrationOrder {
     /// A memory cgroup (under /sys/fs/cgroup) on the main host for the destination runner.
     #[serde(default)]
     pub dest_cgroup: Option<String>,
+    /// Send every page as data (sharing-aware migration off).
+    #[serde(default)]
+    pub no_dedup: bool,
 }
 
 /// `POST /evacuations`: empty a host for maintenance. Pages guests keep on
@@ -285,6 +292,34 @@ pub struct Report {
     pub checksum_source: Option<String>,
     /// Region checksum at resume (with verify).
     pub checksum_dest: Option<String>,
+    /// Sharing-aware migration to the main host (None: not used).
+    #[serde(default)]
+    pub dedup_main: Option<Box<DedupReport>>,
+}
+
+/// What sharing-aware migration saved toward one destination.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct DedupReport {
+    /// Pages the source hashed (every page, or a probe of a batch when
+    /// recent batches found nothing).
+    pub pages_hashed: u64,
+    /// Pages not sent: the destination filled them from its own host.
+    pub pages_not_sent: u64,
+    /// Of those, zero pages.
+    pub zero_pages: u64,
+    /// Index hints at the destination that were stale (the page was sent).
+    pub stale_hints: u64,
+    /// Bytes of hashes sent.
+    pub hash_bytes: u64,
+    /// Page bytes not sent minus hash bytes sent (negative: it cost more
+    /// than it saved).
+    pub bytes_saved: i64,
+    /// Batches the source only probed (hashing one page in 32).
+    pub probe_batches: u64,
+    /// Source CPU seconds spent hashing.
+    pub source_hash_secs: f64,
+    /// Destination seconds spent looking up, reading and checking.
+    pub dest_fill_secs: f64,
 }
 
 impl Report {
@@ -316,6 +351,18 @@ impl std::fmt::Display for Report {
                 s,
                 self.pages_subs[i],
                 mib(self.bytes_subs[i])
+            )?;
+        }
+        if let Some(d) = &self.dedup_main {
+            writeln!(
+                f,
+                "  sharing-aware: {} pages not sent (the main host held their content; {} zero pages), {:.1} MiB saved after {:.1} MiB of hashes; hashing {:.2} s here, filling {:.2} s there",
+                d.pages_not_sent,
+                d.zero_pages,
+                d.bytes_saved as f64 / (1 << 20) as f64,
+                mib(d.hash_bytes),
+                d.source_hash_secs,
+                d.dest_fill_secs
             )?;
         }
         if self.pages_pulled > 0 {

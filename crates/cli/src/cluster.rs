@@ -357,6 +357,12 @@ pub struct MigrateArgs {
     /// nothing for this many seconds.
     #[arg(long, default_value_t = 30)]
     pub timeout: u64,
+    /// Send every page as data. By default the migration is sharing-aware:
+    /// the source sends a page's keyed hash first and its data only if the
+    /// main host does not already hold that content (another guest's
+    /// memory there); the report shows what that saved.
+    #[arg(long)]
+    pub no_dedup: bool,
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
@@ -383,6 +389,9 @@ pub struct GatherArgs {
     /// Compare region checksums at stop time and at resume.
     #[arg(long)]
     pub verify: bool,
+    /// Send every page as data (see `pagefleet migrate --help`).
+    #[arg(long)]
+    pub no_dedup: bool,
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
@@ -448,6 +457,7 @@ pub fn migrate(c: &Client, a: &MigrateArgs, progress: bool) -> Result<Report> {
         max_downtime_ms: a.max_downtime,
         timeout_secs: Some(a.timeout),
         dest_cgroup: a.dest_cgroup.clone(),
+        no_dedup: a.no_dedup,
     };
     catch_interrupts();
     let mut report = None;
@@ -548,6 +558,7 @@ pub fn gather_cmd(c: &Client, g: GatherArgs) -> Result<()> {
             timeout: 30,
             json: g.json,
             dest_cgroup: None,
+            no_dedup: g.no_dedup,
             reg: g.reg,
             gather: true,
         },

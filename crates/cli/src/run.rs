@@ -85,6 +85,15 @@ pub enum Workload {
         /// Fraction of the pages the accesses fall on (the first ones).
         #[arg(long, default_value_t = 1.0)]
         span: f64,
+        /// Prefill every page whole with pseudo-random bytes of this seed
+        /// (implies --prefill; without it a page holds one word).
+        #[arg(long)]
+        fill_seed: Option<u64>,
+        /// With --fill-seed: this fraction of the pages, spread over the
+        /// memory, get content that is the same on every guest filled this
+        /// way (controlled sharing, e.g. for `pagefleet bench dedup`).
+        #[arg(long, default_value_t = 0.0, requires = "fill_seed")]
+        fill_shared: f64,
     },
     /// Generate and sort fixed-size 100-byte records filling the memory (the S-memV sort experiment).
     Sort {
@@ -230,12 +239,18 @@ pub fn guest_spec(a: &RunArgs) -> Result<GuestSpec> {
             prefill,
             rate,
             span,
+            fill_seed,
+            fill_shared,
         }) => api::Workload::Synthetic {
             dist: dist.to_string(),
             write_frac: *write_frac,
             prefill: *prefill,
             rate: *rate,
             span: *span,
+            fill: fill_seed.map(|seed| api::ContentFill {
+                seed,
+                shared: *fill_shared,
+            }),
         },
         Some(Workload::Kv { listen }) => api::Workload::Kv {
             listen: listen.clone(),
@@ -305,13 +320,24 @@ pub fn run(a: RunArgs, secret_file: Option<&Path>) -> Result<()> {
             prefill,
             rate,
             span,
-        } => local::Workload::Synthetic {
-            dist,
-            write_frac,
-            prefill,
-            rate,
-            span,
-        },
+            fill_seed,
+            fill_shared,
+        } => {
+            if !(0.0..=1.0).contains(&fill_shared) {
+                bail!("--fill-shared must be between 0 and 1, not {fill_shared}");
+            }
+            local::Workload::Synthetic {
+                dist,
+                write_frac,
+                prefill,
+                rate,
+                span,
+                fill: fill_seed.map(|seed| synthetic::Fill {
+                    seed,
+                    shared: fill_shared,
+                }),
+            }
+        }
         Workload::Sort { seed } => local::Workload::Sort { seed },
         Workload::Kv { listen } => local::Workload::Kv { listen },
         w @ Workload::Vm { .. } => local::Workload::Vm(

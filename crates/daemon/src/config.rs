@@ -123,6 +123,9 @@ pub struct GuestsSection {
     pub service_dev: Option<String>,
     /// Directories VM guests' kernels, initramfs and disks may come from.
     pub vm_images: Option<Vec<PathBuf>>,
+    /// Keep a content index of the guests' memory for sharing-aware
+    /// migration into this host (default true).
+    pub dedup: Option<bool>,
 }
 
 /// `[registry]`.
@@ -198,6 +201,8 @@ pub struct Flags {
     pub ioqos_policy: Option<String>,
     /// Directories VM images may come from.
     pub vm_images: Option<Vec<PathBuf>>,
+    /// Sharing-aware migration's content index (Some(false): off).
+    pub dedup: Option<bool>,
 }
 
 /// The daemon's effective settings.
@@ -239,6 +244,8 @@ pub struct Settings {
     pub ioqos: Option<pagefleet_ioqos::control::Spec>,
     /// Directories VM guests' files may come from (none: no VMs here).
     pub vm_images: Vec<PathBuf>,
+    /// Keep a content index of the guests' memory (sharing-aware migration).
+    pub dedup: bool,
 }
 
 impl FileConfig {
@@ -346,6 +353,7 @@ pub fn merge(file: FileConfig, flags: Flags) -> Result<Settings> {
         .clone()
         .or(g.vm_images.clone())
         .unwrap_or_default();
+    let dedup = flags.dedup.or(g.dedup).unwrap_or(true);
     Ok(Settings {
         lend,
         listen: flags
@@ -374,6 +382,7 @@ pub fn merge(file: FileConfig, flags: Flags) -> Result<Settings> {
         ksm,
         ioqos,
         vm_images,
+        dedup,
     })
 }
 

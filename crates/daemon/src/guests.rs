@@ -40,6 +40,9 @@ pub struct GuestConfig {
     pub secret: Secret,
     /// Directories VM guests' files may come from.
     pub vm_images: Vec<PathBuf>,
+    /// The content lookup socket handed to incoming runners (None: no
+    /// sharing-aware migration into this host).
+    pub dedup_socket: Option<PathBuf>,
 }
 
 /// A refused or failed request: the HTTP status and what to tell the caller.
@@ -254,6 +257,7 @@ impl Guests {
             control: control.clone(),
             service_dev: self.cfg.service_dev.clone(),
             job,
+            dedup_socket: self.cfg.dedup_socket.clone(),
         };
         let mut cmd = Command::new(&self.cfg.runner);
         // The name (validated: letters, digits, - and _) only labels the
@@ -505,6 +509,15 @@ impl Guests {
     pub fn migrate_stream(&self, name: &str, req: &ControlRequest) -> Result<UnixStream, Refusal> {
         let c = self.control_path(name)?;
         Ok(control::send(&c, req, None)?)
+    }
+
+    /// Runners here: (pid, waiting for an incoming migration).
+    pub fn runners(&self) -> Vec<(u32, bool)> {
+        lock(&self.map)
+            .values()
+            .filter(|e| e.pid != 0)
+            .map(|e| (e.pid, e.incoming))
+            .collect()
     }
 
     /// The guest left this host (its runner exits next): its memory is free at once.

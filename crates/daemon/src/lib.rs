@@ -4,6 +4,7 @@
 
 pub mod api;
 pub mod config;
+pub mod dedup;
 pub mod error;
 pub mod guests;
 pub mod http;

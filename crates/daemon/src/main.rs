@@ -95,6 +95,13 @@ struct Args {
     /// request naming a file elsewhere is refused.
     #[arg(long, value_delimiter = ',')]
     vm_images: Option<Vec<PathBuf>>,
+    /// Keep no content index of this host's guests: migrations into this
+    /// host then receive every page as data (sharing-aware migration off).
+    /// By default a scanner hashes running guests' memory at low priority
+    /// within a quarter of one CPU, and incoming runners fill pages whose
+    /// content is already here (`GET /host` shows the index).
+    #[arg(long)]
+    no_dedup: bool,
     /// The other hosts' pagefleetd HTTP addresses (registry), comma-separated.
     #[arg(long, value_delimiter = ',')]
     peers: Option<Vec<String>>,
@@ -165,6 +172,7 @@ fn run() -> Result<()> {
             ioqos_tenants: args.ioqos_tenants,
             ioqos_policy: args.ioqos_policy,
             vm_images: args.vm_images,
+            dedup: args.no_dedup.then_some(false),
         },
     )?;
     tracing_subscriber::fmt()

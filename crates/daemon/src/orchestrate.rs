@@ -158,6 +158,7 @@ fn place(app: &App, o: &MigrationOrder) -> Result<(Placed, MigrateRequest), Refu
         stop_pages: o.stop_pages,
         max_downtime_ms: o.max_downtime_ms,
         timeout_secs: o.timeout_secs,
+        no_dedup: o.no_dedup,
     };
     Ok((placed, req))
 }

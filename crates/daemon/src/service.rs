@@ -101,6 +101,7 @@ pub fn run(a: Settings) -> Result<()> {
         }
         None => Some(format!("127.0.0.1:{}", listen_addr.port().wrapping_add(1))),
     };
+    let mut dedup = None;
     let guests = match a.guest_memory {
         Some(mem) => {
             if http_listen.is_none() {
@@ -118,7 +119,8 @@ pub fn run(a: Settings) -> Result<()> {
                 .guest_dir
                 .clone()
                 .unwrap_or_else(|| PathBuf::from(format!("/run/pagefleet/guests-{port}")));
-            Some(Guests::new(GuestConfig {
+            let dedup_socket = a.dedup.then(|| crate::dedup::socket_path(&dir));
+            let g = Guests::new(GuestConfig {
                 memory: mem,
                 runner,
                 dir,
@@ -126,7 +128,20 @@ pub fn run(a: Settings) -> Result<()> {
                 ip: listen_addr.ip().to_string(),
                 secret: secret.clone(),
                 vm_images: a.vm_images.clone(),
-            })?)
+                dedup_socket: dedup_socket.clone(),
+            })?;
+            if let Some(sock) = &dedup_socket {
+                let d = crate::dedup::Dedup::start(
+                    sock,
+                    &secret,
+                    g.clone(),
+                    crate::dedup::ScanConfig::default(),
+                    stop,
+                )
+                .with_context(|| format!("cannot serve content lookups on {}", sock.display()))?;
+                dedup = Some(d);
+            }
+            Some(g)
         }
         None => None,
     };
@@ -135,6 +150,7 @@ pub fn run(a: Settings) -> Result<()> {
             let self_http = Arc::new(std::sync::OnceLock::<String>::new());
             let st = ms.as_ref().map(|m| (m.state.clone(), m.addr));
             let (g, me, name) = (guests.clone(), self_http.clone(), a.name.clone());
+            let dd = dedup.clone();
             let report = move || {
                 let mut r = crate::host_report(st.as_ref().map(|(s, a)| (&**s, *a)));
                 r.http = me.get().cloned();
@@ -146,13 +162,18 @@ pub fn run(a: Settings) -> Result<()> {
                     r.guest_free = g.free_bytes();
                     r.guests = g.count() as u64;
                 }
+                r.dedup = dd.as_ref().map(|d| d.report());
                 r
             };
             let (st, g) = (ms.as_ref().map(|m| m.state.clone()), guests.clone());
+            let dd = dedup.clone();
             let metrics_text = move || {
                 let mut b = st.as_ref().map(|s| s.render_metrics()).unwrap_or_default();
                 if let Some(g) = &g {
                     b.push_str(&g.metrics());
+                }
+                if let Some(d) = &dd {
+                    b.push_str(&d.metrics());
                 }
                 b
             };

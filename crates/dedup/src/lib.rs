@@ -11,6 +11,8 @@
 
 mod hash;
 mod index;
+pub mod lookup;
+pub mod scan;
 
 pub use hash::{ContentKey, PageHash, PAGE};
 pub use index::{ContentIndex, IndexStats, Location, SourceId};

@@ -108,6 +108,51 @@ impl Zipf {
     }
 }
 
+/// Whole-page content for the prefill (sharing-aware migration's
+/// controlled sharing, like paper 002's mmap program): every page gets
+/// pseudo-random bytes; a `shared` fraction of the pages, spread over the
+/// memory, get content that depends only on the page number (the same on
+/// every guest filled this way), the others content of their own `seed`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Fill {
+    /// Seed of the pages of this guest's own.
+    pub seed: u64,
+    /// Fraction of the pages with the common content, 0 to 1.
+    pub shared: f64,
+}
+
+/// Seed of the common content (every guest's `shared` pages).
+const COMMON_SEED: u64 = 0x5ace_d00d;
+
+fn splitmix(x: &mut u64) -> u64 {
+    *x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *x;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+impl Fill {
+    /// Whether page `p` has the common content.
+    pub fn is_shared(&self, p: u64) -> bool {
+        let mut x = p ^ 0xC0DE;
+        (splitmix(&mut x) % 10_000) < (self.shared.clamp(0.0, 1.0) * 10_000.0).round() as u64
+    }
+
+    /// Write page `p`'s content.
+    pub fn write(&self, mem: &Mem, p: u64) {
+        let seed = if self.is_shared(p) {
+            COMMON_SEED
+        } else {
+            self.seed
+        };
+        let mut x = seed ^ p.wrapping_mul(0x2545_F491_4F6C_DD1D);
+        for w in 0..512 {
+            mem.write_u64(p as usize * 4096 + w * 8, splitmix(&mut x));
+        }
+    }
+}
+
 /// How to run the synthetic workload.
 #[derive(Clone, Debug)]
 pub struct Opts {
@@ -130,6 +175,8 @@ pub struct Opts {
     pub rate: Option<f64>,
     /// Fraction of the pages the accesses fall on (the first ones).
     pub span: f64,
+    /// Prefill whole pages with this content (None: one word per page).
+    pub fill: Option<Fill>,
 }
 
 /// What a run measured.
@@ -149,7 +196,7 @@ pub struct Outcome {
 pub fn run(mem: Mem, o: &Opts, mut tick: impl FnMut(usize, f64)) -> Outcome {
     let all_pages = (mem.len / 4096) as u64;
     let pages = ((all_pages as f64 * o.span.clamp(0.0, 1.0)) as u64).clamp(1, all_pages);
-    if o.prefill {
+    if o.prefill || o.fill.is_some() {
         std::thread::scope(|s| {
             for t in 0..o.threads as u64 {
                 s.spawn(move || {
@@ -158,7 +205,10 @@ pub fn run(mem: Mem, o: &Opts, mut tick: impl FnMut(usize, f64)) -> Outcome {
                         g.enter();
                     }
                     for p in t * per..((t + 1) * per).min(all_pages) {
-                        mem.write_u64(p as usize * 4096, p);
+                        match &o.fill {
+                            Some(f) => f.write(&mem, p),
+                            None => mem.write_u64(p as usize * 4096, p),
+                        }
                     }
                     if let Some(g) = &o.gate {
                         g.exit();

@@ -3,9 +3,12 @@
 //! already mapped when it starts), learns where the rest lives, and builds
 //! its region at COMMIT.
 
-use crate::wire::{Kind, Stream, WireError, MAX_PAGES, ZERO_SERVER};
+use crate::dedup::Filled;
+use crate::wire::{Kind, Stream, WireError, HASH_ENTRY, MAX_HASHES, MAX_PAGES, ZERO_SERVER};
 use crate::Spec;
 use pagefleet_client::{Conn, ConnectOptions, GetMode, Pages};
+use pagefleet_dedup::lookup::{Found, LookupClient};
+use pagefleet_dedup::PageHash;
 use pagefleet_proto::auth::Secret;
 use pagefleet_region::{Adopt, Config, Policy, Region, PAGE};
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -176,6 +179,8 @@ pub struct Received {
     secret: Secret,
     /// A VM's device state, as its QEMU wrote it on the source.
     device_state: Vec<u8>,
+    /// Pages filled from this host's own content.
+    filled: Filled,
 }
 
 /// Gather's pullers, one per memory server; dropping them waits for them.
@@ -305,16 +310,19 @@ pub fn receive(
     secret: &Secret,
     progress: &Progress,
 ) -> Result<Received, WireError> {
-    receive_with(stream, secret, progress, &mut |_, _| {})
+    receive_with(stream, secret, progress, None, &mut |_, _| {})
 }
 
-/// [`receive`], calling `prepare` with the guest's spec and the memfd its
-/// memory is being received into, once, before the first page (a VM's
-/// QEMU is started on it then, off the downtime).
+/// [`receive`], filling pages whose content this host holds through
+/// `lookup` (sharing-aware migration; None: every page comes as data), and
+/// calling `prepare` with the guest's spec and the memfd its memory is
+/// being received into, once, before the first page (a VM's QEMU is
+/// started on it then, off the downtime).
 pub fn receive_with(
     mut stream: Stream,
     secret: &Secret,
     progress: &Progress,
+    mut lookup: Option<LookupClient>,
     prepare: &mut dyn FnMut(&Spec, &Arc<OwnedFd>),
 ) -> Result<Received, WireError> {
     let spec: Spec = stream.expect_json(Kind::Spec)?;
@@ -356,7 +364,12 @@ pub fn receive_with(
             }
         }
     }
-    stream.send(Kind::Ready, 0, &[])?;
+    stream.send_json(
+        Kind::Ready,
+        &crate::wire::Ready {
+            dedup: lookup.is_some(),
+        },
+    )?;
     let shared = Arc::new(Shared {
         loc: Mutex::new(vec![ZERO_SERVER; pages]),
         base: adopt.guest.addr() as usize,
@@ -372,9 +385,11 @@ pub fn receive_with(
         shared,
         secret: secret.clone(),
         device_state: Vec::new(),
+        filled: Filled::default(),
     };
     let gather = r.spec.gather;
     let mut tmp = vec![0u8; MAX_PAGES * PAGE];
+    let mut fill_buf = Vec::new();
     let mut pipe = Pipe::new().map_err(WireError::Io)?;
     let limited = memcg_limited();
     loop {
@@ -439,6 +454,58 @@ pub fn receive_with(
                     r.shared.loc.lock().unwrap()[first..first + count].fill(HERE);
                 }
                 progress.pages.fetch_add(count as u64, Relaxed);
+            }
+            Kind::Hashes => {
+                let b = r.stream.body(&h)?;
+                let n = b.len() / HASH_ENTRY;
+                if b.len() != n * HASH_ENTRY || n > MAX_HASHES {
+                    return Err(r.fail(format!("HASHES of {} bytes", b.len())));
+                }
+                let mut list = Vec::with_capacity(n);
+                let mut hashes = Vec::with_capacity(n);
+                for e in b.chunks_exact(HASH_ENTRY) {
+                    let p = u64::from_le_bytes(e[..8].try_into().unwrap());
+                    if p >= pages as u64 {
+                        return Err(r.fail(format!("HASHES for page {p} of {pages}")));
+                    }
+                    list.push((p as usize, e[8]));
+                    hashes.push(PageHash(e[9..25].try_into().unwrap()));
+                }
+                let t = Instant::now();
+                fill_buf.resize(n * PAGE, 0);
+                let found = match lookup.as_mut().map(|c| c.find(&hashes, &mut fill_buf)) {
+                    Some(Ok(f)) => f,
+                    Some(Err(e)) => {
+                        // The host's index is an optimization: without it
+                        // every page comes as data.
+                        tracing::warn!("content lookup failed ({e}); receiving every page as data");
+                        lookup = None;
+                        vec![Found::Miss; n]
+                    }
+                    None => vec![Found::Miss; n],
+                };
+                let mut filled = vec![false; n];
+                for (k, (&(p, hist), f)) in list.iter().zip(&found).enumerate() {
+                    let data = match f {
+                        Found::Miss => continue,
+                        Found::Zero => None,
+                        Found::Data => Some(&fill_buf[k * PAGE..(k + 1) * PAGE]),
+                    };
+                    r.fill_page(p, data, gather, limited, populate)
+                        .map_err(|e| r.fail(format!("filling page {p}: {e}")))?;
+                    r.adopt.history[p] = hist;
+                    filled[k] = true;
+                }
+                r.filled.asked += n as u64;
+                r.filled.pages += found.iter().filter(|f| **f == Found::Data).count() as u64;
+                r.filled.zero += found.iter().filter(|f| **f == Found::Zero).count() as u64;
+                r.filled.stale = lookup.as_ref().map_or(r.filled.stale, |c| c.stats.stale);
+                r.filled.secs += t.elapsed().as_secs_f64();
+                let have = crate::dedup::bitmap(&filled);
+                r.stream.send(Kind::Have, h.arg, &[&have])?;
+                progress
+                    .pages
+                    .fetch_add(filled.iter().filter(|f| **f).count() as u64, Relaxed);
             }
             Kind::Located => {
                 let b = r.stream.body(&h)?;
@@ -521,6 +588,61 @@ impl Received {
     fn fail(&mut self, msg: String) -> WireError {
         let _ = self.stream.send(Kind::Error, 0, &[msg.as_bytes()]);
         WireError::Malformed(msg)
+    }
+
+    /// Page `p` gets `data` (None: the zero page) from this host's own
+    /// content, by the same rules as a page that came as data.
+    fn fill_page(
+        &mut self,
+        p: usize,
+        data: Option<&[u8]>,
+        gather: bool,
+        limited: bool,
+        populate: bool,
+    ) -> std::io::Result<()> {
+        let fd = self.adopt.memfd.as_raw_fd();
+        let mut loc = self.shared.loc.lock().unwrap();
+        if loc[p] == PULLED {
+            self.shared.replaced.fetch_add(1, Relaxed);
+        }
+        match data {
+            None => {
+                // A hole reads as zeros; data from an earlier round goes.
+                if loc[p] == HERE || loc[p] == PULLED {
+                    pagefleet_uffd::punch_hole(fd, (p * PAGE) as u64, PAGE as u64)?;
+                }
+                loc[p] = ZERO_SERVER;
+            }
+            Some(d) => {
+                // SAFETY: in bounds (the caller checked p); only this thread
+                // and the pullers (under `loc`'s lock, held) write the guest
+                // memory before the region is built.
+                let dst = unsafe {
+                    std::slice::from_raw_parts_mut(self.adopt.guest.addr().add(p * PAGE), PAGE)
+                };
+                if gather || limited {
+                    dst.copy_from_slice(d);
+                } else {
+                    // As for PAGES: written through the file (no zeroing of
+                    // a fresh page), then mapped for a native guest.
+                    let f = std::mem::ManuallyDrop::new(
+                        // SAFETY: borrowed for this call; ManuallyDrop keeps it open.
+                        unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) },
+                    );
+                    std::os::unix::fs::FileExt::write_all_at(&*f, d, (p * PAGE) as u64)?;
+                    if populate {
+                        map_resident(dst);
+                    }
+                }
+                loc[p] = HERE;
+            }
+        }
+        Ok(())
+    }
+
+    /// What this host filled from its own content so far.
+    pub fn filled(&self) -> &Filled {
+        &self.filled
     }
 
     /// The region configuration that resumes this guest here.
@@ -642,6 +764,7 @@ impl Received {
             mut stream,
             mut adopt,
             device_state,
+            filled,
             ..
         } = self;
         adopt.resident = Some(resident);
@@ -661,6 +784,7 @@ impl Received {
                 build_ms,
                 pulled,
                 pulled_then_replaced: replaced,
+                dedup: filled,
             },
         )?;
         match stream.expect(Kind::Go) {

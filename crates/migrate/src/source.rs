@@ -49,6 +49,9 @@ pub struct Options {
     pub gather: bool,
     /// Compare region checksums at stop time (source) and at resume (destination).
     pub verify: bool,
+    /// Sharing-aware: send hashes first and data only for pages the main
+    /// host does not hold (when it can fill pages from its host).
+    pub dedup: bool,
     /// Most pre-copy rounds before stop-and-copy.
     pub max_rounds: usize,
     /// Stop and copy once a round leaves at most this many changed pages.
@@ -84,6 +87,7 @@ impl Options {
             dest_chunk: None,
             gather: false,
             verify: false,
+            dedup: true,
             max_rounds: 30,
             stop_pages: 1024,
             max_downtime: Duration::from_millis(50),
@@ -220,6 +224,8 @@ struct Run<'a> {
     pages_twice: u64,
     bytes_main: u64,
     bytes_subs: Vec<u64>,
+    /// Sharing-aware migration to the main host (when both ends do it).
+    dedup: Option<crate::dedup::Sender>,
 }
 
 /// Migrate `region` (whose guest is `guest`) as planned by `o`. On success
@@ -329,6 +335,7 @@ pub fn migrate(
         pages_twice: 0,
         bytes_main: 0,
         bytes_subs: vec![0; n],
+        dedup: None,
     };
     let mut paused = false;
     let mut released = false;
@@ -383,7 +390,18 @@ impl Run<'_> {
             gather: self.o.gather,
         };
         self.stream.send_json(Kind::Spec, &spec)?;
-        self.stream.expect(Kind::Ready)?;
+        let (_, ready) = self.stream.expect(Kind::Ready)?;
+        let ready: crate::wire::Ready = if ready.is_empty() {
+            crate::wire::Ready::default()
+        } else {
+            serde_json::from_slice(&ready)
+                .map_err(|e| WireError::Malformed(format!("READY: {e}")))?
+        };
+        if self.o.dedup && ready.dedup {
+            self.dedup = Some(crate::dedup::Sender::new(
+                pagefleet_dedup::ContentKey::from_secret(&self.o.secret),
+            ));
+        }
         info!(
             "migrating {}: {} pages to the main host, {:?} to sub-hosts",
             self.o.name, self.plan.main_pages, self.plan.sub_pages
@@ -519,6 +537,21 @@ impl Run<'_> {
             start_ms,
             checksum_source,
             checksum_dest: started.checksum,
+            dedup_main: self.dedup.as_ref().map(|d| {
+                Box::new(pagefleet_api::DedupReport {
+                    pages_hashed: d.hashed,
+                    pages_not_sent: prepared.dedup.pages + prepared.dedup.zero,
+                    zero_pages: prepared.dedup.zero,
+                    stale_hints: prepared.dedup.stale,
+                    hash_bytes: d.hash_bytes,
+                    bytes_saved: ((prepared.dedup.pages + prepared.dedup.zero) * PAGE as u64)
+                        as i64
+                        - d.hash_bytes as i64,
+                    probe_batches: d.probes,
+                    source_hash_secs: d.hash_secs,
+                    dest_fill_secs: prepared.dedup.secs,
+                })
+            }),
         })
     }
 
@@ -590,6 +623,7 @@ impl Run<'_> {
         let (progress, cancel) = (self.progress, self.cancel);
         let hist = &main_hist;
         let stream = &mut self.stream;
+        let dedup = &mut self.dedup;
         let subs_addr: Vec<String> = self.o.subs.iter().map(|s| s.addr.clone()).collect();
         let results: Vec<Result<u64, MigrateError>> = std::thread::scope(|sc| {
             let hs: Vec<_> = self
@@ -601,7 +635,10 @@ impl Run<'_> {
                     sc.spawn(move || put_pages(c, addr, rid, fd, list, progress, cancel))
                 })
                 .collect();
-            let m = send_main(stream, fd, &main, hist, progress, cancel);
+            let m = match dedup {
+                Some(d) => crate::dedup::send(stream, fd, &main, hist, d, progress, cancel),
+                None => send_main(stream, fd, &main, hist, progress, cancel),
+            };
             let mut out = vec![m];
             out.extend(hs.into_iter().map(|h| {
                 h.join()

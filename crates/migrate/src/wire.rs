@@ -7,7 +7,9 @@
 //!
 //! ```text
 //! source → dest   SPEC  (JSON: region shape, servers, workload)
-//! dest → source   READY
+//! dest → source   READY (JSON: whether it can fill pages from its host)
+//! source → dest   HASHES arg=batch, body = count × (page u64 LE, history u8, 16-byte hash)
+//! dest → source   HAVE arg=batch, body = bitmap: the pages it filled itself
 //! source → dest   PAGES arg=first page, body = count history bytes + count pages
 //!                 LOCATED arg=first page, body = count u32 + server u16 (0xFFFF: zero page)
 //!                 ROUND arg=round number
@@ -76,6 +78,11 @@ pub enum Kind {
     /// Source: a piece of a VM's device state (QEMU's own migration stream
     /// without RAM), sent while the VM is stopped; `arg` is the total length.
     DeviceState = 16,
+    /// Source: the keyed hashes of a batch of pages (sharing-aware
+    /// migration); their data follows only for pages the destination lacks.
+    Hashes = 17,
+    /// Destination: which pages of a HASHES batch it filled from its host.
+    Have = 18,
 }
 
 impl Kind {
@@ -99,6 +106,8 @@ impl Kind {
             14 => Error,
             15 => RoundDone,
             16 => DeviceState,
+            17 => Hashes,
+            18 => Have,
             _ => return None,
         })
     }
@@ -199,6 +208,9 @@ pub struct Prepared {
     pub pulled: u64,
     /// Of those, pages newer data from the main host replaced.
     pub pulled_then_replaced: u64,
+    /// Sharing-aware migration: what the destination filled itself.
+    #[serde(default)]
+    pub dedup: crate::dedup::Filled,
 }
 
 /// STARTED: the guest runs at the destination.
@@ -209,6 +221,19 @@ pub struct Started {
     /// Seconds the checksum took (not downtime).
     pub checksum_secs: f64,
 }
+
+/// READY: what the destination can do.
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
+pub struct Ready {
+    /// It can fill pages from content its host holds (HASHES are welcome).
+    #[serde(default)]
+    pub dedup: bool,
+}
+
+/// Bytes of one HASHES entry: page number, its access history, hash.
+pub const HASH_ENTRY: usize = 25;
+/// Most pages in one HASHES message.
+pub const MAX_HASHES: usize = 1024;
 
 /// COMMIT carries nothing.
 #[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
@@ -383,7 +408,7 @@ mod tests {
 
     proptest! {
         #[test]
-        fn header_roundtrip(k in 1u8..=16, len in 0u32..(MAX_BODY as u32), arg: u64) {
+        fn header_roundtrip(k in 1u8..=18, len in 0u32..(MAX_BODY as u32), arg: u64) {
             let h = Header { kind: Kind::from_u8(k).unwrap(), len, arg };
             prop_assert_eq!(Header::decode(&h.encode()).unwrap(), h);
         }

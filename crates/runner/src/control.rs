@@ -225,6 +225,7 @@ impl Running {
         );
         o.name = self.name.clone();
         o.verify = req.verify;
+        o.dedup = !req.no_dedup;
         o.policy = req
             .policy
             .clone()

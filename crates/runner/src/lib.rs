@@ -115,6 +115,7 @@ pub fn launch(input: impl std::io::Read, expect: &str) -> Result<Exit, RunnerErr
             &l.service_dev,
             secret,
             Duration::from_secs(timeout_secs),
+            l.dedup_socket.as_deref(),
         ),
         _ => Err(RunnerError::Invalid(format!(
             "launch message is not for a {expect} runner"
@@ -210,6 +211,7 @@ pub fn run_incoming(
     service_dev: &str,
     secret: Secret,
     timeout: Duration,
+    dedup_socket: Option<&Path>,
 ) -> Result<Exit, RunnerError> {
     let l = std::net::TcpListener::bind(listen)
         .map_err(|e| RunnerError::io(format!("cannot listen for the migration on {listen}"), e))?;
@@ -257,7 +259,20 @@ pub fn run_incoming(
     type Early =
         std::thread::JoinHandle<Result<(Arc<vm::VmGuest>, pagefleet_region::Foreign), RunnerError>>;
     let mut early: Option<Early> = None;
-    let received = dest::receive_with(stream, &secret, &progress, &mut |spec, memfd| {
+    // Sharing-aware migration: pages this host already holds are filled
+    // from here (the host daemon's content index says where they are).
+    let lookup = dedup_socket.and_then(|p| {
+        let key = pagefleet_dedup::ContentKey::from_secret(&secret);
+        pagefleet_dedup::lookup::LookupClient::connect(p, key)
+            .map_err(|e| {
+                tracing::warn!(
+                    "no content lookup at {} ({e}): every page comes as data",
+                    p.display()
+                )
+            })
+            .ok()
+    });
+    let received = dest::receive_with(stream, &secret, &progress, lookup, &mut |spec, memfd| {
         if let Some(v) = vm::spec_of(
             &spec.workload.workload,
             spec.size,

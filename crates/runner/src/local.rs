@@ -24,6 +24,8 @@ pub enum Workload {
         rate: Option<f64>,
         /// Fraction of the pages the accesses fall on.
         span: f64,
+        /// Whole-page prefill content (None: one word per page).
+        fill: Option<synthetic::Fill>,
     },
     /// Generate and sort 100-byte records filling the memory.
     Sort {
@@ -263,6 +265,7 @@ pub fn run(a: &LocalRun, w: &Workload) -> Result<serde_json::Value, RunnerError>
             prefill,
             rate,
             span,
+            fill,
         } => {
             let o = synthetic::Opts {
                 dist: dist.clone(),
@@ -274,6 +277,7 @@ pub fn run(a: &LocalRun, w: &Workload) -> Result<serde_json::Value, RunnerError>
                 gate: None,
                 rate: *rate,
                 span: *span,
+                fill: *fill,
             };
             let r = synthetic::run(mem, &o, |s, rate| {
                 if a.progress {

@@ -183,6 +183,7 @@ pub fn start(
             prefill,
             rate,
             span,
+            fill,
         } => {
             let dist: synthetic::Dist = dist.parse().map_err(RunnerError::Invalid)?;
             let o = synthetic::Opts {
@@ -196,6 +197,11 @@ pub fn start(
                 gate: Some(gate.clone()),
                 rate: *rate,
                 span: *span,
+                // A migrated guest keeps its memory: never prefill again.
+                fill: fill.filter(|_| !incoming).map(|f| synthetic::Fill {
+                    seed: f.seed,
+                    shared: f.shared,
+                }),
             };
             let ops = Arc::new(AtomicU64::new(0));
             let o2 = ops.clone();

@@ -1,0 +1,171 @@
+//! The host's content index for sharing-aware migration (docs/dedup.md):
+//! a scanner feeds it from the memory of this host's running guests, and
+//! the lookup service answers this host's incoming runners from it.
+//!
+//! The daemon owns the index; it never reads or writes guest memory for
+//! anyone else: a runner that asks gets (process, fd, page) hints and
+//! reads and checks the pages itself.
+
+use crate::guests::Guests;
+use pagefleet_api::{DedupIndexReport, GuestState};
+use pagefleet_dedup::lookup::{self, Peer};
+use pagefleet_dedup::scan::{find_memfd, HostIndex};
+use pagefleet_dedup::{ContentKey, SourceId};
+use pagefleet_proto::auth::Secret;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Most page contents indexed (16 GiB of guest memory; ~45 B each).
+pub const MAX_PAGES: usize = 4 << 20;
+
+/// The scanner's settings.
+#[derive(Clone, Debug)]
+pub struct ScanConfig {
+    /// Share of one CPU the scanner may use while it hashes.
+    pub cpu: f64,
+    /// Pause between passes.
+    pub pause: Duration,
+}
+
+impl Default for ScanConfig {
+    fn default() -> ScanConfig {
+        ScanConfig {
+            cpu: 0.25,
+            pause: Duration::from_secs(2),
+        }
+    }
+}
+
+/// The index, its scanner and its lookup socket.
+pub struct Dedup {
+    hi: Arc<HostIndex>,
+    scanned: AtomicU64,
+    scan_ns: AtomicU64,
+    passes: AtomicU64,
+}
+
+/// CPU time of the calling thread.
+fn thread_cpu() -> Duration {
+    let mut t = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes the timespec we pass.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) };
+    Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
+}
+
+/// Where the lookup socket of a guest directory is.
+pub fn socket_path(guest_dir: &Path) -> PathBuf {
+    guest_dir.join("dedup.sock")
+}
+
+impl Dedup {
+    /// Serve lookups on `socket` (mode 0600) to `guests`' runners, and
+    /// scan the memory of its running guests as `cfg` says, until `stop`.
+    pub fn start(
+        socket: &Path,
+        secret: &Secret,
+        guests: Arc<Guests>,
+        cfg: ScanConfig,
+        stop: &'static AtomicBool,
+    ) -> std::io::Result<Arc<Dedup>> {
+        let _ = std::fs::remove_file(socket);
+        let l = std::os::unix::net::UnixListener::bind(socket)?;
+        std::fs::set_permissions(socket, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+        let d = Arc::new(Dedup {
+            hi: Arc::new(HostIndex::new(ContentKey::from_secret(secret), MAX_PAGES)),
+            scanned: AtomicU64::new(0),
+            scan_ns: AtomicU64::new(0),
+            passes: AtomicU64::new(0),
+        });
+        // Only this daemon's runners, by the kernel's word on the peer.
+        // SAFETY: geteuid has no preconditions.
+        let me = unsafe { libc::geteuid() };
+        let g = guests.clone();
+        let authorize = Arc::new(move |p: Peer| {
+            (p.uid == 0 || p.uid == me) && g.runners().iter().any(|(pid, _)| *pid == p.pid)
+        });
+        let hi = d.hi.clone();
+        std::thread::Builder::new()
+            .name("dedup lookups".into())
+            .spawn(move || lookup::serve(l, hi, authorize))?;
+        let d2 = d.clone();
+        std::thread::Builder::new()
+            .name("dedup scanner".into())
+            .spawn(move || d2.scan_loop(&guests, &cfg, stop))?;
+        Ok(d)
+    }
+
+    fn scan_loop(&self, guests: &Guests, cfg: &ScanConfig, stop: &AtomicBool) {
+        // A lowest-priority thread: guests and migrations come first.
+        // SAFETY: setpriority on this thread (who=0: the caller).
+        unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 19) };
+        while !stop.load(Relaxed) {
+            let running: Vec<u32> = guests
+                .list()
+                .into_iter()
+                .filter(|g| matches!(g.state, GuestState::Running | GuestState::Migrating))
+                .map(|g| g.pid)
+                .collect();
+            let mut live = Vec::new();
+            for pid in running {
+                let Some(at) = find_memfd(pid) else { continue };
+                let id = SourceId(pid);
+                live.push((id, at));
+                let t = thread_cpu();
+                if let Some(n) = self.hi.scan(id, at, cfg.cpu, stop) {
+                    self.scanned.fetch_add(n, Relaxed);
+                }
+                self.scan_ns
+                    .fetch_add((thread_cpu() - t).as_nanos() as u64, Relaxed);
+            }
+            self.hi.retain(&live);
+            self.passes.fetch_add(1, Relaxed);
+            let mut waited = Duration::ZERO;
+            while waited < cfg.pause && !stop.load(Relaxed) {
+                std::thread::sleep(Duration::from_millis(100));
+                waited += Duration::from_millis(100);
+            }
+        }
+    }
+
+    /// The index's state for `/host`.
+    pub fn report(&self) -> DedupIndexReport {
+        let s = self.hi.lock().stats();
+        DedupIndexReport {
+            pages_indexed: s.pages_indexed,
+            sources: s.sources,
+            bytes: s.bytes,
+            bytes_per_page: s.bytes_per_page(),
+            lookups: s.lookups,
+            hits: s.hits,
+            hit_rate: s.hit_rate(),
+            pages_scanned: self.scanned.load(Relaxed),
+            scan_cpu_secs: self.scan_ns.load(Relaxed) as f64 / 1e9,
+            passes: self.passes.load(Relaxed),
+        }
+    }
+
+    /// Prometheus text.
+    pub fn metrics(&self) -> String {
+        let r = self.report();
+        format!(
+            "# HELP pagefleet_dedup_pages_indexed Distinct page contents in this host's index.\n\
+             # TYPE pagefleet_dedup_pages_indexed gauge\npagefleet_dedup_pages_indexed {}\n\
+             # HELP pagefleet_dedup_index_bytes Memory the content index holds.\n\
+             # TYPE pagefleet_dedup_index_bytes gauge\npagefleet_dedup_index_bytes {}\n\
+             # HELP pagefleet_dedup_lookups_total Contents incoming migrations asked about.\n\
+             # TYPE pagefleet_dedup_lookups_total counter\npagefleet_dedup_lookups_total {}\n\
+             # HELP pagefleet_dedup_hits_total Of those, found on this host.\n\
+             # TYPE pagefleet_dedup_hits_total counter\npagefleet_dedup_hits_total {}\n\
+             # HELP pagefleet_dedup_scanned_pages_total Pages the scanner hashed.\n\
+             # TYPE pagefleet_dedup_scanned_pages_total counter\npagefleet_dedup_scanned_pages_total {}\n\
+             # HELP pagefleet_dedup_scan_cpu_seconds_total CPU the scanner used.\n\
+             # TYPE pagefleet_dedup_scan_cpu_seconds_total counter\npagefleet_dedup_scan_cpu_seconds_total {}\n",
+            r.pages_indexed, r.bytes, r.lookups, r.hits, r.pages_scanned, r.scan_cpu_secs
+        )
+    }
+}

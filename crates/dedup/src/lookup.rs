@@ -1,0 +1,337 @@
+//! The host's lookup service: a process of this host (an incoming
+//! migration's runner) asks which of a batch of contents the host holds
+//! and where; it then reads those pages itself and checks each against its
+//! hash before using it.
+//!
+//! Over a unix socket, owned by the daemon (mode 0600 in its directory);
+//! the daemon answers only processes it authorizes by their kernel
+//! credentials (`SO_PEERCRED`: its own runners), before reading a byte.
+//!
+//! ```text
+//! request  "PFLK" count:u32 LE, count × 16-byte hash
+//! reply    "PFLR" count:u32 LE, count × (kind:u8 pad:3 pid:u32 fd:u32 page:u32)
+//!          kind 0: not here, 1: the zero page, 2: page `page` of /proc/pid/fd/fd
+//! ```
+
+use crate::scan::{HostIndex, ProcFd};
+use crate::{ContentKey, PageHash, PAGE};
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{self, Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::Arc;
+
+const REQUEST: [u8; 4] = *b"PFLK";
+const REPLY: [u8; 4] = *b"PFLR";
+/// Most hashes in one request.
+pub const MAX_LOOKUP: usize = 4096;
+const ENTRY: usize = 16;
+
+/// The kernel's word on who is at the other end of a unix socket.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Peer {
+    /// Its process.
+    pub pid: u32,
+    /// Its user.
+    pub uid: u32,
+}
+
+/// `SO_PEERCRED` of a connected unix socket.
+pub fn peer_of(s: &UnixStream) -> io::Result<Peer> {
+    let mut c = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `c`.
+    let r = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut c as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(Peer {
+        pid: c.pid as u32,
+        uid: c.uid,
+    })
+}
+
+/// Serve lookups on `l` from `hi`, to peers `authorize` accepts. Runs
+/// until the listener fails.
+pub fn serve(
+    l: UnixListener,
+    hi: Arc<HostIndex>,
+    authorize: Arc<dyn Fn(Peer) -> bool + Send + Sync>,
+) {
+    for s in l.incoming() {
+        let Ok(s) = s else { continue };
+        match peer_of(&s) {
+            Ok(p) if authorize(p) => {
+                let hi = hi.clone();
+                let _ = std::thread::Builder::new()
+                    .name("dedup lookup".into())
+                    .spawn(move || {
+                        if let Err(e) = answer(s, &hi) {
+                            tracing::debug!("dedup lookup from pid {}: {e}", p.pid);
+                        }
+                    });
+            }
+            Ok(p) => tracing::warn!(
+                "refused a dedup lookup from pid {} uid {}: not a runner of this host",
+                p.pid,
+                p.uid
+            ),
+            Err(e) => tracing::warn!("dedup lookup: {e}"),
+        }
+    }
+}
+
+fn answer(mut s: UnixStream, hi: &HostIndex) -> io::Result<()> {
+    let mut hashes = Vec::new();
+    let mut out = Vec::new();
+    loop {
+        let mut h = [0u8; 8];
+        match s.read_exact(&mut h) {
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
+            r => r?,
+        }
+        let count = u32::from_le_bytes(h[4..8].try_into().unwrap()) as usize;
+        if h[..4] != REQUEST || count > MAX_LOOKUP {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "not a lookup request",
+            ));
+        }
+        hashes.resize(count * 16, 0);
+        s.read_exact(&mut hashes)?;
+        out.clear();
+        out.extend_from_slice(&REPLY);
+        out.extend_from_slice(&(count as u32).to_le_bytes());
+        let found: Vec<_> = {
+            let mut ix = hi.lock();
+            hashes
+                .chunks_exact(16)
+                .map(|b| ix.lookup(&PageHash(b.try_into().unwrap())))
+                .collect()
+        };
+        for f in found {
+            let mut e = [0u8; ENTRY];
+            match f {
+                None => {}
+                Some(None) => e[0] = 1,
+                Some(Some(loc)) => {
+                    if let Some(at) = hi.source(loc.source) {
+                        e[0] = 2;
+                        e[4..8].copy_from_slice(&at.pid.to_le_bytes());
+                        e[8..12].copy_from_slice(&at.fd.to_le_bytes());
+                        e[12..16].copy_from_slice(&loc.page.to_le_bytes());
+                    }
+                }
+            }
+            out.extend_from_slice(&e);
+        }
+        s.write_all(&out)?;
+    }
+}
+
+/// What a lookup found for one content.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Found {
+    /// Not here (or no longer what it was indexed as).
+    Miss,
+    /// The zero page.
+    Zero,
+    /// Here: its bytes are in the caller's buffer, checked against the hash.
+    Data,
+}
+
+/// What a client's lookups came to.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ClientStats {
+    /// Contents asked for.
+    pub asked: u64,
+    /// Found with data (checked).
+    pub data: u64,
+    /// Found as the zero page.
+    pub zero: u64,
+    /// The index pointed at a page that had changed since (a stale hint,
+    /// counted as a miss).
+    pub stale: u64,
+}
+
+/// A process's connection to its host's lookup service.
+pub struct LookupClient {
+    s: UnixStream,
+    key: ContentKey,
+    files: HashMap<ProcFd, Option<File>>,
+    reply: Vec<u8>,
+    /// Counters.
+    pub stats: ClientStats,
+}
+
+impl LookupClient {
+    /// Connect to the service at `path`; pages are checked with `key`.
+    pub fn connect(path: &std::path::Path, key: ContentKey) -> io::Result<LookupClient> {
+        let s = UnixStream::connect(path)?;
+        s.set_read_timeout(Some(std::time::Duration::from_secs(10)))?;
+        s.set_write_timeout(Some(std::time::Duration::from_secs(10)))?;
+        Ok(LookupClient {
+            s,
+            key,
+            files: HashMap::new(),
+            reply: Vec::new(),
+            stats: ClientStats::default(),
+        })
+    }
+
+    /// Find `hashes` here: for each, whether the host holds it; the page's
+    /// bytes of each [`Found::Data`] are written to `out[k * PAGE..]`
+    /// (`out` holds `hashes.len()` pages) after they were checked against
+    /// the hash. A reading or checking failure is a miss, never an error.
+    pub fn find(&mut self, hashes: &[PageHash], out: &mut [u8]) -> io::Result<Vec<Found>> {
+        assert!(
+            out.len() >= hashes.len() * PAGE,
+            "one page of room per hash"
+        );
+        let mut res = Vec::with_capacity(hashes.len());
+        for (part, room) in hashes
+            .chunks(MAX_LOOKUP)
+            .zip(out.chunks_mut(MAX_LOOKUP * PAGE))
+        {
+            self.find_some(part, room, &mut res)?;
+        }
+        Ok(res)
+    }
+
+    fn find_some(
+        &mut self,
+        hashes: &[PageHash],
+        out: &mut [u8],
+        res: &mut Vec<Found>,
+    ) -> io::Result<()> {
+        let mut req = Vec::with_capacity(8 + hashes.len() * 16);
+        req.extend_from_slice(&REQUEST);
+        req.extend_from_slice(&(hashes.len() as u32).to_le_bytes());
+        for h in hashes {
+            req.extend_from_slice(&h.0);
+        }
+        self.s.write_all(&req)?;
+        self.reply.resize(8 + hashes.len() * ENTRY, 0);
+        self.s.read_exact(&mut self.reply)?;
+        let count = u32::from_le_bytes(self.reply[4..8].try_into().unwrap()) as usize;
+        if self.reply[..4] != REPLY || count != hashes.len() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "malformed lookup reply",
+            ));
+        }
+        self.stats.asked += hashes.len() as u64;
+        for (k, h) in hashes.iter().enumerate() {
+            let e = &self.reply[8 + k * ENTRY..8 + (k + 1) * ENTRY];
+            let f = match e[0] {
+                1 => {
+                    self.stats.zero += 1;
+                    Found::Zero
+                }
+                2 => {
+                    let at = ProcFd {
+                        pid: u32::from_le_bytes(e[4..8].try_into().unwrap()),
+                        fd: u32::from_le_bytes(e[8..12].try_into().unwrap()),
+                    };
+                    let page = u32::from_le_bytes(e[12..16].try_into().unwrap()) as u64;
+                    let dst: &mut [u8; PAGE] = (&mut out[k * PAGE..(k + 1) * PAGE])
+                        .try_into()
+                        .expect("page");
+                    let file = self.files.entry(at).or_insert_with(|| at.open().ok());
+                    let ok = file
+                        .as_ref()
+                        .is_some_and(|f| f.read_exact_at(dst, page * PAGE as u64).is_ok());
+                    if ok && self.key.hash(dst) == *h {
+                        self.stats.data += 1;
+                        Found::Data
+                    } else {
+                        self.stats.stale += 1;
+                        Found::Miss
+                    }
+                }
+                _ => Found::Miss,
+            };
+            res.push(f);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::SourceId;
+    use pagefleet_proto::auth::Secret;
+    use std::os::fd::FromRawFd;
+
+    fn key() -> ContentKey {
+        let s = Secret::from_bytes(b"0123456789abcdef0123456789abcdef", "test").unwrap();
+        ContentKey::from_secret(&s)
+    }
+
+    #[test]
+    fn a_runner_finds_pages_its_host_holds_and_a_stale_hint_is_a_miss() {
+        let name = std::ffi::CString::new("pagefleet-lookup-test").unwrap();
+        // SAFETY: plain syscall; the fd is owned by the File below.
+        let f = unsafe { File::from_raw_fd(libc::memfd_create(name.as_ptr(), 0)) };
+        f.set_len(16 * PAGE as u64).unwrap();
+        f.write_all_at(&[5; PAGE], 2 * PAGE as u64).unwrap();
+        f.write_all_at(&[6; PAGE], 3 * PAGE as u64).unwrap();
+        let hi = Arc::new(HostIndex::new(key(), 100));
+        let at = ProcFd {
+            pid: std::process::id(),
+            fd: f.as_raw_fd() as u32,
+        };
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        hi.scan(SourceId(7), at, 1.0, &stop).unwrap();
+
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("lookup.sock");
+        let l = UnixListener::bind(&path).unwrap();
+        let me = std::process::id();
+        let h2 = hi.clone();
+        std::thread::spawn(move || serve(l, h2, Arc::new(move |p: Peer| p.pid == me)));
+
+        let k = key();
+        let mut c = LookupClient::connect(&path, k.clone()).unwrap();
+        // Page 3 changes after the scan: its old content is no longer here.
+        f.write_all_at(&[9; PAGE], 3 * PAGE as u64).unwrap();
+        let asked = [
+            k.hash(&[5; PAGE]),
+            k.hash(&[0; PAGE]),
+            k.hash(&[6; PAGE]),
+            k.hash(&[1; PAGE]),
+        ];
+        let mut out = vec![0u8; asked.len() * PAGE];
+        let r = c.find(&asked, &mut out).unwrap();
+        assert_eq!(r, vec![Found::Data, Found::Zero, Found::Miss, Found::Miss]);
+        assert!(out[..PAGE].iter().all(|&b| b == 5));
+        assert_eq!(c.stats.stale, 1);
+    }
+
+    #[test]
+    fn a_stranger_is_refused_before_anything_is_read() {
+        let hi = Arc::new(HostIndex::new(key(), 100));
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("lookup.sock");
+        let l = UnixListener::bind(&path).unwrap();
+        std::thread::spawn(move || serve(l, hi, Arc::new(|_| false)));
+        let mut c = LookupClient::connect(&path, key()).unwrap();
+        let mut out = vec![0u8; PAGE];
+        assert!(c.find(&[key().hash(&[0; PAGE])], &mut out).is_err());
+    }
+}

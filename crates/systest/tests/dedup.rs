@@ -1,0 +1,179 @@
+//! Sharing-aware migration on the testbed (paper 002): real daemons
+//! keeping real content indexes of their guests' memory, real runners
+//! filling pages from them. Every test compares region checksums.
+
+use pagefleet_systest::*;
+use pagefleet_testbed::Link;
+use serde_json::Value;
+use std::time::{Duration, Instant};
+
+const MIB: u64 = 1 << 20;
+
+/// `pagefleet migrate --json ARGS` in h1: the report, or the error text.
+fn migrate(l: &LabRun, args: &[&str]) -> Result<Value, String> {
+    let mut a = vec!["migrate", "--json"];
+    a.extend_from_slice(args);
+    let (ok, out, err) = l.pf(0, &a);
+    if ok {
+        Ok(serde_json::from_str(&out).unwrap_or_else(|e| panic!("report: {e}: {out}")))
+    } else {
+        Err(err)
+    }
+}
+
+/// Start a synthetic guest filled with seeded content, `shared` of it common.
+fn start(l: &LabRun, name: &str, on: &str, size: &str, seed: &str, shared: &str, extra: &[&str]) {
+    let mut a = vec![
+        "guest",
+        "start",
+        name,
+        "--on",
+        on,
+        "--size",
+        size,
+        "--",
+        "synthetic",
+        "--fill-seed",
+        seed,
+        "--fill-shared",
+        shared,
+    ];
+    a.extend_from_slice(extra);
+    let (ok, _, err) = l.pf(0, &a);
+    assert!(ok, "guest start {name}: {err}");
+}
+
+/// Wait until guest `name` has written all its `pages`.
+fn wait_filled(l: &LabRun, name: &str, pages: u64) {
+    let t = Instant::now();
+    loop {
+        if l.guest(name)
+            .is_some_and(|(_, g)| g.ready && g.pages.as_ref().map_or(0, |p| p.local) + 32 >= pages)
+        {
+            return;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(120),
+            "{name} never filled its memory"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Wait until host `h`'s content index holds at least `pages` contents.
+fn wait_indexed(l: &LabRun, h: usize, pages: u64) -> pagefleet_api::DedupIndexReport {
+    let t = Instant::now();
+    loop {
+        if let Some(d) = l.host_report(h).and_then(|r| r.dedup) {
+            if d.pages_indexed >= pages {
+                return d;
+            }
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(120),
+            "h{} never indexed {pages} pages: {:?}",
+            h + 1,
+            l.host_report(h).and_then(|r| r.dedup)
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
+}
+
+fn stop(l: &LabRun, name: &str) {
+    let (ok, _, err) = l.pf(0, &["guest", "stop", name]);
+    assert!(ok, "guest stop {name}: {err}");
+    let t = Instant::now();
+    while l.guest(name).is_some() {
+        assert!(t.elapsed() < Duration::from_secs(30), "{name} did not stop");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn pages_the_destination_holds_are_not_sent_and_every_byte_arrives() {
+    if !is_root() {
+        eprintln!("skipped: the testbed needs root (CI runs as root)");
+        return;
+    }
+    let l = lab("dedup", 2, Link::Gbit10, 64 * MIB, &[256 * MIB, 256 * MIB]);
+    let pages = 64 * MIB / 4096;
+    // h2 runs a guest holding the common content, and keeps rewriting a
+    // fifth of it: the index's hints go stale and must be caught on use.
+    let writes = |span, rate| {
+        [
+            "--rate",
+            rate,
+            "--write-frac",
+            "1",
+            "--span",
+            span,
+            "--dist",
+            "uniform",
+        ]
+    };
+    start(&l, "base", "h2", "64MiB", "1", "1", &writes("0.2", "1000"));
+    wait_filled(&l, "base", pages);
+    let ix = wait_indexed(&l, 1, pages * 9 / 10);
+    assert!(
+        ix.bytes_per_page > 0.0 && ix.bytes_per_page < 200.0,
+        "{ix:?}"
+    );
+
+    // Half of m1's pages have the common content; it writes a tenth of
+    // its memory while it moves.
+    start(&l, "m1", "h1", "64MiB", "7", "0.5", &writes("0.1", "20000"));
+    wait_filled(&l, "m1", pages);
+    let r = migrate(&l, &["m1", "--to", "h2", "--verify"]).expect("dedup migration");
+    assert_eq!(
+        r["checksum_source"], r["checksum_dest"],
+        "region differs: {r}"
+    );
+    assert!(r["checksum_source"].is_string(), "{r}");
+    let d = &r["dedup_main"];
+    let not_sent = d["pages_not_sent"].as_u64().expect("dedup report");
+    assert!(
+        not_sent > pages * 7 / 20 && not_sent < pages * 3 / 5,
+        "about half the pages should not be sent: {r}"
+    );
+    // Plain migration sends 64 MiB and the last round's pages again.
+    assert!(
+        r["bytes_main"].as_u64().unwrap() < 48 * MIB,
+        "about half of 64 MiB, the last round and hashes should go: {r}"
+    );
+    assert!(
+        d["stale_hints"].as_u64().unwrap() > 0,
+        "base's writes make some hints stale: {r}"
+    );
+    let ix = l.host_report(1).and_then(|r| r.dedup).unwrap();
+    eprintln!("h2's index after the migration: {ix:?}");
+    assert!(ix.lookups > 0 && ix.hits > 0, "{ix:?}");
+    stop(&l, "m1");
+
+    // Nothing in common: it probes, sends everything, and is still right.
+    start(&l, "m2", "h1", "64MiB", "9", "0", &["--rate", "0"]);
+    wait_filled(&l, "m2", pages);
+    let r = migrate(&l, &["m2", "--to", "h2", "--verify"]).expect("migration");
+    assert_eq!(
+        r["checksum_source"], r["checksum_dest"],
+        "region differs: {r}"
+    );
+    let d = &r["dedup_main"];
+    assert_eq!(d["pages_not_sent"], 0, "{r}");
+    assert!(d["probe_batches"].as_u64().unwrap() > 0, "{r}");
+    assert!(
+        d["pages_hashed"].as_u64().unwrap() < pages / 4,
+        "a migration that finds nothing should mostly probe: {r}"
+    );
+    stop(&l, "m2");
+
+    // Asked not to: every page goes as data.
+    start(&l, "m3", "h1", "64MiB", "7", "1", &["--rate", "0"]);
+    wait_filled(&l, "m3", pages);
+    let r = migrate(&l, &["m3", "--to", "h2", "--verify", "--no-dedup"]).expect("migration");
+    assert_eq!(
+        r["checksum_source"], r["checksum_dest"],
+        "region differs: {r}"
+    );
+    assert!(r["dedup_main"].is_null(), "{r}");
+    assert!(r["bytes_main"].as_u64().unwrap() >= 64 * MIB, "{r}");
+}
