@@ -132,6 +132,12 @@ enum BenchCmd {
     /// pagefleet to a host with enough memory; migration time, downtime,
     /// bytes, in-guest ops/s before, during and after. Root; `make vm` first.
     VmMigration(Bench<bench::vm_migration::Args>),
+    /// Sharing-aware migration (paper 002, Fig. 4) on a testbed: a guest
+    /// whose memory is 0-83% identical to a guest on the destination,
+    /// migrated with every page sent and sharing-aware, side by side; bytes
+    /// and pages sent, time, downtime, hashing CPU on both ends; 10 and 1
+    /// Gbit links; region checksums compared on every run. Root.
+    Dedup(Bench<bench::dedup::Args>),
     /// The DMPS block device over NBD against nbdkit's memory plugin and
     /// qemu-nbd on tmpfs: fio sequential/random read/write, 4-128 KiB,
     /// queue depth 1 and 16, IOPS and MB/s.
@@ -508,6 +514,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Bench(BenchCmd::Migration(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::VmMigration(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::Blockdev(b)) => bench::main(&b.common, &b.args),
+        Cmd::Bench(BenchCmd::Dedup(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::Ksm(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::Ioqos(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::RawServer) => bench::memserver::raw_server_main(),

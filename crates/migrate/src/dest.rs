@@ -485,16 +485,39 @@ pub fn receive_with(
                     None => vec![Found::Miss; n],
                 };
                 let mut filled = vec![false; n];
+                let mut to_map = Vec::new();
                 for (k, (&(p, hist), f)) in list.iter().zip(&found).enumerate() {
                     let data = match f {
                         Found::Miss => continue,
                         Found::Zero => None,
                         Found::Data => Some(&fill_buf[k * PAGE..(k + 1) * PAGE]),
                     };
-                    r.fill_page(p, data, gather, limited, populate)
+                    let written = r
+                        .fill_page(p, data, gather, limited)
                         .map_err(|e| r.fail(format!("filling page {p}: {e}")))?;
+                    if written && populate {
+                        to_map.push(p);
+                    }
                     r.adopt.history[p] = hist;
                     filled[k] = true;
+                }
+                // Mapped in runs, so the resumed guest takes no fault on them.
+                let mut i = 0;
+                while i < to_map.len() {
+                    let mut j = i + 1;
+                    while j < to_map.len() && to_map[j] == to_map[j - 1] + 1 && j - i < MAX_PAGES {
+                        j += 1;
+                    }
+                    // SAFETY: in bounds (checked above); nothing else maps or
+                    // writes these pages now.
+                    let run = unsafe {
+                        std::slice::from_raw_parts_mut(
+                            r.adopt.guest.addr().add(to_map[i] * PAGE),
+                            (j - i) * PAGE,
+                        )
+                    };
+                    map_resident(run);
+                    i = j;
                 }
                 r.filled.asked += n as u64;
                 r.filled.pages += found.iter().filter(|f| **f == Found::Data).count() as u64;
@@ -591,15 +614,16 @@ impl Received {
     }
 
     /// Page `p` gets `data` (None: the zero page) from this host's own
-    /// content, by the same rules as a page that came as data.
+    /// content, by the same rules as a page that came as data. Returns
+    /// whether it was written through the file (to be mapped afterwards).
     fn fill_page(
         &mut self,
         p: usize,
         data: Option<&[u8]>,
         gather: bool,
         limited: bool,
-        populate: bool,
-    ) -> std::io::Result<()> {
+    ) -> std::io::Result<bool> {
+        let mut through_file = false;
         let fd = self.adopt.memfd.as_raw_fd();
         let mut loc = self.shared.loc.lock().unwrap();
         if loc[p] == PULLED {
@@ -624,20 +648,22 @@ impl Received {
                     dst.copy_from_slice(d);
                 } else {
                     // As for PAGES: written through the file (no zeroing of
-                    // a fresh page), then mapped for a native guest.
-                    let f = std::mem::ManuallyDrop::new(
-                        // SAFETY: borrowed for this call; ManuallyDrop keeps it open.
-                        unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) },
-                    );
-                    std::os::unix::fs::FileExt::write_all_at(&*f, d, (p * PAGE) as u64)?;
-                    if populate {
-                        map_resident(dst);
+                    // a fresh page), mapped afterwards for a native guest.
+                    // SAFETY: pwrite from a buffer we hold into our memfd.
+                    let n = unsafe { libc::pwrite(fd, d.as_ptr().cast(), PAGE, (p * PAGE) as i64) };
+                    if n != PAGE as isize {
+                        return Err(if n < 0 {
+                            std::io::Error::last_os_error()
+                        } else {
+                            std::io::ErrorKind::WriteZero.into()
+                        });
                     }
+                    through_file = true;
                 }
                 loc[p] = HERE;
             }
         }
-        Ok(())
+        Ok(through_file)
     }
 
     /// What this host filled from its own content so far.
