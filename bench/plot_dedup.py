@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 def main(src, dst):
     r = json.load(open(src))
-    rows = [x for x in r["rows"] if not x.get("error")]
+    rows = [x for x in r["rows"] if not x.get("error") and x.get("case", "synthetic") == "synthetic"]
     links = sorted({x["link"] for x in rows})
     fig, axes = plt.subplots(len(links), 2, figsize=(12, 4.2 * len(links)), squeeze=False)
     for i, link in enumerate(links):

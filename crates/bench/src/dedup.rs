@@ -33,6 +33,9 @@ pub struct Opts {
     pub levels: Vec<f64>,
     /// Plain/dedup pairs at 0% sharing (the cost-nothing goal is tight).
     pub zero_pairs: usize,
+    /// The real-workload case: a VM migrated to a host running another VM
+    /// booted from the same image (on the first link).
+    pub vm: bool,
     pub quick: bool,
     #[serde(skip)]
     pub out_dir: PathBuf,
@@ -45,6 +48,7 @@ impl Opts {
             links: vec![Link::Gbit10, Link::Gbit1],
             levels: PAPER_LEVELS.to_vec(),
             zero_pairs: 3,
+            vm: true,
             quick: false,
             out_dir,
         }
@@ -55,6 +59,7 @@ impl Opts {
             links: vec![Link::Gbit10],
             levels: vec![0.0, 0.5],
             zero_pairs: 1,
+            vm: false,
             quick: true,
             out_dir,
         }
@@ -65,7 +70,10 @@ impl Opts {
 #[derive(Clone, Debug, Serialize)]
 pub struct Row {
     pub link: String,
-    /// Fraction of the guest's pages the destination holds.
+    /// "synthetic" (controlled sharing) or "vm" (two VMs from one image).
+    pub case: String,
+    /// Fraction of the guest's pages the destination holds (vm: what the
+    /// sharing-aware run found).
     pub shared: f64,
     /// "plain" (every page as data) or "dedup".
     pub mode: String,
@@ -198,15 +206,74 @@ fn link_runs(
                     log(&format!("  FAILED: {e:#}"));
                 }
                 stop_guest(&l, "m")?;
-                rows.push(row(link, level, mode, r));
+                rows.push(row(link, "synthetic", level, mode, r));
             }
         }
     }
     let ix = l.host_report(1).and_then(|r| r.dedup);
+    stop_guest(&l, "base")?;
+    if o.vm && link == o.links[0] {
+        vm_runs(&l, &bins, link, log, rows)?;
+    }
     Ok(ix)
 }
 
-fn row(link: Link, shared: f64, mode: &str, r: Result<MigrationReport>) -> Row {
+/// The real-workload case: h2 runs a VM booted from the image; a second VM
+/// from the same image (its own vmwork data) moves from h1 to h2.
+fn vm_runs(l: &LabRun, bins: &std::path::Path, link: Link, log: Log<'_>, rows: &mut Vec<Row>) -> Result<()> {
+    let (kernel, initrd) = crate::vm_migration::image(bins)?;
+    let (k, i) = (
+        kernel.to_str().unwrap_or_default(),
+        initrd.to_str().unwrap_or_default(),
+    );
+    let start_vm = |name: &str, on: &str, seed: u32| {
+        let append = format!("vmwork_mb=192 vmwork_seed={seed} vmwork_idle=1 vmwork_secs=0");
+        pf_ok(
+            l,
+            &[
+                "guest", "start", name, "--on", on, "--size", "512MiB", "--", "vm", "--kernel", k,
+                "--initrd", i, "--append", &append,
+            ],
+        )
+    };
+    let working = |name: &str| {
+        wait_until(&format!("{name}'s workload to start"), 180, || {
+            l.guest(name).is_some_and(|(_, g)| g.ops > 0)
+        })
+    };
+    log(&format!("{}: VM case: the destination's VM", link.name()));
+    start_vm("vmbase", "h2", 11)?;
+    working("vmbase")?;
+    let passes = l.host_report(1).and_then(|r| r.dedup).map_or(0, |d| d.passes);
+    wait_until("h2 to index its VM", 120, || {
+        l.host_report(1)
+            .and_then(|r| r.dedup)
+            .is_some_and(|d| d.passes >= passes + 2)
+    })?;
+    for mode in ["plain", "dedup"] {
+        log(&format!("{}: VM from the same image, {mode}", link.name()));
+        start_vm("vm", "h1", 12)?;
+        working("vm")?;
+        let mut args = vec!["migrate", "vm", "--to", "h2", "--verify", "--json"];
+        if mode == "plain" {
+            args.push("--no-dedup");
+        }
+        let r = pf_json(l, &args);
+        if let Err(e) = &r {
+            log(&format!("  FAILED: {e:#}"));
+        }
+        stop_guest(l, "vm")?;
+        let mut row = row(link, "vm", 0.0, mode, r);
+        if let Some(rep) = &row.report {
+            let data = rep.pages_main.max(1) as f64;
+            row.shared = row.pages_not_sent as f64 / data;
+        }
+        rows.push(row);
+    }
+    stop_guest(l, "vmbase")
+}
+
+fn row(link: Link, case: &str, shared: f64, mode: &str, r: Result<MigrationReport>) -> Row {
     let (report, error) = match r {
         Ok(r) => (Some(r), None),
         Err(e) => (None, Some(format!("{e:#}"))),
@@ -215,6 +282,7 @@ fn row(link: Link, shared: f64, mode: &str, r: Result<MigrationReport>) -> Row {
     let not_sent = d.map_or(0, |d| d.pages_not_sent);
     Row {
         link: link.name().into(),
+        case: case.into(),
         shared,
         mode: mode.into(),
         total_secs: report.as_ref().map_or(f64::NAN, |r| r.total_secs),
@@ -292,7 +360,12 @@ fn floor_bounds(o: &Opts, rows: &[Row], floors: &[floor::Floor]) -> Vec<crate::p
         for f in floors {
             let plain: Vec<f64> = rows
                 .iter()
-                .filter(|x| x.link == link.name() && x.shared == f.shared && x.mode == "plain")
+                .filter(|x| {
+                    x.case == "synthetic"
+                        && x.link == link.name()
+                        && x.shared == f.shared
+                        && x.mode == "plain"
+                })
                 .map(|x| x.total_secs)
                 .collect();
             let t_plain = median(plain);
@@ -336,7 +409,9 @@ fn goals(r: &Report) -> Vec<Goal> {
             let of = |mode: &str| -> Vec<&Row> {
                 r.rows
                     .iter()
-                    .filter(|x| x.link == link && x.shared == level && x.mode == mode)
+                    .filter(|x| {
+                        x.case == "synthetic" && x.link == link && x.shared == level && x.mode == mode
+                    })
                     .collect()
             };
             let (plain, dedup) = (of("plain"), of("dedup"));
@@ -385,6 +460,18 @@ fn goals(r: &Report) -> Vec<Goal> {
             }
         }
     }
+    let vm = |mode: &str| r.rows.iter().find(|x| x.case == "vm" && x.mode == mode);
+    if let (Some(p), Some(d)) = (vm("plain"), vm("dedup")) {
+        g.push(Goal::at_most(
+            &format!(
+                "VMs from one image ({:.1}% found shared): bytes dedup / plain",
+                d.shared * 100.0
+            ),
+            d.bytes as f64 / p.bytes.max(1) as f64,
+            1.0 - d.shared + 0.03,
+            "x",
+        ));
+    }
     let wrong = r.rows.iter().filter(|x| !x.checksums_equal).count();
     g.push(Goal::at_most(
         "runs whose region checksums differ (or failed)",
@@ -420,8 +507,9 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
         if let Some(e) = &x.error {
             writeln!(
                 out,
-                "{:<7} {:>6.1}% {:<6} FAILED: {e}",
+                "{:<7} {:<9} {:>6.1}% {:<6} FAILED: {e}",
                 x.link,
+                x.case,
                 x.shared * 100.0,
                 x.mode
             )?;
@@ -429,8 +517,9 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
         }
         writeln!(
             out,
-            "{:<7} {:>6.1}% {:<6} {:>8.2} {:>11.1} {:>9.1} {:>10} {:>10} {:>8.3} {:>8.3} {:>6}",
+            "{:<7} {:<9} {:>6.1}% {:<6} {:>8.2} {:>11.1} {:>9.1} {:>10} {:>10} {:>8.3} {:>8.3} {:>6}",
             x.link,
+            x.case,
             x.shared * 100.0,
             x.mode,
             x.total_secs,
@@ -502,6 +591,9 @@ pub struct Args {
     /// 0,0.259,0.444,0.647,0.828).
     #[arg(long, value_delimiter = ',')]
     pub levels: Vec<f64>,
+    /// Skip the VM case (two VMs booted from one image; needs `make vm`).
+    #[arg(long)]
+    pub no_vm: bool,
 }
 
 impl crate::Benchmark for Args {
@@ -514,6 +606,9 @@ impl crate::Benchmark for Args {
         }
         if !self.links.is_empty() {
             o.links = self.links.clone();
+        }
+        if self.no_vm {
+            o.vm = false;
         }
         if !self.levels.is_empty() {
             if let Some(bad) = self.levels.iter().find(|l| !(0.0..=1.0).contains(*l)) {

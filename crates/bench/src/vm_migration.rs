@@ -182,7 +182,7 @@ impl Samples {
     }
 }
 
-fn image(bins: &Path) -> Result<(PathBuf, PathBuf)> {
+pub(crate) fn image(bins: &Path) -> Result<(PathBuf, PathBuf)> {
     let dir = bins.parent().map(|p| p.join("vm")).unwrap_or_default();
     let (k, i) = (dir.join("vmlinuz"), dir.join("initrd.gz"));
     if !k.is_file() || !i.is_file() {
