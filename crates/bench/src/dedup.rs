@@ -220,7 +220,13 @@ fn link_runs(
 
 /// The real-workload case: h2 runs a VM booted from the image; a second VM
 /// from the same image (its own vmwork data) moves from h1 to h2.
-fn vm_runs(l: &LabRun, bins: &std::path::Path, link: Link, log: Log<'_>, rows: &mut Vec<Row>) -> Result<()> {
+fn vm_runs(
+    l: &LabRun,
+    bins: &std::path::Path,
+    link: Link,
+    log: Log<'_>,
+    rows: &mut Vec<Row>,
+) -> Result<()> {
     let (kernel, initrd) = crate::vm_migration::image(bins)?;
     let (k, i) = (
         kernel.to_str().unwrap_or_default(),
@@ -244,7 +250,10 @@ fn vm_runs(l: &LabRun, bins: &std::path::Path, link: Link, log: Log<'_>, rows: &
     log(&format!("{}: VM case: the destination's VM", link.name()));
     start_vm("vmbase", "h2", 11)?;
     working("vmbase")?;
-    let passes = l.host_report(1).and_then(|r| r.dedup).map_or(0, |d| d.passes);
+    let passes = l
+        .host_report(1)
+        .and_then(|r| r.dedup)
+        .map_or(0, |d| d.passes);
     wait_until("h2 to index its VM", 120, || {
         l.host_report(1)
             .and_then(|r| r.dedup)
@@ -410,7 +419,10 @@ fn goals(r: &Report) -> Vec<Goal> {
                 r.rows
                     .iter()
                     .filter(|x| {
-                        x.case == "synthetic" && x.link == link && x.shared == level && x.mode == mode
+                        x.case == "synthetic"
+                            && x.link == link
+                            && x.shared == level
+                            && x.mode == mode
                     })
                     .collect()
             };

@@ -67,6 +67,59 @@ impl IndexStats {
     }
 }
 
+/// A Bloom filter over page hashes: 10 bits per content, 4 probes (about
+/// 1% false positives; never a false negative). The hashes are keyed
+/// BLAKE3, already uniform: the probes are taken from their bits.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Filter {
+    words: Vec<u64>,
+}
+
+impl Filter {
+    /// Probes per content.
+    const K: u64 = 4;
+
+    /// An empty filter sized for `n` contents.
+    pub fn with_capacity(n: usize) -> Filter {
+        let bits = (n.max(1024) * 10).next_power_of_two();
+        Filter {
+            words: vec![0; bits / 64],
+        }
+    }
+
+    /// A filter from its words (as [`Filter::words`] gave them); None if
+    /// their count is not a power of two.
+    pub fn from_words(words: Vec<u64>) -> Option<Filter> {
+        (words.len().is_power_of_two()).then_some(Filter { words })
+    }
+
+    /// Its words, to send.
+    pub fn words(&self) -> &[u64] {
+        &self.words
+    }
+
+    fn probes(&self, h: &PageHash) -> impl Iterator<Item = usize> {
+        let a = u64::from_le_bytes(h.0[..8].try_into().unwrap());
+        let b = u64::from_le_bytes(h.0[8..].try_into().unwrap()) | 1;
+        let mask = (self.words.len() * 64 - 1) as u64;
+        (0..Self::K).map(move |i| (a.wrapping_add(i.wrapping_mul(b)) & mask) as usize)
+    }
+
+    /// Add a content.
+    pub fn insert(&mut self, h: &PageHash) {
+        let ps: Vec<usize> = self.probes(h).collect();
+        for p in ps {
+            self.words[p / 64] |= 1 << (p % 64);
+        }
+    }
+
+    /// Whether the content may be in the set (false: certainly not).
+    pub fn may_contain(&self, h: &PageHash) -> bool {
+        self.probes(h)
+            .all(|p| self.words[p / 64] & (1 << (p % 64)) != 0)
+    }
+}
+
 /// The index (one per host, owned by its daemon).
 pub struct ContentIndex {
     key: ContentKey,
@@ -226,6 +279,17 @@ impl ContentIndex {
         r
     }
 
+    /// A Bloom filter of the contents indexed now (the zero page not
+    /// included): a process that holds it asks only about contents that
+    /// may be here.
+    pub fn filter(&self) -> Filter {
+        let mut f = Filter::with_capacity(self.map.len());
+        for h in self.map.keys() {
+            f.insert(h);
+        }
+        f
+    }
+
     /// Counters and memory.
     pub fn stats(&self) -> IndexStats {
         let entry = std::mem::size_of::<(PageHash, Location)>() + 1; // + hashbrown's control byte
@@ -262,6 +326,31 @@ mod tests {
 
     fn page(v: u8) -> [u8; PAGE] {
         [v; PAGE]
+    }
+
+    #[test]
+    fn the_filter_never_misses_an_indexed_content_and_rarely_lies() {
+        let mut ix = index(100_000);
+        ix.add_source(SourceId(1), 20_000);
+        let k = ix.key().clone();
+        let hash_of = |i: u32| {
+            let mut p = [0u8; PAGE];
+            p[..4].copy_from_slice(&i.to_le_bytes());
+            p[4] = 1;
+            k.hash(&p)
+        };
+        for i in 0..20_000u32 {
+            ix.record(SourceId(1), i, hash_of(i));
+        }
+        let f = ix.filter();
+        assert!((0..20_000).all(|i| f.may_contain(&hash_of(i))));
+        let false_pos = (20_000..40_000)
+            .filter(|&i| f.may_contain(&hash_of(i)))
+            .count();
+        assert!(false_pos < 600, "{false_pos} false positives of 20000");
+        let g = Filter::from_words(f.words().to_vec()).unwrap();
+        assert_eq!(f, g);
+        assert!(Filter::from_words(vec![0; 3]).is_none());
     }
 
     #[test]

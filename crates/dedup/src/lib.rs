@@ -15,4 +15,4 @@ pub mod lookup;
 pub mod scan;
 
 pub use hash::{ContentKey, PageHash, PAGE};
-pub use index::{ContentIndex, IndexStats, Location, SourceId};
+pub use index::{ContentIndex, Filter, IndexStats, Location, SourceId};

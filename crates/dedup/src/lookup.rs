@@ -11,7 +11,14 @@
 //! request  "PFLK" count:u32 LE, count × 16-byte hash
 //! reply    "PFLR" count:u32 LE, count × (kind:u8 pad:3 pid:u32 fd:u32 page:u32)
 //!          kind 0: not here, 1: the zero page, 2: page `page` of /proc/pid/fd/fd
+//! request  "PFLF" 0:u32                      — the index's Bloom filter
+//! reply    "PFLB" words:u32 LE, words × u64 LE
 //! ```
+//!
+//! The client asks about a content only if the filter (fetched when it
+//! connects: an incoming runner connects as its migration starts) says it
+//! may be here, and knows the zero
+//! page itself: a migration that finds nothing costs no round trips.
 
 use crate::scan::{HostIndex, ProcFd};
 use crate::{ContentKey, PageHash, PAGE};
@@ -25,6 +32,10 @@ use std::sync::Arc;
 
 const REQUEST: [u8; 4] = *b"PFLK";
 const REPLY: [u8; 4] = *b"PFLR";
+const FILTER_REQUEST: [u8; 4] = *b"PFLF";
+const FILTER_REPLY: [u8; 4] = *b"PFLB";
+/// Largest filter accepted (64 MiB: 50 M contents).
+const MAX_FILTER_WORDS: usize = 8 << 20;
 /// Most hashes in one request.
 pub const MAX_LOOKUP: usize = 4096;
 const ENTRY: usize = 16;
@@ -105,6 +116,17 @@ fn answer(mut s: UnixStream, hi: &HostIndex) -> io::Result<()> {
             r => r?,
         }
         let count = u32::from_le_bytes(h[4..8].try_into().unwrap()) as usize;
+        if h[..4] == FILTER_REQUEST {
+            let f = hi.lock().filter();
+            out.clear();
+            out.extend_from_slice(&FILTER_REPLY);
+            out.extend_from_slice(&(f.words().len() as u32).to_le_bytes());
+            for w in f.words() {
+                out.extend_from_slice(&w.to_le_bytes());
+            }
+            s.write_all(&out)?;
+            continue;
+        }
         if h[..4] != REQUEST || count > MAX_LOOKUP {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
@@ -166,12 +188,16 @@ pub struct ClientStats {
     /// The index pointed at a page that had changed since (a stale hint,
     /// counted as a miss).
     pub stale: u64,
+    /// Answered here without asking: the zero page, or not in the filter.
+    pub local: u64,
 }
 
 /// A process's connection to its host's lookup service.
 pub struct LookupClient {
     s: UnixStream,
     key: ContentKey,
+    zero: PageHash,
+    filter: Option<crate::Filter>,
     files: HashMap<ProcFd, Option<File>>,
     reply: Vec<u8>,
     /// Counters.
@@ -184,13 +210,43 @@ impl LookupClient {
         let s = UnixStream::connect(path)?;
         s.set_read_timeout(Some(std::time::Duration::from_secs(10)))?;
         s.set_write_timeout(Some(std::time::Duration::from_secs(10)))?;
-        Ok(LookupClient {
+        let mut c = LookupClient {
             s,
+            zero: key.zero(),
             key,
+            filter: None,
             files: HashMap::new(),
             reply: Vec::new(),
             stats: ClientStats::default(),
-        })
+        };
+        c.refresh_filter()?;
+        Ok(c)
+    }
+
+    /// Fetch the index's filter again (the host's guests change).
+    pub fn refresh_filter(&mut self) -> io::Result<()> {
+        let mut req = FILTER_REQUEST.to_vec();
+        req.extend_from_slice(&0u32.to_le_bytes());
+        self.s.write_all(&req)?;
+        let mut h = [0u8; 8];
+        self.s.read_exact(&mut h)?;
+        let n = u32::from_le_bytes(h[4..8].try_into().unwrap()) as usize;
+        if h[..4] != FILTER_REPLY || n > MAX_FILTER_WORDS {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "malformed filter reply",
+            ));
+        }
+        let mut b = vec![0u8; n * 8];
+        self.s.read_exact(&mut b)?;
+        let words = b
+            .chunks_exact(8)
+            .map(|w| u64::from_le_bytes(w.try_into().unwrap()))
+            .collect();
+        self.filter = Some(crate::Filter::from_words(words).ok_or_else(|| {
+            io::Error::new(io::ErrorKind::InvalidData, "filter size not a power of two")
+        })?);
+        Ok(())
     }
 
     /// Find `hashes` here: for each, whether the host holds it; the page's
@@ -218,25 +274,49 @@ impl LookupClient {
         out: &mut [u8],
         res: &mut Vec<Found>,
     ) -> io::Result<()> {
-        let mut req = Vec::with_capacity(8 + hashes.len() * 16);
-        req.extend_from_slice(&REQUEST);
-        req.extend_from_slice(&(hashes.len() as u32).to_le_bytes());
+        self.stats.asked += hashes.len() as u64;
+        // Answered here: the zero page, and what the filter rules out.
+        let ask: Vec<usize> = (0..hashes.len())
+            .filter(|&k| {
+                hashes[k] != self.zero
+                    && self
+                        .filter
+                        .as_ref()
+                        .is_none_or(|f| f.may_contain(&hashes[k]))
+            })
+            .collect();
+        self.stats.local += (hashes.len() - ask.len()) as u64;
+        let first = res.len();
         for h in hashes {
-            req.extend_from_slice(&h.0);
+            res.push(if *h == self.zero {
+                self.stats.zero += 1;
+                Found::Zero
+            } else {
+                Found::Miss
+            });
+        }
+        if ask.is_empty() {
+            return Ok(());
+        }
+        let mut req = Vec::with_capacity(8 + ask.len() * 16);
+        req.extend_from_slice(&REQUEST);
+        req.extend_from_slice(&(ask.len() as u32).to_le_bytes());
+        for &k in &ask {
+            req.extend_from_slice(&hashes[k].0);
         }
         self.s.write_all(&req)?;
-        self.reply.resize(8 + hashes.len() * ENTRY, 0);
+        self.reply.resize(8 + ask.len() * ENTRY, 0);
         self.s.read_exact(&mut self.reply)?;
         let count = u32::from_le_bytes(self.reply[4..8].try_into().unwrap()) as usize;
-        if self.reply[..4] != REPLY || count != hashes.len() {
+        if self.reply[..4] != REPLY || count != ask.len() {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
                 "malformed lookup reply",
             ));
         }
-        self.stats.asked += hashes.len() as u64;
-        for (k, h) in hashes.iter().enumerate() {
-            let e = &self.reply[8 + k * ENTRY..8 + (k + 1) * ENTRY];
+        for (i, &k) in ask.iter().enumerate() {
+            let h = &hashes[k];
+            let e = &self.reply[8 + i * ENTRY..8 + (i + 1) * ENTRY];
             let f = match e[0] {
                 1 => {
                     self.stats.zero += 1;
@@ -265,7 +345,7 @@ impl LookupClient {
                 }
                 _ => Found::Miss,
             };
-            res.push(f);
+            res[first + k] = f;
         }
         Ok(())
     }
@@ -330,8 +410,6 @@ mod tests {
         let path = dir.path().join("lookup.sock");
         let l = UnixListener::bind(&path).unwrap();
         std::thread::spawn(move || serve(l, hi, Arc::new(|_| false)));
-        let mut c = LookupClient::connect(&path, key()).unwrap();
-        let mut out = vec![0u8; PAGE];
-        assert!(c.find(&[key().hash(&[0; PAGE])], &mut out).is_err());
+        assert!(LookupClient::connect(&path, key()).is_err());
     }
 }

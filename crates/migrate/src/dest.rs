@@ -4,10 +4,11 @@
 //! its region at COMMIT.
 
 use crate::dedup::Filled;
+use crate::fill::{Filler, Target};
 use crate::wire::{Kind, Stream, WireError, HASH_ENTRY, MAX_HASHES, MAX_PAGES, ZERO_SERVER};
 use crate::Spec;
 use pagefleet_client::{Conn, ConnectOptions, GetMode, Pages};
-use pagefleet_dedup::lookup::{Found, LookupClient};
+use pagefleet_dedup::lookup::LookupClient;
 use pagefleet_dedup::PageHash;
 use pagefleet_proto::auth::Secret;
 use pagefleet_region::{Adopt, Config, Policy, Region, PAGE};
@@ -18,8 +19,8 @@ use std::time::{Duration, Instant};
 
 /// Where each received page is: data here (from the main host), data here
 /// pulled from a memory server (gather), on server i, or zero.
-const HERE: u16 = 0xFFFE;
-const PULLED: u16 = 0xFFFD;
+pub(crate) const HERE: u16 = 0xFFFE;
+pub(crate) const PULLED: u16 = 0xFFFD;
 
 /// Live counters of an incoming migration.
 #[derive(Default, Debug)]
@@ -85,7 +86,7 @@ fn memcg_limited() -> bool {
 /// are in memory. Pages the kernel already swapped out (a destination in a
 /// memory cgroup) stay unmapped: faulting them back in here could only
 /// push the cgroup over its limit.
-fn map_resident(range: &mut [u8]) {
+pub(crate) fn map_resident(range: &mut [u8]) {
     let n = range.len() / PAGE;
     let mut vec = [0u8; MAX_PAGES];
     // SAFETY: mincore/madvise on a range of our own mapping.
@@ -168,8 +169,9 @@ pub const MAX_DEVICE_STATE: u64 = 256 << 20;
 
 /// A migration received up to its COMMIT.
 pub struct Received {
-    // Declared first, so dropped first: the pullers stop writing into the
-    // guest memory before it is unmapped.
+    // Declared first, so dropped first: the filler and the pullers stop
+    // writing into the guest memory before it is unmapped.
+    filler: Option<Filler>,
     pullers: Pullers,
     /// What the source sent about the guest.
     pub spec: Spec,
@@ -181,6 +183,8 @@ pub struct Received {
     device_state: Vec<u8>,
     /// Pages filled from this host's own content.
     filled: Filled,
+    /// The filler answers on the same socket: every write takes this.
+    write_lock: Arc<Mutex<()>>,
 }
 
 /// Gather's pullers, one per memory server; dropping them waits for them.
@@ -200,12 +204,12 @@ impl Drop for Pullers {
 /// pulled from a memory server (the main host never pages out during a
 /// migration, so a page it sends is one it took back from the server), so
 /// a pull never overwrites it, whichever arrives first.
-struct Shared {
-    loc: Mutex<Vec<u16>>,
+pub(crate) struct Shared {
+    pub(crate) loc: Mutex<Vec<u16>>,
     /// The guest mapping's address (pullers copy into it under `loc`'s lock).
-    base: usize,
+    pub(crate) base: usize,
     pulled: AtomicU64,
-    replaced: AtomicU64,
+    pub(crate) replaced: AtomicU64,
 }
 
 /// Gather: a thread pulling pages from one memory server.
@@ -378,6 +382,7 @@ pub fn receive_with(
     });
     let nservers = spec.servers.len();
     let mut r = Received {
+        filler: None,
         pullers: Pullers((0..nservers).map(|_| None).collect()),
         spec,
         stream,
@@ -386,12 +391,23 @@ pub fn receive_with(
         secret: secret.clone(),
         device_state: Vec::new(),
         filled: Filled::default(),
+        write_lock: Arc::new(Mutex::new(())),
     };
     let gather = r.spec.gather;
     let mut tmp = vec![0u8; MAX_PAGES * PAGE];
-    let mut fill_buf = Vec::new();
     let mut pipe = Pipe::new().map_err(WireError::Io)?;
     let limited = memcg_limited();
+    if let Some(c) = lookup.take() {
+        let target = Target {
+            fd: r.adopt.memfd.as_raw_fd(),
+            shared: r.shared.clone(),
+            gather,
+            limited,
+            populate,
+        };
+        let w = r.stream.s.try_clone().map_err(WireError::Io)?;
+        r.filler = Some(Filler::start(c, target, w, r.write_lock.clone()));
+    }
     loop {
         let h = r.stream.header()?;
         match h.kind {
@@ -471,64 +487,15 @@ pub fn receive_with(
                     list.push((p as usize, e[8]));
                     hashes.push(PageHash(e[9..25].try_into().unwrap()));
                 }
-                let t = Instant::now();
-                fill_buf.resize(n * PAGE, 0);
-                let found = match lookup.as_mut().map(|c| c.find(&hashes, &mut fill_buf)) {
-                    Some(Ok(f)) => f,
-                    Some(Err(e)) => {
-                        // The host's index is an optimization: without it
-                        // every page comes as data.
-                        tracing::warn!("content lookup failed ({e}); receiving every page as data");
-                        lookup = None;
-                        vec![Found::Miss; n]
-                    }
-                    None => vec![Found::Miss; n],
-                };
-                let mut filled = vec![false; n];
-                let mut to_map = Vec::new();
-                for (k, (&(p, hist), f)) in list.iter().zip(&found).enumerate() {
-                    let data = match f {
-                        Found::Miss => continue,
-                        Found::Zero => None,
-                        Found::Data => Some(&fill_buf[k * PAGE..(k + 1) * PAGE]),
-                    };
-                    let written = r
-                        .fill_page(p, data, gather, limited)
-                        .map_err(|e| r.fail(format!("filling page {p}: {e}")))?;
-                    if written && populate {
-                        to_map.push(p);
-                    }
-                    r.adopt.history[p] = hist;
-                    filled[k] = true;
+                let queued = r
+                    .filler
+                    .as_ref()
+                    .is_some_and(|f| f.push(h.arg, list, hashes));
+                if !queued {
+                    // Nothing to fill from here: every page comes as data.
+                    let have = crate::dedup::bitmap(&vec![false; n]);
+                    r.send(Kind::Have, h.arg, &have)?;
                 }
-                // Mapped in runs, so the resumed guest takes no fault on them.
-                let mut i = 0;
-                while i < to_map.len() {
-                    let mut j = i + 1;
-                    while j < to_map.len() && to_map[j] == to_map[j - 1] + 1 && j - i < MAX_PAGES {
-                        j += 1;
-                    }
-                    // SAFETY: in bounds (checked above); nothing else maps or
-                    // writes these pages now.
-                    let run = unsafe {
-                        std::slice::from_raw_parts_mut(
-                            r.adopt.guest.addr().add(to_map[i] * PAGE),
-                            (j - i) * PAGE,
-                        )
-                    };
-                    map_resident(run);
-                    i = j;
-                }
-                r.filled.asked += n as u64;
-                r.filled.pages += found.iter().filter(|f| **f == Found::Data).count() as u64;
-                r.filled.zero += found.iter().filter(|f| **f == Found::Zero).count() as u64;
-                r.filled.stale = lookup.as_ref().map_or(r.filled.stale, |c| c.stats.stale);
-                r.filled.secs += t.elapsed().as_secs_f64();
-                let have = crate::dedup::bitmap(&filled);
-                r.stream.send(Kind::Have, h.arg, &[&have])?;
-                progress
-                    .pages
-                    .fetch_add(filled.iter().filter(|f| **f).count() as u64, Relaxed);
             }
             Kind::Located => {
                 let b = r.stream.body(&h)?;
@@ -585,7 +552,7 @@ pub fn receive_with(
             Kind::Round => {
                 r.stream.body(&h)?;
                 progress.round.store(h.arg, Relaxed);
-                r.stream.send(Kind::RoundDone, h.arg, &[])?;
+                r.send(Kind::RoundDone, h.arg, &[])?;
             }
             Kind::DeviceState => {
                 let b = r.stream.body(&h)?;
@@ -609,61 +576,14 @@ pub fn receive_with(
 
 impl Received {
     fn fail(&mut self, msg: String) -> WireError {
-        let _ = self.stream.send(Kind::Error, 0, &[msg.as_bytes()]);
+        let _ = self.send(Kind::Error, 0, msg.as_bytes());
         WireError::Malformed(msg)
     }
 
-    /// Page `p` gets `data` (None: the zero page) from this host's own
-    /// content, by the same rules as a page that came as data. Returns
-    /// whether it was written through the file (to be mapped afterwards).
-    fn fill_page(
-        &mut self,
-        p: usize,
-        data: Option<&[u8]>,
-        gather: bool,
-        limited: bool,
-    ) -> std::io::Result<bool> {
-        let mut through_file = false;
-        let fd = self.adopt.memfd.as_raw_fd();
-        let mut loc = self.shared.loc.lock().unwrap();
-        if loc[p] == PULLED {
-            self.shared.replaced.fetch_add(1, Relaxed);
-        }
-        match data {
-            None => {
-                // A hole reads as zeros; data from an earlier round goes.
-                if loc[p] == HERE || loc[p] == PULLED {
-                    pagefleet_uffd::punch_hole(fd, (p * PAGE) as u64, PAGE as u64)?;
-                }
-                loc[p] = ZERO_SERVER;
-            }
-            Some(d) => {
-                // SAFETY: in bounds (the caller checked p); only this thread
-                // and the pullers (under `loc`'s lock, held) write the guest
-                // memory before the region is built.
-                let dst = unsafe {
-                    std::slice::from_raw_parts_mut(self.adopt.guest.addr().add(p * PAGE), PAGE)
-                };
-                if gather || limited {
-                    dst.copy_from_slice(d);
-                } else {
-                    // As for PAGES: written through the file (no zeroing of
-                    // a fresh page), mapped afterwards for a native guest.
-                    // SAFETY: pwrite from a buffer we hold into our memfd.
-                    let n = unsafe { libc::pwrite(fd, d.as_ptr().cast(), PAGE, (p * PAGE) as i64) };
-                    if n != PAGE as isize {
-                        return Err(if n < 0 {
-                            std::io::Error::last_os_error()
-                        } else {
-                            std::io::ErrorKind::WriteZero.into()
-                        });
-                    }
-                    through_file = true;
-                }
-                loc[p] = HERE;
-            }
-        }
-        Ok(through_file)
+    /// Send on the stream while the filler may be answering on it too.
+    fn send(&mut self, kind: Kind, arg: u64, body: &[u8]) -> Result<(), WireError> {
+        crate::fill::send_locked(&mut self.stream.s, &self.write_lock, kind, arg, body)
+            .map_err(|e| self.stream.io_error(e))
     }
 
     /// What this host filled from its own content so far.
@@ -756,6 +676,13 @@ impl Received {
         build: impl FnOnce(Config) -> Result<Region, String>,
     ) -> Result<Committed, WireError> {
         let t = Instant::now();
+        if let Some(f) = self.filler.take() {
+            let out = f.finish();
+            for (p, h) in out.history {
+                self.adopt.history[p] = h;
+            }
+            self.filled = out.filled;
+        }
         if let Err(e) = self.finish_pulls() {
             return Err(self.fail(format!("gathering: {e}")));
         }

@@ -6,6 +6,7 @@
 
 pub mod dedup;
 pub mod dest;
+mod fill;
 pub mod placement;
 pub mod plan;
 pub mod source;
