@@ -33,7 +33,7 @@ impl Default for ScanConfig {
     fn default() -> ScanConfig {
         ScanConfig {
             cpu: 0.25,
-            pause: Duration::from_secs(2),
+            pause: Duration::from_secs(10),
         }
     }
 }
