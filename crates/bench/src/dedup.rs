@@ -12,7 +12,7 @@
 
 use crate::migration::{pf_json, pf_ok, wait_until};
 use crate::util::{self, Goal, PlotOutcome};
-use crate::LabRun;
+use crate::{kvload, LabRun};
 use anyhow::{bail, Result};
 use pagefleet_api::Report as MigrationReport;
 use pagefleet_testbed::Link;
@@ -33,8 +33,10 @@ pub struct Opts {
     pub levels: Vec<f64>,
     /// Plain/dedup pairs at 0% sharing (the cost-nothing goal is tight).
     pub zero_pairs: usize,
-    /// The real-workload case: a VM migrated to a host running another VM
-    /// booted from the same image (on the first link).
+    /// The real-workload cases (on the first link): a kv guest migrated
+    /// to a host running another kv guest holding the same dataset, and a
+    /// VM to a host running another VM booted from the same image.
+    pub kv: bool,
     pub vm: bool,
     pub quick: bool,
     #[serde(skip)]
@@ -48,6 +50,7 @@ impl Opts {
             links: vec![Link::Gbit10, Link::Gbit1],
             levels: PAPER_LEVELS.to_vec(),
             zero_pairs: 5,
+            kv: true,
             vm: true,
             quick: false,
             out_dir,
@@ -59,6 +62,7 @@ impl Opts {
             links: vec![Link::Gbit10],
             levels: vec![0.0, 0.5],
             zero_pairs: 1,
+            kv: false,
             vm: false,
             quick: true,
             out_dir,
@@ -227,10 +231,92 @@ fn link_runs(
     }
     let ix = l.host_report(1).and_then(|r| r.dedup);
     stop_guest(&l, "base")?;
+    if o.kv && link == o.links[0] {
+        kv_runs(&l, o, link, log, rows)?;
+    }
     if o.vm && link == o.links[0] {
         vm_runs(&l, &bins, link, log, rows)?;
     }
     Ok(ix)
+}
+
+/// The first real-workload case: h2 runs a kv guest holding a dataset;
+/// another kv guest loaded with the same dataset (by the same client, in
+/// its own order of arrival) moves from h1 to h2.
+fn kv_runs(l: &LabRun, o: &Opts, link: Link, log: Log<'_>, rows: &mut Vec<Row>) -> Result<()> {
+    let size = (o.size / 2).max(64 * MIB).to_string();
+    let value_len = 4000;
+    let keys = o.size / 2 / 2 / 4200;
+    let start_kv = |name: &str, on: &str, n: u8| -> Result<()> {
+        let ip = l.lab.service_ip(n);
+        let listen = format!("{ip}:11211");
+        pf_ok(
+            l,
+            &[
+                "guest",
+                "start",
+                name,
+                "--on",
+                on,
+                "--size",
+                &size,
+                "--",
+                "kv",
+                "--listen",
+                &listen,
+                "--service-ip",
+                &ip,
+            ],
+        )?;
+        kvload::prefill(&kvload::Spec {
+            addr: listen,
+            keys,
+            value_len,
+            conns: 4,
+            get_frac: 0.9,
+            theta: 0.99,
+            netns: Some(l.lab.hosts[0].netns.clone()),
+            reconnect: true,
+            pace: None,
+        })
+    };
+    log(&format!(
+        "{}: kv case: the destination's kv guest ({keys} items)",
+        link.name()
+    ));
+    start_kv("kvbase", "h2", 21)?;
+    let passes = l
+        .host_report(1)
+        .and_then(|r| r.dedup)
+        .map_or(0, |d| d.passes);
+    wait_until("h2 to index its kv guest", 120, || {
+        l.host_report(1)
+            .and_then(|r| r.dedup)
+            .is_some_and(|d| d.passes >= passes + 2)
+    })?;
+    for mode in ["plain", "dedup"] {
+        log(&format!(
+            "{}: kv guest with the same dataset, {mode}",
+            link.name()
+        ));
+        start_kv("kv", "h1", 22)?;
+        scanner_resting(l)?;
+        let mut args = vec!["migrate", "kv", "--to", "h2", "--verify", "--json"];
+        if mode == "plain" {
+            args.push("--no-dedup");
+        }
+        let r = pf_json(l, &args);
+        if let Err(e) = &r {
+            log(&format!("  FAILED: {e:#}"));
+        }
+        stop_guest(l, "kv")?;
+        let mut row = row(link, "kv", 0.0, mode, r);
+        if let Some(rep) = &row.report {
+            row.shared = row.pages_not_sent as f64 / rep.pages_main.max(1) as f64;
+        }
+        rows.push(row);
+    }
+    stop_guest(l, "kvbase")
 }
 
 /// The real-workload case: h2 runs a VM booted from the image; a second VM
@@ -488,17 +574,22 @@ fn goals(r: &Report) -> Vec<Goal> {
             }
         }
     }
-    let vm = |mode: &str| r.rows.iter().find(|x| x.case == "vm" && x.mode == mode);
-    if let (Some(p), Some(d)) = (vm("plain"), vm("dedup")) {
-        g.push(Goal::at_most(
-            &format!(
-                "VMs from one image ({:.1}% found shared): bytes dedup / plain",
-                d.shared * 100.0
-            ),
-            d.bytes as f64 / p.bytes.max(1) as f64,
-            1.0 - d.shared + 0.03,
-            "x",
-        ));
+    for (case, what) in [
+        ("kv", "kv guests, one dataset"),
+        ("vm", "VMs from one image"),
+    ] {
+        let of = |mode: &str| r.rows.iter().find(|x| x.case == case && x.mode == mode);
+        if let (Some(p), Some(d)) = (of("plain"), of("dedup")) {
+            g.push(Goal::at_most(
+                &format!(
+                    "{what} ({:.1}% found shared): bytes dedup / plain",
+                    d.shared * 100.0
+                ),
+                d.bytes as f64 / p.bytes.max(1) as f64,
+                1.0 - d.shared + 0.03,
+                "x",
+            ));
+        }
     }
     let wrong = r.rows.iter().filter(|x| !x.checksums_equal).count();
     g.push(Goal::at_most(
@@ -619,6 +710,9 @@ pub struct Args {
     /// 0,0.259,0.444,0.647,0.828).
     #[arg(long, value_delimiter = ',')]
     pub levels: Vec<f64>,
+    /// Skip the kv case (two kv guests holding one dataset).
+    #[arg(long)]
+    pub no_kv: bool,
     /// Skip the VM case (two VMs booted from one image; needs `make vm`).
     #[arg(long)]
     pub no_vm: bool,
@@ -637,6 +731,9 @@ impl crate::Benchmark for Args {
         }
         if self.no_vm {
             o.vm = false;
+        }
+        if self.no_kv {
+            o.kv = false;
         }
         if !self.levels.is_empty() {
             if let Some(bad) = self.levels.iter().find(|l| !(0.0..=1.0).contains(*l)) {

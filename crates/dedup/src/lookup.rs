@@ -258,12 +258,23 @@ impl LookupClient {
             out.len() >= hashes.len() * PAGE,
             "one page of room per hash"
         );
+        let mut rooms: Vec<&mut [u8]> = out.chunks_mut(PAGE).take(hashes.len()).collect();
+        self.find_into(hashes, &mut rooms)
+    }
+
+    /// [`LookupClient::find`], the page of `hashes[k]` going to `out[k]`
+    /// (one page each; e.g. straight into guest memory). A page that fails
+    /// its check leaves its room holding what it read: the caller fills a
+    /// miss's room itself.
+    pub fn find_into(
+        &mut self,
+        hashes: &[PageHash],
+        out: &mut [&mut [u8]],
+    ) -> io::Result<Vec<Found>> {
+        assert!(out.len() >= hashes.len(), "one room per hash");
         let mut res = Vec::with_capacity(hashes.len());
-        for (part, room) in hashes
-            .chunks(MAX_LOOKUP)
-            .zip(out.chunks_mut(MAX_LOOKUP * PAGE))
-        {
-            self.find_some(part, room, &mut res)?;
+        for (part, rooms) in hashes.chunks(MAX_LOOKUP).zip(out.chunks_mut(MAX_LOOKUP)) {
+            self.find_some(part, rooms, &mut res)?;
         }
         Ok(res)
     }
@@ -271,7 +282,7 @@ impl LookupClient {
     fn find_some(
         &mut self,
         hashes: &[PageHash],
-        out: &mut [u8],
+        out: &mut [&mut [u8]],
         res: &mut Vec<Found>,
     ) -> io::Result<()> {
         self.stats.asked += hashes.len() as u64;
@@ -328,9 +339,7 @@ impl LookupClient {
                         fd: u32::from_le_bytes(e[8..12].try_into().unwrap()),
                     };
                     let page = u32::from_le_bytes(e[12..16].try_into().unwrap()) as u64;
-                    let dst: &mut [u8; PAGE] = (&mut out[k * PAGE..(k + 1) * PAGE])
-                        .try_into()
-                        .expect("page");
+                    let dst: &mut [u8; PAGE] = (&mut out[k][..PAGE]).try_into().expect("page");
                     let file = self.files.entry(at).or_insert_with(|| at.open().ok());
                     let ok = file
                         .as_ref()

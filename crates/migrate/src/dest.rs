@@ -405,8 +405,17 @@ pub fn receive_with(
             limited,
             populate,
         };
-        let w = r.stream.s.try_clone().map_err(WireError::Io)?;
-        r.filler = Some(Filler::start(c, target, w, r.write_lock.clone()));
+        // Without a filler (no thread, no second handle on the socket)
+        // every page comes as data: HASHES are answered "not here".
+        match r
+            .stream
+            .s
+            .try_clone()
+            .and_then(|w| Filler::start(c, target, w, r.write_lock.clone()))
+        {
+            Ok(f) => r.filler = Some(f),
+            Err(e) => tracing::warn!("no filler ({e}); receiving every page as data"),
+        }
     }
     loop {
         let h = r.stream.header()?;

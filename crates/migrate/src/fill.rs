@@ -87,68 +87,99 @@ impl Filler {
         t: Target,
         mut w: TcpStream,
         lock: Arc<Mutex<()>>,
-    ) -> Filler {
+    ) -> std::io::Result<Filler> {
         let (tx, rx) = channel::<Job>();
-        let thread = std::thread::spawn(move || {
-            let mut out = Outcome::default();
-            let mut ok = true;
-            let mut buf = Vec::new();
-            for job in rx {
-                let t0 = Instant::now();
-                let n = job.hashes.len();
-                buf.resize(n * PAGE, 0);
-                let found = if ok {
-                    lookup.find(&job.hashes, &mut buf).unwrap_or_else(|e| {
-                        // The host's index is an optimization: without it
-                        // every page comes as data.
-                        tracing::warn!("content lookup failed ({e}); receiving every page as data");
-                        ok = false;
+        let thread = std::thread::Builder::new()
+            .name("dedup filler".into())
+            .spawn(move || {
+                let mut out = Outcome::default();
+                let mut ok = true;
+                let mut buf = Vec::new();
+                for job in rx {
+                    let t0 = Instant::now();
+                    let n = job.hashes.len();
+                    // A native or VM guest outside gather and memory cgroups:
+                    // pages are read straight into its memory (a miss's page
+                    // gets its data from the source next). Otherwise into a
+                    // buffer, copied under the lock pullers take.
+                    let direct = !(t.gather || t.limited);
+                    let found = if !ok {
                         vec![Found::Miss; n]
-                    })
-                } else {
-                    vec![Found::Miss; n]
-                };
-                let mut filled = vec![false; n];
-                let mut to_map = Vec::new();
-                for (k, (&(p, hist), f)) in job.pages.iter().zip(&found).enumerate() {
-                    let data = match f {
-                        Found::Miss => continue,
-                        Found::Zero => None,
-                        Found::Data => Some(&buf[k * PAGE..(k + 1) * PAGE]),
+                    } else {
+                        let r = if direct {
+                            let mut rooms: Vec<&mut [u8]> = job
+                                .pages
+                                .iter()
+                                .map(|&(p, _)| {
+                                    // SAFETY: p is in bounds (the receiver checked it),
+                                    // distinct within a batch, and nothing else reads
+                                    // or writes a page named in a HASHES batch until
+                                    // its HAVE is sent.
+                                    unsafe {
+                                        std::slice::from_raw_parts_mut(
+                                            (t.shared.base as *mut u8).add(p * PAGE),
+                                            PAGE,
+                                        )
+                                    }
+                                })
+                                .collect();
+                            lookup.find_into(&job.hashes, &mut rooms)
+                        } else {
+                            buf.resize(n * PAGE, 0);
+                            lookup.find(&job.hashes, &mut buf)
+                        };
+                        r.unwrap_or_else(|e| {
+                            // The host's index is an optimization: without it
+                            // every page comes as data.
+                            tracing::warn!(
+                                "content lookup failed ({e}); receiving every page as data"
+                            );
+                            ok = false;
+                            vec![Found::Miss; n]
+                        })
                     };
-                    match fill_page(&t, p, data) {
-                        Ok(through_file) => {
-                            if through_file && t.populate {
-                                to_map.push(p);
+                    let mut filled = vec![false; n];
+                    let mut to_map = Vec::new();
+                    for (k, (&(p, hist), f)) in job.pages.iter().zip(&found).enumerate() {
+                        let data = match f {
+                            Found::Miss => continue,
+                            Found::Zero => Fill::Zero,
+                            Found::Data if direct => Fill::InPlace,
+                            Found::Data => Fill::Copy(&buf[k * PAGE..(k + 1) * PAGE]),
+                        };
+                        match fill_page(&t, p, data) {
+                            Ok(through_file) => {
+                                if through_file && t.populate {
+                                    to_map.push(p);
+                                }
+                                out.history.push((p, hist));
+                                filled[k] = true;
+                                match f {
+                                    Found::Zero => out.filled.zero += 1,
+                                    _ => out.filled.pages += 1,
+                                }
                             }
-                            out.history.push((p, hist));
-                            filled[k] = true;
-                            match f {
-                                Found::Zero => out.filled.zero += 1,
-                                _ => out.filled.pages += 1,
-                            }
+                            // Not filled: its data comes, and meets the same
+                            // error on the receiver, which fails the migration.
+                            Err(e) => tracing::warn!("filling page {p}: {e}"),
                         }
-                        // Not filled: its data comes, and meets the same
-                        // error on the receiver, which fails the migration.
-                        Err(e) => tracing::warn!("filling page {p}: {e}"),
+                    }
+                    map_runs(&t, &to_map);
+                    out.filled.asked += n as u64;
+                    out.filled.stale = lookup.stats.stale;
+                    out.filled.secs += t0.elapsed().as_secs_f64();
+                    let have = crate::dedup::bitmap(&filled);
+                    if send_locked(&mut w, &lock, Kind::Have, job.batch, &have).is_err() {
+                        // The receiver sees the broken stream too.
+                        break;
                     }
                 }
-                map_runs(&t, &to_map);
-                out.filled.asked += n as u64;
-                out.filled.stale = lookup.stats.stale;
-                out.filled.secs += t0.elapsed().as_secs_f64();
-                let have = crate::dedup::bitmap(&filled);
-                if send_locked(&mut w, &lock, Kind::Have, job.batch, &have).is_err() {
-                    // The receiver sees the broken stream too.
-                    break;
-                }
-            }
-            out
-        });
-        Filler {
+                out
+            });
+        Ok(Filler {
             queue: Some(tx),
-            thread: Some(thread),
-        }
+            thread: Some(thread?),
+        })
     }
 
     /// Queue a batch; false if the filler is gone.
@@ -182,21 +213,38 @@ impl Drop for Filler {
     }
 }
 
-/// Page `p` gets `data` (None: the zero page), by the same rules as a page
-/// that came as data. Returns whether it was written through the file (to
-/// be mapped afterwards).
-fn fill_page(t: &Target, p: usize, data: Option<&[u8]>) -> std::io::Result<bool> {
+/// What a filled page gets.
+enum Fill<'a> {
+    /// The zero page.
+    Zero,
+    /// Already read into its place in guest memory (and checked).
+    InPlace,
+    /// These bytes (checked).
+    Copy(&'a [u8]),
+}
+
+/// Page `p` is filled from this host, by the same rules as a page that
+/// came as data. Returns whether it was written through the file (to be
+/// mapped afterwards).
+fn fill_page(t: &Target, p: usize, data: Fill<'_>) -> std::io::Result<bool> {
     let mut loc = t.shared.loc.lock().unwrap_or_else(|e| e.into_inner());
     if loc[p] == PULLED {
         t.shared.replaced.fetch_add(1, Relaxed);
     }
-    let Some(d) = data else {
-        // A hole reads as zeros; data from an earlier round goes.
-        if loc[p] == HERE || loc[p] == PULLED {
-            pagefleet_uffd::punch_hole(t.fd, (p * PAGE) as u64, PAGE as u64)?;
+    let d = match data {
+        Fill::Zero => {
+            // A hole reads as zeros; data from an earlier round goes.
+            if loc[p] == HERE || loc[p] == PULLED {
+                pagefleet_uffd::punch_hole(t.fd, (p * PAGE) as u64, PAGE as u64)?;
+            }
+            loc[p] = ZERO_SERVER;
+            return Ok(false);
         }
-        loc[p] = ZERO_SERVER;
-        return Ok(false);
+        Fill::InPlace => {
+            loc[p] = HERE;
+            return Ok(false);
+        }
+        Fill::Copy(d) => d,
     };
     let through_file = !(t.gather || t.limited);
     if through_file {
