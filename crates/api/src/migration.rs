@@ -320,6 +320,15 @@ pub struct DedupReport {
     pub source_hash_secs: f64,
     /// Destination seconds spent looking up, reading and checking.
     pub dest_fill_secs: f64,
+    /// Destination CPU seconds of that.
+    #[serde(default)]
+    pub dest_fill_cpu_secs: f64,
+    /// Of which waiting for its host's lookup service.
+    #[serde(default)]
+    pub dest_ask_secs: f64,
+    /// Of which reading and checking pages.
+    #[serde(default)]
+    pub dest_check_secs: f64,
 }
 
 impl Report {

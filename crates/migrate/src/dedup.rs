@@ -19,7 +19,6 @@ use pagefleet_dedup::ContentKey;
 use pagefleet_region::PAGE;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
-use std::time::Instant;
 
 /// Pages per HASHES batch (1 MiB of data).
 pub const BATCH: usize = 256;
@@ -43,6 +42,15 @@ pub struct Filled {
     pub stale: u64,
     /// Seconds spent looking up, reading and checking.
     pub secs: f64,
+    /// CPU seconds of the filler thread.
+    #[serde(default)]
+    pub cpu_secs: f64,
+    /// Of which waiting for the host's lookup service.
+    #[serde(default)]
+    pub ask_secs: f64,
+    /// Of which reading and checking pages.
+    #[serde(default)]
+    pub check_secs: f64,
 }
 
 /// The source's state across the rounds of one migration.
@@ -55,7 +63,7 @@ pub struct Sender {
     pub found: u64,
     /// Bytes of HASHES messages.
     pub hash_bytes: u64,
-    /// Seconds spent hashing.
+    /// CPU seconds spent hashing.
     pub hash_secs: f64,
     /// Batches sent only as a probe.
     pub probes: u64,
@@ -179,7 +187,7 @@ pub fn send(
 
 /// HASHES for the pages of `p` it asks about.
 fn ask(stream: &mut Stream, p: &Pending, sender: &mut Sender) -> Result<u64, MigrateError> {
-    let t = Instant::now();
+    let t = crate::fill::thread_cpu_secs();
     let mut msg = Vec::with_capacity(p.hashed.len() * HASH_ENTRY);
     for &k in &p.hashed {
         let page: &[u8; PAGE] = p.data[k * PAGE..(k + 1) * PAGE].try_into().expect("page");
@@ -187,7 +195,7 @@ fn ask(stream: &mut Stream, p: &Pending, sender: &mut Sender) -> Result<u64, Mig
         msg.push(p.hist[k]);
         msg.extend_from_slice(&sender.key.hash(page).to_bytes());
     }
-    sender.hash_secs += t.elapsed().as_secs_f64();
+    sender.hash_secs += crate::fill::thread_cpu_secs() - t;
     sender.hashed += p.hashed.len() as u64;
     stream.send(Kind::Hashes, p.id, &[&msg])?;
     sender.hash_bytes += (16 + msg.len()) as u64;

@@ -550,6 +550,9 @@ impl Run<'_> {
                     probe_batches: d.probes,
                     source_hash_secs: d.hash_secs,
                     dest_fill_secs: prepared.dedup.secs,
+                    dest_fill_cpu_secs: prepared.dedup.cpu_secs,
+                    dest_ask_secs: prepared.dedup.ask_secs,
+                    dest_check_secs: prepared.dedup.check_secs,
                 })
             }),
         })
