@@ -383,11 +383,18 @@ impl Guests {
             }
             let st = child.wait();
             // A VM runner's socket directory (its QEMU is gone with it).
-            let _ = std::fs::remove_dir_all(me.cfg.dir.join(format!("{n}.vm")));
-            let _ = std::fs::remove_file(me.cfg.dir.join(format!("{n}.qmp")));
+            let _ = std::fs::remove_dir_all(me.cfg.dir.join(format!("{n}.{pid}.vm")));
             let mut m = lock(&me.map);
-            if m.get(&n).is_some_and(|e| e.pid == pid) {
-                m.remove(&n);
+            match m.get(&n) {
+                Some(e) if e.pid == pid => {
+                    m.remove(&n);
+                    let _ = std::fs::remove_file(me.cfg.dir.join(format!("{n}.qmp")));
+                }
+                // A guest of that name runs here again: the socket is its.
+                Some(_) => {}
+                None => {
+                    let _ = std::fs::remove_file(me.cfg.dir.join(format!("{n}.qmp")));
+                }
             }
             info!("guest {n} (runner {pid}) exited: {st:?}");
         });

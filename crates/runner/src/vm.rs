@@ -19,16 +19,28 @@ pub struct VmGuest {
     pub vm: Vm,
     dir: PathBuf,
     operator_qmp: Option<String>,
+    /// The operator socket's inode as this QEMU made it: a guest of the
+    /// same name started here after this one left has its own.
+    operator_qmp_ino: Option<u64>,
+}
+
+impl VmGuest {
+    fn remove_sockets(&self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+        if let (Some(q), Some(ino)) = (&self.operator_qmp, self.operator_qmp_ino) {
+            use std::os::unix::fs::MetadataExt;
+            if std::fs::symlink_metadata(q).is_ok_and(|m| m.ino() == ino) {
+                let _ = std::fs::remove_file(q);
+            }
+        }
+    }
 }
 
 impl Drop for VmGuest {
     fn drop(&mut self) {
         // QEMU first: once the region is gone nobody serves its faults.
         self.vm.shutdown(Duration::from_secs(3));
-        let _ = std::fs::remove_dir_all(&self.dir);
-        if let Some(q) = &self.operator_qmp {
-            let _ = std::fs::remove_file(q);
-        }
+        self.remove_sockets();
     }
 }
 
@@ -78,7 +90,10 @@ pub fn spec_of(
 /// however it ends), or a temporary directory for `pagefleet run vm`.
 pub fn socket_dir(control: Option<&std::path::Path>, name: &str) -> PathBuf {
     match control {
-        Some(c) => c.with_extension("vm"),
+        // One per runner: a runner retiring after its guest migrated away
+        // must not remove the directory of a same-named guest started here
+        // since.
+        Some(c) => c.with_extension(format!("{}.vm", std::process::id())),
         None => std::env::temp_dir().join(format!(
             "pagefleet-vm-{}-{}",
             std::process::id(),
@@ -181,6 +196,10 @@ fn start_qemu(
                 vm,
                 dir,
                 operator_qmp: spec.operator_qmp.as_ref().map(|p| p.display().to_string()),
+                operator_qmp_ino: spec.operator_qmp.as_ref().and_then(|p| {
+                    use std::os::unix::fs::MetadataExt;
+                    std::fs::symlink_metadata(p).ok().map(|m| m.ino())
+                }),
             }),
             foreign,
         )),
@@ -246,10 +265,7 @@ impl VmGuest {
     /// (the runner ends without dropping its state).
     pub fn retire(&self) {
         self.vm.shutdown(Duration::from_secs(3));
-        let _ = std::fs::remove_dir_all(&self.dir);
-        if let Some(q) = &self.operator_qmp {
-            let _ = std::fs::remove_file(q);
-        }
+        self.remove_sockets();
     }
 
     /// Let them run again.

@@ -177,3 +177,41 @@ fn pages_the_destination_holds_are_not_sent_and_every_byte_arrives() {
     assert!(r["dedup_main"].is_null(), "{r}");
     assert!(r["bytes_main"].as_u64().unwrap() >= 64 * MIB, "{r}");
 }
+
+#[test]
+fn a_split_guest_gathered_onto_a_host_holding_its_content_is_whole() {
+    if !is_root() {
+        eprintln!("skipped: the testbed needs root (CI runs as root)");
+        return;
+    }
+    // h1 runs a guest with the common content; h2 has room for half of
+    // m1; h3 only lends.
+    let l = lab(
+        "dgath",
+        3,
+        Link::Gbit10,
+        128 * MIB,
+        &[256 * MIB, 48 * MIB, 0],
+    );
+    let pages = 64 * MIB / 4096;
+    start(&l, "base", "h1", "64MiB", "1", "1", &["--rate", "0"]);
+    wait_filled(&l, "base", pages);
+    start(&l, "m1", "h1", "64MiB", "7", "0.5", &["--rate", "0"]);
+    wait_filled(&l, "m1", pages);
+    let r = migrate(&l, &["m1", "--to", "h2", "--sub", "h3", "--verify"]).expect("split");
+    assert_eq!(r["checksum_source"], r["checksum_dest"], "split: {r}");
+    assert!(r["pages_subs"][0].as_u64().unwrap() > 0, "{r}");
+    wait_indexed(&l, 0, pages * 9 / 10);
+    // Back to h1, whole: the main host's pages come by hash where h1 holds
+    // them (the gather path copies them under the pullers' lock), the
+    // sub-host's are pulled.
+    let (ok, out, err) = l.pf(0, &["gather", "m1", "--to", "h1", "--verify", "--json"]);
+    assert!(ok, "gather: {err}");
+    let r: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(r["checksum_source"], r["checksum_dest"], "gather: {r}");
+    assert!(r["pages_pulled"].as_u64().unwrap() > 0, "{r}");
+    assert!(
+        r["dedup_main"]["pages_not_sent"].as_u64().unwrap() > 0,
+        "h1 holds half of the main host's pages: {r}"
+    );
+}
