@@ -125,6 +125,21 @@ pub fn status(c: &Client, registry: &str, explicit: &[String], json_out: bool) -
             ),
         }
     }
+    // Sharing-aware migration: what each host could fill from its own guests.
+    for h in &hs {
+        if let Some((r, d)) = h
+            .host
+            .as_ref()
+            .and_then(|r| r.dedup.as_ref().map(|d| (r, d)))
+        {
+            if d.sources > 0 || d.lookups > 0 {
+                println!(
+                    "{:<10} content index: {} pages of {} guests ({:.0} B a page), {} lookups, hit rate {:.2}",
+                    r.hostname, d.pages_indexed, d.sources, d.bytes_per_page, d.lookups, d.hit_rate
+                );
+            }
+        }
+    }
     let guests: Vec<(&ClusterHost, &GuestStatus)> = hs
         .iter()
         .flat_map(|h| h.guests.iter().map(move |g| (h, g)))

@@ -215,3 +215,69 @@ fn a_split_guest_gathered_onto_a_host_holding_its_content_is_whole() {
         "h1 holds half of the main host's pages: {r}"
     );
 }
+
+#[test]
+fn a_destination_killed_while_filling_leaves_the_source_running_and_a_retry_whole() {
+    if !is_root() {
+        eprintln!("skipped: the testbed needs root (CI runs as root)");
+        return;
+    }
+    // 1 Gbit: round 1 of 128 MiB with half of it shared takes about half a second.
+    let l = lab("dabt", 2, Link::Gbit1, 64 * MIB, &[256 * MIB, 512 * MIB]);
+    let pages = 128 * MIB / 4096;
+    start(&l, "base", "h2", "128MiB", "1", "1", &["--rate", "0"]);
+    wait_filled(&l, "base", pages);
+    wait_indexed(&l, 1, pages * 9 / 10);
+    let writes = ["--rate", "5000", "--write-frac", "1", "--dist", "uniform"];
+    start(&l, "m1", "h1", "128MiB", "7", "0.5", &writes);
+    wait_filled(&l, "m1", pages);
+    let ctl = l.control(0, "m1");
+    let phase = || {
+        guest_status(&ctl)
+            .and_then(|g| g.migration)
+            .map(|m| m.phase)
+            .unwrap_or_default()
+    };
+    let mut m = l.lab.exec(0, bin("pagefleet"));
+    m.args(["migrate", "m1", "--to", "h2"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    let mut m = m.spawn().unwrap();
+    let t = Instant::now();
+    while !phase().starts_with("round 1") {
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "never reached round 1"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    std::thread::sleep(Duration::from_millis(150));
+    // Kill the incoming runner (its filler with it) mid-round.
+    let out = std::process::Command::new("ip")
+        .args(["netns", "pids", &l.lab.hosts[1].netns])
+        .output()
+        .unwrap();
+    for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
+        let cmd = std::fs::read_to_string(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        if cmd.contains("runner-incoming") {
+            // SAFETY: kill has no memory preconditions.
+            unsafe { libc::kill(pid.parse().unwrap(), libc::SIGKILL) };
+        }
+    }
+    assert!(
+        !m.wait().unwrap().success(),
+        "a migration to a dead runner succeeded"
+    );
+    let (on, g) = l.guest("m1").expect("m1 still listed");
+    assert_eq!(on, 0, "m1 must run on h1 after the abort: {g:?}");
+    // A retry goes through whole, filling from h2 as before.
+    let r = migrate(&l, &["m1", "--to", "h2", "--verify"]).expect("retry");
+    assert_eq!(
+        r["checksum_source"], r["checksum_dest"],
+        "region differs: {r}"
+    );
+    assert!(
+        r["dedup_main"]["pages_not_sent"].as_u64().unwrap() > pages / 4,
+        "{r}"
+    );
+}
