@@ -142,6 +142,60 @@ fn scanner_resting(l: &LabRun) -> Result<()> {
     wait_until("h2's scanner to finish a pass", 60, || passes() > p0)
 }
 
+/// Wait until h2's scanner has made two passes more (the guest just
+/// started there is indexed).
+fn wait_indexed(l: &LabRun, what: &str) -> Result<()> {
+    let passes = || {
+        l.host_report(1)
+            .and_then(|r| r.dedup)
+            .map_or(0, |d| d.passes)
+    };
+    let p0 = passes();
+    wait_until(&format!("h2 to index its {what}"), 120, || {
+        passes() >= p0 + 2
+    })
+}
+
+/// Migrate `name` from h1 to h2, plain or sharing-aware, checksums on.
+fn migrate_once(l: &LabRun, name: &str, mode: &str, log: Log<'_>) -> Result<MigrationReport> {
+    let mut args = vec!["migrate", name, "--to", "h2", "--verify", "--json"];
+    if mode == "plain" {
+        args.push("--no-dedup");
+    }
+    let r = pf_json(l, &args);
+    if let Err(e) = &r {
+        log(&format!("  FAILED: {e:#}"));
+    }
+    r
+}
+
+/// A real-workload case: `start` puts the guest `name` on h1 (h2 already
+/// runs its twin); it moves plain, then sharing-aware. The shared fraction
+/// is what the sharing-aware run found.
+fn real_case(
+    l: &LabRun,
+    link: Link,
+    case: &str,
+    name: &str,
+    log: Log<'_>,
+    rows: &mut Vec<Row>,
+    start: &dyn Fn() -> Result<()>,
+) -> Result<()> {
+    for mode in ["plain", "dedup"] {
+        log(&format!("{}: {case} case, {mode}", link.name()));
+        start()?;
+        scanner_resting(l)?;
+        let r = migrate_once(l, name, mode, log);
+        stop_guest(l, name)?;
+        let mut row = row(link, case, 0.0, mode, r);
+        if let Some(rep) = &row.report {
+            row.shared = row.pages_not_sent as f64 / rep.pages_main.max(1) as f64;
+        }
+        rows.push(row);
+    }
+    Ok(())
+}
+
 fn start(l: &LabRun, name: &str, on: &str, size: u64, seed: u64, shared: f64) -> Result<()> {
     let (size, seed, shared) = (size.to_string(), seed.to_string(), shared.to_string());
     pf_ok(
@@ -183,7 +237,11 @@ fn link_runs(
         2,
         link,
         64 * MIB,
-        &[o.size + 64 * MIB, 2 * o.size + 128 * MIB],
+        // The VM case runs two 512 MiB VMs on h2 (after the others left).
+        &[
+            (o.size + 64 * MIB).max(576 * MIB),
+            (2 * o.size + 128 * MIB).max(1152 * MIB),
+        ],
     )?;
     let pages = o.size / 4096;
     log(&format!(
@@ -218,14 +276,7 @@ fn link_runs(
                 start(&l, "m", "h1", o.size, seed, level)?;
                 wait_filled(&l, "m", pages)?;
                 scanner_resting(&l)?;
-                let mut args = vec!["migrate", "m", "--to", "h2", "--verify", "--json"];
-                if mode == "plain" {
-                    args.push("--no-dedup");
-                }
-                let r = pf_json(&l, &args);
-                if let Err(e) = &r {
-                    log(&format!("  FAILED: {e:#}"));
-                }
+                let r = migrate_once(&l, "m", mode, log);
                 stop_guest(&l, "m")?;
                 rows.push(row(link, "synthetic", level, mode, r));
             }
@@ -300,37 +351,8 @@ fn kv_runs(l: &LabRun, o: &Opts, link: Link, log: Log<'_>, rows: &mut Vec<Row>) 
         link.name()
     ));
     start_kv("kvbase", "h2", 21)?;
-    let passes = l
-        .host_report(1)
-        .and_then(|r| r.dedup)
-        .map_or(0, |d| d.passes);
-    wait_until("h2 to index its kv guest", 120, || {
-        l.host_report(1)
-            .and_then(|r| r.dedup)
-            .is_some_and(|d| d.passes >= passes + 2)
-    })?;
-    for mode in ["plain", "dedup"] {
-        log(&format!(
-            "{}: kv guest with the same dataset, {mode}",
-            link.name()
-        ));
-        start_kv("kv", "h1", 22)?;
-        scanner_resting(l)?;
-        let mut args = vec!["migrate", "kv", "--to", "h2", "--verify", "--json"];
-        if mode == "plain" {
-            args.push("--no-dedup");
-        }
-        let r = pf_json(l, &args);
-        if let Err(e) = &r {
-            log(&format!("  FAILED: {e:#}"));
-        }
-        stop_guest(l, "kv")?;
-        let mut row = row(link, "kv", 0.0, mode, r);
-        if let Some(rep) = &row.report {
-            row.shared = row.pages_not_sent as f64 / rep.pages_main.max(1) as f64;
-        }
-        rows.push(row);
-    }
+    wait_indexed(l, "kv guest")?;
+    real_case(l, link, "kv", "kv", log, rows, &|| start_kv("kv", "h1", 22))?;
     stop_guest(l, "kvbase")
 }
 
@@ -366,36 +388,11 @@ fn vm_runs(
     log(&format!("{}: VM case: the destination's VM", link.name()));
     start_vm("vmbase", "h2", 11)?;
     working("vmbase")?;
-    let passes = l
-        .host_report(1)
-        .and_then(|r| r.dedup)
-        .map_or(0, |d| d.passes);
-    wait_until("h2 to index its VM", 120, || {
-        l.host_report(1)
-            .and_then(|r| r.dedup)
-            .is_some_and(|d| d.passes >= passes + 2)
-    })?;
-    for mode in ["plain", "dedup"] {
-        log(&format!("{}: VM from the same image, {mode}", link.name()));
+    wait_indexed(l, "VM")?;
+    real_case(l, link, "vm", "vm", log, rows, &|| {
         start_vm("vm", "h1", 12)?;
-        working("vm")?;
-        scanner_resting(l)?;
-        let mut args = vec!["migrate", "vm", "--to", "h2", "--verify", "--json"];
-        if mode == "plain" {
-            args.push("--no-dedup");
-        }
-        let r = pf_json(l, &args);
-        if let Err(e) = &r {
-            log(&format!("  FAILED: {e:#}"));
-        }
-        stop_guest(l, "vm")?;
-        let mut row = row(link, "vm", 0.0, mode, r);
-        if let Some(rep) = &row.report {
-            let data = rep.pages_main.max(1) as f64;
-            row.shared = row.pages_not_sent as f64 / data;
-        }
-        rows.push(row);
-    }
+        working("vm")
+    })?;
     stop_guest(l, "vmbase")
 }
 
