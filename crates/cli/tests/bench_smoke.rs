@@ -224,6 +224,48 @@ fn bench_vm_migration_quick_json_has_rows_and_goals() {
     let _ = std::fs::remove_dir_all(&out_dir);
 }
 
+/// The sharing-aware migration benchmark runs end to end (quick: 128 MiB,
+/// 0% and 50% shared, 10 Gbit): every run's checksums equal, the 50%
+/// dedup run sends about half, and every goal's verdict matches its value.
+#[test]
+fn bench_dedup_quick_json_has_rows_and_goals() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: the testbed needs root (CI runs as root)");
+        return;
+    }
+    let out_dir = std::env::temp_dir().join(format!(
+        "pagefleet-bench-dedup-smoke-{}",
+        std::process::id()
+    ));
+    let out = Command::new(env!("CARGO_BIN_EXE_pagefleet"))
+        .args(["bench", "dedup", "--quick", "--json", "--out"])
+        .arg(&out_dir)
+        .output()
+        .expect("run pagefleet bench dedup");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "bench failed: {stderr}");
+    let v: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("stdout is one JSON object");
+    let rows = v["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 4, "2 levels x plain/dedup: {stderr}");
+    for r in rows {
+        assert!(r["error"].is_null(), "{r}");
+        assert_eq!(r["checksums_equal"], true, "{r}");
+    }
+    let half = rows
+        .iter()
+        .find(|r| r["mode"] == "dedup" && r["shared"].as_f64() == Some(0.5))
+        .expect("the 50% dedup row");
+    let not_sent = half["pages_not_sent"].as_u64().unwrap();
+    assert!((14_000..=18_000).contains(&not_sent), "{half}");
+    assert!(!v["floors"].as_array().unwrap().is_empty(), "no floor run");
+    let goals = v["goals"].as_array().unwrap();
+    assert!(goals.len() >= 4, "{goals:?}");
+    assert_verdicts(goals);
+    let _ = std::fs::remove_dir_all(&out_dir);
+}
+
 /// The block-device benchmark runs end to end (quick: the 2-server export
 /// and nbdkit's memory plugin, two block sizes, both queue depths).
 #[test]
