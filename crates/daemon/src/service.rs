@@ -131,15 +131,22 @@ pub fn run(a: Settings) -> Result<()> {
                 dedup_socket: dedup_socket.clone(),
             })?;
             if let Some(sock) = &dedup_socket {
-                let d = crate::dedup::Dedup::start(
+                // Sharing-aware migration is an optimization: without the
+                // socket (a path too long for a unix socket, say) incoming
+                // runners receive every page as data.
+                match crate::dedup::Dedup::start(
                     sock,
                     &secret,
                     g.clone(),
                     crate::dedup::ScanConfig::default(),
                     stop,
-                )
-                .with_context(|| format!("cannot serve content lookups on {}", sock.display()))?;
-                dedup = Some(d);
+                ) {
+                    Ok(d) => dedup = Some(d),
+                    Err(e) => tracing::warn!(
+                        "no content index (sharing-aware migration into this host is off): cannot serve lookups on {}: {e}",
+                        sock.display()
+                    ),
+                }
             }
             Some(g)
         }
