@@ -362,7 +362,14 @@ impl std::fmt::Display for Report {
                 mib(self.bytes_subs[i])
             )?;
         }
-        if let Some(d) = &self.dedup_main {
+        if let Some(d) = self.dedup_main.as_ref().filter(|d| d.pages_not_sent == 0) {
+            writeln!(
+                f,
+                "  sharing-aware: the main host held none of these pages ({:.1} MiB of hashes, hashing {:.2} s here)",
+                mib(d.hash_bytes),
+                d.source_hash_secs
+            )?;
+        } else if let Some(d) = &self.dedup_main {
             writeln!(
                 f,
                 "  sharing-aware: {} pages not sent (the main host held their content; {} zero pages), {:.1} MiB saved after {:.1} MiB of hashes; hashing {:.2} s here, filling {:.2} s there",
