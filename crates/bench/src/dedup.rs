@@ -10,7 +10,7 @@
 //! paper's sharing levels, on a 10 and a 1 Gbit link. Both runs verify the
 //! region checksums.
 
-use crate::migration::{pf_json, pf_ok, wait_until};
+use crate::migration::{pf_json, pf_ok, stop_guest, wait_filled, wait_until};
 use crate::util::{self, Goal, PlotOutcome};
 use crate::{kvload, LabRun};
 use anyhow::{bail, Result};
@@ -115,18 +115,6 @@ pub struct Report {
 }
 
 type Log<'a> = &'a mut dyn FnMut(&str);
-
-fn wait_filled(l: &LabRun, name: &str, pages: u64) -> Result<()> {
-    wait_until(&format!("{name} to fill its memory"), 600, || {
-        l.guest(name)
-            .is_some_and(|(_, g)| g.ready && g.pages.as_ref().map_or(0, |p| p.local) + 32 >= pages)
-    })
-}
-
-fn stop_guest(l: &LabRun, name: &str) -> Result<()> {
-    pf_ok(l, &["guest", "stop", name])?;
-    wait_until(&format!("{name} to stop"), 30, || l.guest(name).is_none())
-}
 
 /// Wait until h2's scanner has just finished a pass: its pause between
 /// passes (10 s) then covers the migration, which therefore does not share

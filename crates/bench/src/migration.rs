@@ -174,14 +174,14 @@ pub(crate) fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> bool) -> 
 }
 
 /// Wait until the guest is ready: all `pages` written (or a sort job ready).
-fn wait_filled(l: &LabRun, name: &str, pages: u64) -> Result<()> {
+pub(crate) fn wait_filled(l: &LabRun, name: &str, pages: u64) -> Result<()> {
     wait_until(&format!("{name} to fill its memory"), 600, || {
         l.guest(name)
             .is_some_and(|(_, g)| g.ready && g.pages.as_ref().map_or(0, |p| p.local) + 32 >= pages)
     })
 }
 
-fn stop_guest(l: &LabRun, name: &str) -> Result<()> {
+pub(crate) fn stop_guest(l: &LabRun, name: &str) -> Result<()> {
     pf_ok(l, &["guest", "stop", name])?;
     wait_until(&format!("{name} to stop"), 30, || l.guest(name).is_none())
 }

@@ -5,6 +5,7 @@
 
 #![warn(missing_docs)]
 
+pub mod clock;
 pub mod context;
 pub mod control;
 pub mod controller;

@@ -46,17 +46,6 @@ pub struct Dedup {
     passes: AtomicU64,
 }
 
-/// CPU time of the calling thread.
-fn thread_cpu() -> Duration {
-    let mut t = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes the timespec we pass.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) };
-    Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
-}
-
 /// Where the lookup socket of a guest directory is.
 pub fn socket_path(guest_dir: &Path) -> PathBuf {
     guest_dir.join("dedup.sock")
@@ -115,12 +104,14 @@ impl Dedup {
                 let Some(at) = find_memfd(pid) else { continue };
                 let id = SourceId(pid);
                 live.push((id, at));
-                let t = thread_cpu();
+                let t = pagefleet_common::clock::thread_cpu_secs();
                 if let Some(n) = self.hi.scan(id, at, cfg.cpu, stop) {
                     self.scanned.fetch_add(n, Relaxed);
                 }
-                self.scan_ns
-                    .fetch_add((thread_cpu() - t).as_nanos() as u64, Relaxed);
+                self.scan_ns.fetch_add(
+                    ((pagefleet_common::clock::thread_cpu_secs() - t) * 1e9) as u64,
+                    Relaxed,
+                );
             }
             self.hi.retain(&live);
             self.passes.fetch_add(1, Relaxed);

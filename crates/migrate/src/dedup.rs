@@ -113,6 +113,43 @@ struct Pending {
     deferred: Vec<usize>,
 }
 
+/// The batches in flight, oldest first, and buffers to reuse.
+#[derive(Default)]
+struct Flight {
+    inflight: VecDeque<Pending>,
+    spare: Vec<Vec<u8>>,
+    next_id: u64,
+}
+
+impl Flight {
+    /// Ask about a batch (numbered here) and keep it until its answer.
+    fn launch(
+        &mut self,
+        stream: &mut Stream,
+        sender: &mut Sender,
+        mut p: Pending,
+    ) -> Result<u64, MigrateError> {
+        p.id = self.next_id;
+        self.next_id += 1;
+        let bytes = ask(stream, &p, sender)?;
+        self.inflight.push_back(p);
+        Ok(bytes)
+    }
+
+    /// Settle the oldest batch (None: nothing in flight).
+    fn settle_oldest(
+        &mut self,
+        stream: &mut Stream,
+        sender: &mut Sender,
+        progress: &Progress,
+    ) -> Result<Option<u64>, MigrateError> {
+        match self.inflight.pop_front() {
+            Some(p) => settle(stream, p, sender, progress, self).map(Some),
+            None => Ok(None),
+        }
+    }
+}
+
 /// Send `pages` (sorted; `hist[i]` is the history of `pages[i]`) to the
 /// main host, each either as data or, where the destination holds its
 /// content, as a hash only. Returns the bytes sent.
@@ -126,14 +163,12 @@ pub fn send(
     cancel: &AtomicBool,
 ) -> Result<u64, MigrateError> {
     let mut bytes = 0u64;
-    let mut inflight: VecDeque<Pending> = VecDeque::new();
-    let mut spare: Vec<Vec<u8>> = Vec::new();
-    let mut next_id = 0u64;
+    let mut flight = Flight::default();
     for (chunk, h) in pages.chunks(BATCH).zip(hist.chunks(BATCH)) {
         if cancel.load(Relaxed) {
             return Err(MigrateError::Cancelled);
         }
-        let mut data = spare.pop().unwrap_or_default();
+        let mut data = flight.spare.pop().unwrap_or_default();
         data.resize(chunk.len() * PAGE, 0);
         let mut at = 0;
         for (first, count) in runs(chunk, BATCH) {
@@ -148,46 +183,27 @@ pub fn send(
             (0..chunk.len()).filter(|k| k % PROBE_EVERY != 0).collect()
         };
         let p = Pending {
-            id: next_id,
+            id: 0,
             pages: chunk.to_vec(),
             hist: h.to_vec(),
             data,
             hashed,
             deferred,
         };
-        next_id += 1;
-        bytes += ask(stream, &p, sender)?;
-        inflight.push_back(p);
-        while inflight.len() > DEPTH {
-            let p = inflight.pop_front().expect("in flight");
-            bytes += settle(
-                stream,
-                p,
-                sender,
-                progress,
-                &mut next_id,
-                &mut inflight,
-                &mut spare,
-            )?;
+        bytes += flight.launch(stream, sender, p)?;
+        while flight.inflight.len() > DEPTH {
+            bytes += flight.settle_oldest(stream, sender, progress)?.unwrap_or(0);
         }
     }
-    while let Some(p) = inflight.pop_front() {
-        bytes += settle(
-            stream,
-            p,
-            sender,
-            progress,
-            &mut next_id,
-            &mut inflight,
-            &mut spare,
-        )?;
+    while let Some(b) = flight.settle_oldest(stream, sender, progress)? {
+        bytes += b;
     }
     Ok(bytes)
 }
 
 /// HASHES for the pages of `p` it asks about.
 fn ask(stream: &mut Stream, p: &Pending, sender: &mut Sender) -> Result<u64, MigrateError> {
-    let t = crate::fill::thread_cpu_secs();
+    let t = pagefleet_common::clock::thread_cpu_secs();
     let mut msg = Vec::with_capacity(p.hashed.len() * HASH_ENTRY);
     for &k in &p.hashed {
         let page: &[u8; PAGE] = p.data[k * PAGE..(k + 1) * PAGE].try_into().expect("page");
@@ -195,7 +211,7 @@ fn ask(stream: &mut Stream, p: &Pending, sender: &mut Sender) -> Result<u64, Mig
         msg.push(p.hist[k]);
         msg.extend_from_slice(&sender.key.hash(page).to_bytes());
     }
-    sender.hash_secs += crate::fill::thread_cpu_secs() - t;
+    sender.hash_secs += pagefleet_common::clock::thread_cpu_secs() - t;
     sender.hashed += p.hashed.len() as u64;
     stream.send(Kind::Hashes, p.id, &[&msg])?;
     sender.hash_bytes += (16 + msg.len()) as u64;
@@ -210,9 +226,7 @@ fn settle(
     p: Pending,
     sender: &mut Sender,
     progress: &Progress,
-    next_id: &mut u64,
-    inflight: &mut VecDeque<Pending>,
-    spare: &mut Vec<Vec<u8>>,
+    flight: &mut Flight,
 ) -> Result<u64, MigrateError> {
     let (h, have) = stream.expect(Kind::Have)?;
     if h.arg != p.id || have.len() != p.hashed.len().div_ceil(8) {
@@ -245,16 +259,13 @@ fn settle(
     let mut bytes = send_some(stream, &p.pages, &p.hist, &p.data, &send, progress)?;
     if follow {
         let q = Pending {
-            id: *next_id,
             hashed: p.deferred,
             deferred: Vec::new(),
             ..p
         };
-        *next_id += 1;
-        bytes += ask(stream, &q, sender)?;
-        inflight.push_back(q);
+        bytes += flight.launch(stream, sender, q)?;
     } else {
-        spare.push(p.data);
+        flight.spare.push(p.data);
     }
     Ok(bytes)
 }

@@ -86,7 +86,7 @@ fn memcg_limited() -> bool {
 /// are in memory. Pages the kernel already swapped out (a destination in a
 /// memory cgroup) stay unmapped: faulting them back in here could only
 /// push the cgroup over its limit.
-pub(crate) fn map_resident(range: &mut [u8]) {
+fn map_resident(range: &mut [u8]) {
     let n = range.len() / PAGE;
     let mut vec = [0u8; MAX_PAGES];
     // SAFETY: mincore/madvise on a range of our own mapping.
@@ -401,9 +401,7 @@ pub fn receive_with(
         let target = Target {
             fd: r.adopt.memfd.as_raw_fd(),
             shared: r.shared.clone(),
-            gather,
-            limited,
-            populate,
+            direct: !(gather || limited),
         };
         // Without a filler (no thread, no second handle on the socket)
         // every page comes as data: HASHES are answered "not here".
@@ -593,11 +591,6 @@ impl Received {
     fn send(&mut self, kind: Kind, arg: u64, body: &[u8]) -> Result<(), WireError> {
         crate::fill::send_locked(&mut self.stream.s, &self.write_lock, kind, arg, body)
             .map_err(|e| self.stream.io_error(e))
-    }
-
-    /// What this host filled from its own content so far.
-    pub fn filled(&self) -> &Filled {
-        &self.filled
     }
 
     /// The region configuration that resumes this guest here.

@@ -10,8 +10,8 @@
 //! arrived. Both threads write the socket under one lock.
 
 use crate::dedup::Filled;
-use crate::dest::{map_resident, Shared, HERE, PULLED};
-use crate::wire::{Header, Kind, MAX_PAGES, ZERO_SERVER};
+use crate::dest::{Shared, HERE, PULLED};
+use crate::wire::{Header, Kind, ZERO_SERVER};
 use pagefleet_dedup::lookup::{Found, LookupClient};
 use pagefleet_dedup::PageHash;
 use pagefleet_region::PAGE;
@@ -30,12 +30,10 @@ pub(crate) struct Target {
     pub fd: i32,
     /// Receive location state and the guest mapping.
     pub shared: Arc<Shared>,
-    /// Gather: pullers write the memory too (copy under the lock).
-    pub gather: bool,
-    /// In a memory cgroup: write through the mapping, not the file.
-    pub limited: bool,
-    /// A native guest: map filled pages so it takes no fault on them.
-    pub populate: bool,
+    /// Pages are read straight into guest memory. Not so in a gather
+    /// (pullers write the memory too) or in a memory cgroup: there they are
+    /// read into a buffer and copied under the lock the pullers take.
+    pub direct: bool,
 }
 
 /// One HASHES batch: its number, (page, history) and hashes.
@@ -97,13 +95,11 @@ impl Filler {
                 let mut buf = Vec::new();
                 for job in rx {
                     let t0 = Instant::now();
-                    let c0 = thread_cpu_secs();
+                    let c0 = pagefleet_common::clock::thread_cpu_secs();
                     let n = job.hashes.len();
-                    // A native or VM guest outside gather and memory cgroups:
-                    // pages are read straight into its memory (a miss's page
-                    // gets its data from the source next). Otherwise into a
-                    // buffer, copied under the lock pullers take.
-                    let direct = !(t.gather || t.limited);
+                    // A miss's page read in place gets its data from the
+                    // source next.
+                    let direct = t.direct;
                     let found = if !ok {
                         vec![Found::Miss; n]
                     } else {
@@ -143,7 +139,6 @@ impl Filler {
                         })
                     };
                     let mut filled = vec![false; n];
-                    let mut to_map = Vec::new();
                     for (k, (&(p, hist), f)) in job.pages.iter().zip(&found).enumerate() {
                         let data = match f {
                             Found::Miss => continue,
@@ -152,10 +147,7 @@ impl Filler {
                             Found::Data => Fill::Copy(&buf[k * PAGE..(k + 1) * PAGE]),
                         };
                         match fill_page(&t, p, data) {
-                            Ok(through_file) => {
-                                if through_file && t.populate {
-                                    to_map.push(p);
-                                }
+                            Ok(()) => {
                                 out.history.push((p, hist));
                                 filled[k] = true;
                                 match f {
@@ -168,13 +160,12 @@ impl Filler {
                             Err(e) => tracing::warn!("filling page {p}: {e}"),
                         }
                     }
-                    map_runs(&t, &to_map);
                     out.filled.asked += n as u64;
                     out.filled.stale = lookup.stats.stale;
                     out.filled.ask_secs = lookup.stats.ask_secs;
                     out.filled.check_secs = lookup.stats.check_secs;
                     out.filled.secs += t0.elapsed().as_secs_f64();
-                    out.filled.cpu_secs += thread_cpu_secs() - c0;
+                    out.filled.cpu_secs += pagefleet_common::clock::thread_cpu_secs() - c0;
                     let have = crate::dedup::bitmap(&filled);
                     if send_locked(&mut w, &lock, Kind::Have, job.batch, &have).is_err() {
                         // The receiver sees the broken stream too.
@@ -220,17 +211,6 @@ impl Drop for Filler {
     }
 }
 
-/// CPU time of the calling thread, seconds.
-pub(crate) fn thread_cpu_secs() -> f64 {
-    let mut t = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes the timespec we pass.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) };
-    t.tv_sec as f64 + t.tv_nsec as f64 / 1e9
-}
-
 /// What a filled page gets.
 enum Fill<'a> {
     /// The zero page.
@@ -242,54 +222,35 @@ enum Fill<'a> {
 }
 
 /// Page `p` is filled from this host, by the same rules as a page that
-/// came as data. Returns whether it was written through the file (to be
-/// mapped afterwards).
-fn fill_page(t: &Target, p: usize, data: Fill<'_>) -> std::io::Result<bool> {
+/// came as data.
+fn fill_page(t: &Target, p: usize, data: Fill<'_>) -> std::io::Result<()> {
     let mut loc = t.shared.loc.lock().unwrap_or_else(|e| e.into_inner());
     if loc[p] == PULLED {
         t.shared.replaced.fetch_add(1, Relaxed);
     }
-    let d = match data {
+    match data {
         Fill::Zero => {
             // A hole reads as zeros; data from an earlier round (or memory
             // populated for a direct read) goes.
-            if loc[p] == HERE || loc[p] == PULLED || !(t.gather || t.limited) {
+            if loc[p] == HERE || loc[p] == PULLED || t.direct {
                 pagefleet_uffd::punch_hole(t.fd, (p * PAGE) as u64, PAGE as u64)?;
             }
             loc[p] = ZERO_SERVER;
-            return Ok(false);
+            return Ok(());
         }
-        Fill::InPlace => {
-            loc[p] = HERE;
-            return Ok(false);
-        }
-        Fill::Copy(d) => d,
-    };
-    let through_file = !(t.gather || t.limited);
-    if through_file {
-        // As for PAGES: written through the file (no zeroing of a fresh page).
-        // SAFETY: pwrite from a buffer we hold into the guest's memfd.
-        let n = unsafe { libc::pwrite(t.fd, d.as_ptr().cast(), PAGE, (p * PAGE) as i64) };
-        if n != PAGE as isize {
-            return Err(if n < 0 {
-                std::io::Error::last_os_error()
-            } else {
-                std::io::ErrorKind::WriteZero.into()
-            });
-        }
-    } else {
+        Fill::InPlace => {}
         // SAFETY: in bounds (the receiver checked p); the guest does not run
         // yet, and every writer of its memory holds `loc`'s lock (held).
-        unsafe {
+        Fill::Copy(d) => unsafe {
             std::ptr::copy_nonoverlapping(
                 d.as_ptr(),
                 (t.shared.base as *mut u8).add(p * PAGE),
                 PAGE,
             )
-        };
+        },
     }
     loc[p] = HERE;
-    Ok(through_file)
+    Ok(())
 }
 
 /// Allocate and map the memory of a batch's pages, in runs.
@@ -309,27 +270,6 @@ fn populate_runs(t: &Target, pages: &[(usize, u8)]) {
                 23, /* MADV_POPULATE_WRITE */
             );
         }
-        i = j;
-    }
-}
-
-/// Map `pages` (sorted) in runs, so the resumed guest takes no fault on them.
-fn map_runs(t: &Target, pages: &[usize]) {
-    let mut i = 0;
-    while i < pages.len() {
-        let mut j = i + 1;
-        while j < pages.len() && pages[j] == pages[j - 1] + 1 && j - i < MAX_PAGES {
-            j += 1;
-        }
-        // SAFETY: in bounds (checked by the receiver); mapping pages in
-        // changes no data.
-        let run = unsafe {
-            std::slice::from_raw_parts_mut(
-                (t.shared.base as *mut u8).add(pages[i] * PAGE),
-                (j - i) * PAGE,
-            )
-        };
-        map_resident(run);
         i = j;
     }
 }

@@ -106,6 +106,31 @@ pub fn lab(
     LabRun::up(tag, &bins, hosts, link, lend, guest_memory).expect("testbed up")
 }
 
+/// Send `sig` to every process of lab host `h` whose command line contains
+/// `pattern`; whether there was one.
+pub fn signal_in(l: &LabRun, h: usize, pattern: &str, sig: i32) -> bool {
+    let out = std::process::Command::new("ip")
+        .args(["netns", "pids", &l.lab.hosts[h].netns])
+        .output()
+        .expect("ip netns pids");
+    let mut hit = false;
+    for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
+        let cmd = std::fs::read_to_string(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        if let (true, Ok(pid)) = (cmd.contains(pattern), pid.parse::<i32>()) {
+            // SAFETY: kill has no memory preconditions.
+            unsafe { libc::kill(pid, sig) };
+            hit = true;
+        }
+    }
+    hit
+}
+
+/// SIGKILL every process of lab host `h` whose command line contains
+/// `pattern`; whether there was one.
+pub fn kill_in(l: &LabRun, h: usize, pattern: &str) -> bool {
+    signal_in(l, h, pattern, libc::SIGKILL)
+}
+
 /// A guest's status from its runner's control socket (None: it did not answer).
 pub fn guest_status(path: &std::path::Path) -> Option<pagefleet_api::GuestStatus> {
     pagefleet_common::control::call(

@@ -253,17 +253,10 @@ fn a_destination_killed_while_filling_leaves_the_source_running_and_a_retry_whol
     }
     std::thread::sleep(Duration::from_millis(150));
     // Kill the incoming runner (its filler with it) mid-round.
-    let out = std::process::Command::new("ip")
-        .args(["netns", "pids", &l.lab.hosts[1].netns])
-        .output()
-        .unwrap();
-    for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
-        let cmd = std::fs::read_to_string(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        if cmd.contains("runner-incoming") {
-            // SAFETY: kill has no memory preconditions.
-            unsafe { libc::kill(pid.parse().unwrap(), libc::SIGKILL) };
-        }
-    }
+    assert!(
+        kill_in(&l, 1, "runner-incoming"),
+        "no incoming runner on h2"
+    );
     assert!(
         !m.wait().unwrap().success(),
         "a migration to a dead runner succeeded"

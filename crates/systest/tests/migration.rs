@@ -324,17 +324,7 @@ fn aborted_migrations_leave_the_source_running_and_nothing_behind() {
         }
     };
     let signal_in = |h: usize, pattern: &str, sig: i32| {
-        let out = std::process::Command::new("ip")
-            .args(["netns", "pids", &l.lab.hosts[h].netns])
-            .output()
-            .unwrap();
-        for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
-            let cmd = std::fs::read_to_string(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            if cmd.contains(pattern) {
-                // SAFETY: kill has no memory preconditions.
-                unsafe { libc::kill(pid.parse().unwrap(), sig) };
-            }
-        }
+        pagefleet_systest::signal_in(&l, h, pattern, sig);
     };
     let kill_in = |h: usize, pattern: &str| signal_in(h, pattern, libc::SIGKILL);
     let check_clean = |what: &str| {

@@ -150,25 +150,6 @@ fn start_vm(l: &pagefleet_lab::LabRun, name: &str, append: &str, extra: &[&str])
     }
 }
 
-/// SIGKILL every process of host `h` whose command line contains
-/// `pattern`; whether there was one.
-fn kill_in(l: &pagefleet_lab::LabRun, h: usize, pattern: &str) -> bool {
-    let out = std::process::Command::new("ip")
-        .args(["netns", "pids", &l.lab.hosts[h].netns])
-        .output()
-        .unwrap();
-    let mut killed = false;
-    for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
-        let cmd = std::fs::read_to_string(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        if cmd.contains(pattern) {
-            // SAFETY: kill has no memory preconditions.
-            unsafe { libc::kill(pid.parse().unwrap(), libc::SIGKILL) };
-            killed = true;
-        }
-    }
-    killed
-}
-
 /// A file removed when the test ends, passed or not.
 struct RemoveOnDrop(std::path::PathBuf);
 
