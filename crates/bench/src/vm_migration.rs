@@ -299,7 +299,16 @@ fn run_qemu(
     let info = loop {
         let info = src.qmp(|q| q.query_migrate())?;
         match info.status.as_deref() {
-            Some("completed") => break info,
+            // QEMU sets COMPLETED before it computes total-time and
+            // downtime (migration_iteration_finish): a query in between
+            // reads zeros, so ask again until the figures are in.
+            Some("completed")
+                if info.total_time != Some(0)
+                    || started.elapsed() > Duration::from_secs(600) =>
+            {
+                break info
+            }
+            Some("completed") => {}
             Some("failed") | Some("cancelled") => bail!(
                 "QEMU migration {}: {}",
                 info.status.unwrap_or_default(),
