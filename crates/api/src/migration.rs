@@ -232,7 +232,7 @@ pub enum ProgressEvent {
     /// Counters, every few hundred milliseconds.
     Progress(MigrationProgress),
     /// The guest runs at the destination now (the last line).
-    Report(Report),
+    Report(Box<Report>),
     /// The migration failed and was rolled back (the last line).
     Failed(Failure),
 }
@@ -295,6 +295,11 @@ pub struct Report {
     /// Sharing-aware migration to the main host (None: not used).
     #[serde(default)]
     pub dedup_main: Option<Box<DedupReport>>,
+    /// Sharing-aware migration toward each sub-host, in `sub_hosts` order
+    /// (empty when it was off). Pages the memory server stored from its
+    /// own host; its filling time is not reported (it is the server's).
+    #[serde(default)]
+    pub dedup_subs: Vec<DedupReport>,
 }
 
 /// What sharing-aware migration saved toward one destination.
@@ -379,6 +384,17 @@ impl std::fmt::Display for Report {
                 mib(d.hash_bytes),
                 d.source_hash_secs,
                 d.dest_fill_secs
+            )?;
+        }
+        for (s, d) in self.sub_hosts.iter().zip(&self.dedup_subs) {
+            writeln!(
+                f,
+                "  sharing-aware to sub-host {s}: {} of {} pages hashed were stored from its host's content, {:.1} MiB saved after {:.1} MiB of hashes; hashing {:.2} s here",
+                d.pages_not_sent,
+                d.pages_hashed,
+                d.bytes_saved as f64 / (1 << 20) as f64,
+                mib(d.hash_bytes),
+                d.source_hash_secs
             )?;
         }
         if self.pages_pulled > 0 {

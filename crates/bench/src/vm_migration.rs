@@ -303,8 +303,7 @@ fn run_qemu(
             // downtime (migration_iteration_finish): a query in between
             // reads zeros, so ask again until the figures are in.
             Some("completed")
-                if info.total_time != Some(0)
-                    || started.elapsed() > Duration::from_secs(600) =>
+                if info.total_time != Some(0) || started.elapsed() > Duration::from_secs(600) =>
             {
                 break info
             }

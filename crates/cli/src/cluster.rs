@@ -527,7 +527,7 @@ pub fn migrate(c: &Client, a: &MigrateArgs, progress: bool) -> Result<Report> {
                         let _ = std::io::stderr().flush();
                     }
                 }
-                ProgressEvent::Report(r) => report = Some(r),
+                ProgressEvent::Report(r) => report = Some(*r),
                 ProgressEvent::Failed(f) => failure = Some(f),
             }
             true

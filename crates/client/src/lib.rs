@@ -624,6 +624,34 @@ impl Conn {
         PutOk::decode(&body).map_err(|e| self.proto(e.message))
     }
 
+    /// Send one PUT_HASHED frame: (page, keyed content hash) for 1..=32
+    /// pages; the server stores those its host holds (sharing-aware
+    /// migration). Replies in order with the other requests.
+    pub fn send_put_hashed(&mut self, region: u64, entries: &[(u64, [u8; 16])]) -> Result<u64> {
+        if entries.is_empty() || entries.len() > MAX_BATCH_PAGES {
+            return Err(ClientError::Usage(format!(
+                "a PUT_HASHED frame takes 1..={MAX_BATCH_PAGES} pages ({} given)",
+                entries.len()
+            )));
+        }
+        let id = self.id();
+        let req = PutHashedReq {
+            region,
+            entries: entries.to_vec(),
+        };
+        frame(Opcode::PutHashed, id, &mut self.sendbuf, |b| req.encode(b));
+        self.send_buffered()?;
+        Ok(id)
+    }
+
+    /// Receive the reply to a PUT_HASHED: which pages the server stored.
+    /// A server without a content index answers UNKNOWN_OPCODE (a
+    /// [`ClientError::Server`]; the connection stays usable).
+    pub fn recv_put_hashed(&mut self, id: u64) -> Result<PutHashedOk> {
+        let body = self.expect_reply(id, Opcode::PutHashedOk)?;
+        PutHashedOk::decode(&body).map_err(|e| self.proto(e.message))
+    }
+
     /// Queue one GET request (sent by the next `flush` or receive).
     pub fn queue_get(
         &mut self,

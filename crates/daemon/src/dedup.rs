@@ -9,8 +9,9 @@
 use crate::guests::Guests;
 use pagefleet_api::{DedupIndexReport, GuestState};
 use pagefleet_dedup::lookup::{self, Peer};
-use pagefleet_dedup::scan::{find_memfd, HostIndex};
+use pagefleet_dedup::scan::{find_memfd, HostIndex, STORE};
 use pagefleet_dedup::{ContentKey, SourceId};
+use pagefleet_memserver::{LocalContent, ServerState, Store};
 use pagefleet_proto::auth::Secret;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
@@ -46,55 +47,82 @@ pub struct Dedup {
     passes: AtomicU64,
 }
 
+/// The memory server's view of the index: PUT_HASHED pages are filled
+/// from guests' memory, the store itself, or the zero page, each checked.
+struct HostContent {
+    hi: Arc<HostIndex>,
+}
+
+impl LocalContent for HostContent {
+    fn fill(&self, store: &Store, hashes: &[[u8; 16]], out: &mut [u8]) -> Vec<bool> {
+        let mut slot = |s: u32, dst: &mut [u8]| store.copy_published(s, 1, dst)[0];
+        self.hi.fill_local(hashes, out, &mut slot)
+    }
+}
+
 /// Where the lookup socket of a guest directory is.
 pub fn socket_path(guest_dir: &Path) -> PathBuf {
     guest_dir.join("dedup.sock")
 }
 
 impl Dedup {
-    /// Serve lookups on `socket` (mode 0600) to `guests`' runners, and
-    /// scan the memory of its running guests as `cfg` says, until `stop`.
+    /// Index the memory of `guests`' running guests and the pages `server`
+    /// stores, as `cfg` says, until `stop`; serve lookups on `socket` (mode
+    /// 0600) to the guests' runners, and PUT_HASHED requests to `server`.
     pub fn start(
-        socket: &Path,
+        socket: Option<&Path>,
         secret: &Secret,
-        guests: Arc<Guests>,
+        guests: Option<Arc<Guests>>,
+        server: Option<Arc<ServerState>>,
         cfg: ScanConfig,
         stop: &'static AtomicBool,
     ) -> std::io::Result<Arc<Dedup>> {
-        let _ = std::fs::remove_file(socket);
-        let l = std::os::unix::net::UnixListener::bind(socket)?;
-        std::fs::set_permissions(socket, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
         let d = Arc::new(Dedup {
             hi: Arc::new(HostIndex::new(ContentKey::from_secret(secret), MAX_PAGES)),
             scanned: AtomicU64::new(0),
             scan_ns: AtomicU64::new(0),
             passes: AtomicU64::new(0),
         });
-        // Only this daemon's runners, by the kernel's word on the peer.
-        // SAFETY: geteuid has no preconditions.
-        let me = unsafe { libc::geteuid() };
-        let g = guests.clone();
-        let authorize = Arc::new(move |p: Peer| {
-            (p.uid == 0 || p.uid == me) && g.runners().iter().any(|(pid, _)| *pid == p.pid)
-        });
-        let hi = d.hi.clone();
-        std::thread::Builder::new()
-            .name("dedup lookups".into())
-            .spawn(move || lookup::serve(l, hi, authorize))?;
+        if let (Some(socket), Some(guests)) = (socket, &guests) {
+            let _ = std::fs::remove_file(socket);
+            let l = std::os::unix::net::UnixListener::bind(socket)?;
+            std::fs::set_permissions(socket, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+            // Only this daemon's runners, by the kernel's word on the peer.
+            // SAFETY: geteuid has no preconditions.
+            let me = unsafe { libc::geteuid() };
+            let g = guests.clone();
+            let authorize = Arc::new(move |p: Peer| {
+                (p.uid == 0 || p.uid == me) && g.runners().iter().any(|(pid, _)| *pid == p.pid)
+            });
+            let hi = d.hi.clone();
+            std::thread::Builder::new()
+                .name("dedup lookups".into())
+                .spawn(move || lookup::serve(l, hi, authorize))?;
+        }
+        if let Some(s) = &server {
+            s.set_content(Arc::new(HostContent { hi: d.hi.clone() }));
+        }
         let d2 = d.clone();
         std::thread::Builder::new()
             .name("dedup scanner".into())
-            .spawn(move || d2.scan_loop(&guests, &cfg, stop))?;
+            .spawn(move || d2.scan_loop(guests.as_deref(), server.as_deref(), &cfg, stop))?;
         Ok(d)
     }
 
-    fn scan_loop(&self, guests: &Guests, cfg: &ScanConfig, stop: &AtomicBool) {
+    fn scan_loop(
+        &self,
+        guests: Option<&Guests>,
+        server: Option<&ServerState>,
+        cfg: &ScanConfig,
+        stop: &AtomicBool,
+    ) {
         // A lowest-priority thread: guests and migrations come first.
         // SAFETY: setpriority on this thread (who=0: the caller).
         unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 19) };
         while !stop.load(Relaxed) {
             let running: Vec<u32> = guests
-                .list()
+                .map(|g| g.list())
+                .unwrap_or_default()
                 .into_iter()
                 .filter(|g| matches!(g.state, GuestState::Running | GuestState::Migrating))
                 .map(|g| g.pid)
@@ -114,6 +142,22 @@ impl Dedup {
                 );
             }
             self.hi.retain(&live);
+            if let Some(s) = server {
+                let t = pagefleet_common::clock::thread_cpu_secs();
+                let store = &s.store;
+                let mut read =
+                    |first: u32, n: usize, buf: &mut [u8]| store.copy_published(first, n, buf);
+                if let Some(n) =
+                    self.hi
+                        .scan_slots(STORE, store.touched_slots(), &mut read, cfg.cpu, stop)
+                {
+                    self.scanned.fetch_add(n, Relaxed);
+                }
+                self.scan_ns.fetch_add(
+                    ((pagefleet_common::clock::thread_cpu_secs() - t) * 1e9) as u64,
+                    Relaxed,
+                );
+            }
             self.passes.fetch_add(1, Relaxed);
             let mut waited = Duration::ZERO;
             while waited < cfg.pause && !stop.load(Relaxed) {

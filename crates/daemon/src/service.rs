@@ -135,9 +135,10 @@ pub fn run(a: Settings) -> Result<()> {
                 // socket (a path too long for a unix socket, say) incoming
                 // runners receive every page as data.
                 match crate::dedup::Dedup::start(
-                    sock,
+                    Some(sock),
                     &secret,
-                    g.clone(),
+                    Some(g.clone()),
+                    ms.as_ref().map(|m| m.state.clone()),
                     crate::dedup::ScanConfig::default(),
                     stop,
                 ) {
@@ -152,6 +153,20 @@ pub fn run(a: Settings) -> Result<()> {
         }
         None => None,
     };
+    // A host that only lends memory still has content to offer a
+    // sub-host's share of a migration: what its store holds.
+    if dedup.is_none() && guests.is_none() && a.dedup {
+        if let Some(m) = &ms {
+            dedup = Some(crate::dedup::Dedup::start(
+                None,
+                &secret,
+                None,
+                Some(m.state.clone()),
+                crate::dedup::ScanConfig::default(),
+                stop,
+            )?);
+        }
+    }
     let haddr = match http_listen {
         Some(h) => {
             let self_http = Arc::new(std::sync::OnceLock::<String>::new());

@@ -11,8 +11,10 @@
 
 mod hash;
 mod index;
+mod local;
 pub mod lookup;
 pub mod scan;
 
 pub use hash::{ContentKey, PageHash, PAGE};
 pub use index::{ContentIndex, Filter, IndexStats, Location, SourceId};
+pub use local::ReadSlot;

@@ -182,6 +182,67 @@ impl HostIndex {
 
 /// The next run of pages with data at or after `from`: (first, end). When
 /// there is none, (pages, pages).
+/// The memory server's store as a content source (no guest has pid 0).
+pub const STORE: SourceId = SourceId(0);
+
+/// Copies slots `first..first + n` that hold pages into the buffer (slot
+/// `first + i` at `i * PAGE`) and says which did.
+pub type ReadSlots<'a> = dyn FnMut(u32, usize, &mut [u8]) -> Vec<bool> + 'a;
+
+impl HostIndex {
+    /// One pass over a slot store (the memory server's pool) of `slots`
+    /// slots: slots holding a page are hashed, the others forgotten. Same
+    /// pacing as [`HostIndex::scan`]; `None` if stopped.
+    pub fn scan_slots(
+        &self,
+        id: SourceId,
+        slots: u32,
+        read: &mut ReadSlots<'_>,
+        budget: f64,
+        stop: &AtomicBool,
+    ) -> Option<u64> {
+        self.lock().add_source(id, slots);
+        let mut buf = vec![0u8; CHUNK * PAGE];
+        let pace = Pace::new(budget);
+        let mut hashed = 0u64;
+        let mut first = 0u32;
+        while first < slots {
+            if stop.load(Relaxed) {
+                return None;
+            }
+            let t = Instant::now();
+            let n = ((slots - first) as usize).min(CHUNK);
+            let held = read(first, n, &mut buf[..n * PAGE]);
+            let hs: Vec<_> = held
+                .iter()
+                .enumerate()
+                .map(|(k, h)| {
+                    h.then(|| {
+                        let page = &buf[k * PAGE..(k + 1) * PAGE];
+                        self.key.hash(page.try_into().expect("page"))
+                    })
+                })
+                .collect();
+            {
+                let mut ix = self.lock();
+                for (k, h) in hs.into_iter().enumerate() {
+                    let slot = first + k as u32;
+                    match h {
+                        Some(h) => {
+                            ix.record(id, slot, h);
+                            hashed += 1;
+                        }
+                        None => ix.forget(id, slot),
+                    }
+                }
+            }
+            first += n as u32;
+            pace.after(t.elapsed());
+        }
+        Some(hashed)
+    }
+}
+
 fn data_range(f: &File, from: u64, pages: u64) -> (u64, u64) {
     let fd = f.as_raw_fd();
     // SAFETY: lseek on a descriptor we hold.

@@ -4,12 +4,15 @@
 //!   one pre-sized pool, so memory use never exceeds the lent capacity;
 //! - [`gate`]: one thread where connections wait until they authenticate;
 //! - [`server`]: the protocol-v1 session loop (pipelining, errors, per-frame deadlines);
-//! - [`metrics`]: counters and their Prometheus text rendering.
+//! - [`metrics`]: counters and their Prometheus text rendering;
+//! - [`content`]: the host content a PUT_HASHED page may be stored from.
 
+pub mod content;
 pub mod gate;
 pub mod metrics;
 pub mod server;
 pub mod store;
 
+pub use content::LocalContent;
 pub use server::{ServerConfig, ServerState};
 pub use store::{Store, StoreError};

@@ -5,13 +5,14 @@ use pagefleet_proto::{ErrorCode, Opcode};
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
-const OPS: [Opcode; 6] = [
+const OPS: [Opcode; 7] = [
     Opcode::Hello,
     Opcode::Put,
     Opcode::Get,
     Opcode::Delete,
     Opcode::Stat,
     Opcode::Ping,
+    Opcode::PutHashed,
 ];
 
 /// The server's counters (Prometheus text: `render`).
@@ -27,6 +28,10 @@ pub struct Metrics {
     pub pages_put: AtomicU64,
     /// Pages sent by GETs.
     pub pages_got: AtomicU64,
+    /// Pages PUT_HASHED asked about.
+    pub pages_hashed: AtomicU64,
+    /// Of those, stored from this host's own content (not sent).
+    pub pages_hashed_stored: AtomicU64,
     /// Of those, pages removed as sent (take).
     pub pages_taken: AtomicU64,
     /// Connections accepted.
@@ -169,6 +174,18 @@ pub fn render(m: &Metrics, s: &StoreStats, connections: u32) -> String {
         "Pages removed by GET take.",
         "counter",
         m.pages_taken.load(Relaxed),
+    );
+    gauge(
+        "memserver_pages_hashed_total",
+        "Pages PUT_HASHED named by content (sharing-aware migration).",
+        "counter",
+        m.pages_hashed.load(Relaxed),
+    );
+    gauge(
+        "memserver_pages_hashed_stored_total",
+        "Of those, stored from this host's own content instead of being sent.",
+        "counter",
+        m.pages_hashed_stored.load(Relaxed),
     );
     let _ = writeln!(o, "# HELP pagefleet_memserver_requests_total Requests by operation.\n# TYPE pagefleet_memserver_requests_total counter");
     for (i, op) in OPS.iter().enumerate() {

@@ -6,6 +6,7 @@
 //! stream of requests gets its small replies in few syscalls; GET replies are
 //! written with one vectored write straight from the store's slots.
 
+use crate::content::LocalContent;
 use crate::metrics::Metrics;
 use crate::store::{PutTarget, Store, StoreError};
 use pagefleet_proto::auth::{self, Secret};
@@ -60,6 +61,9 @@ pub struct ServerState {
     /// Its settings.
     pub cfg: ServerConfig,
     conns: AtomicU32,
+    /// Where PUT_HASHED finds pages (none: PUT_HASHED is refused, and the
+    /// client sends the data).
+    content: std::sync::OnceLock<Arc<dyn LocalContent>>,
 }
 
 impl ServerState {
@@ -77,7 +81,13 @@ impl ServerState {
             metrics: Metrics::default(),
             cfg,
             conns: AtomicU32::new(0),
+            content: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Serve PUT_HASHED from `content` from now on (once; later calls are ignored).
+    pub fn set_content(&self, content: Arc<dyn LocalContent>) {
+        let _ = self.content.set(content);
     }
     /// Authenticated sessions open now.
     pub fn connections(&self) -> u32 {
@@ -532,6 +542,7 @@ impl<'a, T: Transport> Session<'a, T> {
             Some(Opcode::Get) => self.get(h),
             Some(Opcode::Delete) => self.delete(h),
             Some(Opcode::Stat) => self.stat(h),
+            Some(Opcode::PutHashed) => self.put_hashed(h),
             Some(Opcode::Ping) => {
                 if len > MAX_PING {
                     return Ok(self.fatal(
@@ -804,6 +815,65 @@ impl<'a, T: Transport> Session<'a, T> {
         frame(Opcode::DeleteOk, h.id, &mut self.out, |b| {
             DeleteOk { deleted }.encode(b)
         });
+        Ok(Flow::Continue)
+    }
+
+    /// Store the pages of a PUT_HASHED this host holds (found and checked by
+    /// the content provider), and say which.
+    fn put_hashed(&mut self, h: Header) -> io::Result<Flow> {
+        let len = h.body_len as usize;
+        if len > PutHashedReq::body_len(MAX_BATCH_PAGES) {
+            return Ok(self.fatal(
+                WireError::malformed(format!("PUT_HASHED body of {len} bytes is too long"))
+                    .with_id(h.id),
+            ));
+        }
+        self.read_body(len)?;
+        let req = match PutHashedReq::decode(&self.body) {
+            Ok(r) => r,
+            Err(e) if e.code.is_fatal() => return Ok(self.fatal(e.with_id(h.id))),
+            Err(e) => {
+                self.reply_error(&e, h.id);
+                return Ok(Flow::Continue);
+            }
+        };
+        let Some(content) = self.st.content.get().cloned() else {
+            let e = WireError::new(
+                ErrorCode::UnknownOpcode,
+                "this memory server has no content index: send the pages with PUT",
+            );
+            self.reply_error(&e, h.id);
+            return Ok(Flow::Continue);
+        };
+        let n = req.entries.len();
+        if self.staging.len() < n * PAGE_SIZE {
+            self.staging.resize(MAX_BATCH_PAGES * PAGE_SIZE, 0);
+        }
+        let hashes: Vec<[u8; 16]> = req.entries.iter().map(|e| e.1).collect();
+        let store = &self.st.store;
+        let found = content.fill(store, &hashes, &mut self.staging[..n * PAGE_SIZE]);
+        let mut pages = Vec::new();
+        let mut data = Vec::with_capacity(n * PAGE_SIZE);
+        for (i, f) in found.iter().enumerate() {
+            if *f {
+                pages.push(req.entries[i].0);
+                data.extend_from_slice(&self.staging[i * PAGE_SIZE..(i + 1) * PAGE_SIZE]);
+            }
+        }
+        self.st.metrics.pages_hashed.fetch_add(n as u64, Relaxed);
+        if !pages.is_empty() {
+            let stored = pages.len() as u64;
+            if let Err(e) = store.put_copy(req.region, &PageSel::List(pages), &data) {
+                self.store_error(e, h.id);
+                return Ok(Flow::Continue);
+            }
+            self.st
+                .metrics
+                .pages_hashed_stored
+                .fetch_add(stored, Relaxed);
+        }
+        let ok = PutHashedOk::from_found(&found);
+        frame(Opcode::PutHashedOk, h.id, &mut self.out, |b| ok.encode(b));
         Ok(Flow::Continue)
     }
 

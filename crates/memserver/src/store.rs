@@ -19,7 +19,12 @@ use std::sync::Mutex;
 const LEAF_SHIFT: u32 = 9;
 const LEAF_PAGES: usize = 1 << LEAF_SHIFT;
 const NO_SLOT: u32 = u32::MAX;
-const ZOMBIE: u16 = 0x8000;
+/// Slot state bits beside the pin count: freed while pinned (returns to
+/// the free list on the last unpin), and holding a stored page (a content
+/// source for sharing-aware migration reads only such slots).
+const ZOMBIE: u32 = 0x8000_0000;
+const PUBLISHED: u32 = 0x4000_0000;
+const PIN_MASK: u32 = 0x3fff_ffff;
 
 /// Why the store refused a request.
 #[derive(Debug, thiserror::Error)]
@@ -359,7 +364,7 @@ struct Inner {
     /// Published pages (what clients see as stored).
     stored: u64,
     /// Per-slot pin count; the top bit marks a slot freed while pinned.
-    pins: Vec<u16>,
+    pins: Vec<u32>,
 }
 
 impl Inner {
@@ -377,7 +382,8 @@ impl Inner {
     }
     fn free_slot(&mut self, s: u32) {
         let p = &mut self.pins[s as usize];
-        if *p & !ZOMBIE != 0 {
+        *p &= !PUBLISHED;
+        if *p & PIN_MASK != 0 {
             *p |= ZOMBIE;
         } else {
             self.free.push(s);
@@ -476,7 +482,7 @@ impl Store {
                 free: Vec::new(),
                 next_fresh: 0,
                 stored: 0,
-                pins: vec![0u16; pages as usize],
+                pins: vec![0u32; pages as usize],
             }),
         })
     }
@@ -569,10 +575,13 @@ impl Store {
         for (i, t) in plan.targets.iter().enumerate() {
             let page = sel.page(i);
             match *t {
-                PutTarget::Fresh(s) => match reg.insert(page, s) {
-                    Some(old) => g.free_slot(old),
-                    None => new_pages += 1,
-                },
+                PutTarget::Fresh(s) => {
+                    g.pins[s as usize] |= PUBLISHED;
+                    match reg.insert(page, s) {
+                        Some(old) => g.free_slot(old),
+                        None => new_pages += 1,
+                    }
+                }
                 PutTarget::Overwrite => {
                     let src = &staging[i * PAGE_SIZE..(i + 1) * PAGE_SIZE];
                     let slot = match reg.get(page) {
@@ -580,6 +589,7 @@ impl Store {
                         // Taken by another connection since begin_put: needs a new slot.
                         None if g.available(self.capacity) > 0 => {
                             let s = g.alloc();
+                            g.pins[s as usize] |= PUBLISHED;
                             reg.insert(page, s);
                             new_pages += 1;
                             s
@@ -667,7 +677,9 @@ impl Store {
             let s = if take { reg.remove(p) } else { reg.get(p) };
             if let Some(s) = s {
                 sent += 1;
-                if !take {
+                if take {
+                    g.pins[s as usize] &= !PUBLISHED;
+                } else {
                     g.pins[s as usize] += 1;
                 }
             }
@@ -698,6 +710,7 @@ impl Store {
                 if let Some(s) = *s {
                     let page = sel.page(i);
                     if reg.get(page).is_none() {
+                        g.pins[s as usize] |= PUBLISHED;
                         reg.insert(page, s);
                         g.stored += 1;
                     } else {
@@ -752,6 +765,77 @@ impl Store {
         }
         g.stored -= n;
         n
+    }
+
+    /// Store `data` (page i at `i * PAGE_SIZE`) as the pages of `sel`: a
+    /// PUT whose data is already in memory (PUT_HASHED's pages the host
+    /// held). Returns (stored, new).
+    pub fn put_copy(
+        &self,
+        region: u64,
+        sel: &PageSel,
+        data: &[u8],
+    ) -> Result<(u32, u32), StoreError> {
+        assert_eq!(
+            data.len(),
+            sel.len() * PAGE_SIZE,
+            "one page of data per page"
+        );
+        let plan = self.begin_put(region, sel)?;
+        for (i, t) in plan.targets.iter().enumerate() {
+            if let PutTarget::Fresh(slot) = *t {
+                // SAFETY: a fresh slot of this live plan.
+                unsafe { self.fresh_slot_mut(slot) }
+                    .copy_from_slice(&data[i * PAGE_SIZE..(i + 1) * PAGE_SIZE]);
+            }
+        }
+        self.commit_put(plan, sel, data)
+    }
+
+    /// Slots ever handed out: every stored page's slot is below this.
+    pub fn touched_slots(&self) -> u32 {
+        self.lock().next_fresh
+    }
+
+    /// Copy the slots `first..first + n` that hold stored pages into `dst`
+    /// (slot `first + i` at `i * PAGE_SIZE`); the others are not touched
+    /// and come back false. The slots are pinned while they are copied, so
+    /// none is reused meanwhile; a page rewritten in place meanwhile may
+    /// come out torn, which a caller checking content hashes sees as a
+    /// changed page.
+    pub fn copy_published(&self, first: u32, n: usize, dst: &mut [u8]) -> Vec<bool> {
+        assert!(dst.len() >= n * PAGE_SIZE, "room for n pages");
+        let end = (first as u64 + n as u64).min(self.capacity) as u32;
+        let held: Vec<bool> = {
+            let mut g = self.lock();
+            (first..end)
+                .map(|s| {
+                    let p = &mut g.pins[s as usize];
+                    let held = *p & PUBLISHED != 0;
+                    if held {
+                        *p += 1;
+                    }
+                    held
+                })
+                .collect()
+        };
+        for (i, h) in held.iter().enumerate() {
+            if *h {
+                let s = first + i as u32;
+                // SAFETY: pinned above: not freed or reused until unpinned.
+                let src = unsafe { std::slice::from_raw_parts(self.pool.ptr(s), PAGE_SIZE) };
+                dst[i * PAGE_SIZE..(i + 1) * PAGE_SIZE].copy_from_slice(src);
+            }
+        }
+        let mut g = self.lock();
+        for (i, h) in held.iter().enumerate() {
+            if *h {
+                g.unpin(first + i as u32);
+            }
+        }
+        let mut out = held;
+        out.resize(n, false);
+        out
     }
 
     /// Numbers for STAT and metrics, listing at most `max_regions` regions.
@@ -832,6 +916,31 @@ mod tests {
             .collect();
         st.end_get(plan, sel, true);
         Ok(v)
+    }
+
+    #[test]
+    fn only_slots_holding_stored_pages_are_copied_out() {
+        let st = Store::new(16 * PAGE_SIZE as u64).unwrap();
+        let data: Vec<u8> = (0..4).flat_map(|i| [i as u8 + 1; PAGE_SIZE]).collect();
+        let sel = PageSel::List(vec![5, 6, 7, 8]);
+        assert_eq!(st.put_copy(3, &sel, &data).unwrap(), (4, 4));
+        assert_eq!(st.touched_slots(), 4);
+        let mut buf = vec![0u8; 6 * PAGE_SIZE];
+        let held = st.copy_published(0, 6, &mut buf);
+        assert_eq!(held, [true, true, true, true, false, false]);
+        let mut firsts: Vec<u8> = (0..4).map(|i| buf[i * PAGE_SIZE]).collect();
+        firsts.sort_unstable();
+        assert_eq!(firsts, [1, 2, 3, 4], "each stored page's content once");
+        // Taken, deleted: no longer a source; a take not delivered is again.
+        let take = PageSel::List(vec![5]);
+        let plan = st.begin_get(3, &take, true, false).unwrap();
+        let slot = plan.slots[0].unwrap();
+        assert_eq!(st.copy_published(slot, 1, &mut buf), [false]);
+        st.end_get(plan, &take, false);
+        assert_eq!(st.copy_published(slot, 1, &mut buf), [true]);
+        assert_eq!(st.delete(3, None), 4);
+        assert_eq!(st.copy_published(0, 6, &mut buf), [false; 6]);
+        assert_eq!(st.stats(10).used_slots, 0, "copying pinned and unpinned");
     }
 
     #[test]

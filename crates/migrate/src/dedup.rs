@@ -83,8 +83,13 @@ impl Sender {
         }
     }
 
+    /// The key pages are hashed with.
+    pub(crate) fn key(&self) -> &ContentKey {
+        &self.key
+    }
+
     /// Which of a batch of `n` pages to hash.
-    fn pick(&mut self, n: usize) -> Vec<usize> {
+    pub(crate) fn pick(&mut self, n: usize) -> Vec<usize> {
         if self.cold < COLD_AFTER {
             (0..n).collect()
         } else {
@@ -94,7 +99,7 @@ impl Sender {
     }
 
     /// A batch's answer: `hits` of its hashed pages were there.
-    fn learned(&mut self, hits: usize) {
+    pub(crate) fn learned(&mut self, hits: usize) {
         self.found += hits as u64;
         self.cold = if hits > 0 { 0 } else { self.cold + 1 };
     }

@@ -10,6 +10,7 @@ mod fill;
 pub mod placement;
 pub mod plan;
 pub mod source;
+mod sub_dedup;
 pub mod wire;
 
 use pagefleet_client::{Conn, ConnectOptions, GetMode, Pages};

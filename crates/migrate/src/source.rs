@@ -4,12 +4,12 @@
 //! stop-and-copy at a safepoint.
 
 use crate::plan::{self, Plan, MAIN, SUB0};
+use crate::sub_dedup::SubPut;
 use crate::wire::{Kind, Stream, WireError, MAX_PAGES};
 use crate::{checksum, pread_pages, Report, Spec};
 use pagefleet_client::{Conn, ConnectOptions, Pages};
-use pagefleet_proto::{auth::Secret, PageSel, MAX_BATCH_PAGES};
+use pagefleet_proto::auth::Secret;
 use pagefleet_region::{Location, Region, Snapshot, PAGE};
-use std::collections::VecDeque;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
@@ -226,6 +226,8 @@ struct Run<'a> {
     bytes_subs: Vec<u64>,
     /// Sharing-aware migration to the main host (when both ends do it).
     dedup: Option<crate::dedup::Sender>,
+    /// ... and to each sub-host (empty when off).
+    sub_dedup: Vec<crate::dedup::Sender>,
 }
 
 /// Migrate `region` (whose guest is `guest`) as planned by `o`. On success
@@ -336,6 +338,15 @@ pub fn migrate(
         bytes_main: 0,
         bytes_subs: vec![0; n],
         dedup: None,
+        sub_dedup: if o.dedup {
+            (0..n)
+                .map(|_| {
+                    crate::dedup::Sender::new(pagefleet_dedup::ContentKey::from_secret(&o.secret))
+                })
+                .collect()
+        } else {
+            Vec::new()
+        },
     };
     let mut paused = false;
     let mut released = false;
@@ -537,6 +548,19 @@ impl Run<'_> {
             start_ms,
             checksum_source,
             checksum_dest: started.checksum,
+            dedup_subs: self
+                .sub_dedup
+                .iter()
+                .map(|d| pagefleet_api::DedupReport {
+                    pages_hashed: d.hashed,
+                    pages_not_sent: d.found,
+                    hash_bytes: d.hash_bytes,
+                    bytes_saved: (d.found * PAGE as u64) as i64 - d.hash_bytes as i64,
+                    probe_batches: d.probes,
+                    source_hash_secs: d.hash_secs,
+                    ..Default::default()
+                })
+                .collect(),
             dedup_main: self.dedup.as_ref().map(|d| {
                 Box::new(pagefleet_api::DedupReport {
                     pages_hashed: d.hashed,
@@ -628,14 +652,21 @@ impl Run<'_> {
         let stream = &mut self.stream;
         let dedup = &mut self.dedup;
         let subs_addr: Vec<String> = self.o.subs.iter().map(|s| s.addr.clone()).collect();
+        let mut sub_dedup: Vec<Option<&mut crate::dedup::Sender>> =
+            self.sub_dedup.iter_mut().map(Some).collect();
+        sub_dedup.resize_with(self.subs.len(), || None);
         let results: Vec<Result<u64, MigrateError>> = std::thread::scope(|sc| {
             let hs: Vec<_> = self
                 .subs
                 .iter_mut()
                 .zip(sub.iter())
                 .zip(subs_addr.iter())
-                .map(|((c, list), addr)| {
-                    sc.spawn(move || put_pages(c, addr, rid, fd, list, progress, cancel))
+                .zip(sub_dedup)
+                .map(|(((c, list), addr), d)| {
+                    sc.spawn(move || {
+                        let sp = SubPut::new(c, addr, rid, d, progress);
+                        crate::sub_dedup::put_pages(sp, fd, list, cancel)
+                    })
                 })
                 .collect();
             let m = match dedup {
@@ -774,66 +805,6 @@ fn send_main(
             .bytes_main
             .fetch_add((count * PAGE) as u64, Relaxed);
         progress.round_sent.fetch_add(count as u64, Relaxed);
-    }
-    Ok(bytes)
-}
-
-/// PUT `pages` to one sub-host, pipelined (a window of frames in flight).
-fn put_pages(
-    c: &mut Conn,
-    addr: &str,
-    region: u64,
-    fd: i32,
-    pages: &[u64],
-    progress: &Progress,
-    cancel: &AtomicBool,
-) -> Result<u64, MigrateError> {
-    const WINDOW: usize = 32;
-    let err = |source| MigrateError::Sub {
-        addr: addr.to_string(),
-        source,
-    };
-    let mut bufs: Vec<Vec<u8>> = (0..WINDOW)
-        .map(|_| vec![0u8; MAX_BATCH_PAGES * PAGE])
-        .collect();
-    let mut inflight: VecDeque<(u64, usize)> = VecDeque::new();
-    let mut bytes = 0u64;
-    for (k, (first, count)) in runs(pages, MAX_BATCH_PAGES).enumerate() {
-        if cancel.load(Relaxed) {
-            // Let the server finish what it has (so the abort's delete
-            // comes after every stored page), then stop.
-            while let Some((id, _)) = inflight.pop_front() {
-                c.recv_put(id).map_err(err)?;
-            }
-            return Err(MigrateError::Cancelled);
-        }
-        if inflight.len() == WINDOW {
-            let (id, n) = inflight.pop_front().unwrap();
-            c.recv_put(id).map_err(err)?;
-            progress.round_sent.fetch_add(n as u64, Relaxed);
-        }
-        let data = &mut bufs[k % WINDOW][..count * PAGE];
-        pread_pages(fd, first, data)
-            .map_err(|e| MigrateError::Other(format!("reading the region: {e}")))?;
-        let id = c
-            .send_put(
-                region,
-                &PageSel::Run {
-                    first,
-                    count: count as u32,
-                },
-                data,
-            )
-            .map_err(err)?;
-        inflight.push_back((id, count));
-        bytes += (count * PAGE + 40) as u64;
-        progress
-            .bytes_subs
-            .fetch_add((count * PAGE) as u64, Relaxed);
-    }
-    while let Some((id, n)) = inflight.pop_front() {
-        c.recv_put(id).map_err(err)?;
-        progress.round_sent.fetch_add(n as u64, Relaxed);
     }
     Ok(bytes)
 }

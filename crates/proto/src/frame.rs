@@ -43,6 +43,9 @@ pub enum Opcode {
     Stat = 0x05,
     /// Client: a round trip.
     Ping = 0x06,
+    /// Client: store pages by content: the server fills those whose keyed
+    /// hash matches a page its host holds (sharing-aware migration).
+    PutHashed = 0x07,
     /// Server: greeting with its nonce.
     Welcome = 0x80,
     /// Server: authenticated; its proof and numbers.
@@ -57,6 +60,8 @@ pub enum Opcode {
     StatOk = 0x85,
     /// Server: the round trip.
     Pong = 0x86,
+    /// Server: which pages of a PUT_HASHED it stored from its own host.
+    PutHashedOk = 0x87,
     /// Server: the request failed.
     Error = 0xff,
 }
@@ -72,6 +77,7 @@ impl Opcode {
             0x04 => Delete,
             0x05 => Stat,
             0x06 => Ping,
+            0x07 => PutHashed,
             0x80 => Welcome,
             0x81 => HelloOk,
             0x82 => PutOk,
@@ -79,6 +85,7 @@ impl Opcode {
             0x84 => DeleteOk,
             0x85 => StatOk,
             0x86 => Pong,
+            0x87 => PutHashedOk,
             0xff => Error,
             _ => return None,
         })
@@ -93,6 +100,7 @@ impl Opcode {
             Delete => "delete",
             Stat => "stat",
             Ping => "ping",
+            PutHashed => "put_hashed",
             Welcome => "welcome",
             HelloOk => "hello_ok",
             PutOk => "put_ok",
@@ -100,6 +108,7 @@ impl Opcode {
             DeleteOk => "delete_ok",
             StatOk => "stat_ok",
             Pong => "pong",
+            PutHashedOk => "put_hashed_ok",
             Error => "error",
         }
     }
@@ -113,6 +122,7 @@ impl Opcode {
             Delete => DeleteOk,
             Stat => StatOk,
             Ping => Pong,
+            PutHashed => PutHashedOk,
             other => other,
         }
     }

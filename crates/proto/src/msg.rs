@@ -473,6 +473,145 @@ impl PutOk {
     }
 }
 
+/// Bytes of one PUT_HASHED entry: page u64, keyed hash 16 bytes.
+pub const HASHED_ENTRY: usize = 24;
+
+/// PUT_HASHED: pages named by their keyed content hash (sharing-aware
+/// migration to a sub-host). Body: the 16-byte prefix (region, count
+/// 1..=32, flags 0), then count × (page u64, hash 16 bytes). The server
+/// stores, like a PUT, each page whose content its host holds (checked
+/// against the hash) and says which in PUT_HASHED_OK; the client PUTs the
+/// others.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PutHashedReq {
+    /// The region.
+    pub region: u64,
+    /// (page, keyed hash of its content).
+    pub entries: Vec<(u64, [u8; 16])>,
+}
+
+impl PutHashedReq {
+    /// Body length for `count` entries.
+    pub fn body_len(count: usize) -> usize {
+        PagesPrefix::LEN + count * HASHED_ENTRY
+    }
+    /// Append the wire form to `out`.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        PagesPrefix {
+            region: self.region,
+            count: self.entries.len() as u32,
+            flags: 0,
+        }
+        .encode(out);
+        for (p, h) in &self.entries {
+            out.extend_from_slice(&p.to_le_bytes());
+            out.extend_from_slice(h);
+        }
+    }
+    /// Parse and check the wire form.
+    pub fn decode(b: &[u8]) -> Result<PutHashedReq, WireError> {
+        let mut r = Reader::new(b, "PUT_HASHED");
+        let region = r.u64()?;
+        let count = r.u32()? as usize;
+        let flags = r.u32()?;
+        if flags != 0 {
+            return Err(WireError::malformed(format!(
+                "PUT_HASHED flags {flags:#x}: none are defined"
+            )));
+        }
+        if count == 0 || count > MAX_BATCH_PAGES {
+            return Err(WireError::malformed(format!(
+                "PUT_HASHED page count {count} outside 1..={MAX_BATCH_PAGES}"
+            )));
+        }
+        if r.remaining() != count * HASHED_ENTRY {
+            return Err(WireError::malformed(format!(
+                "PUT_HASHED body is {} bytes, {count} entries need {}",
+                b.len(),
+                Self::body_len(count)
+            )));
+        }
+        let mut entries = Vec::with_capacity(count);
+        for _ in 0..count {
+            let p = r.u64()?;
+            if p >= MAX_PAGE {
+                return Err(WireError::new(
+                    ErrorCode::InvalidArgument,
+                    format!("page number {p} exceeds the page limit 2^52"),
+                ));
+            }
+            entries.push((p, r.bytes(16)?.try_into().unwrap()));
+        }
+        r.finish()?;
+        Ok(PutHashedReq { region, entries })
+    }
+}
+
+/// PUT_HASHED_OK: count u32, stored u32, then a bitmap of ceil(count/8)
+/// bytes (bit i of byte i/8, LSB first): entry i was stored from the
+/// server's own host.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PutHashedOk {
+    /// Entries asked about.
+    pub count: u32,
+    /// Of which stored.
+    pub stored: u32,
+    /// Which.
+    pub bitmap: Vec<u8>,
+}
+
+impl PutHashedOk {
+    /// A reply for `found`.
+    pub fn from_found(found: &[bool]) -> PutHashedOk {
+        let mut bitmap = vec![0u8; found.len().div_ceil(8)];
+        for (i, f) in found.iter().enumerate() {
+            if *f {
+                bitmap[i / 8] |= 1 << (i % 8);
+            }
+        }
+        PutHashedOk {
+            count: found.len() as u32,
+            stored: found.iter().filter(|f| **f).count() as u32,
+            bitmap,
+        }
+    }
+    /// Whether entry `i` was stored.
+    pub fn is_stored(&self, i: usize) -> bool {
+        self.bitmap[i / 8] & (1 << (i % 8)) != 0
+    }
+    /// Append the wire form to `out`.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.count.to_le_bytes());
+        out.extend_from_slice(&self.stored.to_le_bytes());
+        out.extend_from_slice(&self.bitmap);
+    }
+    /// Parse and check the wire form.
+    pub fn decode(b: &[u8]) -> Result<PutHashedOk, WireError> {
+        let mut r = Reader::new(b, "PUT_HASHED_OK");
+        let count = r.u32()?;
+        let stored = r.u32()?;
+        if count as usize > MAX_BATCH_PAGES || stored > count {
+            return Err(WireError::malformed(format!(
+                "PUT_HASHED_OK count {count} stored {stored} out of range"
+            )));
+        }
+        let bitmap = r.bytes((count as usize).div_ceil(8))?.to_vec();
+        r.finish()?;
+        let ones: u32 = bitmap.iter().map(|b| b.count_ones()).sum();
+        let pad_ok = count % 8 == 0 || bitmap.last().is_none_or(|l| l >> (count % 8) == 0);
+        if ones != stored || !pad_ok {
+            return Err(WireError::malformed(
+                "PUT_HASHED_OK bitmap disagrees with its stored count",
+            ));
+        }
+        Ok(PutHashedOk {
+            count,
+            stored,
+            bitmap,
+        })
+    }
+}
+
 /// The fixed part of GET_OK: count, present, then a presence bitmap of
 /// ceil(count/8) bytes (bit i of byte i/8, LSB first), then `present` pages.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -724,6 +863,27 @@ mod tests {
         fn header_roundtrip(op in any::<u8>(), len in 0u32..=MAX_BODY as u32, id in any::<u64>()) {
             let h = Header { opcode: op, body_len: len, id };
             prop_assert_eq!(Header::decode(&h.encode()).unwrap(), h);
+        }
+
+        #[test]
+        fn put_hashed_roundtrips_and_bad_bodies_are_errors(
+            region in any::<u64>(),
+            entries in proptest::collection::vec((0u64..MAX_PAGE, any::<[u8; 16]>()), 1..=32),
+            found in proptest::collection::vec(any::<bool>(), 0..=32),
+            junk in proptest::collection::vec(any::<u8>(), 0..900),
+        ) {
+            let req = PutHashedReq { region, entries };
+            let mut b = Vec::new();
+            req.encode(&mut b);
+            prop_assert_eq!(b.len(), PutHashedReq::body_len(req.entries.len()));
+            prop_assert_eq!(PutHashedReq::decode(&b).unwrap(), req);
+            prop_assert!(PutHashedReq::decode(&b[..b.len() - 1]).is_err());
+            let ok = PutHashedOk::from_found(&found);
+            let mut o = Vec::new();
+            ok.encode(&mut o);
+            prop_assert_eq!(PutHashedOk::decode(&o).unwrap(), ok);
+            let _ = PutHashedReq::decode(&junk);
+            let _ = PutHashedOk::decode(&junk);
         }
 
         #[test]

@@ -292,7 +292,7 @@ impl Running {
                     // Its device state runs on the destination now.
                     v.retire();
                 }
-                let _ = line(&mut w, &ProgressEvent::Report(rep));
+                let _ = line(&mut w, &ProgressEvent::Report(Box::new(rep)));
                 let _ = w.flush();
                 Ok(true)
             }

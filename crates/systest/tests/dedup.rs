@@ -274,3 +274,85 @@ fn a_destination_killed_while_filling_leaves_the_source_running_and_a_retry_whol
         "{r}"
     );
 }
+
+/// Wait until host `h`'s index holds only its memory server's store (its
+/// guests gone) with at least `pages` contents.
+fn wait_store_indexed(l: &LabRun, h: usize, pages: u64) {
+    let t = Instant::now();
+    loop {
+        let d = l.host_report(h).and_then(|r| r.dedup);
+        if d.as_ref()
+            .is_some_and(|d| d.sources == 1 && d.pages_indexed >= pages)
+        {
+            return;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(120),
+            "h{} never indexed its store alone ({pages} pages): {d:?}",
+            h + 1
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
+}
+
+#[test]
+fn a_sub_host_stores_pages_its_host_holds_from_its_guests_and_its_store() {
+    if !is_root() {
+        eprintln!("skipped: the testbed needs root (CI runs as root)");
+        return;
+    }
+    // h1: the source. h2, h4: main hosts with room for half a guest.
+    // h3: the sub-host; it runs a guest holding the common content.
+    let l = lab(
+        "dsub",
+        4,
+        Link::Gbit10,
+        160 * MIB,
+        &[256 * MIB, 40 * MIB, 80 * MIB, 40 * MIB],
+    );
+    let pages = 64 * MIB / 4096;
+    start(&l, "base", "h3", "64MiB", "1", "1", &["--rate", "0"]);
+    wait_filled(&l, "base", pages);
+    wait_indexed(&l, 2, pages * 9 / 10);
+    start(&l, "m1", "h1", "64MiB", "7", "0.5", &["--rate", "0"]);
+    wait_filled(&l, "m1", pages);
+    let r = migrate(&l, &["m1", "--to", "h2", "--sub", "h3", "--verify"]).expect("split");
+    assert_eq!(r["checksum_source"], r["checksum_dest"], "split: {r}");
+    let sub_pages = r["pages_subs"][0].as_u64().unwrap();
+    let d = &r["dedup_subs"][0];
+    let found = d["pages_not_sent"]
+        .as_u64()
+        .expect("a sub-host dedup report");
+    eprintln!("m1 to h2 + h3: {sub_pages} pages to h3, {found} stored from h3's guest");
+    assert!(sub_pages > pages / 4, "half of m1 goes to h3: {r}");
+    // Half of m1's pages hold the common content h3's guest has.
+    assert!(
+        found > sub_pages / 4 && found < sub_pages * 3 / 4,
+        "about half of the sub-host's pages are stored from base's memory: {r}"
+    );
+    assert!(
+        r["bytes_subs"][0].as_u64().unwrap() < (sub_pages - found / 2) * 4096,
+        "the pages h3 held were not sent: {r}"
+    );
+
+    // With base gone, h3 holds m1's pages in its store only. m2 has the
+    // same content as m1: its sub-host pages come out of h3's store.
+    stop(&l, "base");
+    wait_store_indexed(&l, 2, sub_pages * 9 / 10);
+    start(&l, "m2", "h1", "64MiB", "7", "0.5", &["--rate", "0"]);
+    wait_filled(&l, "m2", pages);
+    let r = migrate(&l, &["m2", "--to", "h4", "--sub", "h3", "--verify"]).expect("split");
+    assert_eq!(r["checksum_source"], r["checksum_dest"], "split: {r}");
+    let sub2 = r["pages_subs"][0].as_u64().unwrap();
+    let found2 = r["dedup_subs"][0]["pages_not_sent"].as_u64().unwrap();
+    eprintln!("m2 to h4 + h3: {sub2} pages to h3, {found2} stored from h3's store");
+    assert!(
+        found2 > sub2 / 4,
+        "m2's sub-host pages are in h3's store (m1's): {r}"
+    );
+    let ix = l.host_report(2).and_then(|r| r.dedup).unwrap();
+    assert!(
+        ix.hits >= found + found2,
+        "h3's index answered them: {ix:?}"
+    );
+}
