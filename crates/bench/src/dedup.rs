@@ -38,6 +38,10 @@ pub struct Opts {
     /// VM to a host running another VM booted from the same image.
     pub kv: bool,
     pub vm: bool,
+    /// The split case (on the first link): half the guest goes to a
+    /// sub-host's memory server; main host and sub-host each run a guest
+    /// holding the common content. Levels 0 and 50%.
+    pub split: bool,
     pub quick: bool,
     #[serde(skip)]
     pub out_dir: PathBuf,
@@ -52,6 +56,7 @@ impl Opts {
             zero_pairs: 5,
             kv: true,
             vm: true,
+            split: true,
             quick: false,
             out_dir,
         }
@@ -64,6 +69,7 @@ impl Opts {
             zero_pairs: 1,
             kv: false,
             vm: false,
+            split: false,
             quick: true,
             out_dir,
         }
@@ -294,6 +300,84 @@ fn link_runs(
     Ok(ix)
 }
 
+/// The split case: a guest half of whose pages go to a sub-host (h3).
+/// h2 and h3 each run a guest holding the common content, so at level L
+/// both destinations together hold L of the guest. Bytes and pages count
+/// the main host and the sub-host.
+fn split_runs(o: &Opts, link: Link, log: Log<'_>, rows: &mut Vec<Row>) -> Result<()> {
+    let bins = util::sibling_binary("pagefleetd")?
+        .parent()
+        .unwrap()
+        .to_path_buf();
+    let size = (o.size / 2).max(64 * MIB);
+    let pages = size / 4096;
+    let l = LabRun::up(
+        "bdsplit",
+        &bins,
+        3,
+        link,
+        size,
+        &[size + 64 * MIB, size + size / 2, size + 64 * MIB],
+    )?;
+    log(&format!(
+        "{}: split case: guests holding the common content on h2 and h3 ({} each)",
+        link.name(),
+        crate::fmt_bytes(size)
+    ));
+    start(&l, "base2", "h2", size, 1, 1.0)?;
+    start(&l, "base3", "h3", size, 1, 1.0)?;
+    wait_filled(&l, "base2", pages)?;
+    wait_filled(&l, "base3", pages)?;
+    for h in [1, 2] {
+        wait_until(&format!("h{} to index its guest", h + 1), 300, || {
+            l.host_report(h)
+                .and_then(|r| r.dedup)
+                .is_some_and(|d| d.pages_indexed + 64 >= pages)
+        })?;
+    }
+    let mut seed = 500;
+    for level in [0.0, 0.5] {
+        for mode in ["plain", "dedup"] {
+            seed += 1;
+            log(&format!(
+                "{}: split, {:.1}% shared, {mode}",
+                link.name(),
+                level * 100.0
+            ));
+            start(&l, "m", "h1", size, seed, level)?;
+            wait_filled(&l, "m", pages)?;
+            scanner_resting(&l)?;
+            let mut args = vec![
+                "migrate", "m", "--to", "h2", "--sub", "h3", "--verify", "--json",
+            ];
+            if mode == "plain" {
+                args.push("--no-dedup");
+            }
+            let r: Result<MigrationReport> = pf_json(&l, &args);
+            if let Err(e) = &r {
+                log(&format!("  FAILED: {e:#}"));
+            }
+            stop_guest(&l, "m")?;
+            let mut x = row(link, "split", level, mode, r);
+            if let Some(rep) = &x.report {
+                let subs_found: u64 = rep.dedup_subs.iter().map(|d| d.pages_not_sent).sum();
+                x.bytes = rep.bytes_main + rep.bytes_subs.iter().sum::<u64>();
+                x.pages_sent =
+                    (rep.pages_main + rep.pages_subs.iter().sum::<u64>() + rep.pages_sent_twice)
+                        .saturating_sub(x.pages_not_sent + subs_found);
+                x.pages_not_sent += subs_found;
+                x.source_hash_secs += rep
+                    .dedup_subs
+                    .iter()
+                    .map(|d| d.source_hash_secs)
+                    .sum::<f64>();
+            }
+            rows.push(x);
+        }
+    }
+    Ok(())
+}
+
 /// The first real-workload case: h2 runs a kv guest holding a dataset;
 /// another kv guest loaded with the same dataset (by the same client, in
 /// its own order of arrival) moves from h1 to h2.
@@ -437,6 +521,12 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
         let ix = link_runs(o, link, log, &mut rows)?;
         index.push((link.name().to_string(), ix));
     }
+    if o.split {
+        if let Err(e) = split_runs(o, o.links[0], log, &mut rows) {
+            log(&format!("  split case FAILED: {e:#}"));
+            rows.push(row(o.links[0], "split", 0.5, "dedup", Err(e)));
+        }
+    }
     let floor_bounds = floor_bounds(o, &rows, &floors);
     let mut r = Report {
         opts: o.clone(),
@@ -573,6 +663,21 @@ fn goals(r: &Report) -> Vec<Goal> {
                     "x",
                 ));
             }
+        }
+    }
+    {
+        let of = |mode: &str| {
+            r.rows.iter().find(|x| {
+                x.case == "split" && x.shared == 0.5 && x.mode == mode && x.error.is_none()
+            })
+        };
+        if let (Some(p), Some(d)) = (of("plain"), of("dedup")) {
+            g.push(Goal::at_most(
+                "split to main host + sub-host, 50.0% shared: bytes dedup / plain (both destinations)",
+                d.bytes as f64 / p.bytes.max(1) as f64,
+                0.5 + 0.03,
+                "x",
+            ));
         }
     }
     for (case, what) in [
@@ -722,6 +827,9 @@ pub struct Args {
     /// Skip the VM case (two VMs booted from one image; needs `make vm`).
     #[arg(long)]
     pub no_vm: bool,
+    /// Skip the split case (half the guest to a sub-host's memory server).
+    #[arg(long)]
+    pub no_split: bool,
 }
 
 impl crate::Benchmark for Args {
@@ -740,6 +848,9 @@ impl crate::Benchmark for Args {
         }
         if self.no_kv {
             o.kv = false;
+        }
+        if self.no_split {
+            o.split = false;
         }
         if !self.levels.is_empty() {
             if let Some(bad) = self.levels.iter().find(|l| !(0.0..=1.0).contains(*l)) {

@@ -883,3 +883,60 @@ fn frozen_server_times_out_in_plain_words() {
     assert!(e.to_string().contains("timed out after 1 s"), "{e}");
     assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
 }
+
+/// PUT_HASHED: a page whose content the host holds (here the zero page)
+/// is stored without its data, one it does not hold is left to a PUT; a
+/// malformed one closes the connection; a server run without a content
+/// index refuses it and keeps serving.
+#[test]
+fn put_hashed_stores_what_the_host_holds_and_nothing_else() {
+    let d = Daemon::start("16MiB", &[]);
+    let key = pagefleet_dedup::ContentKey::from_secret(&d.secret);
+    let zero = key.zero().to_bytes();
+    let other = key.hash(&[5u8; P]).to_bytes();
+    let mut c = d.conn();
+    let id = c.send_put_hashed(5, &[(10, zero), (11, other)]).unwrap();
+    let ok = c.recv_put_hashed(id).unwrap();
+    assert_eq!((ok.count, ok.stored), (2, 1));
+    assert!(ok.is_stored(0) && !ok.is_stored(1));
+    let mut buf = vec![1u8; P];
+    c.get(5, Pages::List(&[10]), &mut buf, GetMode::Keep, false, 32)
+        .unwrap();
+    assert!(buf.iter().all(|b| *b == 0), "the zero page was stored");
+    assert!(
+        c.get(5, Pages::List(&[11]), &mut buf, GetMode::Keep, false, 32)
+            .is_err(),
+        "a page the host does not hold is not stored"
+    );
+    // A hash under another cluster's key matches nothing.
+    let stranger = Secret::from_bytes(&[3u8; 32], "other").unwrap();
+    let wrong = pagefleet_dedup::ContentKey::from_secret(&stranger)
+        .zero()
+        .to_bytes();
+    let id = c.send_put_hashed(5, &[(12, wrong)]).unwrap();
+    assert_eq!(c.recv_put_hashed(id).unwrap().stored, 0);
+    // Unknown flags: malformed, fatal.
+    let (mut s, w) = raw_connect(&d.addr);
+    raw_hello(&mut s, &w, &d.secret);
+    let mut out = Vec::new();
+    frame(Opcode::PutHashed, 4, &mut out, |b| {
+        PagesPrefix {
+            region: 5,
+            count: 1,
+            flags: 1,
+        }
+        .encode(b);
+        b.extend_from_slice(&[0u8; 24]);
+    });
+    s.write_all(&out).unwrap();
+    expect_error_then_close(&mut s, ErrorCode::Malformed);
+
+    let d = Daemon::start("16MiB", &["--no-dedup"]);
+    let mut c = d.conn();
+    let id = c.send_put_hashed(5, &[(10, zero)]).unwrap();
+    match c.recv_put_hashed(id) {
+        Err(ClientError::Server { err, .. }) => assert_eq!(err.code, ErrorCode::UnknownOpcode),
+        r => panic!("a server without an index must refuse PUT_HASHED: {r:?}"),
+    }
+    c.ping().expect("the connection keeps working");
+}

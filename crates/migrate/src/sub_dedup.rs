@@ -75,10 +75,16 @@ impl<'a> SubPut<'a> {
         }
     }
 
-    /// PUT pages `idx` of a frame (`data` holds page k at `k * PAGE`).
-    fn put(&mut self, pages: &[u64], idx: &[usize], data: &[u8]) -> Result<(), MigrateError> {
+    /// PUT pages `idx` of a frame (`data` holds page k at `k * PAGE`);
+    /// the reply to await, which the caller queues in sending order.
+    fn put(
+        &mut self,
+        pages: &[u64],
+        idx: &[usize],
+        data: &[u8],
+    ) -> Result<Option<Pending>, MigrateError> {
         if idx.is_empty() {
-            return Ok(());
+            return Ok(None);
         }
         let sel = PageSel::List(idx.iter().map(|&k| pages[k]).collect());
         let bufs: Vec<&[u8]> = idx
@@ -89,19 +95,19 @@ impl<'a> SubPut<'a> {
             .c
             .send_put_pages(self.region, &sel, &bufs)
             .map_err(|e| self.err(e))?;
-        self.inflight.push_back(Pending::Put { id, n: idx.len() });
         self.bytes += (idx.len() * (PAGE + 8) + 40) as u64;
         self.progress
             .bytes_subs
             .fetch_add((idx.len() * PAGE) as u64, Relaxed);
-        Ok(())
+        Ok(Some(Pending::Put { id, n: idx.len() }))
     }
 
     /// Send one frame's worth of pages (`data` holds them in order).
     fn send(&mut self, pages: Vec<u64>, data: Vec<u8>) -> Result<(), MigrateError> {
         let all: Vec<usize> = (0..pages.len()).collect();
         let Some(d) = self.dedup.as_deref_mut() else {
-            self.put(&pages, &all, &data)?;
+            let p = self.put(&pages, &all, &data)?;
+            self.inflight.extend(p);
             self.spare.push(data);
             return Ok(());
         };
@@ -123,15 +129,17 @@ impl<'a> SubPut<'a> {
             .c
             .send_put_hashed(self.region, &entries)
             .map_err(|e| self.err(e))?;
-        // A probe: the pages not asked about go now.
+        // A probe: the pages not asked about go now. Replies come in
+        // sending order: the PUT_HASHED's first.
         let rest: Vec<usize> = all.into_iter().filter(|k| !asked.contains(k)).collect();
-        self.put(&pages, &rest, &data)?;
+        let put = self.put(&pages, &rest, &data)?;
         self.inflight.push_back(Pending::Hashed {
             id,
             pages,
             asked,
             data,
         });
+        self.inflight.extend(put);
         Ok(())
     }
 
@@ -175,7 +183,8 @@ impl<'a> SubPut<'a> {
                     }
                     Err(e) => return Err(self.err(e)),
                 };
-                self.put(&pages, &missing, &data)?;
+                let p = self.put(&pages, &missing, &data)?;
+                self.inflight.extend(p);
                 self.spare.push(data);
             }
         }

@@ -314,6 +314,20 @@ fn a_sub_host_stores_pages_its_host_holds_from_its_guests_and_its_store() {
     start(&l, "base", "h3", "64MiB", "1", "1", &["--rate", "0"]);
     wait_filled(&l, "base", pages);
     wait_indexed(&l, 2, pages * 9 / 10);
+    // Nothing in common: after two frames without a hit the source only
+    // probes (one page a frame hashed, the rest PUT at once).
+    start(&l, "m0", "h1", "64MiB", "9", "0", &["--rate", "0"]);
+    wait_filled(&l, "m0", pages);
+    let r = migrate(&l, &["m0", "--to", "h2", "--sub", "h3", "--verify"]).expect("split");
+    assert_eq!(r["checksum_source"], r["checksum_dest"], "split: {r}");
+    let d = &r["dedup_subs"][0];
+    assert_eq!(d["pages_not_sent"], 0, "{r}");
+    assert!(
+        d["probe_batches"].as_u64().unwrap() > 0
+            && d["pages_hashed"].as_u64().unwrap() < r["pages_subs"][0].as_u64().unwrap() / 4,
+        "a sub-host that holds nothing should mostly be probed: {r}"
+    );
+    stop(&l, "m0");
     start(&l, "m1", "h1", "64MiB", "7", "0.5", &["--rate", "0"]);
     wait_filled(&l, "m1", pages);
     let r = migrate(&l, &["m1", "--to", "h2", "--sub", "h3", "--verify"]).expect("split");
