@@ -604,9 +604,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn goals(r: &Report) -> Vec<Goal> {
     let mut g = Vec::new();
-    let mut links: Vec<&str> = r.rows.iter().map(|x| x.link.as_str()).collect();
-    links.dedup();
-    for link in links {
+    for link in r.opts.links.iter().map(|l| l.name()) {
         for &level in &r.opts.levels {
             let of = |mode: &str| -> Vec<&Row> {
                 r.rows

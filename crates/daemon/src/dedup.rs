@@ -95,9 +95,13 @@ impl Dedup {
                 (p.uid == 0 || p.uid == me) && g.runners().iter().any(|(pid, _)| *pid == p.pid)
             });
             let hi = d.hi.clone();
+            let slots = server.clone().map(|s| {
+                Arc::new(move |slot: u32, dst: &mut [u8]| s.store.copy_published(slot, 1, dst)[0])
+                    as lookup::StoreSlots
+            });
             std::thread::Builder::new()
                 .name("dedup lookups".into())
-                .spawn(move || lookup::serve(l, hi, authorize))?;
+                .spawn(move || lookup::serve(l, hi, authorize, slots))?;
         }
         if let Some(s) = &server {
             s.set_content(Arc::new(HostContent { hi: d.hi.clone() }));

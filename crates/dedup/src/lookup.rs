@@ -9,8 +9,10 @@
 //!
 //! ```text
 //! request  "PFLK" count:u32 LE, count × 16-byte hash
-//! reply    "PFLR" count:u32 LE, count × (kind:u8 pad:3 pid:u32 fd:u32 page:u32)
-//!          kind 0: not here, 1: the zero page, 2: page `page` of /proc/pid/fd/fd
+//! reply    "PFLR" count:u32 LE, count × (kind:u8 pad:3 pid:u32 fd:u32 page:u32),
+//!          then 4096 bytes for each kind-3 entry, in order
+//!          kind 0: not here, 1: the zero page, 2: page `page` of /proc/pid/fd/fd,
+//!          3: a page of the daemon's memory server store, its bytes inline
 //! request  "PFLF" 0:u32                      — the index's Bloom filter
 //! reply    "PFLB" words:u32 LE, words × u64 LE
 //! ```
@@ -20,7 +22,7 @@
 //! may be here, and knows the zero
 //! page itself: a migration that finds nothing costs no round trips.
 
-use crate::scan::{HostIndex, ProcFd};
+use crate::scan::{HostIndex, ProcFd, STORE};
 use crate::{ContentKey, PageHash, PAGE};
 use std::collections::HashMap;
 use std::fs::File;
@@ -76,22 +78,29 @@ pub fn peer_of(s: &UnixStream) -> io::Result<Peer> {
     })
 }
 
-/// Serve lookups on `l` from `hi`, to peers `authorize` accepts. Runs
-/// until the listener fails.
+/// Copies a slot of this daemon's memory server store (if it holds a
+/// page) into the buffer.
+pub type StoreSlots = Arc<dyn Fn(u32, &mut [u8]) -> bool + Send + Sync>;
+
+/// Serve lookups on `l` from `hi`, to peers `authorize` accepts; hits in
+/// the memory server's store are read with `slots` and sent inline (the
+/// runner cannot read the daemon's memory). Runs until the listener fails.
 pub fn serve(
     l: UnixListener,
     hi: Arc<HostIndex>,
     authorize: Arc<dyn Fn(Peer) -> bool + Send + Sync>,
+    slots: Option<StoreSlots>,
 ) {
     for s in l.incoming() {
         let Ok(s) = s else { continue };
         match peer_of(&s) {
             Ok(p) if authorize(p) => {
                 let hi = hi.clone();
+                let slots = slots.clone();
                 let _ = std::thread::Builder::new()
                     .name("dedup lookup".into())
                     .spawn(move || {
-                        if let Err(e) = answer(s, &hi) {
+                        if let Err(e) = answer(s, &hi, slots.as_ref()) {
                             tracing::debug!("dedup lookup from pid {}: {e}", p.pid);
                         }
                     });
@@ -106,9 +115,10 @@ pub fn serve(
     }
 }
 
-fn answer(mut s: UnixStream, hi: &HostIndex) -> io::Result<()> {
+fn answer(mut s: UnixStream, hi: &HostIndex, slots: Option<&StoreSlots>) -> io::Result<()> {
     let mut hashes = Vec::new();
     let mut out = Vec::new();
+    let mut inline = Vec::new();
     loop {
         let mut h = [0u8; 8];
         match s.read_exact(&mut h) {
@@ -145,11 +155,23 @@ fn answer(mut s: UnixStream, hi: &HostIndex) -> io::Result<()> {
                 .map(|b| ix.lookup(&PageHash(b.try_into().unwrap())))
                 .collect()
         };
+        inline.clear();
         for f in found {
             let mut e = [0u8; ENTRY];
             match f {
                 None => {}
                 Some(None) => e[0] = 1,
+                Some(Some(loc)) if loc.source == STORE => {
+                    if let Some(read) = slots {
+                        let at = inline.len();
+                        inline.resize(at + PAGE, 0);
+                        if read(loc.page, &mut inline[at..]) {
+                            e[0] = 3;
+                        } else {
+                            inline.truncate(at);
+                        }
+                    }
+                }
                 Some(Some(loc)) => {
                     if let Some(at) = hi.source(loc.source) {
                         e[0] = 2;
@@ -161,6 +183,7 @@ fn answer(mut s: UnixStream, hi: &HostIndex) -> io::Result<()> {
             }
             out.extend_from_slice(&e);
         }
+        out.extend_from_slice(&inline);
         s.write_all(&out)?;
     }
 }
@@ -342,9 +365,17 @@ impl LookupClient {
                 "malformed lookup reply",
             ));
         }
+        let inline = self.reply[8..]
+            .chunks_exact(ENTRY)
+            .filter(|e| e[0] == 3)
+            .count();
+        let mut pages = vec![0u8; inline * PAGE];
+        self.s.read_exact(&mut pages)?;
+        let mut pages = pages.chunks_exact(PAGE);
         // Hints to pages here: open their files (once), then read and
         // check the pages.
         let mut work: Vec<(usize, ProcFd, u64, &mut [u8])> = Vec::new();
+        let mut sent: Vec<(usize, bool)> = Vec::new();
         for (i, &k) in ask.iter().enumerate() {
             let e = &self.reply[8 + i * ENTRY..8 + (i + 1) * ENTRY];
             match e[0] {
@@ -360,6 +391,13 @@ impl LookupClient {
                     let page = u32::from_le_bytes(e[12..16].try_into().unwrap()) as u64;
                     self.files.entry(at).or_insert_with(|| at.open().ok());
                     work.push((k, at, page, std::mem::take(&mut out[k])));
+                }
+                3 => {
+                    let p = pages.next().expect("counted above");
+                    let room = &mut out[k][..PAGE];
+                    room.copy_from_slice(p);
+                    let page: &[u8; PAGE] = (&*room).try_into().expect("page");
+                    sent.push((k, self.key.hash(page) == hashes[k]));
                 }
                 _ => {}
             }
@@ -377,7 +415,7 @@ impl LookupClient {
             })
             .collect();
         self.stats.check_secs += t.elapsed().as_secs_f64();
-        for (k, ok) in checked {
+        for (k, ok) in checked.into_iter().chain(sent) {
             if ok {
                 self.stats.data += 1;
                 res[first + k] = Found::Data;
@@ -422,7 +460,18 @@ mod tests {
         let l = UnixListener::bind(&path).unwrap();
         let me = std::process::id();
         let h2 = hi.clone();
-        std::thread::spawn(move || serve(l, h2, Arc::new(move |p: Peer| p.pid == me)));
+        // A store of one slot holding a page of 4s.
+        let mut read = |first: u32, n: usize, buf: &mut [u8]| -> Vec<bool> {
+            assert_eq!((first, n), (0, 1));
+            buf[..PAGE].fill(4);
+            vec![true]
+        };
+        hi.scan_slots(STORE, 1, &mut read, 1.0, &stop).unwrap();
+        let slots: StoreSlots = Arc::new(|slot: u32, dst: &mut [u8]| {
+            dst.fill(4);
+            slot == 0
+        });
+        std::thread::spawn(move || serve(l, h2, Arc::new(move |p: Peer| p.pid == me), Some(slots)));
 
         let k = key();
         let mut c = LookupClient::connect(&path, k.clone()).unwrap();
@@ -433,11 +482,25 @@ mod tests {
             k.hash(&[0; PAGE]),
             k.hash(&[6; PAGE]),
             k.hash(&[1; PAGE]),
+            k.hash(&[4; PAGE]),
         ];
         let mut out = vec![0u8; asked.len() * PAGE];
         let r = c.find(&asked, &mut out).unwrap();
-        assert_eq!(r, vec![Found::Data, Found::Zero, Found::Miss, Found::Miss]);
+        assert_eq!(
+            r,
+            vec![
+                Found::Data,
+                Found::Zero,
+                Found::Miss,
+                Found::Miss,
+                Found::Data
+            ]
+        );
         assert!(out[..PAGE].iter().all(|&b| b == 5));
+        assert!(
+            out[4 * PAGE..].iter().all(|&b| b == 4),
+            "the store's page, inline"
+        );
         assert_eq!(c.stats.stale, 1);
     }
 
@@ -447,7 +510,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("lookup.sock");
         let l = UnixListener::bind(&path).unwrap();
-        std::thread::spawn(move || serve(l, hi, Arc::new(|_| false)));
+        std::thread::spawn(move || serve(l, hi, Arc::new(|_| false), None));
         assert!(LookupClient::connect(&path, key()).is_err());
     }
 }

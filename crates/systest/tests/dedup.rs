@@ -369,4 +369,17 @@ fn a_sub_host_stores_pages_its_host_holds_from_its_guests_and_its_store() {
         ix.hits >= found + found2,
         "h3's index answered them: {ix:?}"
     );
+
+    // h3 as the main host of a third twin: its incoming runner gets the
+    // store's pages inline from the daemon's lookup service.
+    start(&l, "m3", "h1", "64MiB", "7", "0.5", &["--rate", "0"]);
+    wait_filled(&l, "m3", pages);
+    let r = migrate(&l, &["m3", "--to", "h3", "--verify"]).expect("migration");
+    assert_eq!(r["checksum_source"], r["checksum_dest"], "{r}");
+    let found3 = r["dedup_main"]["pages_not_sent"].as_u64().unwrap();
+    eprintln!("m3 to h3: {found3} pages filled from h3's store");
+    assert!(
+        found3 >= sub_pages * 9 / 10,
+        "m3's pages that m1 and m2 left in h3's store are not sent: {r}"
+    );
 }
