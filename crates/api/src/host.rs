@@ -101,3 +101,65 @@ pub struct ClusterView {
     /// Every host, this one first.
     pub hosts: Vec<ClusterHost>,
 }
+
+/// One region a memory server holds (`GET /memserver/regions`).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct MemRegion {
+    /// Its id (hex, as guests show theirs).
+    pub region: String,
+    /// Pages stored.
+    pub pages: u64,
+    /// The client that created it (its name at the protocol's HELLO:
+    /// `pagefleet-runner NAME`, `pagefleet-run`, a block device export).
+    pub owner: String,
+    /// Seconds since its first page was stored.
+    pub age_secs: f64,
+    /// Seconds since its last PUT or GET.
+    pub idle_secs: f64,
+    /// Connected clients that used it.
+    pub sessions: u32,
+}
+
+/// `POST /memserver/drop`: free one region's pages.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct DropRegion {
+    /// The region id (hex).
+    pub region: String,
+}
+
+/// What a drop freed.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct Dropped {
+    /// The region id (hex).
+    pub region: String,
+    /// Pages freed.
+    pub pages: u64,
+}
+
+/// `POST /gc`: collect this host's memory server's orphaned regions.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct GcRequest {
+    /// A region idle less than this long is kept.
+    pub grace_secs: f64,
+    /// Only say what would be freed.
+    #[serde(default)]
+    pub dry_run: bool,
+}
+
+/// What a collection freed on one memory server.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct GcReport {
+    /// The memory server.
+    pub server: String,
+    /// Regions freed (or, in a dry run, that would be).
+    pub freed: Vec<MemRegion>,
+    /// Pages freed.
+    pub pages_freed: u64,
+    /// Regions kept: a live guest's, in use by a connected client, or
+    /// idle less than the grace period.
+    pub kept: u64,
+    /// Whether this was a dry run.
+    pub dry_run: bool,
+}

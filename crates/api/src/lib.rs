@@ -21,7 +21,10 @@ pub use guest::{
     ContentFill, GuestSpec, GuestState, GuestStatus, PageLocations, PagingCosts, SortResult,
     StartGuest, Workload,
 };
-pub use host::{ClusterHost, ClusterView, DedupIndexReport, HostReport};
+pub use host::{
+    ClusterHost, ClusterView, DedupIndexReport, DropRegion, Dropped, GcReport, GcRequest,
+    HostReport, MemRegion,
+};
 pub use migration::{
     DedupReport, EvacuationEvent, EvacuationOrder, Failure, IncomingReply, IncomingRequest,
     MigrateRequest, MigrationOrder, MigrationProgress, Placed, ProgressEvent, Report, SubHost,

@@ -182,7 +182,7 @@ pub fn status(c: &Client, registry: &str, explicit: &[String], json_out: bool) -
     Ok(())
 }
 
-fn find_host(hs: &[ClusterHost], key: &str) -> Result<usize> {
+pub(crate) fn find_host(hs: &[ClusterHost], key: &str) -> Result<usize> {
     hs.iter()
         .position(|h| h.name() == key || h.http == key || h.memserver() == Some(key))
         .ok_or_else(|| anyhow::anyhow!("no host {key:?} in the cluster (see pagefleet status)"))

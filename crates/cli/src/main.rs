@@ -9,6 +9,7 @@ use pagefleet_proto::auth::Secret;
 use std::path::PathBuf;
 
 mod cluster;
+mod gc;
 mod run;
 
 /// pagefleet pools spare memory across hosts: memory servers lend it, guests
@@ -62,6 +63,26 @@ enum Cmd {
     /// Start or stop guests on the cluster's hosts.
     #[command(subcommand)]
     Guest(cluster::GuestCmd),
+    /// Free pages on memory servers that nothing owns any more: regions no
+    /// guest in the registry runs, no connected client uses, idle for the
+    /// grace period (a source that crashed mid-migration, a runner killed
+    /// with SIGKILL). Refused while any host cannot be asked. pagefleetd
+    /// also does this every minute (--gc-grace, default 600 s).
+    ///
+    /// Example: pagefleet gc --dry-run
+    Gc {
+        /// Keep regions idle less than this many seconds.
+        #[arg(long, default_value_t = 60.0)]
+        grace: f64,
+        /// Only list what would be freed.
+        #[arg(long)]
+        dry_run: bool,
+        #[command(flatten)]
+        reg: cluster::Registry,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Live-migrate a guest (S-memV split migration): hot pages and their
     /// access history to a main host, the rest straight to sub-hosts' memory
     /// servers; it then runs on the main host, paging with the sub-hosts.
@@ -485,6 +506,34 @@ enum MemserverCmd {
         #[arg(long, default_value_t = 5)]
         count: u32,
     },
+    /// What each memory server of the cluster holds, per region: pages,
+    /// the client that created it, its age and idle time, connected
+    /// clients, and whether a running guest owns it.
+    ///
+    /// Example: pagefleet memserver regions --on h3
+    Regions {
+        /// Only this host (name or address); default every host that lends.
+        #[arg(long)]
+        on: Option<String>,
+        #[command(flatten)]
+        reg: cluster::Registry,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Free one region's pages on a host's memory server (refused for a
+    /// running guest's region: stop the guest instead).
+    ///
+    /// Example: pagefleet memserver drop 5f3a9c0e12 --on h3
+    Drop {
+        /// The region id, as `pagefleet memserver regions` lists it.
+        region: String,
+        /// The host holding it (name or address).
+        #[arg(long)]
+        on: String,
+        #[command(flatten)]
+        reg: cluster::Registry,
+    },
 }
 
 fn main() {
@@ -536,6 +585,13 @@ fn run(cli: Cli) -> Result<()> {
             cluster::status(&cluster::client(sf)?, &reg.registry, &hosts, json)
         }
         Cmd::Guest(g) => cluster::guest(&cluster::client(sf)?, g),
+        Cmd::Gc {
+            grace,
+            dry_run,
+            reg,
+            json,
+        } => gc::gc(&cluster::client(sf)?, &reg.registry, grace, dry_run, json),
+
         Cmd::Migrate(m) => cluster::migrate_cmd(&cluster::client(sf)?, m),
         Cmd::Gather(g) => cluster::gather_cmd(&cluster::client(sf)?, g),
         Cmd::Evacuate(e) => cluster::evacuate(&cluster::client(sf)?, e),
@@ -597,6 +653,12 @@ fn run(cli: Cli) -> Result<()> {
                     for i in 0..count {
                         println!("ping {i}: {:.1} us", c.ping()?.as_secs_f64() * 1e6);
                     }
+                }
+                MemserverCmd::Regions { on, reg, json } => {
+                    gc::regions(&cluster::client(sf)?, &reg.registry, on.as_deref(), json)?
+                }
+                MemserverCmd::Drop { region, on, reg } => {
+                    gc::drop_region(&cluster::client(sf)?, &reg.registry, &on, &region)?
                 }
             }
             Ok(())

@@ -39,6 +39,19 @@ impl TermSignals {
         }
     }
 
+    /// The set of both signals, without changing any thread's mask: for a
+    /// thread that waits for them after [`TermSignals::block`] ran.
+    pub fn current() -> TermSignals {
+        // SAFETY: plain signal-set calls on a local set.
+        unsafe {
+            let mut set: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut set);
+            libc::sigaddset(&mut set, libc::SIGINT);
+            libc::sigaddset(&mut set, libc::SIGTERM);
+            TermSignals(set)
+        }
+    }
+
     /// Wait until one of them arrives.
     pub fn wait(&self) {
         let mut sig = 0;

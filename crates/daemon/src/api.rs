@@ -48,6 +48,8 @@ pub struct App {
     pub peers: Vec<String>,
     /// Signed client for asking the peers.
     pub client: Client,
+    /// This host's memory server and its address, if it lends memory.
+    pub memserver: Option<(Arc<pagefleet_memserver::ServerState>, String)>,
 }
 
 type Shared = State<Arc<App>>;
@@ -97,7 +99,7 @@ async fn blocking<T: Serialize + Send + 'static>(
 
 async fn index() -> &'static str {
     "pagefleetd: GET /metrics /host /cluster /guests /guests/NAME; POST /guests /incoming \
-     /guests/NAME/{stop,cancel,sort,set_budget,evacuate,migrate} /migrations /evacuations (signed requests; see docs/architecture.md)\n"
+     /guests/NAME/{stop,cancel,sort,set_budget,evacuate,migrate} /migrations /evacuations; GET /memserver/regions, POST /memserver/drop /gc (signed requests; see docs/architecture.md)\n"
 }
 
 async fn metrics(State(app): Shared) -> Response {
@@ -267,6 +269,46 @@ async fn evacuations(State(app): Shared, b: Bytes) -> Response {
     events::<EvacuationEvent>(move |emit| crate::orchestrate::evacuate(&app, order, emit))
 }
 
+fn memserver(app: &App) -> Result<(Arc<pagefleet_memserver::ServerState>, String), Refusal> {
+    app.memserver.clone().ok_or_else(|| {
+        Refusal::new(
+            404,
+            "this host lends no memory (start pagefleetd with --lend)".to_string(),
+        )
+    })
+}
+
+/// `GET /memserver/regions`.
+async fn mem_regions(State(app): Shared) -> Response {
+    match memserver(&app) {
+        Ok((st, _)) => blocking(move || Ok(crate::gc::regions(&st))).await,
+        Err(r) => refusal(r),
+    }
+}
+
+/// `POST /memserver/drop`.
+async fn mem_drop(State(app): Shared, b: Bytes) -> Response {
+    let (st, req) = match (memserver(&app), body::<pagefleet_api::DropRegion>(&b)) {
+        (Ok((st, _)), Ok(r)) => (st, r),
+        (Err(r), _) | (_, Err(r)) => return refusal(r),
+    };
+    blocking(move || crate::gc::drop_region(&st, &req.region).map_err(|e| Refusal::new(400, e)))
+        .await
+}
+
+/// `POST /gc`: collect this host's orphaned regions against the registry.
+async fn gc(State(app): Shared, b: Bytes) -> Response {
+    let ((st, addr), req) = match (memserver(&app), body::<pagefleet_api::GcRequest>(&b)) {
+        (Ok(m), Ok(r)) => (m, r),
+        (Err(r), _) | (_, Err(r)) => return refusal(r),
+    };
+    blocking(move || {
+        let view = app.view();
+        crate::gc::collect(&st, &addr, &view, &req).map_err(|e| Refusal::new(409, e))
+    })
+    .await
+}
+
 /// Every route.
 pub fn router(app: Arc<App>) -> Router {
     Router::new()
@@ -280,5 +322,8 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/incoming", post(incoming))
         .route("/migrations", post(migrations))
         .route("/evacuations", post(evacuations))
+        .route("/memserver/regions", get(mem_regions))
+        .route("/memserver/drop", post(mem_drop))
+        .route("/gc", post(gc))
         .with_state(app)
 }

@@ -13,6 +13,7 @@
 //! max_conns = 512
 //! io_timeout_secs = 30
 //! handshake_timeout_secs = 5
+//! gc_grace_secs = 600        # free regions no live guest or client owns after this idle time (0: never)
 //!
 //! [guests]                   # the guest host service (off unless memory is set)
 //! memory = "8GiB"            # sum of guest budgets this host accepts
@@ -154,6 +155,8 @@ pub struct MemserverSection {
     pub io_timeout_secs: Option<u64>,
     /// Drop a connection not authenticated after this long, seconds.
     pub handshake_timeout_secs: Option<u64>,
+    /// Collect orphaned regions idle this long, seconds (0: never).
+    pub gc_grace_secs: Option<u64>,
 }
 
 /// What the command line said (None = not given).
@@ -203,6 +206,8 @@ pub struct Flags {
     pub vm_images: Option<Vec<PathBuf>>,
     /// Sharing-aware migration's content index (Some(false): off).
     pub dedup: Option<bool>,
+    /// Collect orphaned regions idle this long, seconds (0: never).
+    pub gc_grace_secs: Option<u64>,
 }
 
 /// The daemon's effective settings.
@@ -246,6 +251,9 @@ pub struct Settings {
     pub vm_images: Vec<PathBuf>,
     /// Keep a content index of the guests' memory (sharing-aware migration).
     pub dedup: bool,
+    /// Free regions on this host's memory server that no live guest or
+    /// connected client owns once idle this long (None: never).
+    pub gc_grace: Option<Duration>,
 }
 
 impl FileConfig {
@@ -354,6 +362,7 @@ pub fn merge(file: FileConfig, flags: Flags) -> Result<Settings> {
         .or(g.vm_images.clone())
         .unwrap_or_default();
     let dedup = flags.dedup.or(g.dedup).unwrap_or(true);
+    let gc = flags.gc_grace_secs.or(m.gc_grace_secs).unwrap_or(600);
     Ok(Settings {
         lend,
         listen: flags
@@ -383,6 +392,7 @@ pub fn merge(file: FileConfig, flags: Flags) -> Result<Settings> {
         ioqos,
         vm_images,
         dedup,
+        gc_grace: (gc > 0).then(|| Duration::from_secs(gc)),
     })
 }
 

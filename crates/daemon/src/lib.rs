@@ -6,6 +6,7 @@ pub mod api;
 pub mod config;
 pub mod dedup;
 pub mod error;
+pub mod gc;
 pub mod guests;
 pub mod http;
 pub mod orchestrate;

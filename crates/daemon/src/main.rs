@@ -102,6 +102,13 @@ struct Args {
     /// content is already here (`GET /host` shows the index).
     #[arg(long)]
     no_dedup: bool,
+    /// Free regions on this host's memory server that no guest in the
+    /// registry and no connected client owns, once idle this many seconds
+    /// (default 600; 0: never). Checked every minute; nothing is freed
+    /// while any host of the registry cannot be asked. `pagefleet gc`
+    /// collects on demand.
+    #[arg(long)]
+    gc_grace: Option<u64>,
     /// The other hosts' pagefleetd HTTP addresses (registry), comma-separated.
     #[arg(long, value_delimiter = ',')]
     peers: Option<Vec<String>>,
@@ -173,6 +180,7 @@ fn run() -> Result<()> {
             ioqos_policy: args.ioqos_policy,
             vm_images: args.vm_images,
             dedup: args.no_dedup.then_some(false),
+            gc_grace_secs: args.gc_grace,
         },
     )?;
     tracing_subscriber::fmt()

@@ -15,7 +15,41 @@ use pagefleet_memserver::ServerConfig;
 use pagefleet_proto::auth::Secret;
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
+
+/// Collect this host's orphaned regions every minute (`--gc-grace`).
+fn collect_loop(app: &App, grace: std::time::Duration, stop: &AtomicBool) {
+    let req = pagefleet_api::GcRequest {
+        grace_secs: grace.as_secs_f64(),
+        dry_run: false,
+    };
+    let mut waited = 0;
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        waited += 1;
+        if waited < 120 {
+            continue;
+        }
+        waited = 0;
+        let Some((st, addr)) = &app.memserver else {
+            return;
+        };
+        // Nothing stored: no need to ask the registry.
+        if st.store.stored_pages() == 0 {
+            continue;
+        }
+        match crate::gc::collect(st, addr, &app.view(), &req) {
+            Ok(r) if !r.freed.is_empty() => tracing::info!(
+                "gc: freed {} pages of {} orphaned regions",
+                r.pages_freed,
+                r.freed.len()
+            ),
+            Ok(_) => {}
+            Err(e) => tracing::debug!("gc skipped: {e}"),
+        }
+    }
+}
 
 /// Start every service `a` asks for and serve until SIGINT or SIGTERM.
 pub fn run(a: Settings) -> Result<()> {
@@ -205,7 +239,14 @@ pub fn run(a: Settings) -> Result<()> {
                 metrics: Box::new(metrics_text),
                 peers: a.peers.clone(),
                 client: Client::new(secret.clone()),
+                memserver: ms.as_ref().map(|m| (m.state.clone(), m.addr.to_string())),
             });
+            if let (Some(grace), Some(_)) = (a.gc_grace, &ms) {
+                let app = app.clone();
+                std::thread::Builder::new()
+                    .name("gc".into())
+                    .spawn(move || collect_loop(&app, grace, stop))?;
+            }
             let gate = Gate {
                 verifier: Verifier::new(secret.clone()),
                 public_metrics: a.public_metrics,

@@ -15,4 +15,4 @@ pub mod store;
 
 pub use content::LocalContent;
 pub use server::{ServerConfig, ServerState};
-pub use store::{Store, StoreError};
+pub use store::{RegionInfo, Store, StoreError};

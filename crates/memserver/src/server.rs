@@ -360,6 +360,15 @@ pub struct Session<'a, T: Transport> {
     since_flush: usize,
     /// When the frame being read must be complete.
     frame_deadline: Option<Instant>,
+    /// Regions this session stored or read (attached in the store while
+    /// it lives: a live client's region is never collected as orphaned).
+    touched: std::collections::HashSet<u64>,
+}
+
+impl<T: Transport> Drop for Session<'_, T> {
+    fn drop(&mut self) {
+        self.st.store.detach(self.touched.drain());
+    }
 }
 
 impl<'a, T: Transport> Session<'a, T> {
@@ -380,6 +389,7 @@ impl<'a, T: Transport> Session<'a, T> {
             client: String::new(),
             since_flush: 0,
             frame_deadline: None,
+            touched: std::collections::HashSet::new(),
         }
     }
 
@@ -593,6 +603,13 @@ impl<'a, T: Transport> Session<'a, T> {
         }
     }
 
+    /// This session uses `region` (attached once).
+    fn touch(&mut self, region: u64) {
+        if self.touched.insert(region) {
+            self.st.store.attach(region);
+        }
+    }
+
     fn store_error(&mut self, e: StoreError, id: u64) {
         let w = match e {
             StoreError::OutOfCapacity { free, .. } => {
@@ -651,6 +668,7 @@ impl<'a, T: Transport> Session<'a, T> {
                 return Ok(Flow::Continue);
             }
         };
+        self.touch(prefix.region);
         let store = &self.st.store;
         let plan = match store.begin_put(prefix.region, &sel) {
             Ok(p) => p,
@@ -695,7 +713,7 @@ impl<'a, T: Transport> Session<'a, T> {
             store.abort_put(plan);
             return Err(e);
         }
-        match store.commit_put(plan, &sel, &self.staging) {
+        match store.commit_put(plan, &sel, &self.staging, &self.client) {
             Ok((stored, new_pages)) => {
                 self.st.metrics.pages_put.fetch_add(stored as u64, Relaxed);
                 let ok = PutOk { stored, new_pages };
@@ -738,6 +756,7 @@ impl<'a, T: Transport> Session<'a, T> {
         };
         let take = req.prefix.flags & flags::TAKE != 0;
         let allow_missing = req.prefix.flags & flags::ALLOW_MISSING != 0;
+        self.touch(req.prefix.region);
         let store = &self.st.store;
         let plan = match store.begin_get(req.prefix.region, &req.sel, take, allow_missing) {
             Ok(p) => p,
@@ -846,6 +865,7 @@ impl<'a, T: Transport> Session<'a, T> {
             return Ok(Flow::Continue);
         };
         let n = req.entries.len();
+        self.touch(req.region);
         if self.staging.len() < n * PAGE_SIZE {
             self.staging.resize(MAX_BATCH_PAGES * PAGE_SIZE, 0);
         }
@@ -863,7 +883,7 @@ impl<'a, T: Transport> Session<'a, T> {
         self.st.metrics.pages_hashed.fetch_add(n as u64, Relaxed);
         if !pages.is_empty() {
             let stored = pages.len() as u64;
-            if let Err(e) = store.put_copy(req.region, &PageSel::List(pages), &data) {
+            if let Err(e) = store.put_copy(req.region, &PageSel::List(pages), &data, &self.client) {
                 self.store_error(e, h.id);
                 return Ok(Flow::Continue);
             }

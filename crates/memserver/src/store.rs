@@ -15,6 +15,7 @@ use pagefleet_proto::{PageSel, StatOk, PAGE_SIZE};
 use std::collections::{BTreeMap, HashMap};
 use std::ptr::NonNull;
 use std::sync::Mutex;
+use std::time::Instant;
 
 const LEAF_SHIFT: u32 = 9;
 const LEAF_PAGES: usize = 1 << LEAF_SHIFT;
@@ -313,6 +314,11 @@ struct Region {
     pages: u64,
     bytes_in: u64,
     bytes_out: u64,
+    /// The client that first stored a page of it (its HELLO name).
+    owner: String,
+    created: Option<Instant>,
+    /// Its last PUT or GET.
+    used: Option<Instant>,
 }
 
 impl Region {
@@ -365,6 +371,9 @@ struct Inner {
     stored: u64,
     /// Per-slot pin count; the top bit marks a slot freed while pinned.
     pins: Vec<u32>,
+    /// Per region, the connected sessions that stored or read it: a
+    /// region in use by a live client is never an orphan.
+    sessions: HashMap<u64, u32>,
 }
 
 impl Inner {
@@ -454,6 +463,27 @@ pub struct StoreStats {
     pub truncated: bool,
 }
 
+/// One region as `Store::regions_info` lists it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RegionInfo {
+    /// Its id.
+    pub region: u64,
+    /// Pages stored.
+    pub pages: u64,
+    /// Page bytes received.
+    pub bytes_in: u64,
+    /// Page bytes sent.
+    pub bytes_out: u64,
+    /// The client that created it (its HELLO name).
+    pub owner: String,
+    /// Seconds since its first page was stored.
+    pub age_secs: f64,
+    /// Seconds since its last PUT or GET.
+    pub idle_secs: f64,
+    /// Connected sessions that used it.
+    pub sessions: u32,
+}
+
 /// The page store: one pool of exactly its capacity, indexed by (region, page).
 pub struct Store {
     pool: Pool,
@@ -479,6 +509,7 @@ impl Store {
             capacity: pages,
             inner: Mutex::new(Inner {
                 regions: HashMap::new(),
+                sessions: HashMap::new(),
                 free: Vec::new(),
                 next_fresh: 0,
                 stored: 0,
@@ -561,17 +592,25 @@ impl Store {
 
     /// Publish a PUT whose data has arrived. `staging` holds page i at
     /// `i * PAGE_SIZE` for every `Overwrite` target. Returns (stored, new).
+    /// `who` (the client's name) becomes the owner of a region it creates.
     pub fn commit_put(
         &self,
         plan: PutPlan,
         sel: &PageSel,
         staging: &[u8],
+        who: &str,
     ) -> Result<(u32, u32), StoreError> {
+        let now = Instant::now();
         let mut g = self.lock();
         let g = &mut *g;
         let mut new_pages = 0u32;
         let mut failed = None;
         let mut reg = g.regions.remove(&plan.region).unwrap_or_default();
+        if reg.created.is_none() {
+            reg.created = Some(now);
+            reg.owner = who.to_string();
+        }
+        reg.used = Some(now);
         for (i, t) in plan.targets.iter().enumerate() {
             let page = sel.page(i);
             match *t {
@@ -686,6 +725,7 @@ impl Store {
             slots.push(s);
         }
         reg.bytes_out += sent * PAGE_SIZE as u64;
+        reg.used = Some(Instant::now());
         if take {
             g.stored -= sent;
             if reg.pages == 0 {
@@ -775,6 +815,7 @@ impl Store {
         region: u64,
         sel: &PageSel,
         data: &[u8],
+        who: &str,
     ) -> Result<(u32, u32), StoreError> {
         assert_eq!(
             data.len(),
@@ -789,7 +830,70 @@ impl Store {
                     .copy_from_slice(&data[i * PAGE_SIZE..(i + 1) * PAGE_SIZE]);
             }
         }
-        self.commit_put(plan, sel, data)
+        self.commit_put(plan, sel, data, who)
+    }
+
+    /// A session started using `region`.
+    pub fn attach(&self, region: u64) {
+        *self.lock().sessions.entry(region).or_default() += 1;
+    }
+
+    /// A session that used `regions` ended.
+    pub fn detach(&self, regions: impl IntoIterator<Item = u64>) {
+        let mut g = self.lock();
+        for r in regions {
+            if let Some(n) = g.sessions.get_mut(&r) {
+                *n -= 1;
+                if *n == 0 {
+                    g.sessions.remove(&r);
+                }
+            }
+        }
+    }
+
+    /// Delete `region` if no connected session uses it and it has been
+    /// idle at least `min_idle`; the pages freed, None if it was kept.
+    pub fn delete_orphan(&self, region: u64, min_idle: std::time::Duration) -> Option<u64> {
+        let mut g = self.lock();
+        let g = &mut *g;
+        if g.sessions.contains_key(&region) {
+            return None;
+        }
+        let reg = g.regions.get(&region)?;
+        if reg.used.is_some_and(|u| u.elapsed() < min_idle) {
+            return None;
+        }
+        let reg = g.regions.remove(&region)?;
+        let slots: Vec<u32> = reg.leaves.values().flat_map(|l| l.slots()).collect();
+        let n = slots.len() as u64;
+        for s in slots {
+            g.free_slot(s);
+        }
+        g.stored -= n;
+        Some(n)
+    }
+
+    /// Every region stored here: pages, owner, age, use.
+    pub fn regions_info(&self) -> Vec<RegionInfo> {
+        let g = self.lock();
+        let now = Instant::now();
+        let secs = |t: Option<Instant>| t.map_or(0.0, |t| (now - t).as_secs_f64());
+        let mut v: Vec<RegionInfo> = g
+            .regions
+            .iter()
+            .map(|(id, r)| RegionInfo {
+                region: *id,
+                pages: r.pages,
+                bytes_in: r.bytes_in,
+                bytes_out: r.bytes_out,
+                owner: r.owner.clone(),
+                age_secs: secs(r.created),
+                idle_secs: secs(r.used),
+                sessions: g.sessions.get(id).copied().unwrap_or(0),
+            })
+            .collect();
+        v.sort_by_key(|r| r.region);
+        v
     }
 
     /// Slots ever handed out: every stored page's slot is below this.
@@ -903,7 +1007,7 @@ mod tests {
                 PutTarget::Overwrite => staging[i * PAGE_SIZE..(i + 1) * PAGE_SIZE].fill(v),
             }
         }
-        st.commit_put(plan, sel, &staging)
+        st.commit_put(plan, sel, &staging, "test")
     }
 
     fn get(st: &Store, region: u64, sel: &PageSel, take: bool) -> Result<Vec<u8>, StoreError> {
@@ -923,7 +1027,7 @@ mod tests {
         let st = Store::new(16 * PAGE_SIZE as u64).unwrap();
         let data: Vec<u8> = (0..4).flat_map(|i| [i as u8 + 1; PAGE_SIZE]).collect();
         let sel = PageSel::List(vec![5, 6, 7, 8]);
-        assert_eq!(st.put_copy(3, &sel, &data).unwrap(), (4, 4));
+        assert_eq!(st.put_copy(3, &sel, &data, "test").unwrap(), (4, 4));
         assert_eq!(st.touched_slots(), 4);
         let mut buf = vec![0u8; 6 * PAGE_SIZE];
         let held = st.copy_published(0, 6, &mut buf);

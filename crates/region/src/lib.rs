@@ -302,6 +302,8 @@ pub enum Location {
 pub(crate) struct Shared {
     pub budget: AtomicU64,
     pub stop: AtomicBool,
+    /// The pager (and its writer, its page-outs done) has ended.
+    pub exited: AtomicBool,
     pub stats: stats::Counters,
     pub fatal: Mutex<Option<String>>,
     /// Kernel thread id of the pager (for CPU pinning in benchmarks).
@@ -416,6 +418,7 @@ impl Region {
         let shared = Arc::new(Shared {
             budget: AtomicU64::new(cfg.budget_pages),
             stop: AtomicBool::new(false),
+            exited: AtomicBool::new(false),
             stats: stats::Counters::default(),
             fatal: Mutex::new(None),
             pager_tid: std::sync::atomic::AtomicI32::new(0),
@@ -440,9 +443,13 @@ impl Region {
             rx,
             doorbell.clone(),
         )?;
+        let sh = shared.clone();
         let handle = std::thread::Builder::new()
             .name("pagefleet-pager".into())
-            .spawn(move || p.run())
+            .spawn(move || {
+                p.run();
+                sh.exited.store(true, Ordering::Relaxed);
+            })
             .map_err(|source| RegionError::Io {
                 what: "spawn pager thread",
                 source,
@@ -622,6 +629,22 @@ impl Region {
         let r = self.delete_remote();
         self.secret = None;
         r
+    }
+
+    /// The guest is ending (stopped, or the process is ending on a signal
+    /// while guest threads may still run): stop serving faults (a thread
+    /// faulting from now on waits until the process exits), let the
+    /// page-outs in flight finish, then delete the region's pages on every
+    /// server, so none is stored again after the delete.
+    pub fn abandon(&self) -> Result<(), RegionError> {
+        self.shared.stop.store(true, Ordering::Relaxed);
+        let t = std::time::Instant::now();
+        while !self.shared.exited.load(Ordering::Relaxed)
+            && t.elapsed() < std::time::Duration::from_secs(5)
+        {
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        self.delete_remote()
     }
 
     /// Delete the region's pages on every server (the guest is ending: the

@@ -39,6 +39,8 @@ pub struct Running {
     service: Option<Service>,
     started: Instant,
     migrating: AtomicBool,
+    /// A migration succeeded: the destination owns the pages now.
+    migrated: AtomicBool,
     cancel: AtomicBool,
     progress: source::Progress,
     secret: Secret,
@@ -162,6 +164,7 @@ impl Running {
             service,
             started: Instant::now(),
             migrating: AtomicBool::new(false),
+            migrated: AtomicBool::new(false),
             cancel: AtomicBool::new(false),
             progress: source::Progress::default(),
             secret,
@@ -292,6 +295,7 @@ impl Running {
                     // Its device state runs on the destination now.
                     v.retire();
                 }
+                self.migrated.store(true, Relaxed);
                 let _ = line(&mut w, &ProgressEvent::Report(Box::new(rep)));
                 let _ = w.flush();
                 Ok(true)
@@ -364,14 +368,9 @@ impl Running {
                 )
             }
             ControlRequest::Stop => {
-                source::Guest::release_address(self);
-                // The guest ends: its pages on the servers go too (before
-                // the reply, so the caller sees them gone).
-                // Stopped first (a VM's vCPUs too), so nothing faults on
-                // pages being deleted.
-                source::Guest::pause(self, Duration::from_secs(5));
-                let r = match self.region.delete_remote() {
-                    Ok(()) => line(&mut c, &pagefleet_api::Ok::default()),
+                // Before the reply, so the caller sees the pages gone.
+                let r = match self.end() {
+                    Ok(_) => line(&mut c, &pagefleet_api::Ok::default()),
                     Err(e) => line(&mut c, &err(format!("pages on memory servers: {e}"))),
                 };
                 let _ = r;
@@ -383,6 +382,56 @@ impl Running {
         }
         None
     }
+}
+
+impl Running {
+    /// The guest ends here (a stop request, SIGINT or SIGTERM): a
+    /// migration in flight is cancelled (and rolls back), the guest is
+    /// paused (a VM's vCPUs too, so nothing faults on pages being deleted)
+    /// and its pages on the memory servers are deleted. A migration already
+    /// past its point of no return finishes instead: the guest then runs
+    /// at the destination, which owns the pages (MigratedAway).
+    pub fn end(&self) -> Result<Exit, pagefleet_region::RegionError> {
+        self.cancel.store(true, Relaxed);
+        let t = Instant::now();
+        while self.migrating.load(Relaxed)
+            && !self.migrated.load(Relaxed)
+            && t.elapsed() < Duration::from_secs(120)
+        {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        if self.migrated.load(Relaxed) {
+            return Ok(Exit::MigratedAway);
+        }
+        source::Guest::release_address(self);
+        source::Guest::pause(self, Duration::from_secs(5));
+        // The pager stops first: a page-out still in flight must not store
+        // a page again after the region was deleted.
+        self.region.abandon().map(|_| Exit::Stopped)
+    }
+}
+
+/// What SIGINT / SIGTERM do once a guest runs here.
+static ON_SIGNAL: std::sync::OnceLock<Box<dyn Fn() + Send + Sync>> = std::sync::OnceLock::new();
+
+/// Wait for SIGINT / SIGTERM (blocked in every other thread) on a thread
+/// of its own. Before a guest runs here the runner just exits: nothing is
+/// its yet (an incoming migration's source rolls back when the stream
+/// ends). Once one runs ([`serve`]), the guest ends as a stop request
+/// ends it: its pages on the memory servers are deleted.
+pub fn watch_signals() {
+    let _ = std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(|| {
+            pagefleet_common::signal::TermSignals::current().wait();
+            match ON_SIGNAL.get() {
+                Some(end) => end(),
+                None => {
+                    tracing::info!("stopping on a signal before any guest ran here");
+                    std::process::exit(143);
+                }
+            }
+        });
 }
 
 /// Serve the control socket until a request ends the runner.
@@ -400,6 +449,7 @@ pub fn serve(path: &Path, r: Arc<Running>) -> Result<Exit, RunnerError> {
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
         .map_err(|e| RunnerError::io(format!("cannot restrict {}", path.display()), e))?;
     let (tx, rx) = std::sync::mpsc::channel::<Exit>();
+    let (r2, tx2) = (r.clone(), tx.clone());
     let accept = move |tx: Sender<Exit>| {
         for c in l.incoming() {
             let Ok(c) = c else { continue };
@@ -411,6 +461,19 @@ pub fn serve(path: &Path, r: Arc<Running>) -> Result<Exit, RunnerError> {
             });
         }
     };
+    // SIGINT / SIGTERM end the guest as a stop request does: nothing is
+    // left on the memory servers.
+    let _ = ON_SIGNAL.set(Box::new(move || {
+        tracing::info!("{}: stopping on a signal", r2.name);
+        let exit = match r2.end() {
+            Ok(exit) => exit,
+            Err(e) => {
+                tracing::warn!("{}: pages on memory servers: {e}", r2.name);
+                Exit::Stopped
+            }
+        };
+        let _ = tx2.send(exit);
+    }));
     std::thread::Builder::new()
         .name("control".into())
         .spawn(move || accept(tx))

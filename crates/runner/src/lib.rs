@@ -77,6 +77,10 @@ pub enum Exit {
 
 /// Read the [`Launch`] message from `input` and run it.
 pub fn launch(input: impl std::io::Read, expect: &str) -> Result<Exit, RunnerError> {
+    // Before any thread starts (they inherit the mask): SIGINT and SIGTERM
+    // end the guest through the control loop, which frees its pages.
+    let _ = pagefleet_common::signal::TermSignals::block();
+    control::watch_signals();
     let mut text = String::new();
     std::io::BufRead::read_line(&mut std::io::BufReader::new(input.take(1 << 20)), &mut text)
         .map_err(|e| RunnerError::io("reading the launch message", e))?;

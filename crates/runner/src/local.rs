@@ -174,7 +174,10 @@ fn run_vm(a: &LocalRun, spec: &pagefleet_vm::VmSpec) -> Result<serde_json::Value
         if let Some(st) = g.vm.exited() {
             break Some(st.to_string());
         }
-        if w.done || (a.duration > 0 && start.elapsed() >= Duration::from_secs(a.duration)) {
+        if w.done
+            || INTERRUPTED.load(Ordering::Relaxed)
+            || (a.duration > 0 && start.elapsed() >= Duration::from_secs(a.duration))
+        {
             break None;
         }
     };
@@ -250,12 +253,67 @@ fn progress(m: &Memory, sec: usize, rate: f64, last_ins: &mut u64) {
     }
 }
 
+/// SIGINT / SIGTERM asked the run to end.
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+/// The run has returned (its region dropped: its pages deleted).
+static RETURNED: AtomicBool = AtomicBool::new(false);
+/// The run's region, for the signal thread (weak: the run's own drop
+/// deletes its pages when it returns).
+static REGION: std::sync::OnceLock<std::sync::Weak<Region>> = std::sync::OnceLock::new();
+
+/// Nothing is left on the memory servers when the run is interrupted:
+/// kv and VM runs end at their next second and report as usual; a run
+/// that cannot stop midway (synthetic, sort) is abandoned after 3 s — its
+/// faults no longer served, its pages deleted — and the process exits 130.
+fn watch_signals() {
+    let signals = pagefleet_common::signal::TermSignals::block();
+    let _ = std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || {
+            signals.wait();
+            INTERRUPTED.store(true, Ordering::Relaxed);
+            eprintln!("interrupted: ending the run");
+            let t = Instant::now();
+            while t.elapsed() < Duration::from_secs(3) {
+                if RETURNED.load(Ordering::Relaxed) {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            if let Some(r) = REGION.get().and_then(|w| w.upgrade()) {
+                match r.abandon() {
+                    Ok(()) => eprintln!("interrupted: its pages on the memory servers are deleted"),
+                    Err(e) => {
+                        eprintln!("interrupted: deleting its pages on the memory servers: {e}")
+                    }
+                }
+            }
+            std::process::exit(130);
+        });
+}
+
 /// Run `w` once; its outcome as JSON (the region's counters included).
+/// SIGINT / SIGTERM end it early without leaving pages on the memory servers.
 pub fn run(a: &LocalRun, w: &Workload) -> Result<serde_json::Value, RunnerError> {
+    watch_signals();
+    struct Returned;
+    impl Drop for Returned {
+        fn drop(&mut self) {
+            RETURNED.store(true, Ordering::Relaxed);
+        }
+    }
+    let _returned = Returned;
+    run_workload(a, w)
+}
+
+fn run_workload(a: &LocalRun, w: &Workload) -> Result<serde_json::Value, RunnerError> {
     if let Workload::Vm(spec) = w {
         return run_vm(a, spec);
     }
     let m = open_memory(a)?;
+    if let Some(r) = &m.region {
+        let _ = REGION.set(Arc::downgrade(r));
+    }
     let mem = m.mem();
     let mut last_ins = 0;
     let out = match w {
@@ -324,7 +382,9 @@ pub fn run(a: &LocalRun, w: &Workload) -> Result<serde_json::Value, RunnerError>
             let mut last = 0;
             let mut per_second = Vec::new();
             let mut sec = 0;
-            while a.duration == 0 || start.elapsed() < Duration::from_secs(a.duration) {
+            while (a.duration == 0 || start.elapsed() < Duration::from_secs(a.duration))
+                && !INTERRUPTED.load(Ordering::Relaxed)
+            {
                 std::thread::sleep(
                     Duration::from_millis(1000)
                         .saturating_sub(start.elapsed() - Duration::from_secs(sec)),

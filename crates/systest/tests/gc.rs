@@ -1,0 +1,265 @@
+//! No page left behind (issue 20, item 2): a runner ended by SIGTERM or
+//! SIGINT deletes its pages on the memory servers; the pages of one killed
+//! with SIGKILL stay, are listed as nobody's, and `pagefleet gc` frees
+//! exactly those — never a live guest's.
+
+use pagefleet_systest::*;
+use pagefleet_testbed::Link;
+use serde_json::Value;
+use std::time::{Duration, Instant};
+
+const MIB: u64 = 1 << 20;
+
+/// h2's regions as `pagefleet memserver regions --on h2 --json` lists them.
+fn regions(l: &LabRun) -> Vec<Value> {
+    let (ok, out, err) = l.pf(0, &["memserver", "regions", "--on", "h2", "--json"]);
+    assert!(ok, "memserver regions: {err}");
+    let v: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    v[0]["regions"].as_array().cloned().unwrap_or_default()
+}
+
+fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < Duration::from_secs(secs), "timed out: {what}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Start a guest on h1 whose memory is mostly on h2; its region id.
+fn start_paging(l: &LabRun, name: &str) -> String {
+    let server = l.lab.hosts[1].addr.clone();
+    let (ok, _, err) = l.pf(
+        0,
+        &[
+            "guest",
+            "start",
+            name,
+            "--on",
+            "h1",
+            "--size",
+            "64MiB",
+            "--budget",
+            "16MiB",
+            "--",
+            "synthetic",
+            "--servers",
+            &server,
+            "--prefill",
+            "--rate",
+            "0",
+        ],
+    );
+    assert!(ok, "guest start {name}: {err}");
+    let mut id = String::new();
+    wait_for(&format!("{name}'s pages on h2"), 120, || {
+        match l.guest(name) {
+            Some((_, g)) if g.remote_pages > 8000 => {
+                id = g.region_id.clone();
+                true
+            }
+            _ => false,
+        }
+    });
+    id
+}
+
+/// Store `n` 4000-byte items in the memcached-protocol server at `addr`.
+fn store_items(addr: &str, n: usize) {
+    use std::io::{BufRead, BufReader, Write};
+    let t = Instant::now();
+    let s = loop {
+        match std::net::TcpStream::connect(addr) {
+            Ok(s) => break s,
+            Err(e) => {
+                assert!(
+                    t.elapsed() < Duration::from_secs(30),
+                    "kv never listened: {e}"
+                );
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    };
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let s2 = s.try_clone().unwrap();
+    let mut w = s.try_clone().unwrap();
+    let mut r = BufReader::new(s);
+    s2.set_nodelay(true).unwrap();
+    let value = vec![b'v'; 4000];
+    let mut line = String::new();
+    let mut req = Vec::new();
+    for i in 0..n {
+        // One write per request: no Nagle wait for a delayed ACK.
+        req.clear();
+        write!(req, "set k{i} 0 0 {}\r\n", value.len()).unwrap();
+        req.extend_from_slice(&value);
+        req.extend_from_slice(b"\r\n");
+        w.write_all(&req).unwrap();
+        line.clear();
+        r.read_line(&mut line).unwrap();
+        assert_eq!(line, "STORED\r\n", "item {i}");
+    }
+}
+
+fn region<'a>(rs: &'a [Value], id: &str) -> Option<&'a Value> {
+    rs.iter().find(|r| r["region"] == id)
+}
+
+#[test]
+fn no_page_is_left_behind_by_a_stopped_signalled_or_killed_runner() {
+    if !is_root() {
+        eprintln!("skipped: the testbed needs root (CI runs as root)");
+        return;
+    }
+    let l = lab("gc", 2, Link::Gbit10, 256 * MIB, &[256 * MIB, 0]);
+
+    // SIGTERM: the runner ends its guest and deletes its pages.
+    let g1 = start_paging(&l, "g1");
+    let rs = regions(&l);
+    let r = region(&rs, &g1).expect("g1's region on h2");
+    assert_eq!(r["guest_live"], true, "{r}");
+    assert!(
+        r["sessions"].as_u64().unwrap() >= 1,
+        "g1's pager is connected: {r}"
+    );
+    assert!(
+        r["owner"].as_str().unwrap().contains("g1"),
+        "the owner names the guest: {r}"
+    );
+    assert!(signal_in(&l, 0, "--name=g1", libc::SIGTERM), "no runner g1");
+    wait_for("g1 to end", 30, || l.guest("g1").is_none());
+    wait_for("g1's pages to go", 30, || {
+        region(&regions(&l), &g1).is_none()
+    });
+
+    // SIGKILL: nothing runs to delete them; gc does, and only them.
+    let g2 = start_paging(&l, "g2");
+    let g3 = start_paging(&l, "g3");
+    assert!(kill_in(&l, 0, "--name=g2"), "no runner g2");
+    wait_for("g2 to be gone", 30, || l.guest("g2").is_none());
+    wait_for("g2's connections to close", 30, || {
+        region(&regions(&l), &g2).is_some_and(|r| r["sessions"] == 0)
+    });
+    let rs = regions(&l);
+    let orphan = region(&rs, &g2).expect("g2's pages stay after SIGKILL");
+    assert_eq!(orphan["guest_live"], false, "{orphan}");
+    let pages = orphan["pages"].as_u64().unwrap();
+    let live_pages = region(&rs, &g3).unwrap()["pages"].as_u64().unwrap();
+
+    // A live guest's region cannot be dropped by hand.
+    let (ok, _, err) = l.pf(0, &["memserver", "drop", &g3, "--on", "h2"]);
+    assert!(!ok && err.contains("running guest"), "{err}");
+
+    // Within the grace period nothing goes; a dry run frees nothing.
+    let gc = |args: &[&str]| -> Value {
+        let mut a = vec!["gc", "--json"];
+        a.extend_from_slice(args);
+        let (ok, out, err) = l.pf(0, &a);
+        assert!(ok, "gc: {err}");
+        let v: Value = serde_json::from_str(&out).unwrap();
+        // Every lending host reports; h2 holds the pages.
+        let h2 = l.lab.hosts[1].addr.as_str();
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x["report"].clone())
+            .find(|r| r["server"] == h2)
+            .unwrap_or_else(|| panic!("no report from h2: {v}"))
+    };
+    let r = gc(&["--grace", "3600"]);
+    assert_eq!(r["pages_freed"], 0, "{r}");
+    let r = gc(&["--grace", "0", "--dry-run"]);
+    assert_eq!(r["pages_freed"], pages, "{r}");
+    assert!(
+        region(&regions(&l), &g2).is_some(),
+        "a dry run frees nothing"
+    );
+    let r = gc(&["--grace", "0"]);
+    assert_eq!(r["freed"].as_array().unwrap().len(), 1, "{r}");
+    assert_eq!(r["freed"][0]["region"], g2.as_str(), "{r}");
+    assert_eq!(r["pages_freed"], pages, "{r}");
+    let rs = regions(&l);
+    assert!(region(&rs, &g2).is_none(), "g2's pages are freed");
+    // (g3 may still be paging out the end of its prefill.)
+    assert!(
+        region(&rs, &g3).unwrap()["pages"].as_u64().unwrap() >= live_pages,
+        "g3's pages are untouched: {rs:?}"
+    );
+    let (ok, _, err) = l.pf(0, &["guest", "stop", "g3"]);
+    assert!(ok, "g3 still runs and stops cleanly: {err}");
+    wait_for("g3's pages to go", 30, || regions(&l).is_empty());
+}
+
+#[test]
+fn an_interrupted_local_run_deletes_its_pages() {
+    if !is_root() {
+        eprintln!("skipped: the testbed needs root (CI runs as root)");
+        return;
+    }
+    let l = lab("gcrun", 2, Link::Gbit10, 256 * MIB, &[256 * MIB, 0]);
+    let server = l.lab.hosts[1].addr.clone();
+    let secret = l.lab.secret_file.to_string_lossy().into_owned();
+    // kv serving until killed (the case that used to ignore both signals),
+    // and a synthetic run that cannot stop between two accesses.
+    for (workload, sig) in [("kv", libc::SIGINT), ("synthetic", libc::SIGTERM)] {
+        let mut cmd = l.lab.exec(0, bin("pagefleet"));
+        cmd.args([
+            "run",
+            workload,
+            "--size",
+            "64MiB",
+            "--budget",
+            "16MiB",
+            "--servers",
+            &server,
+            "--secret-file",
+            &secret,
+        ]);
+        if workload == "kv" {
+            cmd.args(["--listen", "127.0.0.1:11311", "--duration", "0"]);
+        } else {
+            cmd.args(["--prefill", "--rate", "0", "--duration", "120"]);
+        }
+        let mut child = cmd
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let t = Instant::now();
+        if workload == "kv" {
+            // 30 MiB of items: most of them page out to h2.
+            l.lab
+                .spawn_in(0, || store_items("127.0.0.1:11311", 7500))
+                .join()
+                .unwrap()
+                .unwrap();
+        }
+        wait_for(&format!("{workload}'s pages on h2"), 60, || {
+            regions(&l)
+                .iter()
+                .any(|r| r["pages"].as_u64().unwrap_or(0) > 1000)
+        });
+        eprintln!(
+            "{workload}: pages on h2 after {:.1} s",
+            t.elapsed().as_secs_f64()
+        );
+        // SAFETY: kill has no memory preconditions.
+        unsafe { libc::kill(child.id() as i32, sig) };
+        let t = Instant::now();
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(20),
+                "pagefleet run {workload} ignored signal {sig}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        eprintln!("pagefleet run {workload}: {status} after signal {sig}");
+        assert!(
+            regions(&l).is_empty(),
+            "pagefleet run {workload} left pages on h2 after signal {sig}"
+        );
+    }
+}
