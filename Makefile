@@ -13,7 +13,8 @@ CARGO ?= cargo
 # Packages are installed without starting their services (policy-rc.d):
 # a ksmtuned daemon would fight the KSM tests over /sys/kernel/mm/ksm.
 APT_PKGS := build-essential pkg-config python3 python3-venv memcached libmemcached-tools iproute2 util-linux \
-            qemu-utils libnbd-bin python3-libnbd nbdkit fio qemu-system-x86 cpio ksmtuned
+            qemu-utils libnbd-bin python3-libnbd nbdkit fio qemu-system-x86 cpio ksmtuned \
+            etcd-server etcd-client protobuf-compiler libprotobuf-dev
 VENV := .venv
 FUZZ_SECONDS ?= 30
 

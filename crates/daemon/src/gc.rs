@@ -64,6 +64,19 @@ pub fn collect(
             req.grace_secs
         ));
     }
+    // A guest whose region id is not known (starting, waiting for its
+    // migration, or its runner slow to answer) could own any region.
+    if let Some(g) = view
+        .hosts
+        .iter()
+        .flat_map(|h| &h.guests)
+        .find(|g| parse_region(&g.region_id).is_err())
+    {
+        return Err(format!(
+            "guest {} has no known region yet ({:?}): nothing is collected until it has",
+            g.name, g.state
+        ));
+    }
     let live: HashSet<u64> = view
         .hosts
         .iter()

@@ -303,8 +303,10 @@ fn raw_hello(s: &mut TcpStream, w: &Welcome, secret: &Secret) {
 
 /// The index stays small for sparse patterns too: one page per 512-page
 /// leaf, and one page per region, filled to capacity, keep the daemon's RSS
-/// within the lent memory + a few percent (measured: 2.4% and 5.4%; the
-/// dense fill costs 0.4%).
+/// within the lent memory + a few percent (measured: 2.4% and 6.2%; the
+/// dense fill costs 0.4%). A region costs its page array plus 12 bytes of
+/// ownership (owner, created, last used: what `pagefleet gc` decides on),
+/// so the page-per-region fill is allowed 7%.
 #[test]
 fn sparse_fills_stay_within_the_lent_memory() {
     const LEND_PAGES: u64 = 16384; // 64 MiB
@@ -330,7 +332,12 @@ fn sparse_fills_stay_within_the_lent_memory() {
         }
         assert_eq!(c.stat(false).unwrap().used_pages, LEND_PAGES, "{pattern}");
         let grown = d.rss().saturating_sub(base);
-        let bound = (LEND_PAGES * P as u64) * 106 / 100;
+        let pct = if pattern == "one page per region" {
+            107
+        } else {
+            106
+        };
+        let bound = (LEND_PAGES * P as u64) * pct / 100;
         assert!(
             grown <= bound,
             "{pattern}: RSS grew by {} KiB for {} KiB lent (bound {} KiB)",

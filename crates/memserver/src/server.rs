@@ -173,8 +173,7 @@ pub(crate) fn serve_authenticated(
     let mut t = FrameStream::new(stream, st.cfg.io_timeout);
     debug!(peer, client, "session started");
     let mut s = Session::new(st, &mut t, peer);
-    s.authed = true;
-    s.client = client;
+    s.authenticated(client);
     s.preload(extra);
     match s.run() {
         Ok(()) => debug!(peer, "closed"),
@@ -360,14 +359,16 @@ pub struct Session<'a, T: Transport> {
     since_flush: usize,
     /// When the frame being read must be complete.
     frame_deadline: Option<Instant>,
-    /// Regions this session stored or read (attached in the store while
-    /// it lives: a live client's region is never collected as orphaned).
-    touched: std::collections::HashSet<u64>,
+    /// This session counted as connected under its client's name (the
+    /// regions that client created are in use, never orphans).
+    connected: Option<u32>,
 }
 
 impl<T: Transport> Drop for Session<'_, T> {
     fn drop(&mut self) {
-        self.st.store.detach(self.touched.drain());
+        if let Some(id) = self.connected.take() {
+            self.st.store.disconnect(id);
+        }
     }
 }
 
@@ -389,7 +390,7 @@ impl<'a, T: Transport> Session<'a, T> {
             client: String::new(),
             since_flush: 0,
             frame_deadline: None,
-            touched: std::collections::HashSet::new(),
+            connected: None,
         }
     }
 
@@ -594,8 +595,7 @@ impl<'a, T: Transport> Session<'a, T> {
         self.read_body(h.body_len as usize)?;
         match check_hello(self.st, &self.nonce, &self.body, self.peer) {
             Ok((ok, name)) => {
-                self.authed = true;
-                self.client = name;
+                self.authenticated(name);
                 frame(Opcode::HelloOk, h.id, &mut self.out, |b| ok.encode(b));
                 Ok(Flow::Continue)
             }
@@ -603,11 +603,13 @@ impl<'a, T: Transport> Session<'a, T> {
         }
     }
 
-    /// This session uses `region` (attached once).
-    fn touch(&mut self, region: u64) {
-        if self.touched.insert(region) {
-            self.st.store.attach(region);
+    /// Authenticated as `client`: counted as connected under its name.
+    fn authenticated(&mut self, client: String) {
+        self.authed = true;
+        if self.connected.is_none() {
+            self.connected = Some(self.st.store.connect(&client));
         }
+        self.client = client;
     }
 
     fn store_error(&mut self, e: StoreError, id: u64) {
@@ -668,7 +670,6 @@ impl<'a, T: Transport> Session<'a, T> {
                 return Ok(Flow::Continue);
             }
         };
-        self.touch(prefix.region);
         let store = &self.st.store;
         let plan = match store.begin_put(prefix.region, &sel) {
             Ok(p) => p,
@@ -756,7 +757,6 @@ impl<'a, T: Transport> Session<'a, T> {
         };
         let take = req.prefix.flags & flags::TAKE != 0;
         let allow_missing = req.prefix.flags & flags::ALLOW_MISSING != 0;
-        self.touch(req.prefix.region);
         let store = &self.st.store;
         let plan = match store.begin_get(req.prefix.region, &req.sel, take, allow_missing) {
             Ok(p) => p,
@@ -865,7 +865,6 @@ impl<'a, T: Transport> Session<'a, T> {
             return Ok(Flow::Continue);
         };
         let n = req.entries.len();
-        self.touch(req.region);
         if self.staging.len() < n * PAGE_SIZE {
             self.staging.resize(MAX_BATCH_PAGES * PAGE_SIZE, 0);
         }

@@ -314,11 +314,13 @@ struct Region {
     pages: u64,
     bytes_in: u64,
     bytes_out: u64,
-    /// The client that first stored a page of it (its HELLO name).
-    owner: String,
-    created: Option<Instant>,
+    /// The client that first stored a page of it (its HELLO name), an
+    /// index into `Inner::owners`; times in seconds since the store began
+    /// (a page-per-region fill keeps the index small: 12 bytes a region).
+    owner: u32,
+    created: u32,
     /// Its last PUT or GET.
-    used: Option<Instant>,
+    used: u32,
 }
 
 impl Region {
@@ -371,9 +373,29 @@ struct Inner {
     stored: u64,
     /// Per-slot pin count; the top bit marks a slot freed while pinned.
     pins: Vec<u32>,
-    /// Per region, the connected sessions that stored or read it: a
-    /// region in use by a live client is never an orphan.
-    sessions: HashMap<u64, u32>,
+    /// Connected sessions per client name (owner index): a region whose
+    /// creator is connected is in use, never an orphan.
+    connected: HashMap<u32, u32>,
+    /// Owner names, interned (few distinct clients create regions).
+    owners: Vec<String>,
+    owner_ids: HashMap<String, u32>,
+    /// When the store began: region times count seconds from here.
+    epoch: Instant,
+}
+
+impl Inner {
+    fn owner_id(&mut self, who: &str) -> u32 {
+        if let Some(&i) = self.owner_ids.get(who) {
+            return i;
+        }
+        let i = self.owners.len() as u32;
+        self.owners.push(who.to_string());
+        self.owner_ids.insert(who.to_string(), i);
+        i
+    }
+    fn now(&self) -> u32 {
+        self.epoch.elapsed().as_secs().min(u32::MAX as u64) as u32
+    }
 }
 
 impl Inner {
@@ -480,7 +502,7 @@ pub struct RegionInfo {
     pub age_secs: f64,
     /// Seconds since its last PUT or GET.
     pub idle_secs: f64,
-    /// Connected sessions that used it.
+    /// Connected sessions of the client that created it.
     pub sessions: u32,
 }
 
@@ -509,7 +531,10 @@ impl Store {
             capacity: pages,
             inner: Mutex::new(Inner {
                 regions: HashMap::new(),
-                sessions: HashMap::new(),
+                connected: HashMap::new(),
+                owners: Vec::new(),
+                owner_ids: HashMap::new(),
+                epoch: Instant::now(),
                 free: Vec::new(),
                 next_fresh: 0,
                 stored: 0,
@@ -600,17 +625,18 @@ impl Store {
         staging: &[u8],
         who: &str,
     ) -> Result<(u32, u32), StoreError> {
-        let now = Instant::now();
         let mut g = self.lock();
         let g = &mut *g;
         let mut new_pages = 0u32;
         let mut failed = None;
+        let now = g.now();
+        let new_region = !g.regions.contains_key(&plan.region);
         let mut reg = g.regions.remove(&plan.region).unwrap_or_default();
-        if reg.created.is_none() {
-            reg.created = Some(now);
-            reg.owner = who.to_string();
+        if new_region {
+            reg.created = now;
+            reg.owner = g.owner_id(who);
         }
-        reg.used = Some(now);
+        reg.used = now;
         for (i, t) in plan.targets.iter().enumerate() {
             let page = sel.page(i);
             match *t {
@@ -692,6 +718,7 @@ impl Store {
                 }
             }
         }
+        let now = g.now();
         let Some(reg) = g.regions.get_mut(&region) else {
             if allow_missing {
                 return Ok(GetPlan {
@@ -725,7 +752,7 @@ impl Store {
             slots.push(s);
         }
         reg.bytes_out += sent * PAGE_SIZE as u64;
-        reg.used = Some(Instant::now());
+        reg.used = now;
         if take {
             g.stored -= sent;
             if reg.pages == 0 {
@@ -833,20 +860,22 @@ impl Store {
         self.commit_put(plan, sel, data, who)
     }
 
-    /// A session started using `region`.
-    pub fn attach(&self, region: u64) {
-        *self.lock().sessions.entry(region).or_default() += 1;
+    /// A session of client `who` is connected; its token for
+    /// [`Store::disconnect`].
+    pub fn connect(&self, who: &str) -> u32 {
+        let mut g = self.lock();
+        let id = g.owner_id(who);
+        *g.connected.entry(id).or_default() += 1;
+        id
     }
 
-    /// A session that used `regions` ended.
-    pub fn detach(&self, regions: impl IntoIterator<Item = u64>) {
+    /// The session `connect` returned `id` for ended.
+    pub fn disconnect(&self, id: u32) {
         let mut g = self.lock();
-        for r in regions {
-            if let Some(n) = g.sessions.get_mut(&r) {
-                *n -= 1;
-                if *n == 0 {
-                    g.sessions.remove(&r);
-                }
+        if let Some(n) = g.connected.get_mut(&id) {
+            *n -= 1;
+            if *n == 0 {
+                g.connected.remove(&id);
             }
         }
     }
@@ -856,11 +885,11 @@ impl Store {
     pub fn delete_orphan(&self, region: u64, min_idle: std::time::Duration) -> Option<u64> {
         let mut g = self.lock();
         let g = &mut *g;
-        if g.sessions.contains_key(&region) {
+        let reg = g.regions.get(&region)?;
+        if g.connected.contains_key(&reg.owner) {
             return None;
         }
-        let reg = g.regions.get(&region)?;
-        if reg.used.is_some_and(|u| u.elapsed() < min_idle) {
+        if ((g.now() - reg.used) as u64) < min_idle.as_secs() {
             return None;
         }
         let reg = g.regions.remove(&region)?;
@@ -876,8 +905,8 @@ impl Store {
     /// Every region stored here: pages, owner, age, use.
     pub fn regions_info(&self) -> Vec<RegionInfo> {
         let g = self.lock();
-        let now = Instant::now();
-        let secs = |t: Option<Instant>| t.map_or(0.0, |t| (now - t).as_secs_f64());
+        let now = g.now();
+        let secs = |t: u32| now.saturating_sub(t) as f64;
         let mut v: Vec<RegionInfo> = g
             .regions
             .iter()
@@ -886,10 +915,10 @@ impl Store {
                 pages: r.pages,
                 bytes_in: r.bytes_in,
                 bytes_out: r.bytes_out,
-                owner: r.owner.clone(),
+                owner: g.owners.get(r.owner as usize).cloned().unwrap_or_default(),
                 age_secs: secs(r.created),
                 idle_secs: secs(r.used),
-                sessions: g.sessions.get(id).copied().unwrap_or(0),
+                sessions: g.connected.get(&r.owner).copied().unwrap_or(0),
             })
             .collect();
         v.sort_by_key(|r| r.region);
