@@ -50,6 +50,8 @@ pub struct App {
     pub client: Client,
     /// This host's memory server and its address, if it lends memory.
     pub memserver: Option<(Arc<pagefleet_memserver::ServerState>, String)>,
+    /// etcd as the registry (None: the peers list).
+    pub etcd: Option<Arc<pagefleet_registry::Etcd>>,
 }
 
 type Shared = State<Arc<App>>;
@@ -115,17 +117,46 @@ async fn host(State(app): Shared) -> Json<HostReport> {
 }
 
 impl App {
-    /// The registry's view: this host first, then every peer.
-    pub fn view(&self) -> ClusterView {
+    /// This host as the registry shows it.
+    pub fn me(&self) -> ClusterHost {
         let guests = self.guests.as_ref().map(|g| g.list()).unwrap_or_default();
         let r = (self.report)();
-        let me = ClusterHost {
+        ClusterHost {
             http: r.http.clone().unwrap_or_default(),
             host: Some(r),
             guests,
             error: None,
-        };
-        crate::registry::cluster(me, &self.peers, &self.client)
+        }
+    }
+
+    /// The registry's view: from etcd (this host first), or this host and
+    /// every peer. An unreachable etcd is an entry with its error (so
+    /// nothing that needs the whole cluster, like gc, goes ahead).
+    pub fn view(&self) -> ClusterView {
+        let me = self.me();
+        match &self.etcd {
+            Some(etcd) => match etcd.view() {
+                Ok(mut v) => {
+                    // This host's own entry is fresh, not its last heartbeat.
+                    v.hosts
+                        .retain(|h| h.http != me.http && h.name() != me.name());
+                    v.hosts.insert(0, me);
+                    v
+                }
+                Err(e) => ClusterView {
+                    hosts: vec![
+                        me,
+                        ClusterHost {
+                            http: "etcd".into(),
+                            host: None,
+                            guests: vec![],
+                            error: Some(format!("the registry cannot be read: {e}")),
+                        },
+                    ],
+                },
+            },
+            None => crate::registry::cluster(me, &self.peers, &self.client),
+        }
     }
 }
 

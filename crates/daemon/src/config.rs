@@ -23,6 +23,7 @@
 //!
 //! [registry]
 //! peers = ["10.0.0.2:7071", "10.0.0.3:7071"]   # the other hosts' HTTP addresses
+//! etcd = "etcd://10.0.0.1:2379,10.0.0.2:2379"  # or: etcd as the registry (instead of peers)
 //!
 //! [ksm]                      # same-page merging controller (root; off unless mode is set)
 //! mode = "adaptive"          # or "ksmtuned" (Debian's algorithm), "off"
@@ -135,6 +136,8 @@ pub struct GuestsSection {
 pub struct RegistrySection {
     /// The other hosts' HTTP API addresses.
     pub peers: Option<Vec<String>>,
+    /// An etcd cluster as the registry (`etcd://h1:2379,h2:2379`).
+    pub etcd: Option<String>,
 }
 
 /// `[memserver]`.
@@ -208,6 +211,8 @@ pub struct Flags {
     pub dedup: Option<bool>,
     /// Collect orphaned regions idle this long, seconds (0: never).
     pub gc_grace_secs: Option<u64>,
+    /// etcd as the registry.
+    pub registry: Option<String>,
 }
 
 /// The daemon's effective settings.
@@ -254,6 +259,8 @@ pub struct Settings {
     /// Free regions on this host's memory server that no live guest or
     /// connected client owns once idle this long (None: never).
     pub gc_grace: Option<Duration>,
+    /// etcd endpoints of the registry (None: the embedded peers registry).
+    pub etcd: Option<Vec<String>>,
 }
 
 impl FileConfig {
@@ -362,6 +369,14 @@ pub fn merge(file: FileConfig, flags: Flags) -> Result<Settings> {
         .or(g.vm_images.clone())
         .unwrap_or_default();
     let dedup = flags.dedup.or(g.dedup).unwrap_or(true);
+    let reg = file.registry.unwrap_or_default();
+    let etcd = match flags.registry.or(reg.etcd.clone()) {
+        Some(s) => Some(
+            pagefleet_registry::parse_endpoints(&s)
+                .map_err(|e| crate::Error::Invalid(e.to_string()))?,
+        ),
+        None => None,
+    };
     let gc = flags.gc_grace_secs.or(m.gc_grace_secs).unwrap_or(600);
     Ok(Settings {
         lend,
@@ -383,10 +398,8 @@ pub fn merge(file: FileConfig, flags: Flags) -> Result<Settings> {
             .service_dev
             .or(g.service_dev)
             .unwrap_or_else(|| "eth0".into()),
-        peers: flags
-            .peers
-            .or(file.registry.and_then(|r| r.peers))
-            .unwrap_or_default(),
+        peers: flags.peers.or(reg.peers).unwrap_or_default(),
+        etcd,
         name: flags.name.or(file.name),
         ksm,
         ioqos,

@@ -112,6 +112,12 @@ struct Args {
     /// The other hosts' pagefleetd HTTP addresses (registry), comma-separated.
     #[arg(long, value_delimiter = ',')]
     peers: Option<Vec<String>>,
+    /// An etcd cluster as the registry instead of --peers:
+    /// etcd://HOST:2379[,HOST:2379...]. This host then keeps a lease-bound
+    /// heartbeat there (its report and guests, every 2 s, expiring 10 s
+    /// after the last), and `GET /cluster` and placement read etcd.
+    #[arg(long)]
+    registry: Option<String>,
     /// This host's name in reports and placement (default: the hostname).
     #[arg(long)]
     name: Option<String>,
@@ -181,6 +187,7 @@ fn run() -> Result<()> {
             vm_images: args.vm_images,
             dedup: args.no_dedup.then_some(false),
             gc_grace_secs: args.gc_grace,
+            registry: args.registry,
         },
     )?;
     tracing_subscriber::fmt()

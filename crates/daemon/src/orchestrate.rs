@@ -112,6 +112,31 @@ fn place(app: &App, o: &MigrationOrder) -> Result<(Placed, MigrateRequest), Refu
             pages: *n,
         });
     }
+    // With etcd as the registry the main host's memory is taken by a
+    // transaction: a migration racing for the same memory is refused here.
+    if let Some(etcd) = &app.etcd {
+        let bytes = choice.main_pages * 4096;
+        match etcd.claim(main.name(), bytes) {
+            Ok(true) => {}
+            Ok(false) => {
+                return Err(Refusal::new(
+                    409,
+                    format!(
+                        "{}'s free memory was promised to another migration meanwhile: try again",
+                        main.name()
+                    ),
+                ))
+            }
+            Err(e) => return Err(Refusal::new(503, format!("the registry: {e}"))),
+        }
+    }
+    let release = |app: &App| {
+        if let Some(etcd) = &app.etcd {
+            if let Err(e) = etcd.release(main.name(), choice.main_pages * 4096) {
+                tracing::warn!("releasing a claim on {}: {e}", main.name());
+            }
+        }
+    };
     let inc = IncomingRequest {
         name: o.guest.clone(),
         budget_pages: choice.main_pages,
@@ -121,9 +146,12 @@ fn place(app: &App, o: &MigrationOrder) -> Result<(Placed, MigrateRequest), Refu
         .client
         .timeout(Duration::from_secs(30))
         .post(&main.http, "/incoming", &inc)
-        .map_err(|e| Refusal {
-            status: 502,
-            message: format!("starting the destination runner on {}: {e}", main.name()),
+        .map_err(|e| {
+            release(app);
+            Refusal {
+                status: 502,
+                message: format!("starting the destination runner on {}: {e}", main.name()),
+            }
         })?;
     let mut addr = reply.migrate_addr;
     if addr.starts_with("0.0.0.0:") {
@@ -227,6 +255,7 @@ pub fn migrate(app: &App, order: MigrationOrder, mut emit: impl FnMut(&ProgressE
             emit(&failed(r.message));
         }
         Ok((placed, req)) => {
+            let claimed = (placed.main.clone(), placed.main_pages * 4096);
             let listening = emit(&ProgressEvent::Placed(placed));
             let mut listening_now = listening;
             relay(g, &order.guest, req, false, |ev| {
@@ -235,6 +264,13 @@ pub fn migrate(app: &App, order: MigrationOrder, mut emit: impl FnMut(&ProgressE
                 }
                 listening_now
             });
+            // Done or rolled back: the destination's own report counts
+            // the guest from now on (or never will).
+            if let Some(etcd) = &app.etcd {
+                if let Err(e) = etcd.release(&claimed.0, claimed.1) {
+                    tracing::warn!("releasing a claim on {}: {e}", claimed.0);
+                }
+            }
         }
     }
 }

@@ -18,6 +18,50 @@ use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
+/// A host whose heartbeat stops is dead to the registry after this long.
+const HEARTBEAT_TTL: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Publish this host's report and guests to etcd every 2 s (renewing its
+/// lease); say so when the registry becomes unreachable and again when
+/// it is back.
+fn heartbeat_loop(app: &App, stop: &AtomicBool) {
+    let Some(etcd) = &app.etcd else { return };
+    let mut failing = false;
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        let me = app.me();
+        let name = me
+            .host
+            .as_ref()
+            .map(|r| r.hostname.replace('/', "_"))
+            .unwrap_or_default();
+        let report = me.host.clone().unwrap_or_default();
+        // Not before the HTTP API has its address (peers reach us there).
+        let r = if me.http.is_empty() {
+            Ok(())
+        } else {
+            etcd.publish(&name, &me.http, &report, &me.guests)
+        };
+        match r {
+            Ok(()) if failing => {
+                tracing::info!("registry reachable again");
+                failing = false;
+            }
+            Ok(()) => {}
+            Err(e) if !failing => {
+                tracing::warn!("registry heartbeat failed (retrying every 2 s): {e}");
+                failing = true;
+            }
+            Err(_) => {}
+        }
+        for _ in 0..20 {
+            if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    }
+}
+
 /// Collect this host's orphaned regions every minute (`--gc-grace`).
 fn collect_loop(app: &App, grace: std::time::Duration, stop: &AtomicBool) {
     let req = pagefleet_api::GcRequest {
@@ -136,6 +180,7 @@ pub fn run(a: Settings) -> Result<()> {
         None => Some(format!("127.0.0.1:{}", listen_addr.port().wrapping_add(1))),
     };
     let mut dedup = None;
+    let mut heartbeat_app: Option<Arc<App>> = None;
     let guests = match a.guest_memory {
         Some(mem) => {
             if http_listen.is_none() {
@@ -240,7 +285,21 @@ pub fn run(a: Settings) -> Result<()> {
                 peers: a.peers.clone(),
                 client: Client::new(secret.clone()),
                 memserver: ms.as_ref().map(|m| (m.state.clone(), m.addr.to_string())),
+                etcd: match &a.etcd {
+                    Some(eps) => Some(Arc::new(
+                        pagefleet_registry::Etcd::new(eps.clone(), HEARTBEAT_TTL)
+                            .map_err(|e| crate::Error::Invalid(e.to_string()))?,
+                    )),
+                    None => None,
+                },
             });
+            if app.etcd.is_some() {
+                let hb = app.clone();
+                std::thread::Builder::new()
+                    .name("heartbeat".into())
+                    .spawn(move || heartbeat_loop(&hb, stop))?;
+                heartbeat_app = Some(app.clone());
+            }
             if let (Some(grace), Some(_)) = (a.gc_grace, &ms) {
                 let app = app.clone();
                 std::thread::Builder::new()
@@ -283,6 +342,10 @@ pub fn run(a: Settings) -> Result<()> {
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
     tracing::info!("stopping");
+    if let Some(etcd) = heartbeat_app.as_ref().and_then(|a| a.etcd.as_ref()) {
+        // Gone from the registry now, not when the lease runs out.
+        etcd.withdraw();
+    }
     if let Some(k) = ksm {
         let _ = k.join();
     }

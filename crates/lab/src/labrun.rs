@@ -41,6 +41,20 @@ impl LabRun {
         lend: u64,
         guest_memory: &[u64],
     ) -> Result<LabRun> {
+        Self::up_with(tag, bins, hosts, link, lend, guest_memory, 0)
+    }
+
+    /// [`LabRun::up`] with an etcd member on each of the first `etcd`
+    /// hosts as the daemons' registry (0: the peers registry).
+    pub fn up_with(
+        tag: &str,
+        bins: &Path,
+        hosts: usize,
+        link: pagefleet_testbed::Link,
+        lend: u64,
+        guest_memory: &[u64],
+        etcd: usize,
+    ) -> Result<LabRun> {
         let r = pagefleet_proto::auth::random_u64();
         let dir = crate::proc::temp_dir(tag)?;
         let mut o = pagefleet_testbed::Options::new(hosts, link, bins.join("pagefleetd"));
@@ -48,6 +62,7 @@ impl LabRun {
         o.dir = dir.clone();
         o.lend = lend;
         o.guest_memory = guest_memory.to_vec();
+        o.etcd = etcd;
         // The VM image `make vm` builds (target/vm, beside target/release).
         if let Some(t) = bins.parent() {
             o.vm_images = vec![t.join("vm")];

@@ -6,6 +6,7 @@
 #![allow(missing_docs)]
 
 pub mod demo;
+pub mod etcd;
 pub mod fio;
 pub mod kvload;
 pub mod labrun;

@@ -106,6 +106,19 @@ pub fn lab(
     LabRun::up(tag, &bins, hosts, link, lend, guest_memory).expect("testbed up")
 }
 
+/// [`lab`] whose registry is etcd: a member on each of the first `etcd` hosts.
+pub fn lab_etcd(
+    tag: &str,
+    hosts: usize,
+    link: pagefleet_testbed::Link,
+    lend: u64,
+    guest_memory: &[u64],
+    etcd: usize,
+) -> LabRun {
+    let bins = bin("pagefleetd").parent().unwrap().to_path_buf();
+    LabRun::up_with(tag, &bins, hosts, link, lend, guest_memory, etcd).expect("testbed up")
+}
+
 /// Send `sig` to every process of lab host `h` whose command line contains
 /// `pattern`; whether there was one.
 pub fn signal_in(l: &LabRun, h: usize, pattern: &str, sig: i32) -> bool {

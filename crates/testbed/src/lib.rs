@@ -115,6 +115,10 @@ pub struct Options {
     pub dir: PathBuf,
     /// Directories VM guests' images may come from (`--vm-images`).
     pub vm_images: Vec<PathBuf>,
+    /// Run an etcd member on each of the first N hosts (client port 2379)
+    /// and make it the daemons' registry (`--registry etcd://...`) instead
+    /// of `--peers`. 0: the embedded peers registry.
+    pub etcd: usize,
 }
 
 impl Options {
@@ -129,6 +133,7 @@ impl Options {
             pagefleetd,
             dir: PathBuf::from("/run/pagefleet/testbed"),
             vm_images: Vec::new(),
+            etcd: 0,
         }
     }
 }
@@ -251,11 +256,18 @@ impl Lab {
                 });
                 lab.save()?;
             }
+            let registry = if o.etcd > 0 {
+                Some(start_etcd(o, &lab.hosts[..o.etcd.min(lab.hosts.len())])?)
+            } else {
+                None
+            };
             let peers: Vec<String> = lab.hosts.iter().map(|h| h.http()).collect();
             for h in lab.hosts.iter_mut() {
-                let others: Vec<String> =
-                    peers.iter().filter(|p| **p != h.http()).cloned().collect();
-                h.pid = start_daemon(o, h, &lab.secret_file, &others)?;
+                let others: Vec<String> = match &registry {
+                    Some(_) => vec![],
+                    None => peers.iter().filter(|p| **p != h.http()).cloned().collect(),
+                };
+                h.pid = start_daemon(o, h, &lab.secret_file, &others, registry.as_deref())?;
             }
             lab.save()?;
             for h in &lab.hosts {
@@ -353,7 +365,52 @@ impl Lab {
     }
 }
 
-fn start_daemon(o: &Options, h: &Host, secret: &Path, peers: &[String]) -> Result<u32> {
+/// Start an etcd member in each of `hosts`' namespaces (data under the
+/// lab's directory, removed with it); their `etcd://` address.
+fn start_etcd(o: &Options, hosts: &[Host]) -> Result<String> {
+    let initial: Vec<String> = hosts
+        .iter()
+        .map(|h| format!("{}=http://{}:2380", h.name, h.ip))
+        .collect();
+    for h in hosts {
+        let log = std::fs::File::create(o.dir.join(format!("{}-etcd.log", h.netns)))?;
+        Command::new("nsenter")
+            .arg(format!("--net=/run/netns/{}", h.netns))
+            .args(["--", "etcd", "--name", &h.name, "--data-dir"])
+            .arg(o.dir.join(format!("{}-etcd", h.netns)))
+            .args([
+                "--listen-client-urls",
+                &format!("http://{}:2379", h.ip),
+                "--advertise-client-urls",
+                &format!("http://{}:2379", h.ip),
+                "--listen-peer-urls",
+                &format!("http://{}:2380", h.ip),
+                "--initial-advertise-peer-urls",
+                &format!("http://{}:2380", h.ip),
+                "--initial-cluster",
+                &initial.join(","),
+                "--initial-cluster-state",
+                "new",
+                "--initial-cluster-token",
+                &o.prefix,
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .context("cannot start etcd (make deps installs etcd-server)")?;
+    }
+    let eps: Vec<String> = hosts.iter().map(|h| format!("{}:2379", h.ip)).collect();
+    Ok(format!("etcd://{}", eps.join(",")))
+}
+
+fn start_daemon(
+    o: &Options,
+    h: &Host,
+    secret: &Path,
+    peers: &[String],
+    registry: Option<&str>,
+) -> Result<u32> {
     let log = std::fs::File::create(o.dir.join(format!("{}.log", h.netns)))?;
     use std::os::unix::process::CommandExt;
     // nsenter, not `ip netns exec`: the latter also remounts /sys, hiding
@@ -391,6 +448,11 @@ fn start_daemon(o: &Options, h: &Host, secret: &Path, peers: &[String]) -> Resul
         } else {
             vec!["--peers".to_string(), peers.join(",")]
         })
+        .args(
+            registry
+                .map(|r| vec!["--registry".to_string(), r.to_string()])
+                .unwrap_or_default(),
+        )
         .args(if h.guest_memory > 0 {
             vec![
                 "--guest-memory".to_string(),
@@ -480,7 +542,9 @@ pub fn down_prefix(dir: &Path, prefix: &str) -> Result<()> {
     if let Ok(rd) = std::fs::read_dir(dir) {
         for e in rd.flatten() {
             let n = e.file_name().to_string_lossy().into_owned();
-            if n.starts_with(&format!("{prefix}-")) && n.ends_with("-guests") {
+            if n.starts_with(&format!("{prefix}-"))
+                && (n.ends_with("-guests") || n.ends_with("-etcd"))
+            {
                 let _ = std::fs::remove_dir_all(e.path());
             }
         }
