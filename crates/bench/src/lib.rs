@@ -17,6 +17,7 @@ pub mod ksm;
 pub mod memserver;
 pub mod migration;
 pub mod paging;
+pub mod registry;
 pub mod util;
 pub mod vm_migration;
 

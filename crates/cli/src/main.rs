@@ -159,6 +159,10 @@ enum BenchCmd {
     /// and pages sent, time, downtime, hashing CPU on both ends; 10 and 1
     /// Gbit links; region checksums compared on every run. Root.
     Dedup(Bench<bench::dedup::Args>),
+    /// The etcd registry at scale, simulated: 1000 hosts and 10 000 guests
+    /// registered in a real etcd; placement latency (read, choose, claim
+    /// by transaction, release), etcd writes per migration, etcd CPU.
+    Registry(Bench<bench::registry::Args>),
     /// The DMPS block device over NBD against nbdkit's memory plugin and
     /// qemu-nbd on tmpfs: fio sequential/random read/write, 4-128 KiB,
     /// queue depth 1 and 16, IOPS and MB/s.
@@ -564,6 +568,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Bench(BenchCmd::VmMigration(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::Blockdev(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::Dedup(b)) => bench::main(&b.common, &b.args),
+        Cmd::Bench(BenchCmd::Registry(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::Ksm(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::Ioqos(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::RawServer) => bench::memserver::raw_server_main(),

@@ -333,6 +333,7 @@ fn each_bench_help_lists_only_its_own_flags() {
             "vm-migration",
             &["--size", "--only", "--workloads", "--span"],
         ),
+        ("registry", &["--hosts", "--guests"]),
     ];
     let common = ["--json", "--quick", "--out", "--secret-file", "--help"];
     for (bench, flags) in own {
@@ -382,4 +383,38 @@ fn assert_verdicts(goals: &[serde_json::Value]) {
             "goal verdict inconsistent: {g}"
         );
     }
+}
+
+/// The registry benchmark runs end to end on a real etcd (quick: 100
+/// simulated hosts): placements measured, writes counted, verdicts match.
+#[test]
+fn bench_registry_quick_json_has_figures_and_goals() {
+    if std::process::Command::new("etcd")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        eprintln!("skipped: no etcd here (make deps installs etcd-server)");
+        return;
+    }
+    let out_dir = std::env::temp_dir().join(format!(
+        "pagefleet-bench-registry-smoke-{}",
+        std::process::id()
+    ));
+    let out = Command::new(env!("CARGO_BIN_EXE_pagefleet"))
+        .args(["bench", "registry", "--quick", "--json", "--out"])
+        .arg(&out_dir)
+        .output()
+        .expect("run pagefleet bench registry");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "bench failed: {stderr}");
+    let v: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("stdout is one JSON object");
+    assert_eq!(v["placement_ms"].as_array().unwrap().len(), 50, "{stderr}");
+    assert!(v["writes_per_migration"].as_f64().unwrap() >= 2.0, "{v}");
+    assert!(v["view_bytes"].as_u64().unwrap() > v["hosts_view_bytes"].as_u64().unwrap());
+    let goals = v["goals"].as_array().unwrap();
+    assert_eq!(goals.len(), 2, "{goals:?}");
+    assert_verdicts(goals);
+    let _ = std::fs::remove_dir_all(&out_dir);
 }

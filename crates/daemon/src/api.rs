@@ -129,6 +129,34 @@ impl App {
         }
     }
 
+    /// What placement reads: with etcd, every host's report but only this
+    /// host's guests (the guest to place is here); else the full view.
+    pub fn placement_view(&self) -> ClusterView {
+        let Some(etcd) = &self.etcd else {
+            return self.view();
+        };
+        let me = self.me();
+        match etcd.hosts_view() {
+            Ok(mut v) => {
+                v.hosts
+                    .retain(|h| h.http != me.http && h.name() != me.name());
+                v.hosts.insert(0, me);
+                v
+            }
+            Err(e) => ClusterView {
+                hosts: vec![
+                    me,
+                    ClusterHost {
+                        http: "etcd".into(),
+                        host: None,
+                        guests: vec![],
+                        error: Some(format!("the registry cannot be read: {e}")),
+                    },
+                ],
+            },
+        }
+    }
+
     /// The registry's view: from etcd (this host first), or this host and
     /// every peer. An unreachable etcd is an entry with its error (so
     /// nothing that needs the whole cluster, like gc, goes ahead).

@@ -44,7 +44,7 @@ fn place(app: &App, o: &MigrationOrder) -> Result<(Placed, MigrateRequest), Refu
         message: m,
     };
     // This host is the first of the view, with its guests' status.
-    let view = app.view();
+    let view = app.placement_view();
     let hs = &view.hosts;
     let src = 0;
     let st = hs[src]

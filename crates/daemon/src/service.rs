@@ -21,12 +21,42 @@ use std::sync::Arc;
 /// A host whose heartbeat stops is dead to the registry after this long.
 const HEARTBEAT_TTL: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// Publish this host's report and guests to etcd every 2 s (renewing its
-/// lease); say so when the registry becomes unreachable and again when
-/// it is back.
+/// What placement and gc read of a host: when none of it changed, a
+/// heartbeat only renews the lease (no write to etcd).
+fn placement_digest(me: &pagefleet_api::ClusterHost) -> String {
+    let r = me.host.clone().unwrap_or_default();
+    let guests: Vec<_> = me
+        .guests
+        .iter()
+        .map(|g| {
+            (
+                &g.name,
+                format!("{:?}", g.state),
+                &g.region_id,
+                g.size,
+                g.remote_pages / 256,
+            )
+        })
+        .collect();
+    serde_json::to_string(&(
+        &me.http,
+        r.guest_memory,
+        r.guest_free,
+        r.lend_capacity,
+        r.lend_used >> 20,
+        &r.memserver,
+        guests,
+    ))
+    .unwrap_or_default()
+}
+
+/// Keep this host in etcd: its report and guests are written when what
+/// placement reads changed (or every 30 s), the lease renewed every 2 s;
+/// say so when the registry becomes unreachable and again when it is back.
 fn heartbeat_loop(app: &App, stop: &AtomicBool) {
     let Some(etcd) = &app.etcd else { return };
     let mut failing = false;
+    let mut last: Option<(String, std::time::Instant)> = None;
     while !stop.load(std::sync::atomic::Ordering::Relaxed) {
         let me = app.me();
         let name = me
@@ -35,12 +65,23 @@ fn heartbeat_loop(app: &App, stop: &AtomicBool) {
             .map(|r| r.hostname.replace('/', "_"))
             .unwrap_or_default();
         let report = me.host.clone().unwrap_or_default();
+        let digest = placement_digest(&me);
+        let fresh = last
+            .as_ref()
+            .is_some_and(|(d, t)| *d == digest && t.elapsed() < std::time::Duration::from_secs(30));
         // Not before the HTTP API has its address (peers reach us there).
         let r = if me.http.is_empty() {
             Ok(())
+        } else if fresh {
+            etcd.keep_alive()
         } else {
             etcd.publish(&name, &me.http, &report, &me.guests)
+                .map(|_| last = Some((digest, std::time::Instant::now())))
         };
+        if r.is_err() {
+            // Write everything again once the registry answers.
+            last = None;
+        }
         match r {
             Ok(()) if failing => {
                 tracing::info!("registry reachable again");

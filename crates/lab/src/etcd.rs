@@ -139,6 +139,11 @@ impl EtcdCluster {
         })
     }
 
+    /// Process id of member `i` (None once killed).
+    pub fn pid(&self, i: usize) -> Option<u32> {
+        self.members[i].child.as_ref().map(|c| c.id())
+    }
+
     /// SIGKILL member `i`.
     pub fn kill(&mut self, i: usize) {
         if let Some(mut c) = self.members[i].child.take() {

@@ -225,6 +225,43 @@ impl Etcd {
         })
     }
 
+    /// Renew this host's lease without writing anything (a heartbeat when
+    /// nothing placement reads has changed). Err if the lease had expired
+    /// (its keys are gone: the caller publishes again).
+    pub fn keep_alive(&self) -> Result<(), RegistryError> {
+        let before = *self.lease.lock().unwrap_or_else(|e| e.into_inner());
+        let after = self.renew_lease()?;
+        if before != after {
+            return Err(RegistryError::Address(
+                "the registry lease had expired: publish again".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Publish host `name` with this connection's lease: the registry
+    /// benchmark's simulated hosts share one lease.
+    pub fn publish_as(
+        &self,
+        name: &str,
+        http: &str,
+        report: &HostReport,
+        guests: &[GuestStatus],
+    ) -> Result<(), RegistryError> {
+        self.publish(name, http, report, guests)
+    }
+
+    /// etcd's current revision: it grows by one per write (a put, a
+    /// delete, a transaction), so the difference counts writes.
+    pub fn revision(&self) -> Result<i64, RegistryError> {
+        self.call(async |c| {
+            let r = c
+                .get(PREFIX, Some(GetOptions::new().with_count_only()))
+                .await?;
+            Ok(r.header().map_or(0, |h| h.revision()))
+        })
+    }
+
     /// Leave the cluster's live view at once (pagefleetd stopping): the
     /// lease is revoked, so this host's report and guests go now.
     pub fn withdraw(&self) {
@@ -248,6 +285,37 @@ impl Etcd {
                     )
                 })
                 .collect::<Vec<_>>())
+        })?;
+        Ok(view_of(&kvs, self.ttl))
+    }
+
+    /// Every member with its report (free memory net of claims) but
+    /// without guests: what placement reads. One round trip; a tenth of a
+    /// full view's bytes at 10 guests a host.
+    pub fn hosts_view(&self) -> Result<ClusterView, RegistryError> {
+        let kvs = self.call(async |c| {
+            let ops: Vec<TxnOp> = ["members/", "hosts/", "claims/"]
+                .iter()
+                .map(|p| {
+                    TxnOp::get(
+                        format!("{PREFIX}{p}"),
+                        Some(GetOptions::new().with_prefix()),
+                    )
+                })
+                .collect();
+            let r = c.txn(Txn::new().and_then(ops)).await?;
+            let mut out = Vec::new();
+            for op in r.op_responses() {
+                if let etcd_client::TxnOpResponse::Get(g) = op {
+                    out.extend(g.kvs().iter().map(|kv| {
+                        (
+                            String::from_utf8_lossy(kv.key()).into_owned(),
+                            kv.value().to_vec(),
+                        )
+                    }));
+                }
+            }
+            Ok(out)
         })?;
         Ok(view_of(&kvs, self.ttl))
     }

@@ -1,0 +1,330 @@
+//! `pagefleet bench registry`: the etcd registry at a scale this machine
+//! cannot host for real. Simulated hosts and guests are registered in a
+//! real etcd (one member on loopback, started here), then placements run
+//! as the daemon runs them: read the registry, choose hosts, claim the
+//! main host's memory by transaction, release the claim; and simulated
+//! migrations write what a real one writes. Measured: placement latency,
+//! etcd writes per migration (revision deltas), etcd's CPU per placement,
+//! the bytes one view reads.
+
+use crate::util::{self, Goal, PlotOutcome};
+use anyhow::{anyhow, Result};
+use pagefleet_api::{GuestState, GuestStatus, HostReport};
+use pagefleet_lab::etcd::EtcdCluster;
+use pagefleet_migrate::placement::{self, HostInfo};
+use pagefleet_registry::{parse_endpoints, Etcd};
+use serde::Serialize;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+const GIB: u64 = 1 << 30;
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Opts {
+    pub hosts: usize,
+    pub guests: usize,
+    pub placements: usize,
+    pub migrations: usize,
+    #[serde(skip)]
+    pub out_dir: PathBuf,
+}
+
+impl Opts {
+    pub fn full(out_dir: PathBuf) -> Opts {
+        Opts {
+            hosts: 1000,
+            guests: 10_000,
+            placements: 300,
+            migrations: 100,
+            out_dir,
+        }
+    }
+    pub fn quick(out_dir: PathBuf) -> Opts {
+        Opts {
+            hosts: 100,
+            guests: 1000,
+            placements: 50,
+            migrations: 20,
+            out_dir,
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub struct Report {
+    pub opts: Opts,
+    /// Seconds to register every host with its guests, and writes that took.
+    pub register_secs: f64,
+    pub register_writes: i64,
+    /// Placement latency samples, ms (read registry + choose + claim + release).
+    pub placement_ms: Vec<f64>,
+    pub placement_p50_ms: f64,
+    pub placement_p99_ms: f64,
+    /// Of that, reading the registry, ms (median).
+    pub view_p50_ms: f64,
+    /// Bytes the full view reads (every host and guest; `pagefleet
+    /// status`, gc) and placement's view (hosts only).
+    pub view_bytes: u64,
+    pub hosts_view_bytes: u64,
+    /// The full view's read time, ms (median of 20).
+    pub full_view_p50_ms: f64,
+    /// etcd writes per simulated migration (claim, release, both hosts'
+    /// records).
+    pub writes_per_migration: f64,
+    /// etcd's CPU seconds per placement.
+    pub etcd_cpu_ms_per_placement: f64,
+    pub goals: Vec<Goal>,
+    pub plot: PlotOutcome,
+}
+
+fn guest(name: String, host: usize, i: usize) -> GuestStatus {
+    let mut g = GuestStatus::placeholder(&name, GuestState::Running, 65536, 0);
+    g.region_id = format!("{:#x}", (host as u64) << 20 | i as u64);
+    g.size = 2 * GIB;
+    g
+}
+
+fn report(i: usize, free: u64) -> HostReport {
+    HostReport {
+        hostname: format!("sim{i}"),
+        mem_total: 256 * GIB,
+        mem_available: 128 * GIB,
+        lend_capacity: 64 * GIB,
+        lend_used: (i as u64 * 7919 % 64) * GIB,
+        guest_memory: 192 * GIB,
+        guest_free: free,
+        http: Some(format!("10.{}.{}.1:7071", i / 256, i % 256)),
+        memserver: Some(format!("10.{}.{}.1:7070", i / 256, i % 256)),
+        ..Default::default()
+    }
+}
+
+fn cpu_secs(pid: u32) -> f64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let rest = s.rsplit_once(')').map_or("", |x| x.1);
+    let f: Vec<u64> = rest
+        .split_whitespace()
+        .skip(11)
+        .take(2)
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    // SAFETY: sysconf has no preconditions.
+    let hz = (unsafe { libc::sysconf(libc::_SC_CLK_TCK) }).max(1) as f64;
+    f.iter().sum::<u64>() as f64 / hz
+}
+
+fn pct(v: &[f64], p: f64) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(|a, b| a.total_cmp(b));
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v[((v.len() - 1) as f64 * p).round() as usize]
+}
+
+pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
+    let etcd = EtcdCluster::start(1)
+        .ok_or_else(|| anyhow!("no etcd here: `make deps` installs etcd-server"))?;
+    let pid = etcd.pid(0).ok_or_else(|| anyhow!("etcd is not running"))?;
+    let eps = parse_endpoints(&etcd.url())?;
+    let reg = Etcd::new(eps, Duration::from_secs(60))?;
+    log(&format!(
+        "registering {} hosts with {} guests",
+        o.hosts, o.guests
+    ));
+    let per_host = o.guests.div_ceil(o.hosts.max(1));
+    let r0 = reg.revision()?;
+    let t = Instant::now();
+    for i in 0..o.hosts {
+        let guests: Vec<GuestStatus> = (0..per_host)
+            .map(|k| guest(format!("g{i}-{k}"), i, k))
+            .collect();
+        let free = (i as u64 * 104_729 % 160 + 8) * GIB;
+        reg.publish_as(
+            &format!("sim{i}"),
+            &format!("10.0.{i}.1:7071"),
+            &report(i, free),
+            &guests,
+        )?;
+    }
+    let register_secs = t.elapsed().as_secs_f64();
+    let register_writes = reg.revision()? - r0;
+    let view_bytes = serde_json::to_vec(&reg.view()?)?.len() as u64;
+    let hosts_view_bytes = serde_json::to_vec(&reg.hosts_view()?)?.len() as u64;
+    let mut full = Vec::new();
+    for _ in 0..20 {
+        let t = Instant::now();
+        reg.view()?;
+        full.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    log(&format!("{} placements", o.placements));
+    let cpu0 = cpu_secs(pid);
+    let mut placement_ms = Vec::new();
+    let mut view_ms = Vec::new();
+    for k in 0..o.placements {
+        let t = Instant::now();
+        let v = reg.hosts_view()?;
+        view_ms.push(t.elapsed().as_secs_f64() * 1e3);
+        let infos: Vec<HostInfo> = v
+            .hosts
+            .iter()
+            .map(|h| {
+                let r = h.host.as_ref();
+                HostInfo {
+                    name: h.name().to_string(),
+                    http: h.http.clone(),
+                    memserver: r.and_then(|r| r.memserver.clone()),
+                    guest_free: r.map_or(0, |r| r.guest_free),
+                    lend_free: r.map_or(0, |r| r.lend_capacity.saturating_sub(r.lend_used)),
+                }
+            })
+            .collect();
+        // A 32 GiB guest with 24 GiB of data, from host k.
+        let src = k % infos.len();
+        let c = placement::choose(&infos, src, 32 * GIB / 4096, 24 * GIB / 4096, None, None)
+            .map_err(|e| anyhow!("placement: {e}"))?;
+        let main = &infos[c.main].name;
+        let bytes = c.main_pages * 4096;
+        if reg.claim(main, bytes)? {
+            reg.release(main, bytes)?;
+        }
+        placement_ms.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    let etcd_cpu = cpu_secs(pid) - cpu0;
+    log(&format!("{} simulated migrations", o.migrations));
+    let mut writes = Vec::new();
+    for k in 0..o.migrations {
+        // What the daemons write for one migration: the claim, its
+        // release, and both hosts' records (the source without the guest,
+        // the destination with it).
+        let (s, d) = (k % o.hosts, (k + 1) % o.hosts);
+        let r0 = reg.revision()?;
+        let bytes = 4 * GIB;
+        let claimed = reg.claim(&format!("sim{d}"), bytes)?;
+        let moved = guest(format!("g{s}-0"), s, 0);
+        let src_guests: Vec<GuestStatus> = (1..per_host)
+            .map(|j| guest(format!("g{s}-{j}"), s, j))
+            .collect();
+        let mut dst_guests: Vec<GuestStatus> = (0..per_host)
+            .map(|j| guest(format!("g{d}-{j}"), d, j))
+            .collect();
+        dst_guests.push(moved);
+        reg.publish_as(
+            &format!("sim{s}"),
+            &format!("10.0.{s}.1:7071"),
+            &report(s, 40 * GIB),
+            &src_guests,
+        )?;
+        reg.publish_as(
+            &format!("sim{d}"),
+            &format!("10.0.{d}.1:7071"),
+            &report(d, 20 * GIB),
+            &dst_guests,
+        )?;
+        if claimed {
+            reg.release(&format!("sim{d}"), bytes)?;
+        }
+        writes.push((reg.revision()? - r0) as f64);
+    }
+    let writes_per_migration = writes.iter().sum::<f64>() / writes.len().max(1) as f64;
+    let mut r = Report {
+        opts: o.clone(),
+        register_secs,
+        register_writes,
+        placement_p50_ms: pct(&placement_ms, 0.5),
+        placement_p99_ms: pct(&placement_ms, 0.99),
+        view_p50_ms: pct(&view_ms, 0.5),
+        placement_ms,
+        view_bytes,
+        hosts_view_bytes,
+        full_view_p50_ms: pct(&full, 0.5),
+        writes_per_migration,
+        etcd_cpu_ms_per_placement: etcd_cpu * 1e3 / o.placements.max(1) as f64,
+        goals: vec![],
+        plot: PlotOutcome::default(),
+    };
+    r.goals = vec![
+        Goal::at_most(
+            &format!("placement p99 with {} hosts", o.hosts),
+            r.placement_p99_ms,
+            50.0,
+            "ms",
+        ),
+        Goal::at_most(
+            "etcd writes per migration",
+            r.writes_per_migration,
+            10.0,
+            "writes",
+        ),
+    ];
+    std::fs::create_dir_all(&o.out_dir)?;
+    util::save_with_plot(
+        &mut r,
+        |r| &mut r.plot,
+        &o.out_dir,
+        "registry",
+        include_str!("../../../bench/plot_registry.py"),
+    )?;
+    drop(etcd);
+    Ok(r)
+}
+
+pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<()> {
+    writeln!(
+        out,
+        "etcd registry: {} simulated hosts, {} guests (one etcd member on loopback)",
+        r.opts.hosts, r.opts.guests
+    )?;
+    writeln!(
+        out,
+        "  registered in {:.2} s ({} writes); the full view (status, gc) reads {:.1} MiB in {:.1} ms (p50), placement's hosts-only view {:.2} MiB",
+        r.register_secs,
+        r.register_writes,
+        r.view_bytes as f64 / (1 << 20) as f64,
+        r.full_view_p50_ms,
+        r.hosts_view_bytes as f64 / (1 << 20) as f64
+    )?;
+    writeln!(
+        out,
+        "  placement (read registry, choose, claim, release): p50 {:.1} ms, p99 {:.1} ms over {}; reading the registry p50 {:.1} ms",
+        r.placement_p50_ms,
+        r.placement_p99_ms,
+        r.placement_ms.len(),
+        r.view_p50_ms
+    )?;
+    writeln!(
+        out,
+        "  etcd CPU per placement {:.2} ms; etcd writes per migration {:.1}",
+        r.etcd_cpu_ms_per_placement, r.writes_per_migration
+    )?;
+    util::print_goals(&r.goals, out)?;
+    r.plot.print(out)
+}
+
+/// `pagefleet bench registry`: the etcd registry with simulated hosts.
+#[derive(clap::Args, Clone, Debug)]
+pub struct Args {
+    /// Simulated hosts (default 1000).
+    #[arg(long)]
+    pub hosts: Option<usize>,
+    /// Simulated guests, spread evenly (default 10000).
+    #[arg(long)]
+    pub guests: Option<usize>,
+}
+
+impl crate::Benchmark for Args {
+    type Report = Report;
+    fn run(&self, c: &crate::Common, log: &mut dyn FnMut(&str)) -> Result<Report> {
+        let mut o = c.opts(Opts::quick, Opts::full);
+        if let Some(h) = self.hosts {
+            o.hosts = h.max(2);
+        }
+        if let Some(g) = self.guests {
+            o.guests = g;
+        }
+        run(&o, log)
+    }
+    fn print(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<()> {
+        print_table(r, out)
+    }
+}
