@@ -127,6 +127,7 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
         .ok_or_else(|| anyhow!("no etcd here: `make deps` installs etcd-server"))?;
     let pid = etcd.pid(0).ok_or_else(|| anyhow!("etcd is not running"))?;
     let eps = parse_endpoints(&etcd.url())?;
+    // One connection (one lease) publishes every simulated host.
     let reg = Etcd::new(eps, Duration::from_secs(60))?;
     log(&format!(
         "registering {} hosts with {} guests",
@@ -140,7 +141,7 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
             .map(|k| guest(format!("g{i}-{k}"), i, k))
             .collect();
         let free = (i as u64 * 104_729 % 160 + 8) * GIB;
-        reg.publish_as(
+        reg.publish(
             &format!("sim{i}"),
             &format!("10.0.{i}.1:7071"),
             &report(i, free),
@@ -209,13 +210,13 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
             .map(|j| guest(format!("g{d}-{j}"), d, j))
             .collect();
         dst_guests.push(moved);
-        reg.publish_as(
+        reg.publish(
             &format!("sim{s}"),
             &format!("10.0.{s}.1:7071"),
             &report(s, 40 * GIB),
             &src_guests,
         )?;
-        reg.publish_as(
+        reg.publish(
             &format!("sim{d}"),
             &format!("10.0.{d}.1:7071"),
             &report(d, 20 * GIB),

@@ -239,18 +239,6 @@ impl Etcd {
         Ok(())
     }
 
-    /// Publish host `name` with this connection's lease: the registry
-    /// benchmark's simulated hosts share one lease.
-    pub fn publish_as(
-        &self,
-        name: &str,
-        http: &str,
-        report: &HostReport,
-        guests: &[GuestStatus],
-    ) -> Result<(), RegistryError> {
-        self.publish(name, http, report, guests)
-    }
-
     /// etcd's current revision: it grows by one per write (a put, a
     /// delete, a transaction), so the difference counts writes.
     pub fn revision(&self) -> Result<i64, RegistryError> {

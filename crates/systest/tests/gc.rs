@@ -263,3 +263,117 @@ fn an_interrupted_local_run_deletes_its_pages() {
         );
     }
 }
+
+#[test]
+fn a_source_crashed_mid_migration_leaves_pages_gc_collects_exactly() {
+    if !is_root() {
+        eprintln!("skipped: the testbed needs root (CI runs as root)");
+        return;
+    }
+    // h1: source; h2: main host with room for half; h3: sub-host (lends).
+    let l = lab(
+        "gcsrc",
+        3,
+        Link::Gbit1,
+        256 * MIB,
+        &[512 * MIB, 48 * MIB, 0],
+    );
+    // A live guest paging to h3: its pages must survive the collection.
+    let server = l.lab.hosts[2].addr.clone();
+    let (ok, _, err) = l.pf(
+        0,
+        &[
+            "guest",
+            "start",
+            "keep",
+            "--on",
+            "h1",
+            "--size",
+            "32MiB",
+            "--budget",
+            "8MiB",
+            "--",
+            "synthetic",
+            "--servers",
+            &server,
+            "--prefill",
+            "--rate",
+            "0",
+        ],
+    );
+    assert!(ok, "guest start keep: {err}");
+    // The guest that will be migrated: 128 MiB at 1 Gbit, over a second.
+    let (ok, _, err) = l.pf(
+        0,
+        &[
+            "guest",
+            "start",
+            "m1",
+            "--on",
+            "h1",
+            "--size",
+            "128MiB",
+            "--",
+            "synthetic",
+            "--prefill",
+            "--rate",
+            "0",
+        ],
+    );
+    assert!(ok, "guest start m1: {err}");
+    wait_for("m1 to fill", 60, || {
+        l.guest("m1")
+            .is_some_and(|(_, g)| g.pages.as_ref().map_or(0, |p| p.local) >= 32000)
+    });
+    let h3_regions = |l: &LabRun| -> Vec<Value> {
+        let (ok, out, err) = l.pf(0, &["memserver", "regions", "--on", "h3", "--json"]);
+        assert!(ok, "memserver regions: {err}");
+        let v: Value = serde_json::from_str(&out).unwrap();
+        v[0]["regions"].as_array().cloned().unwrap_or_default()
+    };
+    wait_for("keep's pages on h3", 60, || !h3_regions(&l).is_empty());
+    let before = h3_regions(&l);
+    let mut m = l.lab.exec(0, bin("pagefleet"));
+    m.args(["migrate", "m1", "--to", "h2", "--sub", "h3"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    let mut m = m.spawn().unwrap();
+    // Crash the source runner once h3 holds some of m1's pages.
+    wait_for("m1's pages arriving on h3", 60, || {
+        h3_regions(&l).len() > before.len()
+    });
+    assert!(kill_in(&l, 0, "--name=m1"), "no runner m1");
+    let _ = m.wait();
+    wait_for("m1 gone from the registry", 60, || l.guest("m1").is_none());
+    let rs = h3_regions(&l);
+    let orphans: Vec<&Value> = rs.iter().filter(|r| r["guest_live"] == false).collect();
+    assert_eq!(
+        orphans.len(),
+        1,
+        "m1's region is the one orphan on h3: {rs:?}"
+    );
+    let orphan = orphans[0]["region"].as_str().unwrap().to_string();
+    wait_for("the migration's connections to close", 60, || {
+        h3_regions(&l)
+            .iter()
+            .any(|r| r["region"] == orphan.as_str() && r["sessions"] == 0)
+    });
+    let (ok, out, err) = l.pf(0, &["gc", "--grace", "0", "--json"]);
+    assert!(ok, "gc: {err}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    let freed: Vec<String> = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|h| h["report"]["freed"].as_array().cloned().unwrap_or_default())
+        .map(|f| f["region"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        freed,
+        [orphan.clone()],
+        "gc freed exactly m1's orphaned region: {v}"
+    );
+    let after = h3_regions(&l);
+    assert_eq!(after.len(), before.len(), "keep's region stays: {after:?}");
+    assert!(after.iter().all(|r| r["guest_live"] == true), "{after:?}");
+}

@@ -550,8 +550,12 @@ fn bench_ksm_quick_pages_merges_and_cleans_up() {
     let ad = &cs[1];
     assert_eq!(off["name"], "KSM off");
     assert!(off["final_saved_mib"].as_f64().unwrap() < 1.0);
+    // Without merging the tenants overflow their cgroup into swap. How
+    // often they fault it back varies with the host's load (3.8/s to
+    // 90/s between runs here): that they swapped at all is the check.
     assert!(
-        off["majflt_per_s"].as_f64().unwrap() > 10.0,
+        off["majflt_per_s"].as_f64().unwrap() > 1.0
+            && off["final_swap_mib"].as_f64().unwrap() > 1.0,
         "the tenants did not page without merging: {off}"
     );
     let saved = ad["final_saved_mib"].as_f64().unwrap();
