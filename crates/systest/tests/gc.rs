@@ -370,7 +370,7 @@ fn a_source_crashed_mid_migration_leaves_pages_gc_collects_exactly() {
         .collect();
     assert_eq!(
         freed,
-        [orphan.clone()],
+        std::slice::from_ref(&orphan),
         "gc freed exactly m1's orphaned region: {v}"
     );
     let after = h3_regions(&l);
