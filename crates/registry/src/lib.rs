@@ -259,9 +259,27 @@ impl Etcd {
         }
     }
 
+    /// A read, tried again on another connection after a failure (a
+    /// member down, a leader election): reads are safe to repeat.
+    fn read<T>(&self, f: impl Fn() -> Result<T, RegistryError>) -> Result<T, RegistryError> {
+        let mut last = None;
+        for wait in [0, 200, 500] {
+            std::thread::sleep(Duration::from_millis(wait));
+            match f() {
+                Ok(v) => return Ok(v),
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.expect("tried"))
+    }
+
     /// Every member: with its report and guests if its heartbeat is alive,
     /// with an error if its lease expired.
     pub fn view(&self) -> Result<ClusterView, RegistryError> {
+        self.read(|| self.view_once())
+    }
+
+    fn view_once(&self) -> Result<ClusterView, RegistryError> {
         let kvs = self.call(async |c| {
             let r = c.get(PREFIX, Some(GetOptions::new().with_prefix())).await?;
             Ok(r.kvs()
@@ -281,6 +299,10 @@ impl Etcd {
     /// without guests: what placement reads. One round trip; a tenth of a
     /// full view's bytes at 10 guests a host.
     pub fn hosts_view(&self) -> Result<ClusterView, RegistryError> {
+        self.read(|| self.hosts_view_once())
+    }
+
+    fn hosts_view_once(&self) -> Result<ClusterView, RegistryError> {
         let kvs = self.call(async |c| {
             let ops: Vec<TxnOp> = ["members/", "hosts/", "claims/"]
                 .iter()

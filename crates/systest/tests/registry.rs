@@ -163,8 +163,12 @@ fn the_etcd_leader_killed_during_a_migration_leaves_the_guest_whole() {
         out.status
     );
     // The registry is unreadable while etcd elects a new leader.
-    wait_for("g1 in the registry again", 30, || l.guest("g1").is_some());
-    let (on, g) = l.guest("g1").expect("g1 runs somewhere");
+    let mut found = None;
+    wait_for("g1 in the registry again", 30, || {
+        found = l.guest("g1");
+        found.is_some()
+    });
+    let (on, g) = found.expect("g1 runs somewhere");
     if out.status.success() {
         let r: Value = serde_json::from_str(&stdout).unwrap();
         assert_eq!(r["checksum_source"], r["checksum_dest"], "{r}");
