@@ -1,0 +1,496 @@
+//! One socket type for every pagefleet stream: plain TCP, or TLS over it.
+//!
+//! Plain streams are the `TcpStream` itself (writev, `recvmsg(MSG_WAITALL)`,
+//! nothing in between). TLS streams keep the rustls connection behind a
+//! mutex that is never held while waiting for the network: socket reads and
+//! writes under it never block (`MSG_DONTWAIT`), and waits (`recv(MSG_PEEK)`,
+//! `poll`) happen outside it. So one thread may read while another writes
+//! (the migration destination's filler answers while the main thread reads
+//! pages) without a writer stuck on a full socket holding up the reader that
+//! would drain the peer. Socket timeouts (`SO_RCVTIMEO`/`SO_SNDTIMEO`) apply
+//! to the waits as they do to plain reads and writes.
+
+use crate::identity::Identity;
+use crate::TlsError;
+use rustls::{ClientConnection, Connection, ServerConnection};
+use rustls_pki_types::ServerName;
+use std::io::{self, IoSlice, IoSliceMut, Read, Write};
+use std::net::TcpStream;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// A connection: plain TCP or TLS over TCP. Cloning (`try_clone`) shares
+/// the TLS state, so clones are the same conversation.
+pub struct Stream {
+    sock: TcpStream,
+    tls: Option<Arc<Mutex<Tls>>>,
+}
+
+struct Tls {
+    conn: Connection,
+}
+
+impl std::fmt::Debug for Stream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stream")
+            .field("fd", &self.sock.as_raw_fd())
+            .field("tls", &self.tls.is_some())
+            .finish()
+    }
+}
+
+impl Stream {
+    /// A plain TCP stream.
+    pub fn plain(sock: TcpStream) -> Stream {
+        Stream { sock, tls: None }
+    }
+
+    /// The server side of TLS on `sock`. The handshake runs on the first
+    /// read or in [`Stream::handshake`] (blocking) / [`Stream::handshake_step`]
+    /// (non-blocking); the client must present a certificate the cluster CA
+    /// signed.
+    pub fn tls_server(sock: TcpStream, id: &Identity) -> Result<Stream, TlsError> {
+        let mut conn = ServerConnection::new(id.server.clone())?;
+        // Every write is flushed at once; rustls need not cap what it holds.
+        conn.set_buffer_limit(None);
+        Ok(Stream {
+            sock,
+            tls: Some(Arc::new(Mutex::new(Tls { conn: conn.into() }))),
+        })
+    }
+
+    /// The client side of TLS on `sock`, expecting a server certificate for
+    /// `server_name` (the host or address dialled). Call [`Stream::handshake`].
+    pub fn tls_client(
+        sock: TcpStream,
+        id: &Identity,
+        server_name: &str,
+    ) -> Result<Stream, TlsError> {
+        let name = ServerName::try_from(server_name.to_string())
+            .map_err(|_| TlsError::BadName(format!("{server_name:?} is not a host name")))?;
+        let mut conn = ClientConnection::new(id.client.clone(), name)?;
+        conn.set_buffer_limit(None);
+        Ok(Stream {
+            sock,
+            tls: Some(Arc::new(Mutex::new(Tls { conn: conn.into() }))),
+        })
+    }
+
+    /// Whether this stream is TLS.
+    pub fn is_tls(&self) -> bool {
+        self.tls.is_some()
+    }
+
+    /// The TCP socket underneath (addresses, options, polling).
+    pub fn socket(&self) -> &TcpStream {
+        &self.sock
+    }
+
+    /// Another handle on the same connection (and TLS state).
+    pub fn try_clone(&self) -> io::Result<Stream> {
+        Ok(Stream {
+            sock: self.sock.try_clone()?,
+            tls: self.tls.clone(),
+        })
+    }
+
+    /// The common name of the certificate the peer presented (TLS only).
+    pub fn peer_name(&self) -> Option<String> {
+        let t = self.tls.as_ref()?;
+        let g = lock(t).ok()?;
+        let c = g.conn.peer_certificates()?.first()?.clone();
+        crate::identity::common_name(&c)
+    }
+
+    /// Decrypted bytes are waiting in this process (a poll of the socket
+    /// does not see them). No system call.
+    pub fn buffered(&self) -> bool {
+        match &self.tls {
+            None => false,
+            Some(t) => lock(t).is_ok_and(|mut g| {
+                use std::io::BufRead;
+                g.conn.reader().fill_buf().is_ok_and(|b| !b.is_empty())
+            }),
+        }
+    }
+
+    /// Finish the TLS handshake, waiting as the socket's timeouts allow.
+    /// Plain streams: nothing to do.
+    pub fn handshake(&self) -> io::Result<()> {
+        let Some(t) = &self.tls else { return Ok(()) };
+        loop {
+            self.flush_tls(t, true)?;
+            let mut g = lock(t)?;
+            if !g.conn.is_handshaking() {
+                break;
+            }
+            if !self.pull(&mut g)? {
+                drop(g);
+                wait_readable(&self.sock)?;
+            }
+        }
+        self.flush_tls(t, true)
+    }
+
+    /// Move the handshake on without waiting: `Ok(true)` once it is done.
+    /// For a non-blocking socket watched by poll.
+    pub fn handshake_step(&self) -> io::Result<bool> {
+        let Some(t) = &self.tls else { return Ok(true) };
+        self.flush_tls(t, false)?;
+        let mut g = lock(t)?;
+        while g.conn.is_handshaking() {
+            if !self.pull(&mut g)? {
+                return Ok(false);
+            }
+        }
+        drop(g);
+        self.flush_tls(t, false)?;
+        Ok(true)
+    }
+
+    /// Read what is here now: `Ok(None)` when nothing is.
+    pub fn read_nonblocking(&self, buf: &mut [u8]) -> io::Result<Option<usize>> {
+        let r = match &self.tls {
+            None => recv(self.sock.as_raw_fd(), buf, libc::MSG_DONTWAIT),
+            Some(t) => self.tls_read(t, buf, false),
+        };
+        match r {
+            Ok(n) => Ok(Some(n)),
+            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted) => {
+                Ok(None)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Queue `buf` and send what the socket takes now, never waiting (a
+    /// reply from a thread that serves many sockets). What is left goes
+    /// out with the next write on this stream.
+    pub fn send_now(&self, buf: &[u8]) -> io::Result<()> {
+        match &self.tls {
+            None => {
+                let mut s = &self.sock;
+                s.write_all(buf)
+            }
+            Some(t) => {
+                lock(t)?.conn.writer().write_all(buf)?;
+                self.flush_tls(t, false)
+            }
+        }
+    }
+
+    /// Write every byte the iovecs describe.
+    ///
+    /// # Safety
+    /// Each iovec must describe memory valid for reads for the whole call.
+    pub unsafe fn writev_all(&self, iov: &mut [libc::iovec]) -> io::Result<()> {
+        match &self.tls {
+            // SAFETY: the caller's contract.
+            None => unsafe { writev_all(self.sock.as_raw_fd(), iov) },
+            Some(t) => {
+                {
+                    let mut g = lock(t)?;
+                    for v in iov.iter() {
+                        // SAFETY: the caller promises each iovec is readable.
+                        let b = unsafe {
+                            std::slice::from_raw_parts(v.iov_base as *const u8, v.iov_len)
+                        };
+                        g.conn.writer().write_all(b)?;
+                    }
+                }
+                self.flush_tls(t, true)
+            }
+        }
+    }
+
+    fn tls_read(&self, t: &Mutex<Tls>, buf: &mut [u8], block: bool) -> io::Result<usize> {
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        loop {
+            {
+                let mut g = lock(t)?;
+                match g.conn.reader().read(buf) {
+                    Ok(n) => return Ok(n),
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                    Err(e) => return Err(e),
+                }
+                if self.pull(&mut g)? {
+                    continue;
+                }
+            }
+            if !block {
+                return Err(io::ErrorKind::WouldBlock.into());
+            }
+            wait_readable(&self.sock)?;
+        }
+    }
+
+    /// Take in what ciphertext the socket holds, without waiting. `true`:
+    /// something changed (bytes, or the peer closed), look again.
+    fn pull(&self, g: &mut MutexGuard<'_, Tls>) -> io::Result<bool> {
+        match g.conn.read_tls(&mut DontWait(&self.sock)) {
+            Ok(n) => {
+                let r = g.conn.process_new_packets();
+                // Handshake replies, or the alert that says why we give up.
+                let _ = push(g, &self.sock);
+                r.map_err(|e| io::Error::new(io::ErrorKind::InvalidData, TlsError::from(e)))?;
+                if n == 0 && g.conn.is_handshaking() {
+                    return Err(io::Error::new(
+                        io::ErrorKind::ConnectionAborted,
+                        "the peer closed the connection during the TLS handshake \
+                         (did it refuse our certificate?)",
+                    ));
+                }
+                Ok(true)
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(false),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(true),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Send the ciphertext rustls holds; with `block`, wait until all of it
+    /// went (as the socket's send timeout allows).
+    fn flush_tls(&self, t: &Mutex<Tls>, block: bool) -> io::Result<()> {
+        loop {
+            if !push(&mut lock(t)?, &self.sock)? || !block {
+                return Ok(());
+            }
+            wait_writable(&self.sock)?;
+        }
+    }
+}
+
+/// Write what rustls holds without waiting; `true` if some is left.
+fn push(g: &mut MutexGuard<'_, Tls>, sock: &TcpStream) -> io::Result<bool> {
+    while g.conn.wants_write() {
+        match g.conn.write_tls(&mut DontWait(sock)) {
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(true),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(false)
+}
+
+fn lock(t: &Mutex<Tls>) -> io::Result<MutexGuard<'_, Tls>> {
+    t.lock()
+        .map_err(|_| io::Error::other("TLS state poisoned by a panicking thread"))
+}
+
+impl Read for &Stream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match &self.tls {
+            None => (&self.sock).read(buf),
+            Some(t) => self.tls_read(t, buf, true),
+        }
+    }
+}
+
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        (&*self).read(buf)
+    }
+}
+
+impl Write for &Stream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match &self.tls {
+            None => (&self.sock).write(buf),
+            Some(t) => {
+                lock(t)?.conn.writer().write_all(buf)?;
+                self.flush_tls(t, true)?;
+                Ok(buf.len())
+            }
+        }
+    }
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        match &self.tls {
+            None => (&self.sock).write_vectored(bufs),
+            Some(t) => {
+                let mut n = 0;
+                {
+                    let mut g = lock(t)?;
+                    for b in bufs {
+                        g.conn.writer().write_all(b)?;
+                        n += b.len();
+                    }
+                }
+                self.flush_tls(t, true)?;
+                Ok(n)
+            }
+        }
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        match &self.tls {
+            None => Ok(()),
+            Some(t) => self.flush_tls(t, true),
+        }
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        (&*self).write(buf)
+    }
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        (&*self).write_vectored(bufs)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        (&*self).flush()
+    }
+}
+
+impl pagefleet_proto::io::ReadAll for Stream {
+    fn read_vectored_all(&mut self, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
+        if self.tls.is_none() {
+            return self.sock.read_vectored_all(bufs);
+        }
+        // Fill each buffer in turn; stop early only at the end of the stream.
+        let mut total = 0;
+        for b in bufs.iter_mut() {
+            let mut off = 0;
+            while off < b.len() {
+                match (&*self).read(&mut b[off..]) {
+                    Ok(0) => return Ok(total + off),
+                    Ok(n) => off += n,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) if total + off > 0 && e.kind() == io::ErrorKind::WouldBlock => {
+                        return Ok(total + off)
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            total += off;
+        }
+        Ok(total)
+    }
+}
+
+
+/// Socket reads and writes that never wait (whatever the socket's mode).
+struct DontWait<'a>(&'a TcpStream);
+
+impl Read for DontWait<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        recv(self.0.as_raw_fd(), buf, libc::MSG_DONTWAIT)
+    }
+}
+
+impl Write for DontWait<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.write_vectored(&[IoSlice::new(buf)])
+    }
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        // SAFETY: msghdr points at `bufs`, whose IoSlice layout is iovec.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = bufs.as_ptr() as *mut libc::iovec;
+        msg.msg_iovlen = bufs.len().min(1024) as _;
+        // SAFETY: the socket is open; msg describes live buffers that are only read.
+        let n = unsafe {
+            libc::sendmsg(
+                self.0.as_raw_fd(),
+                &msg,
+                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+            )
+        };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(n as usize)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+fn recv(fd: RawFd, buf: &mut [u8], flags: i32) -> io::Result<usize> {
+    // SAFETY: buf is valid for writes of buf.len() bytes.
+    let n = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), flags) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(n as usize)
+}
+
+/// Wait until the socket has bytes (or the peer closed), as its receive
+/// timeout allows: a blocking one-byte peek, so `SO_RCVTIMEO` applies.
+fn wait_readable(sock: &TcpStream) -> io::Result<()> {
+    let mut b = [0u8; 1];
+    loop {
+        match recv(sock.as_raw_fd(), &mut b, libc::MSG_PEEK) {
+            Ok(_) => return Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Wait until the socket takes bytes, as its send timeout allows.
+fn wait_writable(sock: &TcpStream) -> io::Result<()> {
+    let ms = match sock.write_timeout()? {
+        None => -1,
+        Some(t) => t.as_millis().clamp(1, i32::MAX as u128) as i32,
+    };
+    let mut p = libc::pollfd {
+        fd: sock.as_raw_fd(),
+        events: libc::POLLOUT,
+        revents: 0,
+    };
+    loop {
+        // SAFETY: one live pollfd.
+        let n = unsafe { libc::poll(&mut p, 1, ms) };
+        if n > 0 {
+            return Ok(());
+        }
+        if n == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the peer took no bytes within the send timeout",
+            ));
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// Write every byte the iovecs describe (retrying short writes).
+///
+/// # Safety
+/// Each iovec must describe memory valid for reads for the whole call.
+unsafe fn writev_all(fd: RawFd, iov: &mut [libc::iovec]) -> io::Result<()> {
+    let mut i = 0;
+    while i < iov.len() {
+        let n = (iov.len() - i).min(1024) as libc::c_int;
+        // SAFETY: the iovecs are valid per the caller's contract.
+        let w = unsafe { libc::writev(fd, iov[i..].as_ptr(), n) };
+        if w < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if w == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::WriteZero,
+                "connection accepted no more bytes",
+            ));
+        }
+        let mut w = w as usize;
+        while i < iov.len() && w >= iov[i].iov_len {
+            w -= iov[i].iov_len;
+            i += 1;
+        }
+        if w > 0 {
+            // Part of this iovec went out: send the rest of it next.
+            iov[i].iov_base = (iov[i].iov_base as usize + w) as *mut libc::c_void;
+            iov[i].iov_len -= w;
+        }
+    }
+    Ok(())
+}
