@@ -51,6 +51,10 @@ pub struct Launch {
     /// incoming runner fills pages this host already holds through it).
     #[serde(default)]
     pub dedup_socket: Option<PathBuf>,
+    /// The host's TLS identity directory: the runner's connections to peers
+    /// not on loopback (memory servers, migration streams) use it.
+    #[serde(default)]
+    pub tls_dir: Option<PathBuf>,
 }
 
 /// Hex-encode bytes (the secret in a [`Launch`]).

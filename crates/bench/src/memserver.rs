@@ -126,9 +126,26 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
     // machine hit all of them alike; medians are taken per configuration.
     let raw = RawServer::start()?;
     let lend = o.dataset + (64 << 20);
-    let d = util::ChildDaemon::start(lend, &secret_path)?;
+    // The daemon has a TLS identity: plaintext rows connect as loopback
+    // clients may, TLS rows switch to TLS (STARTTLS) on the same server.
+    let tls = Tls::new(&tmp)?;
+    let d = util::ChildDaemon::start_args(
+        lend,
+        &secret_path,
+        &["--tls-dir".as_ref(), tls.server_dir.as_os_str()],
+    )?;
+    let plain = ConnectOptions {
+        tls: None,
+        ..Default::default()
+    };
+    let tls_opts = ConnectOptions {
+        tls: Some(tls.client.clone()),
+        tls_on_loopback: true,
+        ..Default::default()
+    };
     log("warm-up (first touch of every buffer and pool, untimed)");
-    pf_bulk(&d.addr, &secret, o.dataset, 1, 32)?;
+    pf_bulk(&d.addr, &secret, &plain, o.dataset, 1, 32)?;
+    pf_bulk(&d.addr, &secret, &tls_opts, o.dataset, 1, 32)?;
     raw.bulk(b'u', o.dataset, 1)?;
     let mut samples: Vec<(SampleKey, Vec<f64>)> = Vec::new();
     let mut push = |k: SampleKey, v: f64| match samples.iter_mut().find(|(kk, _)| *kk == k) {
@@ -159,10 +176,19 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
                     o.reps,
                     b * 4
                 ));
-                let (po, pi) = pf_bulk(&d.addr, &secret, o.dataset, c, b)?;
+                let (po, pi) = pf_bulk(&d.addr, &secret, &plain, o.dataset, c, b)?;
                 push(("pagefleet".into(), "page-out", c, b * 4), po);
                 push(("pagefleet".into(), "page-in", c, b * 4), pi);
             }
+            // TLS costs most where bytes dominate: 128 KiB batches.
+            log(&format!(
+                "rep {}/{}: pagefleet TLS {c} conn(s), batch 128 KiB",
+                rep + 1,
+                o.reps
+            ));
+            let (po, pi) = pf_bulk(&d.addr, &secret, &tls_opts, o.dataset, c, 32)?;
+            push(("pagefleet TLS".into(), "page-out", c, 128), po);
+            push(("pagefleet TLS".into(), "page-in", c, 128), pi);
         }
     }
     let mut raw_tp = std::collections::HashMap::new();
@@ -187,10 +213,16 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
         })
         .collect();
     let order = |s: &str| {
-        ["raw TCP", "raw mem", "pagefleet", "memcached"]
-            .iter()
-            .position(|x| *x == s)
-            .unwrap_or(9)
+        [
+            "raw TCP",
+            "raw mem",
+            "pagefleet",
+            "pagefleet TLS",
+            "memcached",
+        ]
+        .iter()
+        .position(|x| *x == s)
+        .unwrap_or(9)
     };
     rows.sort_by_key(|r| (order(&r.system), r.conns, r.batch_kib));
 
@@ -199,13 +231,17 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
     log("round trips (raw TCP and pagefleet, alternating)");
     let (mut raw_get, mut raw_put, mut pf_get, mut pf_put) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut tls_get, mut tls_put) = (Vec::new(), Vec::new());
     let _pin = util::Pinning::split(&[raw.child.id(), d.child.id()]);
     for _ in 0..4 {
         raw_get.extend(raw.rtt(b'G', o.rtt_iters / 4)?);
         raw_put.extend(raw.rtt(b'P', o.rtt_iters / 4)?);
-        let (g, p) = pf_rtt(&d.addr, &secret, o.rtt_iters / 4, d.child.id())?;
+        let (g, p) = pf_rtt(&d.addr, &secret, &plain, o.rtt_iters / 4, d.child.id())?;
         pf_get.extend(g);
         pf_put.extend(p);
+        let (g, p) = pf_rtt(&d.addr, &secret, &tls_opts, o.rtt_iters / 4, d.child.id())?;
+        tls_get.extend(g);
+        tls_put.extend(p);
     }
     drop(_pin);
     drop(d);
@@ -216,6 +252,8 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
         lat_row("pagefleet", "get 4 KiB", &pf_get, &raw_get),
         lat_row("raw TCP", "put 4 KiB", &raw_put, &raw_put),
         lat_row("pagefleet", "put 4 KiB", &pf_put, &raw_put),
+        lat_row("pagefleet TLS", "get 4 KiB", &tls_get, &raw_get),
+        lat_row("pagefleet TLS", "put 4 KiB", &tls_put, &raw_put),
     ];
     let mut mc_note = None;
     if o.memcached {
@@ -291,6 +329,18 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
                 &format!("{op} 128KiB 4 conns / raw TCP into memory"),
                 pf / raw,
                 0.8,
+                "ratio",
+            ));
+        }
+    }
+    // TLS: what encryption costs on one connection, against plaintext on
+    // the same server in the same run.
+    for op in ["page-out", "page-in"] {
+        if let (Some(t), Some(p)) = (find("pagefleet TLS", op, 1), find("pagefleet", op, 1)) {
+            goals.push(Goal::at_least(
+                &format!("TLS {op} 128KiB 1 conn / plaintext"),
+                t / p,
+                0.6,
                 "ratio",
             ));
         }
@@ -444,6 +494,7 @@ fn ring(seed: u8) -> Vec<u8> {
 fn pf_bulk(
     addr: &str,
     secret: &Secret,
+    base: &ConnectOptions,
     dataset: u64,
     conns: usize,
     batch: usize,
@@ -456,9 +507,15 @@ fn pf_bulk(
                 secret,
                 &ConnectOptions {
                     name: format!("bench-{i}"),
-                    ..Default::default()
+                    ..base.clone()
                 },
             )?;
+            if c.is_tls() != base.tls_on_loopback {
+                bail!(
+                    "{addr}: TLS is {} on a connection meant otherwise",
+                    c.is_tls()
+                );
+            }
             c.set_window(window_for(batch, "page-out"));
             Ok(c)
         })
@@ -537,10 +594,11 @@ fn pf_bulk(
 fn pf_rtt(
     addr: &str,
     secret: &Secret,
+    opts: &ConnectOptions,
     iters: usize,
     server_pid: u32,
 ) -> Result<(Vec<f64>, Vec<f64>)> {
-    let mut c = Conn::connect(addr, secret, &ConnectOptions::default())?;
+    let mut c = Conn::connect(addr, secret, opts)?;
     std::thread::sleep(Duration::from_millis(5));
     util::Pinning::repin(server_pid);
     let page = vec![7u8; P];
@@ -1096,5 +1154,32 @@ impl crate::Benchmark for Args {
     }
     fn print(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
         print_table(r, out)
+    }
+}
+
+/// A CA and two identities for the TLS rows (in the bench's temp directory).
+struct Tls {
+    server_dir: PathBuf,
+    client: std::sync::Arc<pagefleet_tls::Identity>,
+}
+
+impl Tls {
+    fn new(tmp: &std::path::Path) -> Result<Tls> {
+        use pagefleet_tls::certs;
+        let ca = tmp.join("ca");
+        certs::init_ca(&ca)?;
+        let req = |name: &str| certs::IssueRequest {
+            name: name.into(),
+            years: 1,
+            ..Default::default()
+        };
+        let server_dir = tmp.join("tls-server");
+        certs::issue(&ca, &req("bench-server"), &server_dir)?;
+        let client_dir = tmp.join("tls-client");
+        certs::issue(&ca, &req("bench-client"), &client_dir)?;
+        Ok(Tls {
+            server_dir,
+            client: std::sync::Arc::new(pagefleet_tls::Identity::load(&client_dir)?),
+        })
     }
 }

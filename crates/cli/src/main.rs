@@ -8,6 +8,7 @@ use pagefleet_common::units;
 use pagefleet_proto::auth::Secret;
 use std::path::PathBuf;
 
+mod cert;
 mod cluster;
 mod gc;
 mod run;
@@ -25,6 +26,11 @@ struct Cli {
     /// /etc/pagefleet/secret as root, else ~/.config/pagefleet/secret).
     #[arg(long, global = true)]
     secret_file: Option<PathBuf>,
+    /// This client's TLS identity (a directory `pagefleet cert issue`
+    /// wrote). With one, connections to hosts not on loopback use TLS;
+    /// hosts that run with --tls-dir refuse such connections without it.
+    #[arg(long, global = true, env = "PAGEFLEET_TLS_DIR")]
+    tls_dir: Option<PathBuf>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -37,6 +43,9 @@ enum Cmd {
     /// Talk to a memory server.
     #[command(subcommand)]
     Memserver(MemserverCmd),
+    /// The cluster CA and certificates for TLS on every port.
+    #[command(subcommand)]
+    Cert(cert::CertCmd),
     /// The main demo (root; a few minutes): a 4-host testbed, a kv guest under
     /// client load split-migrates onto a host with memory for half of it plus
     /// a sub-host, pages there, and is gathered back; prints the reports and
@@ -343,6 +352,14 @@ enum TestbedCmd {
         /// Third octet of the lab subnet 10.200.X.0/24.
         #[arg(long, default_value_t = 77)]
         subnet: u8,
+        /// Run an etcd member on each of the first N hosts and make it the
+        /// daemons' registry (--registry etcd://...) instead of --peers.
+        #[arg(long, default_value_t = 0)]
+        etcd: usize,
+        /// TLS everywhere: a lab CA, a certificate per host (pagefleetd
+        /// --tls-dir) and one for commands run with `testbed exec`.
+        #[arg(long)]
+        tls: bool,
     },
     /// Remove the lab: daemons, namespaces, state. Safe to run twice.
     Down {
@@ -385,6 +402,8 @@ fn testbed(t: TestbedCmd) -> Result<()> {
             guest_memory,
             prefix,
             subnet,
+            etcd,
+            tls,
         } => {
             let me = std::env::current_exe()?;
             let d = me.parent().unwrap().join("pagefleetd");
@@ -393,6 +412,8 @@ fn testbed(t: TestbedCmd) -> Result<()> {
             o.guest_memory = guest_memory;
             o.prefix = prefix;
             o.subnet_octet = subnet;
+            o.etcd = etcd;
+            o.tls = tls;
             o.dir = dir;
             let lab = Lab::up(&o)?;
             println!(
@@ -561,7 +582,12 @@ fn runner(kind: &str) -> Result<()> {
 
 fn run(cli: Cli) -> Result<()> {
     let sf = cli.secret_file.as_deref();
+    if !matches!(cli.cmd, Cmd::Cert(_)) {
+        pagefleet_tls::init_process_identity(cli.tls_dir.as_deref())
+            .map_err(|e| anyhow::anyhow!("--tls-dir: {e}"))?;
+    }
     match cli.cmd {
+        Cmd::Cert(c) => cert::main(c),
         Cmd::Bench(BenchCmd::Memserver(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::Paging(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::Migration(b)) => bench::main(&b.common, &b.args),

@@ -9,13 +9,20 @@
 //! faulting page before the rest of its chunk has arrived).
 //!
 //! [`Cluster`] holds connections to several servers.
+//!
+//! With a TLS identity ([`ConnectOptions::tls`], by default the process's)
+//! a connection to a server not on loopback switches to TLS (STARTTLS)
+//! before it authenticates, and a server that does not offer TLS there is
+//! refused rather than spoken to in plaintext.
 
 use pagefleet_proto::auth::{self, Secret, SecretError};
 use pagefleet_proto::io::RecvBuf;
 use pagefleet_proto::*;
+use pagefleet_tls::{Identity, Stream};
 use std::collections::VecDeque;
 use std::io::{self, IoSliceMut, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// What went wrong talking to a memory server; every variant names it.
@@ -66,6 +73,15 @@ pub enum ClientError {
     ServerAuth {
         /// The server.
         addr: String,
+    },
+    /// TLS could not be set up, or the server would not use it where this
+    /// client must.
+    #[error("memory server {addr}: TLS: {msg}")]
+    Tls {
+        /// The server.
+        addr: String,
+        /// What went wrong.
+        msg: String,
     },
     /// The cluster secret could not be read.
     #[error(transparent)]
@@ -125,6 +141,11 @@ pub struct ConnectOptions {
     pub io_timeout: Duration,
     /// Frames kept in flight by bulk calls.
     pub window: usize,
+    /// The certificate this client presents; with one, servers not on
+    /// loopback are spoken to over TLS only. Default: the process's.
+    pub tls: Option<Arc<Identity>>,
+    /// Use TLS (with `tls`) to a loopback server too (measuring its cost).
+    pub tls_on_loopback: bool,
 }
 
 impl Default for ConnectOptions {
@@ -134,6 +155,8 @@ impl Default for ConnectOptions {
             connect_timeout: Duration::from_secs(5),
             io_timeout: Duration::from_secs(30),
             window: 16,
+            tls: pagefleet_tls::process_identity(),
+            tls_on_loopback: false,
         }
     }
 }
@@ -201,7 +224,7 @@ pub struct GetReply {
 /// One authenticated connection to a memory server, with pipelined
 /// bulk calls.
 pub struct Conn {
-    stream: TcpStream,
+    stream: Stream,
     rb: RecvBuf,
     next_id: u64,
     sendbuf: Vec<u8>,
@@ -243,13 +266,12 @@ impl Conn {
             source,
         };
         let sa = resolve(addr).map_err(cerr)?;
-        let stream = TcpStream::connect_timeout(&sa, opts.connect_timeout).map_err(cerr)?;
-        stream.set_nodelay(true).map_err(cerr)?;
-        stream
-            .set_read_timeout(Some(opts.io_timeout))
-            .map_err(cerr)?;
-        stream
-            .set_write_timeout(Some(opts.io_timeout))
+        let sock = TcpStream::connect_timeout(&sa, opts.connect_timeout).map_err(cerr)?;
+        let stream = Stream::plain(sock);
+        let sock = stream.socket();
+        sock.set_nodelay(true).map_err(cerr)?;
+        sock.set_read_timeout(Some(opts.io_timeout)).map_err(cerr)?;
+        sock.set_write_timeout(Some(opts.io_timeout))
             .map_err(cerr)?;
         let mut rb = RecvBuf::new(16 * 1024);
         // Read little ahead, so page data goes straight into the caller's buffer.
@@ -270,11 +292,30 @@ impl Conn {
             spin: Duration::ZERO,
             io_timeout: opts.io_timeout,
         };
-        let (h, body) = c.read_frame()?;
-        if h.opcode != Opcode::Welcome as u8 {
-            return Err(c.unexpected(h, "WELCOME", &body));
+        let mut w = c.read_welcome()?;
+        let tls = opts
+            .tls
+            .as_deref()
+            .filter(|_| opts.tls_on_loopback || !pagefleet_tls::is_loopback(sa.ip()));
+        match tls {
+            Some(id) if w.flags & Welcome::TLS_OFFERED != 0 => {
+                c.start_tls(id, addr)?;
+                w = c.read_welcome()?;
+            }
+            Some(_) => {
+                return Err(c.tls_error(
+                    "the server does not offer TLS, and this client speaks only TLS \
+                     to servers not on loopback (give the server --tls-dir)",
+                ))
+            }
+            None if w.flags & Welcome::TLS_REQUIRED != 0 => {
+                return Err(c.tls_error(
+                    "the server takes only TLS from this address: give this client the \
+                     cluster's certificates (--tls-dir or $PAGEFLEET_TLS_DIR)",
+                ))
+            }
+            None => {}
         }
-        let w = Welcome::decode(&body).map_err(|e| c.proto(e.message))?;
         if w.min_version > VERSION as u16 || w.max_version < VERSION as u16 {
             return Err(c.proto(format!(
                 "server speaks versions {}..={}, this client {}",
@@ -318,6 +359,50 @@ impl Conn {
         Ok(c)
     }
 
+    fn read_welcome(&mut self) -> Result<Welcome> {
+        let (h, body) = self.read_frame()?;
+        if h.opcode != Opcode::Welcome as u8 {
+            return Err(self.unexpected(h, "WELCOME", &body));
+        }
+        Welcome::decode(&body).map_err(|e| self.proto(e.message))
+    }
+
+    /// STARTTLS, then the TLS handshake as a client of `addr`'s host.
+    fn start_tls(&mut self, id: &Identity, addr: &str) -> Result<()> {
+        let sid = self.id();
+        frame(Opcode::StartTls, sid, &mut self.sendbuf, |_| {});
+        self.send_buffered()?;
+        let (h, body) = self.read_frame()?;
+        if h.opcode != Opcode::StartTlsOk as u8 {
+            return Err(self.unexpected(h, "STARTTLS_OK", &body));
+        }
+        if !self.rb.is_empty() {
+            return Err(self.proto("bytes after STARTTLS_OK before the TLS handshake"));
+        }
+        let host = addr
+            .rsplit_once(':')
+            .map_or(addr, |(h, _)| h)
+            .trim_matches(|c| c == '[' || c == ']');
+        self.stream
+            .start_tls_client(id, host)
+            .map_err(|e| self.tls_error(&e.to_string()))?;
+        self.stream
+            .handshake()
+            .map_err(|e| self.tls_error(&e.to_string()))
+    }
+
+    fn tls_error(&self, msg: &str) -> ClientError {
+        ClientError::Tls {
+            addr: self.addr.clone(),
+            msg: msg.to_string(),
+        }
+    }
+
+    /// Whether this connection runs over TLS.
+    pub fn is_tls(&self) -> bool {
+        self.stream.is_tls()
+    }
+
     /// Connect like [`Conn::connect`], but retry for up to `patience` while
     /// the server answers BUSY, refuses or drops the connection (a restart,
     /// a full session table, a flood of strangers): a pager should ride out a
@@ -358,7 +443,7 @@ impl Conn {
     /// The connection's socket (for polling it beside other fds).
     pub fn raw_fd(&self) -> std::os::fd::RawFd {
         use std::os::fd::AsRawFd;
-        self.stream.as_raw_fd()
+        self.stream.socket().as_raw_fd()
     }
 
     /// Bytes arrived on the socket since the last read (an epoll edge):
@@ -370,7 +455,7 @@ impl Conn {
     /// Whether bytes of a reply were read ahead into this connection's
     /// buffer (a poll of the socket does not see them). No system call.
     pub fn buffered(&self) -> bool {
-        !self.rb.is_empty()
+        !self.rb.is_empty() || self.stream.buffered()
     }
 
     /// Whether a reply (or its start) is here already: buffered, or
@@ -406,7 +491,7 @@ impl Conn {
     }
 
     fn spin_until_readable(&mut self) {
-        if self.spin.is_zero() || !self.rb.is_empty() {
+        if self.spin.is_zero() || self.buffered() {
             return;
         }
         use std::os::fd::AsRawFd;
@@ -416,7 +501,7 @@ impl Conn {
             // SAFETY: one-byte peek into a local buffer.
             let n = unsafe {
                 libc::recv(
-                    self.stream.as_raw_fd(),
+                    self.stream.socket().as_raw_fd(),
                     b.as_mut_ptr().cast(),
                     1,
                     libc::MSG_PEEK | libc::MSG_DONTWAIT,
@@ -461,7 +546,7 @@ impl Conn {
     }
 
     fn send_buffered(&mut self) -> Result<()> {
-        let r = self.stream.write_all(&self.sendbuf);
+        let r = (&self.stream).write_all(&self.sendbuf);
         self.sendbuf.clear();
         r.map_err(|e| self.io(e))
     }
@@ -614,7 +699,7 @@ impl Conn {
         }));
         // SAFETY: `meta` lives to the end of this call; the pages are valid
         // for reads per this function's contract.
-        unsafe { writev_all(&self.stream, &mut iov) }.map_err(|e| self.io(e))?;
+        unsafe { self.stream.writev_all(&mut iov) }.map_err(|e| self.io(e))?;
         Ok(id)
     }
 
@@ -944,42 +1029,4 @@ impl Cluster {
         best.map(|(i, _)| i)
             .ok_or_else(|| ClientError::Usage("no memory servers configured".into()))
     }
-}
-
-/// Write every byte the iovecs describe (retrying short writes).
-///
-/// # Safety
-/// Each iovec must describe memory valid for reads for the whole call.
-unsafe fn writev_all(stream: &TcpStream, iov: &mut [libc::iovec]) -> io::Result<()> {
-    use std::os::fd::AsRawFd;
-    let mut i = 0;
-    while i < iov.len() {
-        let n = (iov.len() - i).min(1024) as libc::c_int;
-        // SAFETY: the iovecs are valid per the caller's contract.
-        let w = unsafe { libc::writev(stream.as_raw_fd(), iov[i..].as_ptr(), n) };
-        if w < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        if w == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::WriteZero,
-                "connection accepted no more bytes",
-            ));
-        }
-        let mut w = w as usize;
-        while i < iov.len() && w >= iov[i].iov_len {
-            w -= iov[i].iov_len;
-            i += 1;
-        }
-        if w > 0 {
-            // Part of this iovec went out: send the rest of it next.
-            iov[i].iov_base = (iov[i].iov_base as usize + w) as *mut libc::c_void;
-            iov[i].iov_len -= w;
-        }
-    }
-    Ok(())
 }

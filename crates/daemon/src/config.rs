@@ -4,6 +4,7 @@
 //! name = "rack1-h3"         # this host's name in reports (default: hostname)
 //! log = "info"
 //! secret_file = "/etc/pagefleet/secret"
+//! tls_dir = "/etc/pagefleet/tls"  # this host's certificates (pagefleet cert issue)
 //!
 //! [memserver]
 //! lend = "4GiB"
@@ -59,6 +60,8 @@ pub struct FileConfig {
     pub log: Option<String>,
     /// The cluster secret file.
     pub secret_file: Option<PathBuf>,
+    /// This host's TLS identity directory.
+    pub tls_dir: Option<PathBuf>,
     /// `[memserver]`: lending memory.
     pub memserver: Option<MemserverSection>,
     /// `[guests]`: the guest host service.
@@ -175,6 +178,8 @@ pub struct Flags {
     pub public_metrics: Option<bool>,
     /// The cluster secret file.
     pub secret_file: Option<PathBuf>,
+    /// This host's TLS identity directory.
+    pub tls_dir: Option<PathBuf>,
     /// Most simultaneous client connections.
     pub max_conns: Option<u32>,
     /// Drop a client stalled this long, seconds.
@@ -228,6 +233,9 @@ pub struct Settings {
     pub public_metrics: bool,
     /// The cluster secret file.
     pub secret_file: Option<PathBuf>,
+    /// This host's TLS identity directory (none: `$PAGEFLEET_TLS_DIR`, else
+    /// plaintext only).
+    pub tls_dir: Option<PathBuf>,
     /// Most simultaneous client connections.
     pub max_conns: u32,
     /// Drop a client stalled this long.
@@ -387,6 +395,7 @@ pub fn merge(file: FileConfig, flags: Flags) -> Result<Settings> {
         metrics: flags.metrics.or(m.metrics),
         public_metrics: flags.public_metrics.or(m.public_metrics).unwrap_or(false),
         secret_file: flags.secret_file.or(file.secret_file),
+        tls_dir: flags.tls_dir.or(file.tls_dir),
         max_conns,
         io_timeout: Duration::from_secs(io),
         handshake_timeout: Duration::from_secs(hs),

@@ -43,6 +43,8 @@ pub struct GuestConfig {
     /// The content lookup socket handed to incoming runners (None: no
     /// sharing-aware migration into this host).
     pub dedup_socket: Option<PathBuf>,
+    /// The host's TLS identity directory, handed to runners.
+    pub tls_dir: Option<PathBuf>,
 }
 
 /// A refused or failed request: the HTTP status and what to tell the caller.
@@ -258,6 +260,7 @@ impl Guests {
             service_dev: self.cfg.service_dev.clone(),
             job,
             dedup_socket: self.cfg.dedup_socket.clone(),
+            tls_dir: self.cfg.tls_dir.clone(),
         };
         let mut cmd = Command::new(&self.cfg.runner);
         // The name (validated: letters, digits, - and _) only labels the

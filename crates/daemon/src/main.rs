@@ -65,6 +65,13 @@ struct Args {
     /// $PAGEFLEET_SECRET, if set, is the secret itself.
     #[arg(long)]
     secret_file: Option<PathBuf>,
+    /// This host's TLS identity: a directory `pagefleet cert issue` wrote
+    /// (default: $PAGEFLEET_TLS_DIR). With one, every port (memory server,
+    /// migrations, HTTP API, NBD) takes only TLS with a certificate the
+    /// cluster CA signed from peers not on loopback, and this host's
+    /// runners and clients speak TLS to such peers. Without: plaintext.
+    #[arg(long)]
+    tls_dir: Option<PathBuf>,
     /// Most simultaneous authenticated client sessions (default 512).
     /// Connections waiting to authenticate do not count: they have their
     /// own cap and deadline (see --handshake-timeout).
@@ -169,6 +176,7 @@ fn run() -> Result<()> {
             metrics: args.metrics,
             public_metrics: args.public_metrics.then_some(true),
             secret_file: args.secret_file,
+            tls_dir: args.tls_dir,
             max_conns: args.max_conns,
             io_timeout_secs: args.io_timeout,
             handshake_timeout_secs: args.handshake_timeout,

@@ -185,6 +185,15 @@ pub fn run(a: Settings) -> Result<()> {
             "--lend is less than one 4 KiB page".to_string(),
         ));
     }
+    let tls = pagefleet_tls::init_process_identity(a.tls_dir.as_deref())
+        .map_err(|e| crate::Error::Invalid(format!("TLS identity: {e}")))?;
+    if let Some(id) = &tls {
+        tracing::info!(
+            "TLS identity {:?} from {}: peers not on loopback must use TLS",
+            id.name,
+            id.dir.display()
+        );
+    }
     let (secret, created) = Secret::load_or_create(a.secret_file.as_deref())?;
     if created {
         let p = a.secret_file.clone().unwrap_or_else(Secret::default_path);
@@ -197,6 +206,7 @@ pub fn run(a: Settings) -> Result<()> {
         max_conns: a.max_conns,
         io_timeout: a.io_timeout,
         handshake_timeout: a.handshake_timeout,
+        tls: tls.clone(),
         ..ServerConfig::default()
     };
     let ms = match a.lend {
@@ -249,6 +259,7 @@ pub fn run(a: Settings) -> Result<()> {
                 secret: secret.clone(),
                 vm_images: a.vm_images.clone(),
                 dedup_socket: dedup_socket.clone(),
+                tls_dir: tls.as_ref().map(|t| t.dir.clone()),
             })?;
             if let Some(sock) = &dedup_socket {
                 // Sharing-aware migration is an optimization: without the

@@ -21,6 +21,30 @@ impl ChildDaemon {
 
     /// Start a given pagefleetd binary (tests pass the one cargo built).
     pub fn start_bin(bin: &Path, lend_bytes: u64, secret_path: &Path) -> Result<ChildDaemon> {
+        Self::start_bin_args(bin, lend_bytes, secret_path, &[])
+    }
+
+    /// [`ChildDaemon::start`] with more pagefleetd flags (e.g. `--tls-dir`).
+    pub fn start_args(
+        lend_bytes: u64,
+        secret_path: &Path,
+        extra: &[&std::ffi::OsStr],
+    ) -> Result<ChildDaemon> {
+        Self::start_bin_args(
+            &sibling_binary("pagefleetd")?,
+            lend_bytes,
+            secret_path,
+            extra,
+        )
+    }
+
+    /// A given pagefleetd binary with more flags.
+    pub fn start_bin_args(
+        bin: &Path,
+        lend_bytes: u64,
+        secret_path: &Path,
+        extra: &[&std::ffi::OsStr],
+    ) -> Result<ChildDaemon> {
         let mut child = Command::new(bin)
             .args([
                 "--lend",
@@ -34,7 +58,9 @@ impl ChildDaemon {
             ])
             .arg("--secret-file")
             .arg(secret_path)
+            .args(extra)
             .env_remove("PAGEFLEET_SECRET")
+            .env_remove("PAGEFLEET_TLS_DIR")
             .stdout(Stdio::piped())
             .spawn()
             .with_context(|| format!("cannot start {}", bin.display()))?;

@@ -9,23 +9,35 @@
 //! a flood of idle connections delays a real client by at most the time it
 //! takes to send its HELLO (microseconds), and each waits at most
 //! `handshake_timeout`.
+//!
+//! TLS runs here too: a client sends STARTTLS before its HELLO, the gate
+//! answers STARTTLS_OK, runs the TLS handshake without blocking (the client
+//! must present a certificate the cluster CA signed) and sends a fresh
+//! WELCOME inside TLS. With an identity configured, a peer not on loopback
+//! that sends HELLO in plaintext is refused (TLS_REQUIRED) before its proof
+//! is even read.
 
 use crate::server::{check_hello, welcome, ServerState, MAX_HELLO_BODY};
 use pagefleet_proto::auth;
 use pagefleet_proto::*;
+use pagefleet_tls::Stream;
 use std::collections::VecDeque;
-use std::io::{self, Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::io;
+use std::net::TcpListener;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 /// A connection that has not authenticated yet.
 struct Waiting {
-    stream: TcpStream,
+    stream: Stream,
     peer: String,
+    /// Only TLS is taken from this peer (identity configured, not loopback).
+    tls_required: bool,
+    /// Between STARTTLS_OK and the end of the TLS handshake.
+    handshaking: bool,
     nonce: [u8; 32],
     buf: Vec<u8>,
     since: Instant,
@@ -55,7 +67,11 @@ pub fn serve(listener: TcpListener, state: Arc<ServerState>) -> io::Result<()> {
     loop {
         fds.clear();
         fds.push(pollfd(listener.as_raw_fd()));
-        fds.extend(waiting.iter().map(|w| pollfd(w.stream.as_raw_fd())));
+        fds.extend(
+            waiting
+                .iter()
+                .map(|w| pollfd(w.stream.socket().as_raw_fd())),
+        );
         // Wake at least every 100 ms to expire handshakes.
         // SAFETY: fds is a live array of fds.len() pollfd structs.
         let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 100) };
@@ -119,7 +135,7 @@ fn pollfd(fd: i32) -> libc::pollfd {
 
 fn accept_all(listener: &TcpListener, st: &Arc<ServerState>, waiting: &mut VecDeque<Waiting>) {
     loop {
-        let (mut stream, peer) = match listener.accept() {
+        let (sock, peer) = match listener.accept() {
             Ok(x) => x,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
             Err(e) => {
@@ -136,17 +152,28 @@ fn accept_all(listener: &TcpListener, st: &Arc<ServerState>, waiting: &mut VecDe
             st.metrics.handshake_evictions.fetch_add(1, Relaxed);
         }
         let nonce = auth::random_nonce();
+        let tls_required = pagefleet_tls::required(st.cfg.tls.as_deref(), peer);
+        let mut flags = 0;
+        if st.cfg.tls.is_some() {
+            flags |= Welcome::TLS_OFFERED;
+        }
+        if tls_required {
+            flags |= Welcome::TLS_REQUIRED;
+        }
         let mut out = Vec::with_capacity(64);
-        welcome(st, nonce, &mut out);
-        let _ = stream.set_nodelay(true);
+        welcome(st, nonce, flags, &mut out);
+        let _ = sock.set_nodelay(true);
+        let stream = Stream::plain(sock);
         // A fresh socket's send buffer always takes the 64-byte WELCOME.
-        if stream.set_nonblocking(true).is_err() || stream.write_all(&out).is_err() {
+        if stream.socket().set_nonblocking(true).is_err() || stream.send_now(&out).is_err() {
             continue;
         }
         st.metrics.bytes_out.fetch_add(out.len() as u64, Relaxed);
         waiting.push_back(Waiting {
             stream,
             peer: peer.to_string(),
+            tls_required,
+            handshaking: false,
             nonce,
             buf: Vec::with_capacity(HEADER_LEN + MAX_HELLO_BODY),
             since: Instant::now(),
@@ -156,16 +183,46 @@ fn accept_all(listener: &TcpListener, st: &Arc<ServerState>, waiting: &mut VecDe
 
 /// Read what the connection sent; answer once its HELLO is complete.
 fn step(st: &ServerState, w: &mut Waiting) -> Step {
+    if w.handshaking {
+        match w.stream.handshake_step() {
+            Ok(false) => return Step::More,
+            Ok(true) => {
+                w.handshaking = false;
+                st.metrics.tls_handshakes.fetch_add(1, Relaxed);
+                debug!(peer = w.peer, client = ?w.stream.peer_name(), "TLS established");
+                // A fresh nonce: the HELLO is proven inside TLS.
+                w.nonce = auth::random_nonce();
+                let mut out = Vec::with_capacity(64);
+                welcome(st, w.nonce, 0, &mut out);
+                if w.stream.send_now(&out).is_err() {
+                    return Step::Close;
+                }
+                st.metrics.bytes_out.fetch_add(out.len() as u64, Relaxed);
+            }
+            Err(e) => {
+                st.metrics.tls_failures.fetch_add(1, Relaxed);
+                info!(peer = w.peer, "TLS handshake refused: {e}");
+                return Step::Close;
+            }
+        }
+    }
     let mut tmp = [0u8; HEADER_LEN + MAX_HELLO_BODY + 256];
-    let n = match w.stream.read(&mut tmp) {
-        Ok(0) => return Step::Close,
-        Ok(n) => n,
-        Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Step::More,
-        Err(e) if e.kind() == io::ErrorKind::Interrupted => return Step::More,
-        Err(_) => return Step::Close,
-    };
-    w.buf.extend_from_slice(&tmp[..n]);
-    st.metrics.bytes_in.fetch_add(n as u64, Relaxed);
+    // Read all there is: decrypted bytes left in the TLS buffer would not
+    // wake the poll again.
+    loop {
+        match w.stream.read_nonblocking(&mut tmp) {
+            Ok(Some(0)) => return Step::Close,
+            Ok(Some(n)) => {
+                w.buf.extend_from_slice(&tmp[..n]);
+                st.metrics.bytes_in.fetch_add(n as u64, Relaxed);
+            }
+            Ok(None) => break,
+            Err(_) => return Step::Close,
+        }
+        if w.buf.len() >= HEADER_LEN + MAX_HELLO_BODY {
+            break;
+        }
+    }
     if w.buf.len() < HEADER_LEN {
         return Step::More;
     }
@@ -173,6 +230,9 @@ fn step(st: &ServerState, w: &mut Waiting) -> Step {
         Ok(h) => h,
         Err(e) => return refuse(st, w, e),
     };
+    if Opcode::from_u8(h.opcode) == Some(Opcode::StartTls) {
+        return start_tls(st, w, h);
+    }
     if Opcode::from_u8(h.opcode) != Some(Opcode::Hello) {
         return refuse(
             st,
@@ -185,6 +245,21 @@ fn step(st: &ServerState, w: &mut Waiting) -> Step {
         );
     }
     st.metrics.request(Opcode::Hello);
+    if w.tls_required && !w.stream.is_tls() {
+        return refuse(
+            st,
+            w,
+            WireError::new(
+                ErrorCode::TlsRequired,
+                format!(
+                    "this memory server takes only TLS from {}: give the client the \
+                     cluster's certificates (pagefleet cert issue; --tls-dir)",
+                    w.peer
+                ),
+            )
+            .with_id(h.id),
+        );
+    }
     let len = h.body_len as usize;
     if len > MAX_HELLO_BODY {
         return refuse(
@@ -212,12 +287,48 @@ fn step(st: &ServerState, w: &mut Waiting) -> Step {
     }
 }
 
+/// STARTTLS: answer STARTTLS_OK and start the TLS handshake (server side).
+fn start_tls(st: &ServerState, w: &mut Waiting, h: Header) -> Step {
+    st.metrics.request(Opcode::StartTls);
+    let violation = |m: &str| WireError::new(ErrorCode::ProtocolViolation, m).with_id(h.id);
+    if h.body_len != 0 || w.buf.len() != HEADER_LEN {
+        return refuse(
+            st,
+            w,
+            violation("STARTTLS has no body, and nothing may follow it before the handshake"),
+        );
+    }
+    if w.stream.is_tls() {
+        return refuse(st, w, violation("this connection is TLS already"));
+    }
+    let Some(id) = st.cfg.tls.clone() else {
+        return refuse(
+            st,
+            w,
+            WireError::new(
+                ErrorCode::TlsRequired,
+                "this memory server has no TLS identity (pagefleetd --tls-dir)",
+            )
+            .with_id(h.id),
+        );
+    };
+    let mut out = Vec::with_capacity(HEADER_LEN);
+    frame(Opcode::StartTlsOk, h.id, &mut out, |_| {});
+    if w.stream.send_now(&out).is_err() || w.stream.start_tls_server(&id).is_err() {
+        return Step::Close;
+    }
+    st.metrics.bytes_out.fetch_add(out.len() as u64, Relaxed);
+    w.buf.clear();
+    w.handshaking = true;
+    Step::More
+}
+
 fn refuse(st: &ServerState, w: &mut Waiting, e: WireError) -> Step {
     st.metrics.error(e.code);
     debug!(peer = w.peer, "refused before authentication: {e}");
     let mut out = Vec::new();
     frame(Opcode::Error, e.id, &mut out, |b| e.encode(b));
-    let _ = w.stream.write_all(&out);
+    let _ = w.stream.send_now(&out);
     Step::Close
 }
 
@@ -231,9 +342,7 @@ fn start_session(
     id: u64,
     extra: Vec<u8>,
 ) {
-    let Waiting {
-        mut stream, peer, ..
-    } = w;
+    let Waiting { stream, peer, .. } = w;
     if !st.try_admit() {
         st.metrics.connections_refused.fetch_add(1, Relaxed);
         let e = WireError::new(
@@ -246,11 +355,12 @@ fn start_session(
         st.metrics.error(e.code);
         let mut out = Vec::new();
         frame(Opcode::Error, id, &mut out, |b| e.encode(b));
-        let _ = stream.write_all(&out);
+        let _ = stream.send_now(&out);
         return;
     }
-    // A fresh connection's send buffer always takes the 80-byte HELLO_OK.
-    if stream.write_all(ok).is_err() {
+    // A fresh connection's send buffer always takes the 80-byte HELLO_OK
+    // (the session flushes what TLS could not send at once).
+    if stream.send_now(ok).is_err() {
         st.release();
         return;
     }

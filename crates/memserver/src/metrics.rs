@@ -5,7 +5,7 @@ use pagefleet_proto::{ErrorCode, Opcode};
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
-const OPS: [Opcode; 7] = [
+const OPS: [Opcode; 8] = [
     Opcode::Hello,
     Opcode::Put,
     Opcode::Get,
@@ -13,6 +13,7 @@ const OPS: [Opcode; 7] = [
     Opcode::Stat,
     Opcode::Ping,
     Opcode::PutHashed,
+    Opcode::StartTls,
 ];
 
 /// The server's counters (Prometheus text: `render`).
@@ -44,6 +45,10 @@ pub struct Metrics {
     pub handshake_timeouts: AtomicU64,
     /// Waiting connections dropped to admit newer ones (handshake cap full).
     pub handshake_evictions: AtomicU64,
+    /// Connections switched to TLS (handshake completed).
+    pub tls_handshakes: AtomicU64,
+    /// TLS handshakes that failed (no certificate, a stranger's, garbage).
+    pub tls_failures: AtomicU64,
 }
 
 impl Metrics {
@@ -144,6 +149,18 @@ pub fn render(m: &Metrics, s: &StoreStats, connections: u32) -> String {
         "Unauthenticated connections dropped to admit newer ones.",
         "counter",
         m.handshake_evictions.load(Relaxed),
+    );
+    gauge(
+        "memserver_tls_handshakes_total",
+        "Connections switched to TLS.",
+        "counter",
+        m.tls_handshakes.load(Relaxed),
+    );
+    gauge(
+        "memserver_tls_failures_total",
+        "TLS handshakes that failed (no or a stranger's certificate).",
+        "counter",
+        m.tls_failures.load(Relaxed),
     );
     gauge(
         "memserver_received_bytes_total",

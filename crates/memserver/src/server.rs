@@ -12,6 +12,7 @@ use crate::store::{PutTarget, Store, StoreError};
 use pagefleet_proto::auth::{self, Secret};
 use pagefleet_proto::io::{write_all_vectored, ReadAll, RecvBuf};
 use pagefleet_proto::*;
+use pagefleet_tls::Stream;
 use std::io::{self, IoSlice, IoSliceMut, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
@@ -34,6 +35,9 @@ pub struct ServerConfig {
     pub max_handshakes: u32,
     /// A connection that has not authenticated within this long is dropped.
     pub handshake_timeout: Duration,
+    /// This server's TLS identity: clients may STARTTLS, and those not on
+    /// loopback must (none: plaintext only).
+    pub tls: Option<Arc<pagefleet_tls::Identity>>,
 }
 
 impl Default for ServerConfig {
@@ -43,6 +47,7 @@ impl Default for ServerConfig {
             io_timeout: Duration::from_secs(30),
             max_handshakes: 256,
             handshake_timeout: Duration::from_secs(5),
+            tls: None,
         }
     }
 }
@@ -151,7 +156,7 @@ pub fn serve(listener: TcpListener, state: Arc<ServerState>) -> io::Result<()> {
 /// and counted it in `connections`; released here).
 pub(crate) fn serve_authenticated(
     st: &ServerState,
-    stream: TcpStream,
+    stream: Stream,
     peer: &str,
     client: String,
     extra: &[u8],
@@ -163,13 +168,17 @@ pub(crate) fn serve_authenticated(
         }
     }
     let _release = Release(st);
-    if stream.set_nonblocking(false).is_err() {
+    if stream.socket().set_nonblocking(false).is_err() {
+        return;
+    }
+    // The gate's last reply (HELLO_OK) may still sit in the TLS buffer.
+    if (&stream).flush().is_err() {
         return;
     }
     let ka = socket2::TcpKeepalive::new()
         .with_time(Duration::from_secs(30))
         .with_interval(Duration::from_secs(10));
-    let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(&ka);
+    let _ = socket2::SockRef::from(stream.socket()).set_tcp_keepalive(&ka);
     let mut t = FrameStream::new(stream, st.cfg.io_timeout);
     debug!(peer, client, "session started");
     let mut s = Session::new(st, &mut t, peer);
@@ -181,12 +190,12 @@ pub(crate) fn serve_authenticated(
     }
 }
 
-/// A TCP stream whose reads and writes give up at a deadline that holds for a
-/// whole frame, not per system call: a client that sends one byte every few
-/// seconds is dropped when the frame's time is up. Between frames (no
-/// deadline) an idle client may wait forever.
+/// A connection (plain or TLS) whose reads and writes give up at a deadline
+/// that holds for a whole frame, not per system call: a client that sends
+/// one byte every few seconds is dropped when the frame's time is up.
+/// Between frames (no deadline) an idle client may wait forever.
 pub struct FrameStream {
-    s: TcpStream,
+    s: Stream,
     deadline: Option<Instant>,
     /// The socket timeout set now (both directions).
     set: Option<Duration>,
@@ -195,7 +204,7 @@ pub struct FrameStream {
 
 impl FrameStream {
     /// `idle` is the socket timeout between frames (the session just loops on it).
-    pub fn new(s: TcpStream, idle: Duration) -> FrameStream {
+    pub fn new(s: Stream, idle: Duration) -> FrameStream {
         FrameStream {
             s,
             deadline: None,
@@ -225,8 +234,8 @@ impl FrameStream {
             .set
             .is_none_or(|s| s.abs_diff(want) > Duration::from_millis(50));
         if stale {
-            self.s.set_read_timeout(Some(want))?;
-            self.s.set_write_timeout(Some(want))?;
+            self.s.socket().set_read_timeout(Some(want))?;
+            self.s.socket().set_write_timeout(Some(want))?;
             self.set = Some(want);
         }
         Ok(())
@@ -236,7 +245,7 @@ impl FrameStream {
 impl io::Read for FrameStream {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         self.arm()?;
-        self.s.read(buf)
+        (&self.s).read(buf)
     }
 }
 
@@ -250,11 +259,11 @@ impl ReadAll for FrameStream {
 impl Write for FrameStream {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         self.arm()?;
-        self.s.write(buf)
+        (&self.s).write(buf)
     }
     fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
         self.arm()?;
-        self.s.write_vectored(bufs)
+        (&self.s).write_vectored(bufs)
     }
     fn flush(&mut self) -> io::Result<()> {
         Ok(())
@@ -313,12 +322,13 @@ pub(crate) fn check_hello(
     Ok((ok, hello.name))
 }
 
-/// The WELCOME frame that opens every connection, with this connection's nonce.
-pub(crate) fn welcome(st: &ServerState, nonce: [u8; 32], out: &mut Vec<u8>) {
+/// The WELCOME frame that opens every connection, with this connection's
+/// nonce and what it says about TLS ([`Welcome::TLS_OFFERED`], ...).
+pub(crate) fn welcome(st: &ServerState, nonce: [u8; 32], flags: u32, out: &mut Vec<u8>) {
     let w = Welcome {
         min_version: 1,
         max_version: 1,
-        flags: 0,
+        flags,
         server_nonce: nonce,
         server_id: st.server_id,
     };
@@ -412,7 +422,7 @@ impl<'a, T: Transport> Session<'a, T> {
     /// Serve until the peer closes, a fatal error is answered, or I/O fails.
     pub fn run(mut self) -> io::Result<()> {
         if !self.authed {
-            welcome(self.st, self.nonce, &mut self.out);
+            welcome(self.st, self.nonce, 0, &mut self.out);
             self.flush()?;
         }
         loop {

@@ -46,6 +46,9 @@ pub enum Opcode {
     /// Client: store pages by content: the server fills those whose keyed
     /// hash matches a page its host holds (sharing-aware migration).
     PutHashed = 0x07,
+    /// Client, before HELLO: switch this connection to TLS (the server
+    /// answers STARTTLS_OK, then the TLS handshake and a new WELCOME run).
+    StartTls = 0x08,
     /// Server: greeting with its nonce.
     Welcome = 0x80,
     /// Server: authenticated; its proof and numbers.
@@ -62,6 +65,8 @@ pub enum Opcode {
     Pong = 0x86,
     /// Server: which pages of a PUT_HASHED it stored from its own host.
     PutHashedOk = 0x87,
+    /// Server: the next bytes are the TLS handshake.
+    StartTlsOk = 0x88,
     /// Server: the request failed.
     Error = 0xff,
 }
@@ -78,6 +83,7 @@ impl Opcode {
             0x05 => Stat,
             0x06 => Ping,
             0x07 => PutHashed,
+            0x08 => StartTls,
             0x80 => Welcome,
             0x81 => HelloOk,
             0x82 => PutOk,
@@ -86,6 +92,7 @@ impl Opcode {
             0x85 => StatOk,
             0x86 => Pong,
             0x87 => PutHashedOk,
+            0x88 => StartTlsOk,
             0xff => Error,
             _ => return None,
         })
@@ -101,6 +108,7 @@ impl Opcode {
             Stat => "stat",
             Ping => "ping",
             PutHashed => "put_hashed",
+            StartTls => "starttls",
             Welcome => "welcome",
             HelloOk => "hello_ok",
             PutOk => "put_ok",
@@ -109,6 +117,7 @@ impl Opcode {
             StatOk => "stat_ok",
             Pong => "pong",
             PutHashedOk => "put_hashed_ok",
+            StartTlsOk => "starttls_ok",
             Error => "error",
         }
     }
@@ -123,6 +132,7 @@ impl Opcode {
             Stat => StatOk,
             Ping => Pong,
             PutHashed => PutHashedOk,
+            StartTls => StartTlsOk,
             other => other,
         }
     }
@@ -227,11 +237,14 @@ pub enum ErrorCode {
     Internal = 12,
     /// The client broke the protocol.
     ProtocolViolation = 13,
+    /// This server takes only TLS from the client's address (STARTTLS first),
+    /// or was asked for TLS it cannot give.
+    TlsRequired = 14,
 }
 
 impl ErrorCode {
     /// Every code.
-    pub const ALL: [ErrorCode; 13] = [
+    pub const ALL: [ErrorCode; 14] = [
         ErrorCode::BadMagic,
         ErrorCode::UnsupportedVersion,
         ErrorCode::FrameTooLarge,
@@ -245,6 +258,7 @@ impl ErrorCode {
         ErrorCode::Busy,
         ErrorCode::Internal,
         ErrorCode::ProtocolViolation,
+        ErrorCode::TlsRequired,
     ];
     /// The error code of a number, if known.
     pub fn from_u16(v: u16) -> Option<ErrorCode> {
@@ -267,6 +281,7 @@ impl ErrorCode {
             Busy => "BUSY",
             Internal => "INTERNAL",
             ProtocolViolation => "PROTOCOL_VIOLATION",
+            TlsRequired => "TLS_REQUIRED",
         }
     }
     /// Fatal errors close the connection after the ERROR frame is sent: the

@@ -92,6 +92,8 @@ pub fn launch(input: impl std::io::Read, expect: &str) -> Result<Exit, RunnerErr
             Secret::from_bytes(&b, "the launch message")
                 .map_err(|e| RunnerError::Invalid(e.to_string()))
         })?;
+    pagefleet_tls::init_process_identity(l.tls_dir.as_deref())
+        .map_err(|e| RunnerError::Invalid(format!("launch: TLS identity: {e}")))?;
     match l.job {
         Job::Guest {
             name,

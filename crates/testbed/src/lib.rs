@@ -95,6 +95,10 @@ pub struct Lab {
     pub hosts: Vec<Host>,
     pub dir: PathBuf,
     pub secret_file: PathBuf,
+    /// With TLS: the identity commands run in the lab present (an "admin"
+    /// certificate the lab's CA signed); each host's is `tls_dir(host)`.
+    #[serde(default)]
+    pub admin_tls: Option<PathBuf>,
 }
 
 #[derive(Clone, Debug)]
@@ -119,6 +123,10 @@ pub struct Options {
     /// and make it the daemons' registry (`--registry etcd://...`) instead
     /// of `--peers`. 0: the embedded peers registry.
     pub etcd: usize,
+    /// Give the lab a CA, each host a certificate for its address and its
+    /// pagefleetd `--tls-dir` (every port then takes only TLS from the
+    /// other hosts), and commands run in the lab an admin certificate.
+    pub tls: bool,
 }
 
 impl Options {
@@ -134,6 +142,7 @@ impl Options {
             dir: PathBuf::from("/run/pagefleet/testbed"),
             vm_images: Vec::new(),
             etcd: 0,
+            tls: false,
         }
     }
 }
@@ -202,6 +211,7 @@ impl Lab {
             hosts: vec![],
             dir: o.dir.clone(),
             secret_file,
+            admin_tls: None,
         };
         // Save as we go: a failure half-way leaves a state `down` can clean.
         let r = (|| -> Result<()> {
@@ -256,6 +266,10 @@ impl Lab {
                 });
                 lab.save()?;
             }
+            if o.tls {
+                lab.issue_certificates()?;
+                lab.save()?;
+            }
             let registry = if o.etcd > 0 {
                 Some(start_etcd(o, &lab.hosts[..o.etcd.min(lab.hosts.len())])?)
             } else {
@@ -267,7 +281,18 @@ impl Lab {
                     Some(_) => vec![],
                     None => peers.iter().filter(|p| **p != h.http()).cloned().collect(),
                 };
-                h.pid = start_daemon(o, h, &lab.secret_file, &others, registry.as_deref())?;
+                let tls = lab
+                    .admin_tls
+                    .is_some()
+                    .then(|| tls_dir(&o.dir, &o.prefix, &h.name));
+                h.pid = start_daemon(
+                    o,
+                    h,
+                    &lab.secret_file,
+                    &others,
+                    registry.as_deref(),
+                    tls.as_deref(),
+                )?;
             }
             lab.save()?;
             for h in &lab.hosts {
@@ -283,6 +308,38 @@ impl Lab {
             }));
         }
         Ok(lab)
+    }
+
+    /// A CA for the lab, a certificate per host (its name and address) and
+    /// the admin identity, all under the lab's directory.
+    fn issue_certificates(&mut self) -> Result<()> {
+        let ca = self.dir.join(format!("{}-tls-ca", self.prefix));
+        pagefleet_tls::certs::init_ca(&ca).map_err(|e| Error::Invalid(e.to_string()))?;
+        let mut ids: Vec<(String, Vec<std::net::IpAddr>)> = self
+            .hosts
+            .iter()
+            .map(|h| (h.name.clone(), h.ip.parse().into_iter().collect()))
+            .collect();
+        ids.push(("admin".into(), vec![]));
+        for (name, ips) in ids {
+            let req = pagefleet_tls::certs::IssueRequest {
+                name: name.clone(),
+                ips,
+                years: 1,
+                ..Default::default()
+            };
+            pagefleet_tls::certs::issue(&ca, &req, &tls_dir(&self.dir, &self.prefix, &name))
+                .map_err(|e| Error::Invalid(e.to_string()))?;
+        }
+        self.admin_tls = Some(tls_dir(&self.dir, &self.prefix, "admin"));
+        Ok(())
+    }
+
+    /// Host `h`'s TLS identity directory (when the lab has TLS).
+    pub fn host_tls(&self, h: usize) -> Option<PathBuf> {
+        self.admin_tls
+            .as_ref()
+            .map(|_| tls_dir(&self.dir, &self.prefix, &self.hosts[h].name))
     }
 
     fn save(&self) -> Result<()> {
@@ -308,6 +365,9 @@ impl Lab {
             .arg(program);
         c.env("PAGEFLEET_REGISTRY", self.hosts[host].http())
             .env("PAGEFLEET_SECRET_FILE", &self.secret_file);
+        if let Some(t) = &self.admin_tls {
+            c.env("PAGEFLEET_TLS_DIR", t);
+        }
         c
     }
 
@@ -410,6 +470,7 @@ fn start_daemon(
     secret: &Path,
     peers: &[String],
     registry: Option<&str>,
+    tls: Option<&Path>,
 ) -> Result<u32> {
     let log = std::fs::File::create(o.dir.join(format!("{}.log", h.netns)))?;
     use std::os::unix::process::CommandExt;
@@ -443,6 +504,10 @@ fn start_daemon(
         ])
         .arg("--secret-file")
         .arg(secret)
+        .args(
+            tls.map(|t| vec!["--tls-dir".into(), t.as_os_str().to_owned()])
+                .unwrap_or_default(),
+        )
         .args(if peers.is_empty() {
             vec![]
         } else {
@@ -543,7 +608,7 @@ pub fn down_prefix(dir: &Path, prefix: &str) -> Result<()> {
         for e in rd.flatten() {
             let n = e.file_name().to_string_lossy().into_owned();
             if n.starts_with(&format!("{prefix}-"))
-                && (n.ends_with("-guests") || n.ends_with("-etcd"))
+                && (n.ends_with("-guests") || n.ends_with("-etcd") || n.contains("-tls-"))
             {
                 let _ = std::fs::remove_dir_all(e.path());
             }
@@ -590,4 +655,9 @@ impl Lab {
             Ok(f())
         })
     }
+}
+
+/// Where a lab identity (a host's, "ca" or "admin") lives.
+fn tls_dir(dir: &Path, prefix: &str, name: &str) -> PathBuf {
+    dir.join(format!("{prefix}-tls-{name}"))
 }

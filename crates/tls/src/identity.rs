@@ -32,8 +32,18 @@ impl std::fmt::Debug for Identity {
     }
 }
 
+/// ring's suites with AES-128-GCM first: as safe for cluster traffic and
+/// about a third cheaper per byte than AES-256 (fewer rounds), which is
+/// what page traffic over TLS is bound by.
 fn provider() -> Arc<CryptoProvider> {
-    Arc::new(rustls::crypto::ring::default_provider())
+    let mut p = rustls::crypto::ring::default_provider();
+    let rank = |s: &rustls::SupportedCipherSuite| match s.suite() {
+        rustls::CipherSuite::TLS13_AES_128_GCM_SHA256 => 0,
+        rustls::CipherSuite::TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256 => 1,
+        _ => 2,
+    };
+    p.cipher_suites.sort_by_key(rank);
+    Arc::new(p)
 }
 
 impl Identity {

@@ -102,7 +102,10 @@ fn a_client_of_the_cluster_talks_and_strangers_are_refused() {
         let c = Stream::tls_client(s, &d.stranger, "127.0.0.1").unwrap();
         // The stranger does not trust the cluster's server either.
         let e = c.handshake().unwrap_err().to_string();
-        assert!(e.contains("certificate") || e.contains("UnknownIssuer"), "{e}");
+        assert!(
+            e.contains("certificate") || e.contains("UnknownIssuer"),
+            "{e}"
+        );
         drop(c);
 
         // 3. The right CA, but the server name the certificate is not for.
@@ -110,7 +113,10 @@ fn a_client_of_the_cluster_talks_and_strangers_are_refused() {
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         let c = Stream::tls_client(s, &d.good_client, "10.9.9.9").unwrap();
         let e = c.handshake().unwrap_err().to_string();
-        assert!(e.contains("NotValidForName") || e.contains("not valid for"), "{e}");
+        assert!(
+            e.contains("NotValidForName") || e.contains("not valid for"),
+            "{e}"
+        );
         drop(c);
 
         let r = srv.join().unwrap();
@@ -136,7 +142,11 @@ fn a_stranger_certificate_is_refused_by_the_server() {
         for f in ["server-cert.pem", "server-key.pem"] {
             std::fs::copy(d.stranger.dir.join(f), base.join(f)).unwrap();
         }
-        std::fs::copy(d.good_client.dir.join("ca-cert.pem"), base.join("ca-cert.pem")).unwrap();
+        std::fs::copy(
+            d.good_client.dir.join("ca-cert.pem"),
+            base.join("ca-cert.pem"),
+        )
+        .unwrap();
         let mixed = Identity::load(&base).unwrap();
         let s = TcpStream::connect(addr).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
@@ -150,6 +160,9 @@ fn a_stranger_certificate_is_refused_by_the_server() {
         });
         assert!(r.is_err(), "a stranger's certificate was accepted");
         let e = srv.join().unwrap().unwrap_err();
-        assert!(e.contains("UnknownIssuer") || e.contains("certificate"), "{e}");
+        assert!(
+            e.contains("UnknownIssuer") || e.contains("certificate"),
+            "{e}"
+        );
     });
 }
