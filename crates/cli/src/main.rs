@@ -644,6 +644,7 @@ fn run(cli: Cli) -> Result<()> {
                             "connections": s.connections, "region_count": s.region_count,
                             "regions": s.regions.iter().map(|(r, n)| serde_json::json!({"region": format!("{r:#x}"), "pages": n})).collect::<Vec<_>>(),
                             "truncated": s.truncated,
+                            "tls": c.is_tls(),
                         });
                         println!("{}", serde_json::to_string_pretty(&v)?);
                     } else {
@@ -658,6 +659,14 @@ fn run(cli: Cli) -> Result<()> {
                             )
                         );
                         println!("connections {}   regions {}", s.connections, s.region_count);
+                        println!(
+                            "this link   {}",
+                            if c.is_tls() {
+                                "TLS (certificates checked both ways)"
+                            } else {
+                                "plaintext (loopback, or no --tls-dir)"
+                            }
+                        );
                         for (r, n) in &s.regions {
                             println!(
                                 "  region {r:#018x}  {:>10} pages  {}",

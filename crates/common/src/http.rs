@@ -2,13 +2,16 @@
 //! each request is signed with the cluster secret ([`crate::httpauth`]),
 //! bodies and replies are typed (serde), a reply is bounded in size, and
 //! errors say which daemon failed and how ("timed out after 5 s", not an
-//! errno).
+//! errno). With a TLS identity (the process's by default) requests to a
+//! daemon not on loopback go over HTTPS, presenting it.
 
 use crate::httpauth;
 use pagefleet_proto::auth::Secret;
+use pagefleet_tls::{Identity, Stream};
 use serde::{de::DeserializeOwned, Serialize};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Largest reply body read whole (a streamed reply is read line by line).
@@ -59,6 +62,14 @@ pub enum HttpError {
         /// The daemon's error message.
         message: String,
     },
+    /// HTTPS could not be set up (a certificate refused on either side).
+    #[error("pagefleetd at {addr}: TLS: {msg}")]
+    Tls {
+        /// The daemon's address.
+        addr: String,
+        /// What went wrong.
+        msg: String,
+    },
     /// The reply is not HTTP or not the JSON expected.
     #[error("pagefleetd at {addr}: malformed reply: {what}")]
     Malformed {
@@ -74,6 +85,7 @@ pub enum HttpError {
 pub struct Client {
     secret: Secret,
     timeout: Duration,
+    tls: Option<Arc<Identity>>,
 }
 
 /// The error body every pagefleetd route sends on failure.
@@ -88,14 +100,23 @@ impl Client {
         Client {
             secret,
             timeout: Duration::from_secs(5),
+            tls: pagefleet_tls::process_identity(),
         }
     }
 
     /// The same client waiting `t` for a reply.
     pub fn timeout(&self, t: Duration) -> Client {
         Client {
-            secret: self.secret.clone(),
             timeout: t,
+            ..self.clone()
+        }
+    }
+
+    /// The same client presenting `tls` (None: plaintext only).
+    pub fn with_tls(&self, tls: Option<Arc<Identity>>) -> Client {
+        Client {
+            tls,
+            ..self.clone()
         }
     }
 
@@ -198,13 +219,13 @@ impl Client {
         path: &str,
         body: &[u8],
         timeout: Duration,
-    ) -> Result<TcpStream, HttpError> {
+    ) -> Result<Stream, HttpError> {
         let sa: SocketAddr = addr
             .to_socket_addrs()
             .ok()
             .and_then(|mut a| a.next())
             .ok_or_else(|| HttpError::Resolve { addr: addr.into() })?;
-        let mut s = TcpStream::connect_timeout(&sa, timeout).map_err(|e| match e.kind() {
+        let s = TcpStream::connect_timeout(&sa, timeout).map_err(|e| match e.kind() {
             std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock => HttpError::TimedOut {
                 addr: addr.into(),
                 secs: timeout.as_secs(),
@@ -216,6 +237,19 @@ impl Client {
         })?;
         let _ = s.set_read_timeout(Some(timeout));
         let _ = s.set_write_timeout(Some(timeout));
+        let tls_err = |msg: String| HttpError::Tls {
+            addr: addr.into(),
+            msg,
+        };
+        let mut s = match self.tls.as_deref() {
+            Some(id) if !pagefleet_tls::is_loopback(sa.ip()) => {
+                let s = Stream::tls_client(s, id, &sa.ip().to_string())
+                    .map_err(|e| tls_err(e.to_string()))?;
+                s.handshake().map_err(|e| tls_err(e.to_string()))?;
+                s
+            }
+            _ => Stream::plain(s),
+        };
         let auth = httpauth::sign(&self.secret, method, path, body);
         let mut req = format!(
             "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: {auth}\r\nConnection: close\r\n"

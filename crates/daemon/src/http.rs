@@ -4,6 +4,11 @@
 //! ([`pagefleet_common::httpauth`]), except `GET /metrics` when the operator
 //! opened it (`public_metrics`). Limits: request head 16 KiB (hyper refuses
 //! longer lines), body 1 MiB, 5 s to send the head, 256 connections.
+//!
+//! With a TLS identity the same port takes HTTPS: a connection whose first
+//! byte starts a TLS handshake gets one (the client must present a
+//! certificate the cluster CA signed); a plaintext request from a peer not
+//! on loopback is answered 403 "use HTTPS" and closed, unread.
 
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -43,6 +48,8 @@ pub struct Gate {
     pub verifier: Verifier,
     /// `GET /metrics` without a signature (for a Prometheus scraper).
     pub public_metrics: bool,
+    /// This host's TLS identity (HTTPS; required from non-loopback peers).
+    pub tls: Option<Arc<pagefleet_tls::Identity>>,
 }
 
 /// Refuse a request that is not signed with the cluster secret, before any
@@ -107,17 +114,25 @@ pub fn serve(listen: &str, router: Router, gate: Gate) -> crate::error::Result<S
         .thread_name("http")
         .enable_all()
         .build()?;
+    let tls = gate.tls.clone();
     let gate = Arc::new(gate);
     let app = router
         .fallback(|| async { error(StatusCode::NOT_FOUND, "no such route; GET / lists them") })
         .layer(axum::middleware::from_fn_with_state(gate, authenticate));
     std::thread::Builder::new()
         .name("http accept".into())
-        .spawn(move || rt.block_on(accept_loop(l, app)))?;
+        .spawn(move || rt.block_on(accept_loop(l, app, tls)))?;
     Ok(addr)
 }
 
-async fn accept_loop(l: std::net::TcpListener, app: Router) {
+async fn accept_loop(
+    l: std::net::TcpListener,
+    app: Router,
+    tls: Option<Arc<pagefleet_tls::Identity>>,
+) {
+    let acceptor = tls
+        .as_ref()
+        .map(|id| tokio_rustls::TlsAcceptor::from(id.server_config()));
     use hyper_util::rt::{TokioIo, TokioTimer};
     let l = match tokio::net::TcpListener::from_std(l) {
         Ok(l) => l,
@@ -131,7 +146,7 @@ async fn accept_loop(l: std::net::TcpListener, app: Router) {
         let Ok(permit) = slots.clone().acquire_owned().await else {
             return;
         };
-        let (s, _) = match l.accept().await {
+        let (s, peer) = match l.accept().await {
             Ok(c) => c,
             Err(e) => {
                 warn!("http accept: {e}");
@@ -140,16 +155,61 @@ async fn accept_loop(l: std::net::TcpListener, app: Router) {
             }
         };
         let svc = hyper_util::service::TowerToHyperService::new(app.clone());
+        let acceptor = acceptor.clone();
+        let required = pagefleet_tls::required(tls.as_deref(), peer);
         tokio::spawn(async move {
             let mut b = hyper::server::conn::http1::Builder::new();
             b.timer(TokioTimer::new())
                 .header_read_timeout(HEAD_TIMEOUT)
                 .max_buf_size(MAX_HEAD.max(8192))
                 .keep_alive(false);
-            if let Err(e) = b.serve_connection(TokioIo::new(s), svc).await {
+            // The first byte says which: 0x16 opens a TLS handshake record.
+            let mut first = [0u8; 1];
+            let is_tls = match tokio::time::timeout(HEAD_TIMEOUT, s.peek(&mut first)).await {
+                Ok(Ok(1)) => first[0] == 0x16,
+                _ => return drop(permit),
+            };
+            let r = match (is_tls, &acceptor) {
+                (true, Some(a)) => match tokio::time::timeout(HEAD_TIMEOUT, a.accept(s)).await {
+                    Ok(Ok(t)) => b.serve_connection(TokioIo::new(t), svc).await,
+                    Ok(Err(e)) => {
+                        debug!(%peer, "TLS handshake refused: {e}");
+                        return drop(permit);
+                    }
+                    Err(_) => return drop(permit),
+                },
+                (true, None) => {
+                    debug!(%peer, "TLS from a client, but this host has no identity");
+                    return drop(permit);
+                }
+                (false, _) if required => {
+                    refuse_plaintext(s, peer).await;
+                    return drop(permit);
+                }
+                (false, _) => b.serve_connection(TokioIo::new(s), svc).await,
+            };
+            if let Err(e) = r {
                 debug!("http connection: {e}");
             }
             drop(permit);
         });
     }
+}
+
+/// Answer a plaintext request from a peer that must use HTTPS, without
+/// reading it (nothing it sent is looked at), and close.
+async fn refuse_plaintext(mut s: tokio::net::TcpStream, peer: SocketAddr) {
+    use tokio::io::AsyncWriteExt;
+    debug!(%peer, "plaintext HTTP from a non-loopback peer refused");
+    let body = format!(
+        "{{\"error\":\"this host takes only HTTPS from {peer}: give the client the cluster's \
+         certificates (pagefleet --tls-dir)\"}}"
+    );
+    let reply = format!(
+        "HTTP/1.1 403 Forbidden\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\
+         Connection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = tokio::time::timeout(HEAD_TIMEOUT, s.write_all(reply.as_bytes())).await;
+    let _ = s.shutdown().await;
 }

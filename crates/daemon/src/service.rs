@@ -359,6 +359,7 @@ pub fn run(a: Settings) -> Result<()> {
                     .spawn(move || collect_loop(&app, grace, stop))?;
             }
             let gate = Gate {
+                tls: tls.clone(),
                 verifier: Verifier::new(secret.clone()),
                 public_metrics: a.public_metrics,
             };

@@ -55,6 +55,22 @@ impl LabRun {
         guest_memory: &[u64],
         etcd: usize,
     ) -> Result<LabRun> {
+        Self::up_opts(tag, bins, hosts, link, lend, guest_memory, |o| {
+            o.etcd = etcd
+        })
+    }
+
+    /// [`LabRun::up`] with the testbed's options adjusted by `adjust`
+    /// (etcd members, TLS, ...).
+    pub fn up_opts(
+        tag: &str,
+        bins: &Path,
+        hosts: usize,
+        link: pagefleet_testbed::Link,
+        lend: u64,
+        guest_memory: &[u64],
+        adjust: impl FnOnce(&mut pagefleet_testbed::Options),
+    ) -> Result<LabRun> {
         let r = pagefleet_proto::auth::random_u64();
         let dir = crate::proc::temp_dir(tag)?;
         let mut o = pagefleet_testbed::Options::new(hosts, link, bins.join("pagefleetd"));
@@ -62,12 +78,12 @@ impl LabRun {
         o.dir = dir.clone();
         o.lend = lend;
         o.guest_memory = guest_memory.to_vec();
-        o.etcd = etcd;
         // The VM image `make vm` builds (target/vm, beside target/release).
         if let Some(t) = bins.parent() {
             o.vm_images = vec![t.join("vm")];
         }
         o.subnet_octet = 100 + (r >> 16) as u8 % 100;
+        adjust(&mut o);
         let lab = pagefleet_testbed::Lab::up(&o)?;
         Ok(LabRun {
             lab,
@@ -122,10 +138,26 @@ impl LabRun {
 }
 
 impl LabRun {
-    /// The lab's signed API client (its cluster secret).
+    /// The lab's signed API client (its cluster secret; with TLS, the
+    /// lab's admin certificate).
     pub fn client(&self) -> Result<pagefleet_common::http::Client> {
         let secret = pagefleet_proto::auth::Secret::load(&self.lab.secret_file)?;
-        Ok(pagefleet_common::http::Client::new(secret))
+        let tls = match &self.lab.admin_tls {
+            Some(d) => Some(std::sync::Arc::new(pagefleet_tls::Identity::load(d)?)),
+            None => None,
+        };
+        Ok(pagefleet_common::http::Client::new(secret).with_tls(tls))
+    }
+
+    /// GET a text route (e.g. `/metrics`) of host `h`'s pagefleetd from inside the lab.
+    pub fn get_text(&self, h: usize, path: &str) -> Result<String> {
+        let c = self.client()?;
+        let (addr, path) = (self.lab.hosts[h].http(), path.to_string());
+        self.lab
+            .spawn_in(h, move || c.get_text(&addr, &path))
+            .join()
+            .map_err(|_| anyhow::anyhow!("lab thread panicked"))??
+            .map_err(anyhow::Error::from)
     }
 
     /// POST to host `h`'s pagefleetd from inside the lab (typed JSON reply).

@@ -457,15 +457,16 @@ pub fn receive_with(
                     // zero pages it allocates for whole-page writes (a fault
                     // on the mapping would). Then map them in the guest
                     // mapping so the resumed guest takes no fault on them.
-                    if limited {
+                    if limited || r.stream.s.is_tls() {
                         // In a memory cgroup at its limit a write() into
                         // shmem that cannot reclaim fast enough gets the
                         // process OOM-killed; a page fault waits for reclaim.
+                        // TLS: the bytes come decrypted from this process.
                         r.stream.read_exact(dst)?;
                     } else {
                         splice_in(
                             &mut pipe,
-                            r.stream.s.as_raw_fd(),
+                            r.stream.s.socket().as_raw_fd(),
                             r.adopt.memfd.as_raw_fd(),
                             (first * PAGE) as u64,
                             count * PAGE,
@@ -589,7 +590,7 @@ impl Received {
 
     /// Send on the stream while the filler may be answering on it too.
     fn send(&mut self, kind: Kind, arg: u64, body: &[u8]) -> Result<(), WireError> {
-        crate::fill::send_locked(&mut self.stream.s, &self.write_lock, kind, arg, body)
+        crate::fill::send_locked(&self.stream.s, &self.write_lock, kind, arg, body)
             .map_err(|e| self.stream.io_error(e))
     }
 

@@ -15,8 +15,8 @@ use crate::wire::{Header, Kind, ZERO_SERVER};
 use pagefleet_dedup::lookup::{Found, LookupClient};
 use pagefleet_dedup::PageHash;
 use pagefleet_region::PAGE;
+use pagefleet_tls::Stream as Socket;
 use std::io::Write;
-use std::net::TcpStream;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Mutex};
@@ -59,7 +59,7 @@ pub(crate) struct Filler {
 
 /// Send one message on `w` under `lock` (the receiver writes the same socket).
 pub(crate) fn send_locked(
-    w: &mut TcpStream,
+    w: &Socket,
     lock: &Mutex<()>,
     kind: Kind,
     arg: u64,
@@ -75,6 +75,7 @@ pub(crate) fn send_locked(
     m.extend_from_slice(&h);
     m.extend_from_slice(body);
     let _g = lock.lock().unwrap_or_else(|e| e.into_inner());
+    let mut w = w;
     w.write_all(&m)
 }
 
@@ -83,7 +84,7 @@ impl Filler {
     pub fn start(
         mut lookup: LookupClient,
         t: Target,
-        mut w: TcpStream,
+        w: Socket,
         lock: Arc<Mutex<()>>,
     ) -> std::io::Result<Filler> {
         let (tx, rx) = channel::<Job>();
@@ -167,7 +168,7 @@ impl Filler {
                     out.filled.secs += t0.elapsed().as_secs_f64();
                     out.filled.cpu_secs += pagefleet_common::clock::thread_cpu_secs() - c0;
                     let have = crate::dedup::bitmap(&filled);
-                    if send_locked(&mut w, &lock, Kind::Have, job.batch, &have).is_err() {
+                    if send_locked(&w, &lock, Kind::Have, job.batch, &have).is_err() {
                         // The receiver sees the broken stream too.
                         break;
                     }

@@ -2,8 +2,13 @@
 //!
 //! Every message is a 16-byte header — magic `PM`, version 1, kind, body
 //! length (u32 LE), argument (u64 LE) — and a body. The destination speaks
-//! first (WELCOME: nonce + id); the source proves the cluster secret (HELLO);
-//! the destination proves it back (PROOF). Then:
+//! first (WELCOME: nonce + TLS flags, arg = id). A source with a TLS
+//! identity dialling a destination not on loopback answers STARTTLS; the
+//! destination says STARTTLS_OK, both run the TLS handshake (each presents
+//! a certificate the cluster CA signed) and the destination sends a fresh
+//! WELCOME inside TLS. A destination with an identity refuses a plaintext
+//! HELLO from a peer not on loopback. Then the source proves the cluster
+//! secret (HELLO); the destination proves it back (PROOF). Then:
 //!
 //! ```text
 //! source → dest   SPEC  (JSON: region shape, servers, workload)
@@ -24,8 +29,8 @@
 //! See docs/migration.md.
 
 use pagefleet_proto::auth::{macs_equal, random_nonce, random_u64, Secret};
+use pagefleet_tls::Stream as Socket;
 use std::io::{self, IoSlice, Read};
-use std::net::TcpStream;
 use std::time::Duration;
 
 /// Every message starts with these bytes.
@@ -83,6 +88,10 @@ pub enum Kind {
     Hashes = 17,
     /// Destination: which pages of a HASHES batch it filled from its host.
     Have = 18,
+    /// Source, before HELLO: switch the stream to TLS.
+    StartTls = 19,
+    /// Destination: the TLS handshake follows.
+    StartTlsOk = 20,
 }
 
 impl Kind {
@@ -108,6 +117,8 @@ impl Kind {
             16 => DeviceState,
             17 => Hashes,
             18 => Have,
+            19 => StartTls,
+            20 => StartTlsOk,
             _ => return None,
         })
     }
@@ -150,6 +161,10 @@ pub enum WireError {
     /// The other end does not hold the cluster secret.
     #[error("migration peer refused the cluster secret (both hosts need the same secret file)")]
     Auth,
+    /// TLS could not be set up, or one side requires it and the other
+    /// cannot speak it.
+    #[error("migration stream TLS: {0}")]
+    Tls(String),
     /// The other end reported an error.
     #[error("migration peer reported: {0}")]
     Peer(String),
@@ -239,21 +254,26 @@ pub const MAX_HASHES: usize = 1024;
 #[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub struct Commit {}
 
+/// WELCOME flag: the destination can switch to TLS.
+const TLS_OFFERED: u8 = 1;
+/// WELCOME flag: the destination takes only TLS from this source.
+const TLS_REQUIRED: u8 = 2;
+
 /// One end of a migration stream.
 pub struct Stream {
-    /// The socket (pages are spliced straight from it).
-    pub s: TcpStream,
+    /// The connection (plain: pages are spliced straight from its socket).
+    pub s: Socket,
     peer: String,
     timeout: std::cell::Cell<Option<Duration>>,
 }
 
 impl Stream {
-    /// A stream over `s` (no delay).
-    pub fn new(s: TcpStream) -> Stream {
+    /// A stream over `s` (no delay; plaintext until a STARTTLS exchange).
+    pub fn new(s: std::net::TcpStream) -> Stream {
         let _ = s.set_nodelay(true);
         let peer = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
         Stream {
-            s,
+            s: Socket::plain(s),
             peer,
             timeout: std::cell::Cell::new(None),
         }
@@ -292,7 +312,8 @@ impl Stream {
                 .filter(|p| !p.is_empty())
                 .map(|p| IoSlice::new(p)),
         );
-        pagefleet_proto::io::write_all_vectored(&mut self.s, &mut iov).map_err(|e| self.io_error(e))
+        pagefleet_proto::io::write_all_vectored(&mut &self.s, &mut iov)
+            .map_err(|e| self.io_error(e))
     }
 
     /// Send one message with a JSON body.
@@ -304,7 +325,7 @@ impl Stream {
     /// Read the next header.
     pub fn header(&mut self) -> Result<Header, WireError> {
         let mut b = [0u8; HEADER];
-        self.s.read_exact(&mut b).map_err(|e| self.io_error(e))?;
+        (&self.s).read_exact(&mut b).map_err(|e| self.io_error(e))?;
         Header::decode(&b)
     }
 
@@ -317,13 +338,13 @@ impl Stream {
             )));
         }
         let mut v = vec![0u8; h.len as usize];
-        self.s.read_exact(&mut v).map_err(|e| self.io_error(e))?;
+        (&self.s).read_exact(&mut v).map_err(|e| self.io_error(e))?;
         Ok(v)
     }
 
     /// Read exactly `dst.len()` bytes.
     pub fn read_exact(&mut self, dst: &mut [u8]) -> Result<(), WireError> {
-        self.s.read_exact(dst).map_err(|e| self.io_error(e))
+        (&self.s).read_exact(dst).map_err(|e| self.io_error(e))
     }
 
     /// The next message, which must be `want` (ERROR and ABORT become errors).
@@ -353,17 +374,66 @@ impl Stream {
 
     /// Give up reads and writes after `t`.
     pub fn set_timeout(&self, t: Option<Duration>) {
-        let _ = self.s.set_read_timeout(t);
-        let _ = self.s.set_write_timeout(t);
+        let _ = self.s.socket().set_read_timeout(t);
+        let _ = self.s.socket().set_write_timeout(t);
         self.timeout.set(t);
     }
 
     /// Destination side of the mutual proof of the cluster secret.
     pub fn accept_auth(&mut self, secret: &Secret) -> Result<(), WireError> {
-        let sn = random_nonce();
+        let tls = pagefleet_tls::process_identity();
+        let peer = self.s.socket().peer_addr()?;
+        let required = pagefleet_tls::required(tls.as_deref(), peer);
+        let mut flags = 0;
+        if tls.is_some() {
+            flags |= TLS_OFFERED;
+        }
+        if required {
+            flags |= TLS_REQUIRED;
+        }
+        let mut sn = random_nonce();
         let id = random_u64();
-        self.send(Kind::Welcome, id, &[&sn])?;
-        let (_, b) = self.expect(Kind::Hello)?;
+        self.send(Kind::Welcome, id, &[&sn, &[flags]])?;
+        let mut h = self.header()?;
+        if h.kind == Kind::StartTls {
+            let Some(tls) = tls else {
+                let _ = self.send(Kind::Error, 0, &[b"this host has no TLS identity"]);
+                return Err(WireError::Tls("STARTTLS without an identity here".into()));
+            };
+            if h.len != 0 {
+                return Err(WireError::Malformed("STARTTLS carries no body".into()));
+            }
+            self.send(Kind::StartTlsOk, 0, &[])?;
+            self.s
+                .start_tls_server(&tls)
+                .map_err(|e| WireError::Tls(e.to_string()))?;
+            self.s
+                .handshake()
+                .map_err(|e| WireError::Tls(format!("{}: {e}", self.peer)))?;
+            sn = random_nonce();
+            self.send(Kind::Welcome, id, &[&sn, &[0]])?;
+            h = self.header()?;
+        } else if required {
+            let _ = self.send(
+                Kind::Error,
+                0,
+                &[
+                    b"this host takes migrations from other hosts only over TLS \
+                    (give the source host --tls-dir)",
+                ],
+            );
+            return Err(WireError::Tls(format!(
+                "{} sent a plaintext HELLO; TLS is required from it",
+                self.peer
+            )));
+        }
+        if h.kind != Kind::Hello {
+            return Err(WireError::Malformed(format!(
+                "expected Hello, got {:?}",
+                h.kind
+            )));
+        }
+        let b = self.body(&h)?;
         if b.len() != 64 {
             return Err(WireError::Malformed("HELLO must be 64 bytes".into()));
         }
@@ -378,11 +448,45 @@ impl Stream {
 
     /// Source side of the mutual proof.
     pub fn connect_auth(&mut self, secret: &Secret) -> Result<(), WireError> {
-        let (h, b) = self.expect(Kind::Welcome)?;
-        if b.len() != 32 {
-            return Err(WireError::Malformed("WELCOME must be 32 bytes".into()));
+        let (mut h, mut b) = self.expect(Kind::Welcome)?;
+        if b.len() != 33 {
+            return Err(WireError::Malformed("WELCOME must be 33 bytes".into()));
         }
-        let sn: [u8; 32] = b[..].try_into().unwrap();
+        let peer = self.s.socket().peer_addr()?;
+        let tls =
+            pagefleet_tls::process_identity().filter(|_| !pagefleet_tls::is_loopback(peer.ip()));
+        match tls {
+            Some(id) if b[32] & TLS_OFFERED != 0 => {
+                self.send(Kind::StartTls, 0, &[])?;
+                self.expect(Kind::StartTlsOk)?;
+                let host = peer.ip().to_string();
+                self.s
+                    .start_tls_client(&id, &host)
+                    .map_err(|e| WireError::Tls(e.to_string()))?;
+                self.s
+                    .handshake()
+                    .map_err(|e| WireError::Tls(format!("{}: {e}", self.peer)))?;
+                (h, b) = self.expect(Kind::Welcome)?;
+                if b.len() != 33 {
+                    return Err(WireError::Malformed("WELCOME must be 33 bytes".into()));
+                }
+            }
+            Some(_) => {
+                return Err(WireError::Tls(format!(
+                    "{} does not offer TLS, and this host sends migrations to other hosts \
+                     only over TLS (give it --tls-dir)",
+                    self.peer
+                )))
+            }
+            None if b[32] & TLS_REQUIRED != 0 => {
+                return Err(WireError::Tls(format!(
+                    "{} takes migrations only over TLS: give this host --tls-dir",
+                    self.peer
+                )))
+            }
+            None => {}
+        }
+        let sn: [u8; 32] = b[..32].try_into().unwrap();
         let cn = random_nonce();
         let mac = secret.client_mac(&sn, &cn, h.arg);
         self.send(Kind::Hello, 0, &[&cn, &mac])?;
@@ -408,7 +512,7 @@ mod tests {
 
     proptest! {
         #[test]
-        fn header_roundtrip(k in 1u8..=18, len in 0u32..(MAX_BODY as u32), arg: u64) {
+        fn header_roundtrip(k in 1u8..=20, len in 0u32..(MAX_BODY as u32), arg: u64) {
             let h = Header { kind: Kind::from_u8(k).unwrap(), len, arg };
             prop_assert_eq!(Header::decode(&h.encode()).unwrap(), h);
         }
@@ -461,9 +565,9 @@ mod tests {
             }
             r
         });
-        let ok = Stream::new(TcpStream::connect(a).unwrap()).connect_auth(&good);
+        let ok = Stream::new(std::net::TcpStream::connect(a).unwrap()).connect_auth(&good);
         assert!(ok.is_ok(), "{ok:?}");
-        let refused = Stream::new(TcpStream::connect(a).unwrap()).connect_auth(&bad);
+        let refused = Stream::new(std::net::TcpStream::connect(a).unwrap()).connect_auth(&bad);
         assert!(matches!(refused, Err(WireError::Auth)), "{refused:?}");
         assert_eq!(t.join().unwrap(), vec![true, false]);
     }

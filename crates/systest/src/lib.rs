@@ -119,6 +119,34 @@ pub fn lab_etcd(
     LabRun::up_with(tag, &bins, hosts, link, lend, guest_memory, etcd).expect("testbed up")
 }
 
+/// [`lab`] with TLS: a lab CA, each pagefleetd `--tls-dir` with its host's
+/// certificate, and commands run in the lab presenting an admin certificate.
+pub fn lab_tls(
+    tag: &str,
+    hosts: usize,
+    link: pagefleet_testbed::Link,
+    lend: u64,
+    guest_memory: &[u64],
+) -> LabRun {
+    let bins = bin("pagefleetd").parent().unwrap().to_path_buf();
+    LabRun::up_opts(tag, &bins, hosts, link, lend, guest_memory, |o| {
+        o.tls = true
+    })
+    .expect("testbed up")
+}
+
+/// Poll `f` every 300 ms until it holds; panic after `secs` naming `what`.
+pub fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
+    let t = std::time::Instant::now();
+    while !f() {
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(secs),
+            "timed out: {what}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(300));
+    }
+}
+
 /// Send `sig` to every process of lab host `h` whose command line contains
 /// `pattern`; whether there was one.
 pub fn signal_in(l: &LabRun, h: usize, pattern: &str, sig: i32) -> bool {

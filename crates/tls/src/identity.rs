@@ -47,6 +47,17 @@ fn provider() -> Arc<CryptoProvider> {
 }
 
 impl Identity {
+    /// The rustls server configuration (clients must present a certificate
+    /// the cluster CA signed), for servers on other I/O stacks (tokio).
+    pub fn server_config(&self) -> Arc<ServerConfig> {
+        self.server.clone()
+    }
+
+    /// The rustls client configuration (presents this identity).
+    pub fn client_config(&self) -> Arc<ClientConfig> {
+        self.client.clone()
+    }
+
     /// Load `dir`: `ca-cert.pem`, `server-cert.pem`, `server-key.pem`.
     pub fn load(dir: &Path) -> Result<Identity, TlsError> {
         let ca_pem = read_file(&dir.join(CA_CERT))?;
