@@ -16,7 +16,7 @@ pub enum BlockdevError {
         flag: &'static str,
     },
     /// A listen address strangers could reach.
-    #[error("--listen {spec}: the NBD export has no authentication of its own, so it listens on loopback (127.0.0.1:PORT) or a unix socket (unix:PATH) only, not on {ip}")]
+    #[error("--listen {spec}: the NBD export has no authentication of its own, so without a TLS identity (--tls-dir) it listens on loopback (127.0.0.1:PORT) or a unix socket (unix:PATH) only, not on {ip}")]
     Exposed {
         /// The address given.
         spec: String,
@@ -77,11 +77,13 @@ pub enum Listener {
 }
 
 impl Listener {
-    /// Listen for NBD clients. NBD has no authentication of its own (TLS
-    /// comes with the cluster CA), so strangers are kept out by where the
-    /// export listens: TCP on loopback only, or a unix socket only its
-    /// owner may open (mode 0600).
-    pub fn bind(spec: &str) -> Result<Listener> {
+    /// Listen for NBD clients. NBD has no authentication of its own, so
+    /// strangers are kept out by where the export listens — TCP on
+    /// loopback, or a unix socket only its owner may open (mode 0600) — or,
+    /// with a TLS identity (`tls`), by TLS: then the export may listen on a
+    /// network address, and every client not on loopback must STARTTLS with
+    /// a certificate the cluster CA signed before it can do anything else.
+    pub fn bind(spec: &str, tls: bool) -> Result<Listener> {
         Ok(match spec.strip_prefix("unix:") {
             Some(p) => {
                 let _ = std::fs::remove_file(p);
@@ -97,7 +99,7 @@ impl Listener {
                     std::net::ToSocketAddrs::to_socket_addrs(spec)
                         .map_err(io(format!("--listen {spec}: not HOST:PORT or unix:PATH")))?
                         .collect();
-                if let Some(a) = addrs.iter().find(|a| !a.ip().is_loopback()) {
+                if let Some(a) = addrs.iter().find(|a| !a.ip().is_loopback() && !tls) {
                     return Err(BlockdevError::Exposed {
                         spec: spec.to_string(),
                         ip: a.ip(),
@@ -117,14 +119,18 @@ impl Listener {
             Listener::Unix(_, p) => format!("unix:{}", p.display()),
         }
     }
-    fn accept(&self) -> std::io::Result<Box<dyn nbd::Io>> {
+    /// A client, and whether it is on loopback (or a unix socket).
+    fn accept(&self) -> std::io::Result<(Box<dyn nbd::Io>, bool)> {
         Ok(match self {
             Listener::Tcp(l) => {
-                let (s, _) = l.accept()?;
+                let (s, peer) = l.accept()?;
                 let _ = s.set_nodelay(true);
-                Box::new(s)
+                (
+                    Box::new(pagefleet_tls::Stream::plain(s)),
+                    pagefleet_tls::is_loopback(peer.ip()),
+                )
             }
-            Listener::Unix(l, _) => Box::new(l.accept()?.0),
+            Listener::Unix(l, _) => (Box::new(l.accept()?.0), true),
         })
     }
 }
@@ -187,8 +193,9 @@ impl Device {
 
     /// Serve clients until the listener fails; one thread per client.
     pub fn serve(&self, l: Listener) -> Result<()> {
+        let tls = pagefleet_tls::process_identity();
         loop {
-            let c = match l.accept() {
+            let (c, local) = match l.accept() {
                 Ok(c) => c,
                 Err(e) => {
                     tracing::warn!("accept: {e}");
@@ -197,8 +204,12 @@ impl Device {
                 }
             };
             let (ex, sh) = (self.export.clone(), self.shared.clone());
+            let tls = nbd::Tls {
+                required: tls.is_some() && !local,
+                identity: tls.clone(),
+            };
             std::thread::spawn(move || {
-                let _ = nbd::serve_client(c, &ex, sh);
+                let _ = nbd::serve_client(c, &ex, &tls, sh);
             });
         }
     }
@@ -226,7 +237,7 @@ pub fn serve_until_signal(o: &Options, secret: Secret) -> Result<()> {
     // Blocked before any thread starts, so every thread inherits the mask.
     let signals = pagefleet_common::signal::TermSignals::block();
     let dev = Arc::new(Device::open(o, secret)?);
-    let l = Listener::bind(&o.listen)?;
+    let l = Listener::bind(&o.listen, pagefleet_tls::process_identity().is_some())?;
     println!("listening {}", l.describe());
     eprintln!("{} bytes: {}", o.size, dev.export.description);
     use std::io::Write;

@@ -1,6 +1,13 @@
 //! The NBD protocol (newstyle fixed handshake, simple and structured
-//! replies), as in the protocol document of the NBD project
+//! replies, STARTTLS), as in the protocol document of the NBD project
 //! (github.com/NetworkBlockDevice/nbd, doc/proto.md).
+//!
+//! TLS: NBD_OPT_STARTTLS switches the connection to TLS (the client must
+//! present a certificate the cluster CA signed; QEMU's tls-creds-x509 and
+//! libnbd's tls-certificates read the directory `pagefleet cert issue`
+//! writes). A client that must use TLS (not on loopback, the export has an
+//! identity) gets NBD_REP_ERR_TLS_REQD for every other option and is hung
+//! up on if it asks for the export the old way (EXPORT_NAME).
 
 use crate::backend::{Backend, IoError, Shared, BLOCK};
 use std::io::{Read, Write};
@@ -25,6 +32,7 @@ pub(crate) const FLAG_C_NO_ZEROES: u32 = 2;
 pub(crate) const OPT_EXPORT_NAME: u32 = 1;
 pub(crate) const OPT_ABORT: u32 = 2;
 pub(crate) const OPT_LIST: u32 = 3;
+pub(crate) const OPT_STARTTLS: u32 = 5;
 pub(crate) const OPT_INFO: u32 = 6;
 pub(crate) const OPT_GO: u32 = 7;
 pub(crate) const OPT_STRUCTURED_REPLY: u32 = 8;
@@ -33,7 +41,9 @@ pub(crate) const REP_ACK: u32 = 1;
 pub(crate) const REP_SERVER: u32 = 2;
 pub(crate) const REP_INFO: u32 = 3;
 pub(crate) const REP_ERR_UNSUP: u32 = (1 << 31) + 1;
+pub(crate) const REP_ERR_POLICY: u32 = (1 << 31) + 2;
 pub(crate) const REP_ERR_INVALID: u32 = (1 << 31) + 3;
+pub(crate) const REP_ERR_TLS_REQD: u32 = (1 << 31) + 5;
 pub(crate) const REP_ERR_UNKNOWN: u32 = (1 << 31) + 6;
 pub(crate) const REP_ERR_BLOCK_SIZE_REQD: u32 = (1 << 31) + 8;
 
@@ -85,20 +95,46 @@ pub struct Export {
     pub size: u64,
 }
 
-/// A client connection: TCP or Unix.
+/// What a connection may and must do about TLS.
+#[derive(Clone, Default)]
+pub struct Tls {
+    /// The export's identity (None: STARTTLS is refused).
+    pub identity: Option<Arc<pagefleet_tls::Identity>>,
+    /// Nothing but STARTTLS (or ABORT) before TLS is up.
+    pub required: bool,
+}
+
+/// A client connection: TCP (plain or TLS) or Unix.
 pub trait Io: Read + Write + Send + 'static {
     /// Another handle on the connection (for the reply writer).
     fn try_clone_box(&self) -> std::io::Result<Box<dyn Io>>;
     /// Shut the connection down.
     fn close(&self);
+    /// Switch to TLS (server side) and finish its handshake.
+    fn start_tls(&mut self, _id: &pagefleet_tls::Identity) -> std::io::Result<()> {
+        Err(std::io::Error::other(
+            "TLS is not offered on this kind of connection",
+        ))
+    }
+    /// Whether TLS is up.
+    fn is_tls(&self) -> bool {
+        false
+    }
 }
 
-impl Io for std::net::TcpStream {
+impl Io for pagefleet_tls::Stream {
     fn try_clone_box(&self) -> std::io::Result<Box<dyn Io>> {
         Ok(Box::new(self.try_clone()?))
     }
     fn close(&self) {
-        let _ = self.shutdown(Shutdown::Both);
+        let _ = self.socket().shutdown(Shutdown::Both);
+    }
+    fn start_tls(&mut self, id: &pagefleet_tls::Identity) -> std::io::Result<()> {
+        self.start_tls_server(id).map_err(std::io::Error::other)?;
+        self.handshake()
+    }
+    fn is_tls(&self) -> bool {
+        pagefleet_tls::Stream::is_tls(self)
     }
 }
 
@@ -141,7 +177,7 @@ fn transmission_flags() -> u16 {
 
 /// The handshake. Ok(Some(structured)) enters transmission; Ok(None): the
 /// client left (ABORT) or listed exports only.
-fn handshake(c: &mut dyn Io, ex: &Export) -> std::io::Result<Option<bool>> {
+fn handshake(c: &mut dyn Io, ex: &Export, tls: &Tls) -> std::io::Result<Option<bool>> {
     let mut hello = Vec::new();
     hello.extend_from_slice(&NBDMAGIC.to_be_bytes());
     hello.extend_from_slice(&IHAVEOPT.to_be_bytes());
@@ -171,7 +207,40 @@ fn handshake(c: &mut dyn Io, ex: &Export) -> std::io::Result<Option<bool>> {
         }
         let mut data = vec![0u8; len as usize];
         c.read_exact(&mut data)?;
+        if tls.required && !c.is_tls() && !matches!(opt, OPT_STARTTLS | OPT_ABORT) {
+            if opt == OPT_EXPORT_NAME {
+                // No error reply exists for it: hang up, as the spec says.
+                return Err(std::io::Error::other(
+                    "EXPORT_NAME before STARTTLS from a client that must use TLS",
+                ));
+            }
+            opt_reply(
+                c,
+                opt,
+                REP_ERR_TLS_REQD,
+                b"this export takes only TLS from clients not on loopback: STARTTLS first",
+            )?;
+            continue;
+        }
         match opt {
+            OPT_STARTTLS => {
+                let Some(id) = &tls.identity else {
+                    opt_reply(c, opt, REP_ERR_POLICY, b"this export has no TLS identity")?;
+                    continue;
+                };
+                if !data.is_empty() {
+                    opt_reply(c, opt, REP_ERR_INVALID, b"STARTTLS takes no data")?;
+                    continue;
+                }
+                if c.is_tls() {
+                    opt_reply(c, opt, REP_ERR_INVALID, b"TLS is up already")?;
+                    continue;
+                }
+                opt_reply(c, opt, REP_ACK, &[])?;
+                // Options negotiated before TLS do not carry over.
+                structured = false;
+                c.start_tls(id)?;
+            }
             OPT_EXPORT_NAME => {
                 // Old-style: no way to refuse but to hang up.
                 if !data.is_empty() && data != ex.name.as_bytes() {
@@ -422,8 +491,13 @@ fn serve_one(be: &mut Backend, rep: &Replier, ex: &Export, r: Req) -> std::io::R
 }
 
 /// Serve one client until it disconnects.
-pub fn serve_client(mut c: Box<dyn Io>, ex: &Export, sh: Arc<Shared>) -> std::io::Result<()> {
-    let Some(structured) = handshake(&mut *c, ex)? else {
+pub fn serve_client(
+    mut c: Box<dyn Io>,
+    ex: &Export,
+    tls: &Tls,
+    sh: Arc<Shared>,
+) -> std::io::Result<()> {
+    let Some(structured) = handshake(&mut *c, ex, tls)? else {
         return Ok(());
     };
     let rep = Arc::new(Replier {

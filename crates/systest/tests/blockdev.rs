@@ -464,3 +464,84 @@ fn the_export_listens_only_where_strangers_cannot_reach() {
     let _ = std::fs::remove_dir_all(&dir);
     assert_eq!(mode, 0o600, "socket mode {mode:o}");
 }
+
+/// NBD STARTTLS with real clients: QEMU (tls-creds-x509) and libnbd
+/// (nbds://, tls-certificates) read the directory `pagefleet cert issue`
+/// writes and talk TLS to the export; a client holding a certificate
+/// another CA signed is refused; a plaintext client on loopback is still
+/// served.
+#[test]
+fn qemu_and_libnbd_speak_tls_to_the_export_and_strangers_are_refused() {
+    if !have("qemu-img") || !have("nbdinfo") {
+        eprintln!("skipped: needs qemu-img and nbdinfo (make deps installs them)");
+        return;
+    }
+    let c = Cluster::start(2, "32MiB");
+    let dir = tempdir("nbdtls");
+    let (ca, other) = (dir.join("ca"), dir.join("other-ca"));
+    pagefleet_tls::certs::init_ca(&ca).unwrap();
+    pagefleet_tls::certs::init_ca(&other).unwrap();
+    let req = |name: &str| pagefleet_tls::certs::IssueRequest {
+        name: name.into(),
+        years: 1,
+        ..Default::default()
+    };
+    let (server, client, stranger) = (dir.join("server"), dir.join("client"), dir.join("x"));
+    pagefleet_tls::certs::issue(&ca, &req("export"), &server).unwrap();
+    pagefleet_tls::certs::issue(&ca, &req("client"), &client).unwrap();
+    pagefleet_tls::certs::issue(&other, &req("stranger"), &stranger).unwrap();
+    let e = export(
+        &c,
+        &c.addrs(),
+        "16MiB",
+        &["--tls-dir", server.to_str().unwrap()],
+    );
+    let (host, port) = e.addr.split_once(':').unwrap();
+
+    // libnbd: nbds:// insists on TLS.
+    let tls_uri =
+        |d: &std::path::Path| format!("nbds://{}/?tls-certificates={}", e.addr, d.display());
+    let info = run(Command::new("nbdinfo").arg(tls_uri(&client)));
+    assert!(info.contains("16777216"), "{info}");
+    let out = Command::new("nbdinfo")
+        .arg(tls_uri(&stranger))
+        .output()
+        .unwrap();
+    assert!(
+        !out.status.success(),
+        "a stranger's certificate was accepted"
+    );
+
+    // QEMU writes a pattern over TLS and reads it back.
+    let obj =
+        |d: &std::path::Path| format!("tls-creds-x509,id=tls0,dir={},endpoint=client", d.display());
+    let opts = format!("driver=nbd,host={host},port={port},tls-creds=tls0");
+    run(Command::new("qemu-io")
+        .args(["--object", &obj(&client), "--image-opts", &opts])
+        .args(["-c", "write -P 0x5a 0 1M"]));
+    let got = run(Command::new("qemu-io")
+        .args(["--object", &obj(&client), "--image-opts", &opts])
+        .args(["-c", "read -P 0x5a 0 1M"]));
+    assert!(got.contains("read 1048576/1048576"), "{got}");
+    let img = run(Command::new("qemu-img").args([
+        "info",
+        "--object",
+        &obj(&client),
+        "--image-opts",
+        &opts,
+    ]));
+    assert!(img.contains("16 MiB"), "{img}");
+    let out = Command::new("qemu-img")
+        .args(["info", "--object", &obj(&stranger), "--image-opts", &opts])
+        .output()
+        .unwrap();
+    assert!(
+        !out.status.success(),
+        "QEMU with a stranger's certificate got in"
+    );
+
+    // Plaintext from loopback is still served.
+    let info = run(Command::new("nbdinfo").arg(&e.uri));
+    assert!(info.contains("16777216"), "{info}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

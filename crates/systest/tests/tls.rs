@@ -159,7 +159,13 @@ fn every_port_takes_only_tls_from_other_hosts_and_refuses_strangers() {
     let after = l.get_text(2, "/metrics").expect("h3 metrics over HTTPS");
     let name = "pagefleet_memserver_tls_handshakes_total";
     eprintln!("migration: {r}");
-    eprintln!("h3 /metrics TLS lines: {:?}", after.lines().filter(|l| l.contains("tls")).collect::<Vec<_>>());
+    eprintln!(
+        "h3 /metrics TLS lines: {:?}",
+        after
+            .lines()
+            .filter(|l| l.contains("tls"))
+            .collect::<Vec<_>>()
+    );
     assert!(
         metric(&after, name) > metric(&before, name),
         "h3's memory server saw no TLS connection during the migration"
