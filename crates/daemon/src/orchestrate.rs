@@ -36,9 +36,62 @@ fn info(h: &ClusterHost) -> HostInfo {
     }
 }
 
+/// Memory a migration took in the etcd registry: the main host's guest
+/// memory and each sub-host's lending, each by transaction, so two
+/// migrations racing for the same memory cannot both get it. Given back
+/// when the migration ends (the hosts' own reports count it from then on).
+#[derive(Default)]
+struct Promises(Vec<(String, pagefleet_registry::Pool, u64)>);
+
+impl Promises {
+    /// Take every `want` or none (what was taken before a refusal is given back).
+    fn take(
+        app: &App,
+        want: Vec<(String, pagefleet_registry::Pool, u64)>,
+    ) -> Result<Promises, Refusal> {
+        let mut got = Promises::default();
+        let Some(etcd) = &app.etcd else {
+            return Ok(got);
+        };
+        for (name, pool, bytes) in want {
+            let what = match pool {
+                pagefleet_registry::Pool::Guest => "free memory",
+                pagefleet_registry::Pool::Lend => "memory to lend",
+            };
+            match etcd.claim_pool(&name, pool, bytes) {
+                Ok(true) => got.0.push((name, pool, bytes)),
+                Ok(false) => {
+                    got.release(app);
+                    return Err(Refusal::new(
+                        409,
+                        format!(
+                            "{name}'s {what} was promised to another migration meanwhile: try again"
+                        ),
+                    ));
+                }
+                Err(e) => {
+                    got.release(app);
+                    return Err(Refusal::new(503, format!("the registry: {e}")));
+                }
+            }
+        }
+        Ok(got)
+    }
+
+    /// Give everything back.
+    fn release(&mut self, app: &App) {
+        let Some(etcd) = &app.etcd else { return };
+        for (name, pool, bytes) in self.0.drain(..) {
+            if let Err(e) = etcd.release_pool(&name, pool, bytes) {
+                tracing::warn!("releasing a claim on {name}: {e}");
+            }
+        }
+    }
+}
+
 /// Place the guest and start its destination runner: what to tell the
-/// source runner, and where things went.
-fn place(app: &App, o: &MigrationOrder) -> Result<(Placed, MigrateRequest), Refusal> {
+/// source runner, where things went, and the memory it was promised.
+fn place(app: &App, o: &MigrationOrder) -> Result<(Placed, MigrateRequest, Promises), Refusal> {
     let bad = |m: String| Refusal {
         status: 400,
         message: m,
@@ -112,31 +165,21 @@ fn place(app: &App, o: &MigrationOrder) -> Result<(Placed, MigrateRequest), Refu
             pages: *n,
         });
     }
-    // With etcd as the registry the main host's memory is taken by a
-    // transaction: a migration racing for the same memory is refused here.
-    if let Some(etcd) = &app.etcd {
-        let bytes = choice.main_pages * 4096;
-        match etcd.claim(main.name(), bytes) {
-            Ok(true) => {}
-            Ok(false) => {
-                return Err(Refusal::new(
-                    409,
-                    format!(
-                        "{}'s free memory was promised to another migration meanwhile: try again",
-                        main.name()
-                    ),
-                ))
-            }
-            Err(e) => return Err(Refusal::new(503, format!("the registry: {e}"))),
-        }
-    }
-    let release = |app: &App| {
-        if let Some(etcd) = &app.etcd {
-            if let Err(e) = etcd.release(main.name(), choice.main_pages * 4096) {
-                tracing::warn!("releasing a claim on {}: {e}", main.name());
-            }
-        }
-    };
+    // With etcd as the registry the memory is taken by transactions: a
+    // migration racing for the same memory is refused here.
+    let mut want = vec![(
+        main.name().to_string(),
+        pagefleet_registry::Pool::Guest,
+        choice.main_pages * 4096,
+    )];
+    want.extend(choice.subs.iter().map(|(h, n)| {
+        (
+            hs[*h].name().to_string(),
+            pagefleet_registry::Pool::Lend,
+            n * 4096,
+        )
+    }));
+    let mut promises = Promises::take(app, want)?;
     let inc = IncomingRequest {
         name: o.guest.clone(),
         budget_pages: choice.main_pages,
@@ -147,7 +190,7 @@ fn place(app: &App, o: &MigrationOrder) -> Result<(Placed, MigrateRequest), Refu
         .timeout(Duration::from_secs(30))
         .post(&main.http, "/incoming", &inc)
         .map_err(|e| {
-            release(app);
+            promises.release(app);
             Refusal {
                 status: 502,
                 message: format!("starting the destination runner on {}: {e}", main.name()),
@@ -188,7 +231,7 @@ fn place(app: &App, o: &MigrationOrder) -> Result<(Placed, MigrateRequest), Refu
         timeout_secs: o.timeout_secs,
         no_dedup: o.no_dedup,
     };
-    Ok((placed, req))
+    Ok((placed, req, promises))
 }
 
 /// Relay guest `name`'s migration (the runner's event stream) to `emit`
@@ -254,8 +297,7 @@ pub fn migrate(app: &App, order: MigrationOrder, mut emit: impl FnMut(&ProgressE
         Err(r) => {
             emit(&failed(r.message));
         }
-        Ok((placed, req)) => {
-            let claimed = (placed.main.clone(), placed.main_pages * 4096);
+        Ok((placed, req, mut promises)) => {
             let listening = emit(&ProgressEvent::Placed(placed));
             let mut listening_now = listening;
             relay(g, &order.guest, req, false, |ev| {
@@ -264,13 +306,9 @@ pub fn migrate(app: &App, order: MigrationOrder, mut emit: impl FnMut(&ProgressE
                 }
                 listening_now
             });
-            // Done or rolled back: the destination's own report counts
-            // the guest from now on (or never will).
-            if let Some(etcd) = &app.etcd {
-                if let Err(e) = etcd.release(&claimed.0, claimed.1) {
-                    tracing::warn!("releasing a claim on {}: {e}", claimed.0);
-                }
-            }
+            // Done or rolled back: the hosts' own reports count the
+            // guest from now on (or never will).
+            promises.release(app);
         }
     }
 }

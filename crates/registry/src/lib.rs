@@ -51,12 +51,25 @@ pub struct Member {
     pub http: String,
 }
 
-/// Guest memory promised on a host to migrations on their way
-/// (`claims/NAME`), so two cannot take the same memory.
+/// Memory promised on a host to migrations on their way (`claims/NAME`),
+/// so two cannot take the same memory: its guest memory (as a main host)
+/// and its memory server's lending (as a sub-host).
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct Claims {
-    /// Bytes promised.
+    /// Guest memory promised, bytes.
     pub bytes: u64,
+    /// Lent memory promised, bytes.
+    #[serde(default)]
+    pub lend_bytes: u64,
+}
+
+/// Which of a host's memory a claim takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pool {
+    /// Memory it gives guests (a main host's).
+    Guest,
+    /// Memory its memory server lends (a sub-host's).
+    Lend,
 }
 
 /// `etcd://h1:2379,h2:2379` (or plain `h1:2379,...`) as endpoint URLs.
@@ -335,16 +348,35 @@ impl Etcd {
     /// promised: one transaction, so two migrations racing for the same
     /// memory cannot both get it. Ok(false): not enough.
     pub fn claim(&self, name: &str, bytes: u64) -> Result<bool, RegistryError> {
-        self.adjust_claim(name, bytes as i64, true)
+        self.adjust_claim(name, Pool::Guest, bytes as i64, true)
     }
 
     /// Give back a claim (the migration finished or failed: the host's
     /// report counts the guest from now on, or never will).
     pub fn release(&self, name: &str, bytes: u64) -> Result<(), RegistryError> {
-        self.adjust_claim(name, -(bytes as i64), false).map(|_| ())
+        self.adjust_claim(name, Pool::Guest, -(bytes as i64), false)
+            .map(|_| ())
     }
 
-    fn adjust_claim(&self, name: &str, delta: i64, check: bool) -> Result<bool, RegistryError> {
+    /// [`Etcd::claim`] of `pool`: a sub-host's lending is promised the same
+    /// way as a main host's guest memory.
+    pub fn claim_pool(&self, name: &str, pool: Pool, bytes: u64) -> Result<bool, RegistryError> {
+        self.adjust_claim(name, pool, bytes as i64, true)
+    }
+
+    /// [`Etcd::release`] of `pool`.
+    pub fn release_pool(&self, name: &str, pool: Pool, bytes: u64) -> Result<(), RegistryError> {
+        self.adjust_claim(name, pool, -(bytes as i64), false)
+            .map(|_| ())
+    }
+
+    fn adjust_claim(
+        &self,
+        name: &str,
+        pool: Pool,
+        delta: i64,
+        check: bool,
+    ) -> Result<bool, RegistryError> {
         let key = format!("{PREFIX}claims/{name}");
         let host_key = format!("{PREFIX}hosts/{name}");
         for _ in 0..20 {
@@ -363,14 +395,22 @@ impl Etcd {
                     .kvs()
                     .first()
                     .and_then(|kv| serde_json::from_slice::<HostReport>(kv.value()).ok())
-                    .map(|r| r.guest_free);
+                    .map(|r| match pool {
+                        Pool::Guest => r.guest_free,
+                        Pool::Lend => r.lend_capacity.saturating_sub(r.lend_used),
+                    });
                 Ok((claims, rev, free))
             })?;
-            let bytes = (claims.bytes as i64 + delta).max(0) as u64;
-            if check && free.is_none_or(|f| bytes > f) {
+            let mut next = claims.clone();
+            let held = match pool {
+                Pool::Guest => &mut next.bytes,
+                Pool::Lend => &mut next.lend_bytes,
+            };
+            *held = (*held as i64 + delta).max(0) as u64;
+            if check && free.is_none_or(|f| *held > f) {
                 return Ok(false);
             }
-            let value = serde_json::to_vec(&Claims { bytes }).unwrap_or_default();
+            let value = serde_json::to_vec(&next).unwrap_or_default();
             let k = key.clone();
             let ok = self.call(async move |c| {
                 // Unchanged since read (mod revision 0: still absent).
@@ -409,6 +449,7 @@ fn view_of(kvs: &[(String, Vec<u8>)], ttl: i64) -> ClusterView {
             .and_then(|v| serde_json::from_slice::<HostReport>(v).ok())
             .map(|mut r| {
                 r.guest_free = r.guest_free.saturating_sub(claimed.bytes);
+                r.lend_used = (r.lend_used + claimed.lend_bytes).min(r.lend_capacity);
                 r
             });
         let gp = format!("{PREFIX}guests/{name}/");

@@ -3,7 +3,7 @@
 
 use pagefleet_api::HostReport;
 use pagefleet_lab::etcd::EtcdCluster;
-use pagefleet_registry::{parse_endpoints, Etcd};
+use pagefleet_registry::{parse_endpoints, Etcd, Pool};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -20,6 +20,8 @@ fn racing_claims_never_promise_more_than_is_free() {
     let report = HostReport {
         hostname: "h".into(),
         guest_free: 100 * MIB,
+        lend_capacity: 64 * MIB,
+        lend_used: 4 * MIB,
         ..Default::default()
     };
     reg.publish("h", "127.0.0.1:1", &report, &[]).unwrap();
@@ -48,4 +50,26 @@ fn racing_claims_never_promise_more_than_is_free() {
     let v = reg.view().unwrap();
     assert_eq!(v.hosts.len(), 1);
     assert_eq!(v.hosts[0].name(), "h");
+
+    // Lending is claimed on its own: 60 MiB free to lend, guest memory aside.
+    assert!(reg.claim_pool("h", Pool::Lend, 40 * MIB).unwrap());
+    assert!(
+        !reg.claim_pool("h", Pool::Lend, 21 * MIB).unwrap(),
+        "20 MiB are left to lend"
+    );
+    assert!(reg.claim_pool("h", Pool::Lend, 20 * MIB).unwrap());
+    let r = reg.view().unwrap().hosts[0].host.clone().unwrap();
+    assert_eq!(
+        r.lend_used,
+        64 * MIB,
+        "the view counts promised lending as used"
+    );
+    assert_eq!(
+        r.guest_free,
+        100 * MIB - 71 * MIB,
+        "guest claims stay apart"
+    );
+    reg.release_pool("h", Pool::Lend, 60 * MIB).unwrap();
+    let r = reg.view().unwrap().hosts[0].host.clone().unwrap();
+    assert_eq!(r.lend_used, 4 * MIB);
 }
