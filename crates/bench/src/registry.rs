@@ -2,8 +2,8 @@
 //! cannot host for real. Simulated hosts and guests are registered in a
 //! real etcd (one member on loopback, started here), then placements run
 //! as the daemon runs them: read the registry, choose hosts, claim the
-//! main host's memory by transaction, release the claim; and simulated
-//! migrations write what a real one writes. Measured: placement latency,
+//! main host's memory and the sub-hosts' lending by transaction, release
+//! the claims; and simulated (split) migrations write what a real one writes. Measured: placement latency,
 //! etcd writes per migration (revision deltas), etcd's CPU per placement,
 //! the bytes one view reads.
 
@@ -12,7 +12,7 @@ use anyhow::{anyhow, Result};
 use pagefleet_api::{GuestState, GuestStatus, HostReport};
 use pagefleet_lab::etcd::EtcdCluster;
 use pagefleet_migrate::placement::{self, HostInfo};
-use pagefleet_registry::{parse_endpoints, Etcd};
+use pagefleet_registry::{parse_endpoints, Etcd, Pool};
 use serde::Serialize;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -68,7 +68,8 @@ pub struct Report {
     pub hosts_view_bytes: u64,
     /// The full view's read time, ms (median of 20).
     pub full_view_p50_ms: f64,
-    /// etcd writes per simulated migration (claim, release, both hosts'
+    /// etcd writes per simulated split migration (claims on the main host
+    /// and a sub-host, their releases, both hosts'
     /// records).
     pub writes_per_migration: f64,
     /// etcd's CPU seconds per placement.
@@ -184,10 +185,16 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
         let src = k % infos.len();
         let c = placement::choose(&infos, src, 32 * GIB / 4096, 24 * GIB / 4096, None, None)
             .map_err(|e| anyhow!("placement: {e}"))?;
-        let main = &infos[c.main].name;
-        let bytes = c.main_pages * 4096;
-        if reg.claim(main, bytes)? {
-            reg.release(main, bytes)?;
+        let mut want = vec![(infos[c.main].name.clone(), Pool::Guest, c.main_pages * 4096)];
+        want.extend(
+            c.subs
+                .iter()
+                .map(|(h, n)| (infos[*h].name.clone(), Pool::Lend, n * 4096)),
+        );
+        for (name, pool, bytes) in &want {
+            if reg.claim_pool(name, *pool, *bytes)? {
+                reg.release_pool(name, *pool, *bytes)?;
+            }
         }
         placement_ms.push(t.elapsed().as_secs_f64() * 1e3);
     }
@@ -195,13 +202,14 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
     log(&format!("{} simulated migrations", o.migrations));
     let mut writes = Vec::new();
     for k in 0..o.migrations {
-        // What the daemons write for one migration: the claim, its
-        // release, and both hosts' records (the source without the guest,
-        // the destination with it).
-        let (s, d) = (k % o.hosts, (k + 1) % o.hosts);
+        // What the daemons write for one split migration: the claims on
+        // the main host and a sub-host, their releases, and both hosts'
+        // records (the source without the guest, the destination with it).
+        let (s, d, e) = (k % o.hosts, (k + 1) % o.hosts, (k + 2) % o.hosts);
         let r0 = reg.revision()?;
         let bytes = 4 * GIB;
         let claimed = reg.claim(&format!("sim{d}"), bytes)?;
+        let lent = reg.claim_pool(&format!("sim{e}"), Pool::Lend, GIB)?;
         let moved = guest(format!("g{s}-0"), s, 0);
         let src_guests: Vec<GuestStatus> = (1..per_host)
             .map(|j| guest(format!("g{s}-{j}"), s, j))
@@ -224,6 +232,9 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
         )?;
         if claimed {
             reg.release(&format!("sim{d}"), bytes)?;
+        }
+        if lent {
+            reg.release_pool(&format!("sim{e}"), Pool::Lend, GIB)?;
         }
         writes.push((reg.revision()? - r0) as f64);
     }
