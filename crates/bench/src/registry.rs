@@ -100,20 +100,6 @@ fn report(i: usize, free: u64) -> HostReport {
     }
 }
 
-fn cpu_secs(pid: u32) -> f64 {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let rest = s.rsplit_once(')').map_or("", |x| x.1);
-    let f: Vec<u64> = rest
-        .split_whitespace()
-        .skip(11)
-        .take(2)
-        .filter_map(|x| x.parse().ok())
-        .collect();
-    // SAFETY: sysconf has no preconditions.
-    let hz = (unsafe { libc::sysconf(libc::_SC_CLK_TCK) }).max(1) as f64;
-    f.iter().sum::<u64>() as f64 / hz
-}
-
 fn pct(v: &[f64], p: f64) -> f64 {
     let mut v = v.to_vec();
     v.sort_by(|a, b| a.total_cmp(b));
@@ -160,7 +146,7 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
         full.push(t.elapsed().as_secs_f64() * 1e3);
     }
     log(&format!("{} placements", o.placements));
-    let cpu0 = cpu_secs(pid);
+    let cpu0 = pagefleet_lab::proc::cpu_secs(pid);
     let mut placement_ms = Vec::new();
     let mut view_ms = Vec::new();
     for k in 0..o.placements {
@@ -198,7 +184,7 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
         }
         placement_ms.push(t.elapsed().as_secs_f64() * 1e3);
     }
-    let etcd_cpu = cpu_secs(pid) - cpu0;
+    let etcd_cpu = pagefleet_lab::proc::cpu_secs(pid) - cpu0;
     log(&format!("{} simulated migrations", o.migrations));
     let mut writes = Vec::new();
     for k in 0..o.migrations {

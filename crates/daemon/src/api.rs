@@ -132,11 +132,30 @@ impl App {
     /// What placement reads: with etcd, every host's report but only this
     /// host's guests (the guest to place is here); else the full view.
     pub fn placement_view(&self) -> ClusterView {
-        let Some(etcd) = &self.etcd else {
-            return self.view();
-        };
+        match &self.etcd {
+            Some(etcd) => self.me_first(etcd.hosts_view()),
+            None => self.view(),
+        }
+    }
+
+    /// The registry's view: from etcd (this host first), or this host and
+    /// every peer. An unreachable etcd is an entry with its error (so
+    /// nothing that needs the whole cluster, like gc, goes ahead).
+    pub fn view(&self) -> ClusterView {
+        match &self.etcd {
+            Some(etcd) => self.me_first(etcd.view()),
+            None => crate::registry::cluster(self.me(), &self.peers, &self.client),
+        }
+    }
+
+    /// A view read from etcd with this host's own entry first and fresh
+    /// (not its last heartbeat), or this host and the registry's error.
+    fn me_first(
+        &self,
+        read: Result<ClusterView, pagefleet_registry::RegistryError>,
+    ) -> ClusterView {
         let me = self.me();
-        match etcd.hosts_view() {
+        match read {
             Ok(mut v) => {
                 v.hosts
                     .retain(|h| h.http != me.http && h.name() != me.name());
@@ -154,36 +173,6 @@ impl App {
                     },
                 ],
             },
-        }
-    }
-
-    /// The registry's view: from etcd (this host first), or this host and
-    /// every peer. An unreachable etcd is an entry with its error (so
-    /// nothing that needs the whole cluster, like gc, goes ahead).
-    pub fn view(&self) -> ClusterView {
-        let me = self.me();
-        match &self.etcd {
-            Some(etcd) => match etcd.view() {
-                Ok(mut v) => {
-                    // This host's own entry is fresh, not its last heartbeat.
-                    v.hosts
-                        .retain(|h| h.http != me.http && h.name() != me.name());
-                    v.hosts.insert(0, me);
-                    v
-                }
-                Err(e) => ClusterView {
-                    hosts: vec![
-                        me,
-                        ClusterHost {
-                            http: "etcd".into(),
-                            host: None,
-                            guests: vec![],
-                            error: Some(format!("the registry cannot be read: {e}")),
-                        },
-                    ],
-                },
-            },
-            None => crate::registry::cluster(me, &self.peers, &self.client),
         }
     }
 }

@@ -126,17 +126,8 @@ impl EtcdCluster {
             ])
             .output()
             .ok()?;
-        let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
-        let arr = v.as_array()?;
-        arr.iter().find_map(|e| {
-            let leader = e["Status"]["leader"].as_u64()?;
-            let me = e["Status"]["header"]["member_id"].as_u64()?;
-            if leader != me {
-                return None;
-            }
-            let ep = e["Endpoint"].as_str()?;
-            self.members.iter().position(|m| ep.ends_with(&m.client))
-        })
+        let ep = leader_endpoint(&out.stdout)?;
+        self.members.iter().position(|m| ep.ends_with(&m.client))
     }
 
     /// Process id of member `i` (None once killed).
@@ -159,4 +150,14 @@ impl Drop for EtcdCluster {
             self.kill(i);
         }
     }
+}
+
+/// The leader's endpoint in `etcdctl endpoint status -w json` output.
+pub fn leader_endpoint(json: &[u8]) -> Option<String> {
+    let v: serde_json::Value = serde_json::from_slice(json).ok()?;
+    v.as_array()?.iter().find_map(|e| {
+        let leader = e["Status"]["leader"].as_u64()?;
+        let me = e["Status"]["header"]["member_id"].as_u64()?;
+        (leader == me).then(|| e["Endpoint"].as_str().map(str::to_string))?
+    })
 }

@@ -135,15 +135,15 @@ pub fn lab_tls(
     .expect("testbed up")
 }
 
-/// Poll `f` every 300 ms until it holds; panic after `secs` naming `what`.
+/// Poll `f` every 200 ms until it holds; panic after `secs` naming `what`.
 pub fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
     let t = std::time::Instant::now();
     while !f() {
         assert!(
             t.elapsed() < std::time::Duration::from_secs(secs),
-            "timed out: {what}"
+            "timed out after {secs} s waiting for {what}"
         );
-        std::thread::sleep(std::time::Duration::from_millis(300));
+        std::thread::sleep(std::time::Duration::from_millis(200));
     }
 }
 

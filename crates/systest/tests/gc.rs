@@ -18,14 +18,6 @@ fn regions(l: &LabRun) -> Vec<Value> {
     v[0]["regions"].as_array().cloned().unwrap_or_default()
 }
 
-fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
-    let t = Instant::now();
-    while !f() {
-        assert!(t.elapsed() < Duration::from_secs(secs), "timed out: {what}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
-}
-
 /// Start a guest on h1 whose memory is mostly on h2; its region id.
 fn start_paging(l: &LabRun, name: &str) -> String {
     let server = l.lab.hosts[1].addr.clone();

@@ -3,7 +3,7 @@
 //! a bursty tenant is capped and its cap goes away after, under both
 //! policies; bad input gives clear errors; nothing stays throttled.
 
-use pagefleet_systest::bin;
+use pagefleet_systest::{bin, wait_for};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -166,17 +166,6 @@ impl Drop for Ctl {
 
 fn state(p: &Path) -> Option<serde_json::Value> {
     serde_json::from_slice(&std::fs::read(p).ok()?).ok()
-}
-
-fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
-    let t = Instant::now();
-    while !f() {
-        assert!(
-            t.elapsed() < Duration::from_secs(secs),
-            "timed out after {secs} s waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
 }
 
 fn run_policy(tag: &str, extra: &[&str], steady_never_capped: bool) {

@@ -6,7 +6,7 @@
 //! run one at a time and put the host's settings back even on failure.
 
 use pagefleet_ksm::sysfs::{self, Settings, Stats};
-use pagefleet_systest::bin;
+use pagefleet_systest::{bin, wait_for};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
@@ -156,17 +156,6 @@ impl Drop for Controller {
         if self.0.try_wait().ok().flatten().is_none() {
             self.stop();
         }
-    }
-}
-
-fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
-    let t = Instant::now();
-    while !f() {
-        assert!(
-            t.elapsed() < Duration::from_secs(secs),
-            "timed out after {secs} s waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(200));
     }
 }
 

@@ -6,17 +6,9 @@
 use pagefleet_systest::*;
 use pagefleet_testbed::Link;
 use serde_json::Value;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const MIB: u64 = 1 << 20;
-
-fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
-    let t = Instant::now();
-    while !f() {
-        assert!(t.elapsed() < Duration::from_secs(secs), "timed out: {what}");
-        std::thread::sleep(Duration::from_millis(300));
-    }
-}
 
 fn have_etcd() -> bool {
     std::process::Command::new("etcd")
@@ -45,14 +37,8 @@ fn etcd_leader(l: &LabRun) -> Option<usize> {
         ])
         .output()
         .ok()?;
-    let v: Value = serde_json::from_slice(&out.stdout).ok()?;
-    v.as_array()?.iter().find_map(|e| {
-        let s = &e["Status"];
-        (s["leader"] == s["header"]["member_id"])
-            .then(|| e["Endpoint"].as_str())
-            .flatten()
-            .and_then(|ep| l.lab.hosts.iter().position(|h| ep.contains(&h.ip)))
-    })
+    let ep = pagefleet_lab::etcd::leader_endpoint(&out.stdout)?;
+    l.lab.hosts.iter().position(|h| ep.contains(&h.ip))
 }
 
 fn start(l: &LabRun, name: &str) {
