@@ -442,6 +442,13 @@ fn testbed(t: TestbedCmd) -> Result<()> {
                 lab.secret_file.display(),
                 lab.secret_file.display()
             );
+            if let Some(t) = &lab.admin_tls {
+                println!(
+                    "TLS: every port takes only TLS between hosts; `testbed exec` presents {} \
+                     (host identities beside it)",
+                    t.display()
+                );
+            }
             println!("run in a host: pagefleet testbed exec h1 -- CMD ...   (e.g. pagefleet status)   remove: pagefleet testbed down");
         }
         TestbedCmd::Down { prefix } => {

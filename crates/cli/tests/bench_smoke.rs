@@ -26,8 +26,27 @@ fn bench_memserver_quick_json_has_results_and_goals() {
     let v: serde_json::Value =
         serde_json::from_slice(&out.stdout).expect("stdout is one JSON object");
     let tp = v["throughput"].as_array().unwrap();
-    for sys in ["raw TCP", "raw mem", "pagefleet", "memcached"] {
+    for sys in [
+        "raw TCP",
+        "raw mem",
+        "pagefleet",
+        "pagefleet TLS",
+        "memcached",
+    ] {
         assert!(tp.iter().any(|r| r["system"] == sys), "no {sys} rows");
+    }
+    let names: Vec<&str> = v["goals"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|g| g["name"].as_str())
+        .collect();
+    for op in ["page-out", "page-in"] {
+        let want = format!("TLS {op} 128KiB 1 conn / plaintext");
+        assert!(
+            names.contains(&want.as_str()),
+            "no goal {want:?}: {names:?}"
+        );
     }
     for r in tp {
         let g = r["gbps"].as_f64().unwrap();

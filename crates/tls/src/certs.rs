@@ -97,10 +97,15 @@ pub fn issue(ca_dir: &Path, req: &IssueRequest, out: &Path) -> Result<(), TlsErr
             p.subject_alt_names.push(SanType::IpAddress(ip));
             continue;
         }
-        let n = d
-            .clone()
-            .try_into()
-            .map_err(|_| TlsError::BadName(format!("{d:?} is not a DNS name")))?;
+        let bad = || {
+            TlsError::BadName(format!(
+                "{d:?} is not a DNS name (letters, digits and '-' in dot-separated labels)"
+            ))
+        };
+        if !is_dns_name(&d) {
+            return Err(bad());
+        }
+        let n = d.clone().try_into().map_err(|_| bad())?;
         p.subject_alt_names.push(SanType::DnsName(n));
     }
     let mut ips: Vec<IpAddr> = vec!["127.0.0.1".parse().unwrap(), "::1".parse().unwrap()];
@@ -131,6 +136,19 @@ pub fn issue(ca_dir: &Path, req: &IssueRequest, out: &Path) -> Result<(), TlsErr
         write_file(&out.join(c), cert.pem().as_bytes(), 0o644)?;
     }
     Ok(())
+}
+
+/// A host name peers may dial: dot-separated labels of letters, digits
+/// and inner hyphens, each at most 63 bytes, 253 in all.
+fn is_dns_name(s: &str) -> bool {
+    s.len() <= 253
+        && s.split('.').all(|l| {
+            !l.is_empty()
+                && l.len() <= 63
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+                && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+        })
 }
 
 fn ca_params(key: &KeyPair, years: u16) -> Result<CertificateParams, TlsError> {
