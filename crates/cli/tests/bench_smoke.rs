@@ -354,7 +354,14 @@ fn each_bench_help_lists_only_its_own_flags() {
         ),
         ("registry", &["--hosts", "--guests"]),
     ];
-    let common = ["--json", "--quick", "--out", "--secret-file", "--help"];
+    let common = [
+        "--json",
+        "--quick",
+        "--out",
+        "--secret-file",
+        "--tls-dir",
+        "--help",
+    ];
     for (bench, flags) in own {
         let out = Command::new(env!("CARGO_BIN_EXE_pagefleet"))
             .args(["bench", bench, "--help"])
