@@ -103,6 +103,12 @@ pub struct Report {
     pub latency: Vec<Lat>,
     pub rss: Rss,
     pub memcached: Option<String>,
+    /// The floor under the TLS rows, a pair per repetition (`tls_floor`).
+    pub tls_floor: Vec<crate::tls_floor::FloorRun>,
+    /// Median of the floor's sealed / plain ratios.
+    pub tls_floor_ratio: f64,
+    /// AES-128-GCM seal + open in memory on one core, GB/s.
+    pub cipher_gbps: f64,
     pub goals: Vec<Goal>,
     #[serde(flatten)]
     pub plot: util::PlotOutcome,
@@ -148,6 +154,7 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
     pf_bulk(&d.addr, &secret, &tls_opts, o.dataset, 1, 32)?;
     raw.bulk(b'u', o.dataset, 1)?;
     let mut samples: Vec<(SampleKey, Vec<f64>)> = Vec::new();
+    let mut floor = Vec::new();
     let mut push = |k: SampleKey, v: f64| match samples.iter_mut().find(|(kk, _)| *kk == k) {
         Some((_, vs)) => vs.push(v),
         None => samples.push((k, vec![v])),
@@ -189,6 +196,14 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
             let (po, pi) = pf_bulk(&d.addr, &secret, &tls_opts, o.dataset, c, 32)?;
             push(("pagefleet TLS".into(), "page-out", c, 128), po);
             push(("pagefleet TLS".into(), "page-in", c, 128), pi);
+            if c == 1 {
+                log(&format!(
+                    "rep {}/{}: TLS floor (raw TCP, plain and AES-128-GCM records)",
+                    rep + 1,
+                    o.reps
+                ));
+                floor.push(crate::tls_floor::pair(o.dataset as usize)?);
+            }
         }
     }
     let mut raw_tp = std::collections::HashMap::new();
@@ -358,7 +373,11 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
         "%",
     ));
 
+    let ratios: Vec<f64> = floor.iter().map(|f| f.aes_gbps / f.plain_gbps).collect();
     let mut report = Report {
+        tls_floor_ratio: util::median(&ratios),
+        tls_floor: floor,
+        cipher_gbps: crate::tls_floor::cipher_gbps(256 << 20),
         bench: "memserver",
         dataset_bytes: o.dataset,
         reps: o.reps,
@@ -465,6 +484,22 @@ pub fn print_table(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
     )?;
     if let Some(m) = &r.memcached {
         writeln!(out, "Peer: {m}")?;
+    }
+    if !r.tls_floor.is_empty() {
+        let f = |v: Vec<f64>| {
+            v.iter()
+                .map(|x| format!("{x:.2}"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        writeln!(
+            out,
+            "TLS floor (one raw TCP stream, 16 KiB AES-128-GCM records opened into memory): plain {} GB/s, sealed {} GB/s; sealed/plain median {:.2}; AES-128-GCM seal+open in memory {:.2} GB/s on one core",
+            f(r.tls_floor.iter().map(|x| x.plain_gbps).collect()),
+            f(r.tls_floor.iter().map(|x| x.aes_gbps).collect()),
+            r.tls_floor_ratio,
+            r.cipher_gbps
+        )?;
     }
     util::print_goals(&r.goals, out)?;
     r.plot.print(out)

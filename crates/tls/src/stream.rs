@@ -249,16 +249,17 @@ impl Stream {
             // SAFETY: the caller's contract.
             None => unsafe { writev_all(self.sock.as_raw_fd(), iov) },
             Some(t) => {
-                {
-                    let mut g = lock(t)?;
-                    for v in iov.iter() {
-                        // SAFETY: the caller promises each iovec is readable.
-                        let b = unsafe {
+                let bufs: Vec<IoSlice<'_>> = iov
+                    .iter()
+                    .map(|v| {
+                        // SAFETY: the caller promises each iovec is readable
+                        // for the whole call.
+                        IoSlice::new(unsafe {
                             std::slice::from_raw_parts(v.iov_base as *const u8, v.iov_len)
-                        };
-                        g.conn.writer().write_all(b)?;
-                    }
-                }
+                        })
+                    })
+                    .collect();
+                write_plaintext(&mut lock(t)?, &bufs)?;
                 self.flush_tls(t, true)
             }
         }
@@ -330,6 +331,37 @@ impl Stream {
     }
 }
 
+/// Hand all of `bufs` to rustls as one payload: it cuts full 16 KiB
+/// records across the slices (one write per slice made a record of every
+/// 4 KiB page: four times the records to seal, frame and open).
+fn write_plaintext(g: &mut MutexGuard<'_, Tls>, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+    let total: usize = bufs.iter().map(|b| b.len()).sum();
+    let mut done = 0;
+    while done < total {
+        // Skip what went already (rustls takes it all at once unless its
+        // buffer limit says otherwise; there is none).
+        let mut skip = done;
+        let rest: Vec<IoSlice<'_>> = bufs
+            .iter()
+            .filter_map(|b| {
+                if skip >= b.len() {
+                    skip -= b.len();
+                    return None;
+                }
+                let s = IoSlice::new(&b[skip..]);
+                skip = 0;
+                Some(s)
+            })
+            .collect();
+        let n = g.conn.writer().write_vectored(&rest)?;
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        done += n;
+    }
+    Ok(total)
+}
+
 /// Write what rustls holds without waiting; `true` if some is left.
 fn push(g: &mut MutexGuard<'_, Tls>, sock: &TcpStream) -> io::Result<bool> {
     while g.conn.wants_write() {
@@ -378,14 +410,7 @@ impl Write for &Stream {
         match &self.tls {
             None => (&self.sock).write_vectored(bufs),
             Some(t) => {
-                let mut n = 0;
-                {
-                    let mut g = lock(t)?;
-                    for b in bufs {
-                        g.conn.writer().write_all(b)?;
-                        n += b.len();
-                    }
-                }
+                let n = write_plaintext(&mut lock(t)?, bufs)?;
                 self.flush_tls(t, true)?;
                 Ok(n)
             }
