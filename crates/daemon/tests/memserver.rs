@@ -947,3 +947,82 @@ fn put_hashed_stores_what_the_host_holds_and_nothing_else() {
     }
     c.ping().expect("the connection keeps working");
 }
+
+/// STARTTLS on loopback, where TLS is offered but not required: a client
+/// that asks for it gets it (and the cluster-secret proof inside it); a
+/// plaintext client is still served; STARTTLS followed by garbage, a
+/// second STARTTLS, or bytes after STARTTLS close the connection and the
+/// server goes on serving.
+#[test]
+fn starttls_is_offered_on_loopback_and_bad_handshakes_are_dropped() {
+    let tmp = tempdir("memserver-tls");
+    let ca = tmp.join("ca");
+    pagefleet_tls::certs::init_ca(&ca).unwrap();
+    let req = |n: &str| pagefleet_tls::certs::IssueRequest {
+        name: n.into(),
+        years: 1,
+        ..Default::default()
+    };
+    pagefleet_tls::certs::issue(&ca, &req("server"), &tmp.join("s")).unwrap();
+    pagefleet_tls::certs::issue(&ca, &req("client"), &tmp.join("c")).unwrap();
+    let d = Daemon::start("16MiB", &["--tls-dir", tmp.join("s").to_str().unwrap()]);
+
+    // Offered, not required, on loopback.
+    let (mut s, w) = raw_connect(&d.addr);
+    assert_eq!(w.flags, Welcome::TLS_OFFERED);
+    // STARTTLS, then bytes that are not a TLS handshake.
+    let mut out = Vec::new();
+    frame(Opcode::StartTls, 1, &mut out, |_| {});
+    s.write_all(&out).unwrap();
+    let (h, _) = read_frame(&mut s).expect("STARTTLS_OK");
+    assert_eq!(h.opcode, Opcode::StartTlsOk as u8);
+    s.write_all(&[0x47u8; 64]).unwrap();
+    let mut rest = [0u8; 64];
+    let n = s.read(&mut rest).unwrap_or(0);
+    assert!(
+        n == 0 || s.read(&mut rest).unwrap_or(0) == 0,
+        "garbage after STARTTLS_OK must end the connection"
+    );
+    // Bytes after STARTTLS in the same write: a protocol violation.
+    let (mut s, _) = raw_connect(&d.addr);
+    let mut out = Vec::new();
+    frame(Opcode::StartTls, 1, &mut out, |_| {});
+    out.extend_from_slice(&[0x16, 3, 1, 0, 5, 1, 2, 3, 4, 5]);
+    s.write_all(&out).unwrap();
+    expect_error_then_close(&mut s, ErrorCode::ProtocolViolation);
+
+    // A plaintext client on loopback is served, a TLS one too, same data.
+    let mut c = d.conn();
+    assert!(!c.is_tls());
+    let page = vec![0x5au8; P];
+    c.put(7, Pages::Run { first: 0, count: 1 }, &page, 1)
+        .unwrap();
+    let id = std::sync::Arc::new(pagefleet_tls::Identity::load(&tmp.join("c")).unwrap());
+    let o = ConnectOptions {
+        tls: Some(id),
+        tls_on_loopback: true,
+        ..Default::default()
+    };
+    let mut t = Conn::connect(&d.addr, &d.secret, &o).expect("TLS on loopback");
+    assert!(t.is_tls());
+    let mut got = vec![0u8; P];
+    t.get(
+        7,
+        Pages::Run { first: 0, count: 1 },
+        &mut got,
+        GetMode::Keep,
+        false,
+        1,
+    )
+    .unwrap();
+    assert!(got == page, "a page read over TLS differs");
+    // A wrong secret is still refused inside TLS.
+    let wrong = Secret::from_bytes(b"another-secret-0123456789", "test").unwrap();
+    let e = Conn::connect(&d.addr, &wrong, &o)
+        .err()
+        .expect("wrong secret refused");
+    assert!(
+        matches!(&e, ClientError::Server { err, .. } if err.code == ErrorCode::AuthFailed),
+        "{e}"
+    );
+}
