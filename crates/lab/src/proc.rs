@@ -45,12 +45,24 @@ impl ChildDaemon {
         secret_path: &Path,
         extra: &[&std::ffi::OsStr],
     ) -> Result<ChildDaemon> {
+        Self::start_bin_at(bin, lend_bytes, secret_path, "127.0.0.1:0", extra)
+    }
+
+    /// A given pagefleetd binary listening at `listen` (e.g. where a killed
+    /// one listened: a restart).
+    pub fn start_bin_at(
+        bin: &Path,
+        lend_bytes: u64,
+        secret_path: &Path,
+        listen: &str,
+        extra: &[&std::ffi::OsStr],
+    ) -> Result<ChildDaemon> {
         let mut child = Command::new(bin)
             .args([
                 "--lend",
                 &lend_bytes.to_string(),
                 "--listen",
-                "127.0.0.1:0",
+                listen,
                 "--metrics",
                 "off",
                 "--log",

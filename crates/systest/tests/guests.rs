@@ -218,6 +218,55 @@ fn killed_memory_server_fails_the_guest_loudly() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A memory server that dies and comes back empty at the same address is
+/// told apart from the one that held the pages (its id changed): the
+/// pager's reconnect refuses it, so the guest fails loudly naming it
+/// instead of asking it for pages (which it would not have) or taking
+/// their absence for zeros.
+#[test]
+fn memory_server_restarted_empty_is_not_taken_for_the_old_one() {
+    let mut c = Cluster::start(1, "256MiB");
+    let dir = tempdir("restarted");
+    let mut g = run_guest(
+        &c,
+        &[
+            "synthetic",
+            "--size",
+            "64MiB",
+            "--budget",
+            "25%",
+            "--dist",
+            "uniform",
+            "--prefill",
+            "--duration",
+            "60",
+        ],
+        &dir,
+    );
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(
+        g.child.try_wait().unwrap().is_none(),
+        "guest exited early: {}",
+        std::fs::read_to_string(&g.stderr_path).unwrap()
+    );
+    let addr = c.servers[0].addr.clone();
+    c.servers[0].kill();
+    // Back at once, empty, where the guest's pages were.
+    let again = Server::start_bin_at(&bin("pagefleetd"), 256 << 20, &c.secret_file, &addr, &[])
+        .expect("restart the memory server at its address");
+    let status = wait_exit(&mut g, Duration::from_secs(30))
+        .expect("guest kept running on a server that lost its pages");
+    let err = std::fs::read_to_string(&g.stderr_path).unwrap();
+    assert_eq!(status.code(), Some(75), "exit status; stderr: {err}");
+    assert!(err.contains(&addr), "the error must name {addr}: {err}");
+    assert!(
+        err.contains("restarted") || err.contains("lost"),
+        "the error must say the server lost its pages: {err}"
+    );
+    drop(again);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn sort_guest_sorts_through_a_small_budget() {
     let c = Cluster::start(2, "128MiB");
