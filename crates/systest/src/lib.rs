@@ -135,6 +135,55 @@ pub fn lab_tls(
     .expect("testbed up")
 }
 
+/// Start a synthetic guest `name` of `mib` MiB on lab host h1 that
+/// prefills its memory and then writes `rate` pages a second, and wait until
+/// its pages are filled (resident on h1).
+pub fn start_synthetic(l: &LabRun, name: &str, mib: u64, rate: u32) {
+    let (size, rate_s) = (format!("{mib}MiB"), rate.to_string());
+    let (ok, _, err) = l.pf(
+        0,
+        &[
+            "guest",
+            "start",
+            name,
+            "--on",
+            "h1",
+            "--size",
+            &size,
+            "--",
+            "synthetic",
+            "--prefill",
+            "--rate",
+            &rate_s,
+            "--write-frac",
+            "1",
+        ],
+    );
+    assert!(ok, "guest start {name}: {err}");
+    let pages = mib * 256;
+    wait_for(&format!("{name} to fill"), 60, || {
+        l.guest(name)
+            .is_some_and(|(_, g)| g.pages.as_ref().map_or(0, |p| p.local) >= pages * 97 / 100)
+    });
+}
+
+/// Start `cmd` with its stdout piped and wait for its `listening ADDR`
+/// line (what `pagefleet blockdev serve` and pagefleetd print when ready).
+pub fn spawn_listening(cmd: &mut std::process::Command) -> std::process::Child {
+    let mut child = cmd
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().expect("piped stdout")),
+        &mut line,
+    )
+    .expect("read its first line");
+    assert!(line.starts_with("listening"), "it said {line:?}");
+    child
+}
+
 /// Poll `f` every 200 ms until it holds; panic after `secs` naming `what`.
 pub fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
     let t = std::time::Instant::now();

@@ -42,22 +42,6 @@ fn serve_cmd(c: &Cluster, servers: &[String], size: &str, listen: &str) -> Comma
     cmd
 }
 
-/// Start `cmd` and wait for its `listening` line.
-fn spawn_listening(cmd: &mut Command) -> std::process::Child {
-    let mut child = cmd.stdout(Stdio::piped()).spawn().unwrap();
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
-        &mut line,
-    )
-    .unwrap();
-    assert!(
-        line.starts_with("listening"),
-        "blockdev serve said {line:?}"
-    );
-    child
-}
-
 fn export(c: &Cluster, servers: &[String], size: &str, extra: &[&str]) -> Export {
     let port = pagefleet_lab::proc::free_port().unwrap();
     let addr = format!("127.0.0.1:{port}");

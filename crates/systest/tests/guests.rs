@@ -177,10 +177,11 @@ fn kv_guest_serves_real_memcached_clients_while_paging() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-#[test]
-fn killed_memory_server_fails_the_guest_loudly() {
-    let mut c = Cluster::start(1, "256MiB");
-    let dir = tempdir("killed");
+/// A synthetic guest paging (budget a quarter of 64 MiB) to the only
+/// memory server of a fresh cluster, running for a while already.
+fn paging_to_one_server(tag: &str) -> (Cluster, TempDir, Guest) {
+    let c = Cluster::start(1, "256MiB");
+    let dir = tempdir(tag);
     let mut g = run_guest(
         &c,
         &[
@@ -197,13 +198,19 @@ fn killed_memory_server_fails_the_guest_loudly() {
         ],
         &dir,
     );
-    // Let it page out to the server, then take the server away.
+    // Let it page out to the server before anything happens to the server.
     std::thread::sleep(Duration::from_millis(1500));
     assert!(
         g.child.try_wait().unwrap().is_none(),
         "guest exited early: {}",
         std::fs::read_to_string(&g.stderr_path).unwrap()
     );
+    (c, dir, g)
+}
+
+#[test]
+fn killed_memory_server_fails_the_guest_loudly() {
+    let (mut c, dir, mut g) = paging_to_one_server("killed");
     let addr = c.servers[0].addr.clone();
     c.servers[0].kill();
     let status = wait_exit(&mut g, Duration::from_secs(30))
@@ -225,30 +232,7 @@ fn killed_memory_server_fails_the_guest_loudly() {
 /// their absence for zeros.
 #[test]
 fn memory_server_restarted_empty_is_not_taken_for_the_old_one() {
-    let mut c = Cluster::start(1, "256MiB");
-    let dir = tempdir("restarted");
-    let mut g = run_guest(
-        &c,
-        &[
-            "synthetic",
-            "--size",
-            "64MiB",
-            "--budget",
-            "25%",
-            "--dist",
-            "uniform",
-            "--prefill",
-            "--duration",
-            "60",
-        ],
-        &dir,
-    );
-    std::thread::sleep(Duration::from_millis(1500));
-    assert!(
-        g.child.try_wait().unwrap().is_none(),
-        "guest exited early: {}",
-        std::fs::read_to_string(&g.stderr_path).unwrap()
-    );
+    let (mut c, dir, mut g) = paging_to_one_server("restarted");
     let addr = c.servers[0].addr.clone();
     c.servers[0].kill();
     // Back at once, empty, where the guest's pages were.

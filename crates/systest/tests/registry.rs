@@ -41,33 +41,6 @@ fn etcd_leader(l: &LabRun) -> Option<usize> {
     l.lab.hosts.iter().position(|h| ep.contains(&h.ip))
 }
 
-fn start(l: &LabRun, name: &str) {
-    let (ok, _, err) = l.pf(
-        0,
-        &[
-            "guest",
-            "start",
-            name,
-            "--on",
-            "h1",
-            "--size",
-            "64MiB",
-            "--",
-            "synthetic",
-            "--prefill",
-            "--rate",
-            "2000",
-            "--write-frac",
-            "1",
-        ],
-    );
-    assert!(ok, "guest start {name}: {err}");
-    wait_for(&format!("{name} to fill"), 60, || {
-        l.guest(name)
-            .is_some_and(|(_, g)| g.pages.as_ref().map_or(0, |p| p.local) >= 16000)
-    });
-}
-
 #[test]
 fn a_killed_host_is_shown_dead_and_placement_avoids_it() {
     if !is_root() || !have_etcd() {
@@ -98,7 +71,7 @@ fn a_killed_host_is_shown_dead_and_placement_avoids_it() {
     });
     let (_, out, _) = l.pf(0, &["status"]);
     eprintln!("{out}");
-    start(&l, "g1");
+    start_synthetic(&l, "g1", 64, 2000);
     let (ok, out, err) = l.pf(0, &["migrate", "g1", "--verify", "--json"]);
     assert!(ok, "placed migration: {err}");
     let r: Value = serde_json::from_str(&out).unwrap();
@@ -128,7 +101,7 @@ fn the_etcd_leader_killed_during_a_migration_leaves_the_guest_whole() {
         let s = l.status(0);
         s.len() == 3 && s.iter().all(|h| h.report.is_some())
     });
-    start(&l, "g1");
+    start_synthetic(&l, "g1", 64, 2000);
     let leader = etcd_leader(&l).expect("an etcd leader");
     // 64 MiB at 1 Gbit: the migration runs for about half a second and more.
     let mut m = l.lab.exec(0, bin("pagefleet"));

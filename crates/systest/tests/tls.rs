@@ -128,19 +128,8 @@ fn every_port_takes_only_tls_from_other_hosts_and_refuses_strangers() {
     serve
         .args(["--tls-dir", l.lab.host_tls(0).unwrap().to_str().unwrap()])
         .args(["blockdev", "serve", "--servers", &servers, "--size", "8MiB"])
-        .args(["--listen", &nbd])
-        .stdout(std::process::Stdio::piped());
-    let mut child = serve.spawn().unwrap();
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
-        &mut line,
-    )
-    .unwrap();
-    assert!(
-        line.starts_with("listening"),
-        "blockdev serve said {line:?}"
-    );
+        .args(["--listen", &nbd]);
+    let mut child = spawn_listening(&mut serve);
     let plain = l
         .lab
         .exec(1, "nbdinfo")
@@ -173,30 +162,7 @@ fn every_port_takes_only_tls_from_other_hosts_and_refuses_strangers() {
 
     // A split migration h1 -> h2 with h3 as sub-host, all over TLS; the
     // guest's checksum is the same on both sides.
-    let (ok, _, err) = l.pf(
-        0,
-        &[
-            "guest",
-            "start",
-            "g1",
-            "--on",
-            "h1",
-            "--size",
-            "64MiB",
-            "--",
-            "synthetic",
-            "--prefill",
-            "--rate",
-            "2000",
-            "--write-frac",
-            "1",
-        ],
-    );
-    assert!(ok, "guest start: {err}");
-    wait_for("g1 to fill", 60, || {
-        l.guest("g1")
-            .is_some_and(|(_, g)| g.pages.as_ref().map_or(0, |p| p.local) >= 16000)
-    });
+    start_synthetic(&l, "g1", 64, 2000);
     let before = l.get_text(2, "/metrics").expect("h3 metrics over HTTPS");
     let (ok, out, err) = l.pf(
         0,
