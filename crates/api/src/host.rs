@@ -36,6 +36,10 @@ pub struct HostReport {
     /// The content index sharing-aware migration asks (None: not kept here).
     #[serde(default)]
     pub dedup: Option<DedupIndexReport>,
+    /// The name on this host's TLS certificate (None: no identity, its
+    /// ports are plaintext only).
+    #[serde(default)]
+    pub tls: Option<String>,
 }
 
 /// A host's content index (sharing-aware migration).

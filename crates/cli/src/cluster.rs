@@ -88,7 +88,7 @@ pub fn status(c: &Client, registry: &str, explicit: &[String], json_out: bool) -
         return Ok(());
     }
     println!(
-        "{:<10} {:<20} {:<20} {:>10} {:>10} {:>10} {:>10} {:>10} {:>6}",
+        "{:<10} {:<20} {:<20} {:>10} {:>10} {:>10} {:>10} {:>10} {:>6} {:>4}",
         "host",
         "http",
         "memory server",
@@ -97,12 +97,13 @@ pub fn status(c: &Client, registry: &str, explicit: &[String], json_out: bool) -
         "lends",
         "lent used",
         "guest free",
-        "guests"
+        "guests",
+        "tls"
     );
     for h in &hs {
         match &h.host {
             Some(r) => println!(
-                "{:<10} {:<20} {:<20} {:>10} {:>10} {:>10} {:>10} {:>10} {:>6}",
+                "{:<10} {:<20} {:<20} {:>10} {:>10} {:>10} {:>10} {:>10} {:>6} {:>4}",
                 r.hostname,
                 h.http,
                 r.memserver.as_deref().unwrap_or("-"),
@@ -115,7 +116,8 @@ pub fn status(c: &Client, registry: &str, explicit: &[String], json_out: bool) -
                 } else {
                     "-".into()
                 },
-                r.guests
+                r.guests,
+                if r.tls.is_some() { "yes" } else { "no" }
             ),
             None => println!(
                 "{:<10} {:<20} unreachable: {}",

@@ -304,6 +304,7 @@ pub fn run(a: Settings) -> Result<()> {
             let st = ms.as_ref().map(|m| (m.state.clone(), m.addr));
             let (g, me, name) = (guests.clone(), self_http.clone(), a.name.clone());
             let dd = dedup.clone();
+            let tls_name = tls.as_ref().map(|t| t.name.clone());
             let report = move || {
                 let mut r = crate::host_report(st.as_ref().map(|(s, a)| (&**s, *a)));
                 r.http = me.get().cloned();
@@ -316,6 +317,7 @@ pub fn run(a: Settings) -> Result<()> {
                     r.guests = g.count() as u64;
                 }
                 r.dedup = dd.as_ref().map(|d| d.report());
+                r.tls = tls_name.clone();
                 r
             };
             let (st, g) = (ms.as_ref().map(|m| m.state.clone()), guests.clone());

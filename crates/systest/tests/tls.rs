@@ -162,6 +162,13 @@ fn every_port_takes_only_tls_from_other_hosts_and_refuses_strangers() {
 
     // A split migration h1 -> h2 with h3 as sub-host, all over TLS; the
     // guest's checksum is the same on both sides.
+    // Every host reports its identity; `pagefleet status` shows it.
+    let st = l.status(0);
+    assert_eq!(st.len(), 3);
+    for (i, h) in st.iter().enumerate() {
+        let tls = h.report.as_ref().and_then(|r| r.tls.clone());
+        assert_eq!(tls.as_deref(), Some(l.lab.hosts[i].name.as_str()), "{h:?}");
+    }
     start_synthetic(&l, "g1", 64, 2000);
     let before = l.get_text(2, "/metrics").expect("h3 metrics over HTTPS");
     let (ok, out, err) = l.pf(
