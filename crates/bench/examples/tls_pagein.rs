@@ -21,20 +21,12 @@ fn main() -> anyhow::Result<()> {
     let secret_path = tmp.join("secret");
     std::fs::write(&secret_path, Secret::generate_hex())?;
     let secret = Secret::load(&secret_path)?;
-    let ca = tmp.join("ca");
-    pagefleet_tls::certs::init_ca(&ca)?;
-    let req = |n: &str| pagefleet_tls::certs::IssueRequest {
-        name: n.into(),
-        years: 1,
-        ..Default::default()
-    };
-    pagefleet_tls::certs::issue(&ca, &req("s"), &tmp.join("s"))?;
-    pagefleet_tls::certs::issue(&ca, &req("c"), &tmp.join("c"))?;
-    let client = std::sync::Arc::new(pagefleet_tls::Identity::load(&tmp.join("c"))?);
+    let ids = pagefleet_tls::certs::cluster(&tmp, &["s", "c"])?;
+    let client = std::sync::Arc::new(pagefleet_tls::Identity::load(&ids[1])?);
     let d = pagefleet_lab::proc::ChildDaemon::start_args(
         (TOTAL + 64 * MIB) as u64,
         &secret_path,
-        &["--tls-dir".as_ref(), tmp.join("s").as_os_str()],
+        &["--tls-dir".as_ref(), ids[0].as_os_str()],
     )?;
     let pages = TOTAL / 4096;
     let src = vec![7u8; TOTAL];

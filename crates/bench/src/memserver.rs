@@ -1200,21 +1200,10 @@ struct Tls {
 
 impl Tls {
     fn new(tmp: &std::path::Path) -> Result<Tls> {
-        use pagefleet_tls::certs;
-        let ca = tmp.join("ca");
-        certs::init_ca(&ca)?;
-        let req = |name: &str| certs::IssueRequest {
-            name: name.into(),
-            years: 1,
-            ..Default::default()
-        };
-        let server_dir = tmp.join("tls-server");
-        certs::issue(&ca, &req("bench-server"), &server_dir)?;
-        let client_dir = tmp.join("tls-client");
-        certs::issue(&ca, &req("bench-client"), &client_dir)?;
+        let ids = pagefleet_tls::certs::cluster(&tmp.join("tls"), &["server", "client"])?;
         Ok(Tls {
-            server_dir,
-            client: std::sync::Arc::new(pagefleet_tls::Identity::load(&client_dir)?),
+            client: std::sync::Arc::new(pagefleet_tls::Identity::load(&ids[1])?),
+            server_dir: ids[0].clone(),
         })
     }
 }

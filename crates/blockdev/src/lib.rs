@@ -119,18 +119,15 @@ impl Listener {
             Listener::Unix(_, p) => format!("unix:{}", p.display()),
         }
     }
-    /// A client, and whether it is on loopback (or a unix socket).
-    fn accept(&self) -> std::io::Result<(Box<dyn nbd::Io>, bool)> {
+    /// A client, and its address (None: a unix socket, its owner's alone).
+    fn accept(&self) -> std::io::Result<(Box<dyn nbd::Io>, Option<std::net::SocketAddr>)> {
         Ok(match self {
             Listener::Tcp(l) => {
                 let (s, peer) = l.accept()?;
                 let _ = s.set_nodelay(true);
-                (
-                    Box::new(pagefleet_tls::Stream::plain(s)),
-                    pagefleet_tls::is_loopback(peer.ip()),
-                )
+                (Box::new(pagefleet_tls::Stream::plain(s)), Some(peer))
             }
-            Listener::Unix(l, _) => (Box::new(l.accept()?.0), true),
+            Listener::Unix(l, _) => (Box::new(l.accept()?.0), None),
         })
     }
 }
@@ -195,7 +192,7 @@ impl Device {
     pub fn serve(&self, l: Listener) -> Result<()> {
         let tls = pagefleet_tls::process_identity();
         loop {
-            let (c, local) = match l.accept() {
+            let (c, peer) = match l.accept() {
                 Ok(c) => c,
                 Err(e) => {
                     tracing::warn!("accept: {e}");
@@ -205,7 +202,7 @@ impl Device {
             };
             let (ex, sh) = (self.export.clone(), self.shared.clone());
             let tls = nbd::Tls {
-                required: tls.is_some() && !local,
+                required: peer.is_some_and(|p| pagefleet_tls::required(tls.as_deref(), p)),
                 identity: tls.clone(),
             };
             std::thread::spawn(move || {

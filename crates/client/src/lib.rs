@@ -293,10 +293,10 @@ impl Conn {
             io_timeout: opts.io_timeout,
         };
         let mut w = c.read_welcome()?;
-        let tls = opts
-            .tls
-            .as_deref()
-            .filter(|_| opts.tls_on_loopback || !pagefleet_tls::is_loopback(sa.ip()));
+        let tls = match opts.tls_on_loopback {
+            true => opts.tls.as_deref(),
+            false => pagefleet_tls::for_peer(opts.tls.as_deref(), sa),
+        };
         match tls {
             Some(id) if w.flags & Welcome::TLS_OFFERED != 0 => {
                 c.start_tls(id, addr)?;

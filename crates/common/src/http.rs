@@ -241,8 +241,8 @@ impl Client {
             addr: addr.into(),
             msg,
         };
-        let mut s = match self.tls.as_deref() {
-            Some(id) if !pagefleet_tls::is_loopback(sa.ip()) => {
+        let mut s = match pagefleet_tls::for_peer(self.tls.as_deref(), sa) {
+            Some(id) => {
                 let s = Stream::tls_client(s, id, &sa.ip().to_string())
                     .map_err(|e| tls_err(e.to_string()))?;
                 s.handshake().map_err(|e| tls_err(e.to_string()))?;

@@ -956,16 +956,8 @@ fn put_hashed_stores_what_the_host_holds_and_nothing_else() {
 #[test]
 fn starttls_is_offered_on_loopback_and_bad_handshakes_are_dropped() {
     let tmp = tempdir("memserver-tls");
-    let ca = tmp.join("ca");
-    pagefleet_tls::certs::init_ca(&ca).unwrap();
-    let req = |n: &str| pagefleet_tls::certs::IssueRequest {
-        name: n.into(),
-        years: 1,
-        ..Default::default()
-    };
-    pagefleet_tls::certs::issue(&ca, &req("server"), &tmp.join("s")).unwrap();
-    pagefleet_tls::certs::issue(&ca, &req("client"), &tmp.join("c")).unwrap();
-    let d = Daemon::start("16MiB", &["--tls-dir", tmp.join("s").to_str().unwrap()]);
+    let ids = pagefleet_tls::certs::cluster(&tmp, &["server", "client"]).unwrap();
+    let d = Daemon::start("16MiB", &["--tls-dir", ids[0].to_str().unwrap()]);
 
     // Offered, not required, on loopback.
     let (mut s, w) = raw_connect(&d.addr);
@@ -997,7 +989,7 @@ fn starttls_is_offered_on_loopback_and_bad_handshakes_are_dropped() {
     let page = vec![0x5au8; P];
     c.put(7, Pages::Run { first: 0, count: 1 }, &page, 1)
         .unwrap();
-    let id = std::sync::Arc::new(pagefleet_tls::Identity::load(&tmp.join("c")).unwrap());
+    let id = std::sync::Arc::new(pagefleet_tls::Identity::load(&ids[1]).unwrap());
     let o = ConnectOptions {
         tls: Some(id),
         tls_on_loopback: true,

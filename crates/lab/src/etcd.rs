@@ -114,19 +114,7 @@ impl EtcdCluster {
     /// Index of the current leader (by `etcdctl endpoint status`).
     pub fn leader(&self) -> Option<usize> {
         let eps: Vec<&str> = self.members.iter().map(|m| m.client.as_str()).collect();
-        let out = Command::new("etcdctl")
-            .env("ETCDCTL_API", "3")
-            .args([
-                "--endpoints",
-                &eps.join(","),
-                "endpoint",
-                "status",
-                "-w",
-                "json",
-            ])
-            .output()
-            .ok()?;
-        let ep = leader_endpoint(&out.stdout)?;
+        let ep = ask_leader(Command::new("etcdctl"), &eps)?;
         self.members.iter().position(|m| ep.ends_with(&m.client))
     }
 
@@ -152,9 +140,16 @@ impl Drop for EtcdCluster {
     }
 }
 
-/// The leader's endpoint in `etcdctl endpoint status -w json` output.
-pub fn leader_endpoint(json: &[u8]) -> Option<String> {
-    let v: serde_json::Value = serde_json::from_slice(json).ok()?;
+/// Ask the members at `endpoints` which is the leader, through `etcdctl`
+/// (a command, so a caller may run it in a namespace); its endpoint.
+pub fn ask_leader(mut etcdctl: Command, endpoints: &[&str]) -> Option<String> {
+    let out = etcdctl
+        .env("ETCDCTL_API", "3")
+        .args(["--endpoints", &endpoints.join(",")])
+        .args(["endpoint", "status", "-w", "json"])
+        .output()
+        .ok()?;
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
     v.as_array()?.iter().find_map(|e| {
         let leader = e["Status"]["leader"].as_u64()?;
         let me = e["Status"]["header"]["member_id"].as_u64()?;

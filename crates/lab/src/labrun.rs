@@ -41,23 +41,7 @@ impl LabRun {
         lend: u64,
         guest_memory: &[u64],
     ) -> Result<LabRun> {
-        Self::up_with(tag, bins, hosts, link, lend, guest_memory, 0)
-    }
-
-    /// [`LabRun::up`] with an etcd member on each of the first `etcd`
-    /// hosts as the daemons' registry (0: the peers registry).
-    pub fn up_with(
-        tag: &str,
-        bins: &Path,
-        hosts: usize,
-        link: pagefleet_testbed::Link,
-        lend: u64,
-        guest_memory: &[u64],
-        etcd: usize,
-    ) -> Result<LabRun> {
-        Self::up_opts(tag, bins, hosts, link, lend, guest_memory, |o| {
-            o.etcd = etcd
-        })
+        Self::up_opts(tag, bins, hosts, link, lend, guest_memory, |_| {})
     }
 
     /// [`LabRun::up`] with the testbed's options adjusted by `adjust`

@@ -453,8 +453,7 @@ impl Stream {
             return Err(WireError::Malformed("WELCOME must be 33 bytes".into()));
         }
         let peer = self.s.socket().peer_addr()?;
-        let tls =
-            pagefleet_tls::process_identity().filter(|_| !pagefleet_tls::is_loopback(peer.ip()));
+        let tls = pagefleet_tls::for_peer(pagefleet_tls::process_identity(), peer);
         match tls {
             Some(id) if b[32] & TLS_OFFERED != 0 => {
                 self.send(Kind::StartTls, 0, &[])?;

@@ -102,37 +102,23 @@ pub fn lab(
     lend: u64,
     guest_memory: &[u64],
 ) -> LabRun {
-    let bins = bin("pagefleetd").parent().unwrap().to_path_buf();
-    LabRun::up(tag, &bins, hosts, link, lend, guest_memory).expect("testbed up")
+    lab_with(tag, hosts, link, lend, guest_memory, |_| {})
 }
 
-/// [`lab`] whose registry is etcd: a member on each of the first `etcd` hosts.
-pub fn lab_etcd(
+/// [`lab`] with the testbed's options adjusted: `|o| o.etcd = 3` (an etcd
+/// member on each of the first 3 hosts as the daemons' registry),
+/// `|o| o.tls = true` (a lab CA, each pagefleetd `--tls-dir` with its
+/// host's certificate, commands in the lab presenting an admin one).
+pub fn lab_with(
     tag: &str,
     hosts: usize,
     link: pagefleet_testbed::Link,
     lend: u64,
     guest_memory: &[u64],
-    etcd: usize,
+    adjust: impl FnOnce(&mut pagefleet_testbed::Options),
 ) -> LabRun {
     let bins = bin("pagefleetd").parent().unwrap().to_path_buf();
-    LabRun::up_with(tag, &bins, hosts, link, lend, guest_memory, etcd).expect("testbed up")
-}
-
-/// [`lab`] with TLS: a lab CA, each pagefleetd `--tls-dir` with its host's
-/// certificate, and commands run in the lab presenting an admin certificate.
-pub fn lab_tls(
-    tag: &str,
-    hosts: usize,
-    link: pagefleet_testbed::Link,
-    lend: u64,
-    guest_memory: &[u64],
-) -> LabRun {
-    let bins = bin("pagefleetd").parent().unwrap().to_path_buf();
-    LabRun::up_opts(tag, &bins, hosts, link, lend, guest_memory, |o| {
-        o.tls = true
-    })
-    .expect("testbed up")
+    LabRun::up_opts(tag, &bins, hosts, link, lend, guest_memory, adjust).expect("testbed up")
 }
 
 /// Start a synthetic guest `name` of `mib` MiB on lab host h1 that

@@ -462,18 +462,11 @@ fn qemu_and_libnbd_speak_tls_to_the_export_and_strangers_are_refused() {
     }
     let c = Cluster::start(2, "32MiB");
     let dir = tempdir("nbdtls");
-    let (ca, other) = (dir.join("ca"), dir.join("other-ca"));
-    pagefleet_tls::certs::init_ca(&ca).unwrap();
-    pagefleet_tls::certs::init_ca(&other).unwrap();
-    let req = |name: &str| pagefleet_tls::certs::IssueRequest {
-        name: name.into(),
-        years: 1,
-        ..Default::default()
-    };
-    let (server, client, stranger) = (dir.join("server"), dir.join("client"), dir.join("x"));
-    pagefleet_tls::certs::issue(&ca, &req("export"), &server).unwrap();
-    pagefleet_tls::certs::issue(&ca, &req("client"), &client).unwrap();
-    pagefleet_tls::certs::issue(&other, &req("stranger"), &stranger).unwrap();
+    let ids = pagefleet_tls::certs::cluster(&dir.join("ours"), &["export", "client"]).unwrap();
+    let (server, client) = (ids[0].clone(), ids[1].clone());
+    // Another cluster's certificate.
+    let stranger =
+        pagefleet_tls::certs::cluster(&dir.join("theirs"), &["stranger"]).unwrap()[0].clone();
     let e = export(
         &c,
         &c.addrs(),

@@ -23,21 +23,8 @@ fn etcd_leader(l: &LabRun) -> Option<usize> {
         .iter()
         .map(|h| format!("{}:2379", h.ip))
         .collect();
-    let out = l
-        .lab
-        .exec(0, "etcdctl")
-        .env("ETCDCTL_API", "3")
-        .args([
-            "--endpoints",
-            &eps.join(","),
-            "endpoint",
-            "status",
-            "-w",
-            "json",
-        ])
-        .output()
-        .ok()?;
-    let ep = pagefleet_lab::etcd::leader_endpoint(&out.stdout)?;
+    let eps: Vec<&str> = eps.iter().map(String::as_str).collect();
+    let ep = pagefleet_lab::etcd::ask_leader(l.lab.exec(0, "etcdctl"), &eps)?;
     l.lab.hosts.iter().position(|h| ep.contains(&h.ip))
 }
 
@@ -47,13 +34,13 @@ fn a_killed_host_is_shown_dead_and_placement_avoids_it() {
         eprintln!("skipped: needs root and etcd (make deps installs etcd-server)");
         return;
     }
-    let l = lab_etcd(
+    let l = lab_with(
         "reg",
         4,
         Link::Gbit10,
         128 * MIB,
         &[256 * MIB, 96 * MIB, 192 * MIB, 96 * MIB],
-        3,
+        |o| o.etcd = 3,
     );
     wait_for("4 live hosts in the registry", 30, || {
         let s = l.status(0);
@@ -89,13 +76,13 @@ fn the_etcd_leader_killed_during_a_migration_leaves_the_guest_whole() {
         eprintln!("skipped: needs root and etcd (make deps installs etcd-server)");
         return;
     }
-    let l = lab_etcd(
+    let l = lab_with(
         "regl",
         3,
         Link::Gbit1,
         128 * MIB,
         &[256 * MIB, 256 * MIB, 0],
-        3,
+        |o| o.etcd = 3,
     );
     wait_for("3 live hosts in the registry", 30, || {
         let s = l.status(0);

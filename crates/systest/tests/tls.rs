@@ -44,7 +44,14 @@ fn every_port_takes_only_tls_from_other_hosts_and_refuses_strangers() {
         return;
     }
     // h2 has memory for about half of g1: the rest goes to h3.
-    let l = lab_tls("tls", 3, Link::Gbit10, 256 * MIB, &[256 * MIB, 40 * MIB, 0]);
+    let l = lab_with(
+        "tls",
+        3,
+        Link::Gbit10,
+        256 * MIB,
+        &[256 * MIB, 40 * MIB, 0],
+        |o| o.tls = true,
+    );
     let admin = l
         .lab
         .admin_tls
@@ -56,10 +63,8 @@ fn every_port_takes_only_tls_from_other_hosts_and_refuses_strangers() {
     pagefleet_tls::certs::init_ca(&ca).unwrap();
     let stranger = tmp.path().join("id");
     let req = pagefleet_tls::certs::IssueRequest {
-        name: "h1".into(),
         ips: vec![l.lab.hosts[0].ip.parse().unwrap()],
-        years: 1,
-        ..Default::default()
+        ..pagefleet_tls::certs::IssueRequest::named("h1")
     };
     pagefleet_tls::certs::issue(&ca, &req, &stranger).unwrap();
 

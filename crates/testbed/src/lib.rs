@@ -323,10 +323,8 @@ impl Lab {
         ids.push(("admin".into(), vec![]));
         for (name, ips) in ids {
             let req = pagefleet_tls::certs::IssueRequest {
-                name: name.clone(),
                 ips,
-                years: 1,
-                ..Default::default()
+                ..pagefleet_tls::certs::IssueRequest::named(&name)
             };
             pagefleet_tls::certs::issue(&ca, &req, &tls_dir(&self.dir, &self.prefix, &name))
                 .map_err(|e| Error::Invalid(e.to_string()))?;

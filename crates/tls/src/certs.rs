@@ -69,6 +69,33 @@ pub struct IssueRequest {
     pub years: u16,
 }
 
+impl IssueRequest {
+    /// A certificate for `name` (and localhost), valid for 5 years.
+    pub fn named(name: &str) -> IssueRequest {
+        IssueRequest {
+            name: name.to_string(),
+            years: 5,
+            ..Default::default()
+        }
+    }
+}
+
+/// A whole small cluster under `dir`: a CA in `dir/ca` and one identity per
+/// name in `dir/NAME` (their directories, in order). For tests, benchmarks
+/// and labs on one machine.
+pub fn cluster(dir: &Path, names: &[&str]) -> Result<Vec<PathBuf>, TlsError> {
+    let ca = dir.join("ca");
+    init_ca(&ca)?;
+    names
+        .iter()
+        .map(|n| {
+            let out = dir.join(n);
+            issue(&ca, &IssueRequest::named(n), &out)?;
+            Ok(out)
+        })
+        .collect()
+}
+
 /// Issue a key and certificate signed by the CA in `ca_dir` into the identity
 /// directory `out` (created; existing certificate files are replaced, which
 /// is how a host is re-issued).

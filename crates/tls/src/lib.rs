@@ -79,10 +79,17 @@ pub fn is_loopback(ip: IpAddr) -> bool {
     }
 }
 
+/// The identity to use on a connection with `peer`: `id`, unless the peer
+/// is on loopback (plaintext may stay there). Clients present it; servers
+/// with one require TLS of such a peer.
+pub fn for_peer<I>(id: Option<I>, peer: SocketAddr) -> Option<I> {
+    id.filter(|_| !is_loopback(peer.ip()))
+}
+
 /// Whether a connection to or from `peer` must be TLS for a process whose
 /// identity is `id`.
 pub fn required(id: Option<&Identity>, peer: SocketAddr) -> bool {
-    id.is_some() && !is_loopback(peer.ip())
+    for_peer(id, peer).is_some()
 }
 
 static PROCESS: RwLock<Option<Arc<Identity>>> = RwLock::new(None);

@@ -9,12 +9,7 @@ use std::path::Path;
 use std::time::Duration;
 
 fn identity(ca: &Path, name: &str, out: &Path) -> Identity {
-    let req = IssueRequest {
-        name: name.into(),
-        years: 1,
-        ..Default::default()
-    };
-    issue(ca, &req, out).unwrap();
+    issue(ca, &IssueRequest::named(name), out).unwrap();
     Identity::load(out).unwrap()
 }
 
