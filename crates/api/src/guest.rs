@@ -242,6 +242,10 @@ pub struct GuestSpec {
     /// Memory servers the region pages to.
     #[serde(default)]
     pub servers: Vec<String>,
+    /// Copies of every remote page, on different servers: 1 or 2 (a
+    /// server's death then loses nothing; its pages are re-replicated).
+    #[serde(default = "default_replicas")]
+    pub replicas: usize,
     /// CPU share of one core the access sampling may cost.
     #[serde(default = "default_sample_budget")]
     pub sample_budget: f64,
@@ -270,6 +274,9 @@ fn default_chunk() -> usize {
 fn default_prefetch() -> String {
     "adaptive".into()
 }
+fn default_replicas() -> usize {
+    1
+}
 fn default_sample_budget() -> f64 {
     0.02
 }
@@ -284,6 +291,7 @@ impl GuestSpec {
             chunk: default_chunk(),
             prefetch: default_prefetch(),
             servers: vec![],
+            replicas: default_replicas(),
             sample_budget: default_sample_budget(),
             service_ip: None,
         }
@@ -303,6 +311,18 @@ impl GuestSpec {
         }
         if !matches!(self.prefetch.as_str(), "adaptive" | "chunk") {
             return Err(format!("prefetch {:?}: use adaptive or chunk", self.prefetch).into());
+        }
+        if !(1..=2).contains(&self.replicas) {
+            return Err(format!("replicas {}: use 1 or 2", self.replicas).into());
+        }
+        if self.replicas > 1 && self.servers.len() < self.replicas {
+            return Err(format!(
+                "{} replicas need at least {} memory servers ({} given)",
+                self.replicas,
+                self.replicas,
+                self.servers.len()
+            )
+            .into());
         }
         if !(self.sample_budget > 0.0 && self.sample_budget <= 1.0) {
             return Err("sample_budget must be in (0, 1]".into());

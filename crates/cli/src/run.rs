@@ -32,6 +32,11 @@ pub struct RunArgs {
     /// Memory servers, comma-separated HOST:PORT.
     #[arg(long, global = true, value_delimiter = ',')]
     pub servers: Vec<String>,
+    /// Copies of every remote page, on different memory servers (1 or 2).
+    /// With 2 a server's death loses nothing: its pages are read from
+    /// their mirrors and copied again to another server in the background.
+    #[arg(long, global = true, default_value_t = 1)]
+    pub replicas: usize,
     /// Victim choice: clock (sum of reference bits per chunk) or aging (max 8-bit age).
     #[arg(long, global = true, default_value = "clock")]
     pub policy: Policy,
@@ -277,6 +282,7 @@ pub fn guest_spec(a: &RunArgs) -> Result<GuestSpec> {
         chunk: a.chunk,
         prefetch: format!("{:?}", a.prefetch).to_lowercase(),
         servers: a.servers.clone(),
+        replicas: a.replicas,
         sample_budget: a.sample_budget,
         service_ip: a.service_ip.clone(),
     };
@@ -350,6 +356,7 @@ pub fn run(a: RunArgs, secret_file: Option<&Path>) -> Result<()> {
         size: a.size,
         budget_pages,
         servers: a.servers.clone(),
+        replicas: a.replicas,
         secret,
         policy: a.policy,
         chunk: a.chunk,

@@ -452,6 +452,30 @@ impl Conn {
         self.rb.forget_drained();
     }
 
+    /// Whether the server closed this connection (or reset it): a peek at
+    /// the socket that does not wait. Bytes waiting (a reply, a TLS record)
+    /// count as open.
+    pub fn peer_closed(&self) -> bool {
+        let mut b = [0u8; 1];
+        // SAFETY: a one-byte buffer we own; MSG_PEEK leaves the byte queued.
+        let n = unsafe {
+            libc::recv(
+                self.raw_fd(),
+                b.as_mut_ptr().cast(),
+                1,
+                libc::MSG_PEEK | libc::MSG_DONTWAIT,
+            )
+        };
+        match n {
+            0 => true,
+            n if n > 0 => false,
+            _ => !matches!(
+                std::io::Error::last_os_error().kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+            ),
+        }
+    }
+
     /// Whether bytes of a reply were read ahead into this connection's
     /// buffer (a poll of the socket does not see them). No system call.
     pub fn buffered(&self) -> bool {

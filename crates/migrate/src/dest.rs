@@ -601,6 +601,8 @@ impl Received {
         cfg.chunk_pages = s.chunk_pages;
         cfg.policy = s.policy.parse::<Policy>()?;
         cfg.servers = s.servers.clone();
+        // (Pages placed with one copy get their second after the start.)
+        cfg.replicas = s.workload.replicas.clamp(1, s.servers.len().max(1));
         cfg.secret = Some(secret.clone());
         cfg.region_id = s.region_id;
         cfg.name = format!("pagefleet-{}", s.name);
@@ -608,6 +610,7 @@ impl Received {
         if s.gather {
             // Everything is here now; the old copies are deleted after the start.
             cfg.servers.clear();
+            cfg.replicas = 1;
             if let Some(p) = loc.iter().position(|v| *v < PULLED) {
                 return Err(format!(
                     "page {p} is on neither the main host nor {}: not gathered",

@@ -48,6 +48,11 @@ pub fn paging_slack(budget_pages: u64, chunk_pages: usize) -> u64 {
     (chunk_pages as u64 * 4).max(budget_pages / 32)
 }
 
+/// Re-replication's default bandwidth: 256 MiB/s, a fifth of a 10 Gbit/s
+/// link, so restoring copies after a server's death does not starve the
+/// guests' own paging.
+pub const DEFAULT_REREPLICATE_RATE: u64 = 256 << 20;
+
 /// How a victim chunk is chosen when the budget is exceeded.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Policy {
@@ -122,6 +127,12 @@ pub struct Config {
     pub reply_spin: Duration,
     /// Memory servers (HOST:PORT) pages may go to.
     pub servers: Vec<String>,
+    /// Copies of every remote page, on different servers (1 or 2). With
+    /// 2 a page-out counts only when both servers acknowledged it; a dead
+    /// server's pages are read from their mirror and re-replicated.
+    pub replicas: usize,
+    /// Re-replication's bandwidth, bytes/s (0: unlimited).
+    pub rereplicate_rate: u64,
     /// The cluster secret (needed with servers).
     pub secret: Option<Secret>,
     /// Region id on the servers (0: random).
@@ -212,6 +223,8 @@ impl Config {
             prefetch: Prefetch::Adaptive,
             reply_spin: Duration::ZERO,
             servers: Vec::new(),
+            replicas: 1,
+            rereplicate_rate: DEFAULT_REREPLICATE_RATE,
             secret: None,
             region_id: 0,
             sample_cpu_budget: 0.02,
@@ -308,6 +321,10 @@ pub(crate) struct Shared {
     pub fatal: Mutex<Option<String>>,
     /// Kernel thread id of the pager (for CPU pinning in benchmarks).
     pub pager_tid: std::sync::atomic::AtomicI32,
+    /// Every memory server the region used (those added for an evacuation
+    /// too) and whether the pager found it dead: closing deletes the
+    /// region's pages on the live ones.
+    pub servers: Mutex<Vec<(String, bool)>>,
 }
 
 /// A region: guest memory whose pages live locally or on memory servers.
@@ -323,7 +340,6 @@ pub struct Region {
     pub region_id: u64,
     /// Pages per chunk.
     pub chunk_pages: usize,
-    servers: Vec<String>,
     secret: Option<Secret>,
 }
 
@@ -359,6 +375,20 @@ impl Region {
             return Err(RegionError::Config(
                 "at most 250 memory servers per region".into(),
             ));
+        }
+        if !(1..=2).contains(&cfg.replicas) {
+            return Err(RegionError::Config(format!(
+                "{} replicas: use 1 or 2",
+                cfg.replicas
+            )));
+        }
+        if cfg.replicas > 1 && cfg.servers.len() < cfg.replicas {
+            return Err(RegionError::Config(format!(
+                "{} replicas need at least {} memory servers ({} given)",
+                cfg.replicas,
+                cfg.replicas,
+                cfg.servers.len()
+            )));
         }
         if !cfg.servers.is_empty() && cfg.secret.is_none() {
             cfg.secret =
@@ -422,6 +452,7 @@ impl Region {
             stats: stats::Counters::default(),
             fatal: Mutex::new(None),
             pager_tid: std::sync::atomic::AtomicI32::new(0),
+            servers: Mutex::new(cfg.servers.iter().map(|s| (s.clone(), false)).collect()),
         });
         for &(first, count, s) in &cfg.initial_remote {
             if s >= cfg.servers.len() || first.checked_add(count).is_none_or(|e| e > pages) {
@@ -463,7 +494,6 @@ impl Region {
             pager: Some(handle),
             region_id: cfg.region_id,
             chunk_pages: cfg.chunk_pages,
-            servers: cfg.servers.clone(),
             secret: cfg.secret.clone(),
         })
     }
@@ -658,7 +688,9 @@ impl Region {
             ..Default::default()
         };
         let mut first = None;
-        for s in &self.servers {
+        let servers = self.shared.servers.lock().unwrap().clone();
+        // (A server found dead lost the pages; one that restarted holds none.)
+        for (s, _) in servers.iter().filter(|(_, down)| !down) {
             match pagefleet_client::Conn::connect(s, &secret, &opts)
                 .and_then(|mut c| c.delete_region(self.region_id))
             {

@@ -97,6 +97,9 @@ pub struct Counters {
     pub page_out_cpu_ns: AtomicU64,
     pub direct_reclaims: AtomicU64,
     pub direct_reclaim_ns: AtomicU64,
+    pub degraded_pages: AtomicU64,
+    pub rereplicated_pages: AtomicU64,
+    pub servers_down: AtomicU64,
 }
 
 /// A consistent-enough snapshot for reporting.
@@ -156,6 +159,13 @@ pub struct Stats {
     pub direct_reclaims: u64,
     /// Wall time of those batches, ns.
     pub direct_reclaim_ns: u64,
+    /// Remote pages with fewer copies than the region's replicas (after a
+    /// server's death, until re-replication restores them).
+    pub degraded_pages: u64,
+    /// Pages re-replication copied to another server.
+    pub rereplicated_pages: u64,
+    /// Memory servers this region found dead (their pages served by mirrors).
+    pub servers_down: u64,
 }
 
 impl Stats {
@@ -196,6 +206,9 @@ impl Stats {
             ("page_out_cpu_ns", self.page_out_cpu_ns),
             ("direct_reclaims", self.direct_reclaims),
             ("direct_reclaim_ns", self.direct_reclaim_ns),
+            ("degraded_pages", self.degraded_pages),
+            ("rereplicated_pages", self.rereplicated_pages),
+            ("servers_down", self.servers_down),
             ("page_in_p50_us", self.page_in_p50_us() as u64),
             ("page_in_p99_us", self.page_in_p99_us() as u64),
         ]
@@ -240,6 +253,9 @@ impl Counters {
             page_out_cpu_ns: self.page_out_cpu_ns.load(Relaxed),
             direct_reclaims: self.direct_reclaims.load(Relaxed),
             direct_reclaim_ns: self.direct_reclaim_ns.load(Relaxed),
+            degraded_pages: self.degraded_pages.load(Relaxed),
+            rereplicated_pages: self.rereplicated_pages.load(Relaxed),
+            servers_down: self.servers_down.load(Relaxed),
         }
     }
 }

@@ -160,6 +160,7 @@ pub fn run_guest(
         .map_err(|e| RunnerError::Invalid(e.to_string()))?;
     let mut cfg = Config::new(size, budget_pages);
     cfg.servers = spec.servers.clone();
+    cfg.replicas = spec.replicas;
     cfg.policy = spec.policy.parse().map_err(RunnerError::Invalid)?;
     cfg.chunk_pages = spec.chunk;
     cfg.prefetch = spec.prefetch.parse().map_err(RunnerError::Invalid)?;

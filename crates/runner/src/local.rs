@@ -50,6 +50,8 @@ pub struct LocalRun {
     pub budget_pages: u64,
     /// Memory servers (none: nothing pages out).
     pub servers: Vec<String>,
+    /// Copies of every remote page (1 or 2).
+    pub replicas: usize,
     /// The cluster secret (needed with servers).
     pub secret: Option<Secret>,
     /// Victim choice.
@@ -135,6 +137,7 @@ fn open_memory(a: &LocalRun) -> Result<Memory, RunnerError> {
 fn region_config(a: &LocalRun) -> Config {
     let mut cfg = Config::new(a.size, a.budget_pages);
     cfg.servers = a.servers.clone();
+    cfg.replicas = a.replicas;
     cfg.policy = a.policy;
     cfg.chunk_pages = a.chunk;
     cfg.prefetch = a.prefetch;

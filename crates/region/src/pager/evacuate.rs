@@ -1,4 +1,5 @@
-//! Evacuation: moving every page on one server to another.
+//! Evacuation: moving every page on one server to another (pages read
+//! from it and, with two replicas, mirror copies it holds).
 
 use super::*;
 
@@ -25,13 +26,16 @@ impl Pager {
         // Replies come in order on a connection: the GETs in flight first.
         self.take_replies(ev.from, true);
         self.take_replies(ev.to, true);
-        let tag = REMOTE + ev.from as u8;
+        let (tag, mark) = (REMOTE + ev.from as u8, ev.from as u8 + 1);
         let region = self.region_id;
         for _ in 0..4 {
             let mut list = Vec::with_capacity(MAX_BATCH_PAGES);
             while ev.cursor < self.loc.state.len() && list.len() < MAX_BATCH_PAGES {
                 // (An arriving page is taken from `from` by its GET.)
-                if self.loc.state[ev.cursor] == tag && self.loc.out[ev.cursor] == OUT_NONE {
+                let q = ev.cursor;
+                let on_from = self.loc.state[q] == tag
+                    || (self.loc.state[q] >= REMOTE && self.loc.second[q] == mark);
+                if on_from && self.loc.out[q] == OUT_NONE {
                     list.push(ev.cursor as u64);
                 }
                 ev.cursor += 1;
@@ -63,9 +67,24 @@ impl Pager {
                 )));
                 return;
             }
+            let (to_tag, to_mark) = (REMOTE + ev.to as u8, ev.to as u8 + 1);
             for &p in &list {
-                self.loc.state[p as usize] = REMOTE + ev.to as u8;
-                self.mark(p as usize);
+                let p = p as usize;
+                if self.loc.state[p] == tag {
+                    self.loc.state[p] = to_tag;
+                    self.mark(p);
+                    if self.loc.second[p] == to_mark {
+                        // Both copies would be on one server: one it is
+                        // (re-replication makes the second elsewhere).
+                        self.loc.second[p] = 0;
+                        self.rerep.active = true;
+                    }
+                } else if self.loc.state[p] == to_tag {
+                    self.loc.second[p] = 0;
+                    self.rerep.active = true;
+                } else {
+                    self.loc.second[p] = to_mark;
+                }
             }
             self.free[ev.to] = self.free[ev.to].saturating_sub(n as u64);
             ev.moved += n as u64;

@@ -30,6 +30,12 @@ pub(super) struct LocationDb {
     /// Server holding a slot for a resident page (server + 1; 0: none):
     /// what a page-in kept there (a later page-out overwrites it in place).
     pub(super) copy: Vec<u8>,
+    /// With two replicas, the other server holding the page (server + 1;
+    /// 0: none): for a remote page its mirror (state names the server
+    /// pages are read from), for a resident page its second kept copy.
+    /// A page whose copies number fewer than the region's replicas is
+    /// *degraded* and re-replication gives it one.
+    pub(super) second: Vec<u8>,
     /// The kept copy equals the resident page (write-protected since page-in,
     /// no write seen): evicting it is a local drop, nothing is sent.
     pub(super) clean: Vec<bool>,
@@ -62,6 +68,7 @@ impl LocationDb {
         LocationDb {
             state: vec![ZERO; pages],
             copy: vec![0; pages],
+            second: vec![0; pages],
             clean: vec![false; pages],
             write_hint: vec![0; pages],
             written: vec![false; pages],
@@ -99,6 +106,10 @@ impl LocationDb {
         }
         if self.state[q] >= REMOTE {
             self.remote -= 1;
+            // The mirror keeps its copy: a second kept copy now.
+            if self.second[q] > 0 {
+                self.copies[self.second[q] as usize - 1] += 1;
+            }
         }
         self.written[q] = false;
         self.state[q] = LOCAL;
@@ -106,14 +117,18 @@ impl LocationDb {
         self.resident += 1;
     }
 
-    /// Resident page `q` is on server `s` now; any kept copy is gone.
-    /// Returns whether it had a kept copy.
-    pub(super) fn set_remote(&mut self, q: usize, s: usize) -> bool {
+    /// Resident page `q` is on server `s` now (and on `mirror`, with two
+    /// replicas); its kept copies are those. Returns whether it had a kept copy.
+    pub(super) fn set_remote(&mut self, q: usize, s: usize, mirror: Option<usize>) -> bool {
         debug_assert_eq!(self.state[q], LOCAL);
         let had = self.copy[q] > 0;
         if had {
             self.copies[self.copy[q] as usize - 1] -= 1;
         }
+        if self.second[q] > 0 {
+            self.copies[self.second[q] as usize - 1] -= 1;
+        }
+        self.second[q] = mirror.map_or(0, |m| m as u8 + 1);
         // A write seen: install it writable for the next WRITE_HINT page-ins
         // (each without a seen write uses one up); evicted clean: never.
         self.write_hint[q] = if self.written[q] {
@@ -204,6 +219,17 @@ impl LocationDb {
         self.clean[q] = clean;
     }
 
+    /// Server `m` keeps a second copy of resident page `q` (what the first
+    /// holds: equally clean or stale).
+    pub(super) fn keep_second(&mut self, q: usize, m: usize) {
+        debug_assert_eq!(self.state[q], LOCAL);
+        if self.second[q] > 0 {
+            self.copies[self.second[q] as usize - 1] -= 1;
+        }
+        self.second[q] = m as u8 + 1;
+        self.copies[m] += 1;
+    }
+
     /// Forget the kept copy of `q` (deleted on its server); which server held it.
     pub(super) fn forget_copy(&mut self, q: usize) -> Option<usize> {
         let c = self.copy[q];
@@ -214,6 +240,67 @@ impl LocationDb {
         self.copy[q] = 0;
         self.clean[q] = false;
         Some(c as usize - 1)
+    }
+
+    /// Forget the second kept copy of resident page `q`; which server held it.
+    pub(super) fn forget_second(&mut self, q: usize) -> Option<usize> {
+        let c = self.second[q];
+        if c == 0 {
+            return None;
+        }
+        if self.state[q] == LOCAL {
+            self.copies[c as usize - 1] -= 1;
+        }
+        self.second[q] = 0;
+        Some(c as usize - 1)
+    }
+
+    /// Copies of page `q` on servers (remote: where it is; resident: kept).
+    pub(super) fn replicas(&self, q: usize) -> usize {
+        let first = match self.state[q] {
+            ZERO => return 0,
+            LOCAL => self.copy[q] > 0,
+            _ => true,
+        };
+        first as usize + (self.second[q] > 0) as usize
+    }
+
+    /// Server `s` is gone with everything it held. Remote pages it served
+    /// are read from their mirror from now on, kept copies on it are
+    /// forgotten (a clean page whose only copy it was is dirty now).
+    /// Returns the remote pages that had no other copy: lost.
+    pub(super) fn server_lost(&mut self, s: usize) -> Vec<usize> {
+        let (tag, mark) = (REMOTE + s as u8, s as u8 + 1);
+        let mut lost = Vec::new();
+        for q in 0..self.state.len() {
+            let st = self.state[q];
+            if st == tag {
+                match self.second[q] {
+                    0 => lost.push(q),
+                    m => {
+                        self.state[q] = REMOTE + m - 1;
+                        self.second[q] = 0;
+                    }
+                }
+            } else if st >= REMOTE {
+                if self.second[q] == mark {
+                    self.second[q] = 0;
+                }
+            } else if st == LOCAL {
+                if self.second[q] == mark {
+                    self.forget_second(q);
+                }
+                if self.copy[q] == mark {
+                    // The second copy, if any, takes the first's place.
+                    let (clean, other) = (self.clean[q], self.forget_second(q));
+                    self.forget_copy(q);
+                    if let Some(o) = other {
+                        self.keep_copy(q, o, clean);
+                    }
+                }
+            }
+        }
+        lost
     }
 }
 
@@ -289,7 +376,7 @@ mod tests {
         assert_eq!((db.resident, db.chunk_res[0]), (1, 1));
         db.keep_copy(5, 1, true);
         assert_eq!((db.copies[1], db.clean[5]), (1, true));
-        assert!(db.set_remote(5, 1), "it had a kept copy");
+        assert!(db.set_remote(5, 1, None), "it had a kept copy");
         assert_eq!(db.location(5), Location::Remote(1));
         assert_eq!((db.resident, db.remote, db.copies[1]), (0, 1, 0));
         db.set_local(5);
@@ -304,11 +391,11 @@ mod tests {
         let mut db = LocationDb::new(16, 16, 1);
         db.set_local(3);
         db.written[3] = true;
-        db.set_remote(3, 0);
+        db.set_remote(3, 0, None);
         assert_eq!(db.write_hint[3], WRITE_HINT);
         for left in (0..WRITE_HINT).rev() {
             db.set_local(3);
-            db.set_remote(3, 0);
+            db.set_remote(3, 0, None);
             assert_eq!(
                 db.write_hint[3], left,
                 "a residency without a write uses one up"
@@ -316,10 +403,10 @@ mod tests {
         }
         db.set_local(3);
         db.written[3] = true;
-        db.set_remote(3, 0);
+        db.set_remote(3, 0, None);
         db.set_local(3);
         db.keep_copy(3, 0, true);
-        db.set_remote(3, 0);
+        db.set_remote(3, 0, None);
         assert_eq!(db.write_hint[3], 0, "evicted clean: no hint");
     }
 
@@ -339,9 +426,44 @@ mod tests {
         assert!(!db.evictable(2), "not chosen again while its job is out");
         assert!(db.job_done(1), "page 1 leaves");
         assert!(!db.job_done(2), "page 2 stays");
-        db.set_remote(1, 0);
+        db.set_remote(1, 0, None);
         assert_eq!((db.resident, db.staying(), db.leaving), (3, 3, 0));
         assert!(db.evictable(2));
+    }
+
+    #[test]
+    fn a_lost_server_leaves_pages_on_their_mirrors() {
+        let mut db = LocationDb::new(16, 16, 3);
+        for q in 0..6 {
+            db.set_local(q);
+        }
+        // 0, 1: remote on server 0 mirrored on 1; 2: on 1 mirrored on 0;
+        // 3: on 0 alone; 4: resident, kept on 0 and 2; 5: resident, kept on 2 and 0.
+        db.set_remote(0, 0, Some(1));
+        db.set_remote(1, 0, Some(1));
+        db.set_remote(2, 1, Some(0));
+        db.set_remote(3, 0, None);
+        db.keep_copy(4, 0, true);
+        db.keep_second(4, 2);
+        db.keep_copy(5, 2, true);
+        db.keep_second(5, 0);
+        assert_eq!((db.replicas(0), db.replicas(3), db.replicas(4)), (2, 1, 2));
+        assert_eq!(db.copies, vec![2, 0, 2]);
+        let lost = db.server_lost(0);
+        assert_eq!(lost, vec![3], "page 3 had no other copy");
+        assert_eq!(db.location(0), Location::Remote(1));
+        assert_eq!((db.second[0], db.second[2]), (0, 0), "single copies now");
+        assert_eq!(db.location(2), Location::Remote(1));
+        assert_eq!((db.copy[4], db.second[4], db.clean[4]), (3, 0, true));
+        assert_eq!((db.copy[5], db.second[5]), (3, 0));
+        assert_eq!(db.copies, vec![0, 0, 2]);
+        // A page coming in keeps its mirror's copy as its second.
+        db.second[0] = 3;
+        db.set_local(0);
+        db.keep_copy(0, 1, true);
+        assert_eq!((db.replicas(0), db.copies.clone()), (2, vec![0, 1, 3]));
+        assert_eq!(db.forget_second(0), Some(2));
+        assert_eq!(db.copies, vec![0, 1, 2]);
     }
 
     #[test]

@@ -12,7 +12,8 @@
 //! (watermarks and page-out jobs), [`victims`] (which chunks go),
 //! [`writer`] (the thread sending them), [`refs`] (reference bits from
 //! the page tables), [`sampling`] (the access-history hand), [`evacuate`] (moving a server's
-//! pages elsewhere), [`commands`] (what the region's owner asks: tracking,
+//! pages elsewhere), [`replicate`] (a server's death with two replicas,
+//! re-replication), [`commands`] (what the region's owner asks: tracking,
 //! snapshots, holds).
 
 mod commands;
@@ -24,6 +25,7 @@ mod pagein;
 mod readahead;
 mod reclaim;
 mod refs;
+mod replicate;
 mod sampling;
 mod sched;
 mod victims;
@@ -133,6 +135,14 @@ pub(crate) struct Pager {
     secret: Option<pagefleet_proto::auth::Secret>,
     name: String,
     evac: Option<evacuate::Evac>,
+    /// Copies of every remote page (1 or 2).
+    replicas: usize,
+    /// Per server: found dead (its pages are read from their mirrors).
+    down: Vec<bool>,
+    /// Re-replication after a server's death.
+    rerep: replicate::Rerep,
+    /// How long a reconnect keeps trying.
+    patience: Duration,
 }
 
 impl Pager {
@@ -197,6 +207,7 @@ impl Pager {
             secret: cfg.secret.clone(),
             doorbell: doorbell.clone(),
             spin: cfg.reply_spin,
+            patience: patience(cfg.replicas),
         })
         .map_err(|source| RegionError::Io {
             what: "spawn page-out writer thread",
@@ -217,7 +228,7 @@ impl Pager {
                         c.set_window(4);
                         c
                     }
-                    None => connect(&cfg.name, a, secret, cfg.reply_spin)?,
+                    None => connect(&cfg.name, a, secret, cfg.reply_spin, CONNECT_PATIENCE)?,
                 };
                 c.set_spin(cfg.reply_spin);
                 free.push(c.info.capacity_pages.saturating_sub(c.info.used_pages));
@@ -272,7 +283,7 @@ impl Pager {
                 let q = q as usize;
                 if loc.state[q] == LOCAL {
                     // A migration's location list wins over stale data.
-                    loc.set_remote(q, srv);
+                    loc.set_remote(q, srv, None);
                     let _ = uffd::punch_hole(memfd.as_raw_fd(), (q * PAGE) as u64, PAGE as u64);
                 } else {
                     if loc.state[q] < REMOTE {
@@ -284,6 +295,9 @@ impl Pager {
         }
         shared.stats.remote_pages.store(loc.remote, Relaxed);
         shared.stats.resident_pages.store(loc.resident, Relaxed);
+        let mut rerep = replicate::Rerep::new(cfg.rereplicate_rate, cfg.servers.len());
+        // Pages placed with one copy (a migration's) get their second.
+        rerep.active = cfg.replicas > 1 && loc.remote > 0;
         let epoll = uffd::Epoll::new()
             .and_then(|e| {
                 e.add(u.as_raw_fd(), TOKEN_UFFD, uffd::Trigger::Level)?;
@@ -353,6 +367,10 @@ impl Pager {
             secret: cfg.secret.clone(),
             name: cfg.name.clone(),
             evac: None,
+            replicas: cfg.replicas,
+            down: vec![false; cfg.servers.len()],
+            rerep,
+            patience: patience(cfg.replicas),
         })
     }
 
@@ -392,6 +410,7 @@ impl Pager {
                 (0..self.conns.len()).any(|s| !self.gets[s].is_empty() && self.conns[s].buffered());
             let busy = (self.evicting && self.writer.in_flight < reclaim::MAX_JOBS)
                 || self.evac.is_some()
+                || self.rerep.ready()
                 || buffered;
             let (mut faults, mut bell) = (false, false);
             let ready = &mut self.ready;
@@ -417,6 +436,9 @@ impl Pager {
                         }
                         if !self.gets[s].is_empty() && (self.ready[s] || self.conns[s].buffered()) {
                             self.take_replies(s, false);
+                        } else if self.ready[s] {
+                            // Nothing asked: a closed connection?
+                            self.check_idle(s);
                         }
                     }
                     if faults {
@@ -432,6 +454,7 @@ impl Pager {
                 self.command(c);
             }
             self.evacuate_step();
+            self.rereplicate_step();
             self.meter.turn(&self.shared);
         }
     }
@@ -467,14 +490,22 @@ impl Pager {
             .secret
             .as_ref()
             .ok_or("this region has no cluster secret (it was made without memory servers)")?;
-        let c = connect(&self.name, addr, secret, self.reply_spin).map_err(|e| e.to_string())?;
+        let c = connect(&self.name, addr, secret, self.reply_spin, CONNECT_PATIENCE)
+            .map_err(|e| e.to_string())?;
         self.free
             .push(c.info.capacity_pages.saturating_sub(c.info.used_pages));
+        self.down.push(false);
+        self.rerep.orphans.push(Vec::new());
         self.conns.push(c);
         self.gets.push(Default::default());
         self.loc.copies.push(0);
         self.addrs.push(addr.to_string());
         self.servers_list.push(addr.to_string());
+        self.shared
+            .servers
+            .lock()
+            .unwrap()
+            .push((addr.to_string(), false));
         Ok(self.addrs.len() - 1)
     }
 
@@ -529,7 +560,13 @@ impl Pager {
         let secret = self.secret.clone().ok_or_else(|| {
             pagefleet_client::ClientError::Usage("no cluster secret to reconnect with".into())
         })?;
-        let c = connect(&self.name, &self.addrs[s], &secret, self.reply_spin)?;
+        let c = connect(
+            &self.name,
+            &self.addrs[s],
+            &secret,
+            self.reply_spin,
+            self.patience,
+        )?;
         if c.info.server_id != self.conns[s].info.server_id {
             // Restarted: whatever it held is gone; reconnecting cannot help.
             return Err(pagefleet_client::ClientError::Protocol {
@@ -556,6 +593,16 @@ impl Pager {
     }
 }
 
+/// How long a reconnect keeps trying: with one replica, long (the guest
+/// cannot go on without the server); with two, briefly (the mirror serves).
+fn patience(replicas: usize) -> Duration {
+    if replicas > 1 {
+        replicate::REPLICA_PATIENCE
+    } else {
+        CONNECT_PATIENCE
+    }
+}
+
 /// CPU time this thread has run, ns.
 fn thread_cpu_ns() -> u64 {
     let mut ts = libc::timespec {
@@ -575,13 +622,14 @@ fn connect(
     addr: &str,
     secret: &pagefleet_proto::auth::Secret,
     spin: Duration,
+    patience: Duration,
 ) -> Result<Conn, pagefleet_client::ClientError> {
     let opts = ConnectOptions {
         name: format!("{name}-pager"),
         window: 4,
         ..Default::default()
     };
-    let mut c = Conn::connect_patiently(addr, secret, &opts, CONNECT_PATIENCE)?;
+    let mut c = Conn::connect_patiently(addr, secret, &opts, patience)?;
     c.set_spin(spin);
     Ok(c)
 }

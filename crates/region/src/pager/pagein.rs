@@ -12,7 +12,7 @@ use std::collections::VecDeque;
 pub(super) struct Get {
     id: u64,
     /// Page numbers asked for, in the request's order.
-    pages: Vec<u64>,
+    pub(super) pages: Vec<u64>,
     /// For a faulting page (a GET of its own): whether the fault was a write.
     fault: Option<bool>,
     /// The server keeps its copy (the page is installed clean).
@@ -133,11 +133,20 @@ impl Pager {
     /// Anything else ends the guest.
     fn get_failed(&mut self, s: usize, e: pagefleet_client::ClientError) {
         let repeatable = self.gets[s].iter().all(|g| g.keep);
-        if repeatable && e.is_transient() && self.reconnect(s).is_ok() {
-            match self.send_gets(s, 0) {
-                Ok(()) => return,
-                Err(e2) => return self.lose_gets(s, e2),
+        if repeatable && e.is_transient() {
+            match self.reconnect(s) {
+                Ok(()) => match self.send_gets(s, 0) {
+                    Ok(()) => return,
+                    Err(e2) if self.replicas > 1 => return self.server_down(s, &e2),
+                    Err(e2) => return self.lose_gets(s, e2),
+                },
+                Err(e2) if self.replicas > 1 => return self.server_down(s, &e2),
+                Err(_) => {}
             }
+        }
+        if self.replicas > 1 && e.code().is_none() {
+            // Not a refusal: the connection or the server is broken.
+            return self.server_down(s, &e);
         }
         self.lose_gets(s, e)
     }
@@ -170,7 +179,9 @@ impl Pager {
             if let Err(e) = self.take_reply(s) {
                 // Reconnect once per call: a server that keeps dropping
                 // the connection is not ridden out forever.
-                if retried {
+                if retried && self.replicas > 1 {
+                    self.server_down(s, &e);
+                } else if retried {
                     self.lose_gets(s, e);
                 } else {
                     retried = true;
@@ -267,11 +278,17 @@ impl Pager {
     /// Page `q` arrived from server `s` and is resident now; with `keep` the
     /// server still holds it (clean while installed write-protected).
     pub(super) fn arrived(&mut self, q: usize, s: usize, keep: bool, clean: bool) {
+        // (A mirror keeps its copy: a second kept copy from now on.)
         self.set_local(q);
         if keep {
             self.loc.keep_copy(q, s, clean);
         } else {
             self.free[s] += 1;
+            // Taken: the mirror's copy is stale room, deleted before
+            // anything is stored there again.
+            if let Some(m) = self.loc.forget_second(q) {
+                self.rerep.orphans[m].push(q as u64);
+            }
         }
     }
 }

@@ -108,13 +108,13 @@ impl Pager {
                 .filter(|q| copy[**q] == 0 && !clean[**q])
                 .count() as u64
         };
-        let pick = |free: &[u64], new: u64| {
+        let pick = |free: &[u64], down: &[bool], new: u64| {
             (0..free.len())
-                .filter(|s| free[*s] >= new)
+                .filter(|s| free[*s] >= new && !down[*s])
                 .max_by_key(|s| free[*s])
         };
         let mut new = fresh(&self.loc.copy, &self.loc.clean);
-        let mut chosen = pick(&self.free, new);
+        let mut chosen = pick(&self.free, &self.down, new);
         if chosen.is_none() && new > 0 && self.loc.copies.iter().any(|c| *c > 0) {
             // Room held by kept copies of resident pages is worth less
             // than room for pages that must leave: give it back.
@@ -122,7 +122,7 @@ impl Pager {
                 return false;
             }
             new = fresh(&self.loc.copy, &self.loc.clean);
-            chosen = pick(&self.free, new);
+            chosen = pick(&self.free, &self.down, new);
         }
         let Some(s) = chosen.or(if new == 0 { Some(0) } else { None }) else {
             if !self.full_warned {
@@ -135,32 +135,74 @@ impl Pager {
         // and the writer does it. (They are write-protected since their
         // page-in: a fault on one, read after its punch or write, waits
         // for the job and then finds the page remote, so it pages back in.)
-        let (clean, dirty): (Vec<usize>, Vec<usize>) =
-            pages.into_iter().partition(|q| self.loc.clean[*q]);
+        // (With two replicas a page is clean only with both copies kept.)
+        let whole = |q: usize| self.replicas < 2 || self.loc.second[q] > 0;
+        let (clean, dirty): (Vec<usize>, Vec<usize>) = pages
+            .into_iter()
+            .partition(|q| self.loc.clean[*q] && whole(*q));
         if !clean.is_empty() {
             for &q in &clean {
                 self.loc.set_dropping(q);
             }
             self.writer.submit(writer::Job {
-                server: 0,
-                addr: String::new(),
-                server_id: 0,
+                targets: Vec::new(),
                 pages: clean.iter().map(|q| *q as u64).collect(),
                 drop: true,
             });
         }
-        // Dirty pages: one job per destination server.
-        let mut jobs: Vec<(usize, Vec<u64>)> = Vec::new();
+        // With two replicas, a mirror for pages without a second copy.
+        let need2 = if self.replicas < 2 {
+            0
+        } else {
+            dirty.iter().filter(|q| self.loc.second[**q] == 0).count() as u64
+        };
+        let m = if need2 > 0 {
+            match self.pick_mirror(s, need2) {
+                Some(m) => Some(m),
+                None => {
+                    if !self.full_warned {
+                        warn!("no second memory server has room for mirrors: the region stays over its budget");
+                        self.full_warned = true;
+                    }
+                    return false;
+                }
+            }
+        } else {
+            None
+        };
+        // Dirty pages: one job per destination (server, mirror).
+        // (server, mirror) → pages.
+        let mut jobs: Vec<(Dest, Vec<u64>)> = Vec::new();
         for &q in &dirty {
             let t = match self.loc.copy[q] {
                 0 => s,
                 c => c as usize - 1,
             };
-            match jobs.iter_mut().find(|(jt, _)| *jt == t) {
+            let t2 = match (self.replicas, self.loc.second[q]) {
+                (1, _) => None,
+                (_, 0) => match m {
+                    Some(m) if m != t => Some(m),
+                    // Its kept copy is on the chosen mirror: pair it with
+                    // the chosen primary instead.
+                    _ if s != t => Some(s),
+                    _ => self.pick_mirror(t, 1),
+                },
+                (_, c) => Some(c as usize - 1),
+            };
+            if self.replicas > 1 && t2.is_none() {
+                continue;
+            }
+            match jobs.iter_mut().find(|(jt, _)| *jt == (t, t2)) {
                 Some((_, list)) => list.push(q as u64),
-                None => jobs.push((t, vec![q as u64])),
+                None => jobs.push(((t, t2), vec![q as u64])),
             }
         }
+        let dirty: Vec<usize> = jobs
+            .iter()
+            .flat_map(|(_, l)| l.iter().map(|q| *q as usize))
+            .collect::<std::collections::BTreeSet<usize>>()
+            .into_iter()
+            .collect();
         // Write-protect before the writer reads: from here on a write
         // faults, and the fault keeps the page (see `dirtied`).
         for run in runs(&dirty) {
@@ -175,12 +217,24 @@ impl Pager {
         for &q in &dirty {
             self.loc.set_leaving(q);
         }
-        self.free[s] -= new;
-        for (t, pages) in jobs {
+        self.free[s] = self.free[s].saturating_sub(new);
+        if let Some(m) = m {
+            self.free[m] = self.free[m].saturating_sub(need2);
+        }
+        for ((t, t2), pages) in jobs {
+            let mut targets = vec![self.target(t)];
+            if let Some(t2) = t2 {
+                targets.push(self.target(t2));
+            }
+            // Stale copies still to be deleted there go first: a delete
+            // landing after this job's PUT would remove the new copy.
+            for tg in &targets {
+                if !self.rerep.orphans[tg.server].is_empty() {
+                    self.flush_orphans_on(tg.server);
+                }
+            }
             self.writer.submit(writer::Job {
-                server: t,
-                addr: self.addrs[t].clone(),
-                server_id: self.conns[t].info.server_id,
+                targets,
                 pages,
                 drop: false,
             });
@@ -203,7 +257,8 @@ impl Pager {
             return self.drop_landed(d);
         }
         let t0 = Instant::now();
-        let t = d.server;
+        let t = d.servers[0];
+        let t2 = d.servers.get(1).copied();
         let mut gone = Vec::new();
         let mut sent = 0u64;
         for (&q, &ok) in d.pages.iter().zip(&d.stored) {
@@ -215,13 +270,18 @@ impl Pager {
                 (true, false) if !self.tracking => {
                     let _ = self.uffd.writeprotect(self.addr(q), PAGE as u64, false);
                 }
-                (false, true) => self.loc.keep_copy(q, t, false),
+                (false, true) => {
+                    self.loc.keep_copy(q, t, false);
+                    if let Some(t2) = t2 {
+                        self.loc.keep_second(q, t2);
+                    }
+                }
                 _ => {}
             }
         }
         if self.punch(&gone) {
             for &q in &gone {
-                self.left(q, t);
+                self.left(q, t, t2);
             }
             for run in runs(&gone) {
                 if let Err(e) =
@@ -238,10 +298,14 @@ impl Pager {
         // The writer's CPU for the job; the pager's share is metered.
         st.page_out_cpu_ns.fetch_add(d.cpu_ns, Relaxed);
         self.meter.page_out(t0);
-        if let Some(e) = d.error {
+        for (t, e) in d.errors {
             if e.code() == Some(pagefleet_proto::ErrorCode::OutOfCapacity) {
                 debug!("memory server {} is full", self.addrs[t]);
                 self.free[t] = 0;
+            } else if self.replicas > 1 {
+                // Its pages were not stored (they stay here); the other
+                // copies it held are served by their mirrors.
+                self.server_down(t, &e);
             } else {
                 let msg = format!(
                     "pagefleet: cannot page out to memory server {} (region {:#x}): {e}. The server is unusable; \
@@ -261,8 +325,13 @@ impl Pager {
         for &q in &d.pages {
             let q = q as usize;
             self.loc.drop_done(q);
+            if self.loc.copy[q] == 0 {
+                // Its server died while the punch ran: no copy anywhere.
+                return self.lost_in_drop(q);
+            }
             let t = self.loc.copy[q] as usize - 1;
-            self.left(q, t);
+            let t2 = self.loc.second[q].checked_sub(1).map(usize::from);
+            self.left(q, t, t2);
         }
         if let Some(e) = d.punch_error {
             // Some of the pages may still hold data the location DB now
@@ -284,11 +353,37 @@ impl Pager {
         self.publish();
     }
 
-    /// Resident page `q` is on server `t` now (its data punched out here).
-    fn left(&mut self, q: usize, t: usize) {
+    /// Resident page `q` is on server `t` (and mirror `t2`) now (its data
+    /// punched out here).
+    fn left(&mut self, q: usize, t: usize, t2: Option<usize>) {
         self.mark(q);
-        self.loc.set_remote(q, t);
+        self.loc.set_remote(q, t, t2);
         self.access.clear(q, q + 1);
+    }
+
+    /// A clean page was punched while the server holding its only copy
+    /// died: it is gone.
+    fn lost_in_drop(&mut self, q: usize) {
+        let gone: Vec<&str> = (0..self.addrs.len())
+            .filter(|x| self.down[*x])
+            .map(|x| self.addrs[x].as_str())
+            .collect();
+        let msg = format!(
+            "pagefleet: page {q} of region {:#x} had no copy left after memory servers {} went down. \
+             The guest cannot continue without its memory.",
+            self.region_id,
+            gone.join(", ")
+        );
+        self.fatal(msg, q);
+    }
+
+    /// Where a job for server `t` goes.
+    fn target(&self, t: usize) -> writer::Target {
+        writer::Target {
+            server: t,
+            addr: self.addrs[t].clone(),
+            server_id: self.conns[t].info.server_id,
+        }
     }
 
     /// Punch the pages' data out of the memfd, a run at a time.
@@ -335,19 +430,28 @@ impl Pager {
                 break;
             }
             let q = (self.copy_hand + i) % len;
-            let c = self.loc.copy[q];
+            let (c, c2) = (self.loc.copy[q], self.loc.second[q]);
             // A page in a page-out job keeps its slot: the PUT in flight
             // (on the writer's connection) could land after a delete.
-            if c == 0 || only.is_some_and(|o| o + 1 != c as usize) || self.loc.out[q] != OUT_NONE {
+            if self.loc.state[q] != LOCAL || (c == 0 && c2 == 0) || self.loc.out[q] != OUT_NONE {
                 continue;
             }
-            lists[c as usize - 1].push(q as u64);
-            self.loc.forget_copy(q);
+            let hit = |x: u8| x > 0 && only.is_none_or(|o| o + 1 == x as usize);
+            if !hit(c) && !hit(c2) {
+                continue;
+            }
+            // Both copies go (a lone second copy is no use as a kept copy).
+            if let Some(s) = self.loc.forget_copy(q) {
+                lists[s].push(q as u64);
+            }
+            if let Some(s) = self.loc.forget_second(q) {
+                lists[s].push(q as u64);
+            }
             n += 1;
         }
         let region = self.region_id;
         for (s, list) in lists.into_iter().enumerate() {
-            if list.is_empty() {
+            if list.is_empty() || self.down[s] {
                 continue;
             }
             for part in list.chunks(pagefleet_proto::MAX_DELETE_LIST) {
@@ -359,6 +463,11 @@ impl Pager {
                     r = self.conns[s].delete(region, Pages::List(part));
                 }
                 if let Err(e) = r {
+                    if self.replicas > 1 {
+                        // Down: what it kept is gone anyway.
+                        self.server_down(s, &e);
+                        break;
+                    }
                     let msg = format!(
                         "pagefleet: cannot free kept pages on memory server {} (region {:#x}): {e}",
                         self.addrs[s], self.region_id
@@ -372,6 +481,9 @@ impl Pager {
         true
     }
 }
+
+/// Where a page-out job goes: a server and, with two replicas, its mirror.
+type Dest = (usize, Option<usize>);
 
 /// Page-out jobs in flight at once: enough to keep the writer busy while
 /// the pager takes each answer in.

@@ -233,7 +233,7 @@ mod tests {
                     for q in c * self.cp..(c + 1) * self.cp {
                         if self.loc.evictable(q) {
                             self.server.insert(q, self.mem.remove(&q).unwrap());
-                            self.loc.set_remote(q, 0);
+                            self.loc.set_remote(q, 0, None);
                             self.access.clear(q, q + 1);
                         }
                     }

@@ -32,8 +32,9 @@ use crate::PAGE;
 /// 15 bytes): benchmarks find it by this to place it.
 pub const WRITER_THREAD: &str = "pagefleet-write";
 
-/// Dirty pages bound for one server.
-pub(super) struct Job {
+/// A server a job's pages go to.
+#[derive(Clone)]
+pub(super) struct Target {
     /// Index of the server in the pager's list.
     pub(super) server: usize,
     /// Its address (the writer connects on first use).
@@ -41,6 +42,13 @@ pub(super) struct Job {
     /// Its id at the pager's HELLO: a reconnect that meets another id met a
     /// restarted server, which lost the region's pages.
     pub(super) server_id: u64,
+}
+
+/// Dirty pages bound for one server, or for two (a primary and its mirror:
+/// every frame goes to both, pipelined side by side).
+pub(super) struct Job {
+    /// Where the pages go (empty for a drop job).
+    pub(super) targets: Vec<Target>,
     /// Sorted page numbers.
     pub(super) pages: Vec<u64>,
     /// A drop job: punch these (clean) pages' data, send nothing.
@@ -49,12 +57,13 @@ pub(super) struct Job {
 
 /// What became of a job.
 pub(super) struct Done {
-    pub(super) server: usize,
+    /// The servers it went to (indexes), primary first.
+    pub(super) servers: Vec<usize>,
     pub(super) pages: Vec<u64>,
-    /// Per page: the server acknowledged storing it.
+    /// Per page: every target acknowledged storing it.
     pub(super) stored: Vec<bool>,
-    /// Why some were not stored.
-    pub(super) error: Option<ClientError>,
+    /// Why some were not stored, per server that failed.
+    pub(super) errors: Vec<(usize, ClientError)>,
     /// CPU time the writer spent on the job, ns.
     pub(super) cpu_ns: u64,
     /// It was a drop job (`stored`: punched).
@@ -82,6 +91,8 @@ pub(super) struct WriterSetup {
     pub(super) secret: Option<Secret>,
     pub(super) doorbell: Arc<OwnedFd>,
     pub(super) spin: Duration,
+    /// How long a reconnect keeps trying.
+    pub(super) patience: Duration,
 }
 
 impl Writer {
@@ -142,10 +153,10 @@ fn run(setup: WriterSetup, jobs: Receiver<Job>, done: Sender<Done>) {
         if job.drop {
             let punch_error = punch_runs(&setup, &job.pages).err();
             let d = Done {
-                server: job.server,
+                servers: Vec::new(),
                 stored: vec![punch_error.is_none(); job.pages.len()],
                 pages: job.pages,
-                error: None,
+                errors: Vec::new(),
                 cpu_ns: super::thread_cpu_ns().saturating_sub(c0),
                 drop: true,
                 punch_error,
@@ -156,19 +167,25 @@ fn run(setup: WriterSetup, jobs: Receiver<Job>, done: Sender<Done>) {
             pagefleet_uffd::ring(setup.doorbell.as_raw_fd());
             continue;
         }
-        let mut stored = vec![false; job.pages.len()];
-        let mut error = write_job(&setup, &mut conns, &job, &mut stored);
+        let n = job.pages.len();
+        let mut acked: Vec<Vec<bool>> = vec![vec![false; n]; job.targets.len()];
+        let mut errors = write_job(&setup, &mut conns, &job, &mut acked);
         // A PUT can be repeated (it overwrites): ride out a dropped
         // connection by reconnecting once and sending what is unacked.
-        if error.as_ref().is_some_and(|e| e.is_transient()) {
-            conns.remove(&job.server);
-            error = write_job(&setup, &mut conns, &job, &mut stored);
+        if errors.iter().any(|(_, e)| e.is_transient()) {
+            for (t, e) in &errors {
+                if e.is_transient() {
+                    conns.remove(t);
+                }
+            }
+            errors = write_job(&setup, &mut conns, &job, &mut acked);
         }
+        let stored = (0..n).map(|i| acked.iter().all(|a| a[i])).collect();
         let d = Done {
-            server: job.server,
+            servers: job.targets.iter().map(|t| t.server).collect(),
             pages: job.pages,
             stored,
-            error,
+            errors,
             cpu_ns: super::thread_cpu_ns().saturating_sub(c0),
             drop: false,
             punch_error: None,
@@ -199,38 +216,33 @@ fn punch_runs(setup: &WriterSetup, pages: &[u64]) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Send the job's pages not yet stored, in frames of up to MAX_BATCH_PAGES,
-/// all pipelined, and read every ack. The first error is returned after the
-/// in-flight acks are read (a refused frame leaves the connection usable).
+/// Send the job's pages not yet acknowledged by each target, in frames of
+/// up to MAX_BATCH_PAGES, every frame to every target before the next
+/// (both streams in flight side by side), and read every ack. Per target
+/// the first error is returned after its in-flight acks are read (a
+/// refused frame leaves the connection usable).
 fn write_job(
     setup: &WriterSetup,
     conns: &mut HashMap<usize, Conn>,
     job: &Job,
-    stored: &mut [bool],
-) -> Option<ClientError> {
-    let conn = match conns.entry(job.server) {
-        std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
-        std::collections::hash_map::Entry::Vacant(v) => {
-            let Some(secret) = &setup.secret else {
-                return Some(ClientError::Usage(
-                    "no cluster secret to reach memory servers with".into(),
-                ));
-            };
-            match super::connect(&setup.name, &job.addr, secret, setup.spin) {
-                Ok(c) if c.info.server_id != job.server_id => {
-                    return Some(ClientError::Protocol {
-                        addr: job.addr.clone(),
-                        msg: "the server restarted and lost its pages".into(),
-                    })
-                }
-                Ok(c) => v.insert(c),
-                Err(e) => return Some(e),
-            }
+    acked: &mut [Vec<bool>],
+) -> Vec<(usize, ClientError)> {
+    let mut errors: Vec<(usize, ClientError)> = Vec::new();
+    // Targets with something left to send and a connection.
+    let mut live: Vec<usize> = Vec::new();
+    for (k, t) in job.targets.iter().enumerate() {
+        if acked[k].iter().all(|a| *a) {
+            continue;
         }
-    };
-    let todo: Vec<usize> = (0..job.pages.len()).filter(|i| !stored[*i]).collect();
-    let mut acks: VecDeque<(u64, &[usize])> = VecDeque::new();
-    let mut first_err = None;
+        match target_conn(setup, conns, t) {
+            Ok(()) => live.push(k),
+            Err(e) => errors.push((t.server, e)),
+        }
+    }
+    let mut acks: Vec<VecDeque<(u64, Vec<usize>)>> = vec![VecDeque::new(); job.targets.len()];
+    let todo: Vec<usize> = (0..job.pages.len())
+        .filter(|i| live.iter().any(|k| !acked[*k][*i]))
+        .collect();
     for frame in todo.chunks(MAX_BATCH_PAGES) {
         let list: Vec<u64> = frame.iter().map(|i| job.pages[*i]).collect();
         let contiguous = list.windows(2).all(|w| w[1] == w[0] + 1);
@@ -247,29 +259,73 @@ fn write_job(
             // SAFETY: in bounds of the shadow mapping (a page of the region).
             .map(|&q| unsafe { setup.shadow.addr().add(q as usize * PAGE) } as *const u8)
             .collect();
-        // SAFETY: the shadow mapping lives as long as `setup`; the pager
-        // punches a job's pages only after this job is answered, so every
-        // page stays readable for the call (a guest write meanwhile only
-        // makes the copy stale, which the pager accounts for).
-        match unsafe { conn.send_put_raw(setup.region_id, &sel, &ptrs) } {
-            Ok(id) => acks.push_back((id, frame)),
-            Err(e) => {
-                first_err = Some(e);
-                break;
+        live.retain(|&k| {
+            let server = job.targets[k].server;
+            let conn = conns.get_mut(&server).expect("connected above");
+            // SAFETY: the shadow mapping lives as long as `setup`; the pager
+            // punches a job's pages only after this job is answered, so every
+            // page stays readable for the call (a guest write meanwhile only
+            // makes the copy stale, which the pager accounts for).
+            match unsafe { conn.send_put_raw(setup.region_id, &sel, &ptrs) } {
+                Ok(id) => {
+                    acks[k].push_back((id, frame.to_vec()));
+                    true
+                }
+                Err(e) => {
+                    errors.push((server, e));
+                    false
+                }
             }
+        });
+        if live.is_empty() {
+            break;
         }
     }
-    for (id, frame) in acks {
-        match conn.recv_put(id) {
-            Ok(_) => frame.iter().for_each(|i| stored[*i] = true),
-            Err(e) => {
-                let broken = e.code().is_none();
-                first_err.get_or_insert(e);
-                if broken {
-                    break;
+    for (k, queue) in acks.into_iter().enumerate() {
+        let server = job.targets[k].server;
+        let Some(conn) = conns.get_mut(&server) else {
+            continue;
+        };
+        for (id, frame) in queue {
+            match conn.recv_put(id) {
+                Ok(_) => frame.iter().for_each(|i| acked[k][*i] = true),
+                Err(e) => {
+                    let broken = e.code().is_none();
+                    if !errors.iter().any(|(s, _)| *s == server) {
+                        errors.push((server, e));
+                    }
+                    if broken {
+                        break;
+                    }
                 }
             }
         }
     }
-    first_err
+    errors
+}
+
+/// Make sure the writer has a connection to `t` (a new one checked against
+/// the id the pager met: a restarted server lost the region's pages).
+fn target_conn(
+    setup: &WriterSetup,
+    conns: &mut HashMap<usize, Conn>,
+    t: &Target,
+) -> Result<(), ClientError> {
+    if conns.contains_key(&t.server) {
+        return Ok(());
+    }
+    let Some(secret) = &setup.secret else {
+        return Err(ClientError::Usage(
+            "no cluster secret to reach memory servers with".into(),
+        ));
+    };
+    let c = super::connect(&setup.name, &t.addr, secret, setup.spin, setup.patience)?;
+    if c.info.server_id != t.server_id {
+        return Err(ClientError::Protocol {
+            addr: t.addr.clone(),
+            msg: "the server restarted and lost its pages".into(),
+        });
+    }
+    conns.insert(t.server, c);
+    Ok(())
 }

@@ -1,0 +1,387 @@
+//! Replicas: a server's death, and re-replication.
+//!
+//! With two replicas every remote page is on two servers (`state` names the
+//! one pages are read from, `LocationDb::second` its mirror). A server is
+//! *down* once its connection is gone and cannot be made again within a
+//! short patience, or it answers as another server (restarted empty: its
+//! id changed). Then [`LocationDb::server_lost`] points every page it served
+//! at its mirror, GETs in flight on it are woken to fault again (and read
+//! from the mirror), and re-replication copies every page left with one
+//! copy to another server, under a bandwidth limit, on its own connections
+//! (so GET replies on the fault path never queue behind it).
+//!
+//! A page whose every copy is gone ends the guest loudly, naming the
+//! servers; it never reads zeros.
+
+use super::*;
+use std::collections::HashMap;
+
+/// Pages re-replication copies per step (the fault loop runs between steps).
+const STEP_PAGES: usize = 256;
+/// How long a replicated region waits for a server that dropped its
+/// connection before calling it down (its pages have a mirror: waiting
+/// longer only stalls faults).
+pub(super) const REPLICA_PATIENCE: Duration = Duration::from_secs(2);
+/// Most bytes of bandwidth credit re-replication saves up.
+const BURST: f64 = 4.0 * 1024.0 * 1024.0;
+
+/// Re-replication's state.
+pub(super) struct Rerep {
+    /// Bytes/s (0: unlimited).
+    rate: u64,
+    /// Bandwidth credit, bytes.
+    tokens: f64,
+    last: Instant,
+    /// Where the scan for degraded pages stands.
+    cursor: usize,
+    /// Some page may have fewer copies than wanted.
+    pub(super) active: bool,
+    /// Look again after this (no server could take copies).
+    retry_at: Option<Instant>,
+    /// Connections for copying, per server.
+    conns: HashMap<usize, Conn>,
+    buf: Vec<u8>,
+    /// Copies of pages paged in by a take (their mirror's copy is stale
+    /// room), to delete, per server.
+    pub(super) orphans: Vec<Vec<u64>>,
+    warned: bool,
+}
+
+impl Rerep {
+    pub(super) fn new(rate: u64, servers: usize) -> Rerep {
+        Rerep {
+            rate,
+            tokens: BURST,
+            last: Instant::now(),
+            cursor: 0,
+            active: false,
+            retry_at: None,
+            conns: HashMap::new(),
+            buf: Vec::new(),
+            orphans: vec![Vec::new(); servers],
+            warned: false,
+        }
+    }
+
+    /// Whether a step would copy now (the fault loop then does not sleep).
+    pub(super) fn ready(&self) -> bool {
+        self.active && self.retry_at.is_none_or(|t| Instant::now() >= t)
+    }
+}
+
+/// The host part of `HOST:PORT` (replicas go to different hosts when they can).
+fn host(addr: &str) -> &str {
+    addr.rsplit_once(':').map_or(addr, |(h, _)| h)
+}
+
+impl Pager {
+    /// A server for a page's other copy: live, not `avoid`, with room for
+    /// `need` pages, on another host than `avoid` if any such has room;
+    /// the most free room first.
+    pub(super) fn pick_mirror(&self, avoid: usize, need: u64) -> Option<usize> {
+        let ok = |s: &usize| *s != avoid && !self.down[*s] && self.free[*s] >= need;
+        let other_host = (0..self.free.len())
+            .filter(ok)
+            .filter(|s| host(&self.addrs[*s]) != host(&self.addrs[avoid]))
+            .max_by_key(|s| self.free[*s]);
+        other_host.or_else(|| {
+            (0..self.free.len())
+                .filter(ok)
+                .max_by_key(|s| self.free[*s])
+        })
+    }
+
+    /// The pager's connection to `s` reported bytes with nothing asked:
+    /// if the server closed it, reconnect or call the server down.
+    pub(super) fn check_idle(&mut self, s: usize) {
+        if self.replicas < 2 || self.down[s] || !self.gets[s].is_empty() {
+            return;
+        }
+        if !self.conns[s].peer_closed() {
+            return;
+        }
+        if let Err(e) = self.reconnect(s) {
+            self.server_down(s, &e);
+        }
+    }
+
+    /// Server `s` is gone (or restarted empty): serve its pages from their
+    /// mirrors and start re-replication. With one replica, or for a page
+    /// with no other copy, the guest cannot go on.
+    pub(super) fn server_down(&mut self, s: usize, why: &pagefleet_client::ClientError) {
+        if self.down[s] {
+            return;
+        }
+        warn!(
+            "memory server {} is down ({why}): region {:#x} reads its pages from their mirrors and re-replicates them",
+            self.addrs[s], self.region_id
+        );
+        self.down[s] = true;
+        self.free[s] = 0;
+        if let Some(x) = self.shared.servers.lock().unwrap().get_mut(s) {
+            x.1 = true;
+        }
+        self.shared.stats.servers_down.fetch_add(1, Relaxed);
+        let gets = std::mem::take(&mut self.gets[s]);
+        let lost = self.loc.server_lost(s);
+        if let Some(&p) = lost.first() {
+            let gone: Vec<&str> = (0..self.addrs.len())
+                .filter(|x| self.down[*x])
+                .map(|x| self.addrs[x].as_str())
+                .collect();
+            let msg = format!(
+                "pagefleet: page {p} of region {:#x} ({} pages in all) had no copy left: memory servers {} are gone ({why}). \
+                 The guest cannot continue without its memory.",
+                self.region_id,
+                lost.len(),
+                gone.join(", ")
+            );
+            self.publish();
+            self.fatal(msg, p);
+            // (Poisoning instead of exiting: every lost page is poisoned,
+            // so no thread reads zeros or waits forever.)
+            for q in lost {
+                let _ = self.uffd.poison(self.addr(q), PAGE as u64);
+            }
+        }
+        // Pages asked of it: fault again, and read from the mirror.
+        for g in gets {
+            for q in g.pages {
+                let q = q as usize;
+                if self.loc.out[q] == OUT_ARRIVING {
+                    self.loc.out[q] = OUT_NONE;
+                }
+                self.wake(q);
+            }
+        }
+        self.rerep.orphans[s].clear();
+        self.rerep.conns.remove(&s);
+        if let Some(ev) = self.evac.take() {
+            if ev.from == s || ev.to == s {
+                let _ = ev.reply.send(Err(format!(
+                    "memory server {} went down during the evacuation ({} pages moved)",
+                    self.addrs[s], ev.moved
+                )));
+            } else {
+                self.evac = Some(ev);
+            }
+        }
+        self.rerep.active = true;
+        self.rerep.cursor = 0;
+        self.rerep.retry_at = None;
+        self.count_degraded();
+        self.publish();
+    }
+
+    /// Count remote pages with fewer copies than wanted (for the stats).
+    fn count_degraded(&self) {
+        let n = if self.replicas < 2 {
+            0
+        } else {
+            (0..self.loc.pages())
+                .filter(|&q| self.loc.state[q] >= REMOTE && self.loc.replicas(q) < self.replicas)
+                .count() as u64
+        };
+        self.shared.stats.degraded_pages.store(n, Relaxed);
+    }
+
+    /// A connection of re-replication's own to server `s`.
+    fn rerep_conn(&mut self, s: usize) -> Result<&mut Conn, pagefleet_client::ClientError> {
+        if !self.rerep.conns.contains_key(&s) {
+            let secret = self
+                .secret
+                .clone()
+                .ok_or_else(|| pagefleet_client::ClientError::Usage("no cluster secret".into()))?;
+            let mut c = connect(
+                &self.name,
+                &self.addrs[s],
+                &secret,
+                self.reply_spin,
+                REPLICA_PATIENCE,
+            )?;
+            if c.info.server_id != self.conns[s].info.server_id {
+                return Err(pagefleet_client::ClientError::Protocol {
+                    addr: self.addrs[s].clone(),
+                    msg: "the server restarted and lost its pages".into(),
+                });
+            }
+            c.set_window(16);
+            self.rerep.conns.insert(s, c);
+        }
+        Ok(self.rerep.conns.get_mut(&s).expect("inserted"))
+    }
+
+    /// Copy one step's worth of degraded pages to a new mirror, within
+    /// the bandwidth limit; also delete orphaned copies.
+    pub(super) fn rereplicate_step(&mut self) {
+        if self.replicas < 2 || self.hold {
+            return;
+        }
+        self.flush_orphans(false);
+        if !self.rerep.ready() {
+            return;
+        }
+        let now = Instant::now();
+        if self.rerep.rate > 0 {
+            let dt = now.duration_since(self.rerep.last).as_secs_f64();
+            self.rerep.tokens = (self.rerep.tokens + dt * self.rerep.rate as f64).min(BURST);
+        }
+        self.rerep.last = now;
+        if self.rerep.rate > 0 && self.rerep.tokens < (STEP_PAGES * PAGE) as f64 {
+            return;
+        }
+        // The next pages with one copy, all read from the same server.
+        let n = self.loc.pages();
+        let mut list: Vec<u64> = Vec::with_capacity(STEP_PAGES);
+        let mut from = None;
+        while self.rerep.cursor < n && list.len() < STEP_PAGES {
+            let q = self.rerep.cursor;
+            let st = self.loc.state[q];
+            if st >= REMOTE && self.loc.second[q] == 0 && self.loc.out[q] == OUT_NONE {
+                let s = (st - REMOTE) as usize;
+                match from {
+                    None => from = Some(s),
+                    Some(f) if f != s => break,
+                    _ => {}
+                }
+                list.push(q as u64);
+            }
+            self.rerep.cursor += 1;
+        }
+        let Some(s) = from else {
+            // A full pass found none: done (pages that were arriving are
+            // caught by the next pass if they leave again with one copy).
+            self.rerep.cursor = 0;
+            self.rerep.active = false;
+            self.count_degraded();
+            return;
+        };
+        let Some(t) = self.pick_mirror(s, list.len() as u64) else {
+            if !self.rerep.warned {
+                warn!(
+                    "region {:#x}: no live memory server has room for second copies; pages stay single until one does",
+                    self.region_id
+                );
+                self.rerep.warned = true;
+            }
+            self.rerep.cursor = 0;
+            self.rerep.retry_at = Some(now + Duration::from_secs(5));
+            return;
+        };
+        let t0 = Instant::now();
+        match self.copy_pages(s, t, &list) {
+            Ok(()) => {
+                for &q in &list {
+                    self.loc.second[q as usize] = t as u8 + 1;
+                }
+                self.free[t] = self.free[t].saturating_sub(list.len() as u64);
+                let st = &self.shared.stats;
+                st.rereplicated_pages.fetch_add(list.len() as u64, Relaxed);
+                st.degraded_pages
+                    .fetch_update(Relaxed, Relaxed, |d| {
+                        Some(d.saturating_sub(list.len() as u64))
+                    })
+                    .ok();
+                self.rerep.tokens -= (list.len() * PAGE) as f64;
+            }
+            Err((bad, e)) => {
+                self.rerep.conns.remove(&bad);
+                if e.code() == Some(pagefleet_proto::ErrorCode::OutOfCapacity) {
+                    self.free[bad] = 0;
+                } else {
+                    self.server_down(bad, &e);
+                }
+                // Look at these pages again.
+                self.rerep.cursor = list[0] as usize;
+            }
+        }
+        self.meter.page_out(t0);
+    }
+
+    /// Read `list` from `s` and store it on `t`, each GET reply sent on as
+    /// a PUT as soon as it is in. Err names the server that failed.
+    fn copy_pages(
+        &mut self,
+        s: usize,
+        t: usize,
+        list: &[u64],
+    ) -> Result<(), (usize, pagefleet_client::ClientError)> {
+        let region = self.region_id;
+        self.rerep_conn(s).map_err(|e| (s, e))?;
+        self.rerep_conn(t).map_err(|e| (t, e))?;
+        let mut buf = std::mem::take(&mut self.rerep.buf);
+        buf.resize(list.len() * PAGE, 0);
+        let mut src = self.rerep.conns.remove(&s).expect("connected");
+        let mut dst = self.rerep.conns.remove(&t).expect("connected");
+        let r = relay(&mut src, &mut dst, region, list, &mut buf);
+        self.rerep.conns.insert(s, src);
+        self.rerep.conns.insert(t, dst);
+        self.rerep.buf = buf;
+        r.map_err(|(from_src, e)| (if from_src { s } else { t }, e))
+    }
+
+    /// Delete orphaned copies (stale room on mirrors of pages a take
+    /// brought in) where a server's list is long, or with `all` every one.
+    pub(super) fn flush_orphans(&mut self, all: bool) {
+        for s in 0..self.rerep.orphans.len() {
+            let len = self.rerep.orphans[s].len();
+            if len > 0 && (all || len >= pagefleet_proto::MAX_DELETE_LIST) {
+                self.flush_orphans_on(s);
+            }
+        }
+    }
+
+    /// Delete the orphaned copies on server `s` now.
+    pub(super) fn flush_orphans_on(&mut self, s: usize) {
+        let list = std::mem::take(&mut self.rerep.orphans[s]);
+        if list.is_empty() || self.down[s] {
+            return;
+        }
+        let region = self.region_id;
+        let r = self
+            .rerep_conn(s)
+            .and_then(|c| c.delete(region, Pages::List(&list)));
+        match r {
+            Ok(_) => self.free[s] += list.len() as u64,
+            Err(e) => {
+                self.rerep.conns.remove(&s);
+                self.server_down(s, &e);
+            }
+        }
+    }
+}
+
+/// GET `list` (keep) from `src` and PUT each frame on `dst` as soon as it is
+/// in; Err says whether the source (true) or the destination failed.
+fn relay(
+    src: &mut Conn,
+    dst: &mut Conn,
+    region: u64,
+    list: &[u64],
+    buf: &mut [u8],
+) -> Result<(), (bool, pagefleet_client::ClientError)> {
+    let frames: Vec<&[u64]> = list.chunks(MAX_BATCH_PAGES).collect();
+    let mut gets = Vec::with_capacity(frames.len());
+    for f in &frames {
+        let id = src
+            .queue_get(region, &PageSel::List(f.to_vec()), GetMode::Keep, false)
+            .map_err(|e| (true, e))?;
+        gets.push(id);
+    }
+    src.flush().map_err(|e| (true, e))?;
+    let mut puts = Vec::with_capacity(frames.len());
+    let mut at = 0;
+    for (f, id) in frames.iter().zip(gets) {
+        let part = &mut buf[at..at + f.len() * PAGE];
+        src.recv_get(id, part).map_err(|e| (true, e))?;
+        let id = dst
+            .send_put(region, &PageSel::List(f.to_vec()), part)
+            .map_err(|e| (false, e))?;
+        puts.push(id);
+        at += f.len() * PAGE;
+    }
+    for id in puts {
+        dst.recv_put(id).map_err(|e| (false, e))?;
+    }
+    Ok(())
+}
