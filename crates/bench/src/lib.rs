@@ -18,6 +18,7 @@ pub mod memserver;
 pub mod migration;
 pub mod paging;
 pub mod registry;
+pub mod replicas;
 pub mod tls_floor;
 pub mod util;
 pub mod vm_migration;

@@ -89,6 +89,8 @@ pub struct Cfg {
     pub chunk: usize,
     pub prefetch: String,
     pub servers: usize,
+    /// Copies of every remote page (1 or 2).
+    pub replicas: usize,
     /// The workload: "kv" (zipf gets/sets) or "seq" (synthetic sequential read scan).
     pub workload: String,
     /// Idle connections that never authenticate, held on the memory server.
@@ -161,6 +163,8 @@ pub struct Report {
     /// The sequential scan's floor program (raw TCP windows, `UFFDIO_COPY`,
     /// punches), pinned as the scan is: GB/s paged in.
     pub seq_floor_gbps: Option<f64>,
+    /// Two replicas: restoring them after a memory server's death.
+    pub restore: Option<crate::replicas::Restore>,
     #[serde(flatten)]
     pub plot: util::PlotOutcome,
 }
@@ -192,6 +196,7 @@ fn region(name: &str, pct: f64, f: impl FnOnce(&mut Cfg)) -> Cfg {
         chunk: 16,
         prefetch: "adaptive".into(),
         servers: 1,
+        replicas: 1,
         workload: "kv".into(),
         strangers: 0,
     };
@@ -208,6 +213,7 @@ fn baseline(name: &str, kind: Kind, pct: f64) -> Cfg {
         chunk: 0,
         prefetch: "-".into(),
         servers: 0,
+        replicas: 1,
         workload: "kv".into(),
         strangers: 0,
     }
@@ -216,6 +222,8 @@ fn baseline(name: &str, kind: Kind, pct: f64) -> Cfg {
 pub const DEFAULT_50: &str = "pagefleet 50% default";
 pub const DEFAULT_25: &str = "pagefleet 25% default";
 pub const SEQ_DEFAULT: &str = "seq scan 25% pagefleet default";
+pub const TWO_SERVERS_50: &str = "pagefleet 50% 2 servers";
+pub const TWO_REPLICAS_50: &str = "pagefleet 50% 2 servers 2 replicas";
 pub const STRANGERS_50: &str = "pagefleet 50% + 2000 idle strangers";
 pub const SAMPLING_ONLY: &str = "pagefleet 100% (sampling only)";
 pub const SAMPLING_ONLY_AGAIN: &str = "pagefleet 100% (sampling only, again)";
@@ -264,7 +272,11 @@ pub fn configs(quick: bool) -> Vec<Cfg> {
             }),
             region("pagefleet 50% chunk 1", 50.0, |c| c.chunk = 1),
             region("pagefleet 50% aging", 50.0, |c| c.policy = "aging".into()),
-            region("pagefleet 50% 2 servers", 50.0, |c| c.servers = 2),
+            region(TWO_SERVERS_50, 50.0, |c| c.servers = 2),
+            region(TWO_REPLICAS_50, 50.0, |c| {
+                c.servers = 2;
+                c.replicas = 2
+            }),
             region(STRANGERS_50, 50.0, |c| c.strangers = 2000),
             region(DEFAULT_25, 25.0, |_| {}),
             baseline("zram 25%", Kind::Zram, 25.0),
@@ -362,6 +374,20 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
     for r in rows.iter_mut().filter(|r| r.cfg.workload == "kv") {
         r.ratio_to_local = r.ops_per_sec / local;
     }
+    // Two replicas: restoring them after a server's death (1 GiB of copies).
+    let restore = if o.only.as_ref().is_none_or(|f| f.contains("replica")) {
+        log("two replicas: a memory server killed, copies restored");
+        let bytes = if o.quick { 64 << 20 } else { 1 << 30 };
+        match crate::replicas::restore(bytes, &secret_path, &secret) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                log(&format!("the restore measurement failed: {e:#}"));
+                None
+            }
+        }
+    } else {
+        None
+    };
     let _ = std::fs::remove_dir_all(&tmp);
 
     let get = |name: &str| {
@@ -394,6 +420,12 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
         get(STRANGERS_50),
         pf50,
         0.9,
+    );
+    ratio_goal(
+        "kv 50% with 2 replicas / 1 replica (2 servers each)",
+        get(TWO_REPLICAS_50),
+        get(TWO_SERVERS_50),
+        0.85,
     );
     for (pairs, what) in ZRAM_PAIRS
         .iter()
@@ -538,6 +570,20 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
             }
         }
     }
+    if let Some(r) = &restore {
+        goals.push(Goal::at_most(
+            "time to restore 2 copies after a server's death / time to send the same bytes over the link",
+            r.ratio,
+            2.0,
+            "ratio",
+        ));
+        goals.push(Goal::at_most(
+            "pages wrong after the restore",
+            r.pages_wrong as f64,
+            0.0,
+            "pages",
+        ));
+    }
     let mut report = Report {
         bench: "paging",
         size_bytes: o.size,
@@ -553,6 +599,7 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
         goals,
         floor_bounds,
         seq_floor_gbps,
+        restore,
         plot: util::PlotOutcome::default(),
     };
     util::save_with_plot(
@@ -652,6 +699,22 @@ pub fn print_table(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
             )?;
         }
     }
+    if let Some(x) = &r.restore {
+        writeln!(
+            out,
+            "\nTwo replicas, a memory server killed (region {} over 3 servers):\n  \
+             restored {} of second copies in {:.2} s (server called down after {:.2} s; no bandwidth limit, default {}/s)\n  \
+             the same bytes as one PUT stream over the link: {:.2} s -> ratio {:.2}; pages wrong afterwards: {}",
+            pagefleet_lab::fmt_bytes(x.region_bytes),
+            pagefleet_lab::fmt_bytes(x.restored_bytes),
+            x.restore_secs,
+            x.detect_secs,
+            pagefleet_lab::fmt_bytes(x.default_rate_limit),
+            x.link_secs,
+            x.ratio,
+            x.pages_wrong
+        )?;
+    }
     writeln!(
         out,
         "\nCPU per page-in, faulting side + server side (same pages, same order):"
@@ -743,6 +806,8 @@ fn start_guest(
                 &c.chunk.to_string(),
                 "--prefetch",
                 &c.prefetch,
+                "--replicas",
+                &c.replicas.to_string(),
             ]);
             if let Ok(v) = std::env::var("PF_BENCH_SAMPLE_BUDGET") {
                 cmd.args(["--sample-budget", &v]);

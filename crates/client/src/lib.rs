@@ -1002,6 +1002,62 @@ impl Conn {
         Ok(total)
     }
 
+    /// Have this server store `pages` of `region` (it holds them) on the
+    /// server at `target`, whose id must be `target_id`; returns how many
+    /// were stored there. A failure on the other server's side is a
+    /// `PEER_FAILED` server error; this connection stays usable.
+    ///
+    /// Any number of pages: they go in PUSH frames of up to
+    /// `MAX_PUSH_PAGES`, all sent before the first reply is read (the
+    /// server works through them back to back). The first error is
+    /// returned after every reply was read.
+    pub fn push(
+        &mut self,
+        region: u64,
+        target_id: u64,
+        target: &str,
+        pages: &[u64],
+    ) -> Result<u64> {
+        if pages.is_empty() || target.is_empty() || target.len() > 255 {
+            return Err(ClientError::Usage(format!(
+                "a PUSH takes pages and a target of 1..=255 bytes ({} pages, {:?})",
+                pages.len(),
+                target
+            )));
+        }
+        let mut ids = Vec::new();
+        for part in pages.chunks(pagefleet_proto::MAX_PUSH_PAGES) {
+            let id = self.id();
+            let req = pagefleet_proto::PushReq {
+                region,
+                target_id,
+                target: target.to_string(),
+                pages: part.to_vec(),
+            };
+            frame(Opcode::Push, id, &mut self.sendbuf, |b| req.encode(b));
+            ids.push(id);
+        }
+        self.send_buffered()?;
+        let (mut pushed, mut first) = (0, None);
+        for id in ids {
+            match self.expect_reply(id, Opcode::PushOk) {
+                Ok(body) => {
+                    pushed += pagefleet_proto::PushOk::decode(&body)
+                        .map_err(|e| self.proto(e.message))?
+                        .pushed
+                }
+                Err(e @ ClientError::Server { .. }) if !e.code().is_some_and(|c| c.is_fatal()) => {
+                    first.get_or_insert(e);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        match first {
+            Some(e) => Err(e),
+            None => Ok(pushed),
+        }
+    }
+
     /// Drop a whole region; returns how many pages it had here.
     pub fn delete_region(&mut self, region: u64) -> Result<u64> {
         let id = self.id();

@@ -1018,3 +1018,64 @@ fn starttls_is_offered_on_loopback_and_bad_handshakes_are_dropped() {
         "{e}"
     );
 }
+
+/// PUSH: a server stores pages it holds on another server (re-replication
+/// without the data crossing the asking host). Every byte arrives; a
+/// wrong target id, a dead target, a page not held and a push to itself
+/// are refused with typed errors and the connection stays usable; a
+/// stranger cannot push.
+#[test]
+fn push_copies_pages_to_another_server() {
+    let a = Daemon::start("64MiB", &[]);
+    let b = Daemon::start("64MiB", &[]);
+    let mut ca = a.conn();
+    let mut cb = b.conn();
+    let pages: Vec<u64> = (0..2500).map(|i| i * 3 + 1).collect();
+    let mut data = vec![0u8; pages.len() * P];
+    for (i, pg) in data.chunks_mut(P).enumerate() {
+        fill_page(8, pages[i], pg);
+    }
+    ca.put(8, Pages::List(&pages), &data, 32).unwrap();
+    let bid = cb.info.server_id;
+    // 2500 pages: three PUSH frames of at most 1024.
+    assert_eq!(ca.push(8, bid, &b.addr, &pages).unwrap(), 2500);
+    let mut got = vec![0u8; pages.len() * P];
+    cb.get(8, Pages::List(&pages), &mut got, GetMode::Keep, false, 32)
+        .unwrap();
+    assert!(got == data, "pushed pages differ");
+    assert_eq!(
+        ca.stat(false).unwrap().used_pages,
+        2500,
+        "the source keeps its copies"
+    );
+    // Another id at that address: refused, nothing stored.
+    let e = ca.push(9, bid ^ 1, &b.addr, &pages[..1]).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::NotFound), "{e}");
+    let e = ca.push(8, bid ^ 1, &b.addr, &pages[..4]).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::PeerFailed), "{e}");
+    assert!(e.to_string().contains("restarted"), "{e}");
+    let e = ca
+        .push(8, ca.info.server_id, &a.addr, &pages[..4])
+        .unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::PeerFailed), "{e}");
+    // A dead target.
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let e = ca.push(8, 7, &dead, &pages[..4]).unwrap_err();
+    assert_eq!(e.code(), Some(ErrorCode::PeerFailed), "{e}");
+    assert!(ca.ping().is_ok(), "the connection stays usable");
+    // A stranger's PUSH is refused before anything happens.
+    let (mut s, _w) = raw_connect(&a.addr);
+    let req = PushReq {
+        region: 8,
+        target_id: bid,
+        target: b.addr.clone(),
+        pages: vec![1],
+    };
+    let mut out = Vec::new();
+    frame(Opcode::Push, 1, &mut out, |x| req.encode(x));
+    s.write_all(&out).unwrap();
+    expect_error_then_close(&mut s, ErrorCode::NotAuthenticated);
+}

@@ -10,6 +10,7 @@
 pub mod content;
 pub mod gate;
 pub mod metrics;
+mod push;
 pub mod server;
 pub mod store;
 

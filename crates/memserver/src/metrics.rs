@@ -5,7 +5,7 @@ use pagefleet_proto::{ErrorCode, Opcode};
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
-const OPS: [Opcode; 8] = [
+const OPS: [Opcode; 9] = [
     Opcode::Hello,
     Opcode::Put,
     Opcode::Get,
@@ -14,12 +14,13 @@ const OPS: [Opcode; 8] = [
     Opcode::Ping,
     Opcode::PutHashed,
     Opcode::StartTls,
+    Opcode::Push,
 ];
 
 /// The server's counters (Prometheus text: `render`).
 #[derive(Default)]
 pub struct Metrics {
-    requests: [AtomicU64; 8],
+    requests: [AtomicU64; 9],
     errors: [AtomicU64; 16],
     /// Bytes read from clients.
     pub bytes_in: AtomicU64,
@@ -29,6 +30,8 @@ pub struct Metrics {
     pub pages_put: AtomicU64,
     /// Pages sent by GETs.
     pub pages_got: AtomicU64,
+    /// Pages stored on other servers by PUSH.
+    pub pages_pushed: AtomicU64,
     /// Pages PUT_HASHED asked about.
     pub pages_hashed: AtomicU64,
     /// Of those, stored from this host's own content (not sent).
@@ -185,6 +188,12 @@ pub fn render(m: &Metrics, s: &StoreStats, connections: u32) -> String {
         "Pages sent by GET (keep or take).",
         "counter",
         m.pages_got.load(Relaxed),
+    );
+    gauge(
+        "memserver_pages_pushed_total",
+        "Pages stored on other memory servers by PUSH (re-replication).",
+        "counter",
+        m.pages_pushed.load(Relaxed),
     );
     gauge(
         "memserver_pages_taken_total",

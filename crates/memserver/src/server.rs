@@ -372,6 +372,8 @@ pub struct Session<'a, T: Transport> {
     /// This session counted as connected under its client's name (the
     /// regions that client created are in use, never orphans).
     connected: Option<u32>,
+    /// Connections to other servers this session pushed pages to.
+    peers: crate::push::Peers,
 }
 
 impl<T: Transport> Drop for Session<'_, T> {
@@ -401,6 +403,7 @@ impl<'a, T: Transport> Session<'a, T> {
             since_flush: 0,
             frame_deadline: None,
             connected: None,
+            peers: Default::default(),
         }
     }
 
@@ -564,6 +567,7 @@ impl<'a, T: Transport> Session<'a, T> {
             Some(Opcode::Delete) => self.delete(h),
             Some(Opcode::Stat) => self.stat(h),
             Some(Opcode::PutHashed) => self.put_hashed(h),
+            Some(Opcode::Push) => self.push(h),
             Some(Opcode::Ping) => {
                 if len > MAX_PING {
                     return Ok(self.fatal(
@@ -758,6 +762,63 @@ impl<'a, T: Transport> Session<'a, T> {
                 Ok(Err(Flow::Continue))
             }
         }
+    }
+
+    /// PUSH: store pages held here on another server ([`crate::push`]).
+    fn push(&mut self, h: Header) -> io::Result<Flow> {
+        let len = h.body_len as usize;
+        if len > PushReq::MAX_LEN {
+            return Ok(self.fatal(
+                WireError::malformed(format!(
+                    "PUSH body of {len} bytes exceeds {}",
+                    PushReq::MAX_LEN
+                ))
+                .with_id(h.id),
+            ));
+        }
+        self.read_body(len)?;
+        let req = match PushReq::decode(&self.body) {
+            Ok(r) => r,
+            Err(e) if e.code.is_fatal() => return Ok(self.fatal(e.with_id(h.id))),
+            Err(e) => {
+                self.reply_error(&e, h.id);
+                return Ok(Flow::Continue);
+            }
+        };
+        let sel = PageSel::List(req.pages.clone());
+        let store = &self.st.store;
+        let plan = match store.begin_get(req.region, &sel, false, false) {
+            Ok(p) => p,
+            Err(e) => {
+                self.store_error(e, h.id);
+                return Ok(Flow::Continue);
+            }
+        };
+        let ptrs: Vec<*const u8> = plan
+            .slots
+            .iter()
+            .flatten()
+            // SAFETY: the slots are pinned by the plan until end_get.
+            .map(|s| unsafe { store.slot(*s) }.as_ptr())
+            .collect();
+        // The replies queued so far go first: the push may take a while.
+        self.flush()?;
+        // SAFETY: as above; the plan ends after the push.
+        let r = unsafe { self.peers.push(self.st, &req, &ptrs) };
+        store.end_get(plan, &sel, true);
+        match r {
+            Ok(pushed) => {
+                self.st.metrics.pages_pushed.fetch_add(pushed, Relaxed);
+                frame(Opcode::PushOk, h.id, &mut self.out, |b| {
+                    PushOk { pushed }.encode(b)
+                });
+            }
+            Err(msg) => {
+                debug!("push for {}: {msg}", self.client);
+                self.reply_error(&WireError::new(ErrorCode::PeerFailed, msg), h.id);
+            }
+        }
+        Ok(Flow::Continue)
     }
 
     fn get(&mut self, h: Header) -> io::Result<Flow> {

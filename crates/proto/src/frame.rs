@@ -49,6 +49,10 @@ pub enum Opcode {
     /// Client, before HELLO: switch this connection to TLS (the server
     /// answers STARTTLS_OK, then the TLS handshake and a new WELCOME run).
     StartTls = 0x08,
+    /// Client: copy pages of a region to another memory server (the
+    /// server connects to it as a client and stores them there):
+    /// re-replication without the data crossing the asking host.
+    Push = 0x09,
     /// Server: greeting with its nonce.
     Welcome = 0x80,
     /// Server: authenticated; its proof and numbers.
@@ -67,6 +71,8 @@ pub enum Opcode {
     PutHashedOk = 0x87,
     /// Server: the next bytes are the TLS handshake.
     StartTlsOk = 0x88,
+    /// Server: the pages of a PUSH are stored on the other server.
+    PushOk = 0x89,
     /// Server: the request failed.
     Error = 0xff,
 }
@@ -84,6 +90,7 @@ impl Opcode {
             0x06 => Ping,
             0x07 => PutHashed,
             0x08 => StartTls,
+            0x09 => Push,
             0x80 => Welcome,
             0x81 => HelloOk,
             0x82 => PutOk,
@@ -93,6 +100,7 @@ impl Opcode {
             0x86 => Pong,
             0x87 => PutHashedOk,
             0x88 => StartTlsOk,
+            0x89 => PushOk,
             0xff => Error,
             _ => return None,
         })
@@ -109,6 +117,7 @@ impl Opcode {
             Ping => "ping",
             PutHashed => "put_hashed",
             StartTls => "starttls",
+            Push => "push",
             Welcome => "welcome",
             HelloOk => "hello_ok",
             PutOk => "put_ok",
@@ -118,6 +127,7 @@ impl Opcode {
             Pong => "pong",
             PutHashedOk => "put_hashed_ok",
             StartTlsOk => "starttls_ok",
+            PushOk => "push_ok",
             Error => "error",
         }
     }
@@ -133,6 +143,7 @@ impl Opcode {
             Ping => Pong,
             PutHashed => PutHashedOk,
             StartTls => StartTlsOk,
+            Push => PushOk,
             other => other,
         }
     }
@@ -240,11 +251,13 @@ pub enum ErrorCode {
     /// This server takes only TLS from the client's address (STARTTLS first),
     /// or was asked for TLS it cannot give.
     TlsRequired = 14,
+    /// A PUSH could not store its pages on the other server (detail: 0).
+    PeerFailed = 15,
 }
 
 impl ErrorCode {
     /// Every code.
-    pub const ALL: [ErrorCode; 14] = [
+    pub const ALL: [ErrorCode; 15] = [
         ErrorCode::BadMagic,
         ErrorCode::UnsupportedVersion,
         ErrorCode::FrameTooLarge,
@@ -259,6 +272,7 @@ impl ErrorCode {
         ErrorCode::Internal,
         ErrorCode::ProtocolViolation,
         ErrorCode::TlsRequired,
+        ErrorCode::PeerFailed,
     ];
     /// The error code of a number, if known.
     pub fn from_u16(v: u16) -> Option<ErrorCode> {
@@ -282,6 +296,7 @@ impl ErrorCode {
             Internal => "INTERNAL",
             ProtocolViolation => "PROTOCOL_VIOLATION",
             TlsRequired => "TLS_REQUIRED",
+            PeerFailed => "PEER_FAILED",
         }
     }
     /// Fatal errors close the connection after the ERROR frame is sent: the
@@ -293,6 +308,7 @@ impl ErrorCode {
                 | ErrorCode::NotFound
                 | ErrorCode::InvalidArgument
                 | ErrorCode::UnknownOpcode
+                | ErrorCode::PeerFailed
         )
     }
 }

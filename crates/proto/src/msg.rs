@@ -700,6 +700,92 @@ impl DeleteOk {
     }
 }
 
+/// Most pages one PUSH names.
+pub const MAX_PUSH_PAGES: usize = 1024;
+
+/// PUSH request: store `pages` of `region`, as this server holds them, on
+/// the memory server at `target` (which must answer with id `target_id`,
+/// so a restarted one is not taken for the one the client knew).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PushReq {
+    /// The region.
+    pub region: u64,
+    /// The other server's id (its HELLO_OK / WELCOME server id).
+    pub target_id: u64,
+    /// The other server, HOST:PORT (at most 255 bytes).
+    pub target: String,
+    /// The pages, 1..=MAX_PUSH_PAGES.
+    pub pages: Vec<u64>,
+}
+
+impl PushReq {
+    /// Append the wire form to `out`.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.region.to_le_bytes());
+        out.extend_from_slice(&self.target_id.to_le_bytes());
+        out.extend_from_slice(&(self.target.len() as u16).to_le_bytes());
+        out.extend_from_slice(self.target.as_bytes());
+        out.extend_from_slice(&(self.pages.len() as u32).to_le_bytes());
+        for p in &self.pages {
+            out.extend_from_slice(&p.to_le_bytes());
+        }
+    }
+    /// Largest body.
+    pub const MAX_LEN: usize = 8 + 8 + 2 + 255 + 4 + MAX_PUSH_PAGES * 8;
+    /// Parse the wire form.
+    pub fn decode(b: &[u8]) -> Result<PushReq, WireError> {
+        let mut r = Reader::new(b, "PUSH");
+        let region = r.u64()?;
+        let target_id = r.u64()?;
+        let n = r.u16()? as usize;
+        if n == 0 || n > 255 {
+            return Err(WireError::new(
+                ErrorCode::InvalidArgument,
+                format!("PUSH target of {n} bytes: 1..=255"),
+            ));
+        }
+        let target = std::str::from_utf8(r.bytes(n)?)
+            .map_err(|_| WireError::malformed("PUSH target is not UTF-8"))?
+            .to_string();
+        let count = r.u32()? as usize;
+        if count == 0 || count > MAX_PUSH_PAGES {
+            return Err(WireError::new(
+                ErrorCode::InvalidArgument,
+                format!("PUSH of {count} pages: 1..={MAX_PUSH_PAGES}"),
+            ));
+        }
+        let pages = (0..count).map(|_| r.u64()).collect::<Result<_, _>>()?;
+        r.finish()?;
+        Ok(PushReq {
+            region,
+            target_id,
+            target,
+            pages,
+        })
+    }
+}
+
+/// PUSH_OK: the pages are stored on the other server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PushOk {
+    /// Pages stored there.
+    pub pushed: u64,
+}
+
+impl PushOk {
+    /// Append the wire form to `out`.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.pushed.to_le_bytes());
+    }
+    /// Parse the wire form.
+    pub fn decode(b: &[u8]) -> Result<PushOk, WireError> {
+        let mut r = Reader::new(b, "PUSH_OK");
+        let v = PushOk { pushed: r.u64()? };
+        r.finish()?;
+        Ok(v)
+    }
+}
+
 /// STAT request: flags bit 0 = list regions; at most `max_regions` listed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StatReq {
@@ -891,6 +977,27 @@ mod tests {
         }
 
         #[test]
+        fn push_roundtrips_and_bad_bodies_are_errors(
+            region in any::<u64>(),
+            target_id in any::<u64>(),
+            target in "[a-z0-9.:]{1,64}",
+            pages in proptest::collection::vec(0u64..MAX_PAGE, 1..=MAX_PUSH_PAGES),
+            junk in proptest::collection::vec(any::<u8>(), 0..600),
+        ) {
+            let req = PushReq { region, target_id, target, pages };
+            let mut b = Vec::new();
+            req.encode(&mut b);
+            prop_assert!(b.len() <= PushReq::MAX_LEN);
+            prop_assert_eq!(PushReq::decode(&b).unwrap(), req);
+            prop_assert!(PushReq::decode(&b[..b.len() - 1]).is_err());
+            let mut o = Vec::new();
+            PushOk { pushed: 7 }.encode(&mut o);
+            prop_assert_eq!(PushOk::decode(&o).unwrap().pushed, 7);
+            let _ = PushReq::decode(&junk);
+            let _ = PushOk::decode(&junk);
+        }
+
+        #[test]
         fn header_decode_never_panics(b in proptest::collection::vec(any::<u8>(), 0..40)) {
             let _ = Header::decode(&b);
         }
@@ -940,7 +1047,7 @@ mod tests {
         }
 
         #[test]
-        fn error_roundtrip(ci in 0usize..13, detail in any::<u64>(), msg in ".{0,200}") {
+        fn error_roundtrip(ci in 0usize..ErrorCode::ALL.len(), detail in any::<u64>(), msg in ".{0,200}") {
             let e = WireError::new(ErrorCode::ALL[ci], msg).with_detail(detail).with_id(5);
             let mut b = Vec::new();
             e.encode(&mut b);
