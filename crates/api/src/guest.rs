@@ -315,7 +315,7 @@ impl GuestSpec {
         if !(1..=2).contains(&self.replicas) {
             return Err(format!("replicas {}: use 1 or 2", self.replicas).into());
         }
-        if self.replicas > 1 && self.servers.len() < self.replicas {
+        if self.replicas > 1 && !self.servers.is_empty() && self.servers.len() < self.replicas {
             return Err(format!(
                 "{} replicas need at least {} memory servers ({} given)",
                 self.replicas,
@@ -517,6 +517,19 @@ pub struct PagingCosts {
     pub direct_reclaims: u64,
     /// Their total time, ms.
     pub direct_reclaim_ms: f64,
+    /// Copies of every remote page (1 or 2).
+    #[serde(default)]
+    pub replicas: usize,
+    /// Remote pages with fewer copies than that (a server died;
+    /// re-replication is restoring them).
+    #[serde(default)]
+    pub degraded_pages: u64,
+    /// Memory servers found dead (their pages served by mirrors).
+    #[serde(default)]
+    pub servers_down: u64,
+    /// Pages re-replication copied.
+    #[serde(default)]
+    pub rereplicated_pages: u64,
 }
 
 /// What a sort job reports (control op `sort`).

@@ -323,6 +323,12 @@ pub fn guest(c: &Client, g: GuestCmd) -> Result<()> {
                     "  evictions that sent nothing (clean pages): {}; page-outs with faults waiting: {} ({:.1} ms)",
                     p.clean_drops, p.direct_reclaims, p.direct_reclaim_ms
                 );
+                if p.replicas > 1 || p.servers_down > 0 {
+                    println!(
+                        "  replicas: {}; pages with a copy missing: {}; memory servers found dead: {}; pages re-replicated: {}",
+                        p.replicas, p.degraded_pages, p.servers_down, p.rereplicated_pages
+                    );
+                }
             }
         }
         GuestCmd::Stop { name, reg } => {

@@ -141,7 +141,7 @@ impl Guests {
     pub fn metrics(&self) -> String {
         let mut per = String::new();
         type Get = fn(&GuestStatus) -> f64;
-        let series: [(&str, &str, &str, Get); 10] = [
+        let series: [(&str, &str, &str, Get); 13] = [
             (
                 "resident_pages",
                 "gauge",
@@ -198,6 +198,24 @@ impl Guests {
                 "counter",
                 "Page-outs run over the budget (faults waited).",
                 |g| g.paging.as_ref().map_or(0.0, |p| p.direct_reclaims as f64),
+            ),
+            (
+                "degraded_pages",
+                "gauge",
+                "Remote pages with fewer copies than the guest's replicas (until re-replication restores them).",
+                |g| g.paging.as_ref().map_or(0.0, |p| p.degraded_pages as f64),
+            ),
+            (
+                "servers_down",
+                "gauge",
+                "Memory servers the guest found dead.",
+                |g| g.paging.as_ref().map_or(0.0, |p| p.servers_down as f64),
+            ),
+            (
+                "rereplicated_pages_total",
+                "counter",
+                "Pages re-replication copied to another memory server.",
+                |g| g.paging.as_ref().map_or(0.0, |p| p.rereplicated_pages as f64),
             ),
         ];
         let guests: Vec<GuestStatus> = self

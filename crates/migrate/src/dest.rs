@@ -5,13 +5,15 @@
 
 use crate::dedup::Filled;
 use crate::fill::{Filler, Target};
-use crate::wire::{Kind, Stream, WireError, HASH_ENTRY, MAX_HASHES, MAX_PAGES, ZERO_SERVER};
+use crate::wire::{
+    Kind, Stream, WireError, HASH_ENTRY, MAX_HASHES, MAX_PAGES, NO_MIRROR, ZERO_SERVER,
+};
 use crate::Spec;
 use pagefleet_client::{Conn, ConnectOptions, GetMode, Pages};
 use pagefleet_dedup::lookup::LookupClient;
 use pagefleet_dedup::PageHash;
 use pagefleet_proto::auth::Secret;
-use pagefleet_region::{Adopt, Config, Policy, Region, PAGE};
+use pagefleet_region::{Adopt, Config, Policy, Region, RemoteRun, PAGE};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
@@ -185,6 +187,43 @@ pub struct Received {
     filled: Filled,
     /// The filler answers on the same socket: every write takes this.
     write_lock: Arc<Mutex<()>>,
+    /// Servers of the guest that could not be reached (tolerated with two
+    /// replicas: their pages are read from their mirrors).
+    unreachable: Vec<usize>,
+}
+
+/// Leave servers that could not be reached out of `cfg`: pages located on
+/// one are read from their mirror, a mirror there is forgotten (the
+/// region re-replicates those pages). A page with no copy left is an error.
+fn drop_unreachable(cfg: &mut Config, dead: &[usize]) -> Result<(), String> {
+    let keep: Vec<usize> = (0..cfg.servers.len())
+        .filter(|i| !dead.contains(i))
+        .collect();
+    let index = |i: usize| keep.iter().position(|k| *k == i);
+    for r in &mut cfg.initial_remote {
+        let (s, m) = (index(r.server), r.mirror.and_then(index));
+        *r = match (s, m) {
+            (Some(s), m) => RemoteRun {
+                server: s,
+                mirror: m,
+                ..*r
+            },
+            (None, Some(m)) => RemoteRun {
+                server: m,
+                mirror: None,
+                ..*r
+            },
+            (None, None) => {
+                return Err(format!(
+                    "pages {}+{} were on {} only, which cannot be reached",
+                    r.first, r.count, cfg.servers[r.server]
+                ))
+            }
+        };
+    }
+    cfg.servers = keep.iter().map(|i| cfg.servers[*i].clone()).collect();
+    cfg.replicas = cfg.replicas.min(cfg.servers.len()).max(1);
+    Ok(())
 }
 
 /// Gather's pullers, one per memory server; dropping them waits for them.
@@ -206,6 +245,9 @@ impl Drop for Pullers {
 /// a pull never overwrites it, whichever arrives first.
 pub(crate) struct Shared {
     pub(crate) loc: Mutex<Vec<u16>>,
+    /// Per page on a server: the server with its second copy (NO_MIRROR:
+    /// none). Written before `loc` names the server; read under `loc`.
+    pub(crate) mirror: Mutex<Vec<u16>>,
     /// The guest mapping's address (pullers copy into it under `loc`'s lock).
     pub(crate) base: usize,
     pulled: AtomicU64,
@@ -220,53 +262,37 @@ struct Puller {
 
 fn start_puller(
     server: usize,
-    addr: String,
+    addrs: Vec<String>,
     region: u64,
     secret: Secret,
     sh: Arc<Shared>,
 ) -> Puller {
     let (tx, rx) = std::sync::mpsc::channel::<Vec<u64>>();
     let thread = std::thread::spawn(move || -> Result<(), String> {
-        let opts = ConnectOptions {
-            name: "pagefleet-gather".into(),
-            window: 32,
-            ..Default::default()
+        let mut from = Sources {
+            addrs,
+            region,
+            secret,
+            conns: std::collections::HashMap::new(),
         };
-        let mut c = Conn::connect(&addr, &secret, &opts).map_err(|e| format!("{addr}: {e}"))?;
+        // With two replicas a dead server's pages come from their mirrors.
+        let mut primary_gone: Option<String> = None;
         let mut buf = Vec::new();
         for list in rx {
             for part in list.chunks(1024) {
                 buf.resize(part.len() * PAGE, 0);
-                // Keep, not take: the main host may still page these in.
-                let mut present = vec![true; part.len()];
-                match c.get(
-                    region,
-                    Pages::List(part),
-                    &mut buf,
-                    GetMode::Keep,
-                    false,
-                    32,
-                ) {
-                    Ok(_) => {}
-                    // Some page is not there (the main host paged it in and
-                    // will send it): find which, one by one.
-                    Err(e) if e.code() == Some(pagefleet_proto::ErrorCode::NotFound) => {
-                        for (k, &p) in part.iter().enumerate() {
-                            let missing = c
-                                .get(
-                                    region,
-                                    Pages::List(&[p]),
-                                    &mut buf[k * PAGE..(k + 1) * PAGE],
-                                    GetMode::Keep,
-                                    true,
-                                    1,
-                                )
-                                .map_err(|e| format!("{addr}: {e}"))?;
-                            present[k] = missing == 0;
+                let present = match &primary_gone {
+                    None => match from.pull(server, part, &mut buf) {
+                        Ok(p) => p,
+                        Err(e) => {
+                            let why = format!("{}: {e}", from.addrs[server]);
+                            tracing::warn!("gather: {why}; pulling its pages from their mirrors");
+                            primary_gone = Some(why);
+                            from.pull_mirrors(part, &mut buf, &sh, primary_gone.as_deref())?
                         }
-                    }
-                    Err(e) => return Err(format!("{addr}: {e}")),
-                }
+                    },
+                    Some(_) => from.pull_mirrors(part, &mut buf, &sh, primary_gone.as_deref())?,
+                };
                 let mut loc = sh.loc.lock().unwrap();
                 for (k, &p) in part.iter().enumerate() {
                     let p = p as usize;
@@ -290,6 +316,110 @@ fn start_puller(
         Ok(())
     });
     Puller { queue: tx, thread }
+}
+
+/// A gather's connections to the servers it pulls from.
+struct Sources {
+    addrs: Vec<String>,
+    region: u64,
+    secret: Secret,
+    conns: std::collections::HashMap<usize, Conn>,
+}
+
+impl Sources {
+    /// Pull `part` from server `s` into `buf` (keep: the main host may
+    /// still page them in); per page, whether it was there (a page the
+    /// main host paged in meanwhile is sent by it instead).
+    fn pull(
+        &mut self,
+        s: usize,
+        part: &[u64],
+        buf: &mut [u8],
+    ) -> Result<Vec<bool>, pagefleet_client::ClientError> {
+        if !self.conns.contains_key(&s) {
+            let opts = ConnectOptions {
+                name: "pagefleet-gather".into(),
+                window: 32,
+                ..Default::default()
+            };
+            let c = Conn::connect(&self.addrs[s], &self.secret, &opts)?;
+            self.conns.insert(s, c);
+        }
+        let c = self.conns.get_mut(&s).expect("connected");
+        let mut present = vec![true; part.len()];
+        let r = c.get(
+            self.region,
+            Pages::List(part),
+            buf,
+            GetMode::Keep,
+            false,
+            32,
+        );
+        match r {
+            Ok(_) => {}
+            // Some page is not there: find which, one by one.
+            Err(e) if e.code() == Some(pagefleet_proto::ErrorCode::NotFound) => {
+                for (k, &p) in part.iter().enumerate() {
+                    let missing = c.get(
+                        self.region,
+                        Pages::List(&[p]),
+                        &mut buf[k * PAGE..(k + 1) * PAGE],
+                        GetMode::Keep,
+                        true,
+                        1,
+                    )?;
+                    present[k] = missing == 0;
+                }
+            }
+            Err(e) => {
+                self.conns.remove(&s);
+                return Err(e);
+            }
+        }
+        Ok(present)
+    }
+
+    /// Pull `part` from each page's mirror (its first copy's server is gone).
+    fn pull_mirrors(
+        &mut self,
+        part: &[u64],
+        buf: &mut [u8],
+        sh: &Shared,
+        why: Option<&str>,
+    ) -> Result<Vec<bool>, String> {
+        let mirrors: Vec<u16> = {
+            let m = sh.mirror.lock().unwrap();
+            part.iter().map(|&p| m[p as usize]).collect()
+        };
+        let mut present = vec![false; part.len()];
+        let mut servers: Vec<u16> = mirrors.clone();
+        servers.sort_unstable();
+        servers.dedup();
+        for m in servers {
+            let idx: Vec<usize> = (0..part.len()).filter(|k| mirrors[*k] == m).collect();
+            let pages: Vec<u64> = idx.iter().map(|k| part[*k]).collect();
+            if m == NO_MIRROR {
+                return Err(format!(
+                    "page {} has no other copy: {}",
+                    pages[0],
+                    why.unwrap_or("its server is gone")
+                ));
+            }
+            let mut tmp = vec![0u8; pages.len() * PAGE];
+            let got = self.pull(m as usize, &pages, &mut tmp).map_err(|e| {
+                format!(
+                    "{} and its mirror {}: {e}",
+                    why.unwrap_or("-"),
+                    self.addrs[m as usize]
+                )
+            })?;
+            for (j, k) in idx.iter().enumerate() {
+                present[*k] = got[j];
+                buf[k * PAGE..(k + 1) * PAGE].copy_from_slice(&tmp[j * PAGE..(j + 1) * PAGE]);
+            }
+        }
+        Ok(present)
+    }
 }
 
 /// Accept one migration on `s`: authenticate, receive until COMMIT. The
@@ -350,9 +480,10 @@ pub fn receive_with(
     // it takes no fault on them; a VM's guest mapping is QEMU's.
     let populate = spec.workload.workload.kind() != "vm";
     let pages = (spec.size / PAGE as u64) as usize;
+    let mut unreachable = Vec::new();
     if !spec.gather {
         // Connect to the guest's memory servers now, not in the downtime.
-        for a in &spec.servers {
+        for (i, a) in spec.servers.iter().enumerate() {
             let opts = ConnectOptions {
                 name: format!("pagefleet-{}-pager", spec.name),
                 window: 4,
@@ -360,6 +491,12 @@ pub fn receive_with(
             };
             match Conn::connect(a, secret, &opts) {
                 Ok(c) => adopt.conns.lock().unwrap().push((a.clone(), c)),
+                Err(e) if spec.workload.replicas > 1 => {
+                    tracing::warn!(
+                        "memory server {a} is unreachable ({e}): the guest's pages there are read from their mirrors"
+                    );
+                    unreachable.push(i);
+                }
                 Err(e) => {
                     let msg = format!("cannot reach memory server {a}: {e}");
                     let _ = stream.send(Kind::Error, 0, &[msg.as_bytes()]);
@@ -376,6 +513,7 @@ pub fn receive_with(
     )?;
     let shared = Arc::new(Shared {
         loc: Mutex::new(vec![ZERO_SERVER; pages]),
+        mirror: Mutex::new(vec![NO_MIRROR; pages]),
         base: adopt.guest.addr() as usize,
         pulled: AtomicU64::new(0),
         replaced: AtomicU64::new(0),
@@ -392,6 +530,7 @@ pub fn receive_with(
         device_state: Vec::new(),
         filled: Filled::default(),
         write_lock: Arc::new(Mutex::new(())),
+        unreachable,
     };
     let gather = r.spec.gather;
     let mut tmp = vec![0u8; MAX_PAGES * PAGE];
@@ -507,17 +646,28 @@ pub fn receive_with(
             }
             Kind::Located => {
                 let b = r.stream.body(&h)?;
-                if b.len() != 6 {
-                    return Err(r.fail("LOCATED must be 6 bytes".into()));
+                if b.len() != 6 && b.len() != 8 {
+                    return Err(r.fail("LOCATED must be 6 or 8 bytes".into()));
                 }
                 let count = u32::from_le_bytes(b[0..4].try_into().unwrap()) as usize;
                 let server = u16::from_le_bytes(b[4..6].try_into().unwrap());
+                let mirror = match b.get(6..8) {
+                    Some(m) => u16::from_le_bytes(m.try_into().unwrap()),
+                    None => NO_MIRROR,
+                };
                 let first = h.arg as usize;
                 if first.checked_add(count).is_none_or(|e| e > pages)
                     || (server != ZERO_SERVER && server as usize >= nservers)
+                    || (mirror != NO_MIRROR
+                        && (server == ZERO_SERVER
+                            || mirror == server
+                            || mirror as usize >= nservers))
                 {
-                    return Err(r.fail(format!("LOCATED {first}+{count} on server {server}")));
+                    return Err(r.fail(format!(
+                        "LOCATED {first}+{count} on server {server} mirror {mirror}"
+                    )));
                 }
+                r.shared.mirror.lock().unwrap()[first..first + count].fill(mirror);
                 {
                     // Any copy here goes: the location list wins.
                     let mut loc = r.shared.loc.lock().unwrap();
@@ -544,7 +694,7 @@ pub fn receive_with(
                     if r.pullers.0[s].is_none() {
                         r.pullers.0[s] = Some(start_puller(
                             s,
-                            r.spec.servers[s].clone(),
+                            r.spec.servers.clone(),
                             r.spec.region_id,
                             r.secret.clone(),
                             r.shared.clone(),
@@ -618,18 +768,27 @@ impl Received {
                 ));
             }
         }
+        let mirror = self.shared.mirror.lock().unwrap();
+        let at = |i: usize| (loc[i], mirror[i]);
         let mut i = 0;
         while i < loc.len() {
-            let v = loc[i];
+            let (v, m) = at(i);
             let mut j = i + 1;
-            while j < loc.len() && loc[j] == v {
+            while j < loc.len() && at(j) == (v, m) {
                 j += 1;
             }
             if v < PULLED {
-                cfg.initial_remote
-                    .push((i as u64, (j - i) as u64, v as usize));
+                cfg.initial_remote.push(RemoteRun {
+                    first: i as u64,
+                    count: (j - i) as u64,
+                    server: v as usize,
+                    mirror: (m != NO_MIRROR).then_some(m as usize),
+                });
             }
             i = j;
+        }
+        if !self.unreachable.is_empty() {
+            drop_unreachable(&mut cfg, &self.unreachable)?;
         }
         Ok(cfg)
     }

@@ -116,7 +116,7 @@ pub fn checksum(region: &Region, secret: &Secret) -> Result<String, ChecksumErro
                 sum = sum.wrapping_add(xxhash_rust::xxh3::xxh3_64_with_seed(&zero, p as u64));
                 p += 1;
             }
-            Location::Remote(s) => {
+            Location::Remote(s, _) => {
                 remote[s].push(p as u64);
                 p += 1;
             }

@@ -5,7 +5,7 @@
 
 use crate::plan::{self, Plan, MAIN, SUB0};
 use crate::sub_dedup::SubPut;
-use crate::wire::{Kind, Stream, WireError, MAX_PAGES};
+use crate::wire::{Kind, Stream, WireError, MAX_PAGES, NO_MIRROR};
 use crate::{checksum, pread_pages, Report, Spec};
 use pagefleet_client::{Conn, ConnectOptions, Pages};
 use pagefleet_proto::auth::Secret;
@@ -298,7 +298,7 @@ pub fn migrate(
             )
             .min(o.main_pages)
     };
-    let planned = plan::plan(&snap, main_cap, &caps);
+    let planned = plan::plan(&snap, main_cap, &caps, o.workload.replicas);
     let plan = match planned {
         Ok(p) => p,
         Err(e) => {
@@ -605,20 +605,24 @@ impl Run<'_> {
     ) -> Result<(), MigrateError> {
         let cp = self.plan.chunk_pages;
         let mut main = Vec::new();
-        let mut located: Vec<(u64, u16)> = Vec::new();
+        // (page, server, mirror or NO_MIRROR)
+        let mut located: Vec<(u64, u16, u16)> = Vec::new();
         let mut sub: Vec<Vec<u64>> = vec![Vec::new(); self.subs.len()];
+        // Pages bound for sub-hosts: (page, sub-host, mirror sub-host).
+        let mut sub_placed: Vec<(u64, usize, Option<usize>)> = Vec::new();
         let mut main_hist = Vec::new();
         for (&p, &(loc, h)) in pages.iter().zip(info) {
             match loc {
                 // Never touched: the destination starts with zeros.
                 Location::Zero => continue,
-                Location::Remote(s) => {
-                    let i = self
-                        .servers
-                        .iter()
-                        .position(|x| *x == servers[s])
-                        .unwrap_or(s);
-                    located.push((p, i as u16));
+                Location::Remote(s, m) => {
+                    let index = |s: usize| {
+                        self.servers
+                            .iter()
+                            .position(|x| *x == servers[s])
+                            .unwrap_or(s) as u16
+                    };
+                    located.push((p, index(s), m.map_or(NO_MIRROR, index)));
                     continue;
                 }
                 Location::Local => {}
@@ -632,8 +636,18 @@ impl Run<'_> {
                     main.push(p);
                     main_hist.push(h);
                 }
-                t => sub[(t - SUB0) as usize].push(p),
+                t => {
+                    let (j, k) = ((t - SUB0) as usize, self.plan.mirror_of(p as usize / cp));
+                    sub[j].push(p);
+                    if let Some(k) = k {
+                        sub[k].push(p);
+                    }
+                    sub_placed.push((p, j, k));
+                }
             }
+        }
+        for list in &mut sub {
+            list.sort_unstable();
         }
         // Recorded before sending: an abort half-way must delete these too.
         for (j, list) in sub.iter().enumerate() {
@@ -688,10 +702,9 @@ impl Run<'_> {
                 self.bytes_subs[k - 1] += bytes;
             }
         }
-        for (j, list) in sub.iter().enumerate() {
-            for &p in list {
-                located.push((p, self.sub_index[j]));
-            }
+        for &(p, j, k) in &sub_placed {
+            let mirror = k.map_or(NO_MIRROR, |k| self.sub_index[k]);
+            located.push((p, self.sub_index[j], mirror));
         }
         self.send_located(&mut located)?;
         self.stream.send(Kind::Round, n as u64, &[])?;
@@ -705,23 +718,29 @@ impl Run<'_> {
         Ok(())
     }
 
-    /// LOCATED messages for (page, server) pairs, in runs.
-    fn send_located(&mut self, located: &mut Vec<(u64, u16)>) -> Result<(), MigrateError> {
+    /// LOCATED messages for (page, server, mirror) triples, in runs.
+    fn send_located(&mut self, located: &mut Vec<(u64, u16, u16)>) -> Result<(), MigrateError> {
         located.sort_unstable();
         let mut i = 0;
         while i < located.len() {
-            let (first, s) = located[i];
+            let (first, s, m) = located[i];
             let mut j = i + 1;
-            while j < located.len() && located[j].1 == s && located[j].0 == located[j - 1].0 + 1 {
+            while j < located.len()
+                && (located[j].1, located[j].2) == (s, m)
+                && located[j].0 == located[j - 1].0 + 1
+            {
                 j += 1;
             }
             let count = (j - i) as u32;
-            self.stream.send(
-                Kind::Located,
-                first,
-                &[&count.to_le_bytes(), &s.to_le_bytes()],
-            )?;
-            self.bytes_main += 22;
+            let (c, s, m) = (count.to_le_bytes(), s.to_le_bytes(), m.to_le_bytes());
+            // (The 6-byte form when there is no mirror.)
+            let body: &[&[u8]] = if located[i].2 == NO_MIRROR {
+                &[&c, &s]
+            } else {
+                &[&c, &s, &m]
+            };
+            self.stream.send(Kind::Located, first, body)?;
+            self.bytes_main += 16 + body.iter().map(|b| b.len() as u64).sum::<u64>();
             i = j;
         }
         located.clear();

@@ -17,6 +17,7 @@
 //! dest → source   HAVE arg=batch, body = bitmap: the pages it filled itself
 //! source → dest   PAGES arg=first page, body = count history bytes + count pages
 //!                 LOCATED arg=first page, body = count u32 + server u16 (0xFFFF: zero page)
+//!                         [+ mirror u16: the server with the pages' second copy]
 //!                 ROUND arg=round number
 //! dest → source   ROUND_DONE arg=round number (all of it arrived; pre-copy rounds only)
 //!                 COMMIT (JSON options)           — the guest is paused now
@@ -45,6 +46,8 @@ pub const MAX_PAGES: usize = 64;
 pub const MAX_BODY: usize = 1 << 20;
 /// LOCATED server value for "never touched: reads as zeros".
 pub const ZERO_SERVER: u16 = 0xFFFF;
+/// LOCATED mirror value for "no second copy" (the 6-byte form says the same).
+pub const NO_MIRROR: u16 = 0xFFFF;
 
 /// Message kinds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -158,9 +158,9 @@ pub struct Config {
     pub on_fatal: OnFatal,
     /// Shown in the memory servers' logs.
     pub name: String,
-    /// Pages that start out on memory servers: (first page, count, index
-    /// into `servers`), under `region_id` (a guest resumed from elsewhere).
-    pub initial_remote: Vec<(u64, u64, usize)>,
+    /// Pages that start out on memory servers, under `region_id` (a guest
+    /// resumed from elsewhere).
+    pub initial_remote: Vec<RemoteRun>,
     /// Start from memory a migration filled (see [`Adopt`]) instead of an
     /// empty memfd.
     pub adopt: Option<Arc<Adopt>>,
@@ -168,6 +168,20 @@ pub struct Config {
     /// registered it with the userfaultfd it passed here; the memfd is
     /// `adopt`'s (required with this).
     pub foreign: Option<Arc<Foreign>>,
+}
+
+/// Pages that start out on memory servers: `count` pages from `first` on
+/// `servers[server]` (and, with two replicas, also on `servers[mirror]`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RemoteRun {
+    /// First page.
+    pub first: u64,
+    /// Pages.
+    pub count: u64,
+    /// Index into `Config::servers` of the server pages are read from.
+    pub server: usize,
+    /// Index of the server holding their second copy.
+    pub mirror: Option<usize>,
 }
 
 /// Guest memory received by an incoming migration: the memfd, its guest
@@ -307,8 +321,9 @@ pub enum Location {
     Zero,
     /// Resident here.
     Local,
-    /// On `servers[i]`.
-    Remote(usize),
+    /// On `servers[i]` (pages are read from it), and with two replicas
+    /// also on `servers[m]`: `Remote(i, Some(m))`.
+    Remote(usize, Option<usize>),
 }
 
 /// Shared between the guest-facing handle and the pager thread.
@@ -382,7 +397,8 @@ impl Region {
                 cfg.replicas
             )));
         }
-        if cfg.replicas > 1 && cfg.servers.len() < cfg.replicas {
+        // (No servers: nothing pages out; the replicas apply once it does.)
+        if cfg.replicas > 1 && !cfg.servers.is_empty() && cfg.servers.len() < cfg.replicas {
             return Err(RegionError::Config(format!(
                 "{} replicas need at least {} memory servers ({} given)",
                 cfg.replicas,
@@ -454,10 +470,15 @@ impl Region {
             pager_tid: std::sync::atomic::AtomicI32::new(0),
             servers: Mutex::new(cfg.servers.iter().map(|s| (s.clone(), false)).collect()),
         });
-        for &(first, count, s) in &cfg.initial_remote {
-            if s >= cfg.servers.len() || first.checked_add(count).is_none_or(|e| e > pages) {
+        for r in &cfg.initial_remote {
+            let n = cfg.servers.len();
+            if r.server >= n
+                || r.mirror.is_some_and(|m| m >= n || m == r.server)
+                || r.first.checked_add(r.count).is_none_or(|e| e > pages)
+            {
                 return Err(RegionError::Config(format!(
-                    "initial remote range {first}+{count} on server {s} is out of bounds"
+                    "initial remote range {}+{} on server {} (mirror {:?}) is out of bounds",
+                    r.first, r.count, r.server, r.mirror
                 )));
             }
         }

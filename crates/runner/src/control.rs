@@ -104,7 +104,7 @@ fn locations(region: &Region) -> Option<PageLocations> {
         match l {
             Location::Local => p.local += 1,
             Location::Zero => p.zero += 1,
-            Location::Remote(i) => remote[*i] += 1,
+            Location::Remote(i, _) => remote[*i] += 1,
         }
     }
     p.remote = s
@@ -203,6 +203,10 @@ impl Running {
                 clean_drops: s.clean_drops,
                 direct_reclaims: s.direct_reclaims,
                 direct_reclaim_ms: s.direct_reclaim_ns as f64 / 1e6,
+                replicas: self.spec.replicas,
+                degraded_pages: s.degraded_pages,
+                servers_down: s.servers_down,
+                rereplicated_pages: s.rereplicated_pages,
             }),
             migration: migrating.then(|| progress_of(&self.progress)),
             vm: self.vm.as_ref().map(|v| v.status()),

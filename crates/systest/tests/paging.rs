@@ -307,10 +307,18 @@ fn region_starts_with_pages_on_a_server() {
     cfg.servers = c.addrs();
     cfg.secret = Some(c.secret.clone());
     cfg.region_id = region_id;
-    cfg.initial_remote = vec![(0, 512, 0)];
+    cfg.initial_remote = vec![pagefleet_region::RemoteRun {
+        first: 0,
+        count: 512,
+        server: 0,
+        mirror: None,
+    }];
     let r = Region::new(cfg).unwrap();
     let snap = r.snapshot().unwrap();
-    assert_eq!(snap.location[0], pagefleet_region::Location::Remote(0));
+    assert_eq!(
+        snap.location[0],
+        pagefleet_region::Location::Remote(0, None)
+    );
     assert_eq!(snap.location[700], pagefleet_region::Location::Zero);
     let base = r.as_ptr() as usize;
     let mut want = vec![0u8; P];
@@ -327,7 +335,12 @@ fn region_starts_with_pages_on_a_server() {
     assert!(r.stats().page_ins >= 512 - 256);
     // Bad initial layout is refused.
     let mut bad = Config::new(16 * P as u64, 16);
-    bad.initial_remote = vec![(0, 4, 3)];
+    bad.initial_remote = vec![pagefleet_region::RemoteRun {
+        first: 0,
+        count: 4,
+        server: 3,
+        mirror: None,
+    }];
     assert!(Region::new(bad).is_err());
 }
 

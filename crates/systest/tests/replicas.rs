@@ -186,3 +186,170 @@ fn both_replicas_killed_the_guest_fails_loudly() {
         assert!(err.contains(a.as_str()), "the error must name {a}: {err}");
     }
 }
+
+/// A memory server's daemon on lab host `h` killed (SIGKILL).
+fn kill_server(l: &LabRun, h: usize) {
+    assert!(kill_in(l, h, "pagefleetd"), "no pagefleetd on h{}", h + 1);
+}
+
+/// Run `pagefleet ARGS` in h1 while `meanwhile` runs; its stdout or stderr.
+fn during(l: &LabRun, args: &[&str], meanwhile: impl FnOnce()) -> Result<String, String> {
+    std::thread::scope(|sc| {
+        let h = sc.spawn(|| l.pf(0, args));
+        meanwhile();
+        let (ok, out, err) = h.join().unwrap();
+        if ok {
+            Ok(out)
+        } else {
+            Err(err)
+        }
+    })
+}
+
+/// A kv guest with two replicas split over three sub-hosts: one sub-host
+/// dies during the split migration, re-replication restores the copies,
+/// another dies during the gather back. Clients check every value
+/// throughout; the guest never stops serving right ones.
+#[test]
+fn replicated_guest_survives_sub_host_deaths_during_migration_and_gather() {
+    if !is_root() {
+        eprintln!("skipped: the testbed needs root (CI runs as root)");
+        return;
+    }
+    const MIB: u64 = 1 << 20;
+    // h1 runs the guest, h2 has room for a third of it, h3-h5 lend.
+    let l = lab(
+        "rep",
+        5,
+        // 1 Gbit/s: the migration and the gather take seconds, so the
+        // kills land while they run.
+        pagefleet_testbed::Link::Gbit1,
+        256 * MIB,
+        &[512 * MIB, 64 * MIB, 0, 0, 0],
+    );
+    let ip = l.lab.service_ip(1);
+    let svc = format!("{ip}:11211");
+    let servers: Vec<String> = (2..5).map(|h| l.lab.hosts[h].addr.clone()).collect();
+    let (ok, _, err) = l.pf(
+        0,
+        &[
+            "guest",
+            "start",
+            "kv1",
+            "--on",
+            "h1",
+            "--size",
+            "192MiB",
+            "--",
+            "kv",
+            "--listen",
+            &svc,
+            "--service-ip",
+            &ip,
+            "--replicas",
+            "2",
+            "--servers",
+            &servers.join(","),
+        ],
+    );
+    assert!(ok, "guest start: {err}");
+    let spec = pagefleet_lab::kvload::Spec {
+        addr: svc,
+        keys: 40_000,
+        value_len: 2000,
+        conns: 4,
+        get_frac: 0.9,
+        theta: 0.99,
+        netns: Some(l.lab.hosts[0].netns.clone()),
+        reconnect: true,
+        pace: None,
+    };
+    pagefleet_lab::kvload::prefill(&spec).expect("prefill");
+    let load = pagefleet_lab::kvload::Load::start(&spec);
+    // 1. Split migration to h2 with sub-hosts h3, h4, h5; h4 dies during it.
+    let outcome = during(
+        &l,
+        &[
+            "migrate", "kv1", "--to", "h2", "--sub", "h3", "--sub", "h4", "--sub", "h5", "--json",
+        ],
+        || {
+            std::thread::sleep(Duration::from_millis(500));
+            kill_server(&l, 3);
+        },
+    );
+    let (h, g) = l.guest("kv1").expect("kv1 is gone");
+    assert_eq!(
+        g.state,
+        pagefleet_api::GuestState::Running,
+        "{g:?} ({outcome:?})"
+    );
+    eprintln!(
+        "migration with h4 killed: {} (kv1 on h{})",
+        if outcome.is_ok() { "done" } else { "aborted" },
+        h + 1
+    );
+    if outcome.is_ok() {
+        assert_eq!(h, 1);
+        // 2. On h2: its pages whose copy was on h4 get a new one on h3/h5
+        // (h4 is found dead when the pager's connection to it ends).
+        wait_for("h4 found dead and the copies restored on h2", 60, || {
+            l.guest("kv1")
+                .and_then(|(_, g)| g.paging)
+                .is_some_and(|p| p.servers_down == 1 && p.degraded_pages == 0)
+        });
+    } else {
+        // 2. The source kept the guest; the migration goes through with
+        // the sub-hosts left.
+        assert_eq!(h, 0);
+        let r = l.pf(
+            0,
+            &[
+                "migrate", "kv1", "--to", "h2", "--sub", "h3", "--sub", "h5", "--json",
+            ],
+        );
+        assert!(r.0, "second migration: {}", r.2);
+    }
+    let p = l.guest("kv1").unwrap().1.paging.unwrap();
+    eprintln!("on h2: {p:?}");
+    assert_eq!(p.replicas, 2, "{p:?}");
+    assert_eq!(p.degraded_pages, 0, "{p:?}");
+    // 3. Gather it back onto h1; h3 dies during the gather: its pages
+    // come from their mirrors on h5 (or, if the gather gives up, the
+    // guest keeps running on h2 from the mirrors).
+    let r = during(
+        &l,
+        &["gather", "kv1", "--to", "h1", "--verify", "--json"],
+        || {
+            std::thread::sleep(Duration::from_millis(500));
+            kill_server(&l, 2);
+        },
+    );
+    let (h, g) = l.guest("kv1").expect("kv1 is gone after the gather");
+    assert_eq!(g.state, pagefleet_api::GuestState::Running, "{g:?} ({r:?})");
+    if let Ok(out) = &r {
+        let v: serde_json::Value = serde_json::from_str(out).unwrap();
+        assert_eq!(v["checksum_source"], v["checksum_dest"], "{v}");
+        assert_eq!(h, 0, "{v}");
+    }
+    eprintln!(
+        "gather with h3 killed: {} (kv1 on h{})",
+        if r.is_ok() { "done" } else { "aborted" },
+        h + 1
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    let c = load.counters.clone();
+    let e = load.error();
+    load.stop().expect("load");
+    assert!(e.is_none(), "{e:?}");
+    assert!(c.ops.load(std::sync::atomic::Ordering::Relaxed) > 1000);
+    assert_eq!(
+        c.bad_values.load(std::sync::atomic::Ordering::Relaxed),
+        0,
+        "wrong values served"
+    );
+    assert_eq!(
+        c.misses.load(std::sync::atomic::Ordering::Relaxed),
+        0,
+        "keys lost"
+    );
+}

@@ -92,7 +92,10 @@ impl LocationDb {
         match self.state[p] {
             ZERO => Location::Zero,
             LOCAL => Location::Local,
-            r => Location::Remote((r - REMOTE) as usize),
+            r => Location::Remote(
+                (r - REMOTE) as usize,
+                self.second[p].checked_sub(1).map(usize::from),
+            ),
         }
     }
 
@@ -377,7 +380,7 @@ mod tests {
         db.keep_copy(5, 1, true);
         assert_eq!((db.copies[1], db.clean[5]), (1, true));
         assert!(db.set_remote(5, 1, None), "it had a kept copy");
-        assert_eq!(db.location(5), Location::Remote(1));
+        assert_eq!(db.location(5), Location::Remote(1, None));
         assert_eq!((db.resident, db.remote, db.copies[1]), (0, 1, 0));
         db.set_local(5);
         assert_eq!((db.resident, db.remote), (1, 0));
@@ -451,9 +454,9 @@ mod tests {
         assert_eq!(db.copies, vec![2, 0, 2]);
         let lost = db.server_lost(0);
         assert_eq!(lost, vec![3], "page 3 had no other copy");
-        assert_eq!(db.location(0), Location::Remote(1));
+        assert_eq!(db.location(0), Location::Remote(1, None));
         assert_eq!((db.second[0], db.second[2]), (0, 0), "single copies now");
-        assert_eq!(db.location(2), Location::Remote(1));
+        assert_eq!(db.location(2), Location::Remote(1, None));
         assert_eq!((db.copy[4], db.second[4], db.clean[4]), (3, 0, true));
         assert_eq!((db.copy[5], db.second[5]), (3, 0));
         assert_eq!(db.copies, vec![0, 0, 2]);

@@ -278,18 +278,20 @@ impl Pager {
                 }
             }
         }
-        for &(first, count, srv) in &cfg.initial_remote {
-            for q in first..first + count {
+        for r in &cfg.initial_remote {
+            let (srv, mirror) = (r.server, r.mirror.filter(|_| cfg.replicas > 1));
+            for q in r.first..r.first + r.count {
                 let q = q as usize;
                 if loc.state[q] == LOCAL {
                     // A migration's location list wins over stale data.
-                    loc.set_remote(q, srv, None);
+                    loc.set_remote(q, srv, mirror);
                     let _ = uffd::punch_hole(memfd.as_raw_fd(), (q * PAGE) as u64, PAGE as u64);
                 } else {
                     if loc.state[q] < REMOTE {
                         loc.remote += 1;
                     }
                     loc.state[q] = REMOTE + srv as u8;
+                    loc.second[q] = mirror.map_or(0, |m| m as u8 + 1);
                 }
             }
         }
@@ -297,7 +299,8 @@ impl Pager {
         shared.stats.resident_pages.store(loc.resident, Relaxed);
         let mut rerep = replicate::Rerep::new(cfg.rereplicate_rate, cfg.servers.len());
         // Pages placed with one copy (a migration's) get their second.
-        rerep.active = cfg.replicas > 1 && loc.remote > 0;
+        rerep.active =
+            cfg.replicas > 1 && (0..pages).any(|q| loc.state[q] >= REMOTE && loc.second[q] == 0);
         let epoll = uffd::Epoll::new()
             .and_then(|e| {
                 e.add(u.as_raw_fd(), TOKEN_UFFD, uffd::Trigger::Level)?;
