@@ -19,6 +19,7 @@ pub mod migration;
 pub mod paging;
 pub mod registry;
 pub mod replicas;
+pub mod soak;
 pub mod tls_floor;
 pub mod util;
 pub mod vm_migration;

@@ -172,6 +172,13 @@ enum BenchCmd {
     /// registered in a real etcd; placement latency (read, choose, claim
     /// by transaction, release), etcd writes per migration, etcd CPU.
     Registry(Bench<bench::registry::Args>),
+    /// A cluster's life in minutes, checked (issue 21): kv guests with two
+    /// replicas under value-checking clients on a 4-host testbed while
+    /// budgets change, guests migrate, hosts are evacuated and memory
+    /// servers are killed -9 and restarted, in a loop; RSS, fds and threads
+    /// of every process over time (flat?) and the bytes lost (0?). Root.
+    /// Example: pagefleet bench soak --minutes 30
+    Soak(Bench<bench::soak::Args>),
     /// The DMPS block device over NBD against nbdkit's memory plugin and
     /// qemu-nbd on tmpfs: fio sequential/random read/write, 4-128 KiB,
     /// queue depth 1 and 16, IOPS and MB/s.
@@ -602,6 +609,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Bench(BenchCmd::Blockdev(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::Dedup(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::Registry(b)) => bench::main(&b.common, &b.args),
+        Cmd::Bench(BenchCmd::Soak(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::Ksm(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::Ioqos(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::RawServer) => bench::memserver::raw_server_main(),

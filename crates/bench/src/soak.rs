@@ -1,0 +1,597 @@
+//! `pagefleet bench soak`: hours of cluster life in minutes, checked.
+//!
+//! A testbed of four hosts, plus two memory servers the soak kills and
+//! restarts (empty, a new server id) on h3 and h4. Three kv guests with
+//! two replicas page over all six servers under value-checking clients.
+//! Every few seconds something happens, in turn: a guest's budget
+//! changes, a guest migrates (split when the destination lacks room), a
+//! host's memory server is evacuated, a soak server is killed -9 (and
+//! started again a little later). Every 10 s the RSS, open fds and threads
+//! of every process in the lab are sampled. At the end: the bytes lost
+//! (values wrong or missing, × value size; must be 0) and each process's
+//! growth from the first sample after the warm-up to the last (flat: ≤ 5%).
+
+use crate::util::{self, Goal};
+use anyhow::{bail, Context, Result};
+use pagefleet_lab::kvload;
+use pagefleet_lab::LabRun;
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::{Duration, Instant};
+
+const MIB: u64 = 1 << 20;
+const VALUE: usize = 2000;
+
+/// `pagefleet bench soak`.
+#[derive(clap::Args, Clone, Debug)]
+pub struct Args {
+    /// How long the cluster runs (the figure: 30).
+    #[arg(long, default_value_t = 30.0)]
+    pub minutes: f64,
+}
+
+#[derive(Clone, Debug)]
+pub struct Opts {
+    pub secs: f64,
+    /// Seconds between events.
+    pub every: f64,
+    pub guests: usize,
+    pub keys: u64,
+    pub out_dir: PathBuf,
+}
+
+impl Opts {
+    pub fn full(out_dir: PathBuf) -> Opts {
+        Opts {
+            secs: 1800.0,
+            every: 8.0,
+            guests: 3,
+            keys: 20_000,
+            out_dir,
+        }
+    }
+    pub fn quick(out_dir: PathBuf) -> Opts {
+        Opts {
+            secs: 90.0,
+            every: 6.0,
+            guests: 2,
+            keys: 8_000,
+            out_dir,
+        }
+    }
+}
+
+impl crate::Benchmark for Args {
+    type Report = Report;
+    fn run(&self, c: &crate::Common, log: &mut dyn FnMut(&str)) -> Result<Report> {
+        let mut o = c.opts(Opts::quick, Opts::full);
+        if !c.quick {
+            o.secs = self.minutes * 60.0;
+        }
+        if o.secs < 30.0 {
+            bail!("--minutes must be at least 0.5");
+        }
+        run(&o, log)
+    }
+    fn print(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<()> {
+        print_table(r, out)
+    }
+}
+
+/// One process's samples.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct ProcSeries {
+    pub host: String,
+    pub pid: u32,
+    /// What it is: pagefleetd, runner GUEST, soak memory server.
+    pub what: String,
+    /// Seconds since the start, per sample.
+    pub t: Vec<f64>,
+    pub rss_mib: Vec<f64>,
+    pub fds: Vec<u64>,
+    pub threads: Vec<u64>,
+    /// Growth from the first sample after the warm-up to the last, % (None:
+    /// it did not live through the measured part).
+    pub rss_growth_pct: Option<f64>,
+    pub fds_growth_pct: Option<f64>,
+    pub threads_growth_pct: Option<f64>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Event {
+    pub t: f64,
+    pub what: String,
+    pub ok: bool,
+    pub detail: String,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Report {
+    pub bench: &'static str,
+    pub secs: f64,
+    pub guests: usize,
+    pub keys_per_guest: u64,
+    pub value_bytes: usize,
+    pub events: Vec<Event>,
+    /// Per event kind: (done, failed).
+    pub event_counts: BTreeMap<String, (u64, u64)>,
+    pub ops: u64,
+    pub bad_values: u64,
+    pub misses: u64,
+    pub bytes_lost: u64,
+    pub client_errors: Vec<String>,
+    pub procs: Vec<ProcSeries>,
+    pub goals: Vec<Goal>,
+    #[serde(flatten)]
+    pub plot: util::PlotOutcome,
+}
+
+/// A memory server the soak runs (and kills) inside a lab host.
+struct SoakServer {
+    host: usize,
+    addr: String,
+    child: Option<Child>,
+}
+
+impl SoakServer {
+    fn start(l: &LabRun, bins: &Path, host: usize) -> Result<SoakServer> {
+        let addr = format!("{}:7171", l.lab.hosts[host].ip);
+        let mut s = SoakServer {
+            host,
+            addr,
+            child: None,
+        };
+        s.restart(l, bins)?;
+        Ok(s)
+    }
+    fn restart(&mut self, l: &LabRun, bins: &Path) -> Result<()> {
+        let child = Command::new("ip")
+            .args(["netns", "exec", &l.lab.hosts[self.host].netns])
+            .arg(bins.join("pagefleetd"))
+            .args(["--lend", &(256 * MIB).to_string(), "--listen", &self.addr])
+            .args(["--metrics", "off", "--log", "error", "--secret-file"])
+            .arg(&l.lab.secret_file)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("start a soak memory server")?;
+        self.child = Some(child);
+        // Listening within a few seconds.
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(10) {
+            let ok = l
+                .lab
+                .exec(self.host, "bash")
+                .args([
+                    "-c",
+                    &format!("exec 3<>/dev/tcp/{}", self.addr.replace(':', "/")),
+                ])
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success());
+            if ok {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        bail!("soak memory server {} did not listen", self.addr)
+    }
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            // `ip netns exec` execs pagefleetd: the pid is the server's.
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for SoakServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
+    if !crate::is_root() {
+        bail!("the soak runs a testbed: run it as root");
+    }
+    std::fs::create_dir_all(&o.out_dir)?;
+    let bins = util::sibling_binary("pagefleetd")?
+        .parent()
+        .unwrap()
+        .to_path_buf();
+    log("testbed: 4 hosts, two more memory servers on h3 and h4");
+    let l = LabRun::up(
+        "soak",
+        &bins,
+        4,
+        pagefleet_testbed::Link::Unshaped,
+        384 * MIB,
+        &[384 * MIB, 384 * MIB, 128 * MIB, 0],
+    )?;
+    let mut extra = vec![
+        SoakServer::start(&l, &bins, 2)?,
+        SoakServer::start(&l, &bins, 3)?,
+    ];
+    let mut servers: Vec<String> = l.lab.hosts.iter().map(|h| h.addr.clone()).collect();
+    servers.extend(extra.iter().map(|s| s.addr.clone()));
+    let mut loads = Vec::new();
+    for g in 0..o.guests {
+        let name = format!("kv{}", g + 1);
+        let ip = l.lab.service_ip(10 + g as u8);
+        let svc = format!("{ip}:11211");
+        let (ok, _, err) = l.pf(
+            0,
+            &[
+                "guest",
+                "start",
+                &name,
+                "--on",
+                &format!("h{}", 1 + g % 2),
+                "--size",
+                "96MiB",
+                "--budget",
+                "48MiB",
+                "--",
+                "kv",
+                "--listen",
+                &svc,
+                "--service-ip",
+                &ip,
+                "--replicas",
+                "2",
+                "--servers",
+                &servers.join(","),
+            ],
+        );
+        if !ok {
+            bail!("guest start {name}: {err}");
+        }
+        let spec = kvload::Spec {
+            addr: svc,
+            keys: o.keys,
+            value_len: VALUE,
+            conns: 2,
+            get_frac: 0.9,
+            theta: 0.99,
+            netns: Some(l.lab.hosts[3].netns.clone()),
+            reconnect: true,
+            pace: None,
+        };
+        kvload::prefill(&spec).with_context(|| format!("prefill {name}"))?;
+        loads.push((name, kvload::Load::start(&spec)));
+    }
+    log(&format!(
+        "{} kv guests with 2 replicas under checking clients; events every {:.0} s for {:.0} s",
+        o.guests, o.every, o.secs
+    ));
+    let t0 = Instant::now();
+    let mut procs: BTreeMap<(String, u32), ProcSeries> = BTreeMap::new();
+    let mut events = Vec::new();
+    let mut next_event = o.every;
+    let mut next_sample = 0.0;
+    let mut k = 0usize;
+    // A killed soak server comes back after this long: (server, when).
+    let mut restart_at: Vec<(usize, f64)> = Vec::new();
+    let mut rng = 0x5eed_u64;
+    while t0.elapsed().as_secs_f64() < o.secs {
+        let now = t0.elapsed().as_secs_f64();
+        if now >= next_sample {
+            sample(&l, &extra, now, &mut procs);
+            next_sample += 10.0;
+        }
+        for i in (0..restart_at.len()).rev() {
+            if now >= restart_at[i].1 {
+                let s = restart_at.remove(i).0;
+                let r = extra[s].restart(&l, &bins);
+                events.push(event(
+                    now,
+                    "restart soak server",
+                    &r.map(|_| extra[s].addr.clone()),
+                ));
+            }
+        }
+        if now >= next_event {
+            next_event += o.every;
+            let g = &loads[k % loads.len()].0;
+            let e = match k % 4 {
+                0 => {
+                    // Budget 25-100% of the guest.
+                    rng = rng
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    let pct = 25 + (rng >> 33) % 76;
+                    let pages = 96 * MIB / 4096 * pct / 100;
+                    let host = l.guest(g).map(|x| x.0).unwrap_or(0);
+                    let r: Result<serde_json::Value> = l.post(
+                        host,
+                        &format!("/guests/{g}/set_budget"),
+                        &serde_json::json!({ "pages": pages }),
+                        Duration::from_secs(30),
+                    );
+                    event(
+                        now,
+                        &format!("budget {g} {pct}%"),
+                        &r.map(|_| String::new()),
+                    )
+                }
+                1 => {
+                    let from = l.guest(g).map(|x| x.0).unwrap_or(0);
+                    let to = format!("h{}", 1 + (from + 1) % 3);
+                    let (ok, out, err) = l.pf(0, &["migrate", g, "--to", &to, "--json"]);
+                    event(now, &format!("migrate {g} to {to}"), &ok_or(ok, out, err))
+                }
+                2 => {
+                    let h = format!("h{}", 2 + (k / 4) % 3);
+                    let (ok, out, err) = l.pf(0, &["evacuate", &h]);
+                    event(now, &format!("evacuate {h}"), &ok_or(ok, out, err))
+                }
+                _ => {
+                    let s = (k / 4) % extra.len();
+                    if extra[s].child.is_some() {
+                        extra[s].kill();
+                        restart_at.push((s, now + o.every * 1.5));
+                        event(
+                            now,
+                            &format!("kill -9 soak server {}", extra[s].addr),
+                            &Ok(String::new()),
+                        )
+                    } else {
+                        event(now, "kill (skipped: still down)", &Ok(String::new()))
+                    }
+                }
+            };
+            log(&format!(
+                "{:6.0} s  {}{}",
+                e.t,
+                e.what,
+                if e.ok {
+                    String::new()
+                } else {
+                    format!(": FAILED {}", e.detail)
+                }
+            ));
+            events.push(e);
+            k += 1;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    sample(&l, &extra, t0.elapsed().as_secs_f64(), &mut procs);
+    let (mut ops, mut bad, mut misses, mut client_errors) = (0, 0, 0, Vec::new());
+    for (name, load) in loads {
+        let c = load.counters.clone();
+        if let Some(e) = load.error() {
+            client_errors.push(format!("{name}: {e}"));
+        }
+        let _ = load.stop();
+        ops += c.ops.load(Relaxed);
+        bad += c.bad_values.load(Relaxed);
+        misses += c.misses.load(Relaxed);
+    }
+    drop(extra);
+    drop(l);
+    let warm = o.secs * 0.2;
+    let mut procs: Vec<ProcSeries> = procs.into_values().collect();
+    for p in &mut procs {
+        // Only processes there from the warm-up's end to the end of the run.
+        let from = p.t.iter().position(|t| *t >= warm);
+        let lived = p.t.first().is_some_and(|t| *t <= warm + 10.0)
+            && p.t.last().is_some_and(|t| *t >= o.secs * 0.9);
+        if let (Some(i), true) = (from, lived) {
+            let n = p.t.len() - 1;
+            let g = |a: f64, b: f64| (b - a) / a.max(1e-9) * 100.0;
+            p.rss_growth_pct = Some(g(p.rss_mib[i], p.rss_mib[n]));
+            p.fds_growth_pct = Some(g(p.fds[i] as f64, p.fds[n] as f64));
+            p.threads_growth_pct = Some(g(p.threads[i] as f64, p.threads[n] as f64));
+        }
+    }
+    let max = |f: fn(&ProcSeries) -> Option<f64>| {
+        procs.iter().filter_map(f).fold(f64::NEG_INFINITY, f64::max)
+    };
+    let bytes_lost = (bad + misses) * VALUE as u64;
+    let mut goals = vec![Goal::at_most(
+        "bytes lost (values wrong or missing)",
+        bytes_lost as f64,
+        0.0,
+        "bytes",
+    )];
+    for (what, f) in [
+        (
+            "RSS",
+            (|p: &ProcSeries| p.rss_growth_pct) as fn(&ProcSeries) -> Option<f64>,
+        ),
+        ("open fds", |p: &ProcSeries| p.fds_growth_pct),
+        ("threads", |p: &ProcSeries| p.threads_growth_pct),
+    ] {
+        let m = max(f);
+        if m.is_finite() {
+            goals.push(Goal::at_most(
+                &format!("largest {what} growth of a process, after the warm-up"),
+                m,
+                5.0,
+                "%",
+            ));
+        }
+    }
+    let mut event_counts: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+    for e in &events {
+        let kind = e.what.split_whitespace().next().unwrap_or("").to_string();
+        let c = event_counts.entry(kind).or_default();
+        if e.ok {
+            c.0 += 1;
+        } else {
+            c.1 += 1;
+        }
+    }
+    let mut report = Report {
+        bench: "soak",
+        secs: o.secs,
+        guests: o.guests,
+        keys_per_guest: o.keys,
+        value_bytes: VALUE,
+        events,
+        event_counts,
+        ops,
+        bad_values: bad,
+        misses,
+        bytes_lost,
+        client_errors,
+        procs,
+        goals,
+        plot: util::PlotOutcome::default(),
+    };
+    util::save_with_plot(
+        &mut report,
+        |r| &mut r.plot,
+        &o.out_dir,
+        "soak",
+        include_str!("../../../bench/plot_soak.py"),
+    )?;
+    Ok(report)
+}
+
+fn ok_or(ok: bool, out: String, err: String) -> Result<String> {
+    if ok {
+        Ok(out)
+    } else {
+        Err(anyhow::anyhow!("{}", err.trim()))
+    }
+}
+
+fn event(t: f64, what: &str, r: &Result<String>) -> Event {
+    Event {
+        t,
+        what: what.to_string(),
+        ok: r.is_ok(),
+        detail: match r {
+            Ok(_) => String::new(),
+            Err(e) => format!("{e:#}").chars().take(300).collect(),
+        },
+    }
+}
+
+/// One sample of every process in the lab's namespaces.
+fn sample(
+    l: &LabRun,
+    extra: &[SoakServer],
+    t: f64,
+    procs: &mut BTreeMap<(String, u32), ProcSeries>,
+) {
+    let soak_pids: Vec<u32> = extra
+        .iter()
+        .filter_map(|s| s.child.as_ref().map(|c| c.id()))
+        .collect();
+    for h in &l.lab.hosts {
+        let Ok(out) = Command::new("ip")
+            .args(["netns", "pids", &h.netns])
+            .output()
+        else {
+            continue;
+        };
+        for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
+            let Ok(pid) = pid.parse::<u32>() else {
+                continue;
+            };
+            let cmd = std::fs::read_to_string(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let args: Vec<&str> = cmd.split('\0').collect();
+            let bin = args
+                .first()
+                .and_then(|a| a.rsplit('/').next())
+                .unwrap_or("");
+            let what = if soak_pids.contains(&pid) {
+                "soak memory server".to_string()
+            } else if bin == "pagefleetd" {
+                "pagefleetd".to_string()
+            } else if bin == "pagefleet" && args.iter().any(|a| a.starts_with("runner")) {
+                let name = args
+                    .iter()
+                    .find_map(|a| a.strip_prefix("--name="))
+                    .unwrap_or("?");
+                let kind = if args.iter().any(|a| *a == "runner-incoming") {
+                    "incoming"
+                } else {
+                    "runner"
+                };
+                format!("{kind} {name}")
+            } else {
+                continue;
+            };
+            let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+            let field = |k: &str| {
+                status
+                    .lines()
+                    .find(|l| l.starts_with(k))
+                    .and_then(|l| l.split_whitespace().nth(1))
+                    .and_then(|v| v.parse::<u64>().ok())
+            };
+            let (Some(rss_kb), Some(threads)) = (field("VmRSS:"), field("Threads:")) else {
+                continue;
+            };
+            let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count() as u64);
+            let p = procs
+                .entry((h.name.clone(), pid))
+                .or_insert_with(|| ProcSeries {
+                    host: h.name.clone(),
+                    pid,
+                    what,
+                    ..Default::default()
+                });
+            p.t.push(t);
+            p.rss_mib.push(rss_kb as f64 / 1024.0);
+            p.fds.push(fds);
+            p.threads.push(threads);
+        }
+    }
+}
+
+pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<()> {
+    writeln!(
+        out,
+        "Soak: {:.0} s, {} kv guests (2 replicas, {} keys of {} B each), {} operations checked",
+        r.secs, r.guests, r.keys_per_guest, r.value_bytes, r.ops
+    )?;
+    writeln!(out, "\nevents (done / failed):")?;
+    for (k, (ok, bad)) in &r.event_counts {
+        writeln!(out, "  {k:<10} {ok:>5} / {bad}")?;
+    }
+    for e in r.events.iter().filter(|e| !e.ok).take(10) {
+        writeln!(out, "  failed at {:.0} s: {}: {}", e.t, e.what, e.detail)?;
+    }
+    writeln!(
+        out,
+        "\nvalues wrong: {}, missing: {} -> bytes lost {}",
+        r.bad_values, r.misses, r.bytes_lost
+    )?;
+    for e in &r.client_errors {
+        writeln!(out, "  client error: {e}")?;
+    }
+    writeln!(
+        out,
+        "\n{:<6} {:>7} {:<26} {:>9} {:>9} {:>8} {:>8} {:>8}",
+        "host", "pid", "process", "RSS MiB", "RSS +%", "fds", "fds +%", "thr +%"
+    )?;
+    for p in &r.procs {
+        let pct = |v: Option<f64>| v.map_or("-".to_string(), |x| format!("{x:+.1}"));
+        writeln!(
+            out,
+            "{:<6} {:>7} {:<26} {:>9.1} {:>9} {:>8} {:>8} {:>8}",
+            p.host,
+            p.pid,
+            p.what,
+            p.rss_mib.last().copied().unwrap_or(0.0),
+            pct(p.rss_growth_pct),
+            p.fds.last().copied().unwrap_or(0),
+            pct(p.fds_growth_pct),
+            pct(p.threads_growth_pct),
+        )?;
+    }
+    writeln!(out, "(growth: first sample after the first 20% of the run to the last; processes that lived through the run)")?;
+    util::print_goals(&r.goals, out)?;
+    if let Some(p) = &r.plot.plot {
+        writeln!(out, "\nPlot: {p}")?;
+    }
+    Ok(())
+}
