@@ -169,7 +169,7 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
             .collect();
         // A 32 GiB guest with 24 GiB of data, from host k.
         let src = k % infos.len();
-        let c = placement::choose(&infos, src, 32 * GIB / 4096, 24 * GIB / 4096, None, None)
+        let c = placement::choose(&infos, src, 32 * GIB / 4096, 24 * GIB / 4096, None, None, 1)
             .map_err(|e| anyhow!("placement: {e}"))?;
         let mut want = vec![(infos[c.main].name.clone(), Pool::Guest, c.main_pages * 4096)];
         want.extend(

@@ -9,7 +9,13 @@
 //! started again a little later). Every 10 s the RSS, open fds and threads
 //! of every process in the lab are sampled. At the end: the bytes lost
 //! (values wrong or missing, × value size; must be 0) and each process's
-//! growth from the first sample after the warm-up to the last (flat: ≤ 5%).
+//! growth (flat: ≤ 5%) from the median of the samples in 20-40% of the run
+//! to the median of the last 20% (a sample taken while a migration's
+//! thread or connection is open says nothing about a leak). A memory
+//! server's lending pool is memory it holds for guests, bounded by
+//! `--lend` and reported beside (the resident part of its `--lend`-sized
+//! mapping): it grows with its guests' data, so a pagefleetd's RSS is
+//! judged without it.
 
 use crate::util::{self, Goal};
 use anyhow::{bail, Context, Result};
@@ -24,6 +30,8 @@ use std::time::{Duration, Instant};
 
 const MIB: u64 = 1 << 20;
 const VALUE: usize = 2000;
+/// What each lab host's memory server lends.
+const LEND: u64 = 384 * MIB;
 
 /// `pagefleet bench soak`.
 #[derive(clap::Args, Clone, Debug)]
@@ -91,10 +99,13 @@ pub struct ProcSeries {
     /// Seconds since the start, per sample.
     pub t: Vec<f64>,
     pub rss_mib: Vec<f64>,
+    /// A pagefleetd's lending pool touched so far, MiB (0 for others).
+    pub pool_mib: Vec<f64>,
     pub fds: Vec<u64>,
     pub threads: Vec<u64>,
-    /// Growth from the first sample after the warm-up to the last, % (None:
-    /// it did not live through the measured part).
+    /// Growth from the median of the 20-40% window to the median of the
+    /// last 20%, % (None: it did not live through both). RSS without the
+    /// lending pool.
     pub rss_growth_pct: Option<f64>,
     pub fds_growth_pct: Option<f64>,
     pub threads_growth_pct: Option<f64>,
@@ -209,7 +220,7 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
         &bins,
         4,
         pagefleet_testbed::Link::Unshaped,
-        384 * MIB,
+        LEND,
         &[384 * MIB, 384 * MIB, 128 * MIB, 0],
     )?;
     let mut extra = vec![
@@ -373,20 +384,30 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
     }
     drop(extra);
     drop(l);
-    let warm = o.secs * 0.2;
     let mut procs: Vec<ProcSeries> = procs.into_values().collect();
     for p in &mut procs {
-        // Only processes there from the warm-up's end to the end of the run.
-        let from = p.t.iter().position(|t| *t >= warm);
-        let lived = p.t.first().is_some_and(|t| *t <= warm + 10.0)
-            && p.t.last().is_some_and(|t| *t >= o.secs * 0.9);
-        if let (Some(i), true) = (from, lived) {
-            let n = p.t.len() - 1;
-            let g = |a: f64, b: f64| (b - a) / a.max(1e-9) * 100.0;
-            p.rss_growth_pct = Some(g(p.rss_mib[i], p.rss_mib[n]));
-            p.fds_growth_pct = Some(g(p.fds[i] as f64, p.fds[n] as f64));
-            p.threads_growth_pct = Some(g(p.threads[i] as f64, p.threads[n] as f64));
+        let window = |lo: f64, hi: f64| -> Vec<usize> {
+            (0..p.t.len())
+                .filter(|&i| p.t[i] >= lo * o.secs && p.t[i] <= hi * o.secs)
+                .collect()
+        };
+        let (early, late) = (window(0.2, 0.4), window(0.8, 1.01));
+        // Only processes there through both windows.
+        if early.len() < 2 || late.len() < 2 || p.t[0] > 0.2 * o.secs + 10.0 {
+            continue;
         }
+        let med = |idx: &[usize], f: &dyn Fn(usize) -> f64| {
+            let mut v: Vec<f64> = idx.iter().map(|&i| f(i)).collect();
+            v.sort_by(|a, b| a.total_cmp(b));
+            v[v.len() / 2]
+        };
+        let g = |f: &dyn Fn(usize) -> f64| {
+            let (a, b) = (med(&early, f), med(&late, f));
+            (b - a) / a.max(1e-9) * 100.0
+        };
+        p.rss_growth_pct = Some(g(&|i| p.rss_mib[i] - p.pool_mib[i]));
+        p.fds_growth_pct = Some(g(&|i| p.fds[i] as f64));
+        p.threads_growth_pct = Some(g(&|i| p.threads[i] as f64));
     }
     let max = |f: fn(&ProcSeries) -> Option<f64>| {
         procs.iter().filter_map(f).fold(f64::NEG_INFINITY, f64::max)
@@ -400,7 +421,7 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
     )];
     for (what, f) in [
         (
-            "RSS",
+            "RSS (a pagefleetd's without its lending pool)",
             (|p: &ProcSeries| p.rss_growth_pct) as fn(&ProcSeries) -> Option<f64>,
         ),
         ("open fds", |p: &ProcSeries| p.fds_growth_pct),
@@ -473,6 +494,25 @@ fn event(t: f64, what: &str, r: &Result<String>) -> Event {
     }
 }
 
+/// Resident MiB of process `pid`'s lending pool: its mapping of exactly
+/// `lend` bytes (the memory server maps its whole pool at once).
+fn pool_rss_mib(pid: u32, lend: u64) -> f64 {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap_or_default();
+    let want = format!("{}", lend / 1024);
+    let mut in_pool = false;
+    for l in smaps.lines() {
+        let mut f = l.split_whitespace();
+        match (f.next(), f.next()) {
+            (Some("Size:"), Some(kb)) => in_pool = kb == want,
+            (Some("Rss:"), Some(kb)) if in_pool => {
+                return kb.parse::<f64>().unwrap_or(0.0) / 1024.0;
+            }
+            _ => {}
+        }
+    }
+    0.0
+}
+
 /// One sample of every process in the lab's namespaces.
 fn sample(
     l: &LabRun,
@@ -510,7 +550,7 @@ fn sample(
                     .iter()
                     .find_map(|a| a.strip_prefix("--name="))
                     .unwrap_or("?");
-                let kind = if args.iter().any(|a| *a == "runner-incoming") {
+                let kind = if args.contains(&"runner-incoming") {
                     "incoming"
                 } else {
                     "runner"
@@ -541,6 +581,11 @@ fn sample(
                 });
             p.t.push(t);
             p.rss_mib.push(rss_kb as f64 / 1024.0);
+            p.pool_mib.push(if p.what == "pagefleetd" {
+                pool_rss_mib(pid, LEND)
+            } else {
+                0.0
+            });
             p.fds.push(fds);
             p.threads.push(threads);
         }
@@ -570,25 +615,45 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
     }
     writeln!(
         out,
-        "\n{:<6} {:>7} {:<26} {:>9} {:>9} {:>8} {:>8} {:>8}",
-        "host", "pid", "process", "RSS MiB", "RSS +%", "fds", "fds +%", "thr +%"
+        "\n{:<6} {:>7} {:<26} {:>8} {:>8} {:>7} {:>5} {:>7} {:>7}",
+        "host", "pid", "process", "RSS MiB", "pool MiB", "RSS +%", "fds", "fds +%", "thr +%"
     )?;
+    let pct = |v: Option<f64>| v.map_or("-".to_string(), |x| format!("{x:+.1}"));
+    let mut short: BTreeMap<&str, (usize, f64, u64)> = BTreeMap::new();
     for p in &r.procs {
-        let pct = |v: Option<f64>| v.map_or("-".to_string(), |x| format!("{x:+.1}"));
+        if p.rss_growth_pct.is_none() {
+            // Short-lived (an incoming runner, a restarted server): summed up below.
+            let kind = p.what.split_whitespace().next().unwrap_or("");
+            let e = short.entry(kind).or_default();
+            e.0 += 1;
+            e.1 = e.1.max(p.rss_mib.iter().copied().fold(0.0, f64::max));
+            e.2 = e.2.max(p.fds.iter().copied().max().unwrap_or(0));
+            continue;
+        }
         writeln!(
             out,
-            "{:<6} {:>7} {:<26} {:>9.1} {:>9} {:>8} {:>8} {:>8}",
+            "{:<6} {:>7} {:<26} {:>8.1} {:>8.1} {:>7} {:>5} {:>7} {:>7}",
             p.host,
             p.pid,
             p.what,
             p.rss_mib.last().copied().unwrap_or(0.0),
+            p.pool_mib.last().copied().unwrap_or(0.0),
             pct(p.rss_growth_pct),
             p.fds.last().copied().unwrap_or(0),
             pct(p.fds_growth_pct),
             pct(p.threads_growth_pct),
         )?;
     }
-    writeln!(out, "(growth: first sample after the first 20% of the run to the last; processes that lived through the run)")?;
+    for (kind, (n, rss, fds)) in short {
+        writeln!(
+            out,
+            "  + {n} short-lived {kind} processes (largest RSS {rss:.1} MiB, most fds {fds})"
+        )?;
+    }
+    writeln!(
+        out,
+        "(growth: median of the samples in 20-40% of the run to the median of the last 20%, for processes alive through both; RSS less a pagefleetd's lending pool)"
+    )?;
     util::print_goals(&r.goals, out)?;
     if let Some(p) = &r.plot.plot {
         writeln!(out, "\nPlot: {p}")?;

@@ -148,7 +148,16 @@ fn place(app: &App, o: &MigrationOrder) -> Result<(Placed, MigrateRequest, Promi
         let remote: u64 = pages.remote.values().sum();
         placement::choose_whole(&infos, src, size_pages, data_pages + remote, to)
     } else {
-        placement::choose(&infos, src, size_pages, data_pages, to, subs.as_deref())
+        let replicas = st.paging.as_ref().map_or(1, |p| p.replicas.max(1));
+        placement::choose(
+            &infos,
+            src,
+            size_pages,
+            data_pages,
+            to,
+            subs.as_deref(),
+            replicas,
+        )
     }
     .map_err(|m| Refusal {
         status: 409,

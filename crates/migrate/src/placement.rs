@@ -61,7 +61,11 @@ pub fn choose(
     data_pages: u64,
     to: Option<usize>,
     subs: Option<&[usize]>,
+    replicas: usize,
 ) -> Result<Choice, PlacementError> {
+    // With two replicas every page beyond the main host is stored twice,
+    // on two sub-hosts.
+    let copies = replicas.clamp(1, 2) as u64;
     let main = match to {
         Some(m) if m == source => {
             return Err(PlacementError::new(format!(
@@ -93,6 +97,7 @@ pub fn choose(
         main_pages
     };
     let rest = data_pages.saturating_sub(keep);
+    let need = rest * copies;
     let cap = |h: usize| {
         if hosts[h].memserver.is_some() {
             hosts[h].lend_free / 4096
@@ -128,7 +133,7 @@ pub fn choose(
             // may grow into pages it has not touched yet, which must have
             // somewhere to go.
             for h in c {
-                if got >= rest && !out.is_empty() {
+                if got >= need && out.len() >= copies as usize {
                     break;
                 }
                 got += cap(h);
@@ -144,10 +149,15 @@ pub fn choose(
             hosts[main].name, main_pages, size_pages
         )));
     }
-    if total < rest {
+    if total < need || (copies > 1 && rest > 0 && chosen.len() < 2) {
         return Err(PlacementError::new(format!(
-            "not enough memory: {} pages to place beyond the main host {} ({} pages free), sub-hosts can take {}",
-            rest, hosts[main].name, main_free, total
+            "not enough memory: {} pages to place beyond the main host {} ({} pages free){}, sub-hosts ({}) can take {}",
+            rest,
+            hosts[main].name,
+            main_free,
+            if copies > 1 { ", each twice on two sub-hosts" } else { "" },
+            chosen.len(),
+            total
         )));
     }
     Ok(Choice {
@@ -219,12 +229,12 @@ mod tests {
             h("c", 10, Some(3000)),
             h("d", 10, Some(2000)),
         ];
-        let c = choose(&hosts, 0, 8000, 6000, None, None).unwrap();
+        let c = choose(&hosts, 0, 8000, 6000, None, None, 1).unwrap();
         assert_eq!(c.main, 2);
         assert_eq!(c.main_pages, 4000);
         // 2000 pages left: c alone (3000) fits.
         assert_eq!(c.subs, vec![(3, 3000)]);
-        let c = choose(&hosts, 0, 8000, 8000, None, None).unwrap();
+        let c = choose(&hosts, 0, 8000, 8000, None, None, 1).unwrap();
         assert_eq!(c.subs.iter().map(|s| s.0).collect::<Vec<_>>(), vec![3, 4]);
     }
 
@@ -237,20 +247,41 @@ mod tests {
             h("b", 0, Some(100)),
             h("c", 0, Some(300)),
         ];
-        let c = choose(&hosts, 0, 8000, 4000, None, None).unwrap();
+        let c = choose(&hosts, 0, 8000, 4000, None, None, 1).unwrap();
         assert_eq!((c.main, c.main_pages), (1, 5000));
         assert_eq!(c.subs, vec![(3, 300)]);
         let lonely = [h("src", 0, None), h("a", 5000, None)];
-        assert!(choose(&lonely, 0, 8000, 4000, None, None)
+        assert!(choose(&lonely, 0, 8000, 4000, None, None, 1)
             .unwrap_err()
             .0
             .contains("no other host lends"));
     }
 
     #[test]
+    fn two_replicas_take_twice_the_room_on_at_least_two_sub_hosts() {
+        let hosts = [
+            h("src", 0, Some(0)),
+            h("a", 4000, Some(0)),
+            h("c", 10, Some(3000)),
+            h("d", 10, Some(2000)),
+            h("e", 10, Some(100)),
+        ];
+        // 2000 pages beyond the main host: 4000 copies, c alone would do
+        // with one replica, c + d with two.
+        let c = choose(&hosts, 0, 8000, 6000, None, None, 2).unwrap();
+        assert_eq!(c.subs.iter().map(|s| s.0).collect::<Vec<_>>(), vec![2, 3]);
+        // 4000 pages beyond: 8000 copies do not fit in 5100.
+        let e = choose(&hosts, 0, 8000, 8000, None, None, 2).unwrap_err();
+        assert!(e.0.contains("twice"), "{}", e.0);
+        // One sub-host named: no second copy possible.
+        let e = choose(&hosts, 0, 8000, 6000, None, Some(&[2]), 2).unwrap_err();
+        assert!(e.0.contains("twice"), "{}", e.0);
+    }
+
+    #[test]
     fn whole_guest_fits_no_subs() {
         let hosts = [h("src", 0, None), h("a", 9000, Some(100))];
-        let c = choose(&hosts, 0, 8000, 8000, None, None).unwrap();
+        let c = choose(&hosts, 0, 8000, 8000, None, None, 1).unwrap();
         assert_eq!((c.main, c.main_pages, c.subs.len()), (1, 8000, 0));
     }
 
@@ -275,21 +306,21 @@ mod tests {
             h("b", 10, None),
             h("c", 0, Some(5000)),
         ];
-        assert!(choose(&hosts, 0, 4000, 4000, Some(0), None)
+        assert!(choose(&hosts, 0, 4000, 4000, Some(0), None, 1)
             .unwrap_err()
             .0
             .contains("already runs"));
-        assert!(choose(&hosts, 0, 4000, 4000, Some(1), Some(&[2]))
+        assert!(choose(&hosts, 0, 4000, 4000, Some(1), Some(&[2]), 1)
             .unwrap_err()
             .0
             .contains("lends no memory"));
-        assert!(choose(&hosts, 0, 4000, 4000, Some(1), Some(&[1]))
+        assert!(choose(&hosts, 0, 4000, 4000, Some(1), Some(&[1]), 1)
             .unwrap_err()
             .0
             .contains("cannot be a sub-host"));
-        let c = choose(&hosts, 0, 4000, 4000, Some(1), Some(&[3])).unwrap();
+        let c = choose(&hosts, 0, 4000, 4000, Some(1), Some(&[3]), 1).unwrap();
         assert_eq!(c.subs, vec![(3, 5000)]);
-        assert!(choose(&hosts, 0, 40000, 40000, None, None)
+        assert!(choose(&hosts, 0, 40000, 40000, None, None, 1)
             .unwrap_err()
             .0
             .contains("not enough memory"));

@@ -353,3 +353,37 @@ fn replicated_guest_survives_sub_host_deaths_during_migration_and_gather() {
         "keys lost"
     );
 }
+
+/// `pagefleet bench soak --quick` from a clean checkout: the testbed comes
+/// up, every kind of event runs (budget, migration, evacuation, kill -9 and
+/// restart of a memory server), clients check every value and none is lost;
+/// the report has its goals and a series per process.
+#[test]
+fn soak_quick_loses_nothing() {
+    if !is_root() {
+        eprintln!("skipped: the soak runs a testbed (root; CI runs as root)");
+        return;
+    }
+    let dir = tempdir("soak-bench");
+    let o = Command::new(bin("pagefleet"))
+        .args(["bench", "soak", "--quick", "--json", "--out"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "bench soak failed: {err}");
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).expect("one JSON object");
+    assert_eq!(r["bytes_lost"], 0, "{err}");
+    assert!(r["ops"].as_u64().unwrap() > 1000, "{err}");
+    for kind in ["budget", "migrate", "evacuate", "kill", "restart"] {
+        assert!(
+            r["event_counts"][kind][0].as_u64().unwrap_or(0) > 0,
+            "no {kind} event went through: {err}"
+        );
+    }
+    assert!(r["procs"].as_array().unwrap().len() >= 6, "{err}");
+    let goals = r["goals"].as_array().unwrap();
+    assert!(goals
+        .iter()
+        .any(|g| g["name"].as_str().unwrap().starts_with("bytes lost")));
+}
