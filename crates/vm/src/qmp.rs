@@ -110,7 +110,12 @@ impl Qmp {
         };
         let greeting = q.line()?;
         if greeting.greeting.is_none() {
-            return Err(VmError::Qmp("no QMP greeting".into()));
+            return Err(VmError::Qmp(format!(
+                "no QMP greeting on {} (the first line was event {:?}, return {:?})",
+                path.display(),
+                greeting.event,
+                greeting.ret
+            )));
         }
         q.execute::<Value>("qmp_capabilities", None)?;
         Ok(q)
