@@ -15,7 +15,8 @@
 //! server's lending pool is memory it holds for guests, bounded by
 //! `--lend` and reported beside (the resident part of its `--lend`-sized
 //! mapping): it grows with its guests' data, so a pagefleetd's RSS is
-//! judged without it.
+//! judged without it, and without its content index (sharing-aware
+//! migration's hashes of its guests' memory and its store: data-sized too).
 
 use crate::util::{self, Goal};
 use anyhow::{bail, Context, Result};
@@ -101,6 +102,9 @@ pub struct ProcSeries {
     pub rss_mib: Vec<f64>,
     /// A pagefleetd's lending pool touched so far, MiB (0 for others).
     pub pool_mib: Vec<f64>,
+    /// A pagefleetd's content index (sharing-aware migration), MiB: sized
+    /// by the data it hashes, like the pool.
+    pub index_mib: Vec<f64>,
     pub fds: Vec<u64>,
     pub threads: Vec<u64>,
     /// Growth from the median of the 20-40% window to the median of the
@@ -405,7 +409,7 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
             let (a, b) = (med(&early, f), med(&late, f));
             (b - a) / a.max(1e-9) * 100.0
         };
-        p.rss_growth_pct = Some(g(&|i| p.rss_mib[i] - p.pool_mib[i]));
+        p.rss_growth_pct = Some(g(&|i| p.rss_mib[i] - p.pool_mib[i] - p.index_mib[i]));
         p.fds_growth_pct = Some(g(&|i| p.fds[i] as f64));
         p.threads_growth_pct = Some(g(&|i| p.threads[i] as f64));
     }
@@ -520,11 +524,26 @@ fn sample(
     t: f64,
     procs: &mut BTreeMap<(String, u32), ProcSeries>,
 ) {
+    // Each host's content index (its pagefleetd's metrics).
+    let index: Vec<f64> = (0..l.lab.hosts.len())
+        .map(|h| {
+            l.get_text(h, "/metrics")
+                .ok()
+                .and_then(|m| {
+                    m.lines()
+                        .find(|x| x.starts_with("pagefleet_dedup_index_bytes "))
+                        .and_then(|x| x.split_whitespace().last())
+                        .and_then(|v| v.parse::<f64>().ok())
+                })
+                .unwrap_or(0.0)
+                / MIB as f64
+        })
+        .collect();
     let soak_pids: Vec<u32> = extra
         .iter()
         .filter_map(|s| s.child.as_ref().map(|c| c.id()))
         .collect();
-    for h in &l.lab.hosts {
+    for (hi, h) in l.lab.hosts.iter().enumerate() {
         let Ok(out) = Command::new("ip")
             .args(["netns", "pids", &h.netns])
             .output()
@@ -586,6 +605,11 @@ fn sample(
             } else {
                 0.0
             });
+            p.index_mib.push(if p.what == "pagefleetd" {
+                index[hi]
+            } else {
+                0.0
+            });
             p.fds.push(fds);
             p.threads.push(threads);
         }
@@ -616,7 +640,7 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
     writeln!(
         out,
         "\n{:<6} {:>7} {:<26} {:>8} {:>8} {:>7} {:>5} {:>7} {:>7}",
-        "host", "pid", "process", "RSS MiB", "pool MiB", "RSS +%", "fds", "fds +%", "thr +%"
+        "host", "pid", "process", "RSS MiB", "pool+idx", "RSS +%", "fds", "fds +%", "thr +%"
     )?;
     let pct = |v: Option<f64>| v.map_or("-".to_string(), |x| format!("{x:+.1}"));
     let mut short: BTreeMap<&str, (usize, f64, u64)> = BTreeMap::new();
@@ -637,7 +661,7 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
             p.pid,
             p.what,
             p.rss_mib.last().copied().unwrap_or(0.0),
-            p.pool_mib.last().copied().unwrap_or(0.0),
+            p.pool_mib.last().copied().unwrap_or(0.0) + p.index_mib.last().copied().unwrap_or(0.0),
             pct(p.rss_growth_pct),
             p.fds.last().copied().unwrap_or(0),
             pct(p.fds_growth_pct),
