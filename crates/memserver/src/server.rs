@@ -740,6 +740,34 @@ impl<'a, T: Transport> Session<'a, T> {
     }
 
     /// Read and decode a GET/DELETE body of bounded size.
+    /// Read a request body of at most `max` bytes and decode it: a body
+    /// over the limit or a fatal decode error ends the session, a
+    /// non-fatal one is answered and the session goes on (`Err(flow)`).
+    fn request<R>(
+        &mut self,
+        h: Header,
+        what: &str,
+        max: usize,
+        decode: fn(&[u8]) -> Result<R, WireError>,
+    ) -> io::Result<Result<R, Flow>> {
+        let len = h.body_len as usize;
+        if len > max {
+            return Ok(Err(self.fatal(
+                WireError::malformed(format!("{what} body of {len} bytes exceeds {max}"))
+                    .with_id(h.id),
+            )));
+        }
+        self.read_body(len)?;
+        match decode(&self.body) {
+            Ok(r) => Ok(Ok(r)),
+            Err(e) if e.code.is_fatal() => Ok(Err(self.fatal(e.with_id(h.id)))),
+            Err(e) => {
+                self.reply_error(&e, h.id);
+                Ok(Err(Flow::Continue))
+            }
+        }
+    }
+
     fn pages_req(
         &mut self,
         op: Opcode,
@@ -766,24 +794,9 @@ impl<'a, T: Transport> Session<'a, T> {
 
     /// PUSH: store pages held here on another server ([`crate::push`]).
     fn push(&mut self, h: Header) -> io::Result<Flow> {
-        let len = h.body_len as usize;
-        if len > PushReq::MAX_LEN {
-            return Ok(self.fatal(
-                WireError::malformed(format!(
-                    "PUSH body of {len} bytes exceeds {}",
-                    PushReq::MAX_LEN
-                ))
-                .with_id(h.id),
-            ));
-        }
-        self.read_body(len)?;
-        let req = match PushReq::decode(&self.body) {
+        let req = match self.request(h, "PUSH", PushReq::MAX_LEN, PushReq::decode)? {
             Ok(r) => r,
-            Err(e) if e.code.is_fatal() => return Ok(self.fatal(e.with_id(h.id))),
-            Err(e) => {
-                self.reply_error(&e, h.id);
-                return Ok(Flow::Continue);
-            }
+            Err(flow) => return Ok(flow),
         };
         let sel = PageSel::List(req.pages.clone());
         let store = &self.st.store;
@@ -911,21 +924,10 @@ impl<'a, T: Transport> Session<'a, T> {
     /// Store the pages of a PUT_HASHED this host holds (found and checked by
     /// the content provider), and say which.
     fn put_hashed(&mut self, h: Header) -> io::Result<Flow> {
-        let len = h.body_len as usize;
-        if len > PutHashedReq::body_len(MAX_BATCH_PAGES) {
-            return Ok(self.fatal(
-                WireError::malformed(format!("PUT_HASHED body of {len} bytes is too long"))
-                    .with_id(h.id),
-            ));
-        }
-        self.read_body(len)?;
-        let req = match PutHashedReq::decode(&self.body) {
+        let max = PutHashedReq::body_len(MAX_BATCH_PAGES);
+        let req = match self.request(h, "PUT_HASHED", max, PutHashedReq::decode)? {
             Ok(r) => r,
-            Err(e) if e.code.is_fatal() => return Ok(self.fatal(e.with_id(h.id))),
-            Err(e) => {
-                self.reply_error(&e, h.id);
-                return Ok(Flow::Continue);
-            }
+            Err(flow) => return Ok(flow),
         };
         let Some(content) = self.st.content.get().cloned() else {
             let e = WireError::new(
