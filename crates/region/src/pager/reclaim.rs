@@ -171,8 +171,9 @@ impl Pager {
             None
         };
         // Dirty pages: one job per destination (server, mirror).
-        // (server, mirror) → pages.
         let mut jobs: Vec<(Dest, Vec<u64>)> = Vec::new();
+        // Pages with no mirror to go to stay resident (not in a job).
+        let mut unplaced = Vec::new();
         for &q in &dirty {
             let t = match self.loc.copy[q] {
                 0 => s,
@@ -190,6 +191,7 @@ impl Pager {
                 (_, c) => Some(c as usize - 1),
             };
             if self.replicas > 1 && t2.is_none() {
+                unplaced.push(q);
                 continue;
             }
             match jobs.iter_mut().find(|(jt, _)| *jt == (t, t2)) {
@@ -197,12 +199,11 @@ impl Pager {
                 None => jobs.push(((t, t2), vec![q as u64])),
             }
         }
-        let dirty: Vec<usize> = jobs
-            .iter()
-            .flat_map(|(_, l)| l.iter().map(|q| *q as usize))
-            .collect::<std::collections::BTreeSet<usize>>()
-            .into_iter()
-            .collect();
+        let dirty: Vec<usize> = if unplaced.is_empty() {
+            dirty
+        } else {
+            dirty.into_iter().filter(|q| !unplaced.contains(q)).collect()
+        };
         // Write-protect before the writer reads: from here on a write
         // faults, and the fault keeps the page (see `dirtied`).
         for run in runs(&dirty) {
