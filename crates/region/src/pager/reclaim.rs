@@ -202,7 +202,10 @@ impl Pager {
         let dirty: Vec<usize> = if unplaced.is_empty() {
             dirty
         } else {
-            dirty.into_iter().filter(|q| !unplaced.contains(q)).collect()
+            dirty
+                .into_iter()
+                .filter(|q| !unplaced.contains(q))
+                .collect()
         };
         // Write-protect before the writer reads: from here on a write
         // faults, and the fault keeps the page (see `dirtied`).
