@@ -9,6 +9,7 @@ pub mod clock;
 pub mod context;
 pub mod control;
 pub mod controller;
+pub mod heap;
 pub mod http;
 pub mod httpauth;
 pub mod report;

@@ -111,6 +111,10 @@ pub fn serve(listen: &str, router: Router, gate: Gate) -> crate::error::Result<S
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .max_blocking_threads(64)
+        // Handlers run on blocking threads; keeping them a minute (not
+        // tokio's 10 s) stops a thread being made and unmade per request
+        // when requests come every few seconds.
+        .thread_keep_alive(std::time::Duration::from_secs(60))
         .thread_name("http")
         .enable_all()
         .build()?;

@@ -393,8 +393,15 @@ pub fn run(a: Settings) -> Result<()> {
     }
     out.flush()?;
     drop(out);
+    // The main thread keeps house: what the daemon's threads freed goes back
+    // to the kernel, so its RSS follows what it holds (see common::heap).
+    let mut ticks = 0u32;
     while !stop.load(std::sync::atomic::Ordering::Relaxed) {
         std::thread::sleep(std::time::Duration::from_millis(100));
+        ticks += 1;
+        if ticks % 50 == 0 {
+            pagefleet_common::heap::give_back();
+        }
     }
     tracing::info!("stopping");
     if let Some(etcd) = heartbeat_app.as_ref().and_then(|a| a.etcd.as_ref()) {

@@ -189,6 +189,12 @@ impl ContentIndex {
                     );
                 }
             }
+            // A guest left: give back the table's room beyond what is left
+            // (hashbrown never shrinks on its own), so the index's memory
+            // follows the guests here instead of their high-water mark.
+            if self.map.capacity() > 2 * self.map.len() + 1024 {
+                self.map.shrink_to(self.map.len() + self.map.len() / 4);
+            }
         }
     }
 
@@ -328,6 +334,13 @@ mod tests {
         [v; PAGE]
     }
 
+    /// A page whose content is `i` (distinct for every i).
+    fn numbered(i: u32) -> [u8; PAGE] {
+        let mut p = [1u8; PAGE];
+        p[..4].copy_from_slice(&i.to_le_bytes());
+        p
+    }
+
     #[test]
     fn the_filter_never_misses_an_indexed_content_and_rarely_lies() {
         let mut ix = index(100_000);
@@ -351,6 +364,37 @@ mod tests {
         let g = Filter::from_words(f.words().to_vec()).unwrap();
         assert_eq!(f, g);
         assert!(Filter::from_words(vec![0; 3]).is_none());
+    }
+
+    #[test]
+    fn the_index_gives_back_its_room_when_a_large_source_goes() {
+        let mut ix = index(100_000);
+        let (big, small) = (SourceId(1), SourceId(2));
+        ix.add_source(big, 20_000);
+        ix.add_source(small, 100);
+        for i in 0..20_000u32 {
+            ix.record_page(big, i, &numbered(i));
+        }
+        for i in 0..100u32 {
+            ix.record_page(small, i, &numbered(100_000 + i));
+        }
+        let full = ix.stats().bytes;
+        ix.remove_source(big);
+        let after = ix.stats();
+        assert_eq!(after.pages_indexed, 100);
+        assert!(
+            after.bytes * 10 < full,
+            "{} of {full} bytes kept",
+            after.bytes
+        );
+        let h = ix.record_page(small, 5, &numbered(100_005));
+        assert_eq!(
+            ix.lookup(&h),
+            Some(Some(Location {
+                source: small,
+                page: 5
+            }))
+        );
     }
 
     #[test]

@@ -376,9 +376,14 @@ struct Inner {
     /// Connected sessions per client name (owner index): a region whose
     /// creator is connected is in use, never an orphan.
     connected: HashMap<u32, u32>,
-    /// Owner names, interned (few distinct clients create regions).
+    /// Owner names, interned; a name no region and no session refers to
+    /// any more is swept (its id reused), so clients named per process
+    /// (`pagefleet-client/PID`) do not grow the table for the server's life.
     owners: Vec<String>,
     owner_ids: HashMap<String, u32>,
+    free_owners: Vec<u32>,
+    /// Names in use after the last sweep; the next one runs at twice that.
+    owners_swept: usize,
     /// When the store began: region times count seconds from here.
     epoch: Instant,
 }
@@ -388,10 +393,38 @@ impl Inner {
         if let Some(&i) = self.owner_ids.get(who) {
             return i;
         }
-        let i = self.owners.len() as u32;
-        self.owners.push(who.to_string());
+        if self.owner_ids.len() >= 2 * self.owners_swept.max(32) {
+            self.sweep_owners();
+        }
+        let i = match self.free_owners.pop() {
+            Some(i) => {
+                self.owners[i as usize] = who.to_string();
+                i
+            }
+            None => {
+                self.owners.push(who.to_string());
+                self.owners.len() as u32 - 1
+            }
+        };
         self.owner_ids.insert(who.to_string(), i);
         i
+    }
+    /// Forget the names no region and no connected session refers to.
+    fn sweep_owners(&mut self) {
+        let mut used = vec![false; self.owners.len()];
+        for r in self.regions.values() {
+            used[r.owner as usize] = true;
+        }
+        for id in self.connected.keys().chain(&self.free_owners) {
+            used[*id as usize] = true;
+        }
+        for (i, u) in used.into_iter().enumerate() {
+            if !u && self.owner_ids.remove(&self.owners[i]).is_some() {
+                self.owners[i] = String::new();
+                self.free_owners.push(i as u32);
+            }
+        }
+        self.owners_swept = self.owner_ids.len();
     }
     fn now(&self) -> u32 {
         self.epoch.elapsed().as_secs().min(u32::MAX as u64) as u32
@@ -534,6 +567,8 @@ impl Store {
                 connected: HashMap::new(),
                 owners: Vec::new(),
                 owner_ids: HashMap::new(),
+                free_owners: Vec::new(),
+                owners_swept: 0,
                 epoch: Instant::now(),
                 free: Vec::new(),
                 next_fresh: 0,
@@ -1049,6 +1084,46 @@ mod tests {
             .collect();
         st.end_get(plan, sel, true);
         Ok(v)
+    }
+
+    #[test]
+    fn owner_names_of_gone_clients_are_swept() {
+        let st = Store::new(4096 * PAGE_SIZE as u64).unwrap();
+        let page = [7u8; PAGE_SIZE];
+        // One region that stays, its owner connected.
+        let keep = st.connect("keeper");
+        st.put_copy(1, &PageSel::List(vec![0]), &page, "keeper")
+            .unwrap();
+        // A thousand short-lived clients, each storing a region then deleting it.
+        for i in 0..1000u64 {
+            let who = format!("pagefleet-client/{i}");
+            let t = st.connect(&who);
+            st.put_copy(100 + i, &PageSel::List(vec![0]), &page, &who)
+                .unwrap();
+            assert_eq!(st.delete(100 + i, None), 1);
+            st.disconnect(t);
+        }
+        // A region whose owner is gone but which is kept: its name stays.
+        let t = st.connect("left-behind");
+        st.put_copy(2, &PageSel::List(vec![0]), &page, "left-behind")
+            .unwrap();
+        st.disconnect(t);
+        for i in 0..100u64 {
+            let t = st.connect(&format!("later/{i}"));
+            st.disconnect(t);
+        }
+        let g = st.lock();
+        assert!(
+            g.owners.len() < 200,
+            "owner table grew to {}",
+            g.owners.len()
+        );
+        assert!(g.owner_ids.len() < 200);
+        drop(g);
+        let owners: Vec<String> = st.regions_info().into_iter().map(|r| r.owner).collect();
+        assert!(owners.contains(&"keeper".to_string()), "{owners:?}");
+        assert!(owners.contains(&"left-behind".to_string()), "{owners:?}");
+        st.disconnect(keep);
     }
 
     #[test]
