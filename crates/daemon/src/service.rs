@@ -399,7 +399,7 @@ pub fn run(a: Settings) -> Result<()> {
     while !stop.load(std::sync::atomic::Ordering::Relaxed) {
         std::thread::sleep(std::time::Duration::from_millis(100));
         ticks += 1;
-        if ticks % 50 == 0 {
+        if ticks.is_multiple_of(50) {
             pagefleet_common::heap::give_back();
         }
     }
