@@ -6,6 +6,7 @@
 
 use pagefleet_proto::auth::Secret;
 use std::path::PathBuf;
+use std::time::Duration;
 
 /// A binary of this workspace, built next to the test executable's profile dir.
 pub fn bin(name: &str) -> PathBuf {
@@ -238,4 +239,56 @@ pub fn vm_image() -> (PathBuf, PathBuf) {
         assert!(st.success(), "building the VM image failed");
     }
     (dir.join("vmlinuz"), dir.join("initrd.gz"))
+}
+
+/// A native guest: `pagefleet run ARGS --servers <the cluster's>` as a child
+/// process, its stderr in a file (read it when it fails), killed on drop.
+pub struct GuestProc {
+    /// The `pagefleet run` process (its stdout piped).
+    pub child: std::process::Child,
+    /// Where its stderr goes.
+    pub stderr_path: PathBuf,
+}
+
+impl GuestProc {
+    /// Start `pagefleet run ARGS` against every server of `c`.
+    pub fn start(c: &Cluster, args: &[&str], dir: &std::path::Path) -> GuestProc {
+        let stderr_path = dir.join(format!("guest-{}.err", pagefleet_proto::auth::random_u64()));
+        let child = std::process::Command::new(bin("pagefleet"))
+            .arg("--secret-file")
+            .arg(&c.secret_file)
+            .arg("run")
+            .args(args)
+            .arg("--servers")
+            .arg(c.addrs().join(","))
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::fs::File::create(&stderr_path).unwrap())
+            .spawn()
+            .expect("spawn pagefleet run");
+        GuestProc { child, stderr_path }
+    }
+
+    /// Its exit status once it exits within `limit`; None if it still runs.
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let t = std::time::Instant::now();
+        while t.elapsed() < limit {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return Some(s);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        None
+    }
+
+    /// What it wrote to stderr so far.
+    pub fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.stderr_path).unwrap_or_default()
+    }
+}
+
+impl Drop for GuestProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }

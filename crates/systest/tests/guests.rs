@@ -3,47 +3,8 @@
 
 use pagefleet_systest::*;
 use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
-
-struct Guest {
-    child: Child,
-    stderr_path: std::path::PathBuf,
-}
-
-impl Drop for Guest {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn run_guest(c: &Cluster, args: &[&str], dir: &std::path::Path) -> Guest {
-    let stderr_path = dir.join(format!("guest-{}.err", pagefleet_proto::auth::random_u64()));
-    let child = Command::new(bin("pagefleet"))
-        .arg("--secret-file")
-        .arg(&c.secret_file)
-        .arg("run")
-        .args(args)
-        .arg("--servers")
-        .arg(c.addrs().join(","))
-        .stdout(Stdio::piped())
-        .stderr(std::fs::File::create(&stderr_path).unwrap())
-        .spawn()
-        .expect("spawn pagefleet run");
-    Guest { child, stderr_path }
-}
-
-fn wait_exit(g: &mut Guest, limit: Duration) -> Option<std::process::ExitStatus> {
-    let t = Instant::now();
-    while t.elapsed() < limit {
-        if let Some(s) = g.child.try_wait().unwrap() {
-            return Some(s);
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    None
-}
+use std::process::Command;
+use std::time::Duration;
 
 /// memccat prints a newline after each value.
 fn value(out: &[u8]) -> &[u8] {
@@ -54,7 +15,7 @@ fn value(out: &[u8]) -> &[u8] {
 fn kv_guest_serves_real_memcached_clients_while_paging() {
     let c = Cluster::start(1, "256MiB");
     let dir = tempdir("kv");
-    let mut g = run_guest(
+    let mut g = GuestProc::start(
         &c,
         &[
             "kv",
@@ -179,10 +140,10 @@ fn kv_guest_serves_real_memcached_clients_while_paging() {
 
 /// A synthetic guest paging (budget a quarter of 64 MiB) to the only
 /// memory server of a fresh cluster, running for a while already.
-fn paging_to_one_server(tag: &str) -> (Cluster, TempDir, Guest) {
+fn paging_to_one_server(tag: &str) -> (Cluster, TempDir, GuestProc) {
     let c = Cluster::start(1, "256MiB");
     let dir = tempdir(tag);
-    let mut g = run_guest(
+    let mut g = GuestProc::start(
         &c,
         &[
             "synthetic",
@@ -213,7 +174,8 @@ fn killed_memory_server_fails_the_guest_loudly() {
     let (mut c, dir, mut g) = paging_to_one_server("killed");
     let addr = c.servers[0].addr.clone();
     c.servers[0].kill();
-    let status = wait_exit(&mut g, Duration::from_secs(30))
+    let status = g
+        .wait_exit(Duration::from_secs(30))
         .expect("guest kept running with its memory server gone");
     let err = std::fs::read_to_string(&g.stderr_path).unwrap();
     assert_eq!(status.code(), Some(75), "exit status; stderr: {err}");
@@ -238,7 +200,8 @@ fn memory_server_restarted_empty_is_not_taken_for_the_old_one() {
     // Back at once, empty, where the guest's pages were.
     let again = Server::start_bin_at(&bin("pagefleetd"), 256 << 20, &c.secret_file, &addr, &[])
         .expect("restart the memory server at its address");
-    let status = wait_exit(&mut g, Duration::from_secs(30))
+    let status = g
+        .wait_exit(Duration::from_secs(30))
         .expect("guest kept running on a server that lost its pages");
     let err = std::fs::read_to_string(&g.stderr_path).unwrap();
     assert_eq!(status.code(), Some(75), "exit status; stderr: {err}");
@@ -255,12 +218,14 @@ fn memory_server_restarted_empty_is_not_taken_for_the_old_one() {
 fn sort_guest_sorts_through_a_small_budget() {
     let c = Cluster::start(2, "128MiB");
     let dir = tempdir("sort");
-    let mut g = run_guest(
+    let mut g = GuestProc::start(
         &c,
         &["sort", "--size", "48MiB", "--budget", "30%", "--json"],
         &dir,
     );
-    let status = wait_exit(&mut g, Duration::from_secs(120)).expect("sort finished");
+    let status = g
+        .wait_exit(Duration::from_secs(120))
+        .expect("sort finished");
     let err = std::fs::read_to_string(&g.stderr_path).unwrap();
     assert!(status.success(), "{err}");
     let mut out = String::new();

@@ -5,8 +5,8 @@
 
 use pagefleet_region::{Config, Region};
 use pagefleet_systest::*;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
 const P: usize = 4096;
 
@@ -134,12 +134,9 @@ fn a_memory_server_restarted_empty_is_treated_as_dead() {
 fn both_replicas_killed_the_guest_fails_loudly() {
     let mut c = Cluster::start(2, "256MiB");
     let dir = tempdir("both-replicas");
-    let stderr_path = dir.path().join("guest.err");
-    let mut g = Command::new(bin("pagefleet"))
-        .arg("--secret-file")
-        .arg(&c.secret_file)
-        .args([
-            "run",
+    let mut g = GuestProc::start(
+        &c,
+        &[
             "synthetic",
             "--size",
             "64MiB",
@@ -152,35 +149,23 @@ fn both_replicas_killed_the_guest_fails_loudly() {
             "60",
             "--replicas",
             "2",
-            "--servers",
-        ])
-        .arg(c.addrs().join(","))
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&stderr_path).unwrap())
-        .spawn()
-        .expect("spawn pagefleet run");
+        ],
+        dir.path(),
+    );
     // Let it page out before anything happens to the servers.
     std::thread::sleep(Duration::from_millis(1500));
     assert!(
-        g.try_wait().unwrap().is_none(),
+        g.child.try_wait().unwrap().is_none(),
         "guest exited early: {}",
-        std::fs::read_to_string(&stderr_path).unwrap()
+        g.stderr()
     );
     let addrs = c.addrs();
     c.servers[0].kill();
     c.servers[1].kill();
-    let t = Instant::now();
-    let status = loop {
-        if let Some(s) = g.try_wait().unwrap() {
-            break s;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(40),
-            "the guest kept running with both copies of its pages gone"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let err = std::fs::read_to_string(&stderr_path).unwrap();
+    let status = g
+        .wait_exit(Duration::from_secs(40))
+        .expect("the guest kept running with both copies of its pages gone");
+    let err = g.stderr();
     assert_eq!(status.code(), Some(75), "exit status; stderr: {err}");
     for a in &addrs {
         assert!(err.contains(a.as_str()), "the error must name {a}: {err}");
