@@ -107,6 +107,13 @@ pub struct ProcSeries {
     pub index_mib: Vec<f64>,
     pub fds: Vec<u64>,
     pub threads: Vec<u64>,
+    /// Guests (runner and incoming processes) on its host at each sample.
+    pub guests: Vec<u64>,
+    /// A pagefleetd's growth is compared between samples taken with the
+    /// same number of guests on its host (a runner has its reaper thread and
+    /// pipes there, a migration its stream): this many, the count most
+    /// often seen in both windows (None: all samples).
+    pub compared_at_guests: Option<u64>,
     /// Growth from the median of the 20-40% window to the median of the
     /// last 20%, % (None: it did not live through both). RSS without the
     /// lending pool.
@@ -395,10 +402,22 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
                 .filter(|&i| p.t[i] >= lo * o.secs && p.t[i] <= hi * o.secs)
                 .collect()
         };
-        let (early, late) = (window(0.2, 0.4), window(0.8, 1.01));
+        let (mut early, mut late) = (window(0.2, 0.4), window(0.8, 1.01));
         // Only processes there through both windows.
         if early.len() < 2 || late.len() < 2 || p.t[0] > 0.2 * o.secs + 10.0 {
             continue;
+        }
+        if p.what == "pagefleetd" {
+            let at = |idx: &[usize], k: u64| -> Vec<usize> {
+                idx.iter().copied().filter(|&i| p.guests[i] == k).collect()
+            };
+            let best = (0..=8u64)
+                .map(|k| (at(&early, k).len().min(at(&late, k).len()), k))
+                .max();
+            if let Some((_, k)) = best.filter(|(n, _)| *n >= 3) {
+                (early, late) = (at(&early, k), at(&late, k));
+                p.compared_at_guests = Some(k);
+            }
         }
         let med = |idx: &[usize], f: &dyn Fn(usize) -> f64| {
             let mut v: Vec<f64> = idx.iter().map(|&i| f(i)).collect();
@@ -550,10 +569,18 @@ fn sample(
         else {
             continue;
         };
-        for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
-            let Ok(pid) = pid.parse::<u32>() else {
-                continue;
-            };
+        let pids: Vec<u32> = String::from_utf8_lossy(&out.stdout)
+            .split_whitespace()
+            .filter_map(|p| p.parse().ok())
+            .collect();
+        let guests_here = pids
+            .iter()
+            .filter(|pid| {
+                std::fs::read_to_string(format!("/proc/{pid}/cmdline"))
+                    .is_ok_and(|c| c.split('\0').any(|a| a.starts_with("runner")))
+            })
+            .count() as u64;
+        for pid in pids {
             let cmd = std::fs::read_to_string(format!("/proc/{pid}/cmdline")).unwrap_or_default();
             let args: Vec<&str> = cmd.split('\0').collect();
             let bin = args
@@ -612,6 +639,7 @@ fn sample(
             });
             p.fds.push(fds);
             p.threads.push(threads);
+            p.guests.push(guests_here);
         }
     }
 }
@@ -639,8 +667,17 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
     }
     writeln!(
         out,
-        "\n{:<6} {:>7} {:<26} {:>8} {:>8} {:>7} {:>5} {:>7} {:>7}",
-        "host", "pid", "process", "RSS MiB", "pool+idx", "RSS +%", "fds", "fds +%", "thr +%"
+        "\n{:<6} {:>7} {:<26} {:>8} {:>8} {:>7} {:>5} {:>7} {:>7} {:>6}",
+        "host",
+        "pid",
+        "process",
+        "RSS MiB",
+        "pool+idx",
+        "RSS +%",
+        "fds",
+        "fds +%",
+        "thr +%",
+        "guests"
     )?;
     let pct = |v: Option<f64>| v.map_or("-".to_string(), |x| format!("{x:+.1}"));
     let mut short: BTreeMap<&str, (usize, f64, u64)> = BTreeMap::new();
@@ -656,7 +693,7 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
         }
         writeln!(
             out,
-            "{:<6} {:>7} {:<26} {:>8.1} {:>8.1} {:>7} {:>5} {:>7} {:>7}",
+            "{:<6} {:>7} {:<26} {:>8.1} {:>8.1} {:>7} {:>5} {:>7} {:>7} {:>6}",
             p.host,
             p.pid,
             p.what,
@@ -666,6 +703,8 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
             p.fds.last().copied().unwrap_or(0),
             pct(p.fds_growth_pct),
             pct(p.threads_growth_pct),
+            p.compared_at_guests
+                .map_or("all".to_string(), |k| k.to_string()),
         )?;
     }
     for (kind, (n, rss, fds)) in short {
@@ -676,7 +715,7 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
     }
     writeln!(
         out,
-        "(growth: median of the samples in 20-40% of the run to the median of the last 20%, for processes alive through both; RSS less a pagefleetd's lending pool)"
+        "(growth: median of the samples in 20-40% of the run to the median of the last 20%, for processes alive through both, a pagefleetd's taken with the same number of guests on its host (the count most seen in both, `guests` below); RSS less a pagefleetd's lending pool and content index)"
     )?;
     util::print_goals(&r.goals, out)?;
     if let Some(p) = &r.plot.plot {

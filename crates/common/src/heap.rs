@@ -16,3 +16,17 @@ pub fn give_back() {
         libc::malloc_trim(0);
     }
 }
+
+/// One malloc arena for the whole process. Call first thing in `main`,
+/// before any thread starts. A daemon whose many short-lived threads each
+/// got an arena (up to 8 per CPU) keeps each arena's partly used pages;
+/// in the soak, pagefleetd's heap RSS stayed 2-4 MiB higher and kept
+/// creeping with 16 arenas, and was flat with one. The hot paths allocate
+/// little, and what they do goes through glibc's per-thread cache first.
+pub fn one_arena() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only changes an allocator setting; no thread exists yet.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 1);
+    }
+}

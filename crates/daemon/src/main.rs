@@ -153,6 +153,7 @@ struct Args {
 }
 
 fn main() {
+    pagefleet_common::heap::one_arena();
     if let Err(e) = run() {
         eprintln!(
             "pagefleetd: error: {}",
