@@ -9,9 +9,11 @@
 //! started again a little later). Every 10 s the RSS, open fds and threads
 //! of every process in the lab are sampled. At the end: the bytes lost
 //! (values wrong or missing, × value size; must be 0) and each process's
-//! growth (flat: ≤ 5%) from the median of the samples in 20-40% of the run
-//! to the median of the last 20% (a sample taken while a migration's
-//! thread or connection is open says nothing about a leak). A memory
+//! growth (flat: ≤ 5%) from the samples in 20-40% of the run to those of
+//! the last 20%: RSS median to median, open fds and threads fewest to
+//! fewest (a sample taken while a migration's thread or connection is open
+//! says nothing about a leak; a leak raises the floor). A pagefleetd is
+//! compared between samples with the same number of guests on its host. A memory
 //! server's lending pool is memory it holds for guests, bounded by
 //! `--lend` and reported beside (the resident part of its `--lend`-sized
 //! mapping): it grows with its guests' data, so a pagefleetd's RSS is
@@ -114,9 +116,9 @@ pub struct ProcSeries {
     /// pipes there, a migration its stream): this many, the count most
     /// often seen in both windows (None: all samples).
     pub compared_at_guests: Option<u64>,
-    /// Growth from the median of the 20-40% window to the median of the
-    /// last 20%, % (None: it did not live through both). RSS without the
-    /// lending pool.
+    /// Growth from the 20-40% window to the last 20%, % (None: it did not
+    /// live through both): RSS without the lending pool and content index,
+    /// median to median; fds and threads, fewest to fewest.
     pub rss_growth_pct: Option<f64>,
     pub fds_growth_pct: Option<f64>,
     pub threads_growth_pct: Option<f64>,
@@ -429,8 +431,18 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
             (b - a) / a.max(1e-9) * 100.0
         };
         p.rss_growth_pct = Some(g(&|i| p.rss_mib[i] - p.pool_mib[i] - p.index_mib[i]));
-        p.fds_growth_pct = Some(g(&|i| p.fds[i] as f64));
-        p.threads_growth_pct = Some(g(&|i| p.threads[i] as f64));
+        // Open fds and threads are small counts that a request or a
+        // migration in flight raises by one for a moment; a leak raises the
+        // floor. Their growth compares the fewest seen in each window.
+        let floor = |idx: &[usize], f: &dyn Fn(usize) -> f64| {
+            idx.iter().map(|&i| f(i)).fold(f64::INFINITY, f64::min)
+        };
+        let gf = |f: &dyn Fn(usize) -> f64| {
+            let (a, b) = (floor(&early, f), floor(&late, f));
+            (b - a) / a.max(1e-9) * 100.0
+        };
+        p.fds_growth_pct = Some(gf(&|i| p.fds[i] as f64));
+        p.threads_growth_pct = Some(gf(&|i| p.threads[i] as f64));
     }
     let max = |f: fn(&ProcSeries) -> Option<f64>| {
         procs.iter().filter_map(f).fold(f64::NEG_INFINITY, f64::max)
@@ -715,7 +727,7 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
     }
     writeln!(
         out,
-        "(growth: median of the samples in 20-40% of the run to the median of the last 20%, for processes alive through both, a pagefleetd's taken with the same number of guests on its host (the count most seen in both, `guests` below); RSS less a pagefleetd's lending pool and content index)"
+        "(growth: RSS from the median of the samples in 20-40% of the run to the median of the last 20%, fds and threads from the fewest in each (a request in flight adds one for a moment; a leak raises the floor), for processes alive through both, a pagefleetd's taken with the same number of guests on its host (the count most seen in both, `guests` below); RSS less a pagefleetd's lending pool and content index)"
     )?;
     util::print_goals(&r.goals, out)?;
     if let Some(p) = &r.plot.plot {

@@ -111,10 +111,12 @@ pub fn serve(listen: &str, router: Router, gate: Gate) -> crate::error::Result<S
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .max_blocking_threads(64)
-        // Handlers run on blocking threads; keeping them a minute (not
-        // tokio's 10 s) stops a thread being made and unmade per request
-        // when requests come every few seconds.
-        .thread_keep_alive(std::time::Duration::from_secs(60))
+        // Handlers run on blocking threads. An idle one leaves after 2 s
+        // (tokio's default is 10 s): with requests every few seconds, idle
+        // threads woken in turn otherwise all stay, and the pool keeps the
+        // size of its busiest moment for good. Making a thread costs tens
+        // of µs; requests come seconds apart.
+        .thread_keep_alive(std::time::Duration::from_secs(2))
         .thread_name("http")
         .enable_all()
         .build()?;
