@@ -321,15 +321,34 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
         if now >= next_event {
             next_event += o.every;
             let g = &loads[k % loads.len()].0;
-            let e = match k % 4 {
-                0 => {
+            // Where the guest runs, from the registry (asked again if a busy
+            // host did not answer); a budget change or migration of a guest
+            // no host reports is skipped, not aimed at a guessed host.
+            let locate = || {
+                (0..3).find_map(|i| {
+                    if i > 0 {
+                        std::thread::sleep(Duration::from_secs(1));
+                    }
+                    l.guest(g).map(|x| x.0)
+                })
+            };
+            let unknown = |now| {
+                event(
+                    now,
+                    &format!("{g}: skipped (no host reports it)"),
+                    &Ok(String::new()),
+                )
+            };
+            let at = if k % 4 < 2 { locate() } else { None };
+            let e = match (k % 4, at) {
+                (0 | 1, None) => unknown(now),
+                (0, Some(host)) => {
                     // Budget 25-100% of the guest.
                     rng = rng
                         .wrapping_mul(6364136223846793005)
                         .wrapping_add(1442695040888963407);
                     let pct = 25 + (rng >> 33) % 76;
                     let pages = 96 * MIB / 4096 * pct / 100;
-                    let host = l.guest(g).map(|x| x.0).unwrap_or(0);
                     let r: Result<serde_json::Value> = l.post(
                         host,
                         &format!("/guests/{g}/set_budget"),
@@ -342,13 +361,12 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
                         &r.map(|_| String::new()),
                     )
                 }
-                1 => {
-                    let from = l.guest(g).map(|x| x.0).unwrap_or(0);
-                    let to = format!("h{}", 1 + (from + 1) % 3);
+                (1, Some(host)) => {
+                    let to = format!("h{}", 1 + (host + 1) % 3);
                     let (ok, out, err) = l.pf(0, &["migrate", g, "--to", &to, "--json"]);
                     event(now, &format!("migrate {g} to {to}"), &ok_or(ok, out, err))
                 }
-                2 => {
+                (2, _) => {
                     let h = format!("h{}", 2 + (k / 4) % 3);
                     let (ok, out, err) = l.pf(0, &["evacuate", &h]);
                     event(now, &format!("evacuate {h}"), &ok_or(ok, out, err))
