@@ -346,12 +346,7 @@ mod tests {
         let mut ix = index(100_000);
         ix.add_source(SourceId(1), 20_000);
         let k = ix.key().clone();
-        let hash_of = |i: u32| {
-            let mut p = [0u8; PAGE];
-            p[..4].copy_from_slice(&i.to_le_bytes());
-            p[4] = 1;
-            k.hash(&p)
-        };
+        let hash_of = |i: u32| k.hash(&numbered(i));
         for i in 0..20_000u32 {
             ix.record(SourceId(1), i, hash_of(i));
         }
