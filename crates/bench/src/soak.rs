@@ -13,7 +13,10 @@
 //! the last 20%: RSS median to median, open fds and threads fewest to
 //! fewest (a sample taken while a migration's thread or connection is open
 //! says nothing about a leak; a leak raises the floor). A pagefleetd is
-//! compared between samples with the same number of guests on its host. A memory
+//! compared between samples with the same number of guests on its host
+//! and, where the samples allow, the same number of memory-server sessions
+//! (a session is a thread and its buffers, and sessions follow where the
+//! guests' pages are placed, which the soak keeps moving). A memory
 //! server's lending pool is memory it holds for guests, bounded by
 //! `--lend` and reported beside (the resident part of its `--lend`-sized
 //! mapping): it grows with its guests' data, so a pagefleetd's RSS is
@@ -111,11 +114,19 @@ pub struct ProcSeries {
     pub threads: Vec<u64>,
     /// Guests (runner and incoming processes) on its host at each sample.
     pub guests: Vec<u64>,
+    /// A pagefleetd's memory-server sessions at each sample (its `conn …`
+    /// threads: one per connected pager, writer or peer, wherever the
+    /// guests' pages are placed at the moment; each has a thread and
+    /// buffers).
+    pub sessions: Vec<u64>,
     /// A pagefleetd's growth is compared between samples taken with the
     /// same number of guests on its host (a runner has its reaper thread and
     /// pipes there, a migration its stream): this many, the count most
     /// often seen in both windows (None: all samples).
     pub compared_at_guests: Option<u64>,
+    /// ... and the same number of memory-server sessions, when at least 3
+    /// samples in each window share both counts (None: guests only).
+    pub compared_at_sessions: Option<u64>,
     /// Growth from the 20-40% window to the last 20%, % (None: it did not
     /// live through both): RSS without the lending pool and content index,
     /// median to median; fds and threads, fewest to fewest.
@@ -172,6 +183,9 @@ impl SoakServer {
         Ok(s)
     }
     fn restart(&mut self, l: &LabRun, bins: &Path) -> Result<()> {
+        // Its stderr is kept (one file per server, the last start's) so a
+        // start that fails says why.
+        let log = l.lab.dir.join(format!("soak-server-{}.log", self.host));
         let child = Command::new("ip")
             .args(["netns", "exec", &l.lab.hosts[self.host].netns])
             .arg(bins.join("pagefleetd"))
@@ -179,13 +193,24 @@ impl SoakServer {
             .args(["--metrics", "off", "--log", "error", "--secret-file"])
             .arg(&l.lab.secret_file)
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(std::fs::File::create(&log).context("create the soak server's log")?)
             .spawn()
             .context("start a soak memory server")?;
         self.child = Some(child);
-        // Listening within a few seconds.
+        // Listening within a few seconds (a loaded host takes longer).
         let t = Instant::now();
-        while t.elapsed() < Duration::from_secs(10) {
+        while t.elapsed() < Duration::from_secs(20) {
+            if let Some(st) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                bail!(
+                    "soak memory server {} exited ({st}): {}",
+                    self.addr,
+                    log_tail(&log)
+                );
+            }
             let ok = l
                 .lab
                 .exec(self.host, "bash")
@@ -201,7 +226,11 @@ impl SoakServer {
             }
             std::thread::sleep(Duration::from_millis(100));
         }
-        bail!("soak memory server {} did not listen", self.addr)
+        bail!(
+            "soak memory server {} did not listen within 20 s: {}",
+            self.addr,
+            log_tail(&log)
+        )
     }
     fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
@@ -437,6 +466,22 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
             if let Some((_, k)) = best.filter(|(n, _)| *n >= 3) {
                 (early, late) = (at(&early, k), at(&late, k));
                 p.compared_at_guests = Some(k);
+                // Then the session count most seen in both, if it is seen
+                // often enough: sessions follow where pages are placed, not
+                // how long the daemon has run.
+                let with = |idx: &[usize], n: u64| -> Vec<usize> {
+                    idx.iter()
+                        .copied()
+                        .filter(|&i| p.sessions[i] == n)
+                        .collect()
+                };
+                let best = (0..=64u64)
+                    .map(|n| (with(&early, n).len().min(with(&late, n).len()), n))
+                    .max();
+                if let Some((_, n)) = best.filter(|(c, _)| *c >= 3) {
+                    (early, late) = (with(&early, n), with(&late, n));
+                    p.compared_at_sessions = Some(n);
+                }
             }
         }
         let med = |idx: &[usize], f: &dyn Fn(usize) -> f64| {
@@ -670,6 +715,11 @@ fn sample(
             p.fds.push(fds);
             p.threads.push(threads);
             p.guests.push(guests_here);
+            p.sessions.push(if p.what == "pagefleetd" {
+                session_threads(pid)
+            } else {
+                0
+            });
         }
     }
 }
@@ -697,7 +747,7 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
     }
     writeln!(
         out,
-        "\n{:<6} {:>7} {:<26} {:>8} {:>8} {:>7} {:>5} {:>7} {:>7} {:>6}",
+        "\n{:<6} {:>7} {:<26} {:>8} {:>8} {:>7} {:>5} {:>7} {:>7} {:>6} {:>8}",
         "host",
         "pid",
         "process",
@@ -707,7 +757,8 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
         "fds",
         "fds +%",
         "thr +%",
-        "guests"
+        "guests",
+        "sessions"
     )?;
     let pct = |v: Option<f64>| v.map_or("-".to_string(), |x| format!("{x:+.1}"));
     let mut short: BTreeMap<&str, (usize, f64, u64)> = BTreeMap::new();
@@ -723,7 +774,7 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
         }
         writeln!(
             out,
-            "{:<6} {:>7} {:<26} {:>8.1} {:>8.1} {:>7} {:>5} {:>7} {:>7} {:>6}",
+            "{:<6} {:>7} {:<26} {:>8.1} {:>8.1} {:>7} {:>5} {:>7} {:>7} {:>6} {:>8}",
             p.host,
             p.pid,
             p.what,
@@ -735,6 +786,8 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
             pct(p.threads_growth_pct),
             p.compared_at_guests
                 .map_or("all".to_string(), |k| k.to_string()),
+            p.compared_at_sessions
+                .map_or("all".to_string(), |k| k.to_string()),
         )?;
     }
     for (kind, (n, rss, fds)) in short {
@@ -745,11 +798,33 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
     }
     writeln!(
         out,
-        "(growth: RSS from the median of the samples in 20-40% of the run to the median of the last 20%, fds and threads from the fewest in each (a request in flight adds one for a moment; a leak raises the floor), for processes alive through both, a pagefleetd's taken with the same number of guests on its host (the count most seen in both, `guests` below); RSS less a pagefleetd's lending pool and content index)"
+        "(growth: RSS from the median of the samples in 20-40% of the run to the median of the last 20%, fds and threads from the fewest in each (a request in flight adds one for a moment; a leak raises the floor), for processes alive through both, a pagefleetd's taken with the same number of guests on its host and, where seen often enough, the same number of memory-server sessions (the counts most seen in both, `guests` and `sessions` below); RSS less a pagefleetd's lending pool and content index)"
     )?;
     util::print_goals(&r.goals, out)?;
     if let Some(p) = &r.plot.plot {
         writeln!(out, "\nPlot: {p}")?;
     }
     Ok(())
+}
+
+/// The last lines of a log, for an error message ("(empty)" if none).
+fn log_tail(path: &Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().rev().take(3).collect();
+    if lines.is_empty() {
+        "(its log is empty)".into()
+    } else {
+        lines.into_iter().rev().collect::<Vec<_>>().join(" | ")
+    }
+}
+
+/// A pagefleetd's memory-server session threads (named `conn PEER`).
+fn session_threads(pid: u32) -> u64 {
+    std::fs::read_dir(format!("/proc/{pid}/task")).map_or(0, |d| {
+        d.filter_map(|t| t.ok())
+            .filter(|t| {
+                std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.starts_with("conn "))
+            })
+            .count() as u64
+    })
 }
