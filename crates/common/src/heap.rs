@@ -28,5 +28,12 @@ pub fn one_arena() {
     // SAFETY: mallopt only changes an allocator setting; no thread exists yet.
     unsafe {
         libc::mallopt(libc::M_ARENA_MAX, 1);
+        // Blocks of 128 KiB and more (session frame buffers, the content
+        // index's tables, scan buffers) always get their own mapping and go
+        // back whole when freed. glibc would otherwise raise this threshold
+        // to the size of each large block freed (up to 32 MiB), and from then
+        // on place such blocks in the heap among small long-lived ones,
+        // where freeing them leaves holes the heap cannot give back.
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 128 * 1024);
     }
 }
