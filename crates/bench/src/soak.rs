@@ -457,31 +457,12 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
             continue;
         }
         if p.what == "pagefleetd" {
-            let at = |idx: &[usize], k: u64| -> Vec<usize> {
-                idx.iter().copied().filter(|&i| p.guests[i] == k).collect()
-            };
-            let best = (0..=8u64)
-                .map(|k| (at(&early, k).len().min(at(&late, k).len()), k))
-                .max();
-            if let Some((_, k)) = best.filter(|(n, _)| *n >= 3) {
-                (early, late) = (at(&early, k), at(&late, k));
+            if let Some(k) = narrow(&mut early, &mut late, &p.guests, 8) {
                 p.compared_at_guests = Some(k);
                 // Then the session count most seen in both, if it is seen
                 // often enough: sessions follow where pages are placed, not
                 // how long the daemon has run.
-                let with = |idx: &[usize], n: u64| -> Vec<usize> {
-                    idx.iter()
-                        .copied()
-                        .filter(|&i| p.sessions[i] == n)
-                        .collect()
-                };
-                let best = (0..=64u64)
-                    .map(|n| (with(&early, n).len().min(with(&late, n).len()), n))
-                    .max();
-                if let Some((_, n)) = best.filter(|(c, _)| *c >= 3) {
-                    (early, late) = (with(&early, n), with(&late, n));
-                    p.compared_at_sessions = Some(n);
-                }
+                p.compared_at_sessions = narrow(&mut early, &mut late, &p.sessions, 64);
             }
         }
         let med = |idx: &[usize], f: &dyn Fn(usize) -> f64| {
@@ -827,4 +808,20 @@ fn session_threads(pid: u32) -> u64 {
             })
             .count() as u64
     })
+}
+
+/// Keep only the samples of both windows whose `count` is the value (up to
+/// `max`) seen most in both, if at least 3 times in each; that value.
+fn narrow(early: &mut Vec<usize>, late: &mut Vec<usize>, count: &[u64], max: u64) -> Option<u64> {
+    let at = |idx: &[usize], k: u64| -> Vec<usize> {
+        idx.iter().copied().filter(|&i| count[i] == k).collect()
+    };
+    let (n, k) = (0..=max)
+        .map(|k| (at(early, k).len().min(at(late, k).len()), k))
+        .max()?;
+    if n < 3 {
+        return None;
+    }
+    (*early, *late) = (at(early, k), at(late, k));
+    Some(k)
 }
