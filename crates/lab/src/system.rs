@@ -124,6 +124,57 @@ impl Drop for Pinning {
     }
 }
 
+/// Where a bench's swap file lives (one per bench process).
+const SWAP_FILE_PREFIX: &str = "/var/tmp/pagefleet-bench-swap-";
+/// Where a bench's memory cgroups live (`PID-RANDOM`).
+const CGROUP_PREFIX: &str = "/sys/fs/cgroup/memory/pagefleet-bench-";
+
+/// The pid a leftover's name starts with, when that process is gone.
+fn dead_owner(rest: &str) -> Option<u32> {
+    let pid: u32 = rest.split('-').next()?.parse().ok()?;
+    (!Path::new(&format!("/proc/{pid}")).exists()).then_some(pid)
+}
+
+/// Switch off and remove the swap files and memory cgroups that benches
+/// killed before their cleanup left behind (their pid no longer runs):
+/// a crashed run must not shrink the next one's memory or fail its checks.
+pub fn sweep_leftovers() {
+    let swaps = std::fs::read_to_string("/proc/swaps").unwrap_or_default();
+    for f in swaps.lines().filter_map(|l| l.split_whitespace().next()) {
+        if f.strip_prefix(SWAP_FILE_PREFIX)
+            .and_then(dead_owner)
+            .is_some()
+        {
+            eprintln!("switching off {f}, left by a bench that is gone");
+            let _ = Command::new("swapoff").arg(f).status();
+        }
+    }
+    if let Ok(d) = std::fs::read_dir("/var/tmp") {
+        for e in d.flatten() {
+            let p = e.path();
+            let name = p.to_string_lossy().into_owned();
+            if name
+                .strip_prefix(SWAP_FILE_PREFIX)
+                .and_then(dead_owner)
+                .is_some()
+                && !swaps.contains(&name)
+            {
+                let _ = std::fs::remove_file(&p);
+            }
+        }
+    }
+    let (parent, stem) = CGROUP_PREFIX.rsplit_once('/').expect("a path");
+    if let Ok(d) = std::fs::read_dir(parent) {
+        for e in d.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name.strip_prefix(stem).and_then(dead_owner).is_some() {
+                // Fails (and is left) while processes still run in it.
+                let _ = std::fs::remove_dir(e.path());
+            }
+        }
+    }
+}
+
 /// Swap the kernel can use: a swap file, or zram; switched off and removed on drop.
 pub struct Swap {
     dev: PathBuf,
@@ -132,10 +183,8 @@ pub struct Swap {
 
 impl Swap {
     pub fn file(size: u64) -> Result<Swap> {
-        let p = PathBuf::from(format!(
-            "/var/tmp/pagefleet-bench-swap-{}",
-            std::process::id()
-        ));
+        sweep_leftovers();
+        let p = PathBuf::from(format!("{SWAP_FILE_PREFIX}{}", std::process::id()));
         let ok = Command::new("fallocate")
             .arg("-l")
             .arg(size.to_string())
@@ -229,8 +278,9 @@ pub struct MemCgroup {
 
 impl MemCgroup {
     pub fn new(limit: u64) -> Result<MemCgroup> {
+        sweep_leftovers();
         let path = PathBuf::from(format!(
-            "/sys/fs/cgroup/memory/pagefleet-bench-{}-{}",
+            "{CGROUP_PREFIX}{}-{}",
             std::process::id(),
             pagefleet_proto::auth::random_u64() & 0xffff
         ));

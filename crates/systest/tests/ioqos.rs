@@ -613,8 +613,13 @@ fn bench_ioqos_reports_runs_and_goals() {
             "--out",
         ])
         .arg(&dir)
-        .output()
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
         .unwrap();
+    // Its cgroups are named by its pid.
+    let pid = out.id();
+    let out = out.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
@@ -647,7 +652,7 @@ fn bench_ioqos_reports_runs_and_goals() {
         .filter(|e| {
             e.file_name()
                 .to_string_lossy()
-                .starts_with("pagefleet-bench-")
+                .starts_with(&format!("pagefleet-bench-{pid}-"))
         })
         .count();
     assert_eq!(groups, 0, "bench cgroups removed");

@@ -523,8 +523,14 @@ fn bench_ksm_quick_pages_merges_and_cleans_up() {
             "--out",
         ])
         .arg(&dir)
-        .output()
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
         .unwrap();
+    // What this bench would leave is named by its pid (other runs' are not
+    // this test's business: the lab sweeps those of dead runs).
+    let pid = o.id();
+    let o = o.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "bench ksm failed: {err}");
     let r: serde_json::Value = serde_json::from_slice(&o.stdout).expect("one JSON object");
@@ -559,14 +565,17 @@ fn bench_ksm_quick_pages_merges_and_cleans_up() {
     assert!(r["limit_mib"].as_u64().unwrap() > 0);
     // Nothing left behind.
     let swaps = std::fs::read_to_string("/proc/swaps").unwrap();
-    assert!(!swaps.contains("pagefleet-bench-swap"), "{swaps}");
+    assert!(
+        !swaps.contains(&format!("pagefleet-bench-swap-{pid}")),
+        "{swaps}"
+    );
     let left: Vec<_> = std::fs::read_dir("/sys/fs/cgroup/memory")
         .unwrap()
         .filter_map(|e| e.ok())
         .filter(|e| {
             e.file_name()
                 .to_string_lossy()
-                .starts_with("pagefleet-bench-")
+                .starts_with(&format!("pagefleet-bench-{pid}-"))
         })
         .collect();
     assert!(left.is_empty(), "memory cgroups left: {left:?}");

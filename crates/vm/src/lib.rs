@@ -29,12 +29,14 @@ pub use qemu::{Forward, Vm, VmSpec, GUEST_IP};
 #[derive(Debug, thiserror::Error)]
 pub enum VmError {
     /// An operating-system call failed.
-    #[error("{context}: {source}")]
+    // Not a `source` field: the message already names the cause, and
+    // anyhow's `{:#}` would print it twice.
+    #[error("{context}: {cause}")]
     Io {
         /// What was being done.
         context: String,
         /// Why it failed.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// A spec that cannot be run.
     #[error("{0}")]
@@ -52,7 +54,7 @@ impl VmError {
     pub fn io(context: impl Into<String>, source: std::io::Error) -> VmError {
         VmError::Io {
             context: context.into(),
-            source,
+            cause: source,
         }
     }
 }

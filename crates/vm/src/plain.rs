@@ -85,6 +85,7 @@ impl PlainVm {
     /// Run `f` on its QMP session.
     pub fn qmp<T>(&self, f: impl FnOnce(&mut Qmp) -> Result<T, VmError>) -> Result<T, VmError> {
         f(&mut self.qmp.lock().unwrap_or_else(|e| e.into_inner()))
+            .map_err(|e| self.child.explain(e, &self.console))
     }
 
     /// Its exit status, if it has exited.

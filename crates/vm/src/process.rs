@@ -61,6 +61,43 @@ impl Process {
         self.lock().try_wait().ok().flatten()
     }
 
+    /// `e`, a failed QMP exchange, with what QEMU's end tells about it:
+    /// when QEMU has exited (a broken pipe or a closed socket mostly means
+    /// it did), its exit status and the console's last lines.
+    pub(crate) fn explain(&self, e: VmError, console: &Console) -> VmError {
+        // An answer from QEMU (an error reply) says all there is.
+        let lost = match &e {
+            VmError::Io { .. } => true,
+            VmError::Qmp(m) => m.contains("closed its QMP socket"),
+            _ => false,
+        };
+        if !lost {
+            return e;
+        }
+        let t0 = Instant::now();
+        let mut st = self.exited();
+        // A QEMU that closed its socket is usually a moment from exiting.
+        while st.is_none() && t0.elapsed() < Duration::from_millis(300) {
+            std::thread::sleep(Duration::from_millis(20));
+            st = self.exited();
+        }
+        let Some(st) = st else {
+            return e;
+        };
+        // Give the console threads a moment to take QEMU's last words.
+        std::thread::sleep(Duration::from_millis(50));
+        let tail = console.tail(5).join(" | ");
+        VmError::Qemu(format!(
+            "{} exited ({st}) — {e}{}",
+            self.name,
+            if tail.is_empty() {
+                String::new()
+            } else {
+                format!("; its last lines: {tail}")
+            }
+        ))
+    }
+
     /// Kill it now and reap it.
     pub(crate) fn kill(&self) {
         let mut c = self.lock();

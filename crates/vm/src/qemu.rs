@@ -370,7 +370,7 @@ impl Vm {
         let q = g
             .as_mut()
             .ok_or_else(|| VmError::Qmp("not connected yet".into()))?;
-        f(q)
+        f(q).map_err(|e| self.child.explain(e, &self.console))
     }
 
     /// Add (`on`) or remove the forward of [`VmSpec::forward`] (nothing
