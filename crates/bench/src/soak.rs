@@ -133,6 +133,13 @@ pub struct ProcSeries {
     pub rss_growth_pct: Option<f64>,
     pub fds_growth_pct: Option<f64>,
     pub threads_growth_pct: Option<f64>,
+    /// A pagefleetd's threads by name (`conn PEER` counted as `conn`)
+    /// whose fewest differ between the two windows: name, fewest early,
+    /// fewest late. What moved the thread floor, if anything did.
+    pub threads_moved: Vec<(String, u64, u64)>,
+    /// Its threads by name, per sample (pagefleetd only).
+    #[serde(skip)]
+    pub thread_names: Vec<BTreeMap<String, u64>>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -361,16 +368,18 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
                     l.guest(g).map(|x| x.0)
                 })
             };
-            let unknown = |now| {
+            // Counted as `skipped`, not as the kind it would have been.
+            let unknown = |now, kind: &str| {
                 event(
                     now,
-                    &format!("{g}: skipped (no host reports it)"),
+                    &format!("skipped {kind} {g} (no host reports it)"),
                     &Ok(String::new()),
                 )
             };
             let at = if k % 4 < 2 { locate() } else { None };
             let e = match (k % 4, at) {
-                (0 | 1, None) => unknown(now),
+                (0, None) => unknown(now, "budget"),
+                (1, None) => unknown(now, "migrate"),
                 (0, Some(host)) => {
                     // Budget 25-100% of the guest.
                     rng = rng
@@ -411,7 +420,11 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
                             &Ok(String::new()),
                         )
                     } else {
-                        event(now, "kill (skipped: still down)", &Ok(String::new()))
+                        event(
+                            now,
+                            &format!("skipped kill -9 soak server {} (still down)", extra[s].addr),
+                            &Ok(String::new()),
+                        )
                     }
                 }
             };
@@ -487,6 +500,21 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
         };
         p.fds_growth_pct = Some(gf(&|i| p.fds[i] as f64));
         p.threads_growth_pct = Some(gf(&|i| p.threads[i] as f64));
+        if !p.thread_names.is_empty() {
+            let names: std::collections::BTreeSet<&String> =
+                p.thread_names.iter().flat_map(|m| m.keys()).collect();
+            let fewest = |idx: &[usize], n: &str| {
+                idx.iter()
+                    .map(|&i| p.thread_names[i].get(n).copied().unwrap_or(0))
+                    .min()
+                    .unwrap_or(0)
+            };
+            p.threads_moved = names
+                .into_iter()
+                .map(|n| (n.clone(), fewest(&early, n), fewest(&late, n)))
+                .filter(|(_, a, b)| a != b)
+                .collect();
+        }
     }
     let max = |f: fn(&ProcSeries) -> Option<f64>| {
         procs.iter().filter_map(f).fold(f64::NEG_INFINITY, f64::max)
@@ -696,11 +724,13 @@ fn sample(
             p.fds.push(fds);
             p.threads.push(threads);
             p.guests.push(guests_here);
-            p.sessions.push(if p.what == "pagefleetd" {
-                session_threads(pid)
+            let names = if p.what == "pagefleetd" {
+                thread_names(pid)
             } else {
-                0
-            });
+                BTreeMap::new()
+            };
+            p.sessions.push(names.get("conn").copied().unwrap_or(0));
+            p.thread_names.push(names);
         }
     }
 }
@@ -777,6 +807,20 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
             "  + {n} short-lived {kind} processes (largest RSS {rss:.1} MiB, most fds {fds})"
         )?;
     }
+    for p in r.procs.iter().filter(|p| !p.threads_moved.is_empty()) {
+        let moved: Vec<String> = p
+            .threads_moved
+            .iter()
+            .map(|(n, a, b)| format!("{n:?} {a} -> {b}"))
+            .collect();
+        writeln!(
+            out,
+            "  {} {}: fewest threads by name moved: {}",
+            p.host,
+            p.what,
+            moved.join(", ")
+        )?;
+    }
     writeln!(
         out,
         "(growth: RSS from the median of the samples in 20-40% of the run to the median of the last 20%, fds and threads from the fewest in each (a request in flight adds one for a moment; a leak raises the floor), for processes alive through both, a pagefleetd's taken with the same number of guests on its host and, where seen often enough, the same number of memory-server sessions (the counts most seen in both, `guests` and `sessions` below); RSS less a pagefleetd's lending pool and content index)"
@@ -799,15 +843,23 @@ fn log_tail(path: &Path) -> String {
     }
 }
 
-/// A pagefleetd's memory-server session threads (named `conn PEER`).
-fn session_threads(pid: u32) -> u64 {
-    std::fs::read_dir(format!("/proc/{pid}/task")).map_or(0, |d| {
-        d.filter_map(|t| t.ok())
-            .filter(|t| {
-                std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.starts_with("conn "))
-            })
-            .count() as u64
-    })
+/// A process's threads by name; memory-server sessions (`conn PEER`) all
+/// count as `conn`.
+fn thread_names(pid: u32) -> BTreeMap<String, u64> {
+    let mut m = BTreeMap::new();
+    for t in std::fs::read_dir(format!("/proc/{pid}/task"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let Ok(c) = std::fs::read_to_string(t.path().join("comm")) else {
+            continue;
+        };
+        let c = c.trim_end();
+        let name = if c.starts_with("conn ") { "conn" } else { c };
+        *m.entry(name.to_string()).or_insert(0) += 1;
+    }
+    m
 }
 
 /// Keep only the samples of both windows whose `count` is the value (up to
