@@ -627,25 +627,11 @@ fn sample(
     t: f64,
     procs: &mut BTreeMap<(String, u32), ProcSeries>,
 ) {
-    // Each host's content index (its pagefleetd's metrics).
-    let index: Vec<f64> = (0..l.lab.hosts.len())
-        .map(|h| {
-            l.get_text(h, "/metrics")
-                .ok()
-                .and_then(|m| {
-                    m.lines()
-                        .find(|x| x.starts_with("pagefleet_dedup_index_bytes "))
-                        .and_then(|x| x.split_whitespace().last())
-                        .and_then(|v| v.parse::<f64>().ok())
-                })
-                .unwrap_or(0.0)
-                / MIB as f64
-        })
-        .collect();
     let soak_pids: Vec<u32> = extra
         .iter()
         .filter_map(|s| s.child.as_ref().map(|c| c.id()))
         .collect();
+    let mut daemons = Vec::new();
     for (hi, h) in l.lab.hosts.iter().enumerate() {
         let Ok(out) = Command::new("ip")
             .args(["netns", "pids", &h.netns])
@@ -716,11 +702,10 @@ fn sample(
             } else {
                 0.0
             });
-            p.index_mib.push(if p.what == "pagefleetd" {
-                index[hi]
-            } else {
-                0.0
-            });
+            p.index_mib.push(0.0);
+            if p.what == "pagefleetd" {
+                daemons.push((hi, (h.name.clone(), pid)));
+            }
             p.fds.push(fds);
             p.threads.push(threads);
             p.guests.push(guests_here);
@@ -731,6 +716,29 @@ fn sample(
             };
             p.sessions.push(names.get("conn").copied().unwrap_or(0));
             p.thread_names.push(names);
+        }
+    }
+    // Each host's content index (its pagefleetd's metrics), asked after
+    // the processes were read: the request holds a socket and, for 2 s, a
+    // thread of the daemon's blocking pool, which the fd and thread counts
+    // must not see.
+    let index: Vec<f64> = (0..l.lab.hosts.len())
+        .map(|h| {
+            l.get_text(h, "/metrics")
+                .ok()
+                .and_then(|m| {
+                    m.lines()
+                        .find(|x| x.starts_with("pagefleet_dedup_index_bytes "))
+                        .and_then(|x| x.split_whitespace().last())
+                        .and_then(|v| v.parse::<f64>().ok())
+                })
+                .unwrap_or(0.0)
+                / MIB as f64
+        })
+        .collect();
+    for (hi, key) in daemons {
+        if let Some(x) = procs.get_mut(&key).and_then(|p| p.index_mib.last_mut()) {
+            *x = index[hi];
         }
     }
 }
