@@ -70,6 +70,20 @@ impl Pager {
             (_, _) if self.loc.out[p] == OUT_ARRIVING => {}
             (_, s) => {
                 let s = (s - REMOTE) as usize;
+                if self.down[s] {
+                    // Not expected: a server's pages are re-pointed when
+                    // it goes down. Never ask a dead server (nothing would
+                    // answer, and the thread would wait forever): re-point
+                    // again and let the thread fault anew.
+                    warn!(
+                        "page {p} was still placed on memory server {}, which is down: re-pointed at its mirror",
+                        self.addrs[s]
+                    );
+                    self.repoint(s, &"down");
+                    self.count_degraded();
+                    self.rerep.look_again();
+                    return self.wake(p);
+                }
                 if !self.pending_in.iter().any(|(q, _, _)| *q == p) {
                     self.pending_in.push((p, s, f.write));
                 }

@@ -261,20 +261,30 @@ impl Pager {
             return self.drop_landed(d);
         }
         let t0 = Instant::now();
-        let t = d.servers[0];
-        let t2 = d.servers.get(1).copied();
+        // A target called down while the job was out (its death seen on
+        // another connection first) holds nothing any more, whatever it
+        // acknowledged: pointing a page at it would send that page's next
+        // fault to a dead server. The pages count only their live copies;
+        // a page with none stays here.
+        let (t, t2) = (d.servers[0], d.servers.get(1).copied());
+        let t2 = t2.filter(|x| !self.down[*x]);
+        let (t, t2) = if self.down[t] {
+            (t2, None)
+        } else {
+            (Some(t), t2)
+        };
         let mut gone = Vec::new();
         let mut sent = 0u64;
         for (&q, &ok) in d.pages.iter().zip(&d.stored) {
             let q = q as usize;
             let leaving = self.loc.job_done(q);
             sent += ok as u64;
-            match (leaving, ok) {
-                (true, true) => gone.push(q),
-                (true, false) if !self.tracking => {
+            match (leaving, ok, t) {
+                (true, true, Some(_)) => gone.push(q),
+                (true, _, _) if !self.tracking => {
                     let _ = self.uffd.writeprotect(self.addr(q), PAGE as u64, false);
                 }
-                (false, true) => {
+                (false, true, Some(t)) => {
                     self.loc.keep_copy(q, t, false);
                     if let Some(t2) = t2 {
                         self.loc.keep_second(q, t2);
@@ -283,7 +293,12 @@ impl Pager {
                 _ => {}
             }
         }
-        if self.punch(&gone) {
+        let copies = t.is_some() as usize + t2.is_some() as usize;
+        if copies < self.replicas && sent > 0 {
+            // Fewer copies than wanted: re-replication looks again.
+            self.rerep.look_again();
+        }
+        if let (true, Some(t)) = (self.punch(&gone), t) {
             for &q in &gone {
                 self.left(q, t, t2);
             }
@@ -301,6 +316,9 @@ impl Pager {
         st.bytes_out.fetch_add(sent * PAGE as u64, Relaxed);
         // The writer's CPU for the job; the pager's share is metered.
         st.page_out_cpu_ns.fetch_add(d.cpu_ns, Relaxed);
+        if copies < self.replicas && sent > 0 {
+            self.count_degraded();
+        }
         self.meter.page_out(t0);
         for (t, e) in d.errors {
             if e.code() == Some(pagefleet_proto::ErrorCode::OutOfCapacity) {

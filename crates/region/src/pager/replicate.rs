@@ -71,6 +71,13 @@ impl Rerep {
         }
     }
 
+    /// Some pages may have lost a copy: scan every page again, now.
+    pub(super) fn look_again(&mut self) {
+        self.active = true;
+        self.cursor = 0;
+        self.retry_at = None;
+    }
+
     /// Whether a step would copy now (the fault loop then does not sleep).
     pub(super) fn ready(&self) -> bool {
         self.active && self.retry_at.is_none_or(|t| Instant::now() >= t)
@@ -130,27 +137,7 @@ impl Pager {
             x.1 = true;
         }
         let gets = std::mem::take(&mut self.gets[s]);
-        let lost = self.loc.server_lost(s);
-        if let Some(&p) = lost.first() {
-            let gone: Vec<&str> = (0..self.addrs.len())
-                .filter(|x| self.down[*x])
-                .map(|x| self.addrs[x].as_str())
-                .collect();
-            let msg = format!(
-                "pagefleet: page {p} of region {:#x} ({} pages in all) had no copy left: memory servers {} are gone ({why}). \
-                 The guest cannot continue without its memory.",
-                self.region_id,
-                lost.len(),
-                gone.join(", ")
-            );
-            self.publish();
-            self.fatal(msg, p);
-            // (Poisoning instead of exiting: every lost page is poisoned,
-            // so no thread reads zeros or waits forever.)
-            for q in lost {
-                let _ = self.uffd.poison(self.addr(q), PAGE as u64);
-            }
-        }
+        self.repoint(s, why);
         // Pages asked of it: fault again, and read from the mirror.
         for g in gets {
             for q in g.pages {
@@ -173,9 +160,7 @@ impl Pager {
                 self.evac = Some(ev);
             }
         }
-        self.rerep.active = true;
-        self.rerep.cursor = 0;
-        self.rerep.retry_at = None;
+        self.rerep.look_again();
         self.count_degraded();
         // (After the count: a reader seeing the server down sees its
         // degraded pages too.)
@@ -183,8 +168,34 @@ impl Pager {
         self.publish();
     }
 
+    /// Point every page server `s` (down) held at its mirror; a page
+    /// without one ends the guest, naming the servers gone.
+    pub(super) fn repoint(&mut self, s: usize, why: &dyn std::fmt::Display) {
+        let lost = self.loc.server_lost(s);
+        if let Some(&p) = lost.first() {
+            let gone: Vec<&str> = (0..self.addrs.len())
+                .filter(|x| self.down[*x])
+                .map(|x| self.addrs[x].as_str())
+                .collect();
+            let msg = format!(
+                "pagefleet: page {p} of region {:#x} ({} pages in all) had no copy left: memory servers {} are gone ({why}). \
+                 The guest cannot continue without its memory.",
+                self.region_id,
+                lost.len(),
+                gone.join(", ")
+            );
+            self.publish();
+            self.fatal(msg, p);
+            // (Poisoning instead of exiting: every lost page is poisoned,
+            // so no thread reads zeros or waits forever.)
+            for q in lost {
+                let _ = self.uffd.poison(self.addr(q), PAGE as u64);
+            }
+        }
+    }
+
     /// Count remote pages with fewer copies than wanted (for the stats).
-    fn count_degraded(&self) {
+    pub(super) fn count_degraded(&self) {
         let n = if self.replicas < 2 {
             0
         } else {
