@@ -44,6 +44,9 @@ pub(super) struct Rerep {
     cursor: usize,
     /// Some page may have fewer copies than wanted.
     pub(super) active: bool,
+    /// A page behind the cursor may have lost a copy during this pass:
+    /// pass once more.
+    again: bool,
     /// Look again after this (no server could take copies).
     retry_at: Option<Instant>,
     /// Connections for copying, per server.
@@ -63,6 +66,7 @@ impl Rerep {
             last: Instant::now(),
             cursor: 0,
             active: false,
+            again: false,
             retry_at: None,
             conns: HashMap::new(),
             buf: Vec::new(),
@@ -73,8 +77,14 @@ impl Rerep {
 
     /// Some pages may have lost a copy: scan every page again, now.
     pub(super) fn look_again(&mut self) {
-        self.active = true;
-        self.cursor = 0;
+        if self.active {
+            // Finish this pass first (restarting it at every landing
+            // page-out would rescan the pages copied already), then once more.
+            self.again = true;
+        } else {
+            self.active = true;
+            self.cursor = 0;
+        }
         self.retry_at = None;
     }
 
@@ -273,6 +283,9 @@ impl Pager {
             // A full pass found none: done (pages that were arriving are
             // caught by the next pass if they leave again with one copy).
             self.rerep.cursor = 0;
+            if std::mem::take(&mut self.rerep.again) {
+                return;
+            }
             self.rerep.active = false;
             self.count_degraded();
             return;
