@@ -129,10 +129,12 @@ const SWAP_FILE_PREFIX: &str = "/var/tmp/pagefleet-bench-swap-";
 /// Where a bench's memory cgroups live (`PID-RANDOM`).
 const CGROUP_PREFIX: &str = "/sys/fs/cgroup/memory/pagefleet-bench-";
 
-/// The pid a leftover's name starts with, when that process is gone.
-fn dead_owner(rest: &str) -> Option<u32> {
-    let pid: u32 = rest.split('-').next()?.parse().ok()?;
-    (!Path::new(&format!("/proc/{pid}")).exists()).then_some(pid)
+/// Whether the bench whose pid a leftover's name starts with is gone.
+fn owner_gone(rest: &str) -> bool {
+    rest.split('-')
+        .next()
+        .and_then(|p| p.parse::<u32>().ok())
+        .is_some_and(|pid| !Path::new(&format!("/proc/{pid}")).exists())
 }
 
 /// Switch off and remove the swap files and memory cgroups that benches
@@ -141,10 +143,7 @@ fn dead_owner(rest: &str) -> Option<u32> {
 pub fn sweep_leftovers() {
     let swaps = std::fs::read_to_string("/proc/swaps").unwrap_or_default();
     for f in swaps.lines().filter_map(|l| l.split_whitespace().next()) {
-        if f.strip_prefix(SWAP_FILE_PREFIX)
-            .and_then(dead_owner)
-            .is_some()
-        {
+        if f.strip_prefix(SWAP_FILE_PREFIX).is_some_and(owner_gone) {
             eprintln!("switching off {f}, left by a bench that is gone");
             let _ = Command::new("swapoff").arg(f).status();
         }
@@ -153,11 +152,7 @@ pub fn sweep_leftovers() {
         for e in d.flatten() {
             let p = e.path();
             let name = p.to_string_lossy().into_owned();
-            if name
-                .strip_prefix(SWAP_FILE_PREFIX)
-                .and_then(dead_owner)
-                .is_some()
-                && !swaps.contains(&name)
+            if name.strip_prefix(SWAP_FILE_PREFIX).is_some_and(owner_gone) && !swaps.contains(&name)
             {
                 let _ = std::fs::remove_file(&p);
             }
@@ -167,7 +162,7 @@ pub fn sweep_leftovers() {
     if let Ok(d) = std::fs::read_dir(parent) {
         for e in d.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
-            if name.strip_prefix(stem).and_then(dead_owner).is_some() {
+            if name.strip_prefix(stem).is_some_and(owner_gone) {
                 // Fails (and is left) while processes still run in it.
                 let _ = std::fs::remove_dir(e.path());
             }

@@ -47,6 +47,9 @@ pub enum VmError {
     /// QEMU's QMP answered with an error or not at all.
     #[error("QMP: {0}")]
     Qmp(String),
+    /// QEMU closed its QMP socket (it is exiting, mostly).
+    #[error("QMP: QEMU closed its QMP socket")]
+    QmpClosed,
 }
 
 impl VmError {

@@ -9,6 +9,19 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tracing::{info, warn};
 
+/// " (QEMU said: LAST LINES)" from the console of a QEMU that has just
+/// exited, or nothing if it said nothing.
+pub(crate) fn last_words(console: &Console) -> String {
+    // Give the console threads a moment to take QEMU's last words.
+    std::thread::sleep(Duration::from_millis(50));
+    let tail = console.tail(5).join(" | ");
+    if tail.is_empty() {
+        String::new()
+    } else {
+        format!(" (QEMU said: {tail})")
+    }
+}
+
 pub(crate) struct Process {
     child: Mutex<Child>,
     /// Its pid (QEMU's, also behind `ip netns exec`, which execs it).
@@ -66,12 +79,7 @@ impl Process {
     /// it did), its exit status and the console's last lines.
     pub(crate) fn explain(&self, e: VmError, console: &Console) -> VmError {
         // An answer from QEMU (an error reply) says all there is.
-        let lost = match &e {
-            VmError::Io { .. } => true,
-            VmError::Qmp(m) => m.contains("closed its QMP socket"),
-            _ => false,
-        };
-        if !lost {
+        if !matches!(e, VmError::Io { .. } | VmError::QmpClosed) {
             return e;
         }
         let t0 = Instant::now();
@@ -84,17 +92,10 @@ impl Process {
         let Some(st) = st else {
             return e;
         };
-        // Give the console threads a moment to take QEMU's last words.
-        std::thread::sleep(Duration::from_millis(50));
-        let tail = console.tail(5).join(" | ");
         VmError::Qemu(format!(
             "{} exited ({st}) — {e}{}",
             self.name,
-            if tail.is_empty() {
-                String::new()
-            } else {
-                format!("; its last lines: {tail}")
-            }
+            last_words(console)
         ))
     }
 

@@ -292,16 +292,9 @@ impl Vm {
             Ok(s) => s,
             Err(e) => {
                 child.kill();
-                // Give the console threads a moment to take QEMU's last words.
-                std::thread::sleep(Duration::from_millis(50));
-                let tail = console.tail(5).join(" | ");
                 return Err(VmError::Qemu(format!(
                     "{e}{}",
-                    if tail.is_empty() {
-                        String::new()
-                    } else {
-                        format!(" (QEMU said: {tail})")
-                    }
+                    crate::process::last_words(&console)
                 )));
             }
         };

@@ -128,7 +128,7 @@ impl Qmp {
             .read_line(&mut text)
             .map_err(|e| VmError::io("reading QMP", e))?;
         if n == 0 {
-            return Err(VmError::Qmp("QEMU closed its QMP socket".into()));
+            return Err(VmError::QmpClosed);
         }
         serde_json::from_str(&text).map_err(|e| VmError::Qmp(format!("bad QMP line {text:?}: {e}")))
     }

@@ -80,8 +80,7 @@ impl Pager {
                         self.addrs[s]
                     );
                     self.repoint(s, &"down");
-                    self.count_degraded();
-                    self.rerep.look_again();
+                    self.copies_lost();
                     return self.wake(p);
                 }
                 if !self.pending_in.iter().any(|(q, _, _)| *q == p) {

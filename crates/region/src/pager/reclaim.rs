@@ -266,13 +266,13 @@ impl Pager {
         // acknowledged: pointing a page at it would send that page's next
         // fault to a dead server. The pages count only their live copies;
         // a page with none stays here.
-        let (t, t2) = (d.servers[0], d.servers.get(1).copied());
-        let t2 = t2.filter(|x| !self.down[*x]);
-        let (t, t2) = if self.down[t] {
-            (t2, None)
-        } else {
-            (Some(t), t2)
-        };
+        let live: Vec<usize> = d
+            .servers
+            .iter()
+            .copied()
+            .filter(|x| !self.down[*x])
+            .collect();
+        let (t, t2) = (live.first().copied(), live.get(1).copied());
         let mut gone = Vec::new();
         let mut sent = 0u64;
         for (&q, &ok) in d.pages.iter().zip(&d.stored) {
@@ -293,11 +293,6 @@ impl Pager {
                 _ => {}
             }
         }
-        let copies = t.is_some() as usize + t2.is_some() as usize;
-        if copies < self.replicas && sent > 0 {
-            // Fewer copies than wanted: re-replication looks again.
-            self.rerep.look_again();
-        }
         if let (true, Some(t)) = (self.punch(&gone), t) {
             for &q in &gone {
                 self.left(q, t, t2);
@@ -316,8 +311,8 @@ impl Pager {
         st.bytes_out.fetch_add(sent * PAGE as u64, Relaxed);
         // The writer's CPU for the job; the pager's share is metered.
         st.page_out_cpu_ns.fetch_add(d.cpu_ns, Relaxed);
-        if copies < self.replicas && sent > 0 {
-            self.count_degraded();
+        if live.len() < self.replicas && sent > 0 {
+            self.copies_lost();
         }
         self.meter.page_out(t0);
         for (t, e) in d.errors {

@@ -170,8 +170,7 @@ impl Pager {
                 self.evac = Some(ev);
             }
         }
-        self.rerep.look_again();
-        self.count_degraded();
+        self.copies_lost();
         // (After the count: a reader seeing the server down sees its
         // degraded pages too.)
         self.shared.stats.servers_down.fetch_add(1, Relaxed);
@@ -204,8 +203,15 @@ impl Pager {
         }
     }
 
+    /// Some pages may have fewer copies than wanted now: count them and
+    /// let re-replication look again.
+    pub(super) fn copies_lost(&mut self) {
+        self.rerep.look_again();
+        self.count_degraded();
+    }
+
     /// Count remote pages with fewer copies than wanted (for the stats).
-    pub(super) fn count_degraded(&self) {
+    fn count_degraded(&self) {
         let n = if self.replicas < 2 {
             0
         } else {
