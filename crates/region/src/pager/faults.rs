@@ -64,10 +64,14 @@ impl Pager {
             // A write that waited out a page-out: unprotecting woke it already.
             (FaultKind::WriteProtect, _) => self.wake(p),
             (_, ZERO) => self.zero_fill(p),
-            // Stale: the page was installed by a read-ahead meanwhile.
-            (_, LOCAL) => self.wake(p),
+            // Stale: the page was installed by a read-ahead meanwhile (a
+            // use, which the page tables may never show: it was mapped).
+            (_, LOCAL) => {
+                self.access.refb[p] = 1;
+                self.wake(p)
+            }
             // Arriving: its install wakes this thread too.
-            (_, _) if self.loc.out[p] == OUT_ARRIVING => {}
+            (_, _) if self.loc.out[p] == OUT_ARRIVING => self.access.refb[p] = 1,
             (_, s) => {
                 let s = (s - REMOTE) as usize;
                 if self.down[s] {

@@ -313,6 +313,11 @@ pub(super) struct AccessHistory {
     pub(super) refb: Vec<u8>,
     /// Clock: the last sweep's bit. Aging: an 8-bit age, newest bit highest.
     pub(super) age: Vec<u8>,
+    /// Installed by read-ahead and not unmapped since: mapped because the
+    /// pager put it there, so being mapped says nothing of its use (the
+    /// probe ignores it). Like a read-ahead page on Linux's inactive list,
+    /// it earns a second chance only by a use seen after that.
+    pub(super) unproven: Vec<u8>,
     pub(super) policy: Policy,
 }
 
@@ -322,6 +327,7 @@ impl AccessHistory {
         AccessHistory {
             refb: vec![0; pages],
             age: vec![0; pages],
+            unproven: vec![0; pages],
             policy,
         }
     }
@@ -358,6 +364,24 @@ impl AccessHistory {
     pub(super) fn clear(&mut self, lo: usize, hi: usize) {
         self.refb[lo..hi].fill(0);
         self.age[lo..hi].fill(0);
+    }
+
+    /// Pages `lo..hi` were unmapped: a mapping seen from now on is a use.
+    pub(super) fn unmapped(&mut self, lo: usize, hi: usize) {
+        self.unproven[lo..hi].fill(0);
+    }
+
+    /// Mapped pages `lo + a..lo + b` (what a page-table probe found): set
+    /// the reference bits of those the guest mapped itself; returns how many.
+    pub(super) fn mapped(&mut self, lo: usize, a: usize, b: usize) -> u64 {
+        let mut n = 0;
+        for q in lo + a..lo + b {
+            if self.unproven[q] == 0 {
+                self.refb[q] = 1;
+                n += 1;
+            }
+        }
+        n
     }
 
     /// Page `p`'s history byte as snapshots report it (reference bit on top).
@@ -489,5 +513,19 @@ mod tests {
         a.clear(16, 32);
         assert_eq!(a.hotness(16, 32), 0);
         assert_eq!(a.byte(1), 0b0010_0000);
+    }
+
+    #[test]
+    fn pages_mapped_by_read_ahead_count_only_once_unmapped() {
+        let mut h = AccessHistory::new(32, Policy::Clock);
+        // Read-ahead installed (mapped) pages 0..16; the guest mapped 20 itself.
+        h.unproven[0..16].fill(1);
+        assert_eq!(h.mapped(0, 0, 32), 16, "only pages 16..32 are uses");
+        assert_eq!(h.hotness(0, 16), 0, "installed, not used: cold");
+        assert_eq!(h.hotness(16, 32), 16);
+        // Once unmapped, being mapped again is a use.
+        h.unmapped(0, 8);
+        assert_eq!(h.mapped(0, 0, 16), 8);
+        assert_eq!(h.hotness(0, 16), 8);
     }
 }

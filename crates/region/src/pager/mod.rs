@@ -101,6 +101,8 @@ pub(crate) struct Pager {
     /// `PAGEMAP_SCAN` for reference bits ([`refs`]); None on kernels
     /// before 6.7 (then only page-ins count as references).
     pagemap: Option<uffd::Pagemap>,
+    /// What the victim hand's probe read last ([`refs`]).
+    probe_window: refs::ProbeWindow,
     rate: f64,
     max_rate: f64,
     carry: f64,
@@ -343,6 +345,7 @@ impl Pager {
             victims: victims::VictimHand::new(chunks, cfg.chunk_pages),
             pagemap,
             rearm_pending: Vec::new(),
+            probe_window: refs::ProbeWindow::default(),
             // Start slow; the controller raises the rate while faults stay cheap.
             rate: (max_rate / 64.0).clamp(1.0, 64.0),
             max_rate: max_rate.max(10.0),

@@ -232,6 +232,7 @@ impl Pager {
                 st.write_hinted_pages.fetch_add(1, Relaxed);
             }
             self.access.refb[p] = 1;
+            self.access.unproven[p] = 0;
             st.page_in_latency
                 .record_us(g.since.elapsed().as_secs_f64() * 1e6);
             st.page_ins.fetch_add(1, Relaxed);
@@ -258,6 +259,7 @@ impl Pager {
             for r in part[i..j].iter() {
                 self.arrived(*r as usize, s, g.keep, g.keep);
             }
+            self.access.unproven[q..q + (j - i)].fill(1);
             i = j;
         }
         st.page_ins.fetch_add(part.len() as u64, Relaxed);

@@ -38,6 +38,7 @@ impl Pager {
                 self.guest.base(),
                 self.cp,
                 self.chunks,
+                &mut self.probe_window,
             );
             let batch = self
                 .victims

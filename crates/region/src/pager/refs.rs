@@ -24,6 +24,31 @@ const REARM_GAP: usize = 8;
 /// Chunks read per `PAGEMAP_SCAN` while the victim hand advances.
 const PROBE_WINDOW: usize = 64;
 
+/// How long what a probe read stays good. The hand passes a 64-chunk
+/// window in a few ms in a sequential scan; re-reading it for every small
+/// batch (64 pages between the watermarks) cost a quarter of the pager's
+/// CPU there. A touch in the last few ms can be missed (that chunk is
+/// evicted a pass early), as the kernel's LRU misses accessed bits it has
+/// not looked at yet.
+const PROBE_FRESH: Duration = Duration::from_millis(10);
+
+/// The chunks a probe has read already, and when.
+pub(super) struct ProbeWindow {
+    lo: usize,
+    hi: usize,
+    at: Instant,
+}
+
+impl Default for ProbeWindow {
+    fn default() -> Self {
+        ProbeWindow {
+            lo: 0,
+            hi: 0,
+            at: Instant::now(),
+        }
+    }
+}
+
 /// The victim hand's probe: reads the mapped pages of a window of chunks at
 /// a time and sets their reference bits.
 pub(super) struct PagemapProbe<'a> {
@@ -31,11 +56,7 @@ pub(super) struct PagemapProbe<'a> {
     pub(super) base: u64,
     pub(super) cp: usize,
     pub(super) chunks: usize,
-    /// Chunks `lo..hi` are read already in this batch.
-    lo: usize,
-    hi: usize,
-    /// Referenced pages found.
-    pub(super) found: u64,
+    window: &'a mut ProbeWindow,
 }
 
 impl<'a> PagemapProbe<'a> {
@@ -44,38 +65,36 @@ impl<'a> PagemapProbe<'a> {
         base: u64,
         cp: usize,
         chunks: usize,
+        window: &'a mut ProbeWindow,
     ) -> Self {
         PagemapProbe {
             pm,
             base,
             cp,
             chunks,
-            lo: 0,
-            hi: 0,
-            found: 0,
+            window,
         }
     }
 }
 
 impl RefProbe for PagemapProbe<'_> {
     fn refresh(&mut self, chunk: usize, access: &mut AccessHistory) {
-        if (self.lo..self.hi).contains(&chunk) {
+        let w = &mut *self.window;
+        if (w.lo..w.hi).contains(&chunk) && w.at.elapsed() < PROBE_FRESH {
             return;
         }
         let Some(pm) = self.pm.as_deref_mut() else {
             return;
         };
-        self.lo = chunk;
-        self.hi = (chunk + PROBE_WINDOW).min(self.chunks);
-        let first = self.lo * self.cp;
+        w.lo = chunk;
+        w.hi = (chunk + PROBE_WINDOW).min(self.chunks);
+        w.at = Instant::now();
+        let first = w.lo * self.cp;
         let addr = self.base + (first * PAGE) as u64;
-        let len = ((self.hi - self.lo) * self.cp * PAGE) as u64;
-        let mut found = 0;
+        let len = ((w.hi - w.lo) * self.cp * PAGE) as u64;
         let _ = pm.present(addr, len, &mut |a, b| {
-            access.refb[first + a..first + b].fill(1);
-            found += (b - a) as u64;
+            access.mapped(first, a, b);
         });
-        self.found += found;
     }
 }
 
@@ -87,11 +106,10 @@ impl Pager {
             return 0;
         };
         let addr = self.guest.base() + (lo * PAGE) as u64;
-        let refb = &mut self.access.refb;
+        let access = &mut self.access;
         let mut found = 0;
         let _ = pm.present(addr, ((hi - lo) * PAGE) as u64, &mut |a, b| {
-            refb[lo + a..lo + b].fill(1);
-            found += (b - a) as u64;
+            found += access.mapped(lo, a, b);
         });
         found
     }
@@ -120,6 +138,7 @@ impl Pager {
             let _ = self
                 .guest
                 .unmap(a * self.cp * PAGE, (b - a) * self.cp * PAGE);
+            self.access.unmapped(a * self.cp, b * self.cp);
             calls += 1;
             i = j;
         }
