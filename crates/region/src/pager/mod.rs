@@ -119,6 +119,8 @@ pub(crate) struct Pager {
     meter: meter::CpuMeter,
     /// Between the high and low watermarks: keep evicting.
     evicting: bool,
+    /// When the victim hand last chose victims.
+    victims_at: Option<Instant>,
     /// Remote faults of the current batch: (page, server, write fault).
     pending_in: Vec<(usize, usize, bool)>,
     /// Pages whose faults wait for their drop job (`OUT_DROPPING`).
@@ -364,6 +366,7 @@ impl Pager {
             full_warned: false,
             meter: meter::CpuMeter::new(),
             evicting: false,
+            victims_at: None,
             pending_in: Vec::new(),
             dropping_faults: Vec::new(),
             gets: (0..cfg.servers.len()).map(|_| Default::default()).collect(),

@@ -46,6 +46,7 @@ impl Pager {
             // Spared chunks are unmapped again (with the sampler's next
             // tick: one TLB shootdown per run per tick, not per batch).
             self.rearm_pending.extend_from_slice(&self.victims.spared);
+            self.victims_at = Some(Instant::now());
             if batch.is_empty() || !self.page_out(&batch) {
                 self.evicting = false;
                 break;
