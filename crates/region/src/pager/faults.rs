@@ -67,11 +67,11 @@ impl Pager {
             // Stale: the page was installed by a read-ahead meanwhile (a
             // use, which the page tables may never show: it was mapped).
             (_, LOCAL) => {
-                self.access.refb[p] = 1;
+                self.access.used(p);
                 self.wake(p)
             }
             // Arriving: its install wakes this thread too.
-            (_, _) if self.loc.out[p] == OUT_ARRIVING => self.access.refb[p] = 1,
+            (_, _) if self.loc.out[p] == OUT_ARRIVING => self.access.used(p),
             (_, s) => {
                 let s = (s - REMOTE) as usize;
                 if self.down[s] {

@@ -366,6 +366,12 @@ impl AccessHistory {
         self.age[lo..hi].fill(0);
     }
 
+    /// The guest used page `p` (it faulted on it).
+    pub(super) fn used(&mut self, p: usize) {
+        self.refb[p] = 1;
+        self.unproven[p] = 0;
+    }
+
     /// Pages `lo..hi` were unmapped: a mapping seen from now on is a use.
     pub(super) fn unmapped(&mut self, lo: usize, hi: usize) {
         self.unproven[lo..hi].fill(0);

@@ -231,8 +231,7 @@ impl Pager {
             } else if hinted && g.keep {
                 st.write_hinted_pages.fetch_add(1, Relaxed);
             }
-            self.access.refb[p] = 1;
-            self.access.unproven[p] = 0;
+            self.access.used(p);
             st.page_in_latency
                 .record_us(g.since.elapsed().as_secs_f64() * 1e6);
             st.page_ins.fetch_add(1, Relaxed);

@@ -89,29 +89,42 @@ impl RefProbe for PagemapProbe<'_> {
         w.lo = chunk;
         w.hi = (chunk + PROBE_WINDOW).min(self.chunks);
         w.at = Instant::now();
-        let first = w.lo * self.cp;
-        let addr = self.base + (first * PAGE) as u64;
-        let len = ((w.hi - w.lo) * self.cp * PAGE) as u64;
-        let _ = pm.present(addr, len, &mut |a, b| {
-            access.mapped(first, a, b);
-        });
+        read_mapped(pm, self.base, w.lo * self.cp, w.hi * self.cp, access);
     }
+}
+
+/// Set the reference bits of pages `lo..hi` the guest mapped since their
+/// last zap (one `PAGEMAP_SCAN`); returns how many.
+fn read_mapped(
+    pm: &mut uffd::Pagemap,
+    base: u64,
+    lo: usize,
+    hi: usize,
+    access: &mut AccessHistory,
+) -> u64 {
+    let addr = base + (lo * PAGE) as u64;
+    let mut found = 0;
+    let _ = pm.present(addr, ((hi - lo) * PAGE) as u64, &mut |a, b| {
+        found += access.mapped(lo, a, b);
+    });
+    found
 }
 
 impl Pager {
     /// Set the reference bits of pages `lo..hi` mapped now (touched since
     /// their last zap, or installed since); returns how many.
     pub(super) fn read_refs(&mut self, lo: usize, hi: usize) -> u64 {
-        let Some(pm) = self.pagemap.as_mut() else {
-            return 0;
-        };
-        let addr = self.guest.base() + (lo * PAGE) as u64;
-        let access = &mut self.access;
-        let mut found = 0;
-        let _ = pm.present(addr, ((hi - lo) * PAGE) as u64, &mut |a, b| {
-            found += access.mapped(lo, a, b);
-        });
-        found
+        match self.pagemap.as_mut() {
+            Some(pm) => read_mapped(pm, self.guest.base(), lo, hi, &mut self.access),
+            None => 0,
+        }
+    }
+
+    /// Unmap pages `lo..hi` (one `madvise`, a TLB shootdown): their next
+    /// touch shows in the page tables as a use.
+    pub(super) fn zap(&mut self, lo: usize, hi: usize) {
+        let _ = self.guest.unmap(lo * PAGE, (hi - lo) * PAGE);
+        self.access.unmapped(lo, hi);
     }
 
     /// Unmap the pages of these chunks (sorted or not), one `madvise` per
@@ -135,10 +148,7 @@ impl Pager {
                 // Gaps between spared chunks: keep what their pages show.
                 self.read_refs(a * self.cp, b * self.cp);
             }
-            let _ = self
-                .guest
-                .unmap(a * self.cp * PAGE, (b - a) * self.cp * PAGE);
-            self.access.unmapped(a * self.cp, b * self.cp);
+            self.zap(a * self.cp, b * self.cp);
             calls += 1;
             i = j;
         }

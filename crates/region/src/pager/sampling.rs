@@ -109,14 +109,9 @@ impl Pager {
         if self.pagemap.is_none() {
             return;
         }
-        let _ = self
-            .guest
-            .unmap(start * self.cp * PAGE, first * self.cp * PAGE);
-        self.access
-            .unmapped(start * self.cp, (start + first) * self.cp);
+        self.zap(start * self.cp, (start + first) * self.cp);
         if scanned > first {
-            let _ = self.guest.unmap(0, (scanned - first) * self.cp * PAGE);
-            self.access.unmapped(0, (scanned - first) * self.cp);
+            self.zap(0, (scanned - first) * self.cp);
         }
         self.window_zaps += 1 + (scanned > first) as u64;
     }
