@@ -9,7 +9,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def color(kind):
-    return {"Local": "black", "Region": "tab:blue", "SwapFile": "tab:red", "SwapSsd": "tab:purple", "Zram": "tab:orange"}.get(kind, "grey")
+    return {"Local": "black", "Region": "tab:blue", "SwapFile": "tab:red", "SwapSsd": "tab:purple", "Zram": "tab:orange", "Floor": "tab:green"}.get(kind, "grey")
 
 
 def main(src, dst):

@@ -14,6 +14,7 @@ pub mod blockdev;
 pub mod dedup;
 pub mod ioqos;
 pub mod ksm;
+pub mod kv_floor;
 pub mod memserver;
 pub mod migration;
 pub mod paging;

@@ -718,7 +718,7 @@ fn measure_rss(secret_path: &std::path::Path, secret: &Secret) -> Result<Rss> {
 /// Plain sockets moving the same bytes with no protocol: bulk streams of
 /// 128 KiB writes, and request/response pairs sized like our GET and PUT.
 pub(crate) struct RawServer {
-    addr: String,
+    pub(crate) addr: String,
     pub(crate) child: Child,
 }
 
@@ -911,6 +911,8 @@ fn raw_serve(mut s: TcpStream) -> std::io::Result<()> {
                 s.write_all(&data[..k * P])?;
             }
         }
+        // A page store (the kv floor's memory server).
+        b'S' => crate::kv_floor::serve_store(s, total)?,
         m @ (b'G' | b'P') => {
             let (req, rep) = if m == b'G' {
                 (GET_REQ, GET_REP)

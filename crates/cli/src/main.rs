@@ -203,6 +203,16 @@ enum BenchCmd {
     /// The raw-TCP baseline server used by `bench memserver` (internal).
     #[command(hide = true)]
     RawServer,
+    /// The kv guest over the floor pager used by `bench paging` (internal).
+    #[command(hide = true)]
+    KvFloorGuest {
+        #[arg(long)]
+        size: u64,
+        #[arg(long)]
+        budget_pages: u64,
+        #[arg(long)]
+        store: String,
+    },
 }
 
 /// A benchmark's own flags and those every benchmark takes.
@@ -613,6 +623,11 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Bench(BenchCmd::Ksm(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::Ioqos(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::RawServer) => bench::memserver::raw_server_main(),
+        Cmd::Bench(BenchCmd::KvFloorGuest {
+            size,
+            budget_pages,
+            store,
+        }) => bench::kv_floor::guest_main(size, budget_pages, &store),
         Cmd::Demo(o) => demo(o),
         Cmd::Run(a) => run::run(a, cli.secret_file.as_deref()),
         Cmd::Testbed(t) => testbed(t),

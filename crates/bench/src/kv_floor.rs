@@ -1,0 +1,442 @@
+//! The kv floor: the kv guest over the least a user-space pager must do to
+//! keep it within a budget, as a reference for `bench paging`'s goals
+//! against zram (what any userfaultfd pager could reach here, measured in
+//! the same run).
+//!
+//! The fault handler answers MISSING faults from a raw TCP page store (a
+//! 9-byte request, the 4 KiB page back; every request of a batch sent
+//! before the first reply is read) and installs pages a read faulted in
+//! write-protected, so the first write shows (one WP fault). Over the
+//! budget it hands the oldest installed pages to an evictor thread (FIFO:
+//! no reference tracking at all, no zaps, no page-table reads), which may
+//! run on any CPU as pagefleet's writer and the kernel's kswapd do: clean
+//! pages are punched, dirty ones write-protected, sent, flushed (one ack
+//! per batch) and punched. A fault on a page in a batch waits for the
+//! batch, then pages it back in: nothing is lost. No location database, no
+//! replicas, no second server, no stats beyond three counters: what
+//! pagefleet adds is everything else.
+
+use anyhow::{bail, Context, Result};
+use pagefleet_guests::{kv, Mem};
+use pagefleet_uffd::{self as uffd, FaultKind, Uffd};
+use std::collections::VecDeque;
+use std::io::{BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::Arc;
+
+const P: usize = 4096;
+/// Store request: `g`, `p` or `f`, then the page number (little endian); a
+/// `p` is followed by the page, a `g` answered with it, an `f` with one
+/// byte once everything before it on the connection is stored.
+const REQ: usize = 9;
+/// Pages evicted together (one WP, one send, one punch per run).
+const EVICT_BATCH: usize = 32;
+/// Batches out at once.
+const MAX_BATCHES: usize = 4;
+
+/// The evictor thread's name: `bench paging` lets it run on any CPU.
+pub const EVICT_THREAD: &str = "kv-floor-evict";
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Never written: a fault gets a zero page.
+    Zero,
+    /// Here, the store's copy current (write-protected).
+    Clean,
+    /// Here, written since it came (or never stored).
+    Dirty,
+    /// In a batch with the evictor.
+    Leaving,
+    /// On the store only.
+    Remote,
+}
+
+#[derive(Default)]
+struct Counters {
+    page_ins: AtomicU64,
+    page_outs: AtomicU64,
+    clean_drops: AtomicU64,
+}
+
+/// Pages to evict: (page, dirty), sorted.
+type Batch = Vec<(usize, bool)>;
+/// Run the kv guest (`pagefleet bench kv-floor-guest`) on `size` bytes paged
+/// against the store at `store` within `budget_pages`; prints
+/// `kv listening ADDR` as `pagefleet run kv` does and serves until killed.
+pub fn guest_main(size: u64, budget_pages: u64, store: &str) -> Result<()> {
+    if size < (32 << 20) || !size.is_multiple_of(P as u64) {
+        bail!("--size must be a multiple of 4 KiB, at least 32 MiB");
+    }
+    let pages = size / P as u64;
+    if budget_pages < EVICT_BATCH as u64 * 4 || budget_pages > pages {
+        bail!(
+            "--budget-pages must be between {} and {pages}",
+            EVICT_BATCH * 4
+        );
+    }
+    let fd = Arc::new(uffd::memfd("kv-floor", size)?);
+    let m = uffd::Mapping::shared(fd.as_raw_fd(), size as usize)?;
+    m.madvise(0, m.len(), libc::MADV_NOHUGEPAGE)?;
+    let u = Uffd::open(
+        uffd::FEATURE_MISSING_SHMEM
+            | uffd::FEATURE_WP_HUGETLBFS_SHMEM
+            | uffd::FEATURE_PAGEFAULT_FLAG_WP,
+    )?;
+    u.register(m.base(), size, uffd::MODE_MISSING | uffd::MODE_WP)?;
+    let mut conn = TcpStream::connect(store).with_context(|| format!("page store {store}"))?;
+    conn.set_nodelay(true)?;
+    let mut hello = [b'S'; 9];
+    hello[1..].copy_from_slice(&size.to_le_bytes());
+    conn.write_all(&hello)?;
+    let mut evict_conn =
+        TcpStream::connect(store).with_context(|| format!("page store {store}"))?;
+    evict_conn.set_nodelay(true)?;
+    evict_conn.write_all(&hello)?;
+    let counters = Arc::new(Counters::default());
+    let u = Arc::new(u);
+    let doorbell = Arc::new(uffd::eventfd()?);
+    let (jobs, job_rx) = mpsc::channel::<Batch>();
+    let (done_tx, done) = mpsc::channel::<Batch>();
+    let ev = Evictor {
+        u: u.clone(),
+        fd: fd.clone(),
+        base: m.base(),
+        conn: evict_conn,
+        counters: counters.clone(),
+        doorbell: doorbell.clone(),
+    };
+    std::thread::Builder::new()
+        .name(EVICT_THREAD.into())
+        .spawn(move || {
+            if let Err(e) = ev.run(job_rx, done_tx) {
+                eprintln!("kv floor evictor: {e:#}");
+                std::process::exit(1);
+            }
+        })?;
+    let mut h = Handler {
+        u,
+        base: m.base(),
+        state: vec![State::Zero; pages as usize],
+        fifo: VecDeque::new(),
+        budget: budget_pages,
+        reader: BufReader::with_capacity(64 * P, conn.try_clone()?),
+        conn,
+        counters: counters.clone(),
+        out: Vec::new(),
+        jobs,
+        done,
+        doorbell,
+        out_batches: 0,
+        leaving: 0,
+        waiting: Vec::new(),
+    };
+    std::thread::Builder::new()
+        .name("kv-floor-pager".into())
+        .spawn(move || {
+            if let Err(e) = h.run() {
+                // The guest cannot go on without its pages.
+                eprintln!("kv floor pager: {e:#}");
+                std::process::exit(1);
+            }
+        })?;
+    // SAFETY: the mapping lives until the process exits (this function
+    // serves until killed and never drops `m` before returning).
+    let mem = unsafe { Mem::new(m.addr(), size as usize) };
+    let mut k = kv::Kv::open(mem);
+    let c = counters.clone();
+    k.extra_stats = Some(Box::new(move || {
+        vec![
+            ("pf_page_ins".into(), c.page_ins.load(Relaxed)),
+            ("pf_page_outs".into(), c.page_outs.load(Relaxed)),
+            ("pf_clean_drops".into(), c.clean_drops.load(Relaxed)),
+        ]
+    }));
+    let l = TcpListener::bind("127.0.0.1:0")?;
+    println!("kv listening {}", l.local_addr()?);
+    std::io::stdout().flush()?;
+    kv::serve(Arc::new(k), l, Arc::new(AtomicBool::new(false)));
+    drop(m);
+    Ok(())
+}
+
+struct Handler {
+    u: Arc<Uffd>,
+    base: u64,
+    state: Vec<State>,
+    /// Installed pages, oldest first.
+    fifo: VecDeque<u32>,
+    budget: u64,
+    conn: TcpStream,
+    reader: BufReader<TcpStream>,
+    counters: Arc<Counters>,
+    /// Outgoing requests of one batch.
+    out: Vec<u8>,
+    jobs: Sender<Batch>,
+    done: Receiver<Batch>,
+    doorbell: Arc<OwnedFd>,
+    out_batches: usize,
+    /// Pages in batches out.
+    leaving: u64,
+    /// Faults on leaving pages, woken when their batch is done.
+    waiting: Vec<usize>,
+}
+
+impl Handler {
+    fn addr(&self, p: usize) -> u64 {
+        self.base + (p * P) as u64
+    }
+
+    fn run(&mut self) -> Result<()> {
+        let mut faults = Vec::new();
+        let mut gets: Vec<(usize, bool)> = Vec::new();
+        let mut page = vec![0u8; P];
+        loop {
+            let mut fds = [
+                libc::pollfd {
+                    fd: self.u.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                },
+                libc::pollfd {
+                    fd: self.doorbell.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                },
+            ];
+            // SAFETY: two valid pollfds.
+            if unsafe { libc::poll(fds.as_mut_ptr(), 2, 1000) } < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    return Err(e.into());
+                }
+            }
+            if fds[1].revents != 0 {
+                uffd::drain(self.doorbell.as_raw_fd());
+                while let Ok(b) = self.done.try_recv() {
+                    self.landed(b)?;
+                }
+            }
+            faults.clear();
+            self.u.read_faults(&mut faults, 64)?;
+            gets.clear();
+            for f in &faults {
+                let p = ((f.addr - self.base) / P as u64) as usize;
+                match (f.kind, self.state[p]) {
+                    // Whatever the fault, it waits for the batch.
+                    (_, State::Leaving) => self.waiting.push(p),
+                    (FaultKind::WriteProtect, State::Clean) => {
+                        self.state[p] = State::Dirty;
+                        self.u.writeprotect(self.addr(p), P as u64, false)?;
+                    }
+                    (FaultKind::WriteProtect, _) => self.u.wake(self.addr(p), P as u64)?,
+                    (_, State::Zero) => {
+                        self.u.zeropage(self.addr(p), P as u64)?;
+                        self.installed(p, State::Dirty);
+                    }
+                    (_, State::Clean | State::Dirty) => self.u.wake(self.addr(p), P as u64)?,
+                    (_, State::Remote) => {
+                        if !gets.iter().any(|(q, _)| *q == p) {
+                            gets.push((p, f.write));
+                        }
+                    }
+                }
+            }
+            if !gets.is_empty() {
+                self.out.clear();
+                for (p, _) in &gets {
+                    self.out.push(b'g');
+                    self.out.extend_from_slice(&(*p as u64).to_le_bytes());
+                }
+                self.conn.write_all(&self.out)?;
+                for &(p, write) in &gets {
+                    self.reader.read_exact(&mut page)?;
+                    // A read installs the page write-protected: its first
+                    // write is the one WP fault that marks it dirty.
+                    self.u.copy_mode(self.addr(p), &page, false, !write)?;
+                    self.installed(p, if write { State::Dirty } else { State::Clean });
+                }
+                self.counters.page_ins.fetch_add(gets.len() as u64, Relaxed);
+            }
+            self.balance()?;
+        }
+    }
+
+    fn installed(&mut self, p: usize, s: State) {
+        self.state[p] = s;
+        self.fifo.push_back(p as u32);
+    }
+
+    /// Keep installed pages a few batches below the budget; wait for the
+    /// evictor only when memory itself is over it.
+    fn balance(&mut self) -> Result<()> {
+        let low = self.budget - (MAX_BATCHES * EVICT_BATCH) as u64;
+        while self.fifo.len() as u64 > low && self.out_batches < MAX_BATCHES {
+            let n = EVICT_BATCH.min(self.fifo.len());
+            let mut b: Batch = self
+                .fifo
+                .drain(..n)
+                .map(|p| {
+                    let p = p as usize;
+                    (p, self.state[p] == State::Dirty)
+                })
+                .collect();
+            b.sort_unstable();
+            for &(p, _) in &b {
+                self.state[p] = State::Leaving;
+            }
+            self.leaving += b.len() as u64;
+            self.out_batches += 1;
+            if self.jobs.send(b).is_err() {
+                bail!("the evictor stopped");
+            }
+        }
+        while self.fifo.len() as u64 + self.leaving > self.budget {
+            let Ok(b) = self.done.recv() else {
+                bail!("the evictor stopped");
+            };
+            self.landed(b)?;
+        }
+        Ok(())
+    }
+
+    /// A batch is out: its pages are on the store only; faults that waited
+    /// on them retry (and page them back in).
+    fn landed(&mut self, b: Batch) -> Result<()> {
+        for &(p, _) in &b {
+            self.state[p] = State::Remote;
+        }
+        self.leaving -= b.len() as u64;
+        self.out_batches -= 1;
+        for p in std::mem::take(&mut self.waiting) {
+            if self.state[p] == State::Leaving {
+                self.waiting.push(p);
+            } else {
+                self.u.wake(self.addr(p), P as u64)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+struct Evictor {
+    u: Arc<Uffd>,
+    fd: Arc<OwnedFd>,
+    base: u64,
+    conn: TcpStream,
+    counters: Arc<Counters>,
+    doorbell: Arc<OwnedFd>,
+}
+
+impl Evictor {
+    fn run(mut self, jobs: Receiver<Batch>, done: Sender<Batch>) -> Result<()> {
+        let mut out = Vec::new();
+        for b in jobs {
+            let dirty: Vec<usize> = b.iter().filter(|(_, d)| *d).map(|(p, _)| *p).collect();
+            // Protect before reading: a write from here on waits in its WP
+            // fault until the batch is done, then pages the page back in.
+            for r in runs(&dirty) {
+                self.u
+                    .writeprotect(self.base + (r.0 * P) as u64, (r.1 * P) as u64, true)?;
+            }
+            if !dirty.is_empty() {
+                out.clear();
+                for &p in &dirty {
+                    out.push(b'p');
+                    out.extend_from_slice(&(p as u64).to_le_bytes());
+                    // SAFETY: page p is inside the mapping and resident (the
+                    // handler punches nothing; this thread punches it only
+                    // below); the guest may read it meanwhile, not write it.
+                    let src = unsafe {
+                        std::slice::from_raw_parts((self.base + (p * P) as u64) as *const u8, P)
+                    };
+                    out.extend_from_slice(src);
+                }
+                out.push(b'f');
+                out.extend_from_slice(&0u64.to_le_bytes());
+                self.conn.write_all(&out)?;
+                let mut ack = [0u8; 1];
+                self.conn.read_exact(&mut ack)?;
+            }
+            let pages: Vec<usize> = b.iter().map(|(p, _)| *p).collect();
+            for r in runs(&pages) {
+                uffd::punch_hole(self.fd.as_raw_fd(), (r.0 * P) as u64, (r.1 * P) as u64)?;
+            }
+            self.counters
+                .page_outs
+                .fetch_add(dirty.len() as u64, Relaxed);
+            self.counters
+                .clean_drops
+                .fetch_add((b.len() - dirty.len()) as u64, Relaxed);
+            if done.send(b).is_err() {
+                return Ok(());
+            }
+            uffd::ring(self.doorbell.as_raw_fd());
+        }
+        Ok(())
+    }
+}
+
+/// Runs of consecutive pages in sorted `v`: (first, count).
+fn runs(v: &[usize]) -> Vec<(usize, usize)> {
+    let mut out: Vec<(usize, usize)> = Vec::new();
+    for &p in v {
+        match out.last_mut() {
+            Some((a, n)) if *a + *n == p => *n += 1,
+            _ => out.push((p, 1)),
+        }
+    }
+    out
+}
+
+/// The page store's side of a connection (`S` mode of `bench raw-server`):
+/// `total` bytes of pages, zero until written, shared by the connections
+/// of this process (the floor's handler and its evictor).
+pub(crate) fn serve_store(s: TcpStream, total: usize) -> std::io::Result<()> {
+    static STORE: std::sync::OnceLock<std::sync::Mutex<Vec<u8>>> = std::sync::OnceLock::new();
+    let store = STORE.get_or_init(|| std::sync::Mutex::new(vec![0u8; total]));
+    let mut r = BufReader::with_capacity(64 * P, s.try_clone()?);
+    let mut w = s;
+    let mut req = [0u8; REQ];
+    let mut page = vec![0u8; P];
+    while r.read_exact(&mut req).is_ok() {
+        let p = u64::from_le_bytes(req[1..].try_into().expect("8 bytes")) as usize;
+        let Some(at) = p.checked_mul(P).filter(|a| a + P <= total) else {
+            return Ok(());
+        };
+        let slot = |m: &mut Vec<u8>| -> std::ops::Range<usize> { at..(at + P).min(m.len()) };
+        match req[0] {
+            b'g' => {
+                {
+                    let mut m = store.lock().unwrap_or_else(|e| e.into_inner());
+                    let rg = slot(&mut m);
+                    page[..rg.len()].copy_from_slice(&m[rg]);
+                }
+                w.write_all(&page)?
+            }
+            b'p' => {
+                r.read_exact(&mut page)?;
+                let mut m = store.lock().unwrap_or_else(|e| e.into_inner());
+                let rg = slot(&mut m);
+                let n = rg.len();
+                m[rg].copy_from_slice(&page[..n]);
+            }
+            b'f' => w.write_all(&[1])?,
+            _ => return Ok(()),
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::runs;
+
+    #[test]
+    fn runs_split_at_gaps() {
+        assert_eq!(runs(&[1, 2, 3, 7, 9, 10]), vec![(1, 3), (7, 1), (9, 2)]);
+        assert!(runs(&[]).is_empty());
+    }
+}
