@@ -246,9 +246,8 @@ impl Handler {
             }
             if !gets.is_empty() {
                 self.out.clear();
-                for (p, _) in &gets {
-                    self.out.push(b'g');
-                    self.out.extend_from_slice(&(*p as u64).to_le_bytes());
+                for &(p, _) in &gets {
+                    request(&mut self.out, b'g', p);
                 }
                 self.conn.write_all(&self.out)?;
                 for &(p, write) in &gets {
@@ -344,8 +343,7 @@ impl Evictor {
             if !dirty.is_empty() {
                 out.clear();
                 for &p in &dirty {
-                    out.push(b'p');
-                    out.extend_from_slice(&(p as u64).to_le_bytes());
+                    request(&mut out, b'p', p);
                     // SAFETY: page p is inside the mapping and resident (the
                     // handler punches nothing; this thread punches it only
                     // below); the guest may read it meanwhile, not write it.
@@ -354,8 +352,7 @@ impl Evictor {
                     };
                     out.extend_from_slice(src);
                 }
-                out.push(b'f');
-                out.extend_from_slice(&0u64.to_le_bytes());
+                request(&mut out, b'f', 0);
                 self.conn.write_all(&out)?;
                 let mut ack = [0u8; 1];
                 self.conn.read_exact(&mut ack)?;
@@ -379,6 +376,12 @@ impl Evictor {
     }
 }
 
+/// Append a store request for page `p`.
+fn request(out: &mut Vec<u8>, op: u8, p: usize) {
+    out.push(op);
+    out.extend_from_slice(&(p as u64).to_le_bytes());
+}
+
 /// Runs of consecutive pages in sorted `v`: (first, count).
 fn runs(v: &[usize]) -> Vec<(usize, usize)> {
     let mut out: Vec<(usize, usize)> = Vec::new();
@@ -397,6 +400,8 @@ fn runs(v: &[usize]) -> Vec<(usize, usize)> {
 pub(crate) fn serve_store(s: TcpStream, total: usize) -> std::io::Result<()> {
     static STORE: std::sync::OnceLock<std::sync::Mutex<Vec<u8>>> = std::sync::OnceLock::new();
     let store = STORE.get_or_init(|| std::sync::Mutex::new(vec![0u8; total]));
+    // The first connection sized the store.
+    let total = store.lock().unwrap_or_else(|e| e.into_inner()).len();
     let mut r = BufReader::with_capacity(64 * P, s.try_clone()?);
     let mut w = s;
     let mut req = [0u8; REQ];
@@ -406,22 +411,15 @@ pub(crate) fn serve_store(s: TcpStream, total: usize) -> std::io::Result<()> {
         let Some(at) = p.checked_mul(P).filter(|a| a + P <= total) else {
             return Ok(());
         };
-        let slot = |m: &mut Vec<u8>| -> std::ops::Range<usize> { at..(at + P).min(m.len()) };
+        let lock = || store.lock().unwrap_or_else(|e| e.into_inner());
         match req[0] {
             b'g' => {
-                {
-                    let mut m = store.lock().unwrap_or_else(|e| e.into_inner());
-                    let rg = slot(&mut m);
-                    page[..rg.len()].copy_from_slice(&m[rg]);
-                }
+                page.copy_from_slice(&lock()[at..at + P]);
                 w.write_all(&page)?
             }
             b'p' => {
                 r.read_exact(&mut page)?;
-                let mut m = store.lock().unwrap_or_else(|e| e.into_inner());
-                let rg = slot(&mut m);
-                let n = rg.len();
-                m[rg].copy_from_slice(&page[..n]);
+                lock()[at..at + P].copy_from_slice(&page);
             }
             b'f' => w.write_all(&[1])?,
             _ => return Ok(()),

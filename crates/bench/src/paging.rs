@@ -235,6 +235,19 @@ pub const SAMPLING_ONLY_MID: &str = "pagefleet 100% (sampling only, middle)";
 /// against zram is the median of its three pairs' ratios. This machine's
 /// speed drifts between phases (all-local runs of one bench differed by up
 /// to 1.6x), more than the difference measured; a pair shares a phase.
+const ZRAM_PAIRS: [[(&str, &str); 3]; 2] = [
+    [
+        (DEFAULT_50, "zram 50%"),
+        ("pagefleet 50% default (2)", "zram 50% (2)"),
+        ("pagefleet 50% default (3)", "zram 50% (3)"),
+    ],
+    [
+        (DEFAULT_25, "zram 25%"),
+        ("pagefleet 25% default (2)", "zram 25% (2)"),
+        ("pagefleet 25% default (3)", "zram 25% (3)"),
+    ],
+];
+
 /// The floor pager's runs beside each (pagefleet, zram) pair.
 const FLOOR_PAIRS: [[&str; 3]; 2] = [
     [
@@ -246,19 +259,6 @@ const FLOOR_PAIRS: [[&str; 3]; 2] = [
         "floor pager 25%",
         "floor pager 25% (2)",
         "floor pager 25% (3)",
-    ],
-];
-
-const ZRAM_PAIRS: [[(&str, &str); 3]; 2] = [
-    [
-        (DEFAULT_50, "zram 50%"),
-        ("pagefleet 50% default (2)", "zram 50% (2)"),
-        ("pagefleet 50% default (3)", "zram 50% (3)"),
-    ],
-    [
-        (DEFAULT_25, "zram 25%"),
-        ("pagefleet 25% default (2)", "zram 25% (2)"),
-        ("pagefleet 25% default (3)", "zram 25% (3)"),
     ],
 ];
 
