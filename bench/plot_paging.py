@@ -28,9 +28,9 @@ def main(src, dst):
     ax.grid(alpha=0.3, axis="x")
     ax = axes[1]
     for x in rows:
-        if x["per_second"]:
-            ax.plot(range(1, len(x["per_second"]) + 1), x["per_second"], color=color(x["cfg"]["kind"]), alpha=0.7, lw=1)
-    ax.set_xlabel("second of the measured window")
+        if x["rounds"]:
+            ax.plot(range(1, len(x["rounds"]) + 1), x["rounds"], color=color(x["cfg"]["kind"]), alpha=0.7, lw=1)
+    ax.set_xlabel("interleaved round")
     ax.set_ylabel("ops/s")
     ax.set_yscale("log")
     ax.set_title("throughput over time (blue: pagefleet, red: swap file, orange: zram)")

@@ -114,10 +114,16 @@ fn bench_paging_quick_json_has_rows_faults_and_goals() {
     let v: serde_json::Value =
         serde_json::from_slice(&out.stdout).expect("stdout is one JSON object");
     let rows = v["rows"].as_array().unwrap();
-    assert_eq!(rows.len(), 3, "all local twice and the default: {rows:?}");
+    assert_eq!(
+        rows.len(),
+        2,
+        "all local and the default, one group measured in interleaved rounds: {rows:?}"
+    );
     for r in rows {
         assert!(r["error"].is_null(), "config failed: {r}");
         assert!(r["ops_per_sec"].as_f64().unwrap() > 0.0, "{r}");
+        assert_eq!(r["rounds"].as_array().unwrap().len(), 1, "--secs 1: one round: {r}");
+        assert_eq!(r["group"], rows[0]["group"], "{r}");
     }
     let pf = rows.iter().find(|r| r["cfg"]["kind"] == "Region").unwrap();
     assert!(

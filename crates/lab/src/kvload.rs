@@ -189,6 +189,13 @@ pub struct Timeline {
 
 impl Load {
     pub fn start(s: &Spec) -> Load {
+        Load::start_seeded(s, 0)
+    }
+
+    /// [`Load::start`] with the clients' key sequences drawn from `seed`
+    /// (0: the same as `start`): loads started one after another on one
+    /// guest do not replay the same keys.
+    pub fn start_seeded(s: &Spec, seed: u64) -> Load {
         let stop = Arc::new(AtomicBool::new(false));
         let counters = Arc::new(Counters::default());
         let first_error = Arc::new(Mutex::new(None));
@@ -203,7 +210,7 @@ impl Load {
                     first_error.clone(),
                 );
                 std::thread::spawn(move || {
-                    let r = client(&s, t, &stop, &c, &zipf);
+                    let r = client(&s, t, seed, &stop, &c, &zipf);
                     if let Err(e) = &r {
                         fe.lock().unwrap().get_or_insert(format!("{e:#}"));
                     }
@@ -278,11 +285,18 @@ fn read_line(r: &mut impl BufRead, line: &mut String) -> std::io::Result<()> {
     Ok(())
 }
 
-fn client(s: &Spec, t: usize, stop: &AtomicBool, c: &Counters, zipf: &Zipf) -> Result<()> {
+fn client(
+    s: &Spec,
+    t: usize,
+    seed: u64,
+    stop: &AtomicBool,
+    c: &Counters,
+    zipf: &Zipf,
+) -> Result<()> {
     if let Some(ns) = &s.netns {
         pagefleet_testbed::enter_netns(ns)?;
     }
-    let mut rng = Rng::new(77 + t as u64);
+    let mut rng = Rng::new((77 + t as u64).wrapping_add(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15)));
     let mut buf = vec![0u8; s.value_len + 2];
     let mut line = String::new();
     let start = Instant::now();

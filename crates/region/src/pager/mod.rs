@@ -110,6 +110,8 @@ pub(crate) struct Pager {
     window_start: Instant,
     window_minor: u64,
     window_zaps: u64,
+    /// This thread's CPU in sampling sweeps in the controller's window, ns.
+    window_sweep_ns: u64,
     tick_secs: f64,
     cpu_budget: f64,
     minor_cost: Duration,
@@ -356,6 +358,7 @@ impl Pager {
             window_start: Instant::now(),
             window_minor: 0,
             window_zaps: 0,
+            window_sweep_ns: 0,
             // Each tick's zap is a TLB shootdown, and in this VM the TLB
             // refills after one cost ~200 µs of guest time: 5 ms ticks
             // cost the kv guest 4% with everything resident.

@@ -1,0 +1,260 @@
+//! Interleaved rounds: the configurations of a group are set up at once and
+//! measured in turn, one short slice each per round, every other guest
+//! stopped (`SIGSTOP`) meanwhile, the order reversed every round.
+//!
+//! Why: this machine's speed drifts by ±30% from one second to the next
+//! (all-local's per-second figures within one 6 s window spanned 38 k–54 k
+//! ops/s). Configurations measured one after another for 6 s each compare
+//! different phases of that drift; slices a second apart share a phase, so
+//! the ratio of two configurations' slices within a round compares like
+//! with like, and the median over rounds discards the rounds a burst hit.
+
+use super::*;
+
+/// Each slice starts with this much unmeasured load (connections opened,
+/// the resumed guest's threads back in their stride).
+const LEAD: Duration = Duration::from_millis(300);
+/// The measured part of a slice.
+const SLICE: Duration = Duration::from_secs(1);
+
+/// One configuration of a group, alive for the whole group: its memory
+/// servers, swap, cgroup, page store and guest. Fields drop in order: the
+/// guest before what it pages to.
+struct Member {
+    cfg: Cfg,
+    guest: Guest,
+    store: Option<RawServer>,
+    cg: Option<MemCgroup>,
+    swap: Option<SwapKind>,
+    _strangers: Vec<TcpStream>,
+    servers: Vec<util::ChildDaemon>,
+    _topology: Topology,
+    spec: kvload::Spec,
+    acc: Acc,
+}
+
+/// What a member's measured slices add up to.
+#[derive(Default)]
+struct Acc {
+    ops: u64,
+    secs: f64,
+    rounds: Vec<f64>,
+    swapins: u64,
+    deltas: std::collections::BTreeMap<String, u64>,
+    /// The kv stats after the last slice (percentile gauges).
+    last: std::collections::HashMap<String, u64>,
+    busy: Vec<Vec<f64>>,
+}
+
+impl Member {
+    /// Set up the configuration, fill the guest, warm it up, stop it.
+    fn start(o: &Opts, c: &Cfg, keys: u64, secret_path: &Path) -> Result<Member> {
+        let budget = (o.size as f64 * c.budget_pct / 100.0) as u64;
+        let servers: Vec<util::ChildDaemon> = (0..c.servers)
+            .map(|_| util::ChildDaemon::start(o.size + (64 << 20), secret_path))
+            .collect::<Result<_>>()?;
+        let addrs: Vec<String> = servers.iter().map(|s| s.addr.clone()).collect();
+        let strangers = strangers(c, &addrs)?;
+        let swap = match c.kind {
+            Kind::SwapFile => Some(SwapKind::File(Swap::file(o.size + (64 << 20))?)),
+            Kind::SwapSsd => Some(SwapKind::Ssd(SsdSwap::new(o.size + (64 << 20))?)),
+            Kind::Zram => Some(SwapKind::File(Swap::zram(o.size + (64 << 20))?)),
+            _ => None,
+        };
+        // The baseline's process may also keep its binary, stacks and
+        // buffers resident: allow 16 MiB beyond the budget.
+        let cg = match swap {
+            Some(_) => Some(MemCgroup::new(budget + (16 << 20))?),
+            None => None,
+        };
+        // The floor's page store: a raw TCP server on CPU 0, as the memory
+        // servers are.
+        let store = match c.kind {
+            Kind::Floor => {
+                let raw = RawServer::start()?;
+                if util::ncpus() >= 2 {
+                    util::set_process_affinity(raw.child.id(), &[0]);
+                }
+                Some(raw)
+            }
+            _ => None,
+        };
+        let addrs = match &store {
+            Some(raw) => vec![raw.addr.clone()],
+            None => addrs,
+        };
+        let guest = start_guest(o, c, &addrs, secret_path, cg.as_ref().map(|g| g.path.as_path()))?;
+        let topology = Topology::pin(guest.child.id(), &servers);
+        let spec = kv_spec(&guest.addr, keys, o);
+        kvload::prefill(&spec)?;
+        // The prefill leaves the resident part dirty; the warm-up lets
+        // paging (pagefleet and swap alike) reach its steady state, where
+        // evicted pages were mostly paged in before.
+        kvload::run_for(&spec, o.warmup_secs)?;
+        let m = Member {
+            cfg: c.clone(),
+            guest,
+            store,
+            cg,
+            swap,
+            _strangers: strangers,
+            servers,
+            _topology: topology,
+            spec,
+            acc: Acc::default(),
+        };
+        m.signal(libc::SIGSTOP)?;
+        Ok(m)
+    }
+
+    fn signal(&self, sig: libc::c_int) -> Result<()> {
+        // SAFETY: kill has no memory preconditions; the pid is our child's,
+        // not yet reaped (Guest waits for it only on drop).
+        if unsafe { libc::kill(self.guest.child.id() as libc::pid_t, sig) } != 0 {
+            bail!("signal {sig} to the guest: {}", std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// Resume the guest, measure one slice of load, stop it again: the
+    /// slice's ops/s.
+    fn slice(&mut self, round: usize) -> Result<f64> {
+        self.signal(libc::SIGCONT)?;
+        let l = kvload::Load::start_seeded(&self.spec, 1 + round as u64);
+        std::thread::sleep(LEAD);
+        let before = kv_stats(&self.guest.addr)?;
+        let (swap0, cpu0, n0, t0) = (vmstat("pswpin"), util::cpu_times(), l.counters.ops.load(Relaxed), Instant::now());
+        std::thread::sleep(SLICE);
+        let (n1, secs) = (l.counters.ops.load(Relaxed), t0.elapsed().as_secs_f64());
+        let busy = util::cpu_busy(&cpu0, &util::cpu_times());
+        let swapins = vmstat("pswpin").saturating_sub(swap0);
+        let after = kv_stats(&self.guest.addr)?;
+        let counters = l.counters.clone();
+        let error = l.error();
+        l.stop()?;
+        self.signal(libc::SIGSTOP)?;
+        if let Some(e) = error {
+            bail!("the kv load failed: {e}");
+        }
+        let bad = counters.bad_values.load(Relaxed);
+        if bad > 0 {
+            bail!("{bad} gets returned a wrong value");
+        }
+        let a = &mut self.acc;
+        a.ops += n1 - n0;
+        a.secs += secs;
+        a.rounds.push((n1 - n0) as f64 / secs);
+        a.swapins += swapins;
+        a.busy.push(busy);
+        // Counters, not gauges (budget, resident, remote) or percentiles.
+        for (k, v) in &after {
+            if k.starts_with("pf_")
+                && !k.contains("_us")
+                && !["pf_budget_pages", "pf_resident_pages", "pf_remote_pages"].contains(&k.as_str())
+            {
+                *a.deltas.entry(k.clone()).or_default() += v.saturating_sub(before.get(k).copied().unwrap_or(0));
+            }
+        }
+        a.last = after;
+        Ok((n1 - n0) as f64 / secs)
+    }
+
+    fn finish(self, group: &str) -> Row {
+        let a = &self.acc;
+        let secs = a.secs.max(1e-9);
+        let d = |k: &str| a.deltas.get(k).copied().unwrap_or(0) as f64 / secs;
+        let paged = self.cfg.kind == Kind::Region && a.deltas.get("pf_page_ins").is_some_and(|&n| n > 0);
+        let n = a.busy.len().max(1) as f64;
+        let cpu_busy = (0..a.busy.first().map_or(0, Vec::len))
+            .map(|i| a.busy.iter().map(|b| b.get(i).copied().unwrap_or(0.0)).sum::<f64>() / n)
+            .collect();
+        let row = Row {
+            group: group.into(),
+            cfg: self.cfg.clone(),
+            ops_per_sec: a.ops as f64 / secs,
+            rounds: a.rounds.clone(),
+            ratio_to_local: 0.0,
+            page_ins_per_sec: if matches!(self.cfg.kind, Kind::Region | Kind::Floor) {
+                d("pf_page_ins")
+            } else {
+                a.swapins as f64 / secs
+            },
+            page_outs_per_sec: d("pf_page_outs"),
+            clean_drops_per_sec: d("pf_clean_drops"),
+            sampling_faults_per_sec: d("pf_minor_faults"),
+            fault_p50_us: paged.then(|| a.last["pf_page_in_p50_us"] as f64),
+            fault_p99_us: paged.then(|| a.last["pf_page_in_p99_us"] as f64),
+            region_deltas: a.deltas.clone(),
+            zram_compression: (self.cfg.kind == Kind::Zram).then(zram_ratio).flatten(),
+            seq_page_in_gbps: None,
+            cpu_busy,
+            error: None,
+        };
+        // Explicit teardown order: the guest first, then what it paged to.
+        let Member { guest, store, cg, swap, servers, .. } = self;
+        drop(guest);
+        drop(store);
+        drop(cg);
+        drop(swap);
+        drop(servers);
+        row
+    }
+}
+
+/// Connections that never authenticate, held on the configuration's first
+/// memory server while its guest pages (they must cost it nothing).
+pub(super) fn strangers(c: &Cfg, addrs: &[String]) -> Result<Vec<TcpStream>> {
+    match (c.strangers, addrs.first()) {
+        (0, _) | (_, None) => Ok(Vec::new()),
+        (n, Some(a)) => {
+            util::allow_fds(n as u64 + 1024);
+            Ok((0..n).map(|_| TcpStream::connect(a)).collect::<std::io::Result<_>>()?)
+        }
+    }
+}
+
+/// Run one group of kv configurations interleaved: `o.measure_secs` (times
+/// the group's `rounds_per_sec`) rounds of one slice each. A configuration that fails is reported in its row and
+/// left out of the rounds after.
+pub(super) fn run_group(o: &Opts, g: &Group, keys: u64, secret_path: &Path, log: Log<'_>) -> Vec<Row> {
+    let mut members: Vec<std::result::Result<Member, (Cfg, String)>> = Vec::new();
+    for c in &g.cfgs {
+        log(&format!("{}: {} (set up, fill, warm up)", g.name, c.name));
+        members.push(Member::start(o, c, keys, secret_path).map_err(|e| (c.clone(), format!("{e:#}"))));
+    }
+    let rounds = o.measure_secs.max(1) as usize * g.rounds_per_sec;
+    log(&format!("{}: {rounds} interleaved rounds", g.name));
+    for r in 0..rounds {
+        let order: Vec<usize> = if r % 2 == 0 {
+            (0..members.len()).collect()
+        } else {
+            (0..members.len()).rev().collect()
+        };
+        for i in order {
+            if let Ok(m) = &mut members[i] {
+                if let Err(e) = m.slice(r) {
+                    let cfg = m.cfg.clone();
+                    // Dropping the member kills its guest and servers.
+                    members[i] = Err((cfg, format!("{e:#}")));
+                }
+            }
+        }
+    }
+    let mut rows: Vec<Row> = members
+        .into_iter()
+        .map(|m| match m {
+            Ok(m) => m.finish(g.name),
+            Err((cfg, e)) => Row::failed(g.name, cfg, e),
+        })
+        .collect();
+    let local = rows
+        .iter()
+        .find(|r| r.cfg.kind == Kind::Local && r.error.is_none())
+        .map(|r| r.ops_per_sec);
+    if let Some(local) = local {
+        for r in &mut rows {
+            r.ratio_to_local = r.ops_per_sec / local.max(1e-9);
+        }
+    }
+    rows
+}
