@@ -122,7 +122,11 @@ fn bench_paging_quick_json_has_rows_faults_and_goals() {
     for r in rows {
         assert!(r["error"].is_null(), "config failed: {r}");
         assert!(r["ops_per_sec"].as_f64().unwrap() > 0.0, "{r}");
-        assert_eq!(r["rounds"].as_array().unwrap().len(), 1, "--secs 1: one round: {r}");
+        assert_eq!(
+            r["rounds"].as_array().unwrap().len(),
+            1,
+            "--secs 1: one round: {r}"
+        );
         assert_eq!(r["group"], rows[0]["group"], "{r}");
     }
     let pf = rows.iter().find(|r| r["cfg"]["kind"] == "Region").unwrap();

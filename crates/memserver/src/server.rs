@@ -2,7 +2,8 @@
 //!
 //! One thread per connection, blocking I/O; the store lock is only taken for
 //! index updates, so a slow or dead client stalls nobody but itself. Replies
-//! are queued and flushed when the next read would block, so a pipelined
+//! are queued and flushed when the next read would block (or when the last
+//! read came back short: the client had sent nothing more), so a pipelined
 //! stream of requests gets its small replies in few syscalls; GET replies are
 //! written with one vectored write straight from the store's slots.
 
@@ -466,6 +467,14 @@ impl<'a, T: Transport> Session<'a, T> {
         while self.rb.len() < HEADER_LEN {
             if !self.rb.is_empty() {
                 self.frame_started();
+            }
+            // The last read came back short: the client had sent nothing
+            // more then, so a non-blocking read now would most likely
+            // only say so (one wasted syscall per request when a pager
+            // waits on each reply). Flush at once; anything that arrives
+            // meanwhile is read next, its reply sent on its own.
+            if !self.out.is_empty() && self.rb.drained() {
+                self.flush()?;
             }
             if !self.out.is_empty() {
                 match self.t.read_nonblocking(self.rb.spare()) {

@@ -302,7 +302,10 @@ impl Group {
     fn sampling() -> Group {
         Group {
             rounds_per_sec: 3,
-            ..Group::new(G_SAMPLING, vec![local(), region(SAMPLING_ONLY, 100.0, |_| {})])
+            ..Group::new(
+                G_SAMPLING,
+                vec![local(), region(SAMPLING_ONLY, 100.0, |_| {})],
+            )
         }
     }
 }
@@ -316,7 +319,11 @@ pub fn configs(quick: bool) -> Vec<Group> {
         return vec![
             Group::new(
                 G_SWAP_50,
-                vec![local(), region(DEFAULT_50, 50.0, |_| {}), baseline(SWAP_50, Kind::SwapFile, 50.0)],
+                vec![
+                    local(),
+                    region(DEFAULT_50, 50.0, |_| {}),
+                    baseline(SWAP_50, Kind::SwapFile, 50.0),
+                ],
             ),
             Group::sampling(),
         ];
@@ -337,11 +344,19 @@ pub fn configs(quick: bool) -> Vec<Group> {
         triple(G_25, 25.0, DEFAULT_25, ZRAM_25, FLOOR_25),
         Group::new(
             G_SWAP_50,
-            vec![local(), region(DEFAULT_50, 50.0, |_| {}), baseline(SWAP_50, Kind::SwapFile, 50.0)],
+            vec![
+                local(),
+                region(DEFAULT_50, 50.0, |_| {}),
+                baseline(SWAP_50, Kind::SwapFile, 50.0),
+            ],
         ),
         Group::new(
             G_SSD_50,
-            vec![local(), region(DEFAULT_50, 50.0, |_| {}), baseline(SSD_50, Kind::SwapSsd, 50.0)],
+            vec![
+                local(),
+                region(DEFAULT_50, 50.0, |_| {}),
+                baseline(SSD_50, Kind::SwapSsd, 50.0),
+            ],
         ),
         Group::new(
             G_SWAP_25,
@@ -357,7 +372,9 @@ pub fn configs(quick: bool) -> Vec<Group> {
             vec![
                 local(),
                 region(DEFAULT_50, 50.0, |_| {}),
-                region("pagefleet 50% chunk prefetch c16", 50.0, |c| c.prefetch = "chunk".into()),
+                region("pagefleet 50% chunk prefetch c16", 50.0, |c| {
+                    c.prefetch = "chunk".into()
+                }),
                 region("pagefleet 50% chunk 1", 50.0, |c| c.chunk = 1),
                 region("pagefleet 50% aging", 50.0, |c| c.policy = "aging".into()),
             ],
@@ -418,7 +435,8 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
     let mut rows: Vec<Row> = Vec::new();
     for mut g in configs(o.quick) {
         if let Some(f) = &o.only {
-            g.cfgs.retain(|c| c.kind == Kind::Local || c.name.contains(f.as_str()));
+            g.cfgs
+                .retain(|c| c.kind == Kind::Local || c.name.contains(f.as_str()));
             if g.cfgs.iter().all(|c| c.kind == Kind::Local) {
                 continue;
             }
@@ -480,7 +498,13 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
         }
     };
     ratio_goal("kv 50% default / all local", G_50, DEFAULT_50, LOCAL, 0.75);
-    ratio_goal("kv 50% default / swap on SSD-like device", G_SSD_50, DEFAULT_50, SSD_50, 2.0);
+    ratio_goal(
+        "kv 50% default / swap on SSD-like device",
+        G_SSD_50,
+        DEFAULT_50,
+        SSD_50,
+        2.0,
+    );
     ratio_goal(
         "kv 50% with 2000 idle unauthenticated connections on the server / without",
         G_SERVERS,
@@ -497,7 +521,13 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
     );
     ratio_goal("kv 50% default / zram", G_50, DEFAULT_50, ZRAM_50, 0.9);
     ratio_goal("kv 25% default / zram 25%", G_25, DEFAULT_25, ZRAM_25, 0.9);
-    ratio_goal("kv 50% default / swap file on virtual disk", G_SWAP_50, DEFAULT_50, SWAP_50, 0.9);
+    ratio_goal(
+        "kv 50% default / swap file on virtual disk",
+        G_SWAP_50,
+        DEFAULT_50,
+        SWAP_50,
+        0.9,
+    );
     if let [floor, pf, ..] = &cpu[..] {
         goals.push(Goal::at_most(
             "CPU per page-in (guest host + server) / floor",
@@ -1155,7 +1185,9 @@ fn fault_latencies(o: &Opts, secret_path: &Path, secret: &Secret) -> Result<Vec<
                         next += 1;
                         let t = Instant::now();
                         // SAFETY: inside the region.
-                        let x = unsafe { std::ptr::read_volatile(base.add(p as usize * 4096) as *const u64) };
+                        let x = unsafe {
+                            std::ptr::read_volatile(base.add(p as usize * 4096) as *const u64)
+                        };
                         v.push(t.elapsed().as_secs_f64() * 1e6);
                         if x != p {
                             bail!("page {p} came back as {x}");
@@ -1720,7 +1752,10 @@ mod tests {
             }
         }
         let full = configs(false);
-        let has = |g: &str, n: &str| full.iter().any(|x| x.name == g && x.cfgs.iter().any(|c| c.name == n));
+        let has = |g: &str, n: &str| {
+            full.iter()
+                .any(|x| x.name == g && x.cfgs.iter().any(|c| c.name == n))
+        };
         for (g, n) in [
             (G_50, DEFAULT_50),
             (G_50, ZRAM_50),

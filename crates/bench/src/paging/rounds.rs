@@ -83,7 +83,13 @@ impl Member {
             Some(raw) => vec![raw.addr.clone()],
             None => addrs,
         };
-        let guest = start_guest(o, c, &addrs, secret_path, cg.as_ref().map(|g| g.path.as_path()))?;
+        let guest = start_guest(
+            o,
+            c,
+            &addrs,
+            secret_path,
+            cg.as_ref().map(|g| g.path.as_path()),
+        )?;
         let topology = Topology::pin(guest.child.id(), &servers);
         let spec = kv_spec(&guest.addr, keys, o);
         kvload::prefill(&spec)?;
@@ -111,7 +117,10 @@ impl Member {
         // SAFETY: kill has no memory preconditions; the pid is our child's,
         // not yet reaped (Guest waits for it only on drop).
         if unsafe { libc::kill(self.guest.child.id() as libc::pid_t, sig) } != 0 {
-            bail!("signal {sig} to the guest: {}", std::io::Error::last_os_error());
+            bail!(
+                "signal {sig} to the guest: {}",
+                std::io::Error::last_os_error()
+            );
         }
         Ok(())
     }
@@ -123,7 +132,12 @@ impl Member {
         let l = kvload::Load::start_seeded(&self.spec, 1 + round as u64);
         std::thread::sleep(LEAD);
         let before = kv_stats(&self.guest.addr)?;
-        let (swap0, cpu0, n0, t0) = (vmstat("pswpin"), util::cpu_times(), l.counters.ops.load(Relaxed), Instant::now());
+        let (swap0, cpu0, n0, t0) = (
+            vmstat("pswpin"),
+            util::cpu_times(),
+            l.counters.ops.load(Relaxed),
+            Instant::now(),
+        );
         std::thread::sleep(SLICE);
         let (n1, secs) = (l.counters.ops.load(Relaxed), t0.elapsed().as_secs_f64());
         let busy = util::cpu_busy(&cpu0, &util::cpu_times());
@@ -150,9 +164,11 @@ impl Member {
         for (k, v) in &after {
             if k.starts_with("pf_")
                 && !k.contains("_us")
-                && !["pf_budget_pages", "pf_resident_pages", "pf_remote_pages"].contains(&k.as_str())
+                && !["pf_budget_pages", "pf_resident_pages", "pf_remote_pages"]
+                    .contains(&k.as_str())
             {
-                *a.deltas.entry(k.clone()).or_default() += v.saturating_sub(before.get(k).copied().unwrap_or(0));
+                *a.deltas.entry(k.clone()).or_default() +=
+                    v.saturating_sub(before.get(k).copied().unwrap_or(0));
             }
         }
         a.last = after;
@@ -163,10 +179,17 @@ impl Member {
         let a = &self.acc;
         let secs = a.secs.max(1e-9);
         let d = |k: &str| a.deltas.get(k).copied().unwrap_or(0) as f64 / secs;
-        let paged = self.cfg.kind == Kind::Region && a.deltas.get("pf_page_ins").is_some_and(|&n| n > 0);
+        let paged =
+            self.cfg.kind == Kind::Region && a.deltas.get("pf_page_ins").is_some_and(|&n| n > 0);
         let n = a.busy.len().max(1) as f64;
         let cpu_busy = (0..a.busy.first().map_or(0, Vec::len))
-            .map(|i| a.busy.iter().map(|b| b.get(i).copied().unwrap_or(0.0)).sum::<f64>() / n)
+            .map(|i| {
+                a.busy
+                    .iter()
+                    .map(|b| b.get(i).copied().unwrap_or(0.0))
+                    .sum::<f64>()
+                    / n
+            })
             .collect();
         let row = Row {
             group: group.into(),
@@ -191,7 +214,14 @@ impl Member {
             error: None,
         };
         // Explicit teardown order: the guest first, then what it paged to.
-        let Member { guest, store, cg, swap, servers, .. } = self;
+        let Member {
+            guest,
+            store,
+            cg,
+            swap,
+            servers,
+            ..
+        } = self;
         drop(guest);
         drop(store);
         drop(cg);
@@ -208,7 +238,9 @@ pub(super) fn strangers(c: &Cfg, addrs: &[String]) -> Result<Vec<TcpStream>> {
         (0, _) | (_, None) => Ok(Vec::new()),
         (n, Some(a)) => {
             util::allow_fds(n as u64 + 1024);
-            Ok((0..n).map(|_| TcpStream::connect(a)).collect::<std::io::Result<_>>()?)
+            Ok((0..n)
+                .map(|_| TcpStream::connect(a))
+                .collect::<std::io::Result<_>>()?)
         }
     }
 }
@@ -216,11 +248,19 @@ pub(super) fn strangers(c: &Cfg, addrs: &[String]) -> Result<Vec<TcpStream>> {
 /// Run one group of kv configurations interleaved: `o.measure_secs` (times
 /// the group's `rounds_per_sec`) rounds of one slice each. A configuration that fails is reported in its row and
 /// left out of the rounds after.
-pub(super) fn run_group(o: &Opts, g: &Group, keys: u64, secret_path: &Path, log: Log<'_>) -> Vec<Row> {
+pub(super) fn run_group(
+    o: &Opts,
+    g: &Group,
+    keys: u64,
+    secret_path: &Path,
+    log: Log<'_>,
+) -> Vec<Row> {
     let mut members: Vec<std::result::Result<Member, (Cfg, String)>> = Vec::new();
     for c in &g.cfgs {
         log(&format!("{}: {} (set up, fill, warm up)", g.name, c.name));
-        members.push(Member::start(o, c, keys, secret_path).map_err(|e| (c.clone(), format!("{e:#}"))));
+        members.push(
+            Member::start(o, c, keys, secret_path).map_err(|e| (c.clone(), format!("{e:#}"))),
+        );
     }
     let rounds = o.measure_secs.max(1) as usize * g.rounds_per_sec;
     log(&format!("{}: {rounds} interleaved rounds", g.name));
