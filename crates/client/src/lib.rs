@@ -483,35 +483,31 @@ impl Conn {
     }
 
     /// Whether a reply (or its start) is here already: buffered, or
-    /// readable on the socket. Receiving then does not wait for the server.
-    /// No system call when the last read came back short and nobody said
-    /// bytes arrived since ([`Conn::note_readable`]): the socket was empty.
-    pub fn reply_ready(&self) -> bool {
+    /// readable on the socket — read into this connection's buffer at once,
+    /// without waiting (one system call where a peek and then the read took
+    /// two; a one-page reply fits whole). Receiving then does not wait for
+    /// the server. No system call when the last read came back short and
+    /// nobody said bytes arrived since ([`Conn::note_readable`]): the
+    /// socket was empty.
+    pub fn reply_ready(&mut self) -> bool {
         if self.buffered() {
             return true;
         }
         if self.rb.drained() {
             return false;
         }
-        let mut b = [0u8; 1];
-        // SAFETY: one-byte peek into a local buffer.
-        let n = unsafe {
-            libc::recv(
-                self.raw_fd(),
-                b.as_mut_ptr().cast(),
-                1,
-                libc::MSG_PEEK | libc::MSG_DONTWAIT,
-            )
-        };
-        // 0: the server closed; an error other than "nothing yet" (a
-        // reset): receiving reports either at once. (Saying "not ready"
-        // to a reset left a reply awaited forever: an edge-triggered poll
-        // does not report the dead socket again.)
-        if n >= 0 {
-            return true;
+        match self.stream.read_nonblocking(self.rb.spare()) {
+            Ok(Some(n)) if n > 0 => {
+                self.rb.commit(n);
+                true
+            }
+            Ok(None) => false,
+            // 0: the server closed; an error (a reset): receiving reports
+            // either at once. (Saying "not ready" to a reset left a reply
+            // awaited forever: an edge-triggered poll does not report the
+            // dead socket again.)
+            Ok(Some(_)) | Err(_) => true,
         }
-        let e = std::io::Error::last_os_error().raw_os_error();
-        !matches!(e, Some(libc::EAGAIN) | Some(libc::EINTR))
     }
 
     fn spin_until_readable(&mut self) {
