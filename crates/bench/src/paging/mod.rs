@@ -1259,17 +1259,44 @@ fn cpu_per_page_in(o: &Opts, secret_path: &Path, secret: &Secret) -> Result<Vec<
                 SPACED_WORK.as_micros()
             ),
         };
-        out.push(floor_cpu(pages, threads, think, &tag)?);
-        out.push(pagefleet_cpu(
-            pages,
-            threads,
-            think,
-            &tag,
-            secret_path,
-            secret,
-        )?);
+        // Floor and pagefleet in alternating quarters (this machine's speed
+        // drifts between seconds; the goal is their ratio).
+        let (mut floor, mut pf) = (Vec::new(), Vec::new());
+        for k in 0..CPU_BATCHES {
+            let part = pages / CPU_BATCHES;
+            let f = || floor_cpu(part, threads, think, &tag);
+            let p = || pagefleet_cpu(part, threads, think, &tag, secret_path, secret);
+            if k % 2 == 0 {
+                floor.push(f()?);
+                pf.push(p()?);
+            } else {
+                pf.push(p()?);
+                floor.push(f()?);
+            }
+        }
+        out.push(combine(floor));
+        out.push(combine(pf));
     }
     Ok(out)
+}
+
+/// Batches of the CPU per page-in measurement, floor and pagefleet alternating.
+const CPU_BATCHES: u64 = 4;
+
+/// Batches of one CPU per page-in measurement as one (per page over all).
+fn combine(parts: Vec<CpuPerPage>) -> CpuPerPage {
+    let pages: u64 = parts.iter().map(|c| c.pages).sum();
+    let sum = |f: fn(&CpuPerPage) -> f64| {
+        parts.iter().map(|c| f(c) * c.pages as f64).sum::<f64>() / pages.max(1) as f64
+    };
+    let (guest_us, server_us) = (sum(|c| c.guest_us), sum(|c| c.server_us));
+    CpuPerPage {
+        what: parts.first().map(|c| c.what.clone()).unwrap_or_default(),
+        pages,
+        guest_us,
+        server_us,
+        total_us: guest_us + server_us,
+    }
 }
 
 /// CPU work each faulting thread does between two faults in the spaced
