@@ -314,17 +314,18 @@ fn local() -> Cfg {
     baseline(LOCAL, Kind::Local, 100.0)
 }
 
+/// pagefleet's default at `pct` beside one swap baseline, with all-local.
+fn beside(group: &'static str, pf: &str, pct: f64, name: &str, kind: Kind) -> Group {
+    Group::new(
+        group,
+        vec![local(), region(pf, pct, |_| {}), baseline(name, kind, pct)],
+    )
+}
+
 pub fn configs(quick: bool) -> Vec<Group> {
     if quick {
         return vec![
-            Group::new(
-                G_SWAP_50,
-                vec![
-                    local(),
-                    region(DEFAULT_50, 50.0, |_| {}),
-                    baseline(SWAP_50, Kind::SwapFile, 50.0),
-                ],
-            ),
+            beside(G_SWAP_50, DEFAULT_50, 50.0, SWAP_50, Kind::SwapFile),
             Group::sampling(),
         ];
     }
@@ -342,29 +343,14 @@ pub fn configs(quick: bool) -> Vec<Group> {
     vec![
         triple(G_50, 50.0, DEFAULT_50, ZRAM_50, FLOOR_50),
         triple(G_25, 25.0, DEFAULT_25, ZRAM_25, FLOOR_25),
-        Group::new(
-            G_SWAP_50,
-            vec![
-                local(),
-                region(DEFAULT_50, 50.0, |_| {}),
-                baseline(SWAP_50, Kind::SwapFile, 50.0),
-            ],
-        ),
-        Group::new(
-            G_SSD_50,
-            vec![
-                local(),
-                region(DEFAULT_50, 50.0, |_| {}),
-                baseline(SSD_50, Kind::SwapSsd, 50.0),
-            ],
-        ),
-        Group::new(
+        beside(G_SWAP_50, DEFAULT_50, 50.0, SWAP_50, Kind::SwapFile),
+        beside(G_SSD_50, DEFAULT_50, 50.0, SSD_50, Kind::SwapSsd),
+        beside(
             G_SWAP_25,
-            vec![
-                local(),
-                region(DEFAULT_25, 25.0, |_| {}),
-                baseline("swap file 25% (virtual disk)", Kind::SwapFile, 25.0),
-            ],
+            DEFAULT_25,
+            25.0,
+            "swap file 25% (virtual disk)",
+            Kind::SwapFile,
         ),
         Group::sampling(),
         Group::new(
