@@ -19,7 +19,11 @@ fn percentiles(mut v: Vec<f64>, what: &str) -> FaultLat {
 /// Single 4 KiB fault latency: raw uffd round trips, raw TCP round trips
 /// and pagefleet page-ins, measured in interleaved batches (this machine's
 /// speed drifts between seconds; the goal compares their p50s).
-pub(super) fn fault_latencies(o: &Opts, secret_path: &Path, secret: &Secret) -> Result<Vec<FaultLat>> {
+pub(super) fn fault_latencies(
+    o: &Opts,
+    secret_path: &Path,
+    secret: &Secret,
+) -> Result<Vec<FaultLat>> {
     const BATCHES: usize = 8;
     let two = util::ncpus() >= 2;
     let per = o.fault_iters.div_ceil(BATCHES);
@@ -29,10 +33,12 @@ pub(super) fn fault_latencies(o: &Opts, secret_path: &Path, secret: &Secret) -> 
     let pages = 16384u64;
     let r = all_remote_region(&d, pages, secret)?;
     let base = r.as_ptr();
-    let (mut uffd, mut tcp, mut pf) = (Vec::new(), Vec::new(), Vec::new());
-    let mut next = 0u64;
+    // The floor of the whole fault: raw uffd and raw TCP in one handler.
+    let floor = FloorHandler::start(o.fault_iters as u64 + 16)?;
+    let (mut uffd, mut tcp, mut pf, mut fl) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut next, mut next_floor) = (0u64, 0usize);
     for b in 0..BATCHES {
-        let mut order = [0, 1, 2];
+        let mut order = [0, 1, 2, 3];
         if b % 2 == 1 {
             order.reverse();
         }
@@ -45,6 +51,31 @@ pub(super) fn fault_latencies(o: &Opts, secret_path: &Path, secret: &Secret) -> 
                     let pin = util::Pinning::split(&[raw.child.id()]);
                     tcp.extend(raw.rtt(b'G', per)?);
                     drop(pin);
+                }
+                // The floor program: faulting thread and page store on CPU
+                // 0, its handler on CPU 1 (as pagefleet's below).
+                2 => {
+                    if two {
+                        util::set_affinity(0, &[0]);
+                    }
+                    for _ in 0..per {
+                        let p = next_floor;
+                        next_floor += 1;
+                        let t = Instant::now();
+                        // SAFETY: inside the floor's mapping (fault_iters + 16 pages).
+                        let x = unsafe {
+                            std::ptr::read_volatile((floor.base() + p * 4096) as *const u8)
+                        };
+                        fl.push(t.elapsed().as_secs_f64() * 1e6);
+                        // (The raw store's replies are all 2s.)
+                        if x != 2 {
+                            bail!("the floor's page {p} came back as {x}");
+                        }
+                    }
+                    if two {
+                        let all: Vec<usize> = (0..util::ncpus()).collect();
+                        util::set_affinity(0, &all);
+                    }
                 }
                 _ => {
                     if two {
@@ -85,9 +116,11 @@ pub(super) fn fault_latencies(o: &Opts, secret_path: &Path, secret: &Secret) -> 
     }
     drop(r);
     drop(raw);
+    drop(floor);
     Ok(vec![
         percentiles(uffd, "raw uffd round trip"),
         percentiles(tcp, "raw TCP 4 KiB round trip"),
+        percentiles(fl, FLOOR_FAULT),
         percentiles(pf, "pagefleet page-in"),
     ])
 }
@@ -123,7 +156,11 @@ fn per_page(what: &str, pages: u64, guest_ns: u64, server_ns: u64) -> CpuPerPage
 /// from pagefleetd, the same pages touched in the same scattered order:
 /// by one thread, then by 16 at once (as the kv guest's threads fault),
 /// the faulting side on CPU 1 and the server on CPU 0 as in the kv runs.
-pub(super) fn cpu_per_page_in(o: &Opts, secret_path: &Path, secret: &Secret) -> Result<Vec<CpuPerPage>> {
+pub(super) fn cpu_per_page_in(
+    o: &Opts,
+    secret_path: &Path,
+    secret: &Secret,
+) -> Result<Vec<CpuPerPage>> {
     let pages: u64 = if o.quick { 4096 } else { 32768 };
     let mut out = Vec::new();
     let think = Work::calibrate(SPACED_WORK);
@@ -159,6 +196,9 @@ pub(super) fn cpu_per_page_in(o: &Opts, secret_path: &Path, secret: &Secret) -> 
 
 /// Batches of the CPU per page-in measurement, floor and pagefleet alternating.
 const CPU_BATCHES: u64 = 4;
+
+/// The single-fault row of the floor program (`FloorHandler`).
+pub(super) const FLOOR_FAULT: &str = "floor: raw uffd + raw TCP in one handler";
 
 /// Batches of one CPU per page-in measurement as one (per page over all).
 fn combine(parts: Vec<CpuPerPage>) -> CpuPerPage {
@@ -436,49 +476,13 @@ fn fs_drain(u: &pagefleet_uffd::Uffd, base: u64) {
 }
 
 fn floor_cpu(pages: u64, threads: usize, think: Option<Work>, tag: &str) -> Result<CpuPerPage> {
-    use pagefleet_uffd as uffd;
-    use std::os::fd::AsRawFd;
     let me = std::process::id();
-    let raw = RawServer::start()?;
-    let two = util::ncpus() >= 2;
-    if two {
-        util::set_process_affinity(raw.child.id(), &[0]);
-    }
-    let fd = uffd::memfd("floor", pages * 4096)?;
-    let m = uffd::Mapping::shared(fd.as_raw_fd(), (pages * 4096) as usize)?;
-    m.madvise(0, m.len(), libc::MADV_NOHUGEPAGE)?;
-    let u = Arc::new(uffd::Uffd::open(uffd::FEATURE_MISSING_SHMEM)?);
-    u.register(m.base(), m.len() as u64, uffd::MODE_MISSING)?;
-    let mut conn = raw.connect(b'G', 0)?;
-    let stop = Arc::new(AtomicBool::new(false));
-    let (u2, s2) = (u.clone(), stop.clone());
-    let h = std::thread::spawn(move || -> std::io::Result<()> {
-        if two {
-            util::set_affinity(0, &[1]);
-        }
-        let req = [1u8; crate::memserver::GET_REQ];
-        let mut rep = vec![0u8; crate::memserver::GET_REP];
-        let mut fs = Vec::new();
-        while !s2.load(Relaxed) {
-            if u2.poll(5).unwrap_or(false) {
-                fs.clear();
-                let _ = u2.read_faults(&mut fs, 16);
-                for _ in &fs {
-                    conn.write_all(&req)?;
-                }
-                for f in &fs {
-                    std::io::Read::read_exact(&mut conn, &mut rep)?;
-                    let _ = u2.copy(f.addr & !4095, &rep[..4096], false);
-                }
-            }
-        }
-        Ok(())
+    let floor = FloorHandler::start(pages)?;
+    let server = floor.raw.child.id();
+    let touched = fault_cpu(me, server, think, || {
+        touch_all(floor.base(), pages, threads, think, |_, _| Ok(()))
     });
-    let touched = fault_cpu(me, raw.child.id(), think, || {
-        touch_all(m.base() as usize, pages, threads, think, |_, _| Ok(()))
-    });
-    stop.store(true, Relaxed);
-    let _ = h.join();
+    drop(floor);
     let (g, sv) = touched?;
     Ok(per_page(
         &format!("floor: raw uffd + raw TCP{tag}"),
@@ -486,6 +490,80 @@ fn floor_cpu(pages: u64, threads: usize, think: Option<Work>, tag: &str) -> Resu
         g,
         sv,
     ))
+}
+
+/// The floor program of a page-in: a memfd mapping registered with
+/// userfaultfd and one handler thread (CPU 1) that, for the faults it
+/// reads, sends a 40-byte request each to the raw TCP page store (CPU 0),
+/// reads the 4121-byte replies and installs their pages with
+/// `UFFDIO_COPY` — what any userfaultfd pager must do for a remote page,
+/// and nothing else.
+struct FloorHandler {
+    raw: RawServer,
+    m: pagefleet_uffd::Mapping,
+    stop: Arc<AtomicBool>,
+    handler: Option<std::thread::JoinHandle<std::io::Result<()>>>,
+}
+
+impl FloorHandler {
+    fn start(pages: u64) -> Result<FloorHandler> {
+        use pagefleet_uffd as uffd;
+        use std::os::fd::AsRawFd;
+        let raw = RawServer::start()?;
+        let two = util::ncpus() >= 2;
+        if two {
+            util::set_process_affinity(raw.child.id(), &[0]);
+        }
+        let fd = uffd::memfd("floor", pages * 4096)?;
+        let m = uffd::Mapping::shared(fd.as_raw_fd(), (pages * 4096) as usize)?;
+        m.madvise(0, m.len(), libc::MADV_NOHUGEPAGE)?;
+        let u = uffd::Uffd::open(uffd::FEATURE_MISSING_SHMEM)?;
+        u.register(m.base(), m.len() as u64, uffd::MODE_MISSING)?;
+        let mut conn = raw.connect(b'G', 0)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let s2 = stop.clone();
+        let handler = std::thread::spawn(move || -> std::io::Result<()> {
+            if two {
+                util::set_affinity(0, &[1]);
+            }
+            let req = [1u8; crate::memserver::GET_REQ];
+            let mut rep = vec![0u8; crate::memserver::GET_REP];
+            let mut fs = Vec::new();
+            while !s2.load(Relaxed) {
+                if u.poll(5).unwrap_or(false) {
+                    fs.clear();
+                    let _ = u.read_faults(&mut fs, 16);
+                    for _ in &fs {
+                        conn.write_all(&req)?;
+                    }
+                    for f in &fs {
+                        std::io::Read::read_exact(&mut conn, &mut rep)?;
+                        let _ = u.copy(f.addr & !4095, &rep[..4096], false);
+                    }
+                }
+            }
+            Ok(())
+        });
+        Ok(FloorHandler {
+            raw,
+            m,
+            stop,
+            handler: Some(handler),
+        })
+    }
+
+    fn base(&self) -> usize {
+        self.m.base() as usize
+    }
+}
+
+impl Drop for FloorHandler {
+    fn drop(&mut self) {
+        self.stop.store(true, Relaxed);
+        if let Some(h) = self.handler.take() {
+            let _ = h.join();
+        }
+    }
 }
 
 fn pagefleet_cpu(
