@@ -233,7 +233,6 @@ pub struct Conn {
     /// What it said about itself at HELLO.
     pub info: ServerInfo,
     window: usize,
-    spin: Duration,
     io_timeout: Duration,
 }
 
@@ -289,7 +288,6 @@ impl Conn {
                 max_batch_pages: 0,
             },
             window: opts.window.max(1),
-            spin: Duration::ZERO,
             io_timeout: opts.io_timeout,
         };
         let mut w = c.read_welcome()?;
@@ -433,13 +431,6 @@ impl Conn {
         self.window = window.max(1);
     }
 
-    /// Busy-poll up to this long for a reply before sleeping in `read`.
-    /// A reply due within a loopback/LAN round trip then costs no sleep and
-    /// wake-up (the paging runtime uses this on its latency-critical path).
-    pub fn set_spin(&mut self, spin: Duration) {
-        self.spin = spin;
-    }
-
     /// The connection's socket (for polling it beside other fds).
     pub fn raw_fd(&self) -> std::os::fd::RawFd {
         use std::os::fd::AsRawFd;
@@ -510,30 +501,6 @@ impl Conn {
         }
     }
 
-    fn spin_until_readable(&mut self) {
-        if self.spin.is_zero() || self.buffered() {
-            return;
-        }
-        use std::os::fd::AsRawFd;
-        let t = Instant::now();
-        let mut b = [0u8; 1];
-        while t.elapsed() < self.spin {
-            // SAFETY: one-byte peek into a local buffer.
-            let n = unsafe {
-                libc::recv(
-                    self.stream.socket().as_raw_fd(),
-                    b.as_mut_ptr().cast(),
-                    1,
-                    libc::MSG_PEEK | libc::MSG_DONTWAIT,
-                )
-            };
-            if n != -1 {
-                return;
-            }
-            std::hint::spin_loop();
-        }
-    }
-
     fn id(&mut self) -> u64 {
         let id = self.next_id;
         self.next_id += 1;
@@ -572,7 +539,6 @@ impl Conn {
     }
 
     fn read_header(&mut self) -> Result<Header> {
-        self.spin_until_readable();
         match self.rb.fill_to(&mut self.stream, HEADER_LEN) {
             Ok(true) => {}
             Ok(false) => {

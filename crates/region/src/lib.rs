@@ -107,6 +107,11 @@ impl std::str::FromStr for Prefetch {
     }
 }
 
+/// The fault loop's default spin for a faulting page's reply (`Config::reply_spin`):
+/// a loopback or LAN round trip with the server's wake-up in it (p99 of
+/// `pagefleet bench paging`'s single faults here: 170–300 µs).
+pub const DEFAULT_REPLY_SPIN: Duration = Duration::from_micros(200);
+
 /// How to make a region.
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -120,10 +125,9 @@ pub struct Config {
     pub policy: Policy,
     /// What a remote fault brings in besides its page.
     pub prefetch: Prefetch,
-    /// Spin this long for a server's reply before sleeping, while the host
-    /// has idle CPUs (never under load). Zero by default: measured here, a
-    /// 60 µs spin cut the single-fault p50 from 126 to 77 µs but made a
-    /// page-in cost 1.6x the CPU of the floor program (1.2x without).
+    /// How long the fault loop polls for a faulting page's reply before it
+    /// sleeps, while the host has idle CPUs (never under load) and such
+    /// replies usually come within it; zero: never. See `docs/paging.md`.
     pub reply_spin: Duration,
     /// Memory servers (HOST:PORT) pages may go to.
     pub servers: Vec<String>,
@@ -235,7 +239,7 @@ impl Config {
             chunk_pages: 16,
             policy: Policy::Clock,
             prefetch: Prefetch::Adaptive,
-            reply_spin: Duration::ZERO,
+            reply_spin: DEFAULT_REPLY_SPIN,
             servers: Vec::new(),
             replicas: 1,
             rereplicate_rate: DEFAULT_REREPLICATE_RATE,

@@ -86,7 +86,13 @@ pub(crate) struct Pager {
     readahead: readahead::Readahead,
     /// Where `drop_copies` looks next.
     copy_hand: usize,
+    /// The fault loop's spin (`Config::reply_spin`), while the host has
+    /// idle CPUs (`spin_ok`), until `spin_until` (a faulting page's reply
+    /// due); `reply_ewma_us`: how long faulting pages' replies take.
     reply_spin: Duration,
+    spin_ok: bool,
+    spin_until: Option<Instant>,
+    reply_ewma_us: f64,
     conns: Vec<Conn>,
     addrs: Vec<String>,
     free: Vec<u64>,
@@ -212,7 +218,6 @@ impl Pager {
             name: cfg.name.clone(),
             secret: cfg.secret.clone(),
             doorbell: doorbell.clone(),
-            spin: cfg.reply_spin,
             patience: patience(cfg.replicas),
         })
         .map_err(|source| RegionError::Io {
@@ -229,14 +234,13 @@ impl Pager {
                         .position(|(x, _)| x == a)
                         .map(|i| v.swap_remove(i).1)
                 });
-                let mut c = match ready {
+                let c = match ready {
                     Some(mut c) => {
                         c.set_window(4);
                         c
                     }
-                    None => connect(&cfg.name, a, secret, cfg.reply_spin, CONNECT_PATIENCE)?,
+                    None => connect(&cfg.name, a, secret, CONNECT_PATIENCE)?,
                 };
-                c.set_spin(cfg.reply_spin);
                 free.push(c.info.capacity_pages.saturating_sub(c.info.used_pages));
                 conns.push(c);
             }
@@ -340,6 +344,9 @@ impl Pager {
             readahead: readahead::Readahead::default(),
             copy_hand: 0,
             reply_spin: cfg.reply_spin,
+            spin_ok: true,
+            spin_until: None,
+            reply_ewma_us: 0.0,
             conns,
             addrs: cfg.servers.clone(),
             free,
@@ -423,7 +430,8 @@ impl Pager {
             let busy = (self.evicting && self.writer.in_flight < reclaim::MAX_JOBS)
                 || self.evac.is_some()
                 || self.rerep.ready()
-                || buffered;
+                || buffered
+                || self.spinning();
             let (mut faults, mut bell) = (false, false);
             let ready = &mut self.ready;
             ready.iter_mut().for_each(|r| *r = false);
@@ -502,8 +510,7 @@ impl Pager {
             .secret
             .as_ref()
             .ok_or("this region has no cluster secret (it was made without memory servers)")?;
-        let c = connect(&self.name, addr, secret, self.reply_spin, CONNECT_PATIENCE)
-            .map_err(|e| e.to_string())?;
+        let c = connect(&self.name, addr, secret, CONNECT_PATIENCE).map_err(|e| e.to_string())?;
         self.free
             .push(c.info.capacity_pages.saturating_sub(c.info.used_pages));
         self.down.push(false);
@@ -572,13 +579,7 @@ impl Pager {
         let secret = self.secret.clone().ok_or_else(|| {
             pagefleet_client::ClientError::Usage("no cluster secret to reconnect with".into())
         })?;
-        let c = connect(
-            &self.name,
-            &self.addrs[s],
-            &secret,
-            self.reply_spin,
-            self.patience,
-        )?;
+        let c = connect(&self.name, &self.addrs[s], &secret, self.patience)?;
         if c.info.server_id != self.conns[s].info.server_id {
             // Restarted: whatever it held is gone; reconnecting cannot help.
             return Err(pagefleet_client::ClientError::Protocol {
@@ -627,13 +628,11 @@ fn thread_cpu_ns() -> u64 {
 }
 
 /// A pager's connection to a memory server: a window of 4 frames, patient
-/// with a busy or restarting server, spinning for replies as configured
-/// (`Config::reply_spin`) rather than sleeping through a wake-up.
+/// with a busy or restarting server.
 fn connect(
     name: &str,
     addr: &str,
     secret: &pagefleet_proto::auth::Secret,
-    spin: Duration,
     patience: Duration,
 ) -> Result<Conn, pagefleet_client::ClientError> {
     let opts = ConnectOptions {
@@ -641,7 +640,5 @@ fn connect(
         window: 4,
         ..Default::default()
     };
-    let mut c = Conn::connect_patiently(addr, secret, &opts, patience)?;
-    c.set_spin(spin);
-    Ok(c)
+    Conn::connect_patiently(addr, secret, &opts, patience)
 }

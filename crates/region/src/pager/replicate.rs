@@ -229,13 +229,7 @@ impl Pager {
                 .secret
                 .clone()
                 .ok_or_else(|| pagefleet_client::ClientError::Usage("no cluster secret".into()))?;
-            let mut c = connect(
-                &self.name,
-                &self.addrs[s],
-                &secret,
-                self.reply_spin,
-                REPLICA_PATIENCE,
-            )?;
+            let mut c = connect(&self.name, &self.addrs[s], &secret, REPLICA_PATIENCE)?;
             if c.info.server_id != self.conns[s].info.server_id {
                 return Err(pagefleet_client::ClientError::Protocol {
                     addr: self.addrs[s].clone(),

@@ -20,14 +20,7 @@ impl Pager {
             let (per_fault, per_zap) = (self.minor_cost.as_secs_f64(), self.zap_cost.as_secs_f64());
             // Spinning for replies only pays on a host with idle CPUs: on an
             // oversubscribed one it takes the CPU the server or a guest needs.
-            let spin = if runqueue_factor() <= 1.0 {
-                self.reply_spin
-            } else {
-                Duration::ZERO
-            };
-            for c in self.conns.iter_mut() {
-                c.set_spin(spin);
-            }
+            self.spin_ok = runqueue_factor() <= 1.0;
             // Plus what the sweeps cost this thread, measured: reading page
             // tables and zapping run on the guest's host too, and took 2–3x
             // the modelled costs on a slow day (the kv bench, everything

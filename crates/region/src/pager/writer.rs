@@ -90,7 +90,6 @@ pub(super) struct WriterSetup {
     pub(super) name: String,
     pub(super) secret: Option<Secret>,
     pub(super) doorbell: Arc<OwnedFd>,
-    pub(super) spin: Duration,
     /// How long a reconnect keeps trying.
     pub(super) patience: Duration,
 }
@@ -319,7 +318,7 @@ fn target_conn(
             "no cluster secret to reach memory servers with".into(),
         ));
     };
-    let c = super::connect(&setup.name, &t.addr, secret, setup.spin, setup.patience)?;
+    let c = super::connect(&setup.name, &t.addr, secret, setup.patience)?;
     if c.info.server_id != t.server_id {
         return Err(ClientError::Protocol {
             addr: t.addr.clone(),
