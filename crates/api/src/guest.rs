@@ -249,6 +249,11 @@ pub struct GuestSpec {
     /// CPU share of one core the access sampling may cost.
     #[serde(default = "default_sample_budget")]
     pub sample_budget: f64,
+    /// How long the pager polls for a faulting page's reply before it
+    /// sleeps, µs, while its host has idle CPUs (0: never; none: the
+    /// runtime's default).
+    #[serde(default)]
+    pub reply_spin_us: Option<u64>,
     /// A service address that moves with the guest.
     #[serde(default)]
     pub service_ip: Option<String>,
@@ -277,6 +282,9 @@ fn default_prefetch() -> String {
 fn default_replicas() -> usize {
     1
 }
+/// Longest poll for a reply a guest may ask for (µs).
+pub const MAX_REPLY_SPIN_US: u64 = 10_000;
+
 fn default_sample_budget() -> f64 {
     0.02
 }
@@ -293,6 +301,7 @@ impl GuestSpec {
             servers: vec![],
             replicas: default_replicas(),
             sample_budget: default_sample_budget(),
+            reply_spin_us: None,
             service_ip: None,
         }
     }
@@ -326,6 +335,12 @@ impl GuestSpec {
         }
         if !(self.sample_budget > 0.0 && self.sample_budget <= 1.0) {
             return Err("sample_budget must be in (0, 1]".into());
+        }
+        if self.reply_spin_us.is_some_and(|us| us > MAX_REPLY_SPIN_US) {
+            return Err(format!(
+                "reply_spin_us must be at most {MAX_REPLY_SPIN_US} (a poll that long only burns CPU)"
+            )
+            .into());
         }
         if let Some(ip) = &self.service_ip {
             ip.parse::<std::net::Ipv4Addr>()

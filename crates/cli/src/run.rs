@@ -60,6 +60,13 @@ pub struct RunArgs {
     /// CPU share of one core the sampling faults may cost.
     #[arg(long, global = true, default_value_t = 0.02)]
     pub sample_budget: f64,
+    /// How long the pager polls for a faulting page's reply before it
+    /// sleeps, in µs, while the host has idle CPUs (never under load): on a
+    /// virtual machine an idle CPU halts and waking it costs tens of µs.
+    /// 0: never poll. Default: 200.
+    #[arg(long, global = true, value_name = "US",
+          value_parser = clap::value_parser!(u64).range(0..=pagefleet_api::guest::MAX_REPLY_SPIN_US))]
+    pub reply_spin: Option<u64>,
     /// Print one JSON object with the outcome and the runtime's counters.
     #[arg(long, global = true)]
     pub json: bool,
@@ -284,6 +291,7 @@ pub fn guest_spec(a: &RunArgs) -> Result<GuestSpec> {
         servers: a.servers.clone(),
         replicas: a.replicas,
         sample_budget: a.sample_budget,
+        reply_spin_us: a.reply_spin,
         service_ip: a.service_ip.clone(),
     };
     spec.validate()?;
@@ -362,6 +370,7 @@ pub fn run(a: RunArgs, secret_file: Option<&Path>) -> Result<()> {
         chunk: a.chunk,
         prefetch: a.prefetch,
         sample_budget: a.sample_budget,
+        reply_spin_us: a.reply_spin,
         threads: a.threads,
         duration: a.duration,
         plain: a.plain,

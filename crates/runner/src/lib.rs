@@ -165,6 +165,9 @@ pub fn run_guest(
     cfg.chunk_pages = spec.chunk;
     cfg.prefetch = spec.prefetch.parse().map_err(RunnerError::Invalid)?;
     cfg.sample_cpu_budget = spec.sample_budget;
+    if let Some(us) = spec.reply_spin_us {
+        cfg.reply_spin = std::time::Duration::from_micros(us);
+    }
     cfg.name = format!("pagefleet-runner {name}");
     if !cfg.servers.is_empty() {
         cfg.secret = Some(secret.clone());

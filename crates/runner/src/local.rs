@@ -62,6 +62,8 @@ pub struct LocalRun {
     pub prefetch: pagefleet_region::Prefetch,
     /// CPU share the sampling faults may cost.
     pub sample_budget: f64,
+    /// The pager's poll for a faulting page's reply, µs (none: the default).
+    pub reply_spin_us: Option<u64>,
     /// Worker threads.
     pub threads: usize,
     /// Seconds to run (kv: 0 = until killed).
@@ -142,6 +144,9 @@ fn region_config(a: &LocalRun) -> Config {
     cfg.chunk_pages = a.chunk;
     cfg.prefetch = a.prefetch;
     cfg.sample_cpu_budget = a.sample_budget;
+    if let Some(us) = a.reply_spin_us {
+        cfg.reply_spin = std::time::Duration::from_micros(us);
+    }
     cfg.name = "pagefleet-run".into();
     cfg.secret = a.secret.clone();
     cfg

@@ -103,6 +103,8 @@ pub struct Cfg {
     pub workload: String,
     /// Idle connections that never authenticate, held on the memory server.
     pub strangers: usize,
+    /// The pager's poll for a faulting page's reply, µs (none: the default).
+    pub reply_spin_us: Option<u64>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -235,6 +237,7 @@ fn region(name: &str, pct: f64, f: impl FnOnce(&mut Cfg)) -> Cfg {
         replicas: 1,
         workload: "kv".into(),
         strangers: 0,
+        reply_spin_us: None,
     };
     f(&mut c);
     c
@@ -252,6 +255,7 @@ fn baseline(name: &str, kind: Kind, pct: f64) -> Cfg {
         replicas: 1,
         workload: "kv".into(),
         strangers: 0,
+        reply_spin_us: None,
     }
 }
 
@@ -366,6 +370,9 @@ pub fn configs(quick: bool) -> Vec<Group> {
                 }),
                 region("pagefleet 50% chunk 1", 50.0, |c| c.chunk = 1),
                 region("pagefleet 50% aging", 50.0, |c| c.policy = "aging".into()),
+                region("pagefleet 50% no reply poll", 50.0, |c| {
+                    c.reply_spin_us = Some(0)
+                }),
             ],
         ),
         Group::new(
@@ -425,7 +432,7 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
     for mut g in configs(o.quick) {
         if let Some(f) = &o.only {
             g.cfgs
-                .retain(|c| c.kind == Kind::Local || c.name.contains(f.as_str()));
+                .retain(|c| c.kind == Kind::Local || f.split('|').any(|alt| c.name.contains(alt)));
             if g.cfgs.iter().all(|c| c.kind == Kind::Local) {
                 continue;
             }
@@ -918,6 +925,9 @@ fn start_guest(
             if let Ok(v) = std::env::var("PF_BENCH_SAMPLE_BUDGET") {
                 cmd.args(["--sample-budget", &v]);
             }
+            if let Some(us) = c.reply_spin_us {
+                cmd.args(["--reply-spin", &us.to_string()]);
+            }
             if !servers.is_empty() {
                 cmd.arg("--servers").arg(servers.join(","));
             }
@@ -1144,8 +1154,9 @@ pub struct Args {
     /// of a 1 s slice (a sequential scan runs this long in one piece).
     #[arg(long = "secs", alias = "reps")]
     pub secs: Option<u64>,
-    /// Run only the configurations whose name contains this (each group's
-    /// all-local always runs, as its reference).
+    /// Run only the configurations whose name contains this, or one of
+    /// several alternatives separated by `|` ("zram 50%|floor pager 50%");
+    /// each group's all-local always runs, as its reference.
     #[arg(long)]
     pub only: Option<String>,
 }
