@@ -141,7 +141,9 @@ pub struct Config {
     pub secret: Option<Secret>,
     /// Region id on the servers (0: random).
     pub region_id: u64,
-    /// Fraction of one core the sampling faults may cost the guest.
+    /// Fraction of one core the sampling faults may cost the guest; 0: the
+    /// sampling hand never moves (the victim hand still reads reference
+    /// bits when it looks for victims).
     pub sample_cpu_budget: f64,
     /// Fastest full sweep of all chunks by the sampling hand.
     pub sample_period: Duration,

@@ -43,6 +43,10 @@ impl Pager {
                 .sample_rate
                 .store(self.rate as u64, Relaxed);
         }
+        // No budget, no sampling: history comes from the victim hand only.
+        if self.cpu_budget <= 0.0 {
+            return;
+        }
         // Needing victims soon: look harder, the budget notwithstanding.
         let budget = self.shared.budget.load(Relaxed);
         let can_overflow = (self.loc.state.len() as u64) > budget;
