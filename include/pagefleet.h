@@ -26,7 +26,7 @@ typedef struct pf_config {
     uint32_t policy;        /* enum pf_policy */
     const char *servers;    /* "host:port,host:port" or NULL for none */
     const char *secret_file;/* NULL: $PAGEFLEET_SECRET / default secret file */
-    double sample_cpu_budget; /* share of one core for sampling faults (0: 0.02) */
+    double sample_cpu_budget; /* share of one core for sampling faults (0: 0.01) */
 } pf_config;
 
 typedef struct pf_stats {

@@ -286,7 +286,7 @@ fn default_replicas() -> usize {
 pub const MAX_REPLY_SPIN_US: u64 = 10_000;
 
 fn default_sample_budget() -> f64 {
-    0.02
+    0.01
 }
 
 impl GuestSpec {

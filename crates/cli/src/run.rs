@@ -61,7 +61,7 @@ pub struct RunArgs {
     /// also takes 0: no sampling, reference bits are read only when
     /// victims are chosen; hosted guests sample, split migration places
     /// chunks by their history).
-    #[arg(long, global = true, default_value_t = 0.02)]
+    #[arg(long, global = true, default_value_t = 0.01)]
     pub sample_budget: f64,
     /// How long the pager polls for a faulting page's reply before it
     /// sleeps, in µs, while the host has idle CPUs (never under load): on a
