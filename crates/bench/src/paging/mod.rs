@@ -853,7 +853,7 @@ pub fn print_table(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
     for f in &r.faults {
         writeln!(
             out,
-            "  {:<28} p50 {:>7.1} us   p99 {:>7.1} us   ({} samples)",
+            "  {:<42} p50 {:>7.1} us   p99 {:>7.1} us   ({} samples)",
             f.what, f.p50_us, f.p99_us, f.samples
         )?;
     }
