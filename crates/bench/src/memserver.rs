@@ -747,7 +747,9 @@ pub fn raw_server_main() -> Result<()> {
 impl RawServer {
     pub(crate) fn start() -> Result<RawServer> {
         let me = std::env::current_exe()?;
-        let mut child = Command::new(&me)
+        let mut cmd = Command::new(&me);
+        crate::util::die_with_parent(&mut cmd);
+        let mut child = cmd
             .args(["bench", "raw-server"])
             .stdout(Stdio::piped())
             .spawn()

@@ -7,7 +7,31 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// A child pagefleetd on loopback, killed on drop.
+/// Let the child `cmd` starts die with the thread that starts it
+/// (`PR_SET_PDEATHSIG`): a test or bench that is interrupted (Ctrl-C, a
+/// kill, a panic that aborts) leaves no daemon or guest behind, which
+/// `Drop` alone cannot promise. Start such children from a thread that
+/// outlives them (the kernel signals when the forking *thread* exits).
+pub fn die_with_parent(cmd: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: getpid is async-signal-safe and has no preconditions.
+    let parent = unsafe { libc::getpid() };
+    // SAFETY: only async-signal-safe calls (prctl, getppid) after fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The parent died before the prctl: nothing will signal.
+            if libc::getppid() != parent {
+                return Err(std::io::Error::other("the parent exited"));
+            }
+            Ok(())
+        });
+    }
+}
+
+/// A child pagefleetd on loopback, killed on drop (and with its parent).
 pub struct ChildDaemon {
     pub child: Child,
     pub addr: String,
@@ -57,7 +81,9 @@ impl ChildDaemon {
         listen: &str,
         extra: &[&std::ffi::OsStr],
     ) -> Result<ChildDaemon> {
-        let mut child = Command::new(bin)
+        let mut cmd = Command::new(bin);
+        die_with_parent(&mut cmd);
+        let mut child = cmd
             .args([
                 "--lend",
                 &lend_bytes.to_string(),
