@@ -147,8 +147,22 @@ fn bench_paging_quick_json_has_rows_faults_and_goals() {
         .unwrap()
         .contains("work between faults"));
     let faults = v["faults"].as_array().unwrap();
-    assert_eq!(faults.len(), 3);
+    assert_eq!(
+        faults.len(),
+        4,
+        "raw uffd, raw TCP, the floor program, pagefleet: {faults:?}"
+    );
     assert!(faults.iter().all(|f| f["p50_us"].as_f64().unwrap() > 0.0));
+    assert!(faults[2]["what"].as_str().unwrap().starts_with("floor"));
+    // The fault goal's floor bound, from the same batches.
+    let bounds = v["floor_bounds"].as_array().unwrap();
+    assert!(
+        bounds.iter().any(
+            |b| b["goal"].as_str().unwrap().starts_with("4KiB fault p50")
+                && b["bound"].as_f64().unwrap() > 0.0
+        ),
+        "{bounds:?}"
+    );
     for g in v["goals"].as_array().unwrap() {
         for k in ["name", "value", "target", "unit", "met"] {
             assert!(!g[k].is_null(), "goal lacks {k}: {g}");
