@@ -597,5 +597,21 @@ mod tests {
         s.chunk = 16;
         s.policy = "lru; rm -rf /".into();
         assert!(s.validate().is_err());
+        s.policy = "clock".into();
+        assert!(s.validate().is_ok());
+        // A poll for replies is bounded: a long one only burns CPU.
+        s.reply_spin_us = Some(MAX_REPLY_SPIN_US);
+        assert!(s.validate().is_ok());
+        s.reply_spin_us = Some(MAX_REPLY_SPIN_US + 1);
+        assert!(s.validate().is_err());
+        // Older clients send no reply_spin_us: the runtime's default.
+        let v = serde_json::to_value(GuestSpec::new(Workload::Kv {
+            listen: "127.0.0.1:11211".into(),
+        }))
+        .unwrap();
+        let mut m = v.as_object().unwrap().clone();
+        m.remove("reply_spin_us");
+        let back: GuestSpec = serde_json::from_value(serde_json::Value::Object(m)).unwrap();
+        assert_eq!(back.reply_spin_us, None);
     }
 }
