@@ -335,11 +335,8 @@ pub(super) fn seq_floor(o: &Opts) -> Result<f64> {
     if two {
         util::set_process_affinity(raw.child.id(), &[0]);
     }
-    let fd = Arc::new(uffd::memfd("seq-floor", pages * 4096)?);
-    let m = uffd::Mapping::shared(fd.as_raw_fd(), (pages * 4096) as usize)?;
-    m.madvise(0, m.len(), libc::MADV_NOHUGEPAGE)?;
-    let u = Arc::new(uffd::Uffd::open(uffd::FEATURE_MISSING_SHMEM)?);
-    u.register(m.base(), m.len() as u64, uffd::MODE_MISSING)?;
+    let (fd, m, u) = floor_mapping("seq-floor", pages)?;
+    let (fd, u) = (Arc::new(fd), Arc::new(u));
     let mut conn = raw.connect(b'W', 0)?;
     let base = m.base();
     let stop = Arc::new(AtomicBool::new(false));
@@ -507,18 +504,12 @@ struct FloorHandler {
 
 impl FloorHandler {
     fn start(pages: u64) -> Result<FloorHandler> {
-        use pagefleet_uffd as uffd;
-        use std::os::fd::AsRawFd;
         let raw = RawServer::start()?;
         let two = util::ncpus() >= 2;
         if two {
             util::set_process_affinity(raw.child.id(), &[0]);
         }
-        let fd = uffd::memfd("floor", pages * 4096)?;
-        let m = uffd::Mapping::shared(fd.as_raw_fd(), (pages * 4096) as usize)?;
-        m.madvise(0, m.len(), libc::MADV_NOHUGEPAGE)?;
-        let u = uffd::Uffd::open(uffd::FEATURE_MISSING_SHMEM)?;
-        u.register(m.base(), m.len() as u64, uffd::MODE_MISSING)?;
+        let (_fd, m, u) = floor_mapping("floor", pages)?;
         let mut conn = raw.connect(b'G', 0)?;
         let stop = Arc::new(AtomicBool::new(false));
         let s2 = stop.clone();
@@ -623,14 +614,9 @@ fn all_remote_region(
 }
 
 fn raw_uffd(iters: usize, two: bool) -> Result<Vec<f64>> {
-    use pagefleet_uffd as uffd;
-    use std::os::fd::AsRawFd;
     let pages = iters + 16;
-    let fd = uffd::memfd("raw-uffd", (pages * 4096) as u64)?;
-    let m = uffd::Mapping::shared(fd.as_raw_fd(), pages * 4096)?;
-    m.madvise(0, m.len(), libc::MADV_NOHUGEPAGE)?;
-    let u = Arc::new(uffd::Uffd::open(uffd::FEATURE_MISSING_SHMEM)?);
-    u.register(m.base(), m.len() as u64, uffd::MODE_MISSING)?;
+    let (_fd, m, u) = floor_mapping("raw-uffd", pages as u64)?;
+    let u = Arc::new(u);
     let stop = Arc::new(AtomicBool::new(false));
     let (u2, s2) = (u.clone(), stop.clone());
     let h = std::thread::spawn(move || {
@@ -670,4 +656,24 @@ fn raw_uffd(iters: usize, two: bool) -> Result<Vec<f64>> {
         util::set_affinity(0, &all);
     }
     Ok(v)
+}
+
+/// A floor program's memory: a memfd of `pages` mapped shared, THP off (as
+/// a region's), registered for MISSING faults on a userfaultfd.
+fn floor_mapping(
+    name: &str,
+    pages: u64,
+) -> Result<(
+    std::os::fd::OwnedFd,
+    pagefleet_uffd::Mapping,
+    pagefleet_uffd::Uffd,
+)> {
+    use pagefleet_uffd as uffd;
+    use std::os::fd::AsRawFd;
+    let fd = uffd::memfd(name, pages * 4096)?;
+    let m = uffd::Mapping::shared(fd.as_raw_fd(), (pages * 4096) as usize)?;
+    m.madvise(0, m.len(), libc::MADV_NOHUGEPAGE)?;
+    let u = uffd::Uffd::open(uffd::FEATURE_MISSING_SHMEM)?;
+    u.register(m.base(), m.len() as u64, uffd::MODE_MISSING)?;
+    Ok((fd, m, u))
 }

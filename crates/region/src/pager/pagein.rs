@@ -102,11 +102,11 @@ impl Pager {
             }
             let from = self.gets[s].len();
             self.gets[s].extend(gets);
-            self.spin_for_reply(since);
             if let Err(e) = self.send_gets(s, from) {
                 self.get_failed(s, e);
             }
         }
+        self.spin_for_reply(since);
     }
 
     /// Send the GETs of server `s` from index `from` of its queue on.
