@@ -127,6 +127,10 @@ pub struct Row {
     pub clean_drops_per_sec: f64,
     /// MINOR faults per second: the guest-visible cost of access sampling.
     pub sampling_faults_per_sec: f64,
+    /// Page faults per second the guest process took (kernel count: minor
+    /// faults after the sampler's or victim hand's unmaps, userfaultfd
+    /// faults, first touches).
+    pub guest_faults_per_sec: f64,
     pub fault_p50_us: Option<f64>,
     pub fault_p99_us: Option<f64>,
     /// The region's counters over the measured window (pf_* of the kv stats).
@@ -153,6 +157,7 @@ impl Row {
             page_outs_per_sec: 0.0,
             clean_drops_per_sec: 0.0,
             sampling_faults_per_sec: 0.0,
+            guest_faults_per_sec: 0.0,
             fault_p50_us: None,
             fault_p99_us: None,
             region_deltas: Default::default(),
@@ -742,7 +747,7 @@ pub fn print_table(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
     )?;
     writeln!(
         out,
-        "\n  {:<38} {:>6} {:>9} {:>11} {:>11} {:>9} {:>10} {:>7} {:>7} {:>9}",
+        "\n  {:<38} {:>6} {:>9} {:>11} {:>11} {:>9} {:>10} {:>9} {:>7} {:>7} {:>9}",
         "config",
         "ops/s",
         "x local",
@@ -750,6 +755,7 @@ pub fn print_table(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
         "page-outs/s",
         "drops/s",
         "sampling/s",
+        "faults/s",
         "p50 us",
         "p99 us",
         "CPU busy"
@@ -773,7 +779,7 @@ pub fn print_table(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
             .join("/");
         writeln!(
             out,
-            "  {:<38} {:>6.0} {:>9.3} {:>11.0} {:>11.0} {:>9.0} {:>10.0} {:>7} {:>7} {:>9}",
+            "  {:<38} {:>6.0} {:>9.3} {:>11.0} {:>11.0} {:>9.0} {:>10.0} {:>9.0} {:>7} {:>7} {:>9}",
             row.cfg.name,
             row.ops_per_sec,
             row.ratio_to_local,
@@ -781,6 +787,7 @@ pub fn print_table(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
             row.page_outs_per_sec,
             row.clean_drops_per_sec,
             row.sampling_faults_per_sec,
+            row.guest_faults_per_sec,
             f(row.fault_p50_us),
             f(row.fault_p99_us),
             busy
@@ -797,7 +804,7 @@ pub fn print_table(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
     )?;
     writeln!(
         out,
-        "   page-outs/s: pages sent; drops/s: clean pages evicted without sending;"
+        "   page-outs/s: pages sent; drops/s: clean pages evicted without sending; faults/s: page faults the guest process took (kernel count, all kinds);"
     )?;
     writeln!(
         out,
@@ -1146,6 +1153,7 @@ fn seq_scan(o: &Opts, c: &Cfg, daemons: &[util::ChildDaemon], secret_path: &Path
         page_outs_per_sec: 0.0,
         clean_drops_per_sec: n("clean_drops") as f64 / secs,
         sampling_faults_per_sec: n("minor_faults") as f64 / secs,
+        guest_faults_per_sec: 0.0,
         fault_p50_us: reg["page_in_p50_us"].as_f64(),
         fault_p99_us: reg["page_in_p99_us"].as_f64(),
         region_deltas,

@@ -40,6 +40,8 @@ struct Acc {
     secs: f64,
     rounds: Vec<f64>,
     swapins: u64,
+    /// Page faults the guest process took (the kernel's count, every kind).
+    minflt: u64,
     deltas: std::collections::BTreeMap<String, u64>,
     /// The kv stats after the last slice (percentile gauges).
     last: std::collections::HashMap<String, u64>,
@@ -132,6 +134,8 @@ impl Member {
         let l = kvload::Load::start_seeded(&self.spec, 1 + round as u64);
         std::thread::sleep(LEAD);
         let before = kv_stats(&self.guest.addr)?;
+        let pid = self.guest.child.id();
+        let flt0 = minflt(pid);
         let (swap0, cpu0, n0, t0) = (
             vmstat("pswpin"),
             util::cpu_times(),
@@ -142,6 +146,7 @@ impl Member {
         let (n1, secs) = (l.counters.ops.load(Relaxed), t0.elapsed().as_secs_f64());
         let busy = util::cpu_busy(&cpu0, &util::cpu_times());
         let swapins = vmstat("pswpin").saturating_sub(swap0);
+        let faults = minflt(pid).saturating_sub(flt0);
         let after = kv_stats(&self.guest.addr)?;
         let counters = l.counters.clone();
         let error = l.error();
@@ -159,6 +164,7 @@ impl Member {
         a.secs += secs;
         a.rounds.push((n1 - n0) as f64 / secs);
         a.swapins += swapins;
+        a.minflt += faults;
         a.busy.push(busy);
         // Counters, not gauges (budget, resident, remote) or percentiles.
         for (k, v) in &after {
@@ -205,6 +211,7 @@ impl Member {
             page_outs_per_sec: d("pf_page_outs"),
             clean_drops_per_sec: d("pf_clean_drops"),
             sampling_faults_per_sec: d("pf_minor_faults"),
+            guest_faults_per_sec: a.minflt as f64 / secs,
             fault_p50_us: paged.then(|| a.last["pf_page_in_p50_us"] as f64),
             fault_p99_us: paged.then(|| a.last["pf_page_in_p99_us"] as f64),
             region_deltas: a.deltas.clone(),
@@ -297,4 +304,18 @@ pub(super) fn run_group(
         }
     }
     rows
+}
+
+/// Page faults process `pid` has taken (minflt of /proc/PID/stat: minor
+/// faults the kernel resolved, userfaultfd faults included; 0 if unreadable).
+fn minflt(pid: u32) -> u64 {
+    let Ok(s) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0;
+    };
+    // Fields after the command name (which may hold spaces): state is the
+    // third field of stat, minflt the tenth.
+    s.rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().nth(7))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
 }
