@@ -71,6 +71,7 @@ impl Default for Histogram {
 pub struct Counters {
     pub missing_faults: AtomicU64,
     pub minor_faults: AtomicU64,
+    pub unmaps: AtomicU64,
     pub wp_faults: AtomicU64,
     pub zero_filled_pages: AtomicU64,
     pub page_ins: AtomicU64,
@@ -116,6 +117,10 @@ pub struct Stats {
     /// Pages the sampler found touched since it unmapped them (each a minor
     /// fault the kernel resolved).
     pub minor_faults: u64,
+    /// `madvise` calls that unmapped resident pages so that their next
+    /// touch shows (sampling, the victim hand's re-arms): each a TLB
+    /// shootdown on the guest's CPUs.
+    pub unmaps: u64,
     /// Write-protect faults (migration change tracking).
     pub wp_faults: u64,
     /// Never-touched pages filled with zeros.
@@ -186,6 +191,7 @@ impl Stats {
             ("remote_pages", self.remote_pages),
             ("missing_faults", self.missing_faults),
             ("minor_faults", self.minor_faults),
+            ("unmaps", self.unmaps),
             ("wp_faults", self.wp_faults),
             ("zero_filled_pages", self.zero_filled_pages),
             ("page_ins", self.page_ins),
@@ -232,6 +238,7 @@ impl Counters {
             remote_pages: self.remote_pages.load(Relaxed),
             missing_faults: self.missing_faults.load(Relaxed),
             minor_faults: self.minor_faults.load(Relaxed),
+            unmaps: self.unmaps.load(Relaxed),
             wp_faults: self.wp_faults.load(Relaxed),
             zero_filled_pages: self.zero_filled_pages.load(Relaxed),
             page_ins: self.page_ins.load(Relaxed),

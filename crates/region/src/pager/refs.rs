@@ -124,6 +124,7 @@ impl Pager {
     /// touch shows in the page tables as a use.
     pub(super) fn zap(&mut self, lo: usize, hi: usize) {
         let _ = self.guest.unmap(lo * PAGE, (hi - lo) * PAGE);
+        self.shared.stats.unmaps.fetch_add(1, Relaxed);
         self.access.unmapped(lo, hi);
     }
 
