@@ -380,7 +380,7 @@ pub fn print(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<()> {
     )?;
     writeln!(
         out,
-        "  split, steady (paging with h3):{steady:>10.0}   ({:.2}x before; S-memV lost 14%)",
+        "  split, steady (paging with h3):{steady:>10.0}   ({:.3}x before; S-memV lost 14%)",
         steady / before.max(1.0)
     )?;
     writeln!(
