@@ -133,20 +133,32 @@ impl Drop for ChildDaemon {
     }
 }
 
+/// The numeric fields of `/proc/PID/stat` after the command name, from the
+/// state on (field 3 of proc(5) is index 0 here); empty when gone.
+fn stat_fields(pid: u32) -> Vec<String> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // The command name (which may hold spaces) ends with the last ')'.
+    let rest = s.rsplit_once(')').map_or("", |x| x.1);
+    rest.split_whitespace().map(str::to_string).collect()
+}
+
+/// Field `n` of proc(5)'s `/proc/PID/stat` (1-based, n >= 3) as a number (0 when gone).
+fn stat_field(f: &[String], n: usize) -> u64 {
+    f.get(n - 3).and_then(|x| x.parse().ok()).unwrap_or(0)
+}
+
 /// CPU seconds (user + system) process `pid` has used so far (0 when gone).
 pub fn cpu_secs(pid: u32) -> f64 {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // Fields after the command name (which may hold spaces) end with ')'.
-    let rest = s.rsplit_once(')').map_or("", |x| x.1);
-    let f: Vec<u64> = rest
-        .split_whitespace()
-        .skip(11)
-        .take(2)
-        .filter_map(|x| x.parse().ok())
-        .collect();
+    let f = stat_fields(pid);
     // SAFETY: sysconf has no preconditions.
     let hz = (unsafe { libc::sysconf(libc::_SC_CLK_TCK) }).max(1) as f64;
-    f.iter().sum::<u64>() as f64 / hz
+    (stat_field(&f, 14) + stat_field(&f, 15)) as f64 / hz
+}
+
+/// Page faults process `pid` has taken without I/O so far (minflt: minor
+/// faults the kernel resolved, userfaultfd faults included; 0 when gone).
+pub fn minor_faults(pid: u32) -> u64 {
+    stat_field(&stat_fields(pid), 10)
 }
 
 pub fn rss_of(pid: u32) -> Result<u64> {
@@ -265,5 +277,35 @@ impl AsRef<std::ffi::OsStr> for TempDir {
 impl Drop for TempDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+#[cfg(test)]
+mod stat_tests {
+    use super::*;
+
+    #[test]
+    fn minor_faults_count_first_touches_and_cpu_time_grows() {
+        let me = std::process::id();
+        let (f0, c0) = (minor_faults(me), cpu_secs(me));
+        // 16 MiB of fresh pages: each first touch is a minor fault.
+        let mut v = vec![0u8; 16 << 20];
+        for i in (0..v.len()).step_by(4096) {
+            v[i] = 1;
+        }
+        std::hint::black_box(&v);
+        let mut x = 0u64;
+        let t = std::time::Instant::now();
+        while t.elapsed() < std::time::Duration::from_millis(50) {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
+        }
+        std::hint::black_box(x);
+        assert!(
+            minor_faults(me) >= f0 + 1000,
+            "{f0} -> {}",
+            minor_faults(me)
+        );
+        assert!(cpu_secs(me) > c0, "{c0} -> {}", cpu_secs(me));
+        assert_eq!((minor_faults(u32::MAX), cpu_secs(u32::MAX)), (0, 0.0));
     }
 }

@@ -135,7 +135,7 @@ impl Member {
         std::thread::sleep(LEAD);
         let before = kv_stats(&self.guest.addr)?;
         let pid = self.guest.child.id();
-        let flt0 = minflt(pid);
+        let flt0 = pagefleet_lab::proc::minor_faults(pid);
         let (swap0, cpu0, n0, t0) = (
             vmstat("pswpin"),
             util::cpu_times(),
@@ -146,7 +146,7 @@ impl Member {
         let (n1, secs) = (l.counters.ops.load(Relaxed), t0.elapsed().as_secs_f64());
         let busy = util::cpu_busy(&cpu0, &util::cpu_times());
         let swapins = vmstat("pswpin").saturating_sub(swap0);
-        let faults = minflt(pid).saturating_sub(flt0);
+        let faults = pagefleet_lab::proc::minor_faults(pid).saturating_sub(flt0);
         let after = kv_stats(&self.guest.addr)?;
         let counters = l.counters.clone();
         let error = l.error();
@@ -304,18 +304,4 @@ pub(super) fn run_group(
         }
     }
     rows
-}
-
-/// Page faults process `pid` has taken (minflt of /proc/PID/stat: minor
-/// faults the kernel resolved, userfaultfd faults included; 0 if unreadable).
-fn minflt(pid: u32) -> u64 {
-    let Ok(s) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return 0;
-    };
-    // Fields after the command name (which may hold spaces): state is the
-    // third field of stat, minflt the tenth.
-    s.rsplit_once(')')
-        .and_then(|(_, rest)| rest.split_whitespace().nth(7))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
 }
