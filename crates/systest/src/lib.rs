@@ -184,7 +184,7 @@ pub fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
 }
 
 /// Send `sig` to every process of lab host `h` whose command line contains
-/// `pattern`; whether there was one.
+/// `pattern` (0: none, only see whether one lives); whether there was one.
 pub fn signal_in(l: &LabRun, h: usize, pattern: &str, sig: i32) -> bool {
     let out = std::process::Command::new("ip")
         .args(["netns", "pids", &l.lab.hosts[h].netns])
@@ -222,7 +222,7 @@ pub use pagefleet_lab::is_root;
 
 /// The VM guest image (kernel + initramfs running vmwork), built by
 /// `crates/systest/vm/build.sh` into `target/vm` (`make test` builds it;
-/// built here if missing): (vmlinuz, initrd.gz).
+/// rebuilt here if missing or older than its sources): (vmlinuz, initrd.gz).
 pub fn vm_image() -> (PathBuf, PathBuf) {
     let dir = bin("pagefleet")
         .parent()
@@ -230,7 +230,12 @@ pub fn vm_image() -> (PathBuf, PathBuf) {
         .parent()
         .unwrap()
         .join("vm");
-    if !dir.join("initrd.gz").exists() {
+    // Tests of one binary run as threads: one builds, the others wait for it
+    // (two builds would race on the image's temporary files).
+    static BUILD: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = BUILD.lock().unwrap_or_else(|e| e.into_inner());
+    // build.sh returns at once when the image is newer than its sources.
+    {
         let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("vm/build.sh");
         let st = std::process::Command::new(script)
             .arg(&dir)

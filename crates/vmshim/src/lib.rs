@@ -90,7 +90,7 @@ pub unsafe extern "C" fn mmap(
     match hand_over(p as u64, len as u64) {
         Ok(()) => p,
         Err(e) => {
-            eprintln!("pagefleet vmshim: cannot hand the guest RAM to the runner: {e}");
+            say(&format!("cannot hand the guest RAM to the runner: {e}"));
             // SAFETY: unmapping what was just mapped here; QEMU sees the
             // failure and exits with its own error.
             unsafe { libc::munmap(p, len) };
@@ -188,7 +188,16 @@ fn serve(sock: std::os::unix::net::UnixStream, base: u64, len: u64) {
             break;
         }
     }
-    eprintln!("pagefleet vmshim: the runner serving this VM's memory is gone; stopping QEMU");
+    say("the runner serving this VM's memory is gone; stopping QEMU");
     // SAFETY: _exit ends the process at once; no faults can be served any more.
     unsafe { libc::_exit(75) };
+}
+
+/// A line on QEMU's stderr, if anyone still reads it. Never `eprintln!`:
+/// that panics on a write error, and QEMU's stderr is a pipe to the runner,
+/// whose end closes as the runner dies — the agent thread would die of the
+/// panic before its `_exit`, leaving QEMU running with nobody to serve it.
+fn say(msg: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "pagefleet vmshim: {msg}");
 }
