@@ -61,6 +61,7 @@ pub struct RunArgs {
     /// while every page fits the budget; `pagefleet run` also takes 0: no
     /// sampling, reference bits are read only when victims are chosen;
     /// hosted guests sample, split migration places chunks by their history).
+    /// While it runs, SIGUSR1 stops the sampling hand and SIGUSR2 restarts it.
     #[arg(long, global = true, default_value_t = 0.01)]
     pub sample_budget: f64,
     /// How long the pager polls for a faulting page's reply before it

@@ -342,6 +342,8 @@ pub enum Location {
 /// Shared between the guest-facing handle and the pager thread.
 pub(crate) struct Shared {
     pub budget: AtomicU64,
+    /// The sampling hand's CPU budget (an f64's bits; 0: the hand stands).
+    pub sample_budget: AtomicU64,
     pub stop: AtomicBool,
     /// The pager (and its writer, its page-outs done) has ended.
     pub exited: AtomicBool,
@@ -476,6 +478,7 @@ impl Region {
         };
         let shared = Arc::new(Shared {
             budget: AtomicU64::new(cfg.budget_pages),
+            sample_budget: AtomicU64::new(cfg.sample_cpu_budget.max(0.0).to_bits()),
             stop: AtomicBool::new(false),
             exited: AtomicBool::new(false),
             stats: stats::Counters::default(),
@@ -583,6 +586,25 @@ impl Region {
             .budget
             .store(pages.max(self.chunk_pages as u64 * 2), Ordering::Relaxed);
     }
+    /// Change the sampling hand's CPU budget (share of one core; 0 stops
+    /// the hand, the victim hand still reads reference bits) from its next
+    /// tick on.
+    pub fn set_sample_budget(&self, share: f64) {
+        let share = if share.is_finite() {
+            share.clamp(0.0, 1.0)
+        } else {
+            0.0
+        };
+        self.shared
+            .sample_budget
+            .store(share.to_bits(), Ordering::Relaxed);
+    }
+
+    /// The sampling hand's CPU budget now.
+    pub fn sample_budget(&self) -> f64 {
+        f64::from_bits(self.shared.sample_budget.load(Ordering::Relaxed))
+    }
+
     /// Pages allowed resident now.
     pub fn budget(&self) -> u64 {
         self.shared.budget.load(Ordering::Relaxed)

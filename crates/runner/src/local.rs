@@ -300,10 +300,46 @@ fn watch_signals() {
         });
 }
 
+/// SIGUSR1 stops the access sampling hand, SIGUSR2 restarts it at the
+/// run's `--sample-budget`: what sampling costs a running guest can be
+/// measured on the same process, memory and threads (`bench paging`
+/// toggles it between short windows).
+/// Block both in this thread (call before any thread starts: they
+/// inherit the mask), then [`watch_sampling_signals`].
+fn block_sampling_signals() -> libc::sigset_t {
+    // SAFETY: plain signal-mask calls on a local set.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGUSR1);
+        libc::sigaddset(&mut set, libc::SIGUSR2);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    }
+}
+
+fn watch_sampling_signals(set: libc::sigset_t, budget: f64) {
+    let _ = std::thread::Builder::new()
+        .name("sampling-signals".into())
+        .spawn(move || loop {
+            let mut sig = 0;
+            // SAFETY: waits for signals this set blocked in every thread.
+            if unsafe { libc::sigwait(&set, &mut sig) } != 0 {
+                return;
+            }
+            let share = if sig == libc::SIGUSR1 { 0.0 } else { budget };
+            if let Some(r) = REGION.get().and_then(|w| w.upgrade()) {
+                r.set_sample_budget(share);
+            }
+        });
+}
+
 /// Run `w` once; its outcome as JSON (the region's counters included).
 /// SIGINT / SIGTERM end it early without leaving pages on the memory servers.
 pub fn run(a: &LocalRun, w: &Workload) -> Result<serde_json::Value, RunnerError> {
+    let sampling = block_sampling_signals();
     watch_signals();
+    watch_sampling_signals(sampling, a.sample_budget);
     struct Returned;
     impl Drop for Returned {
         fn drop(&mut self) {

@@ -294,3 +294,93 @@ fn unprivileged_guest_pages_to_a_server() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// One `STAT name value` of the kv guest's `stats`.
+fn kv_stat(addr: &str, name: &str) -> u64 {
+    use std::io::Write;
+    let mut s = std::net::TcpStream::connect(addr).expect("kv guest");
+    s.write_all(b"stats\r\n").unwrap();
+    let mut r = BufReader::new(s);
+    let mut line = String::new();
+    while r.read_line(&mut line).unwrap() > 0 && !line.starts_with("END") {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.len() == 3 && f[1] == name {
+            return f[2].parse().unwrap();
+        }
+        line.clear();
+    }
+    panic!("no {name} in the kv guest's stats")
+}
+
+/// SIGUSR1 stops a running guest's sampling hand and SIGUSR2 restarts it
+/// (how `bench paging` measures what sampling costs one guest).
+#[test]
+fn sigusr1_stops_and_sigusr2_restarts_the_sampling_hand() {
+    use std::io::Write;
+    let c = Cluster::start(1, "128MiB");
+    let dir = tempdir("kvsample");
+    let mut g = GuestProc::start(
+        &c,
+        &[
+            "kv",
+            "--size",
+            "64MiB",
+            "--budget",
+            "100%",
+            "--sample-budget",
+            "1",
+            "--listen",
+            "127.0.0.1:0",
+            "--duration",
+            "0",
+        ],
+        &dir,
+    );
+    let line = BufReader::new(g.child.stdout.take().unwrap())
+        .lines()
+        .next()
+        .unwrap()
+        .unwrap();
+    let addr = line
+        .strip_prefix("kv listening ")
+        .expect("kv listening line")
+        .to_string();
+    // 16 MiB of values: resident chunks for the hand to visit.
+    let mut s = std::net::TcpStream::connect(&addr).unwrap();
+    let value = vec![b'v'; 16 * 1024];
+    let mut r = BufReader::new(s.try_clone().unwrap());
+    for k in 0..1024 {
+        write!(s, "set k{k} 0 0 {}\r\n", value.len()).unwrap();
+        s.write_all(&value).unwrap();
+        s.write_all(b"\r\n").unwrap();
+        let mut ok = String::new();
+        r.read_line(&mut ok).unwrap();
+        assert_eq!(ok, "STORED\r\n");
+    }
+    let sampled = || kv_stat(&addr, "pf_sampled_chunks");
+    let grows = |what: &str| {
+        let (a, t) = (sampled(), std::time::Instant::now());
+        while sampled() == a {
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "the hand stands {what}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    grows("from the start");
+    let pid = g.child.id() as i32;
+    // SAFETY: kill has no memory preconditions; the pid is our child's.
+    unsafe { libc::kill(pid, libc::SIGUSR1) };
+    std::thread::sleep(Duration::from_millis(500));
+    let a = sampled();
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(sampled(), a, "the hand moved after SIGUSR1");
+    // SAFETY: as above.
+    unsafe { libc::kill(pid, libc::SIGUSR2) };
+    grows("after SIGUSR2");
+    assert!(
+        g.child.try_wait().unwrap().is_none(),
+        "the guest died of a signal"
+    );
+}

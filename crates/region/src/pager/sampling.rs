@@ -11,6 +11,8 @@ impl Pager {
             return;
         }
         self.last_tick = now;
+        // The region's owner may change the budget while the guest runs.
+        self.cpu_budget = f64::from_bits(self.shared.sample_budget.load(Relaxed));
         // Controller: keep the guest's cost of sampling faults within budget.
         let win = now.duration_since(self.window_start).as_secs_f64();
         if win >= 0.1 {
