@@ -350,9 +350,12 @@ fn sigusr1_stops_and_sigusr2_restarts_the_sampling_hand() {
     let value = vec![b'v'; 16 * 1024];
     let mut r = BufReader::new(s.try_clone().unwrap());
     for k in 0..1024 {
-        write!(s, "set k{k} 0 0 {}\r\n", value.len()).unwrap();
-        s.write_all(&value).unwrap();
-        s.write_all(b"\r\n").unwrap();
+        // One write per request (three small ones wait out Nagle and the
+        // peer's delayed ACK: 40 ms each).
+        let mut req = format!("set k{k} 0 0 {}\r\n", value.len()).into_bytes();
+        req.extend_from_slice(&value);
+        req.extend_from_slice(b"\r\n");
+        s.write_all(&req).unwrap();
         let mut ok = String::new();
         r.read_line(&mut ok).unwrap();
         assert_eq!(ok, "STORED\r\n");
