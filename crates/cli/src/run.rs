@@ -57,10 +57,10 @@ pub struct RunArgs {
     /// Plain anonymous memory instead of a pagefleet region (the all-local baseline).
     #[arg(long, global = true)]
     pub plain: bool,
-    /// CPU share of one core the access sampling may cost (a quarter of it
-    /// while every page fits the budget; `pagefleet run` also takes 0: no
-    /// sampling, reference bits are read only when victims are chosen;
-    /// hosted guests sample, split migration places chunks by their history).
+    /// CPU share of one core the access sampling may cost (`pagefleet run`
+    /// also takes 0: no sampling, reference bits are read only when
+    /// victims are chosen; hosted guests sample, split migration places
+    /// chunks by their history).
     /// While it runs, SIGUSR1 stops the sampling hand and SIGUSR2 restarts it.
     #[arg(long, global = true, default_value_t = 0.01)]
     pub sample_budget: f64,

@@ -147,8 +147,7 @@ pub struct Config {
     pub secret: Option<Secret>,
     /// Region id on the servers (0: random).
     pub region_id: u64,
-    /// Fraction of one core the sampling faults may cost the guest (a
-    /// quarter of it while every page fits the budget); 0: the
+    /// Fraction of one core the sampling faults may cost the guest; 0: the
     /// sampling hand never moves (the victim hand still reads reference
     /// bits when it looks for victims).
     pub sample_cpu_budget: f64,

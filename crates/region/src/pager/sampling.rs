@@ -30,13 +30,7 @@ impl Pager {
             let used = self.window_minor as f64 * per_fault
                 + self.window_zaps as f64 * per_zap
                 + self.window_sweep_ns as f64 * 1e-9;
-            // While every page fits the budget nothing can be evicted and
-            // the history only serves a later migration's placement (hot
-            // chunks to the main host), which needs coarse ages: sample at
-            // a quarter of the budget then. The cost model undercounts on
-            // a loaded host (a 1% budget cost the kv bench 3.5% at rest).
-            let share = if self.can_overflow() { 1.0 } else { REST_SHARE };
-            let allowed = self.cpu_budget * share * win;
+            let allowed = self.cpu_budget * win;
             if used > allowed {
                 self.rate = (self.rate * (allowed / used) * 0.8).max(1.0);
             } else if used < allowed * 0.5 {
@@ -144,9 +138,6 @@ impl Pager {
         self.window_zaps += 1 + (scanned > first) as u64;
     }
 }
-
-/// The share of the sampling budget used while every page fits the budget.
-const REST_SHARE: f64 = 0.25;
 
 /// How long after the victim hand last chose victims the clock's sampling
 /// hand stays still.
