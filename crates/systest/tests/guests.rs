@@ -6,6 +6,18 @@ use std::io::{BufRead, BufReader};
 use std::process::Command;
 use std::time::Duration;
 
+/// The address a kv guest printed on its first line ("kv listening ADDR").
+fn kv_listening(g: &mut GuestProc) -> String {
+    let line = BufReader::new(g.child.stdout.take().unwrap())
+        .lines()
+        .next()
+        .unwrap()
+        .unwrap();
+    line.strip_prefix("kv listening ")
+        .expect("kv listening line")
+        .to_string()
+}
+
 /// memccat prints a newline after each value.
 fn value(out: &[u8]) -> &[u8] {
     out.strip_suffix(b"\n").unwrap_or(out)
@@ -32,15 +44,7 @@ fn kv_guest_serves_real_memcached_clients_while_paging() {
         ],
         &dir,
     );
-    let line = BufReader::new(g.child.stdout.take().unwrap())
-        .lines()
-        .next()
-        .unwrap()
-        .unwrap();
-    let addr = line
-        .strip_prefix("kv listening ")
-        .expect("kv listening line")
-        .to_string();
+    let addr = kv_listening(&mut g);
     let server = format!("--servers={addr}");
     // 120 values of 256 KiB = 30 MiB through a 16 MiB budget: constant paging.
     let files: Vec<std::path::PathBuf> = (0..120)
@@ -336,15 +340,7 @@ fn sigusr1_stops_and_sigusr2_restarts_the_sampling_hand() {
         ],
         &dir,
     );
-    let line = BufReader::new(g.child.stdout.take().unwrap())
-        .lines()
-        .next()
-        .unwrap()
-        .unwrap();
-    let addr = line
-        .strip_prefix("kv listening ")
-        .expect("kv listening line")
-        .to_string();
+    let addr = kv_listening(&mut g);
     // 16 MiB of values: resident chunks for the hand to visit.
     let mut s = std::net::TcpStream::connect(&addr).unwrap();
     let value = vec![b'v'; 16 * 1024];
