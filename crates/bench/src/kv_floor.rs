@@ -18,6 +18,7 @@
 
 use anyhow::{bail, Context, Result};
 use pagefleet_guests::{kv, Mem};
+use pagefleet_region::Histogram;
 use pagefleet_uffd::{self as uffd, FaultKind, Uffd};
 use std::collections::VecDeque;
 use std::io::{BufReader, Read, Write};
@@ -59,6 +60,9 @@ struct Counters {
     page_ins: AtomicU64,
     page_outs: AtomicU64,
     clean_drops: AtomicU64,
+    /// Page-in service time, read of the fault to its page installed (as
+    /// pagefleet's region measures it), so the two compare under one load.
+    service: Histogram,
 }
 
 /// Pages to evict: (page, dirty), sorted.
@@ -152,6 +156,8 @@ pub fn guest_main(size: u64, budget_pages: u64, store: &str) -> Result<()> {
             ("pf_page_ins".into(), c.page_ins.load(Relaxed)),
             ("pf_page_outs".into(), c.page_outs.load(Relaxed)),
             ("pf_clean_drops".into(), c.clean_drops.load(Relaxed)),
+            ("pf_page_in_p50_us".into(), lat(&c.service, 50.0)),
+            ("pf_page_in_p99_us".into(), lat(&c.service, 99.0)),
         ]
     }));
     let l = TcpListener::bind("127.0.0.1:0")?;
@@ -221,6 +227,7 @@ impl Handler {
             }
             faults.clear();
             self.u.read_faults(&mut faults, 64)?;
+            let t = std::time::Instant::now();
             gets.clear();
             for f in &faults {
                 let p = ((f.addr - self.base) / P as u64) as usize;
@@ -256,6 +263,9 @@ impl Handler {
                     // write is the one WP fault that marks it dirty.
                     self.u.copy_mode(self.addr(p), &page, false, !write)?;
                     self.installed(p, if write { State::Dirty } else { State::Clean });
+                    self.counters
+                        .service
+                        .record_us(t.elapsed().as_nanos() as f64 / 1e3);
                 }
                 self.counters.page_ins.fetch_add(gets.len() as u64, Relaxed);
             }
@@ -374,6 +384,11 @@ impl Evictor {
         }
         Ok(())
     }
+}
+
+/// A percentile of `h`, whole µs.
+fn lat(h: &Histogram, p: f64) -> u64 {
+    Histogram::percentile(&h.counts(), p).round() as u64
 }
 
 /// Append a store request for page `p`.

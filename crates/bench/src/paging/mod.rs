@@ -842,7 +842,7 @@ pub fn print_table(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
         out,
         "  (guest on CPU 1; kv client and memory servers, standing for other hosts, on CPU 0;"
     )?;
-    writeln!(out, "   p50/p99: pagefleet page-in service time, quarter-octave buckets; swap: pages swapped in per second;")?;
+    writeln!(out, "   p50/p99: page-in service time of a user-space pager (fault read to page installed), quarter-octave buckets; swap: pages swapped in per second;")?;
     writeln!(
         out,
         "   x local: over the group's all-local (total ops over total measured time); CPU busy: % of each CPU (0/1) busy in the measured slices;"

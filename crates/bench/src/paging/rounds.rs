@@ -249,8 +249,8 @@ impl Member {
         let a = &self.acc;
         let secs = a.secs.max(1e-9);
         let d = |k: &str| a.deltas.get(k).copied().unwrap_or(0) as f64 / secs;
-        let paged =
-            self.cfg.kind == Kind::Region && a.deltas.get("pf_page_ins").is_some_and(|&n| n > 0);
+        let paged = matches!(self.cfg.kind, Kind::Region | Kind::Floor)
+            && a.deltas.get("pf_page_ins").is_some_and(|&n| n > 0);
         let n = a.busy.len().max(1) as f64;
         let cpu_busy = (0..a.busy.first().map_or(0, Vec::len))
             .map(|i| {
