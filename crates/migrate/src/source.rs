@@ -83,7 +83,7 @@ impl Options {
             secret,
             workload,
             name: "guest".into(),
-            policy: "clock".into(),
+            policy: pagefleet_region::Policy::default().name().into(),
             dest_chunk: None,
             gather: false,
             verify: false,

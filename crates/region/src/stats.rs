@@ -92,7 +92,6 @@ pub struct Counters {
     pub clean_drops: AtomicU64,
     pub first_writes: AtomicU64,
     pub prefetched_pages: AtomicU64,
-    pub rescued_pages: AtomicU64,
     pub write_hinted_pages: AtomicU64,
     pub page_in_cpu_ns: AtomicU64,
     pub page_out_cpu_ns: AtomicU64,
@@ -151,8 +150,6 @@ pub struct Stats {
     pub first_writes: u64,
     /// Of the page-ins, pages brought by read-ahead (not the faulting page).
     pub prefetched_pages: u64,
-    /// Pages written while their page-out was in flight: kept resident.
-    pub rescued_pages: u64,
     /// Faulting pages installed writable, not clean, because they were
     /// written when resident before (no WP fault for their next write).
     pub write_hinted_pages: u64,
@@ -197,7 +194,6 @@ impl Stats {
             ("page_ins", self.page_ins),
             ("page_in_requests", self.page_in_requests),
             ("prefetched_pages", self.prefetched_pages),
-            ("rescued_pages", self.rescued_pages),
             ("write_hinted_pages", self.write_hinted_pages),
             ("page_outs", self.page_outs),
             ("page_out_chunks", self.page_out_chunks),
@@ -254,7 +250,6 @@ impl Counters {
             clean_drops: self.clean_drops.load(Relaxed),
             first_writes: self.first_writes.load(Relaxed),
             prefetched_pages: self.prefetched_pages.load(Relaxed),
-            rescued_pages: self.rescued_pages.load(Relaxed),
             write_hinted_pages: self.write_hinted_pages.load(Relaxed),
             page_in_cpu_ns: self.page_in_cpu_ns.load(Relaxed),
             page_out_cpu_ns: self.page_out_cpu_ns.load(Relaxed),

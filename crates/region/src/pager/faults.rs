@@ -43,12 +43,15 @@ impl Pager {
             FaultKind::Missing | FaultKind::Minor => s.missing_faults.fetch_add(1, Relaxed),
             FaultKind::WriteProtect => s.wp_faults.fetch_add(1, Relaxed),
         };
-        // A clean page being punched by a drop job: whatever the fault (a
-        // read after the punch, a write before it), it waits for the job —
-        // then the page is remote and the retried access pages it back in.
-        if st == LOCAL && self.loc.out[p] == OUT_DROPPING {
-            if !self.dropping_faults.contains(&p) {
-                self.dropping_faults.push(p);
+        // A page in a page-out or drop job (the writer punches it once
+        // stored, or at once if clean): whatever the fault (a read after
+        // the punch, a write before it), it waits for the job — then the
+        // page is remote and the retried access pages it back in, or the
+        // job failed, the page stayed and the access goes on. (No write can
+        // slip between the copy sent and the punch.)
+        if self.loc.in_job(p) {
+            if !self.job_faults.contains(&p) {
+                self.job_faults.push(p);
             }
             return;
         }
@@ -61,7 +64,8 @@ impl Pager {
                     self.internal(p, e.to_string());
                 }
             }
-            // A write that waited out a page-out: unprotecting woke it already.
+            // A write that waited out a page-out: the page is remote now,
+            // the retried write pages it in.
             (FaultKind::WriteProtect, _) => self.wake(p),
             (_, ZERO) => self.zero_fill(p),
             // Stale: the page was installed by a read-ahead meanwhile (a
@@ -94,12 +98,8 @@ impl Pager {
         }
     }
 
-    /// Page `p` was written: its kept copy is stale; tracking sees a change;
-    /// a page-out in flight leaves it resident (the copy it sends is stale).
+    /// Page `p` was written: its kept copy is stale; tracking sees a change.
     pub(super) fn dirtied(&mut self, p: usize) {
-        if self.loc.rescue(p) {
-            self.shared.stats.rescued_pages.fetch_add(1, Relaxed);
-        }
         if self.loc.clean[p] {
             self.loc.clean[p] = false;
             self.shared.stats.first_writes.fetch_add(1, Relaxed);

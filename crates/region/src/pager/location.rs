@@ -8,12 +8,10 @@ pub(super) const LOCAL: u8 = 1;
 pub(super) const REMOTE: u8 = 2;
 
 /// Outbound states of a resident page (`LocationDb::out`): not in a
-/// page-out; in a page-out job and write-protected (punched once the server
-/// acks); or written while its job was in flight (stays resident: the
-/// server's copy is stale once it lands).
+/// page-out, or in a page-out job and write-protected (the writer punches
+/// it once every server it goes to acked; a fault on it waits for the job).
 pub(super) const OUT_NONE: u8 = 0;
 pub(super) const OUT_LEAVING: u8 = 1;
-pub(super) const OUT_RESCUED: u8 = 2;
 /// Page-ins a page is installed writable after a residency that wrote it.
 pub(super) const WRITE_HINT: u8 = 3;
 
@@ -45,7 +43,7 @@ pub(super) struct LocationDb {
     pub(super) write_hint: Vec<u8>,
     /// Per resident page: a write was seen in this residency.
     pub(super) written: Vec<bool>,
-    /// Per page: OUT_NONE, OUT_LEAVING, OUT_RESCUED or OUT_DROPPING (resident pages),
+    /// Per page: OUT_NONE, OUT_LEAVING or OUT_DROPPING (resident pages),
     /// OUT_ARRIVING (remote pages).
     pub(super) out: Vec<u8>,
     /// Pages OUT_LEAVING: resident now, gone once their job lands.
@@ -183,32 +181,17 @@ impl LocationDb {
         self.leaving += 1;
     }
 
-    /// Page `q`'s drop job was answered: it is out of the job.
-    pub(super) fn drop_done(&mut self, q: usize) {
-        debug_assert_eq!(self.out[q], OUT_DROPPING);
+    /// Page `q`'s page-out or drop job was answered: it is out of the job
+    /// (and still resident until the caller marks it remote).
+    pub(super) fn job_done(&mut self, q: usize) {
+        debug_assert!(matches!(self.out[q], OUT_LEAVING | OUT_DROPPING));
         self.out[q] = OUT_NONE;
         self.leaving -= 1;
     }
 
-    /// Page `q` was written while leaving: it stays. Returns whether it was leaving.
-    pub(super) fn rescue(&mut self, q: usize) -> bool {
-        if self.out[q] != OUT_LEAVING {
-            return false;
-        }
-        self.out[q] = OUT_RESCUED;
-        self.leaving -= 1;
-        true
-    }
-
-    /// Page `q`'s job was answered: whether it is still leaving (then it
-    /// leaves now, if stored). Either way it is out of the job.
-    pub(super) fn job_done(&mut self, q: usize) -> bool {
-        let was = self.out[q] == OUT_LEAVING;
-        if was {
-            self.leaving -= 1;
-        }
-        self.out[q] = OUT_NONE;
-        was
+    /// Whether resident page `q` is in a page-out or drop job.
+    pub(super) fn in_job(&self, q: usize) -> bool {
+        self.state[q] == LOCAL && matches!(self.out[q], OUT_LEAVING | OUT_DROPPING)
     }
 
     /// Server `s` keeps a copy of resident page `q`; `clean` if it equals the page.
@@ -223,7 +206,9 @@ impl LocationDb {
     }
 
     /// Server `m` keeps a second copy of resident page `q` (what the first
-    /// holds: equally clean or stale).
+    /// holds: equally clean or stale). (The pager's pages get theirs as
+    /// they come in, in `set_local`; tests build one directly.)
+    #[cfg(test)]
     pub(super) fn keep_second(&mut self, q: usize, m: usize) {
         debug_assert_eq!(self.state[q], LOCAL);
         if self.second[q] > 0 {
@@ -453,15 +438,16 @@ mod tests {
         db.set_leaving(2);
         assert_eq!((db.resident, db.staying()), (4, 2));
         assert!(!db.evictable(1) && db.evictable(3));
-        assert!(db.rescue(2), "a write keeps page 2");
-        assert!(!db.rescue(2));
-        assert_eq!(db.staying(), 3);
+        assert!(db.in_job(2) && !db.in_job(3));
         assert!(!db.evictable(2), "not chosen again while its job is out");
-        assert!(db.job_done(1), "page 1 leaves");
-        assert!(!db.job_done(2), "page 2 stays");
+        db.job_done(1);
         db.set_remote(1, 0, None);
+        db.job_done(2);
         assert_eq!((db.resident, db.staying(), db.leaving), (3, 3, 0));
-        assert!(db.evictable(2));
+        assert!(
+            db.evictable(2) && !db.in_job(2),
+            "page 2 was not stored: it stays"
+        );
     }
 
     #[test]

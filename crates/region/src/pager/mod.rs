@@ -3,9 +3,9 @@
 //! page's state happens on this thread; the writer thread ([`writer`]) only
 //! sends the contents of pages the pager handed it, so a page-out runs
 //! while faults go on being served. A page-out stays atomic with respect to
-//! faults: its pages are write-protected before they are sent, a write
-//! meanwhile keeps its page (the job's copy is stale), and only pages still
-//! untouched when the server acks are punched.
+//! faults: its pages are write-protected before they are sent, the writer
+//! punches only what every target acknowledged, and any fault on a page in
+//! a job waits until the pager has taken the job's answer in.
 //!
 //! One file per concern: [`faults`] (reading and dispatching fault events),
 //! [`pagein`] (bringing pages and their read-ahead in), [`reclaim`]
@@ -43,9 +43,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tracing::{debug, warn};
 
-use location::{
-    AccessHistory, LocationDb, LOCAL, OUT_ARRIVING, OUT_DROPPING, OUT_NONE, REMOTE, ZERO,
-};
+use location::{AccessHistory, LocationDb, LOCAL, OUT_ARRIVING, OUT_NONE, REMOTE, ZERO};
 
 /// The fault loop's epoll tokens: the uffd, the doorbell, server `s` at
 /// `TOKEN_SERVER0 + s`.
@@ -69,7 +67,6 @@ pub(crate) struct Pager {
     servers_list: Vec<String>,
     uffd: Uffd,
     guest: GuestMem,
-    memfd: Arc<OwnedFd>,
     /// The page-out thread.
     writer: writer::Writer,
     shared: Arc<Shared>,
@@ -131,8 +128,8 @@ pub(crate) struct Pager {
     victims_at: Option<Instant>,
     /// Remote faults of the current batch: (page, server, write fault).
     pending_in: Vec<(usize, usize, bool)>,
-    /// Pages whose faults wait for their drop job (`OUT_DROPPING`).
-    dropping_faults: Vec<usize>,
+    /// Pages whose faults wait for their page-out or drop job.
+    job_faults: Vec<usize>,
     /// GETs in flight, per server.
     gets: pagein::GetQueues,
     /// The fault loop waits here: the uffd and the doorbell (level
@@ -331,7 +328,6 @@ impl Pager {
             servers_list: cfg.servers.clone(),
             uffd: u,
             guest,
-            memfd,
             writer,
             shared,
             region_id: cfg.region_id,
@@ -378,7 +374,7 @@ impl Pager {
             evicting: false,
             victims_at: None,
             pending_in: Vec::new(),
-            dropping_faults: Vec::new(),
+            job_faults: Vec::new(),
             gets: (0..cfg.servers.len()).map(|_| Default::default()).collect(),
             epoll,
             epoll_fds: Vec::new(),

@@ -94,7 +94,8 @@ impl Pager {
     /// nothing is sent ([`Pager::drop_landed`]). Dirty ones are
     /// write-protected, marked leaving and handed to the writer, bound for
     /// the server that keeps their copy or, without one, the server with the
-    /// most free room; [`Pager::job_landed`] punches them once stored.
+    /// most free room; the writer punches them once stored and
+    /// [`Pager::job_landed`] marks them remote.
     /// Returns false if no server can take them (balancing stops; the guest
     /// keeps running over budget).
     pub(super) fn page_out(&mut self, chunks: &[usize]) -> bool {
@@ -252,11 +253,9 @@ impl Pager {
         true
     }
 
-    /// A page-out job came back: punch the pages that were stored and are
-    /// still leaving, and unprotect them (waking writers that faulted since:
-    /// they retry, fault MISSING and page back in). A page written while
-    /// its job was out stays resident; the server's copy of it is stale
-    /// (a dirty slot). Pages not stored stay resident (and writable unless
+    /// A page-out job came back: the pages every target stored were punched
+    /// by the writer and are remote now; faults that waited on them retry
+    /// and page back in. Pages not stored stay resident (and writable unless
     /// change tracking watches them).
     pub(super) fn job_landed(&mut self, d: writer::Done) {
         if d.drop {
@@ -265,9 +264,7 @@ impl Pager {
         let t0 = Instant::now();
         // A target called down while the job was out (its death seen on
         // another connection first) holds nothing any more, whatever it
-        // acknowledged: pointing a page at it would send that page's next
-        // fault to a dead server. The pages count only their live copies;
-        // a page with none stays here.
+        // acknowledged. The pages count only their live copies.
         let live: Vec<usize> = d
             .servers
             .iter()
@@ -275,31 +272,22 @@ impl Pager {
             .filter(|x| !self.down[*x])
             .collect();
         let (t, t2) = (live.first().copied(), live.get(1).copied());
-        let mut gone = Vec::new();
         let mut sent = 0u64;
+        let mut lost = None;
+        let mut stayed = Vec::new();
         for (&q, &ok) in d.pages.iter().zip(&d.stored) {
             let q = q as usize;
-            let leaving = self.loc.job_done(q);
+            self.loc.job_done(q);
             sent += ok as u64;
-            match (leaving, ok, t) {
-                (true, true, Some(_)) => gone.push(q),
-                (true, _, _) if !self.tracking => {
-                    let _ = self.uffd.writeprotect(self.addr(q), PAGE as u64, false);
-                }
-                (false, true, Some(t)) => {
-                    self.loc.keep_copy(q, t, false);
-                    if let Some(t2) = t2 {
-                        self.loc.keep_second(q, t2);
-                    }
-                }
-                _ => {}
+            match (ok, t) {
+                (true, Some(t)) => self.left(q, t, t2),
+                // Punched, and every server that stored it died meanwhile.
+                (true, None) => lost = lost.or(Some(q)),
+                (false, _) => stayed.push(q),
             }
         }
-        if let (true, Some(t)) = (self.punch(&gone), t) {
-            for &q in &gone {
-                self.left(q, t, t2);
-            }
-            for run in runs(&gone) {
+        if !self.tracking {
+            for run in runs(&stayed) {
                 if let Err(e) =
                     self.uffd
                         .writeprotect(self.addr(run.start), (run.len() * PAGE) as u64, false)
@@ -307,6 +295,14 @@ impl Pager {
                     self.internal(run.start, e.to_string());
                 }
             }
+        }
+        if let Some(q) = lost {
+            return self.lost_in_job(q);
+        }
+        if let Some(e) = d.punch_error {
+            // Some stored pages may still hold data the location DB now
+            // calls remote: nothing sane to go on with.
+            return self.internal(d.pages[0] as usize, format!("punching stored pages: {e}"));
         }
         let st = &self.shared.stats;
         st.page_outs.fetch_add(sent, Relaxed);
@@ -316,6 +312,7 @@ impl Pager {
         if live.len() < self.replicas && sent > 0 {
             self.copies_lost();
         }
+        self.wake_job_faults();
         self.meter.page_out(t0);
         for (t, e) in d.errors {
             if e.code() == Some(pagefleet_proto::ErrorCode::OutOfCapacity) {
@@ -343,10 +340,10 @@ impl Pager {
         let t0 = Instant::now();
         for &q in &d.pages {
             let q = q as usize;
-            self.loc.drop_done(q);
+            self.loc.job_done(q);
             if self.loc.copy[q] == 0 {
                 // Its server died while the punch ran: no copy anywhere.
-                return self.lost_in_drop(q);
+                return self.lost_in_job(q);
             }
             let t = self.loc.copy[q] as usize - 1;
             let t2 = self.loc.second[q].checked_sub(1).map(usize::from);
@@ -360,16 +357,21 @@ impl Pager {
         let st = &self.shared.stats;
         st.clean_drops.fetch_add(d.pages.len() as u64, Relaxed);
         st.page_out_cpu_ns.fetch_add(d.cpu_ns, Relaxed);
-        let waiting = std::mem::take(&mut self.dropping_faults);
+        self.wake_job_faults();
+        self.meter.page_out(t0);
+        self.publish();
+    }
+
+    /// Wake the threads whose faults waited for a job that has landed.
+    fn wake_job_faults(&mut self) {
+        let waiting = std::mem::take(&mut self.job_faults);
         for p in waiting {
-            if self.loc.out[p] == OUT_DROPPING {
-                self.dropping_faults.push(p);
+            if self.loc.in_job(p) {
+                self.job_faults.push(p);
             } else {
                 self.wake(p);
             }
         }
-        self.meter.page_out(t0);
-        self.publish();
     }
 
     /// Resident page `q` is on server `t` (and mirror `t2`) now (its data
@@ -380,9 +382,9 @@ impl Pager {
         self.access.clear(q, q + 1);
     }
 
-    /// A clean page was punched while the server holding its only copy
-    /// died: it is gone.
-    fn lost_in_drop(&mut self, q: usize) {
+    /// A page was punched while the servers holding its copies died: it
+    /// is gone.
+    fn lost_in_job(&mut self, q: usize) {
         let gone: Vec<&str> = (0..self.addrs.len())
             .filter(|x| self.down[*x])
             .map(|x| self.addrs[x].as_str())
@@ -403,36 +405,6 @@ impl Pager {
             addr: self.addrs[t].clone(),
             server_id: self.conns[t].info.server_id,
         }
-    }
-
-    /// Punch the pages' data out of the memfd, a run at a time.
-    /// Free the memfd's copy of `pages` (sorted). Runs separated only by
-    /// pages that are not resident (nothing in the memfd to free) go in
-    /// one `fallocate`: scattered victims of one chunk cost one call, not
-    /// one each.
-    fn punch(&self, pages: &[usize]) -> bool {
-        let mut merged: Vec<std::ops::Range<usize>> = Vec::new();
-        for run in runs(pages) {
-            if let Some(last) = merged.last_mut() {
-                let gap = last.end..run.start;
-                if gap.len() <= PUNCH_GAP && self.loc.state[gap].iter().all(|s| *s != LOCAL) {
-                    last.end = run.end;
-                    continue;
-                }
-            }
-            merged.push(run);
-        }
-        for run in merged {
-            if let Err(e) = uffd::punch_hole(
-                self.memfd.as_raw_fd(),
-                (run.start * PAGE) as u64,
-                (run.len() * PAGE) as u64,
-            ) {
-                self.internal(run.start, e.to_string());
-                return false;
-            }
-        }
-        true
     }
 
     /// Delete kept copies of resident pages (on server `only`, or on any),
@@ -509,9 +481,6 @@ type Dest = (usize, Option<usize>);
 pub(super) const MAX_JOBS: usize = 4;
 
 /// Runs of consecutive page numbers in a sorted list.
-/// Longest gap of non-resident pages a punch spans to join two runs.
-const PUNCH_GAP: usize = 64;
-
 fn runs(pages: &[usize]) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
     let mut i = 0;
     std::iter::from_fn(move || {
