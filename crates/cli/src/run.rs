@@ -37,10 +37,10 @@ pub struct RunArgs {
     /// their mirrors and copied again to another server in the background.
     #[arg(long, global = true, default_value_t = 1)]
     pub replicas: usize,
-    /// Victim choice: aging (max 8-bit age per chunk, kept by the budgeted
-    /// sampling hand) or clock (sum of reference bits per chunk; its hand
-    /// also re-arms every chunk it spares, which costs the guest more minor faults).
-    #[arg(long, global = true, default_value = "aging")]
+    /// Victim choice: clock (sum of reference bits per chunk, read by the
+    /// victim hand as it passes) or aging (max 8-bit age per chunk, kept by
+    /// the budgeted sampling hand: fewer minor faults, less accurate victims).
+    #[arg(long, global = true, default_value = "clock")]
     pub policy: Policy,
     /// Pages per chunk (power of two, 1..64): the unit of eviction and placement.
     #[arg(long, global = true, default_value_t = 16)]

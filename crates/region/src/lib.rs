@@ -56,16 +56,18 @@ pub const DEFAULT_REREPLICATE_RATE: u64 = 256 << 20;
 /// How a victim chunk is chosen when the budget is exceeded.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Policy {
-    /// One reference bit per page, OR-accumulated; chunk hotness = sum of bits.
+    /// One reference bit per page, OR-accumulated; chunk hotness = sum of
+    /// bits (the default). The victim hand reads the page tables as it
+    /// goes and unmaps every chunk it spares again, so a chunk's bit says
+    /// whether it was used since the hand last passed: a real use signal
+    /// right after a migration installed every page at once, which
+    /// aging's slow sampling hand lacks (`docs/paging.md`, stop 42).
+    #[default]
     Clock,
     /// Eight history bits per page, shifted right each sweep with the new bit
-    /// in the MSB; chunk hotness = max age value (the default). Its
-    /// reference bits come from the sampling hand alone, whose unmaps stay
-    /// within the sampling CPU budget; the clock's victim hand also unmaps
-    /// every chunk it spares, which in the kv bench at 50% cost 3–4x the
-    /// guest's minor faults for the same page-ins per operation
-    /// (`docs/paging.md`, stop 42).
-    #[default]
+    /// in the MSB; chunk hotness = max age value. Its reference bits come
+    /// from the sampling hand alone, within the sampling CPU budget: far
+    /// fewer minor faults than clock, but victims little better than FIFO.
     Aging,
 }
 
