@@ -90,11 +90,10 @@ impl std::fmt::Display for Policy {
 impl std::str::FromStr for Policy {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "clock" => Ok(Policy::Clock),
-            "aging" => Ok(Policy::Aging),
-            _ => Err(format!("unknown policy {s:?}: use clock or aging")),
-        }
+        [Policy::Clock, Policy::Aging]
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| format!("unknown policy {s:?}: use clock or aging"))
     }
 }
 

@@ -189,9 +189,10 @@ impl LocationDb {
         self.leaving -= 1;
     }
 
-    /// Whether resident page `q` is in a page-out or drop job.
+    /// Whether page `q` is in a page-out or drop job (only resident pages
+    /// join one).
     pub(super) fn in_job(&self, q: usize) -> bool {
-        self.state[q] == LOCAL && matches!(self.out[q], OUT_LEAVING | OUT_DROPPING)
+        matches!(self.out[q], OUT_LEAVING | OUT_DROPPING)
     }
 
     /// Server `s` keeps a copy of resident page `q`; `clean` if it equals the page.

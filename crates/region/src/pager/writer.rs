@@ -154,39 +154,16 @@ fn run(setup: WriterSetup, jobs: Receiver<Job>, done: Sender<Done>) {
     let mut conns: HashMap<usize, Conn> = HashMap::new();
     for job in jobs {
         let c0 = super::thread_cpu_ns();
-        if job.drop {
-            let punch_error = punch_runs(&setup, &job.pages).err();
-            let d = Done {
-                servers: Vec::new(),
-                stored: vec![punch_error.is_none(); job.pages.len()],
-                pages: job.pages,
-                errors: Vec::new(),
-                cpu_ns: super::thread_cpu_ns().saturating_sub(c0),
-                drop: true,
-                punch_error,
-            };
-            if done.send(d).is_err() {
-                return;
-            }
-            pagefleet_uffd::ring(setup.doorbell.as_raw_fd());
-            continue;
-        }
         let n = job.pages.len();
-        let mut acked: Vec<Vec<bool>> = vec![vec![false; n]; job.targets.len()];
-        let mut errors = write_job(&setup, &mut conns, &job, &mut acked);
-        // A PUT can be repeated (it overwrites): ride out a dropped
-        // connection by reconnecting once and sending what is unacked.
-        if errors.iter().any(|(_, e)| e.is_transient()) {
-            for (t, e) in &errors {
-                if e.is_transient() {
-                    conns.remove(t);
-                }
-            }
-            errors = write_job(&setup, &mut conns, &job, &mut acked);
-        }
-        let stored: Vec<bool> = (0..n).map(|i| acked.iter().all(|a| a[i])).collect();
-        // Stored everywhere: its data leaves the memfd (faults on it wait
-        // for this job, so nothing reads or writes it meanwhile).
+        // A drop job's pages all leave, nothing is sent; a page-out's
+        // pages leave once every target stored them.
+        let (stored, errors) = if job.drop {
+            (vec![true; n], Vec::new())
+        } else {
+            put_job(&setup, &mut conns, &job)
+        };
+        // Leaving pages' data goes from the memfd (faults on them wait for
+        // this job, so nothing reads or writes them meanwhile).
         let gone: Vec<u64> = job
             .pages
             .iter()
@@ -197,11 +174,15 @@ fn run(setup: WriterSetup, jobs: Receiver<Job>, done: Sender<Done>) {
         let punch_error = punch_runs(&setup, &gone).err();
         let d = Done {
             servers: job.targets.iter().map(|t| t.server).collect(),
+            stored: if job.drop {
+                vec![punch_error.is_none(); n]
+            } else {
+                stored
+            },
             pages: job.pages,
-            stored,
             errors,
             cpu_ns: super::thread_cpu_ns().saturating_sub(c0),
-            drop: false,
+            drop: job.drop,
             punch_error,
         };
         if done.send(d).is_err() {
@@ -209,6 +190,30 @@ fn run(setup: WriterSetup, jobs: Receiver<Job>, done: Sender<Done>) {
         }
         pagefleet_uffd::ring(setup.doorbell.as_raw_fd());
     }
+}
+
+/// PUT a page-out job's pages to every target; per page whether every
+/// target acknowledged it, and the errors met.
+fn put_job(
+    setup: &WriterSetup,
+    conns: &mut HashMap<usize, Conn>,
+    job: &Job,
+) -> (Vec<bool>, Vec<(usize, ClientError)>) {
+    let n = job.pages.len();
+    let mut acked: Vec<Vec<bool>> = vec![vec![false; n]; job.targets.len()];
+    let mut errors = write_job(setup, conns, job, &mut acked);
+    // A PUT can be repeated (it overwrites): ride out a dropped
+    // connection by reconnecting once and sending what is unacked.
+    if errors.iter().any(|(_, e)| e.is_transient()) {
+        for (t, e) in &errors {
+            if e.is_transient() {
+                conns.remove(t);
+            }
+        }
+        errors = write_job(setup, conns, job, &mut acked);
+    }
+    let stored = (0..n).map(|i| acked.iter().all(|a| a[i])).collect();
+    (stored, errors)
 }
 
 /// Punch the memfd's data of `pages` (sorted), one `fallocate` per run
