@@ -230,7 +230,7 @@ pub struct GuestSpec {
     /// Worker threads.
     #[serde(default = "default_threads")]
     pub threads: usize,
-    /// Victim choice: clock (the default) or aging.
+    /// Victim choice: aging (the default) or clock.
     #[serde(default = "default_policy")]
     pub policy: String,
     /// Pages per chunk (power of two, 1..64).
@@ -270,8 +270,9 @@ fn default_guest_port() -> u16 {
 fn default_threads() -> usize {
     2
 }
+/// The runtime's default victim policy (`pagefleet_region::Policy::default`).
 fn default_policy() -> String {
-    "clock".into()
+    "aging".into()
 }
 fn default_chunk() -> usize {
     16

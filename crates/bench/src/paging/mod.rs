@@ -235,7 +235,7 @@ pub struct FloorBound {
     pub reachable: bool,
 }
 
-/// A pagefleet region with the defaults (clock, 16-page chunks, adaptive
+/// A pagefleet region with the defaults (aging, 16-page chunks, adaptive
 /// read-ahead, one server) except what `f` changes.
 fn region(name: &str, pct: f64, f: impl FnOnce(&mut Cfg)) -> Cfg {
     let mut c = Cfg {
@@ -403,7 +403,7 @@ pub fn configs(quick: bool) -> Vec<Group> {
                     c.prefetch = "chunk".into()
                 }),
                 region("pagefleet 50% chunk 1", 50.0, |c| c.chunk = 1),
-                region("pagefleet 50% aging", 50.0, |c| c.policy = "aging".into()),
+                region("pagefleet 50% clock", 50.0, |c| c.policy = "clock".into()),
                 region("pagefleet 50% no reply poll", 50.0, |c| {
                     c.reply_spin_us = Some(0)
                 }),
