@@ -360,3 +360,21 @@ pub fn run_incoming(
     let exit = control::serve(control, r.clone())?;
     Ok(finish(exit, r))
 }
+
+#[cfg(test)]
+mod tests {
+    use pagefleet_api::{GuestSpec, Workload};
+
+    /// A guest started through the API without a policy gets the runtime's
+    /// default, the same as `pagefleet run` (the API crate spells it as a
+    /// string, so nothing else ties the two together).
+    #[test]
+    fn the_api_default_policy_is_the_runtimes() {
+        let spec = GuestSpec::new(Workload::Kv {
+            listen: "127.0.0.1:11211".into(),
+        });
+        assert_eq!(spec.policy, pagefleet_region::Policy::default().name());
+        let parsed: pagefleet_region::Policy = spec.policy.parse().unwrap();
+        assert_eq!(parsed, pagefleet_region::Policy::default());
+    }
+}
