@@ -235,6 +235,31 @@ pub struct FloorBound {
     pub reachable: bool,
 }
 
+/// The floor pager's figures against a baseline, from their rows and all
+/// local's in one group.
+struct FloorAt {
+    /// The floor's page-ins per op.
+    fi: f64,
+    /// The baseline's page-ins per op.
+    bi: f64,
+    /// The floor's CPU per page-in, all inclusive: (1/floor − 1/local) / fi, s.
+    per_in: f64,
+    /// The floor's ops/s had it paged in only as often as the baseline.
+    ops: f64,
+}
+
+fn floor_at(floor: &Row, baseline: &Row, local: &Row) -> FloorAt {
+    let per_op = |r: &Row| r.page_ins_per_sec / r.ops_per_sec.max(1e-9);
+    let (fi, bi) = (per_op(floor), per_op(baseline));
+    let per_in = (1.0 / floor.ops_per_sec - 1.0 / local.ops_per_sec).max(0.0) / fi.max(1e-9);
+    FloorAt {
+        fi,
+        bi,
+        per_in,
+        ops: 1.0 / (1.0 / local.ops_per_sec + bi * per_in),
+    }
+}
+
 /// A pagefleet region with the defaults (aging, 16-page chunks, adaptive
 /// read-ahead, one server) except what `f` changes.
 fn region(name: &str, pct: f64, f: impl FnOnce(&mut Cfg)) -> Cfg {
@@ -715,12 +740,13 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
         ) else {
             continue;
         };
-        let (fi, zi) = (
-            f.page_ins_per_sec / f.ops_per_sec.max(1e-9),
-            z.page_ins_per_sec / z.ops_per_sec.max(1e-9),
-        );
-        let per_in = (1.0 / f.ops_per_sec - 1.0 / l.ops_per_sec).max(0.0) / fi.max(1e-9);
-        let with_zram_faults = 1.0 / (1.0 / l.ops_per_sec + zi * per_in) / z.ops_per_sec;
+        let FloorAt {
+            fi,
+            bi: zi,
+            per_in,
+            ops,
+        } = floor_at(f, z, l);
+        let with_zram_faults = ops / z.ops_per_sec;
         let bound = measured.max(with_zram_faults);
         floor_bounds.push(FloorBound {
             goal: goal.into(),
@@ -743,12 +769,13 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
         row(G_50, ZRAM_50),
         row(G_50, LOCAL),
     ) {
-        let (fi, zi) = (
-            f.page_ins_per_sec / f.ops_per_sec.max(1e-9),
-            z.page_ins_per_sec / z.ops_per_sec.max(1e-9),
-        );
-        let per_in = (1.0 / f.ops_per_sec - 1.0 / l.ops_per_sec).max(0.0) / fi.max(1e-9);
-        let with_kernel_faults = 1.0 / (1.0 + zi * per_in * l.ops_per_sec);
+        let FloorAt {
+            fi,
+            bi: zi,
+            per_in,
+            ops,
+        } = floor_at(f, z, l);
+        let with_kernel_faults = ops / l.ops_per_sec;
         let bound = measured.max(with_kernel_faults);
         floor_bounds.push(FloorBound {
             goal: "kv 50% default / all local".into(),
