@@ -124,9 +124,9 @@ impl Dedup {
         // took ~1% of a busy 2-CPU host from the guests paging there (perf,
         // kv bench at a 50% budget: its share of a 15/1024 weight); an
         // index that lags on a saturated host costs only dedup hits.
-        // SAFETY: sched_setscheduler on this thread (pid 0: the caller)
-        // with a valid, initialised param.
         let param = libc::sched_param { sched_priority: 0 };
+        // SAFETY: sched_setscheduler on this thread (pid 0: the calling
+        // thread on Linux) with a valid, initialised param.
         if unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) } != 0 {
             // SAFETY: setpriority on this thread (who=0: the caller).
             unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 19) };
