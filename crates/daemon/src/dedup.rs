@@ -120,10 +120,11 @@ impl Dedup {
         cfg: &ScanConfig,
         stop: &AtomicBool,
     ) {
-        // Idle-class: it runs on CPU time nothing else wants. Nice 19 still
-        // took ~1% of a busy 2-CPU host from the guests paging there (perf,
-        // kv bench at a 50% budget: its share of a 15/1024 weight); an
-        // index that lags on a saturated host costs only dedup hits.
+        // Idle class: a weight of 3 against a normal task's 1024 (nice 19:
+        // 15), and a normal task that wakes takes the CPU at once. At nice
+        // 19 it had ~1% of a busy 2-CPU host's samples during the kv bench
+        // beside the guests paging there; an index that lags on a saturated
+        // host costs only dedup hits.
         let param = libc::sched_param { sched_priority: 0 };
         // SAFETY: sched_setscheduler on this thread (pid 0: the calling
         // thread on Linux) with a valid, initialised param.
