@@ -722,6 +722,15 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
     // inclusive ((1/floor − 1/local) / its page-ins per op), at the
     // baseline's page-ins per op — an estimate that errs high, toward
     // "within reach". The bound is the larger of the two.
+    // The floor pager of `group` against configuration `against` (median
+    // of the rounds), its figures at `base`'s page-ins per op, and its
+    // ops/s at those page-ins over `against`'s.
+    let floor_vs = |group: &str, floor: &str, against: &str, base: &str| {
+        let (measured, n) = by_rounds(group, floor, against)?;
+        let fa = floor_at(row(group, floor)?, row(group, base)?, row(group, LOCAL)?);
+        let at_base = fa.ops / row(group, against)?.ops_per_sec;
+        Some((measured, n, fa, at_base))
+    };
     for (group, goal, zram, floor) in [
         (G_50, "kv 50% default / zram", ZRAM_50, FLOOR_50),
         (G_25, "kv 25% default / zram 25%", ZRAM_25, FLOOR_25),
@@ -732,21 +741,12 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
             FLOOR_50,
         ),
     ] {
-        let (Some((measured, n)), Some(f), Some(z), Some(l)) = (
-            by_rounds(group, floor, zram),
-            row(group, floor),
-            row(group, zram),
-            row(group, LOCAL),
-        ) else {
+        let Some((measured, n, fa, with_zram_faults)) = floor_vs(group, floor, zram, zram) else {
             continue;
         };
         let FloorAt {
-            fi,
-            bi: zi,
-            per_in,
-            ops,
-        } = floor_at(f, z, l);
-        let with_zram_faults = ops / z.ops_per_sec;
+            fi, bi: zi, per_in, ..
+        } = fa;
         let bound = measured.max(with_zram_faults);
         floor_bounds.push(FloorBound {
             goal: goal.into(),
@@ -763,19 +763,10 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
     }
     // Against all local: the floor pager in the same rounds, and the same
     // with the kernel's page-ins per op (zram's, in the same group).
-    if let (Some((measured, n)), Some(f), Some(z), Some(l)) = (
-        by_rounds(G_50, FLOOR_50, LOCAL),
-        row(G_50, FLOOR_50),
-        row(G_50, ZRAM_50),
-        row(G_50, LOCAL),
-    ) {
+    if let Some((measured, n, fa, with_kernel_faults)) = floor_vs(G_50, FLOOR_50, LOCAL, ZRAM_50) {
         let FloorAt {
-            fi,
-            bi: zi,
-            per_in,
-            ops,
-        } = floor_at(f, z, l);
-        let with_kernel_faults = ops / l.ops_per_sec;
+            fi, bi: zi, per_in, ..
+        } = fa;
         let bound = measured.max(with_kernel_faults);
         floor_bounds.push(FloorBound {
             goal: "kv 50% default / all local".into(),
