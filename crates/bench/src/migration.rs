@@ -431,7 +431,7 @@ fn kv_experiment(o: &Opts, log: Log<'_>, rows: &mut Vec<KvRow>) -> Result<()> {
             addr: svc.clone(),
             keys,
             value_len,
-            conns: 4,
+            conns: kvload::CONNS,
             get_frac: 0.9,
             theta: 0.99,
             netns: Some(l.lab.hosts[4].netns.clone()),

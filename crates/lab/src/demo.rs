@@ -106,7 +106,7 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
         // Items fill 60% of the guest: more than the main host will hold.
         keys: o.size * 6 / 10 / 4200,
         value_len: 4000,
-        conns: 4,
+        conns: kvload::CONNS,
         get_frac: 0.9,
         theta: 0.99,
         netns: Some(l.lab.hosts[3].netns.clone()),
@@ -118,7 +118,10 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
         spec.keys
     ));
     kvload::prefill(&spec)?;
-    log("client load: 4 connections, 90% gets, zipf 0.99; every value read is checked");
+    log(&format!(
+        "client load: {} connections, 90% gets, zipf 0.99; every value read is checked",
+        spec.conns
+    ));
     let load = kvload::Load::start(&spec);
     std::thread::sleep(Duration::from_secs(o.phase_secs));
     let t0 = load.now();

@@ -48,7 +48,7 @@ impl Opts {
     pub fn full(out_dir: PathBuf) -> Opts {
         Opts {
             size: 512 << 20,
-            conns: 16,
+            conns: kvload::CONNS,
             measure_secs: 12,
             theta: 0.99,
             get_frac: 0.9,
