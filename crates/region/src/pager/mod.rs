@@ -81,6 +81,8 @@ pub(crate) struct Pager {
     prefetch: crate::Prefetch,
     /// Sequential fault streams for adaptive read-ahead.
     readahead: readahead::Readahead,
+    /// The pager's CPU slice: short while it serves a scan.
+    slice: sched::SliceSwitch,
     /// Where `drop_copies` looks next.
     copy_hand: usize,
     /// The fault loop's spin (`Config::reply_spin`), while the host has
@@ -338,6 +340,7 @@ impl Pager {
             access,
             prefetch: cfg.prefetch,
             readahead: readahead::Readahead::default(),
+            slice: sched::SliceSwitch::default(),
             copy_hand: 0,
             reply_spin: cfg.reply_spin,
             spin_ok: true,
@@ -410,12 +413,9 @@ impl Pager {
         // pager then serves every fault and reply queued meanwhile in one
         // turn. On an idle CPU it runs at once either way.
         //
-        // It asks for a short slice, though (sched.rs): at equal weight a
-        // reply or a fault then preempts the running guest thread instead
-        // of waiting out its slice. Sequential scan at 25%: 0.91 GB/s
-        // without, 1.14 GB/s with (2026-11-25, separate runs); kv at 25%
-        // / zram unchanged (0.835 and 0.83).
-        sched::ask_for_slice("pager");
+        // While it serves a scan it asks for a short slice, though
+        // (sched.rs): at equal weight a reply or a fault then preempts the
+        // running guest thread instead of waiting out its slice.
         while !self.shared.stop.load(Relaxed) {
             // Sleep until a fault, a reply, a command or a finished
             // page-out comes; with more page-out to start, or reply bytes
@@ -466,6 +466,7 @@ impl Pager {
             self.reap();
             self.balance();
             self.sample_tick();
+            self.slice.tick();
             while let Ok(c) = self.rx.try_recv() {
                 self.command(c);
             }

@@ -21,6 +21,10 @@ pub(super) struct Get {
     since: Instant,
 }
 
+/// A fault that brings this many pages or more is serving a scan (random
+/// faults get windows of 1–2 pages): the pager takes its short CPU slice.
+const STREAM_PAGES: usize = 8;
+
 impl Pager {
     /// The pages to bring with a fault at `p` from server `s`: the rest of
     /// its chunk (fixed prefetch) or its stream's window (adaptive), only
@@ -38,6 +42,9 @@ impl Pager {
                 (p, (p + w).min(self.loc.state.len()))
             }
         };
+        if hi - lo >= STREAM_PAGES {
+            self.slice.streaming();
+        }
         let list: Vec<u64> = (lo..hi)
             .filter(|q| self.loc.state[*q] == tag && self.loc.out[*q] == OUT_NONE)
             .map(|q| q as u64)
