@@ -120,18 +120,14 @@ impl Dedup {
         cfg: &ScanConfig,
         stop: &AtomicBool,
     ) {
-        // Idle class: a weight of 3 against a normal task's 1024 (nice 19:
-        // 15), and a normal task that wakes takes the CPU at once. At nice
-        // 19 it had ~1% of a busy 2-CPU host's samples during the kv bench
-        // beside the guests paging there; an index that lags on a saturated
-        // host costs only dedup hits.
-        let param = libc::sched_param { sched_priority: 0 };
-        // SAFETY: sched_setscheduler on this thread (pid 0: the calling
-        // thread on Linux) with a valid, initialised param.
-        if unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) } != 0 {
-            // SAFETY: setpriority on this thread (who=0: the caller).
-            unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 19) };
-        }
+        // Nice 19: a weight of 15 against a normal task's 1024. Not the idle
+        // class: the scanner takes the store's lock and pins the slots it
+        // copies, and a thread of the idle class preempted there can wait a
+        // second for the CPU on a busy host while every connection waits on
+        // the lock, or a client that deleted pages to make room waits for
+        // the pins (stop 44 measured no gain from the idle class either).
+        // SAFETY: setpriority on this thread (who=0: the caller).
+        unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 19) };
         while !stop.load(Relaxed) {
             let running: Vec<u32> = guests
                 .map(|g| g.list())

@@ -24,6 +24,8 @@ const NO_SLOT: u32 = u32::MAX;
 /// the free list on the last unpin), and holding a stored page (a content
 /// source for sharing-aware migration reads only such slots).
 const ZOMBIE: u32 = 0x8000_0000;
+/// The longest a PUT waits for deleted slots' readers to finish.
+const FREED_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 const PUBLISHED: u32 = 0x4000_0000;
 const PIN_MASK: u32 = 0x3fff_ffff;
 
@@ -373,6 +375,8 @@ struct Inner {
     stored: u64,
     /// Per-slot pin count; the top bit marks a slot freed while pinned.
     pins: Vec<u32>,
+    /// Slots freed while pinned: free once their last reader unpins them.
+    zombies: u64,
     /// Connected sessions per client name (owner index): a region whose
     /// creator is connected is in use, never an orphan.
     connected: HashMap<u32, u32>,
@@ -449,17 +453,22 @@ impl Inner {
         *p &= !PUBLISHED;
         if *p & PIN_MASK != 0 {
             *p |= ZOMBIE;
+            self.zombies += 1;
         } else {
             self.free.push(s);
         }
     }
-    fn unpin(&mut self, s: u32) {
+    /// Unpin `s`; true if that freed it (it was deleted meanwhile).
+    fn unpin(&mut self, s: u32) -> bool {
         let p = &mut self.pins[s as usize];
         *p -= 1;
         if *p == ZOMBIE {
             *p = 0;
             self.free.push(s);
+            self.zombies -= 1;
+            return true;
         }
+        false
     }
 }
 
@@ -544,6 +553,8 @@ pub struct Store {
     pool: Pool,
     capacity: u64,
     inner: Mutex<Inner>,
+    /// Signalled when an unpin frees a slot deleted while it was read.
+    freed: std::sync::Condvar,
 }
 
 impl Store {
@@ -574,7 +585,9 @@ impl Store {
                 next_fresh: 0,
                 stored: 0,
                 pins: vec![0u32; pages as usize],
+                zombies: 0,
             }),
+            freed: std::sync::Condvar::new(),
         })
     }
 
@@ -624,6 +637,22 @@ impl Store {
             .map(|p| reg.and_then(|r| r.get(p)).is_some())
             .collect();
         let need = targets.iter().filter(|e| !**e).count() as u64;
+        // Deleted slots still being read (a GET's send, the dedup scanner's
+        // copy) are free as soon as the reader is done: a client that
+        // deleted pages to make room gets it, waiting a bounded time for
+        // those readers rather than a refusal.
+        let until = Instant::now() + FREED_WAIT;
+        while need > g.available(self.capacity) && need <= g.available(self.capacity) + g.zombies {
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            g = self
+                .freed
+                .wait_timeout(g, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
         let free = g.available(self.capacity);
         if need > free {
             return Err(StoreError::OutOfCapacity {
@@ -825,12 +854,16 @@ impl Store {
             }
             return;
         }
+        let mut freed = false;
         for s in plan.slots.into_iter().flatten() {
             if plan.take {
                 g.free_slot(s);
             } else {
-                g.unpin(s);
+                freed |= g.unpin(s);
             }
+        }
+        if freed {
+            self.freed.notify_all();
         }
     }
 
@@ -996,10 +1029,15 @@ impl Store {
             }
         }
         let mut g = self.lock();
+        let mut freed = false;
         for (i, h) in held.iter().enumerate() {
             if *h {
-                g.unpin(first + i as u32);
+                freed |= g.unpin(first + i as u32);
             }
+        }
+        drop(g);
+        if freed {
+            self.freed.notify_all();
         }
         let mut out = held;
         out.resize(n, false);
@@ -1217,14 +1255,25 @@ mod tests {
         let plan = st.begin_get(1, &a, false, false).unwrap();
         let pinned = plan.slots[0].unwrap();
         assert_eq!(st.delete(1, None), 1);
-        // The pinned slot is a zombie: the next two puts must use other slots
-        // until the reader is done; the second fails as only one slot is free.
+        // The pinned slot is a zombie: the next put uses the other slot.
         put(&st, 2, &PageSel::List(vec![0]), 1).unwrap();
-        assert!(put(&st, 2, &PageSel::List(vec![1]), 1).is_err());
-        // SAFETY: `pinned` belongs to the live plan.
-        assert_eq!(unsafe { st.slot(pinned)[0] }, 42);
-        st.end_get(plan, &a, true);
-        put(&st, 2, &PageSel::List(vec![1]), 1).unwrap();
+        // Two more new pages than free + zombie slots: refused at once.
+        assert!(put(&st, 2, &PageSel::List(vec![1, 2]), 1).is_err());
+        // One more: it waits for the reader, then gets the zombie's slot,
+        // never while the reader still reads it.
+        let released = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|sc| {
+            sc.spawn(|| {
+                std::thread::sleep(std::time::Duration::from_millis(100));
+                // SAFETY: `pinned` belongs to the live plan.
+                assert_eq!(unsafe { st.slot(pinned)[0] }, 42);
+                released.store(true, std::sync::atomic::Ordering::SeqCst);
+                st.end_get(plan, &a, true);
+            });
+            put(&st, 2, &PageSel::List(vec![1]), 1).unwrap();
+            assert!(released.load(std::sync::atomic::Ordering::SeqCst));
+        });
+        assert_eq!(st.stored_pages(), 2);
     }
 
     #[test]
