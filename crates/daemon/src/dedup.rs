@@ -154,8 +154,9 @@ impl Dedup {
             if let Some(s) = server {
                 let t = pagefleet_common::clock::thread_cpu_secs();
                 let store = &s.store;
+                // Only what changed since the last pass is read and hashed.
                 let mut read =
-                    |first: u32, n: usize, buf: &mut [u8]| store.copy_published(first, n, buf);
+                    |first: u32, n: usize, buf: &mut [u8]| store.copy_changed(first, n, buf);
                 if let Some(n) =
                     self.hi
                         .scan_slots(STORE, store.touched_slots(), &mut read, cfg.cpu, stop)

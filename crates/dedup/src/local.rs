@@ -92,12 +92,12 @@ mod tests {
         // A "store" of 2 slots, the second holding a page of 9s.
         let mut slots = [[0u8; PAGE], [9u8; PAGE]];
         let held = [false, true];
-        let mut read = |first: u32, n: usize, buf: &mut [u8]| -> Vec<bool> {
+        let mut read = |first: u32, n: usize, buf: &mut [u8]| -> Vec<Option<bool>> {
             (0..n)
                 .map(|i| {
                     let s = first as usize + i;
                     buf[i * PAGE..(i + 1) * PAGE].copy_from_slice(&slots[s]);
-                    held[s]
+                    Some(held[s])
                 })
                 .collect()
         };

@@ -461,10 +461,10 @@ mod tests {
         let me = std::process::id();
         let h2 = hi.clone();
         // A store of one slot holding a page of 4s.
-        let mut read = |first: u32, n: usize, buf: &mut [u8]| -> Vec<bool> {
+        let mut read = |first: u32, n: usize, buf: &mut [u8]| -> Vec<Option<bool>> {
             assert_eq!((first, n), (0, 1));
             buf[..PAGE].fill(4);
-            vec![true]
+            vec![Some(true)]
         };
         hi.scan_slots(STORE, 1, &mut read, 1.0, &stop).unwrap();
         let slots: StoreSlots = Arc::new(|slot: u32, dst: &mut [u8]| {

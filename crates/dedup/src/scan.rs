@@ -185,14 +185,19 @@ impl HostIndex {
 /// The memory server's store as a content source (no guest has pid 0).
 pub const STORE: SourceId = SourceId(0);
 
-/// Copies slots `first..first + n` that hold pages into the buffer (slot
-/// `first + i` at `i * PAGE`) and says which did.
-pub type ReadSlots<'a> = dyn FnMut(u32, usize, &mut [u8]) -> Vec<bool> + 'a;
+/// Copies slots `first..first + n` that changed since the last read and
+/// hold pages into the buffer (slot `first + i` at `i * PAGE`) and says,
+/// per slot, `Some(true)` copied, `Some(false)` holds no page, `None`
+/// unchanged since the last read (what the index has for it stands).
+pub type ReadSlots<'a> = dyn FnMut(u32, usize, &mut [u8]) -> Vec<Option<bool>> + 'a;
 
 impl HostIndex {
     /// One pass over a slot store (the memory server's pool) of `slots`
-    /// slots: slots holding a page are hashed, the others forgotten. Same
-    /// pacing as [`HostIndex::scan`]; `None` if stopped.
+    /// slots: of the slots changed since the last pass, those holding a
+    /// page are hashed, the others forgotten (a store of 64 GiB is not
+    /// re-hashed every pass for the few pages written meanwhile). Same
+    /// pacing as [`HostIndex::scan`]; returns the pages hashed, `None` if
+    /// stopped.
     pub fn scan_slots(
         &self,
         id: SourceId,
@@ -217,22 +222,25 @@ impl HostIndex {
                 .iter()
                 .enumerate()
                 .map(|(k, h)| {
-                    h.then(|| {
-                        let page = &buf[k * PAGE..(k + 1) * PAGE];
-                        self.key.hash(page.try_into().expect("page"))
+                    h.map(|h| {
+                        h.then(|| {
+                            let page = &buf[k * PAGE..(k + 1) * PAGE];
+                            self.key.hash(page.try_into().expect("page"))
+                        })
                     })
                 })
                 .collect();
-            {
+            if hs.iter().any(Option::is_some) {
                 let mut ix = self.lock();
                 for (k, h) in hs.into_iter().enumerate() {
                     let slot = first + k as u32;
                     match h {
-                        Some(h) => {
+                        Some(Some(h)) => {
                             ix.record(id, slot, h);
                             hashed += 1;
                         }
-                        None => ix.forget(id, slot),
+                        Some(None) => ix.forget(id, slot),
+                        None => {}
                     }
                 }
             }

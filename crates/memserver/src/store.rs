@@ -377,6 +377,10 @@ struct Inner {
     pins: Vec<u32>,
     /// Slots freed while pinned: free once their last reader unpins them.
     zombies: u64,
+    /// One bit per slot: its content or its published state changed since
+    /// the content scanner last took it ([`Store::copy_changed`]), so a
+    /// scan hashes what changed, not the whole pool each pass.
+    changed: Vec<u64>,
     /// Connected sessions per client name (owner index): a region whose
     /// creator is connected is in use, never an orphan.
     connected: HashMap<u32, u32>,
@@ -435,6 +439,11 @@ impl Inner {
     }
 }
 
+/// Set slot `s`'s bit in a per-slot bitmap.
+fn mark(bits: &mut [u64], s: u32) {
+    bits[s as usize / 64] |= 1 << (s % 64);
+}
+
 impl Inner {
     fn available(&self, capacity: u64) -> u64 {
         self.free.len() as u64 + (capacity - self.next_fresh as u64)
@@ -448,9 +457,29 @@ impl Inner {
             self.next_fresh - 1
         }
     }
+    /// Slot `s` holds a stored page from now on.
+    fn publish(&mut self, s: u32) {
+        self.pins[s as usize] |= PUBLISHED;
+        self.mark_changed(s);
+    }
+    /// Slot `s`'s page left the store (taken or deleted).
+    fn unpublish(&mut self, s: u32) {
+        self.pins[s as usize] &= !PUBLISHED;
+        self.mark_changed(s);
+    }
+    fn mark_changed(&mut self, s: u32) {
+        mark(&mut self.changed, s);
+    }
+    /// Whether slot `s` changed since the last call; clears the mark.
+    fn take_changed(&mut self, s: u32) -> bool {
+        let (w, bit) = (s as usize / 64, 1u64 << (s % 64));
+        let was = self.changed[w] & bit != 0;
+        self.changed[w] &= !bit;
+        was
+    }
     fn free_slot(&mut self, s: u32) {
+        self.unpublish(s);
         let p = &mut self.pins[s as usize];
-        *p &= !PUBLISHED;
         if *p & PIN_MASK != 0 {
             *p |= ZOMBIE;
             self.zombies += 1;
@@ -586,6 +615,7 @@ impl Store {
                 stored: 0,
                 pins: vec![0u32; pages as usize],
                 zombies: 0,
+                changed: vec![0u64; (pages as usize).div_ceil(64)],
             }),
             freed: std::sync::Condvar::new(),
         })
@@ -705,7 +735,7 @@ impl Store {
             let page = sel.page(i);
             match *t {
                 PutTarget::Fresh(s) => {
-                    g.pins[s as usize] |= PUBLISHED;
+                    g.publish(s);
                     match reg.insert(page, s) {
                         Some(old) => g.free_slot(old),
                         None => new_pages += 1,
@@ -718,7 +748,7 @@ impl Store {
                         // Taken by another connection since begin_put: needs a new slot.
                         None if g.available(self.capacity) > 0 => {
                             let s = g.alloc();
-                            g.pins[s as usize] |= PUBLISHED;
+                            g.publish(s);
                             reg.insert(page, s);
                             new_pages += 1;
                             s
@@ -733,6 +763,7 @@ impl Store {
                     unsafe {
                         std::ptr::copy_nonoverlapping(src.as_ptr(), self.pool.ptr(slot), PAGE_SIZE)
                     };
+                    g.mark_changed(slot);
                 }
             }
         }
@@ -808,7 +839,9 @@ impl Store {
             if let Some(s) = s {
                 sent += 1;
                 if take {
+                    // (Fields, not `unpublish`: `reg` borrows the regions.)
                     g.pins[s as usize] &= !PUBLISHED;
+                    mark(&mut g.changed, s);
                 } else {
                     g.pins[s as usize] += 1;
                 }
@@ -841,7 +874,7 @@ impl Store {
                 if let Some(s) = *s {
                     let page = sel.page(i);
                     if reg.get(page).is_none() {
-                        g.pins[s as usize] |= PUBLISHED;
+                        g.publish(s);
                         reg.insert(page, s);
                         g.stored += 1;
                     } else {
@@ -1005,23 +1038,49 @@ impl Store {
     /// come out torn, which a caller checking content hashes sees as a
     /// changed page.
     pub fn copy_published(&self, first: u32, n: usize, dst: &mut [u8]) -> Vec<bool> {
+        self.copy_slots(first, n, dst, false)
+            .into_iter()
+            .map(|h| h == Some(true))
+            .collect()
+    }
+
+    /// The content scanner's read: like [`Store::copy_published`], for
+    /// the slots of `first..first + n` whose page was stored, rewritten or
+    /// removed since the last call (which clears their marks): `Some(true)`
+    /// copied, `Some(false)` holds no page now; `None` unchanged, not
+    /// copied. A slot rewritten while it is copied is marked again, so the
+    /// next call hands it out again.
+    pub fn copy_changed(&self, first: u32, n: usize, dst: &mut [u8]) -> Vec<Option<bool>> {
+        self.copy_slots(first, n, dst, true)
+    }
+
+    fn copy_slots(
+        &self,
+        first: u32,
+        n: usize,
+        dst: &mut [u8],
+        only_changed: bool,
+    ) -> Vec<Option<bool>> {
         assert!(dst.len() >= n * PAGE_SIZE, "room for n pages");
         let end = (first as u64 + n as u64).min(self.capacity) as u32;
-        let held: Vec<bool> = {
+        let held: Vec<Option<bool>> = {
             let mut g = self.lock();
             (first..end)
                 .map(|s| {
+                    if only_changed && !g.take_changed(s) {
+                        return None;
+                    }
                     let p = &mut g.pins[s as usize];
                     let held = *p & PUBLISHED != 0;
                     if held {
                         *p += 1;
                     }
-                    held
+                    Some(held)
                 })
                 .collect()
         };
         for (i, h) in held.iter().enumerate() {
-            if *h {
+            if *h == Some(true) {
                 let s = first + i as u32;
                 // SAFETY: pinned above: not freed or reused until unpinned.
                 let src = unsafe { std::slice::from_raw_parts(self.pool.ptr(s), PAGE_SIZE) };
@@ -1031,7 +1090,7 @@ impl Store {
         let mut g = self.lock();
         let mut freed = false;
         for (i, h) in held.iter().enumerate() {
-            if *h {
+            if *h == Some(true) {
                 freed |= g.unpin(first + i as u32);
             }
         }
@@ -1040,7 +1099,7 @@ impl Store {
             self.freed.notify_all();
         }
         let mut out = held;
-        out.resize(n, false);
+        out.resize(n, if only_changed { None } else { Some(false) });
         out
     }
 
@@ -1186,6 +1245,58 @@ mod tests {
         assert_eq!(st.copy_published(slot, 1, &mut buf), [true]);
         assert_eq!(st.delete(3, None), 4);
         assert_eq!(st.copy_published(0, 6, &mut buf), [false; 6]);
+        assert_eq!(st.stats(10).used_slots, 0, "copying pinned and unpinned");
+    }
+
+    #[test]
+    fn the_scanner_reads_only_slots_changed_since_its_last_read() {
+        let st = Store::new(16 * PAGE_SIZE as u64).unwrap();
+        let mut buf = vec![0u8; 6 * PAGE_SIZE];
+        assert_eq!(
+            st.copy_changed(0, 6, &mut buf),
+            [None; 6],
+            "nothing stored yet"
+        );
+        let sel = PageSel::List(vec![0, 1, 2, 3]);
+        put(&st, 9, &sel, 10).unwrap();
+        let first = st.copy_changed(0, 6, &mut buf);
+        assert_eq!(
+            first,
+            [Some(true), Some(true), Some(true), Some(true), None, None]
+        );
+        assert_eq!(
+            st.copy_changed(0, 6, &mut buf),
+            [None; 6],
+            "unchanged since"
+        );
+        // Page 1 rewritten in place: only its slot, with the new content.
+        put(&st, 9, &PageSel::List(vec![1]), 42).unwrap();
+        let again = st.copy_changed(0, 6, &mut buf);
+        let slot = again.iter().position(|h| *h == Some(true)).unwrap();
+        assert_eq!(again.iter().filter(|h| h.is_some()).count(), 1, "{again:?}");
+        assert_eq!(buf[slot * PAGE_SIZE], 42);
+        // Taken: no page there now; a take not delivered puts it back.
+        let take = PageSel::List(vec![2]);
+        let plan = st.begin_get(9, &take, true, false).unwrap();
+        let taken = plan.slots[0].unwrap();
+        assert_eq!(st.copy_changed(taken, 1, &mut buf), [Some(false)]);
+        st.end_get(plan, &take, false);
+        assert_eq!(st.copy_changed(taken, 1, &mut buf), [Some(true)]);
+        // Deleted: every slot reads as empty once, then unchanged.
+        assert_eq!(st.delete(9, None), 4);
+        let gone = st.copy_changed(0, 6, &mut buf);
+        assert_eq!(
+            gone,
+            [
+                Some(false),
+                Some(false),
+                Some(false),
+                Some(false),
+                None,
+                None
+            ]
+        );
+        assert_eq!(st.copy_changed(0, 6, &mut buf), [None; 6]);
         assert_eq!(st.stats(10).used_slots, 0, "copying pinned and unpinned");
     }
 
