@@ -168,7 +168,33 @@ impl LabRun {
 
 impl Drop for LabRun {
     fn drop(&mut self) {
+        // A failing test shows what its daemons and etcd members said: CI
+        // keeps nothing else once the lab is gone.
+        if std::thread::panicking() {
+            dump_logs(&self.dir);
+        }
         let _ = self.lab.down();
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The last 40 lines of every log in `dir`, to stderr.
+fn dump_logs(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let mut logs: Vec<PathBuf> = entries
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "log"))
+        .collect();
+    logs.sort();
+    for p in logs {
+        let text = std::fs::read_to_string(&p).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        eprintln!("----- {} (last {} lines)", p.display(), lines.len().min(40));
+        for l in &lines[lines.len().saturating_sub(40)..] {
+            eprintln!("{l}");
+        }
     }
 }

@@ -31,7 +31,7 @@ pub enum RegistryError {
     /// etcd said no, or could not be reached.
     #[error("etcd at {endpoints}: {source}")]
     Etcd {
-        /// The endpoints asked.
+        /// The member asked.
         endpoints: String,
         /// What the client said.
         source: etcd_client::Error,
@@ -93,7 +93,10 @@ pub fn parse_endpoints(s: &str) -> Result<Vec<String>, RegistryError> {
 pub struct Etcd {
     rt: tokio::runtime::Runtime,
     endpoints: Vec<String>,
-    client: Mutex<Option<Client>>,
+    /// The member calls go to (an index into `endpoints`) and its client.
+    client: Mutex<Option<(usize, Client)>>,
+    /// The member the next connection tries.
+    next: std::sync::atomic::AtomicUsize,
     /// This host's lease (0: none yet).
     lease: Mutex<i64>,
     ttl: i64,
@@ -113,39 +116,63 @@ impl Etcd {
             rt,
             endpoints,
             client: Mutex::new(None),
+            next: std::sync::atomic::AtomicUsize::new(0),
             lease: Mutex::new(0),
             ttl: ttl.as_secs().max(2) as i64,
         })
     }
 
-    fn err(&self, source: etcd_client::Error) -> RegistryError {
+    fn err(&self, member: usize, source: etcd_client::Error) -> RegistryError {
         RegistryError::Etcd {
-            endpoints: self.endpoints.join(","),
+            endpoints: self.endpoints[member].clone(),
             source,
         }
     }
 
-    /// The client, connecting if needed; a failed call drops it so the
-    /// next call connects again (to whichever member answers).
-    fn client(&self) -> Result<Client, RegistryError> {
+    /// The client, connecting if needed to one member: calls stay with it
+    /// while it answers. One client over every member (etcd-client's
+    /// balanced channel) keeps sending a share of the calls to a member
+    /// that is down (a killed member failed 17 of 30 heartbeats), so a
+    /// failed call instead moves this host to the next member.
+    fn client(&self) -> Result<(usize, Client), RegistryError> {
         let mut g = self.client.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(c) = g.as_ref() {
             return Ok(c.clone());
         }
+        let i = self.next.load(std::sync::atomic::Ordering::Relaxed) % self.endpoints.len();
         let opts = ConnectOptions::new()
             .with_connect_timeout(Duration::from_secs(2))
             .with_timeout(Duration::from_secs(5))
             .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2));
-        let c = self
+        let c = match self
             .rt
-            .block_on(Client::connect(&self.endpoints, Some(opts)))
-            .map_err(|e| self.err(e))?;
-        *g = Some(c.clone());
-        Ok(c)
+            .block_on(Client::connect([&self.endpoints[i]], Some(opts)))
+        {
+            Ok(c) => c,
+            Err(e) => {
+                self.skip(i);
+                return Err(self.err(i, e));
+            }
+        };
+        *g = Some((i, c.clone()));
+        Ok((i, c))
     }
 
-    fn forget_client(&self) {
-        *self.client.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    /// Member `i` failed a call: the next connection goes to the member
+    /// after it.
+    fn skip(&self, i: usize) {
+        self.next.store(
+            (i + 1) % self.endpoints.len(),
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
+
+    fn forget_client(&self, i: usize) {
+        let mut g = self.client.lock().unwrap_or_else(|e| e.into_inner());
+        if g.as_ref().is_some_and(|(at, _)| *at == i) {
+            *g = None;
+            self.skip(i);
+        }
     }
 
     /// Run `f` with a client; a failure drops the connection.
@@ -153,12 +180,12 @@ impl Etcd {
         &self,
         f: impl AsyncFnOnce(&mut Client) -> Result<T, etcd_client::Error>,
     ) -> Result<T, RegistryError> {
-        let mut c = self.client()?;
+        let (i, mut c) = self.client()?;
         match self.rt.block_on(f(&mut c)) {
             Ok(v) => Ok(v),
             Err(e) => {
-                self.forget_client();
-                Err(self.err(e))
+                self.forget_client(i);
+                Err(self.err(i, e))
             }
         }
     }
