@@ -130,6 +130,11 @@ pub struct ServerInfo {
     pub max_batch_pages: u32,
 }
 
+/// The request ids of a PUSH sent and not yet answered ([`Conn::send_push`]).
+#[derive(Debug)]
+#[must_use = "read the replies with recv_push"]
+pub struct PushIds(Vec<u64>);
+
 /// How to connect.
 #[derive(Clone, Debug)]
 pub struct ConnectOptions {
@@ -980,6 +985,20 @@ impl Conn {
         target: &str,
         pages: &[u64],
     ) -> Result<u64> {
+        let ids = self.send_push(region, target_id, target, pages)?;
+        self.recv_push(ids)
+    }
+
+    /// The sending half of [`Conn::push`]: every PUSH frame sent, no reply
+    /// read, so pushes on several connections (several servers holding the
+    /// pages) run at once. Finish with [`Conn::recv_push`].
+    pub fn send_push(
+        &mut self,
+        region: u64,
+        target_id: u64,
+        target: &str,
+        pages: &[u64],
+    ) -> Result<PushIds> {
         if pages.is_empty() || target.is_empty() || target.len() > 255 {
             return Err(ClientError::Usage(format!(
                 "a PUSH takes pages and a target of 1..=255 bytes ({} pages, {:?})",
@@ -1000,8 +1019,14 @@ impl Conn {
             ids.push(id);
         }
         self.send_buffered()?;
+        Ok(PushIds(ids))
+    }
+
+    /// The replies to [`Conn::send_push`]'s frames: how many pages were
+    /// stored, or the first error once every reply was read.
+    pub fn recv_push(&mut self, ids: PushIds) -> Result<u64> {
         let (mut pushed, mut first) = (0, None);
-        for id in ids {
+        for id in ids.0 {
             match self.expect_reply(id, Opcode::PushOk) {
                 Ok(body) => {
                     pushed += pagefleet_proto::PushOk::decode(&body)
