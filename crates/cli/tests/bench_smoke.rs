@@ -357,7 +357,10 @@ fn each_bench_help_lists_only_its_own_flags() {
     let own: &[(&str, &[&str])] = &[
         ("memserver", &["--dataset", "--reps", "--no-memcached"]),
         ("paging", &["--dataset", "--secs", "--only"]),
-        ("migration", &["--dataset", "--links", "--only"]),
+        (
+            "migration",
+            &["--dataset", "--links", "--only", "--kv-rounds"],
+        ),
         ("blockdev", &["--dataset", "--secs"]),
         (
             "ksm",
