@@ -134,6 +134,10 @@ pub struct Report {
     pub plot: PlotOutcome,
 }
 
+/// The destinations a guest is migrated to (time and kv experiments), in
+/// this order.
+const DESTS: [&str; 3] = ["enough", "split", "swap"];
+
 type Log<'a> = &'a mut dyn FnMut(&str);
 
 /// Hosts: h1 source, h2 `enough` (and `swap`), h3 split main, h4 sub-host, h5 client.
@@ -253,7 +257,7 @@ fn time_experiment(
     let rate = (link.bytes_per_sec().unwrap_or(1.25e9) * 0.25 / 4096.0).round();
     let rate_s = rate.to_string();
     for workload in ["idle", "rewrite"] {
-        for dest in ["enough", "split", "swap"] {
+        for dest in DESTS {
             log(&format!(
                 "{}: {workload} guest of {} -> {dest}",
                 link.name(),
@@ -393,17 +397,6 @@ fn sort_experiment(o: &Opts, log: Log<'_>, rows: &mut Vec<SortRow>) -> Result<()
     Ok(())
 }
 
-/// The median of `v` (the mean of the middle two for an even count).
-fn kv_median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
-}
-
 /// Seconds from `from` until throughput is back at 90% of `before`: the
 /// start of the first 0.5 s whose average is (the window only keeps one
 /// good sample from counting). It used to be the window's end, so an
@@ -430,8 +423,7 @@ fn kv_experiment(o: &Opts, log: Log<'_>, rows: &mut Vec<KvRow>) -> Result<()> {
     // more than the main host holds.
     let value_len = 4000;
     let keys = o.size / 2 / 4200;
-    let dests = ["enough", "split", "swap"];
-    for (round, dest) in (0..o.kv_rounds.max(1)).flat_map(|r| dests.map(|d| (r, d))) {
+    for (round, dest) in (0..o.kv_rounds.max(1)).flat_map(|r| DESTS.map(|d| (r, d))) {
         log(&format!(
             "kv: {} guest, {keys} items, zipf 0.99 load -> {dest} (round {} of {})",
             crate::fmt_bytes(o.size),
@@ -628,7 +620,7 @@ fn goals(r: &Report) -> Vec<Goal> {
     // no throughput and no recovery).
     let med = |d: &str, f: &dyn Fn(&KvRow) -> f64| {
         let v: Vec<f64> = r.kv.iter().filter(|x| x.dest == d).map(f).collect();
-        (!v.is_empty()).then(|| kv_median(v))
+        (!v.is_empty()).then(|| util::median(&v))
     };
     let steady = |x: &KvRow| x.after_ops / x.before_ops.max(1e-9);
     let recovered = |x: &KvRow| x.recovery_secs.unwrap_or(f64::INFINITY);
@@ -649,13 +641,10 @@ fn goals(r: &Report) -> Vec<Goal> {
             ));
         }
     }
-    for d in ["enough", "split", "swap"] {
-        let bad: u64 =
-            r.kv.iter()
-                .filter(|x| x.dest == d)
-                .map(|k| k.bad_values + k.misses)
-                .sum();
-        if r.kv.iter().any(|x| x.dest == d) {
+    for d in DESTS {
+        let rows: Vec<&KvRow> = r.kv.iter().filter(|x| x.dest == d).collect();
+        if !rows.is_empty() {
+            let bad: u64 = rows.iter().map(|k| k.bad_values + k.misses).sum();
             g.push(Goal::at_most(
                 &format!("kv {d}: wrong or lost values"),
                 bad as f64,
@@ -739,14 +728,7 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
             "errors"
         )?;
         let mut kv: Vec<&KvRow> = r.kv.iter().collect();
-        kv.sort_by_key(|x| {
-            (
-                ["enough", "split", "swap"]
-                    .iter()
-                    .position(|d| *d == x.dest),
-                x.round,
-            )
-        });
+        kv.sort_by_key(|x| (DESTS.iter().position(|d| *d == x.dest), x.round));
         for x in kv {
             if let Some(e) = &x.error {
                 writeln!(out, "{:<7} FAILED: {e}", x.dest)?;

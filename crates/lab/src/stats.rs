@@ -5,7 +5,7 @@ pub fn percentile(samples: &mut [f64], p: f64) -> f64 {
     if samples.is_empty() {
         return f64::NAN;
     }
-    samples.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    samples.sort_by(f64::total_cmp);
     let idx = ((p / 100.0) * (samples.len() - 1) as f64).round() as usize;
     samples[idx.min(samples.len() - 1)]
 }

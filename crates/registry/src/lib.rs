@@ -20,6 +20,7 @@
 use etcd_client::{Client, Compare, CompareOp, ConnectOptions, GetOptions, PutOptions, Txn, TxnOp};
 use pagefleet_api::{ClusterHost, ClusterView, GuestStatus, HostReport};
 use serde::{Deserialize, Serialize};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -96,7 +97,7 @@ pub struct Etcd {
     /// The member calls go to (an index into `endpoints`) and its client.
     client: Mutex<Option<(usize, Client)>>,
     /// The member the next connection tries.
-    next: std::sync::atomic::AtomicUsize,
+    next: AtomicUsize,
     /// This host's lease (0: none yet).
     lease: Mutex<i64>,
     ttl: i64,
@@ -116,7 +117,7 @@ impl Etcd {
             rt,
             endpoints,
             client: Mutex::new(None),
-            next: std::sync::atomic::AtomicUsize::new(0),
+            next: AtomicUsize::new(0),
             lease: Mutex::new(0),
             ttl: ttl.as_secs().max(2) as i64,
         })
@@ -139,7 +140,7 @@ impl Etcd {
         if let Some(c) = g.as_ref() {
             return Ok(c.clone());
         }
-        let i = self.next.load(std::sync::atomic::Ordering::Relaxed) % self.endpoints.len();
+        let i = self.next.load(Ordering::Relaxed) % self.endpoints.len();
         let opts = ConnectOptions::new()
             .with_connect_timeout(Duration::from_secs(2))
             .with_timeout(Duration::from_secs(5))
@@ -161,10 +162,8 @@ impl Etcd {
     /// Member `i` failed a call: the next connection goes to the member
     /// after it.
     fn skip(&self, i: usize) {
-        self.next.store(
-            (i + 1) % self.endpoints.len(),
-            std::sync::atomic::Ordering::Relaxed,
-        );
+        self.next
+            .store((i + 1) % self.endpoints.len(), Ordering::Relaxed);
     }
 
     fn forget_client(&self, i: usize) {
