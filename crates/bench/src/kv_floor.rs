@@ -15,6 +15,16 @@
 //! batch, then pages it back in: nothing is lost. No location database, no
 //! replicas, no second server, no stats beyond three counters: what
 //! pagefleet adds is everything else.
+//!
+//! `--policy clock` is the same floor with the least a user-space pager
+//! pays for reference bits (the kernel's LRU reads accessed bits without a
+//! TLB flush; user space cannot): a hand sweeps the region in address
+//! order, 64 pages at a time; one `PAGEMAP_SCAN` shows which resident pages
+//! were mapped since the hand's last pass, the unmapped ones are victims,
+//! and one `madvise(DONTNEED)` unmaps the window again (the memfd keeps the
+//! pages; the guest's next touch is a minor fault the kernel serves alone).
+//! It answers whether a pager with the kernel's fault count, paying for the
+//! bits, gets closer to zram than the FIFO floor.
 
 use anyhow::{bail, Context, Result};
 use pagefleet_guests::{kv, Mem};
@@ -41,6 +51,20 @@ const MAX_BATCHES: usize = 4;
 /// The evictor thread's name: `bench paging` lets it run on any CPU.
 pub const EVICT_THREAD: &str = "kv-floor-evict";
 
+/// Pages the clock hand reads and unmaps at a time (one `PAGEMAP_SCAN`,
+/// one `madvise`, so one TLB shootdown per window).
+const WINDOW: usize = 64;
+
+/// How the floor pager chooses victims.
+#[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum)]
+pub enum FloorPolicy {
+    /// The oldest installed page: no reference bits at all.
+    Fifo,
+    /// Second chance in address order, reference bits from unmapping
+    /// (zap) and `PAGEMAP_SCAN`.
+    Clock,
+}
+
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum State {
     /// Never written: a fault gets a zero page.
@@ -60,6 +84,8 @@ struct Counters {
     page_ins: AtomicU64,
     page_outs: AtomicU64,
     clean_drops: AtomicU64,
+    /// `madvise` calls of the clock hand (each a TLB shootdown).
+    unmaps: AtomicU64,
     /// Page-in service time, read of the fault to its page installed (as
     /// pagefleet's region measures it), so the two compare under one load.
     service: Histogram,
@@ -70,7 +96,7 @@ type Batch = Vec<(usize, bool)>;
 /// Run the kv guest (`pagefleet bench kv-floor-guest`) on `size` bytes paged
 /// against the store at `store` within `budget_pages`; prints
 /// `kv listening ADDR` as `pagefleet run kv` does and serves until killed.
-pub fn guest_main(size: u64, budget_pages: u64, store: &str) -> Result<()> {
+pub fn guest_main(size: u64, budget_pages: u64, store: &str, policy: FloorPolicy) -> Result<()> {
     if size < (32 << 20) || !size.is_multiple_of(P as u64) {
         bail!("--size must be a multiple of 4 KiB, at least 32 MiB");
     }
@@ -125,6 +151,15 @@ pub fn guest_main(size: u64, budget_pages: u64, store: &str) -> Result<()> {
         base: m.base(),
         state: vec![State::Zero; pages as usize],
         fifo: VecDeque::new(),
+        resident: 0,
+        clock: match policy {
+            FloorPolicy::Fifo => None,
+            FloorPolicy::Clock => Some(Clock {
+                pm: uffd::Pagemap::open().context("PAGEMAP_SCAN (Linux 6.7+)")?,
+                hand: 0,
+                armed: vec![false; pages as usize],
+            }),
+        },
         budget: budget_pages,
         reader: BufReader::with_capacity(64 * P, conn.try_clone()?),
         conn,
@@ -159,6 +194,7 @@ pub fn guest_main(size: u64, budget_pages: u64, store: &str) -> Result<()> {
             ("pf_page_ins".into(), c.page_ins.load(Relaxed)),
             ("pf_page_outs".into(), c.page_outs.load(Relaxed)),
             ("pf_clean_drops".into(), c.clean_drops.load(Relaxed)),
+            ("pf_unmaps".into(), c.unmaps.load(Relaxed)),
             ("pf_page_in_p50_us".into(), lat(50.0)),
             ("pf_page_in_p99_us".into(), lat(99.0)),
         ]
@@ -175,8 +211,12 @@ struct Handler {
     u: Arc<Uffd>,
     base: u64,
     state: Vec<State>,
-    /// Installed pages, oldest first.
+    /// Installed pages, oldest first (FIFO policy).
     fifo: VecDeque<u32>,
+    /// Installed pages (clean or dirty, not leaving).
+    resident: u64,
+    /// The clock hand and its reference bits (clock policy).
+    clock: Option<Clock>,
     budget: u64,
     conn: TcpStream,
     reader: BufReader<TcpStream>,
@@ -278,34 +318,51 @@ impl Handler {
 
     fn installed(&mut self, p: usize, s: State) {
         self.state[p] = s;
-        self.fifo.push_back(p as u32);
+        self.resident += 1;
+        match &mut self.clock {
+            // Just used: spared by the hand's next pass, which arms it.
+            Some(c) => c.armed[p] = false,
+            None => self.fifo.push_back(p as u32),
+        }
+    }
+
+    /// Up to `n` pages to evict, oldest first or by the clock.
+    fn victims(&mut self, n: usize) -> Result<Batch> {
+        let Some(c) = &mut self.clock else {
+            let n = n.min(self.fifo.len());
+            let state = &self.state;
+            return Ok(self
+                .fifo
+                .drain(..n)
+                .map(|p| (p as usize, state[p as usize] == State::Dirty))
+                .collect());
+        };
+        let (b, unmaps) = c.sweep(&self.state, self.base, n)?;
+        self.counters.unmaps.fetch_add(unmaps, Relaxed);
+        Ok(b)
     }
 
     /// Keep installed pages a few batches below the budget; wait for the
     /// evictor only when memory itself is over it.
     fn balance(&mut self) -> Result<()> {
         let low = self.budget - (MAX_BATCHES * EVICT_BATCH) as u64;
-        while self.fifo.len() as u64 > low && self.out_batches < MAX_BATCHES {
-            let n = EVICT_BATCH.min(self.fifo.len());
-            let mut b: Batch = self
-                .fifo
-                .drain(..n)
-                .map(|p| {
-                    let p = p as usize;
-                    (p, self.state[p] == State::Dirty)
-                })
-                .collect();
+        while self.resident > low && self.out_batches < MAX_BATCHES {
+            let mut b = self.victims(EVICT_BATCH)?;
+            if b.is_empty() {
+                break;
+            }
             b.sort_unstable();
             for &(p, _) in &b {
                 self.state[p] = State::Leaving;
             }
+            self.resident -= b.len() as u64;
             self.leaving += b.len() as u64;
             self.out_batches += 1;
             if self.jobs.send(b).is_err() {
                 bail!("the evictor stopped");
             }
         }
-        while self.fifo.len() as u64 + self.leaving > self.budget {
+        while self.resident + self.leaving > self.budget {
             let Ok(b) = self.done.recv() else {
                 bail!("the evictor stopped");
             };
@@ -330,6 +387,78 @@ impl Handler {
             }
         }
         Ok(())
+    }
+}
+
+struct Clock {
+    pm: uffd::Pagemap,
+    /// The next page the hand reads.
+    hand: usize,
+    /// Unmapped by the hand since it was installed: mapped again means used.
+    armed: Vec<bool>,
+}
+
+impl Clock {
+    /// Advance the hand until it has `n` victims: resident pages not mapped
+    /// since its last pass. The pages it passes and spares are unmapped
+    /// again, a window at a time. After two laps without enough (every
+    /// page in use), any resident page will do. Returns the victims and
+    /// the `madvise` calls made.
+    fn sweep(&mut self, state: &[State], base: u64, n: usize) -> Result<(Batch, u64)> {
+        let pages = state.len();
+        let mut victims = Batch::new();
+        let mut mapped = [false; WINDOW];
+        let (mut passed, mut unmaps) = (0, 0);
+        while victims.len() < n && passed < 3 * pages {
+            let force = passed >= 2 * pages;
+            let lo = self.hand;
+            let mut hi = (lo + WINDOW).min(pages);
+            mapped.fill(false);
+            self.pm.present(
+                base + (lo * P) as u64,
+                ((hi - lo) * P) as u64,
+                &mut |a, b| mapped[a..b].fill(true),
+            )?;
+            let mut resident = false;
+            for p in lo..hi {
+                let dirty = match state[p] {
+                    State::Clean => false,
+                    State::Dirty => true,
+                    _ => continue,
+                };
+                resident = true;
+                if force || (self.armed[p] && !mapped[p - lo]) {
+                    victims.push((p, dirty));
+                    if victims.len() == n {
+                        hi = p + 1;
+                        break;
+                    }
+                } else {
+                    self.armed[p] = true;
+                }
+            }
+            if resident {
+                // SAFETY: [lo, hi) lies inside the region's shared mapping,
+                // which lives as long as the process. DONTNEED on a shared
+                // memfd mapping only drops page-table entries: the memfd
+                // keeps the pages (and a uffd-wp marker keeps protection),
+                // so the guest's next touch maps the same page again.
+                let r = unsafe {
+                    libc::madvise(
+                        (base + (lo * P) as u64) as *mut libc::c_void,
+                        (hi - lo) * P,
+                        libc::MADV_DONTNEED,
+                    )
+                };
+                if r != 0 {
+                    return Err(std::io::Error::last_os_error()).context("madvise(DONTNEED)");
+                }
+                unmaps += 1;
+            }
+            passed += hi - lo;
+            self.hand = if hi == pages { 0 } else { hi };
+        }
+        Ok((victims, unmaps))
     }
 }
 
@@ -443,7 +572,51 @@ pub(crate) fn serve_store(s: TcpStream, total: usize) -> std::io::Result<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::runs;
+    use super::*;
+
+    /// The clock hand on a real shared memfd mapping: the first lap only
+    /// arms (unmaps) pages, the next takes those not touched since, and a
+    /// page touched after its unmap is spared.
+    #[test]
+    fn clock_takes_pages_untouched_since_the_last_pass() {
+        const N: usize = 256;
+        let fd = uffd::memfd("clock-test", (N * P) as u64).unwrap();
+        let m = uffd::Mapping::shared(fd.as_raw_fd(), N * P).unwrap();
+        let touch = |p: usize| {
+            // SAFETY: page p is inside the mapping, which outlives this
+            // closure; nothing else uses it.
+            unsafe { std::ptr::write_volatile(m.addr().add(p * P), 1u8) }
+        };
+        (0..N).for_each(touch);
+        let state = vec![State::Clean; N];
+        let mut c = Clock {
+            pm: uffd::Pagemap::open().unwrap(),
+            hand: 0,
+            armed: vec![false; N],
+        };
+        let (v, unmaps) = c.sweep(&state, m.base(), 8).unwrap();
+        let pages: Vec<usize> = v.iter().map(|(p, _)| *p).collect();
+        assert_eq!(
+            pages,
+            (0..8).collect::<Vec<_>>(),
+            "second lap, from the start"
+        );
+        assert_eq!(
+            unmaps,
+            (N / WINDOW + 1) as u64,
+            "one unmap per window passed"
+        );
+        // Touched after the hand passed: spared on its next pass.
+        (8..16).for_each(touch);
+        let (v, _) = c.sweep(&state, m.base(), 8).unwrap();
+        let pages: Vec<usize> = v.iter().map(|(p, _)| *p).collect();
+        assert_eq!(pages, (16..24).collect::<Vec<_>>());
+        // Pages not resident are never victims.
+        let mut state = state;
+        state[24..32].fill(State::Remote);
+        let (v, _) = c.sweep(&state, m.base(), 8).unwrap();
+        assert!(v.iter().all(|(p, dirty)| *p >= 32 && !dirty));
+    }
 
     #[test]
     fn runs_split_at_gaps() {

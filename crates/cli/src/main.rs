@@ -212,6 +212,8 @@ enum BenchCmd {
         budget_pages: u64,
         #[arg(long)]
         store: String,
+        #[arg(long, value_enum, default_value = "fifo")]
+        policy: bench::kv_floor::FloorPolicy,
     },
 }
 
@@ -627,7 +629,8 @@ fn run(cli: Cli) -> Result<()> {
             size,
             budget_pages,
             store,
-        }) => bench::kv_floor::guest_main(size, budget_pages, &store),
+            policy,
+        }) => bench::kv_floor::guest_main(size, budget_pages, &store, policy),
         Cmd::Demo(o) => demo(o),
         Cmd::Run(a) => run::run(a, cli.secret_file.as_deref()),
         Cmd::Testbed(t) => testbed(t),
