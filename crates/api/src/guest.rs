@@ -230,7 +230,7 @@ pub struct GuestSpec {
     /// Worker threads.
     #[serde(default = "default_threads")]
     pub threads: usize,
-    /// Victim choice: aging (the default) or clock.
+    /// Victim choice: clock (the default) or aging.
     #[serde(default = "default_policy")]
     pub policy: String,
     /// Pages per chunk (power of two, 1..64).
@@ -272,7 +272,7 @@ fn default_threads() -> usize {
 }
 /// The runtime's default victim policy (`pagefleet_region::Policy::default`).
 fn default_policy() -> String {
-    "aging".into()
+    "clock".into()
 }
 fn default_chunk() -> usize {
     16

@@ -62,25 +62,24 @@ pub fn paging_slack(budget_pages: u64, chunk_pages: usize) -> u64 {
 /// guests' own paging.
 pub const DEFAULT_REREPLICATE_RATE: u64 = 256 << 20;
 
-/// How a victim chunk is chosen when the budget is exceeded.
+/// How victims are chosen when the budget is exceeded.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Policy {
-    /// One reference bit per page, OR-accumulated; chunk hotness = sum of
-    /// bits. The victim hand reads the page tables as it goes and unmaps
-    /// every chunk it spares again, so a chunk's bit says whether it was
-    /// used since the hand last passed: the victims closest to the kernel's
-    /// LRU (page-ins per operation 0.059–0.067 on the kv bench, zram 0.055),
-    /// paid for with ~3.5x aging's minor faults and the TLB shootdowns of
-    /// its re-arms.
+    /// One reference bit per page. The victim hand reads the page tables
+    /// as it goes: a chunk it looks at gives up its pages not used since
+    /// its last look, and the rest are unmapped again, so their next use
+    /// shows. The default since stop 48: the fewest page-ins per operation
+    /// on the kv bench (0.055 at 50%, zram's 0.056; 0.149 at 25%, zram's
+    /// 0.151) and ahead of aging at both budgets in the same rounds (+2% at
+    /// 50%, +16% at 25%, `docs/paging.md`), paid for with ~3x aging's minor
+    /// faults and the TLB shootdowns of its re-arms.
+    #[default]
     Clock,
     /// Eight history bits per page, shifted right each sweep with the new bit
-    /// in the MSB; chunk hotness = max age value. Its reference bits come
-    /// from the sampling hand alone, within the sampling CPU budget: far
-    /// fewer minor faults than clock, victims little better than FIFO. The
-    /// default: on the kv bench it ran at 0.91–1.00 of the floor pager and
-    /// ahead of clock in 9 of 12 interleaved comparisons (median +2.2%), and level
-    /// with clock after a split migration (`docs/paging.md`, stop 43).
-    #[default]
+    /// in the MSB; chunk hotness = max age value; victims whole chunks. Its
+    /// reference bits come from the sampling hand alone, within the
+    /// sampling CPU budget: far fewer minor faults than clock, victims
+    /// little better than FIFO.
     Aging,
 }
 

@@ -460,7 +460,7 @@ pub fn configs(quick: bool) -> Vec<Group> {
                     c.prefetch = "chunk".into()
                 }),
                 region("pagefleet 50% chunk 1", 50.0, |c| c.chunk = 1),
-                region("pagefleet 50% clock", 50.0, |c| c.policy = "clock".into()),
+                region("pagefleet 50% aging", 50.0, |c| c.policy = "aging".into()),
                 region("pagefleet 50% no reply poll", 50.0, |c| {
                     c.reply_spin_us = Some(0)
                 }),

@@ -89,7 +89,7 @@ impl Pager {
         }
     }
 
-    /// Start paging out the chunks' resident pages. Clean pages (their
+    /// Start paging out these resident pages (sorted). Clean pages (their
     /// kept copy is current) go in a drop job: the writer punches them,
     /// nothing is sent ([`Pager::drop_landed`]). Dirty ones are
     /// write-protected, marked leaving and handed to the writer, bound for
@@ -98,13 +98,15 @@ impl Pager {
     /// [`Pager::job_landed`] marks them remote.
     /// Returns false if no server can take them (balancing stops; the guest
     /// keeps running over budget).
-    pub(super) fn page_out(&mut self, chunks: &[usize]) -> bool {
-        let mut pages = Vec::new();
-        for &c in chunks {
-            let lo = c * self.cp;
-            pages.extend((lo..lo + self.cp).filter(|q| self.loc.evictable(*q)));
-        }
-        pages.sort_unstable();
+    pub(super) fn page_out(&mut self, pages: &[usize]) -> bool {
+        let cp = self.cp;
+        // Chunks paged out from, for the stats (`pages` is sorted).
+        let chunks = pages
+            .iter()
+            .enumerate()
+            .filter(|(i, q)| *i == 0 || pages[i - 1] / cp != **q / cp)
+            .count();
+        let pages = pages.to_vec();
         let fresh = |copy: &[u8], clean: &[bool]| {
             pages
                 .iter()
@@ -249,7 +251,7 @@ impl Pager {
         self.shared
             .stats
             .page_out_chunks
-            .fetch_add(chunks.len() as u64, Relaxed);
+            .fetch_add(chunks as u64, Relaxed);
         true
     }
 
