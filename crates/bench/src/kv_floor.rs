@@ -108,7 +108,7 @@ pub fn guest_main(size: u64, budget_pages: u64, store: &str, policy: FloorPolicy
         );
     }
     let fd = Arc::new(uffd::memfd("kv-floor", size)?);
-    let m = uffd::Mapping::shared(fd.as_raw_fd(), size as usize)?;
+    let m = Arc::new(uffd::Mapping::shared(fd.as_raw_fd(), size as usize)?);
     m.madvise(0, m.len(), libc::MADV_NOHUGEPAGE)?;
     let u = Uffd::open(
         uffd::FEATURE_MISSING_SHMEM
@@ -150,12 +150,12 @@ pub fn guest_main(size: u64, budget_pages: u64, store: &str, policy: FloorPolicy
         u,
         base: m.base(),
         state: vec![State::Zero; pages as usize],
-        fifo: VecDeque::new(),
         resident: 0,
-        clock: match policy {
-            FloorPolicy::Fifo => None,
-            FloorPolicy::Clock => Some(Clock {
+        victims: match policy {
+            FloorPolicy::Fifo => Victims::Fifo(VecDeque::new()),
+            FloorPolicy::Clock => Victims::Clock(Clock {
                 pm: uffd::Pagemap::open().context("PAGEMAP_SCAN (Linux 6.7+)")?,
+                map: m.clone(),
                 hand: 0,
                 armed: vec![false; pages as usize],
             }),
@@ -211,12 +211,9 @@ struct Handler {
     u: Arc<Uffd>,
     base: u64,
     state: Vec<State>,
-    /// Installed pages, oldest first (FIFO policy).
-    fifo: VecDeque<u32>,
     /// Installed pages (clean or dirty, not leaving).
     resident: u64,
-    /// The clock hand and its reference bits (clock policy).
-    clock: Option<Clock>,
+    victims: Victims,
     budget: u64,
     conn: TcpStream,
     reader: BufReader<TcpStream>,
@@ -319,27 +316,27 @@ impl Handler {
     fn installed(&mut self, p: usize, s: State) {
         self.state[p] = s;
         self.resident += 1;
-        match &mut self.clock {
+        match &mut self.victims {
+            Victims::Fifo(fifo) => fifo.push_back(p as u32),
             // Just used: spared by the hand's next pass, which arms it.
-            Some(c) => c.armed[p] = false,
-            None => self.fifo.push_back(p as u32),
+            Victims::Clock(c) => c.armed[p] = false,
         }
     }
 
     /// Up to `n` pages to evict, oldest first or by the clock.
     fn victims(&mut self, n: usize) -> Result<Batch> {
-        let Some(c) = &mut self.clock else {
-            let n = n.min(self.fifo.len());
-            let state = &self.state;
-            return Ok(self
-                .fifo
-                .drain(..n)
+        let state = &self.state;
+        match &mut self.victims {
+            Victims::Fifo(fifo) => Ok(fifo
+                .drain(..n.min(fifo.len()))
                 .map(|p| (p as usize, state[p as usize] == State::Dirty))
-                .collect());
-        };
-        let (b, unmaps) = c.sweep(&self.state, self.base, n)?;
-        self.counters.unmaps.fetch_add(unmaps, Relaxed);
-        Ok(b)
+                .collect()),
+            Victims::Clock(c) => {
+                let (b, unmaps) = c.sweep(state, n)?;
+                self.counters.unmaps.fetch_add(unmaps, Relaxed);
+                Ok(b)
+            }
+        }
     }
 
     /// Keep installed pages a few batches below the budget; wait for the
@@ -390,8 +387,17 @@ impl Handler {
     }
 }
 
+/// How the handler picks pages to evict.
+enum Victims {
+    /// Installed pages, oldest first.
+    Fifo(VecDeque<u32>),
+    Clock(Clock),
+}
+
 struct Clock {
     pm: uffd::Pagemap,
+    /// The region's mapping, unmapped a window at a time.
+    map: Arc<uffd::Mapping>,
     /// The next page the hand reads.
     hand: usize,
     /// Unmapped by the hand since it was installed: mapped again means used.
@@ -404,8 +410,8 @@ impl Clock {
     /// again, a window at a time. After two laps without enough (every
     /// page in use), any resident page will do. Returns the victims and
     /// the `madvise` calls made.
-    fn sweep(&mut self, state: &[State], base: u64, n: usize) -> Result<(Batch, u64)> {
-        let pages = state.len();
+    fn sweep(&mut self, state: &[State], n: usize) -> Result<(Batch, u64)> {
+        let (pages, base) = (state.len(), self.map.base());
         let mut victims = Batch::new();
         let mut mapped = [false; WINDOW];
         let (mut passed, mut unmaps) = (0, 0);
@@ -438,21 +444,12 @@ impl Clock {
                 }
             }
             if resident {
-                // SAFETY: [lo, hi) lies inside the region's shared mapping,
-                // which lives as long as the process. DONTNEED on a shared
-                // memfd mapping only drops page-table entries: the memfd
-                // keeps the pages (and a uffd-wp marker keeps protection),
-                // so the guest's next touch maps the same page again.
-                let r = unsafe {
-                    libc::madvise(
-                        (base + (lo * P) as u64) as *mut libc::c_void,
-                        (hi - lo) * P,
-                        libc::MADV_DONTNEED,
-                    )
-                };
-                if r != 0 {
-                    return Err(std::io::Error::last_os_error()).context("madvise(DONTNEED)");
-                }
+                // DONTNEED on a shared memfd mapping only drops page-table
+                // entries: the memfd keeps the pages (and a uffd-wp marker
+                // keeps protection), so the next touch maps the same page.
+                self.map
+                    .madvise(lo * P, (hi - lo) * P, libc::MADV_DONTNEED)
+                    .context("madvise(DONTNEED)")?;
                 unmaps += 1;
             }
             passed += hi - lo;
@@ -581,7 +578,7 @@ mod tests {
     fn clock_takes_pages_untouched_since_the_last_pass() {
         const N: usize = 256;
         let fd = uffd::memfd("clock-test", (N * P) as u64).unwrap();
-        let m = uffd::Mapping::shared(fd.as_raw_fd(), N * P).unwrap();
+        let m = Arc::new(uffd::Mapping::shared(fd.as_raw_fd(), N * P).unwrap());
         let touch = |p: usize| {
             // SAFETY: page p is inside the mapping, which outlives this
             // closure; nothing else uses it.
@@ -591,10 +588,11 @@ mod tests {
         let state = vec![State::Clean; N];
         let mut c = Clock {
             pm: uffd::Pagemap::open().unwrap(),
+            map: m.clone(),
             hand: 0,
             armed: vec![false; N],
         };
-        let (v, unmaps) = c.sweep(&state, m.base(), 8).unwrap();
+        let (v, unmaps) = c.sweep(&state, 8).unwrap();
         let pages: Vec<usize> = v.iter().map(|(p, _)| *p).collect();
         assert_eq!(
             pages,
@@ -608,13 +606,13 @@ mod tests {
         );
         // Touched after the hand passed: spared on its next pass.
         (8..16).for_each(touch);
-        let (v, _) = c.sweep(&state, m.base(), 8).unwrap();
+        let (v, _) = c.sweep(&state, 8).unwrap();
         let pages: Vec<usize> = v.iter().map(|(p, _)| *p).collect();
         assert_eq!(pages, (16..24).collect::<Vec<_>>());
         // Pages not resident are never victims.
         let mut state = state;
         state[24..32].fill(State::Remote);
-        let (v, _) = c.sweep(&state, m.base(), 8).unwrap();
+        let (v, _) = c.sweep(&state, 8).unwrap();
         assert!(v.iter().all(|(p, dirty)| *p >= 32 && !dirty));
     }
 

@@ -826,9 +826,8 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
         );
         if let Some(c) = &c {
             how.push_str(&format!(
-                "{}
+                " (reference bits for free: not counted, the clock floor measures their cost)
       clock floor pager (the same with reference bits: 64-page windows unmapped and read back with PAGEMAP_SCAN) / {against} {:.3} ({:.3} page-ins per op; {:.3} guest faults per op against FIFO's {:.3}); at {base}'s page-ins per op with its CPU per page-in ({:.1} us): {:.3}",
-                " (reference bits for free: not counted, the clock floor measures their cost)",
                 c.measured,
                 c.fa.fi,
                 c.minor_per_op,

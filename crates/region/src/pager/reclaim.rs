@@ -47,7 +47,7 @@ impl Pager {
             // tick: one TLB shootdown per run per tick, not per batch).
             self.rearm_pending.extend_from_slice(&self.victims.spared);
             self.victims_at = Some(Instant::now());
-            if batch.is_empty() || !self.page_out(&batch) {
+            if batch.is_empty() || !self.page_out(batch) {
                 self.evicting = false;
                 break;
             }
@@ -98,7 +98,7 @@ impl Pager {
     /// [`Pager::job_landed`] marks them remote.
     /// Returns false if no server can take them (balancing stops; the guest
     /// keeps running over budget).
-    pub(super) fn page_out(&mut self, pages: &[usize]) -> bool {
+    pub(super) fn page_out(&mut self, pages: Vec<usize>) -> bool {
         let cp = self.cp;
         // Chunks paged out from, for the stats (`pages` is sorted).
         let chunks = pages
@@ -106,7 +106,6 @@ impl Pager {
             .enumerate()
             .filter(|(i, q)| *i == 0 || pages[i - 1] / cp != **q / cp)
             .count();
-        let pages = pages.to_vec();
         let fresh = |copy: &[u8], clean: &[bool]| {
             pages
                 .iter()
