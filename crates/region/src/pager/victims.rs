@@ -377,12 +377,14 @@ mod tests {
         let pages = 8192usize;
         let mut sim = Sim::new(pages, 16, 2048, Policy::Clock);
         sim.refs_on_touch = refs_on_touch;
+        let mut hand = VictimHand::new(pages / 16, 16);
         if !credit {
-            sim.hand = VictimHand::new(pages / 16, 16).without_credit();
+            hand = hand.without_credit();
         }
         if !per_page {
-            sim.hand = std::mem::replace(&mut sim.hand, VictimHand::new(0, 16)).whole_chunks();
+            hand = hand.whole_chunks();
         }
+        sim.hand = hand;
         let w: Vec<f64> = (1..=pages).map(|r| 1.0 / (r as f64).powf(0.99)).collect();
         let total: f64 = w.iter().sum();
         let mut cdf = Vec::with_capacity(pages);
