@@ -34,6 +34,7 @@ use std::collections::VecDeque;
 use std::io::{BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Arc;
@@ -133,6 +134,7 @@ pub fn guest_main(size: u64, budget_pages: u64, store: &str, policy: FloorPolicy
     let ev = Evictor {
         u: u.clone(),
         fd: fd.clone(),
+        file: std::fs::File::from(fd.try_clone()?),
         base: m.base(),
         conn: evict_conn,
         counters: counters.clone(),
@@ -462,6 +464,8 @@ impl Clock {
 struct Evictor {
     u: Arc<Uffd>,
     fd: Arc<OwnedFd>,
+    /// The memfd again, for `pread`.
+    file: std::fs::File,
     base: u64,
     conn: TcpStream,
     counters: Arc<Counters>,
@@ -483,13 +487,12 @@ impl Evictor {
                 out.clear();
                 for &p in &dirty {
                     request(&mut out, b'p', p);
-                    // SAFETY: page p is inside the mapping and resident (the
-                    // handler punches nothing; this thread punches it only
-                    // below); the guest may read it meanwhile, not write it.
-                    let src = unsafe {
-                        std::slice::from_raw_parts((self.base + (p * P) as u64) as *const u8, P)
-                    };
-                    out.extend_from_slice(src);
+                    // Read from the file, not through the mapping: a page
+                    // mapped to be read makes its punch a TLB shootdown
+                    // (as pagefleet's writer does, for the same reason).
+                    let at = out.len();
+                    out.resize(at + P, 0);
+                    self.file.read_exact_at(&mut out[at..], (p * P) as u64)?;
                 }
                 request(&mut out, b'f', 0);
                 self.conn.write_all(&out)?;

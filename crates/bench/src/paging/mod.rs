@@ -531,8 +531,11 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
     let mut rows: Vec<Row> = Vec::new();
     for mut g in configs(o.quick) {
         if let Some(f) = &o.only {
-            g.cfgs
-                .retain(|c| c.kind == Kind::Local || f.split('|').any(|alt| c.name.contains(alt)));
+            let name = g.name;
+            g.cfgs.retain(|c| {
+                let full = format!("{name}: {}", c.name);
+                c.kind == Kind::Local || f.split('|').any(|alt| full.contains(alt))
+            });
             if g.cfgs.iter().all(|c| c.kind == Kind::Local) {
                 continue;
             }
@@ -1379,8 +1382,10 @@ pub struct Args {
     #[arg(long = "secs", alias = "reps")]
     pub secs: Option<u64>,
     /// Run only the configurations whose name contains this, or one of
-    /// several alternatives separated by `|` ("zram 50%|floor pager 50%");
-    /// each group's all-local always runs, as its reference.
+    /// several alternatives separated by `|` ("zram 50%|floor pager 50%").
+    /// A configuration's name here is "GROUP: NAME", so "floor pagers:
+    /// pagefleet" picks pagefleet in the two groups with the floor pagers
+    /// only. Each group's all-local always runs, as its reference.
     #[arg(long)]
     pub only: Option<String>,
 }

@@ -36,7 +36,7 @@ use crate::guestmem::GuestMem;
 use crate::{Command, Config, OnFatal, Policy, RegionError, Shared, Snapshot, PAGE};
 use pagefleet_client::{Conn, ConnectOptions, GetMode, Pages};
 use pagefleet_proto::{PageSel, MAX_BATCH_PAGES};
-use pagefleet_uffd::{self as uffd, Fault, FaultKind, Mapping, Uffd};
+use pagefleet_uffd::{self as uffd, Fault, FaultKind, Uffd};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
@@ -205,13 +205,7 @@ impl Pager {
                 None
             }
         };
-        let shadow =
-            Mapping::shared(memfd.as_raw_fd(), guest.len()).map_err(|source| RegionError::Io {
-                what: "mmap shadow",
-                source,
-            })?;
         let writer = writer::Writer::start(writer::WriterSetup {
-            shadow: Arc::new(shadow),
             memfd: memfd.clone(),
             region_id: cfg.region_id,
             name: cfg.name.clone(),

@@ -305,6 +305,14 @@ impl Pager {
             // calls remote: nothing sane to go on with.
             return self.internal(d.pages[0] as usize, format!("punching stored pages: {e}"));
         }
+        if let Some(e) = d.read_error {
+            // The pages not sent stayed resident (and were unprotected
+            // above), but the memfd cannot be read: page-out cannot work.
+            return self.internal(
+                d.pages[0] as usize,
+                format!("reading pages to page out: {e}"),
+            );
+        }
         let st = &self.shared.stats;
         st.page_outs.fetch_add(sent, Relaxed);
         st.bytes_out.fetch_add(sent * PAGE as u64, Relaxed);

@@ -5,7 +5,7 @@
 //! Ownership: the pager chooses victims, write-protects them, marks them
 //! leaving in its location DB and hands a [`Job`] over; the writer owns its
 //! own connection per server (the pager's GET replies never wait behind PUT
-//! acks), reads the job's pages through the shadow mapping and, once every
+//! acks), reads the job's pages from the memfd with `pread` and, once every
 //! target acknowledged a page, punches its data out of the memfd. It
 //! answers with a [`Done`] and rings the pager's doorbell; the pager then
 //! marks the stored pages remote. Nothing else crosses between the two
@@ -20,12 +20,21 @@
 //! evicting a page costs (1.6 µs a page in the sequential scan, 4% of the
 //! pager thread's samples in the kv bench), and on the writer it runs beside
 //! the pager, on whichever CPU is free.
+//!
+//! Why `pread` and not a mapping of the memfd: a page read through any
+//! mapping in the guest's address space gets a page-table entry there, and
+//! punching a mapped page is a TLB shootdown, an IPI to every CPU running
+//! the guest (a VM exit each way here). Read with `pread`, a victim the
+//! clock hand found unmapped stays unmapped, and its punch flushes nothing.
+//! The extra 4 KiB copy into the frame buffer costs less than the minor
+//! fault that mapping it took.
 
 use pagefleet_client::{ClientError, Conn};
 use pagefleet_proto::{auth::Secret, PageSel, MAX_BATCH_PAGES};
-use pagefleet_uffd::Mapping;
 use std::collections::{HashMap, VecDeque};
+use std::fs::File;
 use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::FileExt;
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -75,6 +84,9 @@ pub(super) struct Done {
     pub(super) drop: bool,
     /// Why punching the job's stored (or, for a drop job, clean) pages failed.
     pub(super) punch_error: Option<std::io::Error>,
+    /// Why reading the job's pages from the memfd failed (the pages not
+    /// sent stay resident).
+    pub(super) read_error: Option<std::io::Error>,
 }
 
 /// The pager's handle on its writer thread.
@@ -88,8 +100,7 @@ pub(super) struct Writer {
 
 /// What the writer thread needs to reach servers and read pages.
 pub(super) struct WriterSetup {
-    pub(super) shadow: Arc<Mapping>,
-    /// The guest memory's file, for punches.
+    /// The guest memory's file: pages are read from it and punched out.
     pub(super) memfd: Arc<OwnedFd>,
     pub(super) region_id: u64,
     pub(super) name: String,
@@ -103,9 +114,13 @@ impl Writer {
     pub(super) fn start(setup: WriterSetup) -> std::io::Result<Writer> {
         let (jtx, jrx) = mpsc::channel();
         let (dtx, drx) = mpsc::channel();
+        let reader = FrameReader {
+            file: File::from(setup.memfd.try_clone()?),
+            buf: Vec::with_capacity(MAX_BATCH_PAGES * PAGE),
+        };
         let thread = std::thread::Builder::new()
             .name(WRITER_THREAD.into())
-            .spawn(move || run(setup, jrx, dtx))?;
+            .spawn(move || run(setup, reader, jrx, dtx))?;
         Ok(Writer {
             jobs: Some(jtx),
             done: drx,
@@ -150,17 +165,17 @@ impl Drop for Writer {
     }
 }
 
-fn run(setup: WriterSetup, jobs: Receiver<Job>, done: Sender<Done>) {
+fn run(setup: WriterSetup, mut reader: FrameReader, jobs: Receiver<Job>, done: Sender<Done>) {
     let mut conns: HashMap<usize, Conn> = HashMap::new();
     for job in jobs {
         let c0 = super::thread_cpu_ns();
         let n = job.pages.len();
         // A drop job's pages all leave, nothing is sent; a page-out's
         // pages leave once every target stored them.
-        let (stored, errors) = if job.drop {
-            (vec![true; n], Vec::new())
+        let (stored, errors, read_error) = if job.drop {
+            (vec![true; n], Vec::new(), None)
         } else {
-            put_job(&setup, &mut conns, &job)
+            put_job(&setup, &mut reader, &mut conns, &job)
         };
         // Leaving pages' data goes from the memfd (faults on them wait for
         // this job, so nothing reads or writes them meanwhile).
@@ -184,6 +199,7 @@ fn run(setup: WriterSetup, jobs: Receiver<Job>, done: Sender<Done>) {
             cpu_ns: super::thread_cpu_ns().saturating_sub(c0),
             drop: job.drop,
             punch_error,
+            read_error,
         };
         if done.send(d).is_err() {
             return;
@@ -193,46 +209,79 @@ fn run(setup: WriterSetup, jobs: Receiver<Job>, done: Sender<Done>) {
 }
 
 /// PUT a page-out job's pages to every target; per page whether every
-/// target acknowledged it, and the errors met.
+/// target acknowledged it, the errors met, and why reading the pages
+/// failed if it did.
 fn put_job(
     setup: &WriterSetup,
+    reader: &mut FrameReader,
     conns: &mut HashMap<usize, Conn>,
     job: &Job,
-) -> (Vec<bool>, Vec<(usize, ClientError)>) {
+) -> (Vec<bool>, Vec<(usize, ClientError)>, Option<std::io::Error>) {
     let n = job.pages.len();
     let mut acked: Vec<Vec<bool>> = vec![vec![false; n]; job.targets.len()];
-    let mut errors = write_job(setup, conns, job, &mut acked);
+    let (mut errors, mut read_error) = write_job(setup, reader, conns, job, &mut acked);
     // A PUT can be repeated (it overwrites): ride out a dropped
     // connection by reconnecting once and sending what is unacked.
-    if errors.iter().any(|(_, e)| e.is_transient()) {
+    if read_error.is_none() && errors.iter().any(|(_, e)| e.is_transient()) {
         for (t, e) in &errors {
             if e.is_transient() {
                 conns.remove(t);
             }
         }
-        errors = write_job(setup, conns, job, &mut acked);
+        (errors, read_error) = write_job(setup, reader, conns, job, &mut acked);
     }
     let stored = (0..n).map(|i| acked.iter().all(|a| a[i])).collect();
-    (stored, errors)
+    (stored, errors, read_error)
+}
+
+/// Index ranges of the runs of consecutive pages in sorted `pages`.
+fn runs(pages: &[u64]) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
+    let mut i = 0;
+    std::iter::from_fn(move || {
+        if i == pages.len() {
+            return None;
+        }
+        let start = i;
+        i += 1;
+        while i < pages.len() && pages[i] == pages[i - 1] + 1 {
+            i += 1;
+        }
+        Some(start..i)
+    })
 }
 
 /// Punch the memfd's data of `pages` (sorted), one `fallocate` per run
 /// of consecutive pages.
 fn punch_runs(setup: &WriterSetup, pages: &[u64]) -> std::io::Result<()> {
-    let mut i = 0;
-    while i < pages.len() {
-        let mut j = i + 1;
-        while j < pages.len() && pages[j] == pages[j - 1] + 1 {
-            j += 1;
-        }
+    for r in runs(pages) {
         pagefleet_uffd::punch_hole(
             setup.memfd.as_raw_fd(),
-            pages[i] * PAGE as u64,
-            (j - i) as u64 * PAGE as u64,
+            pages[r.start] * PAGE as u64,
+            r.len() as u64 * PAGE as u64,
         )?;
-        i = j;
     }
     Ok(())
+}
+
+/// Reads a frame's pages from the memfd into one buffer, one `pread` per
+/// run (see the module comment for why not through a mapping).
+struct FrameReader {
+    file: File,
+    buf: Vec<u8>,
+}
+
+impl FrameReader {
+    /// The contents of `pages` (sorted), one after another.
+    fn read(&mut self, pages: &[u64]) -> std::io::Result<&[u8]> {
+        self.buf.resize(pages.len() * PAGE, 0);
+        for r in runs(pages) {
+            self.file.read_exact_at(
+                &mut self.buf[r.start * PAGE..r.end * PAGE],
+                pages[r.start] * PAGE as u64,
+            )?;
+        }
+        Ok(&self.buf)
+    }
 }
 
 /// Send the job's pages not yet acknowledged by each target, in frames of
@@ -242,10 +291,12 @@ fn punch_runs(setup: &WriterSetup, pages: &[u64]) -> std::io::Result<()> {
 /// refused frame leaves the connection usable).
 fn write_job(
     setup: &WriterSetup,
+    reader: &mut FrameReader,
     conns: &mut HashMap<usize, Conn>,
     job: &Job,
     acked: &mut [Vec<bool>],
-) -> Vec<(usize, ClientError)> {
+) -> (Vec<(usize, ClientError)>, Option<std::io::Error>) {
+    let mut read_error = None;
     let mut errors: Vec<(usize, ClientError)> = Vec::new();
     // Targets with something left to send and a connection.
     let mut live: Vec<usize> = Vec::new();
@@ -273,19 +324,20 @@ fn write_job(
         } else {
             PageSel::List(list.clone())
         };
-        let ptrs: Vec<*const u8> = list
-            .iter()
-            // SAFETY: in bounds of the shadow mapping (a page of the region).
-            .map(|&q| unsafe { setup.shadow.addr().add(q as usize * PAGE) } as *const u8)
-            .collect();
+        // The pages are write-protected (a guest write waits for the job)
+        // and punched only by this thread after their acks: what is read
+        // here is what they hold.
+        let data = match reader.read(&list) {
+            Ok(d) => d,
+            Err(e) => {
+                read_error = Some(e);
+                break;
+            }
+        };
         live.retain(|&k| {
             let server = job.targets[k].server;
             let conn = conns.get_mut(&server).expect("connected above");
-            // SAFETY: the shadow mapping lives as long as `setup`; a job's
-            // pages are punched only by this thread after their acks, so
-            // every page stays readable for the call (and write-protected:
-            // a guest write waits for the job).
-            match unsafe { conn.send_put_raw(setup.region_id, &sel, &ptrs) } {
+            match conn.send_put(setup.region_id, &sel, data) {
                 Ok(id) => {
                     acks[k].push_back((id, frame.to_vec()));
                     true
@@ -320,7 +372,7 @@ fn write_job(
             }
         }
     }
-    errors
+    (errors, read_error)
 }
 
 /// Make sure the writer has a connection to `t` (a new one checked against
