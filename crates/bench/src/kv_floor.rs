@@ -133,7 +133,6 @@ pub fn guest_main(size: u64, budget_pages: u64, store: &str, policy: FloorPolicy
     let (done_tx, done) = mpsc::channel::<Batch>();
     let ev = Evictor {
         u: u.clone(),
-        fd: fd.clone(),
         file: std::fs::File::from(fd.try_clone()?),
         base: m.base(),
         conn: evict_conn,
@@ -463,8 +462,7 @@ impl Clock {
 
 struct Evictor {
     u: Arc<Uffd>,
-    fd: Arc<OwnedFd>,
-    /// The memfd again, for `pread`.
+    /// The memfd (a dup): pages are read from it and punched out.
     file: std::fs::File,
     base: u64,
     conn: TcpStream,
@@ -501,7 +499,7 @@ impl Evictor {
             }
             let pages: Vec<usize> = b.iter().map(|(p, _)| *p).collect();
             for r in runs(&pages) {
-                uffd::punch_hole(self.fd.as_raw_fd(), (r.0 * P) as u64, (r.1 * P) as u64)?;
+                uffd::punch_hole(self.file.as_raw_fd(), (r.0 * P) as u64, (r.1 * P) as u64)?;
             }
             self.counters
                 .page_outs
