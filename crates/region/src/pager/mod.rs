@@ -205,14 +205,16 @@ impl Pager {
                 None
             }
         };
-        let writer = writer::Writer::start(writer::WriterSetup {
-            memfd: memfd.clone(),
-            region_id: cfg.region_id,
-            name: cfg.name.clone(),
-            secret: cfg.secret.clone(),
-            doorbell: doorbell.clone(),
-            patience: patience(cfg.replicas),
-        })
+        let writer = writer::Writer::start(
+            &memfd,
+            writer::WriterSetup {
+                region_id: cfg.region_id,
+                name: cfg.name.clone(),
+                secret: cfg.secret.clone(),
+                doorbell: doorbell.clone(),
+                patience: patience(cfg.replicas),
+            },
+        )
         .map_err(|source| RegionError::Io {
             what: "spawn page-out writer thread",
             source,
@@ -632,4 +634,37 @@ fn connect(
         ..Default::default()
     };
     Conn::connect_patiently(addr, secret, &opts, patience)
+}
+
+/// Index ranges of the runs of consecutive page numbers in sorted `pages`:
+/// each run is one syscall (`pread`, `fallocate`, write-protect).
+fn consecutive_runs<T>(pages: &[T]) -> impl Iterator<Item = std::ops::Range<usize>> + '_
+where
+    T: Copy + PartialEq + std::ops::Add<Output = T> + From<u8>,
+{
+    let mut i = 0;
+    std::iter::from_fn(move || {
+        if i == pages.len() {
+            return None;
+        }
+        let start = i;
+        i += 1;
+        while i < pages.len() && pages[i] == pages[i - 1] + T::from(1) {
+            i += 1;
+        }
+        Some(start..i)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::consecutive_runs;
+
+    #[test]
+    fn runs_split_where_pages_stop_being_consecutive() {
+        let pages: [u64; 6] = [3, 4, 5, 9, 11, 12];
+        let runs: Vec<_> = consecutive_runs(&pages).collect();
+        assert_eq!(runs, vec![0..3, 3..4, 4..6]);
+        assert_eq!(consecutive_runs::<usize>(&[]).count(), 0);
+    }
 }

@@ -213,12 +213,13 @@ impl Pager {
         };
         // Write-protect before the writer reads: from here on a write
         // faults, and the fault keeps the page (see `dirtied`).
-        for run in runs(&dirty) {
+        for run in consecutive_runs(&dirty) {
+            let first = dirty[run.start];
             if let Err(e) =
                 self.uffd
-                    .writeprotect(self.addr(run.start), (run.len() * PAGE) as u64, true)
+                    .writeprotect(self.addr(first), (run.len() * PAGE) as u64, true)
             {
-                self.internal(run.start, e.to_string());
+                self.internal(first, e.to_string());
                 return false;
             }
         }
@@ -288,12 +289,13 @@ impl Pager {
             }
         }
         if !self.tracking {
-            for run in runs(&stayed) {
+            for run in consecutive_runs(&stayed) {
+                let first = stayed[run.start];
                 if let Err(e) =
                     self.uffd
-                        .writeprotect(self.addr(run.start), (run.len() * PAGE) as u64, false)
+                        .writeprotect(self.addr(first), (run.len() * PAGE) as u64, false)
                 {
-                    self.internal(run.start, e.to_string());
+                    self.internal(first, e.to_string());
                 }
             }
         }
@@ -488,20 +490,3 @@ type Dest = (usize, Option<usize>);
 /// Page-out jobs in flight at once: enough to keep the writer busy while
 /// the pager takes each answer in.
 pub(super) const MAX_JOBS: usize = 4;
-
-/// Runs of consecutive page numbers in a sorted list.
-fn runs(pages: &[usize]) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
-    let mut i = 0;
-    std::iter::from_fn(move || {
-        if i >= pages.len() {
-            return None;
-        }
-        let mut j = i + 1;
-        while j < pages.len() && pages[j] == pages[j - 1] + 1 {
-            j += 1;
-        }
-        let r = pages[i]..pages[j - 1] + 1;
-        i = j;
-        Some(r)
-    })
-}

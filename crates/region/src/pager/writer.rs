@@ -98,10 +98,8 @@ pub(super) struct Writer {
     pub(super) in_flight: usize,
 }
 
-/// What the writer thread needs to reach servers and read pages.
+/// What the writer thread needs to reach servers.
 pub(super) struct WriterSetup {
-    /// The guest memory's file: pages are read from it and punched out.
-    pub(super) memfd: Arc<OwnedFd>,
     pub(super) region_id: u64,
     pub(super) name: String,
     pub(super) secret: Option<Secret>,
@@ -111,16 +109,18 @@ pub(super) struct WriterSetup {
 }
 
 impl Writer {
-    pub(super) fn start(setup: WriterSetup) -> std::io::Result<Writer> {
+    /// Start the writer thread; it reads and punches pages through its own
+    /// duplicate of the guest memory's file `memfd`.
+    pub(super) fn start(memfd: &OwnedFd, setup: WriterSetup) -> std::io::Result<Writer> {
         let (jtx, jrx) = mpsc::channel();
         let (dtx, drx) = mpsc::channel();
-        let reader = FrameReader {
-            file: File::from(setup.memfd.try_clone()?),
+        let guest = GuestFile {
+            file: File::from(memfd.try_clone()?),
             buf: Vec::with_capacity(MAX_BATCH_PAGES * PAGE),
         };
         let thread = std::thread::Builder::new()
             .name(WRITER_THREAD.into())
-            .spawn(move || run(setup, reader, jrx, dtx))?;
+            .spawn(move || run(setup, guest, jrx, dtx))?;
         Ok(Writer {
             jobs: Some(jtx),
             done: drx,
@@ -165,7 +165,7 @@ impl Drop for Writer {
     }
 }
 
-fn run(setup: WriterSetup, mut reader: FrameReader, jobs: Receiver<Job>, done: Sender<Done>) {
+fn run(setup: WriterSetup, mut guest: GuestFile, jobs: Receiver<Job>, done: Sender<Done>) {
     let mut conns: HashMap<usize, Conn> = HashMap::new();
     for job in jobs {
         let c0 = super::thread_cpu_ns();
@@ -175,7 +175,7 @@ fn run(setup: WriterSetup, mut reader: FrameReader, jobs: Receiver<Job>, done: S
         let (stored, errors, read_error) = if job.drop {
             (vec![true; n], Vec::new(), None)
         } else {
-            put_job(&setup, &mut reader, &mut conns, &job)
+            put_job(&setup, &mut guest, &mut conns, &job)
         };
         // Leaving pages' data goes from the memfd (faults on them wait for
         // this job, so nothing reads or writes them meanwhile).
@@ -186,7 +186,7 @@ fn run(setup: WriterSetup, mut reader: FrameReader, jobs: Receiver<Job>, done: S
             .filter(|(_, ok)| **ok)
             .map(|(q, _)| *q)
             .collect();
-        let punch_error = punch_runs(&setup, &gone).err();
+        let punch_error = guest.punch(&gone).err();
         let d = Done {
             servers: job.targets.iter().map(|t| t.server).collect(),
             stored: if job.drop {
@@ -213,13 +213,13 @@ fn run(setup: WriterSetup, mut reader: FrameReader, jobs: Receiver<Job>, done: S
 /// failed if it did.
 fn put_job(
     setup: &WriterSetup,
-    reader: &mut FrameReader,
+    guest: &mut GuestFile,
     conns: &mut HashMap<usize, Conn>,
     job: &Job,
 ) -> (Vec<bool>, Vec<(usize, ClientError)>, Option<std::io::Error>) {
     let n = job.pages.len();
     let mut acked: Vec<Vec<bool>> = vec![vec![false; n]; job.targets.len()];
-    let (mut errors, mut read_error) = write_job(setup, reader, conns, job, &mut acked);
+    let (mut errors, mut read_error) = write_job(setup, guest, conns, job, &mut acked);
     // A PUT can be repeated (it overwrites): ride out a dropped
     // connection by reconnecting once and sending what is unacked.
     if read_error.is_none() && errors.iter().any(|(_, e)| e.is_transient()) {
@@ -228,59 +228,43 @@ fn put_job(
                 conns.remove(t);
             }
         }
-        (errors, read_error) = write_job(setup, reader, conns, job, &mut acked);
+        (errors, read_error) = write_job(setup, guest, conns, job, &mut acked);
     }
     let stored = (0..n).map(|i| acked.iter().all(|a| a[i])).collect();
     (stored, errors, read_error)
 }
 
-/// Index ranges of the runs of consecutive pages in sorted `pages`.
-fn runs(pages: &[u64]) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
-    let mut i = 0;
-    std::iter::from_fn(move || {
-        if i == pages.len() {
-            return None;
-        }
-        let start = i;
-        i += 1;
-        while i < pages.len() && pages[i] == pages[i - 1] + 1 {
-            i += 1;
-        }
-        Some(start..i)
-    })
-}
-
-/// Punch the memfd's data of `pages` (sorted), one `fallocate` per run
-/// of consecutive pages.
-fn punch_runs(setup: &WriterSetup, pages: &[u64]) -> std::io::Result<()> {
-    for r in runs(pages) {
-        pagefleet_uffd::punch_hole(
-            setup.memfd.as_raw_fd(),
-            pages[r.start] * PAGE as u64,
-            r.len() as u64 * PAGE as u64,
-        )?;
-    }
-    Ok(())
-}
-
-/// Reads a frame's pages from the memfd into one buffer, one `pread` per
-/// run (see the module comment for why not through a mapping).
-struct FrameReader {
+/// The writer's handle on the guest memory's file: reads a frame's pages
+/// into one buffer, one `pread` per run (see the module comment for why
+/// not through a mapping), and punches pages that left.
+struct GuestFile {
     file: File,
     buf: Vec<u8>,
 }
 
-impl FrameReader {
+impl GuestFile {
     /// The contents of `pages` (sorted), one after another.
     fn read(&mut self, pages: &[u64]) -> std::io::Result<&[u8]> {
         self.buf.resize(pages.len() * PAGE, 0);
-        for r in runs(pages) {
+        for r in super::consecutive_runs(pages) {
             self.file.read_exact_at(
                 &mut self.buf[r.start * PAGE..r.end * PAGE],
                 pages[r.start] * PAGE as u64,
             )?;
         }
         Ok(&self.buf)
+    }
+
+    /// Punch the data of `pages` (sorted), one `fallocate` per run.
+    fn punch(&self, pages: &[u64]) -> std::io::Result<()> {
+        for r in super::consecutive_runs(pages) {
+            pagefleet_uffd::punch_hole(
+                self.file.as_raw_fd(),
+                pages[r.start] * PAGE as u64,
+                r.len() as u64 * PAGE as u64,
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -291,7 +275,7 @@ impl FrameReader {
 /// refused frame leaves the connection usable).
 fn write_job(
     setup: &WriterSetup,
-    reader: &mut FrameReader,
+    guest: &mut GuestFile,
     conns: &mut HashMap<usize, Conn>,
     job: &Job,
     acked: &mut [Vec<bool>],
@@ -327,7 +311,7 @@ fn write_job(
         // The pages are write-protected (a guest write waits for the job)
         // and punched only by this thread after their acks: what is read
         // here is what they hold.
-        let data = match reader.read(&list) {
+        let data = match guest.read(&list) {
             Ok(d) => d,
             Err(e) => {
                 read_error = Some(e);
