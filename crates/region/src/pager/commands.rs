@@ -37,20 +37,14 @@ impl Pager {
                     self.dirty[p as usize] = false;
                 }
                 // Re-arm: resident pages written this round fault on their next write.
-                let mut i = 0;
-                while i < list.len() {
-                    let mut j = i + 1;
-                    while j < list.len() && list[j] == list[j - 1] + 1 {
-                        j += 1;
-                    }
-                    if self.tracking {
+                if self.tracking {
+                    for run in consecutive_runs(&list) {
                         let _ = self.uffd.writeprotect(
-                            self.addr(list[i] as usize),
-                            ((j - i) * PAGE) as u64,
+                            self.addr(list[run.start] as usize),
+                            (run.len() * PAGE) as u64,
                             true,
                         );
                     }
-                    i = j;
                 }
                 let _ = reply.send(list);
             }

@@ -250,25 +250,17 @@ impl Pager {
         }
         // Read-ahead: install contiguous runs with one ioctl each.
         let part = &g.pages;
-        let mut i = 0;
-        while i < part.len() {
-            let mut j = i + 1;
-            while j < part.len() && part[j] == part[j - 1] + 1 {
-                j += 1;
-            }
-            let q = part[i] as usize;
-            if let Err(e) =
-                self.uffd
-                    .copy_mode(self.addr(q), &self.buf[i * PAGE..j * PAGE], false, g.keep)
-            {
+        for run in consecutive_runs(part) {
+            let q = part[run.start] as usize;
+            let data = &self.buf[run.start * PAGE..run.end * PAGE];
+            if let Err(e) = self.uffd.copy_mode(self.addr(q), data, false, g.keep) {
                 self.internal(q, e.to_string());
                 return Ok(());
             }
-            for r in part[i..j].iter() {
+            for r in &part[run.clone()] {
                 self.arrived(*r as usize, s, g.keep, g.keep);
             }
-            self.access.unproven[q..q + (j - i)].fill(1);
-            i = j;
+            self.access.unproven[q..q + run.len()].fill(1);
         }
         st.page_ins.fetch_add(part.len() as u64, Relaxed);
         st.prefetched_pages.fetch_add(part.len() as u64, Relaxed);
