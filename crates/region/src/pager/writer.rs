@@ -116,7 +116,7 @@ impl Writer {
         let (dtx, drx) = mpsc::channel();
         let guest = GuestFile {
             file: File::from(memfd.try_clone()?),
-            buf: Vec::with_capacity(MAX_BATCH_PAGES * PAGE),
+            buf: vec![0; MAX_BATCH_PAGES * PAGE],
         };
         let thread = std::thread::Builder::new()
             .name(WRITER_THREAD.into())
@@ -243,16 +243,16 @@ struct GuestFile {
 }
 
 impl GuestFile {
-    /// The contents of `pages` (sorted), one after another.
+    /// The contents of `pages` (sorted, at most one frame's), one after
+    /// another. The buffer is sized once: no zero-fill per frame.
     fn read(&mut self, pages: &[u64]) -> std::io::Result<&[u8]> {
-        self.buf.resize(pages.len() * PAGE, 0);
         for r in super::consecutive_runs(pages) {
             self.file.read_exact_at(
                 &mut self.buf[r.start * PAGE..r.end * PAGE],
                 pages[r.start] * PAGE as u64,
             )?;
         }
-        Ok(&self.buf)
+        Ok(&self.buf[..pages.len() * PAGE])
     }
 
     /// Punch the data of `pages` (sorted), one `fallocate` per run.
