@@ -392,6 +392,31 @@ pub enum GuestState {
     Running,
     /// Running and migrating away.
     Migrating,
+    /// Its runner ended on its own or was killed: the record stays, with
+    /// the reason (`GuestStatus::failure`), until `pagefleet guest rm`.
+    /// Its pages on memory servers are nobody's: gc collects them.
+    Failed,
+}
+
+impl GuestState {
+    /// A runner that is (or is about to be) this guest: not a failed record
+    /// and not a runner waiting for an incoming migration.
+    pub fn is_live(self) -> bool {
+        !matches!(self, GuestState::Incoming | GuestState::Failed)
+    }
+}
+
+/// Why, when and how a guest's runner ended on its own.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct GuestFailure {
+    /// What the runner said last (its log's last lines), or what killed it.
+    pub reason: String,
+    /// Its exit status, e.g. `exit status 75` or `killed by signal 9 (SIGKILL)`.
+    pub exit: String,
+    /// When it ended, seconds since the Unix epoch.
+    pub at_unix: u64,
+    /// Its log, kept (the next runner of this name writes a new one).
+    pub log: String,
 }
 
 /// Where a guest's pages are.
@@ -460,6 +485,9 @@ pub struct GuestStatus {
     /// A VM guest: its QEMU and what its in-guest workload reports.
     #[serde(default)]
     pub vm: Option<VmStatus>,
+    /// A failed guest: why, when and how its runner ended.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure: Option<GuestFailure>,
 }
 
 /// A VM guest's QEMU and its in-guest workload (vmwork's console reports).
@@ -512,6 +540,7 @@ impl GuestStatus {
             paging: None,
             migration: None,
             vm: None,
+            failure: None,
         }
     }
 }

@@ -18,7 +18,8 @@ pub mod migration;
 
 pub use control::{ControlReply, ControlRequest};
 pub use guest::{
-    ContentFill, GuestSpec, GuestState, GuestStatus, PageLocations, PagingCosts, SortResult,
+    ContentFill, GuestFailure, GuestSpec, GuestState, GuestStatus, PageLocations, PagingCosts,
+    SortResult,
     StartGuest, Workload,
 };
 pub use host::{

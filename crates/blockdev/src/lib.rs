@@ -45,7 +45,7 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> BlockdevError {
     let what = what.into();
     move |source| BlockdevError::Io { what, source }
 }
-use backend::{Shared, BLOCK};
+use backend::{Shared, Written, BLOCK};
 use pagefleet_client::{Conn, ConnectOptions};
 use pagefleet_proto::auth::Secret;
 use std::sync::atomic::AtomicBool;
@@ -138,6 +138,68 @@ pub struct Device {
     pub shared: Arc<Shared>,
     /// What NBD clients are told.
     pub export: nbd::Export,
+    /// Set to end the sessions that hold the device's blocks.
+    holding: Arc<AtomicBool>,
+}
+
+/// How often the holder checks its sessions: a server restarted in between
+/// is noticed (and the device's blocks there reported lost) within this.
+const HOLD_CHECK: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// The device's name on the memory servers: unique per device (its region
+/// id), so a server counts this device's region in use exactly while one of
+/// this device's sessions is connected — with or without NBD clients.
+fn client_name(export: &str, region: u64) -> String {
+    let e: String = export.chars().filter(|c| c.is_ascii_graphic()).take(32).collect();
+    format!("blockdev/{}/{region:x}", if e.is_empty() { "-" } else { &e })
+}
+
+/// Keep one session to every server for as long as the device exists, so
+/// no collector takes its blocks while it has no NBD client: the servers
+/// count a region in use while a session of its owner is connected. A
+/// session that broke is opened again; a server that answers with a new
+/// server id restarted empty, and the device's blocks there are gone.
+fn hold(sh: &Shared, mut conns: Vec<Option<pagefleet_client::Conn>>, stop: &AtomicBool) {
+    use std::sync::atomic::Ordering::Relaxed;
+    let ids: Vec<u64> = conns
+        .iter()
+        .map(|c| c.as_ref().map(|c| c.info.server_id).unwrap_or(0))
+        .collect();
+    while !stop.load(Relaxed) {
+        for _ in 0..(HOLD_CHECK.as_millis() / 100) {
+            if stop.load(Relaxed) {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        for (i, slot) in conns.iter_mut().enumerate() {
+            if let Some(c) = slot {
+                if c.ping().is_ok() {
+                    continue;
+                }
+                *slot = None;
+            }
+            let opts = ConnectOptions {
+                name: sh.client_name.clone(),
+                ..Default::default()
+            };
+            match Conn::connect(&sh.servers[i], &sh.secret, &opts) {
+                Ok(c) => {
+                    if c.info.server_id != ids[i] && !sh.down[i].swap(true, Relaxed) {
+                        tracing::error!(
+                            "memory server {} restarted (new server id): this device's blocks there are lost; reads of them fail, mirrored blocks are read from their other copy",
+                            sh.servers[i]
+                        );
+                    }
+                    *slot = Some(c);
+                }
+                Err(e) => tracing::warn!(
+                    "cannot reach memory server {} to hold this device's blocks: {e}",
+                    sh.servers[i]
+                ),
+            }
+        }
+    }
 }
 
 impl Device {
@@ -146,15 +208,19 @@ impl Device {
         if o.size == 0 || !o.size.is_multiple_of(BLOCK as u64) {
             return Err(BlockdevError::NotBlocks { flag: "--size" });
         }
+        let region = pagefleet_proto::auth::random_u64() | 1;
+        let client_name = client_name(&o.name, region);
         let mut cap = Vec::new();
+        let mut holders = Vec::new();
         for s in &o.servers {
             let opts = ConnectOptions {
-                name: "pagefleet-blockdev".into(),
+                name: client_name.clone(),
                 ..Default::default()
             };
             // The client's error names the server already.
             let c = Conn::connect(s, &secret, &opts)?;
             cap.push(c.info.capacity_pages.saturating_sub(c.info.used_pages));
+            holders.push(Some(c));
         }
         let unit = match o.stripe {
             Some(u) if u == 0 || !u.is_multiple_of(BLOCK as u64) => {
@@ -166,7 +232,6 @@ impl Device {
             None => None,
         };
         let t = layout::Translator::new(&cap, o.size / BLOCK as u64, unit, o.mirror)?;
-        let region = pagefleet_proto::auth::random_u64() | 1;
         let down = o.servers.iter().map(|_| AtomicBool::new(false)).collect();
         let shared = Arc::new(Shared {
             t,
@@ -174,7 +239,17 @@ impl Device {
             servers: o.servers.clone(),
             secret,
             down,
+            written: Written::new(o.size / BLOCK as u64),
+            client_name,
         });
+        let stop = Arc::new(AtomicBool::new(false));
+        {
+            let (sh, stop) = (shared.clone(), stop.clone());
+            std::thread::Builder::new()
+                .name("blockdev-hold".into())
+                .spawn(move || hold(&sh, holders, &stop))
+                .map_err(io("cannot start the session holder thread"))?;
+        }
         let export = nbd::Export {
             name: o.name.clone(),
             description: format!(
@@ -185,7 +260,11 @@ impl Device {
             ),
             size: o.size,
         };
-        Ok(Device { shared, export })
+        Ok(Device {
+            shared,
+            export,
+            holding: stop,
+        })
     }
 
     /// Serve clients until the listener fails; one thread per client.
@@ -213,9 +292,11 @@ impl Device {
 
     /// Drop the device's blocks on every server.
     pub fn delete(&self) {
+        self.holding
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         for s in &self.shared.servers {
             let opts = ConnectOptions {
-                name: "pagefleet-blockdev".into(),
+                name: self.shared.client_name.clone(),
                 ..Default::default()
             };
             if let Err(e) = Conn::connect(s, &self.shared.secret, &opts)
@@ -224,6 +305,13 @@ impl Device {
                 tracing::warn!("could not delete the device's blocks on {s}: {e}");
             }
         }
+    }
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        self.holding
+            .store(true, std::sync::atomic::Ordering::Relaxed);
     }
 }
 

@@ -159,13 +159,21 @@ pub fn status(c: &Client, registry: &str, explicit: &[String], json_out: bool) -
                 .unwrap_or(addr.to_string())
         };
         for (h, g) in guests {
-            let pages = g.pages.as_ref().map(|p| {
-                let mut w = format!("local {}", p.local);
-                for (addr, n) in &p.remote {
-                    w.push_str(&format!(", {} {n}", name_of(addr)));
-                }
-                w
-            });
+            let pages = match &g.failure {
+                Some(f) => Some(format!(
+                    "failed {} ago ({}): {}",
+                    ago(f.at_unix),
+                    f.exit,
+                    f.reason.chars().take(160).collect::<String>()
+                )),
+                None => g.pages.as_ref().map(|p| {
+                    let mut w = format!("local {}", p.local);
+                    for (addr, n) in &p.remote {
+                        w.push_str(&format!(", {} {n}", name_of(addr)));
+                    }
+                    w
+                }),
+            };
             println!(
                 "{:<12} {:<10} {:<10} {:>10} {:>10} {:>10}  {}",
                 g.name,
@@ -190,14 +198,17 @@ pub(crate) fn find_host(hs: &[ClusterHost], key: &str) -> Result<usize> {
         .ok_or_else(|| anyhow::anyhow!("no host {key:?} in the cluster (see pagefleet status)"))
 }
 
+/// The host running guest `name` (else the one keeping its failed record).
 fn find_guest(hs: &[ClusterHost], name: &str) -> Result<(usize, GuestStatus)> {
-    for (i, h) in hs.iter().enumerate() {
-        if let Some(g) = h
-            .guests
-            .iter()
-            .find(|g| g.name == name && g.state != GuestState::Incoming)
-        {
-            return Ok((i, g.clone()));
+    for live in [true, false] {
+        for (i, h) in hs.iter().enumerate() {
+            if let Some(g) = h
+                .guests
+                .iter()
+                .find(|g| g.name == name && g.state.is_live() == live && g.state != GuestState::Incoming)
+            {
+                return Ok((i, g.clone()));
+            }
         }
     }
     bail!("no guest {name:?} runs in the cluster (see pagefleet status)")
@@ -245,6 +256,18 @@ pub enum GuestCmd {
     },
     /// Stop a guest (its pages on memory servers are deleted).
     Stop {
+        /// The guest's name.
+        name: String,
+        #[command(flatten)]
+        reg: Registry,
+    },
+    /// Clear a failed guest's record. A guest whose runner ended on its own
+    /// or was killed stays listed as `failed` (with the reason, the time and
+    /// its log, kept as GUESTDIR/NAME.log) until this; its pages on memory
+    /// servers are collected as orphans (`pagefleet gc`).
+    ///
+    ///   pagefleet guest rm db
+    Rm {
         /// The guest's name.
         name: String,
         #[command(flatten)]
@@ -304,6 +327,17 @@ pub fn guest(c: &Client, g: GuestCmd) -> Result<()> {
                 g.ops,
                 g.uptime_secs
             );
+            if let Some(f) = &g.failure {
+                println!(
+                    "  failed {} ago ({}): {}\n  log: {}\n  (`pagefleet guest rm {}` clears this record; its pages on memory servers are collected by gc)",
+                    ago(f.at_unix),
+                    f.exit,
+                    f.reason,
+                    f.log,
+                    g.name
+                );
+                println!("  last seen:");
+            }
             println!(
                 "  pages: {} resident, {} on memory servers; {} paged in, {} sent out",
                 g.resident_pages, g.remote_pages, g.page_ins, g.page_outs
@@ -342,8 +376,33 @@ pub fn guest(c: &Client, g: GuestCmd) -> Result<()> {
                 )?;
             println!("guest {name} stopped on {}", hs[i].name());
         }
+        GuestCmd::Rm { name, reg } => {
+            let hs = hosts(c, &reg.registry, &[])?;
+            let (i, _) = find_guest(&hs, &name)?;
+            c.timeout(Duration::from_secs(30))
+                .post::<_, pagefleet_api::Ok>(
+                    &hs[i].http,
+                    &format!("/guests/{name}/rm"),
+                    &serde_json::Map::new(),
+                )?;
+            println!("guest {name}'s failed record removed on {}", hs[i].name());
+        }
     }
     Ok(())
+}
+
+/// How long ago a Unix time was, as "12 s" / "3 min" / "2 h".
+pub(crate) fn ago(at_unix: u64) -> String {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(at_unix);
+    let s = now.saturating_sub(at_unix);
+    match s {
+        0..120 => format!("{s} s"),
+        120..7200 => format!("{} min", s / 60),
+        _ => format!("{} h", s / 3600),
+    }
 }
 
 #[derive(Args)]

@@ -35,6 +35,7 @@ pub fn regions(c: &Client, registry: &str, on: Option<&str>, json: bool) -> Resu
     let live: HashSet<&str> = hs
         .iter()
         .flat_map(|h| &h.guests)
+        .filter(|g| g.state != pagefleet_api::GuestState::Failed)
         .map(|g| g.region_id.as_str())
         .collect();
     let mut all = Vec::new();

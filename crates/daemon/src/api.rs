@@ -11,6 +11,7 @@
 //! | `POST /guests` | `StartGuest` | `{ok}` |
 //! | `POST /incoming` | `IncomingRequest` | `IncomingReply` |
 //! | `POST /guests/NAME/stop`, `cancel`, `sort` | none | `{ok}`, `{ok}`, `SortResult` |
+//! | `POST /guests/NAME/rm` | none | `{ok}` (a failed guest's record cleared) |
 //! | `POST /guests/NAME/set_budget` | `{pages}` | `{budget_pages}` |
 //! | `POST /guests/NAME/evacuate` | `{from, to}` | `{moved}` |
 //! | `POST /guests/NAME/migrate` | `MigrateRequest` | `ProgressEvent` lines |
@@ -101,7 +102,7 @@ async fn blocking<T: Serialize + Send + 'static>(
 
 async fn index() -> &'static str {
     "pagefleetd: GET /metrics /host /cluster /guests /guests/NAME; POST /guests /incoming \
-     /guests/NAME/{stop,cancel,sort,set_budget,evacuate,migrate} /migrations /evacuations; GET /memserver/regions, POST /memserver/drop /gc (signed requests; see docs/architecture.md)\n"
+     /guests/NAME/{stop,rm,cancel,sort,set_budget,evacuate,migrate} /migrations /evacuations; GET /memserver/regions, POST /memserver/drop /gc (signed requests; see docs/architecture.md)\n"
 }
 
 async fn metrics(State(app): Shared) -> Response {
@@ -192,7 +193,7 @@ async fn list(State(app): Shared) -> Response {
 
 async fn status(State(app): Shared, Path(name): Path<String>) -> Response {
     match guests(&app) {
-        Ok(g) => blocking(move || g.control::<GuestStatus>(&name, &ControlRequest::Status)).await,
+        Ok(g) => blocking(move || g.status(&name)).await,
         Err(r) => refusal(r),
     }
 }
@@ -235,6 +236,12 @@ async fn guest_op(
         Ok(g) => g,
         Err(r) => return refusal(r),
     };
+    if op == "rm" {
+        return match no_body(&b) {
+            Ok(()) => blocking(move || g.remove_record(&name).map(|_| pagefleet_api::Ok::default())).await,
+            Err(r) => refusal(r),
+        };
+    }
     let parsed = match op.as_str() {
         "stop" => no_body(&b).map(|_| ControlRequest::Stop),
         "cancel" => no_body(&b).map(|_| ControlRequest::Cancel),
@@ -247,7 +254,7 @@ async fn guest_op(
         "migrate" => body::<MigrateRequest>(&b).map(ControlRequest::Migrate),
         _ => Err(Refusal::new(
             404,
-            format!("no operation {op:?}: use stop, cancel, sort, set_budget, evacuate or migrate"),
+            format!("no operation {op:?}: use stop, rm, cancel, sort, set_budget, evacuate or migrate"),
         )),
     };
     let req = match parsed {

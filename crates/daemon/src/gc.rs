@@ -70,6 +70,7 @@ pub fn collect(
         .hosts
         .iter()
         .flat_map(|h| &h.guests)
+        .filter(|g| g.state != pagefleet_api::GuestState::Failed)
         .find(|g| parse_region(&g.region_id).is_err())
     {
         return Err(format!(
@@ -77,10 +78,12 @@ pub fn collect(
             g.name, g.state
         ));
     }
+    // A failed guest's pages are nobody's: its runner is gone.
     let live: HashSet<u64> = view
         .hosts
         .iter()
         .flat_map(|h| &h.guests)
+        .filter(|g| g.state != pagefleet_api::GuestState::Failed)
         .filter_map(|g| parse_region(&g.region_id).ok())
         .collect();
     let grace = Duration::from_secs_f64(req.grace_secs);

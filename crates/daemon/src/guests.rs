@@ -10,7 +10,9 @@
 
 use pagefleet_api::control::ControlRequest;
 use pagefleet_api::launch::{to_hex, Job, Launch};
-use pagefleet_api::{GuestState, GuestStatus, IncomingReply, IncomingRequest, StartGuest};
+use pagefleet_api::{
+    GuestFailure, GuestState, GuestStatus, IncomingReply, IncomingRequest, StartGuest,
+};
 use pagefleet_common::control::{self, ControlError};
 use pagefleet_proto::auth::Secret;
 use serde::de::DeserializeOwned;
@@ -19,9 +21,18 @@ use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tracing::info;
+
+/// Runner logs kept per guest name: `NAME.log` (the current runner's) and
+/// `NAME.log.1` … `NAME.log.4`, older first out. A runner that failed keeps
+/// its log when the next runner of that name starts.
+const LOGS_KEPT: usize = 5;
+
+/// A failed guest's reason: at most this many of its log's last lines.
+const REASON_LINES: usize = 4;
 
 /// The guest host service's settings.
 #[derive(Clone, Debug)]
@@ -80,6 +91,8 @@ struct Entry {
     control: PathBuf,
     budget_pages: u64,
     incoming: bool,
+    /// What its runner last reported (kept for the failed record).
+    last: Option<GuestStatus>,
 }
 
 type SpawnReq = (Command, std::sync::mpsc::Sender<std::io::Result<Child>>);
@@ -89,6 +102,11 @@ pub struct Guests {
     /// Its settings.
     pub cfg: GuestConfig,
     map: Mutex<BTreeMap<String, Entry>>,
+    /// Guests whose runner ended on its own: their records, until
+    /// `guest rm` (or a new guest of that name).
+    failed: Mutex<BTreeMap<String, GuestStatus>>,
+    /// Runners that failed since the daemon started.
+    failures: AtomicU64,
     /// Runners are forked by one long-lived thread: their parent-death
     /// signal fires when the forking *thread* exits, not just the daemon.
     spawner: Mutex<std::sync::mpsc::Sender<SpawnReq>>,
@@ -118,6 +136,8 @@ impl Guests {
         Ok(Arc::new(Guests {
             cfg,
             map: Mutex::new(BTreeMap::new()),
+            failed: Mutex::new(BTreeMap::new()),
+            failures: AtomicU64::new(0),
             spawner: Mutex::new(tx),
         }))
     }
@@ -221,7 +241,7 @@ impl Guests {
         let guests: Vec<GuestStatus> = self
             .list()
             .into_iter()
-            .filter(|g| g.state != GuestState::Incoming)
+            .filter(|g| g.state.is_live())
             .collect();
         for (name, kind, help, get) in series {
             per.push_str(&format!(
@@ -248,12 +268,16 @@ impl Guests {
              # TYPE pagefleet_guest_memory_bytes gauge\npagefleet_guest_memory_bytes {}\n\
              # HELP pagefleet_guest_budget_bytes Sum of the budgets of the guests here.\n\
              # TYPE pagefleet_guest_budget_bytes gauge\npagefleet_guest_budget_bytes {}\n\
-             # HELP pagefleet_guests Runners on this host (incoming: waiting for a migration).\n\
-             # TYPE pagefleet_guests gauge\npagefleet_guests{{state=\"running\"}} {}\npagefleet_guests{{state=\"incoming\"}} {}\n",
+             # HELP pagefleet_guests Guests on this host (incoming: a runner waiting for a migration; failed: records kept until `guest rm`).\n\
+             # TYPE pagefleet_guests gauge\npagefleet_guests{{state=\"running\"}} {}\npagefleet_guests{{state=\"incoming\"}} {}\npagefleet_guests{{state=\"failed\"}} {}\n\
+             # HELP pagefleet_guest_failures_total Runners that ended on their own or were killed (not stopped, not migrated away).\n\
+             # TYPE pagefleet_guest_failures_total counter\npagefleet_guest_failures_total {}\n",
             self.cfg.memory,
             used * 4096,
             n - incoming,
-            incoming
+            incoming,
+            lock(&self.failed).len(),
+            self.failures.load(Relaxed),
         ) + &per
     }
 
@@ -271,7 +295,6 @@ impl Guests {
         };
         let control = self.cfg.dir.join(format!("{name}.sock"));
         let log_path = self.cfg.dir.join(format!("{name}.log"));
-        let log = std::fs::File::create(&log_path).map_err(|e| Refusal::new(500, e))?;
         let launch = Launch {
             secret_hex: to_hex(self.cfg.secret.expose()),
             control: control.clone(),
@@ -286,8 +309,7 @@ impl Guests {
         cmd.arg(sub)
             .arg(format!("--name={name}"))
             .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(log);
+            .stdout(Stdio::piped());
         // SAFETY: the closure only calls prctl, which is async-signal-safe.
         unsafe {
             use std::os::unix::process::CommandExt;
@@ -324,9 +346,21 @@ impl Guests {
                     control: control.clone(),
                     budget_pages,
                     incoming,
+                    last: None,
                 },
             );
+            if lock(&self.failed).remove(name).is_some() {
+                info!("guest {name}: a new runner replaces the failed guest's record (its log is {name}.log.1)");
+            }
         }
+        // Under the reservation: no other runner of this name writes logs now.
+        let log = rotate_logs(&log_path)
+            .and_then(|()| std::fs::File::create(&log_path))
+            .map_err(|e| {
+                lock(&self.map).remove(name);
+                Refusal::new(500, format!("runner log {}: {e}", log_path.display()))
+            })?;
+        cmd.stderr(log);
         let forget = |me: &Guests| {
             lock(&me.map).remove(name);
         };
@@ -406,18 +440,34 @@ impl Guests {
             // A VM runner's socket directory (its QEMU is gone with it).
             let _ = std::fs::remove_dir_all(me.cfg.dir.join(format!("{n}.{pid}.vm")));
             let mut m = lock(&me.map);
-            match m.get(&n) {
+            let ended = match m.get(&n) {
                 Some(e) if e.pid == pid => {
-                    m.remove(&n);
+                    let e = m.remove(&n);
                     let _ = std::fs::remove_file(me.cfg.dir.join(format!("{n}.qmp")));
+                    e
                 }
                 // A guest of that name runs here again: the socket is its.
-                Some(_) => {}
+                Some(_) => None,
+                // Stopped through the daemon or migrated away (forgotten).
                 None => {
                     let _ = std::fs::remove_file(me.cfg.dir.join(format!("{n}.qmp")));
+                    None
                 }
+            };
+            drop(m);
+            let exit = match &st {
+                Ok(s) => describe_exit(*s),
+                Err(e) => format!("unknown ({e})"),
+            };
+            let failed = !matches!(&st, Ok(s) if s.success());
+            match ended {
+                // A runner that was (or had become) a guest here ended on
+                // its own: its record stays, failed, with the reason.
+                Some(e) if failed && (!e.incoming || e.last.as_ref().is_some_and(|l| l.state.is_live())) => {
+                    me.record_failure(&n, pid, e, exit);
+                }
+                _ => info!("guest {n} (runner {pid}) ended: {exit}"),
             }
-            info!("guest {n} (runner {pid}) exited: {st:?}");
         });
         Ok(line.trim().to_string())
     }
@@ -481,7 +531,68 @@ impl Guests {
         })
     }
 
-    /// Every guest here, as its runner reports it.
+    /// Guest `name`'s runner (pid) ended with `exit` without being stopped
+    /// or migrated away: keep its record as failed, log it, count it.
+    fn record_failure(&self, name: &str, pid: u32, e: Entry, exit: String) {
+        let log_path = self.cfg.dir.join(format!("{name}.log"));
+        let text = std::fs::read_to_string(&log_path).unwrap_or_default();
+        let tail: Vec<&str> = text
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .collect();
+        let reason = if tail.is_empty() {
+            format!("the runner ended ({exit}) without a word")
+        } else {
+            tail[tail.len().saturating_sub(REASON_LINES)..].join(" | ")
+        };
+        let mut rec = e
+            .last
+            .unwrap_or_else(|| GuestStatus::placeholder(name, GuestState::Failed, e.budget_pages, pid));
+        rec.state = GuestState::Failed;
+        rec.pid = pid;
+        rec.migration = None;
+        rec.failure = Some(GuestFailure {
+            reason: reason.chars().take(2000).collect(),
+            exit: exit.clone(),
+            at_unix: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+            log: log_path.display().to_string(),
+        });
+        tracing::error!(
+            "guest {name} failed: runner {pid} ended ({exit}): {reason} (log {}; `pagefleet guest rm {name}` clears the record)",
+            log_path.display()
+        );
+        self.failures.fetch_add(1, Relaxed);
+        lock(&self.failed).insert(name.to_string(), rec);
+    }
+
+    /// `guest rm`: clear a failed guest's record.
+    pub fn remove_record(&self, name: &str) -> Result<(), Refusal> {
+        if lock(&self.failed).remove(name).is_some() {
+            info!("guest {name}: failed record removed");
+            return Ok(());
+        }
+        if lock(&self.map).contains_key(name) {
+            return Err(Refusal::new(
+                409,
+                format!("guest {name:?} is running here: stop it (`pagefleet guest stop {name}`), there is no record to remove"),
+            ));
+        }
+        Err(Refusal::new(404, format!("no guest {name:?} here")))
+    }
+
+    /// One guest: as its runner reports it, or its failed record.
+    pub fn status(&self, name: &str) -> Result<GuestStatus, Refusal> {
+        if let Some(f) = lock(&self.failed).get(name) {
+            return Ok(f.clone());
+        }
+        self.control::<GuestStatus>(name, &ControlRequest::Status)
+    }
+
+    /// Every guest here, as its runner reports it, then failed records.
     pub fn list(&self) -> Vec<GuestStatus> {
         let entries: Vec<(String, PathBuf, u64, bool, u32)> = lock(&self.map)
             .iter()
@@ -495,27 +606,46 @@ impl Guests {
                 )
             })
             .collect();
-        entries
+        let mut v: Vec<GuestStatus> = entries
             .into_iter()
             .map(|(n, c, b, inc, pid)| {
-                control::call::<GuestStatus>(&c, &ControlRequest::Status, Duration::from_secs(5))
-                    .unwrap_or_else(|_| {
+                match control::call::<GuestStatus>(&c, &ControlRequest::Status, Duration::from_secs(5)) {
+                    Ok(g) => {
+                        if let Some(e) = lock(&self.map).get_mut(&n).filter(|e| e.pid == pid) {
+                            e.last = Some(g.clone());
+                        }
+                        g
+                    }
+                    Err(_) => {
                         let st = if inc {
                             GuestState::Incoming
                         } else {
                             GuestState::Starting
                         };
                         GuestStatus::placeholder(&n, st, b, pid)
-                    })
+                    }
+                }
             })
-            .collect()
+            .collect();
+        v.extend(lock(&self.failed).values().cloned());
+        v
     }
 
     fn control_path(&self, name: &str) -> Result<PathBuf, Refusal> {
-        lock(&self.map)
-            .get(name)
-            .map(|e| e.control.clone())
-            .ok_or_else(|| Refusal::new(404, format!("no guest {name:?} here")))
+        if let Some(e) = lock(&self.map).get(name) {
+            return Ok(e.control.clone());
+        }
+        if let Some(f) = lock(&self.failed).get(name) {
+            let why = f.failure.as_ref().map(|x| format!("{} ({})", x.reason, x.exit));
+            return Err(Refusal::new(
+                409,
+                format!(
+                    "guest {name:?} failed: {}; `pagefleet guest rm {name}` clears its record",
+                    why.unwrap_or_default()
+                ),
+            ));
+        }
+        Err(Refusal::new(404, format!("no guest {name:?} here")))
     }
 
     /// One control request to guest `name`'s runner, its typed reply.
@@ -551,6 +681,43 @@ impl Guests {
     /// The guest left this host (its runner exits next): its memory is free at once.
     pub fn forget(&self, name: &str) {
         lock(&self.map).remove(name);
+    }
+}
+
+/// `NAME.log` → `NAME.log.1` → … → `NAME.log.{LOGS_KEPT-1}` (the oldest
+/// goes), so no runner's log is truncated by the next one.
+fn rotate_logs(log: &std::path::Path) -> std::io::Result<()> {
+    let nth = |i: usize| PathBuf::from(format!("{}.{i}", log.display()));
+    for i in (1..LOGS_KEPT - 1).rev() {
+        match std::fs::rename(nth(i), nth(i + 1)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
+    }
+    match std::fs::rename(log, nth(1)) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
+}
+
+/// An exit status as an operator reads it.
+fn describe_exit(s: std::process::ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (s.code(), s.signal()) {
+        (Some(c), _) => format!("exit status {c}"),
+        (None, Some(sig)) => {
+            let name = match sig {
+                libc::SIGKILL => " (SIGKILL)",
+                libc::SIGTERM => " (SIGTERM)",
+                libc::SIGSEGV => " (SIGSEGV)",
+                libc::SIGABRT => " (SIGABRT)",
+                libc::SIGBUS => " (SIGBUS)",
+                libc::SIGINT => " (SIGINT)",
+                _ => "",
+            };
+            format!("killed by signal {sig}{name}")
+        }
+        _ => "ended".into(),
     }
 }
 

@@ -111,7 +111,7 @@ struct Args {
     no_dedup: bool,
     /// Free regions on this host's memory server that no guest in the
     /// registry and no connected client owns, once idle this many seconds
-    /// (default 600; 0: never). Checked every minute; nothing is freed
+    /// (default 600; 0: never). Checked every minute (every grace period when shorter); nothing is freed
     /// while any host of the registry cannot be asked. `pagefleet gc`
     /// collects on demand.
     #[arg(long)]

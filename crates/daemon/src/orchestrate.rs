@@ -121,6 +121,17 @@ fn place(app: &App, o: &MigrationOrder) -> Result<(Placed, MigrateRequest, Promi
                 format!("{}'s runner does not answer yet", o.guest),
             ))
         }
+        pagefleet_api::GuestState::Failed => {
+            let why = st.failure.as_ref().map(|f| format!("{} ({})", f.reason, f.exit));
+            return Err(Refusal::new(
+                409,
+                format!(
+                    "{} failed and cannot migrate: {}",
+                    o.guest,
+                    why.unwrap_or_default()
+                ),
+            ));
+        }
         _ => {}
     }
     let size_pages = st.size / 4096;

@@ -103,20 +103,24 @@ fn heartbeat_loop(app: &App, stop: &AtomicBool) {
     }
 }
 
-/// Collect this host's orphaned regions every minute (`--gc-grace`).
+/// The longest the periodic collection waits between looks.
+const GC_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Collect this host's orphaned regions every minute, or every grace
+/// period when that is shorter (`--gc-grace`).
 fn collect_loop(app: &App, grace: std::time::Duration, stop: &AtomicBool) {
     let req = pagefleet_api::GcRequest {
         grace_secs: grace.as_secs_f64(),
         dry_run: false,
     };
-    let mut waited = 0;
+    let every = grace.clamp(std::time::Duration::from_secs(1), GC_EVERY);
+    let mut last = std::time::Instant::now();
     while !stop.load(std::sync::atomic::Ordering::Relaxed) {
         std::thread::sleep(std::time::Duration::from_millis(500));
-        waited += 1;
-        if waited < 120 {
+        if last.elapsed() < every {
             continue;
         }
-        waited = 0;
+        last = std::time::Instant::now();
         let Some((st, addr)) = &app.memserver else {
             return;
         };

@@ -3,7 +3,7 @@
 //! inside a host (as a user would), removed on drop even on failure.
 
 use anyhow::Result;
-use pagefleet_api::{GuestState, GuestStatus, HostReport};
+use pagefleet_api::{GuestStatus, HostReport};
 
 /// One host in `pagefleet status --json`.
 #[derive(Clone, Debug, serde::Deserialize)]
@@ -103,7 +103,7 @@ impl LabRun {
             h.guests
                 .into_iter()
                 .flatten()
-                .find(|g| g.name == name && g.state != GuestState::Incoming)
+                .find(|g| g.name == name && g.state.is_live())
                 .map(|g| (i, g))
         })
     }

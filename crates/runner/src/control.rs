@@ -210,6 +210,7 @@ impl Running {
             }),
             migration: migrating.then(|| progress_of(&self.progress)),
             vm: self.vm.as_ref().map(|v| v.status()),
+            failure: None,
         }
     }
 

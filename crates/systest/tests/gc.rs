@@ -129,6 +129,32 @@ fn no_page_is_left_behind_by_a_stopped_signalled_or_killed_runner() {
     let g3 = start_paging(&l, "g3");
     assert!(kill_in(&l, 0, "--name=g2"), "no runner g2");
     wait_for("g2 to be gone", 30, || l.guest("g2").is_none());
+    // It did not vanish: a failed record, with how it ended, in `status`,
+    // `guest status`, the API and the metrics.
+    let rec = l
+        .status(0)
+        .into_iter()
+        .flat_map(|h| h.guests.into_iter().flatten())
+        .find(|g| g.name == "g2")
+        .expect("g2 stays listed after its runner was killed");
+    assert_eq!(rec.state, pagefleet_api::GuestState::Failed, "{rec:?}");
+    let f = rec.failure.clone().expect("a failed guest says why");
+    assert_eq!(f.exit, "killed by signal 9 (SIGKILL)", "{f:?}");
+    assert!(f.at_unix > 0 && f.log.ends_with("g2.log"), "{f:?}");
+    assert_eq!(rec.region_id, g2, "the record keeps what it last reported");
+    let (ok, out, err) = l.pf(0, &["guest", "status", "g2"]);
+    assert!(ok && out.contains("failed") && out.contains("SIGKILL"), "{out}{err}");
+    let (ok, out, _) = l.pf(0, &["status"]);
+    assert!(ok && out.contains("failed"), "{out}");
+    let metrics = l.get_text(0, "/metrics").unwrap();
+    assert!(
+        metrics.contains("pagefleet_guest_failures_total 1")
+            && metrics.contains("pagefleet_guests{state=\"failed\"} 1"),
+        "{metrics}"
+    );
+    // A failed guest cannot be migrated; a running one cannot be `rm`ed.
+    let (ok, _, err) = l.pf(0, &["migrate", "g2"]);
+    assert!(!ok && err.contains("failed"), "{err}");
     wait_for("g2's connections to close", 30, || {
         region(&regions(&l), &g2).is_some_and(|r| r["sessions"] == 0)
     });
@@ -177,9 +203,23 @@ fn no_page_is_left_behind_by_a_stopped_signalled_or_killed_runner() {
         region(&rs, &g3).unwrap()["pages"].as_u64().unwrap() >= live_pages,
         "g3's pages are untouched: {rs:?}"
     );
+    let (ok, _, err) = l.pf(0, &["guest", "rm", "g3"]);
+    assert!(!ok && err.contains("is running"), "{err}");
     let (ok, _, err) = l.pf(0, &["guest", "stop", "g3"]);
     assert!(ok, "g3 still runs and stops cleanly: {err}");
     wait_for("g3's pages to go", 30, || regions(&l).is_empty());
+    // A stopped guest leaves no record; the failed one's goes with `guest rm`.
+    let names = |l: &LabRun| -> Vec<String> {
+        l.status(0)
+            .into_iter()
+            .flat_map(|h| h.guests.into_iter().flatten())
+            .map(|g| g.name)
+            .collect()
+    };
+    assert_eq!(names(&l), vec!["g2".to_string()]);
+    let (ok, _, err) = l.pf(0, &["guest", "rm", "g2"]);
+    assert!(ok, "guest rm: {err}");
+    assert!(names(&l).is_empty(), "{:?}", names(&l));
 }
 
 #[test]
@@ -368,4 +408,137 @@ fn a_source_crashed_mid_migration_leaves_pages_gc_collects_exactly() {
     let after = h3_regions(&l);
     assert_eq!(after.len(), before.len(), "keep's region stays: {after:?}");
     assert!(after.iter().all(|r| r["guest_live"] == true), "{after:?}");
+}
+
+/// A child process killed (SIGKILL) and reaped on drop, even when the test fails.
+struct Killed(std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// `qemu-io -f raw -c CMD... URI` inside lab host `h`: (success, output).
+fn qemu_io(l: &LabRun, h: usize, uri: &str, cmds: &[&str]) -> (bool, String) {
+    let mut c = l.lab.exec(h, "qemu-io");
+    c.args(["-f", "raw"]);
+    for x in cmds {
+        c.args(["-c", x]);
+    }
+    let out = c.arg(uri).output().expect("qemu-io");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // qemu-io exits 0 even when a pattern check fails: read its words too.
+    let ok = out.status.success()
+        && !text.contains("Pattern verification failed")
+        && !text.contains("failed:");
+    (ok, text)
+}
+
+#[test]
+fn an_export_without_a_client_keeps_its_blocks_and_a_lost_block_is_an_io_error() {
+    if !is_root() {
+        eprintln!("skipped: the testbed needs root (CI runs as root)");
+        return;
+    }
+    if pagefleet_lab::proc::which("qemu-io").is_err() {
+        panic!("qemu-utils is needed (make deps installs it)");
+    }
+    // Each daemon collects orphans itself every 2 s (grace 2 s); the
+    // device spans both hosts' memory servers (12 MiB each, 16 MiB device).
+    let l = lab_with("gcbd", 2, Link::Unshaped, 12 * MIB, &[], |o| {
+        o.daemon_args = vec!["--gc-grace".into(), "2".into()];
+    });
+    let servers = format!("{},{}", l.lab.hosts[0].addr, l.lab.hosts[1].addr);
+    let mut cmd = l.lab.exec(0, bin("pagefleet"));
+    cmd.args([
+        "blockdev", "serve", "--servers", &servers, "--size", "16MiB", "--listen",
+        "127.0.0.1:10809",
+    ]);
+    let export = Killed(spawn_listening(&mut cmd));
+    let uri = "nbd://127.0.0.1:10809";
+    let (ok, out) = qemu_io(
+        &l,
+        0,
+        uri,
+        &["write -P 0xab 0 8M", "write -P 0xcd 12M 4M"],
+    );
+    assert!(ok, "writes: {out}");
+
+    // No client now. The device's region on h2 is still held by the export.
+    let rs = regions(&l);
+    assert_eq!(rs.len(), 1, "one region on h2: {rs:?}");
+    let r = &rs[0];
+    assert!(
+        r["sessions"].as_u64().unwrap() >= 1,
+        "the export holds its region with no NBD client: {r}"
+    );
+    assert!(
+        r["owner"].as_str().unwrap().starts_with("blockdev/"),
+        "the owner names the export: {r}"
+    );
+    let id = r["region"].as_str().unwrap().to_string();
+    let pages = r["pages"].as_u64().unwrap();
+    assert!(pages > 0, "{r}");
+
+    // Past the grace: on-demand gc and two rounds of each daemon's own
+    // collection keep every block.
+    std::thread::sleep(Duration::from_secs(3));
+    let (ok, out, err) = l.pf(0, &["gc", "--grace", "1", "--json"]);
+    assert!(ok, "gc: {err}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    for h in v.as_array().unwrap() {
+        assert_eq!(h["report"]["pages_freed"], 0, "gc took the export's blocks: {v}");
+    }
+    std::thread::sleep(Duration::from_secs(5));
+    let rs = regions(&l);
+    assert_eq!(
+        region(&rs, &id).map(|r| r["pages"].clone()),
+        Some(pages.into()),
+        "the daemon's own collection took blocks: {rs:?}"
+    );
+    let (ok, out) = qemu_io(
+        &l,
+        0,
+        uri,
+        &[
+            "read -P 0xab 0 8M",
+            "read -P 0 8M 4M",
+            "read -P 0xcd 12M 4M",
+        ],
+    );
+    assert!(ok, "every block reads back after gc: {out}");
+
+    // Blocks that were written and are gone (freed by hand here) read as
+    // an I/O error, never as zeros; blocks still held still read.
+    let (ok, _, err) = l.pf(0, &["memserver", "drop", &id, "--on", "h2"]);
+    assert!(ok, "memserver drop: {err}");
+    let (ok, out) = qemu_io(&l, 0, uri, &["read -P 0xcd 12M 4M"]);
+    assert!(!ok, "a lost block must not read back: {out}");
+    assert!(
+        out.contains("Input/output error"),
+        "a lost block is an I/O error: {out}"
+    );
+    let (ok, out) = qemu_io(&l, 0, uri, &["read -P 0xab 0 8M"]);
+    assert!(ok, "blocks on h1 still read: {out}");
+
+    // The export gone (killed: nothing deletes its blocks), its region on
+    // h1 is an orphan and the daemon's collection frees it.
+    drop(export);
+    let (ok, out, err) = l.pf(0, &["memserver", "regions", "--on", "h1", "--json"]);
+    assert!(ok, "{err}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v[0]["regions"].as_array().map(|a| a.len()), Some(1), "{v}");
+    wait_for("h1's daemon to collect the dead export's blocks", 30, || {
+        let (_, out, _) = l.pf(0, &["memserver", "regions", "--on", "h1", "--json"]);
+        serde_json::from_str::<Value>(&out)
+            .ok()
+            .and_then(|v| v[0]["regions"].as_array().map(|a| a.is_empty()))
+            .unwrap_or(false)
+    });
 }

@@ -127,6 +127,8 @@ pub struct Options {
     /// pagefleetd `--tls-dir` (every port then takes only TLS from the
     /// other hosts), and commands run in the lab an admin certificate.
     pub tls: bool,
+    /// More pagefleetd flags for every host (e.g. `--gc-grace 2`).
+    pub daemon_args: Vec<String>,
 }
 
 impl Options {
@@ -143,6 +145,7 @@ impl Options {
             vm_images: Vec::new(),
             etcd: 0,
             tls: false,
+            daemon_args: Vec::new(),
         }
     }
 }
@@ -539,6 +542,7 @@ fn start_daemon(
         } else {
             vec![]
         })
+        .args(&o.daemon_args)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(log)
