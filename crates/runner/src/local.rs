@@ -246,8 +246,18 @@ fn progress(m: &Memory, sec: usize, rate: f64, last_ins: &mut u64) {
     match &m.region {
         Some(r) => {
             let s = r.stats();
+            // With replicas, what is missing (a dead server, pages with
+            // one copy) is on every line, not only in --json.
+            let copies = if s.servers_down > 0 || s.degraded_pages > 0 {
+                format!(
+                    "  DEGRADED: {} server(s) down, {} pages with one copy",
+                    s.servers_down, s.degraded_pages
+                )
+            } else {
+                String::new()
+            };
             eprintln!(
-                "  t={:>3}s  {:>12.0} ops/s  resident {:>8} / {} pages  page-ins/s {:>7}  page-outs {}",
+                "  t={:>3}s  {:>12.0} ops/s  resident {:>8} / {} pages  page-ins/s {:>7}  page-outs {}{copies}",
                 sec + 1,
                 rate,
                 s.resident_pages,
@@ -456,6 +466,15 @@ fn run_workload(a: &LocalRun, w: &Workload) -> Result<serde_json::Value, RunnerE
             s.resident_pages, s.budget_pages, s.page_ins, s.page_in_requests, s.page_outs, s.page_in_p50_us(), s.page_in_p99_us(),
             s.minor_faults, s.sampled_chunks
         );
+        if s.servers_down > 0 || s.degraded_pages > 0 {
+            eprintln!(
+                "region DEGRADED: {} memory server(s) found dead; {} pages have fewer copies than the {} asked for; {} pages re-replicated",
+                s.servers_down,
+                s.degraded_pages,
+                a.replicas,
+                s.rereplicated_pages
+            );
+        }
     }
     let mut v = out;
     if let serde_json::Value::Object(o) = &mut v {

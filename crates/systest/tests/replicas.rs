@@ -106,6 +106,55 @@ fn a_memory_server_killed_while_paging_loses_nothing() {
     r.close().unwrap();
 }
 
+/// Two replicas over two servers, one killed -9: no second server is left
+/// for new copies, and the region keeps its budget all the same — pages
+/// leave with one copy (degraded, counted) instead of piling up resident.
+/// Sampled every 5 ms while every page is rewritten twice and checked.
+#[test]
+fn the_budget_holds_when_no_second_copy_can_be_placed() {
+    let mut c = Cluster::start(2, "64MiB");
+    let pages = 8192u64; // 32 MiB, 8 MiB resident
+    let r = replicated(&c, pages);
+    let budget = r.stats().budget_pages;
+    write_all(&r, pages, 1);
+    verify_all(&r, pages, 1);
+    c.servers[1].kill();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (peak, samples) = std::thread::scope(|s| {
+        let sampler = s.spawn(|| {
+            let (mut peak, mut n) = (0u64, 0u64);
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                peak = peak.max(r.stats().resident_pages);
+                n += 1;
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            (peak, n)
+        });
+        verify_all(&r, pages, 1);
+        write_all(&r, pages, 2);
+        verify_all(&r, pages, 2);
+        write_all(&r, pages, 3);
+        verify_all(&r, pages, 3);
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        sampler.join().unwrap()
+    });
+    let st = r.stats();
+    assert!(samples > 20, "{samples} samples");
+    assert!(
+        peak * 100 <= budget * 105,
+        "resident peaked at {peak} pages for a budget of {budget} ({st:?})"
+    );
+    assert_eq!(st.servers_down, 1, "{st:?}");
+    wait_for("the degraded count", 10, || r.stats().degraded_pages > 0);
+    let st = r.stats();
+    assert!(
+        st.degraded_pages <= st.remote_pages && st.remote_pages > pages / 2,
+        "{st:?}"
+    );
+    assert!(r.fatal_error().is_none());
+    r.close().unwrap();
+}
+
 /// A server that comes back empty at the same address (a new server id)
 /// is a dead server, not one holding zeros.
 #[test]

@@ -41,7 +41,7 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use location::{AccessHistory, LocationDb, LOCAL, OUT_ARRIVING, OUT_NONE, REMOTE, ZERO};
 

@@ -160,17 +160,17 @@ impl Pager {
         } else {
             dirty.iter().filter(|q| self.loc.second[**q] == 0).count() as u64
         };
+        // No live server with room for the second copies: the pages leave
+        // with one copy (degraded: counted, shown, re-replicated once a
+        // server has room again) rather than staying — the budget is what
+        // keeps this host out of the OOM killer.
         let m = if need2 > 0 {
-            match self.pick_mirror(s, need2) {
-                Some(m) => Some(m),
-                None => {
-                    if !self.full_warned {
-                        warn!("no second memory server has room for mirrors: the region stays over its budget");
-                        self.full_warned = true;
-                    }
-                    return false;
-                }
+            let m = self.pick_mirror(s, need2);
+            match m {
+                Some(_) => self.rerep.mirrors_back(),
+                None => self.rerep.single_copy(&self.addrs, &self.down),
             }
+            m
         } else {
             None
         };
@@ -194,7 +194,8 @@ impl Pager {
                 },
                 (_, c) => Some(c as usize - 1),
             };
-            if self.replicas > 1 && t2.is_none() {
+            // A second copy on the page's own server is no copy at all.
+            if self.replicas > 1 && t2 == Some(t) {
                 unplaced.push(q);
                 continue;
             }

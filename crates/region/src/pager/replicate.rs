@@ -56,7 +56,17 @@ pub(super) struct Rerep {
     /// room), to delete, per server.
     pub(super) orphans: Vec<Vec<u64>>,
     warned: bool,
+    /// Pages left with one copy since the last count: count soon.
+    count_due: bool,
+    counted_at: Instant,
+    /// Pages are leaving with one copy (no second server has room or is up).
+    single: bool,
 }
+
+/// Degraded pages are counted (a scan of the location DB, ~0.2 ms per GiB
+/// of guest) at most this often while page-outs keep leaving pages with
+/// one copy.
+const COUNT_EVERY: Duration = Duration::from_millis(250);
 
 impl Rerep {
     pub(super) fn new(rate: u64, servers: usize) -> Rerep {
@@ -72,6 +82,32 @@ impl Rerep {
             buf: Vec::new(),
             orphans: vec![Vec::new(); servers],
             warned: false,
+            count_due: false,
+            counted_at: Instant::now(),
+            single: false,
+        }
+    }
+
+    /// Page-outs found no second server for their pages: they leave with
+    /// one copy. Logged once per episode (until a mirror is found again).
+    pub(super) fn single_copy(&mut self, addrs: &[String], down: &[bool]) {
+        if !self.single {
+            self.single = true;
+            let gone: Vec<&str> = (0..addrs.len())
+                .filter(|s| down[*s])
+                .map(|s| addrs[s].as_str())
+                .collect();
+            warn!(
+                "no second memory server is up with room (down: {}): pages leave with one copy (degraded) so the region keeps its budget; re-replication copies them once a server has room",
+                if gone.is_empty() { "none, the others are full".to_string() } else { gone.join(", ") }
+            );
+        }
+    }
+
+    /// A mirror was found again for pages leaving.
+    pub(super) fn mirrors_back(&mut self) {
+        if std::mem::take(&mut self.single) {
+            info!("page-outs have a second memory server again: new pages leave with two copies");
         }
     }
 
@@ -207,11 +243,17 @@ impl Pager {
     /// let re-replication look again.
     pub(super) fn copies_lost(&mut self) {
         self.rerep.look_again();
-        self.count_degraded();
+        if self.rerep.counted_at.elapsed() >= COUNT_EVERY {
+            self.count_degraded();
+        } else {
+            self.rerep.count_due = true;
+        }
     }
 
     /// Count remote pages with fewer copies than wanted (for the stats).
-    fn count_degraded(&self) {
+    fn count_degraded(&mut self) {
+        self.rerep.count_due = false;
+        self.rerep.counted_at = Instant::now();
         let n = if self.replicas < 2 {
             0
         } else {
@@ -247,6 +289,9 @@ impl Pager {
     pub(super) fn rereplicate_step(&mut self) {
         if self.replicas < 2 || self.hold {
             return;
+        }
+        if self.rerep.count_due && self.rerep.counted_at.elapsed() >= COUNT_EVERY {
+            self.count_degraded();
         }
         self.flush_orphans(false);
         if !self.rerep.ready() {
