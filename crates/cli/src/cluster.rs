@@ -230,15 +230,19 @@ pub enum GuestCmd {
         /// The host (name, HTTP or memory-server address).
         #[arg(long)]
         on: String,
-        /// Guest memory (e.g. 1GiB).
+        /// Guest memory (e.g. 1GiB); may also be given after `--`, as for
+        /// `pagefleet run`.
         #[arg(long, value_parser = units::parse_size)]
-        size: u64,
-        /// Pages resident locally (a size); default all of it.
-        #[arg(long, value_parser = units::parse_size)]
-        budget: Option<u64>,
+        size: Option<u64>,
+        /// Pages resident locally: a size (1GiB) or a percentage of --size
+        /// (50%), as for `pagefleet run`; default all of it.
+        #[arg(long)]
+        budget: Option<String>,
         #[command(flatten)]
         reg: Registry,
-        /// The workload and its `pagefleet run` flags (synthetic, kv, sortjob or vm).
+        /// The workload and its `pagefleet run` flags (synthetic, kv, sortjob
+        /// or vm). Every flag is honoured or refused: a hosted guest runs
+        /// until `guest stop`, so --duration and --json are refused.
         #[arg(trailing_var_arg = true, required = true)]
         args: Vec<String>,
     },
@@ -298,12 +302,26 @@ pub fn guest(c: &Client, g: GuestCmd) -> Result<()> {
             )
             .map_err(|e| anyhow::anyhow!("the guest's workload: {e}"))?;
             let spec = crate::run::guest_spec(&parsed.run)?;
+            // Given before or after `--`: once, or the same both times.
+            fn one<T: PartialEq + std::fmt::Debug>(flag: &str, a: Option<T>, b: Option<T>) -> Result<Option<T>> {
+                match (a, b) {
+                    (Some(x), Some(y)) if x != y => {
+                        bail!("{flag} given twice ({x:?} before --, {y:?} after): give it once")
+                    }
+                    (a, b) => Ok(a.or(b)),
+                }
+            }
+            let size = one("--size", size, parsed.run.size)?.ok_or_else(|| {
+                anyhow::anyhow!("--size: how much memory guest {name} has (e.g. --size 1GiB)")
+            })?;
+            let budget = one("--budget", budget, parsed.run.budget.clone())?;
+            let budget_pages = crate::run::budget_pages(budget.as_deref(), size)?;
             let hs = hosts(c, &reg.registry, &[])?;
             let h = &hs[find_host(&hs, &on)?];
             let req = StartGuest {
                 name: name.clone(),
                 size,
-                budget_pages: budget.map(|b| b / 4096),
+                budget_pages: budget.is_some().then_some(budget_pages),
                 spec,
             };
             c.timeout(Duration::from_secs(30))

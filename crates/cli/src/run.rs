@@ -22,9 +22,9 @@ pub struct RunArgs {
     /// The command to run (after `--`), instead of a workload.
     #[arg(last = true)]
     pub command: Vec<String>,
-    /// Guest memory size (e.g. 2GiB).
-    #[arg(long, global = true, default_value = "256MiB", value_parser = units::parse_size)]
-    pub size: u64,
+    /// Guest memory size (e.g. 2GiB). Default: 256MiB.
+    #[arg(long, global = true, value_parser = units::parse_size)]
+    pub size: Option<u64>,
     /// Pages allowed resident locally: a size (1GiB) or a percentage of --size (50%).
     /// Default: all of it.
     #[arg(long, global = true)]
@@ -56,9 +56,11 @@ pub struct RunArgs {
     /// Worker threads.
     #[arg(long, global = true, default_value_t = 2)]
     pub threads: usize,
-    /// Stop after this many seconds (kv: serve this long; 0 = until killed).
-    #[arg(long, global = true, default_value_t = 10)]
-    pub duration: u64,
+    /// Stop after this many seconds (0: until interrupted). Default:
+    /// services (kv, vm) run until interrupted (Ctrl-C, SIGTERM); synthetic
+    /// runs 10 s; sort runs to its end.
+    #[arg(long, global = true)]
+    pub duration: Option<u64>,
     /// Plain anonymous memory instead of a pagefleet region (the all-local baseline).
     #[arg(long, global = true)]
     pub plain: bool,
@@ -197,7 +199,16 @@ fn absolute(p: &Path) -> Result<String> {
         .with_context(|| format!("{} is not UTF-8", p.display()))
 }
 
-fn budget_pages(spec: Option<&str>, size: u64) -> Result<u64> {
+/// Guest memory when --size is not given.
+pub const DEFAULT_SIZE: u64 = 256 << 20;
+
+/// How long synthetic runs when --duration is not given (services run
+/// until interrupted).
+const SYNTHETIC_SECS: u64 = 10;
+
+/// A `--budget` (a size, 1GiB, or a percentage of the guest's memory, 50%)
+/// in pages of a guest of `size` bytes; all of it when not given.
+pub fn budget_pages(spec: Option<&str>, size: u64) -> Result<u64> {
     let pages = size.div_ceil(4096);
     Ok(match spec {
         None => pages,
@@ -252,6 +263,12 @@ pub fn guest_spec(a: &RunArgs) -> Result<GuestSpec> {
     }
     if a.plain {
         bail!("--plain guests cannot be hosted (they have no region to migrate)");
+    }
+    if a.duration.is_some() {
+        bail!("--duration: a hosted guest runs until `pagefleet guest stop NAME`; give no --duration");
+    }
+    if a.json {
+        bail!("--json: a hosted guest prints nothing; `pagefleet guest status NAME --json` shows it");
     }
     let workload = match &a.workload {
         Some(Workload::Synthetic {
@@ -330,7 +347,12 @@ pub fn run(a: RunArgs, secret_file: Option<&Path>) -> Result<()> {
     if a.service_ip.is_some() {
         bail!("--service-ip is for hosted guests (pagefleet guest start)");
     }
-    let budget_pages = budget_pages(a.budget.as_deref(), a.size)?;
+    let size = a.size.unwrap_or(DEFAULT_SIZE);
+    let budget_pages = budget_pages(a.budget.as_deref(), size)?;
+    let duration = a.duration.unwrap_or(match workload {
+        Workload::Synthetic { .. } => SYNTHETIC_SECS,
+        _ => 0,
+    });
     let secret = if a.servers.is_empty() {
         None
     } else {
@@ -364,13 +386,13 @@ pub fn run(a: RunArgs, secret_file: Option<&Path>) -> Result<()> {
         Workload::Sort { seed } => local::Workload::Sort { seed },
         Workload::Kv { listen } => local::Workload::Kv { listen },
         w @ Workload::Vm { .. } => local::Workload::Vm(
-            pagefleet_runner::vm::spec_of(&vm_workload(&w)?, a.size, "run", None)
+            pagefleet_runner::vm::spec_of(&vm_workload(&w)?, size, "run", None)
                 .expect("a VM workload has a VM spec"),
         ),
         Workload::Sortjob { .. } => bail!("sortjob runs hosted (pagefleet guest start NAME --on HOST --size SIZE -- sortjob); for a one-shot sort use `pagefleet run sort`"),
     };
     let o = local::LocalRun {
-        size: a.size,
+        size,
         budget_pages,
         servers: a.servers.clone(),
         replicas: a.replicas,
@@ -381,7 +403,7 @@ pub fn run(a: RunArgs, secret_file: Option<&Path>) -> Result<()> {
         sample_budget: a.sample_budget,
         reply_spin_us: a.reply_spin,
         threads: a.threads,
-        duration: a.duration,
+        duration,
         plain: a.plain,
         progress: !a.json,
     };

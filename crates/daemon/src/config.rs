@@ -250,8 +250,10 @@ pub struct Settings {
     pub runner: Option<PathBuf>,
     /// Where guests' control sockets and logs go.
     pub guest_dir: Option<PathBuf>,
-    /// Network device guests' service addresses go on.
-    pub service_dev: String,
+    /// Network device guests' service addresses go on (None: eth0, the
+    /// default, which need not exist on a host whose guests take no
+    /// service address).
+    pub service_dev: Option<String>,
     /// The other hosts' HTTP API addresses.
     pub peers: Vec<String>,
     /// This host's name in reports (default: the hostname).
@@ -403,10 +405,7 @@ pub fn merge(file: FileConfig, flags: Flags) -> Result<Settings> {
         guest_memory,
         runner: flags.runner.or(g.runner),
         guest_dir: flags.guest_dir.or(g.dir),
-        service_dev: flags
-            .service_dev
-            .or(g.service_dev)
-            .unwrap_or_else(|| "eth0".into()),
+        service_dev: flags.service_dev.or(g.service_dev),
         peers: flags.peers.or(reg.peers).unwrap_or_default(),
         etcd,
         name: flags.name.or(file.name),
@@ -454,8 +453,8 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            (g.guest_memory, g.peers.clone(), g.service_dev.as_str()),
-            (Some(1 << 30), vec!["a:1".to_string()], "eth0")
+            (g.guest_memory, g.peers.clone(), g.service_dev.as_deref()),
+            (Some(1 << 30), vec!["a:1".to_string()], None)
         );
     }
 

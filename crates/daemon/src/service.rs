@@ -140,6 +140,70 @@ fn collect_loop(app: &App, grace: std::time::Duration, stop: &AtomicBool) {
     }
 }
 
+/// The device guests' service addresses go on when none is configured.
+const DEFAULT_SERVICE_DEV: &str = "eth0";
+
+/// This host's memory, bytes (MemTotal), if it can be read.
+fn host_memory() -> Option<u64> {
+    let m = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kb: u64 = m
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kb * 1024)
+}
+
+/// Settings that name this host's resources are checked against the host
+/// at start-up, not at the first request that needs them.
+fn check_host(a: &Settings) -> Result<()> {
+    if let Some(total) = host_memory() {
+        let fmt = crate::fmt_size;
+        for (flag, v) in [("--lend", a.lend), ("--guest-memory", a.guest_memory)] {
+            if let Some(v) = v.filter(|v| *v > total) {
+                return Err(crate::Error::Invalid(format!(
+                    "{flag} {} is more than this host's memory ({}): the pages could not all be held",
+                    fmt(v),
+                    fmt(total)
+                )));
+            }
+        }
+        let both = a.lend.unwrap_or(0) + a.guest_memory.unwrap_or(0);
+        if both > total {
+            tracing::warn!(
+                "--lend {} and --guest-memory {} together are more than this host's memory ({}): both cannot be used in full at once",
+                fmt(a.lend.unwrap_or(0)),
+                fmt(a.guest_memory.unwrap_or(0)),
+                fmt(total)
+            );
+        }
+    }
+    if a.guest_memory.is_some() {
+        let dev = a.service_dev.as_deref().unwrap_or(DEFAULT_SERVICE_DEV);
+        let c = std::ffi::CString::new(dev).map_err(|_| {
+            crate::Error::Invalid(format!("--service-dev {dev:?}: not a device name"))
+        })?;
+        // SAFETY: a NUL-terminated name; if_nametoindex only reads it.
+        // (It asks this process's network namespace.)
+        let found = unsafe { libc::if_nametoindex(c.as_ptr()) } != 0;
+        match (found, &a.service_dev) {
+            (true, _) => {}
+            (false, Some(_)) => {
+                return Err(crate::Error::Invalid(format!(
+                    "--service-dev {dev}: no such network device on this host (`ip link` lists them); guests' service addresses go on it"
+                )))
+            }
+            (false, None) => tracing::warn!(
+                "no network device {dev} here: guests with a service address (--service-ip, kv/vm --listen on one) cannot start until --service-dev names one (`ip link` lists them)"
+            ),
+        }
+    }
+    Ok(())
+}
+
 /// Start every service `a` asks for and serve until SIGINT or SIGTERM.
 pub fn run(a: Settings) -> Result<()> {
     if a.lend.is_none() && a.guest_memory.is_none() && a.ksm.is_none() && a.ioqos.is_none() {
@@ -189,6 +253,7 @@ pub fn run(a: Settings) -> Result<()> {
             "--lend is less than one 4 KiB page".to_string(),
         ));
     }
+    check_host(&a)?;
     let tls = pagefleet_tls::init_process_identity(a.tls_dir.as_deref())
         .map_err(|e| crate::Error::Invalid(format!("TLS identity: {e}")))?;
     if let Some(id) = &tls {
@@ -258,7 +323,10 @@ pub fn run(a: Settings) -> Result<()> {
                 memory: mem,
                 runner,
                 dir,
-                service_dev: a.service_dev.clone(),
+                service_dev: a
+                    .service_dev
+                    .clone()
+                    .unwrap_or_else(|| DEFAULT_SERVICE_DEV.into()),
                 ip: listen_addr.ip().to_string(),
                 secret: secret.clone(),
                 vm_images: a.vm_images.clone(),
