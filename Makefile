@@ -6,13 +6,14 @@ SHELL := /bin/bash
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 CARGO ?= cargo
 # Debian packages: memcached is the peer page store in the memory-server
-# benchmark and libmemcached-tools the real clients of the kv guest;
+# benchmark, libmemcached-tools and python3-pymemcache the real clients of
+# the kv guest;
 # python3-venv hosts the plotting environment; iproute2 builds the testbed;
 # util-linux has mkswap/swapon/setpriv for the swap baselines and tests and
 # nsenter for the testbed; ksmtuned is the peer of the KSM controller.
 # Packages are installed without starting their services (policy-rc.d):
 # a ksmtuned daemon would fight the KSM tests over /sys/kernel/mm/ksm.
-APT_PKGS := build-essential pkg-config python3 python3-venv memcached libmemcached-tools iproute2 util-linux \
+APT_PKGS := build-essential pkg-config python3 python3-venv memcached libmemcached-tools python3-pymemcache iproute2 util-linux \
             qemu-utils libnbd-bin python3-libnbd nbdkit fio qemu-system-x86 cpio ksmtuned \
             etcd-server etcd-client protobuf-compiler libprotobuf-dev
 VENV := .venv

@@ -69,6 +69,10 @@ pub enum Workload {
     Kv {
         /// Address it listens on.
         listen: String,
+        /// When full, refuse stores instead of evicting the least recently
+        /// used items (memcached's `-M`).
+        #[serde(default)]
+        no_evict: bool,
     },
     /// A QEMU (TCG) virtual machine whose RAM is the guest memory. Files
     /// are paths on the host running it, which starts QEMU only on images
@@ -160,7 +164,7 @@ impl Workload {
                 }
                 Ok(())
             }
-            Workload::Kv { listen } => listen
+            Workload::Kv { listen, .. } => listen
                 .parse::<std::net::SocketAddr>()
                 .map(|_| ())
                 .map_err(|_| InvalidSpec(format!("listen {listen:?} is not IP:PORT"))),
@@ -617,10 +621,12 @@ mod tests {
     fn specs_are_range_checked() {
         let mut s = GuestSpec::new(Workload::Kv {
             listen: "nonsense".into(),
+            no_evict: false,
         });
         assert!(s.validate().is_err());
         s.workload = Workload::Kv {
             listen: "127.0.0.1:11211".into(),
+            no_evict: false,
         };
         s.chunk = 3;
         assert!(s.validate().is_err());
@@ -637,6 +643,7 @@ mod tests {
         // Older clients send no reply_spin_us: the runtime's default.
         let v = serde_json::to_value(GuestSpec::new(Workload::Kv {
             listen: "127.0.0.1:11211".into(),
+            no_evict: false,
         }))
         .unwrap();
         let mut m = v.as_object().unwrap().clone();

@@ -144,6 +144,11 @@ pub enum Workload {
         /// Address the memcached-protocol server listens on.
         #[arg(long, default_value = "127.0.0.1:11211")]
         listen: String,
+        /// When the memory is full, refuse stores (SERVER_ERROR out of
+        /// memory) instead of evicting the least recently used items of
+        /// the same size class, memcached's default (memcached -M).
+        #[arg(long)]
+        no_evict: bool,
     },
     /// A QEMU (TCG) virtual machine whose RAM (--size) is the guest memory.
     /// `make vm` builds a test image (target/vm): a kernel and an initramfs
@@ -290,8 +295,9 @@ pub fn guest_spec(a: &RunArgs) -> Result<GuestSpec> {
                 shared: *fill_shared,
             }),
         },
-        Some(Workload::Kv { listen }) => api::Workload::Kv {
+        Some(Workload::Kv { listen, no_evict }) => api::Workload::Kv {
             listen: listen.clone(),
+            no_evict: *no_evict,
         },
         Some(Workload::Sortjob {
             sort_frac,
@@ -384,7 +390,7 @@ pub fn run(a: RunArgs, secret_file: Option<&Path>) -> Result<()> {
             }
         }
         Workload::Sort { seed } => local::Workload::Sort { seed },
-        Workload::Kv { listen } => local::Workload::Kv { listen },
+        Workload::Kv { listen, no_evict } => local::Workload::Kv { listen, no_evict },
         w @ Workload::Vm { .. } => local::Workload::Vm(
             pagefleet_runner::vm::spec_of(&vm_workload(&w)?, size, "run", None)
                 .expect("a VM workload has a VM spec"),

@@ -3,9 +3,18 @@
 //! memcached clients work against it (libmemcached's tools, memcaslap,
 //! pymemcache). Opening memory that already holds a table resumes it.
 //!
-//! Layout: a 4 KiB header (magic, geometry, allocator heads, counters), the
-//! bucket array (u64 item offsets), then an arena of items in power-of-two
-//! size classes from 64 B to 2 MiB with per-class free lists.
+//! Layout: a 4 KiB header (magic, geometry, counters, per size class a free
+//! list head and an LRU list's head and tail), the bucket array (u64 item
+//! offsets), then an arena of items. Items come in size classes that grow
+//! by 1.25x from 64 B (memcached's default growth factor: at most a fifth
+//! of an item is slack, where power-of-two classes wasted up to half),
+//! bump-allocated and recycled per class.
+//!
+//! When the memory is full a store evicts the least recently used item of
+//! its size class, as memcached does (an item moves to the head of its LRU
+//! at most once a minute when read, memcached's ITEM_UPDATE_INTERVAL, so
+//! reads rarely take the allocator lock); with `evict` off it is refused
+//! with memcached's `-M` reply instead.
 
 use crate::Mem;
 use std::io::{BufRead, BufReader, BufWriter, Read, Write};
@@ -15,7 +24,7 @@ use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tracing::{debug, warn};
 
-const MAGIC: u64 = 0x5046_4b56_0000_0001; // "PFKV" v1
+const MAGIC: u64 = 0x5046_4b56_0000_0002; // "PFKV" v2: 1.25x classes, LRU
 const H_MAGIC: usize = 0;
 const H_NBUCKETS: usize = 8;
 const H_ARENA_START: usize = 16;
@@ -24,11 +33,32 @@ const H_BUMP: usize = 32;
 const H_ITEMS: usize = 40;
 const H_BYTES: usize = 48;
 const H_CAS: usize = 56;
-const H_FREE: usize = 64; // 16 class heads
-const NCLASS: usize = 16;
+const H_TOTAL_ITEMS: usize = 64;
+const H_EVICTIONS: usize = 72;
+/// Per class: its free list's head.
+const H_FREE: usize = 128;
+/// Per class: its LRU list's head (most recent) and tail, 16 bytes.
+const H_LRU: usize = 1024;
+/// Most size classes (the header has room for this many).
+const NCLASS_MAX: usize = 64;
 const MIN_CLASS: usize = 64;
-const ITEM_HDR: usize = 32;
+/// Items are aligned to this; LRU links count in these units (u32: up to
+/// 64 GiB of guest memory).
+const ALIGN: usize = 16;
+/// An item: bucket chain next (u64), cas (u64), exptime (u32) | flags
+/// (u32), value length (u32) | key length (u16) | class (u8), LRU prev |
+/// next (u32 each, in ALIGN units), last bump (u32) | spare; then key and
+/// value.
+const ITEM_HDR: usize = 48;
+/// memcached bumps a read item in its LRU at most this often.
+const LRU_BUMP_SECS: u32 = 60;
+/// Items an eviction looks at from the tail before giving up (each may be
+/// under another request's lock).
+const EVICT_TRIES: usize = 16;
 const STRIPES: usize = 64;
+/// The protocol version this server answers `version` with: memcached's
+/// text protocol as of that release (clients parse it as numbers).
+pub const PROTOCOL_VERSION: &str = "1.6.21";
 /// Longest key (memcached's limit).
 pub const MAX_KEY: usize = 250;
 /// Largest value.
@@ -46,6 +76,15 @@ pub enum Store {
     /// cas: no such item.
     NotFound,
     /// No room in the guest memory.
+    NoMemory,
+}
+
+/// Why an incr/decr failed.
+#[derive(Debug, PartialEq, Eq)]
+pub enum IncrError {
+    /// The value is not a decimal number.
+    NotANumber,
+    /// No room for the new value.
     NoMemory,
 }
 
@@ -74,6 +113,9 @@ pub struct Kv {
     mem: Mem,
     /// Extra lines for `stats` (the runner adds its region's counters).
     pub extra_stats: Option<ExtraStats>,
+    /// Full: evict the least recently used item of the class (memcached's
+    /// default); off: refuse the store (memcached `-M`).
+    pub evict: bool,
     /// Bucket-striped locks: a page fault while one request holds its stripe
     /// (the item is on a memory server) does not stall requests elsewhere.
     /// Readers share a stripe: a get that faults (its item is on a memory
@@ -91,6 +133,8 @@ pub struct Kv {
     pub hits: AtomicU64,
     /// Storage requests.
     pub sets: AtomicU64,
+    counters: Counters,
+    started: std::time::Instant,
     /// Connected clients (a copy of each socket), so a guest moving away
     /// can hang them up at once instead of leaving them to time out.
     clients: Mutex<std::collections::HashMap<u64, TcpStream>>,
@@ -113,10 +157,26 @@ fn hash(key: &[u8]) -> u64 {
     h
 }
 
+/// Item sizes per class: 64 B, then x1.25 (rounded up to ALIGN) until an
+/// item of the largest key and value fits.
+fn classes() -> &'static [usize] {
+    static C: std::sync::OnceLock<Vec<usize>> = std::sync::OnceLock::new();
+    C.get_or_init(|| {
+        let top = ITEM_HDR + MAX_KEY + MAX_VALUE;
+        let mut v = vec![MIN_CLASS];
+        while *v.last().unwrap() < top {
+            let next = (v.last().unwrap() * 5 / 4).div_ceil(ALIGN) * ALIGN;
+            v.push(next.min(top.div_ceil(ALIGN) * ALIGN));
+        }
+        assert!(v.len() <= NCLASS_MAX);
+        v
+    })
+}
+
 fn class_of(size: usize) -> Option<usize> {
-    let c = size.max(MIN_CLASS).next_power_of_two().trailing_zeros() as usize
-        - MIN_CLASS.trailing_zeros() as usize;
-    (c < NCLASS).then_some(c)
+    let c = classes();
+    let i = c.partition_point(|s| *s < size);
+    (i < c.len()).then_some(i)
 }
 
 /// memcached's exptime: 0 never; ≤ 30 days relative; else absolute; negative: already expired.
@@ -138,6 +198,7 @@ impl Kv {
         let kv = Kv {
             mem,
             extra_stats: None,
+            evict: true,
             stripes: (0..STRIPES).map(|_| RwLock::new(())).collect(),
             alloc_lock: Mutex::new(()),
             gate: Arc::new(crate::Gate::default()),
@@ -145,6 +206,8 @@ impl Kv {
             gets: AtomicU64::new(0),
             hits: AtomicU64::new(0),
             sets: AtomicU64::new(0),
+            counters: Counters::default(),
+            started: std::time::Instant::now(),
             clients: Mutex::new(std::collections::HashMap::new()),
             next_client: AtomicU64::new(0),
         };
@@ -161,24 +224,29 @@ impl Kv {
         self.mem.write_u64(off, v)
     }
     fn bytes(&self, off: usize, len: usize) -> &[u8] {
-        // SAFETY: offsets come from our own item layout, inside the region.
+        assert!(off + len <= self.mem.len, "item outside the memory");
+        // SAFETY: in bounds (checked); offsets come from our own item layout.
         unsafe { std::slice::from_raw_parts(self.mem.base.add(off), len) }
     }
     #[allow(clippy::mut_from_ref)]
     fn bytes_mut(&self, off: usize, len: usize) -> &mut [u8] {
-        // SAFETY: as above; callers hold the lock.
+        assert!(off + len <= self.mem.len, "item outside the memory");
+        // SAFETY: as above; callers hold the item's stripe lock.
         unsafe { std::slice::from_raw_parts_mut(self.mem.base.add(off), len) }
     }
 
     fn format(&self) {
-        let len = self.mem.len;
+        // LRU links count in ALIGN units as u32: 64 GiB at most.
+        let len = self.mem.len.min(ALIGN << 32);
         let nb = ((len / 1024).max(1024)).next_power_of_two().min(1 << 26);
         let arena = (4096 + nb * 8).div_ceil(64) * 64;
         for b in 0..nb {
             self.w(4096 + b * 8, 0);
         }
-        for c in 0..NCLASS {
+        for c in 0..NCLASS_MAX {
             self.w(H_FREE + c * 8, 0);
+            self.w(H_LRU + c * 16, 0);
+            self.w(H_LRU + c * 16 + 8, 0);
         }
         self.w(H_NBUCKETS, nb as u64);
         self.w(H_ARENA_START, arena as u64);
@@ -187,6 +255,8 @@ impl Kv {
         self.w(H_ITEMS, 0);
         self.w(H_BYTES, 0);
         self.w(H_CAS, 1);
+        self.w(H_TOTAL_ITEMS, 0);
+        self.w(H_EVICTIONS, 0);
         self.w(H_MAGIC, MAGIC);
     }
 
@@ -198,21 +268,29 @@ impl Kv {
     pub fn value_bytes(&self) -> u64 {
         self.r(H_BYTES)
     }
+    /// Items evicted to make room since the table was made.
+    pub fn evictions(&self) -> u64 {
+        self.r(H_EVICTIONS)
+    }
 
     fn bucket(&self, key: &[u8]) -> usize {
         4096 + (hash(key) as usize & (self.r(H_NBUCKETS) as usize - 1)) * 8
     }
 
-    fn stripe(&self, key: &[u8]) -> RwLockWriteGuard<'_, ()> {
-        let b = (self.bucket(key) - 4096) / 8;
-        self.stripes[b % STRIPES]
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
+    fn stripe_of(&self, key: &[u8]) -> usize {
+        (self.bucket(key) - 4096) / 8 % STRIPES
+    }
+
+    fn stripe(&self, key: &[u8]) -> (RwLockWriteGuard<'_, ()>, usize) {
+        let i = self.stripe_of(key);
+        (
+            self.stripes[i].write().unwrap_or_else(|e| e.into_inner()),
+            i,
+        )
     }
 
     fn stripe_read(&self, key: &[u8]) -> RwLockReadGuard<'_, ()> {
-        let b = (self.bucket(key) - 4096) / 8;
-        self.stripes[b % STRIPES]
+        self.stripes[self.stripe_of(key)]
             .read()
             .unwrap_or_else(|e| e.into_inner())
     }
@@ -251,7 +329,56 @@ impl Kv {
         self.bytes(it + ITEM_HDR, klen)
     }
 
-    fn alloc(&self, size: usize) -> Option<(usize, usize)> {
+    // LRU links (under the allocator lock).
+    fn lru(&self, it: usize) -> (usize, usize) {
+        let v = self.r(it + 32);
+        ((v as u32) as usize * ALIGN, (v >> 32) as usize * ALIGN)
+    }
+    fn set_lru(&self, it: usize, prev: usize, next: usize) {
+        self.w(
+            it + 32,
+            (prev / ALIGN) as u64 | ((next / ALIGN) as u64) << 32,
+        );
+    }
+    fn set_prev(&self, it: usize, prev: usize) {
+        let (_, n) = self.lru(it);
+        self.set_lru(it, prev, n);
+    }
+    fn set_next(&self, it: usize, next: usize) {
+        let (p, _) = self.lru(it);
+        self.set_lru(it, p, next);
+    }
+    /// Put `it` at the head (most recent) of class `c`'s LRU.
+    fn lru_push(&self, c: usize, it: usize) {
+        let head = self.r(H_LRU + c * 16) as usize;
+        self.set_lru(it, 0, head);
+        if head != 0 {
+            self.set_prev(head, it);
+        } else {
+            self.w(H_LRU + c * 16 + 8, it as u64);
+        }
+        self.w(H_LRU + c * 16, it as u64);
+        self.w(it + 40, now() as u64);
+    }
+    /// Take `it` out of class `c`'s LRU.
+    fn lru_unlink(&self, c: usize, it: usize) {
+        let (p, n) = self.lru(it);
+        if p != 0 {
+            self.set_next(p, n);
+        } else {
+            self.w(H_LRU + c * 16, n as u64);
+        }
+        if n != 0 {
+            self.set_prev(n, p);
+        } else {
+            self.w(H_LRU + c * 16 + 8, p as u64);
+        }
+    }
+
+    /// Room for an item of `size` bytes; with the memory full, the least
+    /// recently used item of its class whose stripe is free (or is
+    /// `held`, the caller's) is evicted for it. None: no room.
+    fn alloc(&self, size: usize, held: usize) -> Option<(usize, usize)> {
         let c = class_of(size)?;
         let _a = self.alloc_lock.lock().unwrap_or_else(|e| e.into_inner());
         let head = self.r(H_FREE + c * 8) as usize;
@@ -260,17 +387,86 @@ impl Kv {
             return Some((head, c));
         }
         let bump = self.r(H_BUMP) as usize;
-        let sz = MIN_CLASS << c;
-        if bump + sz > self.r(H_ARENA_END) as usize {
+        let sz = classes()[c];
+        if bump + sz <= self.r(H_ARENA_END) as usize {
+            self.w(H_BUMP, (bump + sz) as u64);
+            return Some((bump, c));
+        }
+        // A free chunk of a larger class holds it too (the item keeps that
+        // class, so the chunk goes back to its own list).
+        for b in c + 1..classes().len() {
+            let head = self.r(H_FREE + b * 8) as usize;
+            if head != 0 {
+                self.w(H_FREE + b * 8, self.r(head));
+                return Some((head, b));
+            }
+        }
+        if !self.evict {
             return None;
         }
-        self.w(H_BUMP, (bump + sz) as u64);
-        Some((bump, c))
+        // The least recently used of its class; if the class has none to
+        // give, of the nearest larger class that has.
+        (c..classes().len())
+            .filter(|b| self.r(H_LRU + b * 16 + 8) != 0)
+            .take(4)
+            .find_map(|b| self.evict_from(b, held))
+    }
+
+    /// Evict the least recently used item of class `c` whose stripe is
+    /// free (or `held`); its chunk, of class `c`.
+    fn evict_from(&self, c: usize, held: usize) -> Option<(usize, usize)> {
+        let mut it = self.r(H_LRU + c * 16 + 8) as usize;
+        for _ in 0..EVICT_TRIES {
+            if it == 0 {
+                return None;
+            }
+            let key = self.i_key(it);
+            let s = self.stripe_of(key);
+            // Never wait for another stripe while holding ours and the
+            // allocator's: a busy item is passed over.
+            let guard = if s == held {
+                None
+            } else {
+                match self.stripes[s].try_write() {
+                    Ok(g) => Some(g),
+                    Err(_) => {
+                        it = self.lru(it).0;
+                        continue;
+                    }
+                }
+            };
+            self.unlink_from_bucket(key, it);
+            let (_, _, _, vlen, _, _) = self.i_meta(it);
+            self.lru_unlink(c, it);
+            self.w(H_ITEMS, self.r(H_ITEMS) - 1);
+            self.w(H_BYTES, self.r(H_BYTES) - vlen as u64);
+            self.w(H_EVICTIONS, self.r(H_EVICTIONS) + 1);
+            drop(guard);
+            return Some((it, c));
+        }
+        None
+    }
+
+    /// Take `it` (holding `key`) out of its bucket chain (stripe held).
+    fn unlink_from_bucket(&self, key: &[u8], it: usize) {
+        let mut link = self.bucket(key);
+        loop {
+            let x = self.r(link) as usize;
+            if x == 0 {
+                return;
+            }
+            if x == it {
+                self.w(link, self.i_next(it) as u64);
+                return;
+            }
+            link = x;
+        }
     }
 
     fn free(&self, it: usize) {
         let (_, _, _, vlen, _, class) = self.i_meta(it);
         let _a = self.alloc_lock.lock().unwrap_or_else(|e| e.into_inner());
+        self.lru_unlink(class, it);
         self.w(it, self.r(H_FREE + class * 8));
         self.w(H_FREE + class * 8, it as u64);
         self.w(H_ITEMS, self.r(H_ITEMS) - 1);
@@ -299,14 +495,24 @@ impl Kv {
         }
     }
 
-    fn write_item(&self, key: &[u8], flags: u32, exp: u32, parts: &[&[u8]]) -> Option<usize> {
+    /// A new item (not yet in its bucket, nor in its LRU: nothing can
+    /// evict it half-written), `held` the caller's stripe.
+    fn write_item(
+        &self,
+        key: &[u8],
+        flags: u32,
+        exp: u32,
+        parts: &[&[u8]],
+        held: usize,
+    ) -> Option<usize> {
         let vlen: usize = parts.iter().map(|p| p.len()).sum();
-        let (it, class) = self.alloc(ITEM_HDR + key.len() + vlen)?;
+        let (it, class) = self.alloc(ITEM_HDR + key.len() + vlen, held)?;
         let cas = {
             let _a = self.alloc_lock.lock().unwrap_or_else(|e| e.into_inner());
             let cas = self.r(H_CAS);
             self.w(H_CAS, cas + 1);
             self.w(H_ITEMS, self.r(H_ITEMS) + 1);
+            self.w(H_TOTAL_ITEMS, self.r(H_TOTAL_ITEMS) + 1);
             self.w(H_BYTES, self.r(H_BYTES) + vlen as u64);
             cas
         };
@@ -327,6 +533,26 @@ impl Kv {
         Some(it)
     }
 
+    /// Item `it`, now in its bucket, becomes the most recently used.
+    fn lru_insert(&self, it: usize) {
+        let class = self.i_meta(it).5;
+        let _a = self.alloc_lock.lock().unwrap_or_else(|e| e.into_inner());
+        self.lru_push(class, it);
+    }
+
+    /// A read item is recently used: at most once a minute it moves to the
+    /// head of its LRU (a stale look at its bump time only delays that).
+    fn touch_lru(&self, it: usize) {
+        let t = now();
+        if t.saturating_sub(self.r(it + 40) as u32) < LRU_BUMP_SECS {
+            return;
+        }
+        let class = self.i_meta(it).5;
+        let _a = self.alloc_lock.lock().unwrap_or_else(|e| e.into_inner());
+        self.lru_unlink(class, it);
+        self.lru_push(class, it);
+    }
+
     /// Get: (flags, cas, value) copied out.
     pub fn get(&self, key: &[u8]) -> Option<(u32, u64, Vec<u8>)> {
         let _g = self.stripe_read(key);
@@ -334,36 +560,51 @@ impl Kv {
         let it = self.find_ro(key)?;
         let (cas, _, flags, vlen, klen, _) = self.i_meta(it);
         self.hits.fetch_add(1, Relaxed);
+        self.touch_lru(it);
         Some((flags, cas, self.bytes(it + ITEM_HDR + klen, vlen).to_vec()))
     }
 
     /// A storage command on `key`.
     pub fn store(&self, mode: Mode, key: &[u8], flags: u32, exptime: i64, data: &[u8]) -> Store {
-        let _g = self.stripe(key);
+        let (_g, held) = self.stripe(key);
         self.sets.fetch_add(1, Relaxed);
         let found = self.find(key);
+        let old_value: Vec<u8>;
         let (parts, flags, exp): (Vec<&[u8]>, u32, u32) = match (mode, found) {
             (Mode::Add, Some(_)) => return Store::NotStored,
             (Mode::Replace | Mode::Append | Mode::Prepend, None) => return Store::NotStored,
-            (Mode::Cas(_), None) => return Store::NotFound,
-            (Mode::Cas(c), Some((_, it))) if self.i_meta(it).0 != c => return Store::Exists,
+            (Mode::Cas(_), None) => {
+                self.counters.cas_misses.fetch_add(1, Relaxed);
+                return Store::NotFound;
+            }
+            (Mode::Cas(c), Some((_, it))) if self.i_meta(it).0 != c => {
+                self.counters.cas_badval.fetch_add(1, Relaxed);
+                return Store::Exists;
+            }
             (Mode::Append | Mode::Prepend, Some((_, it))) => {
                 let (_, exp, fl, vlen, klen, _) = self.i_meta(it);
                 if vlen + data.len() > MAX_VALUE {
                     return Store::NoMemory;
                 }
-                let old = self.bytes(it + ITEM_HDR + klen, vlen);
+                // Copied out: the new item's room may be the old item's
+                // own, if it is its class's least recently used.
+                old_value = self.bytes(it + ITEM_HDR + klen, vlen).to_vec();
                 let parts = if mode == Mode::Append {
-                    vec![old, data]
+                    vec![&old_value[..], data]
                 } else {
-                    vec![data, old]
+                    vec![data, &old_value[..]]
                 };
                 (parts, fl, exp)
             }
             _ => (vec![data], flags, abs_exptime(exptime)),
         };
-        // Build the new item before unlinking the old (append reads the old value).
-        let Some(new) = self.write_item(key, flags, exp, &parts) else {
+        if let Mode::Cas(_) = mode {
+            self.counters.cas_hits.fetch_add(1, Relaxed);
+        }
+        // Build the new item before unlinking the old (a refused store
+        // keeps the old value). The eviction that makes room may take the
+        // old item itself: it is looked up again after.
+        let Some(new) = self.write_item(key, flags, exp, &parts, held) else {
             return Store::NoMemory;
         };
         let link = self.bucket(key);
@@ -373,28 +614,38 @@ impl Kv {
         }
         self.w(new, self.r(link));
         self.w(link, new as u64);
+        self.lru_insert(new);
         Store::Stored
     }
 
     /// Remove `key`; whether it was there.
     pub fn delete(&self, key: &[u8]) -> bool {
-        let _g = self.stripe(key);
+        let (_g, _) = self.stripe(key);
         match self.find(key) {
             Some((prev, it)) => {
                 self.w(prev, self.i_next(it) as u64);
                 self.free(it);
+                self.counters.delete_hits.fetch_add(1, Relaxed);
                 true
             }
-            None => false,
+            None => {
+                self.counters.delete_misses.fetch_add(1, Relaxed);
+                false
+            }
         }
     }
 
-    /// incr/decr: Ok(Some(new)), Ok(None) when absent, Err when not a number.
-    #[allow(clippy::result_unit_err)]
-    pub fn incr(&self, key: &[u8], delta: u64, up: bool) -> Result<Option<u64>, ()> {
-        let _g = self.stripe(key);
+    /// incr/decr: Ok(Some(new)), Ok(None) when absent.
+    pub fn incr(&self, key: &[u8], delta: u64, up: bool) -> Result<Option<u64>, IncrError> {
+        let (_g, held) = self.stripe(key);
+        let (hits, misses) = if up {
+            (&self.counters.incr_hits, &self.counters.incr_misses)
+        } else {
+            (&self.counters.decr_hits, &self.counters.decr_misses)
+        };
         let cur = {
             let Some((_, it)) = self.find(key) else {
+                misses.fetch_add(1, Relaxed);
                 return Ok(None);
             };
             let (_, _, _, vlen, klen, _) = self.i_meta(it);
@@ -402,33 +653,43 @@ impl Kv {
             std::str::from_utf8(v)
                 .ok()
                 .and_then(|s| s.trim().parse::<u64>().ok())
-                .ok_or(())?
+                .ok_or(IncrError::NotANumber)?
         };
+        hits.fetch_add(1, Relaxed);
         let new = if up {
             cur.wrapping_add(delta)
         } else {
             cur.saturating_sub(delta)
         };
-        let Some((prev, it)) = self.find(key) else {
+        let Some((_, it)) = self.find(key) else {
             return Ok(None);
         };
         let (_, exp, flags, ..) = self.i_meta(it);
         let s = new.to_string();
-        let Some(n) = self.write_item(key, flags, exp, &[s.as_bytes()]) else {
-            return Err(());
+        let Some(n) = self.write_item(key, flags, exp, &[s.as_bytes()], held) else {
+            return Err(IncrError::NoMemory);
         };
-        self.w(n, self.i_next(it) as u64);
-        self.w(prev, n as u64);
-        self.free(it);
+        // The eviction for the new item may have taken the old one (it
+        // was the LRU tail): look the old one up again.
+        let link = self.bucket(key);
+        if let Some((prev, old)) = self.find(key) {
+            self.w(prev, self.i_next(old) as u64);
+            self.free(old);
+        }
+        self.w(n, self.r(link));
+        self.w(link, n as u64);
+        self.lru_insert(n);
         Ok(Some(new))
     }
 
     /// Give `key` a new expiry; whether it was there.
     pub fn touch(&self, key: &[u8], exptime: i64) -> bool {
-        let _g = self.stripe(key);
+        let (_g, _) = self.stripe(key);
         let Some((_, it)) = self.find(key) else {
+            self.counters.touch_misses.fetch_add(1, Relaxed);
             return false;
         };
+        self.counters.touch_hits.fetch_add(1, Relaxed);
         let (_, _, flags, ..) = self.i_meta(it);
         self.w(it + 16, abs_exptime(exptime) as u64 | (flags as u64) << 32);
         true
@@ -442,8 +703,88 @@ impl Kv {
             .map(|m| m.write().unwrap_or_else(|e| e.into_inner()))
             .collect();
         let _a = self.alloc_lock.lock().unwrap_or_else(|e| e.into_inner());
+        self.counters.cmd_flush.fetch_add(1, Relaxed);
         self.format();
     }
+
+    /// `stats cachedump CLASS LIMIT`: keys of one size class, at most
+    /// `limit` (0: all) and 2 MiB of text, as memcached lists them.
+    pub fn cachedump(&self, class: usize, limit: usize) -> Vec<u8> {
+        let mut out = Vec::new();
+        if class == 0 || class > classes().len() {
+            return out;
+        }
+        let c = class - 1;
+        let nb = self.r(H_NBUCKETS) as usize;
+        let mut n = 0;
+        for b in 0..nb {
+            let _g = self.stripes[b % STRIPES]
+                .read()
+                .unwrap_or_else(|e| e.into_inner());
+            let mut it = self.r(4096 + b * 8) as usize;
+            while it != 0 {
+                let (_, exp, _, vlen, _, ic) = self.i_meta(it);
+                if ic == c {
+                    let line = format!(
+                        "ITEM {} [{} b; {} s]\r\n",
+                        String::from_utf8_lossy(self.i_key(it)),
+                        vlen,
+                        exp
+                    );
+                    if out.len() + line.len() > 2 << 20 || (limit > 0 && n >= limit) {
+                        return out;
+                    }
+                    out.extend_from_slice(line.as_bytes());
+                    n += 1;
+                }
+                it = self.i_next(it);
+            }
+        }
+        out
+    }
+
+    /// Per size class with items: (class number from 1, item size, items).
+    pub fn class_counts(&self) -> Vec<(usize, usize, u64)> {
+        let mut n = vec![0u64; classes().len()];
+        let nb = self.r(H_NBUCKETS) as usize;
+        for b in 0..nb {
+            let _g = self.stripes[b % STRIPES]
+                .read()
+                .unwrap_or_else(|e| e.into_inner());
+            let mut it = self.r(4096 + b * 8) as usize;
+            while it != 0 {
+                n[self.i_meta(it).5] += 1;
+                it = self.i_next(it);
+            }
+        }
+        n.iter()
+            .enumerate()
+            .filter(|(_, k)| **k > 0)
+            .map(|(c, k)| (c + 1, classes()[c], *k))
+            .collect()
+    }
+}
+
+/// memcached's per-command counters (process lifetime, like memcached's).
+#[derive(Default)]
+pub struct Counters {
+    cas_misses: AtomicU64,
+    cas_hits: AtomicU64,
+    cas_badval: AtomicU64,
+    delete_misses: AtomicU64,
+    delete_hits: AtomicU64,
+    incr_misses: AtomicU64,
+    incr_hits: AtomicU64,
+    decr_misses: AtomicU64,
+    decr_hits: AtomicU64,
+    touch_hits: AtomicU64,
+    touch_misses: AtomicU64,
+    cmd_flush: AtomicU64,
+    curr_connections: AtomicU64,
+    rejected_connections: AtomicU64,
+    total_connections: AtomicU64,
+    bytes_read: AtomicU64,
+    bytes_written: AtomicU64,
 }
 
 impl Kv {
@@ -465,6 +806,15 @@ pub fn serve(kv: Arc<Kv>, listener: TcpListener, stop: Arc<AtomicBool>) {
         match listener.accept() {
             Ok((s, peer)) => {
                 let kv = kv.clone();
+                let c = &kv.counters;
+                if c.curr_connections.load(Relaxed) as usize >= MAX_CLIENTS {
+                    // memcached's answer at its connection limit.
+                    c.rejected_connections.fetch_add(1, Relaxed);
+                    let _ = (&s).write_all(b"ERROR Too many open connections\r\n");
+                    continue;
+                }
+                c.curr_connections.fetch_add(1, Relaxed);
+                c.total_connections.fetch_add(1, Relaxed);
                 let _ = s.set_nonblocking(false);
                 let id = kv.next_client.fetch_add(1, Relaxed);
                 if let Ok(c) = s.try_clone() {
@@ -478,6 +828,7 @@ pub fn serve(kv: Arc<Kv>, listener: TcpListener, stop: Arc<AtomicBool>) {
                     if let Err(e) = session(&kv, s) {
                         debug!(%peer, "kv client: {e}");
                     }
+                    kv.counters.curr_connections.fetch_sub(1, Relaxed);
                     kv.clients
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
@@ -495,10 +846,27 @@ pub fn serve(kv: Arc<Kv>, listener: TcpListener, stop: Arc<AtomicBool>) {
     }
 }
 
+/// A client's socket, counting what is written to it (`bytes_written`).
+struct Counted<'a> {
+    inner: TcpStream,
+    kv: &'a Kv,
+}
+
+impl Write for Counted<'_> {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(b)?;
+        self.kv.counters.bytes_written.fetch_add(n as u64, Relaxed);
+        Ok(n)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
 fn session(kv: &Kv, s: TcpStream) -> std::io::Result<()> {
     let _ = s.set_nodelay(true);
     let mut r = BufReader::with_capacity(64 * 1024, s.try_clone()?);
-    let mut w = BufWriter::with_capacity(64 * 1024, s);
+    let mut w = BufWriter::with_capacity(64 * 1024, Counted { inner: s, kv });
     let mut line = Vec::with_capacity(512);
     loop {
         line.clear();
@@ -506,6 +874,7 @@ fn session(kv: &Kv, s: TcpStream) -> std::io::Result<()> {
         if n == 0 {
             return Ok(());
         }
+        kv.counters.bytes_read.fetch_add(n as u64, Relaxed);
         if line.last() != Some(&b'\n') {
             w.write_all(b"CLIENT_ERROR line too long\r\n")?;
             w.flush()?;
@@ -544,6 +913,90 @@ fn session(kv: &Kv, s: TcpStream) -> std::io::Result<()> {
 enum Next {
     Continue,
     Quit,
+}
+
+/// Connections served at once; more are closed at once (memcached's
+/// default -c 1024).
+const MAX_CLIENTS: usize = 1024;
+
+/// CPU time of this process, user and system, as memcached prints it.
+fn rusage() -> (String, String) {
+    // Fields 14 and 15 of /proc/self/stat (after the command name): clock ticks.
+    let s = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    let f: Vec<&str> = s
+        .rsplit_once(')')
+        .map(|(_, r)| r.split_whitespace().collect())
+        .unwrap_or_default();
+    let tick = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    // USER_HZ is 100 on Linux.
+    let fmt = |t: u64| format!("{}.{:06}", t / 100, (t % 100) * 10_000);
+    (fmt(tick(11)), fmt(tick(12)))
+}
+
+/// `stats`: memcached's general statistics, in its order and units, then
+/// the host's extra lines (the runner's region counters).
+fn general_stats(kv: &Kv) -> String {
+    let c = &kv.counters;
+    let l = |a: &AtomicU64| a.load(Relaxed).to_string();
+    let (user, sys) = rusage();
+    let gets = kv.gets.load(Relaxed);
+    let hits = kv.hits.load(Relaxed);
+    let nb = kv.r(H_NBUCKETS);
+    let mut v: Vec<(String, String)> = [
+        ("pid", std::process::id().to_string()),
+        ("uptime", kv.started.elapsed().as_secs().to_string()),
+        ("time", now().to_string()),
+        ("version", PROTOCOL_VERSION.to_string()),
+        ("pagefleet_kv", env!("CARGO_PKG_VERSION").to_string()),
+        ("pointer_size", (8 * std::mem::size_of::<usize>()).to_string()),
+        ("rusage_user", user),
+        ("rusage_system", sys),
+        ("max_connections", MAX_CLIENTS.to_string()),
+        ("curr_connections", l(&c.curr_connections)),
+        ("total_connections", l(&c.total_connections)),
+        ("rejected_connections", l(&c.rejected_connections)),
+        ("connection_structures", l(&c.curr_connections)),
+        ("cmd_get", gets.to_string()),
+        ("cmd_set", l(&kv.sets)),
+        ("cmd_flush", l(&c.cmd_flush)),
+        ("cmd_touch", (c.touch_hits.load(Relaxed) + c.touch_misses.load(Relaxed)).to_string()),
+        ("get_hits", hits.to_string()),
+        ("get_misses", (gets - hits.min(gets)).to_string()),
+        ("get_expired", "0".into()),
+        ("get_flushed", "0".into()),
+        ("delete_misses", l(&c.delete_misses)),
+        ("delete_hits", l(&c.delete_hits)),
+        ("incr_misses", l(&c.incr_misses)),
+        ("incr_hits", l(&c.incr_hits)),
+        ("decr_misses", l(&c.decr_misses)),
+        ("decr_hits", l(&c.decr_hits)),
+        ("cas_misses", l(&c.cas_misses)),
+        ("cas_hits", l(&c.cas_hits)),
+        ("cas_badval", l(&c.cas_badval)),
+        ("touch_hits", l(&c.touch_hits)),
+        ("touch_misses", l(&c.touch_misses)),
+        ("auth_cmds", "0".into()),
+        ("auth_errors", "0".into()),
+        ("bytes_read", l(&c.bytes_read)),
+        ("bytes_written", l(&c.bytes_written)),
+        ("limit_maxbytes", kv.r(H_ARENA_END).to_string()),
+        ("accepting_conns", "1".into()),
+        ("threads", "1".into()),
+        ("hash_power_level", nb.trailing_zeros().to_string()),
+        ("hash_bytes", (nb * 8).to_string()),
+        ("bytes", kv.value_bytes().to_string()),
+        ("curr_items", kv.items().to_string()),
+        ("total_items", kv.r(H_TOTAL_ITEMS).to_string()),
+        ("evictions", kv.evictions().to_string()),
+        ("reclaimed", "0".into()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    if let Some(f) = &kv.extra_stats {
+        v.extend(f().into_iter().map(|(k, n)| (k, n.to_string())));
+    }
+    v.iter().map(|(k, x)| format!("STAT {k} {x}\r\n")).collect()
 }
 
 fn reply(w: &mut impl Write, noreply: bool, msg: &[u8]) -> std::io::Result<Next> {
@@ -610,6 +1063,7 @@ fn command(
             }
             let mut data = vec![0u8; len + 2];
             r.read_exact(&mut data)?;
+            kv.counters.bytes_read.fetch_add(data.len() as u64, Relaxed);
             if &data[len..] != b"\r\n" {
                 w.write_all(b"CLIENT_ERROR bad data chunk\r\n")?;
                 return Ok(Next::Continue);
@@ -656,10 +1110,15 @@ fn command(
             match kv.incr(a[1].as_bytes(), d, a[0] == "incr") {
                 Ok(Some(v)) => reply(w, noreply, format!("{v}\r\n").as_bytes()),
                 Ok(None) => reply(w, noreply, b"NOT_FOUND\r\n"),
-                Err(()) => reply(
+                Err(IncrError::NotANumber) => reply(
                     w,
                     noreply,
                     b"CLIENT_ERROR cannot increment or decrement non-numeric value\r\n",
+                ),
+                Err(IncrError::NoMemory) => reply(
+                    w,
+                    noreply,
+                    b"SERVER_ERROR out of memory\r\n",
                 ),
             }
         }
@@ -681,31 +1140,69 @@ fn command(
             kv.flush_all();
             reply(w, noreply, b"OK\r\n")
         }
-        "version" => reply(
-            w,
-            false,
-            concat!("VERSION pagefleet-kv ", env!("CARGO_PKG_VERSION"), "\r\n").as_bytes(),
-        ),
+        // memcached's protocol level, as numbers clients parse; the
+        // server's own name and version are in `stats` (pagefleet_kv).
+        "version" => reply(w, false, format!("VERSION {PROTOCOL_VERSION}\r\n").as_bytes()),
         "verbosity" => reply(w, noreply, b"OK\r\n"),
         "stats" => {
-            let s = [
-                ("pid", std::process::id() as u64),
-                ("curr_items", kv.items()),
-                ("bytes", kv.value_bytes()),
-                ("limit_maxbytes", kv.mem.len as u64),
-                ("cmd_get", kv.gets.load(Relaxed)),
-                ("get_hits", kv.hits.load(Relaxed)),
-                ("get_misses", kv.gets.load(Relaxed) - kv.hits.load(Relaxed)),
-                ("cmd_set", kv.sets.load(Relaxed)),
-            ];
-            for (k, v) in s {
-                write!(w, "STAT {k} {v}\r\n")?;
-            }
-            if let Some(f) = &kv.extra_stats {
-                for (k, v) in f() {
-                    write!(w, "STAT {k} {v}\r\n")?;
+            let body = match a.get(1).copied() {
+                None => general_stats(kv),
+                Some("items") => kv
+                    .class_counts()
+                    .iter()
+                    .flat_map(|(c, _, n)| {
+                        [
+                            format!("STAT items:{c}:number {n}\r\n"),
+                            format!("STAT items:{c}:age 0\r\n"),
+                        ]
+                    })
+                    .collect(),
+                Some("slabs") => {
+                    let cc = kv.class_counts();
+                    let mut t: String = cc
+                        .iter()
+                        .flat_map(|(c, size, n)| {
+                            [
+                                format!("STAT {c}:chunk_size {size}\r\n"),
+                                format!("STAT {c}:used_chunks {n}\r\n"),
+                            ]
+                        })
+                        .collect();
+                    t.push_str(&format!("STAT active_slabs {}\r\n", cc.len()));
+                    t.push_str(&format!(
+                        "STAT total_malloced {}\r\n",
+                        kv.r(H_BUMP) - kv.r(H_ARENA_START)
+                    ));
+                    t
                 }
-            }
+                Some("settings") => [
+                    ("maxbytes", kv.r(H_ARENA_END).to_string()),
+                    ("maxconns", MAX_CLIENTS.to_string()),
+                    ("evictions", if kv.evict { "on" } else { "off" }.to_string()),
+                    ("growth_factor", "1.25".to_string()),
+                    ("chunk_size", ITEM_HDR.to_string()),
+                    ("item_size_max", MAX_VALUE.to_string()),
+                    ("cas_enabled", "yes".to_string()),
+                ]
+                .iter()
+                .map(|(k, v)| format!("STAT {k} {v}\r\n"))
+                .collect(),
+                Some("cachedump") => {
+                    let (Some(Ok(c)), l) = (
+                        a.get(2).map(|x| x.parse::<usize>()),
+                        a.get(3).and_then(|x| x.parse::<usize>().ok()),
+                    ) else {
+                        return bad(w);
+                    };
+                    w.write_all(&kv.cachedump(c, l.unwrap_or(0)))?;
+                    String::new()
+                }
+                Some(_) => {
+                    w.write_all(b"ERROR\r\n")?;
+                    return Ok(Next::Continue);
+                }
+            };
+            w.write_all(body.as_bytes())?;
             w.write_all(b"END\r\n")?;
             Ok(Next::Continue)
         }
@@ -743,6 +1240,9 @@ mod tests {
         assert_eq!(kv.store(Mode::Cas(cas2), b"a", 0, 0, b"41"), Store::Stored);
         assert_eq!(kv.incr(b"a", 1, true), Ok(Some(42)));
         assert_eq!(kv.incr(b"a", 50, false), Ok(Some(0)));
+        kv.store(Mode::Set, b"t", 0, 0, b"text");
+        assert_eq!(kv.incr(b"t", 1, true), Err(IncrError::NotANumber));
+        assert!(kv.delete(b"t"));
         assert!(kv.delete(b"a"));
         assert!(kv.get(b"a").is_none());
         assert_eq!(kv.items(), 0);
@@ -758,7 +1258,8 @@ mod tests {
     #[test]
     fn fills_then_reuses_freed_space() {
         let (_v, m) = mem(1 << 20);
-        let kv = Kv::open(m);
+        let mut kv = Kv::open(m);
+        kv.evict = false;
         let val = vec![1u8; 3000];
         let mut n = 0;
         while kv.store(Mode::Set, format!("k{n}").as_bytes(), 0, 0, &val) == Store::Stored {
@@ -774,5 +1275,130 @@ mod tests {
                 Store::Stored
             );
         }
+    }
+
+    #[test]
+    fn full_memory_evicts_the_least_recently_used_and_keeps_serving() {
+        let (_v, m) = mem(4 << 20);
+        let kv = Kv::open(m);
+        let val = vec![7u8; 1000];
+        // Four times what fits: every store succeeds.
+        for i in 0..16_000u32 {
+            assert_eq!(
+                kv.store(Mode::Set, format!("k{i}").as_bytes(), 0, 0, &val),
+                Store::Stored,
+                "store {i}"
+            );
+        }
+        assert!(kv.evictions() > 10_000, "{}", kv.evictions());
+        // The newest are there, the oldest were evicted.
+        assert_eq!(kv.get(b"k15999").unwrap().2, val);
+        assert!(kv.get(b"k0").is_none());
+        assert_eq!(kv.items() + kv.evictions(), 16_000);
+        // Deletes and overwrites after evictions keep the table whole.
+        for i in 15_000..16_000u32 {
+            assert!(kv.delete(format!("k{i}").as_bytes()) || kv.get(format!("k{i}").as_bytes()).is_none());
+        }
+        assert_eq!(kv.store(Mode::Set, b"z", 1, 0, b"last"), Store::Stored);
+        assert_eq!(kv.get(b"z").unwrap().2, b"last");
+    }
+
+    #[test]
+    fn append_and_incr_survive_evicting_their_own_old_item() {
+        let (_v, m) = mem(1 << 20);
+        let kv = Kv::open(m);
+        // Fill one class completely with one key appended to repeatedly
+        // and others: the old item is often its class's LRU tail.
+        assert_eq!(kv.store(Mode::Set, b"n", 0, 0, b"1"), Store::Stored);
+        let mut n = 1;
+        for i in 0..20_000u64 {
+            match kv.incr(b"n", 1, true) {
+                Ok(Some(v)) => {
+                    n += 1;
+                    assert_eq!(v, n, "incr {i}");
+                }
+                // Evicted by the filler (it is old): start again.
+                Ok(None) => {
+                    assert_eq!(kv.store(Mode::Set, b"n", 0, 0, b"1"), Store::Stored);
+                    n = 1;
+                }
+                Err(e) => panic!("incr {i}: {e:?}"),
+            }
+            kv.store(Mode::Set, format!("f{i}").as_bytes(), 0, 0, b"12");
+        }
+        assert!(kv.evictions() > 0);
+        assert_eq!(kv.store(Mode::Set, b"a", 0, 0, b"x"), Store::Stored);
+        let mut want = b"x".to_vec();
+        for i in 0..3000u32 {
+            let part = format!("{}", i % 10);
+            match kv.store(Mode::Append, b"a", 0, 0, part.as_bytes()) {
+                Store::Stored => want.extend_from_slice(part.as_bytes()),
+                // No chunk of the grown size to take: refused, the old
+                // value stays as it was.
+                Store::NoMemory => {}
+                s => panic!("append {i}: {s:?}"),
+            }
+            if i % 7 == 0 {
+                kv.store(Mode::Set, format!("g{i}").as_bytes(), 0, 0, &[1u8; 200]);
+            }
+            // The value, if still there, is exactly what was appended.
+            if let Some((_, _, v)) = kv.get(b"a") {
+                assert_eq!(v, want, "append {i}");
+            } else {
+                assert_eq!(kv.store(Mode::Set, b"a", 0, 0, b"x"), Store::Stored);
+                want = b"x".to_vec();
+            }
+        }
+    }
+
+    #[test]
+    fn no_evict_refuses_when_full() {
+        let (_v, m) = mem(1 << 20);
+        let mut kv = Kv::open(m);
+        kv.evict = false;
+        let val = vec![1u8; 3000];
+        let mut n = 0;
+        while kv.store(Mode::Set, format!("k{n}").as_bytes(), 0, 0, &val) == Store::Stored {
+            n += 1;
+        }
+        assert!(n > 100);
+        assert_eq!(kv.evictions(), 0);
+        assert!(kv.get(b"k0").is_some());
+    }
+
+    #[test]
+    fn size_classes_waste_at_most_a_fifth() {
+        let c = classes();
+        assert_eq!(c[0], MIN_CLASS);
+        assert!(*c.last().unwrap() >= ITEM_HDR + MAX_KEY + MAX_VALUE);
+        for w in c.windows(2) {
+            assert!(w[1] > w[0] && w[1] % ALIGN == 0);
+            // An item one byte over a class fills the next with this
+            // slack: a fifth (1 - 1/1.25), more below 1 KiB where the
+            // 16-byte alignment rounds up.
+            let slack = (w[1] - (w[0] + 1)) as f64 / w[1] as f64;
+            let most = if w[0] >= 1024 { 0.21 } else { 0.3 };
+            assert!(slack < most, "{} -> {}: {slack}", w[0], w[1]);
+        }
+        // 64 KiB values, the case that filled at half the memory.
+        let item = ITEM_HDR + 8 + (64 << 10);
+        let class = classes()[class_of(item).unwrap()];
+        assert!((class - item) * 5 < class, "{item} in {class}");
+    }
+
+    #[test]
+    fn a_read_item_is_bumped_at_most_once_a_minute() {
+        let (_v, m) = mem(4 << 20);
+        let kv = Kv::open(m);
+        kv.store(Mode::Set, b"old", 0, 0, b"v");
+        let it = kv.find_ro(b"old").unwrap();
+        let c = kv.i_meta(it).5;
+        kv.store(Mode::Set, b"new", 0, 0, b"v");
+        assert_eq!(kv.r(H_LRU + c * 16 + 8) as usize, it, "old is the tail");
+        kv.get(b"old");
+        assert_eq!(kv.r(H_LRU + c * 16 + 8) as usize, it, "bumped within the minute");
+        kv.w(it + 40, u64::from(now() - LRU_BUMP_SECS));
+        kv.get(b"old");
+        assert_eq!(kv.r(H_LRU + c * 16) as usize, it, "bumped to the head");
     }
 }

@@ -372,6 +372,7 @@ mod tests {
     fn the_api_default_policy_is_the_runtimes() {
         let spec = GuestSpec::new(Workload::Kv {
             listen: "127.0.0.1:11211".into(),
+            no_evict: false,
         });
         assert_eq!(spec.policy, pagefleet_region::Policy::default().name());
         let parsed: pagefleet_region::Policy = spec.policy.parse().unwrap();

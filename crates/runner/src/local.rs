@@ -36,6 +36,8 @@ pub enum Workload {
     Kv {
         /// Where it listens.
         listen: String,
+        /// Refuse stores when full instead of evicting.
+        no_evict: bool,
     },
     /// A QEMU VM on the region (its in-guest workload reports on the console).
     Vm(pagefleet_vm::VmSpec),
@@ -415,8 +417,9 @@ fn run_workload(a: &LocalRun, w: &Workload) -> Result<serde_json::Value, RunnerE
             );
             serde_json::json!({"workload": "sort", "records": r.records, "generate_secs": r.generate_secs, "sort_secs": r.sort_secs, "sorted": r.sorted})
         }
-        Workload::Kv { listen } => {
+        Workload::Kv { listen, no_evict } => {
             let mut k = kv::Kv::open(mem);
+            k.evict = !no_evict;
             if let Some(r) = m.region.clone() {
                 k.extra_stats = Some(Box::new(move || crate::workload::pf_stats(&r.stats())));
             }

@@ -222,8 +222,9 @@ pub fn start(
                 vm: None,
             })
         }
-        Workload::Kv { listen } => {
+        Workload::Kv { listen, no_evict } => {
             let mut k = kv::Kv::open(mem);
+            k.evict = !no_evict;
             let r = region.clone();
             k.extra_stats = Some(Box::new(move || pf_stats(&r.stats())));
             // Requests pass the runner's safepoint gate.
