@@ -40,6 +40,18 @@ pub struct HostReport {
     /// ports are plaintext only).
     #[serde(default)]
     pub tls: Option<String>,
+    /// Cordoned (`pagefleet host cordon` / `drain`): placement puts no
+    /// guest and no page here until `pagefleet host uncordon`.
+    #[serde(default)]
+    pub cordoned: bool,
+}
+
+/// `POST /host/cordon`: keep placement off this host, or let it back.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Cordon {
+    /// true: cordon; false: uncordon.
+    pub cordoned: bool,
 }
 
 /// A host's content index (sharing-aware migration).

@@ -156,16 +156,7 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
         let infos: Vec<HostInfo> = v
             .hosts
             .iter()
-            .map(|h| {
-                let r = h.host.as_ref();
-                HostInfo {
-                    name: h.name().to_string(),
-                    http: h.http.clone(),
-                    memserver: r.and_then(|r| r.memserver.clone()),
-                    guest_free: r.map_or(0, |r| r.guest_free),
-                    lend_free: r.map_or(0, |r| r.lend_capacity.saturating_sub(r.lend_used)),
-                }
-            })
+            .map(HostInfo::from)
             .collect();
         // A 32 GiB guest with 24 GiB of data, from host k.
         let src = k % infos.len();

@@ -103,7 +103,7 @@ pub fn status(c: &Client, registry: &str, explicit: &[String], json_out: bool) -
     for h in &hs {
         match &h.host {
             Some(r) => println!(
-                "{:<10} {:<20} {:<20} {:>10} {:>10} {:>10} {:>10} {:>10} {:>6} {:>4}",
+                "{:<10} {:<20} {:<20} {:>10} {:>10} {:>10} {:>10} {:>10} {:>6} {:>4}{}",
                 r.hostname,
                 h.http,
                 r.memserver.as_deref().unwrap_or("-"),
@@ -117,7 +117,8 @@ pub fn status(c: &Client, registry: &str, explicit: &[String], json_out: bool) -
                     "-".into()
                 },
                 r.guests,
-                if r.tls.is_some() { "yes" } else { "no" }
+                if r.tls.is_some() { "yes" } else { "no" },
+                if r.cordoned { "  cordoned" } else { "" }
             ),
             None => println!(
                 "{:<10} {:<20} unreachable: {}",
@@ -743,4 +744,66 @@ pub fn evacuate(c: &Client, a: EvacuateArgs) -> Result<()> {
         Some(EvacuationEvent::Failed { message }) => bail!("evacuating {}: {message}", a.host),
         _ => bail!("the registry ended the evacuation without a result"),
     }
+}
+
+/// `pagefleet host`: a host's part in placement.
+#[derive(Subcommand)]
+pub enum HostCmd {
+    /// Keep placement off a host: no migration, gather, evacuation or
+    /// placement puts a guest or a page there until `host uncordon` (what
+    /// is there stays and keeps working). Lasts until uncordoned or its
+    /// pagefleetd restarts.
+    ///
+    ///   pagefleet host cordon h3
+    Cordon {
+        /// The host (name, HTTP or memory-server address).
+        host: String,
+        #[command(flatten)]
+        reg: Registry,
+    },
+    /// Let placement use a cordoned host again.
+    Uncordon {
+        /// The host (name, HTTP or memory-server address).
+        host: String,
+        #[command(flatten)]
+        reg: Registry,
+    },
+    /// Cordon a host, then empty it (as `pagefleet evacuate`): guests'
+    /// pages on its memory server move to other memory servers and its
+    /// guests migrate away. It stays cordoned (placement keeps off it)
+    /// until `host uncordon`; if the evacuation fails it stays cordoned and
+    /// the command says what is left.
+    ///
+    ///   pagefleet host drain h3
+    Drain(EvacuateArgs),
+}
+
+fn set_cordon(c: &Client, reg: &Registry, host: &str, on: bool) -> Result<String> {
+    let hs = hosts(c, &reg.registry, &[])?;
+    let h = &hs[find_host(&hs, host)?];
+    let _: pagefleet_api::Cordon = c
+        .post(&h.http, "/host/cordon", &pagefleet_api::Cordon { cordoned: on })
+        .with_context(|| format!("asking {} to {}cordon itself", h.name(), if on { "" } else { "un" }))?;
+    Ok(h.name().to_string())
+}
+
+/// Cordon, uncordon or drain a host.
+pub fn host(c: &Client, cmd: HostCmd) -> Result<()> {
+    match cmd {
+        HostCmd::Cordon { host, reg } => {
+            let n = set_cordon(c, &reg, &host, true)?;
+            println!("{n} cordoned: placement puts no new guest or page there (`pagefleet host uncordon {n}` undoes it)");
+        }
+        HostCmd::Uncordon { host, reg } => {
+            let n = set_cordon(c, &reg, &host, false)?;
+            println!("{n} uncordoned: placement may use it again");
+        }
+        HostCmd::Drain(a) => {
+            let n = set_cordon(c, &a.reg, &a.host, true)?;
+            eprintln!("{n} cordoned; moving everything off it");
+            evacuate(c, a).with_context(|| format!("{n} stays cordoned"))?;
+            println!("{n} drained: no guest and no guest page left there; it stays cordoned until `pagefleet host uncordon {n}`");
+        }
+    }
+    Ok(())
 }

@@ -72,6 +72,12 @@ enum Cmd {
     /// Start or stop guests on the cluster's hosts.
     #[command(subcommand)]
     Guest(cluster::GuestCmd),
+    /// A host's part in placement: cordon, drain (cordon and empty it),
+    /// uncordon.
+    ///
+    /// Example: pagefleet host drain h3
+    #[command(subcommand)]
+    Host(cluster::HostCmd),
     /// Free pages on memory servers that nothing owns any more: regions no
     /// guest in the registry runs, no connected client uses, idle for the
     /// grace period (a source that crashed mid-migration, a runner killed
@@ -659,6 +665,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Migrate(m) => cluster::migrate_cmd(&cluster::client(sf)?, m),
         Cmd::Gather(g) => cluster::gather_cmd(&cluster::client(sf)?, g),
         Cmd::Evacuate(e) => cluster::evacuate(&cluster::client(sf)?, e),
+        Cmd::Host(h) => cluster::host(&cluster::client(sf)?, h),
         Cmd::Memserver(m) => {
             let secret = Secret::resolve(cli.secret_file.as_deref())?;
             let opts = ConnectOptions {

@@ -6,6 +6,7 @@
 //! |---|---|---|
 //! | `GET /metrics` | | Prometheus text |
 //! | `GET /host` | | `HostReport` |
+//! | `POST /host/cordon` | `Cordon` | `Cordon` |
 //! | `GET /cluster` | | `ClusterView` (this host and its peers) |
 //! | `GET /guests`, `GET /guests/NAME` | | `[GuestStatus]`, `GuestStatus` |
 //! | `POST /guests` | `StartGuest` | `{ok}` |
@@ -53,6 +54,9 @@ pub struct App {
     pub memserver: Option<(Arc<pagefleet_memserver::ServerState>, String)>,
     /// etcd as the registry (None: the peers list).
     pub etcd: Option<Arc<pagefleet_registry::Etcd>>,
+    /// Cordoned: placement puts nothing new here (in `HostReport`). Held
+    /// by this daemon until uncordoned or the daemon restarts.
+    pub cordoned: Arc<std::sync::atomic::AtomicBool>,
 }
 
 type Shared = State<Arc<App>>;
@@ -101,7 +105,7 @@ async fn blocking<T: Serialize + Send + 'static>(
 }
 
 async fn index() -> &'static str {
-    "pagefleetd: GET /metrics /host /cluster /guests /guests/NAME; POST /guests /incoming \
+    "pagefleetd: GET /metrics /host /cluster /guests /guests/NAME; POST /host/cordon /guests /incoming \
      /guests/NAME/{stop,rm,cancel,sort,set_budget,evacuate,migrate} /migrations /evacuations; GET /memserver/regions, POST /memserver/drop /gc (signed requests; see docs/architecture.md)\n"
 }
 
@@ -115,6 +119,28 @@ async fn metrics(State(app): Shared) -> Response {
 
 async fn host(State(app): Shared) -> Json<HostReport> {
     Json((app.report)())
+}
+
+/// `POST /host/cordon`: placement keeps off this host (or comes back).
+async fn cordon(State(app): Shared, b: Bytes) -> Response {
+    let c = match body::<pagefleet_api::Cordon>(&b) {
+        Ok(c) => c,
+        Err(r) => return refusal(r),
+    };
+    let was = app
+        .cordoned
+        .swap(c.cordoned, std::sync::atomic::Ordering::SeqCst);
+    if was != c.cordoned {
+        tracing::info!(
+            "{}",
+            if c.cordoned {
+                "cordoned: placement puts no new guest or page on this host"
+            } else {
+                "uncordoned: placement may use this host again"
+            }
+        );
+    }
+    Json(c).into_response()
 }
 
 impl App {
@@ -370,6 +396,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/", get(index))
         .route("/metrics", get(metrics))
         .route("/host", get(host))
+        .route("/host/cordon", post(cordon))
         .route("/cluster", get(cluster))
         .route("/guests", get(list).post(start))
         .route("/guests/{name}", get(status))

@@ -24,16 +24,7 @@ fn find_host(hs: &[ClusterHost], key: &str) -> Result<usize, String> {
 }
 
 fn info(h: &ClusterHost) -> HostInfo {
-    let r = h.host.as_ref();
-    HostInfo {
-        name: h.name().to_string(),
-        http: h.http.clone(),
-        memserver: r.and_then(|r| r.memserver.clone()),
-        guest_free: r.map(|r| r.guest_free).unwrap_or(0),
-        lend_free: r
-            .map(|r| r.lend_capacity.saturating_sub(r.lend_used))
-            .unwrap_or(0),
-    }
+    HostInfo::from(h)
 }
 
 /// Memory a migration took in the etcd registry: the main host's guest
@@ -371,7 +362,11 @@ pub fn evacuate(app: &App, order: EvacuationOrder, mut emit: impl FnMut(&Evacuat
                 let target = to.or_else(|| {
                     (0..hs.len())
                         .filter(|&t| {
-                            t != x && t != gh && hs[t].memserver().is_some() && lend_free[t] >= n
+                            t != x
+                                && t != gh
+                                && hs[t].memserver().is_some()
+                                && lend_free[t] >= n
+                                && !info(&hs[t]).cordoned
                         })
                         .max_by_key(|&t| lend_free[t])
                 });

@@ -377,6 +377,8 @@ pub fn run(a: Settings) -> Result<()> {
             let (g, me, name) = (guests.clone(), self_http.clone(), a.name.clone());
             let dd = dedup.clone();
             let tls_name = tls.as_ref().map(|t| t.name.clone());
+            let cordoned = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let cordon_flag = cordoned.clone();
             let report = move || {
                 let mut r = crate::host_report(st.as_ref().map(|(s, a)| (&**s, *a)));
                 r.http = me.get().cloned();
@@ -390,6 +392,7 @@ pub fn run(a: Settings) -> Result<()> {
                 }
                 r.dedup = dd.as_ref().map(|d| d.report());
                 r.tls = tls_name.clone();
+                r.cordoned = cordon_flag.load(std::sync::atomic::Ordering::SeqCst);
                 r
             };
             let (st, g) = (ms.as_ref().map(|m| m.state.clone()), guests.clone());
@@ -418,6 +421,7 @@ pub fn run(a: Settings) -> Result<()> {
                     )),
                     None => None,
                 },
+                cordoned,
             });
             if app.etcd.is_some() {
                 let hb = app.clone();

@@ -16,6 +16,32 @@ pub struct HostInfo {
     pub guest_free: u64,
     /// Memory its memory server can still take, bytes.
     pub lend_free: u64,
+    /// Cordoned: nothing new is placed here (not chosen, refused when named).
+    pub cordoned: bool,
+}
+
+impl From<&pagefleet_api::ClusterHost> for HostInfo {
+    /// A host as the registry reports it (a host that did not answer has
+    /// no free memory).
+    fn from(h: &pagefleet_api::ClusterHost) -> HostInfo {
+        let r = h.host.as_ref();
+        HostInfo {
+            name: h.name().to_string(),
+            http: h.http.clone(),
+            memserver: r.and_then(|r| r.memserver.clone()),
+            guest_free: r.map_or(0, |r| r.guest_free),
+            lend_free: r.map_or(0, |r| r.lend_capacity.saturating_sub(r.lend_used)),
+            cordoned: r.is_some_and(|r| r.cordoned),
+        }
+    }
+}
+
+/// A host the user named that is cordoned.
+fn cordoned(h: &HostInfo, role: &str) -> PlacementError {
+    PlacementError::new(format!(
+        "{} is cordoned (`pagefleet host uncordon {}` lets placement use it again): it cannot be {role}",
+        h.name, h.name
+    ))
 }
 
 /// Placement's answer.
@@ -73,11 +99,12 @@ pub fn choose(
                 hosts[m].name
             )))
         }
+        Some(m) if hosts[m].cordoned => return Err(cordoned(&hosts[m], "the main host")),
         Some(m) => m,
         None => (0..hosts.len())
-            .filter(|&h| h != source)
+            .filter(|&h| h != source && !hosts[h].cordoned)
             .max_by_key(|&h| (hosts[h].guest_free, std::cmp::Reverse(h)))
-            .ok_or("no other host to migrate to")?,
+            .ok_or("no other host to migrate to (every other host is cordoned or there is none)")?,
     };
     let main_free = hosts[main].guest_free / 4096;
     // A budget below two chunks of 64 pages cannot page.
@@ -99,7 +126,7 @@ pub fn choose(
     let rest = data_pages.saturating_sub(keep);
     let need = rest * copies;
     let cap = |h: usize| {
-        if hosts[h].memserver.is_some() {
+        if hosts[h].memserver.is_some() && !hosts[h].cordoned {
             hosts[h].lend_free / 4096
         } else {
             0
@@ -116,6 +143,9 @@ pub fn choose(
                         "{} lends no memory (no memory server)",
                         hosts[h].name
                     )));
+                }
+                if hosts[h].cordoned {
+                    return Err(cordoned(&hosts[h], "a sub-host"));
                 }
             }
             s.to_vec()
@@ -185,6 +215,7 @@ pub fn choose_whole(
                 hosts[m].name
             )))
         }
+        Some(m) if hosts[m].cordoned => return Err(cordoned(&hosts[m], "the host that takes the guest")),
         Some(m) if !fits(m) => {
             return Err(PlacementError::new(format!(
                 "{} has {} pages of guest memory free, the guest needs {}",
@@ -195,7 +226,7 @@ pub fn choose_whole(
         }
         Some(m) => m,
         None => (0..hosts.len())
-            .filter(|&h| h != source && fits(h))
+            .filter(|&h| h != source && fits(h) && !hosts[h].cordoned)
             .max_by_key(|&h| (hosts[h].guest_free, std::cmp::Reverse(h)))
             .ok_or_else(|| format!("no host has room for all {size_pages} pages of the guest"))?,
     };
@@ -215,6 +246,7 @@ mod tests {
             name: name.into(),
             http: format!("{name}:7071"),
             memserver: lend_free_pages.map(|_| format!("{name}:7070")),
+            cordoned: false,
             guest_free: guest_free_pages * 4096,
             lend_free: lend_free_pages.unwrap_or(0) * 4096,
         }

@@ -730,3 +730,78 @@ fn strangers_on_the_migration_port_do_not_stop_a_migration() {
     assert_eq!(r.checksum_source, r.checksum_dest, "{r:?}");
     assert_runs(&l, "s1", 1);
 }
+
+/// `host drain h3` moves every guest page off h3 and keeps placement off it
+/// until `host uncordon h3`: a placed migration leaves it out, one that
+/// names it is refused; uncordoned, it is used again.
+#[test]
+fn a_drained_host_stays_out_of_placement_until_uncordoned() {
+    if !is_root() {
+        eprintln!("skipped: the testbed needs root (CI runs as root)");
+        return;
+    }
+    let _s = serial();
+    let l = lab(
+        "drn",
+        4,
+        Link::Unshaped,
+        128 * MIB,
+        &[256 * MIB, 64 * MIB, 0, 0],
+    );
+    let h3 = l.lab.hosts[2].addr.clone();
+    let (ok, _, err) = l.pf(
+        0,
+        &[
+            "guest", "start", "d1", "--on", "h1", "--size", "64MiB", "--budget", "25%", "--",
+            "synthetic", "--servers", &h3, "--prefill", "--rate", "0",
+        ],
+    );
+    assert!(ok, "guest start d1: {err}");
+    wait_for("d1's pages on h3", 60, || {
+        l.guest("d1").is_some_and(|(_, g)| remote_on(&g, &h3) > 8000)
+    });
+    let (ok, out, err) = l.pf(0, &["host", "drain", "h3"]);
+    assert!(ok, "host drain h3: {out}{err}");
+    assert!(out.contains("pages moved from h3") && out.contains("drained"), "{out}");
+    let r3 = l.host_report(2).unwrap();
+    assert!(r3.cordoned && r3.lend_used == 0, "{r3:?}");
+    assert_eq!(remote_on(&l.guest("d1").unwrap().1, &h3), 0);
+    let (_, out, _) = l.pf(0, &["status"]);
+    assert!(out.contains("cordoned"), "status shows it: {out}");
+
+    // A placed split migration: main host h2 (the only one with guest
+    // memory to spare), sub-host h4, never h3.
+    let (ok, _, err) = l.pf(
+        0,
+        &[
+            "guest", "start", "d2", "--on", "h1", "--size", "112MiB", "--", "synthetic",
+            "--prefill", "--rate", "0",
+        ],
+    );
+    assert!(ok, "guest start d2: {err}");
+    wait_for("d2's prefill", 60, || {
+        l.guest("d2")
+            .is_some_and(|(_, g)| g.pages.map_or(0, |p| p.local) >= 28000)
+    });
+    let r = migrate(&l, &["d2", "--verify"]).expect("placed migration");
+    assert_eq!(r["checksum_source"], r["checksum_dest"]);
+    let subs = r["sub_hosts"].as_array().unwrap();
+    assert!(!subs.is_empty(), "{r}");
+    assert!(subs.iter().all(|s| s != &json!(h3)), "placed on cordoned h3: {r}");
+    // Named, it is refused with the reason; nothing moves.
+    let e = migrate(&l, &["d2", "--to", "h1", "--sub", "h3"]).expect_err("h3 is cordoned");
+    assert!(e.contains("h3 is cordoned"), "{e}");
+    let runs_on = |h: usize| {
+        let (at, g) = l.guest("d2").expect("d2 runs");
+        assert_eq!((at, g.state), (h, GuestState::Running), "{g:?}");
+    };
+    runs_on(1);
+    // Uncordoned, placement may use it again.
+    let (ok, _, err) = l.pf(0, &["host", "uncordon", "h3"]);
+    assert!(ok, "{err}");
+    assert!(!l.host_report(2).unwrap().cordoned);
+    let r = migrate(&l, &["d2", "--to", "h1", "--sub", "h3", "--verify"])
+        .expect("h3 usable again");
+    assert_eq!(r["checksum_source"], r["checksum_dest"]);
+    runs_on(0);
+}
