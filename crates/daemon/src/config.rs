@@ -5,6 +5,7 @@
 //! log = "info"
 //! secret_file = "/etc/pagefleet/secret"
 //! tls_dir = "/etc/pagefleet/tls"  # this host's certificates (pagefleet cert issue)
+//! stop_drain_secs = 0       # on SIGTERM while holding guests or their pages: drain within this (0: refuse)
 //!
 //! [memserver]
 //! lend = "4GiB"
@@ -62,6 +63,9 @@ pub struct FileConfig {
     pub secret_file: Option<PathBuf>,
     /// This host's TLS identity directory.
     pub tls_dir: Option<PathBuf>,
+    /// On a stop while holding guests or their pages: drain within this
+    /// many seconds first (0: refuse the stop).
+    pub stop_drain_secs: Option<u64>,
     /// `[memserver]`: lending memory.
     pub memserver: Option<MemserverSection>,
     /// `[guests]`: the guest host service.
@@ -218,6 +222,9 @@ pub struct Flags {
     pub gc_grace_secs: Option<u64>,
     /// etcd as the registry.
     pub registry: Option<String>,
+    /// Drain within this many seconds on a stop that would lose guests or
+    /// their pages (0: refuse such a stop).
+    pub stop_drain_secs: Option<u64>,
 }
 
 /// The daemon's effective settings.
@@ -271,6 +278,11 @@ pub struct Settings {
     pub gc_grace: Option<Duration>,
     /// etcd endpoints of the registry (None: the embedded peers registry).
     pub etcd: Option<Vec<String>>,
+    /// A stop (SIGTERM, SIGINT) while guests run here or this host's
+    /// memory server holds pages of running guests: drain the host within
+    /// this long first, then stop (None: refuse the stop; a second signal
+    /// within a minute stops anyway).
+    pub stop_drain: Option<Duration>,
 }
 
 impl FileConfig {
@@ -414,6 +426,11 @@ pub fn merge(file: FileConfig, flags: Flags) -> Result<Settings> {
         vm_images,
         dedup,
         gc_grace: (gc > 0).then(|| Duration::from_secs(gc)),
+        stop_drain: flags
+            .stop_drain_secs
+            .or(file.stop_drain_secs)
+            .filter(|s| *s > 0)
+            .map(Duration::from_secs),
     })
 }
 

@@ -116,6 +116,16 @@ struct Args {
     /// collects on demand.
     #[arg(long)]
     gc_grace: Option<u64>,
+    /// A stop (SIGTERM, SIGINT) while guests run here or this host's memory
+    /// server holds pages of running guests would lose them: by default it
+    /// is refused (the daemon logs what it holds and keeps running; `pagefleet
+    /// host drain HOST` empties it, a second signal within a minute stops
+    /// anyway). With this many seconds the daemon drains itself first
+    /// (cordon, move the pages to other memory servers, migrate its guests
+    /// away), then stops; if the drain fails or takes longer it keeps
+    /// running. Set the unit's TimeoutStopSec above it.
+    #[arg(long, value_name = "SECS")]
+    stop_drain: Option<u64>,
     /// The other hosts' pagefleetd HTTP addresses (registry), comma-separated.
     #[arg(long, value_delimiter = ',')]
     peers: Option<Vec<String>>,
@@ -196,6 +206,7 @@ fn run() -> Result<()> {
             vm_images: args.vm_images,
             dedup: args.no_dedup.then_some(false),
             gc_grace_secs: args.gc_grace,
+            stop_drain_secs: args.stop_drain,
             registry: args.registry,
         },
     )?;

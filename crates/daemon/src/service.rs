@@ -140,6 +140,140 @@ fn collect_loop(app: &App, grace: std::time::Duration, stop: &AtomicBool) {
     }
 }
 
+/// What every service thread watches: set once the daemon really stops.
+static SHUTDOWN: AtomicBool = AtomicBool::new(false);
+
+/// A second stop request within this long of a refused one stops anyway.
+const FORCE_WITHIN: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// What stopping this daemon now would lose: guests running here (their
+/// runners end with it) and pages on its memory server that a running
+/// guest owns or a connected client uses.
+fn held(app: &App) -> Vec<String> {
+    let mut v = Vec::new();
+    if let Some(g) = &app.guests {
+        for s in g.list() {
+            if s.state != pagefleet_api::GuestState::Failed {
+                v.push(format!("guest {} runs here ({:?})", s.name, s.state).to_lowercase());
+            }
+        }
+    }
+    if let Some((st, _)) = &app.memserver {
+        let regions = st.store.regions_info();
+        if !regions.is_empty() {
+            let view = app.view();
+            let owners: std::collections::HashMap<u64, (String, String)> = view
+                .hosts
+                .iter()
+                .flat_map(|h| h.guests.iter().map(move |g| (h, g)))
+                .filter(|(_, g)| g.state != pagefleet_api::GuestState::Failed)
+                .filter_map(|(h, g)| {
+                    crate::gc::parse_region(&g.region_id)
+                        .ok()
+                        .map(|r| (r, (g.name.clone(), h.name().to_string())))
+                })
+                .collect();
+            for r in regions {
+                match owners.get(&r.region) {
+                    Some((g, h)) => v.push(format!("{} pages of guest {g} (running on {h})", r.pages)),
+                    None if r.sessions > 0 => {
+                        v.push(format!("{} pages of connected client {:?}", r.pages, r.owner))
+                    }
+                    None => {}
+                }
+            }
+        }
+    }
+    v
+}
+
+/// A stop was requested: whether to stop now. Stopping would lose nothing:
+/// yes. Otherwise, with `drain`, drain this host within it first (cordon,
+/// evacuate) and stop if that left nothing; without, refuse — unless a
+/// stop was refused less than FORCE_WITHIN ago (a second request stops).
+fn may_stop(
+    app: Option<&Arc<App>>,
+    drain: Option<std::time::Duration>,
+    refused_at: &mut Option<std::time::Instant>,
+) -> bool {
+    let Some(app) = app else {
+        return true;
+    };
+    let held = held(app);
+    if held.is_empty() {
+        return true;
+    }
+    if refused_at.is_some_and(|t| t.elapsed() < FORCE_WITHIN) {
+        tracing::warn!(
+            "stopping anyway (a second stop request): this loses {}",
+            held.join("; ")
+        );
+        return true;
+    }
+    let me = (app.report)();
+    let name = me.hostname.clone();
+    let Some(limit) = drain else {
+        tracing::error!(
+            "refusing to stop: that would lose {}. Drain this host first (`pagefleet host drain {name}`), or ask again within {} s to stop anyway",
+            held.join("; "),
+            FORCE_WITHIN.as_secs()
+        );
+        *refused_at = Some(std::time::Instant::now());
+        return false;
+    };
+    tracing::warn!(
+        "draining before stopping (at most {} s): {}",
+        limit.as_secs(),
+        held.join("; ")
+    );
+    app.cordoned.store(true, std::sync::atomic::Ordering::SeqCst);
+    let order = pagefleet_api::EvacuationOrder {
+        host: me.http.clone().unwrap_or(name.clone()),
+        to: None,
+    };
+    let (tx, rx) = std::sync::mpsc::channel();
+    let a2 = app.clone();
+    // Its own thread: past the limit the daemon answers again (the
+    // evacuation may go on; the daemon stays up).
+    let spawned = std::thread::Builder::new()
+        .name("drain".into())
+        .spawn(move || {
+            let mut last = None;
+            crate::orchestrate::evacuate(&a2, order, |ev| {
+                if let pagefleet_api::EvacuationEvent::Failed { message } = ev {
+                    last = Some(message.clone());
+                }
+                true
+            });
+            let _ = tx.send(last);
+        });
+    let outcome = match spawned {
+        Ok(_) => rx.recv_timeout(limit),
+        Err(e) => Ok(Some(format!("cannot start the drain: {e}"))),
+    };
+    let left = self::held(app);
+    match outcome {
+        Ok(None) if left.is_empty() => {
+            tracing::info!("drained: stopping");
+            true
+        }
+        r => {
+            tracing::error!(
+                "refusing to stop: the drain {} and this host still holds {} (it stays cordoned; ask again within {} s to stop anyway)",
+                match r {
+                    Ok(Some(m)) => format!("failed ({m})"),
+                    Ok(None) => "ended".to_string(),
+                    Err(_) => format!("took longer than {} s", limit.as_secs()),
+                },
+                left.join("; "),
+                FORCE_WITHIN.as_secs()
+            );
+            *refused_at = Some(std::time::Instant::now());
+            false
+        }
+    }
+}
+
 /// The device guests' service addresses go on when none is configured.
 const DEFAULT_SERVICE_DEV: &str = "eth0";
 
@@ -209,8 +343,12 @@ pub fn run(a: Settings) -> Result<()> {
     if a.lend.is_none() && a.guest_memory.is_none() && a.ksm.is_none() && a.ioqos.is_none() {
         return Err(crate::Error::Invalid("nothing to do: lend memory with --lend SIZE (e.g. --lend 4GiB), run guests with --guest-memory SIZE, control KSM with --ksm adaptive and/or guarantee I/O with --ioqos-device DEV --ioqos-tenants SPEC; see --help".to_string()));
     }
-    // SIGTERM/SIGINT end the daemon cleanly (the KSM controller puts the host's settings back).
-    let stop = pagefleet_common::signal::stop_flag();
+    // SIGTERM/SIGINT ask the main loop to stop (`stop_requested`); it
+    // decides, and `stop` (what every service thread watches) is set only
+    // when the daemon really stops (the KSM controller then puts the host's
+    // settings back).
+    let stop_requested = pagefleet_common::signal::stop_flag();
+    let stop: &'static AtomicBool = &SHUTDOWN;
     let ksm = match &a.ksm {
         Some(spec) => {
             let opts = spec.options(
@@ -301,6 +439,7 @@ pub fn run(a: Settings) -> Result<()> {
     };
     let mut dedup = None;
     let mut heartbeat_app: Option<Arc<App>> = None;
+    let mut api_app: Option<Arc<App>> = None;
     let guests = match a.guest_memory {
         Some(mem) => {
             if http_listen.is_none() {
@@ -423,6 +562,7 @@ pub fn run(a: Settings) -> Result<()> {
                 },
                 cordoned,
             });
+            api_app = Some(app.clone());
             if app.etcd.is_some() {
                 let hb = app.clone();
                 std::thread::Builder::new()
@@ -472,13 +612,20 @@ pub fn run(a: Settings) -> Result<()> {
     // The main thread keeps house: what the daemon's threads freed goes back
     // to the kernel, so its RSS follows what it holds (see common::heap).
     let mut ticks = 0u32;
-    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+    let mut refused_at: Option<std::time::Instant> = None;
+    loop {
         std::thread::sleep(std::time::Duration::from_millis(100));
         ticks += 1;
         if ticks.is_multiple_of(50) {
             pagefleet_common::heap::give_back();
         }
+        if stop_requested.swap(false, std::sync::atomic::Ordering::SeqCst)
+            && may_stop(api_app.as_ref(), a.stop_drain, &mut refused_at)
+        {
+            break;
+        }
     }
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
     tracing::info!("stopping");
     if let Some(etcd) = heartbeat_app.as_ref().and_then(|a| a.etcd.as_ref()) {
         // Gone from the registry now, not when the lease runs out.

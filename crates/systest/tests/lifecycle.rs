@@ -1,0 +1,141 @@
+//! Stopping a host's pagefleetd never silently kills guests here or on
+//! other hosts: a stop while it lends pages to a running guest is refused
+//! (logged, naming the guest) until the host is drained, a second request
+//! within a minute stops anyway, and with `--stop-drain` the daemon drains
+//! itself first. A kv guest under a value-checking load on another host
+//! sees every value right through all of it.
+
+use pagefleet_lab::kvload;
+use pagefleet_systest::*;
+use pagefleet_testbed::Link;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::Duration;
+
+const MIB: u64 = 1 << 20;
+
+/// The process runs (not gone, not a zombie: the lab's daemons are this
+/// test's children and nobody reaps them before the lab goes down).
+fn alive(pid: u32) -> bool {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let state = s.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().next());
+    matches!(state, Some(st) if st != "Z" && st != "X")
+}
+
+fn term(pid: u32) {
+    // SAFETY: kill has no memory preconditions.
+    unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+}
+
+fn log_of(l: &LabRun, h: usize) -> String {
+    std::fs::read_to_string(l.lab.dir.join(format!("{}.log", l.lab.hosts[h].netns)))
+        .unwrap_or_default()
+}
+
+fn remote_on(l: &LabRun, name: &str, addr: &str) -> u64 {
+    l.guest(name)
+        .and_then(|(_, g)| g.pages.and_then(|p| p.remote.get(addr).copied()))
+        .unwrap_or(0)
+}
+
+/// A 64 MiB kv guest on h1 with a quarter resident, paging to `server`,
+/// filled and under a value-checking load from h3.
+fn kv_paging_to(l: &LabRun, name: &str, server: &str) -> kvload::Load {
+    let ip = l.lab.service_ip(1);
+    let svc = format!("{ip}:11211");
+    let (ok, _, err) = l.pf(
+        0,
+        &[
+            "guest", "start", name, "--on", "h1", "--size", "64MiB", "--budget", "25%", "--",
+            "kv", "--listen", &svc, "--service-ip", &ip, "--servers", server,
+        ],
+    );
+    assert!(ok, "guest start {name}: {err}");
+    let spec = kvload::Spec {
+        addr: svc,
+        keys: 16_000,
+        value_len: 2000,
+        conns: 2,
+        get_frac: 0.9,
+        theta: 0.99,
+        netns: Some(l.lab.hosts[2].netns.clone()),
+        reconnect: true,
+        pace: None,
+    };
+    kvload::prefill(&spec).expect("prefill");
+    let load = kvload::Load::start(&spec);
+    wait_for(&format!("{name}'s pages on {server}"), 60, || {
+        remote_on(l, name, server) > 4000
+    });
+    load
+}
+
+fn still_serving(load: &kvload::Load) {
+    let before = load.counters.ops.load(Relaxed);
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(load.counters.ops.load(Relaxed) > before, "the load stalled");
+    assert_eq!(load.counters.bad_values.load(Relaxed), 0, "wrong values");
+    assert_eq!(load.counters.misses.load(Relaxed), 0, "keys lost");
+    assert!(load.error().is_none(), "{:?}", load.error());
+}
+
+#[test]
+fn a_stop_that_would_lose_a_guests_pages_is_refused_until_the_host_is_drained() {
+    if !is_root() {
+        eprintln!("skipped: the testbed needs root (CI runs as root)");
+        return;
+    }
+    let l = lab("stp", 3, Link::Unshaped, 128 * MIB, &[256 * MIB, 0]);
+    let (h2, h3) = (l.lab.hosts[1].clone(), l.lab.hosts[2].clone());
+    let load = kv_paging_to(&l, "st1", &h2.addr);
+    // systemctl stop: refused, named, logged; the guest keeps its pages.
+    term(h2.pid);
+    wait_for("h2's refusal in its log", 20, || log_of(&l, 1).contains("refusing to stop"));
+    let log = log_of(&l, 1);
+    assert!(log.contains("guest st1 (running on h1)"), "{log}");
+    assert!(log.contains("pagefleet host drain h2"), "{log}");
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(alive(h2.pid), "h2's pagefleetd stopped with st1's pages");
+    still_serving(&load);
+    // Drained, it stops at once.
+    let (ok, out, err) = l.pf(0, &["host", "drain", "h2"]);
+    assert!(ok, "host drain h2: {out}{err}");
+    assert_eq!(remote_on(&l, "st1", &h2.addr), 0);
+    assert!(remote_on(&l, "st1", &h3.addr) > 0);
+    term(h2.pid);
+    wait_for("h2's pagefleetd to stop once drained", 20, || !alive(h2.pid));
+    still_serving(&load);
+    let c = load.counters.clone();
+    load.stop().expect("load");
+    assert_eq!(c.bad_values.load(Relaxed), 0);
+    // h3 now holds st1's pages: refused, then a second stop within a
+    // minute stops anyway — and st1, its pages gone, shows as failed.
+    term(h3.pid);
+    wait_for("h3's refusal", 20, || log_of(&l, 2).contains("refusing to stop"));
+    assert!(alive(h3.pid));
+    term(h3.pid);
+    wait_for("h3's pagefleetd to stop on the second request", 20, || !alive(h3.pid));
+    assert!(log_of(&l, 2).contains("stopping anyway"));
+}
+
+#[test]
+fn with_stop_drain_a_stop_drains_the_host_first() {
+    if !is_root() {
+        eprintln!("skipped: the testbed needs root (CI runs as root)");
+        return;
+    }
+    let l = lab_with("std", 3, Link::Unshaped, 128 * MIB, &[256 * MIB, 0], |o| {
+        o.daemon_args = vec!["--stop-drain".into(), "60".into()];
+    });
+    let (h2, h3) = (l.lab.hosts[1].clone(), l.lab.hosts[2].clone());
+    let load = kv_paging_to(&l, "sd1", &h2.addr);
+    term(h2.pid);
+    wait_for("h2's pagefleetd to drain and stop", 60, || !alive(h2.pid));
+    let log = log_of(&l, 1);
+    assert!(log.contains("draining before stopping") && log.contains("sd1"), "{log}");
+    assert_eq!(remote_on(&l, "sd1", &h2.addr), 0);
+    assert!(remote_on(&l, "sd1", &h3.addr) > 0);
+    still_serving(&load);
+    let c = load.counters.clone();
+    load.stop().expect("load");
+    assert_eq!((c.bad_values.load(Relaxed), c.misses.load(Relaxed)), (0, 0));
+}
