@@ -162,6 +162,10 @@ pub struct GcRequest {
     /// Only say what would be freed.
     #[serde(default)]
     pub dry_run: bool,
+    /// The operator says the hosts that cannot be asked are gone: collect
+    /// what no guest of the hosts that answer owns.
+    #[serde(default)]
+    pub unreachable_gone: bool,
 }
 
 /// What a collection freed on one memory server.
@@ -178,4 +182,23 @@ pub struct GcReport {
     pub kept: u64,
     /// Whether this was a dry run.
     pub dry_run: bool,
+}
+
+/// `POST /registry/remove`: take a dead host out of the registry.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RemoveHost {
+    /// The host: its name or HTTP address.
+    pub host: String,
+}
+
+/// What `POST /registry/remove` removed on the daemon asked.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct HostRemoved {
+    /// The peer address it no longer asks (embedded registry).
+    pub peer: Option<String>,
+    /// The host's records in etcd were there and are gone.
+    pub registry: bool,
+    /// Its etcd cluster member was removed too.
+    pub etcd_member: bool,
 }

@@ -776,6 +776,22 @@ pub enum HostCmd {
     ///
     ///   pagefleet host drain h3
     Drain(EvacuateArgs),
+    /// Take a dead host out of the cluster for good: every daemon's
+    /// registry stops asking it (and with etcd its records and its etcd
+    /// member go), so gc and placement no longer wait for it; its guests
+    /// and the pages it held are lost. Refused while the host answers
+    /// (drain it and stop its daemon first). Also remove it from the other
+    /// hosts' --peers (config) before they restart. A host that comes back
+    /// rejoins through its own --peers / etcd.
+    ///
+    ///   pagefleet host remove h3         (or its HTTP address, as status lists it)
+    Remove {
+        /// The host: its name, or its HTTP address (a host that never
+        /// answered is known by its address only).
+        host: String,
+        #[command(flatten)]
+        reg: Registry,
+    },
 }
 
 fn set_cordon(c: &Client, reg: &Registry, host: &str, on: bool) -> Result<String> {
@@ -797,6 +813,36 @@ pub fn host(c: &Client, cmd: HostCmd) -> Result<()> {
         HostCmd::Uncordon { host, reg } => {
             let n = set_cordon(c, &reg, &host, false)?;
             println!("{n} uncordoned: placement may use it again");
+        }
+        HostCmd::Remove { host, reg } => {
+            let hs = hosts(c, &reg.registry, &[])?;
+            if let Some(h) = hs
+                .iter()
+                .find(|h| h.host.is_some() && (h.name() == host || h.http == host))
+            {
+                bail!(
+                    "{} answers: a live host is not removed (drain it, `pagefleet host drain {}`, and stop its pagefleetd first)",
+                    h.name(),
+                    h.name()
+                );
+            }
+            let mut said = Vec::new();
+            for h in hs.iter().filter(|h| h.host.is_some()) {
+                let r: pagefleet_api::HostRemoved = c
+                    .post(&h.http, "/registry/remove", &pagefleet_api::RemoveHost { host: host.clone() })
+                    .with_context(|| format!("asking {} to remove {host}", h.name()))?;
+                if r.peer.is_some() || r.registry || r.etcd_member {
+                    said.push(format!(
+                        "{}{}",
+                        h.name(),
+                        if r.etcd_member { " (and its etcd member)" } else { "" }
+                    ));
+                }
+            }
+            if said.is_empty() {
+                bail!("no registry knows a host {host:?} (see pagefleet status)");
+            }
+            println!("{host} removed from the registry of {}", said.join(", "));
         }
         HostCmd::Drain(a) => {
             let n = set_cordon(c, &a.reg, &a.host, true)?;

@@ -128,21 +128,38 @@ pub fn drop_region(c: &Client, registry: &str, on: &str, region: &str) -> Result
 }
 
 /// Collect orphaned regions on every memory server of the cluster.
-pub fn gc(c: &Client, registry: &str, grace_secs: f64, dry_run: bool, json: bool) -> Result<()> {
+pub fn gc(
+    c: &Client,
+    registry: &str,
+    grace_secs: f64,
+    dry_run: bool,
+    unreachable_gone: bool,
+    json: bool,
+) -> Result<()> {
     let hs = hosts(c, registry, &[])?;
-    if let Some(h) = hs.iter().find(|h| h.error.is_some()) {
-        bail!(
-            "cannot ask host {} ({}): a guest there may own pages elsewhere, so nothing is collected",
-            h.http,
-            h.error.as_deref().unwrap_or_default()
-        );
+    let unreachable: Vec<&ClusterHost> = hs.iter().filter(|h| h.error.is_some()).collect();
+    if let Some(h) = unreachable.first() {
+        if !unreachable_gone {
+            bail!(
+                "cannot ask host {} ({}): a guest there may own pages elsewhere, so nothing is collected. \
+                 If it is gone for good, `pagefleet host remove {}` takes it out of the registry, \
+                 or `pagefleet gc --unreachable-gone` collects what the hosts that answer can vouch for",
+                h.http,
+                h.error.as_deref().unwrap_or_default(),
+                h.http
+            );
+        }
+        for h in &unreachable {
+            eprintln!("taking {} as gone: {}", h.http, h.error.as_deref().unwrap_or_default());
+        }
     }
     let req = GcRequest {
         grace_secs,
         dry_run,
+        unreachable_gone,
     };
     let mut reports = Vec::new();
-    for h in lenders(&hs, None)? {
+    for h in lenders(&hs, None)?.into_iter().filter(|h| h.error.is_none()) {
         let r: GcReport = c
             .post(&h.http, "/gc", &req)
             .with_context(|| format!("collecting on {}", h.name()))?;

@@ -92,6 +92,12 @@ enum Cmd {
         /// Only list what would be freed.
         #[arg(long)]
         dry_run: bool,
+        /// The hosts that cannot be asked are gone for good: collect what no
+        /// guest of the hosts that answer owns (a guest on a host taken as
+        /// gone loses its pages here). `pagefleet host remove` is the
+        /// lasting way.
+        #[arg(long)]
+        unreachable_gone: bool,
         #[command(flatten)]
         reg: cluster::Registry,
         /// Print JSON.
@@ -658,9 +664,17 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Gc {
             grace,
             dry_run,
+            unreachable_gone,
             reg,
             json,
-        } => gc::gc(&cluster::client(sf)?, &reg.registry, grace, dry_run, json),
+        } => gc::gc(
+            &cluster::client(sf)?,
+            &reg.registry,
+            grace,
+            dry_run,
+            unreachable_gone,
+            json,
+        ),
 
         Cmd::Migrate(m) => cluster::migrate_cmd(&cluster::client(sf)?, m),
         Cmd::Gather(g) => cluster::gather_cmd(&cluster::client(sf)?, g),

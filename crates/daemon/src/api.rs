@@ -18,6 +18,7 @@
 //! | `POST /guests/NAME/migrate` | `MigrateRequest` | `ProgressEvent` lines |
 //! | `POST /migrations` | `MigrationOrder` | `ProgressEvent` lines (placement first) |
 //! | `POST /evacuations` | `EvacuationOrder` | `EvacuationEvent` lines |
+//! | `POST /registry/remove` | `RemoveHost` | `HostRemoved` |
 
 use crate::guests::{Guests, Refusal};
 use crate::http::error;
@@ -46,8 +47,8 @@ pub struct App {
     pub report: Box<dyn Fn() -> HostReport + Send + Sync>,
     /// The Prometheus text, fresh on each call.
     pub metrics: Box<dyn Fn() -> String + Send + Sync>,
-    /// The other hosts' HTTP addresses (the registry).
-    pub peers: Vec<String>,
+    /// The other hosts (the embedded registry): `--peers` less the removed.
+    pub peers: crate::registry::Peers,
     /// Signed client for asking the peers.
     pub client: Client,
     /// This host's memory server and its address, if it lends memory.
@@ -171,7 +172,7 @@ impl App {
     pub fn view(&self) -> ClusterView {
         match &self.etcd {
             Some(etcd) => self.me_first(etcd.view()),
-            None => crate::registry::cluster(self.me(), &self.peers, &self.client),
+            None => self.peers.cluster(self.me(), &self.client),
         }
     }
 
@@ -407,5 +408,47 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/memserver/regions", get(mem_regions))
         .route("/memserver/drop", post(mem_drop))
         .route("/gc", post(gc))
+        .route("/registry/remove", post(remove_host))
         .with_state(app)
+}
+
+/// `POST /registry/remove`: a dead host leaves this daemon's registry (its
+/// peers; with etcd, its records and its etcd member). Refused for this
+/// host itself.
+async fn remove_host(State(app): Shared, b: Bytes) -> Response {
+    let req = match body::<pagefleet_api::RemoveHost>(&b) {
+        Ok(r) => r,
+        Err(r) => return refusal(r),
+    };
+    blocking(move || {
+        let me = (app.report)();
+        if req.host == me.hostname || me.http.as_deref() == Some(req.host.as_str()) {
+            return Err(Refusal::new(409, format!("{} is this host: a host cannot remove itself", req.host)));
+        }
+        let mut out = pagefleet_api::HostRemoved::default();
+        if let Some(r) = app.peers.remove(&req.host) {
+            tracing::warn!(
+                "host {} ({}) removed from this registry (pagefleet host remove)",
+                r.name.as_deref().unwrap_or("?"),
+                r.http
+            );
+            out.peer = Some(r.http);
+        }
+        if let Some(etcd) = &app.etcd {
+            let (known, member) = etcd
+                .remove_host(&req.host)
+                .map_err(|e| Refusal::new(502, format!("the registry (etcd): {e}")))?;
+            if known || member {
+                tracing::warn!(
+                    "host {} removed from the registry (etcd){}",
+                    req.host,
+                    if member { " with its etcd member" } else { "" }
+                );
+            }
+            out.registry = known;
+            out.etcd_member = member;
+        }
+        Ok(out)
+    })
+    .await
 }

@@ -43,8 +43,9 @@ pub fn drop_region(st: &ServerState, region: &str) -> Result<Dropped, String> {
 }
 
 /// Collect the orphans of `st` (the memory server at `server`) given the
-/// registry's `view`. Refused if any host of the view could not be asked:
-/// a guest there might own pages here.
+/// registry's `view`. Refused if any host of the view could not be asked
+/// (a guest there might own pages here), unless the request says such
+/// hosts are gone.
 pub fn collect(
     st: &ServerState,
     server: &str,
@@ -52,11 +53,17 @@ pub fn collect(
     req: &GcRequest,
 ) -> Result<GcReport, String> {
     if let Some(h) = view.hosts.iter().find(|h| h.error.is_some()) {
-        return Err(format!(
-            "cannot ask host {} ({}): a guest there may own pages here, so nothing is collected",
-            h.http,
-            h.error.as_deref().unwrap_or_default()
-        ));
+        if !req.unreachable_gone {
+            return Err(format!(
+                "cannot ask host {} ({}): a guest there may own pages here, so nothing is collected (if it is gone for good: `pagefleet host remove`, or `pagefleet gc --unreachable-gone`)",
+                h.http,
+                h.error.as_deref().unwrap_or_default()
+            ));
+        }
+        tracing::warn!(
+            "gc: host {} cannot be asked and is taken as gone (--unreachable-gone)",
+            h.http
+        );
     }
     if !(req.grace_secs >= 0.0 && req.grace_secs.is_finite()) {
         return Err(format!(

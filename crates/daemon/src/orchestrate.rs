@@ -17,10 +17,27 @@ use pagefleet_migrate::placement::{self, HostInfo};
 use std::time::Duration;
 
 /// A host by name, HTTP address or memory-server address.
-fn find_host(hs: &[ClusterHost], key: &str) -> Result<usize, String> {
-    hs.iter()
+/// The host `key` names (name, HTTP or memory-server address) in `hs`;
+/// one that does not answer is named with since when; one removed says so.
+fn find_host(app: &App, hs: &[ClusterHost], key: &str) -> Result<usize, String> {
+    match hs
+        .iter()
         .position(|h| h.name() == key || h.http == key || h.memserver() == Some(key))
-        .ok_or_else(|| format!("no host {key:?} in this host's registry (its --peers)"))
+    {
+        Some(i) => match &hs[i].error {
+            Some(e) => Err(format!("host {key:?} cannot be used: {e}")),
+            None => Ok(i),
+        },
+        None => Err(match app.peers.removed(key) {
+            Some(r) => format!(
+                "host {key:?} ({}) was removed from the registry at {} (pagefleet host remove)",
+                r.http,
+                crate::registry::utc(r.at)
+            ),
+            None if app.etcd.is_some() => format!("no host {key:?} in the registry (etcd)"),
+            None => format!("no host {key:?} in this host's registry (its --peers)"),
+        }),
+    }
 }
 
 fn info(h: &ClusterHost) -> HostInfo {
@@ -131,7 +148,7 @@ fn place(app: &App, o: &MigrationOrder) -> Result<(Placed, MigrateRequest, Promi
     let data_pages = pages.local;
     let to =
         o.to.as_deref()
-            .map(|t| find_host(hs, t))
+            .map(|t| find_host(app, hs, t))
             .transpose()
             .map_err(bad)?;
     let subs = o
@@ -139,7 +156,7 @@ fn place(app: &App, o: &MigrationOrder) -> Result<(Placed, MigrateRequest, Promi
         .as_ref()
         .map(|s| {
             s.iter()
-                .map(|x| find_host(hs, x))
+                .map(|x| find_host(app, hs, x))
                 .collect::<Result<Vec<_>, _>>()
         })
         .transpose()
@@ -331,14 +348,14 @@ pub fn evacuate(app: &App, order: EvacuationOrder, mut emit: impl FnMut(&Evacuat
     let fail = |m: String| EvacuationEvent::Failed { message: m };
     let view = app.view();
     let hs = &view.hosts;
-    let x = match find_host(hs, &order.host) {
+    let x = match find_host(app, hs, &order.host) {
         Ok(x) => x,
         Err(m) => {
             emit(&fail(m));
             return;
         }
     };
-    let to = match order.to.as_deref().map(|t| find_host(hs, t)).transpose() {
+    let to = match order.to.as_deref().map(|t| find_host(app, hs, t)).transpose() {
         Ok(t) => t,
         Err(m) => {
             emit(&fail(m));

@@ -1,8 +1,135 @@
 //! The embedded registry: this host's report and guests, and every peer's,
-//! asked in parallel over the signed API (`GET /cluster`).
+//! asked in parallel over the signed API (`GET /cluster`). The peers are
+//! `--peers` less the hosts removed since (`pagefleet host remove`), and the
+//! registry remembers since when each unreachable peer has not answered.
 
 use pagefleet_api::{ClusterHost, ClusterView, GuestStatus, HostReport};
 use pagefleet_common::http::Client;
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::SystemTime;
+
+/// A host removed from this registry.
+#[derive(Clone, Debug)]
+pub struct Removed {
+    /// Its HTTP address.
+    pub http: String,
+    /// Its name, if it ever answered.
+    pub name: Option<String>,
+    /// When.
+    pub at: SystemTime,
+}
+
+/// The peers and what is known of them.
+#[derive(Default)]
+pub struct Peers {
+    /// HTTP addresses asked.
+    list: Mutex<Vec<String>>,
+    /// Per peer: its name when it last answered.
+    names: Mutex<HashMap<String, String>>,
+    /// Per unreachable peer: since when.
+    down_since: Mutex<HashMap<String, SystemTime>>,
+    removed: Mutex<Vec<Removed>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A time as an operator reads it in a log or an error: UTC, to the second.
+pub fn utc(t: SystemTime) -> String {
+    let s = t
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let (days, rem) = (s / 86400, s % 86400);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02} UTC",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+impl Peers {
+    /// The peers given at start-up.
+    pub fn new(list: Vec<String>) -> Peers {
+        Peers {
+            list: Mutex::new(list),
+            ..Default::default()
+        }
+    }
+
+    /// Remove the peer whose address or last-known name is `key`; the
+    /// removed entry, or None if no peer is known by that key.
+    pub fn remove(&self, key: &str) -> Option<Removed> {
+        let names = lock(&self.names).clone();
+        let mut list = lock(&self.list);
+        let i = list
+            .iter()
+            .position(|p| p == key || names.get(p).is_some_and(|n| n == key))?;
+        let http = list.remove(i);
+        let r = Removed {
+            name: names.get(&http).cloned(),
+            http: http.clone(),
+            at: SystemTime::now(),
+        };
+        lock(&self.down_since).remove(&http);
+        lock(&self.removed).push(r.clone());
+        Some(r)
+    }
+
+    /// The removal of a host known by `key` (address or name), if any.
+    pub fn removed(&self, key: &str) -> Option<Removed> {
+        lock(&self.removed)
+            .iter()
+            .rev()
+            .find(|r| r.http == key || r.name.as_deref() == Some(key))
+            .cloned()
+    }
+
+    /// This host and every peer; a peer that does not answer is listed
+    /// with its error and since when it has not answered.
+    pub fn cluster(&self, me: ClusterHost, client: &Client) -> ClusterView {
+        let peers = lock(&self.list).clone();
+        let mut view = cluster(me, &peers, client);
+        let now = SystemTime::now();
+        let mut down = lock(&self.down_since);
+        let mut names = lock(&self.names);
+        for h in view.hosts.iter_mut().skip(1) {
+            match (&h.host, &mut h.error) {
+                (Some(r), _) => {
+                    down.remove(&h.http);
+                    names.insert(h.http.clone(), r.hostname.clone());
+                }
+                (None, Some(e)) => {
+                    let since = *down.entry(h.http.clone()).or_insert(now);
+                    let who = names
+                        .get(&h.http)
+                        .map(|n| format!("{n} ({})", h.http))
+                        .unwrap_or_else(|| h.http.clone());
+                    *e = format!(
+                        "{who} has not answered since {} ({} s): {e}",
+                        utc(since),
+                        now.duration_since(since).map(|d| d.as_secs()).unwrap_or(0)
+                    );
+                }
+                (None, None) => {}
+            }
+        }
+        view
+    }
+}
 
 /// This host and every peer; a peer that does not answer is listed with its error.
 pub fn cluster(me: ClusterHost, peers: &[String], client: &Client) -> ClusterView {
@@ -43,4 +170,29 @@ pub fn cluster(me: ClusterHost, peers: &[String], client: &Client) -> ClusterVie
     let mut hosts = vec![me];
     hosts.extend(others);
     ClusterView { hosts }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn utc_formats_civil_dates() {
+        let t = |s: u64| utc(SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(s));
+        assert_eq!(t(0), "1970-01-01 00:00:00 UTC");
+        assert_eq!(t(951_782_400), "2000-02-29 00:00:00 UTC");
+        assert_eq!(t(1_795_932_622), "2026-11-29 06:10:22 UTC");
+    }
+
+    #[test]
+    fn a_removed_peer_is_asked_no_more_and_remembered() {
+        let p = Peers::new(vec!["a:1".into(), "b:1".into()]);
+        lock(&p.names).insert("b:1".into(), "h2".into());
+        assert!(p.remove("nope").is_none());
+        let r = p.remove("h2").expect("by name");
+        assert_eq!((r.http.as_str(), r.name.as_deref()), ("b:1", Some("h2")));
+        assert_eq!(*lock(&p.list), vec!["a:1".to_string()]);
+        assert!(p.removed("b:1").is_some() && p.removed("h2").is_some());
+        assert!(p.remove("b:1").is_none(), "removed once");
+    }
 }

@@ -112,6 +112,7 @@ fn collect_loop(app: &App, grace: std::time::Duration, stop: &AtomicBool) {
     let req = pagefleet_api::GcRequest {
         grace_secs: grace.as_secs_f64(),
         dry_run: false,
+        unreachable_gone: false,
     };
     let every = grace.clamp(std::time::Duration::from_secs(1), GC_EVERY);
     let mut last = std::time::Instant::now();
@@ -550,7 +551,7 @@ pub fn run(a: Settings) -> Result<()> {
                 guests: guests.clone(),
                 report: Box::new(report),
                 metrics: Box::new(metrics_text),
-                peers: a.peers.clone(),
+                peers: crate::registry::Peers::new(a.peers.clone()),
                 client: Client::new(secret.clone()),
                 memserver: ms.as_ref().map(|m| (m.state.clone(), m.addr.to_string())),
                 etcd: match &a.etcd {

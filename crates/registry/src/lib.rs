@@ -289,6 +289,44 @@ impl Etcd {
         })
     }
 
+    /// Remove host `name` from the cluster for good (it is dead and will
+    /// not come back as it was): its membership, report, guests' records
+    /// and claims, and the etcd cluster member of that name if there is
+    /// one. Returns whether the host was known here and whether an etcd
+    /// member went with it. A host that comes back joins anew.
+    pub fn remove_host(&self, name: &str) -> Result<(bool, bool), RegistryError> {
+        let keys = [
+            format!("{PREFIX}members/{name}"),
+            format!("{PREFIX}hosts/{name}"),
+            format!("{PREFIX}claims/{name}"),
+        ];
+        let guests = format!("{PREFIX}guests/{name}/");
+        let known = self.call(async move |c| {
+            let had = c
+                .get(keys[0].as_str(), Some(GetOptions::new().with_count_only()))
+                .await?
+                .count()
+                > 0;
+            let mut ops: Vec<TxnOp> = keys.iter().map(|k| TxnOp::delete(k.as_str(), None)).collect();
+            ops.push(TxnOp::delete(
+                guests.as_str(),
+                Some(etcd_client::DeleteOptions::new().with_prefix()),
+            ));
+            c.txn(Txn::new().and_then(ops)).await?;
+            Ok(had)
+        })?;
+        let name = name.to_string();
+        let member = self.call(async move |c| {
+            let list = c.member_list().await?;
+            let Some(id) = list.members().iter().find(|m| m.name() == name).map(|m| m.id()) else {
+                return Ok(false);
+            };
+            c.member_remove(id).await?;
+            Ok(true)
+        })?;
+        Ok((known, member))
+    }
+
     /// Leave the cluster's live view at once (pagefleetd stopping): the
     /// lease is revoked, so this host's report and guests go now.
     pub fn withdraw(&self) {

@@ -139,3 +139,84 @@ fn with_stop_drain_a_stop_drains_the_host_first() {
     load.stop().expect("load");
     assert_eq!((c.bad_values.load(Relaxed), c.misses.load(Relaxed)), (0, 0));
 }
+
+/// The hosts' names as `pagefleet status --json` from h1 lists them (a host
+/// that does not answer by its address), and how many do not answer.
+fn listed(l: &LabRun) -> (Vec<String>, usize) {
+    let s = l.status(0);
+    let names = s
+        .iter()
+        .map(|h| h.report.as_ref().map_or(h.host.clone(), |r| r.hostname.clone()))
+        .collect();
+    (names, s.iter().filter(|h| h.report.is_none()).count())
+}
+
+fn removing_a_dead_host_unsticks_the_cluster(l: &LabRun, h3_is_etcd_member: bool) {
+    let h3 = l.lab.hosts[2].clone();
+    wait_for("3 hosts in the registry", 30, || listed(l) == (vec!["h1".into(), "h2".into(), "h3".into()], 0));
+    // A live host is not removed.
+    let (ok, _, err) = l.pf(0, &["host", "remove", "h3"]);
+    assert!(!ok && err.contains("answers"), "{err}");
+    // h3 dies (its daemon and, if it has one, its etcd member).
+    // SAFETY: kill has no memory preconditions.
+    unsafe { libc::kill(h3.pid as i32, libc::SIGKILL) };
+    if h3_is_etcd_member {
+        assert!(kill_in(l, 2, "--initial-cluster-state"), "no etcd on h3");
+    }
+    wait_for("h3 to be seen dead", 60, || listed(l).1 == 1);
+    let (ok, out, err) = l.pf(0, &["gc", "--grace", "0"]);
+    assert!(!ok && err.contains("host remove"), "gc waits for h3 and says how to go on: {out}{err}");
+    if !h3_is_etcd_member {
+        let (_, out, _) = l.pf(0, &["status"]);
+        assert!(out.contains("has not answered since"), "{out}");
+    }
+    let (ok, _, err) = l.pf(0, &["gc", "--grace", "0", "--unreachable-gone"]);
+    assert!(ok, "gc for what the live hosts vouch for: {err}");
+    // Removed: gone from every view; gc runs; commands naming it say so.
+    let key = if h3_is_etcd_member { "h3".to_string() } else { h3.http() };
+    let (ok, out, err) = l.pf(0, &["host", "remove", &key]);
+    assert!(ok, "host remove: {out}{err}");
+    if h3_is_etcd_member {
+        assert!(out.contains("etcd member"), "{out}");
+    }
+    wait_for("h3 out of the registry", 30, || listed(l) == (vec!["h1".into(), "h2".into()], 0));
+    let (ok, _, err) = l.pf(0, &["gc", "--grace", "0"]);
+    assert!(ok, "gc after the removal: {err}");
+    let (ok, _, err) = l.pf(0, &["evacuate", &key]);
+    assert!(!ok, "evacuating a removed host");
+    assert!(
+        err.contains("removed") || err.contains("no host"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_dead_host_is_removed_from_the_peers_registry() {
+    if !is_root() {
+        eprintln!("skipped: the testbed needs root (CI runs as root)");
+        return;
+    }
+    let l = lab("rmp", 3, Link::Unshaped, 64 * MIB, &[128 * MIB, 0]);
+    removing_a_dead_host_unsticks_the_cluster(&l, false);
+}
+
+#[test]
+fn a_dead_host_and_its_etcd_member_are_removed_from_the_etcd_registry() {
+    if !is_root() {
+        eprintln!("skipped: the testbed needs root (CI runs as root)");
+        return;
+    }
+    let l = lab_with("rme", 3, Link::Unshaped, 64 * MIB, &[128 * MIB, 0], |o| o.etcd = 3);
+    removing_a_dead_host_unsticks_the_cluster(&l, true);
+    // etcd itself has two members left.
+    let out = l
+        .lab
+        .exec(0, "etcdctl")
+        .args(["--endpoints", &format!("{}:2379", l.lab.hosts[0].ip), "member", "list"])
+        .env("ETCDCTL_API", "3")
+        .output()
+        .expect("etcdctl");
+    let list = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(list.lines().count(), 2, "{list}");
+    assert!(!list.contains("h3"), "{list}");
+}
