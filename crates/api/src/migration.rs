@@ -118,6 +118,10 @@ pub struct EvacuationOrder {
     /// lending the most free memory that is neither this one nor the guest's).
     #[serde(default)]
     pub to: Option<String>,
+    /// Only move the pages its memory server holds; the guests running
+    /// there stay (a daemon restart: they outlive it).
+    #[serde(default)]
+    pub pages_only: bool,
 }
 
 /// One line of an evacuation's stream.

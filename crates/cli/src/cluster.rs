@@ -696,6 +696,7 @@ pub fn evacuate(c: &Client, a: EvacuateArgs) -> Result<()> {
     let order = EvacuationOrder {
         host: a.host.clone(),
         to: a.to.clone(),
+        pages_only: false,
     };
     let mut end = None;
     c.post_stream(

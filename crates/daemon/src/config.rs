@@ -5,7 +5,7 @@
 //! log = "info"
 //! secret_file = "/etc/pagefleet/secret"
 //! tls_dir = "/etc/pagefleet/tls"  # this host's certificates (pagefleet cert issue)
-//! stop_drain_secs = 0       # on SIGTERM while holding guests or their pages: drain within this (0: refuse)
+//! stop_drain_secs = 0       # on SIGTERM while lending pages to running guests: move them within this (0: refuse)
 //!
 //! [memserver]
 //! lend = "4GiB"

@@ -7,6 +7,13 @@
 //! subcommand; what it runs comes as one typed [`Launch`] message on its
 //! stdin (a [`GuestSpec`], never a command line a caller chose), and the
 //! cluster secret with it (never on a command line).
+//!
+//! Runners outlive their daemon: a restarted pagefleetd (an upgrade) reads
+//! `GUESTDIR/runners.json`, which lists its running guests' runners, and
+//! adopts each one that still runs as that guest and answers on its
+//! control socket; it watches an adopted runner through a pidfd (it is not
+//! its child, so its exit status is not known: an adopted runner that ends
+//! without a stop or a migration is recorded as failed).
 
 use pagefleet_api::control::ControlRequest;
 use pagefleet_api::launch::{to_hex, Job, Launch};
@@ -93,6 +100,17 @@ struct Entry {
     incoming: bool,
     /// What its runner last reported (kept for the failed record).
     last: Option<GuestStatus>,
+    /// Asked to stop (an adopted runner's end is then no failure).
+    stopping: bool,
+}
+
+/// A running guest's runner as `runners.json` lists it for the next daemon.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Listed {
+    name: String,
+    pid: u32,
+    control: PathBuf,
+    budget_pages: u64,
 }
 
 type SpawnReq = (Command, std::sync::mpsc::Sender<std::io::Result<Child>>);
@@ -310,12 +328,14 @@ impl Guests {
             .arg(format!("--name={name}"))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped());
-        // SAFETY: the closure only calls prctl, which is async-signal-safe.
+        // No parent-death signal: a runner outlives its daemon (a restart
+        // adopts it). Its own session, so a terminal's or a process
+        // group's signals for the daemon do not reach it.
+        // SAFETY: the closure only calls setsid, which is async-signal-safe.
         unsafe {
             use std::os::unix::process::CommandExt;
             cmd.pre_exec(|| {
-                // Runners die with their host daemon.
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+                libc::setsid();
                 Ok(())
             });
         }
@@ -347,6 +367,7 @@ impl Guests {
                     budget_pages,
                     incoming,
                     last: None,
+                    stopping: false,
                 },
             );
             if lock(&self.failed).remove(name).is_some() {
@@ -428,6 +449,7 @@ impl Guests {
         if let Some(e) = lock(&self.map).get_mut(name) {
             e.pid = pid;
         }
+        self.save_runners();
         // Reap it; its memory goes back when it exits (stopped or migrated away).
         let me = self.clone();
         let n = name.to_string();
@@ -455,6 +477,7 @@ impl Guests {
                 }
             };
             drop(m);
+            me.save_runners();
             let exit = match &st {
                 Ok(s) => describe_exit(*s),
                 Err(e) => format!("unknown ({e})"),
@@ -655,6 +678,11 @@ impl Guests {
         req: &ControlRequest,
     ) -> Result<T, Refusal> {
         let c = self.control_path(name)?;
+        if matches!(req, ControlRequest::Stop) {
+            if let Some(e) = lock(&self.map).get_mut(name) {
+                e.stopping = true;
+            }
+        }
         // Moving a sub-host's pages or sorting takes as long as it takes.
         let t = match req {
             ControlRequest::Evacuate { .. } | ControlRequest::Sort => Duration::from_secs(3600),
@@ -681,6 +709,114 @@ impl Guests {
     /// The guest left this host (its runner exits next): its memory is free at once.
     pub fn forget(&self, name: &str) {
         lock(&self.map).remove(name);
+        self.save_runners();
+    }
+
+    /// Write `runners.json`: the running guests' runners, for the daemon
+    /// that comes after this one (written whole, then renamed into place).
+    fn save_runners(&self) {
+        let list: Vec<Listed> = lock(&self.map)
+            .iter()
+            .filter(|(_, e)| e.pid != 0 && !e.incoming)
+            .map(|(n, e)| Listed {
+                name: n.clone(),
+                pid: e.pid,
+                control: e.control.clone(),
+                budget_pages: e.budget_pages,
+            })
+            .collect();
+        let path = self.cfg.dir.join("runners.json");
+        let tmp = self.cfg.dir.join("runners.json.tmp");
+        let r = std::fs::write(&tmp, serde_json::to_vec(&list).unwrap_or_default())
+            .and_then(|()| std::fs::rename(&tmp, &path));
+        if let Err(e) = r {
+            tracing::warn!("cannot write {}: {e} (a restart would not find its guests)", path.display());
+        }
+    }
+
+    /// Adopt the runners a previous daemon of this guest directory left
+    /// running: each that still runs as its guest and answers its control
+    /// socket. Returns the names adopted.
+    pub fn adopt(self: &Arc<Guests>) -> Vec<String> {
+        let path = self.cfg.dir.join("runners.json");
+        let Ok(text) = std::fs::read(&path) else {
+            return Vec::new();
+        };
+        let listed: Vec<Listed> = serde_json::from_slice(&text).unwrap_or_default();
+        let mut adopted = Vec::new();
+        for l in listed {
+            // The pid is still this guest's runner (not a reused pid).
+            let cmdline = std::fs::read(format!("/proc/{}/cmdline", l.pid)).unwrap_or_default();
+            let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+            let ours = args.iter().any(|a| *a == b"runner-guest")
+                && args.iter().any(|a| *a == format!("--name={}", l.name).as_bytes());
+            if !ours || !pagefleet_api::guest::valid_name(&l.name) {
+                continue;
+            }
+            let status = match control::call::<GuestStatus>(&l.control, &ControlRequest::Status, Duration::from_secs(5)) {
+                Ok(s) if s.pid == l.pid => s,
+                _ => {
+                    tracing::warn!("guest {} (runner {}) does not answer on {}: not adopted", l.name, l.pid, l.control.display());
+                    continue;
+                }
+            };
+            // SAFETY: pidfd_open has no memory arguments.
+            let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, l.pid as libc::pid_t, 0) };
+            if fd < 0 {
+                continue;
+            }
+            // SAFETY: a fresh descriptor the kernel just returned, owned here.
+            let pidfd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) };
+            lock(&self.map).insert(
+                l.name.clone(),
+                Entry {
+                    pid: l.pid,
+                    control: l.control.clone(),
+                    budget_pages: l.budget_pages,
+                    incoming: false,
+                    last: Some(status),
+                    stopping: false,
+                },
+            );
+            let (me, n, pid) = (self.clone(), l.name.clone(), l.pid);
+            std::thread::spawn(move || me.watch_adopted(&n, pid, pidfd));
+            info!("guest {} (runner {}) adopted: it kept running through the daemon's restart", l.name, l.pid);
+            adopted.push(l.name);
+        }
+        self.save_runners();
+        adopted
+    }
+
+    /// Wait for an adopted runner (not our child) to end, then do what the
+    /// reaper does for our own.
+    fn watch_adopted(&self, name: &str, pid: u32, pidfd: std::os::fd::OwnedFd) {
+        use std::os::fd::AsRawFd;
+        let mut p = libc::pollfd {
+            fd: pidfd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd; a pidfd becomes readable when the process ends.
+        while unsafe { libc::poll(&mut p, 1, -1) } < 0 {}
+        let _ = std::fs::remove_dir_all(self.cfg.dir.join(format!("{name}.{pid}.vm")));
+        let ended = {
+            let mut m = lock(&self.map);
+            match m.get(name) {
+                Some(e) if e.pid == pid => m.remove(name),
+                _ => None,
+            }
+        };
+        let _ = std::fs::remove_file(self.cfg.dir.join(format!("{name}.qmp")));
+        self.save_runners();
+        match ended {
+            Some(e) if !e.stopping => self.record_failure(
+                name,
+                pid,
+                e,
+                "ended; exit status unknown (runner adopted after a daemon restart)".into(),
+            ),
+            _ => info!("guest {name} (adopted runner {pid}) ended"),
+        }
     }
 }
 

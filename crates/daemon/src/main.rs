@@ -116,14 +116,14 @@ struct Args {
     /// collects on demand.
     #[arg(long)]
     gc_grace: Option<u64>,
-    /// A stop (SIGTERM, SIGINT) while guests run here or this host's memory
-    /// server holds pages of running guests would lose them: by default it
-    /// is refused (the daemon logs what it holds and keeps running; `pagefleet
-    /// host drain HOST` empties it, a second signal within a minute stops
-    /// anyway). With this many seconds the daemon drains itself first
-    /// (cordon, move the pages to other memory servers, migrate its guests
-    /// away), then stops; if the drain fails or takes longer it keeps
-    /// running. Set the unit's TimeoutStopSec above it.
+    /// A stop (SIGTERM, SIGINT) while this host's memory server holds pages
+    /// of running guests would lose them (guests running here do not stop:
+    /// the next daemon adopts their runners): by default it is refused (the
+    /// daemon logs what it holds and keeps running; `pagefleet host drain
+    /// HOST` empties it, a second signal within a minute stops anyway).
+    /// With this many seconds the daemon first moves those pages to other
+    /// memory servers (cordoned meanwhile), then stops; if that fails or
+    /// takes longer it keeps running. Set the unit's TimeoutStopSec above it.
     #[arg(long, value_name = "SECS")]
     stop_drain: Option<u64>,
     /// The other hosts' pagefleetd HTTP addresses (registry), comma-separated.

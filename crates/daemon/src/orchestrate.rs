@@ -434,7 +434,7 @@ pub fn evacuate(app: &App, order: EvacuationOrder, mut emit: impl FnMut(&Evacuat
     }
     // 2. Guests running on the host migrate away (placement chooses where).
     for g in &hs[x].guests {
-        if g.state == pagefleet_api::GuestState::Incoming {
+        if order.pages_only || !g.state.is_live() {
             continue;
         }
         emit(&EvacuationEvent::Migrating {

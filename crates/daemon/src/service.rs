@@ -147,15 +147,17 @@ static SHUTDOWN: AtomicBool = AtomicBool::new(false);
 /// A second stop request within this long of a refused one stops anyway.
 const FORCE_WITHIN: std::time::Duration = std::time::Duration::from_secs(60);
 
-/// What stopping this daemon now would lose: guests running here (their
-/// runners end with it) and pages on its memory server that a running
-/// guest owns or a connected client uses.
+/// What stopping this daemon now would lose: pages on its memory server
+/// that a running guest owns or a connected client uses (the memory
+/// server's pool ends with the daemon). Guests running here do not count:
+/// their runners outlive the daemon and the next one adopts them; a
+/// migration into this host (an incoming runner) does.
 fn held(app: &App) -> Vec<String> {
     let mut v = Vec::new();
     if let Some(g) = &app.guests {
         for s in g.list() {
-            if s.state != pagefleet_api::GuestState::Failed {
-                v.push(format!("guest {} runs here ({:?})", s.name, s.state).to_lowercase());
+            if s.state == pagefleet_api::GuestState::Incoming {
+                v.push(format!("a migration of guest {} into this host", s.name));
             }
         }
     }
@@ -228,9 +230,12 @@ fn may_stop(
         held.join("; ")
     );
     app.cordoned.store(true, std::sync::atomic::Ordering::SeqCst);
+    // Only the lent pages move: the guests here keep running through the
+    // restart (their runners outlive the daemon).
     let order = pagefleet_api::EvacuationOrder {
         host: me.http.clone().unwrap_or(name.clone()),
         to: None,
+        pages_only: true,
     };
     let (tx, rx) = std::sync::mpsc::channel();
     let a2 = app.clone();
@@ -473,6 +478,16 @@ pub fn run(a: Settings) -> Result<()> {
                 dedup_socket: dedup_socket.clone(),
                 tls_dir: tls.as_ref().map(|t| t.dir.clone()),
             })?;
+            // Guests a previous daemon of this directory left running (a
+            // restart): adopted before anything can be placed here.
+            let adopted = g.adopt();
+            if !adopted.is_empty() {
+                tracing::warn!(
+                    "adopted {} running guest(s) from before the restart: {}",
+                    adopted.len(),
+                    adopted.join(", ")
+                );
+            }
             if let Some(sock) = &dedup_socket {
                 // Sharing-aware migration is an optimization: without the
                 // socket (a path too long for a unix socket, say) incoming

@@ -28,6 +28,8 @@ pub struct LabRun {
     pub lab: pagefleet_testbed::Lab,
     dir: PathBuf,
     bins: PathBuf,
+    /// What the lab was brought up with (a daemon's restart uses it).
+    opts: pagefleet_testbed::Options,
 }
 
 impl LabRun {
@@ -73,7 +75,13 @@ impl LabRun {
             lab,
             dir,
             bins: bins.to_path_buf(),
+            opts: o,
         })
+    }
+
+    /// Start host `h`'s pagefleetd again (after it stopped), as it was.
+    pub fn restart_daemon(&mut self, h: usize) -> Result<()> {
+        Ok(self.lab.restart_daemon(&self.opts, h)?)
     }
 
     /// Run `pagefleet ARGS` inside host `h`; (success, stdout, stderr).

@@ -129,11 +129,27 @@ pub fn launch(input: impl std::io::Read, expect: &str) -> Result<Exit, RunnerErr
     }
 }
 
+/// Tell the host daemon the runner is ready (its one line on stdout), then
+/// point stdout at /dev/null: the daemon may restart (it adopts its
+/// runners), and a write to the pipe of a daemon gone would fail.
 fn ready(line: &str) -> Result<(), RunnerError> {
     let mut out = std::io::stdout().lock();
     writeln!(out, "{line}")
         .and_then(|_| out.flush())
-        .map_err(|e| RunnerError::io("telling the host daemon", e))
+        .map_err(|e| RunnerError::io("telling the host daemon", e))?;
+    let null = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/null")
+        .map_err(|e| RunnerError::io("opening /dev/null", e))?;
+    // SAFETY: dup2 onto fd 1 with a valid descriptor; stdout's lock is held,
+    // so no other thread writes meanwhile.
+    if unsafe { libc::dup2(std::os::fd::AsRawFd::as_raw_fd(&null), 1) } < 0 {
+        return Err(RunnerError::io(
+            "pointing stdout at /dev/null",
+            std::io::Error::last_os_error(),
+        ));
+    }
+    Ok(())
 }
 
 /// End the runner: on a migration away, the region's pages belong to the

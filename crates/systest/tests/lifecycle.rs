@@ -220,3 +220,64 @@ fn a_dead_host_and_its_etcd_member_are_removed_from_the_etcd_registry() {
     assert_eq!(list.lines().count(), 2, "{list}");
     assert!(!list.contains("h3"), "{list}");
 }
+
+/// Longest run of 100 ms intervals without an operation, seconds.
+fn longest_gap(t: &kvload::Timeline) -> f64 {
+    let (mut run, mut most) = (0usize, 0usize);
+    for v in &t.ops_per_sec {
+        run = if *v == 0.0 { run + 1 } else { 0 };
+        most = most.max(run);
+    }
+    most as f64 * t.interval
+}
+
+/// An upgrade: h1's pagefleetd stops (SIGTERM) and starts again while its
+/// kv guest serves a value-checking load. The runner outlives the daemon
+/// (the guest never stops serving) and the new daemon adopts it: listed,
+/// controllable, stoppable. Its pages on h2 are untouched.
+#[test]
+fn a_restarted_daemon_adopts_its_running_guests() {
+    if !is_root() {
+        eprintln!("skipped: the testbed needs root (CI runs as root)");
+        return;
+    }
+    let mut l = lab("rst", 3, Link::Unshaped, 128 * MIB, &[256 * MIB, 0]);
+    let h1 = l.lab.hosts[0].clone();
+    let load = kv_paging_to(&l, "up1", &l.lab.hosts[1].addr.clone());
+    let (_, before) = l.guest("up1").expect("up1 runs");
+    // Nothing of anyone else's is lost by stopping h1's daemon: it stops.
+    term(h1.pid);
+    wait_for("h1's pagefleetd to stop", 20, || !alive(h1.pid));
+    assert!(alive(before.pid), "the runner ended with its daemon");
+    still_serving(&load);
+    l.restart_daemon(0).expect("start h1's pagefleetd again");
+    let mut found = None;
+    wait_for("the restarted daemon to list up1", 20, || {
+        found = l.guest("up1");
+        found.is_some()
+    });
+    let (at, g) = found.unwrap();
+    assert_eq!((at, g.pid, g.state), (0, before.pid, pagefleet_api::GuestState::Running));
+    assert!(log_of(&l, 0).contains("adopted 1 running guest"), "{}", log_of(&l, 0));
+    still_serving(&load);
+    // It is the daemon's again: budget changes and a clean stop work.
+    let c = load.counters.clone();
+    let t = load.stop().expect("load");
+    assert_eq!((c.bad_values.load(Relaxed), c.misses.load(Relaxed)), (0, 0));
+    // (A figure, not a check: times belong in benchmarks.)
+    eprintln!(
+        "longest service gap through the daemon's restart: {:.1} s",
+        longest_gap(&t)
+    );
+    let (ok, _, err) = l.pf(0, &["guest", "stop", "up1"]);
+    assert!(ok, "guest stop after adoption: {err}");
+    wait_for("up1's runner to end", 30, || !alive(before.pid));
+    std::thread::sleep(Duration::from_millis(500));
+    let names: Vec<String> = l
+        .status(0)
+        .into_iter()
+        .flat_map(|h| h.guests.into_iter().flatten())
+        .map(|g| g.name)
+        .collect();
+    assert!(names.is_empty(), "a stopped adopted guest leaves no record: {names:?}");
+}

@@ -465,6 +465,50 @@ fn start_etcd(o: &Options, hosts: &[Host]) -> Result<String> {
     Ok(format!("etcd://{}", eps.join(",")))
 }
 
+impl Lab {
+    /// Start host `i`'s pagefleetd again as `up` started it (after it was
+    /// stopped: a restart, e.g. an upgrade); its new pid is recorded.
+    pub fn restart_daemon(&mut self, o: &Options, i: usize) -> Result<()> {
+        let registry = (o.etcd > 0).then(|| {
+            let eps: Vec<String> = self.hosts[..o.etcd.min(self.hosts.len())]
+                .iter()
+                .map(|h| format!("{}:2379", h.ip))
+                .collect();
+            format!("etcd://{}", eps.join(","))
+        });
+        let me = self.hosts[i].http();
+        let peers: Vec<String> = match &registry {
+            Some(_) => vec![],
+            None => self
+                .hosts
+                .iter()
+                .map(|h| h.http())
+                .filter(|p| *p != me)
+                .collect(),
+        };
+        let tls = self
+            .admin_tls
+            .is_some()
+            .then(|| tls_dir(&o.dir, &o.prefix, &self.hosts[i].name));
+        // The run before keeps its log, as NETNS.log.1.
+        let log = o.dir.join(format!("{}.log", self.hosts[i].netns));
+        let _ = std::fs::rename(&log, o.dir.join(format!("{}.log.1", self.hosts[i].netns)));
+        let pid = start_daemon(
+            o,
+            &self.hosts[i],
+            &self.secret_file,
+            &peers,
+            registry.as_deref(),
+            tls.as_deref(),
+        )?;
+        self.hosts[i].pid = pid;
+        wait_listening(&self.hosts[i].netns, &self.hosts[i].addr)?;
+        // The API starts after the memory server: wait for it too.
+        wait_listening(&self.hosts[i].netns, &self.hosts[i].http())?;
+        self.save()
+    }
+}
+
 fn start_daemon(
     o: &Options,
     h: &Host,
