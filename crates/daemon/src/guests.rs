@@ -111,6 +111,10 @@ struct Listed {
     pid: u32,
     control: PathBuf,
     budget_pages: u64,
+    /// Started for an incoming migration (adopted only if it has become
+    /// a running guest).
+    #[serde(default)]
+    incoming: bool,
 }
 
 type SpawnReq = (Command, std::sync::mpsc::Sender<std::io::Result<Child>>);
@@ -717,12 +721,13 @@ impl Guests {
     fn save_runners(&self) {
         let list: Vec<Listed> = lock(&self.map)
             .iter()
-            .filter(|(_, e)| e.pid != 0 && !e.incoming)
+            .filter(|(_, e)| e.pid != 0)
             .map(|(n, e)| Listed {
                 name: n.clone(),
                 pid: e.pid,
                 control: e.control.clone(),
                 budget_pages: e.budget_pages,
+                incoming: e.incoming,
             })
             .collect();
         let path = self.cfg.dir.join("runners.json");
@@ -748,13 +753,16 @@ impl Guests {
             // The pid is still this guest's runner (not a reused pid).
             let cmdline = std::fs::read(format!("/proc/{}/cmdline", l.pid)).unwrap_or_default();
             let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
-            let ours = args.iter().any(|a| *a == b"runner-guest")
+            let sub: &[u8] = if l.incoming { b"runner-incoming" } else { b"runner-guest" };
+            let ours = args.contains(&sub)
                 && args.iter().any(|a| *a == format!("--name={}", l.name).as_bytes());
             if !ours || !pagefleet_api::guest::valid_name(&l.name) {
                 continue;
             }
+            // A runner that came by migration is adopted once it runs the
+            // guest; one still waiting for its migration ends by itself.
             let status = match control::call::<GuestStatus>(&l.control, &ControlRequest::Status, Duration::from_secs(5)) {
-                Ok(s) if s.pid == l.pid => s,
+                Ok(s) if s.pid == l.pid && s.state.is_live() => s,
                 _ => {
                     tracing::warn!("guest {} (runner {}) does not answer on {}: not adopted", l.name, l.pid, l.control.display());
                     continue;

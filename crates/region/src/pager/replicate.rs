@@ -67,6 +67,8 @@ pub(super) struct Rerep {
 /// of guest) at most this often while page-outs keep leaving pages with
 /// one copy.
 const COUNT_EVERY: Duration = Duration::from_millis(250);
+/// While some pages have one copy the count is refreshed this often.
+const RECOUNT_EVERY: Duration = Duration::from_secs(1);
 
 impl Rerep {
     pub(super) fn new(rate: u64, servers: usize) -> Rerep {
@@ -290,7 +292,10 @@ impl Pager {
         if self.replicas < 2 || self.hold {
             return;
         }
-        if self.rerep.count_due && self.rerep.counted_at.elapsed() >= COUNT_EVERY {
+        // Due after a loss; while pages have one copy, also refreshed every
+        // RECOUNT_EVERY (pages paged back in leave the count).
+        let age = self.rerep.counted_at.elapsed();
+        if (self.rerep.count_due && age >= COUNT_EVERY) || (self.rerep.active && age >= RECOUNT_EVERY) {
             self.count_degraded();
         }
         self.flush_orphans(false);
