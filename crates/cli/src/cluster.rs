@@ -201,13 +201,11 @@ pub(crate) fn find_host(hs: &[ClusterHost], key: &str) -> Result<usize> {
 
 /// The host running guest `name` (else the one keeping its failed record).
 fn find_guest(hs: &[ClusterHost], name: &str) -> Result<(usize, GuestStatus)> {
-    for live in [true, false] {
+    let running = |g: &GuestStatus| g.state.is_live();
+    let failed = |g: &GuestStatus| g.state == GuestState::Failed;
+    for wanted in [&running as &dyn Fn(&GuestStatus) -> bool, &failed] {
         for (i, h) in hs.iter().enumerate() {
-            if let Some(g) = h
-                .guests
-                .iter()
-                .find(|g| g.name == name && g.state.is_live() == live && g.state != GuestState::Incoming)
-            {
+            if let Some(g) = h.guests.iter().find(|g| g.name == name && wanted(g)) {
                 return Ok((i, g.clone()));
             }
         }
@@ -385,43 +383,38 @@ pub fn guest(c: &Client, g: GuestCmd) -> Result<()> {
             }
         }
         GuestCmd::Stop { name, reg } => {
-            let hs = hosts(c, &reg.registry, &[])?;
-            let (i, _) = find_guest(&hs, &name)?;
-            c.timeout(Duration::from_secs(30))
-                .post::<_, pagefleet_api::Ok>(
-                    &hs[i].http,
-                    &format!("/guests/{name}/stop"),
-                    &serde_json::Map::new(),
-                )?;
-            println!("guest {name} stopped on {}", hs[i].name());
+            let on = guest_op(c, &reg, &name, "stop")?;
+            println!("guest {name} stopped on {on}");
         }
         GuestCmd::Rm { name, reg } => {
-            let hs = hosts(c, &reg.registry, &[])?;
-            let (i, _) = find_guest(&hs, &name)?;
-            c.timeout(Duration::from_secs(30))
-                .post::<_, pagefleet_api::Ok>(
-                    &hs[i].http,
-                    &format!("/guests/{name}/rm"),
-                    &serde_json::Map::new(),
-                )?;
-            println!("guest {name}'s failed record removed on {}", hs[i].name());
+            let on = guest_op(c, &reg, &name, "rm")?;
+            println!("guest {name}'s failed record removed on {on}");
         }
     }
     Ok(())
 }
 
-/// How long ago a Unix time was, as "12 s" / "3 min" / "2 h".
+/// `POST /guests/NAME/OP` (no body) on the host running guest `name`, or
+/// keeping its failed record; that host's name.
+fn guest_op(c: &Client, reg: &Registry, name: &str, op: &str) -> Result<String> {
+    let hs = hosts(c, &reg.registry, &[])?;
+    let (i, _) = find_guest(&hs, name)?;
+    c.timeout(Duration::from_secs(30))
+        .post::<_, pagefleet_api::Ok>(
+            &hs[i].http,
+            &format!("/guests/{name}/{op}"),
+            &serde_json::Map::new(),
+        )?;
+    Ok(hs[i].name().to_string())
+}
+
+/// How long ago a Unix time was, as `gc` shows ages ("12s", "3m", "2.0h").
 pub(crate) fn ago(at_unix: u64) -> String {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(at_unix);
-    let s = now.saturating_sub(at_unix);
-    match s {
-        0..120 => format!("{s} s"),
-        120..7200 => format!("{} min", s / 60),
-        _ => format!("{} h", s / 3600),
-    }
+    crate::gc::age(now.saturating_sub(at_unix) as f64)
 }
 
 #[derive(Args)]

@@ -19,7 +19,7 @@ fn lenders<'a>(hs: &'a [ClusterHost], on: Option<&str>) -> Result<Vec<&'a Cluste
     Ok(hs.iter().filter(|h| h.memserver().is_some()).collect())
 }
 
-fn age(secs: f64) -> String {
+pub(crate) fn age(secs: f64) -> String {
     match secs {
         s if s < 120.0 => format!("{s:.0}s"),
         s if s < 7200.0 => format!("{:.0}m", s / 60.0),
