@@ -44,6 +44,30 @@ pub struct HostReport {
     /// guest and no page here until `pagefleet host uncordon`.
     #[serde(default)]
     pub cordoned: bool,
+    /// The daemon's version (`pagefleetd --version`).
+    #[serde(default)]
+    pub version: String,
+    /// When the daemon's process image started, seconds since the Unix
+    /// epoch: an in-place restart keeps the pid and changes this.
+    #[serde(default)]
+    pub started_unix: f64,
+}
+
+/// `POST /host/restart`'s answer: the daemon execs `binary` once this is
+/// sent, handing over its memory server and sockets.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct Restarting {
+    /// The daemon's process (the same after the restart).
+    pub pid: u32,
+    /// What it execs.
+    pub binary: String,
+    /// The version running now.
+    pub from_version: String,
+    /// What `binary --version` says.
+    pub to_version: String,
+    /// When the daemon's process image started (the reply of `GET /host`
+    /// shows a later time once the next one serves).
+    pub started_unix: f64,
 }
 
 /// `POST /host/cordon`: keep placement off this host, or let it back.

@@ -23,7 +23,7 @@ pub use guest::{
     StartGuest, Workload,
 };
 pub use host::{
-    ClusterHost, ClusterView, Cordon, DedupIndexReport, HostRemoved, RemoveHost, DropRegion, Dropped, GcReport, GcRequest,
+    ClusterHost, ClusterView, Cordon, DedupIndexReport, HostRemoved, RemoveHost, Restarting, DropRegion, Dropped, GcReport, GcRequest,
     HostReport, MemRegion,
 };
 pub use migration::{

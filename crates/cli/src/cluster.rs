@@ -745,8 +745,8 @@ pub fn evacuate(c: &Client, a: EvacuateArgs) -> Result<()> {
 pub enum HostCmd {
     /// Keep placement off a host: no migration, gather, evacuation or
     /// placement puts a guest or a page there until `host uncordon` (what
-    /// is there stays and keeps working). Lasts until uncordoned or its
-    /// pagefleetd restarts.
+    /// is there stays and keeps working). Lasts until uncordoned (an
+    /// in-place restart keeps it; a stop and start of pagefleetd does not).
     ///
     ///   pagefleet host cordon h3
     Cordon {
@@ -786,6 +786,72 @@ pub enum HostCmd {
         #[command(flatten)]
         reg: Registry,
     },
+    /// Restart a host's pagefleetd in place, e.g. after installing a new
+    /// version: it execs the binary at the path it was started from, in
+    /// the same process, handing over its memory server (pages, server id,
+    /// listening socket), its HTTP socket and its cordon. Guests running
+    /// there keep running (their runners are adopted), guests elsewhere
+    /// paging to it reconnect to the same pages; connections made
+    /// meanwhile wait instead of being refused. Refused while a guest
+    /// there is starting or migrating, or a migration it runs is under
+    /// way. Waits until the new daemon answers and says how long that took.
+    /// (`systemctl reload pagefleetd` does the same: SIGUSR2.)
+    ///
+    ///   pagefleet host restart h1
+    Restart {
+        /// The host (name, HTTP or memory-server address).
+        host: String,
+        /// Give up waiting for the new daemon after this many seconds.
+        #[arg(long, default_value_t = 60)]
+        timeout: u64,
+        #[command(flatten)]
+        reg: Registry,
+    },
+}
+
+/// Ask a host's daemon to restart in place and wait until the next one
+/// answers; what it said and how long that took.
+fn restart(c: &Client, reg: &Registry, host: &str, timeout: u64) -> Result<()> {
+    let hs = hosts(c, &reg.registry, &[])?;
+    let h = &hs[find_host(&hs, host)?];
+    let t0 = std::time::Instant::now();
+    let r: pagefleet_api::Restarting = c
+        .post(&h.http, "/host/restart", &serde_json::json!({}))
+        .with_context(|| format!("asking {} to restart in place", h.name()))?;
+    eprintln!(
+        "{}: pagefleetd {} (pid {}) execs {} ({})",
+        h.name(),
+        r.from_version,
+        r.pid,
+        r.binary,
+        r.to_version
+    );
+    let until = t0 + std::time::Duration::from_secs(timeout);
+    loop {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        match c.get::<HostReport>(&h.http, "/host") {
+            Ok(now) if now.started_unix > r.started_unix => {
+                println!(
+                    "{} restarted in place in {:.2} s: pagefleetd {}{}{}",
+                    h.name(),
+                    t0.elapsed().as_secs_f64(),
+                    now.version,
+                    if now.memserver.is_some() {
+                        format!(", its memory server kept {} pages", now.lend_used / 4096)
+                    } else {
+                        String::new()
+                    },
+                    if now.cordoned { ", still cordoned" } else { "" }
+                );
+                return Ok(());
+            }
+            _ if std::time::Instant::now() > until => bail!(
+                "{} has not answered as a restarted daemon within {timeout} s: see its log (journalctl -u pagefleetd)",
+                h.name()
+            ),
+            _ => {}
+        }
+    }
 }
 
 fn set_cordon(c: &Client, reg: &Registry, host: &str, on: bool) -> Result<String> {
@@ -797,7 +863,7 @@ fn set_cordon(c: &Client, reg: &Registry, host: &str, on: bool) -> Result<String
     Ok(h.name().to_string())
 }
 
-/// Cordon, uncordon or drain a host.
+/// Cordon, uncordon, drain, remove or restart a host.
 pub fn host(c: &Client, cmd: HostCmd) -> Result<()> {
     match cmd {
         HostCmd::Cordon { host, reg } => {
@@ -838,6 +904,7 @@ pub fn host(c: &Client, cmd: HostCmd) -> Result<()> {
             }
             println!("{host} removed from the registry of {}", said.join(", "));
         }
+        HostCmd::Restart { host, timeout, reg } => restart(c, &reg, &host, timeout)?,
         HostCmd::Drain(a) => {
             let n = set_cordon(c, &a.reg, &a.host, true)?;
             eprintln!("{n} cordoned; moving everything off it");

@@ -72,8 +72,8 @@ enum Cmd {
     /// Start or stop guests on the cluster's hosts.
     #[command(subcommand)]
     Guest(cluster::GuestCmd),
-    /// A host's part in placement: cordon, drain (cordon and empty it),
-    /// uncordon.
+    /// A host's lifecycle: cordon, drain (cordon and empty it), uncordon,
+    /// restart (in place, for an upgrade), remove (a dead host).
     ///
     /// Example: pagefleet host drain h3
     #[command(subcommand)]

@@ -21,6 +21,22 @@ pub fn stop_flag() -> &'static AtomicBool {
     &STOP
 }
 
+static RESTART: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_restart(_: libc::c_int) {
+    RESTART.store(true, Ordering::Relaxed);
+}
+
+/// Make SIGUSR2 set a flag (pagefleetd: restart in place, what
+/// `systemctl reload` sends) instead of killing the process; the flag.
+pub fn restart_flag() -> &'static AtomicBool {
+    // SAFETY: the handler only stores to an atomic (async-signal-safe).
+    unsafe {
+        libc::signal(libc::SIGUSR2, on_restart as *const () as libc::sighandler_t);
+    }
+    &RESTART
+}
+
 /// SIGINT and SIGTERM, blocked in every thread started after this call,
 /// to be waited for with [`TermSignals::wait`].
 pub struct TermSignals(libc::sigset_t);

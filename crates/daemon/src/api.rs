@@ -7,6 +7,7 @@
 //! | `GET /metrics` | | Prometheus text |
 //! | `GET /host` | | `HostReport` |
 //! | `POST /host/cordon` | `Cordon` | `Cordon` |
+//! | `POST /host/restart` | none | `Restarting` (then the daemon execs itself: in-place restart) |
 //! | `GET /cluster` | | `ClusterView` (this host and its peers) |
 //! | `GET /guests`, `GET /guests/NAME` | | `[GuestStatus]`, `GuestStatus` |
 //! | `POST /guests` | `StartGuest` | `{ok}` |
@@ -56,8 +57,49 @@ pub struct App {
     /// etcd as the registry (None: the peers list).
     pub etcd: Option<Arc<pagefleet_registry::Etcd>>,
     /// Cordoned: placement puts nothing new here (in `HostReport`). Held
-    /// by this daemon until uncordoned or the daemon restarts.
+    /// by this daemon until uncordoned; handed over by an in-place restart.
     pub cordoned: Arc<std::sync::atomic::AtomicBool>,
+    /// In-place restarts: what to exec, and who asked.
+    pub restart: Restart,
+}
+
+/// What an in-place restart (`POST /host/restart`, SIGUSR2) needs.
+pub struct Restart {
+    /// The binary at the path this daemon was started from.
+    pub exe: std::path::PathBuf,
+    /// Set to ask the main loop to restart.
+    pub requested: &'static std::sync::atomic::AtomicBool,
+    /// Migrations and evacuations this daemon orchestrates now (a restart
+    /// would cut them off).
+    busy: std::sync::atomic::AtomicUsize,
+}
+
+impl Restart {
+    /// Restarts exec `exe` when `requested` is set.
+    pub fn new(exe: std::path::PathBuf, requested: &'static std::sync::atomic::AtomicBool) -> Restart {
+        Restart {
+            exe,
+            requested,
+            busy: Default::default(),
+        }
+    }
+
+    /// Orchestrations running now.
+    pub fn busy(&self) -> usize {
+        self.busy.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Count an orchestration while the guard lives.
+    fn orchestrating(&self) -> impl Drop + '_ {
+        struct Busy<'a>(&'a std::sync::atomic::AtomicUsize);
+        impl Drop for Busy<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+        self.busy.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Busy(&self.busy)
+    }
 }
 
 type Shared = State<Arc<App>>;
@@ -106,7 +148,7 @@ async fn blocking<T: Serialize + Send + 'static>(
 }
 
 async fn index() -> &'static str {
-    "pagefleetd: GET /metrics /host /cluster /guests /guests/NAME; POST /host/cordon /guests /incoming \
+    "pagefleetd: GET /metrics /host /cluster /guests /guests/NAME; POST /host/cordon /host/restart /guests /incoming \
      /guests/NAME/{stop,rm,cancel,sort,set_budget,evacuate,migrate} /migrations /evacuations; GET /memserver/regions, POST /memserver/drop /gc (signed requests; see docs/architecture.md)\n"
 }
 
@@ -142,6 +184,32 @@ async fn cordon(State(app): Shared, b: Bytes) -> Response {
         );
     }
     Json(c).into_response()
+}
+
+/// `POST /host/restart`: check that nothing would be cut off and that the
+/// binary runs, then have the main loop exec it (after this reply).
+async fn restart(State(app): Shared, b: Bytes) -> Response {
+    if let Err(r) = no_body(&b) {
+        return refusal(r);
+    }
+    blocking(move || {
+        if let Some(why) = crate::service::restart_refusal(&app) {
+            return Err(Refusal::new(409, why));
+        }
+        let to = crate::handover::preflight(&app.restart.exe)
+            .map_err(|e| Refusal::new(500, format!("not restarting: {e}")))?;
+        app.restart
+            .requested
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        Ok(pagefleet_api::Restarting {
+            pid: std::process::id(),
+            binary: app.restart.exe.display().to_string(),
+            from_version: env!("CARGO_PKG_VERSION").to_string(),
+            to_version: to,
+            started_unix: crate::service::started_unix(),
+        })
+    })
+    .await
 }
 
 impl App {
@@ -339,7 +407,10 @@ async fn migrations(State(app): Shared, b: Bytes) -> Response {
     if let Err(r) = guests(&app) {
         return refusal(r);
     }
-    events::<ProgressEvent>(move |emit| crate::orchestrate::migrate(&app, order, emit))
+    events::<ProgressEvent>(move |emit| {
+        let _busy = app.restart.orchestrating();
+        crate::orchestrate::migrate(&app, order, emit)
+    })
 }
 
 /// `POST /evacuations`: empty a host; goes on if the caller leaves.
@@ -348,7 +419,10 @@ async fn evacuations(State(app): Shared, b: Bytes) -> Response {
         Ok(o) => o,
         Err(r) => return refusal(r),
     };
-    events::<EvacuationEvent>(move |emit| crate::orchestrate::evacuate(&app, order, emit))
+    events::<EvacuationEvent>(move |emit| {
+        let _busy = app.restart.orchestrating();
+        crate::orchestrate::evacuate(&app, order, emit)
+    })
 }
 
 fn memserver(app: &App) -> Result<(Arc<pagefleet_memserver::ServerState>, String), Refusal> {
@@ -398,6 +472,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/metrics", get(metrics))
         .route("/host", get(host))
         .route("/host/cordon", post(cordon))
+        .route("/host/restart", post(restart))
         .route("/cluster", get(cluster))
         .route("/guests", get(list).post(start))
         .route("/guests/{name}", get(status))

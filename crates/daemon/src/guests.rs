@@ -806,6 +806,20 @@ impl Guests {
         };
         // SAFETY: one valid pollfd; a pidfd becomes readable when the process ends.
         while unsafe { libc::poll(&mut p, 1, -1) } < 0 {}
+        // After an in-place restart (exec) the runner is still this
+        // process's child: reap it, and its exit status is known.
+        // SAFETY: waitid fills the zeroed siginfo for the process the pidfd
+        // names; for a process that is not our child it fails (ECHILD).
+        let status = unsafe {
+            let mut info: libc::siginfo_t = std::mem::zeroed();
+            (libc::waitid(
+                libc::P_PIDFD,
+                pidfd.as_raw_fd() as libc::id_t,
+                &mut info,
+                libc::WEXITED,
+            ) == 0)
+                .then(|| (info.si_code, info.si_status()))
+        };
         let _ = std::fs::remove_dir_all(self.cfg.dir.join(format!("{name}.{pid}.vm")));
         let ended = {
             let mut m = lock(&self.map);
@@ -817,12 +831,19 @@ impl Guests {
         let _ = std::fs::remove_file(self.cfg.dir.join(format!("{name}.qmp")));
         self.save_runners();
         match ended {
-            Some(e) if !e.stopping => self.record_failure(
-                name,
-                pid,
-                e,
-                "ended; exit status unknown (runner adopted after a daemon restart)".into(),
-            ),
+            Some(e) if !e.stopping => {
+                use std::os::unix::process::ExitStatusExt;
+                let exit = match status {
+                    // As wait(2) would have encoded them.
+                    Some((libc::CLD_EXITED, c)) => {
+                        describe_exit(std::process::ExitStatus::from_raw((c & 0xff) << 8))
+                    }
+                    Some((_, sig)) => describe_exit(std::process::ExitStatus::from_raw(sig & 0x7f)),
+                    None => "ended; exit status unknown (runner adopted after a daemon restart)"
+                        .into(),
+                };
+                self.record_failure(name, pid, e, exit)
+            }
             _ => info!("guest {name} (adopted runner {pid}) ended"),
         }
     }

@@ -98,14 +98,19 @@ async fn authenticate(State(gate): State<Arc<Gate>>, req: Request, next: Next) -
         .await
 }
 
-/// Serve `router` on `listen` behind the gate; returns the bound address.
-/// The endpoint runs on its own threads until the process ends.
-pub fn serve(listen: &str, router: Router, gate: Gate) -> crate::error::Result<SocketAddr> {
-    let l = std::net::TcpListener::bind(listen).map_err(|e| {
+/// The API's socket on `listen`.
+pub fn bind(listen: &str) -> crate::error::Result<std::net::TcpListener> {
+    std::net::TcpListener::bind(listen).map_err(|e| {
         crate::Error::Invalid(format!(
             "cannot listen for HTTP on {listen}: {e} (use --metrics ADDR or --metrics off)"
         ))
-    })?;
+    })
+}
+
+/// Serve `router` behind the gate on `l` (bound by [`bind`], or handed
+/// over by the previous process of an in-place restart); returns its
+/// address. The endpoint runs on its own threads until the process ends.
+pub fn serve(l: std::net::TcpListener, router: Router, gate: Gate) -> crate::error::Result<SocketAddr> {
     l.set_nonblocking(true)?;
     let addr = l.local_addr()?;
     let rt = tokio::runtime::Builder::new_multi_thread()

@@ -8,6 +8,7 @@ pub mod dedup;
 pub mod error;
 pub mod gc;
 pub mod guests;
+pub mod handover;
 pub mod http;
 pub mod orchestrate;
 pub mod registry;
@@ -28,27 +29,54 @@ pub struct MemServer {
     pub state: Arc<ServerState>,
     /// Where it listens.
     pub addr: SocketAddr,
+    /// A second handle on its listening socket (for an in-place restart).
+    pub listener: TcpListener,
 }
 
 impl MemServer {
-    /// Bind `listen` and serve `lend_bytes` of pages to clients holding `secret`.
+    /// Bind `listen` and serve `lend_bytes` of pages to clients holding
+    /// `secret` — or go on serving what the previous process of an
+    /// in-place restart handed over (`inherited`: its socket, pages and id).
     pub fn start(
         listen: &str,
         lend_bytes: u64,
         secret: Secret,
         cfg: ServerConfig,
+        inherited: Option<handover::InheritedServer>,
     ) -> Result<MemServer> {
-        let store = Store::new(lend_bytes).context("cannot create the page store")?;
-        let listener = TcpListener::bind(listen).with_context(|| {
-            format!("cannot listen on {listen} (address in use? pick another with --listen)")
-        })?;
+        let (listener, state) = match inherited {
+            Some(h) => {
+                let cap = h.store.capacity_pages() * 4096;
+                if cap != lend_bytes / 4096 * 4096 {
+                    tracing::warn!(
+                        "--lend {} differs from the {} the handed-over pool holds: it keeps {} until pagefleetd is stopped and started",
+                        fmt_size(lend_bytes),
+                        fmt_size(cap),
+                        fmt_size(cap)
+                    );
+                }
+                (h.listener, ServerState::with_id(h.store, secret, cfg, h.server_id))
+            }
+            None => {
+                let store = Store::new(lend_bytes).context("cannot create the page store")?;
+                let listener = TcpListener::bind(listen).with_context(|| {
+                    format!("cannot listen on {listen} (address in use? pick another with --listen)")
+                })?;
+                (listener, ServerState::new(store, secret, cfg))
+            }
+        };
         let addr = listener.local_addr()?;
-        let state = Arc::new(ServerState::new(store, secret, cfg));
+        let state = Arc::new(state);
         let st = state.clone();
+        let kept = listener.try_clone()?;
         std::thread::Builder::new()
             .name("memserver accept".into())
             .spawn(move || server::serve(listener, st))?;
-        Ok(MemServer { state, addr })
+        Ok(MemServer {
+            state,
+            addr,
+            listener: kept,
+        })
     }
 }
 

@@ -36,7 +36,7 @@ use std::path::PathBuf;
 /// Settings can also come from a TOML file (`--config`, see
 /// packaging/pagefleetd.toml); flags override it.
 #[derive(Parser, Debug)]
-#[command(version, verbatim_doc_comment)]
+#[command(name = "pagefleetd", version, verbatim_doc_comment)]
 struct Args {
     /// TOML configuration file; flags given on the command line override it.
     #[arg(long, env = "PAGEFLEETD_CONFIG")]

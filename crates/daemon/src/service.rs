@@ -280,6 +280,98 @@ fn may_stop(
     }
 }
 
+/// When this process image started, seconds since the Unix epoch.
+static STARTED: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+
+/// When this daemon's process image started (an in-place restart keeps the
+/// pid, not this).
+pub fn started_unix() -> f64 {
+    *STARTED.get_or_init(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs_f64())
+            .unwrap_or(0.0)
+    })
+}
+
+/// Why an in-place restart would cut something off now, if it would: a
+/// guest starting or migrating in or out, or a migration or evacuation
+/// this daemon orchestrates (those run in the daemon's threads).
+pub fn restart_refusal(app: &App) -> Option<String> {
+    use pagefleet_api::GuestState;
+    let mut v = Vec::new();
+    if let Some(g) = &app.guests {
+        for s in g.list() {
+            let what = match s.state {
+                GuestState::Starting => "starting",
+                GuestState::Incoming => "migrating into this host",
+                GuestState::Migrating => "migrating away",
+                GuestState::Running | GuestState::Failed => continue,
+            };
+            v.push(format!("guest {} is {what}", s.name));
+        }
+    }
+    let n = app.restart.busy();
+    if n > 0 {
+        v.push(format!("{n} migration(s) or evacuation(s) run from this daemon"));
+    }
+    (!v.is_empty()).then(|| {
+        format!(
+            "cannot restart in place now: {}; ask again once they are done",
+            v.join("; ")
+        )
+    })
+}
+
+/// The longest the memory server's sessions get to end before a restart.
+const QUIESCE_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Restart in place: exec the binary this daemon was started from,
+/// handing over the memory server, the sockets and the cordon (see
+/// [`crate::handover`]). Returns only if it did not happen (logged why);
+/// the daemon then serves on as before.
+fn restart_in_place(
+    app: Option<&Arc<App>>,
+    exe: &std::path::Path,
+    args: &[std::ffi::OsString],
+    ms: Option<&MemServer>,
+    http: Option<&std::net::TcpListener>,
+) {
+    if let Some(why) = app.and_then(|a| restart_refusal(a)) {
+        tracing::error!("{why}");
+        return;
+    }
+    match crate::handover::preflight(exe) {
+        Ok(v) => tracing::info!("restarting in place into {v}"),
+        Err(e) => {
+            tracing::error!("not restarting: {e}");
+            return;
+        }
+    }
+    if let Some(m) = ms {
+        if !m.state.quiesce(QUIESCE_WAIT) {
+            m.state.resume();
+            tracing::error!(
+                "not restarting: {} memory-server sessions did not end within {} s",
+                m.state.connections(),
+                QUIESCE_WAIT.as_secs()
+            );
+            return;
+        }
+    }
+    let e = crate::handover::exec(crate::handover::Outgoing {
+        exe,
+        args,
+        memserver: ms.map(|m| (&*m.state, &m.listener)),
+        http,
+        cordoned: app.is_some_and(|a| a.cordoned.load(std::sync::atomic::Ordering::SeqCst)),
+    });
+    tracing::error!("in-place restart failed: {e}");
+    if let Some(m) = ms {
+        m.state.resume();
+    }
+}
+
 /// The device guests' service addresses go on when none is configured.
 const DEFAULT_SERVICE_DEV: &str = "eth0";
 
@@ -346,6 +438,12 @@ fn check_host(a: &Settings) -> Result<()> {
 
 /// Start every service `a` asks for and serve until SIGINT or SIGTERM.
 pub fn run(a: Settings) -> Result<()> {
+    started_unix();
+    // Taken first: the descriptors it names are owned from here on.
+    let inherited = crate::handover::take()?;
+    let exe = std::env::current_exe()?;
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let restart_requested = pagefleet_common::signal::restart_flag();
     if a.lend.is_none() && a.guest_memory.is_none() && a.ksm.is_none() && a.ioqos.is_none() {
         return Err(crate::Error::Invalid("nothing to do: lend memory with --lend SIZE (e.g. --lend 4GiB), run guests with --guest-memory SIZE, control KSM with --ksm adaptive and/or guarantee I/O with --ioqos-device DEV --ioqos-tenants SPEC; see --help".to_string()));
     }
@@ -422,8 +520,32 @@ pub fn run(a: Settings) -> Result<()> {
         tls: tls.clone(),
         ..ServerConfig::default()
     };
+    let (inherited_ms, inherited_http, inherited_cordon) = match inherited {
+        Some(h) => {
+            tracing::warn!(
+                "restarted in place from pagefleetd {} ({:.3} s since it handed over){}",
+                h.from_version,
+                crate::handover::since(h.at_unix),
+                h.memserver
+                    .as_ref()
+                    .map(|m| format!(
+                        ": memory server {:#x} goes on with {} pages",
+                        m.server_id,
+                        m.store.stored_pages()
+                    ))
+                    .unwrap_or_default()
+            );
+            (h.memserver, h.http, h.cordoned)
+        }
+        None => (None, None, false),
+    };
+    if inherited_ms.is_some() && a.lend.is_none() {
+        return Err(crate::Error::Invalid(
+            "in-place restart: the previous daemon lent memory but this one has no --lend; its pages would be lost".into(),
+        ));
+    }
     let ms = match a.lend {
-        Some(lend) => Some(MemServer::start(&a.listen, lend, secret.clone(), cfg)?),
+        Some(lend) => Some(MemServer::start(&a.listen, lend, secret.clone(), cfg, inherited_ms)?),
         None => None,
     };
     let listen_addr: std::net::SocketAddr = match &ms {
@@ -444,6 +566,7 @@ pub fn run(a: Settings) -> Result<()> {
         None => Some(format!("127.0.0.1:{}", listen_addr.port().wrapping_add(1))),
     };
     let mut dedup = None;
+    let mut http_kept: Option<std::net::TcpListener> = None;
     let mut heartbeat_app: Option<Arc<App>> = None;
     let mut api_app: Option<Arc<App>> = None;
     let guests = match a.guest_memory {
@@ -532,7 +655,7 @@ pub fn run(a: Settings) -> Result<()> {
             let (g, me, name) = (guests.clone(), self_http.clone(), a.name.clone());
             let dd = dedup.clone();
             let tls_name = tls.as_ref().map(|t| t.name.clone());
-            let cordoned = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let cordoned = Arc::new(std::sync::atomic::AtomicBool::new(inherited_cordon));
             let cordon_flag = cordoned.clone();
             let report = move || {
                 let mut r = crate::host_report(st.as_ref().map(|(s, a)| (&**s, *a)));
@@ -548,6 +671,8 @@ pub fn run(a: Settings) -> Result<()> {
                 r.dedup = dd.as_ref().map(|d| d.report());
                 r.tls = tls_name.clone();
                 r.cordoned = cordon_flag.load(std::sync::atomic::Ordering::SeqCst);
+                r.version = env!("CARGO_PKG_VERSION").to_string();
+                r.started_unix = started_unix();
                 r
             };
             let (st, g) = (ms.as_ref().map(|m| m.state.clone()), guests.clone());
@@ -577,6 +702,7 @@ pub fn run(a: Settings) -> Result<()> {
                     None => None,
                 },
                 cordoned,
+                restart: crate::api::Restart::new(exe.clone(), restart_requested),
             });
             api_app = Some(app.clone());
             if app.etcd.is_some() {
@@ -597,7 +723,12 @@ pub fn run(a: Settings) -> Result<()> {
                 verifier: Verifier::new(secret.clone()),
                 public_metrics: a.public_metrics,
             };
-            let addr = http::serve(&h, api::router(app), gate)?;
+            let l = match inherited_http {
+                Some(l) => l,
+                None => http::bind(&h)?,
+            };
+            http_kept = Some(l.try_clone()?);
+            let addr = http::serve(l, api::router(app), gate)?;
             let _ = self_http.set(addr.to_string());
             Some(addr)
         }
@@ -639,6 +770,11 @@ pub fn run(a: Settings) -> Result<()> {
             && may_stop(api_app.as_ref(), a.stop_drain, &mut refused_at)
         {
             break;
+        }
+        if restart_requested.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            // A request's reply (`POST /host/restart`) goes out first.
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            restart_in_place(api_app.as_ref(), &exe, &args, ms.as_ref(), http_kept.as_ref());
         }
     }
     stop.store(true, std::sync::atomic::Ordering::SeqCst);

@@ -65,6 +65,14 @@ pub fn serve(listener: TcpListener, state: Arc<ServerState>) -> io::Result<()> {
     let mut waiting: VecDeque<Waiting> = VecDeque::new();
     let mut fds: Vec<libc::pollfd> = Vec::new();
     loop {
+        if state.quiet() {
+            // Handing over: connections wait in the listener's backlog for
+            // the next process; those half-way through their handshake
+            // start again there.
+            waiting.clear();
+            std::thread::sleep(Duration::from_millis(5));
+            continue;
+        }
         fds.clear();
         fds.push(pollfd(listener.as_raw_fd()));
         fds.extend(

@@ -1,5 +1,6 @@
 //! The memory server: lends this host's spare memory to remote regions.
 //!
+//! - `pool`: the slots' memory, a file that can outlive the process (in-place restart);
 //! - [`store`]: pages kept per (region, page number) in page arrays inside
 //!   one pre-sized pool, so memory use never exceeds the lent capacity;
 //! - [`gate`]: one thread where connections wait until they authenticate;
@@ -10,10 +11,12 @@
 pub mod content;
 pub mod gate;
 pub mod metrics;
+mod pool;
 mod push;
 pub mod server;
 pub mod store;
 
 pub use content::LocalContent;
 pub use server::{ServerConfig, ServerState};
-pub use store::{RegionInfo, Store, StoreError};
+pub use pool::Backing;
+pub use store::{Frozen, RegionInfo, Store, StoreError};

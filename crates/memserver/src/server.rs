@@ -17,8 +17,9 @@ use pagefleet_tls::Stream;
 use std::io::{self, IoSlice, IoSliceMut, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 use tracing::{debug, info, warn};
 
@@ -67,6 +68,13 @@ pub struct ServerState {
     /// Its settings.
     pub cfg: ServerConfig,
     conns: AtomicU32,
+    /// Handing over to the next process: the gate takes no connection and
+    /// drops those waiting; sessions are being ended.
+    quiet: AtomicBool,
+    /// A second handle on each session's socket, to end it from outside
+    /// (`quiesce`); keyed by a number the session removes itself by.
+    sockets: Mutex<HashMap<u64, TcpStream>>,
+    next_socket: AtomicU64,
     /// Where PUT_HASHED finds pages (none: PUT_HASHED is refused, and the
     /// client sends the data).
     content: std::sync::OnceLock<Arc<dyn LocalContent>>,
@@ -80,14 +88,71 @@ impl ServerState {
 
     /// A server over `store`, accepting clients that hold `secret`.
     pub fn new(store: Store, secret: Secret, cfg: ServerConfig) -> ServerState {
+        Self::with_id(store, secret, cfg, auth::random_u64())
+    }
+
+    /// A server that goes on as `server_id`: a store handed over by the
+    /// previous process of an in-place restart, whose clients reconnect
+    /// and find the same server with the same pages.
+    pub fn with_id(store: Store, secret: Secret, cfg: ServerConfig, server_id: u64) -> ServerState {
         ServerState {
             store,
             secret,
-            server_id: auth::random_u64(),
+            server_id,
             metrics: Metrics::default(),
             cfg,
             conns: AtomicU32::new(0),
+            quiet: AtomicBool::new(false),
+            sockets: Mutex::new(HashMap::new()),
+            next_socket: AtomicU64::new(0),
             content: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// Stop taking connections and end every session (each client sees
+    /// its connection close and reconnects, to the next process once it
+    /// listens on the inherited socket). True once no session is left,
+    /// within `wait`; false: some still run (`resume` to serve again).
+    /// A session ended mid-request loses nothing: a PUT not committed is
+    /// not stored, a take not delivered is put back.
+    pub fn quiesce(&self, wait: Duration) -> bool {
+        self.quiet.store(true, Relaxed);
+        let until = Instant::now() + wait;
+        loop {
+            for s in lock(&self.sockets).values() {
+                let _ = s.shutdown(std::net::Shutdown::Both);
+            }
+            if lock(&self.sockets).is_empty() && self.connections() == 0 {
+                return true;
+            }
+            if Instant::now() >= until {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Take connections again (a handover given up).
+    pub fn resume(&self) {
+        self.quiet.store(false, Relaxed);
+    }
+
+    /// Handing over: take no connection now.
+    pub(crate) fn quiet(&self) -> bool {
+        self.quiet.load(Relaxed)
+    }
+
+    /// Keep a handle on a session's socket until the session ends.
+    pub(crate) fn track(&self, sock: &TcpStream) -> Option<u64> {
+        let dup = sock.try_clone().ok()?;
+        let k = self.next_socket.fetch_add(1, Relaxed);
+        lock(&self.sockets).insert(k, dup);
+        Some(k)
+    }
+
+    pub(crate) fn untrack(&self, k: Option<u64>) {
+        if let Some(k) = k {
+            lock(&self.sockets).remove(&k);
         }
     }
 
@@ -113,6 +178,10 @@ impl ServerState {
     pub(crate) fn release(&self) {
         self.conns.fetch_sub(1, Relaxed);
     }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// A byte stream the server can run a session on.
@@ -162,13 +231,17 @@ pub(crate) fn serve_authenticated(
     client: String,
     extra: &[u8],
 ) {
-    struct Release<'a>(&'a ServerState);
+    struct Release<'a>(&'a ServerState, Option<u64>);
     impl Drop for Release<'_> {
         fn drop(&mut self) {
+            self.0.untrack(self.1);
             self.0.release();
         }
     }
-    let _release = Release(st);
+    let _release = Release(st, st.track(stream.socket()));
+    if st.quiet() {
+        return;
+    }
     if stream.socket().set_nonblocking(false).is_err() {
         return;
     }

@@ -1,4 +1,4 @@
-//! Page store: one anonymous pool of `capacity` 4 KiB slots, and per region
+//! Page store: one pool of `capacity` 4 KiB slots ([`crate::pool`]), and per region
 //! a page array (a B-tree of leaves of 512 page numbers each) mapping page
 //! number -> slot. A leaf holding few pages is a sorted list (8 bytes a page),
 //! a full one a 2 KiB array (4 bytes a page), so the index costs under 2% of
@@ -11,11 +11,14 @@
 //! it (zombie) and it returns to the free list on the last unpin, so a slot
 //! can never be reused while its old contents are still on the wire.
 
+use crate::pool::Pool;
 use pagefleet_proto::{PageSel, StatOk, PAGE_SIZE};
 use std::collections::{BTreeMap, HashMap};
-use std::ptr::NonNull;
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
 use std::time::Instant;
+
+mod handover;
+pub use handover::Frozen;
 
 const LEAF_SHIFT: u32 = 9;
 const LEAF_PAGES: usize = 1 << LEAF_SHIFT;
@@ -64,6 +67,16 @@ pub enum StoreError {
         /// Why.
         source: std::io::Error,
     },
+    /// Pages are on their way to clients (a session still runs): the
+    /// index cannot be handed over without losing them.
+    #[error("{pinned} slots are still being read or sent by sessions")]
+    InFlight {
+        /// Slots pinned or taken.
+        pinned: u64,
+    },
+    /// A handed-over index that does not describe a store.
+    #[error("the handed-over page index is unusable: {0}")]
+    BadIndex(String),
     /// The capacity asked for is beyond what page numbers address.
     #[error("capacity of {pages} pages exceeds the limit of {max} pages (16 TiB)")]
     TooLarge {
@@ -72,62 +85,6 @@ pub enum StoreError {
         /// The limit.
         max: u64,
     },
-}
-
-/// The slot pool: one private anonymous mapping, populated on first use.
-struct Pool {
-    base: NonNull<u8>,
-    len: usize,
-}
-
-// SAFETY: the pool is plain memory; who may touch which slot is decided by
-// the index under the store's lock (reserved, pinned or published slots).
-unsafe impl Send for Pool {}
-// SAFETY: as for Send: shared access to a slot is arbitrated by the index.
-unsafe impl Sync for Pool {}
-
-impl Pool {
-    fn new(pages: u64) -> Result<Pool, StoreError> {
-        let len = (pages as usize).max(1) * PAGE_SIZE;
-        // SAFETY: anonymous mapping with no address hint.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(StoreError::Pool {
-                bytes: len as u64,
-                source: std::io::Error::last_os_error(),
-            });
-        }
-        // Huge pages make first touch ~100x cheaper per byte than 4 KiB
-        // faults; slots are handed out low-to-high so huge pages fill densely
-        // and RSS still tracks what is stored (rounded up to 2 MiB).
-        // SAFETY: p/len is the mapping just created.
-        unsafe { libc::madvise(p, len, libc::MADV_HUGEPAGE) };
-        Ok(Pool {
-            base: NonNull::new(p as *mut u8).unwrap(),
-            len,
-        })
-    }
-    fn ptr(&self, slot: u32) -> *mut u8 {
-        debug_assert!((slot as usize + 1) * PAGE_SIZE <= self.len);
-        // SAFETY: in bounds (slots < capacity).
-        unsafe { self.base.as_ptr().add(slot as usize * PAGE_SIZE) }
-    }
-}
-
-impl Drop for Pool {
-    fn drop(&mut self) {
-        // SAFETY: unmapping our own mapping.
-        unsafe { libc::munmap(self.base.as_ptr() as *mut libc::c_void, self.len) };
-    }
 }
 
 /// The slots of up to 512 consecutive page numbers.
@@ -397,6 +354,24 @@ struct Inner {
 }
 
 impl Inner {
+    /// The index of an empty store of `pages` slots.
+    fn empty(pages: u64) -> Inner {
+        Inner {
+            regions: HashMap::new(),
+            connected: HashMap::new(),
+            owners: Vec::new(),
+            owner_ids: HashMap::new(),
+            free_owners: Vec::new(),
+            owners_swept: 0,
+            epoch: Instant::now(),
+            free: Vec::new(),
+            next_fresh: 0,
+            stored: 0,
+            pins: vec![0u32; pages as usize],
+            zombies: 0,
+            changed: vec![0u64; (pages as usize).div_ceil(64)],
+        }
+    }
     fn owner_id(&mut self, who: &str) -> u32 {
         if let Some(&i) = self.owner_ids.get(who) {
             return i;
@@ -602,21 +577,7 @@ impl Store {
         Ok(Store {
             pool: Pool::new(pages)?,
             capacity: pages,
-            inner: Mutex::new(Inner {
-                regions: HashMap::new(),
-                connected: HashMap::new(),
-                owners: Vec::new(),
-                owner_ids: HashMap::new(),
-                free_owners: Vec::new(),
-                owners_swept: 0,
-                epoch: Instant::now(),
-                free: Vec::new(),
-                next_fresh: 0,
-                stored: 0,
-                pins: vec![0u32; pages as usize],
-                zombies: 0,
-                changed: vec![0u64; (pages as usize).div_ceil(64)],
-            }),
+            inner: Mutex::new(Inner::empty(pages)),
             freed: std::sync::Condvar::new(),
         })
     }
@@ -626,7 +587,7 @@ impl Store {
         self.capacity
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+    fn lock(&self) -> MutexGuard<'_, Inner> {
         // A panic while holding the lock cannot leave the index half-updated
         // in a way later operations depend on, so keep serving.
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
