@@ -20,6 +20,7 @@ pub mod migration;
 pub mod paging;
 pub mod registry;
 pub mod replicas;
+pub mod restart;
 pub mod soak;
 pub mod tls_floor;
 pub mod util;

@@ -184,6 +184,12 @@ enum BenchCmd {
     /// registered in a real etcd; placement latency (read, choose, claim
     /// by transaction, release), etcd writes per migration, etcd CPU.
     Registry(Bench<bench::registry::Args>),
+    /// In-place restarts of a host's pagefleetd (`pagefleet host restart`)
+    /// under value-checking kv loads on a 3-host testbed: two kv guests on
+    /// the host, a third elsewhere paging to its memory server; each
+    /// guest's longest kv operation per restart, time to answer, wrong
+    /// values, guests lost. Root.
+    Restart(Bench<bench::restart::Args>),
     /// A cluster's life in minutes, checked (issue 21): kv guests with two
     /// replicas under value-checking clients on a 4-host testbed while
     /// budgets change, guests migrate, hosts are evacuated and memory
@@ -633,6 +639,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Bench(BenchCmd::Blockdev(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::Dedup(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::Registry(b)) => bench::main(&b.common, &b.args),
+        Cmd::Bench(BenchCmd::Restart(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::Soak(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::Ksm(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::Ioqos(b)) => bench::main(&b.common, &b.args),

@@ -444,6 +444,7 @@ pub fn run(a: Settings) -> Result<()> {
     let exe = std::env::current_exe()?;
     let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
     let restart_requested = pagefleet_common::signal::restart_flag();
+    let mut restarted_from: Option<(String, f64)> = None;
     if a.lend.is_none() && a.guest_memory.is_none() && a.ksm.is_none() && a.ioqos.is_none() {
         return Err(crate::Error::Invalid("nothing to do: lend memory with --lend SIZE (e.g. --lend 4GiB), run guests with --guest-memory SIZE, control KSM with --ksm adaptive and/or guarantee I/O with --ioqos-device DEV --ioqos-tenants SPEC; see --help".to_string()));
     }
@@ -522,19 +523,7 @@ pub fn run(a: Settings) -> Result<()> {
     };
     let (inherited_ms, inherited_http, inherited_cordon) = match inherited {
         Some(h) => {
-            tracing::warn!(
-                "restarted in place from pagefleetd {} ({:.3} s since it handed over){}",
-                h.from_version,
-                crate::handover::since(h.at_unix),
-                h.memserver
-                    .as_ref()
-                    .map(|m| format!(
-                        ": memory server {:#x} goes on with {} pages",
-                        m.server_id,
-                        m.store.stored_pages()
-                    ))
-                    .unwrap_or_default()
-            );
+            restarted_from = Some((h.from_version, h.at_unix));
             (h.memserver, h.http, h.cordoned)
         }
         None => (None, None, false),
@@ -746,6 +735,19 @@ pub fn run(a: Settings) -> Result<()> {
     }
     if let Some(g) = a.guest_memory {
         tracing::info!("guest host service: {} for guests", units::fmt_size(g));
+    }
+    if let Some((from, at)) = restarted_from {
+        tracing::warn!(
+            "restarted in place from pagefleetd {from} ({:.3} s from its exec to serving again){}",
+            crate::handover::since(at),
+            ms.as_ref()
+                .map(|m| format!(
+                    ": memory server {:#x} goes on with {} pages",
+                    m.state.server_id,
+                    m.state.store.stored_pages()
+                ))
+                .unwrap_or_default()
+        );
     }
     let mut out = std::io::stdout().lock();
     if let Some(m) = &ms {

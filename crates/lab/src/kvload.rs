@@ -179,6 +179,9 @@ pub struct Counters {
     /// Paced operations dropped because the client was over 100 ms behind
     /// its schedule (a request that would have timed out).
     pub dropped: AtomicU64,
+    /// The longest operation since this was last reset (`swap(0)`), µs,
+    /// including reconnecting: what a client waited at worst.
+    pub max_op_us: AtomicU64,
 }
 
 /// A load running in the background.
@@ -311,6 +314,7 @@ fn client(
     let mut line = String::new();
     let start = Instant::now();
     let mut sent = 0u64;
+    let mut op_start: Option<Instant> = None;
     'conn: while !stop.load(Relaxed) {
         let Some(mut st) = connect(&s.addr, s.reconnect, stop)? else {
             break;
@@ -335,6 +339,8 @@ fn client(
             }
             let i = zipf.sample(rng.unit());
             let k = key(i);
+            let t0 = op_start.unwrap_or_else(Instant::now);
+            op_start = None;
             let res = (|| -> std::io::Result<()> {
                 if rng.unit() < s.get_frac {
                     st.write_all(format!("get {k}\r\n").as_bytes())?;
@@ -365,9 +371,13 @@ fn client(
             match res {
                 Ok(()) => {
                     c.ops.fetch_add(1, Relaxed);
+                    c.max_op_us
+                        .fetch_max(t0.elapsed().as_micros() as u64, Relaxed);
                 }
                 Err(e) if s.reconnect && e.kind() != std::io::ErrorKind::Other => {
                     c.reconnects.fetch_add(1, Relaxed);
+                    // The next operation's time counts from this one's start.
+                    op_start = Some(t0);
                     continue 'conn;
                 }
                 Err(e) => bail!("kv client: {e}"),

@@ -79,8 +79,9 @@ impl Pool {
             bytes: len as u64,
             source,
         };
-        // SAFETY: fstat fills the zeroed struct for a descriptor we own.
+        // SAFETY: a plain C struct, all zeros is a valid value.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: fstat fills the struct for a descriptor we own.
         if unsafe { libc::fstat(file.as_raw_fd(), &mut st) } != 0 {
             return Err(err(io::Error::last_os_error()));
         }
