@@ -4,17 +4,23 @@
 //! pymemcache). Opening memory that already holds a table resumes it.
 //!
 //! Layout: a 4 KiB header (magic, geometry, counters, per size class a free
-//! list head and an LRU list's head and tail), the bucket array (u64 item
-//! offsets), then an arena of items. Items come in size classes that grow
-//! by 1.25x from 64 B (memcached's default growth factor: at most a fifth
-//! of an item is slack, where power-of-two classes wasted up to half),
-//! bump-allocated and recycled per class.
+//! list head, an LRU list's head and tail, its slab pages and where the
+//! next chunk is carved), the bucket array (u64 item offsets), then an
+//! arena of slab pages. Items come in size classes that grow by 1.25x from
+//! 64 B (memcached's default growth factor: at most a fifth of an item is
+//! slack, where power-of-two classes wasted up to half); as in memcached,
+//! each slab page (1088 KiB: the largest item fits one) holds chunks of one
+//! class, carved as needed and recycled per class.
 //!
 //! When the memory is full a store evicts the least recently used item of
 //! its size class, as memcached does (an item moves to the head of its LRU
 //! at most once a minute when read, memcached's ITEM_UPDATE_INTERVAL, so
-//! reads rarely take the allocator lock); with `evict` off it is refused
-//! with memcached's `-M` reply instead.
+//! reads rarely take the allocator lock) — unless another class's least
+//! recently used item is older, or the class has no page at all: then a
+//! page of that other class is emptied (its items evicted) and moves to
+//! this class (memcached's slab reassignment, `slabs_moved`), so a change
+//! in value sizes never leaves the memory full of a class nobody stores.
+//! With `evict` off a store is refused with memcached's `-M` reply instead.
 
 use crate::Mem;
 use std::io::{BufRead, BufReader, BufWriter, Read, Write};
@@ -24,7 +30,7 @@ use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tracing::{debug, warn};
 
-const MAGIC: u64 = 0x5046_4b56_0000_0002; // "PFKV" v2: 1.25x classes, LRU
+const MAGIC: u64 = 0x5046_4b56_0000_0003; // "PFKV" v3: slab pages, reassignment
 const H_MAGIC: usize = 0;
 const H_NBUCKETS: usize = 8;
 const H_ARENA_START: usize = 16;
@@ -35,10 +41,29 @@ const H_BYTES: usize = 48;
 const H_CAS: usize = 56;
 const H_TOTAL_ITEMS: usize = 64;
 const H_EVICTIONS: usize = 72;
+/// Bytes a slab page spans.
+const H_PAGE_SIZE: usize = 80;
+/// Slab pages moved from one class to another.
+const H_MOVED: usize = 88;
+/// Where the page table starts (one byte per page: its class, or NO_CLASS).
+const H_PTABLE: usize = 96;
+const NO_CLASS: u8 = 0xff;
 /// Per class: its free list's head.
 const H_FREE: usize = 128;
 /// Per class: its LRU list's head (most recent) and tail, 16 bytes.
 const H_LRU: usize = 1024;
+/// Per class: slab pages it holds.
+const H_PAGES: usize = 2048;
+/// Per class: where its next chunk is carved, and the end of that page.
+const H_CARVE: usize = 2560;
+const H_CARVE_END: usize = 3072;
+/// Tries to make room before a store is refused (each gives up only on an
+/// item another request holds at that moment).
+const ALLOC_TRIES: usize = 100;
+/// The cas field of a chunk handed out and not written yet.
+const RESERVED: u64 = u64::MAX;
+/// A slab page: the largest item (a 1 MiB value, a 250-byte key) fits one.
+const SLAB_PAGE: usize = 1088 << 10;
 /// Most size classes (the header has room for this many).
 const NCLASS_MAX: usize = 64;
 const MIN_CLASS: usize = 64;
@@ -141,6 +166,16 @@ pub struct Kv {
     next_client: AtomicU64,
 }
 
+/// Milliseconds since the Unix epoch: when an item was last used (its LRU
+/// position; classes' oldest items are compared across classes, so one
+/// second is too coarse).
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
 fn now() -> u32 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -239,24 +274,35 @@ impl Kv {
         // LRU links count in ALIGN units as u32: 64 GiB at most.
         let len = self.mem.len.min(ALIGN << 32);
         let nb = ((len / 1024).max(1024)).next_power_of_two().min(1 << 26);
-        let arena = (4096 + nb * 8).div_ceil(64) * 64;
+        let ptable = 4096 + nb * 8;
+        // Small memories (tests, tiny guests) get 16 pages at least: items
+        // larger than a page are then refused.
+        let page = SLAB_PAGE.min((len.saturating_sub(ptable) / 16) / 4096 * 4096).max(4096);
+        let npages = len.saturating_sub(ptable) / page;
+        let arena = (ptable + npages).div_ceil(64) * 64;
         for b in 0..nb {
             self.w(4096 + b * 8, 0);
         }
+        self.bytes_mut(ptable, npages).fill(NO_CLASS);
         for c in 0..NCLASS_MAX {
-            self.w(H_FREE + c * 8, 0);
+            for h in [H_FREE, H_PAGES, H_CARVE, H_CARVE_END] {
+                self.w(h + c * 8, 0);
+            }
             self.w(H_LRU + c * 16, 0);
             self.w(H_LRU + c * 16 + 8, 0);
         }
+        self.w(H_PTABLE, ptable as u64);
         self.w(H_NBUCKETS, nb as u64);
         self.w(H_ARENA_START, arena as u64);
         self.w(H_ARENA_END, len as u64);
         self.w(H_BUMP, arena as u64);
+        self.w(H_PAGE_SIZE, page as u64);
         self.w(H_ITEMS, 0);
         self.w(H_BYTES, 0);
         self.w(H_CAS, 1);
         self.w(H_TOTAL_ITEMS, 0);
         self.w(H_EVICTIONS, 0);
+        self.w(H_MOVED, 0);
         self.w(H_MAGIC, MAGIC);
     }
 
@@ -358,7 +404,7 @@ impl Kv {
             self.w(H_LRU + c * 16 + 8, it as u64);
         }
         self.w(H_LRU + c * 16, it as u64);
-        self.w(it + 40, now() as u64);
+        self.w(it + 40, now_ms());
     }
     /// Take `it` out of class `c`'s LRU.
     fn lru_unlink(&self, c: usize, it: usize) {
@@ -376,40 +422,197 @@ impl Kv {
     }
 
     /// Room for an item of `size` bytes; with the memory full, the least
-    /// recently used item of its class whose stripe is free (or is
-    /// `held`, the caller's) is evicted for it. None: no room.
+    /// recently used item of its class whose stripe is free (or is `held`,
+    /// the caller's) is evicted for it, or a page of a class whose least
+    /// recently used item is older moves to its class. None: no room.
     fn alloc(&self, size: usize, held: usize) -> Option<(usize, usize)> {
         let c = class_of(size)?;
-        let _a = self.alloc_lock.lock().unwrap_or_else(|e| e.into_inner());
-        let head = self.r(H_FREE + c * 8) as usize;
-        if head != 0 {
-            self.w(H_FREE + c * 8, self.r(head));
-            return Some((head, c));
-        }
-        let bump = self.r(H_BUMP) as usize;
         let sz = classes()[c];
-        if bump + sz <= self.r(H_ARENA_END) as usize {
-            self.w(H_BUMP, (bump + sz) as u64);
-            return Some((bump, c));
+        if sz > self.r(H_PAGE_SIZE) as usize {
+            return None;
         }
-        // A free chunk of a larger class holds it too (the item keeps that
-        // class, so the chunk goes back to its own list).
-        for b in c + 1..classes().len() {
-            let head = self.r(H_FREE + b * 8) as usize;
-            if head != 0 {
-                self.w(H_FREE + b * 8, self.r(head));
-                return Some((head, b));
+        // A page move gives up on an item another request is writing: the
+        // allocator lock is let go between tries so that request finishes.
+        for _ in 0..ALLOC_TRIES {
+            let _a = self.alloc_lock.lock().unwrap_or_else(|e| e.into_inner());
+            match self.alloc_locked(c, held) {
+                Some((it, c)) => {
+                    // Being written: moving its page must wait (`move_page`).
+                    self.w(it + 8, RESERVED);
+                    return Some((it, c));
+                }
+                None if !self.evict => return None,
+                None => {}
             }
+            drop(_a);
+            std::thread::yield_now();
+        }
+        None
+    }
+
+    fn alloc_locked(&self, c: usize, held: usize) -> Option<(usize, usize)> {
+        if let Some(it) = self.take_chunk(c) {
+            return Some((it, c));
         }
         if !self.evict {
             return None;
         }
-        // The least recently used of its class; if the class has none to
-        // give, of the nearest larger class that has.
-        (c..classes().len())
-            .filter(|b| self.r(H_LRU + b * 16 + 8) != 0)
-            .take(4)
-            .find_map(|b| self.evict_from(b, held))
+        // Evict here, or empty a page of the class whose oldest item is
+        // older (a class that holds pages but no item gives one for free).
+        let own = self.tail_age(c);
+        let mut donors: Vec<(u64, usize)> = (0..classes().len())
+            .filter(|b| *b != c && self.r(H_PAGES + b * 8) > 0)
+            .map(|b| (self.tail_age(b).unwrap_or(0), b))
+            .collect();
+        donors.sort_unstable();
+        match (own, donors.first()) {
+            (Some(o), Some((d, _))) if *d < o => {}
+            (Some(_), _) => {
+                if let Some(r) = self.evict_from(c, held) {
+                    return Some(r);
+                }
+            }
+            (None, _) => {}
+        }
+        // Oldest first; a class whose pages all hold an item someone is
+        // using now is passed for the next.
+        for (_, b) in donors {
+            if self.move_page(b, c, held) {
+                return self.take_chunk(c).map(|it| (it, c));
+            }
+        }
+        self.evict_from(c, held)
+    }
+
+    /// A free chunk of class `c`, carved from its page or a new page if
+    /// there is none (allocator lock held).
+    fn take_chunk(&self, c: usize) -> Option<usize> {
+        let head = self.r(H_FREE + c * 8) as usize;
+        if head != 0 {
+            self.w(H_FREE + c * 8, self.r(head));
+            return Some(head);
+        }
+        let sz = classes()[c];
+        let (carve, end) = (self.r(H_CARVE + c * 8) as usize, self.r(H_CARVE_END + c * 8) as usize);
+        if carve + sz <= end {
+            self.w(H_CARVE + c * 8, (carve + sz) as u64);
+            return Some(carve);
+        }
+        let (bump, page) = (self.r(H_BUMP) as usize, self.r(H_PAGE_SIZE) as usize);
+        if bump + page <= self.r(H_ARENA_END) as usize {
+            self.set_page_class(bump, c);
+            self.w(H_BUMP, (bump + page) as u64);
+            self.w(H_PAGES + c * 8, self.r(H_PAGES + c * 8) + 1);
+            self.w(H_CARVE + c * 8, (bump + sz) as u64);
+            self.w(H_CARVE_END + c * 8, (bump + page) as u64);
+            return Some(bump);
+        }
+        None
+    }
+
+    /// When class `b`'s least recently used item was last used (None: it
+    /// has no item).
+    fn tail_age(&self, b: usize) -> Option<u64> {
+        let t = self.r(H_LRU + b * 16 + 8) as usize;
+        (t != 0).then(|| self.r(t + 40))
+    }
+
+    /// Empty one slab page of class `b` (evicting its items) and give it to
+    /// class `c` (allocator lock held). False if an item of it was busy
+    /// (its stripe held elsewhere): the items evicted so far stay evicted,
+    /// their chunks free in `b`.
+    fn move_page(&self, b: usize, c: usize, held: usize) -> bool {
+        let (start0, page) = (self.r(H_ARENA_START) as usize, self.r(H_PAGE_SIZE) as usize);
+        let handed = (self.r(H_BUMP) as usize - start0) / page;
+        // The page of its least recently used item first, then every other
+        // page of the class (one holding an item being written is passed).
+        let first = self.r(H_LRU + b * 16 + 8) as usize;
+        let first = (first >= start0).then(|| (first - start0) / page);
+        let ptable = self.r(H_PTABLE) as usize;
+        let classes_of = self.bytes(ptable, handed);
+        let mut order: Vec<usize> = first.into_iter().collect();
+        order.extend((0..handed).filter(|i| classes_of[*i] == b as u8 && Some(*i) != first));
+        for i in order {
+            let start = start0 + i * page;
+            if self.empty_page(b, start, start + page, held) {
+                self.set_page_class(start, c);
+                self.w(H_PAGES + b * 8, self.r(H_PAGES + b * 8) - 1);
+                self.w(H_PAGES + c * 8, self.r(H_PAGES + c * 8) + 1);
+                self.w(H_CARVE + c * 8, start as u64);
+                self.w(H_CARVE_END + c * 8, (start + page) as u64);
+                self.w(H_MOVED, self.r(H_MOVED) + 1);
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Record that the page at `start` holds chunks of class `c`.
+    fn set_page_class(&self, start: usize, c: usize) {
+        let (start0, page) = (self.r(H_ARENA_START) as usize, self.r(H_PAGE_SIZE) as usize);
+        let at = self.r(H_PTABLE) as usize + (start - start0) / page;
+        self.bytes_mut(at, 1)[0] = c as u8;
+    }
+
+    /// Evict every item of class `b`'s page [start, end) and take its
+    /// chunks out of the class (allocator lock held). False if an item of
+    /// it is busy: those evicted so far stay evicted, free in `b`.
+    fn empty_page(&self, b: usize, start: usize, end: usize, held: usize) -> bool {
+        let sz = classes()[b];
+        let carve_end = self.r(H_CARVE_END + b * 8) as usize;
+        let carving = carve_end == end;
+        let limit = if carving { self.r(H_CARVE + b * 8) as usize } else { end };
+        let mut off = start;
+        while off + sz <= limit {
+            // A live item has a cas id (from 1); a free chunk has 0; a
+            // chunk being written is RESERVED until its writer sets its cas
+            // id (and from then on holds its stripe until it is linked).
+            let cas = self.r(off + 8);
+            if cas == RESERVED {
+                return false;
+            }
+            if cas != 0 {
+                let key = self.i_key(off).to_vec();
+                let s = self.stripe_of(&key);
+                let guard = if s == held {
+                    None
+                } else {
+                    match self.stripes[s].try_write() {
+                        Ok(g) => Some(g),
+                        Err(_) => return false,
+                    }
+                };
+                self.unlink_from_bucket(&key, off);
+                let (_, _, _, vlen, _, _) = self.i_meta(off);
+                self.lru_unlink(b, off);
+                self.w(H_ITEMS, self.r(H_ITEMS) - 1);
+                self.w(H_BYTES, self.r(H_BYTES) - vlen as u64);
+                self.w(H_EVICTIONS, self.r(H_EVICTIONS) + 1);
+                self.w(off + 8, 0);
+                self.w(off, self.r(H_FREE + b * 8));
+                self.w(H_FREE + b * 8, off as u64);
+                drop(guard);
+            }
+            off += sz;
+        }
+        // Every chunk of the page is free now: out of b's free list.
+        let mut link = H_FREE + b * 8;
+        loop {
+            let x = self.r(link) as usize;
+            if x == 0 {
+                break;
+            }
+            if (start..end).contains(&x) {
+                self.w(link, self.r(x));
+            } else {
+                link = x;
+            }
+        }
+        if carving {
+            self.w(H_CARVE + b * 8, 0);
+            self.w(H_CARVE_END + b * 8, 0);
+        }
+        true
     }
 
     /// Evict the least recently used item of class `c` whose stripe is
@@ -467,6 +670,8 @@ impl Kv {
         let (_, _, _, vlen, _, class) = self.i_meta(it);
         let _a = self.alloc_lock.lock().unwrap_or_else(|e| e.into_inner());
         self.lru_unlink(class, it);
+        // No cas id: a free chunk (what moving its page looks at).
+        self.w(it + 8, 0);
         self.w(it, self.r(H_FREE + class * 8));
         self.w(H_FREE + class * 8, it as u64);
         self.w(H_ITEMS, self.r(H_ITEMS) - 1);
@@ -543,8 +748,7 @@ impl Kv {
     /// A read item is recently used: at most once a minute it moves to the
     /// head of its LRU (a stale look at its bump time only delays that).
     fn touch_lru(&self, it: usize) {
-        let t = now();
-        if t.saturating_sub(self.r(it + 40) as u32) < LRU_BUMP_SECS {
+        if now_ms().saturating_sub(self.r(it + 40)) < LRU_BUMP_SECS as u64 * 1000 {
             return;
         }
         let class = self.i_meta(it).5;
@@ -988,6 +1192,7 @@ fn general_stats(kv: &Kv) -> String {
         ("curr_items", kv.items().to_string()),
         ("total_items", kv.r(H_TOTAL_ITEMS).to_string()),
         ("evictions", kv.evictions().to_string()),
+        ("slabs_moved", kv.r(H_MOVED).to_string()),
         ("reclaimed", "0".into()),
     ]
     .into_iter()
@@ -1164,6 +1369,10 @@ fn command(
                         .flat_map(|(c, size, n)| {
                             [
                                 format!("STAT {c}:chunk_size {size}\r\n"),
+                                format!(
+                                    "STAT {c}:total_pages {}\r\n",
+                                    kv.r(H_PAGES + (c - 1) * 8)
+                                ),
                                 format!("STAT {c}:used_chunks {n}\r\n"),
                             ]
                         })
@@ -1352,6 +1561,61 @@ mod tests {
     }
 
     #[test]
+    fn when_value_sizes_change_pages_move_to_the_new_size_class() {
+        let (_v, m) = mem(4 << 20);
+        let kv = Kv::open(m);
+        // Full of small items, then only large ones, then small again:
+        // every store succeeds, the newest of each phase are all there.
+        for (phase, len, n) in [(0, 100, 60_000u32), (1, 5000, 3000), (2, 300, 30_000)] {
+            let val = vec![phase as u8 + 1; len];
+            for i in 0..n {
+                let k = format!("p{phase}-{i}");
+                assert_eq!(kv.store(Mode::Set, k.as_bytes(), 0, 0, &val), Store::Stored, "{k}");
+            }
+            for i in n - 100..n {
+                let k = format!("p{phase}-{i}");
+                assert_eq!(kv.get(k.as_bytes()).expect(&k).2, val, "{k}");
+            }
+        }
+        assert!(kv.r(H_MOVED) > 10, "pages moved: {}", kv.r(H_MOVED));
+        // The pages add up to what was handed out, each in one class.
+        let pages: u64 = (0..classes().len()).map(|c| kv.r(H_PAGES + c * 8)).sum();
+        let handed = (kv.r(H_BUMP) - kv.r(H_ARENA_START)) / kv.r(H_PAGE_SIZE);
+        assert_eq!(pages, handed);
+        // Every item is found through its bucket and counted once.
+        let listed: u64 = kv.class_counts().iter().map(|c| c.2).sum();
+        assert_eq!(listed, kv.items());
+    }
+
+    #[test]
+    fn concurrent_stores_of_changing_sizes_keep_the_table_whole() {
+        let (_v, m) = mem(2 << 20);
+        let kv = Arc::new(Kv::open(m));
+        let threads: Vec<_> = (0..4u64)
+            .map(|t| {
+                let kv = kv.clone();
+                std::thread::spawn(move || {
+                    for i in 0..20_000u64 {
+                        let len = [40, 700, 3000, 9000][((i / 500 + t) % 4) as usize];
+                        let k = format!("t{t}-{}", i % 3000);
+                        let v = vec![(i % 251) as u8; len];
+                        assert_eq!(kv.store(Mode::Set, k.as_bytes(), 0, 0, &v), Store::Stored);
+                        if let Some((_, _, got)) = kv.get(k.as_bytes()) {
+                            assert_eq!(got, v, "{k}");
+                        }
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        let listed: u64 = kv.class_counts().iter().map(|c| c.2).sum();
+        assert_eq!(listed, kv.items());
+        assert!(kv.r(H_MOVED) > 0);
+    }
+
+    #[test]
     fn no_evict_refuses_when_full() {
         let (_v, m) = mem(1 << 20);
         let mut kv = Kv::open(m);
@@ -1397,7 +1661,7 @@ mod tests {
         assert_eq!(kv.r(H_LRU + c * 16 + 8) as usize, it, "old is the tail");
         kv.get(b"old");
         assert_eq!(kv.r(H_LRU + c * 16 + 8) as usize, it, "bumped within the minute");
-        kv.w(it + 40, u64::from(now() - LRU_BUMP_SECS));
+        kv.w(it + 40, now_ms() - LRU_BUMP_SECS as u64 * 1000);
         kv.get(b"old");
         assert_eq!(kv.r(H_LRU + c * 16) as usize, it, "bumped to the head");
     }

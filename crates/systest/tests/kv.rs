@@ -205,6 +205,17 @@ fn filled_past_its_memory_it_keeps_serving_by_evicting() {
         assert_eq!(c.get(&format!("k{i}")), Some(value(i, 4000)), "k{i}");
     }
     assert_eq!(c.get("k0"), None, "the oldest was evicted");
+    // The values change size: pages move to the new size class (memcached's
+    // slab reassignment) and the new values take the memory over in turn.
+    for i in 0..200u64 {
+        assert_eq!(c.set(&format!("big{i}"), &value(i, 64 << 10)), "STORED\r\n", "big{i}");
+    }
+    assert!(c.stat("slabs_moved") > 4, "{} pages moved", c.stat("slabs_moved"));
+    let bytes = c.stat("bytes");
+    assert!(bytes > 8 << 20, "{bytes} bytes of values in 16 MiB after the change");
+    for i in 150..200u64 {
+        assert_eq!(c.get(&format!("big{i}")), Some(value(i, 64 << 10)), "big{i}");
+    }
     drop(c);
     drop(k);
 
