@@ -5,7 +5,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use pagefleet_memserver::server::{Session, Transport};
-use pagefleet_memserver::{ServerConfig, ServerState, Store};
+use pagefleet_memserver::{Backing, ServerConfig, ServerState, Store};
 use pagefleet_proto::auth::Secret;
 use pagefleet_proto::io::ReadAll;
 use std::io::{self, Read, Write};
@@ -46,7 +46,7 @@ impl Transport for Mem<'_> {
 fuzz_target!(|data: &[u8]| {
     let Some((&mode, rest)) = data.split_first() else { return };
     let secret = Secret::from_bytes(b"fuzz-secret-0123456789", "fuzz").unwrap();
-    let st = ServerState::new(Store::new(64 * 4096).unwrap(), secret, ServerConfig::default());
+    let st = ServerState::new(Store::with_backing(64 * 4096, Backing::Memfd).unwrap(), secret, ServerConfig::default());
     let mut t = Mem { input: rest, written: 0 };
     let s = if mode & 1 == 1 { Session::new_preauthenticated(&st, &mut t) } else { Session::new(&st, &mut t, "fuzz") };
     let _ = s.run();

@@ -52,15 +52,22 @@ unsafe impl Send for Pool {}
 unsafe impl Sync for Pool {}
 
 impl Pool {
-    /// A fresh pool of `pages` slots (at least one), all reading as zeros.
-    pub(crate) fn new(pages: u64) -> Result<Pool, StoreError> {
+    /// A fresh pool of `pages` slots (at least one), all reading as zeros,
+    /// backed as `want` says (a huge-page tmpfs falls back to a memfd where
+    /// it cannot be mounted).
+    pub(crate) fn new(pages: u64, want: Backing) -> Result<Pool, StoreError> {
         let len = Self::bytes(pages);
         let err = |source| StoreError::Pool {
             bytes: len as u64,
             source,
         };
-        let (file, backing) = match huge_tmpfs_file(len) {
+        let tmpfs = match want {
+            Backing::HugeTmpfs => huge_tmpfs_file(len),
+            Backing::Memfd => Err(io::Error::other("a memfd was asked for")),
+        };
+        let (file, backing) = match tmpfs {
             Ok(f) => (f, Backing::HugeTmpfs),
+            Err(_) if want == Backing::Memfd => (memfd(len).map_err(err)?, Backing::Memfd),
             Err(e) => {
                 tracing::info!(
                     "page pool in 4 KiB pages (a memfd): no huge-page tmpfs for it ({e}); first writes into the pool cost about 4x more"
