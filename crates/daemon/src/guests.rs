@@ -750,13 +750,42 @@ impl Guests {
         let listed: Vec<Listed> = serde_json::from_slice(&text).unwrap_or_default();
         let mut adopted = Vec::new();
         for l in listed {
+            if !pagefleet_api::guest::valid_name(&l.name) {
+                continue;
+            }
+            // After an in-place restart a runner that ended meanwhile is
+            // this process's unreaped child: reap it, its status is known.
+            let mut st = 0;
+            // SAFETY: waitpid writes the status int; for a pid that is not
+            // our child it fails (ECHILD) and touches nothing.
+            let reaped = unsafe { libc::waitpid(l.pid as libc::pid_t, &mut st, libc::WNOHANG) }
+                == l.pid as libc::pid_t;
             // The pid is still this guest's runner (not a reused pid).
             let cmdline = std::fs::read(format!("/proc/{}/cmdline", l.pid)).unwrap_or_default();
             let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
             let sub: &[u8] = if l.incoming { b"runner-incoming" } else { b"runner-guest" };
             let ours = args.contains(&sub)
                 && args.iter().any(|a| *a == format!("--name={}", l.name).as_bytes());
-            if !ours || !pagefleet_api::guest::valid_name(&l.name) {
+            if reaped || !ours {
+                // It ended while no daemon watched: a guest that failed
+                // (a runner waiting for a migration is the source's affair).
+                if !l.incoming {
+                    use std::os::unix::process::ExitStatusExt;
+                    let exit = if reaped {
+                        describe_exit(std::process::ExitStatus::from_raw(st))
+                    } else {
+                        "ended while pagefleetd was not running; exit status unknown".into()
+                    };
+                    let e = Entry {
+                        pid: l.pid,
+                        control: l.control.clone(),
+                        budget_pages: l.budget_pages,
+                        incoming: false,
+                        last: None,
+                        stopping: false,
+                    };
+                    self.record_failure(&l.name, l.pid, e, exit);
+                }
                 continue;
             }
             // A runner that came by migration is adopted once it runs the

@@ -132,6 +132,9 @@ pub fn take() -> Result<Option<Inherited>> {
     let Some(v) = std::env::var_os(ENV) else {
         return Ok(None);
     };
+    // Not for the runners this daemon starts. (No other thread runs yet:
+    // this is the first thing the daemon does.)
+    std::env::remove_var(ENV);
     let fd: RawFd = v.to_str().and_then(|s| s.parse().ok()).ok_or_else(|| {
         Error::Invalid(format!("{ENV}={v:?} is not a descriptor number"))
     })?;

@@ -252,12 +252,29 @@ fn a_restarted_daemon_adopts_its_running_guests() {
     let h1 = l.lab.hosts[0].clone();
     let load = kv_paging_to(&l, "up1", &l.lab.hosts[1].addr.clone());
     let (_, before) = l.guest("up1").expect("up1 runs");
+    start_synthetic(&l, "dies", 16, 100);
+    let (_, dies) = l.guest("dies").expect("dies runs");
     // Nothing of anyone else's is lost by stopping h1's daemon: it stops.
     term(h1.pid);
     wait_for("h1's pagefleetd to stop", 20, || !alive(h1.pid));
     assert!(alive(before.pid), "the runner ended with its daemon");
     still_serving(&load);
+    // A guest that dies while no daemon watches is not forgotten.
+    // SAFETY: kill has no memory preconditions.
+    unsafe { libc::kill(dies.pid as i32, libc::SIGKILL) };
+    wait_for("dies's runner to end", 20, || !alive(dies.pid));
     l.restart_daemon(0).expect("start h1's pagefleetd again");
+    let failed = l
+        .status(0)
+        .into_iter()
+        .flat_map(|h| h.guests.into_iter().flatten())
+        .find(|g| g.name == "dies")
+        .expect("the dead guest is listed");
+    assert_eq!(failed.state, pagefleet_api::GuestState::Failed);
+    let why = failed.failure.expect("with its failure");
+    assert!(why.exit.contains("while pagefleetd was not running"), "{why:?}");
+    let (ok, _, err) = l.pf(0, &["guest", "rm", "dies"]);
+    assert!(ok, "guest rm: {err}");
     let mut found = None;
     wait_for("the restarted daemon to list up1", 20, || {
         found = l.guest("up1");
