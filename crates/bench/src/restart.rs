@@ -78,6 +78,8 @@ pub struct Report {
     pub wrong_values: u64,
     pub lost_keys: u64,
     pub guests_lost: u64,
+    /// Which, and how (empty when none was).
+    pub lost: Vec<String>,
     pub goals: Vec<Goal>,
     pub plot: PlotOutcome,
 }
@@ -199,11 +201,35 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
         restarts.push(r);
         std::thread::sleep(Duration::from_secs(2));
     }
-    let guests_lost = GUESTS
-        .iter()
-        .zip(&pids)
-        .filter(|((n, _, _), pid)| l.guest(n).map(|(_, g)| g.pid) != Some(**pid))
-        .count() as u64;
+    // A guest is lost if it is not listed running with the runner it had
+    // (asked a few times: one status call may fail on its own).
+    let mut lost = Vec::new();
+    for ((n, _, _), pid) in GUESTS.iter().zip(&pids) {
+        let mut seen = None;
+        for _ in 0..5 {
+            seen = l.guest(n).map(|(_, g)| g);
+            if seen.as_ref().is_some_and(|g| g.pid == *pid) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        match seen {
+            Some(g) if g.pid == *pid => {}
+            Some(g) => lost.push(format!("{n}: now runner {} ({:?})", g.pid, g.state)),
+            None => lost.push(format!(
+                "{n}: not listed (runner {pid} {})",
+                if std::path::Path::new(&format!("/proc/{pid}")).exists() {
+                    "still running"
+                } else {
+                    "gone"
+                }
+            )),
+        }
+    }
+    if !lost.is_empty() {
+        log(&format!("guests lost: {}", lost.join("; ")));
+    }
+    let guests_lost = lost.len() as u64;
     let (mut wrong_values, mut lost_keys) = (0, 0);
     for ld in loads {
         let c = ld.counters.clone();
@@ -233,6 +259,7 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
         wrong_values,
         lost_keys,
         guests_lost,
+        lost,
         goals: vec![],
         plot: PlotOutcome::default(),
     };

@@ -372,6 +372,7 @@ fn each_bench_help_lists_only_its_own_flags() {
                 "--swap",
                 "--fit",
                 "--theta",
+                "--rounds",
             ],
         ),
         ("ioqos", &["--secs", "--only", "--dataset"]),

@@ -20,7 +20,9 @@
 //! page of that other class is emptied (its items evicted) and moves to
 //! this class (memcached's slab reassignment, `slabs_moved`), so a change
 //! in value sizes never leaves the memory full of a class nobody stores.
-//! With `evict` off a store is refused with memcached's `-M` reply instead.
+//! With `evict` off a store is refused with memcached's `-M` reply instead,
+//! and reads never write (no LRU bump): tenants holding the same data keep
+//! their merged pages merged.
 
 use crate::Mem;
 use std::io::{BufRead, BufReader, BufWriter, Read, Write};
@@ -164,16 +166,6 @@ pub struct Kv {
     /// can hang them up at once instead of leaving them to time out.
     clients: Mutex<std::collections::HashMap<u64, TcpStream>>,
     next_client: AtomicU64,
-}
-
-/// Milliseconds since the Unix epoch: when an item was last used (its LRU
-/// position; classes' oldest items are compared across classes, so one
-/// second is too coarse).
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
 }
 
 fn now() -> u32 {
@@ -404,7 +396,7 @@ impl Kv {
             self.w(H_LRU + c * 16 + 8, it as u64);
         }
         self.w(H_LRU + c * 16, it as u64);
-        self.w(it + 40, now_ms());
+        self.w(it + 40, now() as u64);
     }
     /// Take `it` out of class `c`'s LRU.
     fn lru_unlink(&self, c: usize, it: usize) {
@@ -460,9 +452,9 @@ impl Kv {
         // Evict here, or empty a page of the class whose oldest item is
         // older (a class that holds pages but no item gives one for free).
         let own = self.tail_age(c);
-        let mut donors: Vec<(u64, usize)> = (0..classes().len())
+        let mut donors: Vec<((u64, u64), usize)> = (0..classes().len())
             .filter(|b| *b != c && self.r(H_PAGES + b * 8) > 0)
-            .map(|b| (self.tail_age(b).unwrap_or(0), b))
+            .map(|b| (self.tail_age(b).unwrap_or((0, 0)), b))
             .collect();
         donors.sort_unstable();
         match (own, donors.first()) {
@@ -510,11 +502,14 @@ impl Kv {
         None
     }
 
-    /// When class `b`'s least recently used item was last used (None: it
-    /// has no item).
-    fn tail_age(&self, b: usize) -> Option<u64> {
+    /// When class `b`'s least recently used item was last used, in
+    /// seconds, and its cas id, which orders items made in the same second
+    /// (None: it has no item). Item memory holds no finer clock: tenants
+    /// loading the same data in the same order keep byte-identical pages
+    /// (KSM merges them).
+    fn tail_age(&self, b: usize) -> Option<(u64, u64)> {
         let t = self.r(H_LRU + b * 16 + 8) as usize;
-        (t != 0).then(|| self.r(t + 40))
+        (t != 0).then(|| (self.r(t + 40), self.r(t + 8)))
     }
 
     /// Empty one slab page of class `b` (evicting its items) and give it to
@@ -748,7 +743,9 @@ impl Kv {
     /// A read item is recently used: at most once a minute it moves to the
     /// head of its LRU (a stale look at its bump time only delays that).
     fn touch_lru(&self, it: usize) {
-        if now_ms().saturating_sub(self.r(it + 40)) < LRU_BUMP_SECS as u64 * 1000 {
+        // Without eviction the order is never used: reads stay reads (no
+        // write to the item, so pages KSM merged stay merged).
+        if !self.evict || now().saturating_sub(self.r(it + 40) as u32) < LRU_BUMP_SECS {
             return;
         }
         let class = self.i_meta(it).5;
@@ -1661,7 +1658,7 @@ mod tests {
         assert_eq!(kv.r(H_LRU + c * 16 + 8) as usize, it, "old is the tail");
         kv.get(b"old");
         assert_eq!(kv.r(H_LRU + c * 16 + 8) as usize, it, "bumped within the minute");
-        kv.w(it + 40, now_ms() - LRU_BUMP_SECS as u64 * 1000);
+        kv.w(it + 40, u64::from(now() - LRU_BUMP_SECS));
         kv.get(b"old");
         assert_eq!(kv.r(H_LRU + c * 16) as usize, it, "bumped to the head");
     }

@@ -11,6 +11,16 @@
 //! about the same CPU on a pass whatever its speed, so an idle pass lasts
 //! long enough to stay within a small idle budget (0.1% of a core), and
 //! longer after every pass that finds nothing.
+//!
+//! Under paging the counters mislead: a pass's net gain is what it merged
+//! less the merged pages reclaim swapped out meanwhile (they come back in
+//! as separate copies), so a pass that merged plenty can net nothing, and
+//! while idling the savings drain away as the tenants swap — the host then
+//! pages for memory merging would free (`pagefleet bench ksm` saw 51 MiB
+//! saved where ksmtuned saved 456). So while pages are being swapped in, a
+//! pass pays if it netted any real gain at all (the CPU threshold is for
+//! a settled host), and an idle controller whose last merging phase merged
+//! starts again once a few MiB have been swapped back in.
 
 use crate::sysfs::{Memory, Stats, PAGE};
 use serde::Serialize;
@@ -50,6 +60,10 @@ pub struct AdaptiveConfig {
     pub wake_on_growth: f64,
     /// The highest priority ksmd is given when it starves while merging pays.
     pub min_nice: i32,
+    /// While idling after a merging phase that merged, this many pages
+    /// swapped back in (copies of pages that were merged, or new
+    /// candidates) start merging again.
+    pub swap_wake_pages: u64,
 }
 
 impl Default for AdaptiveConfig {
@@ -69,6 +83,7 @@ impl Default for AdaptiveConfig {
             max_idle_pass_s: 1920.0,
             wake_on_growth: 0.05,
             min_nice: -10,
+            swap_wake_pages: 4096,
         }
     }
 }
@@ -132,6 +147,10 @@ pub struct Adaptive {
     last_pass_cpu: f64,
     /// The pass under way began before this merging phase did.
     partial_pass: bool,
+    /// Pages swapped in (host-wide) when the current pass began, and when
+    /// idling began.
+    pass_start_swpin: u64,
+    idle_swpin: u64,
 }
 
 impl Adaptive {
@@ -157,6 +176,8 @@ impl Adaptive {
             pass_start_cpu: 0.0,
             last_pass_cpu: 0.0,
             partial_pass: false,
+            pass_start_swpin: 0,
+            idle_swpin: 0,
         }
     }
 
@@ -224,6 +245,7 @@ impl Adaptive {
         self.phase = Phase::Idling;
         self.idle_pass = self.budget_pass_s().min(self.cfg.max_idle_pass_s);
         self.idle_avail_kb = m.available_kb;
+        self.idle_swpin = m.swapped_in_pages;
     }
 
     fn decide(&self, why: String) -> Decision {
@@ -255,6 +277,7 @@ impl Adaptive {
         self.pressure = self.under_pressure(m);
         let Some(last) = self.last.replace(*s) else {
             self.pass_start_cpu = s.ksmd_cpu;
+            self.pass_start_swpin = m.swapped_in_pages;
             return if self.pressure {
                 self.start_merging(s, "memory pressure: start merging")
             } else {
@@ -279,6 +302,7 @@ impl Adaptive {
             self.partial_pass = false;
             self.pass_start_saved = s.saved();
             self.pass_start_cpu = s.ksmd_cpu;
+            self.pass_start_swpin = m.swapped_in_pages;
         } else if s.full_scans > last.full_scans {
             self.partial_pass = false;
             let pass_gain = s.saved().saturating_sub(self.pass_start_saved);
@@ -288,11 +312,19 @@ impl Adaptive {
             self.last_pass_cpu = pass_cpu / passes;
             self.pass_start_cpu = s.ksmd_cpu;
             self.pass_start_saved = s.saved();
+            let swapped_in = m.swapped_in_pages.saturating_sub(self.pass_start_swpin);
+            self.pass_start_swpin = m.swapped_in_pages;
             // A pass that merged less than it cost (by the pay threshold) is
-            // as good as empty: under paging every pass finds a few pages
-            // swapped back in since the last, and chasing them at full speed
-            // costs more than the idle passes that pick them up anyway.
-            let paid = self.pays(pass_gain, pass_cpu);
+            // as good as empty on a settled host: chasing a few stragglers
+            // at full speed costs more than the idle passes that pick them
+            // up anyway. Under paging its net gain hides what it merged
+            // (merged pages swapped out meanwhile): any real gain pays.
+            let paging = self.pressure && swapped_in >= self.cfg.min_gain_pages;
+            let paid = if paging {
+                pass_gain >= self.cfg.min_gain_pages * PAGE
+            } else {
+                self.pays(pass_gain, pass_cpu)
+            };
             empty_pass_done = !paid;
             if paid {
                 self.merged_this_phase = true;
@@ -328,6 +360,16 @@ impl Adaptive {
                 if self.empty_passes == 0 {
                     return self
                         .start_merging(s, "the last pass found new duplicates: merging again");
+                }
+                let back = m.swapped_in_pages.saturating_sub(self.idle_swpin);
+                if self.merged_this_phase && back >= self.cfg.swap_wake_pages {
+                    return self.start_merging(
+                        s,
+                        &format!(
+                            "{} MiB swapped back in since idling began (merged pages come back as copies): merging again",
+                            back >> 8
+                        ),
+                    );
                 }
                 let grown = self.idle_avail_kb.saturating_sub(m.available_kb);
                 if grown as f64 > self.cfg.wake_on_growth * m.total_kb as f64 {
@@ -420,6 +462,14 @@ mod tests {
             available_kb: ((1u64 << 20) as f64 * avail) as u64,
             free_kb: 0,
             psi_some10: None,
+            swapped_in_pages: 0,
+        }
+    }
+    /// Under pressure, `swapped` pages swapped in since boot.
+    fn paging(swapped: u64) -> Memory {
+        Memory {
+            swapped_in_pages: swapped,
+            ..mem(0.1)
         }
     }
     fn st(sharing: u64, scans: u64, cpu: f64) -> Stats {
@@ -581,5 +631,56 @@ mod tests {
             "{}",
             a.idle_pass_s()
         );
+    }
+
+    /// What `pagefleet bench ksm` met on 2026-11-28: tenants paging when the
+    /// controller starts. A pass that merged 90 MiB, then passes that net a
+    /// few MiB for their CPU (merged pages are swapped out as fast as new
+    /// ones merge): while pages are swapped in, merging goes on; idling
+    /// after it, swap-ins wake it again.
+    #[test]
+    fn under_paging_a_pass_that_nets_little_keeps_merging() {
+        let mut a = Adaptive::new(AdaptiveConfig::default());
+        a.step(&st(0, 0, 0.0), &paging(0), 1.0);
+        a.step(&st(0, 1, 0.3), &paging(10_000), 1.0);
+        let d = a.step(&st(23_040, 2, 0.6), &paging(20_000), 1.0);
+        assert_eq!(d.phase, Phase::Merging);
+        // 4 MiB net for 0.3 CPU-s (13 MiB per CPU-s, under the threshold
+        // that would end merging on a settled host), 40 MiB swapped in.
+        let d = a.step(&st(24_064, 3, 0.9), &paging(30_240), 1.0);
+        assert_eq!(d.phase, Phase::Merging, "{}", d.why);
+        let d = a.step(&st(25_088, 4, 1.2), &paging(40_480), 1.0);
+        assert_eq!(d.phase, Phase::Merging, "{}", d.why);
+        // A pass that nets nothing (under a MiB) ends it, paging or not.
+        let d = a.step(&st(25_100, 5, 1.5), &paging(50_720), 1.0);
+        assert_eq!(d.phase, Phase::Idling, "{}", d.why);
+        // 8 MiB swapped back in: not yet; 16 MiB: merging again.
+        let d = a.step(&st(25_100, 5, 1.5), &paging(52_768), 1.0);
+        assert_eq!(d.phase, Phase::Idling, "{}", d.why);
+        let d = a.step(&st(25_000, 5, 1.5), &paging(54_816), 1.0);
+        assert_eq!(d.phase, Phase::Merging, "{}", d.why);
+        assert!(d.why.contains("swapped back in"), "{}", d.why);
+    }
+
+    #[test]
+    fn swap_ins_do_not_wake_a_controller_whose_merging_found_nothing() {
+        let mut a = Adaptive::new(AdaptiveConfig::default());
+        a.step(&st(0, 0, 0.0), &paging(0), 1.0);
+        a.step(&st(0, 1, 0.3), &paging(10_000), 1.0);
+        a.step(&st(0, 2, 0.6), &paging(20_000), 1.0);
+        let d = a.step(&st(0, 3, 0.9), &paging(30_000), 1.0);
+        assert_eq!(d.phase, Phase::Idling, "{}", d.why);
+        let d = a.step(&st(0, 3, 0.9), &paging(90_000), 1.0);
+        assert_eq!(d.phase, Phase::Idling, "{}", d.why);
+    }
+
+    #[test]
+    fn without_paging_the_cpu_threshold_still_ends_merging() {
+        let mut a = Adaptive::new(AdaptiveConfig::default());
+        a.step(&st(0, 0, 0.0), &paging(0), 1.0);
+        a.step(&st(0, 1, 0.3), &paging(0), 1.0);
+        a.step(&st(102_400, 2, 0.6), &paging(0), 1.0);
+        let d = a.step(&st(103_424, 3, 0.9), &paging(100), 1.0);
+        assert_eq!(d.phase, Phase::Idling, "{}", d.why);
     }
 }

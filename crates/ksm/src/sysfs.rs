@@ -260,6 +260,8 @@ pub struct Memory {
     pub free_kb: u64,
     /// PSI memory "some" avg10, percent (None without PSI).
     pub psi_some10: Option<f64>,
+    /// Pages swapped in since boot (`pswpin` in /proc/vmstat).
+    pub swapped_in_pages: u64,
 }
 
 impl Memory {
@@ -290,6 +292,14 @@ impl Memory {
                         .and_then(|v| v.parse().ok())
                 })
             });
+        m.swapped_in_pages = std::fs::read_to_string("/proc/vmstat")
+            .ok()
+            .and_then(|v| {
+                v.lines()
+                    .find_map(|l| l.strip_prefix("pswpin "))
+                    .and_then(|x| x.trim().parse().ok())
+            })
+            .unwrap_or(0);
         Ok(m)
     }
     /// MemAvailable as a share of MemTotal.

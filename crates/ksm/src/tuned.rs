@@ -145,6 +145,7 @@ mod tests {
             available_kb: 0,
             free_kb: (free_gib * (1 << 20) as f64) as u64,
             psi_some10: None,
+            swapped_in_pages: 0,
         }
     }
 

@@ -559,9 +559,13 @@ fn bench_ksm_quick_pages_merges_and_cleans_up() {
     let saved = ad["final_saved_mib"].as_f64().unwrap();
     assert!(saved > 20.0, "adaptive saved only {saved} MiB: {err}");
     let goals = r["goals"].as_array().unwrap();
-    assert!(goals
-        .iter()
-        .any(|g| g["name"] == "adaptive saves memory" && g["met"] == true));
+    for which in ["median", "worst run"] {
+        let name = format!("adaptive saves memory ({which})");
+        assert!(
+            goals.iter().any(|g| g["name"] == name.as_str() && g["met"] == true),
+            "{goals:?}"
+        );
+    }
     assert!(r["limit_mib"].as_u64().unwrap() > 0);
     // Nothing left behind.
     let swaps = std::fs::read_to_string("/proc/swaps").unwrap();
@@ -582,5 +586,43 @@ fn bench_ksm_quick_pages_merges_and_cleans_up() {
     let after = Settings::save().unwrap();
     assert_eq!(format!("{after:?}"), format!("{before:?}"));
     assert!(dir.join("ksm.json").exists());
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// The stall `pagefleet bench ksm` met (51 MiB saved where ksmtuned saved
+/// 456): tenants largely swapped out when the controller starts, pages
+/// swapped back in as the clients touch them. Scanning slower than that
+/// churn stalls at an equilibrium (the kernel's default constant rate saves
+/// next to nothing here); the adaptive controller must go on merging while
+/// merging pays and end the run with at least 80% of the common data one
+/// tenant holds saved.
+#[test]
+fn adaptive_keeps_merging_while_the_tenants_swap() {
+    let Some(_h) = host() else { return };
+    let dir = pagefleet_systest::tempdir("ksm-swapping");
+    let o = Command::new(bin("pagefleet"))
+        .args([
+            "bench", "ksm", "--quick", "--json", "--fit", "0.6", "--secs", "90", "--only",
+            "adaptive", "--out",
+        ])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "bench ksm failed: {err}");
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).expect("one JSON object");
+    let a = &r["configs"].as_array().unwrap()[0];
+    assert!(a["error"].is_null(), "{}", a["error"]);
+    // The starting state this test is about: tenants partly in swap.
+    assert!(a["start_swap_mib"].as_f64().unwrap() > 10.0, "{err}");
+    let opts = &r["opts"];
+    let common_mib = opts["tenant_bytes"].as_f64().unwrap() / 1048576.0
+        * opts["shared_frac"].as_f64().unwrap()
+        * (opts["tenants"].as_f64().unwrap() - 1.0);
+    let saved = a["final_saved_mib"].as_f64().unwrap();
+    assert!(
+        saved >= 0.8 * common_mib,
+        "adaptive saved {saved:.0} MiB of {common_mib:.0} MiB of common data: {err}"
+    );
     let _ = std::fs::remove_dir_all(dir);
 }
