@@ -577,12 +577,7 @@ impl Kv {
                         Err(_) => return false,
                     }
                 };
-                self.unlink_from_bucket(&key, off);
-                let (_, _, _, vlen, _, _) = self.i_meta(off);
-                self.lru_unlink(b, off);
-                self.w(H_ITEMS, self.r(H_ITEMS) - 1);
-                self.w(H_BYTES, self.r(H_BYTES) - vlen as u64);
-                self.w(H_EVICTIONS, self.r(H_EVICTIONS) + 1);
+                self.evict_item(b, &key, off);
                 self.w(off + 8, 0);
                 self.w(off, self.r(H_FREE + b * 8));
                 self.w(H_FREE + b * 8, off as u64);
@@ -633,16 +628,23 @@ impl Kv {
                     }
                 }
             };
-            self.unlink_from_bucket(key, it);
-            let (_, _, _, vlen, _, _) = self.i_meta(it);
-            self.lru_unlink(c, it);
-            self.w(H_ITEMS, self.r(H_ITEMS) - 1);
-            self.w(H_BYTES, self.r(H_BYTES) - vlen as u64);
-            self.w(H_EVICTIONS, self.r(H_EVICTIONS) + 1);
+            self.evict_item(c, key, it);
             drop(guard);
             return Some((it, c));
         }
         None
+    }
+
+    /// Evict item `it` (holding `key`, of class `c`): out of its bucket and
+    /// its LRU, counted (its stripe and the allocator lock held). Its chunk
+    /// is the caller's.
+    fn evict_item(&self, c: usize, key: &[u8], it: usize) {
+        self.unlink_from_bucket(key, it);
+        let (_, _, _, vlen, _, _) = self.i_meta(it);
+        self.lru_unlink(c, it);
+        self.w(H_ITEMS, self.r(H_ITEMS) - 1);
+        self.w(H_BYTES, self.r(H_BYTES) - vlen as u64);
+        self.w(H_EVICTIONS, self.r(H_EVICTIONS) + 1);
     }
 
     /// Take `it` (holding `key`) out of its bucket chain (stripe held).
