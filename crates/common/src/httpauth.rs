@@ -1,12 +1,15 @@
 //! Signed HTTP requests between pagefleet processes.
 //!
 //! Every request to a pagefleetd carries
-//! `Authorization: PF1 t=<unix secs>,n=<32 hex nonce>,m=<64 hex MAC>`, the
-//! MAC being [`Secret::http_mac`] over method, path, time, nonce and the
-//! body's hash. The daemon refuses a request whose MAC is wrong (a stranger,
-//! or a changed body or path), whose time is more than [`MAX_SKEW_SECS`]
-//! away from its clock, or whose nonce it has already seen within that
-//! window (a replay). The secret never crosses the wire.
+//! `Authorization: PF1 t=<unix secs>,n=<32 hex nonce>,m=<64 hex MAC>[,b=<64 hex>]`,
+//! the MAC being [`Secret::http_mac`] over method, path, time, nonce and
+//! the body's SHA-256, which `b=` states when there is a body (without
+//! `b=` the body must be empty). The daemon checks the head first
+//! ([`Verifier::verify_head`]: MAC over the stated hash, time within
+//! [`MAX_SKEW_SECS`] of its clock, nonce not seen within that window) and
+//! only then reads the body, which must hash to what the head stated
+//! ([`Admitted::check_body`]): a stranger never gets a body buffered. The
+//! secret never crosses the wire.
 
 use pagefleet_proto::auth::{macs_equal, Secret};
 use std::collections::HashMap;
@@ -42,6 +45,9 @@ pub enum AuthError {
     /// Too many requests within the replay window.
     #[error("too many requests within {MAX_SKEW_SECS} s; try again later")]
     Busy,
+    /// The body is not the one the signed head stated.
+    #[error("the request body does not match the signed head's b= hash")]
+    BodyMismatch,
 }
 
 /// The current Unix time in seconds.
@@ -74,17 +80,25 @@ pub fn sign(secret: &Secret, method: &str, path: &str, body: &[u8]) -> String {
 
 /// [`sign`] at a given time (tests use it for stale requests).
 pub fn sign_at(secret: &Secret, method: &str, path: &str, body: &[u8], now: u64) -> String {
+    use sha2::Digest;
     let full = pagefleet_proto::auth::random_nonce();
     let mut nonce = [0u8; 16];
     nonce.copy_from_slice(&full[..16]);
-    let mac = secret.http_mac(method, path, now, &nonce, body);
-    format!("{SCHEME} t={now},n={},m={}", hex(&nonce), hex(&mac))
+    let hash: [u8; 32] = sha2::Sha256::digest(body).into();
+    let mac = secret.http_mac_hashed(method, path, now, &nonce, &hash);
+    let mut h = format!("{SCHEME} t={now},n={},m={}", hex(&nonce), hex(&mac));
+    if !body.is_empty() {
+        h.push_str(",b=");
+        h.push_str(&hex(&hash));
+    }
+    h
 }
 
 struct Parsed {
     t: u64,
     n: [u8; 16],
     m: [u8; 32],
+    b: Option<[u8; 32]>,
 }
 
 fn parse(h: &str) -> Result<Parsed, AuthError> {
@@ -92,18 +106,54 @@ fn parse(h: &str) -> Result<Parsed, AuthError> {
         .strip_prefix(SCHEME)
         .and_then(|r| r.strip_prefix(' '))
         .ok_or(AuthError::Malformed)?;
-    let (mut t, mut n, mut m) = (None, None, None);
+    let (mut t, mut n, mut m, mut b) = (None, None, None, None);
     for kv in rest.split(',') {
-        match kv.trim().split_once('=') {
-            Some(("t", v)) => t = v.parse::<u64>().ok(),
-            Some(("n", v)) => n = unhex::<16>(v),
-            Some(("m", v)) => m = unhex::<32>(v),
+        let slot_filled = match kv.trim().split_once('=') {
+            Some(("t", v)) => t.replace(v.parse::<u64>().map_err(|_| AuthError::Malformed)?),
+            Some(("n", v)) => n.replace(unhex::<16>(v).ok_or(AuthError::Malformed)?).map(|_| 0),
+            Some(("m", v)) => m.replace(unhex::<32>(v).ok_or(AuthError::Malformed)?).map(|_| 0),
+            Some(("b", v)) => b.replace(unhex::<32>(v).ok_or(AuthError::Malformed)?).map(|_| 0),
             _ => return Err(AuthError::Malformed),
+        };
+        if slot_filled.is_some() {
+            // A field given twice: which one was signed is anyone's guess.
+            return Err(AuthError::Malformed);
         }
     }
     match (t, n, m) {
-        (Some(t), Some(n), Some(m)) => Ok(Parsed { t, n, m }),
+        (Some(t), Some(n), Some(m)) => Ok(Parsed { t, n, m, b }),
         _ => Err(AuthError::Malformed),
+    }
+}
+
+/// A request head whose signature checked out: the body it names is still
+/// to be read and checked.
+#[derive(Debug)]
+pub struct Admitted {
+    body_hash: Option<[u8; 32]>,
+}
+
+impl Admitted {
+    /// The body was signed as empty (no `b=`): nothing should be read.
+    pub fn expects_empty_body(&self) -> bool {
+        self.body_hash.is_none()
+    }
+
+    /// The body read is the one the head was signed for.
+    pub fn check_body(&self, body: &[u8]) -> Result<(), AuthError> {
+        use sha2::Digest;
+        match &self.body_hash {
+            None if body.is_empty() => Ok(()),
+            None => Err(AuthError::BodyMismatch),
+            Some(want) => {
+                let got: [u8; 32] = sha2::Sha256::digest(body).into();
+                if macs_equal(&got, want) {
+                    Ok(())
+                } else {
+                    Err(AuthError::BodyMismatch)
+                }
+            }
+        }
     }
 }
 
@@ -123,8 +173,8 @@ impl Verifier {
         }
     }
 
-    /// Accept or refuse one request. The MAC is checked before the nonce is
-    /// remembered, so a stranger cannot fill the replay cache.
+    /// Accept or refuse one whole request: [`Verifier::verify_head`], then
+    /// [`Admitted::check_body`].
     pub fn verify(
         &self,
         header: Option<&str>,
@@ -144,8 +194,35 @@ impl Verifier {
         body: &[u8],
         now: u64,
     ) -> Result<(), AuthError> {
+        self.verify_head_at(header, method, path, now)?
+            .check_body(body)
+    }
+
+    /// Accept or refuse a request by its head alone, before its body is
+    /// read. The MAC is checked before the nonce is remembered, so a
+    /// stranger cannot fill the replay cache; a replayed head with another
+    /// body fails both the nonce and the body check.
+    pub fn verify_head(
+        &self,
+        header: Option<&str>,
+        method: &str,
+        path: &str,
+    ) -> Result<Admitted, AuthError> {
+        self.verify_head_at(header, method, path, unix_now())
+    }
+
+    /// [`Verifier::verify_head`] with the daemon's clock given.
+    pub fn verify_head_at(
+        &self,
+        header: Option<&str>,
+        method: &str,
+        path: &str,
+        now: u64,
+    ) -> Result<Admitted, AuthError> {
+        use sha2::Digest;
         let p = parse(header.ok_or(AuthError::Missing)?)?;
-        let expect = self.secret.http_mac(method, path, p.t, &p.n, body);
+        let hash = p.b.unwrap_or_else(|| sha2::Sha256::digest(b"").into());
+        let expect = self.secret.http_mac_hashed(method, path, p.t, &p.n, &hash);
         if !macs_equal(&expect, &p.m) {
             return Err(AuthError::BadMac);
         }
@@ -163,7 +240,7 @@ impl Verifier {
         if seen.insert(p.n, p.t).is_some() {
             return Err(AuthError::Replayed);
         }
-        Ok(())
+        Ok(Admitted { body_hash: p.b })
     }
 }
 
@@ -205,8 +282,9 @@ mod tests {
         let h = sign(&s, "POST", "/guests", b"{\"a\":1}");
         assert_eq!(
             v.verify(Some(&h), "POST", "/guests", b"{\"a\":2}"),
-            Err(AuthError::BadMac)
+            Err(AuthError::BodyMismatch)
         );
+        let h = sign(&s, "POST", "/guests", b"{\"a\":1}");
         assert_eq!(
             v.verify(Some(&h), "POST", "/incoming", b"{\"a\":1}"),
             Err(AuthError::BadMac)
@@ -215,6 +293,31 @@ mod tests {
             v.verify(Some(&h), "GET", "/guests", b"{\"a\":1}"),
             Err(AuthError::BadMac)
         );
+    }
+
+    #[test]
+    fn the_head_is_checked_before_the_body_and_the_body_after() {
+        let s = secret(b"0123456789abcdef0123");
+        let v = Verifier::new(s.clone());
+        let body = br#"{"size":1}"#;
+        let h = sign(&s, "POST", "/guests", body);
+        assert!(h.contains(",b="), "{h}");
+        let a = v.verify_head(Some(&h), "POST", "/guests").unwrap();
+        assert!(!a.expects_empty_body());
+        assert_eq!(a.check_body(b"{}"), Err(AuthError::BodyMismatch));
+        assert_eq!(a.check_body(body), Ok(()));
+        // Without b= the body must be empty.
+        let h = sign(&s, "GET", "/host", b"");
+        assert!(!h.contains(",b="), "{h}");
+        let a = v.verify_head(Some(&h), "GET", "/host").unwrap();
+        assert!(a.expects_empty_body());
+        assert_eq!(a.check_body(b"x"), Err(AuthError::BodyMismatch));
+        // A b= the MAC did not cover, or one dropped, fails the MAC.
+        let h = sign(&s, "POST", "/guests", body);
+        let cut = h.split(",b=").next().unwrap();
+        assert_eq!(v.verify_head(Some(cut), "POST", "/guests").unwrap_err(), AuthError::BadMac);
+        let twice = format!("{h},b={}", "0".repeat(64));
+        assert_eq!(v.verify_head(Some(&twice), "POST", "/guests").unwrap_err(), AuthError::Malformed);
     }
 
     #[test]

@@ -2,8 +2,16 @@
 //! tokio runtime of its own. Every request is checked before any handler
 //! runs: it must be signed with the cluster secret
 //! ([`pagefleet_common::httpauth`]), except `GET /metrics` when the operator
-//! opened it (`public_metrics`). Limits: request head 16 KiB (hyper refuses
-//! longer lines), body 1 MiB, 5 s to send the head, 256 connections.
+//! opened it (`public_metrics`). The signature is checked from the head
+//! alone (it states the body's hash): a stranger's body is never read.
+//!
+//! What a stranger can hold: a connection slot until its head is in (5 s at
+//! most, TLS handshake included), and not even that once the slots run
+//! out — a connection that needs a slot takes the one of the oldest
+//! connection not yet past the gate (the lobby), so strangers cannot keep
+//! signed clients out however many they open. Limits: request head 16 KiB
+//! (hyper refuses longer lines), body 1 MiB read within 10 s, 256
+//! connections.
 //!
 //! With a TLS identity the same port takes HTTPS: a connection whose first
 //! byte starts a TLS handshake gets one (the client must present a
@@ -28,8 +36,64 @@ pub const MAX_BODY: usize = 1 << 20;
 pub const MAX_HEAD: usize = 16 << 10;
 /// Most connections served at once; more wait in the listen queue.
 pub const MAX_CONNS: usize = 256;
-/// Time a client has to send its request head.
+/// Time a client has to send its request head (and finish a TLS handshake).
 pub const HEAD_TIMEOUT: Duration = Duration::from_secs(5);
+/// Time a signed client has to send the body its head announced: 1 MiB
+/// takes milliseconds between hosts; a peer that trickles it is stalled.
+pub const BODY_TIMEOUT: Duration = Duration::from_secs(10);
+
+tokio::task_local! {
+    /// The connection a request came on (set for each connection's task).
+    static TICKET: Arc<Ticket>;
+}
+
+/// One connection's place in the lobby.
+#[derive(Default)]
+struct Ticket {
+    /// Past the gate: a signed request (or the public metrics route).
+    admitted: std::sync::atomic::AtomicBool,
+    /// Told to leave: its slot is wanted.
+    evict: tokio::sync::Notify,
+}
+
+/// Connections not yet past the gate, oldest first.
+#[derive(Default)]
+struct Lobby {
+    waiting: std::sync::Mutex<std::collections::VecDeque<std::sync::Weak<Ticket>>>,
+}
+
+impl Lobby {
+    fn enter(&self, t: &Arc<Ticket>) {
+        let mut w = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        if w.len() >= 2 * MAX_CONNS {
+            w.retain(|x| {
+                x.upgrade()
+                    .is_some_and(|t| !t.admitted.load(std::sync::atomic::Ordering::Relaxed))
+            });
+        }
+        w.push_back(Arc::downgrade(t));
+    }
+
+    /// Tell the oldest connection still outside the gate to leave; false
+    /// when every connection is past it.
+    fn evict_oldest(&self) -> bool {
+        let mut w = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        while let Some(x) = w.pop_front() {
+            if let Some(t) = x.upgrade() {
+                if !t.admitted.load(std::sync::atomic::Ordering::Relaxed) {
+                    t.evict.notify_one();
+                    return true;
+                }
+            }
+        }
+        false
+    }
+}
+
+/// The request's connection is past the gate: it keeps its slot.
+fn admit() {
+    let _ = TICKET.try_with(|t| t.admitted.store(true, std::sync::atomic::Ordering::Relaxed));
+}
 
 /// A JSON error reply `{"error": ...}` with its status.
 pub fn error(status: StatusCode, msg: impl std::fmt::Display) -> Response {
@@ -53,11 +117,12 @@ pub struct Gate {
 }
 
 /// Refuse a request that is not signed with the cluster secret, before any
-/// route sees it. The body is read (at most [`MAX_BODY`]) because the
-/// signature covers it.
+/// route sees it: the head's signature first (it states the body's hash),
+/// then the body (at most [`MAX_BODY`], within [`BODY_TIMEOUT`]) against it.
 async fn authenticate(State(gate): State<Arc<Gate>>, req: Request, next: Next) -> Response {
     let (parts, body) = req.into_parts();
     if gate.public_metrics && parts.method == Method::GET && parts.uri.path() == "/metrics" {
+        admit();
         return next.run(Request::from_parts(parts, body)).await;
     }
     let path = parts
@@ -65,23 +130,11 @@ async fn authenticate(State(gate): State<Arc<Gate>>, req: Request, next: Next) -
         .path_and_query()
         .map(|p| p.as_str().to_string())
         .unwrap_or_else(|| parts.uri.path().to_string());
-    let bytes = match axum::body::to_bytes(body, MAX_BODY).await {
-        Ok(b) => b,
-        Err(_) => {
-            return error(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                format!("request body larger than {MAX_BODY} bytes, or cut short"),
-            )
-        }
-    };
     let auth = parts
         .headers
         .get(header::AUTHORIZATION)
         .and_then(|h| h.to_str().ok());
-    if let Err(e) = gate
-        .verifier
-        .verify(auth, parts.method.as_str(), &path, &bytes)
-    {
+    let refused = |e: AuthError| {
         debug!("refused {} {path}: {e}", parts.method);
         let status = match e {
             AuthError::Busy => StatusCode::SERVICE_UNAVAILABLE,
@@ -92,7 +145,31 @@ async fn authenticate(State(gate): State<Arc<Gate>>, req: Request, next: Next) -
             header::WWW_AUTHENTICATE,
             header::HeaderValue::from_static(pagefleet_common::httpauth::SCHEME),
         );
-        return r;
+        r
+    };
+    let admitted = match gate.verifier.verify_head(auth, parts.method.as_str(), &path) {
+        Ok(a) => a,
+        Err(e) => return refused(e),
+    };
+    admit();
+    let bytes = match tokio::time::timeout(BODY_TIMEOUT, axum::body::to_bytes(body, MAX_BODY)).await
+    {
+        Ok(Ok(b)) => b,
+        Ok(Err(_)) => {
+            return error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("request body larger than {MAX_BODY} bytes, or cut short"),
+            )
+        }
+        Err(_) => {
+            return error(
+                StatusCode::REQUEST_TIMEOUT,
+                format!("request body not sent within {} s", BODY_TIMEOUT.as_secs()),
+            )
+        }
+    };
+    if let Err(e) = admitted.check_body(&bytes) {
+        return refused(e);
     }
     next.run(Request::from_parts(parts, Body::from(bytes)))
         .await
@@ -144,7 +221,6 @@ async fn accept_loop(
     let acceptor = tls
         .as_ref()
         .map(|id| tokio_rustls::TlsAcceptor::from(id.server_config()));
-    use hyper_util::rt::{TokioIo, TokioTimer};
     let l = match tokio::net::TcpListener::from_std(l) {
         Ok(l) => l,
         Err(e) => {
@@ -153,10 +229,8 @@ async fn accept_loop(
         }
     };
     let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNS));
+    let lobby = Arc::new(Lobby::default());
     loop {
-        let Ok(permit) = slots.clone().acquire_owned().await else {
-            return;
-        };
         let (s, peer) = match l.accept().await {
             Ok(c) => c,
             Err(e) => {
@@ -165,45 +239,87 @@ async fn accept_loop(
                 continue;
             }
         };
-        let svc = hyper_util::service::TowerToHyperService::new(app.clone());
-        let acceptor = acceptor.clone();
-        let required = pagefleet_tls::required(tls.as_deref(), peer);
+        let permit = match slots.clone().try_acquire_owned() {
+            Ok(p) => p,
+            Err(_) => {
+                // Every slot is taken: the oldest connection still outside
+                // the gate gives its slot up (a signed client's head takes
+                // milliseconds; a stranger's may take the whole deadline).
+                if lobby.evict_oldest() {
+                    debug!(%peer, "connection slots full: the oldest unauthenticated connection leaves");
+                }
+                let Ok(p) = slots.clone().acquire_owned().await else {
+                    return;
+                };
+                p
+            }
+        };
+        let ticket = Arc::new(Ticket::default());
+        lobby.enter(&ticket);
+        let conn = serve_one(s, peer, app.clone(), acceptor.clone(), tls.clone());
         tokio::spawn(async move {
-            let mut b = hyper::server::conn::http1::Builder::new();
-            b.timer(TokioTimer::new())
-                .header_read_timeout(HEAD_TIMEOUT)
-                .max_buf_size(MAX_HEAD.max(8192))
-                .keep_alive(false);
-            // The first byte says which: 0x16 opens a TLS handshake record.
-            let mut first = [0u8; 1];
-            let is_tls = match tokio::time::timeout(HEAD_TIMEOUT, s.peek(&mut first)).await {
-                Ok(Ok(1)) => first[0] == 0x16,
-                _ => return drop(permit),
-            };
-            let r = match (is_tls, &acceptor) {
-                (true, Some(a)) => match tokio::time::timeout(HEAD_TIMEOUT, a.accept(s)).await {
-                    Ok(Ok(t)) => b.serve_connection(TokioIo::new(t), svc).await,
-                    Ok(Err(e)) => {
-                        debug!(%peer, "TLS handshake refused: {e}");
-                        return drop(permit);
+            let conn = TICKET.scope(ticket.clone(), conn);
+            tokio::pin!(conn);
+            loop {
+                tokio::select! {
+                    () = &mut conn => break,
+                    () = ticket.evict.notified() => {
+                        if !ticket.admitted.load(std::sync::atomic::Ordering::Relaxed) {
+                            debug!(%peer, "evicted before authenticating");
+                            break;
+                        }
                     }
-                    Err(_) => return drop(permit),
-                },
-                (true, None) => {
-                    debug!(%peer, "TLS from a client, but this host has no identity");
-                    return drop(permit);
                 }
-                (false, _) if required => {
-                    refuse_plaintext(s, peer).await;
-                    return drop(permit);
-                }
-                (false, _) => b.serve_connection(TokioIo::new(s), svc).await,
-            };
-            if let Err(e) = r {
-                debug!("http connection: {e}");
             }
             drop(permit);
         });
+    }
+}
+
+/// One connection: TLS or plain by its first byte, then HTTP/1.1 with one
+/// request (no keep-alive).
+async fn serve_one(
+    s: tokio::net::TcpStream,
+    peer: SocketAddr,
+    app: Router,
+    acceptor: Option<tokio_rustls::TlsAcceptor>,
+    tls: Option<Arc<pagefleet_tls::Identity>>,
+) {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    let svc = hyper_util::service::TowerToHyperService::new(app);
+    let required = pagefleet_tls::required(tls.as_deref(), peer);
+    let mut b = hyper::server::conn::http1::Builder::new();
+    b.timer(TokioTimer::new())
+        .header_read_timeout(HEAD_TIMEOUT)
+        .max_buf_size(MAX_HEAD.max(8192))
+        .keep_alive(false);
+    // The first byte says which: 0x16 opens a TLS handshake record.
+    let mut first = [0u8; 1];
+    let is_tls = match tokio::time::timeout(HEAD_TIMEOUT, s.peek(&mut first)).await {
+        Ok(Ok(1)) => first[0] == 0x16,
+        _ => return,
+    };
+    let r = match (is_tls, &acceptor) {
+        (true, Some(a)) => match tokio::time::timeout(HEAD_TIMEOUT, a.accept(s)).await {
+            Ok(Ok(t)) => b.serve_connection(TokioIo::new(t), svc).await,
+            Ok(Err(e)) => {
+                debug!(%peer, "TLS handshake refused: {e}");
+                return;
+            }
+            Err(_) => return,
+        },
+        (true, None) => {
+            debug!(%peer, "TLS from a client, but this host has no identity");
+            return;
+        }
+        (false, _) if required => {
+            refuse_plaintext(s, peer).await;
+            return;
+        }
+        (false, _) => b.serve_connection(TokioIo::new(s), svc).await,
+    };
+    if let Err(e) = r {
+        debug!("http connection: {e}");
     }
 }
 

@@ -17,10 +17,14 @@
 //! as separate copies), so a pass that merged plenty can net nothing, and
 //! while idling the savings drain away as the tenants swap — the host then
 //! pages for memory merging would free (`pagefleet bench ksm` saw 51 MiB
-//! saved where ksmtuned saved 456). So while pages are being swapped in, a
-//! pass pays if it netted any real gain at all (the CPU threshold is for
-//! a settled host), and an idle controller whose last merging phase merged
-//! starts again once a few MiB have been swapped back in.
+//! saved where ksmtuned saved 456). And a duplicate merges only while both
+//! of its copies are resident, so a slow pass misses the pairs the churn
+//! splits. So while pages are being swapped in: a pass pays if it netted
+//! any real gain at all, or if what it merged gross (its net plus the
+//! merged pages lost meanwhile, `lost_pages`) pays for its CPU; ksmd may
+//! spend `paging_budget_factor` times its budget; and an idle controller
+//! whose last merging phase merged starts again once `lost_wake_pages` of
+//! its savings are lost.
 
 use crate::sysfs::{Memory, Stats, PAGE};
 use serde::Serialize;
@@ -60,10 +64,17 @@ pub struct AdaptiveConfig {
     pub wake_on_growth: f64,
     /// The highest priority ksmd is given when it starves while merging pays.
     pub min_nice: i32,
-    /// While idling after a merging phase that merged, this many pages
-    /// swapped back in (copies of pages that were merged, or new
-    /// candidates) start merging again.
-    pub swap_wake_pages: u64,
+    /// While idling after a merging phase that merged, this many merged
+    /// pages lost (swapped out and back in as copies, or written) start
+    /// merging again.
+    pub lost_wake_pages: u64,
+    /// While pages are swapped in, ksmd may spend this multiple of
+    /// `cpu_budget`: a pair merges only while both copies are resident, so
+    /// the scan has to outrun the churn.
+    pub paging_budget_factor: f64,
+    /// "Paging": at least this many pages per second swapped in host-wide
+    /// (`pswpin`) under memory pressure.
+    pub paging_pages_per_s: f64,
 }
 
 impl Default for AdaptiveConfig {
@@ -83,7 +94,9 @@ impl Default for AdaptiveConfig {
             max_idle_pass_s: 1920.0,
             wake_on_growth: 0.05,
             min_nice: -10,
-            swap_wake_pages: 4096,
+            lost_wake_pages: 1024,
+            paging_budget_factor: 2.5,
+            paging_pages_per_s: 64.0,
         }
     }
 }
@@ -150,7 +163,16 @@ pub struct Adaptive {
     /// Pages swapped in (host-wide) when the current pass began, and when
     /// idling began.
     pass_start_swpin: u64,
-    idle_swpin: u64,
+    /// Merged pages lost since the controller started (the sum of every
+    /// tick's fall in pages saved), when the current pass began, and when
+    /// idling began.
+    lost_pages: u64,
+    pass_start_lost: u64,
+    idle_lost: u64,
+    /// Pages were swapped in over the last tick (under pressure), and the
+    /// host's swap-in count at that tick.
+    paging: bool,
+    tick_swpin: u64,
 }
 
 impl Adaptive {
@@ -177,7 +199,11 @@ impl Adaptive {
             last_pass_cpu: 0.0,
             partial_pass: false,
             pass_start_swpin: 0,
-            idle_swpin: 0,
+            lost_pages: 0,
+            pass_start_lost: 0,
+            idle_lost: 0,
+            paging: false,
+            tick_swpin: 0,
         }
     }
 
@@ -236,6 +262,26 @@ impl Adaptive {
             && gain as f64 >= self.cfg.pay_bytes_per_cpu_s * cpu.max(1e-4)
     }
 
+    /// Merged pages lost since the controller started: every tick's fall in
+    /// pages saved (swapped out and back in as copies, unmerged by a write).
+    pub fn lost_pages(&self) -> u64 {
+        self.lost_pages
+    }
+
+    /// Pages were being swapped in over the last tick.
+    pub fn paging(&self) -> bool {
+        self.paging
+    }
+
+    /// ksmd's CPU budget now: larger while the tenants page.
+    fn budget(&self) -> f64 {
+        if self.paging {
+            self.cfg.cpu_budget * self.cfg.paging_budget_factor
+        } else {
+            self.cfg.cpu_budget
+        }
+    }
+
     /// What the last whole pass cost ksmd, CPU-seconds.
     pub fn last_pass_cpu_s(&self) -> f64 {
         self.last_pass_cpu
@@ -245,7 +291,7 @@ impl Adaptive {
         self.phase = Phase::Idling;
         self.idle_pass = self.budget_pass_s().min(self.cfg.max_idle_pass_s);
         self.idle_avail_kb = m.available_kb;
-        self.idle_swpin = m.swapped_in_pages;
+        self.idle_lost = self.lost_pages;
     }
 
     fn decide(&self, why: String) -> Decision {
@@ -278,6 +324,7 @@ impl Adaptive {
         let Some(last) = self.last.replace(*s) else {
             self.pass_start_cpu = s.ksmd_cpu;
             self.pass_start_swpin = m.swapped_in_pages;
+            self.tick_swpin = m.swapped_in_pages;
             return if self.pressure {
                 self.start_merging(s, "memory pressure: start merging")
             } else {
@@ -286,6 +333,12 @@ impl Adaptive {
             };
         };
         let dt = dt.max(1e-3);
+        let lost_now = last.saved().saturating_sub(s.saved()) / PAGE;
+        self.lost_pages += lost_now;
+        self.paging = self.pressure
+            && m.swapped_in_pages.saturating_sub(self.tick_swpin) as f64
+                >= self.cfg.paging_pages_per_s * dt;
+        self.tick_swpin = m.swapped_in_pages;
         let cpu_now = ((s.ksmd_cpu - last.ksmd_cpu) / dt).max(0.0);
         self.cpu = 0.5 * self.cpu + 0.5 * cpu_now;
         self.cpu_share = self.cpu;
@@ -303,6 +356,7 @@ impl Adaptive {
             self.pass_start_saved = s.saved();
             self.pass_start_cpu = s.ksmd_cpu;
             self.pass_start_swpin = m.swapped_in_pages;
+            self.pass_start_lost = self.lost_pages;
         } else if s.full_scans > last.full_scans {
             self.partial_pass = false;
             let pass_gain = s.saved().saturating_sub(self.pass_start_saved);
@@ -314,14 +368,18 @@ impl Adaptive {
             self.pass_start_saved = s.saved();
             let swapped_in = m.swapped_in_pages.saturating_sub(self.pass_start_swpin);
             self.pass_start_swpin = m.swapped_in_pages;
+            let pass_lost = self.lost_pages - self.pass_start_lost;
+            self.pass_start_lost = self.lost_pages;
             // A pass that merged less than it cost (by the pay threshold) is
             // as good as empty on a settled host: chasing a few stragglers
             // at full speed costs more than the idle passes that pick them
             // up anyway. Under paging its net gain hides what it merged
-            // (merged pages swapped out meanwhile): any real gain pays.
+            // (merged pages swapped out meanwhile): any real net gain pays,
+            // and so does a gross gain (net plus what was lost) worth its CPU.
             let paging = self.pressure && swapped_in >= self.cfg.min_gain_pages;
             let paid = if paging {
                 pass_gain >= self.cfg.min_gain_pages * PAGE
+                    || self.pays(pass_gain + pass_lost * PAGE, pass_cpu)
             } else {
                 self.pays(pass_gain, pass_cpu)
             };
@@ -361,13 +419,13 @@ impl Adaptive {
                     return self
                         .start_merging(s, "the last pass found new duplicates: merging again");
                 }
-                let back = m.swapped_in_pages.saturating_sub(self.idle_swpin);
-                if self.merged_this_phase && back >= self.cfg.swap_wake_pages {
+                let lost = self.lost_pages - self.idle_lost;
+                if self.merged_this_phase && lost >= self.cfg.lost_wake_pages {
                     return self.start_merging(
                         s,
                         &format!(
-                            "{} MiB swapped back in since idling began (merged pages come back as copies): merging again",
-                            back >> 8
+                            "{} MiB of merged pages lost since idling began (swapped out, back as copies): merging again",
+                            lost >> 8
                         ),
                     );
                 }
@@ -415,7 +473,7 @@ impl Adaptive {
                         .into(),
                     );
                 }
-                let budget = self.cfg.cpu_budget;
+                let budget = self.budget();
                 // A busy host can keep nice-5 ksmd waiting for a CPU for
                 // seconds, whatever its batch size: raise its priority (the
                 // budget still bounds its CPU through the rate).
@@ -654,12 +712,50 @@ mod tests {
         // A pass that nets nothing (under a MiB) ends it, paging or not.
         let d = a.step(&st(25_100, 5, 1.5), &paging(50_720), 1.0);
         assert_eq!(d.phase, Phase::Idling, "{}", d.why);
-        // 8 MiB swapped back in: not yet; 16 MiB: merging again.
-        let d = a.step(&st(25_100, 5, 1.5), &paging(52_768), 1.0);
+        // 2 MiB of merged pages lost: not yet; 4 MiB: merging again.
+        let d = a.step(&st(24_600, 5, 1.5), &paging(52_768), 1.0);
         assert_eq!(d.phase, Phase::Idling, "{}", d.why);
-        let d = a.step(&st(25_000, 5, 1.5), &paging(54_816), 1.0);
+        let d = a.step(&st(24_000, 5, 1.5), &paging(54_816), 1.0);
         assert_eq!(d.phase, Phase::Merging, "{}", d.why);
-        assert!(d.why.contains("swapped back in"), "{}", d.why);
+        assert!(d.why.contains("merged pages lost"), "{}", d.why);
+        assert_eq!(a.lost_pages(), 1100);
+    }
+
+    /// The flapping a full-size run showed: passes that net nothing because
+    /// the churn swaps out as much as they merge. What a pass merged gross
+    /// (its net plus the merged pages lost meanwhile) keeps it merging
+    /// while that pays for its CPU.
+    #[test]
+    fn under_paging_what_a_pass_merged_gross_keeps_merging() {
+        let mut a = Adaptive::new(AdaptiveConfig::default());
+        a.step(&st(0, 0, 0.0), &paging(0), 1.0);
+        a.step(&st(0, 1, 0.3), &paging(10_000), 1.0);
+        a.step(&st(30_000, 2, 0.6), &paging(20_000), 1.0);
+        // 10 000 merged pages lost, 10 100 merged again: nets 100 pages.
+        a.step(&st(20_000, 2, 0.7), &paging(30_000), 1.0);
+        let d = a.step(&st(30_100, 3, 0.9), &paging(40_000), 1.0);
+        assert_eq!(d.phase, Phase::Merging, "{}", d.why);
+        // The same pass on a settled host (no swap-ins) ends merging.
+        let mut b = Adaptive::new(AdaptiveConfig::default());
+        b.step(&st(0, 0, 0.0), &mem(0.1), 1.0);
+        b.step(&st(0, 1, 0.3), &mem(0.1), 1.0);
+        b.step(&st(30_000, 2, 0.6), &mem(0.1), 1.0);
+        b.step(&st(20_000, 2, 0.7), &mem(0.1), 1.0);
+        let d = b.step(&st(30_100, 3, 0.9), &mem(0.1), 1.0);
+        assert_eq!(d.phase, Phase::Idling, "{}", d.why);
+    }
+
+    #[test]
+    fn while_paging_ksmd_gets_a_larger_budget() {
+        let mut a = Adaptive::new(AdaptiveConfig::default());
+        a.step(&st(0, 0, 0.0), &paging(0), 1.0);
+        // 15% of a core (smoothed): over the 10% budget on a settled host...
+        let d = a.step(&st(1000, 0, 0.3), &mem(0.1), 1.0);
+        assert!(d.why.contains("over the 10% budget"), "{}", d.why);
+        // ...within the 25% one while 1000 pages/s are swapped in.
+        let d = a.step(&st(2000, 0, 0.6), &paging(1000), 1.0);
+        assert!(a.paging());
+        assert!(!d.why.contains("over the"), "{}", d.why);
     }
 
     #[test]

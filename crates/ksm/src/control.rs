@@ -149,6 +149,14 @@ pub struct State {
     pub ksmd_nice: i32,
     /// Memory KSM saves.
     pub saved_bytes: u64,
+    /// Adaptive: merged memory lost since it started (the sum of every
+    /// tick's fall in memory saved: merged pages swapped out and back in as
+    /// copies, or unmerged by a write).
+    #[serde(default)]
+    pub lost_bytes: u64,
+    /// Adaptive: pages are being swapped in.
+    #[serde(default)]
+    pub paging: bool,
     /// Decisions so far.
     pub decisions: u64,
     /// When it was written (Unix seconds).
@@ -228,6 +236,8 @@ pub fn run(o: &Options, stop: &AtomicBool, mut on_decision: impl FnMut(&State)) 
         ksmd_cpu_share: 0.0,
         ksmd_nice: sysfs::ksmd_nice().unwrap_or(sysfs::KSMD_DEFAULT_NICE),
         saved_bytes: 0,
+        lost_bytes: 0,
+        paging: false,
         decisions: 0,
         updated_unix: 0,
     };
@@ -271,25 +281,31 @@ pub fn run(o: &Options, stop: &AtomicBool, mut on_decision: impl FnMut(&State)) 
                 st.ksmd_cpu_share = a.cpu_share;
                 st.ksmd_nice = nice;
                 st.saved_bytes = s.saved();
+                st.lost_bytes = a.lost_pages() * sysfs::PAGE;
+                st.paging = a.paging();
                 st.decisions += 1;
                 st.updated_unix = pagefleet_common::httpauth::unix_now();
                 publish(&st);
                 if st.phase != prev_phase {
                     info!(
-                        "{} (scan {:.0} pages/s, ksmd {:.1}% CPU, saved {} MiB)",
+                        "{} (scan {:.0} pages/s, ksmd {:.1}% CPU, saved {} MiB, lost {} MiB{})",
                         d.why,
                         st.scan_rate,
                         a.cpu_share * 100.0,
-                        s.saved() >> 20
+                        s.saved() >> 20,
+                        st.lost_bytes >> 20,
+                        if st.paging { ", paging" } else { "" }
                     );
                     prev_phase = st.phase.clone();
                 } else if d.why != prev_why {
                     tracing::debug!(
-                        "{} (scan {:.0} pages/s, ksmd {:.1}% CPU, saved {} MiB)",
+                        "{} (scan {:.0} pages/s, ksmd {:.1}% CPU, saved {} MiB, lost {} MiB{})",
                         d.why,
                         st.scan_rate,
                         a.cpu_share * 100.0,
-                        s.saved() >> 20
+                        s.saved() >> 20,
+                        st.lost_bytes >> 20,
+                        if st.paging { ", paging" } else { "" }
                     );
                 }
                 prev_why = d.why;

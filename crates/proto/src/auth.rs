@@ -222,6 +222,19 @@ impl Secret {
     ) -> [u8; 32] {
         use sha2::Digest;
         let body_hash: [u8; 32] = Sha256::digest(body).into();
+        self.http_mac_hashed(method, path, unix_secs, nonce, &body_hash)
+    }
+
+    /// [`Secret::http_mac`] given the body's SHA-256 (a daemon checks the
+    /// head's signature before it reads the body the head names).
+    pub fn http_mac_hashed(
+        &self,
+        method: &str,
+        path: &str,
+        unix_secs: u64,
+        nonce: &[u8; 16],
+        body_hash: &[u8; 32],
+    ) -> [u8; 32] {
         let m = method.as_bytes();
         let p = path.as_bytes();
         self.mac(
@@ -233,7 +246,7 @@ impl Secret {
                 p,
                 &unix_secs.to_le_bytes(),
                 nonce,
-                &body_hash,
+                body_hash,
             ],
         )
     }
