@@ -106,7 +106,7 @@ impl Listener {
                     });
                 }
                 Listener::Tcp(
-                    std::net::TcpListener::bind(&addrs[..])
+                    pagefleet_common::listen::listen(&addrs[..])
                         .map_err(io(format!("cannot listen on {spec}")))?,
                 )
             }

@@ -135,7 +135,7 @@ pub fn status(c: &Client, registry: &str, explicit: &[String], json_out: bool) -
             .as_ref()
             .and_then(|r| r.dedup.as_ref().map(|d| (r, d)))
         {
-            if d.sources > 0 || d.lookups > 0 {
+            if d.pages_indexed > 0 || d.lookups > 0 {
                 println!(
                     "{:<10} content index: {} pages of {} guests ({:.0} B a page), {} lookups, hit rate {:.2}",
                     r.hostname, d.pages_indexed, d.sources, d.bytes_per_page, d.lookups, d.hit_rate

@@ -397,6 +397,12 @@ enum TestbedCmd {
         /// --tls-dir) and one for commands run with `testbed exec`.
         #[arg(long)]
         tls: bool,
+        /// Directories VM guests' images may come from (pagefleetd
+        /// --vm-images on every host that gives guests memory); without
+        /// it the hosts refuse `guest start ... -- vm` (HTTP 403). `make vm`
+        /// builds one in target/vm.
+        #[arg(long, value_delimiter = ',')]
+        vm_images: Vec<std::path::PathBuf>,
     },
     /// Remove the lab: daemons, namespaces, state. Safe to run twice.
     Down {
@@ -441,6 +447,7 @@ fn testbed(t: TestbedCmd) -> Result<()> {
             subnet,
             etcd,
             tls,
+            vm_images,
         } => {
             let me = std::env::current_exe()?;
             let d = me.parent().unwrap().join("pagefleetd");
@@ -452,6 +459,10 @@ fn testbed(t: TestbedCmd) -> Result<()> {
             o.etcd = etcd;
             o.tls = tls;
             o.dir = dir;
+            o.vm_images = vm_images
+                .iter()
+                .map(|p| std::fs::canonicalize(p).map_err(|e| anyhow::anyhow!("--vm-images {}: {e}", p.display())))
+                .collect::<Result<_>>()?;
             let lab = Lab::up(&o)?;
             println!(
                 "testbed {:?} up: {} hosts on {}, links {}",
@@ -486,7 +497,12 @@ fn testbed(t: TestbedCmd) -> Result<()> {
                     t.display()
                 );
             }
-            println!("run in a host: pagefleet testbed exec h1 -- CMD ...   (e.g. pagefleet status)   remove: pagefleet testbed down");
+            let p = if lab.prefix == "pf" {
+                String::new()
+            } else {
+                format!(" --prefix {}", lab.prefix)
+            };
+            println!("run in a host: pagefleet testbed exec{p} h1 -- CMD ...   (e.g. pagefleet status)   remove: pagefleet testbed down{p}");
         }
         TestbedCmd::Down { prefix } => {
             down_prefix(&dir, &prefix)?;

@@ -9,6 +9,8 @@ pub mod clock;
 pub mod context;
 pub mod control;
 pub mod controller;
+pub mod fds;
+pub mod listen;
 pub mod heap;
 pub mod http;
 pub mod httpauth;

@@ -177,7 +177,7 @@ async fn authenticate(State(gate): State<Arc<Gate>>, req: Request, next: Next) -
 
 /// The API's socket on `listen`.
 pub fn bind(listen: &str) -> crate::error::Result<std::net::TcpListener> {
-    std::net::TcpListener::bind(listen).map_err(|e| {
+    pagefleet_common::listen::listen(listen).map_err(|e| {
         crate::Error::Invalid(format!(
             "cannot listen for HTTP on {listen}: {e} (use --metrics ADDR or --metrics off)"
         ))

@@ -59,7 +59,7 @@ impl MemServer {
             }
             None => {
                 let store = Store::new(lend_bytes).context("cannot create the page store")?;
-                let listener = TcpListener::bind(listen).with_context(|| {
+                let listener = pagefleet_common::listen::listen(listen).with_context(|| {
                     format!("cannot listen on {listen} (address in use? pick another with --listen)")
                 })?;
                 (listener, ServerState::new(store, secret, cfg))

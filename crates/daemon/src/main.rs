@@ -164,6 +164,8 @@ struct Args {
 
 fn main() {
     pagefleet_common::heap::one_arena();
+    // Waiting handshakes, sessions and HTTP connections each hold one.
+    pagefleet_common::fds::raise_fd_limit(1 << 16);
     if let Err(e) = run() {
         eprintln!(
             "pagefleetd: error: {}",

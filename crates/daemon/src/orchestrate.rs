@@ -107,6 +107,10 @@ fn place(app: &App, o: &MigrationOrder) -> Result<(Placed, MigrateRequest, Promi
     // This host is the first of the view, with its guests' status.
     let view = app.placement_view();
     let hs = &view.hosts;
+    // An unreadable registry is the error, not "no host" or "no memory".
+    if let Some(e) = hs.iter().find(|h| h.http == "etcd").and_then(|h| h.error.as_ref()) {
+        return Err(Refusal::new(503, format!("cannot place the guest: {e}")));
+    }
     let src = 0;
     let st = hs[src]
         .guests

@@ -331,3 +331,56 @@ fn metrics_are_closed_unless_opened() {
     let (st, _) = raw(&addr, &request("GET", "/host", None, b""));
     assert_eq!(st, 401);
 }
+
+/// Strangers that take every connection slot — heads that never end, and
+/// unsigned heads announcing a megabyte body sent a byte at a time — keep
+/// no signed request out, and no stranger's body is buffered.
+#[test]
+fn strangers_holding_every_slot_keep_no_signed_client_out() {
+    let h = host();
+    let rss0 = h.d.rss();
+    let mut strangers = Vec::new();
+    // 300 heads that never end (more than the 256 slots), then 50 slow bodies.
+    for i in 0..350 {
+        let mut s = TcpStream::connect(&h.http).unwrap();
+        s.set_write_timeout(Some(Duration::from_secs(5))).unwrap();
+        let head = if i < 300 {
+            // A head that never ends.
+            "POST /guests HTTP/1.1\r\nHost: x\r\n".to_string()
+        } else {
+            // An unsigned head for a body that never comes.
+            "POST /guests HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000000\r\n\r\n{".to_string()
+        };
+        let _ = s.write_all(head.as_bytes());
+        strangers.push(s);
+    }
+    // The slow bodies were answered 401 at once, unread.
+    let mut refused = 0;
+    for s in strangers.iter_mut().skip(300).take(20) {
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut out = String::new();
+        let _ = s.read_to_string(&mut out);
+        if out.starts_with("HTTP/1.1 401") {
+            refused += 1;
+        }
+    }
+    assert_eq!(refused, 20, "an unsigned head with a body is refused before the body");
+    let c = pagefleet_common::http::Client::new(h.d.secret.clone());
+    for _ in 0..40 {
+        // New strangers keep coming while the signed client works.
+        for _ in 0..10 {
+            if let Ok(mut s) = TcpStream::connect(&h.http) {
+                let _ = s.write_all(b"GET /host HTTP/1.1\r\n");
+                strangers.push(s);
+            }
+        }
+        let r: pagefleet_api::HostReport = c
+            .get(&h.http, "/host")
+            .expect("a signed request while strangers hold the slots");
+        assert_eq!(r.guest_memory, 64 << 20);
+    }
+    let grew = h.d.rss().saturating_sub(rss0);
+    assert!(grew < 32 << 20, "RSS grew {grew} bytes with strangers connected");
+    drop(strangers);
+    nothing_started(&h);
+}

@@ -1079,3 +1079,52 @@ fn push_copies_pages_to_another_server() {
     s.write_all(&out).unwrap();
     expect_error_then_close(&mut s, ErrorCode::NotAuthenticated);
 }
+
+/// A flood of new connections that never authenticate — as fast as one
+/// thread can open them, each held until 3 000 newer ones are open —
+/// pushes no real client out of the gate's queue: every session started
+/// during it gets in and answers a ping.
+#[test]
+fn a_connection_flood_pushes_no_client_out() {
+    allow_fds(16384);
+    let d = Daemon::start("16MiB", &[]);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flooder = {
+        let (addr, stop) = (d.addr.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut open = std::collections::VecDeque::new();
+            let mut made = 0u64;
+            let t = Instant::now();
+            // Bounded: 20 s or 400 000 connections, whichever first.
+            while !stop.load(std::sync::atomic::Ordering::Relaxed)
+                && t.elapsed() < Duration::from_secs(20)
+                && made < 400_000
+            {
+                if let Ok(s) = TcpStream::connect(&addr) {
+                    made += 1;
+                    open.push_back(s);
+                    if open.len() > 3000 {
+                        open.pop_front();
+                    }
+                }
+            }
+            made
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let mut failed = Vec::new();
+    for i in 0..100 {
+        match Conn::connect(&d.addr, &d.secret, &ConnectOptions::default()) {
+            Ok(mut c) => {
+                if let Err(e) = c.ping() {
+                    failed.push(format!("session {i}: ping: {e}"));
+                }
+            }
+            Err(e) => failed.push(format!("session {i}: {e}")),
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let made = flooder.join().unwrap();
+    assert!(made > 1000, "the flood made only {made} connections");
+    assert!(failed.is_empty(), "{} of 100 sessions failed during a flood of {made} connections: {failed:?}", failed.len());
+}

@@ -5,10 +5,14 @@
 //! never use up `max_conns` (which counts authenticated sessions only).
 //!
 //! Unauthenticated connections have their own cap (`max_handshakes`): when it
-//! is full, the oldest waiting connection is dropped to admit the new one, so
-//! a flood of idle connections delays a real client by at most the time it
-//! takes to send its HELLO (microseconds), and each waits at most
-//! `handshake_timeout`.
+//! is full, the oldest waiting connection that has sent nothing is dropped
+//! to admit the new one — one whose bytes are waiting (a real client's
+//! HELLO, sitting in its socket while the gate accepts a flood) is served
+//! first — so a flood of idle connections delays a real client by at most
+//! the time it takes to send its HELLO (microseconds), and each waits at
+//! most `handshake_timeout`. The gate accepts at most [`ACCEPT_BATCH`]
+//! connections between two polls of the waiting ones: a flood cannot keep
+//! it from reading the HELLOs that came in meanwhile.
 //!
 //! TLS runs here too: a client sends STARTTLS before its HELLO, the gate
 //! answers STARTTLS_OK, runs the TLS handshake without blocking (the client
@@ -29,6 +33,14 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tracing::{debug, info, warn};
+
+/// Most connections accepted in a row before the waiting ones are served
+/// again (a flood of connects otherwise keeps the gate in `accept` while
+/// the HELLOs of real clients wait unread until their connection is evicted).
+pub const ACCEPT_BATCH: usize = 64;
+/// When the waiting queue is full, how many of the oldest are looked at
+/// for one that has sent nothing (to drop) before the oldest of all goes.
+const EVICT_SCAN: usize = 64;
 
 /// A connection that has not authenticated yet.
 struct Waiting {
@@ -98,24 +110,8 @@ pub fn serve(listener: TcpListener, state: Arc<ServerState>) -> io::Result<()> {
         while i < waiting.len() {
             let r = ready.get(k).copied().unwrap_or(false);
             k += 1;
-            if !r {
+            if !r || !advance(&state, &mut waiting, i) {
                 i += 1;
-                continue;
-            }
-            match step(&state, &mut waiting[i]) {
-                Step::More => i += 1,
-                Step::Close => {
-                    waiting.remove(i);
-                }
-                Step::Authed {
-                    client,
-                    ok,
-                    id,
-                    extra,
-                } => {
-                    let w = waiting.remove(i).expect("index in range");
-                    start_session(&state, w, client, &ok, id, extra);
-                }
             }
         }
         let deadline = state.cfg.handshake_timeout;
@@ -133,6 +129,70 @@ pub fn serve(listener: TcpListener, state: Arc<ServerState>) -> io::Result<()> {
     }
 }
 
+/// Read what waiting connection `i` sent and act on it; true when it left
+/// the queue (answered, gone, or authenticated and handed to a session).
+fn advance(st: &Arc<ServerState>, waiting: &mut VecDeque<Waiting>, i: usize) -> bool {
+    match step(st, &mut waiting[i]) {
+        Step::More => false,
+        Step::Close => {
+            waiting.remove(i);
+            true
+        }
+        Step::Authed {
+            client,
+            ok,
+            id,
+            extra,
+        } => {
+            let w = waiting.remove(i).expect("index in range");
+            start_session(st, w, client, &ok, id, extra);
+            true
+        }
+    }
+}
+
+/// The socket has bytes to read (a HELLO or a TLS record), without reading.
+fn has_bytes(w: &Waiting) -> bool {
+    let mut b = [0u8; 1];
+    // SAFETY: b is a live 1-byte buffer; MSG_PEEK leaves the data queued.
+    let n = unsafe {
+        libc::recv(
+            w.stream.socket().as_raw_fd(),
+            b.as_mut_ptr().cast(),
+            1,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    n > 0
+}
+
+/// Room for one more waiting connection: serve the oldest ones that have
+/// bytes waiting, and drop the oldest that has sent nothing (or, when each
+/// of the oldest [`EVICT_SCAN`] is half-way through a handshake, the oldest).
+fn make_room(st: &Arc<ServerState>, waiting: &mut VecDeque<Waiting>) {
+    let max = st.cfg.max_handshakes.max(1) as usize;
+    let mut i = 0;
+    let mut scanned = 0;
+    while waiting.len() >= max && i < waiting.len() && scanned < EVICT_SCAN {
+        scanned += 1;
+        let w = &waiting[i];
+        if w.handshaking || !w.buf.is_empty() {
+            i += 1;
+        } else if has_bytes(w) {
+            if !advance(st, waiting, i) {
+                i += 1;
+            }
+        } else {
+            waiting.remove(i);
+            st.metrics.handshake_evictions.fetch_add(1, Relaxed);
+        }
+    }
+    if waiting.len() >= max {
+        waiting.pop_front();
+        st.metrics.handshake_evictions.fetch_add(1, Relaxed);
+    }
+}
+
 fn pollfd(fd: i32) -> libc::pollfd {
     libc::pollfd {
         fd,
@@ -142,7 +202,7 @@ fn pollfd(fd: i32) -> libc::pollfd {
 }
 
 fn accept_all(listener: &TcpListener, st: &Arc<ServerState>, waiting: &mut VecDeque<Waiting>) {
-    loop {
+    for _ in 0..ACCEPT_BATCH {
         let (sock, peer) = match listener.accept() {
             Ok(x) => x,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
@@ -155,9 +215,7 @@ fn accept_all(listener: &TcpListener, st: &Arc<ServerState>, waiting: &mut VecDe
         };
         st.metrics.connections_total.fetch_add(1, Relaxed);
         if waiting.len() >= st.cfg.max_handshakes.max(1) as usize {
-            // The oldest has had the longest to authenticate and has not.
-            waiting.pop_front();
-            st.metrics.handshake_evictions.fetch_add(1, Relaxed);
+            make_room(st, waiting);
         }
         let nonce = auth::random_nonce();
         let tls_required = pagefleet_tls::required(st.cfg.tls.as_deref(), peer);

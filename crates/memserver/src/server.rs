@@ -47,7 +47,7 @@ impl Default for ServerConfig {
         ServerConfig {
             max_conns: 512,
             io_timeout: Duration::from_secs(30),
-            max_handshakes: 256,
+            max_handshakes: 1024,
             handshake_timeout: Duration::from_secs(5),
             tls: None,
         }

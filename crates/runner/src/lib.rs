@@ -239,7 +239,7 @@ pub fn run_incoming(
     timeout: Duration,
     dedup_socket: Option<&Path>,
 ) -> Result<Exit, RunnerError> {
-    let l = std::net::TcpListener::bind(listen)
+    let l = pagefleet_common::listen::listen(listen)
         .map_err(|e| RunnerError::io(format!("cannot listen for the migration on {listen}"), e))?;
     let addr = l
         .local_addr()

@@ -424,7 +424,7 @@ fn run_workload(a: &LocalRun, w: &Workload) -> Result<serde_json::Value, RunnerE
                 k.extra_stats = Some(Box::new(move || crate::workload::pf_stats(&r.stats())));
             }
             let kvs = Arc::new(k);
-            let l = std::net::TcpListener::bind(listen)
+            let l = pagefleet_common::listen::listen(listen)
                 .map_err(|e| RunnerError::io(format!("cannot listen on {listen}"), e))?;
             let addr = l
                 .local_addr()

@@ -262,7 +262,7 @@ pub fn start(
 fn bind_retry(listen: &str) -> Result<std::net::TcpListener, RunnerError> {
     let mut last = None;
     for _ in 0..50 {
-        match std::net::TcpListener::bind(listen) {
+        match pagefleet_common::listen::listen(listen) {
             Ok(l) => return Ok(l),
             Err(e) => last = Some(e),
         }

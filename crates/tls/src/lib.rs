@@ -52,8 +52,8 @@ pub enum TlsError {
     /// Generating a key or certificate failed.
     #[error("certificate generation: {0}")]
     Generate(#[from] rcgen::Error),
-    /// rustls refused the configuration or the peer.
-    #[error("TLS: {0}")]
+    /// rustls refused the configuration or the peer (callers say "TLS").
+    #[error("{0}")]
     Rustls(#[from] rustls::Error),
     /// The configuration could not be built.
     #[error("TLS configuration: {0}")]
