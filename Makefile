@@ -19,7 +19,7 @@ APT_PKGS := build-essential pkg-config python3 python3-venv memcached libmemcach
 VENV := .venv
 FUZZ_SECONDS ?= 30
 
-.PHONY: all deps deps-apt deps-rust deps-python build guest vm lint test test-unit fuzz-smoke demo demo-vm bench clean
+.PHONY: all deps deps-apt deps-rust deps-python build guest vm lint test test-unit fuzz-smoke fuzz-campaign demo demo-vm bench clean
 
 all: build
 
@@ -81,11 +81,15 @@ test-unit:
 	  END { printf "summary: %d passed, %d failed\n", p, f }' target/test.log
 
 fuzz-smoke:
-	mkdir -p fuzz/corpus/server_session fuzz/corpus/proto_decode
-	set -o pipefail; cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run server_session corpus/server_session seeds/server_session -- \
-	  -max_total_time=$(FUZZ_SECONDS) -dict=pagefleet.dict -print_final_stats=1 2>&1 | tail -n 12
-	set -o pipefail; cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run proto_decode corpus/proto_decode -- \
-	  -max_total_time=$$(( $(FUZZ_SECONDS) / 2 )) -print_final_stats=1 2>&1 | tail -n 12
+	fuzz/run.sh server_session $(FUZZ_SECONDS)
+	fuzz/run.sh proto_decode $$(( $(FUZZ_SECONDS) / 2 ))
+	fuzz/run.sh http_auth $$(( $(FUZZ_SECONDS) / 2 ))
+
+# Every fuzz target for FUZZ_CAMPAIGN_SECONDS each (default 30 minutes):
+# make fuzz-campaign FUZZ_CAMPAIGN_SECONDS=1800
+FUZZ_CAMPAIGN_SECONDS ?= 1800
+fuzz-campaign: deps
+	for t in server_session proto_decode http_auth; do fuzz/run.sh $$t $(FUZZ_CAMPAIGN_SECONDS) || exit 1; done
 
 # The split-migration demo on a 4-host testbed (root: network namespaces).
 demo: build
