@@ -22,6 +22,7 @@ pub mod registry;
 pub mod replicas;
 pub mod restart;
 pub mod soak;
+pub mod strangers;
 pub mod tls_floor;
 pub mod util;
 pub mod vm_migration;

@@ -190,6 +190,12 @@ enum BenchCmd {
     /// guest's longest kv operation per restart, time to answer, wrong
     /// values, guests lost. Root.
     Restart(Bench<bench::restart::Args>),
+    /// Strangers against a pagefleetd on loopback: slow-body and slow-head
+    /// connections holding the HTTP API's slots while a signed client
+    /// works (success rate, p99, pagefleetd's RSS and its return), then a
+    /// connection flood on the memory server while sessions start (the
+    /// share that get in). Example: pagefleet bench strangers --json
+    Strangers(Bench<bench::strangers::Args>),
     /// A cluster's life in minutes, checked (issue 21): kv guests with two
     /// replicas under value-checking clients on a 4-host testbed while
     /// budgets change, guests migrate, hosts are evacuated and memory
@@ -656,6 +662,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Bench(BenchCmd::Dedup(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::Registry(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::Restart(b)) => bench::main(&b.common, &b.args),
+        Cmd::Bench(BenchCmd::Strangers(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::Soak(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::Ksm(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::Ioqos(b)) => bench::main(&b.common, &b.args),

@@ -509,3 +509,31 @@ fn bench_restart_quick_json_has_figures_and_goals() {
     assert_verdicts(goals);
     let _ = std::fs::remove_dir_all(&out_dir);
 }
+
+/// `bench strangers --quick`: the strangers and the flood did happen (the
+/// figures say they were there), signed clients and sessions were counted,
+/// and the verdicts match the figures.
+#[test]
+fn bench_strangers_quick_json_has_figures_and_goals() {
+    let out_dir = std::env::temp_dir().join(format!(
+        "pagefleet-bench-strangers-smoke-{}",
+        std::process::id()
+    ));
+    let out = Command::new(env!("CARGO_BIN_EXE_pagefleet"))
+        .args(["bench", "strangers", "--quick", "--json", "--out"])
+        .arg(&out_dir)
+        .output()
+        .expect("run pagefleet bench strangers");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "bench failed: {stderr}");
+    let v: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("stdout is one JSON object");
+    assert!(v["stranger_connections"].as_u64().unwrap() >= 600, "{v}");
+    assert!(v["signed_requests"].as_u64().unwrap() > 10, "{v}");
+    assert!(v["flood_connections"].as_u64().unwrap() > 1000, "{v}");
+    assert!(v["sessions"].as_u64().unwrap() > 10, "{v}");
+    let goals = v["goals"].as_array().unwrap();
+    assert_eq!(goals.len(), 5, "{goals:?}");
+    assert_verdicts(goals);
+    let _ = std::fs::remove_dir_all(&out_dir);
+}

@@ -37,6 +37,6 @@ mod tests {
         let a = l.local_addr().unwrap();
         let _c = std::net::TcpStream::connect(a).unwrap();
         let (_s, _) = l.accept().unwrap();
-        assert!(super::listen(&a.to_string()).is_err(), "the port is taken");
+        assert!(super::listen(a).is_err(), "the port is taken");
     }
 }

@@ -24,7 +24,9 @@
 //! merged pages lost meanwhile, `lost_pages`) pays for its CPU; ksmd may
 //! spend `paging_budget_factor` times its budget; and an idle controller
 //! whose last merging phase merged starts again once `lost_wake_pages` of
-//! its savings are lost.
+//! its savings are lost or `swap_wake_pages` have been swapped back in
+//! (ksmd skips swapped-out pages: a duplicate whose second copy was in
+//! swap is a candidate only once both are resident).
 
 use crate::sysfs::{Memory, Stats, PAGE};
 use serde::Serialize;
@@ -68,6 +70,10 @@ pub struct AdaptiveConfig {
     /// pages lost (swapped out and back in as copies, or written) start
     /// merging again.
     pub lost_wake_pages: u64,
+    /// ...and so do this many pages swapped back in host-wide (duplicates
+    /// whose second copy was in swap, candidates now that both are
+    /// resident: ksmd skips swapped-out pages).
+    pub swap_wake_pages: u64,
     /// While pages are swapped in, ksmd may spend this multiple of
     /// `cpu_budget`: a pair merges only while both copies are resident, so
     /// the scan has to outrun the churn.
@@ -95,6 +101,7 @@ impl Default for AdaptiveConfig {
             wake_on_growth: 0.05,
             min_nice: -10,
             lost_wake_pages: 1024,
+            swap_wake_pages: 4096,
             paging_budget_factor: 2.5,
             paging_pages_per_s: 64.0,
         }
@@ -169,6 +176,8 @@ pub struct Adaptive {
     lost_pages: u64,
     pass_start_lost: u64,
     idle_lost: u64,
+    /// Pages swapped in (host-wide) when idling began.
+    idle_swpin: u64,
     /// Pages were swapped in over the last tick (under pressure), and the
     /// host's swap-in count at that tick.
     paging: bool,
@@ -202,6 +211,7 @@ impl Adaptive {
             lost_pages: 0,
             pass_start_lost: 0,
             idle_lost: 0,
+            idle_swpin: 0,
             paging: false,
             tick_swpin: 0,
         }
@@ -292,6 +302,7 @@ impl Adaptive {
         self.idle_pass = self.budget_pass_s().min(self.cfg.max_idle_pass_s);
         self.idle_avail_kb = m.available_kb;
         self.idle_lost = self.lost_pages;
+        self.idle_swpin = m.swapped_in_pages;
     }
 
     fn decide(&self, why: String) -> Decision {
@@ -426,6 +437,16 @@ impl Adaptive {
                         &format!(
                             "{} MiB of merged pages lost since idling began (swapped out, back as copies): merging again",
                             lost >> 8
+                        ),
+                    );
+                }
+                let back = m.swapped_in_pages.saturating_sub(self.idle_swpin);
+                if self.merged_this_phase && back >= self.cfg.swap_wake_pages {
+                    return self.start_merging(
+                        s,
+                        &format!(
+                            "{} MiB swapped back in since idling began (duplicates whose copy was in swap): merging again",
+                            back >> 8
                         ),
                     );
                 }
@@ -713,12 +734,30 @@ mod tests {
         let d = a.step(&st(25_100, 5, 1.5), &paging(50_720), 1.0);
         assert_eq!(d.phase, Phase::Idling, "{}", d.why);
         // 2 MiB of merged pages lost: not yet; 4 MiB: merging again.
-        let d = a.step(&st(24_600, 5, 1.5), &paging(52_768), 1.0);
+        let d = a.step(&st(24_600, 5, 1.5), &paging(51_000), 1.0);
         assert_eq!(d.phase, Phase::Idling, "{}", d.why);
-        let d = a.step(&st(24_000, 5, 1.5), &paging(54_816), 1.0);
+        let d = a.step(&st(24_000, 5, 1.5), &paging(51_300), 1.0);
         assert_eq!(d.phase, Phase::Merging, "{}", d.why);
         assert!(d.why.contains("merged pages lost"), "{}", d.why);
         assert_eq!(a.lost_pages(), 1100);
+    }
+
+    /// What the last round of a full-size run showed: idling at 451 MiB
+    /// while the tenants still faulted in copies of duplicates from swap;
+    /// nothing merged was lost, so only the swap-ins can tell.
+    #[test]
+    fn idle_wakes_when_duplicates_come_back_from_swap() {
+        let mut a = Adaptive::new(AdaptiveConfig::default());
+        a.step(&st(0, 0, 0.0), &paging(0), 1.0);
+        a.step(&st(0, 1, 0.3), &paging(10_000), 1.0);
+        a.step(&st(115_000, 2, 0.6), &paging(20_000), 1.0);
+        let d = a.step(&st(115_100, 3, 0.9), &paging(30_000), 1.0);
+        assert_eq!(d.phase, Phase::Idling, "{}", d.why);
+        let d = a.step(&st(115_100, 3, 0.9), &paging(32_000), 1.0);
+        assert_eq!(d.phase, Phase::Idling, "{}", d.why);
+        let d = a.step(&st(115_100, 3, 0.9), &paging(34_200), 1.0);
+        assert_eq!(d.phase, Phase::Merging, "{}", d.why);
+        assert!(d.why.contains("swapped back in"), "{}", d.why);
     }
 
     /// The flapping a full-size run showed: passes that net nothing because
