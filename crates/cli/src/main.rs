@@ -321,6 +321,9 @@ pub(crate) fn init_log(default: &str) {
             std::env::var("PAGEFLEET_LOG").unwrap_or_else(|_| default.into()),
         ))
         .with_writer(std::io::stderr)
+        // Colour only for a person at a terminal: a log file (a runner's,
+        // the KSM controller's in a bench, systemd's) gets plain text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
 }
 

@@ -217,6 +217,9 @@ fn run() -> Result<()> {
             tracing_subscriber::EnvFilter::try_new(&a.log).context("bad --log filter")?,
         )
         .with_writer(std::io::stderr)
+        // Colour only for a person at a terminal: a log file (a runner's,
+        // the KSM controller's in a bench, systemd's) gets plain text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     Ok(pagefleet_daemon::service::run(a)?)
 }
