@@ -113,10 +113,13 @@ impl Daemon {
             .stdout(Stdio::piped())
             .spawn()
             .context("cannot start pagefleetd")?;
-        let line = BufReader::new(child.stdout.take().expect("piped"))
-            .lines()
+        let mut lines = BufReader::new(child.stdout.take().expect("piped")).lines();
+        let line = lines
             .next()
             .ok_or_else(|| anyhow!("pagefleetd exited before listening"))??;
+        // Keep reading what it prints (its HTTP address, ...): a closed
+        // pipe would end it with EPIPE on its next line.
+        std::thread::spawn(move || lines.for_each(drop));
         let memserver = line
             .strip_prefix("listening ")
             .ok_or_else(|| anyhow!("unexpected pagefleetd output {line:?}"))?
