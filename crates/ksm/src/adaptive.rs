@@ -326,6 +326,7 @@ impl Adaptive {
         self.empty_passes = 0;
         self.merged_this_phase = false;
         self.pass_start_saved = s.saved();
+        self.pass_start_lost = self.lost_pages;
         self.decide(why.to_string())
     }
 
