@@ -283,23 +283,14 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
     ));
     let stop = Arc::new(AtomicBool::new(false));
     let flood_start = Instant::now();
-    let flooder = {
-        let (addr, stop) = (d.memserver.clone(), stop.clone());
-        std::thread::spawn(move || {
-            let mut open = std::collections::VecDeque::new();
-            let mut made = 0u64;
-            while !stop.load(Relaxed) {
-                if let Ok(s) = TcpStream::connect(&addr) {
-                    made += 1;
-                    open.push_back(s);
-                    if open.len() > 3000 {
-                        open.pop_front();
-                    }
-                }
-            }
-            made
-        })
-    };
+    // Bounded by the phase: it is stopped after o.secs, and gives up by itself later.
+    let flooder = util::connect_flood(
+        d.memserver.clone(),
+        stop.clone(),
+        3000,
+        Duration::from_secs(o.secs + 60),
+        u64::MAX,
+    );
     std::thread::sleep(Duration::from_millis(200));
     let (mut sessions, mut sessions_ok) = (0u64, 0u64);
     let t0 = Instant::now();

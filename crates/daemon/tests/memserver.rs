@@ -1089,28 +1089,14 @@ fn a_connection_flood_pushes_no_client_out() {
     allow_fds(16384);
     let d = Daemon::start("16MiB", &[]);
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let flooder = {
-        let (addr, stop) = (d.addr.clone(), stop.clone());
-        std::thread::spawn(move || {
-            let mut open = std::collections::VecDeque::new();
-            let mut made = 0u64;
-            let t = Instant::now();
-            // Bounded: 20 s or 400 000 connections, whichever first.
-            while !stop.load(std::sync::atomic::Ordering::Relaxed)
-                && t.elapsed() < Duration::from_secs(20)
-                && made < 400_000
-            {
-                if let Ok(s) = TcpStream::connect(&addr) {
-                    made += 1;
-                    open.push_back(s);
-                    if open.len() > 3000 {
-                        open.pop_front();
-                    }
-                }
-            }
-            made
-        })
-    };
+    // Bounded: 20 s or 400 000 connections, whichever first.
+    let flooder = pagefleet_lab::proc::connect_flood(
+        d.addr.clone(),
+        stop.clone(),
+        3000,
+        Duration::from_secs(20),
+        400_000,
+    );
     std::thread::sleep(Duration::from_millis(300));
     let mut failed = Vec::new();
     for i in 0..100 {

@@ -280,6 +280,35 @@ impl Drop for TempDir {
     }
 }
 
+/// A connect flood on `addr` from a thread of its own: new connections as
+/// fast as one thread can open them, each held until `hold` newer ones are
+/// open, until `stop` is set, `limit` elapses or `max` connections were
+/// made. The thread's result is the number made.
+pub fn connect_flood(
+    addr: String,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    hold: usize,
+    limit: Duration,
+    max: u64,
+) -> std::thread::JoinHandle<u64> {
+    std::thread::spawn(move || {
+        let mut open = std::collections::VecDeque::new();
+        let mut made = 0u64;
+        let t = Instant::now();
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) && t.elapsed() < limit && made < max
+        {
+            if let Ok(s) = std::net::TcpStream::connect(&addr) {
+                made += 1;
+                open.push_back(s);
+                if open.len() > hold {
+                    open.pop_front();
+                }
+            }
+        }
+        made
+    })
+}
+
 #[cfg(test)]
 mod stat_tests {
     use super::*;
