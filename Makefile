@@ -84,12 +84,15 @@ fuzz-smoke:
 	fuzz/run.sh server_session $(FUZZ_SECONDS)
 	fuzz/run.sh proto_decode $$(( $(FUZZ_SECONDS) / 2 ))
 	fuzz/run.sh http_auth $$(( $(FUZZ_SECONDS) / 2 ))
+	fuzz/run.sh nbd $$(( $(FUZZ_SECONDS) / 2 ))
+	fuzz/run.sh kv_text $$(( $(FUZZ_SECONDS) / 2 ))
+	fuzz/run.sh qmp_reply $$(( $(FUZZ_SECONDS) / 2 ))
 
 # Every fuzz target for FUZZ_CAMPAIGN_SECONDS each (default 30 minutes):
 # make fuzz-campaign FUZZ_CAMPAIGN_SECONDS=1800
 FUZZ_CAMPAIGN_SECONDS ?= 1800
 fuzz-campaign: deps
-	for t in server_session proto_decode http_auth; do fuzz/run.sh $$t $(FUZZ_CAMPAIGN_SECONDS) || exit 1; done
+	for t in server_session proto_decode http_auth nbd kv_text qmp_reply; do fuzz/run.sh $$t $(FUZZ_CAMPAIGN_SECONDS) || exit 1; done
 
 # The split-migration demo on a 4-host testbed (root: network namespaces).
 demo: build

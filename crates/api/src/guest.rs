@@ -573,9 +573,20 @@ pub struct PagingCosts {
     /// re-replication is restoring them).
     #[serde(default)]
     pub degraded_pages: u64,
-    /// Memory servers found dead (their pages served by mirrors).
+    /// Memory servers down now: found dead or hung (their pages served by
+    /// mirrors) and not answering since.
     #[serde(default)]
     pub servers_down: u64,
+    /// Times a memory server was found dead or hung.
+    #[serde(default)]
+    pub server_failures: u64,
+    /// Times a server that was down answered again and was used again.
+    #[serde(default)]
+    pub servers_revived: u64,
+    /// Faulting pages asked of a mirror because their server missed its
+    /// deadline (hedged reads).
+    #[serde(default)]
+    pub hedged_reads: u64,
     /// Pages re-replication copied.
     #[serde(default)]
     pub rereplicated_pages: u64,

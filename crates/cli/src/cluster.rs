@@ -376,8 +376,8 @@ pub fn guest(c: &Client, g: GuestCmd) -> Result<()> {
                 );
                 if p.replicas > 1 || p.servers_down > 0 {
                     println!(
-                        "  replicas: {}; pages with a copy missing: {}; memory servers found dead: {}; pages re-replicated: {}",
-                        p.replicas, p.degraded_pages, p.servers_down, p.rereplicated_pages
+                        "  replicas: {}; pages with a copy missing: {}; memory servers down now: {} ({} failures, {} revived); pages re-replicated: {}; hedged reads: {}",
+                        p.replicas, p.degraded_pages, p.servers_down, p.server_failures, p.servers_revived, p.rereplicated_pages, p.hedged_reads
                     );
                 }
             }

@@ -44,6 +44,18 @@ pub enum ClientError {
         /// The timeout that passed.
         secs: u64,
     },
+    /// The server left a request unanswered past a deadline the caller
+    /// derived from its usual replies (a hung or stopped server; the
+    /// connection itself is open).
+    #[error("memory server {addr}: no answer within {waited_ms} ms (its replies usually take {usual_us} us): hung or stopped")]
+    Unresponsive {
+        /// The server.
+        addr: String,
+        /// How long the oldest request waited.
+        waited_ms: u64,
+        /// Its usual reply time, µs.
+        usual_us: u64,
+    },
     /// The connection failed midway.
     #[error("memory server {addr}: connection lost: {source}")]
     Io {
@@ -97,9 +109,10 @@ impl ClientError {
     /// a protocol violation, a request the server rejects).
     pub fn is_transient(&self) -> bool {
         match self {
-            ClientError::Connect { .. } | ClientError::Io { .. } | ClientError::TimedOut { .. } => {
-                true
-            }
+            ClientError::Connect { .. }
+            | ClientError::Io { .. }
+            | ClientError::TimedOut { .. }
+            | ClientError::Unresponsive { .. } => true,
             ClientError::Server { err, .. } => err.code == ErrorCode::Busy,
             _ => false,
         }

@@ -183,7 +183,7 @@ impl Guests {
     pub fn metrics(&self) -> String {
         let mut per = String::new();
         type Get = fn(&GuestStatus) -> f64;
-        let series: [(&str, &str, &str, Get); 13] = [
+        let series: [(&str, &str, &str, Get); 16] = [
             (
                 "resident_pages",
                 "gauge",
@@ -250,8 +250,26 @@ impl Guests {
             (
                 "servers_down",
                 "gauge",
-                "Memory servers the guest found dead.",
+                "Memory servers the guest found dead or hung and not answering since.",
                 |g| g.paging.as_ref().map_or(0.0, |p| p.servers_down as f64),
+            ),
+            (
+                "server_failures_total",
+                "counter",
+                "Times the guest found a memory server dead or hung.",
+                |g| g.paging.as_ref().map_or(0.0, |p| p.server_failures as f64),
+            ),
+            (
+                "servers_revived_total",
+                "counter",
+                "Times a memory server the guest called down answered again and was used again.",
+                |g| g.paging.as_ref().map_or(0.0, |p| p.servers_revived as f64),
+            ),
+            (
+                "hedged_reads_total",
+                "counter",
+                "Faulting pages asked of a mirror because their memory server missed its deadline.",
+                |g| g.paging.as_ref().map_or(0.0, |p| p.hedged_reads as f64),
             ),
             (
                 "rereplicated_pages_total",

@@ -1050,12 +1050,12 @@ pub fn serve(kv: Arc<Kv>, listener: TcpListener, stop: Arc<AtomicBool>) {
 }
 
 /// A client's socket, counting what is written to it (`bytes_written`).
-struct Counted<'a> {
-    inner: TcpStream,
+struct Counted<'a, W: Write> {
+    inner: W,
     kv: &'a Kv,
 }
 
-impl Write for Counted<'_> {
+impl<W: Write> Write for Counted<'_, W> {
     fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
         let n = self.inner.write(b)?;
         self.kv.counters.bytes_written.fetch_add(n as u64, Relaxed);
@@ -1068,8 +1068,16 @@ impl Write for Counted<'_> {
 
 fn session(kv: &Kv, s: TcpStream) -> std::io::Result<()> {
     let _ = s.set_nodelay(true);
-    let mut r = BufReader::with_capacity(64 * 1024, s.try_clone()?);
-    let mut w = BufWriter::with_capacity(64 * 1024, Counted { inner: s, kv });
+    let r = s.try_clone()?;
+    serve_session(kv, r, s)
+}
+
+/// Serve one client's memcached text protocol until it quits or leaves:
+/// requests read from `r`, replies written to `w` (a TCP connection's two
+/// halves; the fuzz target gives it arbitrary bytes).
+pub fn serve_session(kv: &Kv, r: impl Read, w: impl Write) -> std::io::Result<()> {
+    let mut r = BufReader::with_capacity(64 * 1024, r);
+    let mut w = BufWriter::with_capacity(64 * 1024, Counted { inner: w, kv });
     let mut line = Vec::with_capacity(512);
     loop {
         line.clear();

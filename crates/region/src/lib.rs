@@ -148,6 +148,10 @@ impl std::str::FromStr for Prefetch {
 /// resident, a 2% budget cost 1.1–1.7% by its interleaved rounds).
 pub const DEFAULT_SAMPLE_CPU_BUDGET: f64 = 0.01;
 
+/// How long closing a region waits for a server it called down (hung or
+/// dead) to take the delete of its stale copies.
+const DOWN_SERVER_CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// The fault loop's default spin for a faulting page's reply (`Config::reply_spin`):
 /// a loopback or LAN round trip with the server's wake-up in it (p99 of
 /// `pagefleet bench paging`'s single faults here: 170–300 µs).
@@ -777,15 +781,38 @@ impl Region {
             name: "pagefleet-region-close".into(),
             ..Default::default()
         };
-        let mut first = None;
+        // A server called down may only have hung (and hold the region's
+        // stale copies): it is asked too, briefly, and its failure to
+        // answer is not the close's failure. Every server at once, so a
+        // hung one costs the close its timeout, not one per server.
+        let brief = ConnectOptions {
+            connect_timeout: DOWN_SERVER_CLOSE_TIMEOUT,
+            io_timeout: DOWN_SERVER_CLOSE_TIMEOUT,
+            ..opts.clone()
+        };
         let servers = self.shared.servers.lock().unwrap().clone();
-        // (A server found dead lost the pages; one that restarted holds none.)
-        for (s, _) in servers.iter().filter(|(_, down)| !down) {
-            match pagefleet_client::Conn::connect(s, &secret, &opts)
-                .and_then(|mut c| c.delete_region(self.region_id))
-            {
-                Ok(_) => {}
-                Err(e) => {
+        let region = self.region_id;
+        let results: Vec<(bool, pagefleet_client::Result<u64>)> = std::thread::scope(|sc| {
+            let handles: Vec<_> = servers
+                .iter()
+                .map(|(s, down)| {
+                    let (secret, o) = (&secret, if *down { &brief } else { &opts });
+                    let down = *down;
+                    sc.spawn(move || {
+                        (
+                            down,
+                            pagefleet_client::Conn::connect(s, secret, o)
+                                .and_then(|mut c| c.delete_region(region)),
+                        )
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("delete thread")).collect()
+        });
+        let mut first = None;
+        for (down, r) in results {
+            if let Err(e) = r {
+                if !down {
                     first.get_or_insert(e);
                 }
             }

@@ -100,6 +100,9 @@ pub struct Counters {
     pub degraded_pages: AtomicU64,
     pub rereplicated_pages: AtomicU64,
     pub servers_down: AtomicU64,
+    pub server_failures: AtomicU64,
+    pub servers_revived: AtomicU64,
+    pub hedged_reads: AtomicU64,
 }
 
 /// A consistent-enough snapshot for reporting.
@@ -166,8 +169,16 @@ pub struct Stats {
     pub degraded_pages: u64,
     /// Pages re-replication copied to another server.
     pub rereplicated_pages: u64,
-    /// Memory servers this region found dead (their pages served by mirrors).
+    /// Memory servers down now: found dead or hung (their pages served by
+    /// mirrors), not answering since.
     pub servers_down: u64,
+    /// Times a memory server was found dead or hung.
+    pub server_failures: u64,
+    /// Times a server called down answered again and was used again.
+    pub servers_revived: u64,
+    /// Faulting pages asked of a mirror because their server missed its
+    /// deadline.
+    pub hedged_reads: u64,
 }
 
 impl Stats {
@@ -211,6 +222,9 @@ impl Stats {
             ("degraded_pages", self.degraded_pages),
             ("rereplicated_pages", self.rereplicated_pages),
             ("servers_down", self.servers_down),
+            ("server_failures", self.server_failures),
+            ("servers_revived", self.servers_revived),
+            ("hedged_reads", self.hedged_reads),
             ("page_in_p50_us", self.page_in_p50_us() as u64),
             ("page_in_p99_us", self.page_in_p99_us() as u64),
         ]
@@ -258,6 +272,9 @@ impl Counters {
             degraded_pages: self.degraded_pages.load(Relaxed),
             rereplicated_pages: self.rereplicated_pages.load(Relaxed),
             servers_down: self.servers_down.load(Relaxed),
+            server_failures: self.server_failures.load(Relaxed),
+            servers_revived: self.servers_revived.load(Relaxed),
+            hedged_reads: self.hedged_reads.load(Relaxed),
         }
     }
 }

@@ -252,8 +252,13 @@ fn progress(m: &Memory, sec: usize, rate: f64, last_ins: &mut u64) {
             // one copy) is on every line, not only in --json.
             let copies = if s.servers_down > 0 || s.degraded_pages > 0 {
                 format!(
-                    "  DEGRADED: {} server(s) down, {} pages with one copy",
-                    s.servers_down, s.degraded_pages
+                    "  DEGRADED: {} server(s) down, {} pages with one copy, {} hedged reads",
+                    s.servers_down, s.degraded_pages, s.hedged_reads
+                )
+            } else if s.server_failures > 0 {
+                format!(
+                    "  replicas whole again ({} server failure(s), {} revived, {} hedged reads)",
+                    s.server_failures, s.servers_revived, s.hedged_reads
                 )
             } else {
                 String::new()
@@ -471,11 +476,19 @@ fn run_workload(a: &LocalRun, w: &Workload) -> Result<serde_json::Value, RunnerE
         );
         if s.servers_down > 0 || s.degraded_pages > 0 {
             eprintln!(
-                "region DEGRADED: {} memory server(s) found dead; {} pages have fewer copies than the {} asked for; {} pages re-replicated",
+                "region DEGRADED: {} memory server(s) down now ({} failures, {} revived); {} pages have fewer copies than the {} asked for; {} pages re-replicated; {} hedged reads",
                 s.servers_down,
+                s.server_failures,
+                s.servers_revived,
                 s.degraded_pages,
                 a.replicas,
-                s.rereplicated_pages
+                s.rereplicated_pages,
+                s.hedged_reads
+            );
+        } else if s.server_failures > 0 {
+            eprintln!(
+                "region: two copies of every remote page again after {} memory server failure(s) ({} revived); {} pages re-replicated; {} hedged reads",
+                s.server_failures, s.servers_revived, s.rereplicated_pages, s.hedged_reads
             );
         }
     }

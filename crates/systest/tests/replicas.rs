@@ -172,10 +172,103 @@ fn a_memory_server_restarted_empty_is_treated_as_dead() {
     write_all(&r, pages, 2);
     verify_all(&r, pages, 2);
     wait_restored(&r);
-    assert_eq!(r.stats().servers_down, 1, "{:?}", r.stats());
+    assert_eq!(r.stats().server_failures, 1, "{:?}", r.stats());
     verify_all(&r, pages, 2);
+    // Answering again (its new id: restarted empty), it is used again.
+    wait_for("the restarted server to be used again", 30, || {
+        r.stats().servers_revived == 1 && r.stats().servers_down == 0
+    });
     r.close().unwrap();
     drop(again);
+}
+
+/// Resumes a stopped process however the test ends.
+struct Stopped(i32);
+
+impl Stopped {
+    fn stop(pid: u32) -> Stopped {
+        // SAFETY: kill(2) on a child process of this test.
+        unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
+        Stopped(pid as i32)
+    }
+}
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) on a child process of this test.
+        unsafe { libc::kill(self.0, libc::SIGCONT) };
+    }
+}
+
+/// One of three servers killed, then another stopped (SIGSTOP: its
+/// connections stay open, nothing answers) while four threads rewrite and
+/// check every page: the stopped server is called down once its replies
+/// are late (its reads hedged to the mirrors, its page-outs cut), the
+/// budget holds at every 5 ms sample, and nothing is wrong. Resumed, it is
+/// probed, revived (its stale copies deleted) and takes second copies
+/// again; after the guest ends no server holds any of its pages.
+#[test]
+fn a_memory_server_stopped_is_hedged_around_then_revived_and_the_budget_holds() {
+    let mut c = Cluster::start(3, "64MiB");
+    let pages = 8192u64; // 32 MiB, 8 MiB resident
+    let r = replicated(&c, pages);
+    let budget = r.stats().budget_pages;
+    write_all(&r, pages, 1);
+    verify_all(&r, pages, 1);
+    c.servers[0].kill();
+    verify_all(&r, pages, 1);
+    write_all(&r, pages, 2);
+    wait_restored(&r);
+    let addrs = c.addrs();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (peak, samples) = std::thread::scope(|s| {
+        let sampler = s.spawn(|| {
+            let (mut peak, mut n) = (0u64, 0u64);
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                peak = peak.max(r.stats().resident_pages);
+                n += 1;
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            (peak, n)
+        });
+        let stopped = Stopped::stop(c.servers[1].child.id());
+        let t = std::time::Instant::now();
+        let mut round = 2;
+        while t.elapsed() < Duration::from_secs(4) {
+            verify_all(&r, pages, round);
+            round += 1;
+            write_all(&r, pages, round);
+        }
+        assert!(r.stats().hedged_reads + r.stats().server_failures > 1, "{:?}", r.stats());
+        assert_eq!(r.stats().servers_down, 2, "the stopped server is down: {:?}", r.stats());
+        drop(stopped);
+        wait_for("the resumed server to be used again", 30, || {
+            r.stats().servers_revived == 1
+        });
+        verify_all(&r, pages, round);
+        round += 1;
+        write_all(&r, pages, round);
+        verify_all(&r, pages, round);
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        (sampler.join().unwrap(), round)
+    })
+    .0;
+    let _ = samples;
+    let st = r.stats();
+    assert!(
+        peak * 100 <= budget * 105,
+        "resident peaked at {peak} pages for a budget of {budget} ({st:?})"
+    );
+    wait_for("two copies of every page again", 60, || {
+        let st = r.stats();
+        st.degraded_pages == 0 && st.servers_down == 1
+    });
+    assert!(used(&c, &addrs[1]) > 0, "the revived server holds copies again");
+    assert!(r.fatal_error().is_none());
+    r.close().unwrap();
+    for a in &addrs[1..] {
+        assert_eq!(used(&c, a), 0, "{a} still holds pages of the closed region");
+    }
 }
 
 /// Both copies of a page gone: the guest exits 75 naming the servers; it

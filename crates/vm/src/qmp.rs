@@ -100,6 +100,12 @@ impl Qmp {
                 Err(e) => return Err(VmError::io(format!("QMP socket {}", path.display()), e)),
             }
         };
+        Qmp::over(s, &path.display().to_string())
+    }
+
+    /// Enter command mode on a connected QMP socket `s` (`what` names it in
+    /// errors): its greeting, then `qmp_capabilities`.
+    pub fn over(s: UnixStream, what: &str) -> Result<Qmp, VmError> {
         s.set_read_timeout(Some(Duration::from_secs(60)))
             .map_err(|e| VmError::io("QMP socket", e))?;
         let writer = s.try_clone().map_err(|e| VmError::io("QMP socket", e))?;
@@ -111,10 +117,8 @@ impl Qmp {
         let greeting = q.line()?;
         if greeting.greeting.is_none() {
             return Err(VmError::Qmp(format!(
-                "no QMP greeting on {} (the first line was event {:?}, return {:?})",
-                path.display(),
-                greeting.event,
-                greeting.ret
+                "no QMP greeting on {what} (the first line was event {:?}, return {:?})",
+                greeting.event, greeting.ret
             )));
         }
         q.execute::<Value>("qmp_capabilities", None)?;

@@ -258,6 +258,14 @@ impl LocationDb {
     /// are read from their mirror from now on, kept copies on it are
     /// forgotten (a clean page whose only copy it was is dirty now).
     /// Returns the remote pages that had no other copy: lost.
+    /// How many remote pages have their only copy on server `s`.
+    pub(super) fn sole_copies(&self, s: usize) -> usize {
+        let tag = REMOTE + s as u8;
+        (0..self.state.len())
+            .filter(|&q| self.state[q] == tag && self.second[q] == 0)
+            .count()
+    }
+
     pub(super) fn server_lost(&mut self, s: usize) -> Vec<usize> {
         let (tag, mark) = (REMOTE + s as u8, s as u8 + 1);
         let mut lost = Vec::new();

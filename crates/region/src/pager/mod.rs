@@ -152,6 +152,8 @@ pub(crate) struct Pager {
     down: Vec<bool>,
     /// Re-replication after a server's death.
     rerep: replicate::Rerep,
+    /// Hung servers (deadlines) and revival of servers called down.
+    health: replicate::Health,
     /// How long a reconnect keeps trying.
     patience: Duration,
 }
@@ -213,6 +215,7 @@ impl Pager {
                 secret: cfg.secret.clone(),
                 doorbell: doorbell.clone(),
                 patience: patience(cfg.replicas),
+                io_timeout: io_timeout(cfg.replicas),
             },
         )
         .map_err(|source| RegionError::Io {
@@ -234,7 +237,7 @@ impl Pager {
                         c.set_window(4);
                         c
                     }
-                    None => connect(&cfg.name, a, secret, CONNECT_PATIENCE)?,
+                    None => connect(&cfg.name, a, secret, CONNECT_PATIENCE, io_timeout(cfg.replicas))?,
                 };
                 free.push(c.info.capacity_pages.saturating_sub(c.info.used_pages));
                 conns.push(c);
@@ -384,6 +387,7 @@ impl Pager {
             replicas: cfg.replicas,
             down: vec![false; cfg.servers.len()],
             rerep,
+            health: replicate::Health::new(cfg.servers.len()),
             patience: patience(cfg.replicas),
         })
     }
@@ -467,6 +471,8 @@ impl Pager {
                 self.command(c);
             }
             self.evacuate_step();
+            self.check_deadlines();
+            self.revive_step();
             self.rereplicate_step();
             self.meter.turn(&self.shared);
         }
@@ -503,10 +509,12 @@ impl Pager {
             .secret
             .as_ref()
             .ok_or("this region has no cluster secret (it was made without memory servers)")?;
-        let c = connect(&self.name, addr, secret, CONNECT_PATIENCE).map_err(|e| e.to_string())?;
+        let c = connect(&self.name, addr, secret, CONNECT_PATIENCE, io_timeout(self.replicas))
+            .map_err(|e| e.to_string())?;
         self.free
             .push(c.info.capacity_pages.saturating_sub(c.info.used_pages));
         self.down.push(false);
+        self.health.add_server();
         self.rerep.orphans.push(Vec::new());
         self.conns.push(c);
         self.gets.push(Default::default());
@@ -572,7 +580,7 @@ impl Pager {
         let secret = self.secret.clone().ok_or_else(|| {
             pagefleet_client::ClientError::Usage("no cluster secret to reconnect with".into())
         })?;
-        let c = connect(&self.name, &self.addrs[s], &secret, self.patience)?;
+        let c = connect(&self.name, &self.addrs[s], &secret, self.patience, io_timeout(self.replicas))?;
         if c.info.server_id != self.conns[s].info.server_id {
             // Restarted: whatever it held is gone; reconnecting cannot help.
             return Err(pagefleet_client::ClientError::Protocol {
@@ -609,6 +617,20 @@ fn patience(replicas: usize) -> Duration {
     }
 }
 
+/// How long a server connection waits for any one read or write: with one
+/// replica, the client's default (30 s: the guest cannot go on without the
+/// server, so a slow one is waited for); with two, short — a hung server's
+/// requests are hedged to the mirror long before (see `replicate`), and
+/// this only bounds a connect or HELLO to a server that accepts and then
+/// says nothing.
+fn io_timeout(replicas: usize) -> Duration {
+    if replicas > 1 {
+        replicate::REPLICA_IO_TIMEOUT
+    } else {
+        ConnectOptions::default().io_timeout
+    }
+}
+
 /// CPU time this thread has run, ns.
 fn thread_cpu_ns() -> u64 {
     let mut ts = libc::timespec {
@@ -627,10 +649,12 @@ fn connect(
     addr: &str,
     secret: &pagefleet_proto::auth::Secret,
     patience: Duration,
+    io_timeout: Duration,
 ) -> Result<Conn, pagefleet_client::ClientError> {
     let opts = ConnectOptions {
         name: format!("{name}-pager"),
         window: 4,
+        io_timeout,
         ..Default::default()
     };
     Conn::connect_patiently(addr, secret, &opts, patience)

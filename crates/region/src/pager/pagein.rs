@@ -14,11 +14,11 @@ pub(super) struct Get {
     /// Page numbers asked for, in the request's order.
     pub(super) pages: Vec<u64>,
     /// For a faulting page (a GET of its own): whether the fault was a write.
-    fault: Option<bool>,
+    pub(super) fault: Option<bool>,
     /// The server keeps its copy (the page is installed clean).
     keep: bool,
     /// When the fault was read (service time is measured from there).
-    since: Instant,
+    pub(super) since: Instant,
 }
 
 /// A fault that brings this many pages or more is serving a scan (random
@@ -243,6 +243,7 @@ impl Pager {
             let us = g.since.elapsed().as_secs_f64() * 1e6;
             st.page_in_latency.record_us(us);
             self.reply_ewma_us += (us - self.reply_ewma_us) / 16.0;
+            self.health.replied(s, us);
             st.page_ins.fetch_add(1, Relaxed);
             st.page_in_requests.fetch_add(1, Relaxed);
             st.bytes_in.fetch_add(PAGE as u64, Relaxed);

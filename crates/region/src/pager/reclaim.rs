@@ -2,6 +2,10 @@
 
 use super::*;
 
+/// How long a wait for the writer lasts before the deadlines are checked
+/// again (a hung server is cut off within a slice of its deadline).
+const DEADLINE_SLICE: Duration = Duration::from_millis(10);
+
 impl Pager {
     /// Over budget: page out cold chunks (chosen by [`victims`]) until a
     /// slack below it.
@@ -59,11 +63,13 @@ impl Pager {
         // until enough of what is in flight has landed.
         if self.loc.resident > budget && self.writer.in_flight > 0 {
             let t0 = Instant::now();
-            while self.loc.resident > budget {
-                let Some(d) = self.writer.wait_done() else {
-                    break;
-                };
-                self.job_landed(d);
+            while self.loc.resident > budget && self.writer.in_flight > 0 {
+                // In slices: a writer blocked on a hung server is cut off
+                // by the deadline check (it then answers at once).
+                match self.writer.wait_done(DEADLINE_SLICE) {
+                    Some(d) => self.job_landed(d),
+                    None => self.check_deadlines(),
+                }
             }
             let st = &self.shared.stats;
             st.direct_reclaims.fetch_add(1, Relaxed);
@@ -84,8 +90,11 @@ impl Pager {
     /// moves or deletes server copies, or a migration's final copy).
     pub(super) fn quiesce(&mut self) {
         self.drain_gets();
-        while let Some(d) = self.writer.wait_done() {
-            self.job_landed(d);
+        while self.writer.in_flight > 0 {
+            match self.writer.wait_done(DEADLINE_SLICE) {
+                Some(d) => self.job_landed(d),
+                None => self.check_deadlines(),
+            }
         }
     }
 

@@ -30,6 +30,26 @@ const STEP_PAGES: usize = 2048;
 /// and the pager serves no fault while it tries (a server killed refuses
 /// at once; one restarted empty is down anyway).
 pub(super) const REPLICA_PATIENCE: Duration = Duration::from_millis(20);
+/// How long one read or write on a replicated region's server connection
+/// waits at most (a connect or HELLO to a server that accepted and then
+/// hung; requests are hedged long before, see [`Health`]).
+pub(super) const REPLICA_IO_TIMEOUT: Duration = Duration::from_secs(5);
+/// A faulting page's reply is late, and its server suspect, after this
+/// many times the server's usual reply time...
+const HEDGE_FACTOR: f64 = 50.0;
+/// ...but never before this (a busy 2-CPU host delays a healthy server's
+/// replies by a scheduler slice or two: ~10 ms here under load; 250 ms
+/// is 25 of them)...
+const HEDGE_MIN: Duration = Duration::from_millis(250);
+/// ...and always after this (a stopped server's guest waits no longer).
+const HEDGE_MAX: Duration = Duration::from_millis(800);
+/// A page-out frame's send or ack waited on for this long: the server hangs
+/// (a 64-page frame takes ~1 ms on loopback, ~3 ms on 1 GbE).
+const PUT_DEADLINE: Duration = Duration::from_millis(800);
+/// How often a server called down is asked whether it answers again.
+const PROBE_EVERY: Duration = Duration::from_secs(2);
+/// How long a probe waits to connect and for the server's HELLO.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 /// Most bytes of bandwidth credit re-replication saves up (two steps).
 const BURST: f64 = (2 * STEP_PAGES * PAGE) as f64;
 
@@ -132,6 +152,68 @@ impl Rerep {
     }
 }
 
+/// What the pager knows of its servers' health: how fast each answers,
+/// which were called down, and the probes asking whether they are back.
+///
+/// A faulting page whose reply is later than [`Health::deadline`] (derived
+/// from the server's usual reply time) makes its server *suspect*. If every
+/// page that server holds has a live mirror, it is called down at once: its
+/// GETs in flight are asked of the mirrors (hedged reads), it gets no more
+/// page-outs, and the writer's socket to it is shut so a page-out blocked
+/// on it returns. Every [`PROBE_EVERY`] a thread tries a fresh connection;
+/// when one gets a HELLO the server is *revived*: the region's stale copies
+/// there are deleted (same server id) or were lost already (restarted
+/// empty: a new id), and the server takes page-outs and re-replicated
+/// copies again. A suspect server holding some page's only copy is not
+/// called down (that would end the guest): its requests are waited for.
+pub(super) struct Health {
+    /// Per server: its faulting pages' usual reply time, µs (EWMA).
+    usual_us: Vec<f64>,
+    /// Per server: when to probe it next (only while down).
+    probe_at: Vec<Option<Instant>>,
+    /// Per server: a probe is out.
+    probing: Vec<bool>,
+    /// Probes' answers: (server, a fresh connection or why not).
+    answers: std::sync::mpsc::Receiver<(usize, Result<Conn, pagefleet_client::ClientError>)>,
+    answer_tx: std::sync::mpsc::Sender<(usize, Result<Conn, pagefleet_client::ClientError>)>,
+    /// A suspect server was kept (sole copies): said once per episode.
+    kept_warned: Vec<bool>,
+}
+
+impl Health {
+    pub(super) fn new(servers: usize) -> Health {
+        let (answer_tx, answers) = std::sync::mpsc::channel();
+        Health {
+            usual_us: vec![0.0; servers],
+            probe_at: vec![None; servers],
+            probing: vec![false; servers],
+            answers,
+            answer_tx,
+            kept_warned: vec![false; servers],
+        }
+    }
+
+    pub(super) fn add_server(&mut self) {
+        self.usual_us.push(0.0);
+        self.probe_at.push(None);
+        self.probing.push(false);
+        self.kept_warned.push(false);
+    }
+
+    /// A faulting page's reply from `s` took `us`.
+    pub(super) fn replied(&mut self, s: usize, us: f64) {
+        if let Some(u) = self.usual_us.get_mut(s) {
+            *u += (us - *u) / 16.0;
+        }
+    }
+
+    /// How long a faulting page's GET to `s` may wait before it is hedged.
+    pub(super) fn deadline(&self, s: usize) -> Duration {
+        let usual = Duration::from_secs_f64(self.usual_us.get(s).copied().unwrap_or(0.0) * HEDGE_FACTOR / 1e6);
+        usual.clamp(HEDGE_MIN, HEDGE_MAX)
+    }
+}
+
 /// The host part of `HOST:PORT` (replicas go to different hosts when they can).
 fn host(addr: &str) -> &str {
     addr.rsplit_once(':').map_or(addr, |(h, _)| h)
@@ -168,6 +250,163 @@ impl Pager {
         }
     }
 
+    /// Hedging: a server whose oldest faulting GET is past its deadline,
+    /// or on which the writer has been blocked past [`PUT_DEADLINE`], is
+    /// suspect; it is called down (its GETs asked of their mirrors) if
+    /// every page it holds has a live mirror. See [`Health`].
+    pub(super) fn check_deadlines(&mut self) {
+        if self.replicas < 2 {
+            return;
+        }
+        let writer_wait = self.writer.links.lock().unwrap().waiting();
+        for s in 0..self.conns.len() {
+            if self.down[s] {
+                continue;
+            }
+            let deadline = self.health.deadline(s);
+            let late_get = self.gets[s]
+                .iter()
+                .find(|g| g.fault.is_some())
+                .map(|g| g.since.elapsed())
+                .filter(|w| *w > deadline);
+            let late_put = writer_wait
+                .filter(|(w, t)| *w == s && *t > PUT_DEADLINE)
+                .map(|(_, t)| t);
+            let Some(waited) = late_get.or(late_put) else {
+                continue;
+            };
+            if late_put.is_none() {
+                // Reply bytes waiting: the pager was slow to look, not the
+                // server to answer.
+                self.conns[s].note_readable();
+                if self.conns[s].reply_ready() {
+                    continue;
+                }
+            }
+            let sole = self.loc.sole_copies(s);
+            if sole > 0 {
+                if !std::mem::replace(&mut self.health.kept_warned[s], true) {
+                    warn!(
+                        "memory server {} has not answered for {} ms, but it holds the only copy of {sole} pages of region {:#x}: waiting for it",
+                        self.addrs[s],
+                        waited.as_millis(),
+                        self.region_id
+                    );
+                }
+                continue;
+            }
+            self.health.kept_warned[s] = false;
+            let hedged: u64 = self.gets[s]
+                .iter()
+                .filter(|g| g.fault.is_some())
+                .map(|g| g.pages.len() as u64)
+                .sum();
+            self.shared.stats.hedged_reads.fetch_add(hedged, Relaxed);
+            let why = pagefleet_client::ClientError::Unresponsive {
+                addr: self.addrs[s].clone(),
+                waited_ms: waited.as_millis() as u64,
+                usual_us: self.health.usual_us[s] as u64,
+            };
+            self.server_down(s, &why);
+        }
+    }
+
+    /// Probe servers called down, and revive those that answer.
+    pub(super) fn revive_step(&mut self) {
+        if self.replicas < 2 {
+            return;
+        }
+        while let Ok((s, r)) = self.health.answers.try_recv() {
+            self.health.probing[s] = false;
+            match r {
+                Ok(c) if self.down[s] => self.revive(s, c),
+                Ok(_) => {}
+                Err(e) => debug!("memory server {} is still down: {e}", self.addrs[s]),
+            }
+        }
+        let now = Instant::now();
+        for s in 0..self.conns.len() {
+            if !self.down[s] || self.health.probing[s] {
+                continue;
+            }
+            let due = *self.health.probe_at[s].get_or_insert(now + PROBE_EVERY);
+            if now < due {
+                continue;
+            }
+            let Some(secret) = self.secret.clone() else {
+                return;
+            };
+            self.health.probe_at[s] = Some(now + PROBE_EVERY);
+            self.health.probing[s] = true;
+            let (addr, tx, bell) = (self.addrs[s].clone(), self.health.answer_tx.clone(), self.doorbell.clone());
+            let opts = pagefleet_client::ConnectOptions {
+                name: format!("{}-probe", self.name),
+                window: 4,
+                connect_timeout: PROBE_TIMEOUT,
+                io_timeout: PROBE_TIMEOUT,
+                ..Default::default()
+            };
+            let spawned = std::thread::Builder::new()
+                .name("pagefleet-probe".into())
+                .spawn(move || {
+                    let r = Conn::connect(&addr, &secret, &opts);
+                    if tx.send((s, r)).is_ok() {
+                        pagefleet_uffd::ring(bell.as_raw_fd());
+                    }
+                });
+            if spawned.is_err() {
+                self.health.probing[s] = false;
+            }
+        }
+    }
+
+    /// Server `s`, called down, answered a probe with `c`: delete what the
+    /// region left there (stale since its pages were repointed) and use it
+    /// again for page-outs and second copies.
+    fn revive(&mut self, s: usize, mut c: Conn) {
+        let restarted = c.info.server_id != self.conns[s].info.server_id;
+        match c.delete_region(self.region_id) {
+            Ok(_) => {}
+            Err(e) if e.code().is_some() => {}
+            Err(e) => {
+                debug!("memory server {} answered, then failed: {e}", self.addrs[s]);
+                return;
+            }
+        }
+        let free = match c.stat(false) {
+            Ok(st) => st.capacity_pages.saturating_sub(st.used_pages),
+            Err(e) => {
+                debug!("memory server {} answered, then failed: {e}", self.addrs[s]);
+                return;
+            }
+        };
+        info!(
+            "memory server {} answers again{}: region {:#x} uses it for page-outs and second copies",
+            self.addrs[s],
+            if restarted { " (restarted empty)" } else { "" },
+            self.region_id
+        );
+        c.set_window(4);
+        self.conns[s] = c;
+        if let Some(fd) = self.epoll_fds.get_mut(s) {
+            *fd = -1;
+        }
+        self.down[s] = false;
+        self.free[s] = free;
+        self.health.probe_at[s] = None;
+        self.health.usual_us[s] = 0.0;
+        self.writer.links.lock().unwrap().restore(s);
+        if let Some(x) = self.shared.servers.lock().unwrap().get_mut(s) {
+            x.1 = false;
+        }
+        let st = &self.shared.stats;
+        st.servers_down.fetch_sub(1, Relaxed);
+        st.servers_revived.fetch_add(1, Relaxed);
+        self.rerep.look_again();
+        self.rerep.retry_at = None;
+        self.publish();
+    }
+
     /// Server `s` is gone (or restarted empty): serve its pages from their
     /// mirrors and start re-replication. With one replica, or for a page
     /// with no other copy, the guest cannot go on.
@@ -175,6 +414,8 @@ impl Pager {
         if self.down[s] {
             return;
         }
+        // No more page-outs to it; a writer blocked on it returns now.
+        self.writer.links.lock().unwrap().cut(s);
         warn!(
             "memory server {} is down ({why}): region {:#x} reads its pages from their mirrors and re-replicates them",
             self.addrs[s], self.region_id
@@ -212,6 +453,7 @@ impl Pager {
         // (After the count: a reader seeing the server down sees its
         // degraded pages too.)
         self.shared.stats.servers_down.fetch_add(1, Relaxed);
+        self.shared.stats.server_failures.fetch_add(1, Relaxed);
         self.publish();
     }
 
@@ -273,7 +515,7 @@ impl Pager {
                 .secret
                 .clone()
                 .ok_or_else(|| pagefleet_client::ClientError::Usage("no cluster secret".into()))?;
-            let mut c = connect(&self.name, &self.addrs[s], &secret, REPLICA_PATIENCE)?;
+            let mut c = connect(&self.name, &self.addrs[s], &secret, REPLICA_PATIENCE, REPLICA_IO_TIMEOUT)?;
             if c.info.server_id != self.conns[s].info.server_id {
                 return Err(pagefleet_client::ClientError::Protocol {
                     addr: self.addrs[s].clone(),
