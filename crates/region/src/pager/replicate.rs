@@ -791,3 +791,38 @@ fn relay(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_deadline_follows_the_servers_usual_replies_within_its_bounds() {
+        let mut h = Health::new(2);
+        // Nothing measured yet: the floor.
+        assert_eq!(h.deadline(0), HEDGE_MIN);
+        // Fast replies (100 µs): still the floor, not 5 ms.
+        for _ in 0..64 {
+            h.replied(0, 100.0);
+        }
+        assert_eq!(h.deadline(0), HEDGE_MIN);
+        // A slow link (10 ms a reply): 50x that.
+        for _ in 0..256 {
+            h.replied(1, 10_000.0);
+        }
+        let d = h.deadline(1);
+        assert!(d > HEDGE_MIN && d < HEDGE_MAX, "{d:?}");
+        assert!((d.as_secs_f64() - 0.5).abs() < 0.01, "{d:?}");
+        // Replies that take seconds never push the deadline past the cap.
+        for _ in 0..256 {
+            h.replied(1, 5e6);
+        }
+        assert_eq!(h.deadline(1), HEDGE_MAX);
+        // One server's replies leave the other's deadline alone.
+        assert_eq!(h.deadline(0), HEDGE_MIN);
+        // A server added later starts at the floor; unknown ones too.
+        h.add_server();
+        assert_eq!(h.deadline(2), HEDGE_MIN);
+        assert_eq!(h.deadline(9), HEDGE_MIN);
+    }
+}
