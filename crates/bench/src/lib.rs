@@ -19,6 +19,7 @@ pub mod memserver;
 pub mod migration;
 pub mod paging;
 pub mod registry;
+pub mod hang;
 pub mod replicas;
 pub mod restart;
 pub mod soak;
