@@ -22,15 +22,13 @@
 //! the budget**. Wrong values are the load's own checks. Every figure of the
 //! goals is the worst run's. Every wait is bounded.
 
-use crate::util::{self, ChildDaemon, Goal};
+use crate::util::{self, ChildDaemon, Goal, Stopped};
 use anyhow::{anyhow, bail, Context, Result};
 use pagefleet_client::{Conn, ConnectOptions};
 use pagefleet_lab::kvload;
 use pagefleet_proto::auth::Secret;
 use serde::Serialize;
-use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Write};
-use std::net::TcpStream;
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
@@ -110,27 +108,6 @@ pub struct Report {
     pub plot: util::PlotOutcome,
 }
 
-/// The guest's memcached `stats`, as numbers.
-fn kv_stats(addr: &str) -> Result<HashMap<String, u64>> {
-    let mut s = TcpStream::connect(addr)?;
-    s.set_read_timeout(Some(Duration::from_secs(5)))?;
-    s.write_all(b"stats\r\n")?;
-    let mut r = BufReader::new(s);
-    let mut m = HashMap::new();
-    let mut line = String::new();
-    loop {
-        line.clear();
-        if r.read_line(&mut line)? == 0 || line.starts_with("END") {
-            break;
-        }
-        let p: Vec<&str> = line.split_whitespace().collect();
-        if p.len() == 3 {
-            m.insert(p[1].to_string(), p[2].parse().unwrap_or(0));
-        }
-    }
-    Ok(m)
-}
-
 /// `pagefleet run kv` over `servers`, its stderr to `log`.
 struct Guest {
     child: Child,
@@ -185,24 +162,6 @@ impl Drop for Guest {
     }
 }
 
-/// A process stopped with SIGSTOP, resumed however the run ends.
-struct Stopped(i32);
-
-impl Stopped {
-    fn stop(pid: u32) -> Stopped {
-        // SAFETY: kill(2) on our own child.
-        unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
-        Stopped(pid as i32)
-    }
-}
-
-impl Drop for Stopped {
-    fn drop(&mut self) {
-        // SAFETY: kill(2) on our own child.
-        unsafe { libc::kill(self.0, libc::SIGCONT) };
-    }
-}
-
 /// One sample: seconds since the run's start, the load's ops so far, the
 /// guest's counters.
 #[derive(Clone, Default)]
@@ -232,7 +191,7 @@ impl Sampler {
         let (s2, stop2) = (samples.clone(), stop.clone());
         let thread = std::thread::spawn(move || {
             while !stop2.load(Relaxed) {
-                if let Ok(m) = kv_stats(&addr) {
+                if let Ok(m) = kvload::stats(&addr) {
                     let g = |k: &str| m.get(k).copied().unwrap_or(0);
                     s2.lock().unwrap().push(Sample {
                         t: t0.elapsed().as_secs_f64(),

@@ -123,6 +123,28 @@ fn connect(addr: &str, reconnect: bool, stop: &AtomicBool) -> Result<Option<TcpS
 }
 
 /// Store every key once, 4 pipelined connections.
+/// A kv guest's memcached `stats` at `addr`, as numbers (its `pf_*`
+/// counters among them); a reply waits at most 5 s.
+pub fn stats(addr: &str) -> Result<std::collections::HashMap<String, u64>> {
+    let mut s = TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    s.write_all(b"stats\r\n")?;
+    let mut r = BufReader::new(s);
+    let mut m = std::collections::HashMap::new();
+    let mut line = String::new();
+    loop {
+        line.clear();
+        if r.read_line(&mut line)? == 0 || line.starts_with("END") {
+            break;
+        }
+        let p: Vec<&str> = line.split_whitespace().collect();
+        if p.len() == 3 {
+            m.insert(p[1].to_string(), p[2].parse().unwrap_or(0));
+        }
+    }
+    Ok(m)
+}
+
 pub fn prefill(s: &Spec) -> Result<()> {
     let stop = AtomicBool::new(false);
     std::thread::scope(|sc| -> Result<()> {

@@ -182,24 +182,6 @@ fn a_memory_server_restarted_empty_is_treated_as_dead() {
     drop(again);
 }
 
-/// Resumes a stopped process however the test ends.
-struct Stopped(i32);
-
-impl Stopped {
-    fn stop(pid: u32) -> Stopped {
-        // SAFETY: kill(2) on a child process of this test.
-        unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
-        Stopped(pid as i32)
-    }
-}
-
-impl Drop for Stopped {
-    fn drop(&mut self) {
-        // SAFETY: kill(2) on a child process of this test.
-        unsafe { libc::kill(self.0, libc::SIGCONT) };
-    }
-}
-
 /// One of three servers killed, then another stopped (SIGSTOP: its
 /// connections stay open, nothing answers) while four threads rewrite and
 /// check every page: the stopped server is called down once its replies
@@ -231,7 +213,7 @@ fn a_memory_server_stopped_is_hedged_around_then_revived_and_the_budget_holds() 
             }
             (peak, n)
         });
-        let stopped = Stopped::stop(c.servers[1].child.id());
+        let stopped = pagefleet_lab::proc::Stopped::stop(c.servers[1].child.id());
         let t = std::time::Instant::now();
         let mut round = 2;
         while t.elapsed() < Duration::from_secs(4) {

@@ -1202,25 +1202,6 @@ fn vmstat(key: &str) -> u64 {
         .unwrap_or(0)
 }
 
-fn kv_stats(addr: &str) -> Result<std::collections::HashMap<String, u64>> {
-    let mut s = TcpStream::connect(addr)?;
-    s.write_all(b"stats\r\n")?;
-    let mut r = BufReader::new(s);
-    let mut m = std::collections::HashMap::new();
-    let mut line = String::new();
-    loop {
-        line.clear();
-        if r.read_line(&mut line)? == 0 || line.starts_with("END") {
-            break;
-        }
-        let p: Vec<&str> = line.split_whitespace().collect();
-        if p.len() == 3 {
-            m.insert(p[1].to_string(), p[2].parse().unwrap_or(0));
-        }
-    }
-    Ok(m)
-}
-
 /// A sequential scan configuration: its memory servers (and strangers, if
 /// any) and the scan guest, run alone.
 fn run_seq(o: &Opts, c: &Cfg, secret_path: &Path) -> Result<Row> {

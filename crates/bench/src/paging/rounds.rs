@@ -145,7 +145,7 @@ impl Member {
         self.signal(libc::SIGCONT)?;
         let l = kvload::Load::start_seeded(&self.spec, 1 + round as u64);
         std::thread::sleep(LEAD);
-        let before = kv_stats(&self.guest.addr)?;
+        let before = pagefleet_lab::kvload::stats(&self.guest.addr)?;
         let pid = self.guest.child.id();
         let flt0 = pagefleet_lab::proc::minor_faults(pid);
         let (swap0, cpu0, n0, t0) = (
@@ -159,7 +159,7 @@ impl Member {
         let busy = util::cpu_busy(&cpu0, &util::cpu_times());
         let swapins = vmstat("pswpin").saturating_sub(swap0);
         let faults = pagefleet_lab::proc::minor_faults(pid).saturating_sub(flt0);
-        let after = kv_stats(&self.guest.addr)?;
+        let after = pagefleet_lab::kvload::stats(&self.guest.addr)?;
         let counters = l.counters.clone();
         let error = l.error();
         l.stop()?;
