@@ -13,6 +13,7 @@ mod hash;
 mod index;
 mod local;
 pub mod lookup;
+pub mod resident;
 pub mod scan;
 
 pub use hash::{ContentKey, PageHash, PAGE};

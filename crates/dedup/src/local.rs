@@ -5,11 +5,10 @@
 //! a stale index entry (a guest wrote the page since it was hashed, a slot
 //! was reused) is a miss, never a wrong page.
 
+use crate::resident::GuestMemory;
 use crate::scan::{HostIndex, ProcFd, STORE};
 use crate::{PageHash, PAGE};
 use std::collections::HashMap;
-use std::fs::File;
-use std::os::unix::fs::FileExt;
 
 /// Reads one slot of the memory server's store (if it holds a page).
 pub type ReadSlot<'a> = dyn FnMut(u32, &mut [u8]) -> bool + 'a;
@@ -34,7 +33,7 @@ impl HostIndex {
             let mut ix = self.lock();
             hashes.iter().map(|h| ix.lookup(h)).collect()
         };
-        let mut files: HashMap<ProcFd, Option<File>> = HashMap::new();
+        let mut files: HashMap<ProcFd, Option<GuestMemory>> = HashMap::new();
         let mut res = Vec::with_capacity(hashes.len());
         for (i, f) in found.into_iter().enumerate() {
             let dst = &mut out[i * PAGE..(i + 1) * PAGE];
@@ -48,10 +47,11 @@ impl HostIndex {
                 Some(Some(loc)) => match self.source(loc.source) {
                     Some(at) => files
                         .entry(at)
-                        .or_insert_with(|| at.open().ok())
+                        .or_insert_with(|| at.open().and_then(GuestMemory::new).ok())
                         .as_ref()
-                        .is_some_and(|f| {
-                            f.read_exact_at(dst, loc.page as u64 * PAGE as u64).is_ok()
+                        .is_some_and(|m| {
+                            let dst: &mut [u8; PAGE] = dst.try_into().expect("page");
+                            m.read_resident(loc.page as u64, dst)
                         }),
                     None => false,
                 },
@@ -68,6 +68,8 @@ mod tests {
     use super::*;
     use crate::ContentKey;
     use pagefleet_proto::auth::Secret;
+    use std::fs::File;
+    use std::os::unix::fs::FileExt;
     use std::os::fd::{AsRawFd, FromRawFd};
     use std::sync::atomic::AtomicBool;
 

@@ -22,13 +22,12 @@
 //! may be here, and knows the zero
 //! page itself: a migration that finds nothing costs no round trips.
 
+use crate::resident::GuestMemory;
 use crate::scan::{HostIndex, ProcFd, STORE};
 use crate::{ContentKey, PageHash, PAGE};
 use std::collections::HashMap;
-use std::fs::File;
 use std::io::{self, Read, Write};
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::FileExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::Arc;
 
@@ -188,15 +187,16 @@ fn answer(mut s: UnixStream, hi: &HostIndex, slots: Option<&StoreSlots>) -> io::
     }
 }
 
-/// Read page `page` of `f` into `dst` and check it against `hash`.
+/// Read page `page` of `m` into `dst` if it is in memory (a hint is never
+/// worth swapping another guest's page in) and check it against `hash`.
 pub fn read_checked(
     key: &ContentKey,
-    f: &File,
+    m: &GuestMemory,
     page: u64,
     hash: &PageHash,
     dst: &mut [u8; PAGE],
 ) -> bool {
-    f.read_exact_at(dst, page * PAGE as u64).is_ok() && key.hash(dst) == *hash
+    m.read_resident(page, dst) && key.hash(dst) == *hash
 }
 
 /// What a lookup found for one content.
@@ -236,7 +236,7 @@ pub struct LookupClient {
     key: ContentKey,
     zero: PageHash,
     filter: Option<crate::Filter>,
-    files: HashMap<ProcFd, Option<File>>,
+    files: HashMap<ProcFd, Option<GuestMemory>>,
     reply: Vec<u8>,
     /// Counters.
     pub stats: ClientStats,
@@ -389,7 +389,9 @@ impl LookupClient {
                         fd: u32::from_le_bytes(e[8..12].try_into().unwrap()),
                     };
                     let page = u32::from_le_bytes(e[12..16].try_into().unwrap()) as u64;
-                    self.files.entry(at).or_insert_with(|| at.open().ok());
+                    self.files
+                        .entry(at)
+                        .or_insert_with(|| at.open().and_then(GuestMemory::new).ok());
                     work.push((k, at, page, std::mem::take(&mut out[k])));
                 }
                 3 => {
@@ -432,6 +434,8 @@ mod tests {
     use super::*;
     use crate::SourceId;
     use pagefleet_proto::auth::Secret;
+    use std::fs::File;
+    use std::os::unix::fs::FileExt;
     use std::os::fd::FromRawFd;
 
     fn key() -> ContentKey {

@@ -3,10 +3,13 @@
 //! as ksmd scans under its own.
 //!
 //! A pass reads every data range of a memfd (`SEEK_DATA`/`SEEK_HOLE`: holes
-//! are never-touched or paged-out pages and cost nothing), hashes its pages
-//! outside the index's lock and records them; pages in holes are forgotten.
+//! are never-touched or punched-out pages and cost nothing), hashes the
+//! pages of it that are in memory outside the index's lock and records
+//! them; pages in holes or in swap are forgotten (see [`crate::resident`]:
+//! reading a swapped-out page would swap it in, charged to its guest).
 //! Between chunks it sleeps so that its CPU time stays within the budget.
 
+use crate::resident::GuestMemory;
 use crate::{ContentIndex, ContentKey, SourceId, PAGE};
 use std::collections::HashMap;
 use std::fs::File;
@@ -126,14 +129,14 @@ impl HostIndex {
     /// data, forget the holes, spending at most `budget` of one CPU.
     /// Returns the pages hashed (None: stopped or the source went away).
     pub fn scan(&self, id: SourceId, at: ProcFd, budget: f64, stop: &AtomicBool) -> Option<u64> {
-        let file = at.open().ok()?;
-        let len = file.metadata().ok()?.len();
-        let pages = (len / PAGE as u64).min(u32::MAX as u64) as u32;
+        let mem = GuestMemory::new(at.open().ok()?).ok()?;
+        let pages = mem.pages().min(u32::MAX as u64) as u32;
         {
             self.sources().insert(id, at);
             self.lock().add_source(id, pages);
         }
         let mut buf = vec![0u8; CHUNK * PAGE];
+        let mut here = [false; CHUNK];
         let mut hashed = 0u64;
         let mut p = 0u64;
         let pace = Pace::new(budget);
@@ -141,7 +144,7 @@ impl HostIndex {
             if stop.load(Relaxed) {
                 return None;
             }
-            let (data, end) = data_range(&file, p, pages as u64);
+            let (data, end) = data_range(mem.file(), p, pages as u64);
             // Holes before the next data: nothing to hash there.
             if data > p {
                 let mut ix = self.lock();
@@ -156,21 +159,41 @@ impl HostIndex {
                 }
                 let t = Instant::now();
                 let n = ((end - q) as usize).min(CHUNK);
-                let b = &mut buf[..n * PAGE];
-                if file.read_exact_at(b, q * PAGE as u64).is_err() {
-                    return None;
+                // Only pages in memory are read: reading a swapped-out one
+                // would swap it in behind its guest's memory limit.
+                mem.resident(q, &mut here[..n]);
+                let mut hs = Vec::with_capacity(n);
+                let mut i = 0;
+                while i < n {
+                    let j = (i..n).find(|&k| here[k] != here[i]).unwrap_or(n);
+                    if here[i] {
+                        let b = &mut buf[..(j - i) * PAGE];
+                        if mem.file().read_exact_at(b, (q + i as u64) * PAGE as u64).is_err() {
+                            return None;
+                        }
+                        hs.extend(
+                            b.chunks_exact(PAGE)
+                                .enumerate()
+                                .map(|(k, c)| (i + k, Some(self.key.hash(c.try_into().expect("page"))))),
+                        );
+                    } else {
+                        hs.extend((i..j).map(|k| (k, None)));
+                    }
+                    i = j;
                 }
-                let hs: Vec<_> = b
-                    .chunks_exact(PAGE)
-                    .map(|c| self.key.hash(c.try_into().expect("page")))
-                    .collect();
                 {
                     let mut ix = self.lock();
-                    for (k, h) in hs.into_iter().enumerate() {
-                        ix.record(id, (q + k as u64) as u32, h);
+                    for (k, h) in hs {
+                        let page = (q + k as u64) as u32;
+                        match h {
+                            Some(h) => {
+                                ix.record(id, page, h);
+                                hashed += 1;
+                            }
+                            None => ix.forget(id, page),
+                        }
                     }
                 }
-                hashed += n as u64;
                 q += n as u64;
                 pace.after(t.elapsed());
             }

@@ -383,3 +383,66 @@ fn a_sub_host_stores_pages_its_host_holds_from_its_guests_and_its_store() {
         "m3's pages that m1 and m2 left in h3's store are not sent: {r}"
     );
 }
+
+/// The host's scanner reads a guest's memfd from outside the guest: a page
+/// the kernel swapped out must stay in swap (reading it would swap it in,
+/// charged to the guest's memory cgroup, and a guest at its limit is then
+/// OOM-killed). Real swap, a real memory cgroup holding the thread that
+/// fills the memfd, the real scanner.
+#[test]
+fn the_scanner_hashes_pages_in_memory_and_leaves_swapped_ones_in_swap() {
+    use pagefleet_dedup::scan::{find_memfd, HostIndex};
+    use pagefleet_dedup::{ContentKey, SourceId, PAGE};
+    use std::os::fd::FromRawFd;
+    const PAGES: usize = 1024;
+    let _swap = pagefleet_lab::system::Swap::file(64 * MIB).expect("a swap file");
+    // 1 MiB of memory for 4 MiB of guest pages: most go to swap as written.
+    let cg = pagefleet_lab::system::MemCgroup::new(MIB).expect("a memory cgroup");
+    // SAFETY: memfd_create with a NUL-terminated name; the fd is ours.
+    let fd = unsafe { libc::memfd_create(c"pagefleet-scan-swap-test".as_ptr(), 0) };
+    assert!(fd >= 0, "memfd_create");
+    // SAFETY: fd was just created and nothing else owns it.
+    let f = unsafe { std::fs::File::from_raw_fd(fd) };
+    f.set_len((PAGES * PAGE) as u64).unwrap();
+    // The guest: a process in the cgroup (memory is charged to a thread
+    // group, not a thread) writing the memfd, so its pages are charged
+    // there.
+    let script = format!(
+        "echo $$ > {} && exec dd if=/dev/urandom of=/proc/{}/fd/{fd} bs={PAGE} count={PAGES} conv=notrunc status=none",
+        cg.path.join("cgroup.procs").display(),
+        std::process::id()
+    );
+    let st = std::process::Command::new("sh")
+        .args(["-c", &script])
+        .status()
+        .unwrap();
+    assert!(st.success(), "filling the memfd from the cgroup: {st}");
+    let stat = |k: &str| -> u64 {
+        std::fs::read_to_string(cg.path.join("memory.stat"))
+            .unwrap()
+            .lines()
+            .find_map(|l| l.strip_prefix(k)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or_else(|| panic!("{k} in memory.stat"))
+    };
+    let swapped = stat("swap") / PAGE as u64;
+    assert!(
+        swapped >= (PAGES / 2) as u64,
+        "the cgroup swapped only {swapped} of {PAGES} pages"
+    );
+    let charged_before = stat("pgpgin");
+    let at = find_memfd(std::process::id()).expect("our memfd through /proc");
+    let key = ContentKey::from_secret(&pagefleet_proto::auth::Secret::generate());
+    let hi = HostIndex::new(key, 1 << 16);
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let hashed = hi.scan(SourceId(std::process::id()), at, 1.0, &stop).unwrap();
+    assert_eq!(
+        stat("pgpgin"),
+        charged_before,
+        "the scan brought pages into the guest's cgroup"
+    );
+    assert_eq!(stat("swap") / PAGE as u64, swapped, "the scan swapped pages in");
+    assert!(
+        hashed > 0 && hashed <= PAGES as u64 - swapped,
+        "hashed {hashed} pages with {swapped} of {PAGES} in swap"
+    );
+}

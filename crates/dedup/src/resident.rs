@@ -1,0 +1,168 @@
+//! Reading a guest's memory from outside its process without swapping it
+//! in.
+//!
+//! A guest's memfd is shmem: `SEEK_DATA` counts its swapped-out pages as
+//! data, and a `pread` of one swaps it back in, charged to the memory
+//! cgroup the page belongs to, the guest's. A reader outside the guest (the
+//! host daemon's scanner, an incoming runner checking a hint) that read
+//! every page would push a guest held to a memory limit over it: the
+//! kernel answers with the cgroup's OOM killer, on the guest. So every
+//! read here asks the kernel first (`mincore` on a read-only mapping that
+//! is never touched) and skips what is not in memory; pages in the swap
+//! cache count as in memory, they cost no I/O.
+//!
+//! A page can still be swapped out between the question and the read (a
+//! window of one syscall); it is then swapped in once, as any reader of
+//! the file would.
+
+use crate::PAGE;
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+
+/// A guest memfd opened for reading, with a mapping used only to ask which
+/// of its pages are in memory.
+pub struct GuestMemory {
+    file: File,
+    /// The mapping (never dereferenced: `mincore` reads the page tables of
+    /// the file, not its bytes); null when the file is empty.
+    map: *mut libc::c_void,
+    pages: u64,
+}
+
+// SAFETY: the mapping is never dereferenced, only passed to mincore; the
+// file is Send + Sync.
+unsafe impl Send for GuestMemory {}
+// SAFETY: as above.
+unsafe impl Sync for GuestMemory {}
+
+impl GuestMemory {
+    /// Wrap an open guest memory file.
+    pub fn new(file: File) -> std::io::Result<GuestMemory> {
+        let len = file.metadata()?.len();
+        let pages = len / PAGE as u64;
+        let bytes = usize::try_from(pages * PAGE as u64).map_err(|_| {
+            std::io::Error::new(std::io::ErrorKind::InvalidInput, "file too large to map")
+        })?;
+        let map = if bytes == 0 {
+            std::ptr::null_mut()
+        } else {
+            // SAFETY: a new shared read-only mapping of a file we hold; the
+            // kernel picks the address. It is never read through.
+            let m = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    bytes,
+                    libc::PROT_READ,
+                    libc::MAP_SHARED,
+                    file.as_raw_fd(),
+                    0,
+                )
+            };
+            if m == libc::MAP_FAILED {
+                return Err(std::io::Error::last_os_error());
+            }
+            m
+        };
+        Ok(GuestMemory { file, map, pages })
+    }
+
+    /// Whole pages in the file (when it was opened).
+    pub fn pages(&self) -> u64 {
+        self.pages
+    }
+
+    /// The file.
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
+    /// Which of pages `first..first + out.len()` are in memory: `out[i]`
+    /// is set for page `first + i`. Pages past the end read as not.
+    pub fn resident(&self, first: u64, out: &mut [bool]) {
+        out.fill(false);
+        if first >= self.pages || out.is_empty() {
+            return;
+        }
+        let n = (out.len() as u64).min(self.pages - first) as usize;
+        let mut vec = vec![0u8; n];
+        // SAFETY: first + n <= pages, so the range lies inside our mapping
+        // (first * PAGE fits: the whole mapping's length is a usize); vec
+        // has one byte per page of it.
+        let rc = unsafe {
+            libc::mincore(
+                self.map.cast::<u8>().add(first as usize * PAGE).cast(),
+                n * PAGE,
+                vec.as_mut_ptr(),
+            )
+        };
+        if rc != 0 {
+            return;
+        }
+        for (o, v) in out.iter_mut().zip(&vec) {
+            *o = v & 1 == 1;
+        }
+    }
+
+    /// Read page `page` into `dst` if it is in memory; false if it is not
+    /// (or the read failed).
+    pub fn read_resident(&self, page: u64, dst: &mut [u8; PAGE]) -> bool {
+        let mut here = [false];
+        self.resident(page, &mut here);
+        here[0] && self.file.read_exact_at(dst, page * PAGE as u64).is_ok()
+    }
+}
+
+impl Drop for GuestMemory {
+    fn drop(&mut self) {
+        if !self.map.is_null() {
+            // SAFETY: our mapping, of exactly this length, unmapped once.
+            unsafe { libc::munmap(self.map, self.pages as usize * PAGE) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn memfd(pages: u64) -> File {
+        // SAFETY: memfd_create with a NUL-terminated name; the fd is ours.
+        let fd = unsafe { libc::memfd_create(c"resident-test".as_ptr(), 0) };
+        assert!(fd >= 0);
+        // SAFETY: fd was just created and is owned by nobody else.
+        let f = unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        f.set_len(pages * PAGE as u64).unwrap();
+        f
+    }
+
+    #[test]
+    fn written_pages_are_resident_and_holes_are_not() {
+        let f = memfd(8);
+        f.write_all_at(&[7u8; PAGE], 2 * PAGE as u64).unwrap();
+        f.write_all_at(&[9u8; PAGE], 5 * PAGE as u64).unwrap();
+        let g = GuestMemory::new(f).unwrap();
+        let mut r = [false; 10];
+        g.resident(0, &mut r);
+        assert_eq!(
+            r,
+            [false, false, true, false, false, true, false, false, false, false]
+        );
+        let mut p = [0u8; PAGE];
+        assert!(g.read_resident(5, &mut p));
+        assert_eq!(p[0], 9);
+        assert!(!g.read_resident(4, &mut p), "a hole is not read");
+        assert!(!g.read_resident(8, &mut p), "past the end");
+        // Reading did not make the hole resident.
+        g.resident(4, &mut r[..1]);
+        assert!(!r[0]);
+    }
+
+    #[test]
+    fn an_empty_file_has_nothing_resident() {
+        let g = GuestMemory::new(memfd(0)).unwrap();
+        let mut r = [true; 3];
+        g.resident(0, &mut r);
+        assert_eq!(r, [false; 3]);
+    }
+}
