@@ -27,6 +27,18 @@
 //! its savings are lost or `swap_wake_pages` have been swapped back in
 //! (ksmd skips swapped-out pages: a duplicate whose second copy was in
 //! swap is a candidate only once both are resident).
+//!
+//! Cold duplicates in swap are never touched, so neither wake fires for
+//! them and ksmd never sees them. So an idle controller under pressure
+//! with `sweep_min_pages` in swap asks for a sweep
+//! ([`crate::swapin`]: the tenants' swapped mergeable pages read back in,
+//! as far as their memory cgroups and the host have room) and merges what
+//! it brought in. A sweep that brings in little, or whose merging then
+//! saves little, is not repeated until swap has grown by
+//! `sweep_regrow_pages`. While merging what a sweep brought in, ksmd's
+//! smart_scan is off: the resident partners of the swept pages have gone
+//! passes without merging, and smart_scan would skip them for up to 8
+//! more.
 
 use crate::sysfs::{Memory, Stats, PAGE};
 use serde::Serialize;
@@ -81,6 +93,12 @@ pub struct AdaptiveConfig {
     /// "Paging": at least this many pages per second swapped in host-wide
     /// (`pswpin`) under memory pressure.
     pub paging_pages_per_s: f64,
+    /// An idle controller under pressure sweeps the tenants' swapped
+    /// mergeable pages back in when at least this many pages are in swap.
+    pub sweep_min_pages: u64,
+    /// After a sweep that paid nothing, none again until swap has grown by
+    /// this many pages.
+    pub sweep_regrow_pages: u64,
 }
 
 impl Default for AdaptiveConfig {
@@ -104,6 +122,8 @@ impl Default for AdaptiveConfig {
             swap_wake_pages: 4096,
             paging_budget_factor: 2.5,
             paging_pages_per_s: 64.0,
+            sweep_min_pages: 4096,
+            sweep_regrow_pages: 16384,
         }
     }
 }
@@ -133,8 +153,32 @@ pub struct Decision {
     pub ksmd_nice: i32,
     /// The phase.
     pub phase: Phase,
+    /// Bring the tenants' swapped-out mergeable pages back in now (see
+    /// [`crate::swapin`]); report what it brought with [`Adaptive::swept`].
+    pub sweep: bool,
+    /// ksmd's smart_scan: on, but off while merging what a sweep brought
+    /// in (smart_scan skips a page for up to 8 passes once it has gone 3
+    /// without merging, and the resident copy of a duplicate whose partner
+    /// was in swap has gone many: it would wait out its skips).
+    pub smart_scan: bool,
     /// Why, for a person.
     pub why: String,
+}
+
+/// Where sweeping stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SweepState {
+    /// A sweep may run (idle under pressure).
+    Ready,
+    /// A sweep was asked for and is under way: its own swap-ins are no
+    /// sign of duplicates coming back.
+    Running,
+    /// A sweep brought pages in; ksmd is merging them. Pages saved when it
+    /// began.
+    Merging { saved_before: u64 },
+    /// The last sweep brought or saved too little: none again until swap
+    /// grows by `sweep_regrow_pages` from this many pages.
+    Spent { swap_pages: u64 },
 }
 
 /// The adaptive controller: scans while merging pays, within a CPU budget.
@@ -182,6 +226,7 @@ pub struct Adaptive {
     /// host's swap-in count at that tick.
     paging: bool,
     tick_swpin: u64,
+    sweep: SweepState,
 }
 
 impl Adaptive {
@@ -214,6 +259,7 @@ impl Adaptive {
             idle_swpin: 0,
             paging: false,
             tick_swpin: 0,
+            sweep: SweepState::Ready,
         }
     }
 
@@ -313,12 +359,44 @@ impl Adaptive {
             sleep_millisecs: s,
             ksmd_nice: self.nice,
             phase: self.phase,
+            sweep: false,
+            smart_scan: !matches!(self.sweep, SweepState::Merging { .. }),
             why,
         }
     }
 
+    /// What the sweep a decision asked for brought back in, pages: enough
+    /// to pay and ksmd merges them (the decision to apply); too little and
+    /// sweeping waits for swap to grow.
+    pub fn swept(&mut self, pages: u64, s: &Stats, m: &Memory) -> Option<Decision> {
+        if self.sweep != SweepState::Running {
+            return None;
+        }
+        if pages >= self.cfg.min_gain_pages && self.pressure {
+            self.sweep = SweepState::Merging {
+                saved_before: s.saved(),
+            };
+            return Some(self.start_merging(
+                s,
+                &format!(
+                    "{} MiB of the tenants' swapped-out mergeable memory brought back in: merging it",
+                    pages >> 8
+                ),
+            ));
+        }
+        self.sweep = SweepState::Spent {
+            swap_pages: m.swap_used_pages(),
+        };
+        None
+    }
+
     fn start_merging(&mut self, s: &Stats, why: &str) -> Decision {
         self.phase = Phase::Merging;
+        // Merging for another reason ends a sweep under way (the caller
+        // drops it): it may run again once idle.
+        if self.sweep == SweepState::Running {
+            self.sweep = SweepState::Ready;
+        }
         // Unless a pass has just ended, ksmd is part-way through one: what
         // that pass finds is no evidence about the memory it did not cover.
         self.partial_pass = self.last.is_none_or(|l| l.full_scans == s.full_scans);
@@ -431,8 +509,9 @@ impl Adaptive {
                     return self
                         .start_merging(s, "the last pass found new duplicates: merging again");
                 }
+                let sweeping = self.sweep == SweepState::Running;
                 let lost = self.lost_pages - self.idle_lost;
-                if self.merged_this_phase && lost >= self.cfg.lost_wake_pages {
+                if self.merged_this_phase && !sweeping && lost >= self.cfg.lost_wake_pages {
                     return self.start_merging(
                         s,
                         &format!(
@@ -442,7 +521,7 @@ impl Adaptive {
                     );
                 }
                 let back = m.swapped_in_pages.saturating_sub(self.idle_swpin);
-                if self.merged_this_phase && back >= self.cfg.swap_wake_pages {
+                if self.merged_this_phase && !sweeping && back >= self.cfg.swap_wake_pages {
                     return self.start_merging(
                         s,
                         &format!(
@@ -472,6 +551,25 @@ impl Adaptive {
                 if self.cpu > self.cfg.cpu_budget / 4.0 {
                     self.rate = self.cfg.min_rate;
                 }
+                let swap = m.swap_used_pages();
+                if let SweepState::Spent { swap_pages } = self.sweep {
+                    if swap >= swap_pages + self.cfg.sweep_regrow_pages {
+                        self.sweep = SweepState::Ready;
+                    }
+                }
+                // Not only after merging that merged: tenants wholly in
+                // swap leave ksmd nothing to merge until a sweep.
+                if sweeping
+                    || (self.sweep == SweepState::Ready && swap >= self.cfg.sweep_min_pages)
+                {
+                    self.sweep = SweepState::Running;
+                    let mut d = self.decide(format!(
+                        "nothing new to merge: idling; {} MiB in swap: bringing the tenants' swapped-out mergeable pages back in",
+                        swap >> 8
+                    ));
+                    d.sweep = true;
+                    return d;
+                }
                 self.decide(format!(
                     "nothing new to merge: idling (a pass per {:.0} s)",
                     self.idle_pass
@@ -479,6 +577,16 @@ impl Adaptive {
             }
             Phase::Merging => {
                 if nothing_left {
+                    if let SweepState::Merging { saved_before } = self.sweep {
+                        let gain = s.saved().saturating_sub(saved_before);
+                        self.sweep = if gain >= self.cfg.min_gain_pages * PAGE {
+                            SweepState::Ready
+                        } else {
+                            SweepState::Spent {
+                                swap_pages: m.swap_used_pages(),
+                            }
+                        };
+                    }
                     if self.pressure {
                         self.start_idling(m);
                     } else {
@@ -543,6 +651,7 @@ mod tests {
             free_kb: 0,
             psi_some10: None,
             swapped_in_pages: 0,
+            swap_used_kb: 0,
         }
     }
     /// Under pressure, `swapped` pages swapped in since boot.
@@ -818,5 +927,112 @@ mod tests {
         a.step(&st(102_400, 2, 0.6), &paging(0), 1.0);
         let d = a.step(&st(103_424, 3, 0.9), &paging(100), 1.0);
         assert_eq!(d.phase, Phase::Idling, "{}", d.why);
+    }
+
+    /// Under pressure with `swap_mib` MiB in swap, nothing swapped in.
+    fn in_swap(swap_mib: u64) -> Memory {
+        Memory {
+            swap_used_kb: swap_mib << 10,
+            ..mem(0.1)
+        }
+    }
+
+    /// Merge 115 000 pages, then idle, with `swap` MiB in swap throughout:
+    /// the first idle tick's decision.
+    fn idle_after_merging(swap: u64) -> (Adaptive, Decision) {
+        let mut a = Adaptive::new(AdaptiveConfig::default());
+        a.step(&st(0, 0, 0.0), &in_swap(swap), 1.0);
+        a.step(&st(0, 1, 0.3), &in_swap(swap), 1.0);
+        a.step(&st(115_000, 2, 0.6), &in_swap(swap), 1.0);
+        let d = a.step(&st(115_100, 3, 0.9), &in_swap(swap), 1.0);
+        assert_eq!(d.phase, Phase::Idling, "{}", d.why);
+        let d = a.step(&st(115_100, 3, 0.9), &in_swap(swap), 1.0);
+        (a, d)
+    }
+
+    /// The stall's last form (`pagefleet bench ksm`, a round at 462 MiB
+    /// where others reached 506): cold duplicates in swap that nothing
+    /// touches. An idle controller with swap in use asks for a sweep, and
+    /// merges what it brought in.
+    #[test]
+    fn idle_with_swap_in_use_sweeps_and_merges_what_came_back() {
+        let (mut a, d) = idle_after_merging(320);
+        assert_eq!(d.phase, Phase::Idling, "{}", d.why);
+        assert!(d.sweep, "{}", d.why);
+        // The sweep brought 100 MiB back in: merging again.
+        let s = st(115_100, 3, 0.9);
+        let d = a.swept(25_600, &s, &in_swap(220)).expect("merging");
+        assert_eq!(d.phase, Phase::Merging, "{}", d.why);
+        assert!(!d.sweep);
+        assert!(!d.smart_scan, "smart_scan would skip the swept pages' partners");
+        assert!(d.why.contains("100 MiB"), "{}", d.why);
+        // Its passes merge 11 000 pages, then one finds nothing: idle, and
+        // since that paid, another sweep may follow.
+        a.step(&st(115_100, 4, 1.2), &in_swap(220), 1.0);
+        a.step(&st(126_100, 5, 1.5), &in_swap(220), 1.0);
+        let mut d = a.step(&st(126_100, 6, 1.8), &in_swap(220), 1.0);
+        for scans in 7..10 {
+            if d.phase == Phase::Idling {
+                break;
+            }
+            d = a.step(&st(126_100, scans, 2.1), &in_swap(220), 1.0);
+        }
+        assert_eq!(d.phase, Phase::Idling, "{}", d.why);
+        assert!(d.smart_scan);
+        let d = a.step(&st(126_100, 9, 2.1), &in_swap(220), 1.0);
+        assert!(d.sweep, "{}", d.why);
+    }
+
+    #[test]
+    fn a_sweep_that_brings_little_waits_for_swap_to_grow() {
+        let (mut a, d) = idle_after_merging(320);
+        assert!(d.sweep);
+        let s = st(115_100, 3, 0.9);
+        assert!(a.swept(100, &s, &in_swap(320)).is_none());
+        let d = a.step(&s, &in_swap(320), 1.0);
+        assert!(!d.sweep, "{}", d.why);
+        // 64 MiB more in swap: worth another look.
+        let d = a.step(&s, &in_swap(384), 1.0);
+        assert!(d.sweep, "{}", d.why);
+    }
+
+    #[test]
+    fn a_sweep_whose_merging_saves_little_is_not_repeated() {
+        let (mut a, _) = idle_after_merging(320);
+        let s = st(115_100, 3, 0.9);
+        a.swept(25_600, &s, &in_swap(220)).expect("merging");
+        a.step(&st(115_100, 4, 1.2), &in_swap(220), 1.0);
+        a.step(&st(115_150, 5, 1.5), &in_swap(220), 1.0);
+        let mut d = a.step(&st(115_150, 6, 1.8), &in_swap(220), 1.0);
+        for scans in 7..10 {
+            if d.phase == Phase::Idling {
+                break;
+            }
+            d = a.step(&st(115_150, scans, 2.1), &in_swap(220), 1.0);
+        }
+        assert_eq!(d.phase, Phase::Idling, "{}", d.why);
+        let d = a.step(&st(115_150, 9, 2.1), &in_swap(220), 1.0);
+        assert_eq!(d.phase, Phase::Idling, "{}", d.why);
+        assert!(!d.sweep, "{}", d.why);
+    }
+
+    #[test]
+    fn no_sweep_with_little_in_swap_but_one_when_all_duplicates_are_in_it() {
+        let (_, d) = idle_after_merging(8);
+        assert_eq!(d.phase, Phase::Idling);
+        assert!(!d.sweep, "8 MiB in swap is not worth a sweep");
+        // Merging found nothing (the duplicates are all in swap): a sweep,
+        // and once it brings nothing, no more.
+        let mut a = Adaptive::new(AdaptiveConfig::default());
+        a.step(&st(0, 0, 0.0), &in_swap(320), 1.0);
+        a.step(&st(0, 1, 0.3), &in_swap(320), 1.0);
+        a.step(&st(0, 2, 0.6), &in_swap(320), 1.0);
+        let d = a.step(&st(0, 3, 0.9), &in_swap(320), 1.0);
+        assert_eq!(d.phase, Phase::Idling, "{}", d.why);
+        let d = a.step(&st(0, 3, 0.9), &in_swap(320), 1.0);
+        assert!(d.sweep, "{}", d.why);
+        assert!(a.swept(0, &st(0, 3, 0.9), &in_swap(320)).is_none());
+        let d = a.step(&st(0, 3, 0.9), &in_swap(320), 1.0);
+        assert!(!d.sweep, "{}", d.why);
     }
 }

@@ -3,6 +3,7 @@
 //! `pagefleet ksm status`, and the host's settings put back on exit.
 
 use crate::adaptive::{Adaptive, AdaptiveConfig};
+use crate::swapin::{self, Sweep};
 use crate::sysfs::{self, Memory, Settings, Stats};
 use crate::tuned::{self, Action, Tuned, TunedConfig};
 use crate::{Error, Result};
@@ -13,6 +14,10 @@ use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 use tracing::{info, warn};
+
+/// Share of a tick a sweep of swapped-out pages may work (the rest of it
+/// the controller sleeps, and the swap-ins it caused settle).
+const SWEEP_SHARE: f64 = 0.3;
 
 /// Where a controller publishes its state by default.
 pub const DEFAULT_STATE: &str = "/run/pagefleet/ksm.json";
@@ -252,14 +257,47 @@ pub fn run(o: &Options, stop: &AtomicBool, mut on_decision: impl FnMut(&State)) 
             let mut last = Instant::now();
             let mut prev_why = String::new();
             let mut prev_phase = String::new();
+            let mut sweep: Option<Sweep> = None;
+            let mut smart_scan = true;
             loop {
                 let s = Stats::read()?;
                 let m = Memory::read()?;
                 let dt = last.elapsed().as_secs_f64();
                 last = Instant::now();
-                let d = a.step(&s, &m, dt);
+                let mut d = a.step(&s, &m, dt);
                 if let Err(e) = apply(d.run, d.pages_to_scan, d.sleep_millisecs) {
                     warn!("{e:#}");
+                }
+                // A sweep runs in part of each tick while the controller
+                // asks for it, and is dropped once it moves on.
+                if !d.sweep {
+                    sweep = None;
+                } else {
+                    let sw = sweep.get_or_insert_with(|| {
+                        let sw = Sweep::new(swapin::find_areas());
+                        info!(
+                            "{} (found {} MiB in swap in mergeable memory)",
+                            d.why,
+                            sw.progress().found_pages >> 8
+                        );
+                        sw
+                    });
+                    sw.step(Instant::now() + o.tick.mul_f64(SWEEP_SHARE));
+                    if sw.is_done() {
+                        let p = sw.progress();
+                        sweep = None;
+                        info!(
+                            "sweep done: {} MiB brought back in, {} areas left where there was no room",
+                            p.brought_pages >> 8,
+                            p.full_areas
+                        );
+                        if let Some(d2) = a.swept(p.brought_pages, &s, &m) {
+                            if let Err(e) = apply(d2.run, d2.pages_to_scan, d2.sleep_millisecs) {
+                                warn!("{e:#}");
+                            }
+                            d = d2;
+                        }
+                    }
                 }
                 if d.ksmd_nice != nice {
                     match sysfs::set_ksmd_nice(d.ksmd_nice) {
@@ -309,6 +347,11 @@ pub fn run(o: &Options, stop: &AtomicBool, mut on_decision: impl FnMut(&State)) 
                     );
                 }
                 prev_why = d.why;
+                if d.smart_scan != smart_scan {
+                    // Kernels before 6.7 have no smart_scan: nothing to switch.
+                    let _ = sysfs::write("smart_scan", if d.smart_scan { "1" } else { "0" });
+                    smart_scan = d.smart_scan;
+                }
                 on_decision(&st);
                 if controller::wait(o.tick, stop, end) {
                     break Ok(());

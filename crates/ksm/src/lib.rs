@@ -10,5 +10,6 @@ pub mod enroll;
 pub mod error;
 
 pub use error::{Error, Result};
+pub mod swapin;
 pub mod sysfs;
 pub mod tuned;

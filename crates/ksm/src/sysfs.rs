@@ -262,6 +262,8 @@ pub struct Memory {
     pub psi_some10: Option<f64>,
     /// Pages swapped in since boot (`pswpin` in /proc/vmstat).
     pub swapped_in_pages: u64,
+    /// Swap in use (SwapTotal - SwapFree), kB.
+    pub swap_used_kb: u64,
 }
 
 impl Memory {
@@ -270,6 +272,7 @@ impl Memory {
         let s =
             std::fs::read_to_string("/proc/meminfo").map_err(io("cannot read /proc/meminfo"))?;
         let mut m = Memory::default();
+        let (mut swap_total, mut swap_free) = (0, 0);
         for l in s.lines() {
             let mut w = l.split_whitespace();
             let (Some(k), Some(v)) = (w.next(), w.next().and_then(|v| v.parse::<u64>().ok()))
@@ -280,9 +283,12 @@ impl Memory {
                 "MemTotal:" => m.total_kb = v,
                 "MemAvailable:" => m.available_kb = v,
                 "MemFree:" | "Buffers:" | "Cached:" => m.free_kb += v,
+                "SwapTotal:" => swap_total = v,
+                "SwapFree:" => swap_free = v,
                 _ => {}
             }
         }
+        m.swap_used_kb = swap_total.saturating_sub(swap_free);
         m.psi_some10 = std::fs::read_to_string("/proc/pressure/memory")
             .ok()
             .and_then(|p| {
@@ -305,5 +311,9 @@ impl Memory {
     /// MemAvailable as a share of MemTotal.
     pub fn available_frac(&self) -> f64 {
         self.available_kb as f64 / self.total_kb.max(1) as f64
+    }
+    /// Pages in swap.
+    pub fn swap_used_pages(&self) -> u64 {
+        self.swap_used_kb * 1024 / PAGE
     }
 }

@@ -146,6 +146,7 @@ mod tests {
             free_kb: (free_gib * (1 << 20) as f64) as u64,
             psi_some10: None,
             swapped_in_pages: 0,
+            swap_used_kb: 0,
         }
     }
 

@@ -40,6 +40,9 @@ struct PmScanArg {
 
 /// PAGE_IS_PRESENT: the page is mapped in this process.
 const PAGE_IS_PRESENT: u64 = 1 << 3;
+/// PAGE_IS_SWAPPED: the page table holds a swap entry (an anonymous page
+/// in swap; shmem pages in swap leave no entry there).
+const PAGE_IS_SWAPPED: u64 = 1 << 4;
 /// `_IOWR('f', 16, struct pm_scan_arg)`.
 const PAGEMAP_SCAN: u64 =
     (3 << 30) | ((std::mem::size_of::<PmScanArg>() as u64) << 16) | ((b'f' as u64) << 8) | 16;
@@ -70,7 +73,7 @@ impl Pagemap {
             ranges: vec![PageRegion::default(); RANGES],
         };
         // An empty range: accepted by a kernel that knows the ioctl.
-        pm.scan(0, 0, &mut |_, _| {})?;
+        pm.scan(0, 0, PAGE_IS_PRESENT, &mut |_, _| {})?;
         Ok(pm)
     }
 
@@ -83,10 +86,27 @@ impl Pagemap {
         len: u64,
         f: &mut dyn FnMut(usize, usize),
     ) -> io::Result<()> {
-        self.scan(addr, len, f)
+        self.scan(addr, len, PAGE_IS_PRESENT, f)
     }
 
-    fn scan(&mut self, addr: u64, len: u64, f: &mut dyn FnMut(usize, usize)) -> io::Result<()> {
+    /// Call `f(first_page, end_page)` for each run of anonymous pages in
+    /// swap in `[addr, addr + len)`, as [`Pagemap::present`] does.
+    pub fn swapped(
+        &mut self,
+        addr: u64,
+        len: u64,
+        f: &mut dyn FnMut(usize, usize),
+    ) -> io::Result<()> {
+        self.scan(addr, len, PAGE_IS_SWAPPED, f)
+    }
+
+    fn scan(
+        &mut self,
+        addr: u64,
+        len: u64,
+        category: u64,
+        f: &mut dyn FnMut(usize, usize),
+    ) -> io::Result<()> {
         let end = addr + len;
         let mut start = addr;
         loop {
@@ -96,8 +116,8 @@ impl Pagemap {
                 end,
                 vec: self.ranges.as_mut_ptr() as u64,
                 vec_len: RANGES as u64,
-                category_mask: PAGE_IS_PRESENT,
-                return_mask: PAGE_IS_PRESENT,
+                category_mask: category,
+                return_mask: category,
                 ..Default::default()
             };
             // SAFETY: `arg` is a valid pm_scan_arg whose `vec` points at
