@@ -23,30 +23,76 @@ impl Drop for KvRun {
 }
 
 /// `pagefleet run kv` of `size` (extra flags after), listening on loopback.
+/// A free port is only free until someone binds it: a test running beside
+/// this one may start a server on the same port first (then the kv exits
+/// with "address in use" and what answers on the port is that server). So
+/// the kv is ready when it answers `version` itself, and a kv that lost
+/// its port that way is started again on another.
 fn kv(c: Option<&Cluster>, size: &str, extra: &[&str]) -> KvRun {
-    let port = pagefleet_lab::proc::free_port().unwrap();
-    let addr = format!("127.0.0.1:{port}");
-    let mut cmd = Command::new(bin("pagefleet"));
-    if let Some(c) = c {
-        cmd.arg("--secret-file").arg(&c.secret_file);
+    for _attempt in 0..5 {
+        let port = pagefleet_lab::proc::free_port().unwrap();
+        let addr = format!("127.0.0.1:{port}");
+        let mut cmd = Command::new(bin("pagefleet"));
+        if let Some(c) = c {
+            cmd.arg("--secret-file").arg(&c.secret_file);
+        }
+        cmd.args(["run", "kv", "--size", size, "--listen", &addr]);
+        if let Some(c) = c {
+            cmd.args(["--servers", &c.addrs().join(","), "--budget", "50%"]);
+        }
+        let log = tempfile_path(&format!("kv-{port}.log"));
+        let child = cmd
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let mut r = KvRun { child, addr };
+        let t = Instant::now();
+        loop {
+            if let Some(st) = r.child.try_wait().unwrap() {
+                let err = std::fs::read_to_string(&log).unwrap_or_default();
+                let _ = std::fs::remove_file(&log);
+                assert!(
+                    err.contains("in use"),
+                    "pagefleet run kv exited ({st}): {err}"
+                );
+                break;
+            }
+            if answers_version(&r.addr) {
+                let _ = std::fs::remove_file(&log);
+                return r;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(30),
+                "kv never listened: {}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
-    cmd.args(["run", "kv", "--size", size, "--listen", &addr]);
-    if let Some(c) = c {
-        cmd.args(["--servers", &c.addrs().join(","), "--budget", "50%"]);
+    panic!("five ports in a row were taken before the kv could bind them");
+}
+
+/// Something at `addr` speaks memcached's text protocol.
+fn answers_version(addr: &str) -> bool {
+    let Ok(s) = std::net::TcpStream::connect(addr) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+    let mut w = match s.try_clone() {
+        Ok(w) => w,
+        Err(_) => return false,
+    };
+    if w.write_all(b"version\r\n").is_err() {
+        return false;
     }
-    let child = cmd
-        .args(extra)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let r = KvRun { child, addr };
-    let t = Instant::now();
-    while std::net::TcpStream::connect(&r.addr).is_err() {
-        assert!(t.elapsed() < Duration::from_secs(30), "kv never listened");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    r
+    let mut l = String::new();
+    BufReader::new(s).read_line(&mut l).is_ok() && l.starts_with("VERSION ")
+}
+
+fn tempfile_path(name: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("pagefleet-test-{}-{name}", std::process::id()))
 }
 
 fn tool(name: &str, args: &[&str]) -> String {
