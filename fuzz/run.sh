@@ -11,9 +11,12 @@ seeds=""
 [ -d "seeds/$t" ] && seeds="seeds/$t"
 dict=""
 [ -f "$t.dict" ] && dict="-dict=$t.dict"
+# A target's own libFuzzer flags, one per line (see the file for why).
+args=""
+[ -f "$t.args" ] && args=$(grep -v '^#' "$t.args")
 log="target/$t.log"
 RUSTC_BOOTSTRAP=1 cargo fuzz run "$t" "corpus/$t" $seeds -- \
-  -max_total_time="$secs" -print_final_stats=1 $dict "$@" >"$log" 2>&1
+  -max_total_time="$secs" -print_final_stats=1 $dict $args "$@" >"$log" 2>&1
 rc=$?
 if [ $rc -ne 0 ]; then
   echo "fuzz target $t FAILED (exit $rc); the end of $PWD/$log:"
