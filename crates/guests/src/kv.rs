@@ -566,6 +566,9 @@ impl Kv {
             if cas == RESERVED {
                 return false;
             }
+            // Pairs with the writer's release: its key is whole once its
+            // cas id shows.
+            std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
             if cas != 0 {
                 let key = self.i_key(off).to_vec();
                 let s = self.stripe_of(&key);
@@ -719,7 +722,6 @@ impl Kv {
             cas
         };
         self.w(it, 0);
-        self.w(it + 8, cas);
         self.w(it + 16, exp as u64 | (flags as u64) << 32);
         self.w(
             it + 24,
@@ -732,6 +734,14 @@ impl Kv {
             self.bytes_mut(at, p.len()).copy_from_slice(p);
             at += p.len();
         }
+        // The cas id last: a page move that sees it (`empty_page`) reads
+        // the item's key to find its stripe, which this request holds, and
+        // passes the page. Written before the key, the move read whatever
+        // the chunk held before, took another stripe, and evicted this
+        // half-written item from an LRU it is not in (a read far outside
+        // the arena, once in ~80 runs of the concurrent test).
+        std::sync::atomic::fence(std::sync::atomic::Ordering::Release);
+        self.w(it + 8, cas);
         Some(it)
     }
 
