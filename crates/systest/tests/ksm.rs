@@ -5,7 +5,7 @@
 //! cgroups, and clear errors for bad input. KSM is host-wide: these tests
 //! run one at a time and put the host's settings back even on failure.
 
-use pagefleet_ksm::sysfs::{self, Settings, Stats};
+use pagefleet_ksm::sysfs::{self, Settings};
 use pagefleet_systest::{bin, wait_for};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
