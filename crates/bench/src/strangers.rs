@@ -9,7 +9,11 @@
 //!    is sampled each second: its growth during the phase, and the seconds
 //!    it takes to come back within 4 MiB of where it started once the
 //!    strangers leave (at most 60 s are waited).
-//! 2. **A connection flood on the memory server**: one thread opens
+//! 2. **Stalled TLS handshakes on a `--tls-dir` host**: the same against
+//!    a second pagefleetd with a TLS identity, whose strangers open TLS
+//!    handshakes: `--strangers` send a real ClientHello one byte every 4 s,
+//!    as many send it whole and then never answer the server's flight.
+//! 3. **A connection flood on the memory server**: one thread opens
 //!    connections as fast as it can (holding the newest 3 000), while
 //!    sessions (connect, authenticate, ping) start one after another:
 //!    the share of them that succeed, and the flood's rate.
@@ -58,9 +62,9 @@ impl Opts {
     }
 }
 
+/// Signed clients beside slow strangers on one pagefleetd's HTTP API.
 #[derive(Debug, Serialize)]
-pub struct Report {
-    pub opts: Opts,
+pub struct ApiPhase {
     /// Signed `GET /host` requests sent while the strangers were connected.
     pub signed_requests: u64,
     pub signed_ok: u64,
@@ -73,6 +77,16 @@ pub struct Report {
     /// Seconds until RSS was back within 4 MiB of the start after the
     /// strangers left (infinite if not within 60 s).
     pub rss_return_secs: f64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Report {
+    pub opts: Opts,
+    /// Slow-body and slow-head strangers on a plain pagefleetd.
+    #[serde(flatten)]
+    pub api: ApiPhase,
+    /// Stalled TLS handshakes on a pagefleetd with `--tls-dir`.
+    pub tls: ApiPhase,
     /// Connections the flood opened, and per second.
     pub flood_connections: u64,
     pub flood_per_s: f64,
@@ -98,11 +112,18 @@ impl Drop for Daemon {
 }
 
 impl Daemon {
-    fn start(secret_file: &std::path::Path, dir: PathBuf) -> Result<Daemon> {
+    fn start(
+        secret_file: &std::path::Path,
+        dir: PathBuf,
+        tls_dir: Option<&std::path::Path>,
+    ) -> Result<Daemon> {
         let port = util::free_port()?;
         let http_port = util::free_port()?;
         let mut cmd = Command::new(util::sibling_binary("pagefleetd")?);
         pagefleet_lab::proc::die_with_parent(&mut cmd);
+        if let Some(t) = tls_dir {
+            cmd.arg("--tls-dir").arg(t);
+        }
         let mut child = cmd
             .args(["--lend", "64MiB", "--listen", &format!("127.0.0.1:{port}")])
             .args(["--metrics", &format!("127.0.0.1:{http_port}"), "--log", "error"])
@@ -138,33 +159,165 @@ impl Daemon {
     }
 }
 
-/// One stranger: its socket and when it sends its next byte.
+/// A directory removed when dropped.
+struct RemoveOnDrop(PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// What a stranger holds a connection with.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Kind {
+    /// An unsigned head announcing a 1 MB body, then a body byte every 5 s.
+    SlowBody,
+    /// A head that never ends: a byte every 4 s.
+    SlowHead,
+    /// A TLS ClientHello, one byte every 4 s.
+    SlowHello,
+    /// A whole ClientHello, then silence: the server's flight is never answered.
+    StalledHello,
+}
+
+impl Kind {
+    fn period(self) -> Duration {
+        match self {
+            Kind::SlowBody => Duration::from_secs(5),
+            Kind::SlowHead | Kind::SlowHello => Duration::from_secs(4),
+            // Never sends again (the phase ends long before).
+            Kind::StalledHello => Duration::from_secs(3600),
+        }
+    }
+    fn is_tls(self) -> bool {
+        matches!(self, Kind::SlowHello | Kind::StalledHello)
+    }
+}
+
+/// One stranger: its socket, how far it got and when it sends its next byte.
 struct Stranger {
     s: Option<TcpStream>,
-    slow_body: bool,
+    kind: Kind,
+    /// Bytes of the ClientHello sent (TLS kinds).
+    sent: usize,
     next: Instant,
 }
 
 impl Stranger {
-    fn connect(&mut self, addr: &str, made: &mut u64) {
+    fn connect(&mut self, addr: &str, hello: &[u8], made: &mut u64) {
+        let first: &[u8] = match self.kind {
+            Kind::SlowBody => b"POST /guests HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000000\r\n\r\n{",
+            Kind::SlowHead => b"POST /guests HTTP/1.1\r\nHost: x\r\n",
+            Kind::SlowHello => &hello[..1],
+            Kind::StalledHello => hello,
+        };
+        self.sent = first.len();
         self.s = TcpStream::connect(addr).ok().and_then(|mut s| {
             *made += 1;
             s.set_nonblocking(true).ok()?;
-            let head: &[u8] = if self.slow_body {
-                b"POST /guests HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000000\r\n\r\n{"
-            } else {
-                b"POST /guests HTTP/1.1\r\nHost: x\r\n"
-            };
-            s.write_all(head).ok()?;
+            s.write_all(first).ok()?;
             Some(s)
         });
-        self.next = Instant::now()
-            + if self.slow_body {
-                Duration::from_secs(5)
-            } else {
-                Duration::from_secs(4)
-            };
+        self.next = Instant::now() + self.kind.period();
     }
+
+    /// Whether the server let go of it: end of stream or an error; for the
+    /// HTTP kinds also an answer (a 401, after which the server closes).
+    /// The server's handshake flight to a TLS stranger is read and dropped.
+    fn gone(&mut self) -> bool {
+        let Some(s) = self.s.as_mut() else {
+            return true;
+        };
+        let mut buf = [0u8; 4096];
+        match std::io::Read::read(s, &mut buf) {
+            Ok(0) => true,
+            Ok(_) => !self.kind.is_tls(),
+            Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
+        }
+    }
+
+    /// Its next byte, if it is time.
+    fn tick(&mut self, now: Instant, hello: &[u8]) {
+        if now < self.next {
+            return;
+        }
+        let byte: &[u8] = match self.kind {
+            Kind::SlowBody | Kind::SlowHead => b" ",
+            Kind::SlowHello => hello.get(self.sent..self.sent + 1).unwrap_or_default(),
+            Kind::StalledHello => &[],
+        };
+        if !byte.is_empty() {
+            let _ = self.s.as_mut().map(|s| s.write_all(byte));
+            self.sent += 1;
+        }
+        self.next = now + self.kind.period();
+    }
+}
+
+/// Hold `n` strangers of each of `kinds` on `addr` until `stop`, each
+/// reconnecting when dropped; the connections made.
+fn hold_strangers(
+    addr: String,
+    kinds: &[Kind],
+    n: usize,
+    hello: Arc<Vec<u8>>,
+    stop: Arc<AtomicBool>,
+) -> std::thread::JoinHandle<u64> {
+    let kinds = kinds.to_vec();
+    std::thread::spawn(move || {
+        let mut made = 0u64;
+        let mut all: Vec<Stranger> = (0..kinds.len() * n)
+            .map(|i| Stranger {
+                s: None,
+                kind: kinds[i % kinds.len()],
+                sent: 0,
+                next: Instant::now(),
+            })
+            .collect();
+        for x in all.iter_mut() {
+            x.connect(&addr, &hello, &mut made);
+        }
+        while !stop.load(Relaxed) {
+            let now = Instant::now();
+            for x in all.iter_mut() {
+                if x.gone() {
+                    x.connect(&addr, &hello, &mut made);
+                } else {
+                    x.tick(now, &hello);
+                }
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        made
+    })
+}
+
+/// A real ClientHello (rustls, as pagefleet's own clients send it), captured
+/// on a loopback socket pair.
+fn client_hello(id: &pagefleet_tls::Identity) -> Result<Vec<u8>> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let c = TcpStream::connect(l.local_addr()?)?;
+    let (mut server, _) = l.accept()?;
+    c.set_nonblocking(true)?;
+    let client = pagefleet_tls::Stream::tls_client(c, id, "127.0.0.1")?;
+    // Sends the ClientHello; nothing answers, so it stops there.
+    let _ = client.handshake_step();
+    server.set_read_timeout(Some(Duration::from_secs(5)))?;
+    let mut hello = Vec::new();
+    let mut buf = [0u8; 4096];
+    // A TLS record: type, version, length (2 bytes), then the body.
+    while hello.len() < 5 || hello.len() < 5 + u16::from_be_bytes([hello[3], hello[4]]) as usize {
+        let n = std::io::Read::read(&mut server, &mut buf).context("reading a ClientHello")?;
+        if n == 0 {
+            bail!("the TLS client closed before its ClientHello");
+        }
+        hello.extend_from_slice(&buf[..n]);
+    }
+    if hello[0] != 0x16 {
+        bail!("not a TLS handshake record: {:?}", &hello[..5]);
+    }
+    Ok(hello)
 }
 
 fn percentile(v: &mut [f64], p: f64) -> f64 {
@@ -179,66 +332,111 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
     std::fs::create_dir_all(&o.out_dir)?;
     let dir = std::env::temp_dir().join(format!("pf-strangers-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
+    // Removed however the run ends (the secret and the TLS keys are in it).
+    let _cleanup = RemoveOnDrop(dir.clone());
     let secret_file = dir.join("secret");
     std::fs::write(&secret_file, Secret::generate_hex())?;
     let secret = Secret::load(&secret_file)?;
-    let d = Daemon::start(&secret_file, dir)?;
+    let tls_dirs = pagefleet_tls::certs::cluster(&dir.join("tls"), &["h1", "stranger"])?;
+    let hello = Arc::new(client_hello(&pagefleet_tls::Identity::load(&tls_dirs[1])?)?);
+    let d = Daemon::start(&secret_file, dir.join("plain"), None)?;
     let client = pagefleet_common::http::Client::new(secret.clone());
+    log(&format!(
+        "phase 1: {} slow-body and {} slow-head strangers on the HTTP API for {} s",
+        o.strangers, o.strangers, o.secs
+    ));
+    let api = api_phase(&d, &client, &[Kind::SlowBody, Kind::SlowHead], o, &hello, log)?;
+    drop(d);
+    let t = Daemon::start(&secret_file, dir.join("tls-host"), Some(&tls_dirs[0]))?;
+    log(&format!(
+        "phase 2: {} slow and {} stalled TLS handshakes on a --tls-dir host's HTTP API for {} s",
+        o.strangers, o.strangers, o.secs
+    ));
+    let tls = api_phase(&t, &client, &[Kind::SlowHello, Kind::StalledHello], o, &hello, log)?;
+    drop(t);
+    let d = Daemon::start(&secret_file, dir.join("flood"), None)?;
+    log(&format!(
+        "phase 3: a connection flood on the memory server for {} s, sessions started during it",
+        o.secs
+    ));
+    let stop = Arc::new(AtomicBool::new(false));
+    let flood_start = Instant::now();
+    // Bounded by the phase: it is stopped after o.secs, and gives up by itself later.
+    let flooder = util::connect_flood(
+        d.memserver.clone(),
+        stop.clone(),
+        3000,
+        Duration::from_secs(o.secs + 60),
+        u64::MAX,
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    let (mut sessions, mut sessions_ok) = (0u64, 0u64);
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(o.secs) {
+        sessions += 1;
+        if Conn::connect(&d.memserver, &secret, &ConnectOptions::default())
+            .and_then(|mut c| c.ping())
+            .is_ok()
+        {
+            sessions_ok += 1;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    stop.store(true, Relaxed);
+    let flood = flooder.join().map_err(|_| anyhow!("the flood's thread panicked"))?;
+    let flood_rate = flood as f64 / flood_start.elapsed().as_secs_f64();
+    log(&format!(
+        "  sessions {sessions_ok}/{sessions} during {flood} connections ({flood_rate:.0}/s)"
+    ));
+    if sessions == 0 || api.signed_requests == 0 || tls.signed_requests == 0 {
+        bail!("no signed request or session was made");
+    }
+    let session_share = sessions_ok as f64 / sessions as f64;
+    let mut goals = Vec::new();
+    for (p, with) in [(&api, "slow strangers"), (&tls, "stalled TLS handshakes")] {
+        goals.extend([
+            Goal::at_least(
+                &format!("signed requests with {with} holding slots"),
+                p.signed_ok as f64 / p.signed_requests as f64,
+                0.99,
+                "share",
+            ),
+            Goal::at_most(&format!("signed request p99 with {with}"), p.signed_p99_ms, 1000.0, "ms"),
+            Goal::at_most(&format!("pagefleetd RSS growth with {with}"), p.rss_peak_growth_mib, 32.0, "MiB"),
+            Goal::at_most(&format!("RSS back after the {with} left"), p.rss_return_secs, 60.0, "s"),
+        ]);
+    }
+    goals.push(Goal::at_least("sessions started during a connect flood", session_share, 0.99, "share"));
+    Ok(Report {
+        opts: o.clone(),
+        api,
+        tls,
+        flood_connections: flood,
+        flood_per_s: flood_rate,
+        sessions,
+        sessions_ok,
+        goals,
+    })
+}
+
+/// Slow strangers of `kinds` on `d`'s HTTP API while `client` works: its
+/// success and latency, and `d`'s memory during and after.
+fn api_phase(
+    d: &Daemon,
+    client: &pagefleet_common::http::Client,
+    kinds: &[Kind],
+    o: &Opts,
+    hello: &Arc<Vec<u8>>,
+    log: &mut dyn FnMut(&str),
+) -> Result<ApiPhase> {
     // Warm up: the first requests grow the runtime's pools.
     for _ in 0..20 {
         let _: pagefleet_api::HostReport = client.get(&d.http, "/host")?;
     }
     std::thread::sleep(Duration::from_secs(1));
     let rss0 = d.rss();
-    log(&format!(
-        "phase 1: {} slow-body and {} slow-head strangers on the HTTP API for {} s; RSS {rss0:.1} MiB",
-        o.strangers, o.strangers, o.secs
-    ));
     let stop = Arc::new(AtomicBool::new(false));
-    let strangers = {
-        let (addr, stop, n) = (d.http.clone(), stop.clone(), o.strangers);
-        std::thread::spawn(move || {
-            let mut made = 0u64;
-            let mut all: Vec<Stranger> = (0..2 * n)
-                .map(|i| Stranger {
-                    s: None,
-                    slow_body: i % 2 == 0,
-                    next: Instant::now(),
-                })
-                .collect();
-            for x in all.iter_mut() {
-                x.connect(&addr, &mut made);
-            }
-            while !stop.load(Relaxed) {
-                let now = Instant::now();
-                for x in all.iter_mut() {
-                    // Dropped (or answered and closed): a read of 0 or an error.
-                    let mut buf = [0u8; 512];
-                    let gone = match x.s.as_mut() {
-                        None => true,
-                        Some(s) => match std::io::Read::read(s, &mut buf) {
-                            Ok(0) => true,
-                            Ok(_) => true, // answered (401): the server closes it
-                            Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
-                        },
-                    };
-                    if gone {
-                        x.connect(&addr, &mut made);
-                    } else if now >= x.next {
-                        let _ = x.s.as_mut().map(|s| s.write_all(b" "));
-                        x.next = now
-                            + if x.slow_body {
-                                Duration::from_secs(5)
-                            } else {
-                                Duration::from_secs(4)
-                            };
-                    }
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            made
-        })
-    };
+    let strangers = hold_strangers(d.http.clone(), kinds, o.strangers, hello.clone(), stop.clone());
     let mut lat = Vec::new();
     let (mut sent, mut ok) = (0u64, 0u64);
     let mut peak = rss0;
@@ -273,57 +471,10 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
     let p50 = percentile(&mut lat, 0.5);
     let p99 = percentile(&mut lat, 0.99);
     log(&format!(
-        "  signed requests {ok}/{sent}, p50 {p50:.1} ms, p99 {p99:.1} ms; {made} stranger connections; RSS peak +{:.1} MiB, back in {back:.1} s",
+        "  signed requests {ok}/{sent}, p50 {p50:.1} ms, p99 {p99:.1} ms; {made} stranger connections; RSS {rss0:.1} MiB, peak +{:.1} MiB, back in {back:.1} s",
         peak - rss0
     ));
-
-    log(&format!(
-        "phase 2: a connection flood on the memory server for {} s, sessions started during it",
-        o.secs
-    ));
-    let stop = Arc::new(AtomicBool::new(false));
-    let flood_start = Instant::now();
-    // Bounded by the phase: it is stopped after o.secs, and gives up by itself later.
-    let flooder = util::connect_flood(
-        d.memserver.clone(),
-        stop.clone(),
-        3000,
-        Duration::from_secs(o.secs + 60),
-        u64::MAX,
-    );
-    std::thread::sleep(Duration::from_millis(200));
-    let (mut sessions, mut sessions_ok) = (0u64, 0u64);
-    let t0 = Instant::now();
-    while t0.elapsed() < Duration::from_secs(o.secs) {
-        sessions += 1;
-        if Conn::connect(&d.memserver, &secret, &ConnectOptions::default())
-            .and_then(|mut c| c.ping())
-            .is_ok()
-        {
-            sessions_ok += 1;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    stop.store(true, Relaxed);
-    let flood = flooder.join().map_err(|_| anyhow!("the flood's thread panicked"))?;
-    let flood_rate = flood as f64 / flood_start.elapsed().as_secs_f64();
-    log(&format!(
-        "  sessions {sessions_ok}/{sessions} during {flood} connections ({flood_rate:.0}/s)"
-    ));
-    if sessions == 0 || sent == 0 {
-        bail!("no signed request or session was made");
-    }
-    let signed_share = ok as f64 / sent as f64;
-    let session_share = sessions_ok as f64 / sessions as f64;
-    let goals = vec![
-        Goal::at_least("signed requests with strangers holding slots", signed_share, 0.99, "share"),
-        Goal::at_most("signed request p99 with strangers", p99, 1000.0, "ms"),
-        Goal::at_most("pagefleetd RSS growth with strangers", peak - rss0, 32.0, "MiB"),
-        Goal::at_most("RSS back after the strangers left", back, 60.0, "s"),
-        Goal::at_least("sessions started during a connect flood", session_share, 0.99, "share"),
-    ];
-    Ok(Report {
-        opts: o.clone(),
+    Ok(ApiPhase {
         signed_requests: sent,
         signed_ok: ok,
         signed_p50_ms: p50,
@@ -332,11 +483,6 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
         rss_start_mib: rss0,
         rss_peak_growth_mib: peak - rss0,
         rss_return_secs: back,
-        flood_connections: flood,
-        flood_per_s: flood_rate,
-        sessions,
-        sessions_ok,
-        goals,
     })
 }
 
@@ -346,16 +492,21 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
         "strangers against a pagefleetd on loopback ({} s per phase)",
         r.opts.secs
     )?;
-    writeln!(
-        out,
-        "  HTTP API, {} slow-body + {} slow-head strangers ({} connections): signed {}/{} ok, p50 {:.1} ms, p99 {:.1} ms",
-        r.opts.strangers, r.opts.strangers, r.stranger_connections, r.signed_ok, r.signed_requests, r.signed_p50_ms, r.signed_p99_ms
-    )?;
-    writeln!(
-        out,
-        "  pagefleetd RSS {:.1} MiB, peak +{:.1} MiB, back within 4 MiB in {:.1} s",
-        r.rss_start_mib, r.rss_peak_growth_mib, r.rss_return_secs
-    )?;
+    for (p, what) in [
+        (&r.api, format!("{} slow-body + {} slow-head strangers", r.opts.strangers, r.opts.strangers)),
+        (&r.tls, format!("{} slow + {} stalled TLS handshakes (--tls-dir)", r.opts.strangers, r.opts.strangers)),
+    ] {
+        writeln!(
+            out,
+            "  HTTP API, {what} ({} connections): signed {}/{} ok, p50 {:.1} ms, p99 {:.1} ms",
+            p.stranger_connections, p.signed_ok, p.signed_requests, p.signed_p50_ms, p.signed_p99_ms
+        )?;
+        writeln!(
+            out,
+            "    pagefleetd RSS {:.1} MiB, peak +{:.1} MiB, back within 4 MiB in {:.1} s",
+            p.rss_start_mib, p.rss_peak_growth_mib, p.rss_return_secs
+        )?;
+    }
     writeln!(
         out,
         "  memory server, connect flood of {} connections ({:.0}/s): sessions {}/{} ok",

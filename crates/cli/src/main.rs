@@ -192,7 +192,8 @@ enum BenchCmd {
     Restart(Bench<bench::restart::Args>),
     /// Strangers against a pagefleetd on loopback: slow-body and slow-head
     /// connections holding the HTTP API's slots while a signed client
-    /// works (success rate, p99, pagefleetd's RSS and its return), then a
+    /// works (success rate, p99, pagefleetd's RSS and its return), the
+    /// same with slow and stalled TLS handshakes on a `--tls-dir` host, then a
     /// connection flood on the memory server while sessions start (the
     /// share that get in). Example: pagefleet bench strangers --json
     Strangers(Bench<bench::strangers::Args>),

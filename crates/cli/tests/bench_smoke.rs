@@ -510,8 +510,8 @@ fn bench_restart_quick_json_has_figures_and_goals() {
     let _ = std::fs::remove_dir_all(&out_dir);
 }
 
-/// `bench strangers --quick`: the strangers and the flood did happen (the
-/// figures say they were there), signed clients and sessions were counted,
+/// `bench strangers --quick`: the strangers, the stalled TLS handshakes and
+/// the flood did happen (the figures say they were there), signed clients and sessions were counted,
 /// and the verdicts match the figures.
 #[test]
 fn bench_strangers_quick_json_has_figures_and_goals() {
@@ -532,8 +532,11 @@ fn bench_strangers_quick_json_has_figures_and_goals() {
     assert!(v["signed_requests"].as_u64().unwrap() > 10, "{v}");
     assert!(v["flood_connections"].as_u64().unwrap() > 1000, "{v}");
     assert!(v["sessions"].as_u64().unwrap() > 10, "{v}");
+    // The TLS phase: every stalled handshake was made, signed clients worked beside them.
+    assert!(v["tls"]["stranger_connections"].as_u64().unwrap() >= 600, "{v}");
+    assert!(v["tls"]["signed_requests"].as_u64().unwrap() > 10, "{v}");
     let goals = v["goals"].as_array().unwrap();
-    assert_eq!(goals.len(), 5, "{goals:?}");
+    assert_eq!(goals.len(), 9, "{goals:?}");
     assert_verdicts(goals);
     let _ = std::fs::remove_dir_all(&out_dir);
 }

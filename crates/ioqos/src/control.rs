@@ -185,6 +185,14 @@ pub struct Spec {
     pub cap_interval: f64,
 }
 
+/// The longest cap the paper's policy may set: a day. Longer is a typo, and
+/// the controller keeps each cap's end as a `Duration` from now.
+pub const MAX_CAP_TIME_S: f64 = 86_400.0;
+
+/// The longest device calibration: ten minutes of direct reads is already
+/// far past where its figures settle (a few seconds).
+pub const MAX_CALIBRATE_S: f64 = 600.0;
+
 impl Default for Spec {
     fn default() -> Spec {
         let p = PaperConfig::default();
@@ -217,10 +225,13 @@ impl Spec {
                         "rate must be between 0 and 1 (exclusive)".to_string(),
                     ));
                 }
-                if !(self.cap_interval > 0.0 && self.cap_time > self.cap_interval) {
-                    return Err(crate::Error::Invalid(
-                        "the paper requires cap_time > cap_interval > 0".to_string(),
-                    ));
+                if !(self.cap_interval > 0.0
+                    && self.cap_time > self.cap_interval
+                    && self.cap_time <= MAX_CAP_TIME_S)
+                {
+                    return Err(crate::Error::Invalid(format!(
+                        "the paper requires {MAX_CAP_TIME_S} s >= cap_time > cap_interval > 0"
+                    )));
                 }
                 let border = pagefleet_common::units::parse_share("border", &self.border)
                     .map_err(|e| crate::Error::Invalid(e.0))?;
@@ -237,6 +248,11 @@ impl Spec {
                 )))
             }
         };
+        if !(self.calibrate_secs >= 0.0 && self.calibrate_secs <= MAX_CALIBRATE_S) {
+            return Err(crate::Error::Invalid(format!(
+                "calibrate_secs must be between 0 and {MAX_CALIBRATE_S} seconds"
+            )));
+        }
         if !(self.interval > 0.0 && self.interval <= 60.0) {
             return Err(crate::Error::Invalid(
                 "interval must be between 0 and 60 seconds".to_string(),

@@ -563,7 +563,10 @@ pub fn receive_with(
                 if count == 0
                     || count > MAX_PAGES
                     || len != count * (PAGE + 1)
-                    || h.arg as usize + count > pages
+                    || usize::try_from(h.arg)
+                        .ok()
+                        .and_then(|a| a.checked_add(count))
+                        .is_none_or(|end| end > pages)
                 {
                     return Err(r.fail(format!("PAGES at {} with {} bytes", h.arg, h.len)));
                 }

@@ -24,7 +24,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
-const PREFIX: &str = "/pagefleet/";
+/// Every key of the registry starts with this.
+pub const PREFIX: &str = "/pagefleet/";
 
 /// Why a registry call failed.
 #[derive(Debug, thiserror::Error)]
@@ -62,6 +63,39 @@ pub struct Claims {
     /// Lent memory promised, bytes.
     #[serde(default)]
     pub lend_bytes: u64,
+}
+
+impl Claims {
+    /// The claim record as etcd holds it: an unreadable one counts as no
+    /// claim (the next transaction rewrites it whole).
+    pub fn decode(value: &[u8]) -> Claims {
+        serde_json::from_slice(value).unwrap_or_default()
+    }
+
+    /// Bytes held in `pool`.
+    pub fn held(&self, pool: Pool) -> u64 {
+        match pool {
+            Pool::Guest => self.bytes,
+            Pool::Lend => self.lend_bytes,
+        }
+    }
+
+    /// These claims with `delta` bytes more (or fewer) in `pool`, never
+    /// below zero and never wrapping past `u64::MAX`, whatever the record
+    /// held.
+    pub fn adjusted(&self, pool: Pool, delta: i64) -> Claims {
+        let mut next = self.clone();
+        let held = match pool {
+            Pool::Guest => &mut next.bytes,
+            Pool::Lend => &mut next.lend_bytes,
+        };
+        *held = if delta >= 0 {
+            held.saturating_add(delta.unsigned_abs())
+        } else {
+            held.saturating_sub(delta.unsigned_abs())
+        };
+        next
+    }
 }
 
 /// Which of a host's memory a claim takes.
@@ -448,10 +482,7 @@ impl Etcd {
             let (claims, rev, free) = self.call(async move |c| {
                 let r = c.get(k.as_str(), None).await?;
                 let (claims, rev) = match r.kvs().first() {
-                    Some(kv) => (
-                        serde_json::from_slice::<Claims>(kv.value()).unwrap_or_default(),
-                        kv.mod_revision(),
-                    ),
+                    Some(kv) => (Claims::decode(kv.value()), kv.mod_revision()),
                     None => (Claims::default(), 0),
                 };
                 let h = c.get(hk.as_str(), None).await?;
@@ -465,13 +496,8 @@ impl Etcd {
                     });
                 Ok((claims, rev, free))
             })?;
-            let mut next = claims.clone();
-            let held = match pool {
-                Pool::Guest => &mut next.bytes,
-                Pool::Lend => &mut next.lend_bytes,
-            };
-            *held = (*held as i64 + delta).max(0) as u64;
-            if check && free.is_none_or(|f| *held > f) {
+            let next = claims.adjusted(pool, delta);
+            if check && free.is_none_or(|f| next.held(pool) > f) {
                 return Ok(false);
             }
             let value = serde_json::to_vec(&next).unwrap_or_default();
@@ -494,8 +520,10 @@ impl Etcd {
     }
 }
 
-/// The view from the registry's keys.
-fn view_of(kvs: &[(String, Vec<u8>)], ttl: i64) -> ClusterView {
+/// The view from the registry's keys (each `(key, value)` as etcd
+/// returned it; a record that does not decode is skipped: a member without
+/// a readable report is shown dead, never guessed).
+pub fn view_of(kvs: &[(String, Vec<u8>)], ttl: i64) -> ClusterView {
     let get = |k: &str| kvs.iter().find(|(key, _)| key == k).map(|(_, v)| v);
     let mut hosts = Vec::new();
     for (k, v) in kvs {
@@ -506,14 +534,17 @@ fn view_of(kvs: &[(String, Vec<u8>)], ttl: i64) -> ClusterView {
             continue;
         };
         let claimed = get(&format!("{PREFIX}claims/{name}"))
-            .and_then(|v| serde_json::from_slice::<Claims>(v).ok())
+            .map(|v| Claims::decode(v.as_slice()))
             .unwrap_or_default();
         // Memory promised to migrations on their way is not free.
         let report = get(&format!("{PREFIX}hosts/{name}"))
             .and_then(|v| serde_json::from_slice::<HostReport>(v).ok())
             .map(|mut r| {
                 r.guest_free = r.guest_free.saturating_sub(claimed.bytes);
-                r.lend_used = (r.lend_used + claimed.lend_bytes).min(r.lend_capacity);
+                r.lend_used = r
+                    .lend_used
+                    .saturating_add(claimed.lend_bytes)
+                    .min(r.lend_capacity);
                 r
             });
         let gp = format!("{PREFIX}guests/{name}/");

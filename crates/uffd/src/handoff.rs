@@ -71,16 +71,21 @@ pub fn recv_fd(sock: RawFd, buf: &mut [u8]) -> io::Result<Option<(usize, OwnedFd
     }
     let mut got: Option<OwnedFd> = None;
     // SAFETY: walking the control messages the kernel wrote into cbuf,
-    // with the libc macros, within msg_controllen.
+    // with the libc macros, within msg_controllen; each fd read lies
+    // within its message's cmsg_len, which the kernel wrote.
     unsafe {
         let mut c = libc::CMSG_FIRSTHDR(&m);
         while !c.is_null() {
             if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
-                let fd = std::ptr::read_unaligned(libc::CMSG_DATA(c).cast::<RawFd>());
-                // Each fd received is now ours: owned (and closed if extra).
-                let owned = OwnedFd::from_raw_fd(fd);
-                if got.is_none() {
-                    got = Some(owned);
+                // One SCM_RIGHTS message may carry several fds: every one
+                // received is now ours, owned (and closed if extra).
+                let data = ((*c).cmsg_len as usize).saturating_sub(libc::CMSG_LEN(0) as usize);
+                for i in 0..data / std::mem::size_of::<RawFd>() {
+                    let fd = std::ptr::read_unaligned(libc::CMSG_DATA(c).cast::<RawFd>().add(i));
+                    let owned = OwnedFd::from_raw_fd(fd);
+                    if got.is_none() {
+                        got = Some(owned);
+                    }
                 }
             }
             c = libc::CMSG_NXTHDR(&m, c);
@@ -146,29 +151,150 @@ impl Hello {
     }
 }
 
-/// A request to the shim's agent thread inside QEMU (24 bytes: op, offset,
-/// length); it answers with 8 bytes: 0 or a negative errno.
-pub mod agent {
-    /// The first message after the hello: the fd was taken, QEMU may go on.
-    pub const ACK: u64 = 1;
-    /// `madvise(MADV_DONTNEED)` on `[base + off, base + off + len)`:
-    /// unmapped in QEMU, kept in the memfd (the sampler's zap).
-    pub const ZAP: u64 = 2;
-    /// Encode a request.
-    pub fn request(op: u64, off: u64, len: u64) -> [u8; 24] {
-        let mut b = [0u8; 24];
-        b[..8].copy_from_slice(&op.to_le_bytes());
-        b[8..16].copy_from_slice(&off.to_le_bytes());
-        b[16..].copy_from_slice(&len.to_le_bytes());
-        b
-    }
-    /// Decode a request.
-    pub fn parse(b: &[u8]) -> Option<(u64, u64, u64)> {
-        if b.len() != 24 {
-            return None;
+/// The uffd features the runner needs from the shim's userfaultfd: faults
+/// on shared memory, write-protection on it, WP faults flagged, and the
+/// faulting thread's id.
+pub const SHIM_FEATURES: u64 = crate::FEATURE_MISSING_SHMEM
+    | crate::FEATURE_WP_HUGETLBFS_SHMEM
+    | crate::FEATURE_PAGEFAULT_FLAG_WP
+    | crate::FEATURE_THREAD_ID;
+
+/// Where user-space addresses end on any x86-64 or arm64 kernel (5-level
+/// page tables: 2^57); a mapping that claims to reach past it is not one.
+pub const USER_ADDRESS_END: u64 = 1 << 57;
+
+impl Hello {
+    /// The runner's check of a hello from QEMU (which runs guest code and
+    /// is not trusted): the mapping is page-aligned, non-empty, inside user
+    /// space, exactly the guest's `size`, in the process the runner started
+    /// (`pid`), with the features the pager needs.
+    pub fn check(&self, size: u64, pid: u64) -> Result<(), String> {
+        let page = crate::PAGE as u64;
+        if self.len != size || self.pid != pid {
+            return Err(format!(
+                "a hand-over of {} bytes from pid {}, expected {size} bytes from pid {pid}",
+                self.len, self.pid
+            ));
         }
-        let w = |i: usize| u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap());
-        Some((w(0), w(1), w(2)))
+        if self.len == 0
+            || self.base == 0
+            || !self.base.is_multiple_of(page)
+            || !self.len.is_multiple_of(page)
+        {
+            return Err(format!(
+                "guest RAM at {:#x}, {} bytes: not whole pages",
+                self.base, self.len
+            ));
+        }
+        if self.base.checked_add(self.len).is_none_or(|end| end > USER_ADDRESS_END) {
+            return Err(format!(
+                "guest RAM at {:#x}, {} bytes: past the end of user space",
+                self.base, self.len
+            ));
+        }
+        if self.features & SHIM_FEATURES != SHIM_FEATURES {
+            return Err(format!(
+                "userfaultfd features {:#x} lack {:#x}",
+                self.features,
+                SHIM_FEATURES & !self.features
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The runner's requests to the shim's agent thread inside QEMU (24 bytes:
+/// op, offset, length) and its answers (8 bytes: 0 or a negative errno).
+pub mod agent {
+    use std::io;
+
+    /// Bytes of an encoded [`Request`].
+    pub const REQUEST_LEN: usize = 24;
+    /// Bytes of an encoded answer.
+    pub const REPLY_LEN: usize = 8;
+    const ACK: u64 = 1;
+    const ZAP: u64 = 2;
+    /// The largest errno the kernel returns (`MAX_ERRNO`); an answer
+    /// beyond it is not one.
+    const MAX_ERRNO: i64 = 4095;
+
+    /// What the runner asks of the agent.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Request {
+        /// The first message after the hello: the fd was taken, QEMU may go on.
+        Ack,
+        /// `madvise(MADV_DONTNEED)` on `[base + off, base + off + len)`:
+        /// unmapped in QEMU, kept in the memfd (the sampler's zap).
+        Zap {
+            /// Offset in the guest RAM mapping, bytes (page-aligned).
+            off: u64,
+            /// Length, bytes (whole pages, at least one).
+            len: u64,
+        },
+    }
+
+    impl Request {
+        /// Its wire form.
+        pub fn encode(&self) -> [u8; REQUEST_LEN] {
+            let (op, off, len) = match *self {
+                Request::Ack => (ACK, 0, 0),
+                Request::Zap { off, len } => (ZAP, off, len),
+            };
+            let mut b = [0u8; REQUEST_LEN];
+            b[..8].copy_from_slice(&op.to_le_bytes());
+            b[8..16].copy_from_slice(&off.to_le_bytes());
+            b[16..].copy_from_slice(&len.to_le_bytes());
+            b
+        }
+
+        /// Read one for a mapping of `mapping_len` bytes: a zap must be
+        /// whole pages inside it. Err: the errno the agent answers with.
+        pub fn decode(b: &[u8], mapping_len: u64) -> Result<Request, i32> {
+            if b.len() != REQUEST_LEN {
+                return Err(libc::EINVAL);
+            }
+            let w = |i: usize| {
+                let mut x = [0u8; 8];
+                x.copy_from_slice(&b[i * 8..i * 8 + 8]);
+                u64::from_le_bytes(x)
+            };
+            let page = crate::PAGE as u64;
+            match (w(0), w(1), w(2)) {
+                (ACK, 0, 0) => Ok(Request::Ack),
+                (ZAP, off, len)
+                    if len > 0
+                        && off.is_multiple_of(page)
+                        && len.is_multiple_of(page)
+                        && off.checked_add(len).is_some_and(|end| end <= mapping_len) =>
+                {
+                    Ok(Request::Zap { off, len })
+                }
+                (ZAP, ..) => Err(libc::ERANGE),
+                _ => Err(libc::EINVAL),
+            }
+        }
+    }
+
+    /// The agent's answer: 0, or the errno negated.
+    pub fn reply(r: Result<(), i32>) -> [u8; REPLY_LEN] {
+        let v: i64 = match r {
+            Ok(()) => 0,
+            Err(e) => -i64::from(e.clamp(1, MAX_ERRNO as i32)),
+        };
+        v.to_le_bytes()
+    }
+
+    /// Read an answer (from QEMU: anything that is not 0 or an errno is
+    /// an error of its own).
+    pub fn parse_reply(b: [u8; REPLY_LEN]) -> io::Result<()> {
+        match i64::from_le_bytes(b) {
+            0 => Ok(()),
+            e if (-MAX_ERRNO..0).contains(&e) => Err(io::Error::from_raw_os_error((-e) as i32)),
+            e => Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("the VM shim's agent answered {e}, not 0 or an errno"),
+            )),
+        }
     }
 }
 
@@ -209,6 +335,94 @@ mod tests {
         bad[0] ^= 1;
         assert_eq!(Hello::decode(&bad), None);
         assert_eq!(Hello::decode(&h.encode()[..39]), None);
+    }
+
+    #[test]
+    fn the_runner_accepts_only_the_guest_ram_it_started() {
+        let h = Hello {
+            base: 0x7f00_0000_0000,
+            len: 1 << 30,
+            pid: 4242,
+            features: SHIM_FEATURES | crate::FEATURE_POISON,
+        };
+        assert_eq!(h.check(1 << 30, 4242), Ok(()));
+        for bad in [
+            Hello { len: 1 << 29, ..h },
+            Hello { pid: 1, ..h },
+            Hello { base: h.base + 1, ..h },
+            Hello { base: 0, ..h },
+            Hello { base: u64::MAX - 4095, ..h },
+            Hello { features: crate::FEATURE_MISSING_SHMEM, ..h },
+        ] {
+            assert!(bad.check(h.len, h.pid).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_agent_zaps_only_whole_pages_inside_the_mapping() {
+        use agent::Request;
+        let len = 16 * 4096;
+        let zap = |off, n| Request::Zap { off, len: n };
+        for r in [Request::Ack, zap(0, 4096), zap(15 * 4096, 4096), zap(0, len)] {
+            assert_eq!(Request::decode(&r.encode(), len), Ok(r));
+        }
+        for r in [zap(0, 0), zap(1, 4096), zap(0, 100), zap(15 * 4096, 8192), zap(u64::MAX - 4095, 8192)] {
+            assert_eq!(Request::decode(&r.encode(), len), Err(libc::ERANGE), "{r:?}");
+        }
+        let mut other = Request::Ack.encode();
+        other[0] = 9;
+        assert_eq!(Request::decode(&other, len), Err(libc::EINVAL));
+        assert_eq!(Request::decode(&other[..23], len), Err(libc::EINVAL));
+        // Answers: 0, an errno, or an error of their own; never a panic.
+        assert!(agent::parse_reply(agent::reply(Ok(()))).is_ok());
+        let e = agent::parse_reply(agent::reply(Err(libc::EPERM))).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EPERM));
+        for v in [i64::MIN, -4096, 1, i64::MAX] {
+            let e = agent::parse_reply(v.to_le_bytes()).unwrap_err();
+            assert_eq!(e.kind(), std::io::ErrorKind::InvalidData);
+        }
+    }
+
+    #[test]
+    fn every_fd_of_a_message_is_owned_and_extras_are_closed() {
+        let (a, b) = UnixDatagram::pair().unwrap();
+        let (r, w) = std::io::pipe().unwrap();
+        // Three fds in one SCM_RIGHTS message (what a hostile shim could
+        // send): the pipe's read end, then its write end twice.
+        let fds = [r.as_raw_fd(), w.as_raw_fd(), w.as_raw_fd()];
+        let mut cbuf = [0u64; 8];
+        let msg = b"hi";
+        let mut iov = libc::iovec {
+            iov_base: msg.as_ptr() as *mut libc::c_void,
+            iov_len: msg.len(),
+        };
+        // SAFETY: a test building one control message in an aligned buffer.
+        unsafe {
+            let mut m: libc::msghdr = std::mem::zeroed();
+            m.msg_iov = &mut iov;
+            m.msg_iovlen = 1;
+            m.msg_control = cbuf.as_mut_ptr().cast();
+            m.msg_controllen = libc::CMSG_SPACE(12) as usize;
+            let c = libc::CMSG_FIRSTHDR(&m);
+            (*c).cmsg_level = libc::SOL_SOCKET;
+            (*c).cmsg_type = libc::SCM_RIGHTS;
+            (*c).cmsg_len = libc::CMSG_LEN(12) as usize;
+            std::ptr::copy_nonoverlapping(fds.as_ptr(), libc::CMSG_DATA(c).cast::<i32>(), 3);
+            assert_eq!(libc::sendmsg(a.as_raw_fd(), &m, 0), 2);
+        }
+        drop(r);
+        let mut buf = [0u8; 16];
+        let (n, kept) = recv_fd(b.as_raw_fd(), &mut buf).unwrap().unwrap();
+        assert_eq!(n, 2);
+        // The kept fd is the read end. Once our own write end is closed it
+        // reads end of file, which it does only if the two received copies
+        // of the write end were closed too (else: would block).
+        drop(w);
+        let f = std::fs::File::from(kept);
+        // SAFETY: fcntl on an fd this test owns.
+        unsafe { libc::fcntl(f.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) };
+        let got = std::io::Read::read(&mut &f, &mut buf);
+        assert_eq!(got.map_err(|e| e.kind()), Ok(0), "a received fd leaked");
     }
 
     #[test]

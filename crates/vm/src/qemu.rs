@@ -5,7 +5,7 @@ use crate::process::Process;
 use crate::qmp::Qmp;
 use crate::VmError;
 use pagefleet_region::{Foreign, Unmapper};
-use pagefleet_uffd::handoff::{self, agent, Hello, HELLO_LEN};
+use pagefleet_uffd::handoff::{self, agent, Hello};
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -215,13 +215,10 @@ struct Agent(Mutex<UnixStream>);
 impl Unmapper for Agent {
     fn unmap(&self, off: u64, len: u64) -> std::io::Result<()> {
         let mut s = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        s.write_all(&agent::request(agent::ZAP, off, len))?;
-        let mut r = [0u8; 8];
+        s.write_all(&agent::Request::Zap { off, len }.encode())?;
+        let mut r = [0u8; agent::REPLY_LEN];
         s.read_exact(&mut r)?;
-        match i64::from_le_bytes(r) {
-            0 => Ok(()),
-            e => Err(std::io::Error::from_raw_os_error((-e) as i32)),
-        }
+        agent::parse_reply(r)
     }
 }
 
@@ -308,14 +305,19 @@ impl Vm {
                 "the shim closed its socket before handing over".into(),
             ));
         };
-        let hello = match Hello::decode(&buf[..n]) {
-            Some(h) if n == HELLO_LEN && h.len == spec.size && h.pid == pid as u64 => h,
-            h => {
+        let hello = match Hello::decode(&buf[..n]).ok_or_else(|| {
+            format!("a hand-over message of {n} bytes that is not a hello")
+        }) {
+            Ok(h) => match h.check(spec.size, pid as u64) {
+                Ok(()) => h,
+                Err(e) => {
+                    child.kill();
+                    return Err(VmError::Qemu(format!("the VM shim's hand-over: {e}")));
+                }
+            },
+            Err(e) => {
                 child.kill();
-                return Err(VmError::Qemu(format!(
-                    "unexpected hand-over {h:?} (pid {pid}, {} bytes)",
-                    spec.size
-                )));
+                return Err(VmError::Qemu(format!("the VM shim's hand-over: {e}")));
             }
         };
         let agent = Arc::new(Agent(Mutex::new(stream)));
@@ -345,7 +347,7 @@ impl Vm {
     /// wait in the userfaultfd until a pager serves them.
     pub fn release(&self) -> Result<(), VmError> {
         let mut s = self.agent.0.lock().unwrap_or_else(|e| e.into_inner());
-        s.write_all(&agent::request(agent::ACK, 0, 0))
+        s.write_all(&agent::Request::Ack.encode())
             .map_err(|e| VmError::io("releasing QEMU", e))
     }
 

@@ -125,11 +125,7 @@ fn hand_over(base: u64, len: u64) -> std::io::Result<()> {
     // Paging works per 4 KiB page: no transparent huge pages in guest RAM.
     // SAFETY: advice on the mapping just made.
     unsafe { libc::madvise(base as *mut c_void, len as usize, libc::MADV_NOHUGEPAGE) };
-    let need = u::FEATURE_MISSING_SHMEM
-        | u::FEATURE_WP_HUGETLBFS_SHMEM
-        | u::FEATURE_PAGEFAULT_FLAG_WP
-        | u::FEATURE_THREAD_ID;
-    let uffd = u::Uffd::open_all_faults(need).map_err(std::io::Error::other)?;
+    let uffd = u::Uffd::open_all_faults(handoff::SHIM_FEATURES).map_err(std::io::Error::other)?;
     uffd.register(base, len, u::MODE_MISSING | u::MODE_WP)
         .map_err(std::io::Error::other)?;
     let sock = std::os::unix::net::UnixStream::connect(&path)
@@ -144,10 +140,10 @@ fn hand_over(base: u64, len: u64) -> std::io::Result<()> {
     handoff::send_fd(sock.as_raw_fd(), &hello.encode(), uffd.as_raw_fd())?;
     // Our copy of the fd is not needed: the runner serves it now.
     drop(uffd);
-    let mut ack = [0u8; 24];
+    let mut ack = [0u8; agent::REQUEST_LEN];
     sock.set_read_timeout(Some(std::time::Duration::from_secs(60)))?;
     std::io::Read::read_exact(&mut &sock, &mut ack)?;
-    if agent::parse(&ack).map(|r| r.0) != Some(agent::ACK) {
+    if agent::Request::decode(&ack, len) != Ok(agent::Request::Ack) {
         return Err(std::io::Error::other(
             "the runner did not acknowledge the guest RAM",
         ));
@@ -161,30 +157,32 @@ fn hand_over(base: u64, len: u64) -> std::io::Result<()> {
 
 /// The agent: carry out the runner's requests on QEMU's mapping.
 fn serve(sock: std::os::unix::net::UnixStream, base: u64, len: u64) {
-    let mut buf = [0u8; 24];
+    let mut buf = [0u8; agent::REQUEST_LEN];
     loop {
         if std::io::Read::read_exact(&mut &sock, &mut buf).is_err() {
             break;
         }
-        let r: i64 = match agent::parse(&buf) {
-            Some((agent::ZAP, off, n)) if off.checked_add(n).is_some_and(|e| e <= len) => {
-                // SAFETY: a range inside the guest RAM mapping (checked);
-                // DONTNEED on a shared mapping drops page-table entries
-                // only, the memfd keeps the data.
+        let r = match agent::Request::decode(&buf, len) {
+            Ok(agent::Request::Zap { off, len: n }) => {
+                // SAFETY: whole pages inside the guest RAM mapping (checked
+                // by decode); DONTNEED on a shared mapping drops page-table
+                // entries only, the memfd keeps the data.
                 let rc = unsafe {
                     libc::madvise((base + off) as *mut c_void, n as usize, libc::MADV_DONTNEED)
                 };
                 if rc == 0 {
-                    0
+                    Ok(())
                 } else {
-                    -(std::io::Error::last_os_error()
+                    Err(std::io::Error::last_os_error()
                         .raw_os_error()
-                        .unwrap_or(libc::EIO) as i64)
+                        .unwrap_or(libc::EIO))
                 }
             }
-            _ => -(libc::EINVAL as i64),
+            // A second ACK asks for nothing.
+            Ok(agent::Request::Ack) => Ok(()),
+            Err(errno) => Err(errno),
         };
-        if std::io::Write::write_all(&mut &sock, &r.to_le_bytes()).is_err() {
+        if std::io::Write::write_all(&mut &sock, &agent::reply(r)).is_err() {
             break;
         }
     }
