@@ -87,12 +87,16 @@ fuzz-smoke:
 	fuzz/run.sh nbd $$(( $(FUZZ_SECONDS) / 2 ))
 	fuzz/run.sh kv_text $$(( $(FUZZ_SECONDS) / 2 ))
 	fuzz/run.sh qmp_reply $$(( $(FUZZ_SECONDS) / 2 ))
+	fuzz/run.sh migration_stream $$(( $(FUZZ_SECONDS) / 2 ))
+	fuzz/run.sh vm_shim $$(( $(FUZZ_SECONDS) / 2 ))
+	fuzz/run.sh config $$(( $(FUZZ_SECONDS) / 2 ))
+	fuzz/run.sh registry_records $$(( $(FUZZ_SECONDS) / 2 ))
 
 # Every fuzz target for FUZZ_CAMPAIGN_SECONDS each (default 30 minutes):
 # make fuzz-campaign FUZZ_CAMPAIGN_SECONDS=1800
 FUZZ_CAMPAIGN_SECONDS ?= 1800
 fuzz-campaign: deps
-	for t in server_session proto_decode http_auth nbd kv_text qmp_reply; do fuzz/run.sh $$t $(FUZZ_CAMPAIGN_SECONDS) || exit 1; done
+	for t in server_session proto_decode http_auth nbd kv_text qmp_reply migration_stream vm_shim config registry_records; do fuzz/run.sh $$t $(FUZZ_CAMPAIGN_SECONDS) || exit 1; done
 
 # The split-migration demo on a 4-host testbed (root: network namespaces).
 demo: build

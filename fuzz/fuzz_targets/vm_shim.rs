@@ -1,0 +1,110 @@
+//! The messages between a VM guest's runner and the shim inside QEMU
+//! (which runs guest code and is not trusted by the runner), over a real
+//! Unix socket pair: the hand-over (`recv_fd` with 0 to 3 file descriptors
+//! attached, `Hello::decode`, `Hello::check`), then the agent's requests
+//! (`agent::Request::decode`, what the shim obeys) and answers
+//! (`agent::parse_reply`, what the runner believes). Nothing may panic, no
+//! received fd may stay open once dropped, an accepted hello is whole pages
+//! of user space of the expected size, and an obeyed zap is whole pages
+//! inside the mapping.
+//!
+//! Input: byte 0 = fds attached (mod 4), byte 1 = the hello's length (mod
+//! 65, at least 1), then the hello's bytes, then 24-byte requests and
+//! 8-byte answers alternately.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use pagefleet_uffd::handoff::{self, agent, Hello, USER_ADDRESS_END};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+
+/// The guest size and QEMU pid the runner expects.
+const SIZE: u64 = 64 << 20;
+const PID: u64 = 4242;
+
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0)
+}
+
+/// Send `msg` with `n` copies of `fd` in one SCM_RIGHTS message (n = 0: no
+/// control message at all).
+fn send_with_fds(sock: &UnixStream, msg: &[u8], fd: i32, n: usize) {
+    let fds = [fd; 3];
+    let mut cbuf = [0u64; 8];
+    let mut iov = libc::iovec {
+        iov_base: msg.as_ptr() as *mut libc::c_void,
+        iov_len: msg.len(),
+    };
+    // SAFETY: one control message of n <= 3 fds in an aligned 64-byte
+    // buffer; every pointer outlives the sendmsg call.
+    unsafe {
+        let mut m: libc::msghdr = std::mem::zeroed();
+        m.msg_iov = &mut iov;
+        m.msg_iovlen = 1;
+        if n > 0 {
+            let bytes = (n * 4) as u32;
+            m.msg_control = cbuf.as_mut_ptr().cast();
+            m.msg_controllen = libc::CMSG_SPACE(bytes) as usize;
+            let c = libc::CMSG_FIRSTHDR(&m);
+            (*c).cmsg_level = libc::SOL_SOCKET;
+            (*c).cmsg_type = libc::SCM_RIGHTS;
+            (*c).cmsg_len = libc::CMSG_LEN(bytes) as usize;
+            std::ptr::copy_nonoverlapping(fds.as_ptr(), libc::CMSG_DATA(c).cast::<i32>(), n);
+        }
+        libc::sendmsg(sock.as_raw_fd(), &m, libc::MSG_NOSIGNAL);
+    }
+}
+
+fuzz_target!(|data: &[u8]| {
+    if data.len() < 3 {
+        return;
+    }
+    let nfds = (data[0] % 4) as usize;
+    let hello_len = ((data[1] % 65) as usize).max(1).min(data.len() - 2);
+    let (hello_bytes, rest) = data[2..].split_at(hello_len);
+    let before = open_fds();
+    {
+        let (qemu, runner) = UnixStream::pair().expect("socketpair");
+        let (r, w) = std::io::pipe().expect("pipe");
+        send_with_fds(&qemu, hello_bytes, w.as_raw_fd(), nfds);
+        drop(qemu);
+        drop((r, w));
+        let mut buf = [0u8; 64];
+        match handoff::recv_fd(runner.as_raw_fd(), &mut buf) {
+            Ok(Some((n, _uffd))) => {
+                assert!(nfds > 0, "an fd from a message that had none");
+                assert_eq!(n, hello_bytes.len());
+                if let Some(h) = Hello::decode(&buf[..n]) {
+                    assert_eq!(h.encode().as_slice(), &buf[..n]);
+                    if h.check(SIZE, PID).is_ok() {
+                        assert_eq!((h.len, h.pid), (SIZE, PID));
+                        assert!(h.base > 0 && h.base % 4096 == 0);
+                        assert!(h.base + h.len <= USER_ADDRESS_END);
+                        assert_eq!(h.features & handoff::SHIM_FEATURES, handoff::SHIM_FEATURES);
+                    }
+                }
+            }
+            Ok(None) => {}
+            Err(_) => assert!(nfds == 0, "a message with an fd refused"),
+        }
+    }
+    assert_eq!(open_fds(), before, "a received fd stayed open");
+    let mut d = rest;
+    while d.len() >= agent::REQUEST_LEN {
+        let (req, tail) = d.split_at(agent::REQUEST_LEN);
+        if let Ok(r) = agent::Request::decode(req, SIZE) {
+            assert_eq!(r.encode().as_slice(), req);
+            if let agent::Request::Zap { off, len } = r {
+                assert!(len > 0 && off % 4096 == 0 && len % 4096 == 0);
+                assert!(off.checked_add(len).is_some_and(|e| e <= SIZE));
+            }
+        }
+        d = tail;
+        if d.len() >= agent::REPLY_LEN {
+            let (a, tail) = d.split_at(agent::REPLY_LEN);
+            let v = i64::from_le_bytes(a.try_into().expect("8 bytes"));
+            assert_eq!(agent::parse_reply(v.to_le_bytes()).is_ok(), v == 0);
+            d = tail;
+        }
+    }
+});
