@@ -287,11 +287,12 @@ pub fn run(o: &Options, stop: &AtomicBool, mut on_decision: impl FnMut(&State)) 
                         let p = sw.progress();
                         sweep = None;
                         info!(
-                            "sweep done: {} MiB brought back in, {} areas left where there was no room",
+                            "sweep done: {} MiB brought back in ({} MiB duplicates among them), {} areas left where there was no room",
                             p.brought_pages >> 8,
+                            p.duplicate_pages >> 8,
                             p.full_areas
                         );
-                        if let Some(d2) = a.swept(p.brought_pages, &s, &m) {
+                        if let Some(d2) = a.swept(&p, &s, &m) {
                             if let Err(e) = apply(d2.run, d2.pages_to_scan, d2.sleep_millisecs) {
                                 warn!("{e:#}");
                             }
