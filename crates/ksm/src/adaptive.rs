@@ -401,6 +401,11 @@ impl Adaptive {
         self.sweep = SweepState::Spent {
             swap_pages: m.swap_used_pages(),
         };
+        // The sweep's own swap-ins were weighed above: they are no sign of
+        // duplicates made resident, so they must not wake merging (bench
+        // ksm saw 33 MiB of them wake a 9 s merging phase that found
+        // nothing).
+        self.idle_swpin = m.swapped_in_pages;
         None
     }
 
@@ -1025,6 +1030,28 @@ mod tests {
         assert!(a.swept(&swept(6_400, 2_000), &s, &in_swap(295)).is_none());
         let (mut a, _) = idle_after_merging(320);
         let d = a.swept(&swept(6_400, 2_600), &s, &in_swap(295)).expect("merging");
+        assert_eq!(d.phase, Phase::Merging, "{}", d.why);
+    }
+
+    #[test]
+    fn a_sweeps_own_swap_ins_do_not_wake_merging() {
+        let (mut a, d) = idle_after_merging(320);
+        assert!(d.sweep);
+        let s = st(115_100, 3, 0.9);
+        // It brought 42 MiB in, none of them duplicates.
+        let after = Memory {
+            swapped_in_pages: 42 << 8,
+            ..in_swap(278)
+        };
+        assert!(a.swept(&swept(42 << 8, 0), &s, &after).is_none());
+        let d = a.step(&s, &after, 1.0);
+        assert_eq!(d.phase, Phase::Idling, "{}", d.why);
+        // Clients swapping pages back in afterwards still wake it.
+        let later = Memory {
+            swapped_in_pages: (42 << 8) + 8192,
+            ..in_swap(278)
+        };
+        let d = a.step(&s, &later, 1.0);
         assert_eq!(d.phase, Phase::Merging, "{}", d.why);
     }
 

@@ -292,6 +292,9 @@ pub fn run(o: &Options, stop: &AtomicBool, mut on_decision: impl FnMut(&State)) 
                             p.duplicate_pages >> 8,
                             p.full_areas
                         );
+                        // Read after the sweep's last slice: its swap-ins
+                        // are its own, not the tenants'.
+                        let m = Memory::read()?;
                         if let Some(d2) = a.swept(&p, &s, &m) {
                             if let Err(e) = apply(d2.run, d2.pages_to_scan, d2.sleep_millisecs) {
                                 warn!("{e:#}");
