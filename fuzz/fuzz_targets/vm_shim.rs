@@ -26,35 +26,6 @@ fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0)
 }
 
-/// Send `msg` with `n` copies of `fd` in one SCM_RIGHTS message (n = 0: no
-/// control message at all).
-fn send_with_fds(sock: &UnixStream, msg: &[u8], fd: i32, n: usize) {
-    let fds = [fd; 3];
-    let mut cbuf = [0u64; 8];
-    let mut iov = libc::iovec {
-        iov_base: msg.as_ptr() as *mut libc::c_void,
-        iov_len: msg.len(),
-    };
-    // SAFETY: one control message of n <= 3 fds in an aligned 64-byte
-    // buffer; every pointer outlives the sendmsg call.
-    unsafe {
-        let mut m: libc::msghdr = std::mem::zeroed();
-        m.msg_iov = &mut iov;
-        m.msg_iovlen = 1;
-        if n > 0 {
-            let bytes = (n * 4) as u32;
-            m.msg_control = cbuf.as_mut_ptr().cast();
-            m.msg_controllen = libc::CMSG_SPACE(bytes) as usize;
-            let c = libc::CMSG_FIRSTHDR(&m);
-            (*c).cmsg_level = libc::SOL_SOCKET;
-            (*c).cmsg_type = libc::SCM_RIGHTS;
-            (*c).cmsg_len = libc::CMSG_LEN(bytes) as usize;
-            std::ptr::copy_nonoverlapping(fds.as_ptr(), libc::CMSG_DATA(c).cast::<i32>(), n);
-        }
-        libc::sendmsg(sock.as_raw_fd(), &m, libc::MSG_NOSIGNAL);
-    }
-}
-
 fuzz_target!(|data: &[u8]| {
     if data.len() < 3 {
         return;
@@ -66,7 +37,8 @@ fuzz_target!(|data: &[u8]| {
     {
         let (qemu, runner) = UnixStream::pair().expect("socketpair");
         let (r, w) = std::io::pipe().expect("pipe");
-        send_with_fds(&qemu, hello_bytes, w.as_raw_fd(), nfds);
+        handoff::send_fds(qemu.as_raw_fd(), hello_bytes, &[w.as_raw_fd(); 3][..nfds])
+            .expect("sendmsg over a socket pair");
         drop(qemu);
         drop((r, w));
         let mut buf = [0u8; 64];

@@ -10,10 +10,26 @@ pub const MAX_MSG: usize = 256;
 
 /// Send `msg` (at most [`MAX_MSG`] bytes) and `fd` in one datagram/record.
 pub fn send_fd(sock: RawFd, msg: &[u8], fd: RawFd) -> io::Result<()> {
+    send_fds(sock, msg, &[fd])
+}
+
+/// Most fds [`send_fds`] sends with one message.
+pub const MAX_SEND_FDS: usize = 8;
+
+/// Send `msg` (1..=256 bytes) with `fds` (0..=[`MAX_SEND_FDS`]) in one
+/// SCM_RIGHTS message. Tests and fuzz targets send what a hostile shim
+/// could (several fds, or none) with it.
+pub fn send_fds(sock: RawFd, msg: &[u8], fds: &[RawFd]) -> io::Result<()> {
     if msg.is_empty() || msg.len() > MAX_MSG {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
             "message of 1..=256 bytes",
+        ));
+    }
+    if fds.len() > MAX_SEND_FDS {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "at most 8 fds with one message",
         ));
     }
     let mut iov = libc::iovec {
@@ -22,22 +38,30 @@ pub fn send_fd(sock: RawFd, msg: &[u8], fd: RawFd) -> io::Result<()> {
     };
     // u64s: the control buffer must be aligned for cmsghdr.
     let mut cbuf = [0u64; 8];
-    // SAFETY: CMSG_SPACE is a pure size computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+    let bytes = std::mem::size_of_val(fds) as u32;
     // SAFETY: msghdr is plain data; every pointer set below outlives the call.
     let mut m: libc::msghdr = unsafe { std::mem::zeroed() };
     m.msg_iov = &mut iov;
     m.msg_iovlen = 1;
-    m.msg_control = cbuf.as_mut_ptr().cast();
-    m.msg_controllen = space;
-    // SAFETY: the control buffer holds one cmsghdr with room for one fd
-    // (space <= 64 bytes); CMSG_FIRSTHDR/CMSG_DATA point inside it.
-    unsafe {
-        let c = libc::CMSG_FIRSTHDR(&m);
-        (*c).cmsg_level = libc::SOL_SOCKET;
-        (*c).cmsg_type = libc::SCM_RIGHTS;
-        (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as usize;
-        std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<RawFd>(), fd);
+    if !fds.is_empty() {
+        m.msg_control = cbuf.as_mut_ptr().cast();
+        // SAFETY: CMSG_SPACE is a pure size computation.
+        m.msg_controllen = unsafe { libc::CMSG_SPACE(bytes) } as usize;
+        // SAFETY: the control buffer (64 bytes) holds one cmsghdr with room
+        // for MAX_SEND_FDS fds (CMSG_SPACE(32) = 48 bytes);
+        // CMSG_FIRSTHDR/CMSG_DATA point inside it, and `fds` has exactly
+        // the fds.len() values copied.
+        unsafe {
+            let c = libc::CMSG_FIRSTHDR(&m);
+            (*c).cmsg_level = libc::SOL_SOCKET;
+            (*c).cmsg_type = libc::SCM_RIGHTS;
+            (*c).cmsg_len = libc::CMSG_LEN(bytes) as usize;
+            std::ptr::copy_nonoverlapping(
+                fds.as_ptr(),
+                libc::CMSG_DATA(c).cast::<RawFd>(),
+                fds.len(),
+            );
+        }
     }
     // SAFETY: m describes valid buffers for the duration of the call.
     let n = unsafe { libc::sendmsg(sock, &m, libc::MSG_NOSIGNAL) };
@@ -390,26 +414,7 @@ mod tests {
         // Three fds in one SCM_RIGHTS message (what a hostile shim could
         // send): the pipe's read end, then its write end twice.
         let fds = [r.as_raw_fd(), w.as_raw_fd(), w.as_raw_fd()];
-        let mut cbuf = [0u64; 8];
-        let msg = b"hi";
-        let mut iov = libc::iovec {
-            iov_base: msg.as_ptr() as *mut libc::c_void,
-            iov_len: msg.len(),
-        };
-        // SAFETY: a test building one control message in an aligned buffer.
-        unsafe {
-            let mut m: libc::msghdr = std::mem::zeroed();
-            m.msg_iov = &mut iov;
-            m.msg_iovlen = 1;
-            m.msg_control = cbuf.as_mut_ptr().cast();
-            m.msg_controllen = libc::CMSG_SPACE(12) as usize;
-            let c = libc::CMSG_FIRSTHDR(&m);
-            (*c).cmsg_level = libc::SOL_SOCKET;
-            (*c).cmsg_type = libc::SCM_RIGHTS;
-            (*c).cmsg_len = libc::CMSG_LEN(12) as usize;
-            std::ptr::copy_nonoverlapping(fds.as_ptr(), libc::CMSG_DATA(c).cast::<i32>(), 3);
-            assert_eq!(libc::sendmsg(a.as_raw_fd(), &m, 0), 2);
-        }
+        send_fds(a.as_raw_fd(), b"hi", &fds).unwrap();
         drop(r);
         let mut buf = [0u8; 16];
         let (n, kept) = recv_fd(b.as_raw_fd(), &mut buf).unwrap().unwrap();
