@@ -15,11 +15,11 @@ CARGO ?= cargo
 # a ksmtuned daemon would fight the KSM tests over /sys/kernel/mm/ksm.
 APT_PKGS := build-essential pkg-config python3 python3-venv memcached libmemcached-tools python3-pymemcache iproute2 util-linux \
             qemu-utils libnbd-bin python3-libnbd nbdkit fio qemu-system-x86 cpio ksmtuned \
-            etcd-server etcd-client protobuf-compiler libprotobuf-dev
+            etcd-server etcd-client protobuf-compiler libprotobuf-dev prometheus
 VENV := .venv
 FUZZ_SECONDS ?= 30
 
-.PHONY: all deps deps-apt deps-rust deps-python build guest vm lint test test-unit fuzz-smoke fuzz-campaign demo demo-vm bench clean
+.PHONY: all deps deps-apt deps-rust deps-python build guest vm lint test test-unit fuzz-smoke fuzz-campaign demo demo-vm bench install deb clean
 
 all: build
 
@@ -97,6 +97,59 @@ fuzz-smoke:
 FUZZ_CAMPAIGN_SECONDS ?= 1800
 fuzz-campaign: deps
 	for t in server_session proto_decode http_auth nbd kv_text qmp_reply migration_stream vm_shim config registry_records; do fuzz/run.sh $$t $(FUZZ_CAMPAIGN_SECONDS) || exit 1; done
+
+# Install what `make build` built (run that first: install only copies):
+#   make build && sudo make install [PREFIX=/usr/local] [DESTDIR=/staging]
+# binaries in PREFIX/bin, the VM shim in PREFIX/lib/pagefleet (where
+# pagefleetd's runners look for it), the systemd unit in
+# PREFIX/lib/systemd/system, the sample config in /etc/pagefleet (never
+# over an existing one), the docs in PREFIX/share/doc/pagefleet, manual
+# pages (pagefleet(1) and its subcommands, pagefleetd(8)) and bash, zsh and
+# fish completions under PREFIX/share.
+PREFIX ?= /usr/local
+SYSCONFDIR ?= /etc
+BINDIR = $(PREFIX)/bin
+PKGLIBDIR = $(PREFIX)/lib/pagefleet
+UNITDIR = $(PREFIX)/lib/systemd/system
+DOCDIR = $(PREFIX)/share/doc/pagefleet
+MANDIR = $(PREFIX)/share/man
+COMPDIR = $(PREFIX)/share
+install:
+	@for f in target/release/pagefleet target/release/pagefleetd target/release/libpagefleet_vmshim.so; do \
+	  [ -f $$f ] || { echo "install: $$f missing: run make build first" >&2; exit 1; }; done
+	install -d $(DESTDIR)$(BINDIR) $(DESTDIR)$(PKGLIBDIR) $(DESTDIR)$(UNITDIR) \
+	  $(DESTDIR)$(SYSCONFDIR)/pagefleet $(DESTDIR)$(DOCDIR)/docs
+	install -m 0755 target/release/pagefleet target/release/pagefleetd $(DESTDIR)$(BINDIR)/
+	install -m 0644 target/release/libpagefleet_vmshim.so $(DESTDIR)$(PKGLIBDIR)/
+	sed -e 's|/usr/local/bin/|$(BINDIR)/|g' -e 's|/usr/local/share/doc/|$(PREFIX)/share/doc/|g' \
+	  -e 's|/etc/pagefleet|$(SYSCONFDIR)/pagefleet|g' packaging/pagefleetd.service > $(DESTDIR)$(UNITDIR)/pagefleetd.service
+	chmod 0644 $(DESTDIR)$(UNITDIR)/pagefleetd.service
+	[ -e $(DESTDIR)$(SYSCONFDIR)/pagefleet/pagefleetd.toml ] || \
+	  sed -e 's|/usr/local/bin/|$(BINDIR)/|g' -e 's|/etc/pagefleet|$(SYSCONFDIR)/pagefleet|g' packaging/pagefleetd.toml \
+	  > $(DESTDIR)$(SYSCONFDIR)/pagefleet/pagefleetd.toml
+	install -m 0644 README.md $(DESTDIR)$(DOCDIR)/
+	install -m 0644 docs/*.md $(DESTDIR)$(DOCDIR)/docs/
+	install -d $(DESTDIR)$(MANDIR)/man1 $(DESTDIR)$(MANDIR)/man8 $(DESTDIR)$(COMPDIR)/bash-completion/completions \
+	  $(DESTDIR)$(COMPDIR)/zsh/vendor-completions $(DESTDIR)$(COMPDIR)/fish/vendor_completions.d
+	target/release/pagefleet man $(DESTDIR)$(MANDIR)/man1
+	target/release/pagefleetd --man > $(DESTDIR)$(MANDIR)/man8/pagefleetd.8
+	target/release/pagefleet completions bash > $(DESTDIR)$(COMPDIR)/bash-completion/completions/pagefleet
+	target/release/pagefleet completions zsh > $(DESTDIR)$(COMPDIR)/zsh/vendor-completions/_pagefleet
+	target/release/pagefleet completions fish > $(DESTDIR)$(COMPDIR)/fish/vendor_completions.d/pagefleet.fish
+
+# A Debian package of what `make build` built: `make install PREFIX=/usr`
+# into target/deb/root, the control files from packaging/debian, then
+# dpkg-deb: target/pagefleet_VERSION_ARCH.deb.
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
+DEB_ROOT = target/deb/root
+deb:
+	rm -rf $(DEB_ROOT) && mkdir -p $(DEB_ROOT)/DEBIAN
+	$(MAKE) install DESTDIR=$(CURDIR)/$(DEB_ROOT) PREFIX=/usr
+	arch=$$(dpkg --print-architecture); \
+	  sed -e 's/@VERSION@/$(VERSION)/' -e "s/@ARCH@/$$arch/" packaging/debian/control > $(DEB_ROOT)/DEBIAN/control && \
+	  install -m 0644 packaging/debian/conffiles $(DEB_ROOT)/DEBIAN/ && \
+	  install -m 0755 packaging/debian/postinst packaging/debian/prerm packaging/debian/postrm $(DEB_ROOT)/DEBIAN/ && \
+	  dpkg-deb --root-owner-group --build $(DEB_ROOT) target/pagefleet_$(VERSION)_$$arch.deb
 
 # The split-migration demo on a 4-host testbed (root: network namespaces).
 demo: build

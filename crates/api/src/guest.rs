@@ -590,6 +590,9 @@ pub struct PagingCosts {
     /// Pages re-replication copied.
     #[serde(default)]
     pub rereplicated_pages: u64,
+    /// Fault service times (fault read to page installed), seconds.
+    #[serde(default)]
+    pub fault_seconds: crate::HistogramSnapshot,
 }
 
 /// What a sort job reports (control op `sort`).

@@ -12,11 +12,13 @@
 
 pub mod control;
 pub mod guest;
+pub mod histogram;
 pub mod host;
 pub mod launch;
 pub mod migration;
 
 pub use control::{ControlReply, ControlRequest};
+pub use histogram::HistogramSnapshot;
 pub use guest::{
     ContentFill, GuestFailure, GuestSpec, GuestState, GuestStatus, PageLocations, PagingCosts,
     SortResult,

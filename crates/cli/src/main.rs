@@ -12,6 +12,7 @@ mod cert;
 mod cluster;
 mod gc;
 mod run;
+mod top;
 
 /// pagefleet pools spare memory across hosts: memory servers lend it, guests
 /// page to it, and (as milestones land) large guests split-migrate onto it.
@@ -69,6 +70,20 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// The bearer token a Prometheus scrapes every pagefleetd's /metrics
+    /// with, from the cluster secret (every host accepts it; it opens
+    /// nothing but GET /metrics). In prometheus.yml, per scrape job:
+    ///
+    ///   authorization: { credentials_file: /etc/prometheus/pagefleet.token }
+    ///
+    /// Example: pagefleet scrape-token > /etc/prometheus/pagefleet.token
+    ScrapeToken,
+    /// The cluster in the terminal, refreshed in place (like virt-top):
+    /// hosts and their memory, guests with ops, pages in and out per second
+    /// and the last interval's fault p99, migrations in progress.
+    ///
+    /// Example: pagefleet top --hosts 10.0.0.1:7071,10.0.0.2:7071
+    Top(top::TopArgs),
     /// Start or stop guests on the cluster's hosts.
     #[command(subcommand)]
     Guest(cluster::GuestCmd),
@@ -137,6 +152,20 @@ enum Cmd {
     /// I/O guarantee on a shared block device: every tenant keeps its minimum.
     #[command(subcommand)]
     Ioqos(pagefleet_ioqos::cli::Command),
+    /// A shell completion script on stdout.
+    ///
+    /// Example: pagefleet completions bash > /etc/bash_completion.d/pagefleet
+    Completions {
+        /// bash, zsh, fish, elvish or powershell.
+        shell: clap_complete::Shell,
+    },
+    /// Write the manual pages, pagefleet(1) and one per subcommand
+    /// (pagefleet-guest-start(1), ...), into a directory (`make install`
+    /// installs them).
+    Man {
+        /// The directory (created if missing).
+        out: PathBuf,
+    },
     /// A guest's runner (pagefleetd starts it and writes its job to stdin; internal).
     #[command(hide = true)]
     RunnerGuest {
@@ -652,13 +681,13 @@ fn main() {
 fn runner(kind: &str) -> Result<()> {
     init_log("info");
     let exit = pagefleet_runner::launch(std::io::stdin().lock(), kind)?;
-    eprintln!("runner ends: {exit:?}");
+    tracing::info!("runner ends: guest {exit}");
     Ok(())
 }
 
 fn run(cli: Cli) -> Result<()> {
     let sf = cli.secret_file.as_deref();
-    if !matches!(cli.cmd, Cmd::Cert(_)) {
+    if !matches!(cli.cmd, Cmd::Cert(_) | Cmd::Completions { .. } | Cmd::Man { .. }) {
         pagefleet_tls::init_process_identity(cli.tls_dir.as_deref())
             .map_err(|e| anyhow::anyhow!("--tls-dir: {e}"))?;
     }
@@ -698,10 +727,32 @@ fn run(cli: Cli) -> Result<()> {
         }
         Cmd::RunnerGuest { .. } => runner("guest"),
         Cmd::RunnerIncoming { .. } => runner("incoming"),
+        Cmd::Completions { shell } => {
+            use clap::CommandFactory;
+            // Into a buffer: clap_complete panics on a write error (a
+            // closed pipe); ours is an error message.
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "pagefleet", &mut script);
+            std::io::Write::write_all(&mut std::io::stdout().lock(), &script)
+                .map_err(|e| anyhow::anyhow!("writing the completion script: {e}"))
+        }
+        Cmd::Man { out } => {
+            use clap::CommandFactory;
+            std::fs::create_dir_all(&out)
+                .map_err(|e| anyhow::anyhow!("cannot create {}: {e}", out.display()))?;
+            clap_mangen::generate_to(Cli::command().name("pagefleet"), &out)
+                .map_err(|e| anyhow::anyhow!("writing manual pages into {}: {e}", out.display()))
+        }
         Cmd::Status { hosts, reg, json } => {
             cluster::status(&cluster::client(sf)?, &reg.registry, &hosts, json)
         }
         Cmd::Guest(g) => cluster::guest(&cluster::client(sf)?, g),
+        Cmd::Top(t) => top::main(&cluster::client(sf)?, &t),
+        Cmd::ScrapeToken => {
+            let secret = Secret::resolve(sf)?;
+            println!("{}", pagefleet_common::httpauth::scrape_token(&secret));
+            Ok(())
+        }
         Cmd::Gc {
             grace,
             dry_run,

@@ -73,6 +73,12 @@ fn unhex<const N: usize>(s: &str) -> Option<[u8; N]> {
     Some(out)
 }
 
+/// The bearer token a Prometheus scrapes `GET /metrics` with, in hex
+/// (`Authorization: Bearer TOKEN`; [`Secret::scrape_token`]).
+pub fn scrape_token(secret: &Secret) -> String {
+    hex(&secret.scrape_token())
+}
+
 /// The `Authorization` header value for one request.
 pub fn sign(secret: &Secret, method: &str, path: &str, body: &[u8]) -> String {
     sign_at(secret, method, path, body, unix_now())
@@ -171,6 +177,15 @@ impl Verifier {
             secret,
             seen: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// `header` is `Bearer` and this cluster's scrape token (compared in
+    /// constant time): it opens `GET /metrics`, nothing else.
+    pub fn is_scrape_token(&self, header: Option<&str>) -> bool {
+        header
+            .and_then(|h| h.strip_prefix("Bearer "))
+            .and_then(|t| unhex::<32>(t.trim()))
+            .is_some_and(|t| macs_equal(&t, &self.secret.scrape_token()))
     }
 
     /// Accept or refuse one whole request: [`Verifier::verify_head`], then
@@ -335,5 +350,21 @@ mod tests {
             v.verify_at(Some(&h), "GET", "/host", b"", now),
             Err(AuthError::Stale(_))
         ));
+    }
+
+    #[test]
+    fn the_scrape_token_opens_only_for_its_cluster() {
+        let s = Secret::from_bytes(b"0123456789abcdef0123", "test").unwrap();
+        let other = Secret::from_bytes(b"another-cluster-secret!", "test").unwrap();
+        let v = Verifier::new(s.clone());
+        let t = scrape_token(&s);
+        assert_eq!(t.len(), 64);
+        assert!(v.is_scrape_token(Some(format!("Bearer {t}").as_str())));
+        assert!(!v.is_scrape_token(Some(format!("Bearer {}", scrape_token(&other)).as_str())));
+        assert!(!v.is_scrape_token(Some(t.as_str())));
+        assert!(!v.is_scrape_token(Some("Bearer 00")));
+        assert!(!v.is_scrape_token(None));
+        // Not the secret, not a request's MAC.
+        assert!(!t.contains(&hex(s.expose())));
     }
 }

@@ -5,6 +5,7 @@
 //! | route | body | reply |
 //! |---|---|---|
 //! | `GET /metrics` | | Prometheus text |
+//! | `GET /healthz`, `GET /readyz` | | `ok`; `ready` or 503 `not ready: starting / restarting in place / stopping` |
 //! | `GET /host` | | `HostReport` |
 //! | `POST /host/cordon` | `Cordon` | `Cordon` |
 //! | `POST /host/restart` | none | `Restarting` (then the daemon execs itself: in-place restart) |
@@ -61,6 +62,43 @@ pub struct App {
     pub cordoned: Arc<std::sync::atomic::AtomicBool>,
     /// In-place restarts: what to exec, and who asked.
     pub restart: Restart,
+    /// Whether this daemon takes work (`GET /readyz`).
+    pub ready: Readiness,
+}
+
+/// Where the daemon is in its life, as `GET /readyz` and systemd see it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Phase {
+    /// Its services are still starting.
+    Starting = 0,
+    /// Every listener serves.
+    Serving = 1,
+    /// Execing itself (an in-place restart): back in well under a second.
+    Restarting = 2,
+    /// Stopping.
+    Stopping = 3,
+}
+
+/// The daemon's [`Phase`], shared by the main loop and the API.
+#[derive(Default)]
+pub struct Readiness(std::sync::atomic::AtomicU8);
+
+impl Readiness {
+    /// Now in `p`.
+    pub fn set(&self, p: Phase) {
+        self.0.store(p as u8, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// The phase now.
+    pub fn get(&self) -> Phase {
+        match self.0.load(std::sync::atomic::Ordering::SeqCst) {
+            1 => Phase::Serving,
+            2 => Phase::Restarting,
+            3 => Phase::Stopping,
+            _ => Phase::Starting,
+        }
+    }
 }
 
 /// What an in-place restart (`POST /host/restart`, SIGUSR2) needs.
@@ -148,8 +186,26 @@ async fn blocking<T: Serialize + Send + 'static>(
 }
 
 async fn index() -> &'static str {
-    "pagefleetd: GET /metrics /host /cluster /guests /guests/NAME; POST /host/cordon /host/restart /guests /incoming \
+    "pagefleetd: GET /metrics /healthz /readyz /host /cluster /guests /guests/NAME; POST /host/cordon /host/restart /guests /incoming \
      /guests/NAME/{stop,rm,cancel,sort,set_budget,evacuate,migrate} /migrations /evacuations; GET /memserver/regions, POST /memserver/drop /gc (signed requests; see docs/architecture.md)\n"
+}
+
+/// `GET /healthz`: the daemon answers (liveness).
+async fn healthz() -> &'static str {
+    "ok\n"
+}
+
+/// `GET /readyz`: 200 while the daemon serves; 503 with the reason while
+/// it starts, restarts in place or stops (a load balancer sends nothing
+/// new meanwhile). Nothing else is told.
+async fn readyz(State(app): Shared) -> Response {
+    let why = match app.ready.get() {
+        Phase::Serving => return (StatusCode::OK, "ready\n").into_response(),
+        Phase::Starting => "not ready: starting\n",
+        Phase::Restarting => "not ready: restarting in place\n",
+        Phase::Stopping => "not ready: stopping\n",
+    };
+    (StatusCode::SERVICE_UNAVAILABLE, why).into_response()
 }
 
 async fn metrics(State(app): Shared) -> Response {
@@ -470,6 +526,8 @@ pub fn router(app: Arc<App>) -> Router {
     Router::new()
         .route("/", get(index))
         .route("/metrics", get(metrics))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
         .route("/host", get(host))
         .route("/host/cordon", post(cordon))
         .route("/host/restart", post(restart))

@@ -3,6 +3,7 @@
 //! ```toml
 //! name = "rack1-h3"         # this host's name in reports (default: hostname)
 //! log = "info"
+//! log_format = "plain"      # or "json": one JSON object per line (journald, a log shipper)
 //! secret_file = "/etc/pagefleet/secret"
 //! tls_dir = "/etc/pagefleet/tls"  # this host's certificates (pagefleet cert issue)
 //! stop_drain_secs = 0       # on SIGTERM while lending pages to running guests: move them within this (0: refuse)
@@ -12,6 +13,7 @@
 //! listen = "0.0.0.0:7070"
 //! metrics = "127.0.0.1:7071" # the HTTP API (default loopback), or "off"
 //! public_metrics = false     # GET /metrics without a signature
+//! public_health = false      # GET /healthz and /readyz without a signature (a load balancer)
 //! max_conns = 512
 //! io_timeout_secs = 30
 //! handshake_timeout_secs = 5
@@ -51,6 +53,18 @@ use serde::Deserialize;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+/// How pagefleetd writes its log lines (to stderr: the journal under
+/// systemd).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Text; coloured only on a terminal.
+    #[default]
+    Plain,
+    /// One JSON object per line: time, level, target, message and fields.
+    Json,
+}
+
 /// The TOML configuration file (`--config`); see the module doc.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -59,6 +73,8 @@ pub struct FileConfig {
     pub name: Option<String>,
     /// Log filter (error, warn, info, debug, trace; or RUST_LOG syntax).
     pub log: Option<String>,
+    /// How log lines are written.
+    pub log_format: Option<LogFormat>,
     /// The cluster secret file.
     pub secret_file: Option<PathBuf>,
     /// This host's TLS identity directory.
@@ -159,6 +175,8 @@ pub struct MemserverSection {
     pub metrics: Option<String>,
     /// GET /metrics without a signature.
     pub public_metrics: Option<bool>,
+    /// GET /healthz and /readyz without a signature.
+    pub public_health: Option<bool>,
     /// Most simultaneous client connections.
     pub max_conns: Option<u32>,
     /// Drop a client stalled this long, seconds.
@@ -180,6 +198,8 @@ pub struct Flags {
     pub metrics: Option<String>,
     /// GET /metrics without a signature.
     pub public_metrics: Option<bool>,
+    /// GET /healthz and /readyz without a signature.
+    pub public_health: Option<bool>,
     /// The cluster secret file.
     pub secret_file: Option<PathBuf>,
     /// This host's TLS identity directory.
@@ -192,6 +212,8 @@ pub struct Flags {
     pub handshake_timeout_secs: Option<u64>,
     /// Log filter (error, warn, info, debug, trace; or RUST_LOG syntax).
     pub log: Option<String>,
+    /// How log lines are written.
+    pub log_format: Option<LogFormat>,
     /// Memory this host gives guests (guest host service on).
     pub guest_memory: Option<u64>,
     /// The pagefleet binary that runs guests (default: beside pagefleetd).
@@ -238,6 +260,8 @@ pub struct Settings {
     pub metrics: Option<String>,
     /// `GET /metrics` without a signature.
     pub public_metrics: bool,
+    /// GET /healthz and /readyz without a signature.
+    pub public_health: bool,
     /// The cluster secret file.
     pub secret_file: Option<PathBuf>,
     /// This host's TLS identity directory (none: `$PAGEFLEET_TLS_DIR`, else
@@ -251,6 +275,8 @@ pub struct Settings {
     pub handshake_timeout: Duration,
     /// Log filter (error, warn, info, debug, trace; or RUST_LOG syntax).
     pub log: String,
+    /// How log lines are written.
+    pub log_format: LogFormat,
     /// Memory this host gives guests (guest host service on).
     pub guest_memory: Option<u64>,
     /// The pagefleet binary that runs guests (default: beside pagefleetd).
@@ -408,12 +434,14 @@ pub fn merge(file: FileConfig, flags: Flags) -> Result<Settings> {
             .unwrap_or_else(|| "127.0.0.1:7070".into()),
         metrics: flags.metrics.or(m.metrics),
         public_metrics: flags.public_metrics.or(m.public_metrics).unwrap_or(false),
+        public_health: flags.public_health.or(m.public_health).unwrap_or(false),
         secret_file: flags.secret_file.or(file.secret_file),
         tls_dir: flags.tls_dir.or(file.tls_dir),
         max_conns,
         io_timeout: Duration::from_secs(io),
         handshake_timeout: Duration::from_secs(hs),
         log: flags.log.or(file.log).unwrap_or_else(|| "info".into()),
+        log_format: flags.log_format.or(file.log_format).unwrap_or_default(),
         guest_memory,
         runner: flags.runner.or(g.runner),
         guest_dir: flags.guest_dir.or(g.dir),
@@ -437,6 +465,28 @@ pub fn merge(file: FileConfig, flags: Flags) -> Result<Settings> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn log_format_and_health_probes_come_from_the_file_or_the_flags() {
+        let f = FileConfig::parse("log_format = \"json\"\n[memserver]\npublic_health = true\n").unwrap();
+        let s = merge(f, Flags::default()).unwrap();
+        assert_eq!(s.log_format, LogFormat::Json);
+        assert!(s.public_health && !s.public_metrics);
+        let d = merge(FileConfig::default(), Flags::default()).unwrap();
+        assert_eq!(d.log_format, LogFormat::Plain);
+        assert!(!d.public_health);
+        let s = merge(
+            FileConfig::parse("log_format = \"json\"\n").unwrap(),
+            Flags {
+                log_format: Some(LogFormat::Plain),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(s.log_format, LogFormat::Plain);
+        let e = FileConfig::parse("log_format = \"xml\"\n").unwrap_err();
+        assert!(format!("{e:#}").contains("plain"), "{e:#}");
+    }
 
     #[test]
     fn flags_override_file_and_file_overrides_defaults() {

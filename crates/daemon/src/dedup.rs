@@ -196,21 +196,45 @@ impl Dedup {
 
     /// Prometheus text.
     pub fn metrics(&self) -> String {
+        use pagefleet_common::metrics::{Exposition, Kind::*};
         let r = self.report();
-        format!(
-            "# HELP pagefleet_dedup_pages_indexed Distinct page contents in this host's index.\n\
-             # TYPE pagefleet_dedup_pages_indexed gauge\npagefleet_dedup_pages_indexed {}\n\
-             # HELP pagefleet_dedup_index_bytes Memory the content index holds.\n\
-             # TYPE pagefleet_dedup_index_bytes gauge\npagefleet_dedup_index_bytes {}\n\
-             # HELP pagefleet_dedup_lookups_total Contents incoming migrations asked about.\n\
-             # TYPE pagefleet_dedup_lookups_total counter\npagefleet_dedup_lookups_total {}\n\
-             # HELP pagefleet_dedup_hits_total Of those, found on this host.\n\
-             # TYPE pagefleet_dedup_hits_total counter\npagefleet_dedup_hits_total {}\n\
-             # HELP pagefleet_dedup_scanned_pages_total Pages the scanner hashed.\n\
-             # TYPE pagefleet_dedup_scanned_pages_total counter\npagefleet_dedup_scanned_pages_total {}\n\
-             # HELP pagefleet_dedup_scan_cpu_seconds_total CPU the scanner used.\n\
-             # TYPE pagefleet_dedup_scan_cpu_seconds_total counter\npagefleet_dedup_scan_cpu_seconds_total {}\n",
-            r.pages_indexed, r.bytes, r.lookups, r.hits, r.pages_scanned, r.scan_cpu_secs
-        )
+        let mut e = Exposition::new();
+        e.single(
+            "pagefleet_dedup_pages_indexed",
+            Gauge,
+            "Distinct page contents in this host's index.",
+            r.pages_indexed,
+        );
+        e.single(
+            "pagefleet_dedup_index_bytes",
+            Gauge,
+            "Memory the content index holds.",
+            r.bytes,
+        );
+        e.single(
+            "pagefleet_dedup_lookups_total",
+            Counter,
+            "Contents incoming migrations asked about.",
+            r.lookups,
+        );
+        e.single(
+            "pagefleet_dedup_hits_total",
+            Counter,
+            "Of those, found on this host.",
+            r.hits,
+        );
+        e.single(
+            "pagefleet_dedup_scanned_pages_total",
+            Counter,
+            "Pages the scanner hashed.",
+            r.pages_scanned,
+        );
+        e.single(
+            "pagefleet_dedup_scan_cpu_seconds_total",
+            Counter,
+            "CPU the scanner used.",
+            r.scan_cpu_secs,
+        );
+        e.finish()
     }
 }

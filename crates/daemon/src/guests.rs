@@ -181,144 +181,166 @@ impl Guests {
     /// memory, and per guest what its runner reports (asked over its control
     /// socket: call from a blocking context).
     pub fn metrics(&self) -> String {
-        let mut per = String::new();
+        use pagefleet_common::metrics::{Exposition, Kind::*};
+        const PAGE: f64 = 4096.0;
+        let mut e = Exposition::new();
+        let used: u64 = lock(&self.map).values().map(|e| e.budget_pages).sum();
+        // Every runner's own state (a runner that received its migration
+        // says running, not incoming), and the failed records.
+        let all = self.list();
+        e.single(
+            "pagefleet_host_guest_memory_bytes",
+            Gauge,
+            "Memory this host gives guests (sum of budgets allowed).",
+            self.cfg.memory,
+        );
+        e.single(
+            "pagefleet_host_guest_budget_bytes",
+            Gauge,
+            "Sum of the budgets of the guests here.",
+            used * 4096,
+        );
+        let mut f = e.family(
+            "pagefleet_guests",
+            Gauge,
+            "Guests on this host by state (incoming: a runner waiting for a migration; failed: records kept until `guest rm`).",
+        );
+        for (state, name) in [
+            (GuestState::Starting, "starting"),
+            (GuestState::Incoming, "incoming"),
+            (GuestState::Running, "running"),
+            (GuestState::Migrating, "migrating"),
+            (GuestState::Failed, "failed"),
+        ] {
+            f.sample(
+                &[("state", name)],
+                all.iter().filter(|g| g.state == state).count(),
+            );
+        }
+        e.single(
+            "pagefleet_guest_failures_total",
+            Counter,
+            "Runners that ended on their own or were killed (not stopped, not migrated away).",
+            self.failures.load(Relaxed),
+        );
         type Get = fn(&GuestStatus) -> f64;
-        let series: [(&str, &str, &str, Get); 16] = [
-            (
-                "resident_pages",
-                "gauge",
-                "Pages resident on this host.",
-                |g| g.resident_pages as f64,
-            ),
-            ("remote_pages", "gauge", "Pages on memory servers.", |g| {
-                g.remote_pages as f64
+        let series: [(&str, pagefleet_common::metrics::Kind, &str, Get); 19] = [
+            ("size_bytes", Gauge, "The guest's memory size.", |g| g.size as f64),
+            ("budget_bytes", Gauge, "Memory the guest may keep resident here.", |g| {
+                g.budget_pages as f64 * PAGE
+            }),
+            ("resident_bytes", Gauge, "Guest memory resident on this host.", |g| {
+                g.resident_pages as f64 * PAGE
+            }),
+            ("remote_bytes", Gauge, "Guest memory on memory servers.", |g| {
+                g.remote_pages as f64 * PAGE
             }),
             (
-                "page_ins_total",
-                "counter",
-                "Pages brought in from memory servers.",
-                |g| g.page_ins as f64,
+                "paged_in_bytes_total",
+                Counter,
+                "Guest memory brought in from memory servers.",
+                |g| g.page_ins as f64 * PAGE,
             ),
             (
-                "page_outs_total",
-                "counter",
-                "Pages sent to memory servers.",
-                |g| g.page_outs as f64,
+                "paged_out_bytes_total",
+                Counter,
+                "Guest memory sent to memory servers.",
+                |g| g.page_outs as f64 * PAGE,
             ),
+            ("ops_total", Counter, "Operations the guest's workload completed.", |g| {
+                g.ops as f64
+            }),
             (
                 "clean_drops_total",
-                "counter",
+                Counter,
                 "Evictions that sent nothing (clean pages).",
                 |g| g.paging.as_ref().map_or(0.0, |p| p.clean_drops as f64),
             ),
             (
-                "page_in_cpu_us",
-                "gauge",
-                "Pager CPU per page brought in, microseconds.",
-                |g| g.paging.as_ref().map_or(0.0, |p| p.cpu_per_page_in_us),
+                "page_in_cpu_seconds",
+                Gauge,
+                "Pager CPU per page brought in.",
+                |g| g.paging.as_ref().map_or(0.0, |p| p.cpu_per_page_in_us * 1e-6),
             ),
             (
-                "page_out_cpu_us",
-                "gauge",
-                "Pager CPU per page evicted, microseconds.",
-                |g| g.paging.as_ref().map_or(0.0, |p| p.cpu_per_page_out_us),
-            ),
-            (
-                "fault_p50_us",
-                "gauge",
-                "Fault service time, median, microseconds.",
-                |g| g.paging.as_ref().map_or(0.0, |p| p.fault_p50_us),
-            ),
-            (
-                "fault_p99_us",
-                "gauge",
-                "Fault service time, 99th percentile, microseconds.",
-                |g| g.paging.as_ref().map_or(0.0, |p| p.fault_p99_us),
+                "page_out_cpu_seconds",
+                Gauge,
+                "Pager CPU per page evicted.",
+                |g| g.paging.as_ref().map_or(0.0, |p| p.cpu_per_page_out_us * 1e-6),
             ),
             (
                 "direct_reclaims_total",
-                "counter",
+                Counter,
                 "Page-outs run over the budget (faults waited).",
                 |g| g.paging.as_ref().map_or(0.0, |p| p.direct_reclaims as f64),
             ),
             (
+                "direct_reclaim_seconds_total",
+                Counter,
+                "Time page-outs over the budget took (faults waited meanwhile).",
+                |g| g.paging.as_ref().map_or(0.0, |p| p.direct_reclaim_ms * 1e-3),
+            ),
+            (
+                "replicas",
+                Gauge,
+                "Copies of every remote page the guest keeps (1 or 2).",
+                |g| g.paging.as_ref().map_or(0.0, |p| p.replicas as f64),
+            ),
+            (
                 "degraded_pages",
-                "gauge",
+                Gauge,
                 "Remote pages with fewer copies than the guest's replicas (until re-replication restores them).",
                 |g| g.paging.as_ref().map_or(0.0, |p| p.degraded_pages as f64),
             ),
             (
                 "servers_down",
-                "gauge",
+                Gauge,
                 "Memory servers the guest found dead or hung and not answering since.",
                 |g| g.paging.as_ref().map_or(0.0, |p| p.servers_down as f64),
             ),
             (
                 "server_failures_total",
-                "counter",
+                Counter,
                 "Times the guest found a memory server dead or hung.",
                 |g| g.paging.as_ref().map_or(0.0, |p| p.server_failures as f64),
             ),
             (
                 "servers_revived_total",
-                "counter",
+                Counter,
                 "Times a memory server the guest called down answered again and was used again.",
                 |g| g.paging.as_ref().map_or(0.0, |p| p.servers_revived as f64),
             ),
             (
                 "hedged_reads_total",
-                "counter",
+                Counter,
                 "Faulting pages asked of a mirror because their memory server missed its deadline.",
                 |g| g.paging.as_ref().map_or(0.0, |p| p.hedged_reads as f64),
             ),
             (
                 "rereplicated_pages_total",
-                "counter",
+                Counter,
                 "Pages re-replication copied to another memory server.",
                 |g| g.paging.as_ref().map_or(0.0, |p| p.rereplicated_pages as f64),
             ),
         ];
-        let guests: Vec<GuestStatus> = self
-            .list()
-            .into_iter()
-            .filter(|g| g.state.is_live())
-            .collect();
+        let guests: Vec<&GuestStatus> = all.iter().filter(|g| g.state.is_live()).collect();
         for (name, kind, help, get) in series {
-            per.push_str(&format!(
-                "# HELP pagefleet_guest_{name} {help}\n# TYPE pagefleet_guest_{name} {kind}\n"
-            ));
+            let mut f = e.family(&format!("pagefleet_guest_{name}"), kind, help);
             for g in &guests {
-                per.push_str(&format!(
-                    "pagefleet_guest_{name}{{guest=\"{}\"}} {}\n",
-                    g.name,
-                    get(g)
-                ));
+                f.sample(&[("guest", g.name.as_str())], get(g));
             }
         }
-        let (n, incoming, used) = {
-            let m = lock(&self.map);
-            (
-                m.len(),
-                m.values().filter(|e| e.incoming).count(),
-                m.values().map(|e| e.budget_pages).sum::<u64>(),
-            )
-        };
-        format!(
-            "# HELP pagefleet_guest_memory_bytes Memory this host gives guests (sum of budgets allowed).\n\
-             # TYPE pagefleet_guest_memory_bytes gauge\npagefleet_guest_memory_bytes {}\n\
-             # HELP pagefleet_guest_budget_bytes Sum of the budgets of the guests here.\n\
-             # TYPE pagefleet_guest_budget_bytes gauge\npagefleet_guest_budget_bytes {}\n\
-             # HELP pagefleet_guests Guests on this host (incoming: a runner waiting for a migration; failed: records kept until `guest rm`).\n\
-             # TYPE pagefleet_guests gauge\npagefleet_guests{{state=\"running\"}} {}\npagefleet_guests{{state=\"incoming\"}} {}\npagefleet_guests{{state=\"failed\"}} {}\n\
-             # HELP pagefleet_guest_failures_total Runners that ended on their own or were killed (not stopped, not migrated away).\n\
-             # TYPE pagefleet_guest_failures_total counter\npagefleet_guest_failures_total {}\n",
-            self.cfg.memory,
-            used * 4096,
-            n - incoming,
-            incoming,
-            lock(&self.failed).len(),
-            self.failures.load(Relaxed),
-        ) + &per
+        let mut f = e.family(
+            "pagefleet_guest_fault_seconds",
+            Histogram,
+            "Fault service time: the fault read to the page installed.",
+        );
+        for g in &guests {
+            if let Some(p) = &g.paging {
+                f.histogram(&[("guest", g.name.as_str())], &p.fault_seconds);
+            }
+        }
+        e.finish()
     }
 
     /// Reserve memory, start a runner for `job` and wait for its ready line.
@@ -471,6 +493,16 @@ impl Guests {
         if let Some(e) = lock(&self.map).get_mut(name) {
             e.pid = pid;
         }
+        info!(
+            "guest {name} {} (runner {pid}, budget {}, log {})",
+            if incoming {
+                "waits for its incoming migration"
+            } else {
+                "started"
+            },
+            crate::fmt_size(budget_pages * 4096),
+            log_path.display()
+        );
         self.save_runners();
         // Reap it; its memory goes back when it exits (stopped or migrated away).
         let me = self.clone();
@@ -703,6 +735,7 @@ impl Guests {
         if matches!(req, ControlRequest::Stop) {
             if let Some(e) = lock(&self.map).get_mut(name) {
                 e.stopping = true;
+                info!("guest {name} (runner {}): stop asked", e.pid);
             }
         }
         // Moving a sub-host's pages or sorting takes as long as it takes.

@@ -1,8 +1,9 @@
 //! pagefleetd's HTTP endpoint: hyper (through axum's router) on a small
 //! tokio runtime of its own. Every request is checked before any handler
 //! runs: it must be signed with the cluster secret
-//! ([`pagefleet_common::httpauth`]), except `GET /metrics` when the operator
-//! opened it (`public_metrics`). The signature is checked from the head
+//! ([`pagefleet_common::httpauth`]), except `GET /metrics`, `/healthz` and
+//! `/readyz` when the operator opened them (`public_metrics`,
+//! `public_health`). The signature is checked from the head
 //! alone (it states the body's hash): a stranger's body is never read.
 //!
 //! What a stranger can hold: a connection slot until its head is in (5 s at
@@ -112,6 +113,9 @@ pub struct Gate {
     pub verifier: Verifier,
     /// `GET /metrics` without a signature (for a Prometheus scraper).
     pub public_metrics: bool,
+    /// `GET /healthz` and `GET /readyz` without a signature (for a load
+    /// balancer's probes).
+    pub public_health: bool,
     /// This host's TLS identity (HTTPS; required from non-loopback peers).
     pub tls: Option<Arc<pagefleet_tls::Identity>>,
 }
@@ -121,7 +125,19 @@ pub struct Gate {
 /// then the body (at most [`MAX_BODY`], within [`BODY_TIMEOUT`]) against it.
 async fn authenticate(State(gate): State<Arc<Gate>>, req: Request, next: Next) -> Response {
     let (parts, body) = req.into_parts();
-    if gate.public_metrics && parts.method == Method::GET && parts.uri.path() == "/metrics" {
+    let auth = parts
+        .headers
+        .get(header::AUTHORIZATION)
+        .and_then(|h| h.to_str().ok());
+    let open = parts.method == Method::GET
+        && match parts.uri.path() {
+            // A Prometheus with the cluster's scrape token (or any scraper
+            // when the operator opened the metrics).
+            "/metrics" => gate.public_metrics || gate.verifier.is_scrape_token(auth),
+            "/healthz" | "/readyz" => gate.public_health,
+            _ => false,
+        };
+    if open {
         admit();
         return next.run(Request::from_parts(parts, body)).await;
     }
@@ -130,10 +146,6 @@ async fn authenticate(State(gate): State<Arc<Gate>>, req: Request, next: Next) -
         .path_and_query()
         .map(|p| p.as_str().to_string())
         .unwrap_or_else(|| parts.uri.path().to_string());
-    let auth = parts
-        .headers
-        .get(header::AUTHORIZATION)
-        .and_then(|h| h.to_str().ok());
     let refused = |e: AuthError| {
         debug!("refused {} {path}: {e}", parts.method);
         let status = match e {

@@ -60,6 +60,11 @@ struct Args {
     /// every other route still requires the cluster secret.
     #[arg(long)]
     public_metrics: bool,
+    /// Serve `GET /healthz` (the daemon answers) and `GET /readyz` (it
+    /// serves and is not stopping, draining or restarting) without a
+    /// signature, for a load balancer's probes; they tell nothing else.
+    #[arg(long)]
+    public_health: bool,
     /// Cluster secret file (default: $PAGEFLEET_SECRET_FILE, else
     /// /etc/pagefleet/secret as root, else ~/.config/pagefleet/secret).
     /// $PAGEFLEET_SECRET, if set, is the secret itself.
@@ -160,6 +165,14 @@ struct Args {
     /// Log filter (error, warn, info, debug, trace; or RUST_LOG syntax; default info).
     #[arg(long, env = "PAGEFLEET_LOG")]
     log: Option<String>,
+    /// plain (text; coloured only on a terminal) or json (one object per
+    /// line, for journald or a log shipper).
+    #[arg(long, value_enum)]
+    log_format: Option<config::LogFormat>,
+    /// Print this manual page, pagefleetd(8), in roff and exit (`make
+    /// install` installs it).
+    #[arg(long, hide = true)]
+    man: bool,
 }
 
 fn main() {
@@ -177,6 +190,13 @@ fn main() {
 
 fn run() -> Result<()> {
     let args = Args::parse();
+    if args.man {
+        use clap::CommandFactory;
+        let page = clap_mangen::Man::new(Args::command()).section("8");
+        page.render(&mut std::io::stdout().lock())
+            .context("writing the manual page")?;
+        return Ok(());
+    }
     let file = match &args.config {
         Some(p) => FileConfig::load(p)?,
         None => FileConfig::default(),
@@ -188,12 +208,14 @@ fn run() -> Result<()> {
             listen: args.listen,
             metrics: args.metrics,
             public_metrics: args.public_metrics.then_some(true),
+            public_health: args.public_health.then_some(true),
             secret_file: args.secret_file,
             tls_dir: args.tls_dir,
             max_conns: args.max_conns,
             io_timeout_secs: args.io_timeout,
             handshake_timeout_secs: args.handshake_timeout,
             log: args.log,
+            log_format: args.log_format,
             guest_memory: args.guest_memory,
             runner: args.runner,
             guest_dir: args.guest_dir,
@@ -212,14 +234,21 @@ fn run() -> Result<()> {
             registry: args.registry,
         },
     )?;
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_new(&a.log).context("bad --log filter")?,
-        )
-        .with_writer(std::io::stderr)
-        // Colour only for a person at a terminal: a log file (a runner's,
-        // the KSM controller's in a bench, systemd's) gets plain text.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    let filter = tracing_subscriber::EnvFilter::try_new(&a.log).context("bad --log filter")?;
+    match a.log_format {
+        config::LogFormat::Plain => tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            // Colour only for a person at a terminal: a log file (a
+            // runner's, the KSM controller's in a bench, systemd's) gets
+            // plain text.
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .init(),
+        config::LogFormat::Json => tracing_subscriber::fmt()
+            .json()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .init(),
+    }
     Ok(pagefleet_daemon::service::run(a)?)
 }

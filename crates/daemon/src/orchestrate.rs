@@ -277,21 +277,46 @@ pub fn relay(
     leave_cancels: bool,
     mut emit: impl FnMut(&ProgressEvent) -> bool,
 ) {
+    let to = req.to.clone();
     let s = match g.migrate_stream(name, &ControlRequest::Migrate(req)) {
         Ok(s) => s,
         Err(r) => {
+            tracing::warn!("guest {name}: migration to {to} not started: {}", r.message);
             emit(&failed(r.message));
             return;
         }
     };
+    tracing::info!("guest {name}: migrating to {to}");
     let shut = s.try_clone();
     let mut listening = true;
     let path = std::path::PathBuf::from(format!("guest {name}"));
     let r = pagefleet_common::control::read_lines::<ProgressEvent>(&path, s, |ev| {
-        if matches!(ev, ProgressEvent::Report(_)) {
-            // The guest runs elsewhere now: its memory here is free at
-            // once (the runner exits right after).
-            g.forget(name);
+        match &ev {
+            ProgressEvent::Report(r) => {
+                tracing::info!(
+                    "guest {name}: migrated to {} in {:.1} s ({} rounds, {:.0} ms downtime, sub-hosts: {})",
+                    r.main_host,
+                    r.total_secs,
+                    r.rounds,
+                    r.downtime_ms,
+                    if r.sub_hosts.is_empty() {
+                        "none".to_string()
+                    } else {
+                        r.sub_hosts.join(", ")
+                    }
+                );
+                // The guest runs elsewhere now: its memory here is free at
+                // once (the runner exits right after).
+                g.forget(name);
+            }
+            ProgressEvent::Failed(f) => {
+                tracing::warn!(
+                    "guest {name}: migration to {to} failed{}: {}",
+                    if f.rolled_back.is_empty() { "" } else { " (rolled back)" },
+                    f.message
+                );
+            }
+            _ => {}
         }
         if listening && !emit(&ev) {
             listening = false;

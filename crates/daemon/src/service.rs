@@ -359,6 +359,14 @@ fn restart_in_place(
             return;
         }
     }
+    // systemd and /readyz: reloading until the new process serves.
+    if let Some(a) = app {
+        a.ready.set(crate::api::Phase::Restarting);
+    }
+    let _ = pagefleet_common::sdnotify::notify(&format!(
+        "RELOADING=1\nSTATUS=restarting in place\nMONOTONIC_USEC={}",
+        pagefleet_common::sdnotify::monotonic_usec()
+    ));
     let e = crate::handover::exec(crate::handover::Outgoing {
         exe,
         args,
@@ -370,6 +378,10 @@ fn restart_in_place(
     if let Some(m) = ms {
         m.state.resume();
     }
+    if let Some(a) = app {
+        a.ready.set(crate::api::Phase::Serving);
+    }
+    let _ = pagefleet_common::sdnotify::notify("READY=1\nSTATUS=serving (the in-place restart failed)");
 }
 
 /// The device guests' service addresses go on when none is configured.
@@ -692,6 +704,7 @@ pub fn run(a: Settings) -> Result<()> {
                 },
                 cordoned,
                 restart: crate::api::Restart::new(exe.clone(), restart_requested),
+                ready: crate::api::Readiness::default(),
             });
             api_app = Some(app.clone());
             if app.etcd.is_some() {
@@ -711,6 +724,7 @@ pub fn run(a: Settings) -> Result<()> {
                 tls: tls.clone(),
                 verifier: Verifier::new(secret.clone()),
                 public_metrics: a.public_metrics,
+                public_health: a.public_health,
             };
             let l = match inherited_http {
                 Some(l) => l,
@@ -749,6 +763,10 @@ pub fn run(a: Settings) -> Result<()> {
                 .unwrap_or_default()
         );
     }
+    // Every listener serves: ready (before the lines a parent waits for).
+    if let Some(app) = &api_app {
+        app.ready.set(crate::api::Phase::Serving);
+    }
     let mut out = std::io::stdout().lock();
     if let Some(m) = &ms {
         writeln!(out, "listening {}", m.addr)?;
@@ -758,6 +776,11 @@ pub fn run(a: Settings) -> Result<()> {
     }
     out.flush()?;
     drop(out);
+    // systemd (Type=notify): started now, every listener serving. After an
+    // in-place restart this also ends the reload the old process announced.
+    if let Err(e) = pagefleet_common::sdnotify::notify("READY=1\nSTATUS=serving") {
+        tracing::warn!("cannot tell systemd this daemon is ready: {e}");
+    }
     // The main thread keeps house: what the daemon's threads freed goes back
     // to the kernel, so its RSS follows what it holds (see common::heap).
     let mut ticks = 0u32;
@@ -780,6 +803,10 @@ pub fn run(a: Settings) -> Result<()> {
         }
     }
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    if let Some(app) = &api_app {
+        app.ready.set(crate::api::Phase::Stopping);
+    }
+    let _ = pagefleet_common::sdnotify::notify("STOPPING=1");
     tracing::info!("stopping");
     if let Some(etcd) = heartbeat_app.as_ref().and_then(|a| a.etcd.as_ref()) {
         // Gone from the registry now, not when the lease runs out.

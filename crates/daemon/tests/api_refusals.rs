@@ -110,6 +110,8 @@ fn routes() -> Vec<(&'static str, &'static str, &'static str)> {
     vec![
         ("GET", "/", ""),
         ("GET", "/metrics", ""),
+        ("GET", "/healthz", ""),
+        ("GET", "/readyz", ""),
         ("GET", "/host", ""),
         ("GET", "/cluster", ""),
         ("GET", "/guests", ""),
@@ -323,12 +325,46 @@ fn metrics_are_closed_unless_opened() {
     let h = host();
     let (st, _) = raw(&h.http, &request("GET", "/metrics", None, b""));
     assert_eq!(st, 401);
+    // The cluster's scrape token opens GET /metrics and nothing else;
+    // another cluster's does not.
+    let token = format!("Bearer {}", httpauth::scrape_token(&h.d.secret));
+    let (st, body) = raw(&h.http, &request("GET", "/metrics", Some(token.as_str()), b""));
+    assert_eq!(st, 200, "{body}");
+    assert!(body.contains("pagefleet_memserver_capacity_bytes"), "{body}");
+    for (m, p) in [("GET", "/host"), ("GET", "/guests"), ("POST", "/metrics")] {
+        let (st, _) = raw(&h.http, &request(m, p, Some(token.as_str()), b""));
+        assert_eq!(st, 401, "{m} {p} with the scrape token");
+    }
+    let wrong = Secret::from_bytes(b"not-the-cluster-secret-at-all", "test").unwrap();
+    let other = format!("Bearer {}", httpauth::scrape_token(&wrong));
+    let (st, _) = raw(&h.http, &request("GET", "/metrics", Some(other.as_str()), b""));
+    assert_eq!(st, 401);
     let open = Daemon::start("16MiB", &["--public-metrics"]);
     let addr = open.metrics.clone().unwrap();
     let (st, body) = raw(&addr, &request("GET", "/metrics", None, b""));
     assert_eq!(st, 200, "{body}");
     // Only /metrics is open.
     let (st, _) = raw(&addr, &request("GET", "/host", None, b""));
+    assert_eq!(st, 401);
+}
+
+#[test]
+fn health_probes_are_closed_unless_opened_and_tell_nothing_else() {
+    let h = host();
+    for path in ["/healthz", "/readyz"] {
+        let (st, _) = raw(&h.http, &request("GET", path, None, b""));
+        assert_eq!(st, 401, "{path}");
+    }
+    let open = Daemon::start("16MiB", &["--public-health"]);
+    let addr = open.metrics.clone().unwrap();
+    let (st, body) = raw(&addr, &request("GET", "/healthz", None, b""));
+    assert_eq!((st, body.as_str()), (200, "ok\n"));
+    let (st, body) = raw(&addr, &request("GET", "/readyz", None, b""));
+    assert_eq!((st, body.as_str()), (200, "ready\n"));
+    // Nothing else is open: not the metrics, not a POST to a probe.
+    let (st, _) = raw(&addr, &request("GET", "/metrics", None, b""));
+    assert_eq!(st, 401);
+    let (st, _) = raw(&addr, &request("POST", "/readyz", None, b"{}"));
     assert_eq!(st, 401);
 }
 

@@ -2,7 +2,7 @@
 
 use crate::store::StoreStats;
 use pagefleet_proto::{ErrorCode, Opcode};
-use std::fmt::Write;
+use pagefleet_common::metrics::Kind;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 const OPS: [Opcode; 9] = [
@@ -71,198 +71,141 @@ impl Metrics {
     }
 }
 
-/// Render every metric in Prometheus text format (version 0.0.4).
-/// The Prometheus text for these counters, the store's `s` and `connections` open.
+/// The Prometheus text (version 0.0.4) for these counters, the store's `s`
+/// and `connections` open.
 pub fn render(m: &Metrics, s: &StoreStats, connections: u32) -> String {
-    let mut o = String::with_capacity(4096);
-    let mut gauge = |name: &str, help: &str, kind: &str, v: u64| {
-        let _ = writeln!(
-            o,
-            "# HELP pagefleet_{name} {help}\n# TYPE pagefleet_{name} {kind}\npagefleet_{name} {v}"
-        );
-    };
-    gauge(
-        "memserver_capacity_bytes",
+    use pagefleet_common::metrics::{Exposition, Kind::*};
+    let mut e = Exposition::new();
+    let page = pagefleet_proto::PAGE_SIZE as u64;
+    e.single(
+        "pagefleet_memserver_capacity_bytes",
+        Gauge,
         "Memory lent by this server.",
-        "gauge",
-        s.capacity_pages * 4096,
+        s.capacity_pages * page,
     );
-    gauge(
-        "memserver_stored_pages",
+    e.single(
+        "pagefleet_memserver_stored_pages",
+        Gauge,
         "Pages currently stored.",
-        "gauge",
         s.stored_pages,
     );
-    gauge(
-        "memserver_stored_bytes",
+    e.single(
+        "pagefleet_memserver_stored_bytes",
+        Gauge,
         "Bytes currently stored.",
-        "gauge",
-        s.stored_pages * 4096,
+        s.stored_pages * page,
     );
-    gauge(
-        "memserver_used_slots",
+    e.single(
+        "pagefleet_memserver_used_slots",
+        Gauge,
         "Slots not free (stored, arriving, or being sent).",
-        "gauge",
         s.used_slots,
     );
-    gauge(
-        "memserver_touched_bytes",
+    e.single(
+        "pagefleet_memserver_touched_bytes",
+        Gauge,
         "Pool bytes ever touched (bound on pool RSS).",
-        "gauge",
-        s.touched_slots * 4096,
+        s.touched_slots * page,
     );
-    gauge(
-        "memserver_regions",
+    e.single(
+        "pagefleet_memserver_regions",
+        Gauge,
         "Regions with at least one page.",
-        "gauge",
         s.region_count,
     );
-    gauge(
-        "memserver_connections",
+    e.single(
+        "pagefleet_memserver_connections",
+        Gauge,
         "Open authenticated sessions.",
-        "gauge",
-        connections as u64,
+        connections,
     );
-    gauge(
-        "memserver_connections_total",
-        "Connections accepted.",
-        "counter",
-        m.connections_total.load(Relaxed),
+    let counters: [(&str, &str, &AtomicU64); 15] = [
+        ("connections_total", "Connections accepted.", &m.connections_total),
+        ("connections_refused_total", "Connections refused (limit).", &m.connections_refused),
+        ("auth_failures_total", "Failed HELLO authentications.", &m.auth_failures),
+        (
+            "handshake_timeouts_total",
+            "Connections closed for not authenticating in time.",
+            &m.handshake_timeouts,
+        ),
+        (
+            "handshake_evictions_total",
+            "Unauthenticated connections dropped to admit newer ones.",
+            &m.handshake_evictions,
+        ),
+        ("tls_handshakes_total", "Connections switched to TLS.", &m.tls_handshakes),
+        (
+            "tls_failures_total",
+            "TLS handshakes that failed (no or a stranger's certificate).",
+            &m.tls_failures,
+        ),
+        ("received_bytes_total", "Bytes received in frames.", &m.bytes_in),
+        ("sent_bytes_total", "Bytes sent in frames.", &m.bytes_out),
+        ("pages_put_total", "Pages received by PUT.", &m.pages_put),
+        ("pages_got_total", "Pages sent by GET (keep or take).", &m.pages_got),
+        (
+            "pages_pushed_total",
+            "Pages stored on other memory servers by PUSH (re-replication).",
+            &m.pages_pushed,
+        ),
+        ("pages_taken_total", "Pages removed by GET take.", &m.pages_taken),
+        (
+            "pages_hashed_total",
+            "Pages PUT_HASHED named by content (sharing-aware migration).",
+            &m.pages_hashed,
+        ),
+        (
+            "pages_hashed_stored_total",
+            "Of those, stored from this host's own content instead of being sent.",
+            &m.pages_hashed_stored,
+        ),
+    ];
+    for (name, help, c) in counters {
+        e.single(&format!("pagefleet_memserver_{name}"), Counter, help, c.load(Relaxed));
+    }
+    let mut f = e.family(
+        "pagefleet_memserver_requests_total",
+        Counter,
+        "Requests by operation.",
     );
-    gauge(
-        "memserver_connections_refused_total",
-        "Connections refused (limit).",
-        "counter",
-        m.connections_refused.load(Relaxed),
-    );
-    gauge(
-        "memserver_auth_failures_total",
-        "Failed HELLO authentications.",
-        "counter",
-        m.auth_failures.load(Relaxed),
-    );
-    gauge(
-        "memserver_handshake_timeouts_total",
-        "Connections closed for not authenticating in time.",
-        "counter",
-        m.handshake_timeouts.load(Relaxed),
-    );
-    gauge(
-        "memserver_handshake_evictions_total",
-        "Unauthenticated connections dropped to admit newer ones.",
-        "counter",
-        m.handshake_evictions.load(Relaxed),
-    );
-    gauge(
-        "memserver_tls_handshakes_total",
-        "Connections switched to TLS.",
-        "counter",
-        m.tls_handshakes.load(Relaxed),
-    );
-    gauge(
-        "memserver_tls_failures_total",
-        "TLS handshakes that failed (no or a stranger's certificate).",
-        "counter",
-        m.tls_failures.load(Relaxed),
-    );
-    gauge(
-        "memserver_received_bytes_total",
-        "Bytes received in frames.",
-        "counter",
-        m.bytes_in.load(Relaxed),
-    );
-    gauge(
-        "memserver_sent_bytes_total",
-        "Bytes sent in frames.",
-        "counter",
-        m.bytes_out.load(Relaxed),
-    );
-    gauge(
-        "memserver_pages_put_total",
-        "Pages received by PUT.",
-        "counter",
-        m.pages_put.load(Relaxed),
-    );
-    gauge(
-        "memserver_pages_got_total",
-        "Pages sent by GET (keep or take).",
-        "counter",
-        m.pages_got.load(Relaxed),
-    );
-    gauge(
-        "memserver_pages_pushed_total",
-        "Pages stored on other memory servers by PUSH (re-replication).",
-        "counter",
-        m.pages_pushed.load(Relaxed),
-    );
-    gauge(
-        "memserver_pages_taken_total",
-        "Pages removed by GET take.",
-        "counter",
-        m.pages_taken.load(Relaxed),
-    );
-    gauge(
-        "memserver_pages_hashed_total",
-        "Pages PUT_HASHED named by content (sharing-aware migration).",
-        "counter",
-        m.pages_hashed.load(Relaxed),
-    );
-    gauge(
-        "memserver_pages_hashed_stored_total",
-        "Of those, stored from this host's own content instead of being sent.",
-        "counter",
-        m.pages_hashed_stored.load(Relaxed),
-    );
-    let _ = writeln!(o, "# HELP pagefleet_memserver_requests_total Requests by operation.\n# TYPE pagefleet_memserver_requests_total counter");
     for (i, op) in OPS.iter().enumerate() {
-        let _ = writeln!(
-            o,
-            "pagefleet_memserver_requests_total{{op=\"{}\"}} {}",
-            op.name(),
-            m.requests[i].load(Relaxed)
-        );
+        f.sample(&[("op", op.name())], m.requests[i].load(Relaxed));
     }
-    let _ = writeln!(o, "# HELP pagefleet_memserver_errors_total Error replies by code.\n# TYPE pagefleet_memserver_errors_total counter");
-    for c in ErrorCode::ALL {
-        let _ = writeln!(
-            o,
-            "pagefleet_memserver_errors_total{{code=\"{}\"}} {}",
-            c.name(),
-            m.errors_of(c)
-        );
-    }
-    let _ = writeln!(o, "# HELP pagefleet_memserver_region_pages Pages stored per region.\n# TYPE pagefleet_memserver_region_pages gauge");
-    for r in &s.regions {
-        let _ = writeln!(
-            o,
-            "pagefleet_memserver_region_pages{{region=\"{:#x}\"}} {}",
-            r.0, r.1
-        );
-    }
-    let _ = writeln!(o, "# HELP pagefleet_memserver_region_received_bytes_total Page bytes received per region.\n# TYPE pagefleet_memserver_region_received_bytes_total counter");
-    for r in &s.regions {
-        let _ = writeln!(
-            o,
-            "pagefleet_memserver_region_received_bytes_total{{region=\"{:#x}\"}} {}",
-            r.0, r.2
-        );
-    }
-    let _ = writeln!(o, "# HELP pagefleet_memserver_region_sent_bytes_total Page bytes sent per region.\n# TYPE pagefleet_memserver_region_sent_bytes_total counter");
-    for r in &s.regions {
-        let _ = writeln!(
-            o,
-            "pagefleet_memserver_region_sent_bytes_total{{region=\"{:#x}\"}} {}",
-            r.0, r.3
-        );
-    }
-    let _ = writeln!(
-        o,
-        "# HELP process_cpu_seconds_total CPU time of pagefleetd (the memory server and whatever else it runs); \
-         per page moved: divide by pages put + pages got.\n# TYPE process_cpu_seconds_total counter\n\
-         process_cpu_seconds_total {:.3}",
-        process_cpu_secs()
+    let mut f = e.family(
+        "pagefleet_memserver_errors_total",
+        Counter,
+        "Error replies by code.",
     );
-    o
+    for c in ErrorCode::ALL {
+        f.sample(&[("code", c.name())], m.errors_of(c));
+    }
+    let regions: Vec<String> = s.regions.iter().map(|r| format!("{:#x}", r.0)).collect();
+    // A region as `StoreStats` lists it: (id, pages, bytes received, bytes sent).
+    type PerRegion = (&'static str, Kind, &'static str, fn(&(u64, u64, u64, u64)) -> u64);
+    let per_region: [PerRegion; 3] = [
+        ("region_pages", Gauge, "Pages stored per region.", |r| r.1),
+        (
+            "region_received_bytes_total",
+            Counter,
+            "Page bytes received per region.",
+            |r| r.2,
+        ),
+        ("region_sent_bytes_total", Counter, "Page bytes sent per region.", |r| r.3),
+    ];
+    for (name, kind, help, get) in per_region {
+        let mut f = e.family(&format!("pagefleet_memserver_{name}"), kind, help);
+        for (r, id) in s.regions.iter().zip(&regions) {
+            f.sample(&[("region", id.as_str())], get(r));
+        }
+    }
+    e.single(
+        "process_cpu_seconds_total",
+        Counter,
+        "CPU time of pagefleetd (the memory server and whatever else it runs); \
+         per page moved: divide by pages put + pages got.",
+        process_cpu_secs(),
+    );
+    e.finish()
 }
 
 /// CPU time of this process so far, seconds (utime + stime).

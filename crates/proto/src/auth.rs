@@ -251,6 +251,15 @@ impl Secret {
         )
     }
 
+    /// The bearer token that opens `GET /metrics` (and nothing else) on
+    /// every pagefleetd of the cluster: HMAC(secret, "pagefleet/1 metrics
+    /// scrape"). A Prometheus holds it instead of the secret; it cannot be
+    /// turned back into the secret or into any other request's MAC (those
+    /// have other labels).
+    pub fn scrape_token(&self) -> [u8; 32] {
+        self.mac(b"pagefleet/1 metrics scrape", &[])
+    }
+
     /// The secret itself, for handing to a child process over a pipe
     /// (never on a command line or in the environment).
     pub fn expose(&self) -> &[u8] {

@@ -5,6 +5,8 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 /// Fault service time histogram (see [`Histogram::BUCKETS`]).
 pub struct Histogram {
     buckets: [AtomicU64; Histogram::BUCKETS],
+    /// The sum of what was counted, ns (Prometheus' `_sum`).
+    sum_ns: AtomicU64,
 }
 
 impl Histogram {
@@ -16,6 +18,12 @@ impl Histogram {
     /// Count one latency of `us` microseconds.
     pub fn record_us(&self, us: f64) {
         self.buckets[Self::bucket(us)].fetch_add(1, Relaxed);
+        self.sum_ns.fetch_add((us.max(0.0) * 1e3) as u64, Relaxed);
+    }
+
+    /// The sum of what was counted, ns.
+    pub fn sum_ns(&self) -> u64 {
+        self.sum_ns.load(Relaxed)
     }
 
     fn bucket(us: f64) -> usize {
@@ -63,6 +71,7 @@ impl Default for Histogram {
     fn default() -> Self {
         Histogram {
             buckets: std::array::from_fn(|_| AtomicU64::new(0)),
+            sum_ns: AtomicU64::new(0),
         }
     }
 }
@@ -147,6 +156,8 @@ pub struct Stats {
     pub fault_ns: u64,
     /// Page-in latency histogram counts (bucket bounds: [`Histogram::upper_us`]).
     pub page_in_latency_buckets: Vec<u64>,
+    /// The sum of those latencies, ns.
+    pub page_in_latency_sum_ns: u64,
     /// Evicted pages whose kept server copy was current: dropped, not sent.
     pub clean_drops: u64,
     /// Paged-in pages written afterwards (their kept copy went stale).
@@ -261,6 +272,7 @@ impl Counters {
             sample_rate: self.sample_rate.load(Relaxed),
             fault_ns: self.fault_ns.load(Relaxed),
             page_in_latency_buckets: self.page_in_latency.counts(),
+            page_in_latency_sum_ns: self.page_in_latency.sum_ns(),
             clean_drops: self.clean_drops.load(Relaxed),
             first_writes: self.first_writes.load(Relaxed),
             prefetched_pages: self.prefetched_pages.load(Relaxed),

@@ -210,6 +210,7 @@ impl Running {
                 servers_revived: s.servers_revived,
                 hedged_reads: s.hedged_reads,
                 rereplicated_pages: s.rereplicated_pages,
+                fault_seconds: fault_seconds(&s),
             }),
             migration: migrating.then(|| progress_of(&self.progress)),
             vm: self.vm.as_ref().map(|v| v.status()),
@@ -488,4 +489,19 @@ pub fn serve(path: &Path, r: Arc<Running>) -> Result<Exit, RunnerError> {
         .map_err(|e| RunnerError::io("control thread", e))?;
     rx.recv()
         .map_err(|_| RunnerError::Invalid("the control socket closed".into()))
+}
+
+/// The pager's fault service times in the exported bounds: its
+/// quarter-octave buckets (µs) folded into powers of two (s), exactly.
+fn fault_seconds(s: &pagefleet_region::Stats) -> pagefleet_api::HistogramSnapshot {
+    use pagefleet_common::metrics::{fold, SERVICE_TIME_BOUNDS_S};
+    let upper: Vec<f64> = (0..s.page_in_latency_buckets.len())
+        .map(|i| pagefleet_region::Histogram::upper_us(i) * 1e-6)
+        .collect();
+    fold(
+        &upper,
+        &s.page_in_latency_buckets,
+        &SERVICE_TIME_BOUNDS_S,
+        s.page_in_latency_sum_ns as f64 * 1e-9,
+    )
 }

@@ -75,6 +75,15 @@ pub enum Exit {
     MigratedAway,
 }
 
+impl std::fmt::Display for Exit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Exit::Stopped => "stopped; its pages on memory servers deleted",
+            Exit::MigratedAway => "migrated away; the destination owns its pages",
+        })
+    }
+}
+
 /// Read the [`Launch`] message from `input` and run it.
 pub fn launch(input: impl std::io::Read, expect: &str) -> Result<Exit, RunnerError> {
     // Before any thread starts (they inherit the mask): SIGINT and SIGTERM

@@ -187,27 +187,41 @@ pub fn qemu_binary() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("qemu-system-x86_64"))
 }
 
-/// The shim library: next to the running executable (cargo puts both in
-/// `target/<profile>/`), or `PAGEFLEET_VMSHIM`.
+/// The shim library: `PAGEFLEET_VMSHIM`, else next to the running
+/// executable (cargo puts both in `target/<profile>/`; test binaries sit
+/// one level down, in `deps/`), else where `make install` and the Debian
+/// package put it: `lib/pagefleet/` beside the executable's `bin/`
+/// (`/usr/local/lib/pagefleet/`, `/usr/lib/pagefleet/`).
 fn shim_path() -> Result<PathBuf, VmError> {
     if let Some(p) = std::env::var_os("PAGEFLEET_VMSHIM") {
         return Ok(PathBuf::from(p));
     }
     let exe = std::env::current_exe().map_err(|e| VmError::io("current executable", e))?;
-    let mut dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();
-    for _ in 0..2 {
-        let p = dir.join("libpagefleet_vmshim.so");
-        if p.is_file() {
-            return Ok(p);
-        }
-        // Test binaries live one level down, in deps/.
-        dir = dir.parent().map(Path::to_path_buf).unwrap_or_default();
-    }
-    Err(VmError::Invalid(format!(
-        "libpagefleet_vmshim.so not found next to {} (cargo build --release --workspace builds it)",
-        exe.display()
-    )))
+    let bin = exe.parent().map(Path::to_path_buf).unwrap_or_default();
+    let up = bin.parent().map(Path::to_path_buf).unwrap_or_default();
+    let candidates = [
+        bin.join(SHIM_FILE),
+        up.join(SHIM_FILE),
+        up.join("lib/pagefleet").join(SHIM_FILE),
+    ];
+    candidates
+        .iter()
+        .find(|p| p.is_file())
+        .cloned()
+        .ok_or_else(|| {
+            VmError::Invalid(format!(
+                "{SHIM_FILE} not found: looked at {} (cargo build --release --workspace builds it; make install puts it in lib/pagefleet/; or set PAGEFLEET_VMSHIM)",
+                candidates
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ))
+        })
 }
+
+/// The VM shim's file name.
+const SHIM_FILE: &str = "libpagefleet_vmshim.so";
 
 /// The shim's agent inside QEMU, as the region's [`Unmapper`].
 struct Agent(Mutex<UnixStream>);
