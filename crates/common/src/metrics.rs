@@ -11,15 +11,13 @@
 //! nothing else in `_total`. `promtool check metrics` on a live host's
 //! `/metrics` is the outside check (`crates/systest/tests/metrics.rs`).
 //!
-//! Ownership: an [`Exposition`] is a `String` being written by one thread;
-//! a [`Histogram`] is shared (`&self` everywhere, relaxed atomics: a scrape
-//! may see a bucket one observation ahead of `_count`, which Prometheus'
-//! `histogram_quantile` tolerates). Cost: `observe` is a bucket search over
-//! at most [`MAX_BUCKETS`] bounds and three atomic adds (~10 ns).
+//! Ownership: an [`Exposition`] is a `String` being written by one thread.
+//! Histograms are counted where they are observed (the pager's
+//! `region::Histogram`) and written here from a [`HistogramSnapshot`]
+//! ([`fold`] maps finer buckets onto the exported bounds).
 
 pub use pagefleet_api::HistogramSnapshot;
 use std::fmt::Write;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 /// What a family is (its `# TYPE`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -164,15 +162,6 @@ impl Exposition {
         self.family(name, kind, help).sample(&[], v);
     }
 
-    /// Appends text another exporter wrote (already in this format, with
-    /// families of its own).
-    pub fn append(&mut self, text: &str) {
-        self.out.push_str(text);
-        if !text.is_empty() && !text.ends_with('\n') {
-            self.out.push('\n');
-        }
-    }
-
     /// The page.
     pub fn finish(self) -> String {
         self.out
@@ -281,9 +270,6 @@ fn escape_label_into(out: &mut String, s: &str) {
     }
 }
 
-/// Most bounds a histogram has (each is a series per label set).
-pub const MAX_BUCKETS: usize = 24;
-
 /// Bounds for service times, seconds: powers of two from 8 µs to 8.4 s (a
 /// fault served over loopback is ~30 µs, over a network ~100 µs, a hung
 /// server's hedge deadline milliseconds, a stall seconds). Powers of two,
@@ -315,59 +301,6 @@ pub fn fold(fine_upper: &[f64], fine_counts: &[u64], bounds: &[f64], sum: f64) -
         counts,
         count,
         sum,
-    }
-}
-
-/// Observations counted into fixed buckets, shared between the threads
-/// that observe and the one that renders.
-pub struct Histogram {
-    bounds: &'static [f64],
-    /// One per bound, then one for everything above the last.
-    counts: Vec<AtomicU64>,
-    /// The sum of observations, f64 bits.
-    sum_bits: AtomicU64,
-}
-
-impl Histogram {
-    /// A histogram over `bounds` (ascending, at most [`MAX_BUCKETS`]).
-    pub fn new(bounds: &'static [f64]) -> Histogram {
-        debug_assert!(bounds.len() <= MAX_BUCKETS);
-        debug_assert!(bounds.windows(2).all(|w| w[0] < w[1]), "bounds ascending");
-        Histogram {
-            bounds,
-            counts: (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect(),
-            sum_bits: AtomicU64::new(0f64.to_bits()),
-        }
-    }
-
-    /// Counts one observation (NaN is not counted).
-    pub fn observe(&self, v: f64) {
-        if v.is_nan() {
-            return;
-        }
-        let i = self.bounds.partition_point(|b| *b < v);
-        self.counts[i].fetch_add(1, Relaxed);
-        let _ = self
-            .sum_bits
-            .fetch_update(Relaxed, Relaxed, |b| Some((f64::from_bits(b) + v).to_bits()));
-    }
-
-    /// Counts one duration, seconds.
-    pub fn observe_duration(&self, d: std::time::Duration) {
-        self.observe(d.as_secs_f64());
-    }
-
-    /// What it holds now.
-    pub fn snapshot(&self) -> HistogramSnapshot {
-        let mut counts: Vec<u64> = self.counts.iter().map(|c| c.load(Relaxed)).collect();
-        let above = counts.pop().unwrap_or(0);
-        let count = counts.iter().sum::<u64>() + above;
-        HistogramSnapshot {
-            bounds: self.bounds.to_vec(),
-            counts,
-            count,
-            sum: f64::from_bits(self.sum_bits.load(Relaxed)),
-        }
     }
 }
 
@@ -435,15 +368,13 @@ mod tests {
 
     #[test]
     fn a_histogram_is_cumulative_with_inf_sum_and_count() {
-        static B: [f64; 3] = [0.001, 0.01, 0.1];
-        let h = Histogram::new(&B);
-        for v in [0.0005, 0.001, 0.002, 0.05, 0.07, 3.0, f64::NAN] {
-            h.observe(v);
-        }
-        let s = h.snapshot();
-        assert_eq!(s.counts, vec![2, 1, 2]);
-        assert_eq!(s.count, 6);
-        assert!((s.sum - 3.1235).abs() < 1e-12, "{}", s.sum);
+        // Observations 0.0005, 0.001 | 0.002 | 0.05, 0.07 | 3.0 (above).
+        let s = HistogramSnapshot {
+            bounds: vec![0.001, 0.01, 0.1],
+            counts: vec![2, 1, 2],
+            count: 6,
+            sum: 3.1235,
+        };
         let mut e = Exposition::new();
         e.family("pagefleet_fault_seconds", Kind::Histogram, "Faults.")
             .histogram(&[("guest", "kv")], &s);
