@@ -68,9 +68,12 @@ test: build guest vm lint fuzz-smoke test-unit
 
 # Clippy with the workspace lints (SAFETY comments on every unsafe block,
 # unsafe operations marked inside unsafe fns, documented library APIs),
-# every warning an error.
+# every warning an error; the Prometheus alerting rules checked and their
+# unit tests run by promtool.
 lint: deps
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	promtool check rules packaging/prometheus/pagefleet-rules.yml
+	cd packaging/prometheus && promtool test rules pagefleet-rules.test.yml
 
 # Doc-tests are skipped (there are none); the last line sums every runner's
 # result so the closing line counts the whole suite.
@@ -129,6 +132,7 @@ install:
 	  > $(DESTDIR)$(SYSCONFDIR)/pagefleet/pagefleetd.toml
 	install -m 0644 README.md $(DESTDIR)$(DOCDIR)/
 	install -m 0644 docs/*.md $(DESTDIR)$(DOCDIR)/docs/
+	install -m 0644 packaging/prometheus/pagefleet-rules.yml $(DESTDIR)$(DOCDIR)/
 	install -d $(DESTDIR)$(MANDIR)/man1 $(DESTDIR)$(MANDIR)/man8 $(DESTDIR)$(COMPDIR)/bash-completion/completions \
 	  $(DESTDIR)$(COMPDIR)/zsh/vendor-completions $(DESTDIR)$(COMPDIR)/fish/vendor_completions.d
 	target/release/pagefleet man $(DESTDIR)$(MANDIR)/man1
