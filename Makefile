@@ -132,7 +132,7 @@ install:
 	  > $(DESTDIR)$(SYSCONFDIR)/pagefleet/pagefleetd.toml
 	install -m 0644 README.md $(DESTDIR)$(DOCDIR)/
 	install -m 0644 docs/*.md $(DESTDIR)$(DOCDIR)/docs/
-	install -m 0644 packaging/prometheus/pagefleet-rules.yml $(DESTDIR)$(DOCDIR)/
+	install -m 0644 packaging/prometheus/pagefleet-rules.yml packaging/grafana/pagefleet.json $(DESTDIR)$(DOCDIR)/
 	install -d $(DESTDIR)$(MANDIR)/man1 $(DESTDIR)$(MANDIR)/man8 $(DESTDIR)$(COMPDIR)/bash-completion/completions \
 	  $(DESTDIR)$(COMPDIR)/zsh/vendor-completions $(DESTDIR)$(COMPDIR)/fish/vendor_completions.d
 	target/release/pagefleet man $(DESTDIR)$(MANDIR)/man1
