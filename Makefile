@@ -72,8 +72,8 @@ test: build guest vm lint fuzz-smoke test-unit
 # unit tests run by promtool.
 lint: deps
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
-	promtool check rules packaging/prometheus/pagefleet-rules.yml
-	cd packaging/prometheus && promtool test rules pagefleet-rules.test.yml
+	promtool check rules packaging/prometheus/rules.yml
+	cd packaging/prometheus && promtool test rules rules.test.yml
 
 # Doc-tests are skipped (there are none); the last line sums every runner's
 # result so the closing line counts the whole suite.
@@ -132,7 +132,8 @@ install:
 	  > $(DESTDIR)$(SYSCONFDIR)/pagefleet/pagefleetd.toml
 	install -m 0644 README.md $(DESTDIR)$(DOCDIR)/
 	install -m 0644 docs/*.md $(DESTDIR)$(DOCDIR)/docs/
-	install -m 0644 packaging/prometheus/pagefleet-rules.yml packaging/grafana/pagefleet.json $(DESTDIR)$(DOCDIR)/
+	install -m 0644 packaging/prometheus/rules.yml $(DESTDIR)$(DOCDIR)/prometheus-rules.yml
+	install -m 0644 packaging/grafana/pagefleet.json $(DESTDIR)$(DOCDIR)/grafana-dashboard.json
 	install -d $(DESTDIR)$(MANDIR)/man1 $(DESTDIR)$(MANDIR)/man8 $(DESTDIR)$(COMPDIR)/bash-completion/completions \
 	  $(DESTDIR)$(COMPDIR)/zsh/vendor-completions $(DESTDIR)$(COMPDIR)/fish/vendor_completions.d
 	target/release/pagefleet man $(DESTDIR)$(MANDIR)/man1
