@@ -207,10 +207,23 @@ pub struct MigrationProgress {
     /// Of which sent so far.
     pub round_sent: u64,
     /// Bytes sent to the main host.
-    /// Bytes sent to the main host.
     pub bytes_main: u64,
     /// Bytes sent to sub-hosts.
     pub bytes_subs: u64,
+    /// Bytes of the current round not sent yet (its pages left, at 4 KiB
+    /// each): what this round still has to move, not the pages the guest
+    /// dirties meanwhile (those are `dirty_rate`'s).
+    #[serde(default)]
+    pub remaining_bytes: u64,
+    /// Bytes per second the last round moved (main host and sub-hosts
+    /// together; 0 until round 1 ends).
+    #[serde(default)]
+    pub transfer_rate: u64,
+    /// Bytes per second the guest dirtied during the last round (0 until
+    /// round 1 ends). Pre-copy converges while this stays below
+    /// `transfer_rate`.
+    #[serde(default)]
+    pub dirty_rate: u64,
 }
 
 /// Why a migration ended without moving the guest.

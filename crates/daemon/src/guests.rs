@@ -129,9 +129,35 @@ pub struct Guests {
     failed: Mutex<BTreeMap<String, GuestStatus>>,
     /// Runners that failed since the daemon started.
     failures: AtomicU64,
+    /// Migrations of guests from this host since the daemon started.
+    migrations: Mutex<MigrationTally>,
     /// Runners are forked by one long-lived thread: their parent-death
     /// signal fires when the forking *thread* exits, not just the daemon.
     spawner: Mutex<std::sync::mpsc::Sender<SpawnReq>>,
+}
+
+/// Migrations from this host since the daemon started: how many ended
+/// each way, and the last one that succeeded.
+#[derive(Debug, Default, Clone, Copy)]
+struct MigrationTally {
+    succeeded: u64,
+    failed: u64,
+    /// Its downtime and its whole time (start to running at the
+    /// destination), seconds.
+    last_downtime_s: f64,
+    last_total_s: f64,
+}
+
+/// A migration's phase as a label: every pre-copy round is `precopy`
+/// (the round is its own series), the others as the runner names them.
+fn phase_label(phase: &str) -> &str {
+    if phase.starts_with("round") {
+        "precopy"
+    } else if phase.is_empty() {
+        "starting"
+    } else {
+        phase
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -160,6 +186,7 @@ impl Guests {
             map: Mutex::new(BTreeMap::new()),
             failed: Mutex::new(BTreeMap::new()),
             failures: AtomicU64::new(0),
+            migrations: Mutex::new(MigrationTally::default()),
             spawner: Mutex::new(tx),
         }))
     }
@@ -172,6 +199,21 @@ impl Guests {
     pub fn free_bytes(&self) -> u64 {
         self.cfg.memory.saturating_sub(self.used_pages() * 4096)
     }
+    /// A migration from this host ended: with its report when the guest
+    /// runs at the destination, `None` when it failed (rolled back or in
+    /// doubt).
+    pub fn migration_ended(&self, report: Option<&pagefleet_api::Report>) {
+        let mut t = lock(&self.migrations);
+        match report {
+            Some(r) => {
+                t.succeeded += 1;
+                t.last_downtime_s = r.downtime_ms / 1e3;
+                t.last_total_s = r.total_secs;
+            }
+            None => t.failed += 1,
+        }
+    }
+
     /// Runners here.
     pub fn count(&self) -> usize {
         lock(&self.map).len()
@@ -340,7 +382,83 @@ impl Guests {
                 f.histogram(&[("guest", g.name.as_str())], &p.fault_seconds);
             }
         }
+        self.migration_metrics(&mut e, &all);
         e.finish()
+    }
+
+    /// The migration series: per guest migrating from here (KubeVirt's
+    /// names where they fit, `kubevirt_vmi_migration_*`), and this host's
+    /// tallies.
+    fn migration_metrics(&self, e: &mut pagefleet_common::metrics::Exposition, all: &[GuestStatus]) {
+        use pagefleet_api::MigrationProgress as P;
+        use pagefleet_common::metrics::Kind::*;
+        let moving: Vec<(&str, &P)> = all
+            .iter()
+            .filter_map(|g| Some((g.name.as_str(), g.migration.as_ref()?)))
+            .collect();
+        type Get = fn(&P) -> u64;
+        let series: [(&str, &str, Get); 5] = [
+            (
+                "data_processed_bytes",
+                "Bytes the migration has sent (main host and sub-hosts).",
+                |p| p.bytes_main + p.bytes_subs,
+            ),
+            (
+                "data_remaining_bytes",
+                "Bytes of the current round not sent yet.",
+                |p| p.remaining_bytes,
+            ),
+            (
+                "transfer_rate_bytes",
+                "Bytes per second the last round moved.",
+                |p| p.transfer_rate,
+            ),
+            (
+                "dirty_memory_rate_bytes",
+                "Bytes per second the guest dirtied during the last round (pre-copy converges while this stays below the transfer rate).",
+                |p| p.dirty_rate,
+            ),
+            ("round", "The pre-copy round under way (the last is stop-and-copy).", |p| p.round),
+        ];
+        for (name, help, get) in series {
+            let mut f = e.family(&format!("pagefleet_migration_{name}"), Gauge, help);
+            for (guest, p) in &moving {
+                f.sample(&[("guest", guest)], get(p));
+            }
+        }
+        let mut f = e.family(
+            "pagefleet_migration_phase",
+            Gauge,
+            "1 for the phase a guest's migration is in (connecting, precopy, stop-and-copy, commit, done, aborting).",
+        );
+        for (guest, p) in &moving {
+            f.sample(&[("guest", guest), ("phase", phase_label(&p.phase))], 1u64);
+        }
+        let t = *lock(&self.migrations);
+        e.single(
+            "pagefleet_migration_last_downtime_seconds",
+            Gauge,
+            "Downtime of the last migration from this host that succeeded (0 before one).",
+            t.last_downtime_s,
+        );
+        e.single(
+            "pagefleet_migration_last_duration_seconds",
+            Gauge,
+            "Start to running at the destination, of the last migration from this host that succeeded (0 before one).",
+            t.last_total_s,
+        );
+        e.single(
+            "pagefleet_migrations_succeeded_total",
+            Counter,
+            "Migrations from this host that left the guest running at the destination.",
+            t.succeeded,
+        );
+        e.single(
+            "pagefleet_migrations_failed_total",
+            Counter,
+            "Migrations from this host that failed (rolled back, or in doubt).",
+            t.failed,
+        );
     }
 
     /// Reserve memory, start a runner for `job` and wait for its ready line.

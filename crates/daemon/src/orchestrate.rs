@@ -282,6 +282,7 @@ pub fn relay(
         Ok(s) => s,
         Err(r) => {
             tracing::warn!("guest {name}: migration to {to} not started: {}", r.message);
+            g.migration_ended(None);
             emit(&failed(r.message));
             return;
         }
@@ -289,6 +290,8 @@ pub fn relay(
     tracing::info!("guest {name}: migrating to {to}");
     let shut = s.try_clone();
     let mut listening = true;
+    // A stream that ends without a report or a failure is a failure too.
+    let mut ended = false;
     let path = std::path::PathBuf::from(format!("guest {name}"));
     let r = pagefleet_common::control::read_lines::<ProgressEvent>(&path, s, |ev| {
         match &ev {
@@ -308,6 +311,8 @@ pub fn relay(
                 // The guest runs elsewhere now: its memory here is free at
                 // once (the runner exits right after).
                 g.forget(name);
+                g.migration_ended(Some(r.as_ref()));
+                ended = true;
             }
             ProgressEvent::Failed(f) => {
                 tracing::warn!(
@@ -315,6 +320,8 @@ pub fn relay(
                     if f.rolled_back.is_empty() { "" } else { " (rolled back)" },
                     f.message
                 );
+                g.migration_ended(None);
+                ended = true;
             }
             _ => {}
         }
@@ -326,6 +333,9 @@ pub fn relay(
         }
         true
     });
+    if !ended {
+        g.migration_ended(None);
+    }
     if let Err(e) = r {
         if listening {
             emit(&failed(e.to_string()));
@@ -352,6 +362,9 @@ pub fn migrate(app: &App, order: MigrationOrder, mut emit: impl FnMut(&ProgressE
     };
     match place(app, &order) {
         Err(r) => {
+            // Asked for and not done: a failed migration for the tallies.
+            tracing::warn!("guest {}: migration not placed: {}", order.guest, r.message);
+            g.migration_ended(None);
             emit(&failed(r.message));
         }
         Ok((placed, req, mut promises)) => {

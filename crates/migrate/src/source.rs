@@ -165,6 +165,10 @@ pub struct Progress {
     pub bytes_main: AtomicU64,
     /// Bytes sent to sub-hosts.
     pub bytes_subs: AtomicU64,
+    /// Bytes per second the last round moved.
+    pub transfer_rate: AtomicU64,
+    /// Bytes per second the guest dirtied during the last round.
+    pub dirty_rate: AtomicU64,
     /// What an abort undid, in order (for the person who asked).
     pub rolled_back: Mutex<Vec<String>>,
 }
@@ -201,6 +205,8 @@ impl Progress {
             &self.round_sent,
             &self.bytes_main,
             &self.bytes_subs,
+            &self.transfer_rate,
+            &self.dirty_rate,
         ] {
             c.store(0, Relaxed);
         }
@@ -440,6 +446,14 @@ impl Run<'_> {
         // Bytes per second the last round achieved (main host and
         // sub-hosts together): what the final copy can expect.
         let mut rate = round1_bytes as f64 / round1_secs.max(1e-3);
+        // What the guest dirtied during a round, per second: against
+        // `rate`, whether pre-copy converges (published for the progress
+        // series; the loop below judges by the page counts).
+        let dirty_rate = |pages: usize, secs: f64| (pages * PAGE) as f64 / secs.max(1e-3);
+        self.progress.transfer_rate.store(rate as u64, Relaxed);
+        self.progress
+            .dirty_rate
+            .store(dirty_rate(changed.len(), round1_secs) as u64, Relaxed);
         let fits = |n: usize, rate: f64| {
             (n * PAGE) as f64 / rate.max(1.0) <= self.o.max_downtime.as_secs_f64()
         };
@@ -461,10 +475,15 @@ impl Run<'_> {
             self.round(rounds, &changed, &info, &servers)?;
             let sent = self.bytes_main + self.bytes_subs.iter().sum::<u64>() - b;
             // A small round's rate says little (latency, not bandwidth).
+            let secs = t.elapsed().as_secs_f64();
             if sent >= 4 << 20 {
-                rate = sent as f64 / t.elapsed().as_secs_f64().max(1e-3);
+                rate = sent as f64 / secs.max(1e-3);
+                self.progress.transfer_rate.store(rate as u64, Relaxed);
             }
             changed = region.take_changed();
+            self.progress
+                .dirty_rate
+                .store(dirty_rate(changed.len(), secs) as u64, Relaxed);
         }
         // A cancel (the caller's Ctrl-C) is honoured up to GO, however
         // quickly the rounds went; the page loops check it too.

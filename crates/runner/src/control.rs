@@ -117,15 +117,24 @@ fn locations(region: &Region) -> Option<PageLocations> {
     Some(p)
 }
 
+/// Bytes of a round's pages not sent yet.
+fn round_sent_left(round_pages: u64, round_sent: u64) -> u64 {
+    round_pages.saturating_sub(round_sent) * pagefleet_region::PAGE as u64
+}
+
 /// The live counters of the source side as the typed progress.
 pub fn progress_of(p: &source::Progress) -> MigrationProgress {
+    let (round_pages, round_sent) = (p.round_pages.load(Relaxed), p.round_sent.load(Relaxed));
     MigrationProgress {
         phase: p.phase.lock().map(|s| s.clone()).unwrap_or_default(),
         round: p.round.load(Relaxed),
-        round_pages: p.round_pages.load(Relaxed),
-        round_sent: p.round_sent.load(Relaxed),
+        round_pages,
+        round_sent,
         bytes_main: p.bytes_main.load(Relaxed),
         bytes_subs: p.bytes_subs.load(Relaxed),
+        remaining_bytes: round_sent_left(round_pages, round_sent),
+        transfer_rate: p.transfer_rate.load(Relaxed),
+        dirty_rate: p.dirty_rate.load(Relaxed),
     }
 }
 
