@@ -51,6 +51,10 @@ pub struct HostReport {
     /// epoch: an in-place restart keeps the pid and changes this.
     #[serde(default)]
     pub started_unix: f64,
+    /// The last migrations from this host that ended, newest last (at
+    /// most [`crate::migration::RECENT_MIGRATIONS`]).
+    #[serde(default)]
+    pub migrations: Vec<crate::migration::FinishedMigration>,
 }
 
 /// `POST /host/restart`'s answer: the daemon execs `binary` once this is

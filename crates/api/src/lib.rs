@@ -29,7 +29,7 @@ pub use host::{
     HostReport, MemRegion,
 };
 pub use migration::{
-    DedupReport, EvacuationEvent, EvacuationOrder, Failure, IncomingReply, IncomingRequest,
+    DedupReport, EvacuationEvent, EvacuationOrder, Failure, FinishedMigration, IncomingReply, IncomingRequest,
     MigrateRequest, MigrationOrder, MigrationProgress, Placed, ProgressEvent, Report, SubHost,
 };
 

@@ -226,6 +226,23 @@ pub struct MigrationProgress {
     pub dirty_rate: u64,
 }
 
+/// Migrations a host remembers having ended (its `HostReport` carries
+/// them, so the dashboard shows the last ones of every host).
+pub const RECENT_MIGRATIONS: usize = 5;
+
+/// A migration from a host that ended, as its `HostReport` lists it.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct FinishedMigration {
+    /// The guest.
+    pub guest: String,
+    /// When it ended, seconds since the Unix epoch.
+    pub at_unix: u64,
+    /// The report, when the guest runs at the destination.
+    pub report: Option<Report>,
+    /// Why it failed, when it did.
+    pub error: Option<String>,
+}
+
 /// Why a migration ended without moving the guest.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct Failure {

@@ -11,6 +11,7 @@
 #![allow(missing_docs)]
 
 pub mod blockdev;
+pub mod dashboard;
 pub mod dedup;
 pub mod ioqos;
 pub mod ksm;

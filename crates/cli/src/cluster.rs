@@ -57,6 +57,35 @@ pub fn hosts(c: &Client, registry: &str, explicit: &[String]) -> Result<Vec<Clus
         .collect())
 }
 
+/// `pagefleet dashboard`: a login link to the dashboard of host `on` (by
+/// default the registry's daemon), after checking that it answers.
+pub fn dashboard_link(c: &Client, secret: &Secret, registry: &str, on: Option<&str>) -> Result<String> {
+    let http = match on {
+        None => registry.to_string(),
+        Some(key) => {
+            let hs = hosts(c, registry, &[])?;
+            let h = &hs[find_host(&hs, key)?];
+            if let Some(e) = &h.error {
+                bail!("host {key} does not answer: {e}");
+            }
+            h.http.clone()
+        }
+    };
+    let r: HostReport = c
+        .get(&http, "/host")
+        .with_context(|| format!("asking pagefleetd at {http}"))?;
+    let loopback = http
+        .parse::<std::net::SocketAddr>()
+        .is_ok_and(|a| a.ip().is_loopback());
+    // A host with a TLS identity takes only HTTPS from other machines.
+    let scheme = if r.tls.is_some() && !loopback { "https" } else { "http" };
+    Ok(format!(
+        "{scheme}://{http}{}?{}",
+        pagefleet_common::httpauth::UI_LOGIN_PATH,
+        pagefleet_common::httpauth::ui_login_query(secret)
+    ))
+}
+
 /// `pagefleet status --json`: one entry per host.
 #[derive(serde::Serialize)]
 struct StatusJson<'a> {

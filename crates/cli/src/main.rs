@@ -78,6 +78,22 @@ enum Cmd {
     ///
     /// Example: pagefleet scrape-token > /etc/prometheus/pagefleet.token
     ScrapeToken,
+    /// A link that opens a host's web dashboard (`/ui/`): hosts and their
+    /// memory, guests and where their pages are, fault rates, migrations
+    /// in progress with a progress bar, finished ones with their reports,
+    /// memory servers — live. The link works once, within a minute, and
+    /// only for this cluster; the browser then holds a session for 12
+    /// hours (an HttpOnly cookie). The dashboard only reads.
+    ///
+    /// Example: pagefleet dashboard --on h1
+    Dashboard {
+        /// The host whose daemon serves the page (name or address); by
+        /// default the registry's daemon.
+        #[arg(long)]
+        on: Option<String>,
+        #[command(flatten)]
+        reg: cluster::Registry,
+    },
     /// The cluster in the terminal, refreshed in place (like virt-top):
     /// hosts and their memory, guests with ops, pages in and out per second
     /// and the last interval's fault p99, migrations in progress.
@@ -219,6 +235,11 @@ enum BenchCmd {
     /// guest's longest kv operation per restart, time to answer, wrong
     /// values, guests lost. Root.
     Restart(Bench<bench::restart::Args>),
+    /// What the web dashboard's live updates cost: viewers holding a
+    /// host's /ui/api/events open on a 3-host testbed (none, one, ten);
+    /// each pagefleetd's CPU share per phase, snapshots each viewer got,
+    /// the page's first load. Root.
+    Dashboard(Bench<bench::dashboard::Args>),
     /// Strangers against a pagefleetd on loopback: slow-body and slow-head
     /// connections holding the HTTP API's slots while a signed client
     /// works (success rate, p99, pagefleetd's RSS and its return), the
@@ -701,6 +722,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Bench(BenchCmd::Dedup(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::Registry(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::Restart(b)) => bench::main(&b.common, &b.args),
+        Cmd::Bench(BenchCmd::Dashboard(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::Strangers(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::Hang(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::Soak(b)) => bench::main(&b.common, &b.args),
@@ -748,6 +770,13 @@ fn run(cli: Cli) -> Result<()> {
         }
         Cmd::Guest(g) => cluster::guest(&cluster::client(sf)?, g),
         Cmd::Top(t) => top::main(&cluster::client(sf)?, &t),
+        Cmd::Dashboard { on, reg } => {
+            let secret = Secret::resolve(sf)?;
+            let link = cluster::dashboard_link(&pagefleet_common::http::Client::new(secret.clone()), &secret, &reg.registry, on.as_deref())?;
+            println!("{link}");
+            eprintln!("open it within a minute (it works once); the dashboard session then lasts 12 hours");
+            Ok(())
+        }
         Cmd::ScrapeToken => {
             let secret = Secret::resolve(sf)?;
             println!("{}", pagefleet_common::httpauth::scrape_token(&secret));

@@ -79,6 +79,29 @@ pub fn scrape_token(secret: &Secret) -> String {
     hex(&secret.scrape_token())
 }
 
+/// The dashboard's login route. A login link (`pagefleet dashboard`)
+/// carries, in its query, the signature of a `GET` of this path: signed
+/// like any request, so it lives as long as a request's signature does
+/// ([`MAX_SKEW_SECS`]) and opens a session once (its nonce is then seen).
+pub const UI_LOGIN_PATH: &str = "/ui/login";
+
+/// The query of a dashboard login link: `t=SECS&n=NONCE&m=MAC`, a
+/// signature of `GET` [`UI_LOGIN_PATH`] made now.
+pub fn ui_login_query(secret: &Secret) -> String {
+    let full = pagefleet_proto::auth::random_nonce();
+    let mut nonce = [0u8; 16];
+    nonce.copy_from_slice(&full[..16]);
+    let now = unix_now();
+    let hash = empty_body_hash();
+    let mac = secret.http_mac_hashed("GET", UI_LOGIN_PATH, now, &nonce, &hash);
+    format!("t={now}&n={}&m={}", hex(&nonce), hex(&mac))
+}
+
+fn empty_body_hash() -> [u8; 32] {
+    use sha2::Digest;
+    sha2::Sha256::digest(b"").into()
+}
+
 /// The `Authorization` header value for one request.
 pub fn sign(secret: &Secret, method: &str, path: &str, body: &[u8]) -> String {
     sign_at(secret, method, path, body, unix_now())
@@ -186,6 +209,42 @@ impl Verifier {
             .and_then(|h| h.strip_prefix("Bearer "))
             .and_then(|t| unhex::<32>(t.trim()))
             .is_some_and(|t| macs_equal(&t, &self.secret.scrape_token()))
+    }
+
+    /// Accept or refuse a dashboard login link's query (what
+    /// [`ui_login_query`] made): a signature of `GET` [`UI_LOGIN_PATH`],
+    /// checked like a request's, its nonce remembered (one login per link).
+    pub fn verify_ui_login(&self, query: Option<&str>) -> Result<(), AuthError> {
+        self.verify_ui_login_at(query, unix_now())
+    }
+
+    /// [`Verifier::verify_ui_login`] with the daemon's clock given.
+    pub fn verify_ui_login_at(&self, query: Option<&str>, now: u64) -> Result<(), AuthError> {
+        let q = query.ok_or(AuthError::Missing)?;
+        let (mut t, mut n, mut m) = (None, None, None);
+        for kv in q.split('&') {
+            let (k, v) = kv.split_once('=').ok_or(AuthError::Malformed)?;
+            // Digits and hex only: nothing that could add a field to the
+            // header rebuilt below.
+            if v.is_empty() || !v.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return Err(AuthError::Malformed);
+            }
+            let slot = match k {
+                "t" => &mut t,
+                "n" => &mut n,
+                "m" => &mut m,
+                _ => return Err(AuthError::Malformed),
+            };
+            if slot.replace(v).is_some() {
+                return Err(AuthError::Malformed);
+            }
+        }
+        let (Some(t), Some(n), Some(m)) = (t, n, m) else {
+            return Err(AuthError::Malformed);
+        };
+        let h = format!("{SCHEME} t={t},n={n},m={m}");
+        self.verify_head_at(Some(&h), "GET", UI_LOGIN_PATH, now)
+            .map(|_| ())
     }
 
     /// Accept or refuse one whole request: [`Verifier::verify_head`], then
@@ -350,6 +409,37 @@ mod tests {
             v.verify_at(Some(&h), "GET", "/host", b"", now),
             Err(AuthError::Stale(_))
         ));
+    }
+
+    #[test]
+    fn a_login_link_opens_once_within_its_lifetime_and_only_for_its_cluster() {
+        let s = secret(b"0123456789abcdef0123");
+        let other = secret(b"0123456789abcdef0124");
+        let v = Verifier::new(s.clone());
+        let q = ui_login_query(&s);
+        assert_eq!(v.verify_ui_login(Some(&q)), Ok(()));
+        assert_eq!(v.verify_ui_login(Some(&q)), Err(AuthError::Replayed), "one login per link");
+        assert_eq!(v.verify_ui_login(Some(&ui_login_query(&other))), Err(AuthError::BadMac));
+        assert_eq!(v.verify_ui_login(None), Err(AuthError::Missing));
+        // Expired: past the replay window.
+        let q = ui_login_query(&s);
+        assert!(matches!(
+            v.verify_ui_login_at(Some(&q), unix_now() + MAX_SKEW_SECS + 5),
+            Err(AuthError::Stale(_))
+        ));
+        // Tampered with, or with a field smuggled in: refused.
+        let q = ui_login_query(&s);
+        let t: u64 = q[2..q.find('&').unwrap()].parse().unwrap();
+        let later = q.replacen(&format!("t={t}"), &format!("t={}", t + 30), 1);
+        assert_eq!(v.verify_ui_login(Some(&later)), Err(AuthError::BadMac));
+        for bad in [format!("{q}&t=1"), format!("{q}&x=1"), format!("{q},b=00"), "t=1".to_string()] {
+            assert_eq!(v.verify_ui_login(Some(&bad)), Err(AuthError::Malformed), "{bad}");
+        }
+        // A signed request is not a login link for another path.
+        let h = sign(&s, "GET", "/host", b"");
+        let p = parse(&h).unwrap();
+        let q = format!("t={}&n={}&m={}", p.t, hex(&p.n), hex(&p.m));
+        assert_eq!(v.verify_ui_login(Some(&q)), Err(AuthError::BadMac));
     }
 
     #[test]

@@ -21,6 +21,9 @@
 //! | `POST /migrations` | `MigrationOrder` | `ProgressEvent` lines (placement first) |
 //! | `POST /evacuations` | `EvacuationOrder` | `EvacuationEvent` lines |
 //! | `POST /registry/remove` | `RemoveHost` | `HostRemoved` |
+//! | `GET /ui/login?t=&n=&m=` | | 303 to `/ui/` with a session cookie ([`crate::ui`]) |
+//! | `GET /ui/`, `/ui/app.js`, `/ui/app.css` | | the dashboard page |
+//! | `GET /ui/api/snapshot`, `/ui/api/events` | | the cluster as JSON; as server-sent events, one per second |
 
 use crate::guests::{Guests, Refusal};
 use crate::http::error;
@@ -64,6 +67,8 @@ pub struct App {
     pub restart: Restart,
     /// Whether this daemon takes work (`GET /readyz`).
     pub ready: Readiness,
+    /// The web dashboard's sessions and viewers.
+    pub ui: Arc<crate::ui::Ui>,
 }
 
 /// Where the daemon is in its life, as `GET /readyz` and systemd see it.
@@ -186,7 +191,7 @@ async fn blocking<T: Serialize + Send + 'static>(
 }
 
 async fn index() -> &'static str {
-    "pagefleetd: GET /metrics /healthz /readyz /host /cluster /guests /guests/NAME; POST /host/cordon /host/restart /guests /incoming \
+    "pagefleetd: GET /metrics /healthz /readyz /host /cluster /ui/ /guests /guests/NAME; POST /host/cordon /host/restart /guests /incoming \
      /guests/NAME/{stop,rm,cancel,sort,set_budget,evacuate,migrate} /migrations /evacuations; GET /memserver/regions, POST /memserver/drop /gc (signed requests; see docs/architecture.md)\n"
 }
 
@@ -209,11 +214,40 @@ async fn readyz(State(app): Shared) -> Response {
 }
 
 async fn metrics(State(app): Shared) -> Response {
-    // Guests' figures come from their runners' control sockets: blocking.
-    let text = tokio::task::spawn_blocking(move || (app.metrics)())
-        .await
-        .unwrap_or_default();
+    // Guests' figures come from their runners' control sockets, the
+    // registry's from the peers or etcd: blocking.
+    let text = tokio::task::spawn_blocking(move || {
+        let mut t = (app.metrics)();
+        t.push_str(&registry_metrics(&app.view()));
+        t
+    })
+    .await
+    .unwrap_or_default();
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+}
+
+/// The registry's view as series: every host it knows, alive (it answered,
+/// or its etcd record is fresh) or dead.
+fn registry_metrics(v: &ClusterView) -> String {
+    use pagefleet_common::metrics::{Exposition, Kind::Gauge};
+    let mut e = Exposition::new();
+    let alive = v.hosts.iter().filter(|h| h.host.is_some()).count();
+    let mut f = e.family(
+        "pagefleet_registry_hosts",
+        Gauge,
+        "Hosts this daemon's registry knows, by state (dead: it did not answer, or its record is stale).",
+    );
+    f.sample(&[("state", "alive")], alive);
+    f.sample(&[("state", "dead")], v.hosts.len() - alive);
+    let mut f = e.family(
+        "pagefleet_registry_host_up",
+        Gauge,
+        "1 while the registry sees the host alive, 0 while it sees it dead.",
+    );
+    for h in &v.hosts {
+        f.sample(&[("host", h.name())], h.host.is_some());
+    }
+    e.finish()
 }
 
 async fn host(State(app): Shared) -> Json<HostReport> {
@@ -542,6 +576,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/memserver/drop", post(mem_drop))
         .route("/gc", post(gc))
         .route("/registry/remove", post(remove_host))
+        .merge(crate::ui::routes())
         .with_state(app)
 }
 

@@ -138,7 +138,7 @@ pub struct Guests {
 
 /// Migrations from this host since the daemon started: how many ended
 /// each way, and the last one that succeeded.
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default)]
 struct MigrationTally {
     succeeded: u64,
     failed: u64,
@@ -146,6 +146,8 @@ struct MigrationTally {
     /// destination), seconds.
     last_downtime_s: f64,
     last_total_s: f64,
+    /// The last ones that ended, oldest first.
+    recent: std::collections::VecDeque<pagefleet_api::FinishedMigration>,
 }
 
 /// A migration's phase as a label: every pre-copy round is `precopy`
@@ -199,19 +201,36 @@ impl Guests {
     pub fn free_bytes(&self) -> u64 {
         self.cfg.memory.saturating_sub(self.used_pages() * 4096)
     }
-    /// A migration from this host ended: with its report when the guest
-    /// runs at the destination, `None` when it failed (rolled back or in
-    /// doubt).
-    pub fn migration_ended(&self, report: Option<&pagefleet_api::Report>) {
+    /// A migration of `guest` from this host ended: with its report when
+    /// the guest runs at the destination, with why when it failed (rolled
+    /// back, in doubt, or never placed).
+    pub fn migration_ended(&self, guest: &str, outcome: Result<&pagefleet_api::Report, &str>) {
         let mut t = lock(&self.migrations);
-        match report {
-            Some(r) => {
+        match outcome {
+            Ok(r) => {
                 t.succeeded += 1;
                 t.last_downtime_s = r.downtime_ms / 1e3;
                 t.last_total_s = r.total_secs;
             }
-            None => t.failed += 1,
+            Err(_) => t.failed += 1,
         }
+        if t.recent.len() >= pagefleet_api::migration::RECENT_MIGRATIONS {
+            t.recent.pop_front();
+        }
+        t.recent.push_back(pagefleet_api::FinishedMigration {
+            guest: guest.to_string(),
+            at_unix: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+            report: outcome.ok().cloned(),
+            error: outcome.err().map(str::to_string),
+        });
+    }
+
+    /// The last migrations from this host that ended, oldest first.
+    pub fn recent_migrations(&self) -> Vec<pagefleet_api::FinishedMigration> {
+        lock(&self.migrations).recent.iter().cloned().collect()
     }
 
     /// Runners here.
@@ -434,30 +453,34 @@ impl Guests {
         for (guest, p) in &moving {
             f.sample(&[("guest", guest), ("phase", phase_label(&p.phase))], 1u64);
         }
-        let t = *lock(&self.migrations);
+        let t = {
+            let t = lock(&self.migrations);
+            (t.succeeded, t.failed, t.last_downtime_s, t.last_total_s)
+        };
+        let (succeeded, failed, last_downtime_s, last_total_s) = t;
         e.single(
             "pagefleet_migration_last_downtime_seconds",
             Gauge,
             "Downtime of the last migration from this host that succeeded (0 before one).",
-            t.last_downtime_s,
+            last_downtime_s,
         );
         e.single(
             "pagefleet_migration_last_duration_seconds",
             Gauge,
             "Start to running at the destination, of the last migration from this host that succeeded (0 before one).",
-            t.last_total_s,
+            last_total_s,
         );
         e.single(
             "pagefleet_migrations_succeeded_total",
             Counter,
             "Migrations from this host that left the guest running at the destination.",
-            t.succeeded,
+            succeeded,
         );
         e.single(
             "pagefleet_migrations_failed_total",
             Counter,
             "Migrations from this host that failed (rolled back, or in doubt).",
-            t.failed,
+            failed,
         );
     }
 

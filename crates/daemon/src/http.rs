@@ -3,7 +3,8 @@
 //! runs: it must be signed with the cluster secret
 //! ([`pagefleet_common::httpauth`]), except `GET /metrics`, `/healthz` and
 //! `/readyz` when the operator opened them (`public_metrics`,
-//! `public_health`). The signature is checked from the head
+//! `public_health`), and the dashboard's `GET /ui/…` with a session a
+//! login link opened ([`crate::ui`]). The signature is checked from the head
 //! alone (it states the body's hash): a stranger's body is never read.
 //!
 //! What a stranger can hold: a connection slot until its head is in (5 s at
@@ -118,6 +119,8 @@ pub struct Gate {
     pub public_health: bool,
     /// This host's TLS identity (HTTPS; required from non-loopback peers).
     pub tls: Option<Arc<pagefleet_tls::Identity>>,
+    /// The dashboard's sessions ([`crate::ui`]).
+    pub ui: Arc<crate::ui::Ui>,
 }
 
 /// Refuse a request that is not signed with the cluster secret, before any
@@ -140,6 +143,20 @@ async fn authenticate(State(gate): State<Arc<Gate>>, req: Request, next: Next) -
     if open {
         admit();
         return next.run(Request::from_parts(parts, body)).await;
+    }
+    // The dashboard: a login link or a session cookie (or a signed head,
+    // checked below); a stranger is answered here.
+    match crate::ui::check(&gate.ui, &gate.verifier, &parts) {
+        crate::ui::Verdict::NotMine => {}
+        crate::ui::Verdict::Reply(r) => return r,
+        crate::ui::Verdict::Pass(session) => {
+            admit();
+            let mut parts = parts;
+            parts.extensions.insert(session);
+            // A GET: its body is not read.
+            drop(body);
+            return next.run(Request::from_parts(parts, Body::empty())).await;
+        }
     }
     let path = parts
         .uri

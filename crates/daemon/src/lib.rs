@@ -4,6 +4,7 @@
 
 pub mod api;
 pub mod config;
+pub mod controllers;
 pub mod dedup;
 pub mod error;
 pub mod gc;
@@ -13,6 +14,7 @@ pub mod http;
 pub mod orchestrate;
 pub mod registry;
 pub mod service;
+pub mod ui;
 
 use crate::error::Context;
 pub use error::{Error, Result};

@@ -282,7 +282,7 @@ pub fn relay(
         Ok(s) => s,
         Err(r) => {
             tracing::warn!("guest {name}: migration to {to} not started: {}", r.message);
-            g.migration_ended(None);
+            g.migration_ended(name, Err(&r.message));
             emit(&failed(r.message));
             return;
         }
@@ -311,7 +311,7 @@ pub fn relay(
                 // The guest runs elsewhere now: its memory here is free at
                 // once (the runner exits right after).
                 g.forget(name);
-                g.migration_ended(Some(r.as_ref()));
+                g.migration_ended(name, Ok(r.as_ref()));
                 ended = true;
             }
             ProgressEvent::Failed(f) => {
@@ -320,7 +320,7 @@ pub fn relay(
                     if f.rolled_back.is_empty() { "" } else { " (rolled back)" },
                     f.message
                 );
-                g.migration_ended(None);
+                g.migration_ended(name, Err(&f.message));
                 ended = true;
             }
             _ => {}
@@ -334,7 +334,11 @@ pub fn relay(
         true
     });
     if !ended {
-        g.migration_ended(None);
+        let why = match &r {
+            Err(e) => e.to_string(),
+            Ok(_) => "the runner's progress stream ended without a report".to_string(),
+        };
+        g.migration_ended(name, Err(&why));
     }
     if let Err(e) = r {
         if listening {
@@ -364,7 +368,7 @@ pub fn migrate(app: &App, order: MigrationOrder, mut emit: impl FnMut(&ProgressE
         Err(r) => {
             // Asked for and not done: a failed migration for the tallies.
             tracing::warn!("guest {}: migration not placed: {}", order.guest, r.message);
-            g.migration_ended(None);
+            g.migration_ended(&order.guest, Err(&r.message));
             emit(&failed(r.message));
         }
         Ok((placed, req, mut promises)) => {

@@ -466,6 +466,9 @@ pub fn run(a: Settings) -> Result<()> {
     // settings back).
     let stop_requested = pagefleet_common::signal::stop_flag();
     let stop: &'static AtomicBool = &SHUTDOWN;
+    // The controllers' last states, for /metrics.
+    let ksm_latest = crate::controllers::Latest::<pagefleet_ksm::control::State>::new();
+    let ioqos_latest = crate::controllers::Latest::<pagefleet_ioqos::control::State>::new();
     let ksm = match &a.ksm {
         Some(spec) => {
             let opts = spec.options(
@@ -475,8 +478,9 @@ pub fn run(a: Settings) -> Result<()> {
             )?;
             pagefleet_ksm::sysfs::available()?;
             tracing::info!("KSM controller: {}", spec.mode);
+            let latest = ksm_latest.clone();
             Some(std::thread::spawn(move || {
-                if let Err(e) = pagefleet_ksm::control::run(&opts, stop, |_| {}) {
+                if let Err(e) = pagefleet_ksm::control::run(&opts, stop, |s| latest.set(s)) {
                     tracing::error!("KSM controller stopped: {e:#}");
                 }
             }))
@@ -495,8 +499,9 @@ pub fn run(a: Settings) -> Result<()> {
                 spec.device,
                 opts.tenants.len()
             );
+            let latest = ioqos_latest.clone();
             Some(std::thread::spawn(move || {
-                if let Err(e) = pagefleet_ioqos::control::run(&opts, stop, |_| {}) {
+                if let Err(e) = pagefleet_ioqos::control::run(&opts, stop, |s| latest.set(s)) {
                     tracing::error!("I/O controller stopped: {e:#}");
                 }
             }))
@@ -668,6 +673,7 @@ pub fn run(a: Settings) -> Result<()> {
                     r.guest_memory = g.cfg.memory;
                     r.guest_free = g.free_bytes();
                     r.guests = g.count() as u64;
+                    r.migrations = g.recent_migrations();
                 }
                 r.dedup = dd.as_ref().map(|d| d.report());
                 r.tls = tls_name.clone();
@@ -678,6 +684,7 @@ pub fn run(a: Settings) -> Result<()> {
             };
             let (st, g) = (ms.as_ref().map(|m| m.state.clone()), guests.clone());
             let dd = dedup.clone();
+            let (kl, ql) = (ksm_latest.clone(), ioqos_latest.clone());
             let metrics_text = move || {
                 let mut b = st.as_ref().map(|s| s.render_metrics()).unwrap_or_default();
                 if let Some(g) = &g {
@@ -686,6 +693,14 @@ pub fn run(a: Settings) -> Result<()> {
                 if let Some(d) = &dd {
                     b.push_str(&d.metrics());
                 }
+                let mut e = pagefleet_common::metrics::Exposition::new();
+                if let Some(s) = kl.get() {
+                    crate::controllers::ksm_metrics(&s, &mut e);
+                }
+                if let Some(s) = ql.get() {
+                    crate::controllers::ioqos_metrics(&s, &mut e);
+                }
+                b.push_str(&e.finish());
                 b
             };
             let app = Arc::new(App {
@@ -705,6 +720,7 @@ pub fn run(a: Settings) -> Result<()> {
                 cordoned,
                 restart: crate::api::Restart::new(exe.clone(), restart_requested),
                 ready: crate::api::Readiness::default(),
+                ui: Arc::default(),
             });
             api_app = Some(app.clone());
             if app.etcd.is_some() {
@@ -725,6 +741,7 @@ pub fn run(a: Settings) -> Result<()> {
                 verifier: Verifier::new(secret.clone()),
                 public_metrics: a.public_metrics,
                 public_health: a.public_health,
+                ui: app.ui.clone(),
             };
             let l = match inherited_http {
                 Some(l) => l,

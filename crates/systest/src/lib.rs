@@ -297,3 +297,92 @@ impl Drop for GuestProc {
         let _ = self.child.wait();
     }
 }
+
+/// A reply to [`http_in`]: status, head (lines), body.
+pub struct RawReply {
+    pub status: u16,
+    pub head: String,
+    pub body: String,
+}
+
+impl RawReply {
+    /// A header's value (the first, name case-insensitive).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.head.lines().skip(1).find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            k.trim().eq_ignore_ascii_case(name).then(|| v.trim())
+        })
+    }
+}
+
+/// One HTTP/1.0 request without a body from inside lab host `h`'s
+/// namespace to `addr`, as a browser or an outside client would send it
+/// (no signature unless `headers` carries one); the whole reply, read
+/// until the server closes (at most `timeout`: what a stream sent by then).
+pub fn http_in(
+    l: &LabRun,
+    h: usize,
+    addr: &str,
+    (method, path): (&str, &str),
+    headers: &[(&str, &str)],
+    timeout: Duration,
+) -> Result<RawReply, String> {
+    use std::io::{Read, Write};
+    let mut req = format!("{method} {path} HTTP/1.0\r\nHost: {addr}\r\n");
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("Content-Length: 0\r\n\r\n");
+    let req = req.into_bytes();
+    let addr = addr.to_string();
+    l.lab
+        .spawn_in(h, move || -> Result<RawReply, String> {
+            let a: std::net::SocketAddr = addr.parse().map_err(|e| format!("{addr}: {e}"))?;
+            let mut s = std::net::TcpStream::connect_timeout(&a, timeout).map_err(|e| format!("{addr}: {e}"))?;
+            s.set_read_timeout(Some(timeout)).map_err(|e| e.to_string())?;
+            s.write_all(&req).map_err(|e| e.to_string())?;
+            let mut b = Vec::new();
+            let _ = s.read_to_end(&mut b);
+            let b = String::from_utf8_lossy(&b).into_owned();
+            let (head, body) = b.split_once("\r\n\r\n").ok_or_else(|| format!("no HTTP head in {b:?}"))?;
+            let status = head
+                .split_whitespace()
+                .nth(1)
+                .and_then(|c| c.parse().ok())
+                .ok_or_else(|| format!("bad status line: {head}"))?;
+            Ok(RawReply {
+                status,
+                head: head.to_string(),
+                body: body.to_string(),
+            })
+        })
+        .join()
+        .map_err(|_| "the request thread panicked".to_string())?
+        .map_err(|e| e.to_string())?
+}
+
+/// What `promtool check metrics` (Debian's `prometheus` package, which
+/// `make deps` installs) says about an exposition: empty when nothing.
+pub fn promtool_check_metrics(text: &str) -> String {
+    use std::io::Write;
+    use std::process::{Command, Stdio};
+    let mut c = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("promtool (Debian's prometheus package: make deps installs it)");
+    c.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+    let o = c.wait_with_output().unwrap();
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    if o.status.success() {
+        said
+    } else {
+        format!("exit {}: {said}", o.status)
+    }
+}

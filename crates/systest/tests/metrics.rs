@@ -7,33 +7,9 @@
 
 use pagefleet_systest::*;
 use pagefleet_testbed::Link;
-use std::io::Write;
-use std::process::{Command, Stdio};
 
 const MIB: u64 = 1 << 20;
 
-/// What `promtool check metrics` says about `text` (empty: nothing).
-fn promtool(text: &str) -> String {
-    let mut c = Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("promtool (Debian's prometheus package: make deps installs it)");
-    c.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
-    let o = c.wait_with_output().unwrap();
-    let said = format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    if o.status.success() {
-        said
-    } else {
-        format!("exit {}: {said}", o.status)
-    }
-}
 
 /// The value of the first sample of `series` (name and labels as written).
 fn value(text: &str, series: &str) -> Option<f64> {
@@ -69,7 +45,7 @@ fn promtool_finds_nothing_on_any_host_and_the_guest_series_carry_data() {
     let h1 = l.get_text(0, "/metrics").unwrap();
     let h2 = l.get_text(1, "/metrics").unwrap();
     for (host, text) in [("h1", &h1), ("h2", &h2)] {
-        assert_eq!(promtool(text), "", "promtool check metrics on {host}:\n{text}");
+        assert_eq!(promtool_check_metrics(text), "", "promtool check metrics on {host}:\n{text}");
     }
     let n = value(&h1, faulted).unwrap();
     let inf = value(

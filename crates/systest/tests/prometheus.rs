@@ -17,9 +17,9 @@
 use pagefleet_systest::*;
 use pagefleet_testbed::Link;
 use serde_json::Value;
-use std::io::{Read, Write};
+
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 const MIB: u64 = 1 << 20;
@@ -55,25 +55,7 @@ fn urlencode(s: &str) -> String {
 
 /// GET `path` from the lab's Prometheus: (status, body).
 fn get(l: &LabRun, path: &str) -> Result<(u16, String), String> {
-    let path = path.to_string();
-    l.lab
-        .spawn_in(0, move || -> Result<(u16, String), String> {
-            let mut s = std::net::TcpStream::connect(PROM).map_err(|e| e.to_string())?;
-            s.set_read_timeout(Some(Duration::from_secs(20))).map_err(|e| e.to_string())?;
-            write!(s, "GET {path} HTTP/1.0\r\nHost: {PROM}\r\n\r\n").map_err(|e| e.to_string())?;
-            let mut b = String::new();
-            s.read_to_string(&mut b).map_err(|e| e.to_string())?;
-            let (head, body) = b.split_once("\r\n\r\n").ok_or("no HTTP head")?;
-            let status = head
-                .split_whitespace()
-                .nth(1)
-                .and_then(|c| c.parse().ok())
-                .ok_or_else(|| format!("bad status line: {head}"))?;
-            Ok((status, body.to_string()))
-        })
-        .join()
-        .map_err(|_| "the query thread panicked".to_string())?
-        .map_err(|e| e.to_string())?
+    http_in(l, 0, PROM, ("GET", path), &[], Duration::from_secs(20)).map(|r| (r.status, r.body))
 }
 
 /// An instant query's result vector (at `time`, a Unix timestamp, if given).
@@ -84,13 +66,20 @@ fn query(l: &LabRun, expr: &str, time: Option<f64>) -> Vec<Value> {
     }
     let (status, body) = get(l, &path).unwrap_or_else(|e| panic!("query {expr}: {e}"));
     let v: Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{expr}: {e}: {body}"));
-    assert_eq!((status, v["status"].as_str()), (200, Some("success")), "{expr}: {body}");
+    assert_eq!(
+        (status, v["status"].as_str()),
+        (200, Some("success")),
+        "{expr}: {body}"
+    );
     v["data"]["result"].as_array().cloned().unwrap_or_default()
 }
 
 /// A sample's value.
 fn val(s: &Value) -> f64 {
-    s["value"][1].as_str().and_then(|v| v.parse().ok()).unwrap_or(f64::NAN)
+    s["value"][1]
+        .as_str()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(f64::NAN)
 }
 
 /// The first sample of `expr`'s result, now.
@@ -114,28 +103,6 @@ fn dashboard_exprs() -> Vec<(String, String)> {
     out
 }
 
-/// What `promtool check metrics` says about `text` (empty: nothing).
-fn promtool_check(text: &str) -> String {
-    let mut c = Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("promtool (Debian's prometheus package: make deps installs it)");
-    c.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
-    let o = c.wait_with_output().unwrap();
-    let said = format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    if o.status.success() {
-        said
-    } else {
-        format!("exit {}: {said}", o.status)
-    }
-}
 
 #[test]
 fn prometheus_scrapes_a_split_migration_and_every_panel_and_rule_has_data() {
@@ -151,7 +118,12 @@ fn prometheus_scrapes_a_split_migration_and_every_panel_and_rule_has_data() {
     assert!(ok, "pagefleet scrape-token: {err}");
     let token_file = dir.path().join("pagefleet.token");
     std::fs::write(&token_file, token.trim()).unwrap();
-    let targets: Vec<String> = l.lab.hosts.iter().map(|h| format!("\"{}\"", h.http())).collect();
+    let targets: Vec<String> = l
+        .lab
+        .hosts
+        .iter()
+        .map(|h| format!("\"{}\"", h.http()))
+        .collect();
     let config = format!(
         "global:\n  scrape_interval: 500ms\n  scrape_timeout: 500ms\n  evaluation_interval: 1s\n\
          rule_files:\n  - {}\n\
@@ -168,7 +140,10 @@ fn prometheus_scrapes_a_split_migration_and_every_panel_and_rule_has_data() {
         l.lab
             .exec(0, "prometheus")
             .arg(format!("--config.file={}", config_file.display()))
-            .arg(format!("--storage.tsdb.path={}", dir.path().join("data").display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.path().join("data").display()
+            ))
             .arg(format!("--web.listen-address={PROM}"))
             .stdout(log.try_clone().unwrap())
             .stderr(log)
@@ -185,8 +160,22 @@ fn prometheus_scrapes_a_split_migration_and_every_panel_and_rule_has_data() {
     let (ok, _, err) = l.pf(
         0,
         &[
-            "guest", "start", "g2", "--on", "h1", "--size", "64MiB", "--budget", "16MiB", "--",
-            "synthetic", "--servers", &h2, "--prefill", "--rate", "2000",
+            "guest",
+            "start",
+            "g2",
+            "--on",
+            "h1",
+            "--size",
+            "64MiB",
+            "--budget",
+            "16MiB",
+            "--",
+            "synthetic",
+            "--servers",
+            &h2,
+            "--prefill",
+            "--rate",
+            "2000",
         ],
     );
     assert!(ok, "guest start g2: {err}");
@@ -207,7 +196,9 @@ fn prometheus_scrapes_a_split_migration_and_every_panel_and_rule_has_data() {
         let m = s.spawn(|| {
             l.pf(
                 0,
-                &["migrate", "--json", "g1", "--to", "h2", "--sub", "h3", "--verify"],
+                &[
+                    "migrate", "--json", "g1", "--to", "h2", "--sub", "h3", "--verify",
+                ],
             )
         });
         let t0 = Instant::now();
@@ -221,7 +212,9 @@ fn prometheus_scrapes_a_split_migration_and_every_panel_and_rule_has_data() {
                 .first()
                 {
                     during = x["value"][0].as_f64();
-                    texts = (0..3).filter_map(|h| l.get_text(h, "/metrics").ok()).collect();
+                    texts = (0..3)
+                        .filter_map(|h| l.get_text(h, "/metrics").ok())
+                        .collect();
                 }
             }
             std::thread::sleep(Duration::from_millis(100));
@@ -232,20 +225,35 @@ fn prometheus_scrapes_a_split_migration_and_every_panel_and_rule_has_data() {
     assert!(ok, "migrate g1: {err}");
     let r: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("report: {e}: {out}"));
     assert_eq!(r["checksum_source"], r["checksum_dest"], "{r}");
-    assert!(!r["sub_hosts"].as_array().unwrap().is_empty(), "a split migration: {r}");
+    assert!(
+        !r["sub_hosts"].as_array().unwrap().is_empty(),
+        "a split migration: {r}"
+    );
     let at = during.expect("Prometheus saw the migration's progress while it ran");
 
     // The progress series, as Prometheus stored them.
     let sent: u64 = r["bytes_main"].as_u64().unwrap()
-        + r["bytes_subs"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap()).sum::<u64>();
+        + r["bytes_subs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b.as_u64().unwrap())
+            .sum::<u64>();
     let series = |name: &str| {
         let e = format!("max_over_time(pagefleet_migration_{name}{{guest=\"g1\"}}[10m])");
         one(&l, &e).unwrap_or_else(|| panic!("no {name} in Prometheus"))
     };
     let processed = series("data_processed_bytes");
-    assert!(processed > 0.0 && processed <= sent as f64, "processed {processed} of {sent}");
+    assert!(
+        processed > 0.0 && processed <= sent as f64,
+        "processed {processed} of {sent}"
+    );
     assert!(series("round") >= 1.0);
-    let phases = query(&l, "count_over_time(pagefleet_migration_phase{guest=\"g1\"}[10m])", None);
+    let phases = query(
+        &l,
+        "count_over_time(pagefleet_migration_phase{guest=\"g1\"}[10m])",
+        None,
+    );
     assert!(!phases.is_empty(), "no phase samples");
     wait_for("the source's tallies in Prometheus", 30, || {
         one(&l, "sum(pagefleet_migrations_succeeded_total)") == Some(1.0)
@@ -274,7 +282,11 @@ fn prometheus_scrapes_a_split_migration_and_every_panel_and_rule_has_data() {
             empty.push(format!("{title}: {e}"));
         }
     }
-    assert!(empty.is_empty(), "dashboard expressions without data:\n{}", empty.join("\n"));
+    assert!(
+        empty.is_empty(),
+        "dashboard expressions without data:\n{}",
+        empty.join("\n")
+    );
 
     // Every alerting rule loaded and evaluated cleanly.
     let (_, body) = get(&l, "/api/v1/rules").unwrap();
@@ -294,7 +306,12 @@ fn prometheus_scrapes_a_split_migration_and_every_panel_and_rule_has_data() {
     // Prometheus' checker on every host, mid-migration.
     assert_eq!(texts.len(), 3, "every host's /metrics mid-migration");
     for (h, t) in texts.iter().enumerate() {
-        assert_eq!(promtool_check(t), "", "promtool check metrics on h{}:\n{t}", h + 1);
+        assert_eq!(
+            promtool_check_metrics(t),
+            "",
+            "promtool check metrics on h{}:\n{t}",
+            h + 1
+        );
     }
     for g in ["g1", "g2"] {
         let (ok, _, err) = l.pf(0, &["guest", "stop", g]);
