@@ -593,6 +593,46 @@ pub struct PagingCosts {
     /// Fault service times (fault read to page installed), seconds.
     #[serde(default)]
     pub fault_seconds: crate::HistogramSnapshot,
+    /// Faults by what served them.
+    #[serde(default)]
+    pub faults: FaultCounts,
+    /// Pages read-ahead brought (besides the faulting pages).
+    #[serde(default)]
+    pub prefetched_pages: u64,
+    /// Read-ahead pages used after they came.
+    #[serde(default)]
+    pub prefetch_hits: u64,
+    /// Read-ahead pages evicted with no use seen (an upper bound: a read
+    /// of a mapped page shows only once the sampler has unmapped it).
+    #[serde(default)]
+    pub prefetch_misses: u64,
+}
+
+/// A guest's page faults by what served them, since it started here.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct FaultCounts {
+    /// The page was on a memory server: the fault waited for it.
+    pub remote: u64,
+    /// First touch: filled with zeros here.
+    pub zero: u64,
+    /// The page was resident; the sampler had unmapped it to see its use
+    /// and the kernel mapped it back (no pager work).
+    pub minor: u64,
+    /// First write to a write-protected resident page (a kept copy went
+    /// stale, or a migration round tracks changes).
+    pub write_protect: u64,
+}
+
+impl FaultCounts {
+    /// Each count with its name (the `kind` label of the fault series).
+    pub fn by_kind(&self) -> [(&'static str, u64); 4] {
+        [
+            ("remote", self.remote),
+            ("zero", self.zero),
+            ("minor", self.minor),
+            ("write_protect", self.write_protect),
+        ]
+    }
 }
 
 /// What a sort job reports (control op `sort`).

@@ -56,5 +56,4 @@ mod tests {
         assert_eq!(s.quantile(0.75), Some(3.0));
         assert_eq!(HistogramSnapshot::default().quantile(0.5), None);
     }
-
 }

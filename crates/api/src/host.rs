@@ -55,6 +55,63 @@ pub struct HostReport {
     /// most [`crate::migration::RECENT_MIGRATIONS`]).
     #[serde(default)]
     pub migrations: Vec<crate::migration::FinishedMigration>,
+    /// The KSM controller's last decision (None: pagefleetd runs none).
+    #[serde(default)]
+    pub ksm: Option<KsmReport>,
+    /// The I/O controller's last state (None: pagefleetd runs none).
+    #[serde(default)]
+    pub ioqos: Option<IoQosReport>,
+}
+
+/// What the KSM controller a pagefleetd runs (`--ksm`) last decided.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct KsmReport {
+    /// Its policy (adaptive, or a peer's: ksmtuned, advisor).
+    pub policy: String,
+    /// Its phase (off, merging, idling; or the peer policy's own).
+    pub phase: String,
+    /// KSM scanning now.
+    pub running: bool,
+    /// The scan rate set, pages/s.
+    pub scan_pages_per_second: f64,
+    /// Memory KSM saves now, bytes.
+    pub saved_bytes: u64,
+    /// ksmd's share of one core.
+    pub ksmd_cpu_ratio: f64,
+    /// Memory pressure seen.
+    pub pressure: bool,
+    /// Why it decided so, for a person.
+    pub why: String,
+}
+
+/// What the I/O controller a pagefleetd runs (`--ioqos-*`) last saw and set.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct IoQosReport {
+    /// Its policy.
+    pub policy: String,
+    /// The device it shares out.
+    pub device: String,
+    /// Share of the device's modelled capacity in use.
+    pub device_used_ratio: f64,
+    /// Every tenant.
+    pub tenants: Vec<IoQosTenant>,
+}
+
+/// One tenant of the I/O controller.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct IoQosTenant {
+    /// Its name.
+    pub name: String,
+    /// Its I/O over the last interval, bytes/s.
+    pub bytes_per_second: f64,
+    /// Its I/O requests over the last interval, per second.
+    pub iops: f64,
+    /// Its cap, bytes/s (None: uncapped).
+    pub limit_bytes_per_second: Option<f64>,
+    /// Below its minimum on a busy device.
+    pub starved: bool,
+    /// Why it could not be read or capped.
+    pub error: Option<String>,
 }
 
 /// `POST /host/restart`'s answer: the daemon execs `binary` once this is

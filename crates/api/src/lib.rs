@@ -18,19 +18,20 @@ pub mod launch;
 pub mod migration;
 
 pub use control::{ControlReply, ControlRequest};
-pub use histogram::HistogramSnapshot;
 pub use guest::{
-    ContentFill, GuestFailure, GuestSpec, GuestState, GuestStatus, PageLocations, PagingCosts,
-    SortResult,
-    StartGuest, Workload,
+    ContentFill, FaultCounts, GuestFailure, GuestSpec, GuestState, GuestStatus, PageLocations,
+    PagingCosts, SortResult, StartGuest, Workload,
 };
+pub use histogram::HistogramSnapshot;
 pub use host::{
-    ClusterHost, ClusterView, Cordon, DedupIndexReport, HostRemoved, RemoveHost, Restarting, DropRegion, Dropped, GcReport, GcRequest,
-    HostReport, MemRegion,
+    ClusterHost, ClusterView, Cordon, DedupIndexReport, DropRegion, Dropped, GcReport, GcRequest,
+    HostRemoved, HostReport, IoQosReport, IoQosTenant, KsmReport, MemRegion, RemoveHost,
+    Restarting,
 };
 pub use migration::{
-    DedupReport, EvacuationEvent, EvacuationOrder, Failure, FinishedMigration, IncomingReply, IncomingRequest,
-    MigrateRequest, MigrationOrder, MigrationProgress, Placed, ProgressEvent, Report, SubHost,
+    DedupReport, EvacuationEvent, EvacuationOrder, Failure, FinishedMigration, IncomingReply,
+    IncomingRequest, MigrateRequest, MigrationOrder, MigrationProgress, Placed, ProgressEvent,
+    Report, SubHost,
 };
 
 /// The body of every error reply (HTTP and control socket).

@@ -303,7 +303,10 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
     // without (the daemon's other work: its memory server, its guests).
     let added = last.cpu_pct[0] - phases[0].cpu_pct[0];
     let mut cpu = Goal::at_most(
-        &format!("pagefleetd CPU the updates add, {} dashboards open", o.viewers),
+        &format!(
+            "pagefleetd CPU the updates add, {} dashboards open",
+            o.viewers
+        ),
         added,
         CPU_TARGET_PCT,
         "% of a core",

@@ -216,7 +216,12 @@ impl Sampler {
     }
 
     fn last(&self) -> Sample {
-        self.samples.lock().unwrap().last().cloned().unwrap_or_default()
+        self.samples
+            .lock()
+            .unwrap()
+            .last()
+            .cloned()
+            .unwrap_or_default()
     }
 
     /// Wait until the latest sample satisfies `f` (at most `secs`).
@@ -227,8 +232,12 @@ impl Sampler {
                 return Ok(t.elapsed().as_secs_f64());
             }
             if t.elapsed() > Duration::from_secs(secs) {
-                bail!("{what}: not within {secs} s (last sample: down {}, degraded {}, revived {})",
-                    self.last().down, self.last().degraded, self.last().revived);
+                bail!(
+                    "{what}: not within {secs} s (last sample: down {}, degraded {}, revived {})",
+                    self.last().down,
+                    self.last().degraded,
+                    self.last().revived
+                );
             }
             std::thread::sleep(SAMPLE);
         }
@@ -286,7 +295,9 @@ fn one_run(o: &Opts, k: usize, log: &mut dyn FnMut(&str)) -> Result<Run> {
     let t_kill = t0.elapsed().as_secs_f64();
     servers[0].kill();
     sampler.wait("the killed server seen down", 60, |s| s.down >= 1)?;
-    sampler.wait("two copies restored after the kill", 180, |s| s.down == 1 && s.degraded == 0)?;
+    sampler.wait("two copies restored after the kill", 180, |s| {
+        s.down == 1 && s.degraded == 0
+    })?;
     std::thread::sleep(Duration::from_secs(3));
     let now = t0.elapsed().as_secs_f64();
     let pre_fault_ops = rate(&sampler.samples.lock().unwrap(), now - 3.0, now);
@@ -304,7 +315,9 @@ fn one_run(o: &Opts, k: usize, log: &mut dyn FnMut(&str)) -> Result<Run> {
     // 3. Revived, two copies again.
     sampler.wait("the resumed server used again", 60, |s| s.revived >= 1)?;
     let revived_secs = t0.elapsed().as_secs_f64() - t_cont;
-    sampler.wait("two copies restored after the revival", 180, |s| s.degraded == 0 && s.down == 1)?;
+    sampler.wait("two copies restored after the revival", 180, |s| {
+        s.degraded == 0 && s.down == 1
+    })?;
     let samples = sampler.finish();
     let counters = load.counters.clone();
     if let Some(e) = load.error() {
@@ -328,7 +341,10 @@ fn one_run(o: &Opts, k: usize, log: &mut dyn FnMut(&str)) -> Result<Run> {
         .filter(|s| s.t >= t_stop + WINDOW && s.t <= t_cont)
         .find(|s| rate(&samples, s.t - WINDOW, s.t) >= 0.5 * pre_fault_ops)
         .map_or(o.stop_secs as f64, |s| s.t - t_stop);
-    let from_kill: Vec<&Sample> = samples.iter().filter(|s| s.t >= t_kill && s.budget > 0).collect();
+    let from_kill: Vec<&Sample> = samples
+        .iter()
+        .filter(|s| s.t >= t_kill && s.budget > 0)
+        .collect();
     let peak_resident_ratio = from_kill
         .iter()
         .map(|s| s.resident as f64 / s.budget as f64)
@@ -397,15 +413,34 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
     };
     let goals = vec![
         Goal::at_least("runs completed", runs.len() as f64, o.runs as f64, "runs"),
-        Goal::at_most("recovery after the stop (worst run)", worst(|r| r.recovery_secs), 2.0, "s"),
+        Goal::at_most(
+            "recovery after the stop (worst run)",
+            worst(|r| r.recovery_secs),
+            2.0,
+            "s",
+        ),
         Goal::at_most(
             "resident over the budget at any sample (worst run)",
             (worst(|r| r.peak_resident_ratio) - 1.0) * 100.0,
             5.0,
             "%",
         ),
-        Goal::at_most("pages left on servers after the guest (worst run)", worst(|r| r.pages_left as f64), 0.0, "pages"),
-        Goal::at_most("wrong values (all runs)", if none { f64::INFINITY } else { runs.iter().map(|r| r.wrong_values as f64).sum() }, 0.0, "values"),
+        Goal::at_most(
+            "pages left on servers after the guest (worst run)",
+            worst(|r| r.pages_left as f64),
+            0.0,
+            "pages",
+        ),
+        Goal::at_most(
+            "wrong values (all runs)",
+            if none {
+                f64::INFINITY
+            } else {
+                runs.iter().map(|r| r.wrong_values as f64).sum()
+            },
+            0.0,
+            "values",
+        ),
     ];
     let mut r = Report {
         opts: o.clone(),
@@ -433,7 +468,16 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
     writeln!(
         out,
         "  {:>3} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8} {:>6} {:>6} {:>7}",
-        "run", "base/s", "pre/s", "stop/s", "back s", "peak x", "revive s", "left", "wrong", "hedged"
+        "run",
+        "base/s",
+        "pre/s",
+        "stop/s",
+        "back s",
+        "peak x",
+        "revive s",
+        "left",
+        "wrong",
+        "hedged"
     )?;
     for (i, x) in r.runs.iter().enumerate() {
         writeln!(

@@ -551,7 +551,11 @@ fn run_one(
         while still < 4 && t.elapsed() < Duration::from_secs(60) {
             std::thread::sleep(Duration::from_millis(500));
             let now = swap_and_majflt().0;
-            still = if now.abs_diff(last) < 1 << 20 { still + 1 } else { 0 };
+            still = if now.abs_diff(last) < 1 << 20 {
+                still + 1
+            } else {
+                0
+            };
             last = now;
         }
     }
@@ -801,7 +805,9 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
 /// The middle of `v` (the lower one of two), NaN if empty.
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
-    v.get(v.len().saturating_sub(1) / 2).copied().unwrap_or(f64::NAN)
+    v.get(v.len().saturating_sub(1) / 2)
+        .copied()
+        .unwrap_or(f64::NAN)
 }
 
 /// Every goal twice: with adaptive's median run and with its worst run (the
@@ -814,7 +820,8 @@ fn goals(c: &[ConfigResult], o: &Opts) -> Vec<Goal> {
     let ok = |n: &str| -> Vec<&ConfigResult> {
         runs(n).into_iter().filter(|x| x.error.is_none()).collect()
     };
-    let med = |n: &str, f: &dyn Fn(&ConfigResult) -> f64| median(ok(n).iter().map(|x| f(x)).collect());
+    let med =
+        |n: &str, f: &dyn Fn(&ConfigResult) -> f64| median(ok(n).iter().map(|x| f(x)).collect());
     let a_name = "pagefleet adaptive";
     let mut g = Vec::new();
     if runs(a_name).is_empty() {
@@ -931,7 +938,13 @@ fn goals(c: &[ConfigResult], o: &Opts) -> Vec<Goal> {
             );
         }
     }
-    push("adaptive saves memory", both(&saved, true), 1.0, "MiB", true);
+    push(
+        "adaptive saves memory",
+        both(&saved, true),
+        1.0,
+        "MiB",
+        true,
+    );
     g
 }
 

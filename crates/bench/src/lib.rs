@@ -13,6 +13,7 @@
 pub mod blockdev;
 pub mod dashboard;
 pub mod dedup;
+pub mod hang;
 pub mod ioqos;
 pub mod ksm;
 pub mod kv_floor;
@@ -20,7 +21,6 @@ pub mod memserver;
 pub mod migration;
 pub mod paging;
 pub mod registry;
-pub mod hang;
 pub mod replicas;
 pub mod restart;
 pub mod soak;

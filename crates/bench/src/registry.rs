@@ -153,11 +153,7 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
         let t = Instant::now();
         let v = reg.hosts_view()?;
         view_ms.push(t.elapsed().as_secs_f64() * 1e3);
-        let infos: Vec<HostInfo> = v
-            .hosts
-            .iter()
-            .map(HostInfo::from)
-            .collect();
+        let infos: Vec<HostInfo> = v.hosts.iter().map(HostInfo::from).collect();
         // A 32 GiB guest with 24 GiB of data, from host k.
         let src = k % infos.len();
         let c = placement::choose(&infos, src, 32 * GIB / 4096, 24 * GIB / 4096, None, None, 1)

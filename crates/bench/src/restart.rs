@@ -89,8 +89,8 @@ const GUESTS: [(&str, &str, u8); 3] = [("ip1", "h1", 1), ("ip2", "h1", 2), ("ip3
 /// The seconds `restarted in place from … (X s since it handed over)`
 /// says in h1's log, the `nth` such line.
 fn exec_to_serving(l: &LabRun, nth: usize) -> Option<f64> {
-    let log = std::fs::read_to_string(l.lab.dir.join(format!("{}.log", l.lab.hosts[0].netns)))
-        .ok()?;
+    let log =
+        std::fs::read_to_string(l.lab.dir.join(format!("{}.log", l.lab.hosts[0].netns))).ok()?;
     let line = log
         .lines()
         .filter(|l| l.contains("restarted in place from pagefleetd"))
@@ -128,8 +128,23 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
         let (ok, _, err) = l.pf(
             0,
             &[
-                "guest", "start", name, "--on", on, "--size", &size_s, "--budget", "25%", "--",
-                "kv", "--listen", &svc, "--service-ip", &ip, "--servers", server,
+                "guest",
+                "start",
+                name,
+                "--on",
+                on,
+                "--size",
+                &size_s,
+                "--budget",
+                "25%",
+                "--",
+                "kv",
+                "--listen",
+                &svc,
+                "--service-ip",
+                &ip,
+                "--servers",
+                server,
             ],
         );
         if !ok {
@@ -154,7 +169,11 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
     }
     let pids: Vec<u32> = GUESTS
         .iter()
-        .map(|(n, _, _)| l.guest(n).map(|(_, g)| g.pid).context("a guest is not running"))
+        .map(|(n, _, _)| {
+            l.guest(n)
+                .map(|(_, g)| g.pid)
+                .context("a guest is not running")
+        })
         .collect::<Result<_>>()?;
     let page_ins = |l: &LabRun| l.guest("ip3").map(|(_, g)| g.page_ins).unwrap_or(0);
     std::thread::sleep(Duration::from_secs(3));
@@ -163,7 +182,10 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
         for ld in &loads {
             ld.counters.max_op_us.store(0, Relaxed);
         }
-        let ops0: Vec<u64> = loads.iter().map(|ld| ld.counters.ops.load(Relaxed)).collect();
+        let ops0: Vec<u64> = loads
+            .iter()
+            .map(|ld| ld.counters.ops.load(Relaxed))
+            .collect();
         let in0 = page_ins(&l);
         let kept = l.host_report(0).map(|r| r.lend_used / 4096).unwrap_or(0);
         let t = Instant::now();
@@ -297,7 +319,12 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
     writeln!(
         out,
         "  {:>3} {:>12} {:>14} {:>11} {:>30} {:>12}",
-        "#", "answered s", "exec→serve s", "pages kept", "longest op ms ip1/ip2/ip3", "ip3 page-ins"
+        "#",
+        "answered s",
+        "exec→serve s",
+        "pages kept",
+        "longest op ms ip1/ip2/ip3",
+        "ip3 page-ins"
     )?;
     for (i, x) in r.restarts.iter().enumerate() {
         let ops: Vec<String> = x.longest_op_ms.iter().map(|v| format!("{v:.1}")).collect();

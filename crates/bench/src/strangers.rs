@@ -126,7 +126,12 @@ impl Daemon {
         }
         let mut child = cmd
             .args(["--lend", "64MiB", "--listen", &format!("127.0.0.1:{port}")])
-            .args(["--metrics", &format!("127.0.0.1:{http_port}"), "--log", "error"])
+            .args([
+                "--metrics",
+                &format!("127.0.0.1:{http_port}"),
+                "--log",
+                "error",
+            ])
             .arg("--secret-file")
             .arg(secret_file)
             .env_remove("PAGEFLEET_SECRET")
@@ -345,14 +350,28 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
         "phase 1: {} slow-body and {} slow-head strangers on the HTTP API for {} s",
         o.strangers, o.strangers, o.secs
     ));
-    let api = api_phase(&d, &client, &[Kind::SlowBody, Kind::SlowHead], o, &hello, log)?;
+    let api = api_phase(
+        &d,
+        &client,
+        &[Kind::SlowBody, Kind::SlowHead],
+        o,
+        &hello,
+        log,
+    )?;
     drop(d);
     let t = Daemon::start(&secret_file, dir.join("tls-host"), Some(&tls_dirs[0]))?;
     log(&format!(
         "phase 2: {} slow and {} stalled TLS handshakes on a --tls-dir host's HTTP API for {} s",
         o.strangers, o.strangers, o.secs
     ));
-    let tls = api_phase(&t, &client, &[Kind::SlowHello, Kind::StalledHello], o, &hello, log)?;
+    let tls = api_phase(
+        &t,
+        &client,
+        &[Kind::SlowHello, Kind::StalledHello],
+        o,
+        &hello,
+        log,
+    )?;
     drop(t);
     let d = Daemon::start(&secret_file, dir.join("flood"), None)?;
     log(&format!(
@@ -383,7 +402,9 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
         std::thread::sleep(Duration::from_millis(10));
     }
     stop.store(true, Relaxed);
-    let flood = flooder.join().map_err(|_| anyhow!("the flood's thread panicked"))?;
+    let flood = flooder
+        .join()
+        .map_err(|_| anyhow!("the flood's thread panicked"))?;
     let flood_rate = flood as f64 / flood_start.elapsed().as_secs_f64();
     log(&format!(
         "  sessions {sessions_ok}/{sessions} during {flood} connections ({flood_rate:.0}/s)"
@@ -401,12 +422,32 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
                 0.99,
                 "share",
             ),
-            Goal::at_most(&format!("signed request p99 with {with}"), p.signed_p99_ms, 1000.0, "ms"),
-            Goal::at_most(&format!("pagefleetd RSS growth with {with}"), p.rss_peak_growth_mib, 32.0, "MiB"),
-            Goal::at_most(&format!("RSS back after the {with} left"), p.rss_return_secs, 60.0, "s"),
+            Goal::at_most(
+                &format!("signed request p99 with {with}"),
+                p.signed_p99_ms,
+                1000.0,
+                "ms",
+            ),
+            Goal::at_most(
+                &format!("pagefleetd RSS growth with {with}"),
+                p.rss_peak_growth_mib,
+                32.0,
+                "MiB",
+            ),
+            Goal::at_most(
+                &format!("RSS back after the {with} left"),
+                p.rss_return_secs,
+                60.0,
+                "s",
+            ),
         ]);
     }
-    goals.push(Goal::at_least("sessions started during a connect flood", session_share, 0.99, "share"));
+    goals.push(Goal::at_least(
+        "sessions started during a connect flood",
+        session_share,
+        0.99,
+        "share",
+    ));
     Ok(Report {
         opts: o.clone(),
         api,
@@ -436,7 +477,13 @@ fn api_phase(
     std::thread::sleep(Duration::from_secs(1));
     let rss0 = d.rss();
     let stop = Arc::new(AtomicBool::new(false));
-    let strangers = hold_strangers(d.http.clone(), kinds, o.strangers, hello.clone(), stop.clone());
+    let strangers = hold_strangers(
+        d.http.clone(),
+        kinds,
+        o.strangers,
+        hello.clone(),
+        stop.clone(),
+    );
     let mut lat = Vec::new();
     let (mut sent, mut ok) = (0u64, 0u64);
     let mut peak = rss0;
@@ -458,7 +505,9 @@ fn api_phase(
     }
     peak = peak.max(d.rss());
     stop.store(true, Relaxed);
-    let made = strangers.join().map_err(|_| anyhow!("the strangers' thread panicked"))?;
+    let made = strangers
+        .join()
+        .map_err(|_| anyhow!("the strangers' thread panicked"))?;
     let t_left = Instant::now();
     let mut back = f64::INFINITY;
     while t_left.elapsed() < Duration::from_secs(60) {
@@ -493,13 +542,29 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
         r.opts.secs
     )?;
     for (p, what) in [
-        (&r.api, format!("{} slow-body + {} slow-head strangers", r.opts.strangers, r.opts.strangers)),
-        (&r.tls, format!("{} slow + {} stalled TLS handshakes (--tls-dir)", r.opts.strangers, r.opts.strangers)),
+        (
+            &r.api,
+            format!(
+                "{} slow-body + {} slow-head strangers",
+                r.opts.strangers, r.opts.strangers
+            ),
+        ),
+        (
+            &r.tls,
+            format!(
+                "{} slow + {} stalled TLS handshakes (--tls-dir)",
+                r.opts.strangers, r.opts.strangers
+            ),
+        ),
     ] {
         writeln!(
             out,
             "  HTTP API, {what} ({} connections): signed {}/{} ok, p50 {:.1} ms, p99 {:.1} ms",
-            p.stranger_connections, p.signed_ok, p.signed_requests, p.signed_p50_ms, p.signed_p99_ms
+            p.stranger_connections,
+            p.signed_ok,
+            p.signed_requests,
+            p.signed_p50_ms,
+            p.signed_p99_ms
         )?;
         writeln!(
             out,

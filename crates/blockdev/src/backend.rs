@@ -49,7 +49,9 @@ impl Written {
     /// A device of `blocks` blocks, none written.
     pub fn new(blocks: u64) -> Written {
         Written {
-            words: (0..blocks.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
+            words: (0..blocks.div_ceil(64))
+                .map(|_| AtomicU64::new(0))
+                .collect(),
         }
     }
 
@@ -58,7 +60,11 @@ impl Written {
         while at < end {
             let (w, bit) = ((at / 64) as usize, at % 64);
             let n = (64 - bit).min(end - at);
-            let mask = if n == 64 { u64::MAX } else { ((1u64 << n) - 1) << bit };
+            let mask = if n == 64 {
+                u64::MAX
+            } else {
+                ((1u64 << n) - 1) << bit
+            };
             f(&self.words[w], mask);
             at += n;
         }
@@ -81,7 +87,9 @@ impl Written {
     /// How many of `count` blocks from `first` are written.
     pub fn count(&self, first: u64, count: u64) -> u64 {
         let mut n = 0;
-        self.each(first, count, |w, m| n += (w.load(Relaxed) & m).count_ones() as u64);
+        self.each(first, count, |w, m| {
+            n += (w.load(Relaxed) & m).count_ones() as u64
+        });
         n
     }
 }

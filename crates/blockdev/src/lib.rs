@@ -150,8 +150,15 @@ const HOLD_CHECK: std::time::Duration = std::time::Duration::from_secs(5);
 /// id), so a server counts this device's region in use exactly while one of
 /// this device's sessions is connected — with or without NBD clients.
 fn client_name(export: &str, region: u64) -> String {
-    let e: String = export.chars().filter(|c| c.is_ascii_graphic()).take(32).collect();
-    format!("blockdev/{}/{region:x}", if e.is_empty() { "-" } else { &e })
+    let e: String = export
+        .chars()
+        .filter(|c| c.is_ascii_graphic())
+        .take(32)
+        .collect();
+    format!(
+        "blockdev/{}/{region:x}",
+        if e.is_empty() { "-" } else { &e }
+    )
 }
 
 /// Keep one session to every server for as long as the device exists, so

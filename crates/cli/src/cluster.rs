@@ -59,7 +59,12 @@ pub fn hosts(c: &Client, registry: &str, explicit: &[String]) -> Result<Vec<Clus
 
 /// `pagefleet dashboard`: a login link to the dashboard of host `on` (by
 /// default the registry's daemon), after checking that it answers.
-pub fn dashboard_link(c: &Client, secret: &Secret, registry: &str, on: Option<&str>) -> Result<String> {
+pub fn dashboard_link(
+    c: &Client,
+    secret: &Secret,
+    registry: &str,
+    on: Option<&str>,
+) -> Result<String> {
     let http = match on {
         None => registry.to_string(),
         Some(key) => {
@@ -78,7 +83,11 @@ pub fn dashboard_link(c: &Client, secret: &Secret, registry: &str, on: Option<&s
         .parse::<std::net::SocketAddr>()
         .is_ok_and(|a| a.ip().is_loopback());
     // A host with a TLS identity takes only HTTPS from other machines.
-    let scheme = if r.tls.is_some() && !loopback { "https" } else { "http" };
+    let scheme = if r.tls.is_some() && !loopback {
+        "https"
+    } else {
+        "http"
+    };
     Ok(format!(
         "{scheme}://{http}{}?{}",
         pagefleet_common::httpauth::UI_LOGIN_PATH,
@@ -331,7 +340,11 @@ pub fn guest(c: &Client, g: GuestCmd) -> Result<()> {
             .map_err(|e| anyhow::anyhow!("the guest's workload: {e}"))?;
             let spec = crate::run::guest_spec(&parsed.run)?;
             // Given before or after `--`: once, or the same both times.
-            fn one<T: PartialEq + std::fmt::Debug>(flag: &str, a: Option<T>, b: Option<T>) -> Result<Option<T>> {
+            fn one<T: PartialEq + std::fmt::Debug>(
+                flag: &str,
+                a: Option<T>,
+                b: Option<T>,
+            ) -> Result<Option<T>> {
                 match (a, b) {
                     (Some(x), Some(y)) if x != y => {
                         bail!("{flag} given twice ({x:?} before --, {y:?} after): give it once")
@@ -887,8 +900,18 @@ fn set_cordon(c: &Client, reg: &Registry, host: &str, on: bool) -> Result<String
     let hs = hosts(c, &reg.registry, &[])?;
     let h = &hs[find_host(&hs, host)?];
     let _: pagefleet_api::Cordon = c
-        .post(&h.http, "/host/cordon", &pagefleet_api::Cordon { cordoned: on })
-        .with_context(|| format!("asking {} to {}cordon itself", h.name(), if on { "" } else { "un" }))?;
+        .post(
+            &h.http,
+            "/host/cordon",
+            &pagefleet_api::Cordon { cordoned: on },
+        )
+        .with_context(|| {
+            format!(
+                "asking {} to {}cordon itself",
+                h.name(),
+                if on { "" } else { "un" }
+            )
+        })?;
     Ok(h.name().to_string())
 }
 
@@ -918,13 +941,21 @@ pub fn host(c: &Client, cmd: HostCmd) -> Result<()> {
             let mut said = Vec::new();
             for h in hs.iter().filter(|h| h.host.is_some()) {
                 let r: pagefleet_api::HostRemoved = c
-                    .post(&h.http, "/registry/remove", &pagefleet_api::RemoveHost { host: host.clone() })
+                    .post(
+                        &h.http,
+                        "/registry/remove",
+                        &pagefleet_api::RemoveHost { host: host.clone() },
+                    )
                     .with_context(|| format!("asking {} to remove {host}", h.name()))?;
                 if r.peer.is_some() || r.registry || r.etcd_member {
                     said.push(format!(
                         "{}{}",
                         h.name(),
-                        if r.etcd_member { " (and its etcd member)" } else { "" }
+                        if r.etcd_member {
+                            " (and its etcd member)"
+                        } else {
+                            ""
+                        }
                     ));
                 }
             }

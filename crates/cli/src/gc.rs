@@ -150,7 +150,11 @@ pub fn gc(
             );
         }
         for h in &unreachable {
-            eprintln!("taking {} as gone: {}", h.http, h.error.as_deref().unwrap_or_default());
+            eprintln!(
+                "taking {} as gone: {}",
+                h.http,
+                h.error.as_deref().unwrap_or_default()
+            );
         }
     }
     let req = GcRequest {
@@ -159,7 +163,10 @@ pub fn gc(
         unreachable_gone,
     };
     let mut reports = Vec::new();
-    for h in lenders(&hs, None)?.into_iter().filter(|h| h.error.is_none()) {
+    for h in lenders(&hs, None)?
+        .into_iter()
+        .filter(|h| h.error.is_none())
+    {
         let r: GcReport = c
             .post(&h.http, "/gc", &req)
             .with_context(|| format!("collecting on {}", h.name()))?;

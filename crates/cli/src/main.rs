@@ -527,7 +527,10 @@ fn testbed(t: TestbedCmd) -> Result<()> {
             o.dir = dir;
             o.vm_images = vm_images
                 .iter()
-                .map(|p| std::fs::canonicalize(p).map_err(|e| anyhow::anyhow!("--vm-images {}: {e}", p.display())))
+                .map(|p| {
+                    std::fs::canonicalize(p)
+                        .map_err(|e| anyhow::anyhow!("--vm-images {}: {e}", p.display()))
+                })
                 .collect::<Result<_>>()?;
             let lab = Lab::up(&o)?;
             println!(
@@ -708,7 +711,10 @@ fn runner(kind: &str) -> Result<()> {
 
 fn run(cli: Cli) -> Result<()> {
     let sf = cli.secret_file.as_deref();
-    if !matches!(cli.cmd, Cmd::Cert(_) | Cmd::Completions { .. } | Cmd::Man { .. }) {
+    if !matches!(
+        cli.cmd,
+        Cmd::Cert(_) | Cmd::Completions { .. } | Cmd::Man { .. }
+    ) {
         pagefleet_tls::init_process_identity(cli.tls_dir.as_deref())
             .map_err(|e| anyhow::anyhow!("--tls-dir: {e}"))?;
     }
@@ -772,7 +778,12 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Top(t) => top::main(&cluster::client(sf)?, &t),
         Cmd::Dashboard { on, reg } => {
             let secret = Secret::resolve(sf)?;
-            let link = cluster::dashboard_link(&pagefleet_common::http::Client::new(secret.clone()), &secret, &reg.registry, on.as_deref())?;
+            let link = cluster::dashboard_link(
+                &pagefleet_common::http::Client::new(secret.clone()),
+                &secret,
+                &reg.registry,
+                on.as_deref(),
+            )?;
             println!("{link}");
             eprintln!("open it within a minute (it works once); the dashboard session then lasts 12 hours");
             Ok(())

@@ -270,10 +270,14 @@ pub fn guest_spec(a: &RunArgs) -> Result<GuestSpec> {
         bail!("--plain guests cannot be hosted (they have no region to migrate)");
     }
     if a.duration.is_some() {
-        bail!("--duration: a hosted guest runs until `pagefleet guest stop NAME`; give no --duration");
+        bail!(
+            "--duration: a hosted guest runs until `pagefleet guest stop NAME`; give no --duration"
+        );
     }
     if a.json {
-        bail!("--json: a hosted guest prints nothing; `pagefleet guest status NAME --json` shows it");
+        bail!(
+            "--json: a hosted guest prints nothing; `pagefleet guest status NAME --json` shows it"
+        );
     }
     let workload = match &a.workload {
         Some(Workload::Synthetic {

@@ -103,7 +103,9 @@ pub struct Rates {
 pub fn rates(then: &GuestStatus, now: &GuestStatus, dt: f64) -> Option<Rates> {
     let d = |a: u64, b: u64| b.checked_sub(a).map(|x| x as f64 / dt.max(1e-3));
     let fault_p99 = match (&then.paging, &now.paging) {
-        (Some(t), Some(n)) => delta(&t.fault_seconds, &n.fault_seconds).and_then(|h| h.quantile(0.99)),
+        (Some(t), Some(n)) => {
+            delta(&t.fault_seconds, &n.fault_seconds).and_then(|h| h.quantile(0.99))
+        }
         _ => None,
     };
     Some(Rates {
@@ -148,7 +150,11 @@ pub fn frame(prev: &Sample, now: &Sample) -> String {
     let before: BTreeMap<(&str, &str), &GuestStatus> = prev
         .hosts
         .iter()
-        .flat_map(|h| h.guests.iter().map(move |g| ((h.http.as_str(), g.name.as_str()), g)))
+        .flat_map(|h| {
+            h.guests
+                .iter()
+                .map(move |g| ((h.http.as_str(), g.name.as_str()), g))
+        })
         .collect();
     let mut o = String::new();
     let answered = now.hosts.iter().filter(|h| h.host.is_some()).count();
@@ -162,7 +168,16 @@ pub fn frame(prev: &Sample, now: &Sample) -> String {
         dt
     );
     let _ = writeln!(o);
-    let h = ["HOST", "MEMORY", "AVAILABLE", "LENT", "LENT USED", "GUEST FREE", "GUESTS", "STATE"];
+    let h = [
+        "HOST",
+        "MEMORY",
+        "AVAILABLE",
+        "LENT",
+        "LENT USED",
+        "GUEST FREE",
+        "GUESTS",
+        "STATE",
+    ];
     let _ = writeln!(
         o,
         "{:<14} {:>10} {:>10} {:>10} {:>10} {:>10} {:>7}  {}",
@@ -201,7 +216,10 @@ pub fn frame(prev: &Sample, now: &Sample) -> String {
         }
     }
     let _ = writeln!(o);
-    let h = ["HOST", "GUEST", "STATE", "SIZE", "BUDGET", "RESIDENT", "REMOTE", "OPS/S", "IN/S", "OUT/S", "P99"];
+    let h = [
+        "HOST", "GUEST", "STATE", "SIZE", "BUDGET", "RESIDENT", "REMOTE", "OPS/S", "IN/S", "OUT/S",
+        "P99",
+    ];
     let _ = writeln!(
         o,
         "{:<14} {:<12} {:<9} {:>9} {:>9} {:>9} {:>7} {:>9} {:>8} {:>8} {:>8}",
@@ -214,7 +232,10 @@ pub fn frame(prev: &Sample, now: &Sample) -> String {
                 .get(&(h.http.as_str(), g.name.as_str()))
                 .and_then(|t| rates(t, g, dt));
             let total = (g.resident_pages + g.remote_pages).max(1);
-            let rate = |f: fn(&Rates) -> f64| r.as_ref().map_or("-".to_string(), |r| format!("{:.0}", f(r)));
+            let rate = |f: fn(&Rates) -> f64| {
+                r.as_ref()
+                    .map_or("-".to_string(), |r| format!("{:.0}", f(r)))
+            };
             let _ = writeln!(
                 o,
                 "{:<14} {:<12} {:<9} {:>9} {:>9} {:>9} {:>6.0}% {:>9} {:>8} {:>8} {:>8}",
@@ -246,7 +267,15 @@ pub fn frame(prev: &Sample, now: &Sample) -> String {
     }
     if !migrations.is_empty() {
         let _ = writeln!(o);
-        let h = ["FROM", "GUEST", "PHASE", "ROUND", "THIS ROUND", "TO MAIN", "TO SUBS"];
+        let h = [
+            "FROM",
+            "GUEST",
+            "PHASE",
+            "ROUND",
+            "THIS ROUND",
+            "TO MAIN",
+            "TO SUBS",
+        ];
         let _ = writeln!(
             o,
             "{:<14} {:<12} {:<12} {:>6} {:>22} {:>10} {:>10}",
@@ -349,9 +378,19 @@ mod tests {
         };
         let f = frame(&prev, &now);
         assert!(f.contains("2 hosts (1 not answering), 1 guests"), "{f}");
-        let row = f.lines().find(|l| l.contains("kv1")).expect("the guest's row");
-        assert!(row.contains("running") && row.contains("50%") && row.contains("1000"), "{row}");
-        assert!(f.lines().any(|l| l.starts_with("10.0.0.2:7071") && l.contains("down: timed out")), "{f}");
+        let row = f
+            .lines()
+            .find(|l| l.contains("kv1"))
+            .expect("the guest's row");
+        assert!(
+            row.contains("running") && row.contains("50%") && row.contains("1000"),
+            "{row}"
+        );
+        assert!(
+            f.lines()
+                .any(|l| l.starts_with("10.0.0.2:7071") && l.contains("down: timed out")),
+            "{f}"
+        );
     }
 
     #[test]

@@ -500,10 +500,21 @@ fn bench_restart_quick_json_has_figures_and_goals() {
         serde_json::from_slice(&out.stdout).expect("stdout is one JSON object");
     let runs = v["restarts"].as_array().unwrap();
     assert_eq!(runs.len(), 1, "{stderr}");
-    assert!(runs[0]["ops"].as_array().unwrap().iter().all(|n| n.as_u64().unwrap() > 0), "{v}");
+    assert!(
+        runs[0]["ops"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|n| n.as_u64().unwrap() > 0),
+        "{v}"
+    );
     assert!(runs[0]["lent_guest_page_ins"].as_u64().unwrap() > 0, "{v}");
     assert!(runs[0]["pages_kept"].as_u64().unwrap() > 1000, "{v}");
-    assert_eq!((v["wrong_values"].as_u64(), v["guests_lost"].as_u64()), (Some(0), Some(0)), "{v}");
+    assert_eq!(
+        (v["wrong_values"].as_u64(), v["guests_lost"].as_u64()),
+        (Some(0), Some(0)),
+        "{v}"
+    );
     let goals = v["goals"].as_array().unwrap();
     assert_eq!(goals.len(), 3, "{goals:?}");
     assert_verdicts(goals);
@@ -533,7 +544,10 @@ fn bench_strangers_quick_json_has_figures_and_goals() {
     assert!(v["flood_connections"].as_u64().unwrap() > 1000, "{v}");
     assert!(v["sessions"].as_u64().unwrap() > 10, "{v}");
     // The TLS phase: every stalled handshake was made, signed clients worked beside them.
-    assert!(v["tls"]["stranger_connections"].as_u64().unwrap() >= 600, "{v}");
+    assert!(
+        v["tls"]["stranger_connections"].as_u64().unwrap() >= 600,
+        "{v}"
+    );
     assert!(v["tls"]["signed_requests"].as_u64().unwrap() > 10, "{v}");
     let goals = v["goals"].as_array().unwrap();
     assert_eq!(goals.len(), 9, "{goals:?}");

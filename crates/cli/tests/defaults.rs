@@ -33,12 +33,23 @@ fn pf(args: &[&str]) -> (bool, String) {
 #[test]
 fn guest_start_refuses_what_it_cannot_honour_and_takes_run_forms() {
     let start = |extra: &[&str]| {
-        let mut a = vec!["guest", "start", "g", "--on", "h1", "--registry", "127.0.0.1:9"];
+        let mut a = vec![
+            "guest",
+            "start",
+            "g",
+            "--on",
+            "h1",
+            "--registry",
+            "127.0.0.1:9",
+        ];
         a.extend_from_slice(extra);
         pf(&a)
     };
     let (ok, out) = start(&["--size", "64MiB", "--", "kv", "--duration", "5"]);
-    assert!(!ok && out.contains("--duration") && out.contains("guest stop"), "{out}");
+    assert!(
+        !ok && out.contains("--duration") && out.contains("guest stop"),
+        "{out}"
+    );
     let (ok, out) = start(&["--size", "64MiB", "--", "kv", "--json"]);
     assert!(!ok && out.contains("--json"), "{out}");
     let (ok, out) = start(&["--", "kv"]);
@@ -88,14 +99,20 @@ fn run_kv_serves_until_interrupted() {
         match std::net::TcpStream::connect(&addr) {
             Ok(s) => break s,
             Err(e) => {
-                assert!(t.elapsed() < Duration::from_secs(20), "kv never listened: {e}");
+                assert!(
+                    t.elapsed() < Duration::from_secs(20),
+                    "kv never listened: {e}"
+                );
                 std::thread::sleep(Duration::from_millis(50));
             }
         }
     };
     // Past the 10 s `run kv` used to stop at, it still runs and answers.
     std::thread::sleep(Duration::from_secs(12));
-    assert!(child.0.try_wait().unwrap().is_none(), "run kv ended by itself");
+    assert!(
+        child.0.try_wait().unwrap().is_none(),
+        "run kv ended by itself"
+    );
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let mut w = s.try_clone().unwrap();
     w.write_all(b"set k 0 0 1\r\nx\r\n").unwrap();
@@ -111,7 +128,10 @@ fn run_kv_serves_until_interrupted() {
         if let Some(st) = child.0.try_wait().unwrap() {
             break st;
         }
-        assert!(t.elapsed() < Duration::from_secs(20), "run kv ignored SIGINT");
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "run kv ignored SIGINT"
+        );
         std::thread::sleep(Duration::from_millis(50));
     };
     assert!(st.success(), "{st:?}");

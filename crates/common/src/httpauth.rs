@@ -139,9 +139,15 @@ fn parse(h: &str) -> Result<Parsed, AuthError> {
     for kv in rest.split(',') {
         let slot_filled = match kv.trim().split_once('=') {
             Some(("t", v)) => t.replace(v.parse::<u64>().map_err(|_| AuthError::Malformed)?),
-            Some(("n", v)) => n.replace(unhex::<16>(v).ok_or(AuthError::Malformed)?).map(|_| 0),
-            Some(("m", v)) => m.replace(unhex::<32>(v).ok_or(AuthError::Malformed)?).map(|_| 0),
-            Some(("b", v)) => b.replace(unhex::<32>(v).ok_or(AuthError::Malformed)?).map(|_| 0),
+            Some(("n", v)) => n
+                .replace(unhex::<16>(v).ok_or(AuthError::Malformed)?)
+                .map(|_| 0),
+            Some(("m", v)) => m
+                .replace(unhex::<32>(v).ok_or(AuthError::Malformed)?)
+                .map(|_| 0),
+            Some(("b", v)) => b
+                .replace(unhex::<32>(v).ok_or(AuthError::Malformed)?)
+                .map(|_| 0),
             _ => return Err(AuthError::Malformed),
         };
         if slot_filled.is_some() {
@@ -389,9 +395,15 @@ mod tests {
         // A b= the MAC did not cover, or one dropped, fails the MAC.
         let h = sign(&s, "POST", "/guests", body);
         let cut = h.split(",b=").next().unwrap();
-        assert_eq!(v.verify_head(Some(cut), "POST", "/guests").unwrap_err(), AuthError::BadMac);
+        assert_eq!(
+            v.verify_head(Some(cut), "POST", "/guests").unwrap_err(),
+            AuthError::BadMac
+        );
         let twice = format!("{h},b={}", "0".repeat(64));
-        assert_eq!(v.verify_head(Some(&twice), "POST", "/guests").unwrap_err(), AuthError::Malformed);
+        assert_eq!(
+            v.verify_head(Some(&twice), "POST", "/guests").unwrap_err(),
+            AuthError::Malformed
+        );
     }
 
     #[test]
@@ -418,8 +430,15 @@ mod tests {
         let v = Verifier::new(s.clone());
         let q = ui_login_query(&s);
         assert_eq!(v.verify_ui_login(Some(&q)), Ok(()));
-        assert_eq!(v.verify_ui_login(Some(&q)), Err(AuthError::Replayed), "one login per link");
-        assert_eq!(v.verify_ui_login(Some(&ui_login_query(&other))), Err(AuthError::BadMac));
+        assert_eq!(
+            v.verify_ui_login(Some(&q)),
+            Err(AuthError::Replayed),
+            "one login per link"
+        );
+        assert_eq!(
+            v.verify_ui_login(Some(&ui_login_query(&other))),
+            Err(AuthError::BadMac)
+        );
         assert_eq!(v.verify_ui_login(None), Err(AuthError::Missing));
         // Expired: past the replay window.
         let q = ui_login_query(&s);
@@ -432,8 +451,17 @@ mod tests {
         let t: u64 = q[2..q.find('&').unwrap()].parse().unwrap();
         let later = q.replacen(&format!("t={t}"), &format!("t={}", t + 30), 1);
         assert_eq!(v.verify_ui_login(Some(&later)), Err(AuthError::BadMac));
-        for bad in [format!("{q}&t=1"), format!("{q}&x=1"), format!("{q},b=00"), "t=1".to_string()] {
-            assert_eq!(v.verify_ui_login(Some(&bad)), Err(AuthError::Malformed), "{bad}");
+        for bad in [
+            format!("{q}&t=1"),
+            format!("{q}&x=1"),
+            format!("{q},b=00"),
+            "t=1".to_string(),
+        ] {
+            assert_eq!(
+                v.verify_ui_login(Some(&bad)),
+                Err(AuthError::Malformed),
+                "{bad}"
+            );
         }
         // A signed request is not a login link for another path.
         let h = sign(&s, "GET", "/host", b"");

@@ -84,8 +84,7 @@ fn label_name_ok(l: &str) -> bool {
     !l.is_empty()
         && !l.starts_with("__")
         && l != "le"
-        && l
-            .bytes()
+        && l.bytes()
             .enumerate()
             .all(|(i, b)| b.is_ascii_alphabetic() || b == b'_' || (i > 0 && b.is_ascii_digit()))
 }
@@ -178,7 +177,11 @@ pub struct Family<'a> {
 impl Family<'_> {
     /// One sample with `labels`.
     pub fn sample(&mut self, labels: &[Label], v: impl Value) -> &mut Self {
-        debug_assert!(self.kind != Kind::Histogram, "{}: use histogram()", self.name);
+        debug_assert!(
+            self.kind != Kind::Histogram,
+            "{}: use histogram()",
+            self.name
+        );
         line(self.out, &self.name, "", labels, None, v.as_f64());
         self
     }
@@ -186,11 +189,22 @@ impl Family<'_> {
     /// A histogram's series for `labels`: a bucket per bound (cumulative),
     /// `+Inf`, `_sum` and `_count`.
     pub fn histogram(&mut self, labels: &[Label], h: &HistogramSnapshot) -> &mut Self {
-        debug_assert!(self.kind == Kind::Histogram, "{}: not a histogram", self.name);
+        debug_assert!(
+            self.kind == Kind::Histogram,
+            "{}: not a histogram",
+            self.name
+        );
         let mut cum = 0u64;
         for (b, c) in h.bounds.iter().zip(&h.counts) {
             cum += c;
-            line(self.out, &self.name, "_bucket", labels, Some(*b), cum as f64);
+            line(
+                self.out,
+                &self.name,
+                "_bucket",
+                labels,
+                Some(*b),
+                cum as f64,
+            );
         }
         let total = h.count.max(cum);
         line(
@@ -286,7 +300,12 @@ pub const SERVICE_TIME_BOUNDS_S: [f64; 21] = [
 /// `bounds`: a fine bucket goes to the first bound at or above its upper
 /// bound, or above them all. Exact when every bound is one of the fine
 /// upper bounds.
-pub fn fold(fine_upper: &[f64], fine_counts: &[u64], bounds: &[f64], sum: f64) -> HistogramSnapshot {
+pub fn fold(
+    fine_upper: &[f64],
+    fine_counts: &[u64],
+    bounds: &[f64],
+    sum: f64,
+) -> HistogramSnapshot {
     let mut counts = vec![0u64; bounds.len()];
     let mut count = 0u64;
     for (u, c) in fine_upper.iter().zip(fine_counts) {
@@ -310,9 +329,18 @@ mod tests {
 
     #[test]
     fn names_follow_the_conventions() {
-        assert_eq!(check_name("pagefleet_guest_resident_bytes", Kind::Gauge), Ok(()));
-        assert_eq!(check_name("pagefleet_guest_page_ins_total", Kind::Counter), Ok(()));
-        assert_eq!(check_name("process_cpu_seconds_total", Kind::Counter), Ok(()));
+        assert_eq!(
+            check_name("pagefleet_guest_resident_bytes", Kind::Gauge),
+            Ok(())
+        );
+        assert_eq!(
+            check_name("pagefleet_guest_page_ins_total", Kind::Counter),
+            Ok(())
+        );
+        assert_eq!(
+            check_name("process_cpu_seconds_total", Kind::Counter),
+            Ok(())
+        );
         assert_eq!(
             check_name("pagefleet_guest_fault_seconds", Kind::Histogram),
             Ok(())
@@ -379,12 +407,30 @@ mod tests {
         e.family("pagefleet_fault_seconds", Kind::Histogram, "Faults.")
             .histogram(&[("guest", "kv")], &s);
         let t = e.finish();
-        assert!(t.contains("pagefleet_fault_seconds_bucket{guest=\"kv\",le=\"0.001\"} 2\n"), "{t}");
-        assert!(t.contains("pagefleet_fault_seconds_bucket{guest=\"kv\",le=\"0.01\"} 3\n"), "{t}");
-        assert!(t.contains("pagefleet_fault_seconds_bucket{guest=\"kv\",le=\"0.1\"} 5\n"), "{t}");
-        assert!(t.contains("pagefleet_fault_seconds_bucket{guest=\"kv\",le=\"+Inf\"} 6\n"), "{t}");
-        assert!(t.contains("pagefleet_fault_seconds_count{guest=\"kv\"} 6\n"), "{t}");
-        assert!(t.contains("pagefleet_fault_seconds_sum{guest=\"kv\"} 3.1235"), "{t}");
+        assert!(
+            t.contains("pagefleet_fault_seconds_bucket{guest=\"kv\",le=\"0.001\"} 2\n"),
+            "{t}"
+        );
+        assert!(
+            t.contains("pagefleet_fault_seconds_bucket{guest=\"kv\",le=\"0.01\"} 3\n"),
+            "{t}"
+        );
+        assert!(
+            t.contains("pagefleet_fault_seconds_bucket{guest=\"kv\",le=\"0.1\"} 5\n"),
+            "{t}"
+        );
+        assert!(
+            t.contains("pagefleet_fault_seconds_bucket{guest=\"kv\",le=\"+Inf\"} 6\n"),
+            "{t}"
+        );
+        assert!(
+            t.contains("pagefleet_fault_seconds_count{guest=\"kv\"} 6\n"),
+            "{t}"
+        );
+        assert!(
+            t.contains("pagefleet_fault_seconds_sum{guest=\"kv\"} 3.1235"),
+            "{t}"
+        );
     }
 
     #[test]

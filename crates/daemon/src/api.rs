@@ -119,7 +119,10 @@ pub struct Restart {
 
 impl Restart {
     /// Restarts exec `exe` when `requested` is set.
-    pub fn new(exe: std::path::PathBuf, requested: &'static std::sync::atomic::AtomicBool) -> Restart {
+    pub fn new(
+        exe: std::path::PathBuf,
+        requested: &'static std::sync::atomic::AtomicBool,
+    ) -> Restart {
         Restart {
             exe,
             requested,
@@ -423,7 +426,9 @@ async fn guest_op(
     };
     if op == "rm" {
         return match no_body(&b) {
-            Ok(()) => blocking(move || g.remove_record(&name).map(|_| pagefleet_api::Ok::default())).await,
+            Ok(()) => {
+                blocking(move || g.remove_record(&name).map(|_| pagefleet_api::Ok::default())).await
+            }
             Err(r) => refusal(r),
         };
     }
@@ -439,7 +444,9 @@ async fn guest_op(
         "migrate" => body::<MigrateRequest>(&b).map(ControlRequest::Migrate),
         _ => Err(Refusal::new(
             404,
-            format!("no operation {op:?}: use stop, rm, cancel, sort, set_budget, evacuate or migrate"),
+            format!(
+                "no operation {op:?}: use stop, rm, cancel, sort, set_budget, evacuate or migrate"
+            ),
         )),
     };
     let req = match parsed {
@@ -591,7 +598,10 @@ async fn remove_host(State(app): Shared, b: Bytes) -> Response {
     blocking(move || {
         let me = (app.report)();
         if req.host == me.hostname || me.http.as_deref() == Some(req.host.as_str()) {
-            return Err(Refusal::new(409, format!("{} is this host: a host cannot remove itself", req.host)));
+            return Err(Refusal::new(
+                409,
+                format!("{} is this host: a host cannot remove itself", req.host),
+            ));
         }
         let mut out = pagefleet_api::HostRemoved::default();
         if let Some(r) = app.peers.remove(&req.host) {

@@ -468,7 +468,8 @@ mod tests {
 
     #[test]
     fn log_format_and_health_probes_come_from_the_file_or_the_flags() {
-        let f = FileConfig::parse("log_format = \"json\"\n[memserver]\npublic_health = true\n").unwrap();
+        let f = FileConfig::parse("log_format = \"json\"\n[memserver]\npublic_health = true\n")
+            .unwrap();
         let s = merge(f, Flags::default()).unwrap();
         assert_eq!(s.log_format, LogFormat::Json);
         assert!(s.public_health && !s.public_metrics);

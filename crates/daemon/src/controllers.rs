@@ -35,6 +35,41 @@ impl<T: Clone> Default for Latest<T> {
     }
 }
 
+/// The KSM controller's state as the host report carries it.
+pub fn ksm_report(s: &pagefleet_ksm::control::State) -> pagefleet_api::KsmReport {
+    pagefleet_api::KsmReport {
+        policy: s.policy.clone(),
+        phase: s.phase.clone(),
+        running: s.run,
+        scan_pages_per_second: s.scan_rate,
+        saved_bytes: s.saved_bytes,
+        ksmd_cpu_ratio: s.ksmd_cpu_share,
+        pressure: s.pressure,
+        why: s.why.clone(),
+    }
+}
+
+/// The I/O controller's state as the host report carries it.
+pub fn ioqos_report(s: &pagefleet_ioqos::control::State) -> pagefleet_api::IoQosReport {
+    pagefleet_api::IoQosReport {
+        policy: s.policy.clone(),
+        device: s.device.clone(),
+        device_used_ratio: s.device_share_used,
+        tenants: s
+            .tenants
+            .iter()
+            .map(|t| pagefleet_api::IoQosTenant {
+                name: t.name.clone(),
+                bytes_per_second: t.bps,
+                iops: t.iops,
+                limit_bytes_per_second: t.cap_bps,
+                starved: t.starved,
+                error: t.error.clone(),
+            })
+            .collect(),
+    }
+}
+
 /// The KSM controller's series.
 pub fn ksm_metrics(s: &pagefleet_ksm::control::State, e: &mut Exposition) {
     e.single(

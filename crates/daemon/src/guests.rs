@@ -285,7 +285,7 @@ impl Guests {
             self.failures.load(Relaxed),
         );
         type Get = fn(&GuestStatus) -> f64;
-        let series: [(&str, pagefleet_common::metrics::Kind, &str, Get); 19] = [
+        let series: [(&str, pagefleet_common::metrics::Kind, &str, Get); 22] = [
             ("size_bytes", Gauge, "The guest's memory size.", |g| g.size as f64),
             ("budget_bytes", Gauge, "Memory the guest may keep resident here.", |g| {
                 g.budget_pages as f64 * PAGE
@@ -378,6 +378,24 @@ impl Guests {
                 |g| g.paging.as_ref().map_or(0.0, |p| p.hedged_reads as f64),
             ),
             (
+                "prefetched_bytes_total",
+                Counter,
+                "Guest memory read-ahead brought in besides the faulting pages.",
+                |g| g.paging.as_ref().map_or(0.0, |p| p.prefetched_pages as f64 * PAGE),
+            ),
+            (
+                "prefetch_hits_total",
+                Counter,
+                "Read-ahead pages the guest used after they came.",
+                |g| g.paging.as_ref().map_or(0.0, |p| p.prefetch_hits as f64),
+            ),
+            (
+                "prefetch_misses_total",
+                Counter,
+                "Read-ahead pages evicted with no use seen (an upper bound: a read of a mapped page shows only after the sampler unmaps it).",
+                |g| g.paging.as_ref().map_or(0.0, |p| p.prefetch_misses as f64),
+            ),
+            (
                 "rereplicated_pages_total",
                 Counter,
                 "Pages re-replication copied to another memory server.",
@@ -389,6 +407,32 @@ impl Guests {
             let mut f = e.family(&format!("pagefleet_guest_{name}"), kind, help);
             for g in &guests {
                 f.sample(&[("guest", g.name.as_str())], get(g));
+            }
+        }
+        let mut f = e.family(
+            "pagefleet_guest_remote_server_bytes",
+            Gauge,
+            "Guest memory read from each memory server (its pages' first copies; mirrors not counted).",
+        );
+        for g in &guests {
+            for (server, pages) in g.pages.iter().flat_map(|p| &p.remote) {
+                f.sample(
+                    &[("guest", g.name.as_str()), ("server", server.as_str())],
+                    *pages as f64 * PAGE,
+                );
+            }
+        }
+        let mut f = e.family(
+            "pagefleet_guest_faults_total",
+            Counter,
+            "Page faults by what served them: remote (waited for a memory server), zero (first touch), \
+             minor (resident, mapped back by the kernel after the sampler's unmap), write_protect (first write since a clean install or a migration round).",
+        );
+        for g in &guests {
+            if let Some(p) = &g.paging {
+                for (kind, n) in p.faults.by_kind() {
+                    f.sample(&[("guest", g.name.as_str()), ("kind", kind)], n);
+                }
             }
         }
         let mut f = e.family(
@@ -408,7 +452,11 @@ impl Guests {
     /// The migration series: per guest migrating from here (KubeVirt's
     /// names where they fit, `kubevirt_vmi_migration_*`), and this host's
     /// tallies.
-    fn migration_metrics(&self, e: &mut pagefleet_common::metrics::Exposition, all: &[GuestStatus]) {
+    fn migration_metrics(
+        &self,
+        e: &mut pagefleet_common::metrics::Exposition,
+        all: &[GuestStatus],
+    ) {
         use pagefleet_api::MigrationProgress as P;
         use pagefleet_common::metrics::Kind::*;
         let moving: Vec<(&str, &P)> = all
@@ -681,7 +729,10 @@ impl Guests {
             match ended {
                 // A runner that was (or had become) a guest here ended on
                 // its own: its record stays, failed, with the reason.
-                Some(e) if failed && (!e.incoming || e.last.as_ref().is_some_and(|l| l.state.is_live())) => {
+                Some(e)
+                    if failed
+                        && (!e.incoming || e.last.as_ref().is_some_and(|l| l.state.is_live())) =>
+                {
                     me.record_failure(&n, pid, e, exit);
                 }
                 _ => info!("guest {n} (runner {pid}) ended: {exit}"),
@@ -764,9 +815,9 @@ impl Guests {
         } else {
             tail[tail.len().saturating_sub(REASON_LINES)..].join(" | ")
         };
-        let mut rec = e
-            .last
-            .unwrap_or_else(|| GuestStatus::placeholder(name, GuestState::Failed, e.budget_pages, pid));
+        let mut rec = e.last.unwrap_or_else(|| {
+            GuestStatus::placeholder(name, GuestState::Failed, e.budget_pages, pid)
+        });
         rec.state = GuestState::Failed;
         rec.pid = pid;
         rec.migration = None;
@@ -827,7 +878,11 @@ impl Guests {
         let mut v: Vec<GuestStatus> = entries
             .into_iter()
             .map(|(n, c, b, inc, pid)| {
-                match control::call::<GuestStatus>(&c, &ControlRequest::Status, Duration::from_secs(5)) {
+                match control::call::<GuestStatus>(
+                    &c,
+                    &ControlRequest::Status,
+                    Duration::from_secs(5),
+                ) {
                     Ok(g) => {
                         if let Some(e) = lock(&self.map).get_mut(&n).filter(|e| e.pid == pid) {
                             e.last = Some(g.clone());
@@ -854,7 +909,10 @@ impl Guests {
             return Ok(e.control.clone());
         }
         if let Some(f) = lock(&self.failed).get(name) {
-            let why = f.failure.as_ref().map(|x| format!("{} ({})", x.reason, x.exit));
+            let why = f
+                .failure
+                .as_ref()
+                .map(|x| format!("{} ({})", x.reason, x.exit));
             return Err(Refusal::new(
                 409,
                 format!(
@@ -927,7 +985,10 @@ impl Guests {
         let r = std::fs::write(&tmp, serde_json::to_vec(&list).unwrap_or_default())
             .and_then(|()| std::fs::rename(&tmp, &path));
         if let Err(e) = r {
-            tracing::warn!("cannot write {}: {e} (a restart would not find its guests)", path.display());
+            tracing::warn!(
+                "cannot write {}: {e} (a restart would not find its guests)",
+                path.display()
+            );
         }
     }
 
@@ -955,9 +1016,15 @@ impl Guests {
             // The pid is still this guest's runner (not a reused pid).
             let cmdline = std::fs::read(format!("/proc/{}/cmdline", l.pid)).unwrap_or_default();
             let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
-            let sub: &[u8] = if l.incoming { b"runner-incoming" } else { b"runner-guest" };
+            let sub: &[u8] = if l.incoming {
+                b"runner-incoming"
+            } else {
+                b"runner-guest"
+            };
             let ours = args.contains(&sub)
-                && args.iter().any(|a| *a == format!("--name={}", l.name).as_bytes());
+                && args
+                    .iter()
+                    .any(|a| *a == format!("--name={}", l.name).as_bytes());
             if reaped || !ours {
                 // It ended while no daemon watched: a guest that failed
                 // (a runner waiting for a migration is the source's affair).
@@ -982,10 +1049,19 @@ impl Guests {
             }
             // A runner that came by migration is adopted once it runs the
             // guest; one still waiting for its migration ends by itself.
-            let status = match control::call::<GuestStatus>(&l.control, &ControlRequest::Status, Duration::from_secs(5)) {
+            let status = match control::call::<GuestStatus>(
+                &l.control,
+                &ControlRequest::Status,
+                Duration::from_secs(5),
+            ) {
                 Ok(s) if s.pid == l.pid && s.state.is_live() => s,
                 _ => {
-                    tracing::warn!("guest {} (runner {}) does not answer on {}: not adopted", l.name, l.pid, l.control.display());
+                    tracing::warn!(
+                        "guest {} (runner {}) does not answer on {}: not adopted",
+                        l.name,
+                        l.pid,
+                        l.control.display()
+                    );
                     continue;
                 }
             };
@@ -995,7 +1071,8 @@ impl Guests {
                 continue;
             }
             // SAFETY: a fresh descriptor the kernel just returned, owned here.
-            let pidfd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) };
+            let pidfd =
+                unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) };
             lock(&self.map).insert(
                 l.name.clone(),
                 Entry {
@@ -1009,7 +1086,10 @@ impl Guests {
             );
             let (me, n, pid) = (self.clone(), l.name.clone(), l.pid);
             std::thread::spawn(move || me.watch_adopted(&n, pid, pidfd));
-            info!("guest {} (runner {}) adopted: it kept running through the daemon's restart", l.name, l.pid);
+            info!(
+                "guest {} (runner {}) adopted: it kept running through the daemon's restart",
+                l.name, l.pid
+            );
             adopted.push(l.name);
         }
         self.save_runners();
@@ -1060,8 +1140,9 @@ impl Guests {
                         describe_exit(std::process::ExitStatus::from_raw((c & 0xff) << 8))
                     }
                     Some((_, sig)) => describe_exit(std::process::ExitStatus::from_raw(sig & 0x7f)),
-                    None => "ended; exit status unknown (runner adopted after a daemon restart)"
-                        .into(),
+                    None => {
+                        "ended; exit status unknown (runner adopted after a daemon restart)".into()
+                    }
                 };
                 self.record_failure(name, pid, e, exit)
             }

@@ -135,9 +135,10 @@ pub fn take() -> Result<Option<Inherited>> {
     // Not for the runners this daemon starts. (No other thread runs yet:
     // this is the first thing the daemon does.)
     std::env::remove_var(ENV);
-    let fd: RawFd = v.to_str().and_then(|s| s.parse().ok()).ok_or_else(|| {
-        Error::Invalid(format!("{ENV}={v:?} is not a descriptor number"))
-    })?;
+    let fd: RawFd = v
+        .to_str()
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| Error::Invalid(format!("{ENV}={v:?} is not a descriptor number")))?;
     let mut f = std::fs::File::from(own(fd, "description")?);
     let mut len = [0u8; 4];
     f.read_exact(&mut len)?;
@@ -278,9 +279,8 @@ fn try_exec(o: Outgoing<'_>) -> Result<Never> {
     if let Some(m) = &h.memserver {
         pass.extend([m.listener, m.pool]);
     }
-    let cstr = |b: &[u8]| {
-        CString::new(b).map_err(|_| Error::Invalid("a NUL byte in an argument".into()))
-    };
+    let cstr =
+        |b: &[u8]| CString::new(b).map_err(|_| Error::Invalid("a NUL byte in an argument".into()));
     let exe = cstr(o.exe.as_os_str().as_bytes())?;
     let argv: Vec<CString> = o
         .args
@@ -346,7 +346,10 @@ pub fn preflight(exe: &Path) -> std::result::Result<String, String> {
             Ok(None) => {
                 let _ = c.kill();
                 let _ = c.wait();
-                return Err(format!("{} --version did not answer within 10 s", exe.display()));
+                return Err(format!(
+                    "{} --version did not answer within 10 s",
+                    exe.display()
+                ));
             }
             Err(e) => return Err(e.to_string()),
         }

@@ -176,7 +176,10 @@ async fn authenticate(State(gate): State<Arc<Gate>>, req: Request, next: Next) -
         );
         r
     };
-    let admitted = match gate.verifier.verify_head(auth, parts.method.as_str(), &path) {
+    let admitted = match gate
+        .verifier
+        .verify_head(auth, parts.method.as_str(), &path)
+    {
         Ok(a) => a,
         Err(e) => return refused(e),
     };
@@ -216,7 +219,11 @@ pub fn bind(listen: &str) -> crate::error::Result<std::net::TcpListener> {
 /// Serve `router` behind the gate on `l` (bound by [`bind`], or handed
 /// over by the previous process of an in-place restart); returns its
 /// address. The endpoint runs on its own threads until the process ends.
-pub fn serve(l: std::net::TcpListener, router: Router, gate: Gate) -> crate::error::Result<SocketAddr> {
+pub fn serve(
+    l: std::net::TcpListener,
+    router: Router,
+    gate: Gate,
+) -> crate::error::Result<SocketAddr> {
     l.set_nonblocking(true)?;
     let addr = l.local_addr()?;
     let rt = tokio::runtime::Builder::new_multi_thread()

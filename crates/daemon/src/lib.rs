@@ -57,12 +57,17 @@ impl MemServer {
                         fmt_size(cap)
                     );
                 }
-                (h.listener, ServerState::with_id(h.store, secret, cfg, h.server_id))
+                (
+                    h.listener,
+                    ServerState::with_id(h.store, secret, cfg, h.server_id),
+                )
             }
             None => {
                 let store = Store::new(lend_bytes).context("cannot create the page store")?;
                 let listener = pagefleet_common::listen::listen(listen).with_context(|| {
-                    format!("cannot listen on {listen} (address in use? pick another with --listen)")
+                    format!(
+                        "cannot listen on {listen} (address in use? pick another with --listen)"
+                    )
                 })?;
                 (listener, ServerState::new(store, secret, cfg))
             }

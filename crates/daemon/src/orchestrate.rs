@@ -108,7 +108,11 @@ fn place(app: &App, o: &MigrationOrder) -> Result<(Placed, MigrateRequest, Promi
     let view = app.placement_view();
     let hs = &view.hosts;
     // An unreadable registry is the error, not "no host" or "no memory".
-    if let Some(e) = hs.iter().find(|h| h.http == "etcd").and_then(|h| h.error.as_ref()) {
+    if let Some(e) = hs
+        .iter()
+        .find(|h| h.http == "etcd")
+        .and_then(|h| h.error.as_ref())
+    {
         return Err(Refusal::new(503, format!("cannot place the guest: {e}")));
     }
     let src = 0;
@@ -134,7 +138,10 @@ fn place(app: &App, o: &MigrationOrder) -> Result<(Placed, MigrateRequest, Promi
             ))
         }
         pagefleet_api::GuestState::Failed => {
-            let why = st.failure.as_ref().map(|f| format!("{} ({})", f.reason, f.exit));
+            let why = st
+                .failure
+                .as_ref()
+                .map(|f| format!("{} ({})", f.reason, f.exit));
             return Err(Refusal::new(
                 409,
                 format!(
@@ -317,7 +324,11 @@ pub fn relay(
             ProgressEvent::Failed(f) => {
                 tracing::warn!(
                     "guest {name}: migration to {to} failed{}: {}",
-                    if f.rolled_back.is_empty() { "" } else { " (rolled back)" },
+                    if f.rolled_back.is_empty() {
+                        ""
+                    } else {
+                        " (rolled back)"
+                    },
                     f.message
                 );
                 g.migration_ended(name, Err(&f.message));
@@ -401,7 +412,12 @@ pub fn evacuate(app: &App, order: EvacuationOrder, mut emit: impl FnMut(&Evacuat
             return;
         }
     };
-    let to = match order.to.as_deref().map(|t| find_host(app, hs, t)).transpose() {
+    let to = match order
+        .to
+        .as_deref()
+        .map(|t| find_host(app, hs, t))
+        .transpose()
+    {
         Ok(t) => t,
         Err(m) => {
             emit(&fail(m));

@@ -178,10 +178,13 @@ fn held(app: &App) -> Vec<String> {
                 .collect();
             for r in regions {
                 match owners.get(&r.region) {
-                    Some((g, h)) => v.push(format!("{} pages of guest {g} (running on {h})", r.pages)),
-                    None if r.sessions > 0 => {
-                        v.push(format!("{} pages of connected client {:?}", r.pages, r.owner))
+                    Some((g, h)) => {
+                        v.push(format!("{} pages of guest {g} (running on {h})", r.pages))
                     }
+                    None if r.sessions > 0 => v.push(format!(
+                        "{} pages of connected client {:?}",
+                        r.pages, r.owner
+                    )),
                     None => {}
                 }
             }
@@ -229,7 +232,8 @@ fn may_stop(
         limit.as_secs(),
         held.join("; ")
     );
-    app.cordoned.store(true, std::sync::atomic::Ordering::SeqCst);
+    app.cordoned
+        .store(true, std::sync::atomic::Ordering::SeqCst);
     // Only the lent pages move: the guests here keep running through the
     // restart (their runners outlive the daemon).
     let order = pagefleet_api::EvacuationOrder {
@@ -313,7 +317,9 @@ pub fn restart_refusal(app: &App) -> Option<String> {
     }
     let n = app.restart.busy();
     if n > 0 {
-        v.push(format!("{n} migration(s) or evacuation(s) run from this daemon"));
+        v.push(format!(
+            "{n} migration(s) or evacuation(s) run from this daemon"
+        ));
     }
     (!v.is_empty()).then(|| {
         format!(
@@ -381,7 +387,8 @@ fn restart_in_place(
     if let Some(a) = app {
         a.ready.set(crate::api::Phase::Serving);
     }
-    let _ = pagefleet_common::sdnotify::notify("READY=1\nSTATUS=serving (the in-place restart failed)");
+    let _ =
+        pagefleet_common::sdnotify::notify("READY=1\nSTATUS=serving (the in-place restart failed)");
 }
 
 /// The device guests' service addresses go on when none is configured.
@@ -551,7 +558,13 @@ pub fn run(a: Settings) -> Result<()> {
         ));
     }
     let ms = match a.lend {
-        Some(lend) => Some(MemServer::start(&a.listen, lend, secret.clone(), cfg, inherited_ms)?),
+        Some(lend) => Some(MemServer::start(
+            &a.listen,
+            lend,
+            secret.clone(),
+            cfg,
+            inherited_ms,
+        )?),
         None => None,
     };
     let listen_addr: std::net::SocketAddr = match &ms {
@@ -663,6 +676,7 @@ pub fn run(a: Settings) -> Result<()> {
             let tls_name = tls.as_ref().map(|t| t.name.clone());
             let cordoned = Arc::new(std::sync::atomic::AtomicBool::new(inherited_cordon));
             let cordon_flag = cordoned.clone();
+            let (kl, ql) = (ksm_latest.clone(), ioqos_latest.clone());
             let report = move || {
                 let mut r = crate::host_report(st.as_ref().map(|(s, a)| (&**s, *a)));
                 r.http = me.get().cloned();
@@ -680,6 +694,8 @@ pub fn run(a: Settings) -> Result<()> {
                 r.cordoned = cordon_flag.load(std::sync::atomic::Ordering::SeqCst);
                 r.version = env!("CARGO_PKG_VERSION").to_string();
                 r.started_unix = started_unix();
+                r.ksm = kl.get().map(|s| crate::controllers::ksm_report(&s));
+                r.ioqos = ql.get().map(|s| crate::controllers::ioqos_report(&s));
                 r
             };
             let (st, g) = (ms.as_ref().map(|m| m.state.clone()), guests.clone());
@@ -816,7 +832,13 @@ pub fn run(a: Settings) -> Result<()> {
         if restart_requested.swap(false, std::sync::atomic::Ordering::SeqCst) {
             // A request's reply (`POST /host/restart`) goes out first.
             std::thread::sleep(std::time::Duration::from_millis(100));
-            restart_in_place(api_app.as_ref(), &exe, &args, ms.as_ref(), http_kept.as_ref());
+            restart_in_place(
+                api_app.as_ref(),
+                &exe,
+                &args,
+                ms.as_ref(),
+                http_kept.as_ref(),
+            );
         }
     }
     stop.store(true, std::sync::atomic::Ordering::SeqCst);

@@ -328,16 +328,25 @@ fn metrics_are_closed_unless_opened() {
     // The cluster's scrape token opens GET /metrics and nothing else;
     // another cluster's does not.
     let token = format!("Bearer {}", httpauth::scrape_token(&h.d.secret));
-    let (st, body) = raw(&h.http, &request("GET", "/metrics", Some(token.as_str()), b""));
+    let (st, body) = raw(
+        &h.http,
+        &request("GET", "/metrics", Some(token.as_str()), b""),
+    );
     assert_eq!(st, 200, "{body}");
-    assert!(body.contains("pagefleet_memserver_capacity_bytes"), "{body}");
+    assert!(
+        body.contains("pagefleet_memserver_capacity_bytes"),
+        "{body}"
+    );
     for (m, p) in [("GET", "/host"), ("GET", "/guests"), ("POST", "/metrics")] {
         let (st, _) = raw(&h.http, &request(m, p, Some(token.as_str()), b""));
         assert_eq!(st, 401, "{m} {p} with the scrape token");
     }
     let wrong = Secret::from_bytes(b"not-the-cluster-secret-at-all", "test").unwrap();
     let other = format!("Bearer {}", httpauth::scrape_token(&wrong));
-    let (st, _) = raw(&h.http, &request("GET", "/metrics", Some(other.as_str()), b""));
+    let (st, _) = raw(
+        &h.http,
+        &request("GET", "/metrics", Some(other.as_str()), b""),
+    );
     assert_eq!(st, 401);
     let open = Daemon::start("16MiB", &["--public-metrics"]);
     let addr = open.metrics.clone().unwrap();
@@ -400,7 +409,10 @@ fn strangers_holding_every_slot_keep_no_signed_client_out() {
             refused += 1;
         }
     }
-    assert_eq!(refused, 20, "an unsigned head with a body is refused before the body");
+    assert_eq!(
+        refused, 20,
+        "an unsigned head with a body is refused before the body"
+    );
     let c = pagefleet_common::http::Client::new(h.d.secret.clone());
     for _ in 0..40 {
         // New strangers keep coming while the signed client works.
@@ -416,7 +428,10 @@ fn strangers_holding_every_slot_keep_no_signed_client_out() {
         assert_eq!(r.guest_memory, 64 << 20);
     }
     let grew = h.d.rss().saturating_sub(rss0);
-    assert!(grew < 32 << 20, "RSS grew {grew} bytes with strangers connected");
+    assert!(
+        grew < 32 << 20,
+        "RSS grew {grew} bytes with strangers connected"
+    );
     drop(strangers);
     nothing_started(&h);
 }

@@ -12,7 +12,14 @@ fn lines_until_serving(extra: &[&str]) -> Vec<String> {
     let secret = dir.path().join("secret");
     std::fs::write(&secret, "test-secret-0123456789abcdef\n").unwrap();
     let child = Command::new(env!("CARGO_BIN_EXE_pagefleetd"))
-        .args(["--lend", "16MiB", "--listen", "127.0.0.1:0", "--metrics", "127.0.0.1:0"])
+        .args([
+            "--lend",
+            "16MiB",
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics",
+            "127.0.0.1:0",
+        ])
         .args(["--log", "info"])
         .arg("--secret-file")
         .arg(&secret)

@@ -1112,5 +1112,9 @@ fn a_connection_flood_pushes_no_client_out() {
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let made = flooder.join().unwrap();
     assert!(made > 1000, "the flood made only {made} connections");
-    assert!(failed.is_empty(), "{} of 100 sessions failed during a flood of {made} connections: {failed:?}", failed.len());
+    assert!(
+        failed.is_empty(),
+        "{} of 100 sessions failed during a flood of {made} connections: {failed:?}",
+        failed.len()
+    );
 }

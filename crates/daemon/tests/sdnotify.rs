@@ -20,7 +20,14 @@ fn the_daemon_says_ready_once_serving_and_stopping_on_sigterm() {
     let secret_path = dir.join("secret");
     std::fs::write(&secret_path, "test-secret-0123456789abcdef\n").unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_pagefleetd"))
-        .args(["--lend", "16MiB", "--listen", "127.0.0.1:0", "--log", "error"])
+        .args([
+            "--lend",
+            "16MiB",
+            "--listen",
+            "127.0.0.1:0",
+            "--log",
+            "error",
+        ])
         .arg("--secret-file")
         .arg(&secret_path)
         .env_remove("PAGEFLEET_SECRET")

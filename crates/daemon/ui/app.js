@@ -234,6 +234,41 @@ function renderServers(hosts) {
   }), 'no host lends memory');
 }
 
+// KSM and I/O QoS: shown only where a host's pagefleetd runs the controller.
+function renderControllers(hosts) {
+  const ksm = hosts.filter(h => h.host && h.host.ksm);
+  $('ksm-section').hidden = ksm.length === 0;
+  fill($('ksm').tBodies[0], ksm.map(h => {
+    const k = h.host.ksm;
+    return el('tr', {},
+      el('td', {}, h.host.hostname), el('td', {}, k.policy),
+      el('td', { class: k.running ? 'ok' : '' }, k.phase + (k.pressure ? ' (memory pressure)' : '')),
+      el('td', { class: 'num' }, k.scan_pages_per_second.toFixed(0) + ' pages/s'),
+      el('td', { class: 'num' }, bytes(k.saved_bytes)),
+      el('td', { class: 'num' }, (100 * k.ksmd_cpu_ratio).toFixed(2) + ' %'),
+      el('td', { class: 'why' }, k.why));
+  }), 'no KSM controller');
+  const rows = [];
+  for (const h of hosts) {
+    const q = h.host && h.host.ioqos;
+    if (!q) continue;
+    for (const t of q.tenants) {
+      const limit = t.limit_bytes_per_second;
+      rows.push(el('tr', { 'data-tenant': t.name },
+        el('td', {}, h.host.hostname),
+        el('td', { title: q.policy }, q.device + ' · ' + (100 * q.device_used_ratio).toFixed(0) + ' % used'),
+        el('td', {}, t.name),
+        el('td', {}, limit ? bar([{ label: 'rate', value: t.bytes_per_second, colour: 'var(--local)' }], limit) : '',
+          el('div', { class: 'legend' }, bytes(t.bytes_per_second) + '/s' + (limit ? ' of ' + bytes(limit) + '/s' : ', no limit'))),
+        el('td', { class: 'num' }, t.iops.toFixed(0)),
+        t.error ? el('td', { class: 'failed', title: t.error }, 'error: ' + t.error)
+          : el('td', { class: t.starved ? 'failed' : 'ok' }, t.starved ? 'starved' : 'ok')));
+    }
+  }
+  $('ioqos-section').hidden = rows.length === 0;
+  fill($('ioqos').tBodies[0], rows, 'no tenants');
+}
+
 let lastAt = 0;
 
 function render(s) {
@@ -245,6 +280,7 @@ function render(s) {
   renderMigrations(hosts, s.at_unix_ms);
   renderGuests(hosts, s.at_unix_ms);
   renderServers(hosts);
+  renderControllers(hosts);
 }
 
 function status(text, cls) {

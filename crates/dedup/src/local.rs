@@ -69,8 +69,8 @@ mod tests {
     use crate::ContentKey;
     use pagefleet_proto::auth::Secret;
     use std::fs::File;
-    use std::os::unix::fs::FileExt;
     use std::os::fd::{AsRawFd, FromRawFd};
+    use std::os::unix::fs::FileExt;
     use std::sync::atomic::AtomicBool;
 
     #[test]

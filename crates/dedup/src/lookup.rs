@@ -435,8 +435,8 @@ mod tests {
     use crate::SourceId;
     use pagefleet_proto::auth::Secret;
     use std::fs::File;
-    use std::os::unix::fs::FileExt;
     use std::os::fd::FromRawFd;
+    use std::os::unix::fs::FileExt;
 
     fn key() -> ContentKey {
         let s = Secret::from_bytes(b"0123456789abcdef0123456789abcdef", "test").unwrap();

@@ -168,14 +168,16 @@ impl HostIndex {
                     let j = (i..n).find(|&k| here[k] != here[i]).unwrap_or(n);
                     if here[i] {
                         let b = &mut buf[..(j - i) * PAGE];
-                        if mem.file().read_exact_at(b, (q + i as u64) * PAGE as u64).is_err() {
+                        if mem
+                            .file()
+                            .read_exact_at(b, (q + i as u64) * PAGE as u64)
+                            .is_err()
+                        {
                             return None;
                         }
-                        hs.extend(
-                            b.chunks_exact(PAGE)
-                                .enumerate()
-                                .map(|(k, c)| (i + k, Some(self.key.hash(c.try_into().expect("page"))))),
-                        );
+                        hs.extend(b.chunks_exact(PAGE).enumerate().map(|(k, c)| {
+                            (i + k, Some(self.key.hash(c.try_into().expect("page"))))
+                        }));
                     } else {
                         hs.extend((i..j).map(|k| (k, None)));
                     }

@@ -269,7 +269,9 @@ impl Kv {
         let ptable = 4096 + nb * 8;
         // Small memories (tests, tiny guests) get 16 pages at least: items
         // larger than a page are then refused.
-        let page = SLAB_PAGE.min((len.saturating_sub(ptable) / 16) / 4096 * 4096).max(4096);
+        let page = SLAB_PAGE
+            .min((len.saturating_sub(ptable) / 16) / 4096 * 4096)
+            .max(4096);
         let npages = len.saturating_sub(ptable) / page;
         let arena = (ptable + npages).div_ceil(64) * 64;
         for b in 0..nb {
@@ -485,7 +487,10 @@ impl Kv {
             return Some(head);
         }
         let sz = classes()[c];
-        let (carve, end) = (self.r(H_CARVE + c * 8) as usize, self.r(H_CARVE_END + c * 8) as usize);
+        let (carve, end) = (
+            self.r(H_CARVE + c * 8) as usize,
+            self.r(H_CARVE_END + c * 8) as usize,
+        );
         if carve + sz <= end {
             self.w(H_CARVE + c * 8, (carve + sz) as u64);
             return Some(carve);
@@ -556,7 +561,11 @@ impl Kv {
         let sz = classes()[b];
         let carve_end = self.r(H_CARVE_END + b * 8) as usize;
         let carving = carve_end == end;
-        let limit = if carving { self.r(H_CARVE + b * 8) as usize } else { end };
+        let limit = if carving {
+            self.r(H_CARVE + b * 8) as usize
+        } else {
+            end
+        };
         let mut off = start;
         while off + sz <= limit {
             // A live item has a cas id (from 1); a free chunk has 0; a
@@ -1169,7 +1178,10 @@ fn general_stats(kv: &Kv) -> String {
         ("time", now().to_string()),
         ("version", PROTOCOL_VERSION.to_string()),
         ("pagefleet_kv", env!("CARGO_PKG_VERSION").to_string()),
-        ("pointer_size", (8 * std::mem::size_of::<usize>()).to_string()),
+        (
+            "pointer_size",
+            (8 * std::mem::size_of::<usize>()).to_string(),
+        ),
         ("rusage_user", user),
         ("rusage_system", sys),
         ("max_connections", MAX_CLIENTS.to_string()),
@@ -1180,7 +1192,10 @@ fn general_stats(kv: &Kv) -> String {
         ("cmd_get", gets.to_string()),
         ("cmd_set", l(&kv.sets)),
         ("cmd_flush", l(&c.cmd_flush)),
-        ("cmd_touch", (c.touch_hits.load(Relaxed) + c.touch_misses.load(Relaxed)).to_string()),
+        (
+            "cmd_touch",
+            (c.touch_hits.load(Relaxed) + c.touch_misses.load(Relaxed)).to_string(),
+        ),
         ("get_hits", hits.to_string()),
         ("get_misses", (gets - hits.min(gets)).to_string()),
         ("get_expired", "0".into()),
@@ -1337,11 +1352,7 @@ fn command(
                     noreply,
                     b"CLIENT_ERROR cannot increment or decrement non-numeric value\r\n",
                 ),
-                Err(IncrError::NoMemory) => reply(
-                    w,
-                    noreply,
-                    b"SERVER_ERROR out of memory\r\n",
-                ),
+                Err(IncrError::NoMemory) => reply(w, noreply, b"SERVER_ERROR out of memory\r\n"),
             }
         }
         "touch" => {
@@ -1364,7 +1375,11 @@ fn command(
         }
         // memcached's protocol level, as numbers clients parse; the
         // server's own name and version are in `stats` (pagefleet_kv).
-        "version" => reply(w, false, format!("VERSION {PROTOCOL_VERSION}\r\n").as_bytes()),
+        "version" => reply(
+            w,
+            false,
+            format!("VERSION {PROTOCOL_VERSION}\r\n").as_bytes(),
+        ),
         "verbosity" => reply(w, noreply, b"OK\r\n"),
         "stats" => {
             let body = match a.get(1).copied() {
@@ -1386,10 +1401,7 @@ fn command(
                         .flat_map(|(c, size, n)| {
                             [
                                 format!("STAT {c}:chunk_size {size}\r\n"),
-                                format!(
-                                    "STAT {c}:total_pages {}\r\n",
-                                    kv.r(H_PAGES + (c - 1) * 8)
-                                ),
+                                format!("STAT {c}:total_pages {}\r\n", kv.r(H_PAGES + (c - 1) * 8)),
                                 format!("STAT {c}:used_chunks {n}\r\n"),
                             ]
                         })
@@ -1523,7 +1535,10 @@ mod tests {
         assert_eq!(kv.items() + kv.evictions(), 16_000);
         // Deletes and overwrites after evictions keep the table whole.
         for i in 15_000..16_000u32 {
-            assert!(kv.delete(format!("k{i}").as_bytes()) || kv.get(format!("k{i}").as_bytes()).is_none());
+            assert!(
+                kv.delete(format!("k{i}").as_bytes())
+                    || kv.get(format!("k{i}").as_bytes()).is_none()
+            );
         }
         assert_eq!(kv.store(Mode::Set, b"z", 1, 0, b"last"), Store::Stored);
         assert_eq!(kv.get(b"z").unwrap().2, b"last");
@@ -1587,7 +1602,11 @@ mod tests {
             let val = vec![phase as u8 + 1; len];
             for i in 0..n {
                 let k = format!("p{phase}-{i}");
-                assert_eq!(kv.store(Mode::Set, k.as_bytes(), 0, 0, &val), Store::Stored, "{k}");
+                assert_eq!(
+                    kv.store(Mode::Set, k.as_bytes(), 0, 0, &val),
+                    Store::Stored,
+                    "{k}"
+                );
             }
             for i in n - 100..n {
                 let k = format!("p{phase}-{i}");
@@ -1677,7 +1696,11 @@ mod tests {
         kv.store(Mode::Set, b"new", 0, 0, b"v");
         assert_eq!(kv.r(H_LRU + c * 16 + 8) as usize, it, "old is the tail");
         kv.get(b"old");
-        assert_eq!(kv.r(H_LRU + c * 16 + 8) as usize, it, "bumped within the minute");
+        assert_eq!(
+            kv.r(H_LRU + c * 16 + 8) as usize,
+            it,
+            "bumped within the minute"
+        );
         kv.w(it + 40, u64::from(now() - LRU_BUMP_SECS));
         kv.get(b"old");
         assert_eq!(kv.r(H_LRU + c * 16) as usize, it, "bumped to the head");

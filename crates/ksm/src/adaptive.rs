@@ -313,8 +313,7 @@ impl Adaptive {
     /// The pages ksmd tracks: its rmap items, recovered from
     /// general_profit = sharing x 4096 - rmap_items x 64.
     fn rmap_pages(s: &Stats) -> f64 {
-        ((s.pages_sharing + s.ksm_zero_pages) as i64 * PAGE as i64 - s.general_profit).max(0)
-            as f64
+        ((s.pages_sharing + s.ksm_zero_pages) as i64 * PAGE as i64 - s.general_profit).max(0) as f64
             / 64.0
     }
 
@@ -600,8 +599,7 @@ impl Adaptive {
                 }
                 // Not only after merging that merged: tenants wholly in
                 // swap leave ksmd nothing to merge until a sweep.
-                if sweeping
-                    || (self.sweep == SweepState::Ready && swap >= self.cfg.sweep_min_pages)
+                if sweeping || (self.sweep == SweepState::Ready && swap >= self.cfg.sweep_min_pages)
                 {
                     self.sweep = SweepState::Running;
                     let mut d = self.decide(format!(
@@ -1003,10 +1001,15 @@ mod tests {
         assert!(d.sweep, "{}", d.why);
         // The sweep brought 100 MiB back in: merging again.
         let s = st(115_100, 3, 0.9);
-        let d = a.swept(&swept(25_600, 12_800), &s, &in_swap(220)).expect("merging");
+        let d = a
+            .swept(&swept(25_600, 12_800), &s, &in_swap(220))
+            .expect("merging");
         assert_eq!(d.phase, Phase::Merging, "{}", d.why);
         assert!(!d.sweep);
-        assert!(!d.smart_scan, "smart_scan would skip the swept pages' partners");
+        assert!(
+            !d.smart_scan,
+            "smart_scan would skip the swept pages' partners"
+        );
         assert!(d.why.contains("100 MiB"), "{}", d.why);
         assert!(d.why.contains("50 MiB of it duplicates"), "{}", d.why);
         // Its passes merge 11 000 pages, then one finds nothing: idle, and
@@ -1052,7 +1055,9 @@ mod tests {
         let (mut a, _) = idle_after_merging(320);
         assert!(a.swept(&swept(6_400, 2_000), &s, &in_swap(295)).is_none());
         let (mut a, _) = idle_after_merging(320);
-        let d = a.swept(&swept(6_400, 2_600), &s, &in_swap(295)).expect("merging");
+        let d = a
+            .swept(&swept(6_400, 2_600), &s, &in_swap(295))
+            .expect("merging");
         assert_eq!(d.phase, Phase::Merging, "{}", d.why);
     }
 
@@ -1095,7 +1100,8 @@ mod tests {
     fn a_sweep_whose_merging_saves_little_is_not_repeated() {
         let (mut a, _) = idle_after_merging(320);
         let s = st(115_100, 3, 0.9);
-        a.swept(&swept(25_600, 12_800), &s, &in_swap(220)).expect("merging");
+        a.swept(&swept(25_600, 12_800), &s, &in_swap(220))
+            .expect("merging");
         a.step(&st(115_100, 4, 1.2), &in_swap(220), 1.0);
         a.step(&st(115_150, 5, 1.5), &in_swap(220), 1.0);
         let mut d = a.step(&st(115_150, 6, 1.8), &in_swap(220), 1.0);
@@ -1126,7 +1132,9 @@ mod tests {
         assert_eq!(d.phase, Phase::Idling, "{}", d.why);
         let d = a.step(&st(0, 3, 0.9), &in_swap(320), 1.0);
         assert!(d.sweep, "{}", d.why);
-        assert!(a.swept(&swept(0, 0), &st(0, 3, 0.9), &in_swap(320)).is_none());
+        assert!(a
+            .swept(&swept(0, 0), &st(0, 3, 0.9), &in_swap(320))
+            .is_none());
         let d = a.step(&st(0, 3, 0.9), &in_swap(320), 1.0);
         assert!(!d.sweep, "{}", d.why);
     }

@@ -96,15 +96,15 @@ pub fn parse_smaps(pid: u32, smaps: &str) -> Vec<Area> {
             }
         }
         if let Some(v) = l.strip_prefix("Swap:") {
-            swap_kb = v
-                .trim()
-                .trim_end_matches("kB")
-                .trim()
-                .parse()
-                .unwrap_or(0);
+            swap_kb = v.trim().trim_end_matches("kB").trim().parse().unwrap_or(0);
         } else if let Some(flags) = l.strip_prefix("VmFlags:") {
             // VmFlags is an area's last line.
-            close(cur.take(), swap_kb, flags.split_whitespace().any(|f| f == "mg"), &mut out);
+            close(
+                cur.take(),
+                swap_kb,
+                flags.split_whitespace().any(|f| f == "mg"),
+                &mut out,
+            );
         }
     }
     out

@@ -1,8 +1,8 @@
 //! Server counters and their Prometheus text exposition.
 
 use crate::store::StoreStats;
-use pagefleet_proto::{ErrorCode, Opcode};
 use pagefleet_common::metrics::Kind;
+use pagefleet_proto::{ErrorCode, Opcode};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 const OPS: [Opcode; 9] = [
@@ -120,9 +120,21 @@ pub fn render(m: &Metrics, s: &StoreStats, connections: u32) -> String {
         connections,
     );
     let counters: [(&str, &str, &AtomicU64); 15] = [
-        ("connections_total", "Connections accepted.", &m.connections_total),
-        ("connections_refused_total", "Connections refused (limit).", &m.connections_refused),
-        ("auth_failures_total", "Failed HELLO authentications.", &m.auth_failures),
+        (
+            "connections_total",
+            "Connections accepted.",
+            &m.connections_total,
+        ),
+        (
+            "connections_refused_total",
+            "Connections refused (limit).",
+            &m.connections_refused,
+        ),
+        (
+            "auth_failures_total",
+            "Failed HELLO authentications.",
+            &m.auth_failures,
+        ),
         (
             "handshake_timeouts_total",
             "Connections closed for not authenticating in time.",
@@ -133,22 +145,38 @@ pub fn render(m: &Metrics, s: &StoreStats, connections: u32) -> String {
             "Unauthenticated connections dropped to admit newer ones.",
             &m.handshake_evictions,
         ),
-        ("tls_handshakes_total", "Connections switched to TLS.", &m.tls_handshakes),
+        (
+            "tls_handshakes_total",
+            "Connections switched to TLS.",
+            &m.tls_handshakes,
+        ),
         (
             "tls_failures_total",
             "TLS handshakes that failed (no or a stranger's certificate).",
             &m.tls_failures,
         ),
-        ("received_bytes_total", "Bytes received in frames.", &m.bytes_in),
+        (
+            "received_bytes_total",
+            "Bytes received in frames.",
+            &m.bytes_in,
+        ),
         ("sent_bytes_total", "Bytes sent in frames.", &m.bytes_out),
         ("pages_put_total", "Pages received by PUT.", &m.pages_put),
-        ("pages_got_total", "Pages sent by GET (keep or take).", &m.pages_got),
+        (
+            "pages_got_total",
+            "Pages sent by GET (keep or take).",
+            &m.pages_got,
+        ),
         (
             "pages_pushed_total",
             "Pages stored on other memory servers by PUSH (re-replication).",
             &m.pages_pushed,
         ),
-        ("pages_taken_total", "Pages removed by GET take.", &m.pages_taken),
+        (
+            "pages_taken_total",
+            "Pages removed by GET take.",
+            &m.pages_taken,
+        ),
         (
             "pages_hashed_total",
             "Pages PUT_HASHED named by content (sharing-aware migration).",
@@ -161,7 +189,12 @@ pub fn render(m: &Metrics, s: &StoreStats, connections: u32) -> String {
         ),
     ];
     for (name, help, c) in counters {
-        e.single(&format!("pagefleet_memserver_{name}"), Counter, help, c.load(Relaxed));
+        e.single(
+            &format!("pagefleet_memserver_{name}"),
+            Counter,
+            help,
+            c.load(Relaxed),
+        );
     }
     let mut f = e.family(
         "pagefleet_memserver_requests_total",
@@ -181,7 +214,12 @@ pub fn render(m: &Metrics, s: &StoreStats, connections: u32) -> String {
     }
     let regions: Vec<String> = s.regions.iter().map(|r| format!("{:#x}", r.0)).collect();
     // A region as `StoreStats` lists it: (id, pages, bytes received, bytes sent).
-    type PerRegion = (&'static str, Kind, &'static str, fn(&(u64, u64, u64, u64)) -> u64);
+    type PerRegion = (
+        &'static str,
+        Kind,
+        &'static str,
+        fn(&(u64, u64, u64, u64)) -> u64,
+    );
     let per_region: [PerRegion; 3] = [
         ("region_pages", Gauge, "Pages stored per region.", |r| r.1),
         (
@@ -190,7 +228,12 @@ pub fn render(m: &Metrics, s: &StoreStats, connections: u32) -> String {
             "Page bytes received per region.",
             |r| r.2,
         ),
-        ("region_sent_bytes_total", Counter, "Page bytes sent per region.", |r| r.3),
+        (
+            "region_sent_bytes_total",
+            Counter,
+            "Page bytes sent per region.",
+            |r| r.3,
+        ),
     ];
     for (name, kind, help, get) in per_region {
         let mut f = e.family(&format!("pagefleet_memserver_{name}"), kind, help);

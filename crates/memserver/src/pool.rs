@@ -95,7 +95,10 @@ impl Pool {
         if (st.st_size as u64) < len as u64 {
             return Err(err(io::Error::new(
                 io::ErrorKind::InvalidData,
-                format!("the handed-over pool file holds {} bytes, not {len}", st.st_size),
+                format!(
+                    "the handed-over pool file holds {} bytes, not {len}",
+                    st.st_size
+                ),
             )));
         }
         Self::map(file, len, backing).map_err(err)
@@ -185,8 +188,8 @@ fn huge_tmpfs_file(len: usize) -> io::Result<OwnedFd> {
     let cdir = cstr(&dir)?;
     // Room for the file rounded up to whole huge pages, and no more.
     let size = len.div_ceil(2 << 20) * (2 << 20) + (2 << 20);
-    let opts = CString::new(format!("huge=always,mode=0700,nr_inodes=4,size={size}"))
-        .expect("no NUL");
+    let opts =
+        CString::new(format!("huge=always,mode=0700,nr_inodes=4,size={size}")).expect("no NUL");
     let (src, fstype) = (c"pagefleet-pool", c"tmpfs");
     // SAFETY: NUL-terminated strings that outlive the call.
     let mounted = check(unsafe {

@@ -215,7 +215,9 @@ pub fn choose_whole(
                 hosts[m].name
             )))
         }
-        Some(m) if hosts[m].cordoned => return Err(cordoned(&hosts[m], "the host that takes the guest")),
+        Some(m) if hosts[m].cordoned => {
+            return Err(cordoned(&hosts[m], "the host that takes the guest"))
+        }
         Some(m) if !fits(m) => {
             return Err(PlacementError::new(format!(
                 "{} has {} pages of guest memory free, the guest needs {}",

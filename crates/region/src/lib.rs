@@ -807,7 +807,10 @@ impl Region {
                     })
                 })
                 .collect();
-            handles.into_iter().map(|h| h.join().expect("delete thread")).collect()
+            handles
+                .into_iter()
+                .map(|h| h.join().expect("delete thread"))
+                .collect()
         });
         let mut first = None;
         for (down, r) in results {

@@ -112,6 +112,10 @@ pub struct Counters {
     pub server_failures: AtomicU64,
     pub servers_revived: AtomicU64,
     pub hedged_reads: AtomicU64,
+    pub remote_faults: AtomicU64,
+    pub zero_faults: AtomicU64,
+    pub prefetch_hits: AtomicU64,
+    pub prefetch_misses: AtomicU64,
 }
 
 /// A consistent-enough snapshot for reporting.
@@ -190,6 +194,15 @@ pub struct Stats {
     /// Faulting pages asked of a mirror because their server missed its
     /// deadline.
     pub hedged_reads: u64,
+    /// Faults that waited for a memory server (the page was remote).
+    pub remote_faults: u64,
+    /// First touches: faults served by filling zeros.
+    pub zero_faults: u64,
+    /// Read-ahead pages used after they came.
+    pub prefetch_hits: u64,
+    /// Read-ahead pages evicted with no use seen (an upper bound: a read
+    /// of a mapped page shows only once the sampler has unmapped it).
+    pub prefetch_misses: u64,
 }
 
 impl Stats {
@@ -236,6 +249,10 @@ impl Stats {
             ("server_failures", self.server_failures),
             ("servers_revived", self.servers_revived),
             ("hedged_reads", self.hedged_reads),
+            ("remote_faults", self.remote_faults),
+            ("zero_faults", self.zero_faults),
+            ("prefetch_hits", self.prefetch_hits),
+            ("prefetch_misses", self.prefetch_misses),
             ("page_in_p50_us", self.page_in_p50_us() as u64),
             ("page_in_p99_us", self.page_in_p99_us() as u64),
         ]
@@ -287,6 +304,10 @@ impl Counters {
             server_failures: self.server_failures.load(Relaxed),
             servers_revived: self.servers_revived.load(Relaxed),
             hedged_reads: self.hedged_reads.load(Relaxed),
+            remote_faults: self.remote_faults.load(Relaxed),
+            zero_faults: self.zero_faults.load(Relaxed),
+            prefetch_hits: self.prefetch_hits.load(Relaxed),
+            prefetch_misses: self.prefetch_misses.load(Relaxed),
         }
     }
 }

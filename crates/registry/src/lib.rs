@@ -341,7 +341,10 @@ impl Etcd {
                 .await?
                 .count()
                 > 0;
-            let mut ops: Vec<TxnOp> = keys.iter().map(|k| TxnOp::delete(k.as_str(), None)).collect();
+            let mut ops: Vec<TxnOp> = keys
+                .iter()
+                .map(|k| TxnOp::delete(k.as_str(), None))
+                .collect();
             ops.push(TxnOp::delete(
                 guests.as_str(),
                 Some(etcd_client::DeleteOptions::new().with_prefix()),
@@ -352,7 +355,12 @@ impl Etcd {
         let name = name.to_string();
         let member = self.call(async move |c| {
             let list = c.member_list().await?;
-            let Some(id) = list.members().iter().find(|m| m.name() == name).map(|m| m.id()) else {
+            let Some(id) = list
+                .members()
+                .iter()
+                .find(|m| m.name() == name)
+                .map(|m| m.id())
+            else {
                 return Ok(false);
             };
             c.member_remove(id).await?;

@@ -4,6 +4,9 @@
 // Not a library API: system-test helpers.
 #![allow(missing_docs)]
 
+pub mod iorig;
+pub use iorig::IoRig;
+
 use pagefleet_proto::auth::Secret;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -338,13 +341,17 @@ pub fn http_in(
     l.lab
         .spawn_in(h, move || -> Result<RawReply, String> {
             let a: std::net::SocketAddr = addr.parse().map_err(|e| format!("{addr}: {e}"))?;
-            let mut s = std::net::TcpStream::connect_timeout(&a, timeout).map_err(|e| format!("{addr}: {e}"))?;
-            s.set_read_timeout(Some(timeout)).map_err(|e| e.to_string())?;
+            let mut s = std::net::TcpStream::connect_timeout(&a, timeout)
+                .map_err(|e| format!("{addr}: {e}"))?;
+            s.set_read_timeout(Some(timeout))
+                .map_err(|e| e.to_string())?;
             s.write_all(&req).map_err(|e| e.to_string())?;
             let mut b = Vec::new();
             let _ = s.read_to_end(&mut b);
             let b = String::from_utf8_lossy(&b).into_owned();
-            let (head, body) = b.split_once("\r\n\r\n").ok_or_else(|| format!("no HTTP head in {b:?}"))?;
+            let (head, body) = b
+                .split_once("\r\n\r\n")
+                .ok_or_else(|| format!("no HTTP head in {b:?}"))?;
             let status = head
                 .split_whitespace()
                 .nth(1)

@@ -5,8 +5,10 @@
 //! error, show the lab's hosts and guests, follow a split migration's
 //! progress to the end and show its report. Without a session every
 //! dashboard route answers 401; a forged, expired or used link is refused.
-//! The test saves a screenshot taken mid-migration
-//! (`target/dashboard.png`).
+//! h1's pagefleetd also runs the KSM and I/O controllers (a loop device,
+//! two blkio cgroups, fio in one): the page shows both, and `promtool check
+//! metrics` finds nothing on any host mid-migration. The test saves a
+//! screenshot taken mid-migration (`target/dashboard.png`).
 
 use pagefleet_systest::*;
 use pagefleet_testbed::Link;
@@ -25,6 +27,16 @@ const FIRST_LOAD_MAX: usize = 300 << 10;
 struct Driver(Child);
 
 impl Drop for Driver {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// fio, killed when dropped.
+struct Fio(Child);
+
+impl Drop for Fio {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
@@ -159,7 +171,34 @@ fn the_dashboard_follows_a_split_migration_in_chromium_and_refuses_strangers() {
         eprintln!("skipped: the testbed needs root (CI runs as root)");
         return;
     }
-    let l = lab("ui", 3, Link::Gbit1, 256 * MIB, &[320 * MIB, 64 * MIB, 0]);
+    // The controllers on h1 (KSM is the machine's: one host runs it).
+    let rig = IoRig::new("ui", &["db", "batch"]);
+    let controllers: Vec<String> = match &rig {
+        Some(r) => [
+            "--ksm",
+            "adaptive",
+            "--ioqos-device",
+            &r.dev,
+            "--ioqos-tenants",
+            &format!(
+                "db={}:min=1GiB,batch={}:min=1MiB",
+                r.group(0).display(),
+                r.group(1).display()
+            ),
+        ]
+        .map(String::from)
+        .to_vec(),
+        None => vec!["--ksm".into(), "adaptive".into()],
+    };
+    let l = lab_with(
+        "ui",
+        3,
+        Link::Gbit1,
+        256 * MIB,
+        &[320 * MIB, 64 * MIB, 0],
+        |o| o.host_args = vec![("h1".into(), controllers)],
+    );
+    let _load = rig.as_ref().map(|r| Fio(r.fio(1, 2, 120)));
     let h1 = l.lab.hosts[0].http();
     let t = Duration::from_secs(10);
     start_synthetic(&l, "g1", 256, 2000);
@@ -337,6 +376,24 @@ fn the_dashboard_follows_a_split_migration_in_chromium_and_refuses_strangers() {
         );
     }
 
+    // The controllers h1 runs, on the page.
+    wait_for(
+        "the page to show h1's KSM controller and I/O tenants",
+        60,
+        || {
+            let v = js(
+                &l,
+                &id,
+                "return [!document.getElementById('ksm-section').hidden, \
+             document.getElementById('ksm').tBodies[0].textContent, \
+             document.querySelectorAll('#ioqos tr[data-tenant]').length]",
+            );
+            v[0] == true
+                && v[1].as_str().unwrap_or("").contains("adaptive")
+                && (rig.is_none() || v[2] == 2)
+        },
+    );
+
     // A split migration, followed on the page.
     let shot = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/dashboard.png");
     let (report, seen) = std::thread::scope(|sc| {
@@ -358,6 +415,32 @@ fn the_dashboard_follows_a_split_migration_in_chromium_and_refuses_strangers() {
                 );
                 if seen.is_empty() {
                     screenshot(&l, &id, &shot);
+                    // Every host's series as Prometheus' checker sees them,
+                    // with guests, a migration and both controllers running.
+                    for (i, h) in l.lab.hosts.iter().enumerate() {
+                        let text = l.get_text(i, "/metrics").unwrap();
+                        assert_eq!(
+                            promtool_check_metrics(&text),
+                            "",
+                            "promtool on {}:\n{text}",
+                            h.name
+                        );
+                        if i == 0 {
+                            for series in
+                                ["pagefleet_ksm_pages_sharing", "pagefleet_migration_phase"]
+                            {
+                                assert!(text.contains(series), "{series} on h1");
+                            }
+                            if rig.is_some() {
+                                assert!(
+                                    text.contains(
+                                        "pagefleet_ioqos_tenant_bytes_per_second{tenant=\"batch\""
+                                    ),
+                                    "I/O QoS series on h1"
+                                );
+                            }
+                        }
+                    }
                 }
                 seen.push(p);
             }

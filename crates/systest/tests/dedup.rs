@@ -434,13 +434,19 @@ fn the_scanner_hashes_pages_in_memory_and_leaves_swapped_ones_in_swap() {
     let key = ContentKey::from_secret(&pagefleet_proto::auth::Secret::generate());
     let hi = HostIndex::new(key, 1 << 16);
     let stop = std::sync::atomic::AtomicBool::new(false);
-    let hashed = hi.scan(SourceId(std::process::id()), at, 1.0, &stop).unwrap();
+    let hashed = hi
+        .scan(SourceId(std::process::id()), at, 1.0, &stop)
+        .unwrap();
     assert_eq!(
         stat("pgpgin"),
         charged_before,
         "the scan brought pages into the guest's cgroup"
     );
-    assert_eq!(stat("swap") / PAGE as u64, swapped, "the scan swapped pages in");
+    assert_eq!(
+        stat("swap") / PAGE as u64,
+        swapped,
+        "the scan swapped pages in"
+    );
     assert!(
         hashed > 0 && hashed <= PAGES as u64 - swapped,
         "hashed {hashed} pages with {swapped} of {PAGES} in swap"

@@ -143,7 +143,10 @@ fn no_page_is_left_behind_by_a_stopped_signalled_or_killed_runner() {
     assert!(f.at_unix > 0 && f.log.ends_with("g2.log"), "{f:?}");
     assert_eq!(rec.region_id, g2, "the record keeps what it last reported");
     let (ok, out, err) = l.pf(0, &["guest", "status", "g2"]);
-    assert!(ok && out.contains("failed") && out.contains("SIGKILL"), "{out}{err}");
+    assert!(
+        ok && out.contains("failed") && out.contains("SIGKILL"),
+        "{out}{err}"
+    );
     let (ok, out, _) = l.pf(0, &["status"]);
     assert!(ok && out.contains("failed"), "{out}");
     let metrics = l.get_text(0, "/metrics").unwrap();
@@ -457,17 +460,18 @@ fn an_export_without_a_client_keeps_its_blocks_and_a_lost_block_is_an_io_error()
     let servers = format!("{},{}", l.lab.hosts[0].addr, l.lab.hosts[1].addr);
     let mut cmd = l.lab.exec(0, bin("pagefleet"));
     cmd.args([
-        "blockdev", "serve", "--servers", &servers, "--size", "16MiB", "--listen",
+        "blockdev",
+        "serve",
+        "--servers",
+        &servers,
+        "--size",
+        "16MiB",
+        "--listen",
         "127.0.0.1:10809",
     ]);
     let export = Killed(spawn_listening(&mut cmd));
     let uri = "nbd://127.0.0.1:10809";
-    let (ok, out) = qemu_io(
-        &l,
-        0,
-        uri,
-        &["write -P 0xab 0 8M", "write -P 0xcd 12M 4M"],
-    );
+    let (ok, out) = qemu_io(&l, 0, uri, &["write -P 0xab 0 8M", "write -P 0xcd 12M 4M"]);
     assert!(ok, "writes: {out}");
 
     // No client now. The device's region on h2 is still held by the export.
@@ -493,7 +497,10 @@ fn an_export_without_a_client_keeps_its_blocks_and_a_lost_block_is_an_io_error()
     assert!(ok, "gc: {err}");
     let v: Value = serde_json::from_str(&out).unwrap();
     for h in v.as_array().unwrap() {
-        assert_eq!(h["report"]["pages_freed"], 0, "gc took the export's blocks: {v}");
+        assert_eq!(
+            h["report"]["pages_freed"], 0,
+            "gc took the export's blocks: {v}"
+        );
     }
     std::thread::sleep(Duration::from_secs(5));
     let rs = regions(&l);
@@ -534,11 +541,15 @@ fn an_export_without_a_client_keeps_its_blocks_and_a_lost_block_is_an_io_error()
     assert!(ok, "{err}");
     let v: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v[0]["regions"].as_array().map(|a| a.len()), Some(1), "{v}");
-    wait_for("h1's daemon to collect the dead export's blocks", 30, || {
-        let (_, out, _) = l.pf(0, &["memserver", "regions", "--on", "h1", "--json"]);
-        serde_json::from_str::<Value>(&out)
-            .ok()
-            .and_then(|v| v[0]["regions"].as_array().map(|a| a.is_empty()))
-            .unwrap_or(false)
-    });
+    wait_for(
+        "h1's daemon to collect the dead export's blocks",
+        30,
+        || {
+            let (_, out, _) = l.pf(0, &["memserver", "regions", "--on", "h1", "--json"]);
+            serde_json::from_str::<Value>(&out)
+                .ok()
+                .and_then(|v| v[0]["regions"].as_array().map(|a| a.is_empty()))
+                .unwrap_or(false)
+        },
+    );
 }

@@ -152,7 +152,10 @@ fn kv_guest_serves_real_memcached_clients_while_paging() {
             .find_map(|l| l.trim().strip_prefix("evictions: "))
             .and_then(|v| v.trim().parse().ok())
             .unwrap_or(0);
-        assert!(evictions > 0, "{gone} values missing without an eviction: {stats}");
+        assert!(
+            evictions > 0,
+            "{gone} values missing without an eviction: {stats}"
+        );
     }
     let err = std::fs::read_to_string(&g.stderr_path).unwrap_or_default();
     assert!(err.contains("page-ins/s"), "progress lines expected: {err}");

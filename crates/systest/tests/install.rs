@@ -66,8 +66,14 @@ fn make_install_stages_a_tree_whose_daemon_starts_and_whose_unit_verifies() {
     let man8 = std::fs::read_to_string(p("/usr/local/share/man/man8/pagefleetd.8")).unwrap();
     assert!(man8.contains(".TH pagefleetd 8"), "{man8}");
     assert!(man8.contains("lend"), "the page documents the flags");
-    let unit = std::fs::read_to_string(p("/usr/local/lib/systemd/system/pagefleetd.service")).unwrap();
-    assert!(unit.contains("ExecStart=/usr/local/bin/pagefleetd --config /etc/pagefleet/pagefleetd.toml"), "{unit}");
+    let unit =
+        std::fs::read_to_string(p("/usr/local/lib/systemd/system/pagefleetd.service")).unwrap();
+    assert!(
+        unit.contains(
+            "ExecStart=/usr/local/bin/pagefleetd --config /etc/pagefleet/pagefleetd.toml"
+        ),
+        "{unit}"
+    );
     assert!(unit.contains("Type=notify"), "{unit}");
     verify_unit(&unit, &d);
 
@@ -77,9 +83,18 @@ fn make_install_stages_a_tree_whose_daemon_starts_and_whose_unit_verifies() {
     let text = text
         .replace("0.0.0.0:7070", "127.0.0.1:0")
         .replace("127.0.0.1:7071", "127.0.0.1:0")
-        .replace("/etc/pagefleet/secret", &p("/etc/pagefleet/secret").display().to_string())
-        .replace("/run/pagefleet/guests", &d.join("guests").display().to_string())
-        .replace("/usr/local/bin/pagefleet", &p("/usr/local/bin/pagefleet").display().to_string())
+        .replace(
+            "/etc/pagefleet/secret",
+            &p("/etc/pagefleet/secret").display().to_string(),
+        )
+        .replace(
+            "/run/pagefleet/guests",
+            &d.join("guests").display().to_string(),
+        )
+        .replace(
+            "/usr/local/bin/pagefleet",
+            &p("/usr/local/bin/pagefleet").display().to_string(),
+        )
         .replace("\"10.0.0.2:7071\", \"10.0.0.3:7071\"", "")
         .replace("lend = \"4GiB\"", "lend = \"16MiB\"")
         .replace("memory = \"16GiB\"", "memory = \"64MiB\"");
@@ -110,13 +125,18 @@ fn make_install_stages_a_tree_whose_daemon_starts_and_whose_unit_verifies() {
     let http = http.expect("the daemon printed its HTTP address");
     let mut buf = [0u8; 256];
     let n = rx.recv(&mut buf).expect("READY=1 within 60 s");
-    assert!(String::from_utf8_lossy(&buf[..n]).lines().any(|l| l == "READY=1"));
+    assert!(String::from_utf8_lossy(&buf[..n])
+        .lines()
+        .any(|l| l == "READY=1"));
     let (ok, out) = run(Command::new(p("/usr/local/bin/pagefleet"))
         .args(["status", "--json", "--hosts", &http])
         .arg("--secret-file")
         .arg(p("/etc/pagefleet/secret")));
     assert!(ok, "the installed CLI against the installed daemon:\n{out}");
-    assert!(out.contains("\"guest_memory\"") || out.contains("guest"), "{out}");
+    assert!(
+        out.contains("\"guest_memory\"") || out.contains("guest"),
+        "{out}"
+    );
 }
 
 /// `systemd-analyze verify` on `unit` as staged under `root`: every
@@ -140,7 +160,10 @@ fn verify_unit(unit: &str, root: &Path) {
     let (ok, out) = run(Command::new("systemd-analyze")
         .args(["verify", "--man=no"])
         .arg(&path));
-    assert!(ok && !out.contains("pagefleetd.service"), "systemd-analyze verify:\n{out}");
+    assert!(
+        ok && !out.contains("pagefleetd.service"),
+        "systemd-analyze verify:\n{out}"
+    );
 }
 
 /// A child process killed (and reaped) on drop.
@@ -183,16 +206,27 @@ fn make_deb_builds_a_package_that_unpacks_to_a_tree_systemd_accepts() {
         "./etc/pagefleet/pagefleetd.toml",
         "./usr/share/man/man8/pagefleetd.8",
     ] {
-        assert!(files.lines().any(|l| l.ends_with(f)), "{f} not in the package:\n{files}");
+        assert!(
+            files.lines().any(|l| l.ends_with(f)),
+            "{f} not in the package:\n{files}"
+        );
     }
     assert!(
-        files.lines().filter(|l| l.contains("./usr/")).all(|l| l.contains("root/root")),
+        files
+            .lines()
+            .filter(|l| l.contains("./usr/"))
+            .all(|l| l.contains("root/root")),
         "files owned by root:\n{files}"
     );
     let root = tempdir("deb");
-    let (ok, out) = run(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(root.path()));
+    let (ok, out) = run(Command::new("dpkg-deb")
+        .arg("-x")
+        .arg(&deb)
+        .arg(root.path()));
     assert!(ok, "{out}");
-    let unit = root.path().join("usr/lib/systemd/system/pagefleetd.service");
+    let unit = root
+        .path()
+        .join("usr/lib/systemd/system/pagefleetd.service");
     let text = std::fs::read_to_string(&unit).unwrap();
     assert!(text.contains("ExecStart=/usr/bin/pagefleetd "), "{text}");
     verify_unit(&text, root.path());

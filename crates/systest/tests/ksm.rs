@@ -236,7 +236,9 @@ fn adaptive_merges_under_pressure_and_puts_settings_back() {
     // saved is 72 MiB of theirs merged. Counted per process: the host-wide
     // counters still hold the pages of processes an earlier test merged
     // until ksmd's next pass drops them.
-    wait_for("KSM to save 48 MiB", 60, || merged_bytes(&holders) >= 72 << 20);
+    wait_for("KSM to save 48 MiB", 60, || {
+        merged_bytes(&holders) >= 72 << 20
+    });
     let st = status_json(&state);
     assert_eq!(st["run"], 1);
     assert!(st["saved_mib"].as_f64().unwrap() >= 48.0, "{st}");
@@ -598,7 +600,9 @@ fn bench_ksm_quick_pages_merges_and_cleans_up() {
     for which in ["median", "worst run"] {
         let name = format!("adaptive saves memory ({which})");
         assert!(
-            goals.iter().any(|g| g["name"] == name.as_str() && g["met"] == true),
+            goals
+                .iter()
+                .any(|g| g["name"] == name.as_str() && g["met"] == true),
             "{goals:?}"
         );
     }
@@ -691,13 +695,21 @@ fn adaptive_merges_cold_duplicates_that_sit_in_swap() {
             << 10
     };
     // Squeeze: most of the 144 MiB goes to swap.
-    std::fs::write(cg.path.join("memory.limit_in_bytes"), (64 * MIB).to_string()).unwrap();
+    std::fs::write(
+        cg.path.join("memory.limit_in_bytes"),
+        (64 * MIB).to_string(),
+    )
+    .unwrap();
     wait_for("the tenants to be mostly in swap", 60, || {
         holders.iter().map(swap_of).sum::<u64>() >= 80 * MIB
     });
     let swapped: u64 = holders.iter().map(swap_of).sum();
     // Room again; nothing touches the tenants from here on.
-    std::fs::write(cg.path.join("memory.limit_in_bytes"), (512 * MIB).to_string()).unwrap();
+    std::fs::write(
+        cg.path.join("memory.limit_in_bytes"),
+        (512 * MIB).to_string(),
+    )
+    .unwrap();
     let dir = pagefleet_systest::tempdir("ksm-cold");
     let state = dir.join("ksm.json");
     let mut c = Controller::start(&[

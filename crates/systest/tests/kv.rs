@@ -182,15 +182,34 @@ fn libmemcached_tools_and_pymemcache_work_against_a_paging_kv_guest() {
     tool("memcping", &[&servers]);
     let stat = tool("memcstat", &[&servers]);
     assert!(stat.contains("version: 1.6."), "{stat}");
-    assert!(stat.contains("curr_connections:") && stat.contains("limit_maxbytes: 67108864"), "{stat}");
+    assert!(
+        stat.contains("curr_connections:") && stat.contains("limit_maxbytes: 67108864"),
+        "{stat}"
+    );
     // memcslap: sets then gets from 4 threads.
-    tool("memcslap", &[&servers, "--concurrency=4", "--execute-number=2000"]);
-    tool("memcslap", &[&servers, "--concurrency=4", "--execute-number=2000", "--test=get"]);
+    tool(
+        "memcslap",
+        &[&servers, "--concurrency=4", "--execute-number=2000"],
+    );
+    tool(
+        "memcslap",
+        &[
+            &servers,
+            "--concurrency=4",
+            "--execute-number=2000",
+            "--test=get",
+        ],
+    );
     // memcdump lists every key stored.
     let items = Conn::new(&k.addr).stat("curr_items");
     assert!(items >= 2000, "{items}");
     let dump = tool("memcdump", &[&servers]);
-    assert_eq!(dump.lines().count() as u64, items, "memcdump: {} keys, {items} items", dump.lines().count());
+    assert_eq!(
+        dump.lines().count() as u64,
+        items,
+        "memcdump: {} keys, {items} items",
+        dump.lines().count()
+    );
     // pymemcache, as a Python application would use it.
     let script = r#"
 import sys
@@ -228,7 +247,10 @@ print("pymemcache ok")
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(out.status.success() && text.contains("pymemcache ok"), "{text}");
+    assert!(
+        out.status.success() && text.contains("pymemcache ok"),
+        "{text}"
+    );
 }
 
 #[test]
@@ -238,7 +260,11 @@ fn filled_past_its_memory_it_keeps_serving_by_evicting() {
     let mut c = Conn::new(&k.addr);
     let n = 12_000u64;
     for i in 0..n {
-        assert_eq!(c.set(&format!("k{i}"), &value(i, 4000)), "STORED\r\n", "set {i}");
+        assert_eq!(
+            c.set(&format!("k{i}"), &value(i, 4000)),
+            "STORED\r\n",
+            "set {i}"
+        );
     }
     let evicted = c.stat("evictions");
     let items = c.stat("curr_items");
@@ -254,13 +280,28 @@ fn filled_past_its_memory_it_keeps_serving_by_evicting() {
     // The values change size: pages move to the new size class (memcached's
     // slab reassignment) and the new values take the memory over in turn.
     for i in 0..200u64 {
-        assert_eq!(c.set(&format!("big{i}"), &value(i, 64 << 10)), "STORED\r\n", "big{i}");
+        assert_eq!(
+            c.set(&format!("big{i}"), &value(i, 64 << 10)),
+            "STORED\r\n",
+            "big{i}"
+        );
     }
-    assert!(c.stat("slabs_moved") > 4, "{} pages moved", c.stat("slabs_moved"));
+    assert!(
+        c.stat("slabs_moved") > 4,
+        "{} pages moved",
+        c.stat("slabs_moved")
+    );
     let bytes = c.stat("bytes");
-    assert!(bytes > 8 << 20, "{bytes} bytes of values in 16 MiB after the change");
+    assert!(
+        bytes > 8 << 20,
+        "{bytes} bytes of values in 16 MiB after the change"
+    );
     for i in 150..200u64 {
-        assert_eq!(c.get(&format!("big{i}")), Some(value(i, 64 << 10)), "big{i}");
+        assert_eq!(
+            c.get(&format!("big{i}")),
+            Some(value(i, 64 << 10)),
+            "big{i}"
+        );
     }
     drop(c);
     drop(k);
@@ -294,5 +335,8 @@ fn filled_past_its_memory_it_keeps_serving_by_evicting() {
     let first = refused.expect("a full --no-evict kv refuses stores");
     assert_eq!(c.stat("evictions"), 0);
     assert_eq!(c.get("k0"), Some(value(0, 4000)));
-    assert_eq!(c.get(&format!("k{}", first - 1)), Some(value(first - 1, 4000)));
+    assert_eq!(
+        c.get(&format!("k{}", first - 1)),
+        Some(value(first - 1, 4000))
+    );
 }

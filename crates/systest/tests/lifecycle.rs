@@ -17,7 +17,9 @@ const MIB: u64 = 1 << 20;
 /// test's children and nobody reaps them before the lab goes down).
 fn alive(pid: u32) -> bool {
     let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let state = s.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().next());
+    let state = s
+        .rsplit_once(')')
+        .and_then(|(_, r)| r.split_whitespace().next());
     matches!(state, Some(st) if st != "Z" && st != "X")
 }
 
@@ -52,8 +54,23 @@ fn kv_on(l: &LabRun, name: &str, on: &str, ip: u8, server: &str) -> kvload::Load
     let (ok, _, err) = l.pf(
         0,
         &[
-            "guest", "start", name, "--on", on, "--size", "64MiB", "--budget", "25%", "--",
-            "kv", "--listen", &svc, "--service-ip", &ip, "--servers", server,
+            "guest",
+            "start",
+            name,
+            "--on",
+            on,
+            "--size",
+            "64MiB",
+            "--budget",
+            "25%",
+            "--",
+            "kv",
+            "--listen",
+            &svc,
+            "--service-ip",
+            &ip,
+            "--servers",
+            server,
         ],
     );
     assert!(ok, "guest start {name}: {err}");
@@ -96,7 +113,9 @@ fn a_stop_that_would_lose_a_guests_pages_is_refused_until_the_host_is_drained() 
     let load = kv_paging_to(&l, "st1", &h2.addr);
     // systemctl stop: refused, named, logged; the guest keeps its pages.
     term(h2.pid);
-    wait_for("h2's refusal in its log", 20, || log_of(&l, 1).contains("refusing to stop"));
+    wait_for("h2's refusal in its log", 20, || {
+        log_of(&l, 1).contains("refusing to stop")
+    });
     let log = log_of(&l, 1);
     assert!(log.contains("guest st1 (running on h1)"), "{log}");
     assert!(log.contains("pagefleet host drain h2"), "{log}");
@@ -109,7 +128,9 @@ fn a_stop_that_would_lose_a_guests_pages_is_refused_until_the_host_is_drained() 
     assert_eq!(remote_on(&l, "st1", &h2.addr), 0);
     assert!(remote_on(&l, "st1", &h3.addr) > 0);
     term(h2.pid);
-    wait_for("h2's pagefleetd to stop once drained", 20, || !alive(h2.pid));
+    wait_for("h2's pagefleetd to stop once drained", 20, || {
+        !alive(h2.pid)
+    });
     still_serving(&load);
     let c = load.counters.clone();
     load.stop().expect("load");
@@ -117,10 +138,14 @@ fn a_stop_that_would_lose_a_guests_pages_is_refused_until_the_host_is_drained() 
     // h3 now holds st1's pages: refused, then a second stop within a
     // minute stops anyway — and st1, its pages gone, shows as failed.
     term(h3.pid);
-    wait_for("h3's refusal", 20, || log_of(&l, 2).contains("refusing to stop"));
+    wait_for("h3's refusal", 20, || {
+        log_of(&l, 2).contains("refusing to stop")
+    });
     assert!(alive(h3.pid));
     term(h3.pid);
-    wait_for("h3's pagefleetd to stop on the second request", 20, || !alive(h3.pid));
+    wait_for("h3's pagefleetd to stop on the second request", 20, || {
+        !alive(h3.pid)
+    });
     assert!(log_of(&l, 2).contains("stopping anyway"));
 }
 
@@ -138,7 +163,10 @@ fn with_stop_drain_a_stop_drains_the_host_first() {
     term(h2.pid);
     wait_for("h2's pagefleetd to drain and stop", 60, || !alive(h2.pid));
     let log = log_of(&l, 1);
-    assert!(log.contains("draining before stopping") && log.contains("sd1"), "{log}");
+    assert!(
+        log.contains("draining before stopping") && log.contains("sd1"),
+        "{log}"
+    );
     assert_eq!(remote_on(&l, "sd1", &h2.addr), 0);
     assert!(remote_on(&l, "sd1", &h3.addr) > 0);
     still_serving(&load);
@@ -153,14 +181,20 @@ fn listed(l: &LabRun) -> (Vec<String>, usize) {
     let s = l.status(0);
     let names = s
         .iter()
-        .map(|h| h.report.as_ref().map_or(h.host.clone(), |r| r.hostname.clone()))
+        .map(|h| {
+            h.report
+                .as_ref()
+                .map_or(h.host.clone(), |r| r.hostname.clone())
+        })
         .collect();
     (names, s.iter().filter(|h| h.report.is_none()).count())
 }
 
 fn removing_a_dead_host_unsticks_the_cluster(l: &LabRun, h3_is_etcd_member: bool) {
     let h3 = l.lab.hosts[2].clone();
-    wait_for("3 hosts in the registry", 30, || listed(l) == (vec!["h1".into(), "h2".into(), "h3".into()], 0));
+    wait_for("3 hosts in the registry", 30, || {
+        listed(l) == (vec!["h1".into(), "h2".into(), "h3".into()], 0)
+    });
     // A live host is not removed.
     let (ok, _, err) = l.pf(0, &["host", "remove", "h3"]);
     assert!(!ok && err.contains("answers"), "{err}");
@@ -172,7 +206,10 @@ fn removing_a_dead_host_unsticks_the_cluster(l: &LabRun, h3_is_etcd_member: bool
     }
     wait_for("h3 to be seen dead", 60, || listed(l).1 == 1);
     let (ok, out, err) = l.pf(0, &["gc", "--grace", "0"]);
-    assert!(!ok && err.contains("host remove"), "gc waits for h3 and says how to go on: {out}{err}");
+    assert!(
+        !ok && err.contains("host remove"),
+        "gc waits for h3 and says how to go on: {out}{err}"
+    );
     if !h3_is_etcd_member {
         let (_, out, _) = l.pf(0, &["status"]);
         assert!(out.contains("has not answered since"), "{out}");
@@ -180,21 +217,24 @@ fn removing_a_dead_host_unsticks_the_cluster(l: &LabRun, h3_is_etcd_member: bool
     let (ok, _, err) = l.pf(0, &["gc", "--grace", "0", "--unreachable-gone"]);
     assert!(ok, "gc for what the live hosts vouch for: {err}");
     // Removed: gone from every view; gc runs; commands naming it say so.
-    let key = if h3_is_etcd_member { "h3".to_string() } else { h3.http() };
+    let key = if h3_is_etcd_member {
+        "h3".to_string()
+    } else {
+        h3.http()
+    };
     let (ok, out, err) = l.pf(0, &["host", "remove", &key]);
     assert!(ok, "host remove: {out}{err}");
     if h3_is_etcd_member {
         assert!(out.contains("etcd member"), "{out}");
     }
-    wait_for("h3 out of the registry", 30, || listed(l) == (vec!["h1".into(), "h2".into()], 0));
+    wait_for("h3 out of the registry", 30, || {
+        listed(l) == (vec!["h1".into(), "h2".into()], 0)
+    });
     let (ok, _, err) = l.pf(0, &["gc", "--grace", "0"]);
     assert!(ok, "gc after the removal: {err}");
     let (ok, _, err) = l.pf(0, &["evacuate", &key]);
     assert!(!ok, "evacuating a removed host");
-    assert!(
-        err.contains("removed") || err.contains("no host"),
-        "{err}"
-    );
+    assert!(err.contains("removed") || err.contains("no host"), "{err}");
 }
 
 #[test]
@@ -213,13 +253,20 @@ fn a_dead_host_and_its_etcd_member_are_removed_from_the_etcd_registry() {
         eprintln!("skipped: the testbed needs root (CI runs as root)");
         return;
     }
-    let l = lab_with("rme", 3, Link::Unshaped, 64 * MIB, &[128 * MIB, 0], |o| o.etcd = 3);
+    let l = lab_with("rme", 3, Link::Unshaped, 64 * MIB, &[128 * MIB, 0], |o| {
+        o.etcd = 3
+    });
     removing_a_dead_host_unsticks_the_cluster(&l, true);
     // etcd itself has two members left.
     let out = l
         .lab
         .exec(0, "etcdctl")
-        .args(["--endpoints", &format!("{}:2379", l.lab.hosts[0].ip), "member", "list"])
+        .args([
+            "--endpoints",
+            &format!("{}:2379", l.lab.hosts[0].ip),
+            "member",
+            "list",
+        ])
         .env("ETCDCTL_API", "3")
         .output()
         .expect("etcdctl");
@@ -272,7 +319,10 @@ fn a_restarted_daemon_adopts_its_running_guests() {
         .expect("the dead guest is listed");
     assert_eq!(failed.state, pagefleet_api::GuestState::Failed);
     let why = failed.failure.expect("with its failure");
-    assert!(why.exit.contains("while pagefleetd was not running"), "{why:?}");
+    assert!(
+        why.exit.contains("while pagefleetd was not running"),
+        "{why:?}"
+    );
     let (ok, _, err) = l.pf(0, &["guest", "rm", "dies"]);
     assert!(ok, "guest rm: {err}");
     let mut found = None;
@@ -281,8 +331,15 @@ fn a_restarted_daemon_adopts_its_running_guests() {
         found.is_some()
     });
     let (at, g) = found.unwrap();
-    assert_eq!((at, g.pid, g.state), (0, before.pid, pagefleet_api::GuestState::Running));
-    assert!(log_of(&l, 0).contains("adopted 1 running guest"), "{}", log_of(&l, 0));
+    assert_eq!(
+        (at, g.pid, g.state),
+        (0, before.pid, pagefleet_api::GuestState::Running)
+    );
+    assert!(
+        log_of(&l, 0).contains("adopted 1 running guest"),
+        "{}",
+        log_of(&l, 0)
+    );
     still_serving(&load);
     // It is the daemon's again: budget changes and a clean stop work.
     let c = load.counters.clone();
@@ -303,7 +360,10 @@ fn a_restarted_daemon_adopts_its_running_guests() {
         .flat_map(|h| h.guests.into_iter().flatten())
         .map(|g| g.name)
         .collect();
-    assert!(names.is_empty(), "a stopped adopted guest leaves no record: {names:?}");
+    assert!(
+        names.is_empty(),
+        "a stopped adopted guest leaves no record: {names:?}"
+    );
 }
 
 /// An upgrade in place: `pagefleet host restart h1` while h1 runs two kv
@@ -341,10 +401,17 @@ fn an_in_place_restart_keeps_the_guests_here_and_the_pages_lent_to_others() {
     }
     for (n, pid) in ["ip1", "ip2", "ip3"].iter().zip(&pids) {
         let (_, g) = l.guest(n).expect("listed");
-        assert_eq!((g.pid, g.state), (*pid, pagefleet_api::GuestState::Running), "{n}");
+        assert_eq!(
+            (g.pid, g.state),
+            (*pid, pagefleet_api::GuestState::Running),
+            "{n}"
+        );
     }
     // ip3's pages are still on h1's memory server, and it goes on using them.
-    assert!(remote_on(&l, "ip3", &h1.addr) > lent / 2, "ip3's pages left h1");
+    assert!(
+        remote_on(&l, "ip3", &h1.addr) > lent / 2,
+        "ip3's pages left h1"
+    );
     let mut gaps = Vec::new();
     for (n, load) in [("ip1", a), ("ip2", b), ("ip3", c)] {
         let k = load.counters.clone();
@@ -357,7 +424,10 @@ fn an_in_place_restart_keeps_the_guests_here_and_the_pages_lent_to_others() {
         gaps.push(format!("{n} {:.1} s", longest_gap(&t)));
     }
     // (A figure, not a check: times belong in benchmarks.)
-    eprintln!("longest service gaps through the in-place restart: {}", gaps.join(", "));
+    eprintln!(
+        "longest service gaps through the in-place restart: {}",
+        gaps.join(", ")
+    );
     // The restarted daemon is the guests' keeper: a clean stop works.
     let (ok, _, err) = l.pf(0, &["guest", "stop", "ip1"]);
     assert!(ok, "guest stop after the restart: {err}");

@@ -752,17 +752,35 @@ fn a_drained_host_stays_out_of_placement_until_uncordoned() {
     let (ok, _, err) = l.pf(
         0,
         &[
-            "guest", "start", "d1", "--on", "h1", "--size", "64MiB", "--budget", "25%", "--",
-            "synthetic", "--servers", &h3, "--prefill", "--rate", "0",
+            "guest",
+            "start",
+            "d1",
+            "--on",
+            "h1",
+            "--size",
+            "64MiB",
+            "--budget",
+            "25%",
+            "--",
+            "synthetic",
+            "--servers",
+            &h3,
+            "--prefill",
+            "--rate",
+            "0",
         ],
     );
     assert!(ok, "guest start d1: {err}");
     wait_for("d1's pages on h3", 60, || {
-        l.guest("d1").is_some_and(|(_, g)| remote_on(&g, &h3) > 8000)
+        l.guest("d1")
+            .is_some_and(|(_, g)| remote_on(&g, &h3) > 8000)
     });
     let (ok, out, err) = l.pf(0, &["host", "drain", "h3"]);
     assert!(ok, "host drain h3: {out}{err}");
-    assert!(out.contains("pages moved from h3") && out.contains("drained"), "{out}");
+    assert!(
+        out.contains("pages moved from h3") && out.contains("drained"),
+        "{out}"
+    );
     let r3 = l.host_report(2).unwrap();
     assert!(r3.cordoned && r3.lend_used == 0, "{r3:?}");
     assert_eq!(remote_on(&l.guest("d1").unwrap().1, &h3), 0);
@@ -774,8 +792,18 @@ fn a_drained_host_stays_out_of_placement_until_uncordoned() {
     let (ok, _, err) = l.pf(
         0,
         &[
-            "guest", "start", "d2", "--on", "h1", "--size", "112MiB", "--", "synthetic",
-            "--prefill", "--rate", "0",
+            "guest",
+            "start",
+            "d2",
+            "--on",
+            "h1",
+            "--size",
+            "112MiB",
+            "--",
+            "synthetic",
+            "--prefill",
+            "--rate",
+            "0",
         ],
     );
     assert!(ok, "guest start d2: {err}");
@@ -787,7 +815,10 @@ fn a_drained_host_stays_out_of_placement_until_uncordoned() {
     assert_eq!(r["checksum_source"], r["checksum_dest"]);
     let subs = r["sub_hosts"].as_array().unwrap();
     assert!(!subs.is_empty(), "{r}");
-    assert!(subs.iter().all(|s| s != &json!(h3)), "placed on cordoned h3: {r}");
+    assert!(
+        subs.iter().all(|s| s != &json!(h3)),
+        "placed on cordoned h3: {r}"
+    );
     // Named, it is refused with the reason; nothing moves.
     let e = migrate(&l, &["d2", "--to", "h1", "--sub", "h3"]).expect_err("h3 is cordoned");
     assert!(e.contains("h3 is cordoned"), "{e}");
@@ -800,8 +831,7 @@ fn a_drained_host_stays_out_of_placement_until_uncordoned() {
     let (ok, _, err) = l.pf(0, &["host", "uncordon", "h3"]);
     assert!(ok, "{err}");
     assert!(!l.host_report(2).unwrap().cordoned);
-    let r = migrate(&l, &["d2", "--to", "h1", "--sub", "h3", "--verify"])
-        .expect("h3 usable again");
+    let r = migrate(&l, &["d2", "--to", "h1", "--sub", "h3", "--verify"]).expect("h3 usable again");
     assert_eq!(r["checksum_source"], r["checksum_dest"]);
     runs_on(0);
 }

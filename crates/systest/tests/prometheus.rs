@@ -103,7 +103,6 @@ fn dashboard_exprs() -> Vec<(String, String)> {
     out
 }
 
-
 #[test]
 fn prometheus_scrapes_a_split_migration_and_every_panel_and_rule_has_data() {
     if !is_root() {

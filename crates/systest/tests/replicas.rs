@@ -246,7 +246,10 @@ fn a_memory_server_stopped_is_hedged_around_then_revived_and_the_budget_holds() 
         let st = r.stats();
         st.degraded_pages == 0 && st.servers_down == 1
     });
-    assert!(used(&c, &addrs[1]) > 0, "the revived server holds copies again");
+    assert!(
+        used(&c, &addrs[1]) > 0,
+        "the revived server holds copies again"
+    );
     assert!(r.fatal_error().is_none());
     r.close().unwrap();
     for a in &addrs[1..] {

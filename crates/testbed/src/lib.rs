@@ -129,6 +129,9 @@ pub struct Options {
     pub tls: bool,
     /// More pagefleetd flags for every host (e.g. `--gc-grace 2`).
     pub daemon_args: Vec<String>,
+    /// More pagefleetd flags for one host, by name (`("h1", ["--ksm",
+    /// "adaptive"])`): for what a machine has only once, such as KSM.
+    pub host_args: Vec<(String, Vec<String>)>,
 }
 
 impl Options {
@@ -146,6 +149,7 @@ impl Options {
             etcd: 0,
             tls: false,
             daemon_args: Vec::new(),
+            host_args: Vec::new(),
         }
     }
 }
@@ -587,6 +591,12 @@ fn start_daemon(
             vec![]
         })
         .args(&o.daemon_args)
+        .args(
+            o.host_args
+                .iter()
+                .filter(|(n, _)| *n == h.name)
+                .flat_map(|(_, a)| a),
+        )
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(log)

@@ -210,7 +210,11 @@ impl Hello {
                 self.base, self.len
             ));
         }
-        if self.base.checked_add(self.len).is_none_or(|end| end > USER_ADDRESS_END) {
+        if self
+            .base
+            .checked_add(self.len)
+            .is_none_or(|end| end > USER_ADDRESS_END)
+        {
             return Err(format!(
                 "guest RAM at {:#x}, {} bytes: past the end of user space",
                 self.base, self.len
@@ -373,10 +377,19 @@ mod tests {
         for bad in [
             Hello { len: 1 << 29, ..h },
             Hello { pid: 1, ..h },
-            Hello { base: h.base + 1, ..h },
+            Hello {
+                base: h.base + 1,
+                ..h
+            },
             Hello { base: 0, ..h },
-            Hello { base: u64::MAX - 4095, ..h },
-            Hello { features: crate::FEATURE_MISSING_SHMEM, ..h },
+            Hello {
+                base: u64::MAX - 4095,
+                ..h
+            },
+            Hello {
+                features: crate::FEATURE_MISSING_SHMEM,
+                ..h
+            },
         ] {
             assert!(bad.check(h.len, h.pid).is_err(), "{bad:?}");
         }
@@ -387,11 +400,26 @@ mod tests {
         use agent::Request;
         let len = 16 * 4096;
         let zap = |off, n| Request::Zap { off, len: n };
-        for r in [Request::Ack, zap(0, 4096), zap(15 * 4096, 4096), zap(0, len)] {
+        for r in [
+            Request::Ack,
+            zap(0, 4096),
+            zap(15 * 4096, 4096),
+            zap(0, len),
+        ] {
             assert_eq!(Request::decode(&r.encode(), len), Ok(r));
         }
-        for r in [zap(0, 0), zap(1, 4096), zap(0, 100), zap(15 * 4096, 8192), zap(u64::MAX - 4095, 8192)] {
-            assert_eq!(Request::decode(&r.encode(), len), Err(libc::ERANGE), "{r:?}");
+        for r in [
+            zap(0, 0),
+            zap(1, 4096),
+            zap(0, 100),
+            zap(15 * 4096, 8192),
+            zap(u64::MAX - 4095, 8192),
+        ] {
+            assert_eq!(
+                Request::decode(&r.encode(), len),
+                Err(libc::ERANGE),
+                "{r:?}"
+            );
         }
         let mut other = Request::Ack.encode();
         other[0] = 9;

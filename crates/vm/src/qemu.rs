@@ -319,9 +319,9 @@ impl Vm {
                 "the shim closed its socket before handing over".into(),
             ));
         };
-        let hello = match Hello::decode(&buf[..n]).ok_or_else(|| {
-            format!("a hand-over message of {n} bytes that is not a hello")
-        }) {
+        let hello = match Hello::decode(&buf[..n])
+            .ok_or_else(|| format!("a hand-over message of {n} bytes that is not a hello"))
+        {
             Ok(h) => match h.check(spec.size, pid as u64) {
                 Ok(()) => h,
                 Err(e) => {

@@ -69,13 +69,19 @@ impl Reader<'_> {
         Ok(self.take(1)?[0])
     }
     fn u16(&mut self) -> Result<u16, StoreError> {
-        Ok(u16::from_le_bytes(self.take(2)?.try_into().expect("2 bytes")))
+        Ok(u16::from_le_bytes(
+            self.take(2)?.try_into().expect("2 bytes"),
+        ))
     }
     fn u32(&mut self) -> Result<u32, StoreError> {
-        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes")))
+        Ok(u32::from_le_bytes(
+            self.take(4)?.try_into().expect("4 bytes"),
+        ))
     }
     fn u64(&mut self) -> Result<u64, StoreError> {
-        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8 bytes")))
+        Ok(u64::from_le_bytes(
+            self.take(8)?.try_into().expect("8 bytes"),
+        ))
     }
 }
 
@@ -126,7 +132,11 @@ impl Store {
             w.u32(r.used);
             w.u64(r.bytes_in);
             w.u64(r.bytes_out);
-            let owner = g.owners.get(r.owner as usize).map(String::as_str).unwrap_or("");
+            let owner = g
+                .owners
+                .get(r.owner as usize)
+                .map(String::as_str)
+                .unwrap_or("");
             let owner = &owner.as_bytes()[..owner.len().min(u16::MAX as usize)];
             w.u16(owner.len() as u16);
             w.0.extend_from_slice(owner);
@@ -258,10 +268,20 @@ mod tests {
     #[test]
     fn an_adopted_store_has_every_page_slot_and_owner_of_the_frozen_one() {
         let s = Store::new(64 * PAGE_SIZE as u64).unwrap();
-        s.put_copy(7, &PageSel::List(vec![3, 9000, 1]), &[page(3), page(90), page(1)].concat(), "a")
-            .unwrap();
-        s.put_copy(8, &PageSel::Run { first: 0, count: 4 }, &page(8).repeat(4), "b")
-            .unwrap();
+        s.put_copy(
+            7,
+            &PageSel::List(vec![3, 9000, 1]),
+            &[page(3), page(90), page(1)].concat(),
+            "a",
+        )
+        .unwrap();
+        s.put_copy(
+            8,
+            &PageSel::Run { first: 0, count: 4 },
+            &page(8).repeat(4),
+            "b",
+        )
+        .unwrap();
         s.delete(8, Some(&PageSel::List(vec![2])));
         let index = s.freeze().unwrap().index;
         let fd = s.pool_file().as_fd().try_clone_to_owned().unwrap();
@@ -269,7 +289,9 @@ mod tests {
         assert_eq!(t.stored_pages(), 6);
         let info = t.regions_info();
         assert_eq!(
-            info.iter().map(|r| (r.region, r.pages, r.owner.as_str())).collect::<Vec<_>>(),
+            info.iter()
+                .map(|r| (r.region, r.pages, r.owner.as_str()))
+                .collect::<Vec<_>>(),
             vec![(7, 3, "a"), (8, 3, "b")]
         );
         let sel = PageSel::List(vec![1, 3, 9000]);
@@ -282,12 +304,16 @@ mod tests {
             .collect();
         assert_eq!(got, vec![1, 3, 90]);
         t.end_get(plan, &sel, true);
-        assert!(t.begin_get(8, &PageSel::List(vec![2]), false, false).is_err());
+        assert!(t
+            .begin_get(8, &PageSel::List(vec![2]), false, false)
+            .is_err());
         // The freed slot is reused before a fresh one; nothing else is.
         assert_eq!(t.touched_slots(), 7);
-        t.put_copy(9, &PageSel::List(vec![0]), &page(9), "c").unwrap();
+        t.put_copy(9, &PageSel::List(vec![0]), &page(9), "c")
+            .unwrap();
         assert_eq!(t.touched_slots(), 7);
-        t.put_copy(9, &PageSel::List(vec![1]), &page(9), "c").unwrap();
+        t.put_copy(9, &PageSel::List(vec![1]), &page(9), "c")
+            .unwrap();
         assert_eq!(t.touched_slots(), 8);
         // The same memory: a write through one is seen through the other.
         let sel = PageSel::List(vec![0]);
@@ -300,7 +326,8 @@ mod tests {
     #[test]
     fn a_store_with_pages_in_flight_is_not_frozen() {
         let s = Store::new(8 * PAGE_SIZE as u64).unwrap();
-        s.put_copy(1, &PageSel::List(vec![0]), &page(1), "a").unwrap();
+        s.put_copy(1, &PageSel::List(vec![0]), &page(1), "a")
+            .unwrap();
         let sel = PageSel::List(vec![0]);
         let plan = s.begin_get(1, &sel, true, false).unwrap();
         assert!(matches!(s.freeze(), Err(StoreError::InFlight { .. })));
@@ -311,7 +338,8 @@ mod tests {
     #[test]
     fn a_damaged_index_is_refused_whole() {
         let s = Store::new(8 * PAGE_SIZE as u64).unwrap();
-        s.put_copy(1, &PageSel::List(vec![0, 1]), &page(1).repeat(2), "a").unwrap();
+        s.put_copy(1, &PageSel::List(vec![0, 1]), &page(1).repeat(2), "a")
+            .unwrap();
         let index = s.freeze().unwrap().index;
         let fd = || s.pool_file().as_fd().try_clone_to_owned().unwrap();
         let n = index.len();
@@ -322,7 +350,9 @@ mod tests {
         let (a, b) = (n - 12 - 4, n - 4);
         let first = twice[a..a + 4].to_vec();
         twice[b..b + 4].copy_from_slice(&first);
-        assert!(matches!(Store::adopt(fd(), &twice), Err(StoreError::BadIndex(m)) if m.contains("twice")));
+        assert!(
+            matches!(Store::adopt(fd(), &twice), Err(StoreError::BadIndex(m)) if m.contains("twice"))
+        );
         let mut magic = index.clone();
         magic[0] = b'X';
         assert!(Store::adopt(fd(), &magic).is_err());

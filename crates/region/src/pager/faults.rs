@@ -59,6 +59,7 @@ impl Pager {
             // The first write to a resident page since its page-in (its kept
             // copy is stale from now on) or, while tracking changes, this round.
             (FaultKind::WriteProtect, LOCAL) => {
+                self.access.seen_use(p);
                 self.dirtied(p);
                 if let Err(e) = self.uffd.writeprotect(self.addr(p), PAGE as u64, false) {
                     self.internal(p, e.to_string());
@@ -67,7 +68,10 @@ impl Pager {
             // A write that waited out a page-out: the page is remote now,
             // the retried write pages it in.
             (FaultKind::WriteProtect, _) => self.wake(p),
-            (_, ZERO) => self.zero_fill(p),
+            (_, ZERO) => {
+                s.zero_faults.fetch_add(1, Relaxed);
+                self.zero_fill(p)
+            }
             // Stale: the page was installed by a read-ahead meanwhile (a
             // use, which the page tables may never show: it was mapped).
             (_, LOCAL) => {
@@ -75,9 +79,13 @@ impl Pager {
                 self.wake(p)
             }
             // Arriving: its install wakes this thread too.
-            (_, _) if self.loc.out[p] == OUT_ARRIVING => self.access.used(p),
-            (_, s) => {
-                let s = (s - REMOTE) as usize;
+            (_, _) if self.loc.out[p] == OUT_ARRIVING => {
+                s.remote_faults.fetch_add(1, Relaxed);
+                self.access.used(p)
+            }
+            (_, state) => {
+                s.remote_faults.fetch_add(1, Relaxed);
+                let s = (state - REMOTE) as usize;
                 if self.down[s] {
                     // Not expected: a server's pages are re-pointed when
                     // it goes down. Never ask a dead server (nothing would

@@ -312,7 +312,25 @@ pub(super) struct AccessHistory {
     /// probe ignores it). Like a read-ahead page on Linux's inactive list,
     /// it earns a second chance only by a use seen after that.
     pub(super) unproven: Vec<u8>,
+    /// Installed by read-ahead and no use seen since (a fault on it, a
+    /// write, or a mapping after an unmap): settles as a hit at its first
+    /// seen use, a miss if it is evicted first.
+    prefetched: Vec<bool>,
+    /// What read-ahead brought in, settled so far.
+    pub(super) prefetch: PrefetchTally,
     pub(super) policy: Policy,
+}
+
+/// Read-ahead pages by outcome. A use the pager cannot see (a read of a
+/// mapped page before the sampler's next unmap of it) counts only when the
+/// page is touched again after that unmap, so a page read once and evicted
+/// before any unmap counts as a miss: misses are an upper bound.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct PrefetchTally {
+    /// Used after read-ahead brought them.
+    pub(super) hits: u64,
+    /// Evicted with no use seen.
+    pub(super) misses: u64,
 }
 
 impl AccessHistory {
@@ -322,8 +340,32 @@ impl AccessHistory {
             refb: vec![0; pages],
             age: vec![0; pages],
             unproven: vec![0; pages],
+            prefetched: vec![false; pages],
+            prefetch: PrefetchTally::default(),
             policy,
         }
+    }
+
+    /// Read-ahead installed (mapped) pages `lo..hi`, none asked for yet.
+    pub(super) fn read_ahead(&mut self, lo: usize, hi: usize) {
+        self.unproven[lo..hi].fill(1);
+        self.prefetched[lo..hi].fill(true);
+    }
+
+    /// A use of page `p` was seen: a read-ahead page pending settles as a hit.
+    pub(super) fn seen_use(&mut self, p: usize) {
+        if std::mem::take(&mut self.prefetched[p]) {
+            self.prefetch.hits += 1;
+        }
+    }
+
+    /// Resident page `p` left (its data is on a server now): its history
+    /// starts over, a read-ahead page never used settles as a miss.
+    pub(super) fn evicted(&mut self, p: usize) {
+        if std::mem::take(&mut self.prefetched[p]) {
+            self.prefetch.misses += 1;
+        }
+        self.clear(p, p + 1);
     }
 
     /// How hot pages `lo..hi` (a chunk) are: clock, how many were referenced;
@@ -364,6 +406,7 @@ impl AccessHistory {
     pub(super) fn used(&mut self, p: usize) {
         self.refb[p] = 1;
         self.unproven[p] = 0;
+        self.seen_use(p);
     }
 
     /// Pages `lo..hi` were unmapped: a mapping seen from now on is a use.
@@ -378,6 +421,7 @@ impl AccessHistory {
         for q in lo + a..lo + b {
             if self.unproven[q] == 0 {
                 self.refb[q] = 1;
+                self.seen_use(q);
                 n += 1;
             }
         }
@@ -528,5 +572,32 @@ mod tests {
         h.unmapped(0, 8);
         assert_eq!(h.mapped(0, 0, 16), 8);
         assert_eq!(h.hotness(0, 16), 8);
+    }
+
+    #[test]
+    fn read_ahead_pages_settle_as_hits_at_first_use_or_misses_at_eviction() {
+        let mut h = AccessHistory::new(32, Policy::Clock);
+        h.read_ahead(0, 16);
+        // Mapped because read-ahead put them there: nothing settles.
+        h.mapped(0, 0, 16);
+        assert_eq!(h.prefetch, PrefetchTally::default());
+        // A fault on page 1, a write to page 2, a mapping after an unmap of 3..5.
+        h.used(1);
+        h.seen_use(2);
+        h.unmapped(3, 5);
+        h.mapped(0, 3, 5);
+        assert_eq!(h.prefetch, PrefetchTally { hits: 4, misses: 0 });
+        // Uses after the first do not count again.
+        h.used(1);
+        h.mapped(0, 3, 5);
+        // Evicted: pages 6 and 7 were never used; page 1 was; page 20 was not read ahead.
+        for p in [1, 6, 7, 20] {
+            h.evicted(p);
+        }
+        assert_eq!(h.prefetch, PrefetchTally { hits: 4, misses: 2 });
+        // Brought back by a fault, not read-ahead: nothing pending.
+        h.used(6);
+        h.evicted(6);
+        assert_eq!(h.prefetch, PrefetchTally { hits: 4, misses: 2 });
     }
 }

@@ -237,7 +237,13 @@ impl Pager {
                         c.set_window(4);
                         c
                     }
-                    None => connect(&cfg.name, a, secret, CONNECT_PATIENCE, io_timeout(cfg.replicas))?,
+                    None => connect(
+                        &cfg.name,
+                        a,
+                        secret,
+                        CONNECT_PATIENCE,
+                        io_timeout(cfg.replicas),
+                    )?,
                 };
                 free.push(c.info.capacity_pages.saturating_sub(c.info.used_pages));
                 conns.push(c);
@@ -509,8 +515,14 @@ impl Pager {
             .secret
             .as_ref()
             .ok_or("this region has no cluster secret (it was made without memory servers)")?;
-        let c = connect(&self.name, addr, secret, CONNECT_PATIENCE, io_timeout(self.replicas))
-            .map_err(|e| e.to_string())?;
+        let c = connect(
+            &self.name,
+            addr,
+            secret,
+            CONNECT_PATIENCE,
+            io_timeout(self.replicas),
+        )
+        .map_err(|e| e.to_string())?;
         self.free
             .push(c.info.capacity_pages.saturating_sub(c.info.used_pages));
         self.down.push(false);
@@ -545,6 +557,10 @@ impl Pager {
             .stats
             .remote_pages
             .store(self.loc.remote, Relaxed);
+        let st = &self.shared.stats;
+        st.prefetch_hits.store(self.access.prefetch.hits, Relaxed);
+        st.prefetch_misses
+            .store(self.access.prefetch.misses, Relaxed);
     }
 
     fn wake(&self, p: usize) {
@@ -580,7 +596,13 @@ impl Pager {
         let secret = self.secret.clone().ok_or_else(|| {
             pagefleet_client::ClientError::Usage("no cluster secret to reconnect with".into())
         })?;
-        let c = connect(&self.name, &self.addrs[s], &secret, self.patience, io_timeout(self.replicas))?;
+        let c = connect(
+            &self.name,
+            &self.addrs[s],
+            &secret,
+            self.patience,
+            io_timeout(self.replicas),
+        )?;
         if c.info.server_id != self.conns[s].info.server_id {
             // Restarted: whatever it held is gone; reconnecting cannot help.
             return Err(pagefleet_client::ClientError::Protocol {

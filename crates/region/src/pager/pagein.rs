@@ -261,7 +261,7 @@ impl Pager {
             for r in &part[run.clone()] {
                 self.arrived(*r as usize, s, g.keep, g.keep);
             }
-            self.access.unproven[q..q + run.len()].fill(1);
+            self.access.read_ahead(q, q + run.len());
         }
         st.page_ins.fetch_add(part.len() as u64, Relaxed);
         st.prefetched_pages.fetch_add(part.len() as u64, Relaxed);

@@ -400,7 +400,7 @@ impl Pager {
     fn left(&mut self, q: usize, t: usize, t2: Option<usize>) {
         self.mark(q);
         self.loc.set_remote(q, t, t2);
-        self.access.clear(q, q + 1);
+        self.access.evicted(q);
     }
 
     /// A page was punched while the servers holding its copies died: it

@@ -209,7 +209,9 @@ impl Health {
 
     /// How long a faulting page's GET to `s` may wait before it is hedged.
     pub(super) fn deadline(&self, s: usize) -> Duration {
-        let usual = Duration::from_secs_f64(self.usual_us.get(s).copied().unwrap_or(0.0) * HEDGE_FACTOR / 1e6);
+        let usual = Duration::from_secs_f64(
+            self.usual_us.get(s).copied().unwrap_or(0.0) * HEDGE_FACTOR / 1e6,
+        );
         usual.clamp(HEDGE_MIN, HEDGE_MAX)
     }
 }
@@ -338,7 +340,11 @@ impl Pager {
             };
             self.health.probe_at[s] = Some(now + PROBE_EVERY);
             self.health.probing[s] = true;
-            let (addr, tx, bell) = (self.addrs[s].clone(), self.health.answer_tx.clone(), self.doorbell.clone());
+            let (addr, tx, bell) = (
+                self.addrs[s].clone(),
+                self.health.answer_tx.clone(),
+                self.doorbell.clone(),
+            );
             let opts = pagefleet_client::ConnectOptions {
                 name: format!("{}-probe", self.name),
                 window: 4,
@@ -515,7 +521,13 @@ impl Pager {
                 .secret
                 .clone()
                 .ok_or_else(|| pagefleet_client::ClientError::Usage("no cluster secret".into()))?;
-            let mut c = connect(&self.name, &self.addrs[s], &secret, REPLICA_PATIENCE, REPLICA_IO_TIMEOUT)?;
+            let mut c = connect(
+                &self.name,
+                &self.addrs[s],
+                &secret,
+                REPLICA_PATIENCE,
+                REPLICA_IO_TIMEOUT,
+            )?;
             if c.info.server_id != self.conns[s].info.server_id {
                 return Err(pagefleet_client::ClientError::Protocol {
                     addr: self.addrs[s].clone(),
@@ -537,7 +549,9 @@ impl Pager {
         // Due after a loss; while pages have one copy, also refreshed every
         // RECOUNT_EVERY (pages paged back in leave the count).
         let age = self.rerep.counted_at.elapsed();
-        if (self.rerep.count_due && age >= COUNT_EVERY) || (self.rerep.active && age >= RECOUNT_EVERY) {
+        if (self.rerep.count_due && age >= COUNT_EVERY)
+            || (self.rerep.active && age >= RECOUNT_EVERY)
+        {
             self.count_degraded();
         }
         self.flush_orphans(false);

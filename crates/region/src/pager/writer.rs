@@ -485,7 +485,11 @@ fn write_job(
 
 /// Make sure the writer has a connection to `t` (a new one checked against
 /// the id the pager met: a restarted server lost the region's pages).
-fn target_conn(setup: &WriterSetup, conns: &mut WriterConns, t: &Target) -> Result<(), ClientError> {
+fn target_conn(
+    setup: &WriterSetup,
+    conns: &mut WriterConns,
+    t: &Target,
+) -> Result<(), ClientError> {
     if conns.is_down(t.server) {
         return Err(ClientError::Unresponsive {
             addr: t.addr.clone(),
@@ -502,7 +506,13 @@ fn target_conn(setup: &WriterSetup, conns: &mut WriterConns, t: &Target) -> Resu
         ));
     };
     conns.waiting_on(Some(t.server));
-    let c = super::connect(&setup.name, &t.addr, secret, setup.patience, setup.io_timeout);
+    let c = super::connect(
+        &setup.name,
+        &t.addr,
+        secret,
+        setup.patience,
+        setup.io_timeout,
+    );
     conns.waiting_on(None);
     let c = c?;
     if c.info.server_id != t.server_id {
