@@ -277,6 +277,23 @@ pub struct RemoveHost {
     pub host: String,
 }
 
+/// `POST /registry/join`: a host announces itself to the join host.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct JoinRequest {
+    /// The announcing host's HTTP API address.
+    pub http: String,
+}
+
+/// The join host's answer: whom it knows.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct JoinReply {
+    /// The join host's own HTTP API address.
+    pub me: String,
+    /// Every other host it knows, the announcing one included.
+    pub peers: Vec<String>,
+}
+
 /// What `POST /registry/remove` removed on the daemon asked.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct HostRemoved {

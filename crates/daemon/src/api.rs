@@ -583,6 +583,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/memserver/drop", post(mem_drop))
         .route("/gc", post(gc))
         .route("/registry/remove", post(remove_host))
+        .route("/registry/join", post(join))
         .merge(crate::ui::routes())
         .with_state(app)
 }
@@ -590,6 +591,38 @@ pub fn router(app: Arc<App>) -> Router {
 /// `POST /registry/remove`: a dead host leaves this daemon's registry (its
 /// peers; with etcd, its records and its etcd member). Refused for this
 /// host itself.
+/// `POST /registry/join`: a host announces itself (`--join`); the answer
+/// is every host this registry knows.
+async fn join(State(app): Shared, b: Bytes) -> Response {
+    let req = match body::<pagefleet_api::JoinRequest>(&b) {
+        Ok(r) => r,
+        Err(r) => return refusal(r),
+    };
+    blocking(move || {
+        if app.etcd.is_some() {
+            return Err(Refusal::new(
+                409,
+                "this cluster's registry is etcd: hosts find each other there (drop [registry] join)",
+            ));
+        }
+        crate::advertise::check_host_port(&req.http)
+            .map_err(|e| Refusal::new(400, format!("join: {e}")))?;
+        let me = (app.report)().http.unwrap_or_default();
+        if req.http != me {
+            match app.peers.add(&req.http) {
+                Ok(true) => tracing::info!("registry: host {} joined", req.http),
+                Ok(false) => {}
+                Err(e) => return Err(Refusal::new(507, e)),
+            }
+        }
+        Ok(pagefleet_api::JoinReply {
+            me,
+            peers: app.peers.list(),
+        })
+    })
+    .await
+}
+
 async fn remove_host(State(app): Shared, b: Bytes) -> Response {
     let req = match body::<pagefleet_api::RemoveHost>(&b) {
         Ok(r) => r,

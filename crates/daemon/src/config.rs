@@ -2,6 +2,7 @@
 //!
 //! ```toml
 //! name = "rack1-h3"         # this host's name in reports (default: hostname)
+//! advertise = "10.0.0.3"    # the IP other hosts reach this one at (default: see crate::advertise)
 //! log = "info"
 //! log_format = "plain"      # or "json": one JSON object per line (journald, a log shipper)
 //! secret_file = "/etc/pagefleet/secret"
@@ -26,7 +27,8 @@
 //! service_dev = "eth0"
 //!
 //! [registry]
-//! peers = ["10.0.0.2:7071", "10.0.0.3:7071"]   # the other hosts' HTTP addresses
+//! join = "10.0.0.1:7071"      # one host's HTTP address, the same everywhere: announce here, learn the others
+//! peers = ["10.0.0.2:7071", "10.0.0.3:7071"]   # or: the other hosts' HTTP addresses
 //! etcd = "etcd://10.0.0.1:2379,10.0.0.2:2379"  # or: etcd as the registry (instead of peers)
 //!
 //! [ksm]                      # same-page merging controller (root; off unless mode is set)
@@ -69,6 +71,10 @@ pub enum LogFormat {
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FileConfig {
+    /// The IP address other hosts reach this one at (default: the listen
+    /// address, or when that is 0.0.0.0 the address of the route to the
+    /// join host).
+    pub advertise: Option<String>,
     /// This host's name in reports (default: the hostname).
     pub name: Option<String>,
     /// Log filter (error, warn, info, debug, trace; or RUST_LOG syntax).
@@ -159,6 +165,9 @@ pub struct GuestsSection {
 pub struct RegistrySection {
     /// The other hosts' HTTP API addresses.
     pub peers: Option<Vec<String>>,
+    /// One host's HTTP API address (the same on every host): this host
+    /// announces itself there and learns the others from it.
+    pub join: Option<String>,
     /// An etcd cluster as the registry (`etcd://h1:2379,h2:2379`).
     pub etcd: Option<String>,
 }
@@ -224,6 +233,10 @@ pub struct Flags {
     pub service_dev: Option<String>,
     /// The other hosts' HTTP API addresses.
     pub peers: Option<Vec<String>>,
+    /// The host to announce this one to (`--join`).
+    pub join: Option<String>,
+    /// The IP address other hosts reach this one at (`--advertise`).
+    pub advertise: Option<String>,
     /// This host's name in reports (default: the hostname).
     pub name: Option<String>,
     /// `[ksm]`: the same-page merging controller.
@@ -289,6 +302,11 @@ pub struct Settings {
     pub service_dev: Option<String>,
     /// The other hosts' HTTP API addresses.
     pub peers: Vec<String>,
+    /// The host to announce this one to and learn the others from.
+    pub join: Option<String>,
+    /// The IP address other hosts reach this one at (None: see
+    /// [`crate::advertise`]).
+    pub advertise: Option<std::net::IpAddr>,
     /// This host's name in reports (default: the hostname).
     pub name: Option<String>,
     /// The KSM controller to run (None: none).
@@ -426,6 +444,21 @@ pub fn merge(file: FileConfig, flags: Flags) -> Result<Settings> {
         None => None,
     };
     let gc = flags.gc_grace_secs.or(m.gc_grace_secs).unwrap_or(600);
+    let join = flags.join.or(reg.join.clone());
+    if let Some(j) = &join {
+        if etcd.is_some() {
+            return Err(crate::Error::Invalid(format!(
+                "[registry] join = {j:?} is for the embedded registry; with etcd every host finds the others there: drop one"
+            )));
+        }
+        crate::advertise::check_host_port(j).context("[registry] join")?;
+    }
+    let advertise = match flags.advertise.or(file.advertise) {
+        Some(a) => Some(a.parse::<std::net::IpAddr>().map_err(|_| {
+            crate::Error::Invalid(format!("advertise = {a:?} is not an IP address"))
+        })?),
+        None => None,
+    };
     Ok(Settings {
         lend,
         listen: flags
@@ -447,6 +480,8 @@ pub fn merge(file: FileConfig, flags: Flags) -> Result<Settings> {
         guest_dir: flags.guest_dir.or(g.dir),
         service_dev: flags.service_dev.or(g.service_dev),
         peers: flags.peers.or(reg.peers).unwrap_or_default(),
+        join,
+        advertise,
         etcd,
         name: flags.name.or(file.name),
         ksm,
@@ -465,6 +500,56 @@ pub fn merge(file: FileConfig, flags: Flags) -> Result<Settings> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The shipped sample forms a cluster by changing one address: every
+    /// listener on every address, and the join host the only address in it.
+    #[test]
+    fn the_sample_config_names_one_address_the_join_host() {
+        let text = include_str!("../../../packaging/pagefleetd.toml");
+        let s = merge(FileConfig::parse(text).unwrap(), Flags::default()).unwrap();
+        assert_eq!(s.listen, "0.0.0.0:7070");
+        assert_eq!(s.metrics.as_deref(), Some("0.0.0.0:7071"));
+        assert_eq!(s.join.as_deref(), Some("10.0.0.1:7071"));
+        assert!(s.peers.is_empty() && s.etcd.is_none() && s.advertise.is_none());
+        let addresses: Vec<&str> = text
+            .lines()
+            .filter(|l| !l.trim_start().starts_with('#'))
+            .flat_map(|l| l.split('"'))
+            .filter(|w| {
+                w.parse::<std::net::SocketAddr>()
+                    .is_ok_and(|a| !a.ip().is_unspecified())
+            })
+            .collect();
+        assert_eq!(addresses, ["10.0.0.1:7071"], "the one address to change");
+    }
+
+    #[test]
+    fn join_is_host_and_port_and_not_with_etcd() {
+        let bad = |t: &str| {
+            format!(
+                "{:#}",
+                merge(FileConfig::parse(t).unwrap(), Flags::default()).unwrap_err()
+            )
+        };
+        assert!(bad("[registry]\njoin = \"10.0.0.1\"\n").contains("HOST:PORT"));
+        assert!(
+            bad("[registry]\njoin = \"h1:7071\"\netcd = \"etcd://h1:2379\"\n").contains("etcd")
+        );
+        assert!(bad("advertise = \"h1\"\n").contains("not an IP"));
+        let s = merge(
+            FileConfig::parse("advertise = \"10.0.0.9\"\n[registry]\njoin = \"h1:7071\"\n")
+                .unwrap(),
+            Flags {
+                join: Some("h2:7071".into()),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(
+            (s.join.as_deref(), s.advertise),
+            (Some("h2:7071"), Some("10.0.0.9".parse().unwrap()))
+        );
+    }
 
     #[test]
     fn log_format_and_health_probes_come_from_the_file_or_the_flags() {
@@ -532,7 +617,6 @@ mod tests {
         let s = merge(f, Flags::default()).unwrap();
         assert_eq!(s.lend, Some(4 << 30));
         assert_eq!(s.guest_memory, Some(16 << 30));
-        assert_eq!(s.peers.len(), 2);
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! registry (every host's report, gathered from its peers), metrics, and
 //! the signed HTTP API that serves them all.
 
+pub mod advertise;
 pub mod api;
 pub mod config;
 pub mod controllers;

@@ -12,7 +12,8 @@ use std::path::PathBuf;
 ///                   (guests paging to it, remote block devices built on it)
 ///   guest host      starts and stops guests (runners) within --guest-memory,
 ///                   receives incoming migrations, sends guests away
-///   registry        GET /cluster: every host's report and guests (--peers)
+///   registry        GET /cluster: every host's report and guests (--join,
+///                   --peers or --registry etcd://...)
 ///   KSM controller  same-page merging tuned to what it saves (--ksm adaptive)
 ///   I/O controller  every tenant of a shared disk keeps its minimum
 ///                   (--ioqos-device DEV --ioqos-tenants SPEC)
@@ -26,8 +27,11 @@ use std::path::PathBuf;
 ///
 /// A host of a cluster that also runs guests:
 ///
-///     pagefleetd --lend 2GiB --guest-memory 8GiB --listen 10.0.0.1:7070 \
-///                --peers 10.0.0.2:7071,10.0.0.3:7071
+///     pagefleetd --lend 2GiB --guest-memory 8GiB --listen 0.0.0.0:7070 \
+///                --metrics 0.0.0.0:7071 --join 10.0.0.1:7071
+///
+/// (every host the same: each announces itself to 10.0.0.1 and learns the
+/// others there; or list them with --peers, or use etcd with --registry).
 ///
 /// Clients authenticate with the cluster secret: a file holding at least 16
 /// bytes, created (mode 0600) on first start if missing. Copy the same file to
@@ -134,6 +138,17 @@ struct Args {
     /// The other hosts' pagefleetd HTTP addresses (registry), comma-separated.
     #[arg(long, value_delimiter = ',')]
     peers: Option<Vec<String>>,
+    /// One host's pagefleetd HTTP address, the same on every host (the
+    /// first one set up, say): this host announces itself there every 5 s
+    /// and learns every other host from it, so no host lists the others.
+    /// The join host itself may be given it too.
+    #[arg(long, value_name = "HOST:PORT")]
+    join: Option<String>,
+    /// The IP address other hosts reach this one at. Default: the --listen
+    /// address, or when that is 0.0.0.0 this host's address on the route to
+    /// the join host (or the first peer, or etcd).
+    #[arg(long, value_name = "IP")]
+    advertise: Option<String>,
     /// An etcd cluster as the registry instead of --peers:
     /// etcd://HOST:2379[,HOST:2379...]. This host then keeps a lease-bound
     /// heartbeat there (its report and guests, every 2 s, expiring 10 s
@@ -221,6 +236,8 @@ fn run() -> Result<()> {
             guest_dir: args.guest_dir,
             service_dev: args.service_dev,
             peers: args.peers,
+            join: args.join,
+            advertise: args.advertise,
             name: args.name,
             ksm: args.ksm,
             ksm_cpu_budget: args.ksm_cpu_budget,

@@ -1,13 +1,27 @@
 //! The embedded registry: this host's report and guests, and every peer's,
 //! asked in parallel over the signed API (`GET /cluster`). The peers are
-//! `--peers` less the hosts removed since (`pagefleet host remove`), and the
+//! `--peers` and the hosts learned through the join host (`--join`: every
+//! host announces itself there every [`JOIN_INTERVAL`] and takes its list
+//! back), less the hosts removed since (`pagefleet host remove`); the
 //! registry remembers since when each unreachable peer has not answered.
 
 use pagefleet_api::{ClusterHost, ClusterView, GuestStatus, HostReport};
 use pagefleet_common::http::Client;
 use std::collections::HashMap;
 use std::sync::Mutex;
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
+
+/// How often a host announces itself to the join host and takes its list
+/// back: a new host is known everywhere within this (plus a scrape).
+pub const JOIN_INTERVAL: Duration = Duration::from_secs(5);
+
+/// How long a host removed here is not learned back from the join host.
+pub const REMOVAL_HOLD: Duration = Duration::from_secs(6 * JOIN_INTERVAL.as_secs());
+
+/// Most peers a registry keeps. Only signed requests add one, but a bound
+/// keeps a mistaken script from growing the list (and every `GET /cluster`,
+/// which asks each) without end; far above any cluster this serves.
+pub const MAX_PEERS: usize = 1024;
 
 /// A host removed from this registry.
 #[derive(Clone, Debug)]
@@ -68,6 +82,41 @@ impl Peers {
             list: Mutex::new(list),
             ..Default::default()
         }
+    }
+
+    /// Add `http` unless it is known: whether it was new. Refused past
+    /// [`MAX_PEERS`].
+    pub fn add(&self, http: &str) -> Result<bool, String> {
+        let mut list = lock(&self.list);
+        if list.iter().any(|p| p == http) {
+            return Ok(false);
+        }
+        if list.len() >= MAX_PEERS {
+            return Err(format!(
+                "this registry already knows {MAX_PEERS} hosts (its bound): remove dead ones first (pagefleet host remove)"
+            ));
+        }
+        list.push(http.to_string());
+        Ok(true)
+    }
+
+    /// Add `http`, learned from the join host, unless it is known or was
+    /// removed here in the last [`REMOVAL_HOLD`] (the join host may not
+    /// have heard of the removal yet; a host it lists after that has
+    /// announced itself again, so it is alive).
+    pub fn learn(&self, http: &str) -> Result<bool, String> {
+        let held = lock(&self.removed)
+            .iter()
+            .any(|r| r.http == http && r.at.elapsed().is_ok_and(|d| d < REMOVAL_HOLD));
+        if held {
+            return Ok(false);
+        }
+        self.add(http)
+    }
+
+    /// The peers asked now.
+    pub fn list(&self) -> Vec<String> {
+        lock(&self.list).clone()
     }
 
     /// Remove the peer whose address or last-known name is `key`; the
@@ -182,6 +231,22 @@ mod tests {
         assert_eq!(t(0), "1970-01-01 00:00:00 UTC");
         assert_eq!(t(951_782_400), "2000-02-29 00:00:00 UTC");
         assert_eq!(t(1_795_932_622), "2026-11-29 06:10:22 UTC");
+    }
+
+    #[test]
+    fn peers_are_added_once_and_bounded() {
+        let p = Peers::new(vec!["10.0.0.2:7071".into()]);
+        assert_eq!(p.add("10.0.0.2:7071"), Ok(false));
+        assert_eq!(p.add("10.0.0.3:7071"), Ok(true));
+        assert_eq!(p.list(), ["10.0.0.2:7071", "10.0.0.3:7071"]);
+        for i in p.list().len()..MAX_PEERS {
+            p.add(&format!("10.1.{}.{}:7071", i / 256, i % 256))
+                .unwrap();
+        }
+        assert!(p
+            .add("10.9.9.9:7071")
+            .unwrap_err()
+            .contains("remove dead ones"));
     }
 
     #[test]

@@ -103,6 +103,58 @@ fn heartbeat_loop(app: &App, stop: &AtomicBool) {
     }
 }
 
+/// Announce this host to the join host every [`JOIN_INTERVAL`] and learn
+/// every host it knows; say so when the join host stops answering and
+/// again when it is back (the registry keeps whom it knows meanwhile).
+///
+/// [`JOIN_INTERVAL`]: crate::registry::JOIN_INTERVAL
+fn join_loop(app: &App, seed: &str, me: &std::sync::OnceLock<String>, stop: &AtomicBool) {
+    let Some(me) = me.get().cloned() else { return };
+    let client = app.client.timeout(std::time::Duration::from_secs(2));
+    let mut failing = false;
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        let r: std::result::Result<pagefleet_api::JoinReply, _> = client.post(
+            seed,
+            "/registry/join",
+            &pagefleet_api::JoinRequest { http: me.clone() },
+        );
+        match r {
+            Ok(r) => {
+                if failing {
+                    tracing::info!("the join host {seed} answers again");
+                    failing = false;
+                }
+                for p in std::iter::once(&r.me).chain(&r.peers) {
+                    if *p == me || p.is_empty() {
+                        continue;
+                    }
+                    match app.peers.learn(p) {
+                        Ok(true) => {
+                            tracing::info!("registry: learned host {p} from the join host {seed}")
+                        }
+                        Ok(false) => {}
+                        Err(e) => tracing::warn!("registry: not adding {p}: {e}"),
+                    }
+                }
+            }
+            Err(e) if !failing => {
+                tracing::warn!(
+                    "cannot announce this host to the join host {seed} (the registry keeps the hosts it knows; retrying every {} s): {e}",
+                    crate::registry::JOIN_INTERVAL.as_secs()
+                );
+                failing = true;
+            }
+            Err(_) => {}
+        }
+        let t = std::time::Instant::now();
+        while t.elapsed() < crate::registry::JOIN_INTERVAL
+            && !stop.load(std::sync::atomic::Ordering::Relaxed)
+        {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    }
+}
+
 /// The longest the periodic collection waits between looks.
 const GC_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
 
@@ -574,6 +626,18 @@ pub fn run(a: Settings) -> Result<()> {
             .parse()
             .with_context(|| format!("--listen {} is not IP:PORT", a.listen))?,
     };
+    // What other hosts reach this one at (listening on 0.0.0.0 says nothing).
+    let toward: Vec<String> = a
+        .join
+        .iter()
+        .chain(&a.peers)
+        .chain(a.etcd.iter().flatten())
+        .cloned()
+        .collect();
+    let public_ip = crate::advertise::public_ip(listen_addr.ip(), a.advertise, &toward);
+    let ms_public = ms
+        .as_ref()
+        .map(|m| crate::advertise::public(m.addr, public_ip));
     let http_listen = match a.metrics.as_deref() {
         Some("off") => None,
         Some(m) => Some(m.to_string()),
@@ -614,7 +678,7 @@ pub fn run(a: Settings) -> Result<()> {
                     .service_dev
                     .clone()
                     .unwrap_or_else(|| DEFAULT_SERVICE_DEV.into()),
-                ip: listen_addr.ip().to_string(),
+                ip: public_ip.to_string(),
                 secret: secret.clone(),
                 vm_images: a.vm_images.clone(),
                 dedup_socket: dedup_socket.clone(),
@@ -670,7 +734,10 @@ pub fn run(a: Settings) -> Result<()> {
     let haddr = match http_listen {
         Some(h) => {
             let self_http = Arc::new(std::sync::OnceLock::<String>::new());
-            let st = ms.as_ref().map(|m| (m.state.clone(), m.addr));
+            let st = ms
+                .as_ref()
+                .zip(ms_public)
+                .map(|(m, a)| (m.state.clone(), a));
             let (g, me, name) = (guests.clone(), self_http.clone(), a.name.clone());
             let dd = dedup.clone();
             let tls_name = tls.as_ref().map(|t| t.name.clone());
@@ -725,7 +792,10 @@ pub fn run(a: Settings) -> Result<()> {
                 metrics: Box::new(metrics_text),
                 peers: crate::registry::Peers::new(a.peers.clone()),
                 client: Client::new(secret.clone()),
-                memserver: ms.as_ref().map(|m| (m.state.clone(), m.addr.to_string())),
+                memserver: ms
+                    .as_ref()
+                    .zip(ms_public)
+                    .map(|(m, a)| (m.state.clone(), a.to_string())),
                 etcd: match &a.etcd {
                     Some(eps) => Some(Arc::new(
                         pagefleet_registry::Etcd::new(eps.clone(), HEARTBEAT_TTL)
@@ -752,6 +822,7 @@ pub fn run(a: Settings) -> Result<()> {
                     .name("gc".into())
                     .spawn(move || collect_loop(&app, grace, stop))?;
             }
+            let join_app = app.clone();
             let gate = Gate {
                 tls: tls.clone(),
                 verifier: Verifier::new(secret.clone()),
@@ -765,7 +836,13 @@ pub fn run(a: Settings) -> Result<()> {
             };
             http_kept = Some(l.try_clone()?);
             let addr = http::serve(l, api::router(app), gate)?;
-            let _ = self_http.set(addr.to_string());
+            let _ = self_http.set(crate::advertise::public(addr, public_ip).to_string());
+            if let Some(seed) = a.join.clone() {
+                let (app, me) = (join_app, self_http.clone());
+                std::thread::Builder::new()
+                    .name("join".into())
+                    .spawn(move || join_loop(&app, &seed, &me, stop))?;
+            }
             Some(addr)
         }
         None => None,

@@ -82,7 +82,7 @@ fn make_install_stages_a_tree_whose_daemon_starts_and_whose_unit_verifies() {
     let text = std::fs::read_to_string(&conf).unwrap();
     let text = text
         .replace("0.0.0.0:7070", "127.0.0.1:0")
-        .replace("127.0.0.1:7071", "127.0.0.1:0")
+        .replace("0.0.0.0:7071", "127.0.0.1:0")
         .replace(
             "/etc/pagefleet/secret",
             &p("/etc/pagefleet/secret").display().to_string(),
@@ -95,7 +95,7 @@ fn make_install_stages_a_tree_whose_daemon_starts_and_whose_unit_verifies() {
             "/usr/local/bin/pagefleet",
             &p("/usr/local/bin/pagefleet").display().to_string(),
         )
-        .replace("\"10.0.0.2:7071\", \"10.0.0.3:7071\"", "")
+        .replace("join = \"10.0.0.1:7071\"", "")
         .replace("lend = \"4GiB\"", "lend = \"16MiB\"")
         .replace("memory = \"16GiB\"", "memory = \"64MiB\"");
     std::fs::write(&conf, text).unwrap();

@@ -132,6 +132,10 @@ pub struct Options {
     /// More pagefleetd flags for one host, by name (`("h1", ["--ksm",
     /// "adaptive"])`): for what a machine has only once, such as KSM.
     pub host_args: Vec<(String, Vec<String>)>,
+    /// Form the embedded registry as the sample configuration does: every
+    /// daemon listens on 0.0.0.0 and is given `--join` h1's API, none
+    /// `--peers`.
+    pub join: bool,
 }
 
 impl Options {
@@ -150,6 +154,7 @@ impl Options {
             tls: false,
             daemon_args: Vec::new(),
             host_args: Vec::new(),
+            join: false,
         }
     }
 }
@@ -283,9 +288,11 @@ impl Lab {
                 None
             };
             let peers: Vec<String> = lab.hosts.iter().map(|h| h.http()).collect();
+            let seed = lab.hosts.first().map(|h| h.http());
             for h in lab.hosts.iter_mut() {
                 let others: Vec<String> = match &registry {
                     Some(_) => vec![],
+                    None if o.join => vec![],
                     None => peers.iter().filter(|p| **p != h.http()).cloned().collect(),
                 };
                 let tls = lab
@@ -297,6 +304,7 @@ impl Lab {
                     h,
                     &lab.secret_file,
                     &others,
+                    seed.as_deref().filter(|_| o.join),
                     registry.as_deref(),
                     tls.as_deref(),
                 )?;
@@ -497,11 +505,13 @@ impl Lab {
         // The run before keeps its log, as NETNS.log.1.
         let log = o.dir.join(format!("{}.log", self.hosts[i].netns));
         let _ = std::fs::rename(&log, o.dir.join(format!("{}.log.1", self.hosts[i].netns)));
+        let seed = self.hosts[0].http();
         let pid = start_daemon(
             o,
             &self.hosts[i],
             &self.secret_file,
             &peers,
+            Some(seed.as_str()).filter(|_| o.join),
             registry.as_deref(),
             tls.as_deref(),
         )?;
@@ -518,6 +528,7 @@ fn start_daemon(
     h: &Host,
     secret: &Path,
     peers: &[String],
+    join: Option<&str>,
     registry: Option<&str>,
     tls: Option<&Path>,
 ) -> Result<u32> {
@@ -542,10 +553,20 @@ fn start_daemon(
             "--lend",
             &o.lend.to_string(),
             "--listen",
-            &h.addr,
+            // Every address, as the sample configuration has it, with --join;
+            // else the lab address.
+            &if join.is_some() {
+                "0.0.0.0:7070".to_string()
+            } else {
+                h.addr.clone()
+            },
             // The API on the lab address: the other hosts are its peers.
             "--metrics",
-            &h.http(),
+            &if join.is_some() {
+                "0.0.0.0:7071".to_string()
+            } else {
+                h.http()
+            },
             "--log",
             "warn",
             "--name",
@@ -557,11 +578,15 @@ fn start_daemon(
             tls.map(|t| vec!["--tls-dir".into(), t.as_os_str().to_owned()])
                 .unwrap_or_default(),
         )
-        .args(if peers.is_empty() {
+        .args(if peers.is_empty() || join.is_some() {
             vec![]
         } else {
             vec!["--peers".to_string(), peers.join(",")]
         })
+        .args(
+            join.map(|j| vec!["--join".to_string(), j.to_string()])
+                .unwrap_or_default(),
+        )
         .args(
             registry
                 .map(|r| vec!["--registry".to_string(), r.to_string()])
