@@ -15,7 +15,6 @@ use crate::util::{self, Goal, PlotOutcome};
 use crate::LabRun;
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
-use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
@@ -79,64 +78,28 @@ pub struct Report {
     pub plot: PlotOutcome,
 }
 
-/// One GET from inside `netns`: status, head, body (read until the server
-/// closes, or until `stop` is set while it streams; `each` sees the body's
-/// bytes as they come).
+/// GET `path` of `addr` from inside `netns` (a viewer: with a session
+/// `cookie`), its body handed to `each` as it comes, until the server
+/// closes or `stop` is set (without `stop`: at most 30 s): (status, head).
 fn get_in(
     netns: &str,
     addr: &str,
     path: &str,
     cookie: Option<&str>,
     stop: Option<Arc<AtomicBool>>,
-    mut each: impl FnMut(&[u8]) + Send + 'static,
+    each: impl FnMut(&[u8]) + Send + 'static,
 ) -> std::thread::JoinHandle<Result<(u16, String)>> {
     let (netns, addr, path) = (netns.to_string(), addr.to_string(), path.to_string());
-    let cookie = cookie
-        .map(|c| format!("Cookie: {c}\r\n"))
-        .unwrap_or_default();
+    let cookie = cookie.map(str::to_string);
     std::thread::spawn(move || -> Result<(u16, String)> {
         pagefleet_testbed::enter_netns(&netns)?;
-        let mut s =
-            std::net::TcpStream::connect(&addr).with_context(|| format!("connecting to {addr}"))?;
-        s.set_read_timeout(Some(Duration::from_millis(500)))?;
-        write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n{cookie}\r\n")?;
-        let mut head = Vec::new();
-        let mut buf = vec![0u8; 64 << 10];
-        let t0 = Instant::now();
-        let mut in_body = false;
-        loop {
-            if stop.as_ref().is_some_and(|s| s.load(Relaxed)) {
-                break;
-            }
-            if stop.is_none() && t0.elapsed() > Duration::from_secs(30) {
-                bail!("GET {path}: no end within 30 s");
-            }
-            match s.read(&mut buf) {
-                Ok(0) => break,
-                Ok(n) if in_body => each(&buf[..n]),
-                Ok(n) => {
-                    head.extend_from_slice(&buf[..n]);
-                    if let Some(i) = head.windows(4).position(|w| w == b"\r\n\r\n") {
-                        in_body = true;
-                        each(&head[i + 4..]);
-                        head.truncate(i);
-                    }
-                }
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                    ) => {}
-                Err(e) => return Err(e.into()),
-            }
-        }
-        let head = String::from_utf8_lossy(&head).into_owned();
-        let status = head
-            .split_whitespace()
-            .nth(1)
-            .and_then(|c| c.parse().ok())
-            .unwrap_or(0);
-        Ok((status, head))
+        let headers: Vec<(&str, &str)> = cookie.iter().map(|c| ("Cookie", c.as_str())).collect();
+        let req = pagefleet_lab::rawhttp::Request {
+            headers: &headers,
+            ..pagefleet_lab::rawhttp::Request::get(&path)
+        };
+        pagefleet_lab::rawhttp::stream(&addr, &req, stop.as_deref(), Duration::from_secs(30), each)
+            .map_err(|e| anyhow::anyhow!("GET {path} from {addr}: {e}"))
     })
 }
 

@@ -12,6 +12,7 @@ pub mod kvload;
 pub mod labrun;
 pub mod plot;
 pub mod proc;
+pub mod rawhttp;
 pub mod stats;
 pub mod system;
 

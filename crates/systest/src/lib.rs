@@ -302,25 +302,11 @@ impl Drop for GuestProc {
 }
 
 /// A reply to [`http_in`]: status, head (lines), body.
-pub struct RawReply {
-    pub status: u16,
-    pub head: String,
-    pub body: String,
-}
+pub use pagefleet_lab::rawhttp::Reply as RawReply;
 
-impl RawReply {
-    /// A header's value (the first, name case-insensitive).
-    pub fn header(&self, name: &str) -> Option<&str> {
-        self.head.lines().skip(1).find_map(|l| {
-            let (k, v) = l.split_once(':')?;
-            k.trim().eq_ignore_ascii_case(name).then(|| v.trim())
-        })
-    }
-}
-
-/// One HTTP/1.0 request without a body from inside lab host `h`'s
-/// namespace to `addr`, as a browser or an outside client would send it
-/// (no signature unless `headers` carries one); the whole reply, read
+/// One request without a body from inside lab host `h`'s namespace to
+/// `addr`, as a browser or an outside client would send it (no signature
+/// unless `headers` carries one); the whole reply, read by its length or
 /// until the server closes (at most `timeout`: what a stream sent by then).
 pub fn http_in(
     l: &LabRun,
@@ -330,38 +316,24 @@ pub fn http_in(
     headers: &[(&str, &str)],
     timeout: Duration,
 ) -> Result<RawReply, String> {
-    use std::io::{Read, Write};
-    let mut req = format!("{method} {path} HTTP/1.0\r\nHost: {addr}\r\n");
-    for (k, v) in headers {
-        req.push_str(&format!("{k}: {v}\r\n"));
-    }
-    req.push_str("Content-Length: 0\r\n\r\n");
-    let req = req.into_bytes();
-    let addr = addr.to_string();
+    let (addr, method, path) = (addr.to_string(), method.to_string(), path.to_string());
+    let headers: Vec<(String, String)> = headers
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
     l.lab
-        .spawn_in(h, move || -> Result<RawReply, String> {
-            let a: std::net::SocketAddr = addr.parse().map_err(|e| format!("{addr}: {e}"))?;
-            let mut s = std::net::TcpStream::connect_timeout(&a, timeout)
-                .map_err(|e| format!("{addr}: {e}"))?;
-            s.set_read_timeout(Some(timeout))
-                .map_err(|e| e.to_string())?;
-            s.write_all(&req).map_err(|e| e.to_string())?;
-            let mut b = Vec::new();
-            let _ = s.read_to_end(&mut b);
-            let b = String::from_utf8_lossy(&b).into_owned();
-            let (head, body) = b
-                .split_once("\r\n\r\n")
-                .ok_or_else(|| format!("no HTTP head in {b:?}"))?;
-            let status = head
-                .split_whitespace()
-                .nth(1)
-                .and_then(|c| c.parse().ok())
-                .ok_or_else(|| format!("bad status line: {head}"))?;
-            Ok(RawReply {
-                status,
-                head: head.to_string(),
-                body: body.to_string(),
-            })
+        .spawn_in(h, move || {
+            let hs: Vec<(&str, &str)> = headers
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .collect();
+            let req = pagefleet_lab::rawhttp::Request {
+                method: &method,
+                path: &path,
+                headers: &hs,
+                body: &[],
+            };
+            pagefleet_lab::rawhttp::exchange(&addr, &req, timeout)
         })
         .join()
         .map_err(|_| "the request thread panicked".to_string())?

@@ -43,9 +43,8 @@ impl Drop for Fio {
     }
 }
 
-/// One HTTP/1.1 exchange with chromedriver: (status, body). chromedriver
-/// answers HTTP/1.0 with nothing and keeps a connection open after its
-/// reply even when asked to close, so the body is read by its length.
+/// One exchange with chromedriver: (status, body). (It keeps the
+/// connection open after its reply; the client reads by the length.)
 fn driver_http(
     l: &LabRun,
     method: &str,
@@ -54,43 +53,15 @@ fn driver_http(
 ) -> Result<(u16, String), String> {
     let (method, path) = (method.to_string(), path.to_string());
     l.lab
-        .spawn_in(0, move || -> Result<(u16, String), String> {
-            use std::io::{BufRead, BufReader, Read, Write};
-            let s = std::net::TcpStream::connect(DRIVER).map_err(|e| e.to_string())?;
-            s.set_read_timeout(Some(Duration::from_secs(120)))
-                .map_err(|e| e.to_string())?;
-            write!(
-                &s,
-                "{method} {path} HTTP/1.1\r\nHost: {DRIVER}\r\nConnection: close\r\n\
-                 Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-                body.len()
-            )
-            .map_err(|e| e.to_string())?;
-            let mut r = BufReader::new(s);
-            let mut line = String::new();
-            r.read_line(&mut line).map_err(|e| e.to_string())?;
-            let status = line
-                .split_whitespace()
-                .nth(1)
-                .and_then(|c| c.parse().ok())
-                .unwrap_or(0);
-            let mut len = 0usize;
-            loop {
-                line.clear();
-                r.read_line(&mut line).map_err(|e| e.to_string())?;
-                let l = line.trim_end();
-                if l.is_empty() {
-                    break;
-                }
-                if let Some((k, v)) = l.split_once(':') {
-                    if k.trim().eq_ignore_ascii_case("content-length") {
-                        len = v.trim().parse().map_err(|_| format!("bad length: {l}"))?;
-                    }
-                }
-            }
-            let mut b = vec![0u8; len];
-            r.read_exact(&mut b).map_err(|e| e.to_string())?;
-            Ok((status, String::from_utf8_lossy(&b).into_owned()))
+        .spawn_in(0, move || {
+            let req = pagefleet_lab::rawhttp::Request {
+                method: &method,
+                path: &path,
+                headers: &[("Content-Type", "application/json")],
+                body: body.as_bytes(),
+            };
+            pagefleet_lab::rawhttp::exchange(DRIVER, &req, Duration::from_secs(120))
+                .map(|r| (r.status, r.body))
         })
         .join()
         .map_err(|_| "the webdriver thread panicked".to_string())?
