@@ -837,7 +837,8 @@ pub enum HostCmd {
     /// meanwhile wait instead of being refused. Refused while a guest
     /// there is starting or migrating, or a migration it runs is under
     /// way. Waits until the new daemon answers and says how long that took.
-    /// (`systemctl reload pagefleetd` does the same: SIGUSR2.)
+    /// (SIGUSR2 to pagefleetd does the same; `systemctl reload` only reads
+    /// its configuration again.)
     ///
     ///   pagefleet host restart h1
     Restart {

@@ -27,14 +27,30 @@ extern "C" fn on_restart(_: libc::c_int) {
     RESTART.store(true, Ordering::Relaxed);
 }
 
-/// Make SIGUSR2 set a flag (pagefleetd: restart in place, what
-/// `systemctl reload` sends) instead of killing the process; the flag.
+/// Make SIGUSR2 set a flag (pagefleetd: restart in place, an upgrade)
+/// instead of killing the process; the flag.
 pub fn restart_flag() -> &'static AtomicBool {
     // SAFETY: the handler only stores to an atomic (async-signal-safe).
     unsafe {
         libc::signal(libc::SIGUSR2, on_restart as *const () as libc::sighandler_t);
     }
     &RESTART
+}
+
+static RELOAD: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_reload(_: libc::c_int) {
+    RELOAD.store(true, Ordering::Relaxed);
+}
+
+/// Make SIGHUP set a flag (pagefleetd: read the configuration again, what
+/// `systemctl reload` sends) instead of killing the process; the flag.
+pub fn reload_flag() -> &'static AtomicBool {
+    // SAFETY: the handler only stores to an atomic (async-signal-safe).
+    unsafe {
+        libc::signal(libc::SIGHUP, on_reload as *const () as libc::sighandler_t);
+    }
+    &RELOAD
 }
 
 /// SIGINT and SIGTERM, blocked in every thread started after this call,

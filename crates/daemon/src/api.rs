@@ -69,6 +69,8 @@ pub struct App {
     pub ready: Readiness,
     /// The web dashboard's sessions and viewers.
     pub ui: Arc<crate::ui::Ui>,
+    /// What a reload may change.
+    pub live: Arc<crate::reload::Live>,
 }
 
 /// Where the daemon is in its life, as `GET /readyz` and systemd see it.

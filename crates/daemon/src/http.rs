@@ -28,6 +28,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Router;
 use pagefleet_common::httpauth::{AuthError, Verifier};
 use std::net::SocketAddr;
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
 use tracing::{debug, warn};
@@ -112,11 +113,10 @@ pub fn error(status: StatusCode, msg: impl std::fmt::Display) -> Response {
 pub struct Gate {
     /// Checks the signature of every request.
     pub verifier: Verifier,
-    /// `GET /metrics` without a signature (for a Prometheus scraper).
-    pub public_metrics: bool,
-    /// `GET /healthz` and `GET /readyz` without a signature (for a load
-    /// balancer's probes).
-    pub public_health: bool,
+    /// What a reload may change, among it whether `GET /metrics` (for a
+    /// Prometheus scraper) and `GET /healthz`, `/readyz` (a load
+    /// balancer's probes) answer without a signature.
+    pub live: Arc<crate::reload::Live>,
     /// This host's TLS identity (HTTPS; required from non-loopback peers).
     pub tls: Option<Arc<pagefleet_tls::Identity>>,
     /// The dashboard's sessions ([`crate::ui`]).
@@ -136,8 +136,10 @@ async fn authenticate(State(gate): State<Arc<Gate>>, req: Request, next: Next) -
         && match parts.uri.path() {
             // A Prometheus with the cluster's scrape token (or any scraper
             // when the operator opened the metrics).
-            "/metrics" => gate.public_metrics || gate.verifier.is_scrape_token(auth),
-            "/healthz" | "/readyz" => gate.public_health,
+            "/metrics" => {
+                gate.live.public_metrics.load(Relaxed) || gate.verifier.is_scrape_token(auth)
+            }
+            "/healthz" | "/readyz" => gate.live.public_health.load(Relaxed),
             _ => false,
         };
     if open {

@@ -14,6 +14,7 @@ pub mod handover;
 pub mod http;
 pub mod orchestrate;
 pub mod registry;
+pub mod reload;
 pub mod service;
 pub mod ui;
 

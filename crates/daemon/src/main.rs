@@ -216,56 +216,88 @@ fn run() -> Result<()> {
         Some(p) => FileConfig::load(p)?,
         None => FileConfig::default(),
     };
-    let a = config::merge(
-        file,
-        Flags {
-            lend: args.lend,
-            listen: args.listen,
-            metrics: args.metrics,
-            public_metrics: args.public_metrics.then_some(true),
-            public_health: args.public_health.then_some(true),
-            secret_file: args.secret_file,
-            tls_dir: args.tls_dir,
-            max_conns: args.max_conns,
-            io_timeout_secs: args.io_timeout,
-            handshake_timeout_secs: args.handshake_timeout,
-            log: args.log,
-            log_format: args.log_format,
-            guest_memory: args.guest_memory,
-            runner: args.runner,
-            guest_dir: args.guest_dir,
-            service_dev: args.service_dev,
-            peers: args.peers,
-            join: args.join,
-            advertise: args.advertise,
-            name: args.name,
-            ksm: args.ksm,
-            ksm_cpu_budget: args.ksm_cpu_budget,
-            ioqos_device: args.ioqos_device,
-            ioqos_tenants: args.ioqos_tenants,
-            ioqos_policy: args.ioqos_policy,
-            vm_images: args.vm_images,
-            dedup: args.no_dedup.then_some(false),
-            gc_grace_secs: args.gc_grace,
-            stop_drain_secs: args.stop_drain,
-            registry: args.registry,
-        },
-    )?;
+    let flags = Flags {
+        lend: args.lend,
+        listen: args.listen,
+        metrics: args.metrics,
+        public_metrics: args.public_metrics.then_some(true),
+        public_health: args.public_health.then_some(true),
+        secret_file: args.secret_file,
+        tls_dir: args.tls_dir,
+        max_conns: args.max_conns,
+        io_timeout_secs: args.io_timeout,
+        handshake_timeout_secs: args.handshake_timeout,
+        log: args.log,
+        log_format: args.log_format,
+        guest_memory: args.guest_memory,
+        runner: args.runner,
+        guest_dir: args.guest_dir,
+        service_dev: args.service_dev,
+        peers: args.peers,
+        join: args.join,
+        advertise: args.advertise,
+        name: args.name,
+        ksm: args.ksm,
+        ksm_cpu_budget: args.ksm_cpu_budget,
+        ioqos_device: args.ioqos_device,
+        ioqos_tenants: args.ioqos_tenants,
+        ioqos_policy: args.ioqos_policy,
+        vm_images: args.vm_images,
+        dedup: args.no_dedup.then_some(false),
+        gc_grace_secs: args.gc_grace,
+        stop_drain_secs: args.stop_drain,
+        registry: args.registry,
+    };
+    let a = config::merge(file, flags.clone())?;
+    // A reload (SIGHUP) reads the same file again; the flags still win.
+    let path = args.config.clone();
+    let reread = move || -> std::result::Result<config::Settings, String> {
+        let file = match &path {
+            Some(p) => FileConfig::load(p).map_err(|e| format!("{e:#}"))?,
+            None => FileConfig::default(),
+        };
+        config::merge(file, flags.clone()).map_err(|e| format!("{e:#}"))
+    };
     let filter = tracing_subscriber::EnvFilter::try_new(&a.log).context("bad --log filter")?;
-    match a.log_format {
-        config::LogFormat::Plain => tracing_subscriber::fmt()
-            .with_env_filter(filter)
-            .with_writer(std::io::stderr)
-            // Colour only for a person at a terminal: a log file (a
-            // runner's, the KSM controller's in a bench, systemd's) gets
-            // plain text.
-            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-            .init(),
-        config::LogFormat::Json => tracing_subscriber::fmt()
-            .json()
-            .with_env_filter(filter)
-            .with_writer(std::io::stderr)
-            .init(),
-    }
-    Ok(pagefleet_daemon::service::run(a)?)
+    // The filter behind a handle a reload sets.
+    let set_log: pagefleet_daemon::reload::SetLog = match a.log_format {
+        config::LogFormat::Plain => {
+            let b = tracing_subscriber::fmt()
+                .with_env_filter(filter)
+                .with_writer(std::io::stderr)
+                // Colour only for a person at a terminal: a log file (a
+                // runner's, the KSM controller's in a bench, systemd's) gets
+                // plain text.
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+                .with_filter_reloading();
+            let h = b.reload_handle();
+            b.init();
+            Box::new(move |f| set_filter(&h, f))
+        }
+        config::LogFormat::Json => {
+            let b = tracing_subscriber::fmt()
+                .json()
+                .with_env_filter(filter)
+                .with_writer(std::io::stderr)
+                .with_filter_reloading();
+            let h = b.reload_handle();
+            b.init();
+            Box::new(move |f| set_filter(&h, f))
+        }
+    };
+    let reloader = pagefleet_daemon::reload::Reloader {
+        reread: Box::new(reread),
+        set_log,
+    };
+    Ok(pagefleet_daemon::service::run(a, reloader)?)
+}
+
+/// Set the log filter behind `h` to `f` (RUST_LOG syntax).
+fn set_filter<S>(
+    h: &tracing_subscriber::reload::Handle<tracing_subscriber::EnvFilter, S>,
+    f: &str,
+) -> std::result::Result<(), String> {
+    let filter = tracing_subscriber::EnvFilter::try_new(f)
+        .map_err(|e| format!("bad log filter {f:?}: {e}"))?;
+    h.reload(filter).map_err(|e| e.to_string())
 }

@@ -114,6 +114,16 @@ impl Peers {
         self.add(http)
     }
 
+    /// The configured peers changed from `old` to `new` (a reload): those
+    /// no longer listed are asked no more, new ones are added; hosts learned
+    /// from the join host stay.
+    pub fn reconfigure(&self, old: &[String], new: &[String]) {
+        lock(&self.list).retain(|p| !old.contains(p) || new.contains(p));
+        for p in new {
+            let _ = self.add(p);
+        }
+    }
+
     /// The peers asked now.
     pub fn list(&self) -> Vec<String> {
         lock(&self.list).clone()

@@ -108,11 +108,17 @@ fn heartbeat_loop(app: &App, stop: &AtomicBool) {
 /// again when it is back (the registry keeps whom it knows meanwhile).
 ///
 /// [`JOIN_INTERVAL`]: crate::registry::JOIN_INTERVAL
-fn join_loop(app: &App, seed: &str, me: &std::sync::OnceLock<String>, stop: &AtomicBool) {
+/// The join host is read each time (a reload may set or change it).
+fn join_loop(app: &App, me: &std::sync::OnceLock<String>, stop: &AtomicBool) {
     let Some(me) = me.get().cloned() else { return };
     let client = app.client.timeout(std::time::Duration::from_secs(2));
     let mut failing = false;
     while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        let Some(seed) = app.live.join() else {
+            std::thread::sleep(std::time::Duration::from_millis(500));
+            continue;
+        };
+        let seed = seed.as_str();
         let r: std::result::Result<pagefleet_api::JoinReply, _> = client.post(
             seed,
             "/registry/join",
@@ -160,20 +166,23 @@ const GC_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// Collect this host's orphaned regions every minute, or every grace
 /// period when that is shorter (`--gc-grace`).
-fn collect_loop(app: &App, grace: std::time::Duration, stop: &AtomicBool) {
-    let req = pagefleet_api::GcRequest {
-        grace_secs: grace.as_secs_f64(),
-        dry_run: false,
-        unreachable_gone: false,
-    };
-    let every = grace.clamp(std::time::Duration::from_secs(1), GC_EVERY);
+/// The grace is read each time (a reload may change it; none: wait).
+fn collect_loop(app: &App, stop: &AtomicBool) {
     let mut last = std::time::Instant::now();
     while !stop.load(std::sync::atomic::Ordering::Relaxed) {
         std::thread::sleep(std::time::Duration::from_millis(500));
-        if last.elapsed() < every {
+        let Some(grace) = app.live.gc_grace() else {
+            continue;
+        };
+        if last.elapsed() < grace.clamp(std::time::Duration::from_secs(1), GC_EVERY) {
             continue;
         }
         last = std::time::Instant::now();
+        let req = pagefleet_api::GcRequest {
+            grace_secs: grace.as_secs_f64(),
+            dry_run: false,
+            unreachable_gone: false,
+        };
         let Some((st, addr)) = &app.memserver else {
             return;
         };
@@ -191,6 +200,47 @@ fn collect_loop(app: &App, grace: std::time::Duration, stop: &AtomicBool) {
             Err(e) => tracing::debug!("gc skipped: {e}"),
         }
     }
+}
+
+/// SIGHUP: read the configuration again and apply what can change now
+/// (`crate::reload`); systemd hears RELOADING=1, then READY=1.
+fn reload(
+    current: &mut Settings,
+    r: &crate::reload::Reloader,
+    live: &crate::reload::Live,
+    app: Option<&Arc<App>>,
+) {
+    let _ = pagefleet_common::sdnotify::notify(&format!(
+        "RELOADING=1\nSTATUS=reloading the configuration\nMONOTONIC_USEC={}",
+        pagefleet_common::sdnotify::monotonic_usec()
+    ));
+    match (r.reread)() {
+        // One log line (a TOML error spans several: its line, a caret).
+        Err(e) => tracing::error!(
+            "reload: {}; the running settings stay",
+            e.lines()
+                .map(str::trim_end)
+                .filter(|l| !l.trim().is_empty())
+                .collect::<Vec<_>>()
+                .join(" | ")
+        ),
+        Ok(new) => {
+            let o = crate::reload::apply(current, &new, live, app.map(|a| &a.peers), &*r.set_log);
+            if o.applied.is_empty() && o.at_restart.is_empty() {
+                tracing::info!("reloaded: nothing changed");
+            } else if !o.applied.is_empty() {
+                tracing::info!("reloaded: {}", o.applied.join(", "));
+            }
+            if !o.at_restart.is_empty() {
+                tracing::warn!(
+                    "reload: {} changed in the configuration and take effect at the next restart (`pagefleet host restart`, in place: guests and pages stay)",
+                    o.at_restart.join(", ")
+                );
+            }
+            *current = new;
+        }
+    }
+    let _ = pagefleet_common::sdnotify::notify("READY=1\nSTATUS=serving");
 }
 
 /// What every service thread watches: set once the daemon really stops.
@@ -508,7 +558,9 @@ fn check_host(a: &Settings) -> Result<()> {
 }
 
 /// Start every service `a` asks for and serve until SIGINT or SIGTERM.
-pub fn run(a: Settings) -> Result<()> {
+pub fn run(a: Settings, reloader: crate::reload::Reloader) -> Result<()> {
+    let reload_requested = pagefleet_common::signal::reload_flag();
+    let live = Arc::new(crate::reload::Live::new(&a));
     started_unix();
     // Taken first: the descriptors it names are owned from here on.
     let inherited = crate::handover::take()?;
@@ -807,6 +859,7 @@ pub fn run(a: Settings) -> Result<()> {
                 restart: crate::api::Restart::new(exe.clone(), restart_requested),
                 ready: crate::api::Readiness::default(),
                 ui: Arc::default(),
+                live: live.clone(),
             });
             api_app = Some(app.clone());
             if app.etcd.is_some() {
@@ -816,18 +869,17 @@ pub fn run(a: Settings) -> Result<()> {
                     .spawn(move || heartbeat_loop(&hb, stop))?;
                 heartbeat_app = Some(app.clone());
             }
-            if let (Some(grace), Some(_)) = (a.gc_grace, &ms) {
+            if ms.is_some() {
                 let app = app.clone();
                 std::thread::Builder::new()
                     .name("gc".into())
-                    .spawn(move || collect_loop(&app, grace, stop))?;
+                    .spawn(move || collect_loop(&app, stop))?;
             }
             let join_app = app.clone();
             let gate = Gate {
                 tls: tls.clone(),
                 verifier: Verifier::new(secret.clone()),
-                public_metrics: a.public_metrics,
-                public_health: a.public_health,
+                live: live.clone(),
                 ui: app.ui.clone(),
             };
             let l = match inherited_http {
@@ -837,11 +889,11 @@ pub fn run(a: Settings) -> Result<()> {
             http_kept = Some(l.try_clone()?);
             let addr = http::serve(l, api::router(app), gate)?;
             let _ = self_http.set(crate::advertise::public(addr, public_ip).to_string());
-            if let Some(seed) = a.join.clone() {
+            if join_app.etcd.is_none() {
                 let (app, me) = (join_app, self_http.clone());
                 std::thread::Builder::new()
                     .name("join".into())
-                    .spawn(move || join_loop(&app, &seed, &me, stop))?;
+                    .spawn(move || join_loop(&app, &me, stop))?;
             }
             Some(addr)
         }
@@ -895,6 +947,7 @@ pub fn run(a: Settings) -> Result<()> {
     // to the kernel, so its RSS follows what it holds (see common::heap).
     let mut ticks = 0u32;
     let mut refused_at: Option<std::time::Instant> = None;
+    let mut current = a.clone();
     loop {
         std::thread::sleep(std::time::Duration::from_millis(100));
         ticks += 1;
@@ -902,9 +955,12 @@ pub fn run(a: Settings) -> Result<()> {
             pagefleet_common::heap::give_back();
         }
         if stop_requested.swap(false, std::sync::atomic::Ordering::SeqCst)
-            && may_stop(api_app.as_ref(), a.stop_drain, &mut refused_at)
+            && may_stop(api_app.as_ref(), live.stop_drain(), &mut refused_at)
         {
             break;
+        }
+        if reload_requested.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            reload(&mut current, &reloader, &live, api_app.as_ref());
         }
         if restart_requested.swap(false, std::sync::atomic::Ordering::SeqCst) {
             // A request's reply (`POST /host/restart`) goes out first.
