@@ -179,6 +179,19 @@ pub struct ClusterHost {
     /// Why it did not answer.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// Memory promised on it to migrations on their way (etcd registry
+    /// only: the embedded one holds no claims).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub claimed: Option<Claimed>,
+}
+
+/// Memory promised on a host to migrations on their way, bytes.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Claimed {
+    /// Of its guest memory (it is a migration's main host).
+    pub guest_bytes: u64,
+    /// Of its memory server's lending (it is a migration's sub-host).
+    pub lend_bytes: u64,
 }
 
 impl ClusterHost {

@@ -24,9 +24,9 @@ pub use guest::{
 };
 pub use histogram::HistogramSnapshot;
 pub use host::{
-    ClusterHost, ClusterView, Cordon, DedupIndexReport, DropRegion, Dropped, GcReport, GcRequest,
-    HostRemoved, HostReport, IoQosReport, IoQosTenant, JoinReply, JoinRequest, KsmReport,
-    MemRegion, RemoveHost, Restarting,
+    Claimed, ClusterHost, ClusterView, Cordon, DedupIndexReport, DropRegion, Dropped, GcReport,
+    GcRequest, HostRemoved, HostReport, IoQosReport, IoQosTenant, JoinReply, JoinRequest,
+    KsmReport, MemRegion, RemoveHost, Restarting,
 };
 pub use migration::{
     DedupReport, EvacuationEvent, EvacuationOrder, Failure, FinishedMigration, IncomingReply,

@@ -46,12 +46,14 @@ pub fn hosts(c: &Client, registry: &str, explicit: &[String]) -> Result<Vec<Clus
                 host: Some(r),
                 guests: c.get(h, "/guests").unwrap_or_default(),
                 error: None,
+                claimed: None,
             },
             Err(e) => ClusterHost {
                 http: h.clone(),
                 host: None,
                 guests: vec![],
                 error: Some(e.to_string()),
+                claimed: None,
             },
         })
         .collect())

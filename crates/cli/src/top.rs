@@ -343,6 +343,7 @@ mod tests {
             }),
             guests: vec![g],
             error: None,
+            claimed: None,
         }
     }
 

@@ -252,6 +252,20 @@ fn registry_metrics(v: &ClusterView) -> String {
     for h in &v.hosts {
         f.sample(&[("host", h.name())], h.host.is_some());
     }
+    // Claims are etcd's: with the embedded registry there are none to show.
+    if v.hosts.iter().any(|h| h.claimed.is_some()) {
+        let mut f = e.family(
+            "pagefleet_registry_claimed_bytes",
+            Gauge,
+            "Memory promised on a host to migrations on their way, by pool (guest: its guest memory; lend: its memory server's).",
+        );
+        for h in &v.hosts {
+            if let Some(c) = h.claimed {
+                f.sample(&[("host", h.name()), ("pool", "guest")], c.guest_bytes);
+                f.sample(&[("host", h.name()), ("pool", "lend")], c.lend_bytes);
+            }
+        }
+    }
     e.finish()
 }
 
@@ -317,6 +331,7 @@ impl App {
             host: Some(r),
             guests,
             error: None,
+            claimed: None,
         }
     }
 
@@ -345,11 +360,15 @@ impl App {
         &self,
         read: Result<ClusterView, pagefleet_registry::RegistryError>,
     ) -> ClusterView {
-        let me = self.me();
+        let mut me = self.me();
         match read {
             Ok(mut v) => {
-                v.hosts
-                    .retain(|h| h.http != me.http && h.name() != me.name());
+                let (http, name) = (me.http.clone(), me.name().to_string());
+                let mine = |h: &ClusterHost| h.http == http || h.name() == name;
+                // Its claims are etcd's to say.
+                let claimed = v.hosts.iter().find(|h| mine(h)).and_then(|h| h.claimed);
+                me.claimed = claimed;
+                v.hosts.retain(|h| !mine(h));
                 v.hosts.insert(0, me);
                 v
             }
@@ -361,6 +380,7 @@ impl App {
                         host: None,
                         guests: vec![],
                         error: Some(format!("the registry cannot be read: {e}")),
+                        claimed: None,
                     },
                 ],
             },

@@ -204,12 +204,14 @@ pub fn cluster(me: ClusterHost, peers: &[String], client: &Client) -> ClusterVie
                         host: Some(host),
                         guests: c.get::<Vec<GuestStatus>>(p, "/guests").unwrap_or_default(),
                         error: None,
+                        claimed: None,
                     },
                     Err(e) => ClusterHost {
                         http: p.clone(),
                         host: None,
                         guests: vec![],
                         error: Some(e.to_string()),
+                        claimed: None,
                     },
                 })
             })
@@ -222,6 +224,7 @@ pub fn cluster(me: ClusterHost, peers: &[String], client: &Client) -> ClusterVie
                     host: None,
                     guests: vec![],
                     error: Some("asking it panicked".into()),
+                    claimed: None,
                 })
             })
             .collect()

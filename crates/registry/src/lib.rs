@@ -569,6 +569,10 @@ pub fn view_of(kvs: &[(String, Vec<u8>)], ttl: i64) -> ClusterView {
             host: report,
             guests,
             error,
+            claimed: Some(pagefleet_api::Claimed {
+                guest_bytes: claimed.bytes,
+                lend_bytes: claimed.lend_bytes,
+            }),
         });
     }
     ClusterView { hosts }

@@ -46,6 +46,25 @@ fn a_killed_host_is_shown_dead_and_placement_avoids_it() {
         let s = l.status(0);
         s.len() == 4 && s.iter().all(|h| h.report.is_some())
     });
+    // The registry's view as series: every host up, its claims (none now).
+    let text = l.get_text(0, "/metrics").unwrap();
+    assert_eq!(promtool_check_metrics(&text), "", "{text}");
+    for h in &l.lab.hosts {
+        for pool in ["guest", "lend"] {
+            let s = format!(
+                "pagefleet_registry_claimed_bytes{{host=\"{}\",pool=\"{pool}\"}} 0",
+                h.name
+            );
+            assert!(text.contains(&s), "{s} in:\n{text}");
+        }
+        assert!(
+            text.contains(&format!(
+                "pagefleet_registry_host_up{{host=\"{}\"}} 1",
+                h.name
+            )),
+            "{text}"
+        );
+    }
     // h3 has the most free guest memory: placement would pick it. Kill it.
     assert!(kill_in(&l, 2, "pagefleetd"), "no pagefleetd in h3");
     wait_for("h3 shown dead", 40, || {
