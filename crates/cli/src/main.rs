@@ -399,6 +399,10 @@ struct DemoOpts {
     /// target/vm; plot demo-vm.png).
     #[arg(long)]
     vm: bool,
+    /// Forward h1's web dashboard to this address on this machine and
+    /// print a login link for it, to watch the migrations live; `off`: don't.
+    #[arg(long, default_value = "127.0.0.1:7080")]
+    dashboard: String,
 }
 
 fn demo(o: DemoOpts) -> Result<()> {
@@ -425,6 +429,7 @@ fn demo(o: DemoOpts) -> Result<()> {
         out_dir: o.out,
         phase_secs: o.phase.max(2),
         vm,
+        dashboard: (o.dashboard != "off").then_some(o.dashboard),
     };
     let mut log = |m: &str| eprintln!("  .. {m}");
     let r = demo::run(&opts, &mut log)?;
@@ -484,6 +489,23 @@ enum TestbedCmd {
         /// Print the lab as JSON.
         #[arg(long)]
         json: bool,
+    },
+    /// Open a host's web dashboard from this machine: a local port leads
+    /// into the host's namespace, and a login link through it is printed
+    /// (Enter prints a fresh one; each works once, within a minute). Runs
+    /// until Ctrl-C.
+    ///
+    /// Example: pagefleet testbed dashboard --on h1 --listen 127.0.0.1:7080
+    Dashboard {
+        /// The host whose daemon serves the page.
+        #[arg(long, default_value = "h1")]
+        on: String,
+        /// The local address to listen on.
+        #[arg(long, default_value = "127.0.0.1:7080")]
+        listen: String,
+        /// Name prefix of the lab's namespaces.
+        #[arg(long, default_value = "pf")]
+        prefix: String,
     },
     /// Run a command inside a host (h1, h2, ...).
     Exec {
@@ -623,6 +645,37 @@ fn testbed(t: TestbedCmd) -> Result<()> {
                         if alive { "running" } else { "NOT RUNNING" },
                         mem
                     );
+                }
+            }
+        }
+        TestbedCmd::Dashboard { on, listen, prefix } => {
+            let lab = Lab::load(&dir, &prefix)?;
+            let i = lab
+                .hosts
+                .iter()
+                .position(|h| h.name == on)
+                .ok_or_else(|| anyhow::anyhow!("no host {on:?} in testbed {prefix:?}"))?;
+            let (f, link) = pagefleet_lab::forward::dashboard(&lab, i, &listen)?;
+            println!("{link}");
+            eprintln!(
+                "{} leads to {}'s dashboard; open the link within a minute (it works once). Enter: a fresh link. Ctrl-C: stop.",
+                f.local, on
+            );
+            let stop = pagefleet_common::signal::stop_flag();
+            let (tx, rx) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                for l in std::io::stdin().lines() {
+                    if l.is_err() || tx.send(()).is_err() {
+                        break;
+                    }
+                }
+            });
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                if rx
+                    .recv_timeout(std::time::Duration::from_millis(200))
+                    .is_ok()
+                {
+                    println!("{}", pagefleet_lab::forward::login_link(&lab, &f)?);
                 }
             }
         }

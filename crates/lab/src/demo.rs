@@ -24,6 +24,25 @@ pub struct Opts {
     pub phase_secs: u64,
     /// A QEMU VM (kernel, initramfs running vmwork) instead of the kv guest.
     pub vm: Option<(PathBuf, PathBuf)>,
+    /// Where to forward h1's dashboard on this machine (None: not at all).
+    pub dashboard: Option<String>,
+}
+
+/// Forward h1's dashboard to this machine and log a login link for it.
+fn watch(l: &LabRun, o: &Opts, log: &mut dyn FnMut(&str)) -> Option<crate::forward::Forward> {
+    let at = o.dashboard.as_deref()?;
+    match crate::forward::dashboard(&l.lab, 0, at) {
+        Ok((f, link)) => {
+            log(&format!(
+                "watch it live in a browser on this machine (open within a minute; the link works once): {link}"
+            ));
+            Some(f)
+        }
+        Err(e) => {
+            log(&format!("no dashboard: {e:#}"));
+            None
+        }
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -79,6 +98,7 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
         o.size,
         &[o.size + (64 << 20), half, 0, 0],
     )?;
+    let _dashboard = watch(&l, o, log);
     let ip = l.lab.service_ip(1);
     let svc = format!("{ip}:11211");
     let size = o.size.to_string();
@@ -206,6 +226,7 @@ fn run_vm(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
         o.size,
         &[o.size + (64 << 20), half, 0, 0],
     )?;
+    let _dashboard = watch(&l, o, log);
     let size = o.size.to_string();
     let append = format!(
         "vmwork_mb={} vmwork_span=50 vmwork_secs=0 vmwork_write=10 vmwork_seed=1",

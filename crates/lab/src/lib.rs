@@ -8,6 +8,7 @@
 pub mod demo;
 pub mod etcd;
 pub mod fio;
+pub mod forward;
 pub mod kvload;
 pub mod labrun;
 pub mod plot;

@@ -464,3 +464,47 @@ fn the_dashboard_follows_a_split_migration_in_chromium_and_refuses_strangers() {
     let (ok, _, err) = l.pf(0, &["guest", "stop", "g1"]);
     assert!(ok, "guest stop: {err}");
 }
+
+/// `pagefleet testbed dashboard` and `make demo`'s link: a port on this
+/// machine (outside every lab namespace) leads to h1's dashboard; a
+/// stranger through it is still refused, the printed link opens a session.
+#[test]
+fn a_forwarded_port_leads_to_the_dashboard_and_strangers_stay_out() {
+    if !is_root() {
+        eprintln!("skipped: the testbed needs root (CI runs as root)");
+        return;
+    }
+    use pagefleet_lab::rawhttp::{exchange, Request};
+    let l = lab("uif", 2, Link::Gbit10, 64 * MIB, &[128 * MIB, 0]);
+    let (f, link) = pagefleet_lab::forward::dashboard(&l.lab, 0, "127.0.0.1:0").unwrap();
+    let at = f.local.to_string();
+    let t = Duration::from_secs(10);
+    let stranger = exchange(&at, &Request::get("/ui/api/snapshot"), t).unwrap();
+    assert_eq!(stranger.status, 401, "{}", stranger.body);
+    let path = link.trim_start_matches(&format!("http://{at}"));
+    let r = exchange(&at, &Request::get(path), t).unwrap();
+    assert_eq!(r.status, 303, "{}", r.head);
+    let cookie = r
+        .header("set-cookie")
+        .unwrap()
+        .split(';')
+        .next()
+        .unwrap()
+        .to_string();
+    let req = Request {
+        headers: &[("Cookie", &cookie)],
+        ..Request::get("/ui/api/snapshot")
+    };
+    let r = exchange(&at, &req, t).unwrap();
+    assert_eq!(r.status, 200);
+    let v: Value = serde_json::from_str(&r.body).unwrap();
+    assert_eq!(v["view"]["hosts"].as_array().map(Vec::len), Some(2), "{v}");
+    // A second link through the same port, and the first one is used up.
+    let again = pagefleet_lab::forward::login_link(&l.lab, &f).unwrap();
+    assert_ne!(again, link);
+    assert_eq!(
+        exchange(&at, &Request::get(path), t).unwrap().status,
+        401,
+        "used once"
+    );
+}
