@@ -58,9 +58,7 @@ pub fn unix_now() -> u64 {
         .unwrap_or(0)
 }
 
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
+use pagefleet_proto::auth::hex;
 
 fn unhex<const N: usize>(s: &str) -> Option<[u8; N]> {
     if s.len() != 2 * N || !s.is_ascii() {

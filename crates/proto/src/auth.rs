@@ -301,8 +301,15 @@ fn trim(b: &[u8]) -> &[u8] {
     &b[start..end]
 }
 
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
+/// Lowercase hex of `b`: how secrets, nonces, MACs and session ids are
+/// written wherever they are text.
+pub fn hex(b: &[u8]) -> String {
+    use std::fmt::Write;
+    let mut s = String::with_capacity(2 * b.len());
+    for x in b {
+        let _ = write!(s, "{x:02x}");
+    }
+    s
 }
 
 #[cfg(test)]

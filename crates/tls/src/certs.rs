@@ -38,7 +38,7 @@ pub const CLIENT_KEY: &str = "client-key.pem";
 fn ca_name(key: &KeyPair) -> String {
     use sha2::Digest;
     let d = sha2::Sha256::digest(key.public_key_raw());
-    let tag: String = d[..6].iter().map(|b| format!("{b:02x}")).collect();
+    let tag = pagefleet_proto::auth::hex(&d[..6]);
     format!("pagefleet cluster CA {tag}")
 }
 
