@@ -157,6 +157,35 @@ pub fn start_synthetic(l: &LabRun, name: &str, mib: u64, rate: u32) {
     });
 }
 
+/// Start a 64 MiB synthetic guest `name` on lab host h1 that keeps 16
+/// MiB resident and pages the rest to memory server `server`: it prefills
+/// its memory, then writes `rate` pages a second (0: idle); `extra`: more
+/// `synthetic` flags. Returns once the host has taken it.
+pub fn start_paging_guest(l: &LabRun, name: &str, server: &str, rate: u32, extra: &[&str]) {
+    let rate = rate.to_string();
+    let mut args = vec![
+        "guest",
+        "start",
+        name,
+        "--on",
+        "h1",
+        "--size",
+        "64MiB",
+        "--budget",
+        "16MiB",
+        "--",
+        "synthetic",
+        "--servers",
+        server,
+        "--prefill",
+        "--rate",
+        &rate,
+    ];
+    args.extend_from_slice(extra);
+    let (ok, _, err) = l.pf(0, &args);
+    assert!(ok, "guest start {name}: {err}");
+}
+
 /// Start `cmd` with its stdout piped and wait for its `listening ADDR`
 /// line (what `pagefleet blockdev serve` and pagefleetd print when ready).
 pub fn spawn_listening(cmd: &mut std::process::Command) -> std::process::Child {

@@ -21,28 +21,7 @@ fn regions(l: &LabRun) -> Vec<Value> {
 /// Start a guest on h1 whose memory is mostly on h2; its region id.
 fn start_paging(l: &LabRun, name: &str) -> String {
     let server = l.lab.hosts[1].addr.clone();
-    let (ok, _, err) = l.pf(
-        0,
-        &[
-            "guest",
-            "start",
-            name,
-            "--on",
-            "h1",
-            "--size",
-            "64MiB",
-            "--budget",
-            "16MiB",
-            "--",
-            "synthetic",
-            "--servers",
-            &server,
-            "--prefill",
-            "--rate",
-            "0",
-        ],
-    );
-    assert!(ok, "guest start {name}: {err}");
+    start_paging_guest(l, name, &server, 0, &[]);
     let mut id = String::new();
     wait_for(&format!("{name}'s pages on h2"), 120, || {
         match l.guest(name) {

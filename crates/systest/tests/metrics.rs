@@ -26,53 +26,9 @@ fn promtool_finds_nothing_on_any_host_and_the_guest_series_carry_data() {
     }
     let l = lab("metrics", 2, Link::Gbit10, 256 * MIB, &[256 * MIB, 0]);
     let server = l.lab.hosts[1].addr.clone();
-    let (ok, _, err) = l.pf(
-        0,
-        &[
-            "guest",
-            "start",
-            "g1",
-            "--on",
-            "h1",
-            "--size",
-            "64MiB",
-            "--budget",
-            "16MiB",
-            "--",
-            "synthetic",
-            "--servers",
-            &server,
-            "--prefill",
-            "--rate",
-            "2000",
-        ],
-    );
-    assert!(ok, "guest start g1: {err}");
+    start_paging_guest(&l, "g1", &server, 2000, &[]);
     // g2 scans: read-ahead brings pages, writes to them (30 %) show their use.
-    let (ok, _, err) = l.pf(
-        0,
-        &[
-            "guest",
-            "start",
-            "g2",
-            "--on",
-            "h1",
-            "--size",
-            "64MiB",
-            "--budget",
-            "16MiB",
-            "--",
-            "synthetic",
-            "--servers",
-            &server,
-            "--prefill",
-            "--rate",
-            "20000",
-            "--dist",
-            "seq",
-        ],
-    );
-    assert!(ok, "guest start g2: {err}");
+    start_paging_guest(&l, "g2", &server, 20000, &["--dist", "seq"]);
     // Faults served from h2: the histogram has counted some.
     let faulted = "pagefleet_guest_fault_seconds_count{guest=\"g1\"}";
     wait_for("g1 to fault pages in from h2", 120, || {

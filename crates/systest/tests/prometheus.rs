@@ -156,28 +156,7 @@ fn prometheus_scrapes_a_split_migration_and_every_panel_and_rule_has_data() {
     // g2 pages to h2's memory server (faults, remote bytes, requests);
     // g1 dirties 2000 pages a second and migrates.
     let h2 = l.lab.hosts[1].addr.clone();
-    let (ok, _, err) = l.pf(
-        0,
-        &[
-            "guest",
-            "start",
-            "g2",
-            "--on",
-            "h1",
-            "--size",
-            "64MiB",
-            "--budget",
-            "16MiB",
-            "--",
-            "synthetic",
-            "--servers",
-            &h2,
-            "--prefill",
-            "--rate",
-            "2000",
-        ],
-    );
-    assert!(ok, "guest start g2: {err}");
+    start_paging_guest(&l, "g2", &h2, 2000, &[]);
     start_synthetic(&l, "g1", 256, 2000);
     // Every target up with the token, and g2's faults in the histogram.
     wait_for("Prometheus to scrape every host with the token", 60, || {
