@@ -71,7 +71,14 @@ pub struct App {
     pub ui: Arc<crate::ui::Ui>,
     /// What a reload may change.
     pub live: Arc<crate::reload::Live>,
+    /// The last view [`App::view_recent`] took, and when.
+    pub recent_view: std::sync::Mutex<Option<(std::time::Instant, ClusterView)>>,
 }
+
+/// How old a view the series and the dashboard may show: each asks every
+/// peer (or etcd), and a scrape, a dashboard's tick and another scraper
+/// coming within this share one asking.
+pub const RECENT_VIEW: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Where the daemon is in its life, as `GET /readyz` and systemd see it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -223,7 +230,7 @@ async fn metrics(State(app): Shared) -> Response {
     // registry's from the peers or etcd: blocking.
     let text = tokio::task::spawn_blocking(move || {
         let mut t = (app.metrics)();
-        t.push_str(&registry_metrics(&app.view()));
+        t.push_str(&registry_metrics(&app.view_recent()));
         t
     })
     .await
@@ -342,6 +349,21 @@ impl App {
             Some(etcd) => self.me_first(etcd.hosts_view()),
             None => self.view(),
         }
+    }
+
+    /// The registry's view, taken at most [`RECENT_VIEW`] ago: for what
+    /// only shows it (the series, the dashboard), never for decisions.
+    pub fn view_recent(&self) -> ClusterView {
+        let mut last = self.recent_view.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((at, v)) = last.as_ref() {
+            if at.elapsed() < RECENT_VIEW {
+                return v.clone();
+            }
+        }
+        // Held while asking: a second caller meanwhile waits and shares it.
+        let v = self.view();
+        *last = Some((std::time::Instant::now(), v.clone()));
+        v
     }
 
     /// The registry's view: from etcd (this host first), or this host and

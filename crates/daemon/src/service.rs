@@ -860,6 +860,7 @@ pub fn run(a: Settings, reloader: crate::reload::Reloader) -> Result<()> {
                 ready: crate::api::Readiness::default(),
                 ui: Arc::default(),
                 live: live.clone(),
+                recent_view: Default::default(),
             });
             api_app = Some(app.clone());
             if app.etcd.is_some() {

@@ -301,7 +301,7 @@ struct Snapshot {
 }
 
 fn take_snapshot(app: &App) -> String {
-    let view = app.view();
+    let view = app.view_recent();
     let s = Snapshot {
         at_unix_ms: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
