@@ -34,20 +34,25 @@ fn one_join_address_forms_the_cluster() {
             all_known(&l, i)
         });
     }
-    // Each publishes the address others reach it at.
-    for (i, h) in l.lab.hosts.iter().enumerate() {
-        let r = l.host_report(i).expect("a report");
+    // Each publishes the address others reach it at. (A registry lists
+    // itself first, then its peers in the order it learned them.)
+    let reports: Vec<_> = l.status(0).into_iter().filter_map(|e| e.report).collect();
+    for h in &l.lab.hosts {
+        let r = reports
+            .iter()
+            .find(|r| r.hostname == h.name)
+            .unwrap_or_else(|| panic!("no report from {}", h.name));
         assert_eq!(
             r.memserver.as_deref(),
             Some(h.addr.as_str()),
-            "h{}'s memory server",
-            i + 1
+            "{}'s memory server",
+            h.name
         );
         assert_eq!(
             r.http.as_deref(),
             Some(h.http().as_str()),
-            "h{}'s API",
-            i + 1
+            "{}'s API",
+            h.name
         );
     }
     // A guest on h2 paging to h3's memory server, chosen by placement from

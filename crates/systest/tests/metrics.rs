@@ -31,11 +31,13 @@ fn promtool_finds_nothing_on_any_host_and_the_guest_series_carry_data() {
     start_paging_guest(&l, "g2", &server, 20000, &["--dist", "seq"]);
     // Faults served from h2: the histogram has counted some.
     let faulted = "pagefleet_guest_fault_seconds_count{guest=\"g1\"}";
+    // (Its prefill done: most of it out on h2, beside g2's.)
+    let remote = "pagefleet_guest_remote_bytes{guest=\"g1\"}";
     wait_for("g1 to fault pages in from h2", 120, || {
-        l.get_text(0, "/metrics")
-            .ok()
-            .and_then(|t| value(&t, faulted))
-            .is_some_and(|v| v > 0.0)
+        l.get_text(0, "/metrics").ok().is_some_and(|t| {
+            value(&t, faulted).is_some_and(|v| v > 0.0)
+                && value(&t, remote).is_some_and(|v| v >= (32 * MIB) as f64)
+        })
     });
     let h1 = l.get_text(0, "/metrics").unwrap();
     let h2 = l.get_text(1, "/metrics").unwrap();
