@@ -116,7 +116,8 @@ pub fn guest_main(size: u64, budget_pages: u64, store: &str, policy: FloorPolicy
             | uffd::FEATURE_WP_HUGETLBFS_SHMEM
             | uffd::FEATURE_PAGEFAULT_FLAG_WP,
     )?;
-    u.register(m.base(), size, uffd::MODE_MISSING | uffd::MODE_WP)?;
+    // SAFETY: the floor's own mapping of its memfd, reached only by raw pointers.
+    unsafe { u.register(m.base(), size, uffd::MODE_MISSING | uffd::MODE_WP) }?;
     let mut conn = TcpStream::connect(store).with_context(|| format!("page store {store}"))?;
     conn.set_nodelay(true)?;
     let mut hello = [b'S'; 9];

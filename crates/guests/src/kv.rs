@@ -251,13 +251,19 @@ impl Kv {
         self.mem.write_u64(off, v)
     }
     fn bytes(&self, off: usize, len: usize) -> &[u8] {
-        assert!(off + len <= self.mem.len, "item outside the memory");
+        assert!(
+            off.checked_add(len).is_some_and(|e| e <= self.mem.len),
+            "item outside the memory"
+        );
         // SAFETY: in bounds (checked); offsets come from our own item layout.
         unsafe { std::slice::from_raw_parts(self.mem.base.add(off), len) }
     }
     #[allow(clippy::mut_from_ref)]
     fn bytes_mut(&self, off: usize, len: usize) -> &mut [u8] {
-        assert!(off + len <= self.mem.len, "item outside the memory");
+        assert!(
+            off.checked_add(len).is_some_and(|e| e <= self.mem.len),
+            "item outside the memory"
+        );
         // SAFETY: as above; callers hold the item's stripe lock.
         unsafe { std::slice::from_raw_parts_mut(self.mem.base.add(off), len) }
     }

@@ -56,27 +56,37 @@ impl Mem {
             len,
         }
     }
-    /// Read the word at `off`; panics outside the view.
+    /// The address of the 8-byte word at `off`: in the view (no overflow)
+    /// and 8-byte aligned, else a panic naming the access.
+    #[inline]
+    fn word(&self, off: usize, what: &str) -> *mut u64 {
+        assert!(
+            off.checked_add(8).is_some_and(|end| end <= self.len),
+            "{what} at {off} outside {} bytes",
+            self.len
+        );
+        // SAFETY: off + 8 <= len (checked above): in bounds of the view.
+        let p = unsafe { self.base.add(off) };
+        assert!(
+            (p as usize).is_multiple_of(8),
+            "{what} at {off}: not 8-byte aligned"
+        );
+        p.cast()
+    }
+    /// Read the word at `off`; panics outside the view or unaligned.
     #[inline]
     pub fn read_u64(&self, off: usize) -> u64 {
-        assert!(
-            off + 8 <= self.len,
-            "read at {off} outside {} bytes",
-            self.len
-        );
-        // SAFETY: in bounds; volatile so the access really touches guest memory.
-        unsafe { std::ptr::read_volatile(self.base.add(off) as *const u64) }
+        let p = self.word(off, "read");
+        // SAFETY: in bounds and aligned (`word`); volatile so the access
+        // really touches guest memory.
+        unsafe { std::ptr::read_volatile(p) }
     }
-    /// Write the word at `off`; panics outside the view.
+    /// Write the word at `off`; panics outside the view or unaligned.
     #[inline]
     pub fn write_u64(&self, off: usize, v: u64) {
-        assert!(
-            off + 8 <= self.len,
-            "write at {off} outside {} bytes",
-            self.len
-        );
-        // SAFETY: in bounds.
-        unsafe { std::ptr::write_volatile(self.base.add(off) as *mut u64, v) }
+        let p = self.word(off, "write");
+        // SAFETY: in bounds and aligned (`word`).
+        unsafe { std::ptr::write_volatile(p, v) }
     }
 }
 
@@ -161,5 +171,53 @@ impl Gate {
     /// Whether the gate holds work back now.
     pub fn is_paused(&self) -> bool {
         self.st.lock().unwrap_or_else(|e| e.into_inner()).0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Mem;
+
+    fn view(words: &mut [u64]) -> Mem {
+        // SAFETY: the slice outlives every use of the view in these tests
+        // and is 8-byte aligned.
+        unsafe { Mem::new(words.as_mut_ptr().cast(), words.len() * 8) }
+    }
+
+    #[test]
+    fn words_in_the_view_read_back() {
+        let mut w = [0u64; 4];
+        let m = view(&mut w);
+        m.write_u64(24, 7);
+        assert_eq!(m.read_u64(24), 7);
+        assert_eq!(m.sub(8, 24).read_u64(16), 7);
+    }
+
+    #[test]
+    #[should_panic(expected = "outside 32 bytes")]
+    fn an_offset_that_would_wrap_is_refused() {
+        let mut w = [0u64; 4];
+        view(&mut w).read_u64(usize::MAX - 3);
+    }
+
+    #[test]
+    #[should_panic(expected = "outside 32 bytes")]
+    fn the_last_partial_word_is_refused() {
+        let mut w = [0u64; 4];
+        view(&mut w).write_u64(25, 1);
+    }
+
+    #[test]
+    #[should_panic(expected = "not 8-byte aligned")]
+    fn an_unaligned_word_is_refused() {
+        let mut w = [0u64; 4];
+        view(&mut w).read_u64(4);
+    }
+
+    #[test]
+    #[should_panic(expected = "not 8-byte aligned")]
+    fn an_unaligned_sub_view_is_refused_at_access() {
+        let mut w = [0u64; 4];
+        view(&mut w).sub(1, 16).read_u64(0);
     }
 }

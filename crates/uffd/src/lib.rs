@@ -255,7 +255,29 @@ impl Uffd {
 
     /// Register `[addr, addr+len)` for the `MODE_*` faults in `mode`; the
     /// ioctls the range supports.
-    pub fn register(&self, addr: u64, len: u64, mode: u64) -> Result<u64, UffdError> {
+    ///
+    /// From here on this uffd's fills (`copy`, `zeropage`, `continue_`) may
+    /// write any page of the range that is not populated, and its
+    /// write-protection may hold back writes to it: the kernel checks only
+    /// that a fill's destination is registered here.
+    ///
+    /// # Safety
+    /// No Rust value, reference or allocation may live in the range while
+    /// it is registered (a page Rust owns but never touched is "missing" to
+    /// the kernel, and a fill would change memory behind Rust's back): it
+    /// must be a mapping made for the memory this uffd serves (guest
+    /// memory), read and written only through raw pointers or volatile
+    /// accesses.
+    ///
+    /// Safe code cannot register (the former hole: registering memory a
+    /// `Vec` owns, then filling it):
+    ///
+    /// ```compile_fail,E0133
+    /// let u = pagefleet_uffd::Uffd::open(0).unwrap();
+    /// let v = vec![0u8; 1 << 20];
+    /// u.register(v.as_ptr() as u64, 1 << 20, pagefleet_uffd::MODE_MISSING).unwrap();
+    /// ```
+    pub unsafe fn register(&self, addr: u64, len: u64, mode: u64) -> Result<u64, UffdError> {
         let mut r = RegisterArg {
             range: Range { start: addr, len },
             mode,
@@ -278,8 +300,10 @@ impl Uffd {
 
     /// Install `src` (whole pages) at `dst`, a page-aligned address in a
     /// range registered with this uffd, and wake waiters unless `dontwake`.
-    /// The kernel only fills missing pages there (an existing page is
-    /// `Fill::Exists`), so no memory Rust owns is written.
+    /// The kernel only fills missing pages of ranges registered here (an
+    /// existing page is `Fill::Exists`; an unregistered destination an
+    /// error), and [`Uffd::register`]'s contract keeps Rust's memory out of
+    /// those: safe.
     pub fn copy(&self, dst: u64, src: &[u8], dontwake: bool) -> Result<Fill, UffdError> {
         self.copy_mode(dst, src, dontwake, false)
     }

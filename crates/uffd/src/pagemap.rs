@@ -204,8 +204,8 @@ mod tests {
             FEATURE_MISSING_SHMEM | FEATURE_WP_HUGETLBFS_SHMEM | FEATURE_PAGEFAULT_FLAG_WP,
         )
         .unwrap();
-        u.register(m.base(), (n * PAGE) as u64, MODE_MISSING | MODE_WP)
-            .unwrap();
+        // SAFETY: a mapping made for this test, reached only by raw pointers.
+        unsafe { u.register(m.base(), (n * PAGE) as u64, MODE_MISSING | MODE_WP) }.unwrap();
         let page = vec![7u8; PAGE];
         for p in 0..n {
             // Even pages write-protected (clean), odd ones writable.

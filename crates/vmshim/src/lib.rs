@@ -126,7 +126,9 @@ fn hand_over(base: u64, len: u64) -> std::io::Result<()> {
     // SAFETY: advice on the mapping just made.
     unsafe { libc::madvise(base as *mut c_void, len as usize, libc::MADV_NOHUGEPAGE) };
     let uffd = u::Uffd::open_all_faults(handoff::SHIM_FEATURES).map_err(std::io::Error::other)?;
-    uffd.register(base, len, u::MODE_MISSING | u::MODE_WP)
+    // SAFETY: QEMU's guest RAM mapping, which no Rust value of the shim
+    // lives in (only the guest and the pager's fills touch it).
+    unsafe { uffd.register(base, len, u::MODE_MISSING | u::MODE_WP) }
         .map_err(std::io::Error::other)?;
     let sock = std::os::unix::net::UnixStream::connect(&path)
         .map_err(|e| std::io::Error::new(e.kind(), format!("{path}: {e}")))?;

@@ -174,13 +174,17 @@ impl Pager {
         let u = match &guest {
             GuestMem::Local(m) => {
                 let u = Uffd::open(need)?;
-                u.register(
-                    m.base(),
-                    m.len() as u64,
-                    // Not MINOR: a resident page the sampler unmapped is mapped
-                    // back by the kernel itself, and PAGEMAP_SCAN shows it ([`refs`]).
-                    uffd::MODE_MISSING | uffd::MODE_WP,
-                )?;
+                // SAFETY: the guest's own shared mapping of its memfd, which
+                // no Rust value lives in (guests reach it by raw pointers).
+                unsafe {
+                    u.register(
+                        m.base(),
+                        m.len() as u64,
+                        // Not MINOR: a resident page the sampler unmapped is mapped
+                        // back by the kernel itself, and PAGEMAP_SCAN shows it ([`refs`]).
+                        uffd::MODE_MISSING | uffd::MODE_WP,
+                    )
+                }?;
                 u
             }
             GuestMem::Foreign(f) => {
