@@ -94,12 +94,15 @@ fn heartbeat_loop(app: &App, stop: &AtomicBool) {
             }
             Err(_) => {}
         }
-        for _ in 0..20 {
-            if stop.load(std::sync::atomic::Ordering::Relaxed) {
-                break;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(100));
-        }
+        sleep_unless_stopped(stop, std::time::Duration::from_secs(2));
+    }
+}
+
+/// Sleep `d`, in 100 ms steps, returning early once `stop` is set.
+fn sleep_unless_stopped(stop: &AtomicBool, d: std::time::Duration) {
+    let t = std::time::Instant::now();
+    while t.elapsed() < d && !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        std::thread::sleep(std::time::Duration::from_millis(100));
     }
 }
 
@@ -152,12 +155,7 @@ fn join_loop(app: &App, me: &std::sync::OnceLock<String>, stop: &AtomicBool) {
             }
             Err(_) => {}
         }
-        let t = std::time::Instant::now();
-        while t.elapsed() < crate::registry::JOIN_INTERVAL
-            && !stop.load(std::sync::atomic::Ordering::Relaxed)
-        {
-            std::thread::sleep(std::time::Duration::from_millis(100));
-        }
+        sleep_unless_stopped(stop, crate::registry::JOIN_INTERVAL);
     }
 }
 
