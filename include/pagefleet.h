@@ -17,6 +17,7 @@ extern "C" {
 
 typedef struct pf_region pf_region;
 
+/* The order of pagefleet_api::Policy::ALL; another value makes pf_region_new fail. */
 enum pf_policy { PF_POLICY_CLOCK = 0, PF_POLICY_AGING = 1 };
 
 typedef struct pf_config {

@@ -234,15 +234,15 @@ pub struct GuestSpec {
     /// Worker threads.
     #[serde(default = "default_threads")]
     pub threads: usize,
-    /// Victim choice: clock (the default) or aging.
-    #[serde(default = "default_policy")]
-    pub policy: String,
+    /// Victim choice (clock by default).
+    #[serde(default)]
+    pub policy: crate::Policy,
     /// Pages per chunk (power of two, 1..64).
     #[serde(default = "default_chunk")]
     pub chunk: usize,
-    /// What a remote fault brings in besides its page: adaptive or chunk.
-    #[serde(default = "default_prefetch")]
-    pub prefetch: String,
+    /// What a remote fault brings in besides its page.
+    #[serde(default)]
+    pub prefetch: crate::Prefetch,
     /// Memory servers the region pages to.
     #[serde(default)]
     pub servers: Vec<String>,
@@ -274,15 +274,8 @@ fn default_guest_port() -> u16 {
 fn default_threads() -> usize {
     2
 }
-/// The runtime's default victim policy (`pagefleet_region::Policy::default`).
-fn default_policy() -> String {
-    "clock".into()
-}
 fn default_chunk() -> usize {
     16
-}
-fn default_prefetch() -> String {
-    "adaptive".into()
 }
 fn default_replicas() -> usize {
     1
@@ -300,9 +293,9 @@ impl GuestSpec {
         GuestSpec {
             workload,
             threads: default_threads(),
-            policy: default_policy(),
+            policy: Default::default(),
             chunk: default_chunk(),
-            prefetch: default_prefetch(),
+            prefetch: Default::default(),
             servers: vec![],
             replicas: default_replicas(),
             sample_budget: default_sample_budget(),
@@ -317,14 +310,8 @@ impl GuestSpec {
         if !(1..=256).contains(&self.threads) {
             return Err("threads must be 1..256".into());
         }
-        if !matches!(self.policy.as_str(), "clock" | "aging") {
-            return Err(format!("policy {:?}: use clock or aging", self.policy).into());
-        }
         if !self.chunk.is_power_of_two() || self.chunk > 64 {
             return Err("chunk must be a power of two, 1..64 pages".into());
-        }
-        if !matches!(self.prefetch.as_str(), "adaptive" | "chunk") {
-            return Err(format!("prefetch {:?}: use adaptive or chunk", self.prefetch).into());
         }
         if !(1..=2).contains(&self.replicas) {
             return Err(format!("replicas {}: use 1 or 2", self.replicas).into());
@@ -685,10 +672,14 @@ mod tests {
         s.chunk = 3;
         assert!(s.validate().is_err());
         s.chunk = 16;
-        s.policy = "lru; rm -rf /".into();
-        assert!(s.validate().is_err());
-        s.policy = "clock".into();
-        assert!(s.validate().is_ok());
+        // A policy outside the list does not even parse (the type is the check).
+        let mut v = serde_json::to_value(&s).unwrap();
+        v["policy"] = "lru; rm -rf /".into();
+        assert!(serde_json::from_value::<GuestSpec>(v.clone()).is_err());
+        v["policy"] = "aging".into();
+        let back: GuestSpec = serde_json::from_value(v).unwrap();
+        assert_eq!(back.policy, crate::Policy::Aging);
+        assert!(back.validate().is_ok());
         // A poll for replies is bounded: a long one only burns CPU.
         s.reply_spin_us = Some(MAX_REPLY_SPIN_US);
         assert!(s.validate().is_ok());

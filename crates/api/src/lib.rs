@@ -7,6 +7,7 @@
 //! - [`guest`]: what a guest runs ([`GuestSpec`]), starting one, its status.
 //! - [`migration`]: a migrate request, its progress events and report.
 //! - [`control`]: the requests a runner's control socket takes.
+//! - [`paging`]: the paging runtime's choices (victim policy, prefetch).
 
 #![warn(missing_docs)]
 
@@ -16,6 +17,7 @@ pub mod histogram;
 pub mod host;
 pub mod launch;
 pub mod migration;
+pub mod paging;
 
 pub use control::{ControlReply, ControlRequest};
 pub use guest::{
@@ -23,6 +25,7 @@ pub use guest::{
     PagingCosts, SortResult, StartGuest, Workload,
 };
 pub use histogram::HistogramSnapshot;
+pub use paging::{Policy, Prefetch};
 pub use host::{
     Claimed, ClusterHost, ClusterView, Cordon, DedupIndexReport, DropRegion, Dropped, GcReport,
     GcRequest, HostRemoved, HostReport, IoQosReport, IoQosTenant, JoinReply, JoinRequest,

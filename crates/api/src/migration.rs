@@ -32,7 +32,7 @@ pub struct MigrateRequest {
     pub gather: bool,
     /// Paging policy on the main host (default: as on the source).
     #[serde(default)]
-    pub policy: Option<String>,
+    pub policy: Option<crate::Policy>,
     /// Pages per chunk on the main host (default: as on the source).
     #[serde(default)]
     pub chunk: Option<usize>,
@@ -80,7 +80,7 @@ pub struct MigrationOrder {
     pub verify: bool,
     /// Paging policy on the main host (default: as on the source).
     #[serde(default)]
-    pub policy: Option<String>,
+    pub policy: Option<crate::Policy>,
     /// Pages per chunk on the main host (default: as on the source).
     #[serde(default)]
     pub chunk: Option<usize>,

@@ -588,7 +588,7 @@ pub fn migrate(c: &Client, a: &MigrateArgs, progress: bool) -> Result<Report> {
         subs: a.sub.clone(),
         gather: a.gather,
         verify: a.verify,
-        policy: a.policy.map(|p| p.name().to_string()),
+        policy: a.policy,
         chunk: a.chunk,
         max_rounds: a.max_rounds,
         stop_pages: a.stop_pages,

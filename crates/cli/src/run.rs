@@ -321,9 +321,9 @@ pub fn guest_spec(a: &RunArgs) -> Result<GuestSpec> {
     let spec = GuestSpec {
         workload,
         threads: a.threads,
-        policy: format!("{:?}", a.policy).to_lowercase(),
+        policy: a.policy,
         chunk: a.chunk,
-        prefetch: format!("{:?}", a.prefetch).to_lowercase(),
+        prefetch: a.prefetch,
         servers: a.servers.clone(),
         replicas: a.replicas,
         sample_budget: a.sample_budget,

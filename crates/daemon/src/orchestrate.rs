@@ -262,7 +262,7 @@ fn place(app: &App, o: &MigrationOrder) -> Result<(Placed, MigrateRequest, Promi
         main_pages: Some(choice.main_pages),
         verify: o.verify,
         gather: o.gather,
-        policy: o.policy.clone(),
+        policy: o.policy,
         chunk: o.chunk,
         max_rounds: o.max_rounds,
         stop_pages: o.stop_pages,

@@ -13,7 +13,7 @@ use pagefleet_client::{Conn, ConnectOptions, GetMode, Pages};
 use pagefleet_dedup::lookup::LookupClient;
 use pagefleet_dedup::PageHash;
 use pagefleet_proto::auth::Secret;
-use pagefleet_region::{Adopt, Config, Policy, Region, RemoteRun, PAGE};
+use pagefleet_region::{Adopt, Config, Region, RemoteRun, PAGE};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
@@ -752,7 +752,7 @@ impl Received {
         let s = &self.spec;
         let mut cfg = Config::new(s.size, s.budget_pages);
         cfg.chunk_pages = s.chunk_pages;
-        cfg.policy = s.policy.parse::<Policy>()?;
+        cfg.policy = s.policy;
         cfg.servers = s.servers.clone();
         // (Pages placed with one copy get their second after the start.)
         cfg.replicas = s.workload.replicas.clamp(1, s.servers.len().max(1));

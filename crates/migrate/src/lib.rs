@@ -28,7 +28,7 @@ pub struct Spec {
     /// Pages per chunk on the destination.
     pub chunk_pages: usize,
     /// Paging policy on the destination.
-    pub policy: String,
+    pub policy: pagefleet_api::Policy,
     /// The region's id on the memory servers (kept).
     pub region_id: u64,
     /// Memory servers the guest's pages may be on (LOCATED indexes this).

@@ -41,7 +41,7 @@ pub struct Options {
     /// The guest's name.
     pub name: String,
     /// Paging policy on the destination.
-    pub policy: String,
+    pub policy: pagefleet_api::Policy,
     /// Pages per chunk on the destination (default: as here).
     pub dest_chunk: Option<usize>,
     /// Integrated migration: the destination pulls the pages on memory
@@ -83,7 +83,7 @@ impl Options {
             secret,
             workload,
             name: "guest".into(),
-            policy: pagefleet_region::Policy::default().name().into(),
+            policy: Default::default(),
             dest_chunk: None,
             gather: false,
             verify: false,
@@ -398,7 +398,7 @@ impl Run<'_> {
             name: self.o.name.clone(),
             size: region.len() as u64,
             chunk_pages: self.o.dest_chunk.unwrap_or(region.chunk_pages),
-            policy: self.o.policy.clone(),
+            policy: self.o.policy,
             region_id: region.region_id,
             servers: self.servers.clone(),
             budget_pages: self.o.main_pages,

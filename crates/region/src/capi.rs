@@ -14,7 +14,8 @@ pub struct PfConfig {
     pub budget_pages: u64,
     /// Pages per chunk.
     pub chunk_pages: u32,
-    /// 0: clock, 1: aging.
+    /// The victim policy: its index in `Policy::ALL` (0: clock, 1: aging;
+    /// `enum pf_policy`).
     pub policy: u32,
     /// Memory servers, comma-separated HOST:PORT (NULL: none).
     pub servers: *const c_char,
@@ -110,11 +111,14 @@ pub unsafe extern "C" fn pf_region_new(
         if c.chunk_pages != 0 {
             k.chunk_pages = c.chunk_pages as usize;
         }
-        k.policy = if c.policy == 1 {
-            Policy::Aging
-        } else {
-            Policy::Clock
-        };
+        k.policy = Policy::from_index(c.policy).ok_or_else(|| {
+            format!(
+                "pf_region_new: policy {} is not one of 0..{} ({})",
+                c.policy,
+                Policy::ALL.len(),
+                Policy::names()
+            )
+        })?;
         if c.sample_cpu_budget > 0.0 {
             k.sample_cpu_budget = c.sample_cpu_budget;
         }

@@ -62,52 +62,8 @@ pub fn paging_slack(budget_pages: u64, chunk_pages: usize) -> u64 {
 /// guests' own paging.
 pub const DEFAULT_REREPLICATE_RATE: u64 = 256 << 20;
 
-/// How victims are chosen when the budget is exceeded.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Policy {
-    /// One reference bit per page. The victim hand reads the page tables
-    /// as it goes: a chunk it looks at gives up its pages not used since
-    /// its last look, and the rest are unmapped again, so their next use
-    /// shows. The default since stop 48: the fewest page-ins per operation
-    /// on the kv bench (0.055 at 50%, zram's 0.056; 0.149 at 25%, zram's
-    /// 0.151) and ahead of aging at both budgets in the same rounds (+2% at
-    /// 50%, +16% at 25%, `docs/paging.md`), paid for with ~3x aging's minor
-    /// faults and the TLB shootdowns of its re-arms.
-    #[default]
-    Clock,
-    /// Eight history bits per page, shifted right each sweep with the new bit
-    /// in the MSB; chunk hotness = max age value; victims whole chunks. Its
-    /// reference bits come from the sampling hand alone, within the
-    /// sampling CPU budget: far fewer minor faults than clock, victims
-    /// little better than FIFO.
-    Aging,
-}
-
-impl Policy {
-    /// The policy's name, as `--policy` and the API spell it.
-    pub fn name(self) -> &'static str {
-        match self {
-            Policy::Clock => "clock",
-            Policy::Aging => "aging",
-        }
-    }
-}
-
-impl std::fmt::Display for Policy {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl std::str::FromStr for Policy {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        [Policy::Clock, Policy::Aging]
-            .into_iter()
-            .find(|p| p.name() == s)
-            .ok_or_else(|| format!("unknown policy {s:?}: use clock or aging"))
-    }
-}
+/// The victim policy and the prefetch choice: one name list each, in `api`.
+pub use pagefleet_api::{Policy, Prefetch};
 
 /// What the runtime does when a page cannot be brought back (its server is
 /// gone): the guest cannot continue without its memory.
@@ -118,28 +74,6 @@ pub enum OnFatal {
     /// Poison the page (the accessing thread gets SIGBUS) and keep the error
     /// for `Region::fatal_error`.
     Poison,
-}
-
-/// What a remote fault brings in besides the faulting page.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Prefetch {
-    /// A window that doubles while faults continue a sequential stream and
-    /// is one page for random access (the default).
-    #[default]
-    Adaptive,
-    /// The rest of the faulting page's chunk (on the same server).
-    Chunk,
-}
-
-impl std::str::FromStr for Prefetch {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Prefetch, String> {
-        match s {
-            "adaptive" => Ok(Prefetch::Adaptive),
-            "chunk" => Ok(Prefetch::Chunk),
-            _ => Err(format!("prefetch {s:?}: use adaptive or chunk")),
-        }
-    }
 }
 
 /// The sampling hand's default budget (`Config::sample_cpu_budget`): 1%

@@ -256,10 +256,7 @@ impl Running {
         o.name = self.name.clone();
         o.verify = req.verify;
         o.dedup = !req.no_dedup;
-        o.policy = req
-            .policy
-            .clone()
-            .unwrap_or_else(|| self.spec.policy.clone());
+        o.policy = req.policy.unwrap_or(self.spec.policy);
         o.dest_chunk = req.chunk;
         o.gather = req.gather;
         if let Some(n) = req.max_rounds {

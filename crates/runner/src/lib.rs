@@ -186,9 +186,9 @@ pub fn run_guest(
     let mut cfg = Config::new(size, budget_pages);
     cfg.servers = spec.servers.clone();
     cfg.replicas = spec.replicas;
-    cfg.policy = spec.policy.parse().map_err(RunnerError::Invalid)?;
+    cfg.policy = spec.policy;
     cfg.chunk_pages = spec.chunk;
-    cfg.prefetch = spec.prefetch.parse().map_err(RunnerError::Invalid)?;
+    cfg.prefetch = spec.prefetch;
     cfg.sample_cpu_budget = spec.sample_budget;
     if let Some(us) = spec.reply_spin_us {
         cfg.reply_spin = std::time::Duration::from_micros(us);
@@ -384,23 +384,4 @@ pub fn run_incoming(
     ));
     let exit = control::serve(control, r.clone())?;
     Ok(finish(exit, r))
-}
-
-#[cfg(test)]
-mod tests {
-    use pagefleet_api::{GuestSpec, Workload};
-
-    /// A guest started through the API without a policy gets the runtime's
-    /// default, the same as `pagefleet run` (the API crate spells it as a
-    /// string, so nothing else ties the two together).
-    #[test]
-    fn the_api_default_policy_is_the_runtimes() {
-        let spec = GuestSpec::new(Workload::Kv {
-            listen: "127.0.0.1:11211".into(),
-            no_evict: false,
-        });
-        assert_eq!(spec.policy, pagefleet_region::Policy::default().name());
-        let parsed: pagefleet_region::Policy = spec.policy.parse().unwrap();
-        assert_eq!(parsed, pagefleet_region::Policy::default());
-    }
 }

@@ -282,7 +282,7 @@ fn region(name: &str, pct: f64, f: impl FnOnce(&mut Cfg)) -> Cfg {
         budget_pct: pct,
         policy: pagefleet_region::Policy::default().name().into(),
         chunk: 16,
-        prefetch: "adaptive".into(),
+        prefetch: pagefleet_region::Prefetch::default().name().into(),
         servers: 1,
         replicas: 1,
         workload: "kv".into(),
@@ -418,7 +418,7 @@ pub fn configs(quick: bool) -> Vec<Group> {
     // kernel LRU reads them for free).
     let with_clock_floor = |mut g: Group, name, pct| {
         g.cfgs.push(Cfg {
-            policy: "clock".into(),
+            policy: pagefleet_region::Policy::Clock.name().into(),
             ..baseline(name, Kind::Floor, pct)
         });
         g
@@ -466,10 +466,10 @@ pub fn configs(quick: bool) -> Vec<Group> {
                 local(),
                 region(DEFAULT_50, 50.0, |_| {}),
                 region("pagefleet 50% chunk prefetch c16", 50.0, |c| {
-                    c.prefetch = "chunk".into()
+                    c.prefetch = pagefleet_region::Prefetch::Chunk.name().into()
                 }),
                 region("pagefleet 50% chunk 1", 50.0, |c| c.chunk = 1),
-                region("pagefleet 50% aging", 50.0, |c| c.policy = "aging".into()),
+                region("pagefleet 50% aging", 50.0, |c| c.policy = pagefleet_region::Policy::Aging.name().into()),
                 region("pagefleet 50% no reply poll", 50.0, |c| {
                     c.reply_spin_us = Some(0)
                 }),
@@ -494,7 +494,7 @@ pub fn configs(quick: bool) -> Vec<Group> {
                 region(SEQ_DEFAULT, 25.0, |c| c.workload = "seq".into()),
                 region("seq scan 25% chunk prefetch c16", 25.0, |c| {
                     c.workload = "seq".into();
-                    c.prefetch = "chunk".into()
+                    c.prefetch = pagefleet_region::Prefetch::Chunk.name().into()
                 }),
             ],
         ),

@@ -1,6 +1,6 @@
 //! The location DB and the access history: per-page state the pager owns.
 
-use crate::{Location, Policy};
+use crate::Location;
 
 /// Location DB values: never touched, resident here, or on server `s` (REMOTE + s).
 pub(super) const ZERO: u8 = 0;
@@ -318,7 +318,6 @@ pub(super) struct AccessHistory {
     prefetched: Vec<bool>,
     /// What read-ahead brought in, settled so far.
     pub(super) prefetch: PrefetchTally,
-    pub(super) policy: Policy,
 }
 
 /// Read-ahead pages by outcome. A use the pager cannot see (a read of a
@@ -335,14 +334,13 @@ pub(super) struct PrefetchTally {
 
 impl AccessHistory {
     /// No page used yet.
-    pub(super) fn new(pages: usize, policy: Policy) -> AccessHistory {
+    pub(super) fn new(pages: usize) -> AccessHistory {
         AccessHistory {
             refb: vec![0; pages],
             age: vec![0; pages],
             unproven: vec![0; pages],
             prefetched: vec![false; pages],
             prefetch: PrefetchTally::default(),
-            policy,
         }
     }
 
@@ -368,35 +366,7 @@ impl AccessHistory {
         self.clear(p, p + 1);
     }
 
-    /// How hot pages `lo..hi` (a chunk) are: clock, how many were referenced;
-    /// aging, the highest age, a reference since the last sweep counting as
-    /// a ninth, newest bit (used now ranks above used last period).
-    pub(super) fn hotness(&self, lo: usize, hi: usize) -> u32 {
-        let (h, r) = (&self.age[lo..hi], &self.refb[lo..hi]);
-        match self.policy {
-            Policy::Clock => h.iter().zip(r).map(|(a, b)| (a | b) as u32 & 1).sum(),
-            Policy::Aging => h
-                .iter()
-                .zip(r)
-                .map(|(a, b)| *a as u32 | ((*b as u32) << 8))
-                .max()
-                .unwrap_or(0),
-        }
-    }
-
-    /// The sampling hand passes pages `lo..hi`: fold the reference bits into the history.
-    pub(super) fn sweep(&mut self, lo: usize, hi: usize) {
-        for q in lo..hi {
-            let r = self.refb[q];
-            self.age[q] = match self.policy {
-                Policy::Aging => (self.age[q] >> 1) | (r << 7),
-                Policy::Clock => r,
-            };
-            self.refb[q] = 0;
-        }
-    }
-
-    /// Second chance (clock): the chunk counts as unused from now on.
+    /// Second chance, or a page that left: pages `lo..hi` count as unused from now on.
     pub(super) fn clear(&mut self, lo: usize, hi: usize) {
         self.refb[lo..hi].fill(0);
         self.age[lo..hi].fill(0);
@@ -539,44 +509,23 @@ mod tests {
     }
 
     #[test]
-    fn clock_counts_references_and_aging_ranks_recency() {
-        let mut h = AccessHistory::new(32, Policy::Clock);
-        h.refb[3] = 1;
-        h.refb[5] = 1;
-        assert_eq!(h.hotness(0, 16), 2);
-        h.sweep(0, 16);
-        assert_eq!(h.hotness(0, 16), 2, "the sweep keeps the last bit");
-        h.sweep(0, 16);
-        assert_eq!(h.hotness(0, 16), 0, "unused for a whole sweep");
-        let mut a = AccessHistory::new(32, Policy::Aging);
-        a.refb[1] = 1; // chunk 0 used long ago
-        a.sweep(0, 32);
-        a.sweep(0, 32);
-        a.refb[20] = 1; // chunk 1 used just now
-        a.sweep(0, 32);
-        assert!(a.hotness(16, 32) > a.hotness(0, 16));
-        a.clear(16, 32);
-        assert_eq!(a.hotness(16, 32), 0);
-        assert_eq!(a.byte(1), 0b0010_0000);
-    }
-
-    #[test]
     fn pages_mapped_by_read_ahead_count_only_once_unmapped() {
-        let mut h = AccessHistory::new(32, Policy::Clock);
+        let mut h = AccessHistory::new(32);
         // Read-ahead installed (mapped) pages 0..16; the guest mapped 20 itself.
         h.unproven[0..16].fill(1);
         assert_eq!(h.mapped(0, 0, 32), 16, "only pages 16..32 are uses");
-        assert_eq!(h.hotness(0, 16), 0, "installed, not used: cold");
-        assert_eq!(h.hotness(16, 32), 16);
+        let used = |h: &AccessHistory, lo: usize, hi: usize| -> u8 { h.refb[lo..hi].iter().sum() };
+        assert_eq!(used(&h, 0, 16), 0, "installed, not used: cold");
+        assert_eq!(used(&h, 16, 32), 16);
         // Once unmapped, being mapped again is a use.
         h.unmapped(0, 8);
         assert_eq!(h.mapped(0, 0, 16), 8);
-        assert_eq!(h.hotness(0, 16), 8);
+        assert_eq!(used(&h, 0, 16), 8);
     }
 
     #[test]
     fn read_ahead_pages_settle_as_hits_at_first_use_or_misses_at_eviction() {
-        let mut h = AccessHistory::new(32, Policy::Clock);
+        let mut h = AccessHistory::new(32);
         h.read_ahead(0, 16);
         // Mapped because read-ahead put them there: nothing settles.
         h.mapped(0, 0, 16);

@@ -33,7 +33,7 @@ mod writer;
 pub use writer::WRITER_THREAD;
 
 use crate::guestmem::GuestMem;
-use crate::{Command, Config, OnFatal, Policy, RegionError, Shared, Snapshot, PAGE};
+use crate::{Command, Config, OnFatal, RegionError, Shared, Snapshot, PAGE};
 use pagefleet_client::{Conn, ConnectOptions, GetMode, Pages};
 use pagefleet_proto::{PageSel, MAX_BATCH_PAGES};
 use pagefleet_uffd::{self as uffd, Fault, FaultKind, Uffd};
@@ -100,7 +100,7 @@ pub(crate) struct Pager {
     /// The sampling hand.
     hand: usize,
     /// Where the victim search stands.
-    victims: victims::VictimHand,
+    victims: victims::Victims,
     /// Chunks the victim hand spared, to unmap at the next sampling tick.
     rearm_pending: Vec<usize>,
     /// `PAGEMAP_SCAN` for reference bits ([`refs`]); None on kernels
@@ -258,7 +258,8 @@ impl Pager {
         let max_rate = chunks as f64 / cfg.sample_period.as_secs_f64().max(0.01);
         let nservers = cfg.servers.len();
         let mut loc = LocationDb::new(pages, cfg.chunk_pages, nservers);
-        let mut access = AccessHistory::new(pages, cfg.policy);
+        let mut access = AccessHistory::new(pages);
+        let victims = victims::Victims::new(cfg.policy, chunks, cfg.chunk_pages);
         if let Some(a) = &cfg.adopt {
             // Received pages are the memfd's data ranges.
             let runs: Vec<(u64, u64)> = match &a.resident {
@@ -283,10 +284,7 @@ impl Pager {
                 }
             }
             for (q, h) in a.history.iter().enumerate().take(pages) {
-                access.age[q] = match cfg.policy {
-                    Policy::Clock => h & 1,
-                    Policy::Aging => *h,
-                };
+                access.age[q] = victims.adopted(*h);
                 // Placed here because they ranked hottest: every resident
                 // page starts referenced, so eviction gives each chunk a
                 // full second chance before calling it cold (the history
@@ -361,7 +359,7 @@ impl Pager {
             buf: vec![0u8; cfg.chunk_pages.max(MAX_BATCH_PAGES) * PAGE],
             faults: Vec::with_capacity(64),
             hand: 0,
-            victims: victims::VictimHand::new(chunks, cfg.chunk_pages),
+            victims,
             pagemap,
             rearm_pending: Vec::new(),
             probe_window: refs::ProbeWindow::default(),

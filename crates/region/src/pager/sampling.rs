@@ -88,7 +88,7 @@ impl Pager {
         // only add minor faults and shootdowns (in the kv bench at 25%:
         // ~4 000 chunks swept per 6 s for the same page-ins per operation).
         // It keeps the history while nothing is evicted, and for aging.
-        if self.access.policy == Policy::Clock
+        if self.victims.reads_refs_itself()
             && self
                 .victims_at
                 .is_some_and(|t| now.duration_since(t) < CLOCK_QUIET)
@@ -123,7 +123,8 @@ impl Pager {
             touched += self.read_refs(0, (scanned - first) * self.cp);
         }
         for c in visit {
-            self.access.sweep(c * self.cp, (c + 1) * self.cp);
+            self.victims
+                .sweep(&mut self.access, c * self.cp, (c + 1) * self.cp);
             self.shared.stats.sampled_chunks.fetch_add(1, Relaxed);
         }
         self.window_minor += touched;
