@@ -73,7 +73,7 @@ fuzz_target!(|data: &[u8]| {
             name: "fuzz".into(),
             size: 16 * 4096,
             chunk_pages: 4,
-            policy: "clock".into(),
+            policy: Default::default(),
             region_id: 1,
             servers: Vec::new(),
             budget_pages: 16,
