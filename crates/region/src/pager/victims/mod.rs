@@ -23,6 +23,15 @@ pub(super) trait VictimPolicy: Send {
     /// A page's history byte after the sampling hand passed it, from the
     /// byte before and its reference bit (1: used since the last pass).
     fn aged(&self, age: u8, referenced: u8) -> u8;
+    /// The sampling hand passes a chunk: each page's history byte aged by
+    /// its reference bit, the bits cleared. (A provided method, so the
+    /// per-page loop is compiled per policy: one virtual call per chunk.)
+    fn sweep(&self, age: &mut [u8], refb: &mut [u8]) {
+        for (a, r) in age.iter_mut().zip(refb.iter_mut()) {
+            *a = self.aged(*a, *r);
+            *r = 0;
+        }
+    }
     /// How hot a chunk is from its pages' history bytes and reference
     /// bits (0: no use in its history); higher stays longer.
     fn hotness(&self, age: &[u8], refb: &[u8]) -> u32;
@@ -128,39 +137,6 @@ impl Look<'_> {
     }
 }
 
-/// The coldest chunk of the next `window` resident chunks by `hotness`;
-/// while every chunk seen is at least `busy` hot, up to `max_scan` (a hot
-/// span wider than a window is not eaten chunk by chunk as the hand passes
-/// it). The walk resumes right after the victim, so the rest of the window
-/// is looked at again. Aging's and LRU-2's search.
-fn coldest_in_window(
-    look: &mut Look<'_>,
-    window: usize,
-    max_scan: usize,
-    busy: u32,
-    hotness: impl Fn(&[u8], &[u8]) -> u32,
-) -> Option<usize> {
-    let mut best: Option<(u32, usize)> = None;
-    let mut seen = 0;
-    while seen < window || (best.is_some_and(|(bh, _)| bh >= busy) && seen < max_scan) {
-        let Some(c) = look.next_resident() else {
-            break;
-        };
-        let (age, refb) = look.history(c);
-        let h = hotness(age, refb);
-        if best.is_none_or(|(bh, _)| h < bh) {
-            best = Some((h, c));
-        }
-        seen += 1;
-        if h == 0 {
-            break;
-        }
-    }
-    let (_, c) = best?;
-    look.resume_after(c);
-    Some(c)
-}
-
 /// The victim hand and the policy that runs it.
 pub(super) struct Victims {
     hand: Hand,
@@ -201,16 +177,15 @@ impl Victims {
     /// The sampling hand passes pages `lo..hi`: fold their reference bits
     /// into their history.
     pub(super) fn sweep(&self, access: &mut AccessHistory, lo: usize, hi: usize) {
-        for q in lo..hi {
-            access.age[q] = self.policy.aged(access.age[q], access.refb[q]);
-            access.refb[q] = 0;
-        }
+        self.policy
+            .sweep(&mut access.age[lo..hi], &mut access.refb[lo..hi]);
     }
 
     /// How hot pages `lo..hi` are by the policy.
     #[cfg(test)]
     pub(super) fn hotness(&self, access: &AccessHistory, lo: usize, hi: usize) -> u32 {
-        self.policy.hotness(&access.age[lo..hi], &access.refb[lo..hi])
+        self.policy
+            .hotness(&access.age[lo..hi], &access.refb[lo..hi])
     }
 
     /// A migrated page's history byte as the policy keeps it.
@@ -255,9 +230,8 @@ impl Victims {
             }
             let lo = c * cp;
             let n = batch.len();
-            batch.extend(
-                (lo..lo + cp).filter(|q| mask & (1 << (q - lo)) != 0 && loc.evictable(*q)),
-            );
+            batch
+                .extend((lo..lo + cp).filter(|q| mask & (1 << (q - lo)) != 0 && loc.evictable(*q)));
             if batch.len() > n {
                 chunks.push(c);
             }
