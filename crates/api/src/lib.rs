@@ -25,7 +25,6 @@ pub use guest::{
     PagingCosts, SortResult, StartGuest, Workload,
 };
 pub use histogram::HistogramSnapshot;
-pub use paging::{Policy, Prefetch};
 pub use host::{
     Claimed, ClusterHost, ClusterView, Cordon, DedupIndexReport, DropRegion, Dropped, GcReport,
     GcRequest, HostRemoved, HostReport, IoQosReport, IoQosTenant, JoinReply, JoinRequest,
@@ -36,6 +35,7 @@ pub use migration::{
     IncomingRequest, MigrateRequest, MigrationOrder, MigrationProgress, Placed, ProgressEvent,
     Report, SubHost,
 };
+pub use paging::{Policy, Prefetch};
 
 /// The body of every error reply (HTTP and control socket).
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize, PartialEq)]

@@ -469,7 +469,9 @@ pub fn configs(quick: bool) -> Vec<Group> {
                     c.prefetch = pagefleet_region::Prefetch::Chunk.name().into()
                 }),
                 region("pagefleet 50% chunk 1", 50.0, |c| c.chunk = 1),
-                region("pagefleet 50% aging", 50.0, |c| c.policy = pagefleet_region::Policy::Aging.name().into()),
+                region("pagefleet 50% aging", 50.0, |c| {
+                    c.policy = pagefleet_region::Policy::Aging.name().into()
+                }),
                 region("pagefleet 50% no reply poll", 50.0, |c| {
                     c.reply_spin_us = Some(0)
                 }),

@@ -53,7 +53,7 @@ impl Pager {
                     let _ = reply.send(Err("an evacuation is already running".into()));
                     return;
                 }
-                let Some(f) = self.addrs.iter().position(|a| *a == from) else {
+                let Some(f) = self.servers.addrs.iter().position(|a| *a == from) else {
                     let _ = reply.send(Ok(0));
                     return;
                 };
@@ -67,7 +67,7 @@ impl Pager {
                         // Nothing pages out to the server being emptied,
                         // and nothing stays kept there.
                         self.drop_copies(Some(f), u64::MAX);
-                        self.free[f] = 0;
+                        self.servers.free[f] = 0;
                         self.evac = Some(super::evacuate::Evac {
                             from: f,
                             to: t,
@@ -107,7 +107,7 @@ impl Pager {
                 let _ = reply.send(Snapshot {
                     region_id: self.region_id,
                     chunk_pages: self.cp,
-                    servers: self.servers_list.clone(),
+                    servers: self.servers.addrs.clone(),
                     location,
                     history,
                 });

@@ -47,7 +47,7 @@ impl Pager {
             let n = list.len();
             let buf = &mut self.buf[..n * PAGE];
             // Copy, store at the new server, and only then delete at the old one.
-            let r = self.conns[ev.from]
+            let r = self.servers.conns[ev.from]
                 .get(
                     region,
                     Pages::List(&list),
@@ -57,13 +57,13 @@ impl Pager {
                     MAX_BATCH_PAGES,
                 )
                 .and_then(|_| {
-                    self.conns[ev.to].put(region, Pages::List(&list), buf, MAX_BATCH_PAGES)
+                    self.servers.conns[ev.to].put(region, Pages::List(&list), buf, MAX_BATCH_PAGES)
                 })
-                .and_then(|_| self.conns[ev.from].delete(region, Pages::List(&list)));
+                .and_then(|_| self.servers.conns[ev.from].delete(region, Pages::List(&list)));
             if let Err(e) = r {
                 let _ = ev.reply.send(Err(format!(
                     "moving pages from {} to {}: {e} ({} moved before)",
-                    self.addrs[ev.from], self.addrs[ev.to], ev.moved
+                    self.servers.addrs[ev.from], self.servers.addrs[ev.to], ev.moved
                 )));
                 return;
             }
@@ -86,7 +86,7 @@ impl Pager {
                     self.loc.second[p] = to_mark;
                 }
             }
-            self.free[ev.to] = self.free[ev.to].saturating_sub(n as u64);
+            self.servers.free[ev.to] = self.servers.free[ev.to].saturating_sub(n as u64);
             ev.moved += n as u64;
         }
         self.evac = Some(ev);

@@ -28,13 +28,15 @@ mod refs;
 mod replicate;
 mod sampling;
 mod sched;
+mod servers;
+mod spin;
 mod victims;
 mod writer;
 pub use writer::WRITER_THREAD;
 
 use crate::guestmem::GuestMem;
 use crate::{Command, Config, OnFatal, RegionError, Shared, Snapshot, PAGE};
-use pagefleet_client::{Conn, ConnectOptions, GetMode, Pages};
+use pagefleet_client::{Conn, GetMode, Pages};
 use pagefleet_proto::{PageSel, MAX_BATCH_PAGES};
 use pagefleet_uffd::{self as uffd, Fault, FaultKind, Uffd};
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -49,11 +51,11 @@ use location::{AccessHistory, LocationDb, LOCAL, OUT_ARRIVING, OUT_NONE, REMOTE,
 /// `TOKEN_SERVER0 + s`.
 const TOKEN_UFFD: u64 = 0;
 const TOKEN_DOORBELL: u64 = 1;
-const TOKEN_SERVER0: u64 = 2;
+pub(super) const TOKEN_SERVER0: u64 = 2;
 
 /// How long a pager keeps trying to reach a server that is busy or
 /// momentarily unreachable before the guest gives up on it.
-const CONNECT_PATIENCE: Duration = Duration::from_secs(15);
+pub(super) const CONNECT_PATIENCE: Duration = Duration::from_secs(15);
 
 pub(crate) struct Pager {
     rx: std::sync::mpsc::Receiver<Command>,
@@ -64,7 +66,6 @@ pub(crate) struct Pager {
     hold: bool,
     dirty: Vec<bool>,
     dirty_list: Vec<u32>,
-    servers_list: Vec<String>,
     uffd: Uffd,
     guest: GuestMem,
     /// The page-out thread.
@@ -85,42 +86,21 @@ pub(crate) struct Pager {
     slice: sched::SliceSwitch,
     /// Where `drop_copies` looks next.
     copy_hand: usize,
-    /// The fault loop's spin (`Config::reply_spin`), while the host has
-    /// idle CPUs (`spin_ok`), until `spin_until` (a faulting page's reply
-    /// due); `reply_ewma_us`: how long faulting pages' replies take.
-    reply_spin: Duration,
-    spin_ok: bool,
-    spin_until: Option<Instant>,
-    reply_ewma_us: f64,
-    conns: Vec<Conn>,
-    addrs: Vec<String>,
-    free: Vec<u64>,
+    /// The fault loop's spin for a faulting page's reply.
+    spin: spin::ReplySpin,
+    /// The memory servers: connections, room, which are down, GETs in flight.
+    servers: servers::Servers,
     buf: Vec<u8>,
     faults: Vec<Fault>,
-    /// The sampling hand.
-    hand: usize,
+    /// The sampling hand and its cost controller.
+    sampler: sampling::Sampler,
     /// Where the victim search stands.
     victims: victims::Victims,
-    /// Chunks the victim hand spared, to unmap at the next sampling tick.
-    rearm_pending: Vec<usize>,
     /// `PAGEMAP_SCAN` for reference bits ([`refs`]); None on kernels
     /// before 6.7 (then only page-ins count as references).
     pagemap: Option<uffd::Pagemap>,
     /// What the victim hand's probe read last ([`refs`]).
     probe_window: refs::ProbeWindow,
-    rate: f64,
-    max_rate: f64,
-    carry: f64,
-    last_tick: Instant,
-    window_start: Instant,
-    window_minor: u64,
-    window_zaps: u64,
-    /// This thread's CPU in sampling sweeps in the controller's window, ns.
-    window_sweep_ns: u64,
-    tick_secs: f64,
-    cpu_budget: f64,
-    minor_cost: Duration,
-    zap_cost: Duration,
     full_warned: bool,
     /// CPU per page-in and per page-out ([`meter`]).
     meter: meter::CpuMeter,
@@ -132,30 +112,17 @@ pub(crate) struct Pager {
     pending_in: Vec<(usize, usize, bool)>,
     /// Pages whose faults wait for their page-out or drop job.
     job_faults: Vec<usize>,
-    /// GETs in flight, per server.
-    gets: pagein::GetQueues,
     /// The fault loop waits here: the uffd and the doorbell (level
     /// triggered), every server connection (edge triggered: replies are
     /// read until none is left, bytes nobody asked for are ignored).
     epoll: uffd::Epoll,
-    /// The connection fd registered per server (a reconnect replaces it).
-    epoll_fds: Vec<std::os::fd::RawFd>,
-    /// Servers whose connection reported new bytes in the last wait.
-    ready: Vec<bool>,
-    /// For connecting to servers added later (evacuation targets).
-    secret: Option<pagefleet_proto::auth::Secret>,
-    name: String,
     evac: Option<evacuate::Evac>,
     /// Copies of every remote page (1 or 2).
     replicas: usize,
-    /// Per server: found dead (its pages are read from their mirrors).
-    down: Vec<bool>,
     /// Re-replication after a server's death.
     rerep: replicate::Rerep,
     /// Hung servers (deadlines) and revival of servers called down.
     health: replicate::Health,
-    /// How long a reconnect keeps trying.
-    patience: Duration,
 }
 
 impl Pager {
@@ -218,44 +185,17 @@ impl Pager {
                 name: cfg.name.clone(),
                 secret: cfg.secret.clone(),
                 doorbell: doorbell.clone(),
-                patience: patience(cfg.replicas),
-                io_timeout: io_timeout(cfg.replicas),
+                patience: servers::patience(cfg.replicas),
+                io_timeout: servers::io_timeout(cfg.replicas),
             },
         )
         .map_err(|source| RegionError::Io {
             what: "spawn page-out writer thread",
             source,
         })?;
-        let mut conns = Vec::new();
-        let mut free = Vec::new();
-        if let Some(secret) = &cfg.secret {
-            for a in &cfg.servers {
-                let ready = cfg.adopt.as_ref().and_then(|ad| {
-                    let mut v = ad.conns.lock().unwrap();
-                    v.iter()
-                        .position(|(x, _)| x == a)
-                        .map(|i| v.swap_remove(i).1)
-                });
-                let c = match ready {
-                    Some(mut c) => {
-                        c.set_window(4);
-                        c
-                    }
-                    None => connect(
-                        &cfg.name,
-                        a,
-                        secret,
-                        CONNECT_PATIENCE,
-                        io_timeout(cfg.replicas),
-                    )?,
-                };
-                free.push(c.info.capacity_pages.saturating_sub(c.info.used_pages));
-                conns.push(c);
-            }
-        }
+        let servers = servers::Servers::open(cfg)?;
         let pages = guest.len() / PAGE;
         let chunks = pages / cfg.chunk_pages;
-        let max_rate = chunks as f64 / cfg.sample_period.as_secs_f64().max(0.01);
         let nservers = cfg.servers.len();
         let mut loc = LocationDb::new(pages, cfg.chunk_pages, nservers);
         let mut access = AccessHistory::new(pages);
@@ -334,7 +274,6 @@ impl Pager {
             hold: false,
             dirty: vec![false; pages],
             dirty_list: Vec::new(),
-            servers_list: cfg.servers.clone(),
             uffd: u,
             guest,
             writer,
@@ -349,54 +288,33 @@ impl Pager {
             readahead: readahead::Readahead::default(),
             slice: sched::SliceSwitch::default(),
             copy_hand: 0,
-            reply_spin: cfg.reply_spin,
-            spin_ok: true,
-            spin_until: None,
-            reply_ewma_us: 0.0,
-            conns,
-            addrs: cfg.servers.clone(),
-            free,
+            spin: spin::ReplySpin::new(cfg.reply_spin),
+            servers,
             buf: vec![0u8; cfg.chunk_pages.max(MAX_BATCH_PAGES) * PAGE],
             faults: Vec::with_capacity(64),
-            hand: 0,
+            sampler: sampling::Sampler::new(
+                chunks,
+                cfg.sample_period,
+                sampling::Costs {
+                    minor: cfg.minor_fault_cost,
+                    zap: cfg.zap_cost,
+                },
+                Instant::now(),
+            ),
             victims,
             pagemap,
-            rearm_pending: Vec::new(),
             probe_window: refs::ProbeWindow::default(),
-            // Start slow; the controller raises the rate while faults stay cheap.
-            rate: (max_rate / 64.0).clamp(1.0, 64.0),
-            max_rate: max_rate.max(10.0),
-            carry: 0.0,
-            last_tick: Instant::now(),
-            window_start: Instant::now(),
-            window_minor: 0,
-            window_zaps: 0,
-            window_sweep_ns: 0,
-            // Each tick's zap is a TLB shootdown, and in this VM the TLB
-            // refills after one cost ~200 µs of guest time: 5 ms ticks
-            // cost the kv guest 4% with everything resident.
-            tick_secs: 0.05,
-            cpu_budget: cfg.sample_cpu_budget,
-            minor_cost: cfg.minor_fault_cost,
-            zap_cost: cfg.zap_cost,
             full_warned: false,
             meter: meter::CpuMeter::new(),
             evicting: false,
             victims_at: None,
             pending_in: Vec::new(),
             job_faults: Vec::new(),
-            gets: (0..cfg.servers.len()).map(|_| Default::default()).collect(),
             epoll,
-            epoll_fds: Vec::new(),
-            ready: Vec::new(),
-            secret: cfg.secret.clone(),
-            name: cfg.name.clone(),
             evac: None,
             replicas: cfg.replicas,
-            down: vec![false; cfg.servers.len()],
             rerep,
             health: replicate::Health::new(cfg.servers.len()),
-            patience: patience(cfg.replicas),
         })
     }
 
@@ -428,16 +346,15 @@ impl Pager {
             // Sleep until a fault, a reply, a command or a finished
             // page-out comes; with more page-out to start, or reply bytes
             // already read ahead (which epoll does not see), only look.
-            self.watch_servers();
-            let buffered =
-                (0..self.conns.len()).any(|s| !self.gets[s].is_empty() && self.conns[s].buffered());
+            self.servers.watch(&self.epoll);
+            let buffered = self.servers.buffered();
             let busy = (self.evicting && self.writer.in_flight < reclaim::MAX_JOBS)
                 || self.evac.is_some()
                 || self.rerep.ready()
                 || buffered
                 || self.spinning();
             let (mut faults, mut bell) = (false, false);
-            let ready = &mut self.ready;
+            let ready = &mut self.servers.ready;
             ready.iter_mut().for_each(|r| *r = false);
             let waited = self.epoll.wait(if busy { 0 } else { 5 }, &mut |t| match t {
                 TOKEN_UFFD => faults = true,
@@ -454,13 +371,14 @@ impl Pager {
                         uffd::drain(self.doorbell.as_raw_fd());
                     }
                     // Replies first: installing a page wakes a guest thread.
-                    for s in 0..self.conns.len() {
-                        if self.ready[s] {
-                            self.conns[s].note_readable();
+                    for s in 0..self.servers.len() {
+                        let (ready, srv) = (self.servers.ready[s], &mut self.servers);
+                        if ready {
+                            srv.conns[s].note_readable();
                         }
-                        if !self.gets[s].is_empty() && (self.ready[s] || self.conns[s].buffered()) {
+                        if !srv.gets[s].is_empty() && (ready || srv.conns[s].buffered()) {
                             self.take_replies(s, false);
-                        } else if self.ready[s] {
+                        } else if ready {
                             // Nothing asked: a closed connection?
                             self.check_idle(s);
                         }
@@ -486,61 +404,21 @@ impl Pager {
         }
     }
 
-    /// Register connections that are new (a server added, a reconnect)
-    /// with the fault loop's epoll; a closed fd left the set by itself.
-    fn watch_servers(&mut self) {
-        self.ready.resize(self.conns.len(), false);
-        self.epoll_fds.resize(self.conns.len(), -1);
-        for s in 0..self.conns.len() {
-            let fd = self.conns[s].raw_fd();
-            if self.epoll_fds[s] != fd {
-                match self
-                    .epoll
-                    .add(fd, TOKEN_SERVER0 + s as u64, uffd::Trigger::Edge)
-                {
-                    Ok(()) => self.epoll_fds[s] = fd,
-                    Err(e) => warn!("watching server {}: {e}", self.addrs[s]),
-                }
-            }
-        }
-    }
-
     /// Index of server `addr`, connecting to it if it is new.
     fn server_index(&mut self, addr: &str) -> Result<usize, String> {
-        if let Some(i) = self.addrs.iter().position(|a| a == addr) {
+        if let Some(i) = self.servers.index_of(addr) {
             return Ok(i);
         }
-        if self.addrs.len() >= 250 {
-            return Err("at most 250 memory servers per region".into());
-        }
-        let secret = self
-            .secret
-            .as_ref()
-            .ok_or("this region has no cluster secret (it was made without memory servers)")?;
-        let c = connect(
-            &self.name,
-            addr,
-            secret,
-            CONNECT_PATIENCE,
-            io_timeout(self.replicas),
-        )
-        .map_err(|e| e.to_string())?;
-        self.free
-            .push(c.info.capacity_pages.saturating_sub(c.info.used_pages));
-        self.down.push(false);
+        let i = self.servers.add(addr)?;
         self.health.add_server();
         self.rerep.orphans.push(Vec::new());
-        self.conns.push(c);
-        self.gets.push(Default::default());
         self.loc.copies.push(0);
-        self.addrs.push(addr.to_string());
-        self.servers_list.push(addr.to_string());
         self.shared
             .servers
             .lock()
             .unwrap()
             .push((addr.to_string(), false));
-        Ok(self.addrs.len() - 1)
+        Ok(i)
     }
 
     fn mark(&mut self, p: usize) {
@@ -593,65 +471,14 @@ impl Pager {
         }
     }
 
-    /// A fresh connection to server `s` in place of a broken one.
-    fn reconnect(&mut self, s: usize) -> Result<(), pagefleet_client::ClientError> {
-        let secret = self.secret.clone().ok_or_else(|| {
-            pagefleet_client::ClientError::Usage("no cluster secret to reconnect with".into())
-        })?;
-        let c = connect(
-            &self.name,
-            &self.addrs[s],
-            &secret,
-            self.patience,
-            io_timeout(self.replicas),
-        )?;
-        if c.info.server_id != self.conns[s].info.server_id {
-            // Restarted: whatever it held is gone; reconnecting cannot help.
-            return Err(pagefleet_client::ClientError::Protocol {
-                addr: self.addrs[s].clone(),
-                msg: "the server restarted and lost its pages".into(),
-            });
-        }
-        self.conns[s] = c;
-        // The old fd is closed (it left the epoll set); register the new one.
-        if let Some(fd) = self.epoll_fds.get_mut(s) {
-            *fd = -1;
-        }
-        Ok(())
-    }
-
     fn lost(&mut self, p: usize, s: usize, e: pagefleet_client::ClientError) {
         self.publish();
         let msg = format!(
             "pagefleet: page {p} of region {:#x} cannot be brought back from memory server {}: {e}. \
              The guest cannot continue without its memory.",
-            self.region_id, self.addrs[s]
+            self.region_id, self.servers.addrs[s]
         );
         self.fatal(msg, p);
-    }
-}
-
-/// How long a reconnect keeps trying: with one replica, long (the guest
-/// cannot go on without the server); with two, briefly (the mirror serves).
-fn patience(replicas: usize) -> Duration {
-    if replicas > 1 {
-        replicate::REPLICA_PATIENCE
-    } else {
-        CONNECT_PATIENCE
-    }
-}
-
-/// How long a server connection waits for any one read or write: with one
-/// replica, the client's default (30 s: the guest cannot go on without the
-/// server, so a slow one is waited for); with two, short — a hung server's
-/// requests are hedged to the mirror long before (see `replicate`), and
-/// this only bounds a connect or HELLO to a server that accepts and then
-/// says nothing.
-fn io_timeout(replicas: usize) -> Duration {
-    if replicas > 1 {
-        replicate::REPLICA_IO_TIMEOUT
-    } else {
-        ConnectOptions::default().io_timeout
     }
 }
 
@@ -664,24 +491,6 @@ fn thread_cpu_ns() -> u64 {
     // SAFETY: ts is a valid timespec to fill.
     unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
-
-/// A pager's connection to a memory server: a window of 4 frames, patient
-/// with a busy or restarting server.
-fn connect(
-    name: &str,
-    addr: &str,
-    secret: &pagefleet_proto::auth::Secret,
-    patience: Duration,
-    io_timeout: Duration,
-) -> Result<Conn, pagefleet_client::ClientError> {
-    let opts = ConnectOptions {
-        name: format!("{name}-pager"),
-        window: 4,
-        io_timeout,
-        ..Default::default()
-    };
-    Conn::connect_patiently(addr, secret, &opts, patience)
 }
 
 /// Index ranges of the runs of consecutive page numbers in sorted `pages`:

@@ -107,20 +107,20 @@ impl Pager {
                     });
                 }
             }
-            let from = self.gets[s].len();
-            self.gets[s].extend(gets);
+            let from = self.servers.gets[s].len();
+            self.servers.gets[s].extend(gets);
             if let Err(e) = self.send_gets(s, from) {
                 self.get_failed(s, e);
             }
         }
-        self.spin_for_reply(since);
+        self.spin.sent(since, spin::runqueue_factor);
     }
 
     /// Send the GETs of server `s` from index `from` of its queue on.
     fn send_gets(&mut self, s: usize, from: usize) -> Result<(), pagefleet_client::ClientError> {
         let region = self.region_id;
-        let conn = &mut self.conns[s];
-        for g in self.gets[s].iter_mut().skip(from) {
+        let conn = &mut self.servers.conns[s];
+        for g in self.servers.gets[s].iter_mut().skip(from) {
             let sel = if g.pages.len() == 1 {
                 PageSel::Run {
                     first: g.pages[0],
@@ -140,9 +140,9 @@ impl Pager {
     /// a take cannot: the server may have dropped the pages already).
     /// Anything else ends the guest.
     fn get_failed(&mut self, s: usize, e: pagefleet_client::ClientError) {
-        let repeatable = self.gets[s].iter().all(|g| g.keep);
+        let repeatable = self.servers.gets[s].iter().all(|g| g.keep);
         if repeatable && e.is_transient() {
-            match self.reconnect(s) {
+            match self.servers.reconnect(s) {
                 Ok(()) => match self.send_gets(s, 0) {
                     Ok(()) => return,
                     Err(e2) if self.replicas > 1 => return self.server_down(s, &e2),
@@ -161,7 +161,7 @@ impl Pager {
 
     /// Server `s` cannot give its pages back: the guest cannot go on.
     fn lose_gets(&mut self, s: usize, e: pagefleet_client::ClientError) {
-        let gets = std::mem::take(&mut self.gets[s]);
+        let gets = std::mem::take(&mut self.servers.gets[s]);
         let first = gets
             .iter()
             .find(|g| g.fault.is_some())
@@ -183,7 +183,7 @@ impl Pager {
         let t0 = Instant::now();
         let mut n = 0u64;
         let mut retried = false;
-        while !self.gets[s].is_empty() && (wait || self.conns[s].reply_ready()) {
+        while !self.servers.gets[s].is_empty() && (wait || self.servers.conns[s].reply_ready()) {
             if let Err(e) = self.take_reply(s) {
                 // Reconnect once per call: a server that keeps dropping
                 // the connection is not ridden out forever.
@@ -214,10 +214,10 @@ impl Pager {
 
     /// Receive the reply to the oldest GET of server `s` and install its pages.
     fn take_reply(&mut self, s: usize) -> Result<(), pagefleet_client::ClientError> {
-        let len = self.gets[s][0].pages.len() * PAGE;
-        let id = self.gets[s][0].id;
-        self.conns[s].recv_get(id, &mut self.buf[..len])?;
-        let g = self.gets[s].pop_front().expect("a GET in flight");
+        let len = self.servers.gets[s][0].pages.len() * PAGE;
+        let id = self.servers.gets[s][0].id;
+        self.servers.conns[s].recv_get(id, &mut self.buf[..len])?;
+        let g = self.servers.gets[s].pop_front().expect("a GET in flight");
         let st = self.shared.clone();
         let st = &st.stats;
         if let Some(write) = g.fault {
@@ -242,7 +242,7 @@ impl Pager {
             self.access.used(p);
             let us = g.since.elapsed().as_secs_f64() * 1e6;
             st.page_in_latency.record_us(us);
-            self.reply_ewma_us += (us - self.reply_ewma_us) / 16.0;
+            self.spin.replied(us);
             self.health.replied(s, us);
             st.page_ins.fetch_add(1, Relaxed);
             st.page_in_requests.fetch_add(1, Relaxed);
@@ -270,40 +270,17 @@ impl Pager {
         Ok(())
     }
 
-    /// A faulting page's GET went out at `sent`: the fault loop spins
-    /// (polls without sleeping) until its reply is in or `reply_spin` has
-    /// passed — while the host has idle CPUs, and only if such replies
-    /// usually come within the spin. Sleeping through the wait costs a
-    /// wake-up on the reply's arrival: on this machine's virtual CPUs, an
-    /// idle one halts and is woken by the hypervisor, 20–40 µs a time
-    /// (Fastswap polls for the faulting page's completion the same way and
-    /// takes prefetched pages by interrupt).
-    fn spin_for_reply(&mut self, sent: Instant) {
-        if self.spin_ok
-            && !self.reply_spin.is_zero()
-            && self.reply_ewma_us <= self.reply_spin.as_secs_f64() * 1e6
-        {
-            self.spin_until = Some(sent + self.reply_spin);
-        }
-    }
-
     /// The fault loop should poll rather than sleep: a faulting page's
-    /// reply is due (see `spin_for_reply`).
+    /// reply is due (see [`spin`]).
     pub(super) fn spinning(&mut self) -> bool {
-        let Some(until) = self.spin_until else {
-            return false;
-        };
-        if self.gets.iter().all(|q| q.is_empty()) || Instant::now() >= until {
-            self.spin_until = None;
-            return false;
-        }
-        true
+        let waiting = self.servers.gets.iter().any(|q| !q.is_empty());
+        self.spin.spinning(Instant::now(), waiting)
     }
 
     /// Wait for every GET in flight (before anything that needs settled
     /// locations: change tracking, a hold, an evacuation).
     pub(super) fn drain_gets(&mut self) {
-        for s in 0..self.gets.len() {
+        for s in 0..self.servers.gets.len() {
             self.take_replies(s, true);
         }
     }
@@ -316,7 +293,7 @@ impl Pager {
         if keep {
             self.loc.keep_copy(q, s, clean);
         } else {
-            self.free[s] += 1;
+            self.servers.free[s] += 1;
             // Taken: the mirror's copy is stale room, deleted before
             // anything is stored there again.
             if let Some(m) = self.loc.forget_second(q) {

@@ -128,15 +128,15 @@ impl Pager {
         self.access.unmapped(lo, hi);
     }
 
-    /// Unmap the pages of these chunks (sorted or not), one `madvise` per
+    /// Unmap the pages of these chunks (sorted), one `madvise` per
     /// run of chunks at most `REARM_GAP` apart: their next touch shows in
     /// the page tables again.
     /// Returns the number of `madvise` calls (each a TLB shootdown).
-    pub(super) fn rearm(&mut self, chunks: &mut [usize]) -> u64 {
+    pub(super) fn rearm(&mut self, chunks: &[usize]) -> u64 {
         if self.pagemap.is_none() || chunks.is_empty() {
             return 0;
         }
-        chunks.sort_unstable();
+        debug_assert!(chunks.windows(2).all(|w| w[0] <= w[1]));
         let mut calls = 0;
         let mut i = 0;
         while i < chunks.len() {

@@ -226,28 +226,28 @@ impl Pager {
     /// `need` pages, on another host than `avoid` if any such has room;
     /// the most free room first.
     pub(super) fn pick_mirror(&self, avoid: usize, need: u64) -> Option<usize> {
-        let ok = |s: &usize| *s != avoid && !self.down[*s] && self.free[*s] >= need;
-        let other_host = (0..self.free.len())
+        let ok = |s: &usize| *s != avoid && !self.servers.down[*s] && self.servers.free[*s] >= need;
+        let other_host = (0..self.servers.free.len())
             .filter(ok)
-            .filter(|s| host(&self.addrs[*s]) != host(&self.addrs[avoid]))
-            .max_by_key(|s| self.free[*s]);
+            .filter(|s| host(&self.servers.addrs[*s]) != host(&self.servers.addrs[avoid]))
+            .max_by_key(|s| self.servers.free[*s]);
         other_host.or_else(|| {
-            (0..self.free.len())
+            (0..self.servers.free.len())
                 .filter(ok)
-                .max_by_key(|s| self.free[*s])
+                .max_by_key(|s| self.servers.free[*s])
         })
     }
 
     /// The pager's connection to `s` reported bytes with nothing asked:
     /// if the server closed it, reconnect or call the server down.
     pub(super) fn check_idle(&mut self, s: usize) {
-        if self.replicas < 2 || self.down[s] || !self.gets[s].is_empty() {
+        if self.replicas < 2 || self.servers.down[s] || !self.servers.gets[s].is_empty() {
             return;
         }
-        if !self.conns[s].peer_closed() {
+        if !self.servers.conns[s].peer_closed() {
             return;
         }
-        if let Err(e) = self.reconnect(s) {
+        if let Err(e) = self.servers.reconnect(s) {
             self.server_down(s, &e);
         }
     }
@@ -261,12 +261,12 @@ impl Pager {
             return;
         }
         let writer_wait = self.writer.links.lock().unwrap().waiting();
-        for s in 0..self.conns.len() {
-            if self.down[s] {
+        for s in 0..self.servers.conns.len() {
+            if self.servers.down[s] {
                 continue;
             }
             let deadline = self.health.deadline(s);
-            let late_get = self.gets[s]
+            let late_get = self.servers.gets[s]
                 .iter()
                 .find(|g| g.fault.is_some())
                 .map(|g| g.since.elapsed())
@@ -280,8 +280,8 @@ impl Pager {
             if late_put.is_none() {
                 // Reply bytes waiting: the pager was slow to look, not the
                 // server to answer.
-                self.conns[s].note_readable();
-                if self.conns[s].reply_ready() {
+                self.servers.conns[s].note_readable();
+                if self.servers.conns[s].reply_ready() {
                     continue;
                 }
             }
@@ -290,7 +290,7 @@ impl Pager {
                 if !std::mem::replace(&mut self.health.kept_warned[s], true) {
                     warn!(
                         "memory server {} has not answered for {} ms, but it holds the only copy of {sole} pages of region {:#x}: waiting for it",
-                        self.addrs[s],
+                        self.servers.addrs[s],
                         waited.as_millis(),
                         self.region_id
                     );
@@ -298,14 +298,14 @@ impl Pager {
                 continue;
             }
             self.health.kept_warned[s] = false;
-            let hedged: u64 = self.gets[s]
+            let hedged: u64 = self.servers.gets[s]
                 .iter()
                 .filter(|g| g.fault.is_some())
                 .map(|g| g.pages.len() as u64)
                 .sum();
             self.shared.stats.hedged_reads.fetch_add(hedged, Relaxed);
             let why = pagefleet_client::ClientError::Unresponsive {
-                addr: self.addrs[s].clone(),
+                addr: self.servers.addrs[s].clone(),
                 waited_ms: waited.as_millis() as u64,
                 usual_us: self.health.usual_us[s] as u64,
             };
@@ -321,37 +321,26 @@ impl Pager {
         while let Ok((s, r)) = self.health.answers.try_recv() {
             self.health.probing[s] = false;
             match r {
-                Ok(c) if self.down[s] => self.revive(s, c),
+                Ok(c) if self.servers.down[s] => self.revive(s, c),
                 Ok(_) => {}
-                Err(e) => debug!("memory server {} is still down: {e}", self.addrs[s]),
+                Err(e) => debug!("memory server {} is still down: {e}", self.servers.addrs[s]),
             }
         }
         let now = Instant::now();
-        for s in 0..self.conns.len() {
-            if !self.down[s] || self.health.probing[s] {
+        for s in 0..self.servers.conns.len() {
+            if !self.servers.down[s] || self.health.probing[s] {
                 continue;
             }
             let due = *self.health.probe_at[s].get_or_insert(now + PROBE_EVERY);
             if now < due {
                 continue;
             }
-            let Some(secret) = self.secret.clone() else {
+            let Some((addr, secret, opts)) = self.servers.probe(s, PROBE_TIMEOUT) else {
                 return;
             };
             self.health.probe_at[s] = Some(now + PROBE_EVERY);
             self.health.probing[s] = true;
-            let (addr, tx, bell) = (
-                self.addrs[s].clone(),
-                self.health.answer_tx.clone(),
-                self.doorbell.clone(),
-            );
-            let opts = pagefleet_client::ConnectOptions {
-                name: format!("{}-probe", self.name),
-                window: 4,
-                connect_timeout: PROBE_TIMEOUT,
-                io_timeout: PROBE_TIMEOUT,
-                ..Default::default()
-            };
+            let (tx, bell) = (self.health.answer_tx.clone(), self.doorbell.clone());
             let spawned = std::thread::Builder::new()
                 .name("pagefleet-probe".into())
                 .spawn(move || {
@@ -370,35 +359,38 @@ impl Pager {
     /// region left there (stale since its pages were repointed) and use it
     /// again for page-outs and second copies.
     fn revive(&mut self, s: usize, mut c: Conn) {
-        let restarted = c.info.server_id != self.conns[s].info.server_id;
+        let restarted = c.info.server_id != self.servers.conns[s].info.server_id;
         match c.delete_region(self.region_id) {
             Ok(_) => {}
             Err(e) if e.code().is_some() => {}
             Err(e) => {
-                debug!("memory server {} answered, then failed: {e}", self.addrs[s]);
+                debug!(
+                    "memory server {} answered, then failed: {e}",
+                    self.servers.addrs[s]
+                );
                 return;
             }
         }
         let free = match c.stat(false) {
             Ok(st) => st.capacity_pages.saturating_sub(st.used_pages),
             Err(e) => {
-                debug!("memory server {} answered, then failed: {e}", self.addrs[s]);
+                debug!(
+                    "memory server {} answered, then failed: {e}",
+                    self.servers.addrs[s]
+                );
                 return;
             }
         };
         info!(
             "memory server {} answers again{}: region {:#x} uses it for page-outs and second copies",
-            self.addrs[s],
+            self.servers.addrs[s],
             if restarted { " (restarted empty)" } else { "" },
             self.region_id
         );
         c.set_window(4);
-        self.conns[s] = c;
-        if let Some(fd) = self.epoll_fds.get_mut(s) {
-            *fd = -1;
-        }
-        self.down[s] = false;
-        self.free[s] = free;
+        self.servers.replace(s, c);
+        self.servers.down[s] = false;
+        self.servers.free[s] = free;
         self.health.probe_at[s] = None;
         self.health.usual_us[s] = 0.0;
         self.writer.links.lock().unwrap().restore(s);
@@ -417,21 +409,21 @@ impl Pager {
     /// mirrors and start re-replication. With one replica, or for a page
     /// with no other copy, the guest cannot go on.
     pub(super) fn server_down(&mut self, s: usize, why: &pagefleet_client::ClientError) {
-        if self.down[s] {
+        if self.servers.down[s] {
             return;
         }
         // No more page-outs to it; a writer blocked on it returns now.
         self.writer.links.lock().unwrap().cut(s);
         warn!(
             "memory server {} is down ({why}): region {:#x} reads its pages from their mirrors and re-replicates them",
-            self.addrs[s], self.region_id
+            self.servers.addrs[s], self.region_id
         );
-        self.down[s] = true;
-        self.free[s] = 0;
+        self.servers.down[s] = true;
+        self.servers.free[s] = 0;
         if let Some(x) = self.shared.servers.lock().unwrap().get_mut(s) {
             x.1 = true;
         }
-        let gets = std::mem::take(&mut self.gets[s]);
+        let gets = std::mem::take(&mut self.servers.gets[s]);
         self.repoint(s, why);
         // Pages asked of it: fault again, and read from the mirror.
         for g in gets {
@@ -449,7 +441,7 @@ impl Pager {
             if ev.from == s || ev.to == s {
                 let _ = ev.reply.send(Err(format!(
                     "memory server {} went down during the evacuation ({} pages moved)",
-                    self.addrs[s], ev.moved
+                    self.servers.addrs[s], ev.moved
                 )));
             } else {
                 self.evac = Some(ev);
@@ -468,9 +460,9 @@ impl Pager {
     pub(super) fn repoint(&mut self, s: usize, why: &dyn std::fmt::Display) {
         let lost = self.loc.server_lost(s);
         if let Some(&p) = lost.first() {
-            let gone: Vec<&str> = (0..self.addrs.len())
-                .filter(|x| self.down[*x])
-                .map(|x| self.addrs[x].as_str())
+            let gone: Vec<&str> = (0..self.servers.addrs.len())
+                .filter(|x| self.servers.down[*x])
+                .map(|x| self.servers.addrs[x].as_str())
                 .collect();
             let msg = format!(
                 "pagefleet: page {p} of region {:#x} ({} pages in all) had no copy left: memory servers {} are gone ({why}). \
@@ -517,23 +509,9 @@ impl Pager {
     /// A connection of re-replication's own to server `s`.
     fn rerep_conn(&mut self, s: usize) -> Result<&mut Conn, pagefleet_client::ClientError> {
         if !self.rerep.conns.contains_key(&s) {
-            let secret = self
-                .secret
-                .clone()
-                .ok_or_else(|| pagefleet_client::ClientError::Usage("no cluster secret".into()))?;
-            let mut c = connect(
-                &self.name,
-                &self.addrs[s],
-                &secret,
-                REPLICA_PATIENCE,
-                REPLICA_IO_TIMEOUT,
-            )?;
-            if c.info.server_id != self.conns[s].info.server_id {
-                return Err(pagefleet_client::ClientError::Protocol {
-                    addr: self.addrs[s].clone(),
-                    msg: "the server restarted and lost its pages".into(),
-                });
-            }
+            let mut c = self
+                .servers
+                .connect_again(s, REPLICA_PATIENCE, REPLICA_IO_TIMEOUT)?;
             c.set_window(32);
             self.rerep.conns.insert(s, c);
         }
@@ -603,7 +581,7 @@ impl Pager {
         for (s, list) in by_src {
             match self.pick_mirror(s, list.len() as u64) {
                 Some(t) => {
-                    self.free[t] = self.free[t].saturating_sub(list.len() as u64);
+                    self.servers.free[t] = self.servers.free[t].saturating_sub(list.len() as u64);
                     copies.push((s, t, list));
                 }
                 None => no_room.push(list[0]),
@@ -650,10 +628,10 @@ impl Pager {
                     self.rerep.tokens -= (list.len() * PAGE) as f64;
                 }
                 Err((bad, e)) => {
-                    self.free[t] += list.len() as u64;
+                    self.servers.free[t] += list.len() as u64;
                     self.rerep.conns.remove(&bad);
                     if e.code() == Some(pagefleet_proto::ErrorCode::OutOfCapacity) {
-                        self.free[bad] = 0;
+                        self.servers.free[bad] = 0;
                     } else {
                         self.server_down(bad, &e);
                     }
@@ -677,7 +655,10 @@ impl Pager {
         list: &[u64],
     ) -> Result<pagefleet_client::PushIds, pagefleet_client::ClientError> {
         let region = self.region_id;
-        let (tid, taddr) = (self.conns[t].info.server_id, self.addrs[t].clone());
+        let (tid, taddr) = (
+            self.servers.conns[t].info.server_id,
+            self.servers.addrs[t].clone(),
+        );
         self.rerep_conn(s)
             .and_then(|c| c.send_push(region, tid, &taddr, list))
     }
@@ -693,7 +674,7 @@ impl Pager {
         sent: Result<pagefleet_client::PushIds, pagefleet_client::ClientError>,
     ) -> Result<(), (usize, pagefleet_client::ClientError)> {
         let region = self.region_id;
-        let taddr = self.addrs[t].clone();
+        let taddr = self.servers.addrs[t].clone();
         let pushed = sent.and_then(|ids| match self.rerep.conns.get_mut(&s) {
             Some(c) => c.recv_push(ids),
             None => Err(pagefleet_client::ClientError::Usage(
@@ -710,7 +691,7 @@ impl Pager {
                 if alive {
                     warn!(
                         "re-replication: {e}; not using {} for copies",
-                        self.addrs[t]
+                        self.servers.addrs[t]
                     );
                     return Err((
                         t,
@@ -754,7 +735,7 @@ impl Pager {
     /// Delete the orphaned copies on server `s` now.
     pub(super) fn flush_orphans_on(&mut self, s: usize) {
         let list = std::mem::take(&mut self.rerep.orphans[s]);
-        if list.is_empty() || self.down[s] {
+        if list.is_empty() || self.servers.down[s] {
             return;
         }
         let region = self.region_id;
@@ -762,7 +743,7 @@ impl Pager {
             .rerep_conn(s)
             .and_then(|c| c.delete(region, Pages::List(&list)));
         match r {
-            Ok(_) => self.free[s] += list.len() as u64,
+            Ok(_) => self.servers.free[s] += list.len() as u64,
             Err(e) => {
                 self.rerep.conns.remove(&s);
                 self.server_down(s, &e);

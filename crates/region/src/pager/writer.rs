@@ -506,7 +506,7 @@ fn target_conn(
         ));
     };
     conns.waiting_on(Some(t.server));
-    let c = super::connect(
+    let c = super::servers::connect(
         &setup.name,
         &t.addr,
         secret,
