@@ -10,10 +10,7 @@ impl Pager {
                 // Page-outs in flight land first: tracking starts (or ends)
                 // on settled locations and no kept copy is in a job.
                 self.quiesce();
-                for p in std::mem::take(&mut self.dirty_list) {
-                    self.dirty[p as usize] = false;
-                }
-                self.tracking = on;
+                self.changes.set(on);
                 // A migration moves resident pages itself: copies kept on
                 // servers would be orphaned there, so they go now (and
                 // page-ins take while tracking).
@@ -28,16 +25,9 @@ impl Pager {
                 let _ = reply.send(());
             }
             Command::TakeDirty(reply) => {
-                let mut list: Vec<u64> = std::mem::take(&mut self.dirty_list)
-                    .into_iter()
-                    .map(u64::from)
-                    .collect();
-                list.sort_unstable();
-                for &p in &list {
-                    self.dirty[p as usize] = false;
-                }
+                let list = self.changes.take();
                 // Re-arm: resident pages written this round fault on their next write.
-                if self.tracking {
+                if self.changes.on() {
                     for run in consecutive_runs(&list) {
                         let _ = self.uffd.writeprotect(
                             self.addr(list[run.start] as usize),
@@ -85,8 +75,8 @@ impl Pager {
                 // A hold precedes a migration's final copy: what is in
                 // flight lands first, so the memfd and the location DB agree.
                 self.quiesce();
-                self.hold = on;
-                self.evicting = false;
+                self.owner.hold = on;
+                self.reclaim.evicting = false;
                 let _ = reply.send(());
             }
             Command::Pages(pages, reply) => {

@@ -2,11 +2,55 @@
 
 use super::*;
 
+/// The faults the loop is serving: the batch read, the remote ones among
+/// them (asked for together), and those waiting for a page-out or drop
+/// job on their page to land.
+#[derive(Default)]
+pub(super) struct Faults {
+    /// Events read in one batch (kept to reuse the allocation).
+    read: Vec<Fault>,
+    /// Remote faults of the current batch: (page, server, write fault).
+    remote: Vec<(usize, usize, bool)>,
+    /// Pages whose faults wait for their job.
+    on_jobs: Vec<usize>,
+}
+
+impl Faults {
+    /// A fault on page `p` waits for the job `p` is in.
+    fn wait_for_job(&mut self, p: usize) {
+        if !self.on_jobs.contains(&p) {
+            self.on_jobs.push(p);
+        }
+    }
+
+    /// A fault on remote page `p` on server `s` (each page once per batch).
+    fn remote(&mut self, p: usize, s: usize, write: bool) {
+        if !self.remote.iter().any(|(q, _, _)| *q == p) {
+            self.remote.push((p, s, write));
+        }
+    }
+
+    /// The batch's remote faults, taken.
+    pub fn take_remote(&mut self) -> Vec<(usize, usize, bool)> {
+        std::mem::take(&mut self.remote)
+    }
+
+    /// The pages whose jobs have landed (`in_job` says which have not):
+    /// their threads are to be woken.
+    pub fn landed(&mut self, in_job: impl Fn(usize) -> bool) -> Vec<usize> {
+        let (wait, done) = std::mem::take(&mut self.on_jobs)
+            .into_iter()
+            .partition(|&p| in_job(p));
+        self.on_jobs = wait;
+        done
+    }
+}
+
 impl Pager {
     /// Read and serve the fault events queued now (non-blocking).
     pub(super) fn serve_pending(&mut self) {
-        self.faults.clear();
-        let mut faults = std::mem::take(&mut self.faults);
+        let mut faults = std::mem::take(&mut self.faults.read);
+        faults.clear();
         match self.uffd.read_faults(&mut faults, 64) {
             Ok(_) => {
                 let t = Instant::now();
@@ -15,7 +59,7 @@ impl Pager {
                 }
                 // Remote faults of this batch go out together: one pipelined
                 // burst per server; the replies are taken in as they come.
-                if !self.pending_in.is_empty() {
+                if !self.faults.remote.is_empty() {
                     self.request_faulted(t);
                     self.meter.page_in(t);
                 }
@@ -26,7 +70,7 @@ impl Pager {
             }
             Err(e) => warn!("reading userfaultfd: {e}"),
         }
-        self.faults = faults;
+        self.faults.read = faults;
     }
 
     pub(super) fn handle(&mut self, f: Fault) {
@@ -50,9 +94,7 @@ impl Pager {
         // job failed, the page stayed and the access goes on. (No write can
         // slip between the copy sent and the punch.)
         if self.loc.in_job(p) {
-            if !self.job_faults.contains(&p) {
-                self.job_faults.push(p);
-            }
+            self.faults.wait_for_job(p);
             return;
         }
         match (f.kind, st) {
@@ -99,9 +141,7 @@ impl Pager {
                     self.copies_lost();
                     return self.wake(p);
                 }
-                if !self.pending_in.iter().any(|(q, _, _)| *q == p) {
-                    self.pending_in.push((p, s, f.write));
-                }
+                self.faults.remote(p, s, f.write);
             }
         }
     }

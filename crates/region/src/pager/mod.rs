@@ -16,6 +16,7 @@
 //! re-replication), [`commands`] (what the region's owner asks: tracking,
 //! snapshots, holds).
 
+mod changes;
 mod commands;
 mod evacuate;
 mod faults;
@@ -58,71 +59,56 @@ pub(super) const TOKEN_SERVER0: u64 = 2;
 pub(super) const CONNECT_PATIENCE: Duration = Duration::from_secs(15);
 
 pub(crate) struct Pager {
-    rx: std::sync::mpsc::Receiver<Command>,
-    doorbell: Arc<OwnedFd>,
+    /// The region's owner: its commands, its doorbell, what it wants done
+    /// on a fatal error, whether it holds the pager still.
+    owner: Owner,
     /// Change tracking for migration: pages whose content or location changed.
-    tracking: bool,
-    /// Balancing and sampling paused (a migration's final copy).
-    hold: bool,
-    dirty: Vec<bool>,
-    dirty_list: Vec<u32>,
+    changes: changes::Changes,
     uffd: Uffd,
     guest: GuestMem,
     /// The page-out thread.
     writer: writer::Writer,
     shared: Arc<Shared>,
     region_id: u64,
-    on_fatal: OnFatal,
+    /// Pages per chunk.
     cp: usize,
-    chunks: usize,
     /// Where every page is.
     loc: LocationDb,
     /// What is known of every page's use.
     access: AccessHistory,
-    prefetch: crate::Prefetch,
-    /// Sequential fault streams for adaptive read-ahead.
-    readahead: readahead::Readahead,
-    /// The pager's CPU slice: short while it serves a scan.
-    slice: sched::SliceSwitch,
-    /// Where `drop_copies` looks next.
-    copy_hand: usize,
-    /// The fault loop's spin for a faulting page's reply.
-    spin: spin::ReplySpin,
+    /// Bringing pages in: read-ahead, the reply spin, the receive buffer.
+    pagein: pagein::PageIn,
     /// The memory servers: connections, room, which are down, GETs in flight.
     servers: servers::Servers,
-    buf: Vec<u8>,
-    faults: Vec<Fault>,
+    /// The faults being served.
+    faults: faults::Faults,
     /// The sampling hand and its cost controller.
     sampler: sampling::Sampler,
-    /// Where the victim search stands.
-    victims: victims::Victims,
-    /// `PAGEMAP_SCAN` for reference bits ([`refs`]); None on kernels
-    /// before 6.7 (then only page-ins count as references).
-    pagemap: Option<uffd::Pagemap>,
-    /// What the victim hand's probe read last ([`refs`]).
-    probe_window: refs::ProbeWindow,
-    full_warned: bool,
+    /// Keeping resident pages within the budget: victims, watermarks.
+    reclaim: reclaim::Reclaim,
+    /// Reference bits from the page tables.
+    refs: refs::RefBits,
     /// CPU per page-in and per page-out ([`meter`]).
     meter: meter::CpuMeter,
-    /// Between the high and low watermarks: keep evicting.
-    evicting: bool,
-    /// When the victim hand last chose victims.
-    victims_at: Option<Instant>,
-    /// Remote faults of the current batch: (page, server, write fault).
-    pending_in: Vec<(usize, usize, bool)>,
-    /// Pages whose faults wait for their page-out or drop job.
-    job_faults: Vec<usize>,
     /// The fault loop waits here: the uffd and the doorbell (level
     /// triggered), every server connection (edge triggered: replies are
     /// read until none is left, bytes nobody asked for are ignored).
     epoll: uffd::Epoll,
     evac: Option<evacuate::Evac>,
-    /// Copies of every remote page (1 or 2).
-    replicas: usize,
-    /// Re-replication after a server's death.
-    rerep: replicate::Rerep,
-    /// Hung servers (deadlines) and revival of servers called down.
-    health: replicate::Health,
+    /// Replicas: how many, re-replication, hung and revived servers.
+    repl: replicate::Replication,
+}
+
+/// What the region's owner gave the pager and may set while it runs.
+struct Owner {
+    rx: std::sync::mpsc::Receiver<Command>,
+    /// Rung by the owner after each command, by the writer after each job,
+    /// by probe threads with an answer.
+    doorbell: Arc<OwnedFd>,
+    on_fatal: OnFatal,
+    /// Balancing, sampling and re-replication paused (a migration's
+    /// final copy).
+    hold: bool,
 }
 
 impl Pager {
@@ -268,30 +254,24 @@ impl Pager {
                 source,
             })?;
         Ok(Pager {
-            rx,
-            doorbell,
-            tracking: false,
-            hold: false,
-            dirty: vec![false; pages],
-            dirty_list: Vec::new(),
+            owner: Owner {
+                rx,
+                doorbell,
+                on_fatal: cfg.on_fatal,
+                hold: false,
+            },
+            changes: changes::Changes::new(pages),
             uffd: u,
             guest,
             writer,
             shared,
             region_id: cfg.region_id,
-            on_fatal: cfg.on_fatal,
             cp: cfg.chunk_pages,
-            chunks,
             loc,
             access,
-            prefetch: cfg.prefetch,
-            readahead: readahead::Readahead::default(),
-            slice: sched::SliceSwitch::default(),
-            copy_hand: 0,
-            spin: spin::ReplySpin::new(cfg.reply_spin),
+            pagein: pagein::PageIn::new(cfg),
             servers,
-            buf: vec![0u8; cfg.chunk_pages.max(MAX_BATCH_PAGES) * PAGE],
-            faults: Vec::with_capacity(64),
+            faults: faults::Faults::default(),
             sampler: sampling::Sampler::new(
                 chunks,
                 cfg.sample_period,
@@ -301,21 +281,22 @@ impl Pager {
                 },
                 Instant::now(),
             ),
-            victims,
-            pagemap,
-            probe_window: refs::ProbeWindow::default(),
-            full_warned: false,
+            reclaim: reclaim::Reclaim::new(victims),
+            refs: refs::RefBits::new(pagemap),
             meter: meter::CpuMeter::new(),
-            evicting: false,
-            victims_at: None,
-            pending_in: Vec::new(),
-            job_faults: Vec::new(),
             epoll,
             evac: None,
-            replicas: cfg.replicas,
-            rerep,
-            health: replicate::Health::new(cfg.servers.len()),
+            repl: replicate::Replication {
+                copies: cfg.replicas,
+                rerep,
+                health: replicate::Health::new(cfg.servers.len()),
+            },
         })
+    }
+
+    /// Chunks in the region.
+    fn chunks(&self) -> usize {
+        self.loc.pages() / self.cp
     }
 
     fn addr(&self, p: usize) -> u64 {
@@ -348,9 +329,9 @@ impl Pager {
             // already read ahead (which epoll does not see), only look.
             self.servers.watch(&self.epoll);
             let buffered = self.servers.buffered();
-            let busy = (self.evicting && self.writer.in_flight < reclaim::MAX_JOBS)
+            let busy = (self.reclaim.evicting && self.writer.in_flight < reclaim::MAX_JOBS)
                 || self.evac.is_some()
-                || self.rerep.ready()
+                || self.repl.rerep.ready()
                 || buffered
                 || self.spinning();
             let (mut faults, mut bell) = (false, false);
@@ -368,7 +349,7 @@ impl Pager {
             match waited {
                 Ok(_) => {
                     if bell {
-                        uffd::drain(self.doorbell.as_raw_fd());
+                        uffd::drain(self.owner.doorbell.as_raw_fd());
                     }
                     // Replies first: installing a page wakes a guest thread.
                     for s in 0..self.servers.len() {
@@ -392,8 +373,8 @@ impl Pager {
             self.reap();
             self.balance();
             self.sample_tick();
-            self.slice.tick();
-            while let Ok(c) = self.rx.try_recv() {
+            self.pagein.slice.tick();
+            while let Ok(c) = self.owner.rx.try_recv() {
                 self.command(c);
             }
             self.evacuate_step();
@@ -410,8 +391,8 @@ impl Pager {
             return Ok(i);
         }
         let i = self.servers.add(addr)?;
-        self.health.add_server();
-        self.rerep.orphans.push(Vec::new());
+        self.repl.health.add_server();
+        self.repl.rerep.orphans.push(Vec::new());
         self.loc.copies.push(0);
         self.shared
             .servers
@@ -422,10 +403,7 @@ impl Pager {
     }
 
     fn mark(&mut self, p: usize) {
-        if self.tracking && !self.dirty[p] {
-            self.dirty[p] = true;
-            self.dirty_list.push(p as u32);
-        }
+        self.changes.mark(p);
     }
 
     fn publish(&self) {
@@ -460,7 +438,7 @@ impl Pager {
 
     fn fatal(&self, msg: String, p: usize) {
         *self.shared.fatal.lock().unwrap() = Some(msg.clone());
-        match self.on_fatal {
+        match self.owner.on_fatal {
             OnFatal::Exit => {
                 eprintln!("{msg}");
                 std::process::exit(75);

@@ -25,25 +25,51 @@ pub(super) struct Get {
 /// faults get windows of 1–2 pages): the pager takes its short CPU slice.
 const STREAM_PAGES: usize = 8;
 
+/// Bringing pages in: how much read-ahead a fault brings, the fault
+/// loop's spin for a reply, the pager's CPU slice while it serves a scan,
+/// and the buffer replies are received into.
+pub(super) struct PageIn {
+    prefetch: crate::Prefetch,
+    /// Sequential fault streams for adaptive read-ahead.
+    readahead: readahead::Readahead,
+    spin: spin::ReplySpin,
+    /// The pager's CPU slice: short while it serves a scan.
+    pub slice: sched::SliceSwitch,
+    /// Pages received from servers (a chunk or a batch).
+    pub buf: Vec<u8>,
+}
+
+impl PageIn {
+    pub fn new(cfg: &Config) -> Self {
+        PageIn {
+            prefetch: cfg.prefetch,
+            readahead: readahead::Readahead::default(),
+            spin: spin::ReplySpin::new(cfg.reply_spin),
+            slice: sched::SliceSwitch::default(),
+            buf: vec![0u8; cfg.chunk_pages.max(MAX_BATCH_PAGES) * PAGE],
+        }
+    }
+}
+
 impl Pager {
     /// The pages to bring with a fault at `p` from server `s`: the rest of
     /// its chunk (fixed prefetch) or its stream's window (adaptive), only
     /// those on `s` and not asked for already; they are arriving from now on.
     pub(super) fn prefetch_list(&mut self, p: usize, s: usize) -> Vec<u64> {
         let tag = (REMOTE as usize + s) as u8;
-        let (lo, hi) = match self.prefetch {
+        let (lo, hi) = match self.pagein.prefetch {
             crate::Prefetch::Chunk => {
                 let lo = p / self.cp * self.cp;
                 (lo, lo + self.cp)
             }
             crate::Prefetch::Adaptive => {
                 let cap = (self.shared.budget.load(Relaxed) / 16) as usize;
-                let w = self.readahead.window(p, cap);
+                let w = self.pagein.readahead.window(p, cap);
                 (p, (p + w).min(self.loc.state.len()))
             }
         };
         if hi - lo >= STREAM_PAGES {
-            self.slice.streaming();
+            self.pagein.slice.streaming();
         }
         let list: Vec<u64> = (lo..hi)
             .filter(|q| self.loc.state[*q] == tag && self.loc.out[*q] == OUT_NONE)
@@ -65,7 +91,7 @@ impl Pager {
     /// it again is a local drop. A write fault installs its page writable
     /// (dirty at once: no second fault for the write).
     pub(super) fn request_faulted(&mut self, since: Instant) {
-        let pending = std::mem::take(&mut self.pending_in);
+        let pending = self.faults.take_remote();
         let mut servers: Vec<usize> = pending.iter().map(|x| x.1).collect();
         servers.sort_unstable();
         servers.dedup();
@@ -85,7 +111,7 @@ impl Pager {
                 .map(|&(p, _)| self.prefetch_list(p, s))
                 .collect();
             // Pages of a server being emptied are taken, never kept there.
-            let keep = !self.tracking && self.evac.as_ref().is_none_or(|ev| ev.from != s);
+            let keep = !self.changes.on() && self.evac.as_ref().is_none_or(|ev| ev.from != s);
             let mut gets: Vec<Get> = firsts
                 .iter()
                 .map(|&(p, write)| Get {
@@ -113,7 +139,7 @@ impl Pager {
                 self.get_failed(s, e);
             }
         }
-        self.spin.sent(since, spin::runqueue_factor);
+        self.pagein.spin.sent(since, spin::runqueue_factor);
     }
 
     /// Send the GETs of server `s` from index `from` of its queue on.
@@ -145,14 +171,14 @@ impl Pager {
             match self.servers.reconnect(s) {
                 Ok(()) => match self.send_gets(s, 0) {
                     Ok(()) => return,
-                    Err(e2) if self.replicas > 1 => return self.server_down(s, &e2),
+                    Err(e2) if self.repl.copies > 1 => return self.server_down(s, &e2),
                     Err(e2) => return self.lose_gets(s, e2),
                 },
-                Err(e2) if self.replicas > 1 => return self.server_down(s, &e2),
+                Err(e2) if self.repl.copies > 1 => return self.server_down(s, &e2),
                 Err(_) => {}
             }
         }
-        if self.replicas > 1 && e.code().is_none() {
+        if self.repl.copies > 1 && e.code().is_none() {
             // Not a refusal: the connection or the server is broken.
             return self.server_down(s, &e);
         }
@@ -187,7 +213,7 @@ impl Pager {
             if let Err(e) = self.take_reply(s) {
                 // Reconnect once per call: a server that keeps dropping
                 // the connection is not ridden out forever.
-                if retried && self.replicas > 1 {
+                if retried && self.repl.copies > 1 {
                     self.server_down(s, &e);
                 } else if retried {
                     self.lose_gets(s, e);
@@ -216,7 +242,7 @@ impl Pager {
     fn take_reply(&mut self, s: usize) -> Result<(), pagefleet_client::ClientError> {
         let len = self.servers.gets[s][0].pages.len() * PAGE;
         let id = self.servers.gets[s][0].id;
-        self.servers.conns[s].recv_get(id, &mut self.buf[..len])?;
+        self.servers.conns[s].recv_get(id, &mut self.pagein.buf[..len])?;
         let g = self.servers.gets[s].pop_front().expect("a GET in flight");
         let st = self.shared.clone();
         let st = &st.stats;
@@ -228,7 +254,7 @@ impl Pager {
             let wp = g.keep && !write && !hinted;
             if let Err(e) = self
                 .uffd
-                .copy_mode(self.addr(p), &self.buf[..PAGE], false, wp)
+                .copy_mode(self.addr(p), &self.pagein.buf[..PAGE], false, wp)
             {
                 self.internal(p, e.to_string());
                 return Ok(());
@@ -242,8 +268,8 @@ impl Pager {
             self.access.used(p);
             let us = g.since.elapsed().as_secs_f64() * 1e6;
             st.page_in_latency.record_us(us);
-            self.spin.replied(us);
-            self.health.replied(s, us);
+            self.pagein.spin.replied(us);
+            self.repl.health.replied(s, us);
             st.page_ins.fetch_add(1, Relaxed);
             st.page_in_requests.fetch_add(1, Relaxed);
             st.bytes_in.fetch_add(PAGE as u64, Relaxed);
@@ -253,7 +279,7 @@ impl Pager {
         let part = &g.pages;
         for run in consecutive_runs(part) {
             let q = part[run.start] as usize;
-            let data = &self.buf[run.start * PAGE..run.end * PAGE];
+            let data = &self.pagein.buf[run.start * PAGE..run.end * PAGE];
             if let Err(e) = self.uffd.copy_mode(self.addr(q), data, false, g.keep) {
                 self.internal(q, e.to_string());
                 return Ok(());
@@ -274,7 +300,7 @@ impl Pager {
     /// reply is due (see [`spin`]).
     pub(super) fn spinning(&mut self) -> bool {
         let waiting = self.servers.gets.iter().any(|q| !q.is_empty());
-        self.spin.spinning(Instant::now(), waiting)
+        self.pagein.spin.spinning(Instant::now(), waiting)
     }
 
     /// Wait for every GET in flight (before anything that needs settled
@@ -297,7 +323,7 @@ impl Pager {
             // Taken: the mirror's copy is stale room, deleted before
             // anything is stored there again.
             if let Some(m) = self.loc.forget_second(q) {
-                self.rerep.orphans[m].push(q as u64);
+                self.repl.rerep.orphans[m].push(q as u64);
             }
         }
     }

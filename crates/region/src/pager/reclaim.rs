@@ -6,6 +6,33 @@ use super::*;
 /// again (a hung server is cut off within a slice of its deadline).
 const DEADLINE_SLICE: Duration = Duration::from_millis(10);
 
+/// Reclaim's own state: where the victim search stands and whether the
+/// pager is between the watermarks.
+pub(super) struct Reclaim {
+    /// The victim hand and its policy.
+    pub victims: victims::Victims,
+    /// When the victim hand last chose victims.
+    pub victims_at: Option<Instant>,
+    /// Between the high and low watermarks: keep evicting.
+    pub evicting: bool,
+    /// Where `drop_copies` looks next.
+    copy_hand: usize,
+    /// Said once that every server is full.
+    full_warned: bool,
+}
+
+impl Reclaim {
+    pub fn new(victims: victims::Victims) -> Self {
+        Reclaim {
+            victims,
+            victims_at: None,
+            evicting: false,
+            copy_hand: 0,
+            full_warned: false,
+        }
+    }
+}
+
 impl Pager {
     /// Over budget: page out cold chunks (chosen by [`victims`]) until a
     /// slack below it.
@@ -16,8 +43,8 @@ impl Pager {
     /// pager wait for jobs to land (direct reclaim, counted in the stats).
     pub(super) fn balance(&mut self) {
         let budget = self.shared.budget.load(Relaxed);
-        if self.hold || self.loc.state.len() as u64 <= budget {
-            self.evicting = false;
+        if self.owner.hold || self.loc.state.len() as u64 <= budget {
+            self.reclaim.evicting = false;
             return;
         }
         // Watermarks on the pages that stay once the jobs in flight land:
@@ -26,33 +53,35 @@ impl Pager {
         let high = budget.saturating_sub(slack / 2);
         let low = budget.saturating_sub(slack);
         if self.loc.staying() > high {
-            self.evicting = true;
+            self.reclaim.evicting = true;
         }
-        let (t0, evicted) = (Instant::now(), self.evicting);
-        while self.evicting && self.writer.in_flight < MAX_JOBS {
+        let (t0, evicted) = (Instant::now(), self.reclaim.evicting);
+        while self.reclaim.evicting && self.writer.in_flight < MAX_JOBS {
             let staying = self.loc.staying();
             if staying <= low {
-                self.evicting = false;
+                self.reclaim.evicting = false;
                 break;
             }
             // Far over: bigger jobs (fewer round trips to catch up).
             let cap = if staying > budget { 512 } else { 64 };
+            let chunks = self.chunks();
             let mut probe = refs::PagemapProbe::new(
-                self.pagemap.as_mut(),
+                self.refs.pagemap.as_mut(),
                 self.guest.base(),
                 self.cp,
-                self.chunks,
-                &mut self.probe_window,
+                chunks,
+                &mut self.refs.probe_window,
             );
-            let batch = self
-                .victims
-                .batch(&self.loc, &mut self.access, &mut probe, low, cap);
+            let batch =
+                self.reclaim
+                    .victims
+                    .batch(&self.loc, &mut self.access, &mut probe, low, cap);
             // Spared chunks are unmapped again (with the sampler's next
             // tick: one TLB shootdown per run per tick, not per batch).
-            self.sampler.spared(&self.victims.spared);
-            self.victims_at = Some(Instant::now());
+            self.sampler.spared(&self.reclaim.victims.spared);
+            self.reclaim.victims_at = Some(Instant::now());
             if batch.is_empty() || !self.page_out(batch) {
-                self.evicting = false;
+                self.reclaim.evicting = false;
                 break;
             }
         }
@@ -138,9 +167,9 @@ impl Pager {
             chosen = pick(&self.servers.free, &self.servers.down, new);
         }
         let Some(s) = chosen.or(if new == 0 { Some(0) } else { None }) else {
-            if !self.full_warned {
+            if !self.reclaim.full_warned {
                 warn!("every memory server is full: the region stays over its budget");
-                self.full_warned = true;
+                self.reclaim.full_warned = true;
             }
             return false;
         };
@@ -149,7 +178,7 @@ impl Pager {
         // page-in: a fault on one, read after its punch or write, waits
         // for the job and then finds the page remote, so it pages back in.)
         // (With two replicas a page is clean only with both copies kept.)
-        let whole = |q: usize| self.replicas < 2 || self.loc.second[q] > 0;
+        let whole = |q: usize| self.repl.copies < 2 || self.loc.second[q] > 0;
         let (clean, dirty): (Vec<usize>, Vec<usize>) = pages
             .into_iter()
             .partition(|q| self.loc.clean[*q] && whole(*q));
@@ -164,7 +193,7 @@ impl Pager {
             });
         }
         // With two replicas, a mirror for pages without a second copy.
-        let need2 = if self.replicas < 2 {
+        let need2 = if self.repl.copies < 2 {
             0
         } else {
             dirty.iter().filter(|q| self.loc.second[**q] == 0).count() as u64
@@ -176,8 +205,9 @@ impl Pager {
         let m = if need2 > 0 {
             let m = self.pick_mirror(s, need2);
             match m {
-                Some(_) => self.rerep.mirrors_back(),
+                Some(_) => self.repl.rerep.mirrors_back(),
                 None => self
+                    .repl
                     .rerep
                     .single_copy(&self.servers.addrs, &self.servers.down),
             }
@@ -194,7 +224,7 @@ impl Pager {
                 0 => s,
                 c => c as usize - 1,
             };
-            let t2 = match (self.replicas, self.loc.second[q]) {
+            let t2 = match (self.repl.copies, self.loc.second[q]) {
                 (1, _) => None,
                 (_, 0) => match m {
                     Some(m) if m != t => Some(m),
@@ -206,7 +236,7 @@ impl Pager {
                 (_, c) => Some(c as usize - 1),
             };
             // A second copy on the page's own server is no copy at all.
-            if self.replicas > 1 && t2 == Some(t) {
+            if self.repl.copies > 1 && t2 == Some(t) {
                 unplaced.push(q);
                 continue;
             }
@@ -250,7 +280,7 @@ impl Pager {
             // Stale copies still to be deleted there go first: a delete
             // landing after this job's PUT would remove the new copy.
             for tg in &targets {
-                if !self.rerep.orphans[tg.server].is_empty() {
+                if !self.repl.rerep.orphans[tg.server].is_empty() {
                     self.flush_orphans_on(tg.server);
                 }
             }
@@ -300,7 +330,7 @@ impl Pager {
                 (false, _) => stayed.push(q),
             }
         }
-        if !self.tracking {
+        if !self.changes.on() {
             for run in consecutive_runs(&stayed) {
                 let first = stayed[run.start];
                 if let Err(e) =
@@ -332,7 +362,7 @@ impl Pager {
         st.bytes_out.fetch_add(sent * PAGE as u64, Relaxed);
         // The writer's CPU for the job; the pager's share is metered.
         st.page_out_cpu_ns.fetch_add(d.cpu_ns, Relaxed);
-        if live.len() < self.replicas && sent > 0 {
+        if live.len() < self.repl.copies && sent > 0 {
             self.copies_lost();
         }
         self.wake_job_faults();
@@ -341,7 +371,7 @@ impl Pager {
             if e.code() == Some(pagefleet_proto::ErrorCode::OutOfCapacity) {
                 debug!("memory server {} is full", self.servers.addrs[t]);
                 self.servers.free[t] = 0;
-            } else if self.replicas > 1 {
+            } else if self.repl.copies > 1 {
                 // Its pages were not stored (they stay here); the other
                 // copies it held are served by their mirrors.
                 self.server_down(t, &e);
@@ -387,13 +417,9 @@ impl Pager {
 
     /// Wake the threads whose faults waited for a job that has landed.
     fn wake_job_faults(&mut self) {
-        let waiting = std::mem::take(&mut self.job_faults);
-        for p in waiting {
-            if self.loc.in_job(p) {
-                self.job_faults.push(p);
-            } else {
-                self.wake(p);
-            }
+        let loc = &self.loc;
+        for p in self.faults.landed(|p| loc.in_job(p)) {
+            self.wake(p);
         }
     }
 
@@ -440,10 +466,10 @@ impl Pager {
         let len = self.loc.copy.len();
         for i in 0..len {
             if n >= max {
-                self.copy_hand = (self.copy_hand + i) % len;
+                self.reclaim.copy_hand = (self.reclaim.copy_hand + i) % len;
                 break;
             }
-            let q = (self.copy_hand + i) % len;
+            let q = (self.reclaim.copy_hand + i) % len;
             let (c, c2) = (self.loc.copy[q], self.loc.second[q]);
             // A page in a page-out job keeps its slot: the PUT in flight
             // (on the writer's connection) could land after a delete.
@@ -478,7 +504,7 @@ impl Pager {
                     r = self.servers.conns[s].delete(region, Pages::List(part));
                 }
                 if let Err(e) = r {
-                    if self.replicas > 1 {
+                    if self.repl.copies > 1 {
                         // Down: what it kept is gone anyway.
                         self.server_down(s, &e);
                         break;

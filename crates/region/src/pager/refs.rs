@@ -32,6 +32,24 @@ const PROBE_WINDOW: usize = 64;
 /// not looked at yet.
 const PROBE_FRESH: Duration = Duration::from_millis(10);
 
+/// The page tables' reference bits for this region.
+pub(super) struct RefBits {
+    /// `PAGEMAP_SCAN` for reference bits; None on kernels before 6.7
+    /// (then only page-ins count as references).
+    pub pagemap: Option<uffd::Pagemap>,
+    /// What the victim hand's probe read last.
+    pub probe_window: ProbeWindow,
+}
+
+impl RefBits {
+    pub fn new(pagemap: Option<uffd::Pagemap>) -> Self {
+        RefBits {
+            pagemap,
+            probe_window: ProbeWindow::default(),
+        }
+    }
+}
+
 /// The chunks a probe has read already, and when.
 pub(super) struct ProbeWindow {
     lo: usize,
@@ -114,7 +132,7 @@ impl Pager {
     /// Set the reference bits of pages `lo..hi` mapped now (touched since
     /// their last zap, or installed since); returns how many.
     pub(super) fn read_refs(&mut self, lo: usize, hi: usize) -> u64 {
-        match self.pagemap.as_mut() {
+        match self.refs.pagemap.as_mut() {
             Some(pm) => read_mapped(pm, self.guest.base(), lo, hi, &mut self.access),
             None => 0,
         }
@@ -133,7 +151,7 @@ impl Pager {
     /// the page tables again.
     /// Returns the number of `madvise` calls (each a TLB shootdown).
     pub(super) fn rearm(&mut self, chunks: &[usize]) -> u64 {
-        if self.pagemap.is_none() || chunks.is_empty() {
+        if self.refs.pagemap.is_none() || chunks.is_empty() {
             return 0;
         }
         debug_assert!(chunks.windows(2).all(|w| w[0] <= w[1]));

@@ -53,6 +53,17 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 /// Most bytes of bandwidth credit re-replication saves up (two steps).
 const BURST: f64 = (2 * STEP_PAGES * PAGE) as f64;
 
+/// Replicas of remote pages: how many, re-replication after a server's
+/// death, and the health of each server.
+pub(super) struct Replication {
+    /// Copies of every remote page (1 or 2).
+    pub copies: usize,
+    /// Re-replication after a server's death.
+    pub rerep: Rerep,
+    /// Hung servers (deadlines) and revival of servers called down.
+    pub health: Health,
+}
+
 /// Re-replication's state.
 pub(super) struct Rerep {
     /// Bytes/s (0: unlimited).
@@ -241,7 +252,7 @@ impl Pager {
     /// The pager's connection to `s` reported bytes with nothing asked:
     /// if the server closed it, reconnect or call the server down.
     pub(super) fn check_idle(&mut self, s: usize) {
-        if self.replicas < 2 || self.servers.down[s] || !self.servers.gets[s].is_empty() {
+        if self.repl.copies < 2 || self.servers.down[s] || !self.servers.gets[s].is_empty() {
             return;
         }
         if !self.servers.conns[s].peer_closed() {
@@ -257,7 +268,7 @@ impl Pager {
     /// suspect; it is called down (its GETs asked of their mirrors) if
     /// every page it holds has a live mirror. See [`Health`].
     pub(super) fn check_deadlines(&mut self) {
-        if self.replicas < 2 {
+        if self.repl.copies < 2 {
             return;
         }
         let writer_wait = self.writer.links.lock().unwrap().waiting();
@@ -265,7 +276,7 @@ impl Pager {
             if self.servers.down[s] {
                 continue;
             }
-            let deadline = self.health.deadline(s);
+            let deadline = self.repl.health.deadline(s);
             let late_get = self.servers.gets[s]
                 .iter()
                 .find(|g| g.fault.is_some())
@@ -287,7 +298,7 @@ impl Pager {
             }
             let sole = self.loc.sole_copies(s);
             if sole > 0 {
-                if !std::mem::replace(&mut self.health.kept_warned[s], true) {
+                if !std::mem::replace(&mut self.repl.health.kept_warned[s], true) {
                     warn!(
                         "memory server {} has not answered for {} ms, but it holds the only copy of {sole} pages of region {:#x}: waiting for it",
                         self.servers.addrs[s],
@@ -297,7 +308,7 @@ impl Pager {
                 }
                 continue;
             }
-            self.health.kept_warned[s] = false;
+            self.repl.health.kept_warned[s] = false;
             let hedged: u64 = self.servers.gets[s]
                 .iter()
                 .filter(|g| g.fault.is_some())
@@ -307,7 +318,7 @@ impl Pager {
             let why = pagefleet_client::ClientError::Unresponsive {
                 addr: self.servers.addrs[s].clone(),
                 waited_ms: waited.as_millis() as u64,
-                usual_us: self.health.usual_us[s] as u64,
+                usual_us: self.repl.health.usual_us[s] as u64,
             };
             self.server_down(s, &why);
         }
@@ -315,11 +326,11 @@ impl Pager {
 
     /// Probe servers called down, and revive those that answer.
     pub(super) fn revive_step(&mut self) {
-        if self.replicas < 2 {
+        if self.repl.copies < 2 {
             return;
         }
-        while let Ok((s, r)) = self.health.answers.try_recv() {
-            self.health.probing[s] = false;
+        while let Ok((s, r)) = self.repl.health.answers.try_recv() {
+            self.repl.health.probing[s] = false;
             match r {
                 Ok(c) if self.servers.down[s] => self.revive(s, c),
                 Ok(_) => {}
@@ -328,19 +339,22 @@ impl Pager {
         }
         let now = Instant::now();
         for s in 0..self.servers.conns.len() {
-            if !self.servers.down[s] || self.health.probing[s] {
+            if !self.servers.down[s] || self.repl.health.probing[s] {
                 continue;
             }
-            let due = *self.health.probe_at[s].get_or_insert(now + PROBE_EVERY);
+            let due = *self.repl.health.probe_at[s].get_or_insert(now + PROBE_EVERY);
             if now < due {
                 continue;
             }
             let Some((addr, secret, opts)) = self.servers.probe(s, PROBE_TIMEOUT) else {
                 return;
             };
-            self.health.probe_at[s] = Some(now + PROBE_EVERY);
-            self.health.probing[s] = true;
-            let (tx, bell) = (self.health.answer_tx.clone(), self.doorbell.clone());
+            self.repl.health.probe_at[s] = Some(now + PROBE_EVERY);
+            self.repl.health.probing[s] = true;
+            let (tx, bell) = (
+                self.repl.health.answer_tx.clone(),
+                self.owner.doorbell.clone(),
+            );
             let spawned = std::thread::Builder::new()
                 .name("pagefleet-probe".into())
                 .spawn(move || {
@@ -350,7 +364,7 @@ impl Pager {
                     }
                 });
             if spawned.is_err() {
-                self.health.probing[s] = false;
+                self.repl.health.probing[s] = false;
             }
         }
     }
@@ -391,8 +405,8 @@ impl Pager {
         self.servers.replace(s, c);
         self.servers.down[s] = false;
         self.servers.free[s] = free;
-        self.health.probe_at[s] = None;
-        self.health.usual_us[s] = 0.0;
+        self.repl.health.probe_at[s] = None;
+        self.repl.health.usual_us[s] = 0.0;
         self.writer.links.lock().unwrap().restore(s);
         if let Some(x) = self.shared.servers.lock().unwrap().get_mut(s) {
             x.1 = false;
@@ -400,8 +414,8 @@ impl Pager {
         let st = &self.shared.stats;
         st.servers_down.fetch_sub(1, Relaxed);
         st.servers_revived.fetch_add(1, Relaxed);
-        self.rerep.look_again();
-        self.rerep.retry_at = None;
+        self.repl.rerep.look_again();
+        self.repl.rerep.retry_at = None;
         self.publish();
     }
 
@@ -435,8 +449,8 @@ impl Pager {
                 self.wake(q);
             }
         }
-        self.rerep.orphans[s].clear();
-        self.rerep.conns.remove(&s);
+        self.repl.rerep.orphans[s].clear();
+        self.repl.rerep.conns.remove(&s);
         if let Some(ev) = self.evac.take() {
             if ev.from == s || ev.to == s {
                 let _ = ev.reply.send(Err(format!(
@@ -484,23 +498,23 @@ impl Pager {
     /// Some pages may have fewer copies than wanted now: count them and
     /// let re-replication look again.
     pub(super) fn copies_lost(&mut self) {
-        self.rerep.look_again();
-        if self.rerep.counted_at.elapsed() >= COUNT_EVERY {
+        self.repl.rerep.look_again();
+        if self.repl.rerep.counted_at.elapsed() >= COUNT_EVERY {
             self.count_degraded();
         } else {
-            self.rerep.count_due = true;
+            self.repl.rerep.count_due = true;
         }
     }
 
     /// Count remote pages with fewer copies than wanted (for the stats).
     fn count_degraded(&mut self) {
-        self.rerep.count_due = false;
-        self.rerep.counted_at = Instant::now();
-        let n = if self.replicas < 2 {
+        self.repl.rerep.count_due = false;
+        self.repl.rerep.counted_at = Instant::now();
+        let n = if self.repl.copies < 2 {
             0
         } else {
             (0..self.loc.pages())
-                .filter(|&q| self.loc.state[q] >= REMOTE && self.loc.replicas(q) < self.replicas)
+                .filter(|&q| self.loc.state[q] >= REMOTE && self.loc.replicas(q) < self.repl.copies)
                 .count() as u64
         };
         self.shared.stats.degraded_pages.store(n, Relaxed);
@@ -508,41 +522,42 @@ impl Pager {
 
     /// A connection of re-replication's own to server `s`.
     fn rerep_conn(&mut self, s: usize) -> Result<&mut Conn, pagefleet_client::ClientError> {
-        if !self.rerep.conns.contains_key(&s) {
+        if !self.repl.rerep.conns.contains_key(&s) {
             let mut c = self
                 .servers
                 .connect_again(s, REPLICA_PATIENCE, REPLICA_IO_TIMEOUT)?;
             c.set_window(32);
-            self.rerep.conns.insert(s, c);
+            self.repl.rerep.conns.insert(s, c);
         }
-        Ok(self.rerep.conns.get_mut(&s).expect("inserted"))
+        Ok(self.repl.rerep.conns.get_mut(&s).expect("inserted"))
     }
 
     /// Copy one step's worth of degraded pages to a new mirror, within
     /// the bandwidth limit; also delete orphaned copies.
     pub(super) fn rereplicate_step(&mut self) {
-        if self.replicas < 2 || self.hold {
+        if self.repl.copies < 2 || self.owner.hold {
             return;
         }
         // Due after a loss; while pages have one copy, also refreshed every
         // RECOUNT_EVERY (pages paged back in leave the count).
-        let age = self.rerep.counted_at.elapsed();
-        if (self.rerep.count_due && age >= COUNT_EVERY)
-            || (self.rerep.active && age >= RECOUNT_EVERY)
+        let age = self.repl.rerep.counted_at.elapsed();
+        if (self.repl.rerep.count_due && age >= COUNT_EVERY)
+            || (self.repl.rerep.active && age >= RECOUNT_EVERY)
         {
             self.count_degraded();
         }
         self.flush_orphans(false);
-        if !self.rerep.ready() {
+        if !self.repl.rerep.ready() {
             return;
         }
         let now = Instant::now();
-        if self.rerep.rate > 0 {
-            let dt = now.duration_since(self.rerep.last).as_secs_f64();
-            self.rerep.tokens = (self.rerep.tokens + dt * self.rerep.rate as f64).min(BURST);
+        if self.repl.rerep.rate > 0 {
+            let dt = now.duration_since(self.repl.rerep.last).as_secs_f64();
+            self.repl.rerep.tokens =
+                (self.repl.rerep.tokens + dt * self.repl.rerep.rate as f64).min(BURST);
         }
-        self.rerep.last = now;
-        if self.rerep.rate > 0 && self.rerep.tokens < (STEP_PAGES * PAGE) as f64 {
+        self.repl.rerep.last = now;
+        if self.repl.rerep.rate > 0 && self.repl.rerep.tokens < (STEP_PAGES * PAGE) as f64 {
             return;
         }
         // The next pages with one copy, by the server holding it: every such
@@ -551,8 +566,8 @@ impl Pager {
         // per round trip: 1 GiB restored at 2.4–3.5x a PUT stream's time.)
         let n = self.loc.pages();
         let mut by_src: Vec<(usize, Vec<u64>)> = Vec::new();
-        while self.rerep.cursor < n && by_src.iter().all(|(_, l)| l.len() < STEP_PAGES) {
-            let q = self.rerep.cursor;
+        while self.repl.rerep.cursor < n && by_src.iter().all(|(_, l)| l.len() < STEP_PAGES) {
+            let q = self.repl.rerep.cursor;
             let st = self.loc.state[q];
             if st >= REMOTE && self.loc.second[q] == 0 && self.loc.out[q] == OUT_NONE {
                 let s = (st - REMOTE) as usize;
@@ -561,16 +576,16 @@ impl Pager {
                     None => by_src.push((s, vec![q as u64])),
                 }
             }
-            self.rerep.cursor += 1;
+            self.repl.rerep.cursor += 1;
         }
         if by_src.is_empty() {
             // A full pass found none: done (pages that were arriving are
             // caught by the next pass if they leave again with one copy).
-            self.rerep.cursor = 0;
-            if std::mem::take(&mut self.rerep.again) {
+            self.repl.rerep.cursor = 0;
+            if std::mem::take(&mut self.repl.rerep.again) {
                 return;
             }
-            self.rerep.active = false;
+            self.repl.rerep.active = false;
             self.count_degraded();
             return;
         }
@@ -588,15 +603,15 @@ impl Pager {
             }
         }
         if copies.is_empty() {
-            if !self.rerep.warned {
+            if !self.repl.rerep.warned {
                 warn!(
                     "region {:#x}: no live memory server has room for second copies; pages stay single until one does",
                     self.region_id
                 );
-                self.rerep.warned = true;
+                self.repl.rerep.warned = true;
             }
-            self.rerep.cursor = 0;
-            self.rerep.retry_at = Some(now + Duration::from_secs(5));
+            self.repl.rerep.cursor = 0;
+            self.repl.rerep.retry_at = Some(now + Duration::from_secs(5));
             return;
         }
         let t0 = Instant::now();
@@ -625,11 +640,11 @@ impl Pager {
                             Some(d.saturating_sub(list.len() as u64))
                         })
                         .ok();
-                    self.rerep.tokens -= (list.len() * PAGE) as f64;
+                    self.repl.rerep.tokens -= (list.len() * PAGE) as f64;
                 }
                 Err((bad, e)) => {
                     self.servers.free[t] += list.len() as u64;
-                    self.rerep.conns.remove(&bad);
+                    self.repl.rerep.conns.remove(&bad);
                     if e.code() == Some(pagefleet_proto::ErrorCode::OutOfCapacity) {
                         self.servers.free[bad] = 0;
                     } else {
@@ -641,7 +656,7 @@ impl Pager {
         }
         // Look at the pages not copied again.
         if let Some(q) = again {
-            self.rerep.cursor = q as usize;
+            self.repl.rerep.cursor = q as usize;
         }
         self.meter.page_out(t0);
     }
@@ -675,7 +690,7 @@ impl Pager {
     ) -> Result<(), (usize, pagefleet_client::ClientError)> {
         let region = self.region_id;
         let taddr = self.servers.addrs[t].clone();
-        let pushed = sent.and_then(|ids| match self.rerep.conns.get_mut(&s) {
+        let pushed = sent.and_then(|ids| match self.repl.rerep.conns.get_mut(&s) {
             Some(c) => c.recv_push(ids),
             None => Err(pagefleet_client::ClientError::Usage(
                 "re-replication's connection is gone".into(),
@@ -710,22 +725,22 @@ impl Pager {
         }
         // A server without PUSH: relay the pages through here.
         self.rerep_conn(t).map_err(|e| (t, e))?;
-        let mut buf = std::mem::take(&mut self.rerep.buf);
+        let mut buf = std::mem::take(&mut self.repl.rerep.buf);
         buf.resize(list.len() * PAGE, 0);
-        let mut src = self.rerep.conns.remove(&s).expect("connected");
-        let mut dst = self.rerep.conns.remove(&t).expect("connected");
+        let mut src = self.repl.rerep.conns.remove(&s).expect("connected");
+        let mut dst = self.repl.rerep.conns.remove(&t).expect("connected");
         let r = relay(&mut src, &mut dst, region, list, &mut buf);
-        self.rerep.conns.insert(s, src);
-        self.rerep.conns.insert(t, dst);
-        self.rerep.buf = buf;
+        self.repl.rerep.conns.insert(s, src);
+        self.repl.rerep.conns.insert(t, dst);
+        self.repl.rerep.buf = buf;
         r.map_err(|(from_src, e)| (if from_src { s } else { t }, e))
     }
 
     /// Delete orphaned copies (stale room on mirrors of pages a take
     /// brought in) where a server's list is long, or with `all` every one.
     pub(super) fn flush_orphans(&mut self, all: bool) {
-        for s in 0..self.rerep.orphans.len() {
-            let len = self.rerep.orphans[s].len();
+        for s in 0..self.repl.rerep.orphans.len() {
+            let len = self.repl.rerep.orphans[s].len();
             if len > 0 && (all || len >= pagefleet_proto::MAX_DELETE_LIST) {
                 self.flush_orphans_on(s);
             }
@@ -734,7 +749,7 @@ impl Pager {
 
     /// Delete the orphaned copies on server `s` now.
     pub(super) fn flush_orphans_on(&mut self, s: usize) {
-        let list = std::mem::take(&mut self.rerep.orphans[s]);
+        let list = std::mem::take(&mut self.repl.rerep.orphans[s]);
         if list.is_empty() || self.servers.down[s] {
             return;
         }
@@ -745,7 +760,7 @@ impl Pager {
         match r {
             Ok(_) => self.servers.free[s] += list.len() as u64,
             Err(e) => {
-                self.rerep.conns.remove(&s);
+                self.repl.rerep.conns.remove(&s);
                 self.server_down(s, &e);
             }
         }

@@ -226,7 +226,7 @@ impl Pager {
     /// Advance the sampling hand by as many resident chunks as the rate allows.
     pub(super) fn sample_tick(&mut self) {
         let now = Instant::now();
-        if self.hold || !self.sampler.due(now) {
+        if self.owner.hold || !self.sampler.due(now) {
             return;
         }
         // The region's owner may change the budget while the guest runs.
@@ -250,8 +250,9 @@ impl Pager {
         // only add minor faults and shootdowns (in the kv bench at 25%:
         // ~4 000 chunks swept per 6 s for the same page-ins per operation).
         // It keeps the history while nothing is evicted, and for aging.
-        if self.victims.reads_refs_itself()
+        if self.reclaim.victims.reads_refs_itself()
             && self
+                .reclaim
                 .victims_at
                 .is_some_and(|t| now.duration_since(t) < CLOCK_QUIET)
         {
@@ -267,18 +268,20 @@ impl Pager {
             let span = self.sampler.advance(plan.todo, |c| loc.chunk_res[c] != 0);
             let cp = self.cp;
             let mut touched = 0;
-            for r in span.pieces(self.chunks) {
+            for r in span.pieces(self.chunks()) {
                 touched += self.read_refs(r.start * cp, r.end * cp);
             }
             for &c in &span.visit {
-                self.victims.sweep(&mut self.access, c * cp, (c + 1) * cp);
+                self.reclaim
+                    .victims
+                    .sweep(&mut self.access, c * cp, (c + 1) * cp);
             }
             let st = &self.shared.stats;
             st.sampled_chunks
                 .fetch_add(span.visit.len() as u64, Relaxed);
             st.minor_faults.fetch_add(touched, Relaxed);
-            if self.pagemap.is_some() {
-                for r in span.pieces(self.chunks) {
+            if self.refs.pagemap.is_some() {
+                for r in span.pieces(self.chunks()) {
                     self.zap(r.start * cp, r.end * cp);
                     zaps += 1;
                 }
