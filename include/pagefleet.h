@@ -18,7 +18,7 @@ extern "C" {
 typedef struct pf_region pf_region;
 
 /* The order of pagefleet_api::Policy::ALL; another value makes pf_region_new fail. */
-enum pf_policy { PF_POLICY_CLOCK = 0, PF_POLICY_AGING = 1 };
+enum pf_policy { PF_POLICY_CLOCK = 0, PF_POLICY_AGING = 1, PF_POLICY_LRU2 = 2 };
 
 typedef struct pf_config {
     uint64_t size;          /* bytes; rounded up to whole chunks */

@@ -88,6 +88,12 @@ choice! {
         /// the victim is the coldest whole chunk of a window. Reference bits
         /// come from the sampling hand alone, within its CPU budget.
         Aging = "aging",
+        /// LRU-2 on the same history: the victim is the chunk whose second
+        /// most recent use is oldest (a page a scan touched once goes
+        /// before one used twice); a page used in the current period is
+        /// not eligible (the correlated reference period), so a page just
+        /// brought in does not evict itself.
+        Lru2 = "lru2",
     }
 }
 
@@ -141,7 +147,8 @@ mod tests {
     fn the_c_abi_numbers_follow_the_list() {
         assert_eq!(Policy::from_index(0), Some(Policy::Clock));
         assert_eq!(Policy::from_index(1), Some(Policy::Aging));
-        assert_eq!(Policy::from_index(2), None);
+        assert_eq!(Policy::from_index(2), Some(Policy::Lru2));
+        assert_eq!(Policy::from_index(Policy::ALL.len() as u32), None);
         assert_eq!(Policy::default(), Policy::Clock);
         assert_eq!(Prefetch::default(), Prefetch::Adaptive);
     }

@@ -14,8 +14,8 @@ pub struct PfConfig {
     pub budget_pages: u64,
     /// Pages per chunk.
     pub chunk_pages: u32,
-    /// The victim policy: its index in `Policy::ALL` (0: clock, 1: aging;
-    /// `enum pf_policy`).
+    /// The victim policy: its index in `Policy::ALL` (`enum pf_policy`;
+    /// a test holds the header to that order).
     pub policy: u32,
     /// Memory servers, comma-separated HOST:PORT (NULL: none).
     pub servers: *const c_char,
@@ -228,5 +228,32 @@ pub unsafe extern "C" fn pf_region_close(r: *mut c_void, err: *mut c_char, errle
             unsafe { set_err(err, errlen, &e.to_string()) };
             -1
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::Policy;
+
+    /// `include/pagefleet.h` numbers the policies as `Policy::ALL` does:
+    /// `PF_POLICY_<NAME> = <index>`, every one, in order.
+    #[test]
+    fn the_header_lists_every_policy_in_order() {
+        let h = include_str!("../../../include/pagefleet.h");
+        let start = h
+            .find("enum pf_policy {")
+            .expect("enum pf_policy in the header");
+        let body = &h[start..start + h[start..].find('}').unwrap()];
+        let want: Vec<String> = Policy::ALL
+            .iter()
+            .enumerate()
+            .map(|(i, p)| format!("PF_POLICY_{} = {i}", p.name().to_uppercase()))
+            .collect();
+        let got: Vec<String> = body["enum pf_policy {".len()..]
+            .split(',')
+            .map(|s| s.trim().to_string())
+            .filter(|s| !s.is_empty())
+            .collect();
+        assert_eq!(got, want);
     }
 }

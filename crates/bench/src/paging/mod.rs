@@ -472,6 +472,9 @@ pub fn configs(quick: bool) -> Vec<Group> {
                 region("pagefleet 50% aging", 50.0, |c| {
                     c.policy = pagefleet_region::Policy::Aging.name().into()
                 }),
+                region("pagefleet 50% lru2", 50.0, |c| {
+                    c.policy = pagefleet_region::Policy::Lru2.name().into()
+                }),
                 region("pagefleet 50% no reply poll", 50.0, |c| {
                     c.reply_spin_us = Some(0)
                 }),

@@ -42,6 +42,13 @@ impl Pager {
     /// sent. Only when resident memory is over the budget itself does the
     /// pager wait for jobs to land (direct reclaim, counted in the stats).
     pub(super) fn balance(&mut self) {
+        self.balance_round();
+        // Pages brought in before this round may go in the next (a page is
+        // not evicted by the round its own arrival started).
+        self.reclaim.victims.round_done();
+    }
+
+    fn balance_round(&mut self) {
         let budget = self.shared.budget.load(Relaxed);
         if self.owner.hold || self.loc.state.len() as u64 <= budget {
             self.reclaim.evicting = false;

@@ -1,7 +1,7 @@
 //! Victim choice: which resident chunks leave when a region is over its
 //! budget. The [`Hand`] walks resident chunks in address order; a
 //! [`VictimPolicy`] decides at each chunk it is shown (one file each:
-//! [`clock`], [`aging`]). A policy reads only the location DB,
+//! [`clock`], [`aging`], [`lru2`]). A policy reads only the location DB,
 //! the access history and what a reference probe adds to it just before it
 //! looks at a chunk (the pager's probe reads which pages were touched since
 //! they were last unmapped, [`super::refs`]), so the tests here run every
@@ -13,6 +13,7 @@
 
 mod aging;
 mod clock;
+mod lru2;
 
 use super::location::{AccessHistory, LocationDb};
 use crate::Policy;
@@ -66,11 +67,20 @@ impl RefProbe for NoProbe {
     fn refresh(&mut self, _: usize, _: &mut AccessHistory) {}
 }
 
-/// Where the victim search stands: a position over the region's chunks.
+/// Where the victim search stands: a position over the region's chunks,
+/// and which chunks had pages brought in since the last batch.
 pub(super) struct Hand {
     pos: usize,
     chunks: usize,
     cp: usize,
+    /// Per chunk: the balancing round in which a page last came in. A
+    /// chunk whose page came in during this round is passed over (unless
+    /// every resident chunk did): a page brought in is not evicted by the
+    /// balancing its own arrival started, before the guest could use it,
+    /// whatever the policy makes of a page with one use.
+    arrived: Vec<u32>,
+    /// This round's number (starts at 1: 0 marks "never").
+    round: u32,
 }
 
 /// What a policy sees while it looks for one victim: the hand, the region's
@@ -84,18 +94,33 @@ pub(super) struct Look<'a> {
     spared: &'a mut Vec<usize>,
     /// Chunks the hand passed in this batch.
     steps: usize,
+    /// Every resident chunk was just brought in: the walk takes them.
+    take_fresh: bool,
 }
 
 impl Look<'_> {
-    /// The next chunk with resident pages, or None if there is none.
+    /// The next chunk with resident pages (not one just brought in, unless
+    /// there is no other), or None if there is none.
     fn next_resident(&mut self) -> Option<usize> {
-        for _ in 0..self.hand.chunks {
-            let c = self.hand.pos;
-            self.hand.pos = (self.hand.pos + 1) % self.hand.chunks;
-            self.steps += 1;
-            if self.loc.chunk_res[c] > 0 {
-                return Some(c);
+        for _ in 0..2 {
+            let mut fresh = false;
+            for _ in 0..self.hand.chunks {
+                let c = self.hand.pos;
+                self.hand.pos = (self.hand.pos + 1) % self.hand.chunks;
+                self.steps += 1;
+                if self.loc.chunk_res[c] == 0 {
+                    continue;
+                }
+                if self.hand.arrived[c] != self.hand.round || self.take_fresh {
+                    return Some(c);
+                }
+                fresh = true;
             }
+            if !fresh {
+                break;
+            }
+            // A lap met only chunks just brought in: they go too.
+            self.take_fresh = true;
         }
         None
     }
@@ -152,6 +177,7 @@ impl Victims {
         let imp: Box<dyn VictimPolicy> = match policy {
             Policy::Clock => Box::new(clock::Clock::new(chunks, chunk_pages)),
             Policy::Aging => Box::new(aging::Aging),
+            Policy::Lru2 => Box::new(lru2::Lru2),
         };
         Victims::with(imp, chunks, chunk_pages)
     }
@@ -162,6 +188,8 @@ impl Victims {
                 pos: 0,
                 chunks,
                 cp: chunk_pages,
+                arrived: vec![0; chunks],
+                round: 1,
             },
             policy,
             spared: Vec::new(),
@@ -186,6 +214,18 @@ impl Victims {
     pub(super) fn hotness(&self, access: &AccessHistory, lo: usize, hi: usize) -> u32 {
         self.policy
             .hotness(&access.age[lo..hi], &access.refb[lo..hi])
+    }
+
+    /// A page of chunk `c` came in (a page-in or a first touch): batches
+    /// pass the chunk over until the balancing round ends.
+    pub(super) fn arrived(&mut self, c: usize) {
+        self.hand.arrived[c] = self.hand.round;
+    }
+
+    /// A balancing round ends (whether it evicted or not): chunks brought
+    /// in before it are fair game from now on.
+    pub(super) fn round_done(&mut self) {
+        self.hand.round = self.hand.round.wrapping_add(1).max(1);
     }
 
     /// A migrated page's history byte as the policy keeps it.
@@ -215,6 +255,7 @@ impl Victims {
             probe,
             spared: &mut self.spared,
             steps: 0,
+            take_fresh: false,
         };
         let mut chunks = Vec::new();
         let mut batch = Vec::new();
@@ -300,6 +341,7 @@ pub(super) mod tests {
                 };
                 self.mem.insert(p, v);
                 self.loc.set_local(p);
+                self.hand.arrived(p / self.cp);
                 self.access.refb[p] = 1;
                 self.balance();
             }
@@ -327,6 +369,7 @@ pub(super) mod tests {
                     self.access.clear(q, q + 1);
                 }
             }
+            self.hand.round_done();
         }
 
         /// The sampling hand passes every chunk once.
@@ -439,6 +482,35 @@ pub(super) mod tests {
             let (f, m) = zipf_run(policy, None, true, false);
             eprintln!("{policy}: page-ins/access {f:.4}, minor faults/access {m:.4}");
             assert!(f < 0.35, "{policy}: {f:.4} page-ins per access");
+        }
+    }
+
+    /// The hot set fills the budget and was used this period; a page
+    /// brought in then is not evicted by its own arrival's balancing (a
+    /// region smaller than the policy's window: the walk meets every chunk,
+    /// the new one too).
+    #[test]
+    fn a_page_in_never_evicts_itself() {
+        for &policy in Policy::ALL {
+            let mut sim = Sim::new(256, 4, 64, policy);
+            for _ in 0..3 {
+                for p in 0..64 {
+                    sim.touch(p, None);
+                }
+                sim.sweep();
+            }
+            for p in 0..64 {
+                sim.touch(p, None);
+            }
+            for p in 64..128 {
+                let before = sim.faults;
+                sim.touch(p, None);
+                assert_eq!(
+                    sim.faults - before,
+                    1,
+                    "{policy}: page {p} evicted by its own page-in"
+                );
+            }
         }
     }
 
