@@ -15,7 +15,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use pagefleet_uffd::handoff::{self, agent, Hello, USER_ADDRESS_END};
-use std::os::fd::AsRawFd;
+use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 
 /// The guest size and QEMU pid the runner expects.
@@ -37,12 +37,12 @@ fuzz_target!(|data: &[u8]| {
     {
         let (qemu, runner) = UnixStream::pair().expect("socketpair");
         let (r, w) = std::io::pipe().expect("pipe");
-        handoff::send_fds(qemu.as_raw_fd(), hello_bytes, &[w.as_raw_fd(); 3][..nfds])
+        handoff::send_fds(&qemu, hello_bytes, &[w.as_fd(); 3][..nfds])
             .expect("sendmsg over a socket pair");
         drop(qemu);
         drop((r, w));
         let mut buf = [0u8; 64];
-        match handoff::recv_fd(runner.as_raw_fd(), &mut buf) {
+        match handoff::recv_fd(&runner, &mut buf) {
             Ok(Some((n, _uffd))) => {
                 assert!(nfds > 0, "an fd from a message that had none");
                 assert_eq!(n, hello_bytes.len());

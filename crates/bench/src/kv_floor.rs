@@ -109,7 +109,7 @@ pub fn guest_main(size: u64, budget_pages: u64, store: &str, policy: FloorPolicy
         );
     }
     let fd = Arc::new(uffd::memfd("kv-floor", size)?);
-    let m = Arc::new(uffd::Mapping::shared(fd.as_raw_fd(), size as usize)?);
+    let m = Arc::new(uffd::Mapping::shared(&fd, size as usize)?);
     m.madvise(0, m.len(), libc::MADV_NOHUGEPAGE)?;
     let u = Uffd::open(
         uffd::FEATURE_MISSING_SHMEM
@@ -262,7 +262,7 @@ impl Handler {
                 }
             }
             if fds[1].revents != 0 {
-                uffd::drain(self.doorbell.as_raw_fd());
+                uffd::drain(&self.doorbell);
                 while let Ok(b) = self.done.try_recv() {
                     self.landed(b)?;
                 }
@@ -500,7 +500,7 @@ impl Evictor {
             }
             let pages: Vec<usize> = b.iter().map(|(p, _)| *p).collect();
             for r in runs(&pages) {
-                uffd::punch_hole(self.file.as_raw_fd(), (r.0 * P) as u64, (r.1 * P) as u64)?;
+                uffd::punch_hole(&self.file, (r.0 * P) as u64, (r.1 * P) as u64)?;
             }
             self.counters
                 .page_outs
@@ -511,7 +511,7 @@ impl Evictor {
             if done.send(b).is_err() {
                 return Ok(());
             }
-            uffd::ring(self.doorbell.as_raw_fd());
+            uffd::ring(&self.doorbell);
         }
         Ok(())
     }
@@ -580,7 +580,7 @@ mod tests {
     fn clock_takes_pages_untouched_since_the_last_pass() {
         const N: usize = 256;
         let fd = uffd::memfd("clock-test", (N * P) as u64).unwrap();
-        let m = Arc::new(uffd::Mapping::shared(fd.as_raw_fd(), N * P).unwrap());
+        let m = Arc::new(uffd::Mapping::shared(&fd, N * P).unwrap());
         let touch = |p: usize| {
             // SAFETY: page p is inside the mapping, which outlives this
             // closure; nothing else uses it.

@@ -455,6 +455,12 @@ impl Conn {
         self.stream.socket().as_raw_fd()
     }
 
+    /// The socket, borrowed (to register with an epoll set).
+    pub fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.stream.socket().as_fd()
+    }
+
     /// Bytes arrived on the socket since the last read (an epoll edge):
     /// [`Conn::reply_ready`] must look again.
     pub fn note_readable(&mut self) {

@@ -538,7 +538,7 @@ pub fn receive_with(
     let limited = memcg_limited();
     if let Some(c) = lookup.take() {
         let target = Target {
-            fd: r.adopt.memfd.as_raw_fd(),
+            fd: r.adopt.memfd.clone(),
             shared: r.shared.clone(),
             direct: !(gather || limited),
         };
@@ -682,7 +682,7 @@ pub fn receive_with(
                                 q += 1;
                             }
                             let _ = pagefleet_uffd::punch_hole(
-                                r.adopt.memfd.as_raw_fd(),
+                                &r.adopt.memfd,
                                 (s * PAGE) as u64,
                                 ((q - s) * PAGE) as u64,
                             );

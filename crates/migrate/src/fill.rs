@@ -26,8 +26,8 @@ use std::time::Instant;
 /// Where filled pages go.
 #[derive(Clone)]
 pub(crate) struct Target {
-    /// The guest memory's memfd (owned by the receiver, which outlives the filler).
-    pub fd: i32,
+    /// The guest memory's memfd.
+    pub fd: std::sync::Arc<std::os::fd::OwnedFd>,
     /// Receive location state and the guest mapping.
     pub shared: Arc<Shared>,
     /// Pages are read straight into guest memory. Not so in a gather
@@ -234,7 +234,7 @@ fn fill_page(t: &Target, p: usize, data: Fill<'_>) -> std::io::Result<()> {
             // A hole reads as zeros; data from an earlier round (or memory
             // populated for a direct read) goes.
             if loc[p] == HERE || loc[p] == PULLED || t.direct {
-                pagefleet_uffd::punch_hole(t.fd, (p * PAGE) as u64, PAGE as u64)?;
+                pagefleet_uffd::punch_hole(&t.fd, (p * PAGE) as u64, PAGE as u64)?;
             }
             loc[p] = ZERO_SERVER;
             return Ok(());

@@ -31,7 +31,7 @@ pub use pager::WRITER_THREAD;
 pub use stats::{Histogram, Stats};
 
 use pagefleet_uffd::{self as uffd, Mapping};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -199,7 +199,7 @@ impl Adopt {
     /// A memfd of `size` bytes and its (unregistered) guest mapping.
     pub fn create(name: &str, size: u64) -> std::io::Result<Adopt> {
         let memfd = uffd::memfd(name, size)?;
-        let guest = Mapping::shared(memfd.as_raw_fd(), size as usize)?;
+        let guest = Mapping::shared(&memfd, size as usize)?;
         guest.madvise(0, guest.len(), libc::MADV_NOHUGEPAGE)?;
         Ok(Adopt {
             memfd: Arc::new(memfd),
@@ -431,13 +431,12 @@ impl Region {
                     what: "memfd_create",
                     source,
                 })?;
-                let guest =
-                    Mapping::shared(memfd.as_raw_fd(), cfg.size as usize).map_err(|source| {
-                        RegionError::Io {
-                            what: "mmap",
-                            source,
-                        }
-                    })?;
+                let guest = Mapping::shared(&memfd, cfg.size as usize).map_err(|source| {
+                    RegionError::Io {
+                        what: "mmap",
+                        source,
+                    }
+                })?;
                 // Paging works per 4 KiB page and chunk: no transparent huge pages.
                 guest
                     .madvise(0, guest.len(), libc::MADV_NOHUGEPAGE)
@@ -608,7 +607,7 @@ impl Region {
     ) -> Option<T> {
         let (tx, rx) = std::sync::mpsc::channel();
         self.cmd.lock().unwrap().send(make(tx)).ok()?;
-        uffd::ring(self.doorbell.as_raw_fd());
+        uffd::ring(&self.doorbell);
         rx.recv_timeout(t).ok()
     }
 

@@ -4,7 +4,7 @@
 //! perf showed as a tenth of the pager's CPU per page-in.
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 
 /// An epoll instance; events carry the token given at registration.
 pub struct Epoll {
@@ -36,7 +36,8 @@ impl Epoll {
 
     /// Watch `fd` for input, reporting `token`. An fd closed later leaves
     /// the set by itself.
-    pub fn add(&self, fd: RawFd, token: u64, trigger: Trigger) -> io::Result<()> {
+    pub fn add(&self, fd: impl AsFd, token: u64, trigger: Trigger) -> io::Result<()> {
+        let fd = fd.as_fd().as_raw_fd();
         let mut ev = libc::epoll_event {
             events: (libc::EPOLLIN
                 | libc::EPOLLRDHUP
@@ -93,8 +94,8 @@ mod tests {
         let ep = Epoll::new().unwrap();
         let a = crate::eventfd().unwrap();
         let (mut s, r) = std::os::unix::net::UnixStream::pair().unwrap();
-        ep.add(a.as_raw_fd(), 1, Trigger::Level).unwrap();
-        ep.add(r.as_raw_fd(), 2, Trigger::Edge).unwrap();
+        ep.add(a.as_fd(), 1, Trigger::Level).unwrap();
+        ep.add(r.as_fd(), 2, Trigger::Edge).unwrap();
         let ready = |ep: &Epoll| {
             let mut v = Vec::new();
             ep.wait(0, &mut |t| v.push(t)).unwrap();
@@ -102,7 +103,7 @@ mod tests {
             v
         };
         assert_eq!(ready(&ep), Vec::<u64>::new());
-        crate::ring(a.as_raw_fd());
+        crate::ring(&a);
         use std::io::Write;
         s.write_all(b"x").unwrap();
         assert_eq!(ready(&ep), vec![1, 2]);
@@ -111,7 +112,7 @@ mod tests {
         assert_eq!(ready(&ep), vec![1]);
         s.write_all(b"y").unwrap();
         assert_eq!(ready(&ep), vec![1, 2]);
-        crate::drain(a.as_raw_fd());
+        crate::drain(&a);
         assert_eq!(ready(&ep), Vec::<u64>::new());
     }
 }

@@ -3,14 +3,14 @@
 //! through the VM shim) reaches the process that serves its faults.
 
 use std::io;
-use std::os::fd::{FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 
 /// Longest message that comes with an fd.
 pub const MAX_MSG: usize = 256;
 
 /// Send `msg` (at most [`MAX_MSG`] bytes) and `fd` in one datagram/record.
-pub fn send_fd(sock: RawFd, msg: &[u8], fd: RawFd) -> io::Result<()> {
-    send_fds(sock, msg, &[fd])
+pub fn send_fd(sock: impl AsFd, msg: &[u8], fd: impl AsFd) -> io::Result<()> {
+    send_fds(sock, msg, &[fd.as_fd()])
 }
 
 /// Most fds [`send_fds`] sends with one message.
@@ -19,7 +19,8 @@ pub const MAX_SEND_FDS: usize = 8;
 /// Send `msg` (1..=256 bytes) with `fds` (0..=[`MAX_SEND_FDS`]) in one
 /// SCM_RIGHTS message. Tests and fuzz targets send what a hostile shim
 /// could (several fds, or none) with it.
-pub fn send_fds(sock: RawFd, msg: &[u8], fds: &[RawFd]) -> io::Result<()> {
+pub fn send_fds(sock: impl AsFd, msg: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
+    let sock = sock.as_fd().as_raw_fd();
     if msg.is_empty() || msg.len() > MAX_MSG {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
@@ -38,7 +39,12 @@ pub fn send_fds(sock: RawFd, msg: &[u8], fds: &[RawFd]) -> io::Result<()> {
     };
     // u64s: the control buffer must be aligned for cmsghdr.
     let mut cbuf = [0u64; 8];
-    let bytes = std::mem::size_of_val(fds) as u32;
+    let mut raw: [RawFd; MAX_SEND_FDS] = [-1; MAX_SEND_FDS];
+    for (r, fd) in raw.iter_mut().zip(fds) {
+        *r = fd.as_raw_fd();
+    }
+    let raw = &raw[..fds.len()];
+    let bytes = std::mem::size_of_val(raw) as u32;
     // SAFETY: msghdr is plain data; every pointer set below outlives the call.
     let mut m: libc::msghdr = unsafe { std::mem::zeroed() };
     m.msg_iov = &mut iov;
@@ -57,9 +63,9 @@ pub fn send_fds(sock: RawFd, msg: &[u8], fds: &[RawFd]) -> io::Result<()> {
             (*c).cmsg_type = libc::SCM_RIGHTS;
             (*c).cmsg_len = libc::CMSG_LEN(bytes) as usize;
             std::ptr::copy_nonoverlapping(
-                fds.as_ptr(),
+                raw.as_ptr(),
                 libc::CMSG_DATA(c).cast::<RawFd>(),
-                fds.len(),
+                raw.len(),
             );
         }
     }
@@ -73,7 +79,8 @@ pub fn send_fds(sock: RawFd, msg: &[u8], fds: &[RawFd]) -> io::Result<()> {
 
 /// Receive a message and the fd sent with it; `Ok(None)` at end of stream.
 /// A message without an fd is an error (the peer is not the shim).
-pub fn recv_fd(sock: RawFd, buf: &mut [u8]) -> io::Result<Option<(usize, OwnedFd)>> {
+pub fn recv_fd(sock: impl AsFd, buf: &mut [u8]) -> io::Result<Option<(usize, OwnedFd)>> {
+    let sock = sock.as_fd().as_raw_fd();
     let mut iov = libc::iovec {
         iov_base: buf.as_mut_ptr().cast(),
         iov_len: buf.len(),
@@ -336,10 +343,10 @@ mod tests {
     fn an_fd_crosses_a_socket_pair_with_its_message() {
         let (a, b) = UnixDatagram::pair().unwrap();
         let (r, w) = std::io::pipe().unwrap();
-        send_fd(a.as_raw_fd(), b"hello", w.as_raw_fd()).unwrap();
+        send_fd(&a, b"hello", w.as_fd()).unwrap();
         drop(w);
         let mut buf = [0u8; 16];
-        let (n, fd) = recv_fd(b.as_raw_fd(), &mut buf).unwrap().unwrap();
+        let (n, fd) = recv_fd(&b, &mut buf).unwrap().unwrap();
         assert_eq!(&buf[..n], b"hello");
         // The received fd is the pipe's write end: writing reaches the reader.
         let mut f = std::fs::File::from(fd);
@@ -441,11 +448,11 @@ mod tests {
         let (r, w) = std::io::pipe().unwrap();
         // Three fds in one SCM_RIGHTS message (what a hostile shim could
         // send): the pipe's read end, then its write end twice.
-        let fds = [r.as_raw_fd(), w.as_raw_fd(), w.as_raw_fd()];
-        send_fds(a.as_raw_fd(), b"hi", &fds).unwrap();
+        let fds = [r.as_fd(), w.as_fd(), w.as_fd()];
+        send_fds(&a, b"hi", &fds).unwrap();
         drop(r);
         let mut buf = [0u8; 16];
-        let (n, kept) = recv_fd(b.as_raw_fd(), &mut buf).unwrap().unwrap();
+        let (n, kept) = recv_fd(&b, &mut buf).unwrap().unwrap();
         assert_eq!(n, 2);
         // The kept fd is the read end. Once our own write end is closed it
         // reads end of file, which it does only if the two received copies
@@ -463,6 +470,6 @@ mod tests {
         let (a, b) = UnixDatagram::pair().unwrap();
         a.send(b"no fd").unwrap();
         let mut buf = [0u8; 16];
-        assert!(recv_fd(b.as_raw_fd(), &mut buf).is_err());
+        assert!(recv_fd(&b, &mut buf).is_err());
     }
 }

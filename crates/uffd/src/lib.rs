@@ -4,7 +4,7 @@
 //! defined here (Debian's 6.1 headers lack the newer ones; see FACTS.md).
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 mod epoll;
 pub mod handoff;
@@ -168,6 +168,12 @@ pub struct Uffd {
 impl AsRawFd for Uffd {
     fn as_raw_fd(&self) -> RawFd {
         self.fd.as_raw_fd()
+    }
+}
+
+impl AsFd for Uffd {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.fd.as_fd()
     }
 }
 
@@ -525,7 +531,8 @@ unsafe impl Sync for Mapping {}
 
 impl Mapping {
     /// Map `len` bytes of file `fd` shared, read-write.
-    pub fn shared(fd: RawFd, len: usize) -> io::Result<Mapping> {
+    pub fn shared(fd: impl AsFd, len: usize) -> io::Result<Mapping> {
+        let fd = fd.as_fd().as_raw_fd();
         // SAFETY: new mapping, no hint.
         let p = unsafe {
             libc::mmap(
@@ -582,7 +589,8 @@ impl Drop for Mapping {
 }
 
 /// Free the file's pages in [off, off+len) (the next touch faults MISSING).
-pub fn punch_hole(fd: RawFd, off: u64, len: u64) -> io::Result<()> {
+pub fn punch_hole(fd: impl AsFd, off: u64, len: u64) -> io::Result<()> {
+    let fd = fd.as_fd().as_raw_fd();
     // SAFETY: plain syscall.
     let r = unsafe {
         libc::fallocate(
@@ -600,7 +608,8 @@ pub fn punch_hole(fd: RawFd, off: u64, len: u64) -> io::Result<()> {
 
 /// The byte ranges of `fd` (up to `len`) that hold data, by SEEK_DATA /
 /// SEEK_HOLE (shmem reports exactly the pages present in the page cache).
-pub fn data_ranges(fd: RawFd, len: u64) -> io::Result<Vec<(u64, u64)>> {
+pub fn data_ranges(fd: impl AsFd, len: u64) -> io::Result<Vec<(u64, u64)>> {
+    let fd = fd.as_fd().as_raw_fd();
     let mut out = Vec::new();
     let mut off = 0i64;
     while (off as u64) < len {
@@ -636,14 +645,16 @@ pub fn eventfd() -> io::Result<OwnedFd> {
 }
 
 /// Ring an eventfd.
-pub fn ring(fd: RawFd) {
+pub fn ring(fd: impl AsFd) {
+    let fd = fd.as_fd().as_raw_fd();
     let one = 1u64;
     // SAFETY: 8-byte write from a valid buffer.
     unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
 }
 
 /// Reset an eventfd after it rang.
-pub fn drain(fd: RawFd) {
+pub fn drain(fd: impl AsFd) {
+    let fd = fd.as_fd().as_raw_fd();
     let mut v = 0u64;
     // SAFETY: 8-byte read into a valid buffer.
     unsafe { libc::read(fd, (&mut v as *mut u64).cast(), 8) };

@@ -161,7 +161,7 @@ mod tests {
         };
         let n = 600;
         let fd = memfd("pagemap-test", (n * PAGE) as u64).unwrap();
-        let m = Mapping::shared(fd.as_raw_fd(), n * PAGE).unwrap();
+        let m = Mapping::shared(&fd, n * PAGE).unwrap();
         let runs = |pm: &mut Pagemap| {
             let mut v = Vec::new();
             pm.present(m.base(), (n * PAGE) as u64, &mut |a, b| v.push((a, b)))
@@ -199,7 +199,7 @@ mod tests {
         };
         let n = 8;
         let fd = memfd("zap-wp-test", (n * PAGE) as u64).unwrap();
-        let m = Mapping::shared(fd.as_raw_fd(), n * PAGE).unwrap();
+        let m = Mapping::shared(&fd, n * PAGE).unwrap();
         let u = Uffd::open(
             FEATURE_MISSING_SHMEM | FEATURE_WP_HUGETLBFS_SHMEM | FEATURE_PAGEFAULT_FLAG_WP,
         )

@@ -311,7 +311,7 @@ impl Vm {
         };
         let _ = std::fs::remove_file(&sock_path);
         let mut buf = [0u8; 64];
-        let got = handoff::recv_fd(stream.as_raw_fd(), &mut buf)
+        let got = handoff::recv_fd(&stream, &mut buf)
             .map_err(|e| VmError::io("receiving the shim's userfaultfd", e))?;
         let Some((n, uffd)) = got else {
             child.kill();

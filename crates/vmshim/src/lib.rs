@@ -18,7 +18,6 @@
 
 use pagefleet_uffd::handoff::{self, agent, Hello};
 use std::ffi::{c_int, c_void};
-use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
@@ -139,7 +138,7 @@ fn hand_over(base: u64, len: u64) -> std::io::Result<()> {
         pid: unsafe { libc::getpid() } as u64,
         features: uffd.features,
     };
-    handoff::send_fd(sock.as_raw_fd(), &hello.encode(), uffd.as_raw_fd())?;
+    handoff::send_fd(&sock, &hello.encode(), &uffd)?;
     // Our copy of the fd is not needed: the runner serves it now.
     drop(uffd);
     let mut ack = [0u8; agent::REQUEST_LEN];

@@ -326,7 +326,6 @@ fn fault_cpu(
 /// memfd once over the budget. Returns GB/s paged in.
 pub(super) fn seq_floor(o: &Opts) -> Result<f64> {
     use pagefleet_uffd as uffd;
-    use std::os::fd::AsRawFd;
     let pages = o.size / 4096;
     let budget = pages / 4;
     let window = (budget / 16).clamp(1, 1024);
@@ -413,7 +412,7 @@ pub(super) fn seq_floor(o: &Opts) -> Result<f64> {
                         let Some((q, c)) = windows.pop_front() else {
                             break;
                         };
-                        uffd::punch_hole(fd2.as_raw_fd(), q * 4096, c * 4096)?;
+                        uffd::punch_hole(&fd2, q * 4096, c * 4096)?;
                         here[q as usize..(q + c) as usize].fill(false);
                         resident -= c;
                     }
@@ -669,9 +668,8 @@ fn floor_mapping(
     pagefleet_uffd::Uffd,
 )> {
     use pagefleet_uffd as uffd;
-    use std::os::fd::AsRawFd;
     let fd = uffd::memfd(name, pages * 4096)?;
-    let m = uffd::Mapping::shared(fd.as_raw_fd(), (pages * 4096) as usize)?;
+    let m = uffd::Mapping::shared(&fd, (pages * 4096) as usize)?;
     m.madvise(0, m.len(), libc::MADV_NOHUGEPAGE)?;
     let u = uffd::Uffd::open(uffd::FEATURE_MISSING_SHMEM)?;
     // SAFETY: a mapping made here for the measurement, reached only by raw pointers.

@@ -40,7 +40,7 @@ use crate::{Command, Config, OnFatal, RegionError, Shared, Snapshot, PAGE};
 use pagefleet_client::{Conn, GetMode, Pages};
 use pagefleet_proto::{PageSel, MAX_BATCH_PAGES};
 use pagefleet_uffd::{self as uffd, Fault, FaultKind, Uffd};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -190,7 +190,7 @@ impl Pager {
             // Received pages are the memfd's data ranges.
             let runs: Vec<(u64, u64)> = match &a.resident {
                 Some(r) => r.clone(),
-                None => uffd::data_ranges(a.memfd.as_raw_fd(), guest.len() as u64)
+                None => uffd::data_ranges(&a.memfd, guest.len() as u64)
                     .map_err(|source| RegionError::Io {
                         what: "SEEK_DATA on the adopted memfd",
                         source,
@@ -227,7 +227,7 @@ impl Pager {
                 if loc.state[q] == LOCAL {
                     // A migration's location list wins over stale data.
                     loc.set_remote(q, srv, mirror);
-                    let _ = uffd::punch_hole(memfd.as_raw_fd(), (q * PAGE) as u64, PAGE as u64);
+                    let _ = uffd::punch_hole(&memfd, (q * PAGE) as u64, PAGE as u64);
                 } else {
                     if loc.state[q] < REMOTE {
                         loc.remote += 1;
@@ -245,8 +245,8 @@ impl Pager {
             cfg.replicas > 1 && (0..pages).any(|q| loc.state[q] >= REMOTE && loc.second[q] == 0);
         let epoll = uffd::Epoll::new()
             .and_then(|e| {
-                e.add(u.as_raw_fd(), TOKEN_UFFD, uffd::Trigger::Level)?;
-                e.add(doorbell.as_raw_fd(), TOKEN_DOORBELL, uffd::Trigger::Level)?;
+                e.add(u.as_fd(), TOKEN_UFFD, uffd::Trigger::Level)?;
+                e.add(doorbell.as_fd(), TOKEN_DOORBELL, uffd::Trigger::Level)?;
                 Ok(e)
             })
             .map_err(|source| RegionError::Io {
@@ -349,7 +349,7 @@ impl Pager {
             match waited {
                 Ok(_) => {
                     if bell {
-                        uffd::drain(self.owner.doorbell.as_raw_fd());
+                        uffd::drain(&self.owner.doorbell);
                     }
                     // Replies first: installing a page wakes a guest thread.
                     for s in 0..self.servers.len() {

@@ -360,7 +360,7 @@ impl Pager {
                 .spawn(move || {
                     let r = Conn::connect(&addr, &secret, &opts);
                     if tx.send((s, r)).is_ok() {
-                        pagefleet_uffd::ring(bell.as_raw_fd());
+                        pagefleet_uffd::ring(&bell);
                     }
                 });
             if spawned.is_err() {

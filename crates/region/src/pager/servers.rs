@@ -182,7 +182,8 @@ impl Servers {
         for s in 0..self.conns.len() {
             let fd = self.conns[s].raw_fd();
             if self.watched[s] != fd {
-                match epoll.add(fd, TOKEN_SERVER0 + s as u64, uffd::Trigger::Edge) {
+                let conn = self.conns[s].fd();
+                match epoll.add(conn, TOKEN_SERVER0 + s as u64, uffd::Trigger::Edge) {
                     Ok(()) => self.watched[s] = fd,
                     Err(e) => warn!("watching server {}: {e}", self.addrs[s]),
                 }

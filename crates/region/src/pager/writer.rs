@@ -45,7 +45,7 @@ use pagefleet_client::{ClientError, Conn};
 use pagefleet_proto::{auth::Secret, PageSel, MAX_BATCH_PAGES};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::fs::File;
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{OwnedFd, RawFd};
 use std::os::unix::fs::FileExt;
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
@@ -321,7 +321,7 @@ fn run(
         if done.send(d).is_err() {
             return;
         }
-        pagefleet_uffd::ring(setup.doorbell.as_raw_fd());
+        pagefleet_uffd::ring(&setup.doorbell);
     }
 }
 
@@ -376,7 +376,7 @@ impl GuestFile {
     fn punch(&self, pages: &[u64]) -> std::io::Result<()> {
         for r in super::consecutive_runs(pages) {
             pagefleet_uffd::punch_hole(
-                self.file.as_raw_fd(),
+                &self.file,
                 pages[r.start] * PAGE as u64,
                 r.len() as u64 * PAGE as u64,
             )?;
