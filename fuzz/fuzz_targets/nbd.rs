@@ -35,7 +35,7 @@ fn world() -> &'static World {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap().to_string();
         let st = state.clone();
-        std::thread::spawn(move || pagefleet_memserver::server::serve(l, st));
+        std::thread::spawn(move || pagefleet_memserver::gate::serve(l, st));
         let shared = Arc::new(Shared {
             t: Translator::new(&[2 * BLOCKS], BLOCKS, None, false).unwrap(),
             region: 0x4e42_4400,

@@ -458,7 +458,7 @@ pub(crate) fn ago(at_unix: u64) -> String {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(at_unix);
-    crate::gc::age(now.saturating_sub(at_unix) as f64)
+    age(now.saturating_sub(at_unix) as f64)
 }
 
 #[derive(Args)]
@@ -976,4 +976,13 @@ pub fn host(c: &Client, cmd: HostCmd) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// A duration for a table: seconds, minutes or hours.
+pub(crate) fn age(secs: f64) -> String {
+    match secs {
+        s if s < 120.0 => format!("{s:.0}s"),
+        s if s < 7200.0 => format!("{:.0}m", s / 60.0),
+        s => format!("{:.1}h", s / 3600.0),
+    }
 }

@@ -1,7 +1,7 @@
 //! `pagefleet memserver regions|drop` and `pagefleet gc`: what memory
 //! servers hold, per region, and freeing what no one owns any more.
 
-use crate::cluster::{find_host, hosts};
+use crate::cluster::{age, find_host, hosts};
 use anyhow::{bail, Context, Result};
 use pagefleet_api::{ClusterHost, DropRegion, Dropped, GcReport, GcRequest, MemRegion};
 use pagefleet_common::http::Client;
@@ -17,14 +17,6 @@ fn lenders<'a>(hs: &'a [ClusterHost], on: Option<&str>) -> Result<Vec<&'a Cluste
         return Ok(vec![h]);
     }
     Ok(hs.iter().filter(|h| h.memserver().is_some()).collect())
-}
-
-pub(crate) fn age(secs: f64) -> String {
-    match secs {
-        s if s < 120.0 => format!("{s:.0}s"),
-        s if s < 7200.0 => format!("{:.0}m", s / 60.0),
-        s => format!("{:.1}h", s / 3600.0),
-    }
 }
 
 /// Per region of each memory server (or the one `on` names): pages,

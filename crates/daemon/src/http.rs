@@ -120,7 +120,7 @@ pub struct Gate {
     /// This host's TLS identity (HTTPS; required from non-loopback peers).
     pub tls: Option<Arc<pagefleet_tls::Identity>>,
     /// The dashboard's sessions ([`crate::ui`]).
-    pub ui: Arc<crate::ui::Ui>,
+    pub ui: Arc<crate::ui::state::Ui>,
 }
 
 /// Refuse a request that is not signed with the cluster secret, before any

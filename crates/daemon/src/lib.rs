@@ -4,6 +4,7 @@
 
 pub mod advertise;
 pub mod api;
+pub mod app;
 pub mod config;
 pub mod controllers;
 pub mod dedup;
@@ -22,7 +23,7 @@ use crate::error::Context;
 pub use error::{Error, Result};
 pub use pagefleet_api::HostReport;
 pub use pagefleet_common::units::{fmt_size, parse_size};
-use pagefleet_memserver::{server, ServerConfig, ServerState, Store};
+use pagefleet_memserver::{gate, ServerConfig, ServerState, Store};
 use pagefleet_proto::auth::Secret;
 use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;
@@ -80,7 +81,7 @@ impl MemServer {
         let kept = listener.try_clone()?;
         std::thread::Builder::new()
             .name("memserver accept".into())
-            .spawn(move || server::serve(listener, st))?;
+            .spawn(move || gate::serve(listener, st))?;
         Ok(MemServer {
             state,
             addr,

@@ -6,7 +6,7 @@
 //! `POST /guests/NAME/cancel` stops it. Evacuations (`POST /evacuations`)
 //! move a host's lent pages away and migrate its guests off it.
 
-use crate::api::App;
+use crate::app::App;
 use crate::guests::{Guests, Refusal};
 use pagefleet_api::migration::Failure;
 use pagefleet_api::{

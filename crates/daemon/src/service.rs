@@ -2,7 +2,8 @@
 //! controllers, the memory server, the guest host service and the HTTP API
 //! that serves them; they run until SIGINT or SIGTERM.
 
-use crate::api::{self, App};
+use crate::api;
+use crate::app::App;
 use crate::config::Settings;
 use crate::error::{Context, Result};
 use crate::guests::{GuestConfig, Guests};
@@ -385,50 +386,6 @@ fn may_stop(
 }
 
 /// When this process image started, seconds since the Unix epoch.
-static STARTED: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
-
-/// When this daemon's process image started (an in-place restart keeps the
-/// pid, not this).
-pub fn started_unix() -> f64 {
-    *STARTED.get_or_init(|| {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_secs_f64())
-            .unwrap_or(0.0)
-    })
-}
-
-/// Why an in-place restart would cut something off now, if it would: a
-/// guest starting or migrating in or out, or a migration or evacuation
-/// this daemon orchestrates (those run in the daemon's threads).
-pub fn restart_refusal(app: &App) -> Option<String> {
-    use pagefleet_api::GuestState;
-    let mut v = Vec::new();
-    if let Some(g) = &app.guests {
-        for s in g.list() {
-            let what = match s.state {
-                GuestState::Starting => "starting",
-                GuestState::Incoming => "migrating into this host",
-                GuestState::Migrating => "migrating away",
-                GuestState::Running | GuestState::Failed => continue,
-            };
-            v.push(format!("guest {} is {what}", s.name));
-        }
-    }
-    let n = app.restart.busy();
-    if n > 0 {
-        v.push(format!(
-            "{n} migration(s) or evacuation(s) run from this daemon"
-        ));
-    }
-    (!v.is_empty()).then(|| {
-        format!(
-            "cannot restart in place now: {}; ask again once they are done",
-            v.join("; ")
-        )
-    })
-}
-
 /// The longest the memory server's sessions get to end before a restart.
 const QUIESCE_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
@@ -443,7 +400,7 @@ fn restart_in_place(
     ms: Option<&MemServer>,
     http: Option<&std::net::TcpListener>,
 ) {
-    if let Some(why) = app.and_then(|a| restart_refusal(a)) {
+    if let Some(why) = app.and_then(|a| a.restart_refusal()) {
         tracing::error!("{why}");
         return;
     }
@@ -467,7 +424,7 @@ fn restart_in_place(
     }
     // systemd and /readyz: reloading until the new process serves.
     if let Some(a) = app {
-        a.ready.set(crate::api::Phase::Restarting);
+        a.ready.set(crate::app::Phase::Restarting);
     }
     let _ = pagefleet_common::sdnotify::notify(&format!(
         "RELOADING=1\nSTATUS=restarting in place\nMONOTONIC_USEC={}",
@@ -485,7 +442,7 @@ fn restart_in_place(
         m.state.resume();
     }
     if let Some(a) = app {
-        a.ready.set(crate::api::Phase::Serving);
+        a.ready.set(crate::app::Phase::Serving);
     }
     let _ =
         pagefleet_common::sdnotify::notify("READY=1\nSTATUS=serving (the in-place restart failed)");
@@ -559,7 +516,7 @@ fn check_host(a: &Settings) -> Result<()> {
 pub fn run(a: Settings, reloader: crate::reload::Reloader) -> Result<()> {
     let reload_requested = pagefleet_common::signal::reload_flag();
     let live = Arc::new(crate::reload::Live::new(&a));
-    started_unix();
+    crate::app::started_unix();
     // Taken first: the descriptors it names are owned from here on.
     let inherited = crate::handover::take()?;
     let exe = std::env::current_exe()?;
@@ -810,7 +767,7 @@ pub fn run(a: Settings, reloader: crate::reload::Reloader) -> Result<()> {
                 r.tls = tls_name.clone();
                 r.cordoned = cordon_flag.load(std::sync::atomic::Ordering::SeqCst);
                 r.version = env!("CARGO_PKG_VERSION").to_string();
-                r.started_unix = started_unix();
+                r.started_unix = crate::app::started_unix();
                 r.ksm = kl.get().map(|s| crate::controllers::ksm_report(&s));
                 r.ioqos = ql.get().map(|s| crate::controllers::ioqos_report(&s));
                 r
@@ -854,8 +811,8 @@ pub fn run(a: Settings, reloader: crate::reload::Reloader) -> Result<()> {
                     None => None,
                 },
                 cordoned,
-                restart: crate::api::Restart::new(exe.clone(), restart_requested),
-                ready: crate::api::Readiness::default(),
+                restart: crate::app::Restart::new(exe.clone(), restart_requested),
+                ready: crate::app::Readiness::default(),
                 ui: Arc::default(),
                 live: live.clone(),
                 recent_view: Default::default(),
@@ -926,7 +883,7 @@ pub fn run(a: Settings, reloader: crate::reload::Reloader) -> Result<()> {
     }
     // Every listener serves: ready (before the lines a parent waits for).
     if let Some(app) = &api_app {
-        app.ready.set(crate::api::Phase::Serving);
+        app.ready.set(crate::app::Phase::Serving);
     }
     let mut out = std::io::stdout().lock();
     if let Some(m) = &ms {
@@ -975,7 +932,7 @@ pub fn run(a: Settings, reloader: crate::reload::Reloader) -> Result<()> {
     }
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
     if let Some(app) = &api_app {
-        app.ready.set(crate::api::Phase::Stopping);
+        app.ready.set(crate::app::Phase::Stopping);
     }
     let _ = pagefleet_common::sdnotify::notify("STOPPING=1");
     tracing::info!("stopping");

@@ -17,6 +17,6 @@ pub mod server;
 pub mod store;
 
 pub use content::LocalContent;
-pub use pool::Backing;
+pub use pool::{Backing, PoolError};
 pub use server::{ServerConfig, ServerState};
 pub use store::{Frozen, RegionInfo, Store, StoreError};

@@ -21,7 +21,6 @@
 //! Freed slots are never given back to the kernel (the store reuses them),
 //! so the file never needs holes punched.
 
-use crate::store::StoreError;
 use pagefleet_proto::PAGE_SIZE;
 use std::ffi::CString;
 use std::io;
@@ -51,13 +50,23 @@ unsafe impl Send for Pool {}
 // SAFETY: as for Send: shared access to a slot is arbitrated by the index.
 unsafe impl Sync for Pool {}
 
+/// The pool could not be made or adopted.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot reserve {bytes} bytes of memory for the page pool: {source}")]
+pub struct PoolError {
+    /// Its size.
+    pub bytes: u64,
+    /// Why.
+    pub source: io::Error,
+}
+
 impl Pool {
     /// A fresh pool of `pages` slots (at least one), all reading as zeros,
     /// backed as `want` says (a huge-page tmpfs falls back to a memfd where
     /// it cannot be mounted).
-    pub(crate) fn new(pages: u64, want: Backing) -> Result<Pool, StoreError> {
+    pub(crate) fn new(pages: u64, want: Backing) -> Result<Pool, PoolError> {
         let len = Self::bytes(pages);
-        let err = |source| StoreError::Pool {
+        let err = |source| PoolError {
             bytes: len as u64,
             source,
         };
@@ -80,9 +89,9 @@ impl Pool {
 
     /// The pool another process made, from its file: `pages` slots, which
     /// the file must hold.
-    pub(crate) fn adopt(file: OwnedFd, pages: u64, backing: Backing) -> Result<Pool, StoreError> {
+    pub(crate) fn adopt(file: OwnedFd, pages: u64, backing: Backing) -> Result<Pool, PoolError> {
         let len = Self::bytes(pages);
-        let err = |source| StoreError::Pool {
+        let err = |source| PoolError {
             bytes: len as u64,
             source,
         };

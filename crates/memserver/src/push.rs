@@ -20,18 +20,20 @@ pub(crate) struct Peers {
 }
 
 impl Peers {
-    /// Store `ptrs` (the pages of `req`, in its order) on `req.target`.
+    /// Store `ptrs` (the pages of `req`, in its order) on `req.target`
+    /// for the server `server_id` (which a PUSH to itself names).
     ///
     /// # Safety
     /// Every pointer must stay readable for `PAGE_SIZE` bytes for the call
     /// (pinned store slots).
     pub(crate) unsafe fn push(
         &mut self,
-        st: &crate::server::ServerState,
+        server_id: u64,
+        secret: &pagefleet_proto::auth::Secret,
         req: &PushReq,
         ptrs: &[*const u8],
     ) -> Result<u64, String> {
-        if req.target_id == st.server_id {
+        if req.target_id == server_id {
             return Err("a PUSH to this server itself".into());
         }
         if !self.conns.contains_key(&req.target) {
@@ -40,7 +42,7 @@ impl Peers {
                 window: 64,
                 ..Default::default()
             };
-            let c = Conn::connect(&req.target, &st.secret, &opts)
+            let c = Conn::connect(&req.target, secret, &opts)
                 .map_err(|e| format!("cannot reach {}: {e}", req.target))?;
             self.conns.insert(req.target.clone(), c);
         }

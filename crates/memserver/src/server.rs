@@ -16,7 +16,7 @@ use pagefleet_proto::*;
 use pagefleet_tls::Stream;
 use std::collections::HashMap;
 use std::io::{self, IoSlice, IoSliceMut, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -214,12 +214,6 @@ impl Transport for TcpStream {
             _ => Err(e),
         }
     }
-}
-
-/// Accept connections forever: handshakes in the gate thread, each
-/// authenticated session on its own thread (see [`crate::gate`]).
-pub fn serve(listener: TcpListener, state: Arc<ServerState>) -> io::Result<()> {
-    crate::gate::serve(listener, state)
 }
 
 /// Run one authenticated connection to completion (the gate has admitted it
@@ -899,7 +893,10 @@ impl<'a, T: Transport> Session<'a, T> {
         // The replies queued so far go first: the push may take a while.
         self.flush()?;
         // SAFETY: as above; the plan ends after the push.
-        let r = unsafe { self.peers.push(self.st, &req, &ptrs) };
+        let r = unsafe {
+            self.peers
+                .push(self.st.server_id, &self.st.secret, &req, &ptrs)
+        };
         store.end_get(plan, &sel, true);
         match r {
             Ok(pushed) => {

@@ -60,13 +60,8 @@ pub enum StoreError {
         page: u64,
     },
     /// The pool could not be mapped.
-    #[error("cannot reserve {bytes} bytes of memory for the page pool: {source}")]
-    Pool {
-        /// Its size.
-        bytes: u64,
-        /// Why.
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Pool(#[from] crate::pool::PoolError),
     /// Pages are on their way to clients (a session still runs): the
     /// index cannot be handed over without losing them.
     #[error("{pinned} slots are still being read or sent by sessions")]

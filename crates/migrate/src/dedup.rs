@@ -12,8 +12,10 @@
 //! so the link stays busy) and is sent if the probe missed, asked about if
 //! it hit; a hit also makes the source hash whole batches again.
 
+use crate::outcome::{MigrateError, Progress};
 use crate::pread_pages;
-use crate::source::{runs, MigrateError, Progress};
+use crate::wire::runs;
+pub use crate::wire::Filled;
 use crate::wire::{Kind, Stream, HASH_ENTRY, MAX_PAGES};
 use pagefleet_dedup::ContentKey;
 use pagefleet_region::PAGE;
@@ -28,30 +30,6 @@ pub const DEPTH: usize = 4;
 pub const COLD_AFTER: u32 = 2;
 /// A probing source hashes one page in this many.
 pub const PROBE_EVERY: usize = 32;
-
-/// What the destination filled itself (PREPARED).
-#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct Filled {
-    /// Hashes it was asked about.
-    pub asked: u64,
-    /// Pages filled with data its host held (each checked against its hash).
-    pub pages: u64,
-    /// Pages that were the zero page.
-    pub zero: u64,
-    /// Index hints that pointed at a page changed since (sent after all).
-    pub stale: u64,
-    /// Seconds spent looking up, reading and checking.
-    pub secs: f64,
-    /// CPU seconds of the filler thread.
-    #[serde(default)]
-    pub cpu_secs: f64,
-    /// Of which waiting for the host's lookup service.
-    #[serde(default)]
-    pub ask_secs: f64,
-    /// Of which reading and checking pages.
-    #[serde(default)]
-    pub check_secs: f64,
-}
 
 /// The source's state across the rounds of one migration.
 pub struct Sender {

@@ -3,8 +3,9 @@
 //! already mapped when it starts), learns where the rest lives, and builds
 //! its region at COMMIT.
 
-use crate::dedup::Filled;
 use crate::fill::{Filler, Target};
+use crate::landing::{Shared, HERE, PULLED};
+use crate::wire::Filled;
 use crate::wire::{
     Kind, Stream, WireError, HASH_ENTRY, MAX_HASHES, MAX_PAGES, NO_MIRROR, ZERO_SERVER,
 };
@@ -18,11 +19,6 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-
-/// Where each received page is: data here (from the main host), data here
-/// pulled from a memory server (gather), on server i, or zero.
-pub(crate) const HERE: u16 = 0xFFFE;
-pub(crate) const PULLED: u16 = 0xFFFD;
 
 /// Live counters of an incoming migration.
 #[derive(Default, Debug)]
@@ -236,22 +232,6 @@ impl Drop for Pullers {
             let _ = p.thread.join();
         }
     }
-}
-
-/// What the stream receiver and the pullers (gather) share. Per-page
-/// versions, in effect: data from the main host is always newer than a copy
-/// pulled from a memory server (the main host never pages out during a
-/// migration, so a page it sends is one it took back from the server), so
-/// a pull never overwrites it, whichever arrives first.
-pub(crate) struct Shared {
-    pub(crate) loc: Mutex<Vec<u16>>,
-    /// Per page on a server: the server with its second copy (NO_MIRROR:
-    /// none). Written before `loc` names the server; read under `loc`.
-    pub(crate) mirror: Mutex<Vec<u16>>,
-    /// The guest mapping's address (pullers copy into it under `loc`'s lock).
-    pub(crate) base: usize,
-    pulled: AtomicU64,
-    pub(crate) replaced: AtomicU64,
 }
 
 /// Gather: a thread pulling pages from one memory server.

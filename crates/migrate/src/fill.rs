@@ -9,8 +9,8 @@
 //! round (ROUND, answered by the receiver) only after every HAVE of it
 //! arrived. Both threads write the socket under one lock.
 
-use crate::dedup::Filled;
-use crate::dest::{Shared, HERE, PULLED};
+use crate::landing::{Shared, HERE, PULLED};
+use crate::wire::Filled;
 use crate::wire::{Header, Kind, ZERO_SERVER};
 use pagefleet_dedup::lookup::{Found, LookupClient};
 use pagefleet_dedup::PageHash;

@@ -7,6 +7,8 @@
 pub mod dedup;
 pub mod dest;
 mod fill;
+mod landing;
+mod outcome;
 pub mod placement;
 pub mod plan;
 pub mod source;

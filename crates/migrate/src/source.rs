@@ -3,16 +3,17 @@
 //! stream) and sub-hosts (memory servers, as plain page-outs), then
 //! stop-and-copy at a safepoint.
 
+pub use crate::outcome::{MigrateError, Progress};
 use crate::plan::{self, Plan, MAIN, SUB0};
 use crate::sub_dedup::SubPut;
+use crate::wire::runs;
 use crate::wire::{Kind, Stream, WireError, MAX_PAGES, NO_MIRROR};
 use crate::{checksum, pread_pages, Report, Spec};
 use pagefleet_client::{Conn, ConnectOptions, Pages};
 use pagefleet_proto::auth::Secret;
 use pagefleet_region::{Location, Region, Snapshot, PAGE};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 use tracing::{info, warn};
 
@@ -112,104 +113,6 @@ pub trait Guest: Sync {
     /// a native guest, whose state is all in its memory.
     fn device_state(&self) -> Result<Option<Vec<u8>>, String> {
         Ok(None)
-    }
-}
-
-/// Why a migration failed (everything before GO is rolled back).
-#[derive(Debug, thiserror::Error)]
-pub enum MigrateError {
-    /// The migration stream.
-    #[error(transparent)]
-    Wire(#[from] WireError),
-    /// The guest does not fit.
-    #[error(transparent)]
-    Plan(#[from] plan::PlanError),
-    /// A sub-host's memory server.
-    #[error("sub-host {addr}: {source}")]
-    Sub {
-        /// Its address.
-        addr: String,
-        /// What went wrong.
-        source: pagefleet_client::ClientError,
-    },
-    /// The destination cannot be reached.
-    #[error("cannot reach the destination {0}: {1}")]
-    Connect(String, std::io::Error),
-    /// The guest did not reach a safepoint.
-    #[error("the guest did not reach a safepoint within {0:?}")]
-    PauseTimeout(Duration),
-    /// Cancelled by the caller.
-    #[error("cancelled")]
-    Cancelled,
-    /// Anything else.
-    #[error("{0}")]
-    Other(String),
-    /// GO was sent but the destination never confirmed the start: the guest
-    /// stays paused here, since it may be running there.
-    #[error("the destination did not confirm the resume ({0}); the guest stays paused on the source: check the destination before resuming it")]
-    InDoubt(String),
-}
-
-/// Live counters for a progress bar (`pagefleet migrate` polls them).
-#[derive(Default, Debug)]
-pub struct Progress {
-    /// What it is doing.
-    pub phase: Mutex<String>,
-    /// Pre-copy round.
-    pub round: AtomicU64,
-    /// Pages this round sends.
-    pub round_pages: AtomicU64,
-    /// Of which sent.
-    pub round_sent: AtomicU64,
-    /// Bytes sent to the main host.
-    pub bytes_main: AtomicU64,
-    /// Bytes sent to sub-hosts.
-    pub bytes_subs: AtomicU64,
-    /// Bytes per second the last round moved.
-    pub transfer_rate: AtomicU64,
-    /// Bytes per second the guest dirtied during the last round.
-    pub dirty_rate: AtomicU64,
-    /// What an abort undid, in order (for the person who asked).
-    pub rolled_back: Mutex<Vec<String>>,
-}
-
-impl Progress {
-    fn set_phase(&self, p: &str) {
-        *self.phase.lock().unwrap() = p.to_string();
-    }
-    fn undid(&self, what: String) {
-        self.rolled_back
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(what);
-    }
-
-    /// What the last abort undid.
-    pub fn rollback(&self) -> Vec<String> {
-        self.rolled_back
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-    }
-
-    /// Back to zero, for a new attempt.
-    pub fn reset(&self) {
-        self.set_phase("");
-        self.rolled_back
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clear();
-        for c in [
-            &self.round,
-            &self.round_pages,
-            &self.round_sent,
-            &self.bytes_main,
-            &self.bytes_subs,
-            &self.transfer_rate,
-            &self.dirty_rate,
-        ] {
-            c.store(0, Relaxed);
-        }
     }
 }
 
@@ -845,34 +748,4 @@ fn send_main(
         progress.round_sent.fetch_add(count as u64, Relaxed);
     }
     Ok(bytes)
-}
-
-/// Contiguous runs of at most `max` pages of a sorted page list.
-pub fn runs(pages: &[u64], max: usize) -> impl Iterator<Item = (u64, usize)> + '_ {
-    let mut i = 0;
-    std::iter::from_fn(move || {
-        if i >= pages.len() {
-            return None;
-        }
-        let first = pages[i];
-        let mut n = 1;
-        while i + n < pages.len() && n < max && pages[i + n] == first + n as u64 {
-            n += 1;
-        }
-        i += n;
-        Some((first, n))
-    })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::runs;
-
-    #[test]
-    fn runs_split_at_gaps_and_max() {
-        let v = [1, 2, 3, 5, 6, 7, 8, 9, 20];
-        let r: Vec<_> = runs(&v, 4).collect();
-        assert_eq!(r, vec![(1, 3), (5, 4), (9, 1), (20, 1)]);
-        assert_eq!(runs(&[], 4).count(), 0);
-    }
 }

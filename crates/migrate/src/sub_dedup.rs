@@ -10,8 +10,9 @@
 //! content index answers UNKNOWN_OPCODE once and gets plain PUTs.
 
 use crate::dedup::Sender;
+use crate::outcome::{MigrateError, Progress};
 use crate::pread_pages;
-use crate::source::{runs, MigrateError, Progress};
+use crate::wire::runs;
 use pagefleet_client::{ClientError, Conn};
 use pagefleet_proto::{ErrorCode, PageSel, MAX_BATCH_PAGES};
 use pagefleet_region::PAGE;

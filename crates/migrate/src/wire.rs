@@ -228,7 +228,7 @@ pub struct Prepared {
     pub pulled_then_replaced: u64,
     /// Sharing-aware migration: what the destination filled itself.
     #[serde(default)]
-    pub dedup: crate::dedup::Filled,
+    pub dedup: Filled,
 }
 
 /// STARTED: the guest runs at the destination.
@@ -572,5 +572,59 @@ mod tests {
         let refused = Stream::new(std::net::TcpStream::connect(a).unwrap()).connect_auth(&bad);
         assert!(matches!(refused, Err(WireError::Auth)), "{refused:?}");
         assert_eq!(t.join().unwrap(), vec![true, false]);
+    }
+}
+
+/// What the destination filled itself (PREPARED).
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Filled {
+    /// Hashes it was asked about.
+    pub asked: u64,
+    /// Pages filled with data its host held (each checked against its hash).
+    pub pages: u64,
+    /// Pages that were the zero page.
+    pub zero: u64,
+    /// Index hints that pointed at a page changed since (sent after all).
+    pub stale: u64,
+    /// Seconds spent looking up, reading and checking.
+    pub secs: f64,
+    /// CPU seconds of the filler thread.
+    #[serde(default)]
+    pub cpu_secs: f64,
+    /// Of which waiting for the host's lookup service.
+    #[serde(default)]
+    pub ask_secs: f64,
+    /// Of which reading and checking pages.
+    #[serde(default)]
+    pub check_secs: f64,
+}
+
+/// Contiguous runs of at most `max` pages of a sorted page list.
+pub fn runs(pages: &[u64], max: usize) -> impl Iterator<Item = (u64, usize)> + '_ {
+    let mut i = 0;
+    std::iter::from_fn(move || {
+        if i >= pages.len() {
+            return None;
+        }
+        let first = pages[i];
+        let mut n = 1;
+        while i + n < pages.len() && n < max && pages[i + n] == first + n as u64 {
+            n += 1;
+        }
+        i += n;
+        Some((first, n))
+    })
+}
+
+#[cfg(test)]
+mod runs_tests {
+    use super::runs;
+
+    #[test]
+    fn runs_split_at_gaps_and_max() {
+        let v = [1, 2, 3, 5, 6, 7, 8, 9, 20];
+        let r: Vec<_> = runs(&v, 4).collect();
+        assert_eq!(r, vec![(1, 3), (5, 4), (9, 1), (20, 1)]);
+        assert_eq!(runs(&[], 4).count(), 0);
     }
 }

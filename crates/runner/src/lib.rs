@@ -209,7 +209,7 @@ pub fn run_guest(
                 s.claim()?;
             }
             let (region, g) = vm::boot(cfg, &v, &vm::socket_dir(Some(control), name))?;
-            (Arc::new(region), vm::started(&g))
+            (Arc::new(region), workload::Started::vm(&g))
         }
         None => {
             let region = Arc::new(Region::new(cfg)?);
@@ -368,7 +368,7 @@ pub fn run_incoming(
     let w = match &vm_guest {
         Some(g) => {
             g.resume_from(&committed.device_state)?;
-            vm::started(g)
+            workload::Started::vm(g)
         }
         None => workload::start(&spec.workload, &region, &gate, true)?,
     };

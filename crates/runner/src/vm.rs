@@ -2,14 +2,12 @@
 //! region made on the mapping QEMU hands over, QMP for pause and resume,
 //! vmwork's console reports as the guest's operations.
 
-use crate::workload::Started;
 use crate::RunnerError;
 use pagefleet_api::guest::VmStatus;
 use pagefleet_api::Workload;
 use pagefleet_region::{Adopt, Config, Region};
 use pagefleet_vm::{Forward, Vm, VmSpec};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -207,25 +205,6 @@ fn start_qemu(
             let _ = std::fs::remove_dir_all(&dir);
             Err(vm_err(e))
         }
-    }
-}
-
-/// The VM as a started workload: its operation count follows vmwork's reports.
-pub fn started(g: &Arc<VmGuest>) -> Started {
-    let ops = Arc::new(AtomicU64::new(0));
-    let (o, c) = (ops.clone(), g.vm.console.clone());
-    std::thread::spawn(move || loop {
-        o.store(c.workload().ops, Relaxed);
-        std::thread::sleep(Duration::from_millis(200));
-        if Arc::strong_count(&o) == 1 {
-            break;
-        }
-    });
-    Started {
-        ops,
-        sort: None,
-        kv: None,
-        vm: Some(g.clone()),
     }
 }
 

@@ -160,6 +160,27 @@ pub struct Started {
     pub vm: Option<Arc<crate::vm::VmGuest>>,
 }
 
+impl Started {
+    /// The VM as a started workload: its operation count follows vmwork's reports.
+    pub fn vm(g: &Arc<crate::vm::VmGuest>) -> Started {
+        let ops = Arc::new(AtomicU64::new(0));
+        let (o, c) = (ops.clone(), g.vm.console.clone());
+        std::thread::spawn(move || loop {
+            o.store(c.workload().ops, Relaxed);
+            std::thread::sleep(Duration::from_millis(200));
+            if Arc::strong_count(&o) == 1 {
+                break;
+            }
+        });
+        Started {
+            ops,
+            sort: None,
+            kv: None,
+            vm: Some(g.clone()),
+        }
+    }
+}
+
 /// Start `spec`'s workload on the region in background threads.
 /// `incoming`: the memory came with a migration (nothing is filled again).
 pub fn start(

@@ -3,8 +3,8 @@
 //! compares against, driven the same way (QMP, console).
 
 use crate::console::Console;
+use crate::process::qemu_binary;
 use crate::process::Process;
-use crate::qemu::qemu_binary;
 use crate::qmp::Qmp;
 use crate::{VmError, VmSpec};
 use std::path::{Path, PathBuf};

@@ -2,12 +2,19 @@
 //! into a [`Console`], polled, stopped (`quit`, then a kill).
 
 use crate::console::Console;
-use crate::qemu::qemu_binary;
 use crate::VmError;
+use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tracing::{info, warn};
+
+/// The host's QEMU.
+pub fn qemu_binary() -> PathBuf {
+    std::env::var_os("PAGEFLEET_QEMU")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("qemu-system-x86_64"))
+}
 
 /// " (QEMU said: LAST LINES)" from the console of a QEMU that has just
 /// exited, or nothing if it said nothing.

@@ -1,7 +1,7 @@
 //! Starting QEMU on a region's memfd and taking the shim's hand-over.
 
 use crate::console::Console;
-use crate::process::Process;
+use crate::process::{qemu_binary, Process};
 use crate::qmp::Qmp;
 use crate::VmError;
 use pagefleet_region::{Foreign, Unmapper};
@@ -178,13 +178,6 @@ impl VmSpec {
         }
         a
     }
-}
-
-/// The host's QEMU.
-pub fn qemu_binary() -> PathBuf {
-    std::env::var_os("PAGEFLEET_QEMU")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("qemu-system-x86_64"))
 }
 
 /// The shim library: `PAGEFLEET_VMSHIM`, else next to the running

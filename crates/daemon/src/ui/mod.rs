@@ -23,7 +23,9 @@
 //! most [`MAX_SESSIONS`]; a new one beyond that ends the one closest to
 //! expiry.
 
-use crate::api::App;
+pub mod state;
+
+use crate::app::App;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{header, request::Parts, HeaderValue, Method, StatusCode};
@@ -32,96 +34,21 @@ use axum::routing::get;
 use axum::Router;
 use pagefleet_common::httpauth::{Verifier, UI_LOGIN_PATH};
 use serde::Serialize;
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
-use std::sync::{Arc, Mutex};
+pub use state::{Ui, MAX_SESSIONS, MAX_VIEWERS, SESSION_TTL, TICK};
+use std::sync::atomic::Ordering::SeqCst;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// How long a session lasts: a working day of watching migrations.
-pub const SESSION_TTL: Duration = Duration::from_secs(12 * 3600);
-/// Sessions kept at once: each is 32 bytes and an instant; a login link is
-/// needed for each, so only holders of the secret make them.
-pub const MAX_SESSIONS: usize = 64;
-/// Event streams at once: each holds one of the HTTP endpoint's
-/// connection slots (`http::MAX_CONNS`) for as long as the page is open.
-pub const MAX_VIEWERS: usize = 32;
-/// How often the cluster is asked while anyone watches.
-pub const TICK: Duration = Duration::from_secs(1);
 /// The session cookie.
 const COOKIE: &str = "pagefleet_session";
 
-const INDEX_HTML: &str = include_str!("../ui/index.html");
-const APP_JS: &str = include_str!("../ui/app.js");
-const APP_CSS: &str = include_str!("../ui/app.css");
+const INDEX_HTML: &str = include_str!("../../ui/index.html");
+const APP_JS: &str = include_str!("../../ui/app.js");
+const APP_CSS: &str = include_str!("../../ui/app.css");
 
 /// The page may load only its own assets and talk only to its own host.
 const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; \
                    connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'";
-
-/// The dashboard's state: sessions, viewers and the shared snapshot.
-pub struct Ui {
-    /// Session id (hex) to when it ends.
-    sessions: Mutex<HashMap<String, Instant>>,
-    viewers: AtomicUsize,
-    producing: AtomicBool,
-    snapshot: tokio::sync::watch::Sender<Arc<str>>,
-}
-
-impl Default for Ui {
-    fn default() -> Self {
-        Ui {
-            sessions: Mutex::default(),
-            viewers: AtomicUsize::new(0),
-            producing: AtomicBool::new(false),
-            snapshot: tokio::sync::watch::channel(Arc::<str>::from("")).0,
-        }
-    }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-use pagefleet_proto::auth::hex;
-
-impl Ui {
-    /// A new session; its id.
-    fn open_session(&self, now: Instant) -> String {
-        let id = hex(&pagefleet_proto::auth::random_nonce());
-        let mut s = lock(&self.sessions);
-        s.retain(|_, end| *end > now);
-        if s.len() >= MAX_SESSIONS {
-            if let Some(k) = s
-                .iter()
-                .min_by_key(|(_, end)| **end)
-                .map(|(k, _)| k.clone())
-            {
-                s.remove(&k);
-            }
-        }
-        s.insert(id.clone(), now + SESSION_TTL);
-        id
-    }
-
-    /// `id` is a session that has not ended.
-    fn session_valid(&self, id: &str, now: Instant) -> bool {
-        lock(&self.sessions).get(id).is_some_and(|end| *end > now)
-    }
-
-    /// Sessions open now.
-    pub fn sessions(&self) -> usize {
-        let now = Instant::now();
-        lock(&self.sessions)
-            .values()
-            .filter(|end| **end > now)
-            .count()
-    }
-
-    /// Event streams open now.
-    pub fn viewers(&self) -> usize {
-        self.viewers.load(SeqCst)
-    }
-}
 
 /// A session's id, for the routes behind the gate.
 #[derive(Clone)]
