@@ -122,11 +122,11 @@ DOCDIR = $(PREFIX)/share/doc/pagefleet
 MANDIR = $(PREFIX)/share/man
 COMPDIR = $(PREFIX)/share
 install:
-	@for f in target/release/pagefleet target/release/pagefleetd target/release/libpagefleet_vmshim.so; do \
+	@for f in target/release/pagefleet target/release/pagefleetd target/release/pagefleet-runner target/release/libpagefleet_vmshim.so; do \
 	  [ -f $$f ] || { echo "install: $$f missing: run make build first" >&2; exit 1; }; done
 	install -d $(DESTDIR)$(BINDIR) $(DESTDIR)$(PKGLIBDIR) $(DESTDIR)$(UNITDIR) \
 	  $(DESTDIR)$(SYSCONFDIR)/pagefleet $(DESTDIR)$(DOCDIR)/docs
-	install -m 0755 target/release/pagefleet target/release/pagefleetd $(DESTDIR)$(BINDIR)/
+	install -m 0755 target/release/pagefleet target/release/pagefleetd target/release/pagefleet-runner $(DESTDIR)$(BINDIR)/
 	install -m 0644 target/release/libpagefleet_vmshim.so $(DESTDIR)$(PKGLIBDIR)/
 	sed -e 's|/usr/local/bin/|$(BINDIR)/|g' -e 's|/usr/local/share/doc/|$(PREFIX)/share/doc/|g' \
 	  -e 's|/etc/pagefleet|$(SYSCONFDIR)/pagefleet|g' packaging/pagefleetd.service > $(DESTDIR)$(UNITDIR)/pagefleetd.service

@@ -661,7 +661,9 @@ fn sample(
                 "soak memory server".to_string()
             } else if bin == "pagefleetd" {
                 "pagefleetd".to_string()
-            } else if bin == "pagefleet" && args.iter().any(|a| a.starts_with("runner")) {
+            } else if (bin == "pagefleet-runner" || bin == "pagefleet")
+                && args.iter().any(|a| a.starts_with("runner"))
+            {
                 let name = args
                     .iter()
                     .find_map(|a| a.strip_prefix("--name="))

@@ -182,20 +182,6 @@ enum Cmd {
         /// The directory (created if missing).
         out: PathBuf,
     },
-    /// A guest's runner (pagefleetd starts it and writes its job to stdin; internal).
-    #[command(hide = true)]
-    RunnerGuest {
-        /// The guest's name (a label for `ps`).
-        #[arg(long)]
-        name: String,
-    },
-    /// A runner waiting for an incoming migration (pagefleetd starts it; internal).
-    #[command(hide = true)]
-    RunnerIncoming {
-        /// The guest's name (a label for `ps`).
-        #[arg(long)]
-        name: String,
-    },
 }
 
 #[derive(Subcommand)]
@@ -755,13 +741,6 @@ fn main() {
 }
 
 /// A hosted runner: its job comes from pagefleetd on stdin.
-fn runner(kind: &str) -> Result<()> {
-    init_log("info");
-    let exit = pagefleet_runner::launch(std::io::stdin().lock(), kind)?;
-    tracing::info!("runner ends: guest {exit}");
-    Ok(())
-}
-
 fn run(cli: Cli) -> Result<()> {
     let sf = cli.secret_file.as_deref();
     if !matches!(
@@ -806,8 +785,6 @@ fn run(cli: Cli) -> Result<()> {
             init_log("info");
             Ok(pagefleet_ioqos::cli::main(c)?)
         }
-        Cmd::RunnerGuest { .. } => runner("guest"),
-        Cmd::RunnerIncoming { .. } => runner("incoming"),
         Cmd::Completions { shell } => {
             use clap::CommandFactory;
             // Into a buffer: clap_complete panics on a write error (a

@@ -22,7 +22,7 @@
 //!
 //! [guests]                   # the guest host service (off unless memory is set)
 //! memory = "8GiB"            # sum of guest budgets this host accepts
-//! runner = "/usr/bin/pagefleet"
+//! runner = "/usr/bin/pagefleet-runner"
 //! dir = "/run/pagefleet/guests"
 //! service_dev = "eth0"
 //!
@@ -146,7 +146,7 @@ pub struct KsmSection {
 pub struct GuestsSection {
     /// Memory this host gives guests (sum of budgets).
     pub memory: Option<String>,
-    /// The pagefleet binary that runs guests (default: beside pagefleetd).
+    /// The binary that runs guests (default: `pagefleet-runner` beside pagefleetd).
     pub runner: Option<PathBuf>,
     /// Where guests' control sockets and logs go.
     pub dir: Option<PathBuf>,
@@ -225,7 +225,7 @@ pub struct Flags {
     pub log_format: Option<LogFormat>,
     /// Memory this host gives guests (guest host service on).
     pub guest_memory: Option<u64>,
-    /// The pagefleet binary that runs guests (default: beside pagefleetd).
+    /// The binary that runs guests (default: `pagefleet-runner` beside pagefleetd).
     pub runner: Option<PathBuf>,
     /// Where guests' control sockets and logs go.
     pub guest_dir: Option<PathBuf>,
@@ -292,7 +292,7 @@ pub struct Settings {
     pub log_format: LogFormat,
     /// Memory this host gives guests (guest host service on).
     pub guest_memory: Option<u64>,
-    /// The pagefleet binary that runs guests (default: beside pagefleetd).
+    /// The binary that runs guests (default: `pagefleet-runner` beside pagefleetd).
     pub runner: Option<PathBuf>,
     /// Where guests' control sockets and logs go.
     pub guest_dir: Option<PathBuf>,

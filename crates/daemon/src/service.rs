@@ -669,7 +669,7 @@ pub fn run(a: Settings, reloader: crate::reload::Reloader) -> Result<()> {
             }
             let runner = match a.runner.clone() {
                 Some(r) => r,
-                None => std::env::current_exe()?.with_file_name("pagefleet"),
+                None => std::env::current_exe()?.with_file_name("pagefleet-runner"),
             };
             let port = listen_addr.port();
             let dir = a

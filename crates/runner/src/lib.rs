@@ -1,7 +1,7 @@
 //! The guest runner as a library: a guest's region, its workload, its
 //! control socket and its migrations. pagefleetd starts a runner (the
-//! `pagefleet` binary's hidden `runner-guest` / `runner-incoming`
-//! subcommands, which call [`launch`]) and writes one [`Launch`] message to
+//! `pagefleet-runner` binary, `src/main.rs`, which links this crate and the
+//! data path only and calls [`launch`]) and writes one [`Launch`] message to
 //! its stdin; the runner then either runs a new guest ([`run_guest`]) or
 //! waits for a migration and runs the guest it brings ([`run_incoming`]).
 //!

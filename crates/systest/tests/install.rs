@@ -48,6 +48,7 @@ fn make_install_stages_a_tree_whose_daemon_starts_and_whose_unit_verifies() {
     for f in [
         "/usr/local/bin/pagefleet",
         "/usr/local/bin/pagefleetd",
+        "/usr/local/bin/pagefleet-runner",
         "/usr/local/lib/pagefleet/libpagefleet_vmshim.so",
         "/usr/local/lib/systemd/system/pagefleetd.service",
         "/etc/pagefleet/pagefleetd.toml",
@@ -201,6 +202,7 @@ fn make_deb_builds_a_package_that_unpacks_to_a_tree_systemd_accepts() {
     for f in [
         "./usr/bin/pagefleetd",
         "./usr/bin/pagefleet",
+        "./usr/bin/pagefleet-runner",
         "./usr/lib/pagefleet/libpagefleet_vmshim.so",
         "./usr/lib/systemd/system/pagefleetd.service",
         "./etc/pagefleet/pagefleetd.toml",
