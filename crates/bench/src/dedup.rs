@@ -877,7 +877,7 @@ pub mod floor {
     use std::net::{TcpListener, TcpStream};
     use std::time::Instant;
 
-    const PAGE: usize = 4096;
+    const PAGE: usize = pagefleet_region::PAGE;
     const BATCH: usize = 256;
     const DEPTH: usize = 4;
 

@@ -39,7 +39,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Arc;
 
-const P: usize = 4096;
+const P: usize = pagefleet_region::PAGE;
 /// Store request: `g`, `p` or `f`, then the page number (little endian); a
 /// `p` is followed by the page, a `g` answered with it, an `f` with one
 /// byte once everything before it on the connection is stored.

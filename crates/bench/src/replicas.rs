@@ -17,7 +17,7 @@ use serde::Serialize;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-const PAGE: usize = 4096;
+const PAGE: usize = pagefleet_region::PAGE;
 
 #[derive(Clone, Debug, Serialize)]
 pub struct Restore {

@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
 /// The block size (one memory-server page).
-pub const BLOCK: usize = 4096;
+pub const BLOCK: usize = pagefleet_proto::PAGE_SIZE;
 
 /// What all connections share: the layout, the servers and which are down.
 pub struct Shared {

@@ -51,10 +51,10 @@ pub enum LayoutError {
     MirrorServers,
     #[error(
         "the device needs {} but the memory servers have {} free in all{}: the largest device that fits is {} (--size {}KiB)",
-        fmt_size(need * 4096),
-        fmt_size(free * 4096),
+        fmt_size(pagefleet_units::bytes_of(*need)),
+        fmt_size(pagefleet_units::bytes_of(*free)),
         if *mirror { " (each block is stored twice with --mirror)" } else { "" },
-        fmt_size(fits * 4096),
+        fmt_size(pagefleet_units::bytes_of(*fits)),
         fits * 4
     )]
     /// The servers lack room.

@@ -221,7 +221,7 @@ pub fn status(c: &Client, registry: &str, explicit: &[String], json_out: bool) -
                 h.name(),
                 format!("{:?}", g.state).to_lowercase(),
                 units::fmt_size(g.size),
-                units::fmt_size(g.budget_pages * 4096),
+                units::fmt_size(pagefleet_units::bytes_of(g.budget_pages)),
                 g.ops,
                 pages.unwrap_or_else(|| "-".into())
             );
@@ -384,7 +384,7 @@ pub fn guest(c: &Client, g: GuestCmd) -> Result<()> {
                 hs[i].name(),
                 format!("{:?}", g.state).to_lowercase(),
                 units::fmt_size(g.size),
-                units::fmt_size(g.budget_pages * 4096),
+                units::fmt_size(pagefleet_units::bytes_of(g.budget_pages)),
                 g.ops,
                 g.uptime_secs
             );
@@ -882,7 +882,7 @@ fn restart(c: &Client, reg: &Registry, host: &str, timeout: u64) -> Result<()> {
                     t0.elapsed().as_secs_f64(),
                     now.version,
                     if now.memserver.is_some() {
-                        format!(", its memory server kept {} pages", now.lend_used / 4096)
+                        format!(", its memory server kept {} pages", pagefleet_units::pages_in(now.lend_used))
                     } else {
                         String::new()
                     },

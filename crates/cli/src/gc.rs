@@ -69,7 +69,7 @@ pub fn regions(c: &Client, registry: &str, on: Option<&str>, json: bool) -> Resu
             println!(
                 "  {:<18} {:>10} {:>7} {:>7} {:>8}  {:<6} {}",
                 r.region,
-                units::fmt_size(r.pages * 4096),
+                units::fmt_size(pagefleet_units::bytes_of(r.pages)),
                 age(r.age_secs),
                 age(r.idle_secs),
                 r.sessions,
@@ -114,7 +114,7 @@ pub fn drop_region(c: &Client, registry: &str, on: &str, region: &str) -> Result
         d.region,
         h.name(),
         d.pages,
-        units::fmt_size(d.pages * 4096)
+        units::fmt_size(pagefleet_units::bytes_of(d.pages))
     );
     Ok(())
 }
@@ -178,7 +178,7 @@ pub fn gc(
             r.server,
             if r.dry_run { "would free" } else { "freed" },
             r.pages_freed,
-            units::fmt_size(r.pages_freed * 4096),
+            units::fmt_size(pagefleet_units::bytes_of(r.pages_freed)),
             r.freed.len(),
             r.kept
         );

@@ -855,7 +855,7 @@ fn run(cli: Cli) -> Result<()> {
                     if json {
                         let v = serde_json::json!({
                             "server": server, "server_id": format!("{:016x}", s.server_id),
-                            "capacity_bytes": s.capacity_pages * 4096, "used_bytes": s.used_pages * 4096,
+                            "capacity_bytes": pagefleet_units::bytes_of(s.capacity_pages), "used_bytes": pagefleet_units::bytes_of(s.used_pages),
                             "capacity_pages": s.capacity_pages, "used_pages": s.used_pages,
                             "connections": s.connections, "region_count": s.region_count,
                             "regions": s.regions.iter().map(|(r, n)| serde_json::json!({"region": format!("{r:#x}"), "pages": n})).collect::<Vec<_>>(),
@@ -867,12 +867,12 @@ fn run(cli: Cli) -> Result<()> {
                         println!("server      {server} (id {:016x})", s.server_id);
                         println!(
                             "capacity    {}   used {} ({:.1}%)   free {}",
-                            units::fmt_size(s.capacity_pages * 4096),
-                            units::fmt_size(s.used_pages * 4096),
+                            units::fmt_size(pagefleet_units::bytes_of(s.capacity_pages)),
+                            units::fmt_size(pagefleet_units::bytes_of(s.used_pages)),
                             s.used_pages as f64 * 100.0 / s.capacity_pages.max(1) as f64,
-                            units::fmt_size(
-                                (s.capacity_pages - s.used_pages.min(s.capacity_pages)) * 4096
-                            )
+                            units::fmt_size(pagefleet_units::bytes_of(
+                                s.capacity_pages - s.used_pages.min(s.capacity_pages)
+                            ))
                         );
                         println!("connections {}   regions {}", s.connections, s.region_count);
                         println!(
@@ -887,7 +887,7 @@ fn run(cli: Cli) -> Result<()> {
                             println!(
                                 "  region {r:#018x}  {:>10} pages  {}",
                                 n,
-                                units::fmt_size(n * 4096)
+                                units::fmt_size(pagefleet_units::bytes_of(*n))
                             );
                         }
                         if s.truncated {
@@ -900,11 +900,10 @@ fn run(cli: Cli) -> Result<()> {
                     println!(
                         "connected to {server}: server id {:016x}, {} free of {}",
                         c.info.server_id,
-                        units::fmt_size(
-                            (c.info.capacity_pages - c.info.used_pages.min(c.info.capacity_pages))
-                                * 4096
-                        ),
-                        units::fmt_size(c.info.capacity_pages * 4096)
+                        units::fmt_size(pagefleet_units::bytes_of(
+                            c.info.capacity_pages - c.info.used_pages.min(c.info.capacity_pages)
+                        )),
+                        units::fmt_size(pagefleet_units::bytes_of(c.info.capacity_pages))
                     );
                     for i in 0..count {
                         println!("ping {i}: {:.1} us", c.ping()?.as_secs_f64() * 1e6);

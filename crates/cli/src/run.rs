@@ -214,7 +214,7 @@ const SYNTHETIC_SECS: u64 = 10;
 /// A `--budget` (a size, 1GiB, or a percentage of the guest's memory, 50%)
 /// in pages of a guest of `size` bytes; all of it when not given.
 pub fn budget_pages(spec: Option<&str>, size: u64) -> Result<u64> {
-    let pages = size.div_ceil(4096);
+    let pages = pagefleet_units::pages_for(size);
     Ok(match spec {
         None => pages,
         Some(s) if s.ends_with('%') => {
@@ -227,7 +227,7 @@ pub fn budget_pages(spec: Option<&str>, size: u64) -> Result<u64> {
             }
             ((pages as f64) * pct / 100.0) as u64
         }
-        Some(s) => units::parse_size(s).map_err(anyhow::Error::msg)? / 4096,
+        Some(s) => pagefleet_units::pages_in(units::parse_size(s).map_err(anyhow::Error::msg)?),
     })
 }
 

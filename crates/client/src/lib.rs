@@ -292,7 +292,7 @@ impl Conn {
             .map_err(cerr)?;
         let mut rb = RecvBuf::new(16 * 1024);
         // Read little ahead, so page data goes straight into the caller's buffer.
-        rb.set_read_max(4096 + 64);
+        rb.set_read_max(pagefleet_proto::PAGE_SIZE + 64);
         let mut c = Conn {
             stream,
             rb,

@@ -199,7 +199,9 @@ impl Guests {
     }
     /// Guest memory still free, bytes.
     pub fn free_bytes(&self) -> u64 {
-        self.cfg.memory.saturating_sub(self.used_pages() * 4096)
+        self.cfg
+            .memory
+            .saturating_sub(pagefleet_units::bytes_of(self.used_pages()))
     }
     /// A migration of `guest` from this host ended: with its report when
     /// the guest runs at the destination, with why when it failed (rolled
@@ -243,7 +245,7 @@ impl Guests {
     /// socket: call from a blocking context).
     pub fn metrics(&self) -> String {
         use pagefleet_common::metrics::{Exposition, Kind::*};
-        const PAGE: f64 = 4096.0;
+        const PAGE: f64 = pagefleet_units::PAGE_SIZE as f64;
         let mut e = Exposition::new();
         let used: u64 = lock(&self.map).values().map(|e| e.budget_pages).sum();
         // Every runner's own state (a runner that received its migration
@@ -259,7 +261,7 @@ impl Guests {
             "pagefleet_host_guest_budget_bytes",
             Gauge,
             "Sum of the budgets of the guests here.",
-            used * 4096,
+            pagefleet_units::bytes_of(used),
         );
         let mut f = e.family(
             "pagefleet_guests",
@@ -581,13 +583,17 @@ impl Guests {
                 ));
             }
             let used: u64 = m.values().map(|e| e.budget_pages).sum();
-            if (used + budget_pages) * 4096 > self.cfg.memory {
+            if pagefleet_units::bytes_of(used + budget_pages) > self.cfg.memory {
                 return Err(Refusal::new(
                     409,
                     format!(
                         "not enough guest memory here: {} asked, {} free",
-                        crate::fmt_size(budget_pages * 4096),
-                        crate::fmt_size(self.cfg.memory.saturating_sub(used * 4096))
+                        crate::fmt_size(pagefleet_units::bytes_of(budget_pages)),
+                        crate::fmt_size(
+                            self.cfg
+                                .memory
+                                .saturating_sub(pagefleet_units::bytes_of(used))
+                        )
                     ),
                 ));
             }
@@ -689,7 +695,7 @@ impl Guests {
             } else {
                 "started"
             },
-            crate::fmt_size(budget_pages * 4096),
+            crate::fmt_size(pagefleet_units::bytes_of(budget_pages)),
             log_path.display()
         );
         self.save_runners();
@@ -749,12 +755,14 @@ impl Guests {
                 "guest name: 1-32 letters, digits, - or _, starting with a letter or digit",
             ));
         }
-        if req.size < 4096 {
+        if req.size < pagefleet_units::PAGE_SIZE as u64 {
             return Err(Refusal::new(400, "size: at least one 4 KiB page"));
         }
         req.spec.validate().map_err(|e| Refusal::new(400, e))?;
         check_vm_files(&req.spec.workload, &self.cfg.vm_images)?;
-        let budget_pages = req.budget_pages.unwrap_or(req.size.div_ceil(4096));
+        let budget_pages = req
+            .budget_pages
+            .unwrap_or(pagefleet_units::pages_for(req.size));
         let job = Job::Guest {
             name: req.name.clone(),
             size: req.size,

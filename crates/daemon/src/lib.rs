@@ -51,8 +51,8 @@ impl MemServer {
     ) -> Result<MemServer> {
         let (listener, state) = match inherited {
             Some(h) => {
-                let cap = h.store.capacity_pages() * 4096;
-                if cap != lend_bytes / 4096 * 4096 {
+                let cap = pagefleet_units::bytes_of(h.store.capacity_pages());
+                if cap != pagefleet_units::bytes_of(pagefleet_units::pages_in(lend_bytes)) {
                     tracing::warn!(
                         "--lend {} differs from the {} the handed-over pool holds: it keeps {} until pagefleetd is stopped and started",
                         fmt_size(lend_bytes),
@@ -120,8 +120,8 @@ pub fn host_report(ms: Option<(&ServerState, SocketAddr)>) -> HostReport {
     if let Some((st, addr)) = ms {
         let s = st.store.stats(0);
         r.memserver = Some(addr.to_string());
-        r.lend_capacity = s.capacity_pages * 4096;
-        r.lend_used = s.stored_pages * 4096;
+        r.lend_capacity = pagefleet_units::bytes_of(s.capacity_pages);
+        r.lend_used = pagefleet_units::bytes_of(s.stored_pages);
         r.regions = s.region_count;
     }
     r

@@ -153,7 +153,7 @@ fn place(app: &App, o: &MigrationOrder) -> Result<(Placed, MigrateRequest, Promi
         }
         _ => {}
     }
-    let size_pages = st.size / 4096;
+    let size_pages = pagefleet_units::pages_in(st.size);
     let pages = st.pages.clone().unwrap_or_default();
     // Pages already on memory servers stay there: only resident ones need room.
     let data_pages = pages.local;
@@ -209,13 +209,13 @@ fn place(app: &App, o: &MigrationOrder) -> Result<(Placed, MigrateRequest, Promi
     let mut want = vec![(
         main.name().to_string(),
         pagefleet_registry::Pool::Guest,
-        choice.main_pages * 4096,
+        pagefleet_units::bytes_of(choice.main_pages),
     )];
     want.extend(choice.subs.iter().map(|(h, n)| {
         (
             hs[*h].name().to_string(),
             pagefleet_registry::Pool::Lend,
-            n * 4096,
+            pagefleet_units::bytes_of(*n),
         )
     }));
     let mut promises = Promises::take(app, want)?;
@@ -424,7 +424,10 @@ pub fn evacuate(app: &App, order: EvacuationOrder, mut emit: impl FnMut(&Evacuat
             return;
         }
     };
-    let mut lend_free: Vec<u64> = hs.iter().map(|h| info(h).lend_free / 4096).collect();
+    let mut lend_free: Vec<u64> = hs
+        .iter()
+        .map(|h| pagefleet_units::pages_in(info(h).lend_free))
+        .collect();
     let mut moved_any = false;
     // 1. Pages guests keep on the host's memory server go to another one.
     if let Some(xms) = hs[x].memserver().map(String::from) {
@@ -452,7 +455,7 @@ pub fn evacuate(app: &App, order: EvacuationOrder, mut emit: impl FnMut(&Evacuat
                 let Some(target) = target else {
                     emit(&fail(format!(
                         "no memory server can take the {} of {}",
-                        pagefleet_common::units::fmt_size(n * 4096),
+                        pagefleet_common::units::fmt_size(pagefleet_units::bytes_of(n)),
                         g.name
                     )));
                     return;

@@ -574,7 +574,9 @@ pub fn run(a: Settings, reloader: crate::reload::Reloader) -> Result<()> {
         }
         None => None,
     };
-    if a.lend.is_some_and(|l| l < 4096) {
+    if a.lend
+        .is_some_and(|l| l < pagefleet_units::PAGE_SIZE as u64)
+    {
         return Err(crate::Error::Invalid(
             "--lend is less than one 4 KiB page".to_string(),
         ));
@@ -858,7 +860,9 @@ pub fn run(a: Settings, reloader: crate::reload::Reloader) -> Result<()> {
     if let Some(m) = &ms {
         tracing::info!(
             "memory server lending {} on {}{}",
-            units::fmt_size(m.state.store.stats(0).capacity_pages * 4096),
+            units::fmt_size(pagefleet_units::bytes_of(
+                m.state.store.stats(0).capacity_pages
+            )),
             m.addr,
             haddr
                 .map(|m| format!(", metrics on http://{m}/metrics"))

@@ -12,7 +12,7 @@ use pagefleet_proto::auth::Secret;
 use serde::{Deserialize, Serialize};
 
 /// Page size the hashes are over.
-pub const PAGE: usize = 4096;
+pub const PAGE: usize = pagefleet_units::PAGE_SIZE;
 
 /// Context string of the key derivation (BLAKE3's derive_key mode): a
 /// different context gives an unrelated key from the same secret.

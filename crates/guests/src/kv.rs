@@ -33,6 +33,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tracing::{debug, warn};
 
 const MAGIC: u64 = 0x5046_4b56_0000_0003; // "PFKV" v3: slab pages, reassignment
+/// The header's fields (offsets below); the bucket table starts after
+/// the header's page.
+const HEADER: usize = pagefleet_units::PAGE_SIZE;
 const H_MAGIC: usize = 0;
 const H_NBUCKETS: usize = 8;
 const H_ARENA_START: usize = 16;
@@ -272,16 +275,19 @@ impl Kv {
         // LRU links count in ALIGN units as u32: 64 GiB at most.
         let len = self.mem.len.min(ALIGN << 32);
         let nb = ((len / 1024).max(1024)).next_power_of_two().min(1 << 26);
-        let ptable = 4096 + nb * 8;
+        let ptable = HEADER + nb * 8;
         // Small memories (tests, tiny guests) get 16 pages at least: items
         // larger than a page are then refused.
         let page = SLAB_PAGE
-            .min((len.saturating_sub(ptable) / 16) / 4096 * 4096)
-            .max(4096);
+            .min(
+                (len.saturating_sub(ptable) / 16) / pagefleet_units::PAGE_SIZE
+                    * pagefleet_units::PAGE_SIZE,
+            )
+            .max(pagefleet_units::PAGE_SIZE);
         let npages = len.saturating_sub(ptable) / page;
         let arena = (ptable + npages).div_ceil(64) * 64;
         for b in 0..nb {
-            self.w(4096 + b * 8, 0);
+            self.w(HEADER + b * 8, 0);
         }
         self.bytes_mut(ptable, npages).fill(NO_CLASS);
         for c in 0..NCLASS_MAX {
@@ -320,11 +326,11 @@ impl Kv {
     }
 
     fn bucket(&self, key: &[u8]) -> usize {
-        4096 + (hash(key) as usize & (self.r(H_NBUCKETS) as usize - 1)) * 8
+        HEADER + (hash(key) as usize & (self.r(H_NBUCKETS) as usize - 1)) * 8
     }
 
     fn stripe_of(&self, key: &[u8]) -> usize {
-        (self.bucket(key) - 4096) / 8 % STRIPES
+        (self.bucket(key) - HEADER) / 8 % STRIPES
     }
 
     fn stripe(&self, key: &[u8]) -> (RwLockWriteGuard<'_, ()>, usize) {
@@ -949,7 +955,7 @@ impl Kv {
             let _g = self.stripes[b % STRIPES]
                 .read()
                 .unwrap_or_else(|e| e.into_inner());
-            let mut it = self.r(4096 + b * 8) as usize;
+            let mut it = self.r(HEADER + b * 8) as usize;
             while it != 0 {
                 let (_, exp, _, vlen, _, ic) = self.i_meta(it);
                 if ic == c {
@@ -979,7 +985,7 @@ impl Kv {
             let _g = self.stripes[b % STRIPES]
                 .read()
                 .unwrap_or_else(|e| e.into_inner());
-            let mut it = self.r(4096 + b * 8) as usize;
+            let mut it = self.r(HEADER + b * 8) as usize;
             while it != 0 {
                 n[self.i_meta(it).5] += 1;
                 it = self.i_next(it);

@@ -148,7 +148,10 @@ impl Fill {
         };
         let mut x = seed ^ p.wrapping_mul(0x2545_F491_4F6C_DD1D);
         for w in 0..512 {
-            mem.write_u64(p as usize * 4096 + w * 8, splitmix(&mut x));
+            mem.write_u64(
+                p as usize * pagefleet_units::PAGE_SIZE + w * 8,
+                splitmix(&mut x),
+            );
         }
     }
 }
@@ -194,7 +197,7 @@ pub struct Outcome {
 
 /// Run the workload over `mem`; `tick` is called every second with (second, ops/s).
 pub fn run(mem: Mem, o: &Opts, mut tick: impl FnMut(usize, f64)) -> Outcome {
-    let all_pages = (mem.len / 4096) as u64;
+    let all_pages = (mem.len / pagefleet_units::PAGE_SIZE) as u64;
     let pages = ((all_pages as f64 * o.span.clamp(0.0, 1.0)) as u64).clamp(1, all_pages);
     if o.prefill || o.fill.is_some() {
         std::thread::scope(|s| {
@@ -207,7 +210,7 @@ pub fn run(mem: Mem, o: &Opts, mut tick: impl FnMut(usize, f64)) -> Outcome {
                     for p in t * per..((t + 1) * per).min(all_pages) {
                         match &o.fill {
                             Some(f) => f.write(&mem, p),
-                            None => mem.write_u64(p as usize * 4096, p),
+                            None => mem.write_u64(p as usize * pagefleet_units::PAGE_SIZE, p),
                         }
                     }
                     if let Some(g) = &o.gate {
@@ -276,7 +279,8 @@ pub fn run(mem: Mem, o: &Opts, mut tick: impl FnMut(usize, f64)) -> Outcome {
                                 }
                             }
                         };
-                        let off = page as usize * 4096 + ((local as usize) & 511) * 8;
+                        let off = page as usize * pagefleet_units::PAGE_SIZE
+                            + ((local as usize) & 511) * 8;
                         if rng.unit() < o.write_frac {
                             mem.write_u64(off, mem.read_u64(off).wrapping_add(1));
                         } else {

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 /// KSM's sysfs directory.
 pub const KSM: &str = "/sys/kernel/mm/ksm";
 /// The page size.
-pub const PAGE: u64 = 4096;
+pub const PAGE: u64 = pagefleet_units::PAGE_SIZE as u64;
 
 fn knob(name: &str) -> PathBuf {
     Path::new(KSM).join(name)

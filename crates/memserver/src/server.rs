@@ -405,7 +405,7 @@ pub(crate) fn welcome(st: &ServerState, nonce: [u8; 32], flags: u32, out: &mut V
 
 /// Bytes read past the current need: many pipelined small requests per
 /// syscall, but at most this much PUT data copied out of the buffer per frame.
-const READ_AHEAD: usize = 4096 + 64;
+const READ_AHEAD: usize = PAGE_SIZE + 64;
 /// Flush queued replies after this many request bytes even if more requests
 /// are waiting (keeps a pipelining client's window moving).
 const FLUSH_AFTER_BYTES: usize = 256 * 1024;

@@ -106,7 +106,7 @@ pub fn choose(
             .max_by_key(|&h| (hosts[h].guest_free, std::cmp::Reverse(h)))
             .ok_or("no other host to migrate to (every other host is cordoned or there is none)")?,
     };
-    let main_free = hosts[main].guest_free / 4096;
+    let main_free = pagefleet_units::pages_in(hosts[main].guest_free);
     // A budget below two chunks of 64 pages cannot page.
     if main_free < 128 {
         return Err(PlacementError::new(format!(
@@ -127,7 +127,7 @@ pub fn choose(
     let need = rest * copies;
     let cap = |h: usize| {
         if hosts[h].memserver.is_some() && !hosts[h].cordoned {
-            hosts[h].lend_free / 4096
+            pagefleet_units::pages_in(hosts[h].lend_free)
         } else {
             0
         }
@@ -207,7 +207,7 @@ pub fn choose_whole(
     to: Option<usize>,
 ) -> Result<Choice, PlacementError> {
     let _ = data_pages;
-    let fits = |h: usize| hosts[h].guest_free / 4096 >= size_pages;
+    let fits = |h: usize| pagefleet_units::pages_in(hosts[h].guest_free) >= size_pages;
     let main = match to {
         Some(m) if m == source => {
             return Err(PlacementError::new(format!(
@@ -222,7 +222,7 @@ pub fn choose_whole(
             return Err(PlacementError::new(format!(
                 "{} has {} pages of guest memory free, the guest needs {}",
                 hosts[m].name,
-                hosts[m].guest_free / 4096,
+                pagefleet_units::pages_in(hosts[m].guest_free),
                 size_pages
             )))
         }
@@ -249,8 +249,8 @@ mod tests {
             http: format!("{name}:7071"),
             memserver: lend_free_pages.map(|_| format!("{name}:7070")),
             cordoned: false,
-            guest_free: guest_free_pages * 4096,
-            lend_free: lend_free_pages.unwrap_or(0) * 4096,
+            guest_free: pagefleet_units::bytes_of(guest_free_pages),
+            lend_free: pagefleet_units::bytes_of(lend_free_pages.unwrap_or(0)),
         }
     }
 

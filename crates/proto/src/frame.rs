@@ -7,7 +7,7 @@ pub const MAGIC: [u8; 2] = *b"PF";
 /// The protocol version this crate speaks.
 pub const VERSION: u8 = 1;
 /// Size of one page on the wire and in the store.
-pub const PAGE_SIZE: usize = 4096;
+pub use pagefleet_units::PAGE_SIZE;
 /// Most pages one PUT or GET frame may carry (128 KiB of data).
 pub const MAX_BATCH_PAGES: usize = 32;
 /// Most page numbers one DELETE frame may list (list mode).

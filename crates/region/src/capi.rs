@@ -99,7 +99,7 @@ pub unsafe extern "C" fn pf_region_new(
     let r = (|| -> Result<Region, String> {
         // SAFETY: `cfg` is NULL or a valid pf_config (the caller's contract).
         let c = unsafe { cfg.as_ref() }.ok_or("pf_region_new: cfg is NULL")?;
-        let pages = c.size.div_ceil(4096);
+        let pages = pagefleet_units::pages_for(c.size);
         let mut k = Config::new(
             c.size,
             if c.budget_pages == 0 {

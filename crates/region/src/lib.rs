@@ -38,7 +38,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 /// The page size.
-pub const PAGE: usize = 4096;
+pub const PAGE: usize = pagefleet_units::PAGE_SIZE;
 
 /// The pager keeps resident pages between `budget - slack` and
 /// `budget - slack/2` once over them (watermarks). A migration fills a

@@ -25,7 +25,8 @@ pub struct SortJob {
 impl SortJob {
     fn start(mem: Mem, sort_frac: f64, warm: bool, seed: u64, incoming: bool) -> Arc<SortJob> {
         let frac = sort_frac.clamp(0.01, 1.0);
-        let rec_bytes = ((mem.len() as f64 * frac) as usize) / 4096 * 4096;
+        let rec_bytes = ((mem.len() as f64 * frac) as usize) / pagefleet_units::PAGE_SIZE
+            * pagefleet_units::PAGE_SIZE;
         // The records sit at the end: a placement by address alone (no
         // history) keeps the other data and sends the records away.
         let other = mem.len() - rec_bytes;
@@ -42,7 +43,7 @@ impl SortJob {
         let j = job.clone();
         let h = std::thread::spawn(move || {
             let fill_other = || {
-                for off in (0..other).step_by(4096) {
+                for off in (0..other).step_by(pagefleet_units::PAGE_SIZE) {
                     mem.write_u64(off, off as u64 | 1);
                 }
             };
@@ -59,7 +60,7 @@ impl SortJob {
             while warm && !j.stop_warm.load(Relaxed) {
                 // Read every record page, as the running sort would.
                 let mut sum = 0u64;
-                for off in (0..j.records.len()).step_by(4096) {
+                for off in (0..j.records.len()).step_by(pagefleet_units::PAGE_SIZE) {
                     sum = sum.wrapping_add(j.records.read_u64(off));
                 }
                 std::hint::black_box(sum);

@@ -13,7 +13,7 @@ pub use epoll::{Epoll, Trigger};
 pub use pagemap::Pagemap;
 
 /// The page size everything here works in.
-pub const PAGE: usize = 4096;
+pub const PAGE: usize = pagefleet_units::PAGE_SIZE;
 
 // ioctl numbers: _IOWR(0xAA, nr, size) / _IOR(0xAA, nr, size).
 const UFFDIO_API: u64 = 0xC018_AA3F;

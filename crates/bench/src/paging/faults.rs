@@ -4,6 +4,9 @@
 
 use super::*;
 
+/// Bytes in a page.
+const PAGE: usize = pagefleet_region::PAGE;
+
 fn percentiles(mut v: Vec<f64>, what: &str) -> FaultLat {
     let n = v.len();
     let p50 = util::percentile(&mut v, 50.0);
@@ -64,7 +67,7 @@ pub(super) fn fault_latencies(
                         let t = Instant::now();
                         // SAFETY: inside the floor's mapping (fault_iters + 16 pages).
                         let x = unsafe {
-                            std::ptr::read_volatile((floor.base() + p * 4096) as *const u8)
+                            std::ptr::read_volatile((floor.base() + p * PAGE) as *const u8)
                         };
                         fl.push(t.elapsed().as_secs_f64() * 1e6);
                         // (The raw store's replies are all 2s.)
@@ -94,7 +97,7 @@ pub(super) fn fault_latencies(
                         let t = Instant::now();
                         // SAFETY: inside the region.
                         let x = unsafe {
-                            std::ptr::read_volatile(base.add(p as usize * 4096) as *const u64)
+                            std::ptr::read_volatile(base.add(p as usize * PAGE) as *const u64)
                         };
                         v.push(t.elapsed().as_secs_f64() * 1e6);
                         if x != p {
@@ -275,7 +278,7 @@ fn touch_all(
                         let p = order(i);
                         // SAFETY: inside the caller's mapping of `pages` pages.
                         let x = unsafe {
-                            std::ptr::read_volatile((base + p as usize * 4096) as *const u64)
+                            std::ptr::read_volatile((base + p as usize * PAGE) as *const u64)
                         };
                         check(p, x)?;
                         if let Some(w) = think {
@@ -326,7 +329,7 @@ fn fault_cpu(
 /// memfd once over the budget. Returns GB/s paged in.
 pub(super) fn seq_floor(o: &Opts) -> Result<f64> {
     use pagefleet_uffd as uffd;
-    let pages = o.size / 4096;
+    let pages = o.size / (PAGE as u64);
     let budget = pages / 4;
     let window = (budget / 16).clamp(1, 1024);
     let raw = RawServer::start()?;
@@ -346,7 +349,7 @@ pub(super) fn seq_floor(o: &Opts) -> Result<f64> {
             util::set_affinity(0, &[1]);
         }
         let r = (|| -> std::io::Result<()> {
-            let mut rep = vec![0u8; 4096 * window as usize];
+            let mut rep = vec![0u8; PAGE * window as usize];
             let mut here = vec![false; pages as usize];
             // The window asked for ahead, its reply next on the stream.
             let mut ahead: Option<(u64, u64)> = None;
@@ -354,9 +357,9 @@ pub(super) fn seq_floor(o: &Opts) -> Result<f64> {
             // One UFFDIO_COPY for the window; page by page if some page of it
             // is there already (a whole-range copy stops at the first).
             let install = |a: u64, data: &[u8]| {
-                if u2.copy(base + a * 4096, data, false).is_err() {
-                    for (i, pg) in data.chunks(4096).enumerate() {
-                        let _ = u2.copy(base + (a + i as u64) * 4096, pg, false);
+                if u2.copy(base + a * (PAGE as u64), data, false).is_err() {
+                    for (i, pg) in data.chunks(PAGE).enumerate() {
+                        let _ = u2.copy(base + (a + i as u64) * (PAGE as u64), pg, false);
                     }
                 }
             };
@@ -370,9 +373,9 @@ pub(super) fn seq_floor(o: &Opts) -> Result<f64> {
                 fs.clear();
                 let _ = u2.read_faults(&mut fs, 16);
                 for f in &fs {
-                    let p = (f.addr - base) / 4096;
+                    let p = (f.addr - base) / (PAGE as u64);
                     if here[p as usize] {
-                        let _ = u2.wake(f.addr & !4095, 4096);
+                        let _ = u2.wake(f.addr & !(PAGE as u64 - 1), PAGE as u64);
                         continue;
                     }
                     // The reply in flight is for another window: take it in
@@ -383,16 +386,16 @@ pub(super) fn seq_floor(o: &Opts) -> Result<f64> {
                             if let Some((a, k)) = other {
                                 std::io::Read::read_exact(
                                     &mut conn,
-                                    &mut rep[..4096 * k as usize],
+                                    &mut rep[..PAGE * k as usize],
                                 )?;
-                                install(a, &rep[..4096 * k as usize]);
+                                install(a, &rep[..PAGE * k as usize]);
                                 here[a as usize..(a + k) as usize].fill(true);
                                 windows.push_back((a, k));
                                 resident += k;
                                 n2.fetch_add(k, Relaxed);
                             }
                             if here[p as usize] {
-                                let _ = u2.wake(f.addr & !4095, 4096);
+                                let _ = u2.wake(f.addr & !(PAGE as u64 - 1), PAGE as u64);
                                 continue;
                             }
                             conn.write_all(&len(p).to_le_bytes())?;
@@ -402,8 +405,8 @@ pub(super) fn seq_floor(o: &Opts) -> Result<f64> {
                     let next = (p + k) % pages;
                     conn.write_all(&len(next).to_le_bytes())?;
                     ahead = Some((next, len(next)));
-                    std::io::Read::read_exact(&mut conn, &mut rep[..4096 * k as usize])?;
-                    install(p, &rep[..4096 * k as usize]);
+                    std::io::Read::read_exact(&mut conn, &mut rep[..PAGE * k as usize])?;
+                    install(p, &rep[..PAGE * k as usize]);
                     here[p as usize..(p + k) as usize].fill(true);
                     windows.push_back((p, k));
                     resident += k;
@@ -412,7 +415,7 @@ pub(super) fn seq_floor(o: &Opts) -> Result<f64> {
                         let Some((q, c)) = windows.pop_front() else {
                             break;
                         };
-                        uffd::punch_hole(&fd2, q * 4096, c * 4096)?;
+                        uffd::punch_hole(&fd2, q * (PAGE as u64), c * (PAGE as u64))?;
                         here[q as usize..(q + c) as usize].fill(false);
                         resident -= c;
                     }
@@ -444,7 +447,7 @@ pub(super) fn seq_floor(o: &Opts) -> Result<f64> {
                 for _ in 0..256 {
                     // SAFETY: inside the mapping of `pages` pages.
                     std::hint::black_box(unsafe {
-                        std::ptr::read_volatile((base + p * 4096) as *const u64)
+                        std::ptr::read_volatile((base + p * (PAGE as u64)) as *const u64)
                     });
                     p = (p + 1) % pages;
                 }
@@ -459,7 +462,7 @@ pub(super) fn seq_floor(o: &Opts) -> Result<f64> {
     handled
         .map_err(|_| anyhow::anyhow!("the floor's fault handler panicked"))?
         .context("the floor's fault handler")?;
-    Ok(util::gbps(n * 4096, el))
+    Ok(util::gbps(n * (PAGE as u64), el))
 }
 
 /// Serve every queued fault with a zero page (a floor program that failed).
@@ -467,7 +470,7 @@ fn fs_drain(u: &pagefleet_uffd::Uffd, base: u64) {
     let mut fs = Vec::new();
     let _ = u.read_faults(&mut fs, 64);
     for f in &fs {
-        let _ = u.zeropage((f.addr & !4095).max(base), 4096);
+        let _ = u.zeropage((f.addr & !(PAGE as u64 - 1)).max(base), PAGE as u64);
     }
 }
 
@@ -528,7 +531,7 @@ impl FloorHandler {
                     }
                     for f in &fs {
                         std::io::Read::read_exact(&mut conn, &mut rep)?;
-                        let _ = u.copy(f.addr & !4095, &rep[..4096], false);
+                        let _ = u.copy(f.addr & !(PAGE as u64 - 1), &rep[..PAGE], false);
                     }
                 }
             }
@@ -565,7 +568,7 @@ fn pagefleet_cpu(
     secret: &Secret,
 ) -> Result<CpuPerPage> {
     let me = std::process::id();
-    let d = util::ChildDaemon::start(pages * 4096 + (64 << 20), secret_path)?;
+    let d = util::ChildDaemon::start(pages * (PAGE as u64) + (64 << 20), secret_path)?;
     let r = all_remote_region(&d, pages, secret)?;
     if util::ncpus() >= 2 {
         util::set_process_affinity(d.child.id(), &[0]);
@@ -593,7 +596,7 @@ fn all_remote_region(
     pages: u64,
     secret: &Secret,
 ) -> Result<pagefleet_region::Region> {
-    let mut cfg = pagefleet_region::Config::new(pages * 4096, 64);
+    let mut cfg = pagefleet_region::Config::new(pages * (PAGE as u64), 64);
     cfg.servers = vec![d.addr.clone()];
     cfg.secret = Some(secret.clone());
     cfg.chunk_pages = 1;
@@ -602,7 +605,7 @@ fn all_remote_region(
     let base = r.as_ptr();
     for p in 0..pages {
         // SAFETY: inside the region.
-        unsafe { std::ptr::write_volatile(base.add(p as usize * 4096) as *mut u64, p) };
+        unsafe { std::ptr::write_volatile(base.add(p as usize * PAGE) as *mut u64, p) };
     }
     let t = Instant::now();
     while r.stats().resident_pages > 64 && t.elapsed() < Duration::from_secs(10) {
@@ -622,14 +625,14 @@ fn raw_uffd(iters: usize, two: bool) -> Result<Vec<f64>> {
         if two {
             util::set_affinity(0, &[1]);
         }
-        let src = vec![7u8; 4096];
+        let src = vec![7u8; PAGE];
         let mut fs = Vec::new();
         while !s2.load(Relaxed) {
             if u2.poll(5).unwrap_or(false) {
                 fs.clear();
                 let _ = u2.read_faults(&mut fs, 16);
                 for f in &fs {
-                    let _ = u2.copy(f.addr & !4095, &src, false);
+                    let _ = u2.copy(f.addr & !(PAGE as u64 - 1), &src, false);
                 }
             }
         }
@@ -642,7 +645,7 @@ fn raw_uffd(iters: usize, two: bool) -> Result<Vec<f64>> {
     for i in 0..iters {
         let t = Instant::now();
         // SAFETY: inside the mapping.
-        let x = unsafe { std::ptr::read_volatile(m.addr().add(i * 4096)) };
+        let x = unsafe { std::ptr::read_volatile(m.addr().add(i * PAGE)) };
         v.push(t.elapsed().as_secs_f64() * 1e6);
         if x != 7 {
             bail!("raw uffd page has wrong contents");
@@ -668,8 +671,8 @@ fn floor_mapping(
     pagefleet_uffd::Uffd,
 )> {
     use pagefleet_uffd as uffd;
-    let fd = uffd::memfd(name, pages * 4096)?;
-    let m = uffd::Mapping::shared(&fd, (pages * 4096) as usize)?;
+    let fd = uffd::memfd(name, pages * (PAGE as u64))?;
+    let m = uffd::Mapping::shared(&fd, (pages * (PAGE as u64)) as usize)?;
     m.madvise(0, m.len(), libc::MADV_NOHUGEPAGE)?;
     let u = uffd::Uffd::open(uffd::FEATURE_MISSING_SHMEM)?;
     // SAFETY: a mapping made here for the measurement, reached only by raw pointers.
