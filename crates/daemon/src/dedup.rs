@@ -125,7 +125,7 @@ impl Dedup {
         // copies, and a thread of the idle class preempted there can wait a
         // second for the CPU on a busy host while every connection waits on
         // the lock, or a client that deleted pages to make room waits for
-        // the pins (stop 44 measured no gain from the idle class either).
+        // the pins (the idle class measured no gain either).
         // SAFETY: setpriority on this thread (who=0: the caller).
         unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 19) };
         while !stop.load(Relaxed) {
