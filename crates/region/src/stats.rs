@@ -76,133 +76,138 @@ impl Default for Histogram {
     }
 }
 
-#[derive(Default)]
-pub struct Counters {
-    pub missing_faults: AtomicU64,
-    pub minor_faults: AtomicU64,
-    pub unmaps: AtomicU64,
-    pub wp_faults: AtomicU64,
-    pub zero_filled_pages: AtomicU64,
-    pub page_ins: AtomicU64,
-    pub page_in_requests: AtomicU64,
-    pub page_outs: AtomicU64,
-    pub page_out_chunks: AtomicU64,
-    pub bytes_in: AtomicU64,
-    pub bytes_out: AtomicU64,
-    pub sampled_chunks: AtomicU64,
-    pub resident_pages: AtomicU64,
-    pub remote_pages: AtomicU64,
-    /// Pager time spent serving faults, ns.
-    pub fault_ns: AtomicU64,
-    /// Remote page-in service times (fault read to faulting page installed).
-    pub page_in_latency: Histogram,
-    /// Sweep rate of the sampling hand, chunks/s (current).
-    pub sample_rate: AtomicU64,
-    pub clean_drops: AtomicU64,
-    pub first_writes: AtomicU64,
-    pub prefetched_pages: AtomicU64,
-    pub write_hinted_pages: AtomicU64,
-    pub page_in_cpu_ns: AtomicU64,
-    pub page_out_cpu_ns: AtomicU64,
-    pub direct_reclaims: AtomicU64,
-    pub direct_reclaim_ns: AtomicU64,
-    pub degraded_pages: AtomicU64,
-    pub rereplicated_pages: AtomicU64,
-    pub servers_down: AtomicU64,
-    pub server_failures: AtomicU64,
-    pub servers_revived: AtomicU64,
-    pub hedged_reads: AtomicU64,
-    pub remote_faults: AtomicU64,
-    pub zero_faults: AtomicU64,
-    pub prefetch_hits: AtomicU64,
-    pub prefetch_misses: AtomicU64,
+/// Defines the region's counters once: the atomics the pager and writer
+/// threads update ([`Counters`]), the snapshot every report reads
+/// ([`Stats`]: status, metrics, the C ABI, the kv guest's `stats`), and
+/// each counter's reported name ([`Stats::named`]). A counter added here
+/// is in all of them.
+macro_rules! counters {
+    ($($(#[doc = $doc:literal])* $name:ident $(as $shown:literal)?,)*) => {
+        /// The region's counters, updated by the pager and writer threads.
+        #[derive(Default)]
+        pub struct Counters {
+            $($(#[doc = $doc])* pub $name: AtomicU64,)*
+            /// Remote page-in service times (fault read to faulting page installed).
+            pub page_in_latency: Histogram,
+        }
+
+        /// A consistent-enough snapshot for reporting.
+        #[derive(Clone, Debug, Default)]
+        pub struct Stats {
+            /// Pages allowed resident.
+            pub budget_pages: u64,
+            $($(#[doc = $doc])* pub $name: u64,)*
+            /// Page-in latency histogram counts (bucket bounds: [`Histogram::upper_us`]).
+            pub page_in_latency_buckets: Vec<u64>,
+            /// The sum of those latencies, ns.
+            pub page_in_latency_sum_ns: u64,
+        }
+
+        impl Counters {
+            /// Every counter now, with the region's budget.
+            pub fn snapshot(&self, budget: u64) -> Stats {
+                Stats {
+                    budget_pages: budget,
+                    $($name: self.$name.load(Relaxed),)*
+                    page_in_latency_buckets: self.page_in_latency.counts(),
+                    page_in_latency_sum_ns: self.page_in_latency.sum_ns(),
+                }
+            }
+        }
+
+        impl Stats {
+            /// Every counter by name (the kv guest's `stats` shows them as
+            /// `pf_NAME`), then the page-in latency's p50 and p99 in µs.
+            pub fn named(&self) -> Vec<(&'static str, u64)> {
+                let mut v = vec![("budget_pages", self.budget_pages)];
+                $(v.push((counters!(@shown $name $($shown)?), self.$name));)*
+                v.push(("page_in_p50_us", self.page_in_p50_us() as u64));
+                v.push(("page_in_p99_us", self.page_in_p99_us() as u64));
+                v
+            }
+        }
+    };
+    (@shown $name:ident) => { stringify!($name) };
+    (@shown $name:ident $shown:literal) => { $shown };
 }
 
-/// A consistent-enough snapshot for reporting.
-#[derive(Clone, Debug, Default)]
-pub struct Stats {
-    /// Pages allowed resident.
-    pub budget_pages: u64,
+counters! {
     /// Pages resident now.
-    pub resident_pages: u64,
+    resident_pages,
     /// Pages on memory servers.
-    pub remote_pages: u64,
+    remote_pages,
     /// MISSING faults served (first touch or page-in).
-    pub missing_faults: u64,
+    missing_faults,
     /// Pages the sampler found touched since it unmapped them (each a minor
     /// fault the kernel resolved).
-    pub minor_faults: u64,
+    minor_faults,
     /// `madvise` calls that unmapped resident pages so that their next
     /// touch shows (sampling, the victim hand's re-arms): each a TLB
     /// shootdown on the guest's CPUs.
-    pub unmaps: u64,
+    unmaps,
     /// Write-protect faults (migration change tracking).
-    pub wp_faults: u64,
+    wp_faults,
     /// Never-touched pages filled with zeros.
-    pub zero_filled_pages: u64,
+    zero_filled_pages,
     /// Pages brought in from memory servers.
-    pub page_ins: u64,
+    page_ins,
     /// GET requests that brought them.
-    pub page_in_requests: u64,
-    /// Pages sent out to memory servers.
-    pub page_outs: u64,
-    /// Chunks evicted.
-    pub page_out_chunks: u64,
-    /// Bytes received from memory servers.
-    pub bytes_in: u64,
-    /// Bytes sent to them.
-    pub bytes_out: u64,
-    /// Chunks the sampling hand has swept.
-    pub sampled_chunks: u64,
-    /// Sweep rate of the sampling hand, chunks/s.
-    pub sample_rate: u64,
-    /// Total fault service time, ns.
-    pub fault_ns: u64,
-    /// Page-in latency histogram counts (bucket bounds: [`Histogram::upper_us`]).
-    pub page_in_latency_buckets: Vec<u64>,
-    /// The sum of those latencies, ns.
-    pub page_in_latency_sum_ns: u64,
-    /// Evicted pages whose kept server copy was current: dropped, not sent.
-    pub clean_drops: u64,
-    /// Paged-in pages written afterwards (their kept copy went stale).
-    pub first_writes: u64,
+    page_in_requests,
     /// Of the page-ins, pages brought by read-ahead (not the faulting page).
-    pub prefetched_pages: u64,
+    prefetched_pages,
     /// Faulting pages installed writable, not clean, because they were
     /// written when resident before (no WP fault for their next write).
-    pub write_hinted_pages: u64,
+    write_hinted_pages,
+    /// Pages sent out to memory servers.
+    page_outs,
+    /// Chunks evicted.
+    page_out_chunks,
+    /// Evicted pages whose kept server copy was current: dropped, not sent.
+    clean_drops,
+    /// Paged-in pages written afterwards (their kept copy went stale).
+    first_writes,
+    /// Bytes received from memory servers.
+    bytes_in,
+    /// Bytes sent to them.
+    bytes_out,
+    /// Chunks the sampling hand has swept.
+    sampled_chunks,
+    /// Sweep rate of the sampling hand, chunks/s.
+    sample_rate as "sample_rate_chunks_per_s",
+    /// Total fault service time, ns.
+    fault_ns,
     /// Pager CPU time spent bringing pages in, ns.
-    pub page_in_cpu_ns: u64,
+    page_in_cpu_ns,
     /// Pager CPU time spent evicting (sending and dropping), ns.
-    pub page_out_cpu_ns: u64,
+    page_out_cpu_ns,
     /// Page-out batches run while over the budget itself (faults wait).
-    pub direct_reclaims: u64,
+    direct_reclaims,
     /// Wall time of those batches, ns.
-    pub direct_reclaim_ns: u64,
+    direct_reclaim_ns,
     /// Remote pages with fewer copies than the region's replicas (after a
     /// server's death, until re-replication restores them).
-    pub degraded_pages: u64,
+    degraded_pages,
     /// Pages re-replication copied to another server.
-    pub rereplicated_pages: u64,
+    rereplicated_pages,
     /// Memory servers down now: found dead or hung (their pages served by
     /// mirrors), not answering since.
-    pub servers_down: u64,
+    servers_down,
     /// Times a memory server was found dead or hung.
-    pub server_failures: u64,
+    server_failures,
     /// Times a server called down answered again and was used again.
-    pub servers_revived: u64,
+    servers_revived,
     /// Faulting pages asked of a mirror because their server missed its
     /// deadline.
-    pub hedged_reads: u64,
+    hedged_reads,
     /// Faults that waited for a memory server (the page was remote).
-    pub remote_faults: u64,
+    remote_faults,
     /// First touches: faults served by filling zeros.
-    pub zero_faults: u64,
+    zero_faults,
     /// Read-ahead pages used after they came.
-    pub prefetch_hits: u64,
+    prefetch_hits,
     /// Read-ahead pages evicted with no use seen (an upper bound: a read
     /// of a mapped page shows only once the sampler has unmapped it).
-    pub prefetch_misses: u64,
+    prefetch_misses,
 }
 
 impl Stats {
@@ -215,49 +220,6 @@ impl Stats {
         self.page_out_cpu_ns as f64 / 1e3 / (self.page_outs + self.clean_drops).max(1) as f64
     }
 
-    /// Every counter by name (the kv guest's `stats` shows them as `pf_NAME`).
-    pub fn named(&self) -> Vec<(&'static str, u64)> {
-        vec![
-            ("budget_pages", self.budget_pages),
-            ("resident_pages", self.resident_pages),
-            ("remote_pages", self.remote_pages),
-            ("missing_faults", self.missing_faults),
-            ("minor_faults", self.minor_faults),
-            ("unmaps", self.unmaps),
-            ("wp_faults", self.wp_faults),
-            ("zero_filled_pages", self.zero_filled_pages),
-            ("page_ins", self.page_ins),
-            ("page_in_requests", self.page_in_requests),
-            ("prefetched_pages", self.prefetched_pages),
-            ("write_hinted_pages", self.write_hinted_pages),
-            ("page_outs", self.page_outs),
-            ("page_out_chunks", self.page_out_chunks),
-            ("clean_drops", self.clean_drops),
-            ("first_writes", self.first_writes),
-            ("bytes_in", self.bytes_in),
-            ("bytes_out", self.bytes_out),
-            ("sampled_chunks", self.sampled_chunks),
-            ("sample_rate_chunks_per_s", self.sample_rate),
-            ("fault_ns", self.fault_ns),
-            ("page_in_cpu_ns", self.page_in_cpu_ns),
-            ("page_out_cpu_ns", self.page_out_cpu_ns),
-            ("direct_reclaims", self.direct_reclaims),
-            ("direct_reclaim_ns", self.direct_reclaim_ns),
-            ("degraded_pages", self.degraded_pages),
-            ("rereplicated_pages", self.rereplicated_pages),
-            ("servers_down", self.servers_down),
-            ("server_failures", self.server_failures),
-            ("servers_revived", self.servers_revived),
-            ("hedged_reads", self.hedged_reads),
-            ("remote_faults", self.remote_faults),
-            ("zero_faults", self.zero_faults),
-            ("prefetch_hits", self.prefetch_hits),
-            ("prefetch_misses", self.prefetch_misses),
-            ("page_in_p50_us", self.page_in_p50_us() as u64),
-            ("page_in_p99_us", self.page_in_p99_us() as u64),
-        ]
-    }
-
     /// Median page-in latency, µs.
     pub fn page_in_p50_us(&self) -> f64 {
         Histogram::percentile(&self.page_in_latency_buckets, 50.0)
@@ -268,53 +230,30 @@ impl Stats {
     }
 }
 
-impl Counters {
-    pub fn snapshot(&self, budget: u64) -> Stats {
-        Stats {
-            budget_pages: budget,
-            resident_pages: self.resident_pages.load(Relaxed),
-            remote_pages: self.remote_pages.load(Relaxed),
-            missing_faults: self.missing_faults.load(Relaxed),
-            minor_faults: self.minor_faults.load(Relaxed),
-            unmaps: self.unmaps.load(Relaxed),
-            wp_faults: self.wp_faults.load(Relaxed),
-            zero_filled_pages: self.zero_filled_pages.load(Relaxed),
-            page_ins: self.page_ins.load(Relaxed),
-            page_in_requests: self.page_in_requests.load(Relaxed),
-            page_outs: self.page_outs.load(Relaxed),
-            page_out_chunks: self.page_out_chunks.load(Relaxed),
-            bytes_in: self.bytes_in.load(Relaxed),
-            bytes_out: self.bytes_out.load(Relaxed),
-            sampled_chunks: self.sampled_chunks.load(Relaxed),
-            sample_rate: self.sample_rate.load(Relaxed),
-            fault_ns: self.fault_ns.load(Relaxed),
-            page_in_latency_buckets: self.page_in_latency.counts(),
-            page_in_latency_sum_ns: self.page_in_latency.sum_ns(),
-            clean_drops: self.clean_drops.load(Relaxed),
-            first_writes: self.first_writes.load(Relaxed),
-            prefetched_pages: self.prefetched_pages.load(Relaxed),
-            write_hinted_pages: self.write_hinted_pages.load(Relaxed),
-            page_in_cpu_ns: self.page_in_cpu_ns.load(Relaxed),
-            page_out_cpu_ns: self.page_out_cpu_ns.load(Relaxed),
-            direct_reclaims: self.direct_reclaims.load(Relaxed),
-            direct_reclaim_ns: self.direct_reclaim_ns.load(Relaxed),
-            degraded_pages: self.degraded_pages.load(Relaxed),
-            rereplicated_pages: self.rereplicated_pages.load(Relaxed),
-            servers_down: self.servers_down.load(Relaxed),
-            server_failures: self.server_failures.load(Relaxed),
-            servers_revived: self.servers_revived.load(Relaxed),
-            hedged_reads: self.hedged_reads.load(Relaxed),
-            remote_faults: self.remote_faults.load(Relaxed),
-            zero_faults: self.zero_faults.load(Relaxed),
-            prefetch_hits: self.prefetch_hits.load(Relaxed),
-            prefetch_misses: self.prefetch_misses.load(Relaxed),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use super::Histogram;
+    use super::{Counters, Histogram};
+    use std::sync::atomic::Ordering::Relaxed;
+
+    /// Every counter reaches the snapshot and the named list, once.
+    #[test]
+    fn every_counter_is_reported_once() {
+        let c = Counters::default();
+        c.page_ins.store(7, Relaxed);
+        c.prefetch_misses.store(9, Relaxed);
+        c.sample_rate.store(3, Relaxed);
+        let s = c.snapshot(100);
+        assert_eq!((s.page_ins, s.prefetch_misses, s.budget_pages), (7, 9, 100));
+        let named = s.named();
+        let mut names: Vec<_> = named.iter().map(|(n, _)| *n).collect();
+        assert!(
+            named.contains(&("page_ins", 7)) && named.contains(&("sample_rate_chunks_per_s", 3))
+        );
+        let total = names.len();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), total, "a name twice");
+    }
 
     #[test]
     fn quarter_octave_buckets_bound_each_time() {
