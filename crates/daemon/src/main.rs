@@ -97,7 +97,7 @@ struct Args {
     /// Run guests here: the memory their budgets may add up to (e.g. 8GiB).
     #[arg(long, value_parser = units::parse_size)]
     guest_memory: Option<u64>,
-    /// The `pagefleet` binary that runs guests (default: beside pagefleetd).
+    /// The binary that runs guests (default: `pagefleet-runner` beside pagefleetd).
     #[arg(long)]
     runner: Option<PathBuf>,
     /// Where guests' control sockets and logs go (default /run/pagefleet/guests-PORT).

@@ -30,6 +30,7 @@
 //! See docs/migration.md.
 
 use pagefleet_proto::auth::{macs_equal, random_nonce, random_u64, Secret};
+use pagefleet_proto::framing::{Framing, HeaderError, RawHeader, HEADER_LEN};
 use pagefleet_tls::Stream as Socket;
 use std::io::{self, IoSlice, Read};
 use std::time::Duration;
@@ -39,7 +40,7 @@ pub const MAGIC: [u8; 2] = *b"PM";
 /// The stream protocol version.
 pub const VERSION: u8 = 1;
 /// Header bytes.
-pub const HEADER: usize = 16;
+pub const HEADER: usize = HEADER_LEN;
 /// Pages per PAGES message (256 KiB).
 pub const MAX_PAGES: usize = 64;
 /// Largest body: a JSON message or a PAGES message.
@@ -176,43 +177,44 @@ pub enum WireError {
     Aborted(String),
 }
 
+/// The migration stream's framing (`pagefleet_proto::framing`: the same
+/// 16-byte header as the memory-server protocol, its own magic).
+pub const FRAMING: Framing = Framing {
+    magic: MAGIC,
+    version: VERSION,
+    max_body: MAX_BODY + MAX_PAGES * 4097,
+};
+
 impl Header {
     /// The wire form.
     pub fn encode(&self) -> [u8; HEADER] {
-        let mut b = [0u8; HEADER];
-        b[0..2].copy_from_slice(&MAGIC);
-        b[2] = VERSION;
-        b[3] = self.kind as u8;
-        b[4..8].copy_from_slice(&self.len.to_le_bytes());
-        b[8..16].copy_from_slice(&self.arg.to_le_bytes());
-        b
+        FRAMING.encode(RawHeader {
+            kind: self.kind as u8,
+            body_len: self.len,
+            word: self.arg,
+        })
     }
     /// Parse a header.
     pub fn decode(b: &[u8; HEADER]) -> Result<Header, WireError> {
-        if b[0..2] != MAGIC {
-            return Err(WireError::Malformed(format!(
-                "bad magic {:02x}{:02x} (not a pagefleet migration stream)",
-                b[0], b[1]
-            )));
-        }
-        if b[2] != VERSION {
-            return Err(WireError::Malformed(format!(
-                "version {} (this side speaks {VERSION})",
-                b[2]
-            )));
-        }
-        let kind = Kind::from_u8(b[3])
-            .ok_or_else(|| WireError::Malformed(format!("unknown message kind {}", b[3])))?;
-        let len = u32::from_le_bytes(b[4..8].try_into().unwrap());
-        if len as usize > MAX_BODY + MAX_PAGES * 4097 {
-            return Err(WireError::Malformed(format!(
-                "{kind:?} body of {len} bytes is too large"
-            )));
-        }
+        let r = FRAMING.decode(b).map_err(|e| {
+            WireError::Malformed(match e {
+                HeaderError::Short => "short header".into(),
+                HeaderError::BadMagic(m) => format!(
+                    "bad magic {:02x}{:02x} (not a pagefleet migration stream)",
+                    m[0], m[1]
+                ),
+                HeaderError::Version { got, .. } => {
+                    format!("version {got} (this side speaks {VERSION})")
+                }
+                HeaderError::TooLarge { len, .. } => format!("a body of {len} bytes is too large"),
+            })
+        })?;
+        let kind = Kind::from_u8(r.kind)
+            .ok_or_else(|| WireError::Malformed(format!("unknown message kind {}", r.kind)))?;
         Ok(Header {
             kind,
-            len,
-            arg: u64::from_le_bytes(b[8..16].try_into().unwrap()),
+            len: r.body_len,
+            arg: r.word,
         })
     }
 }

@@ -13,7 +13,15 @@ pub const MAX_BATCH_PAGES: usize = 32;
 /// Most page numbers one DELETE frame may list (list mode).
 pub const MAX_DELETE_LIST: usize = 8192;
 /// Header length in bytes.
-pub const HEADER_LEN: usize = 16;
+pub use crate::framing::HEADER_LEN;
+use crate::framing::{Framing, HeaderError, RawHeader};
+
+/// The memory-server protocol's framing ([`crate::framing`]).
+pub const FRAMING: Framing = Framing {
+    magic: MAGIC,
+    version: VERSION,
+    max_body: MAX_BODY,
+};
 /// Largest body any frame may have; a header announcing more is rejected
 /// before anything else is read (FRAME_TOO_LARGE).
 pub const MAX_BODY: usize = 16 + MAX_BATCH_PAGES * 8 + MAX_BATCH_PAGES * PAGE_SIZE + 64 * 1024;
@@ -170,51 +178,38 @@ impl Header {
             id,
         }
     }
-    /// Append the wire form to `out`.
+    /// The wire form.
     pub fn encode(&self) -> [u8; HEADER_LEN] {
-        let mut b = [0u8; HEADER_LEN];
-        b[0..2].copy_from_slice(&MAGIC);
-        b[2] = VERSION;
-        b[3] = self.opcode;
-        b[4..8].copy_from_slice(&self.body_len.to_le_bytes());
-        b[8..16].copy_from_slice(&self.id.to_le_bytes());
-        b
+        FRAMING.encode(RawHeader {
+            kind: self.opcode,
+            body_len: self.body_len,
+            word: self.id,
+        })
     }
     /// Decode and validate a header: magic, version and body length.
     pub fn decode(b: &[u8]) -> Result<Header, WireError> {
-        if b.len() < HEADER_LEN {
-            return Err(WireError::new(ErrorCode::Malformed, "short header"));
-        }
-        if b[0..2] != MAGIC {
-            return Err(WireError::new(
+        match FRAMING.decode(b) {
+            Ok(r) => Ok(Header {
+                opcode: r.kind,
+                body_len: r.body_len,
+                id: r.word,
+            }),
+            Err(HeaderError::Short) => Err(WireError::new(ErrorCode::Malformed, "short header")),
+            Err(HeaderError::BadMagic(m)) => Err(WireError::new(
                 ErrorCode::BadMagic,
-                format!("bad magic {:02x}{:02x}, expected 5046 (\"PF\")", b[0], b[1]),
-            ));
-        }
-        let id = u64::from_le_bytes(b[8..16].try_into().unwrap());
-        if b[2] != VERSION {
-            return Err(WireError::new(
+                format!("bad magic {:02x}{:02x}, expected 5046 (\"PF\")", m[0], m[1]),
+            )),
+            Err(HeaderError::Version { got, word }) => Err(WireError::new(
                 ErrorCode::UnsupportedVersion,
-                format!(
-                    "frame version {} not supported; this peer speaks version {}",
-                    b[2], VERSION
-                ),
+                format!("frame version {got} not supported; this peer speaks version {VERSION}"),
             )
-            .with_id(id));
-        }
-        let body_len = u32::from_le_bytes(b[4..8].try_into().unwrap());
-        if body_len as usize > MAX_BODY {
-            return Err(WireError::new(
+            .with_id(word)),
+            Err(HeaderError::TooLarge { len, word }) => Err(WireError::new(
                 ErrorCode::FrameTooLarge,
-                format!("body of {body_len} bytes exceeds the limit of {MAX_BODY}"),
+                format!("body of {len} bytes exceeds the limit of {MAX_BODY}"),
             )
-            .with_id(id));
+            .with_id(word)),
         }
-        Ok(Header {
-            opcode: b[3],
-            body_len,
-            id,
-        })
     }
 }
 

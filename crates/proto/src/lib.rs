@@ -8,6 +8,7 @@
 
 pub mod auth;
 pub mod frame;
+pub mod framing;
 pub mod io;
 pub mod msg;
 
