@@ -196,70 +196,149 @@ pub struct MemserverSection {
     pub gc_grace_secs: Option<u64>,
 }
 
-/// What the command line said (None = not given).
-#[derive(Debug, Default, Clone)]
+/// What the command line said (None = not given): `pagefleetd`'s flags
+/// (clap parses them straight into this; their docs are `--help`).
+#[derive(Debug, Default, Clone, clap::Args)]
 pub struct Flags {
-    /// Memory to lend.
+    /// Memory to lend (e.g. 4GiB, 512MiB). The server never holds more pages
+    /// than this; its own overhead beyond it is small and bounded.
+    #[arg(long, value_parser = pagefleet_common::units::parse_size)]
     pub lend: Option<u64>,
-    /// The memory-server address.
+    /// Address for the memory-server protocol (default 127.0.0.1:7070). Port
+    /// 0 picks a free port; the bound address is printed on stdout as `listening ADDR`.
+    #[arg(long)]
     pub listen: Option<String>,
-    /// The HTTP API address, or off.
+    /// The HTTP API's address (metrics, host report, guests, migrations,
+    /// registry), or `off`. Default: 127.0.0.1 with the --listen port + 1
+    /// (a free port when listening on port 0). Give this host's cluster
+    /// address so peers and CLIs elsewhere reach it; every request must be
+    /// signed with the cluster secret (the pagefleet CLI does).
+    #[arg(long, visible_alias = "http")]
     pub metrics: Option<String>,
-    /// GET /metrics without a signature.
+    /// Serve `GET /metrics` without a signature (for a Prometheus scraper);
+    /// every other route still requires the cluster secret.
+    #[arg(long, num_args = 0, default_missing_value = "true")]
     pub public_metrics: Option<bool>,
-    /// GET /healthz and /readyz without a signature.
+    /// Serve `GET /healthz` (the daemon answers) and `GET /readyz` (it
+    /// serves and is not stopping, draining or restarting) without a
+    /// signature, for a load balancer's probes; they tell nothing else.
+    #[arg(long, num_args = 0, default_missing_value = "true")]
     pub public_health: Option<bool>,
-    /// The cluster secret file.
+    /// Cluster secret file (default: $PAGEFLEET_SECRET_FILE, else
+    /// /etc/pagefleet/secret as root, else ~/.config/pagefleet/secret).
+    /// $PAGEFLEET_SECRET, if set, is the secret itself.
+    #[arg(long)]
     pub secret_file: Option<PathBuf>,
-    /// This host's TLS identity directory.
+    /// This host's TLS identity: a directory `pagefleet cert issue` wrote
+    /// (default: $PAGEFLEET_TLS_DIR). With one, every port (memory server,
+    /// migrations, HTTP API, NBD) takes only TLS with a certificate the
+    /// cluster CA signed from peers not on loopback, and this host's
+    /// runners and clients speak TLS to such peers. Without: plaintext.
+    #[arg(long)]
     pub tls_dir: Option<PathBuf>,
-    /// Most simultaneous client connections.
+    /// Most simultaneous authenticated client sessions (default 512).
+    /// Connections waiting to authenticate do not count: they have their
+    /// own cap and deadline (see --handshake-timeout).
+    #[arg(long)]
     pub max_conns: Option<u32>,
-    /// Drop a client stalled this long, seconds.
+    /// Drop a client whose request or reply frame is not complete after
+    /// this many seconds (default 30). Idle between frames is fine.
+    #[arg(long = "io-timeout")]
     pub io_timeout_secs: Option<u64>,
-    /// Drop a connection not authenticated after this long, seconds.
+    /// Drop a connection that has not proved the cluster secret after this
+    /// many seconds (default 5).
+    #[arg(long = "handshake-timeout")]
     pub handshake_timeout_secs: Option<u64>,
-    /// Log filter (error, warn, info, debug, trace; or RUST_LOG syntax).
-    pub log: Option<String>,
-    /// How log lines are written.
-    pub log_format: Option<LogFormat>,
-    /// Memory this host gives guests (guest host service on).
+    /// Run guests here: the memory their budgets may add up to (e.g. 8GiB).
+    #[arg(long, value_parser = pagefleet_common::units::parse_size)]
     pub guest_memory: Option<u64>,
     /// The binary that runs guests (default: `pagefleet-runner` beside pagefleetd).
+    #[arg(long)]
     pub runner: Option<PathBuf>,
-    /// Where guests' control sockets and logs go.
+    /// Where guests' control sockets and logs go (default /run/pagefleet/guests-PORT).
+    #[arg(long)]
     pub guest_dir: Option<PathBuf>,
-    /// Network device guests' service addresses go on.
+    /// Network device guests' service addresses are added to (default eth0).
+    #[arg(long)]
     pub service_dev: Option<String>,
-    /// The other hosts' HTTP API addresses.
-    pub peers: Option<Vec<String>>,
-    /// The host to announce this one to (`--join`).
-    pub join: Option<String>,
-    /// The IP address other hosts reach this one at (`--advertise`).
-    pub advertise: Option<String>,
-    /// This host's name in reports (default: the hostname).
-    pub name: Option<String>,
-    /// `[ksm]`: the same-page merging controller.
-    pub ksm: Option<String>,
-    /// adaptive KSM: ksmd's share of one core.
-    pub ksm_cpu_budget: Option<String>,
-    /// The I/O controller's shared device.
-    pub ioqos_device: Option<String>,
-    /// The I/O controller's tenants.
-    pub ioqos_tenants: Option<String>,
-    /// The I/O controller's policy.
-    pub ioqos_policy: Option<String>,
-    /// Directories VM images may come from.
+    /// Directories VM guests' kernels, initramfs and disk images may come
+    /// from, comma-separated (default: none, so no VM guests here). A
+    /// request naming a file elsewhere is refused.
+    #[arg(long, value_delimiter = ',')]
     pub vm_images: Option<Vec<PathBuf>>,
-    /// Sharing-aware migration's content index (Some(false): off).
+    /// Keep no content index of this host's guests: migrations into this
+    /// host then receive every page as data (sharing-aware migration off).
+    /// By default a scanner hashes running guests' memory at low priority
+    /// within a quarter of one CPU, and incoming runners fill pages whose
+    /// content is already here (`GET /host` shows the index).
+    #[arg(long = "no-dedup", num_args = 0, default_missing_value = "false")]
     pub dedup: Option<bool>,
-    /// Collect orphaned regions idle this long, seconds (0: never).
+    /// Free regions on this host's memory server that no guest in the
+    /// registry and no connected client owns, once idle this many seconds
+    /// (default 600; 0: never). Checked every minute (every grace period when shorter); nothing is freed
+    /// while any host of the registry cannot be asked. `pagefleet gc`
+    /// collects on demand.
+    #[arg(long = "gc-grace")]
     pub gc_grace_secs: Option<u64>,
-    /// etcd as the registry.
-    pub registry: Option<String>,
-    /// Drain within this many seconds on a stop that would lose guests or
-    /// their pages (0: refuse such a stop).
+    /// A stop (SIGTERM, SIGINT) while this host's memory server holds pages
+    /// of running guests would lose them (guests running here do not stop:
+    /// the next daemon adopts their runners): by default it is refused (the
+    /// daemon logs what it holds and keeps running; `pagefleet host drain
+    /// HOST` empties it, a second signal within a minute stops anyway).
+    /// With this many seconds the daemon first moves those pages to other
+    /// memory servers (cordoned meanwhile), then stops; if that fails or
+    /// takes longer it keeps running. Set the unit's TimeoutStopSec above it.
+    #[arg(long = "stop-drain", value_name = "SECS")]
     pub stop_drain_secs: Option<u64>,
+    /// The other hosts' pagefleetd HTTP addresses (registry), comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    pub peers: Option<Vec<String>>,
+    /// One host's pagefleetd HTTP address, the same on every host (the
+    /// first one set up, say): this host announces itself there every 5 s
+    /// and learns every other host from it, so no host lists the others.
+    /// The join host itself may be given it too.
+    #[arg(long, value_name = "HOST:PORT")]
+    pub join: Option<String>,
+    /// The IP address other hosts reach this one at. Default: the --listen
+    /// address, or when that is 0.0.0.0 this host's address on the route to
+    /// the join host (or the first peer, or etcd).
+    #[arg(long, value_name = "IP")]
+    pub advertise: Option<String>,
+    /// An etcd cluster as the registry instead of --peers:
+    /// etcd://HOST:2379[,HOST:2379...]. This host then keeps a lease-bound
+    /// heartbeat there (its report and guests, every 2 s, expiring 10 s
+    /// after the last), and `GET /cluster` and placement read etcd.
+    #[arg(long)]
+    pub registry: Option<String>,
+    /// This host's name in reports and placement (default: the hostname).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Run the same-page-merging controller: adaptive, ksmtuned or off
+    /// (default off; root). Its state shows in `pagefleet ksm status`; the
+    /// host's KSM settings are put back when pagefleetd stops (SIGTERM/SIGINT).
+    #[arg(long)]
+    pub ksm: Option<String>,
+    /// ksmd's CPU budget for the adaptive controller (default 10%).
+    #[arg(long)]
+    pub ksm_cpu_budget: Option<String>,
+    /// Run the I/O guarantee controller on this shared block device (root);
+    /// with --ioqos-tenants. Its state shows in `pagefleet ioqos status`;
+    /// every cap is removed when pagefleetd stops.
+    #[arg(long)]
+    pub ioqos_device: Option<String>,
+    /// The device's tenants: NAME=CGROUP|qmp:SOCKET@DRIVE[:min=RATE][:min-iops=N][:weight=W],...
+    #[arg(long)]
+    pub ioqos_tenants: Option<String>,
+    /// guarantee (default), paper or observe.
+    #[arg(long)]
+    pub ioqos_policy: Option<String>,
+    /// Log filter (error, warn, info, debug, trace; or RUST_LOG syntax; default info).
+    #[arg(long, env = "PAGEFLEET_LOG")]
+    pub log: Option<String>,
+    /// plain (text; coloured only on a terminal) or json (one object per
+    /// line, for journald or a log shipper).
+    #[arg(long, value_enum)]
+    pub log_format: Option<LogFormat>,
 }
 
 /// The daemon's effective settings.
@@ -500,6 +579,45 @@ pub fn merge(file: FileConfig, flags: Flags) -> Result<Settings> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The flags parse into `Flags` as the TOML keys would: switches are
+    /// `Some` only when given, renamed flags land in their fields.
+    #[test]
+    fn flags_parse_into_their_fields() {
+        #[derive(clap::Parser)]
+        struct Cmd {
+            #[command(flatten)]
+            flags: Flags,
+        }
+        use clap::Parser;
+        let f = Cmd::try_parse_from([
+            "pagefleetd",
+            "--lend",
+            "64MiB",
+            "--io-timeout",
+            "7",
+            "--no-dedup",
+            "--public-metrics",
+            "--peers",
+            "a:1,b:2",
+            "--stop-drain",
+            "30",
+        ])
+        .unwrap()
+        .flags;
+        assert_eq!(f.lend, Some(64 << 20));
+        assert_eq!(f.io_timeout_secs, Some(7));
+        assert_eq!(f.dedup, Some(false));
+        assert_eq!(f.public_metrics, Some(true));
+        assert_eq!(f.public_health, None);
+        assert_eq!(f.peers, Some(vec!["a:1".to_string(), "b:2".to_string()]));
+        assert_eq!(f.stop_drain_secs, Some(30));
+        let none = Cmd::try_parse_from(["pagefleetd"]).unwrap().flags;
+        assert_eq!(
+            (none.dedup, none.public_metrics, none.lend),
+            (None, None, None)
+        );
+    }
 
     /// The shipped sample forms a cluster by changing one address: every
     /// listener on every address, and the join host the only address in it.
