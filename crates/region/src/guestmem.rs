@@ -93,7 +93,7 @@ impl GuestMem {
     /// the data, and the next touch maps it back without a uffd event.
     pub(crate) fn unmap(&self, off: usize, len: usize) -> std::io::Result<()> {
         match self {
-            GuestMem::Local(m) => m.madvise(off, len, libc::MADV_DONTNEED),
+            GuestMem::Local(m) => m.madvise(off, len, crate::sys::MADV_DONTNEED),
             GuestMem::Foreign(f) => f.unmapper.unmap(off as u64, len as u64),
         }
     }

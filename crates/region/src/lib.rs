@@ -22,6 +22,7 @@ pub mod capi;
 mod guestmem;
 mod pager;
 mod stats;
+mod sys;
 
 use guestmem::GuestMem;
 pub use guestmem::{Foreign, Unmapper};
@@ -200,7 +201,7 @@ impl Adopt {
     pub fn create(name: &str, size: u64) -> std::io::Result<Adopt> {
         let memfd = uffd::memfd(name, size)?;
         let guest = Mapping::shared(&memfd, size as usize)?;
-        guest.madvise(0, guest.len(), libc::MADV_NOHUGEPAGE)?;
+        guest.madvise(0, guest.len(), sys::MADV_NOHUGEPAGE)?;
         Ok(Adopt {
             memfd: Arc::new(memfd),
             guest: Arc::new(guest),
@@ -439,7 +440,7 @@ impl Region {
                 })?;
                 // Paging works per 4 KiB page and chunk: no transparent huge pages.
                 guest
-                    .madvise(0, guest.len(), libc::MADV_NOHUGEPAGE)
+                    .madvise(0, guest.len(), sys::MADV_NOHUGEPAGE)
                     .map_err(|source| RegionError::Io {
                         what: "madvise",
                         source,

@@ -304,8 +304,7 @@ impl Pager {
     }
 
     pub fn run(mut self) {
-        // SAFETY: gettid has no preconditions.
-        let tid = unsafe { libc::gettid() };
+        let tid = crate::sys::gettid();
         self.shared.pager_tid.store(tid, Relaxed);
         // The CPU clock read is this thread's.
         self.meter = meter::CpuMeter::new();
@@ -460,16 +459,7 @@ impl Pager {
     }
 }
 
-/// CPU time this thread has run, ns.
-fn thread_cpu_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: ts is a valid timespec to fill.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
+use crate::sys::thread_cpu_ns;
 
 /// Index ranges of the runs of consecutive page numbers in sorted `pages`:
 /// each run is one syscall (`pread`, `fallocate`, write-protect).

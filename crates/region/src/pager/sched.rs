@@ -57,46 +57,11 @@ impl SliceSwitch {
 }
 
 /// `struct sched_attr` (include/uapi/linux/sched/types.h), version 1.
-#[repr(C)]
-#[derive(Default)]
-struct SchedAttr {
-    size: u32,
-    sched_policy: u32,
-    sched_flags: u64,
-    sched_nice: i32,
-    sched_priority: u32,
-    sched_runtime: u64,
-    sched_deadline: u64,
-    sched_period: u64,
-    sched_util_min: u32,
-    sched_util_max: u32,
-}
-
 /// Ask for a `slice` of CPU (clamped by the kernel to 0.1–100 ms; zero: the
 /// default slice) for the calling thread, keeping its nice value and policy
 /// SCHED_OTHER.
 pub fn set_slice(slice: std::time::Duration) -> std::io::Result<()> {
-    // SAFETY: getpriority has no memory preconditions; errno is reset first
-    // because -1 is a valid nice value.
-    let nice = unsafe {
-        *libc::__errno_location() = 0;
-        libc::getpriority(libc::PRIO_PROCESS, 0)
-    };
-    let attr = SchedAttr {
-        size: std::mem::size_of::<SchedAttr>() as u32,
-        sched_policy: libc::SCHED_OTHER as u32,
-        sched_nice: nice,
-        sched_runtime: slice.as_nanos() as u64,
-        ..Default::default()
-    };
-    // SAFETY: sched_setattr reads `attr.size` bytes of a valid struct; pid 0
-    // is the calling thread.
-    let r = unsafe { libc::syscall(libc::SYS_sched_setattr, 0, &attr as *const SchedAttr, 0) };
-    if r == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error())
-    }
+    crate::sys::set_sched_runtime(slice.as_nanos() as u64)
 }
 
 #[cfg(test)]
@@ -106,20 +71,7 @@ mod tests {
 
     /// The calling thread's slice as the kernel reports it (`sched_getattr`).
     fn slice_now() -> Duration {
-        let mut attr = SchedAttr::default();
-        // SAFETY: sched_getattr writes at most `size` bytes into a valid
-        // struct of that size; pid 0 is the calling thread.
-        let r = unsafe {
-            libc::syscall(
-                libc::SYS_sched_getattr,
-                0,
-                &mut attr as *mut SchedAttr,
-                std::mem::size_of::<SchedAttr>() as u32,
-                0,
-            )
-        };
-        assert_eq!(r, 0, "sched_getattr: {}", std::io::Error::last_os_error());
-        Duration::from_nanos(attr.sched_runtime)
+        Duration::from_nanos(crate::sys::sched_runtime().expect("sched_getattr"))
     }
 
     #[test]

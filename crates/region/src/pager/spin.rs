@@ -88,8 +88,7 @@ pub(super) fn runqueue_factor() -> f64 {
         .nth(3)
         .and_then(|f| f.split('/').next())
         .and_then(|r| r.parse::<f64>().ok());
-    // SAFETY: sysconf has no preconditions.
-    let cpus = (unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }).max(1) as f64;
+    let cpus = crate::sys::online_cpus() as f64;
     running.map_or(1.0, |r| (r / cpus).max(1.0))
 }
 

@@ -84,7 +84,7 @@ impl Links {
             // SAFETY: `fd` is the writer's open socket: the writer removes
             // it from `fds` under this lock before closing it. shutdown
             // only ends its traffic; the fd stays the writer's to close.
-            unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+            unsafe { crate::sys::shutdown(fd) };
         }
     }
 
