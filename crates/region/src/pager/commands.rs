@@ -43,7 +43,7 @@ impl Pager {
                     let _ = reply.send(Err("an evacuation is already running".into()));
                     return;
                 }
-                let Some(f) = self.servers.addrs.iter().position(|a| *a == from) else {
+                let Some(f) = self.servers.addrs().iter().position(|a| *a == from) else {
                     let _ = reply.send(Ok(0));
                     return;
                 };
@@ -57,7 +57,7 @@ impl Pager {
                         // Nothing pages out to the server being emptied,
                         // and nothing stays kept there.
                         self.drop_copies(Some(f), u64::MAX);
-                        self.servers.free[f] = 0;
+                        self.servers.full(f);
                         self.evac = Some(super::evacuate::Evac {
                             from: f,
                             to: t,
@@ -97,7 +97,7 @@ impl Pager {
                 let _ = reply.send(Snapshot {
                     region_id: self.region_id,
                     chunk_pages: self.cp,
-                    servers: self.servers.addrs.clone(),
+                    servers: self.servers.addrs().to_vec(),
                     location,
                     history,
                 });

@@ -47,7 +47,9 @@ impl Pager {
             let n = list.len();
             let buf = &mut self.pagein.buf[..n * PAGE];
             // Copy, store at the new server, and only then delete at the old one.
-            let r = self.servers.conns[ev.from]
+            let r = self
+                .servers
+                .conn_mut(ev.from)
                 .get(
                     region,
                     Pages::List(&list),
@@ -57,13 +59,24 @@ impl Pager {
                     MAX_BATCH_PAGES,
                 )
                 .and_then(|_| {
-                    self.servers.conns[ev.to].put(region, Pages::List(&list), buf, MAX_BATCH_PAGES)
+                    self.servers.conn_mut(ev.to).put(
+                        region,
+                        Pages::List(&list),
+                        buf,
+                        MAX_BATCH_PAGES,
+                    )
                 })
-                .and_then(|_| self.servers.conns[ev.from].delete(region, Pages::List(&list)));
+                .and_then(|_| {
+                    self.servers
+                        .conn_mut(ev.from)
+                        .delete(region, Pages::List(&list))
+                });
             if let Err(e) = r {
                 let _ = ev.reply.send(Err(format!(
                     "moving pages from {} to {}: {e} ({} moved before)",
-                    self.servers.addrs[ev.from], self.servers.addrs[ev.to], ev.moved
+                    self.servers.addr(ev.from),
+                    self.servers.addr(ev.to),
+                    ev.moved
                 )));
                 return;
             }
@@ -86,7 +99,7 @@ impl Pager {
                     self.loc.second[p] = to_mark;
                 }
             }
-            self.servers.free[ev.to] = self.servers.free[ev.to].saturating_sub(n as u64);
+            self.servers.took(ev.to, n as u64);
             ev.moved += n as u64;
         }
         self.evac = Some(ev);

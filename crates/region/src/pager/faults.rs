@@ -128,14 +128,14 @@ impl Pager {
             (_, state) => {
                 s.remote_faults.fetch_add(1, Relaxed);
                 let s = (state - REMOTE) as usize;
-                if self.servers.down[s] {
+                if self.servers.is_down(s) {
                     // Not expected: a server's pages are re-pointed when
                     // it goes down. Never ask a dead server (nothing would
                     // answer, and the thread would wait forever): re-point
                     // again and let the thread fault anew.
                     warn!(
                         "page {p} was still placed on memory server {}, which is down: re-pointed at its mirror",
-                        self.servers.addrs[s]
+                        self.servers.addr(s)
                     );
                     self.repoint(s, &"down");
                     self.copies_lost();

@@ -352,11 +352,11 @@ impl Pager {
                     }
                     // Replies first: installing a page wakes a guest thread.
                     for s in 0..self.servers.len() {
-                        let (ready, srv) = (self.servers.ready[s], &mut self.servers);
+                        let ready = self.servers.ready[s];
                         if ready {
-                            srv.conns[s].note_readable();
+                            self.servers.conn_mut(s).note_readable();
                         }
-                        if !srv.gets[s].is_empty() && (ready || srv.conns[s].buffered()) {
+                        if self.servers.reply_due(s, ready) {
                             self.take_replies(s, false);
                         } else if ready {
                             // Nothing asked: a closed connection?
@@ -453,7 +453,7 @@ impl Pager {
         let msg = format!(
             "pagefleet: page {p} of region {:#x} cannot be brought back from memory server {}: {e}. \
              The guest cannot continue without its memory.",
-            self.region_id, self.servers.addrs[s]
+            self.region_id, self.servers.addr(s)
         );
         self.fatal(msg, p);
     }

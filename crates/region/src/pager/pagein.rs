@@ -133,8 +133,8 @@ impl Pager {
                     });
                 }
             }
-            let from = self.servers.gets[s].len();
-            self.servers.gets[s].extend(gets);
+            let from = self.servers.gets_mut(s).len();
+            self.servers.gets_mut(s).extend(gets);
             if let Err(e) = self.send_gets(s, from) {
                 self.get_failed(s, e);
             }
@@ -145,8 +145,8 @@ impl Pager {
     /// Send the GETs of server `s` from index `from` of its queue on.
     fn send_gets(&mut self, s: usize, from: usize) -> Result<(), pagefleet_client::ClientError> {
         let region = self.region_id;
-        let conn = &mut self.servers.conns[s];
-        for g in self.servers.gets[s].iter_mut().skip(from) {
+        let (conn, gets) = self.servers.conn_and_gets(s);
+        for g in gets.iter_mut().skip(from) {
             let sel = if g.pages.len() == 1 {
                 PageSel::Run {
                     first: g.pages[0],
@@ -166,7 +166,7 @@ impl Pager {
     /// a take cannot: the server may have dropped the pages already).
     /// Anything else ends the guest.
     fn get_failed(&mut self, s: usize, e: pagefleet_client::ClientError) {
-        let repeatable = self.servers.gets[s].iter().all(|g| g.keep);
+        let repeatable = self.servers.gets_mut(s).iter().all(|g| g.keep);
         if repeatable && e.is_transient() {
             match self.servers.reconnect(s) {
                 Ok(()) => match self.send_gets(s, 0) {
@@ -187,7 +187,7 @@ impl Pager {
 
     /// Server `s` cannot give its pages back: the guest cannot go on.
     fn lose_gets(&mut self, s: usize, e: pagefleet_client::ClientError) {
-        let gets = std::mem::take(&mut self.servers.gets[s]);
+        let gets = self.servers.take_gets(s);
         let first = gets
             .iter()
             .find(|g| g.fault.is_some())
@@ -209,7 +209,9 @@ impl Pager {
         let t0 = Instant::now();
         let mut n = 0u64;
         let mut retried = false;
-        while !self.servers.gets[s].is_empty() && (wait || self.servers.conns[s].reply_ready()) {
+        while !self.servers.gets_mut(s).is_empty()
+            && (wait || self.servers.conn_mut(s).reply_ready())
+        {
             if let Err(e) = self.take_reply(s) {
                 // Reconnect once per call: a server that keeps dropping
                 // the connection is not ridden out forever.
@@ -240,10 +242,16 @@ impl Pager {
 
     /// Receive the reply to the oldest GET of server `s` and install its pages.
     fn take_reply(&mut self, s: usize) -> Result<(), pagefleet_client::ClientError> {
-        let len = self.servers.gets[s][0].pages.len() * PAGE;
-        let id = self.servers.gets[s][0].id;
-        self.servers.conns[s].recv_get(id, &mut self.pagein.buf[..len])?;
-        let g = self.servers.gets[s].pop_front().expect("a GET in flight");
+        let len = self.servers.gets_mut(s)[0].pages.len() * PAGE;
+        let id = self.servers.gets_mut(s)[0].id;
+        self.servers
+            .conn_mut(s)
+            .recv_get(id, &mut self.pagein.buf[..len])?;
+        let g = self
+            .servers
+            .gets_mut(s)
+            .pop_front()
+            .expect("a GET in flight");
         let st = self.shared.clone();
         let st = &st.stats;
         if let Some(write) = g.fault {
@@ -299,14 +307,14 @@ impl Pager {
     /// The fault loop should poll rather than sleep: a faulting page's
     /// reply is due (see [`spin`]).
     pub(super) fn spinning(&mut self) -> bool {
-        let waiting = self.servers.gets.iter().any(|q| !q.is_empty());
+        let waiting = self.servers.any_in_flight();
         self.pagein.spin.spinning(Instant::now(), waiting)
     }
 
     /// Wait for every GET in flight (before anything that needs settled
     /// locations: change tracking, a hold, an evacuation).
     pub(super) fn drain_gets(&mut self) {
-        for s in 0..self.servers.gets.len() {
+        for s in 0..self.servers.len() {
             self.take_replies(s, true);
         }
     }
@@ -319,7 +327,7 @@ impl Pager {
         if keep {
             self.loc.keep_copy(q, s, clean);
         } else {
-            self.servers.free[s] += 1;
+            self.servers.freed(s, 1);
             // Taken: the mirror's copy is stale room, deleted before
             // anything is stored there again.
             if let Some(m) = self.loc.forget_second(q) {

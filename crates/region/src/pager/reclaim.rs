@@ -163,7 +163,7 @@ impl Pager {
                 .max_by_key(|s| free[*s])
         };
         let mut new = fresh(&self.loc.copy, &self.loc.clean);
-        let mut chosen = pick(&self.servers.free, &self.servers.down, new);
+        let mut chosen = pick(self.servers.rooms(), self.servers.downs(), new);
         if chosen.is_none() && new > 0 && self.loc.copies.iter().any(|c| *c > 0) {
             // Room held by kept copies of resident pages is worth less
             // than room for pages that must leave: give it back.
@@ -171,7 +171,7 @@ impl Pager {
                 return false;
             }
             new = fresh(&self.loc.copy, &self.loc.clean);
-            chosen = pick(&self.servers.free, &self.servers.down, new);
+            chosen = pick(self.servers.rooms(), self.servers.downs(), new);
         }
         let Some(s) = chosen.or(if new == 0 { Some(0) } else { None }) else {
             if !self.reclaim.full_warned {
@@ -216,7 +216,7 @@ impl Pager {
                 None => self
                     .repl
                     .rerep
-                    .single_copy(&self.servers.addrs, &self.servers.down),
+                    .single_copy(self.servers.addrs(), self.servers.downs()),
             }
             m
         } else {
@@ -275,9 +275,9 @@ impl Pager {
         for &q in &dirty {
             self.loc.set_leaving(q);
         }
-        self.servers.free[s] = self.servers.free[s].saturating_sub(new);
+        self.servers.took(s, new);
         if let Some(m) = m {
-            self.servers.free[m] = self.servers.free[m].saturating_sub(need2);
+            self.servers.took(m, need2);
         }
         for ((t, t2), pages) in jobs {
             let mut targets = vec![self.target(t)];
@@ -320,7 +320,7 @@ impl Pager {
             .servers
             .iter()
             .copied()
-            .filter(|x| !self.servers.down[*x])
+            .filter(|x| !self.servers.is_down(*x))
             .collect();
         let (t, t2) = (live.first().copied(), live.get(1).copied());
         let mut sent = 0u64;
@@ -376,8 +376,8 @@ impl Pager {
         self.meter.page_out(t0);
         for (t, e) in d.errors {
             if e.code() == Some(pagefleet_proto::ErrorCode::OutOfCapacity) {
-                debug!("memory server {} is full", self.servers.addrs[t]);
-                self.servers.free[t] = 0;
+                debug!("memory server {} is full", self.servers.addr(t));
+                self.servers.full(t);
             } else if self.repl.copies > 1 {
                 // Its pages were not stored (they stay here); the other
                 // copies it held are served by their mirrors.
@@ -386,7 +386,7 @@ impl Pager {
                 let msg = format!(
                     "pagefleet: cannot page out to memory server {} (region {:#x}): {e}. The server is unusable; \
                      pages already there cannot be trusted to come back.",
-                    self.servers.addrs[t], self.region_id
+                    self.servers.addr(t), self.region_id
                 );
                 self.fatal(msg, d.pages[0] as usize);
             }
@@ -441,9 +441,9 @@ impl Pager {
     /// A page was punched while the servers holding its copies died: it
     /// is gone.
     fn lost_in_job(&mut self, q: usize) {
-        let gone: Vec<&str> = (0..self.servers.addrs.len())
-            .filter(|x| self.servers.down[*x])
-            .map(|x| self.servers.addrs[x].as_str())
+        let gone: Vec<&str> = (0..self.servers.len())
+            .filter(|x| self.servers.is_down(*x))
+            .map(|x| self.servers.addr(x))
             .collect();
         let msg = format!(
             "pagefleet: page {q} of region {:#x} had no copy left after memory servers {} went down. \
@@ -458,8 +458,8 @@ impl Pager {
     fn target(&self, t: usize) -> writer::Target {
         writer::Target {
             server: t,
-            addr: self.servers.addrs[t].clone(),
-            server_id: self.servers.conns[t].info.server_id,
+            addr: self.servers.addr(t).to_string(),
+            server_id: self.servers.conn(t).info.server_id,
         }
     }
 
@@ -467,7 +467,7 @@ impl Pager {
     /// at most `max` of them; their pages become plain resident (dirty).
     /// Returns false if a server could not be told (the guest is ended).
     pub(super) fn drop_copies(&mut self, only: Option<usize>, max: u64) -> bool {
-        let mut lists: Vec<Vec<u64>> = vec![Vec::new(); self.servers.conns.len()];
+        let mut lists: Vec<Vec<u64>> = vec![Vec::new(); self.servers.len()];
         let mut n = 0u64;
         // A hand, so repeated small calls do not rescan the same pages.
         let len = self.loc.copy.len();
@@ -498,17 +498,17 @@ impl Pager {
         }
         let region = self.region_id;
         for (s, list) in lists.into_iter().enumerate() {
-            if list.is_empty() || self.servers.down[s] {
+            if list.is_empty() || self.servers.is_down(s) {
                 continue;
             }
             for part in list.chunks(pagefleet_proto::MAX_DELETE_LIST) {
                 // Replies on this connection come in order: the GETs in
                 // flight first.
                 self.take_replies(s, true);
-                let mut r = self.servers.conns[s].delete(region, Pages::List(part));
+                let mut r = self.servers.conn_mut(s).delete(region, Pages::List(part));
                 if r.as_ref().is_err_and(|e| e.is_transient()) && self.servers.reconnect(s).is_ok()
                 {
-                    r = self.servers.conns[s].delete(region, Pages::List(part));
+                    r = self.servers.conn_mut(s).delete(region, Pages::List(part));
                 }
                 if let Err(e) = r {
                     if self.repl.copies > 1 {
@@ -518,13 +518,14 @@ impl Pager {
                     }
                     let msg = format!(
                         "pagefleet: cannot free kept pages on memory server {} (region {:#x}): {e}",
-                        self.servers.addrs[s], self.region_id
+                        self.servers.addr(s),
+                        self.region_id
                     );
                     self.fatal(msg, part[0] as usize);
                     return false;
                 }
             }
-            self.servers.free[s] += list.len() as u64;
+            self.servers.freed(s, list.len() as u64);
         }
         true
     }

@@ -237,25 +237,26 @@ impl Pager {
     /// `need` pages, on another host than `avoid` if any such has room;
     /// the most free room first.
     pub(super) fn pick_mirror(&self, avoid: usize, need: u64) -> Option<usize> {
-        let ok = |s: &usize| *s != avoid && !self.servers.down[*s] && self.servers.free[*s] >= need;
-        let other_host = (0..self.servers.free.len())
+        let ok =
+            |s: &usize| *s != avoid && !self.servers.is_down(*s) && self.servers.room(*s) >= need;
+        let other_host = (0..self.servers.len())
             .filter(ok)
-            .filter(|s| host(&self.servers.addrs[*s]) != host(&self.servers.addrs[avoid]))
-            .max_by_key(|s| self.servers.free[*s]);
+            .filter(|s| host(self.servers.addr(*s)) != host(self.servers.addr(avoid)))
+            .max_by_key(|s| self.servers.room(*s));
         other_host.or_else(|| {
-            (0..self.servers.free.len())
+            (0..self.servers.len())
                 .filter(ok)
-                .max_by_key(|s| self.servers.free[*s])
+                .max_by_key(|s| self.servers.room(*s))
         })
     }
 
     /// The pager's connection to `s` reported bytes with nothing asked:
     /// if the server closed it, reconnect or call the server down.
     pub(super) fn check_idle(&mut self, s: usize) {
-        if self.repl.copies < 2 || self.servers.down[s] || !self.servers.gets[s].is_empty() {
+        if self.repl.copies < 2 || self.servers.is_down(s) || !self.servers.gets_mut(s).is_empty() {
             return;
         }
-        if !self.servers.conns[s].peer_closed() {
+        if !self.servers.conn_mut(s).peer_closed() {
             return;
         }
         if let Err(e) = self.servers.reconnect(s) {
@@ -272,12 +273,14 @@ impl Pager {
             return;
         }
         let writer_wait = self.writer.links.lock().unwrap().waiting();
-        for s in 0..self.servers.conns.len() {
-            if self.servers.down[s] {
+        for s in 0..self.servers.len() {
+            if self.servers.is_down(s) {
                 continue;
             }
             let deadline = self.repl.health.deadline(s);
-            let late_get = self.servers.gets[s]
+            let late_get = self
+                .servers
+                .gets_mut(s)
                 .iter()
                 .find(|g| g.fault.is_some())
                 .map(|g| g.since.elapsed())
@@ -291,8 +294,8 @@ impl Pager {
             if late_put.is_none() {
                 // Reply bytes waiting: the pager was slow to look, not the
                 // server to answer.
-                self.servers.conns[s].note_readable();
-                if self.servers.conns[s].reply_ready() {
+                self.servers.conn_mut(s).note_readable();
+                if self.servers.conn_mut(s).reply_ready() {
                     continue;
                 }
             }
@@ -301,7 +304,7 @@ impl Pager {
                 if !std::mem::replace(&mut self.repl.health.kept_warned[s], true) {
                     warn!(
                         "memory server {} has not answered for {} ms, but it holds the only copy of {sole} pages of region {:#x}: waiting for it",
-                        self.servers.addrs[s],
+                        self.servers.addr(s),
                         waited.as_millis(),
                         self.region_id
                     );
@@ -309,14 +312,16 @@ impl Pager {
                 continue;
             }
             self.repl.health.kept_warned[s] = false;
-            let hedged: u64 = self.servers.gets[s]
+            let hedged: u64 = self
+                .servers
+                .gets_mut(s)
                 .iter()
                 .filter(|g| g.fault.is_some())
                 .map(|g| g.pages.len() as u64)
                 .sum();
             self.shared.stats.hedged_reads.fetch_add(hedged, Relaxed);
             let why = pagefleet_client::ClientError::Unresponsive {
-                addr: self.servers.addrs[s].clone(),
+                addr: self.servers.addr(s).to_string(),
                 waited_ms: waited.as_millis() as u64,
                 usual_us: self.repl.health.usual_us[s] as u64,
             };
@@ -332,14 +337,14 @@ impl Pager {
         while let Ok((s, r)) = self.repl.health.answers.try_recv() {
             self.repl.health.probing[s] = false;
             match r {
-                Ok(c) if self.servers.down[s] => self.revive(s, c),
+                Ok(c) if self.servers.is_down(s) => self.revive(s, c),
                 Ok(_) => {}
-                Err(e) => debug!("memory server {} is still down: {e}", self.servers.addrs[s]),
+                Err(e) => debug!("memory server {} is still down: {e}", self.servers.addr(s)),
             }
         }
         let now = Instant::now();
-        for s in 0..self.servers.conns.len() {
-            if !self.servers.down[s] || self.repl.health.probing[s] {
+        for s in 0..self.servers.len() {
+            if !self.servers.is_down(s) || self.repl.health.probing[s] {
                 continue;
             }
             let due = *self.repl.health.probe_at[s].get_or_insert(now + PROBE_EVERY);
@@ -373,14 +378,14 @@ impl Pager {
     /// region left there (stale since its pages were repointed) and use it
     /// again for page-outs and second copies.
     fn revive(&mut self, s: usize, mut c: Conn) {
-        let restarted = c.info.server_id != self.servers.conns[s].info.server_id;
+        let restarted = c.info.server_id != self.servers.conn(s).info.server_id;
         match c.delete_region(self.region_id) {
             Ok(_) => {}
             Err(e) if e.code().is_some() => {}
             Err(e) => {
                 debug!(
                     "memory server {} answered, then failed: {e}",
-                    self.servers.addrs[s]
+                    self.servers.addr(s)
                 );
                 return;
             }
@@ -390,21 +395,21 @@ impl Pager {
             Err(e) => {
                 debug!(
                     "memory server {} answered, then failed: {e}",
-                    self.servers.addrs[s]
+                    self.servers.addr(s)
                 );
                 return;
             }
         };
         info!(
             "memory server {} answers again{}: region {:#x} uses it for page-outs and second copies",
-            self.servers.addrs[s],
+            self.servers.addr(s),
             if restarted { " (restarted empty)" } else { "" },
             self.region_id
         );
         c.set_window(4);
         self.servers.replace(s, c);
-        self.servers.down[s] = false;
-        self.servers.free[s] = free;
+        self.servers.set_down(s, false);
+        self.servers.set_room(s, free);
         self.repl.health.probe_at[s] = None;
         self.repl.health.usual_us[s] = 0.0;
         self.writer.links.lock().unwrap().restore(s);
@@ -423,21 +428,21 @@ impl Pager {
     /// mirrors and start re-replication. With one replica, or for a page
     /// with no other copy, the guest cannot go on.
     pub(super) fn server_down(&mut self, s: usize, why: &pagefleet_client::ClientError) {
-        if self.servers.down[s] {
+        if self.servers.is_down(s) {
             return;
         }
         // No more page-outs to it; a writer blocked on it returns now.
         self.writer.links.lock().unwrap().cut(s);
         warn!(
             "memory server {} is down ({why}): region {:#x} reads its pages from their mirrors and re-replicates them",
-            self.servers.addrs[s], self.region_id
+            self.servers.addr(s), self.region_id
         );
-        self.servers.down[s] = true;
-        self.servers.free[s] = 0;
+        self.servers.set_down(s, true);
+        self.servers.full(s);
         if let Some(x) = self.shared.servers.lock().unwrap().get_mut(s) {
             x.1 = true;
         }
-        let gets = std::mem::take(&mut self.servers.gets[s]);
+        let gets = self.servers.take_gets(s);
         self.repoint(s, why);
         // Pages asked of it: fault again, and read from the mirror.
         for g in gets {
@@ -455,7 +460,8 @@ impl Pager {
             if ev.from == s || ev.to == s {
                 let _ = ev.reply.send(Err(format!(
                     "memory server {} went down during the evacuation ({} pages moved)",
-                    self.servers.addrs[s], ev.moved
+                    self.servers.addr(s),
+                    ev.moved
                 )));
             } else {
                 self.evac = Some(ev);
@@ -474,9 +480,9 @@ impl Pager {
     pub(super) fn repoint(&mut self, s: usize, why: &dyn std::fmt::Display) {
         let lost = self.loc.server_lost(s);
         if let Some(&p) = lost.first() {
-            let gone: Vec<&str> = (0..self.servers.addrs.len())
-                .filter(|x| self.servers.down[*x])
-                .map(|x| self.servers.addrs[x].as_str())
+            let gone: Vec<&str> = (0..self.servers.len())
+                .filter(|x| self.servers.is_down(*x))
+                .map(|x| self.servers.addr(x))
                 .collect();
             let msg = format!(
                 "pagefleet: page {p} of region {:#x} ({} pages in all) had no copy left: memory servers {} are gone ({why}). \
@@ -596,7 +602,7 @@ impl Pager {
         for (s, list) in by_src {
             match self.pick_mirror(s, list.len() as u64) {
                 Some(t) => {
-                    self.servers.free[t] = self.servers.free[t].saturating_sub(list.len() as u64);
+                    self.servers.took(t, list.len() as u64);
                     copies.push((s, t, list));
                 }
                 None => no_room.push(list[0]),
@@ -643,10 +649,10 @@ impl Pager {
                     self.repl.rerep.tokens -= (list.len() * PAGE) as f64;
                 }
                 Err((bad, e)) => {
-                    self.servers.free[t] += list.len() as u64;
+                    self.servers.freed(t, list.len() as u64);
                     self.repl.rerep.conns.remove(&bad);
                     if e.code() == Some(pagefleet_proto::ErrorCode::OutOfCapacity) {
-                        self.servers.free[bad] = 0;
+                        self.servers.full(bad);
                     } else {
                         self.server_down(bad, &e);
                     }
@@ -671,8 +677,8 @@ impl Pager {
     ) -> Result<pagefleet_client::PushIds, pagefleet_client::ClientError> {
         let region = self.region_id;
         let (tid, taddr) = (
-            self.servers.conns[t].info.server_id,
-            self.servers.addrs[t].clone(),
+            self.servers.conn(t).info.server_id,
+            self.servers.addr(t).to_string(),
         );
         self.rerep_conn(s)
             .and_then(|c| c.send_push(region, tid, &taddr, list))
@@ -689,7 +695,7 @@ impl Pager {
         sent: Result<pagefleet_client::PushIds, pagefleet_client::ClientError>,
     ) -> Result<(), (usize, pagefleet_client::ClientError)> {
         let region = self.region_id;
-        let taddr = self.servers.addrs[t].clone();
+        let taddr = self.servers.addr(t).to_string();
         let pushed = sent.and_then(|ids| match self.repl.rerep.conns.get_mut(&s) {
             Some(c) => c.recv_push(ids),
             None => Err(pagefleet_client::ClientError::Usage(
@@ -706,7 +712,7 @@ impl Pager {
                 if alive {
                     warn!(
                         "re-replication: {e}; not using {} for copies",
-                        self.servers.addrs[t]
+                        self.servers.addr(t)
                     );
                     return Err((
                         t,
@@ -750,7 +756,7 @@ impl Pager {
     /// Delete the orphaned copies on server `s` now.
     pub(super) fn flush_orphans_on(&mut self, s: usize) {
         let list = std::mem::take(&mut self.repl.rerep.orphans[s]);
-        if list.is_empty() || self.servers.down[s] {
+        if list.is_empty() || self.servers.is_down(s) {
             return;
         }
         let region = self.region_id;
@@ -758,7 +764,7 @@ impl Pager {
             .rerep_conn(s)
             .and_then(|c| c.delete(region, Pages::List(&list)));
         match r {
-            Ok(_) => self.servers.free[s] += list.len() as u64,
+            Ok(_) => self.servers.freed(s, list.len() as u64),
             Err(e) => {
                 self.repl.rerep.conns.remove(&s);
                 self.server_down(s, &e);

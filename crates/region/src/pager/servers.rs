@@ -29,14 +29,14 @@ const PAGER_WINDOW: usize = 4;
 
 pub(super) struct Servers {
     /// Connection `s` (index = the server number in the location DB).
-    pub conns: Vec<Conn>,
-    pub addrs: Vec<String>,
+    conns: Vec<Conn>,
+    addrs: Vec<String>,
     /// Pages each server has room for, as far as this region knows.
-    pub free: Vec<u64>,
+    free: Vec<u64>,
     /// Found dead: its pages are read from their mirrors.
-    pub down: Vec<bool>,
+    down: Vec<bool>,
     /// GETs in flight, per server.
-    pub gets: GetQueues,
+    gets: GetQueues,
     /// Servers whose connection reported new bytes in the last wait.
     pub ready: Vec<bool>,
     /// The connection fd the epoll watches per server (a reconnect replaces it).
@@ -101,6 +101,100 @@ impl Servers {
 
     pub fn len(&self) -> usize {
         self.conns.len()
+    }
+
+    /// Server `s`'s address.
+    pub fn addr(&self, s: usize) -> &str {
+        &self.addrs[s]
+    }
+
+    /// Every server's address, by number.
+    pub fn addrs(&self) -> &[String] {
+        &self.addrs
+    }
+
+    pub fn conn(&self, s: usize) -> &Conn {
+        &self.conns[s]
+    }
+
+    pub fn conn_mut(&mut self, s: usize) -> &mut Conn {
+        &mut self.conns[s]
+    }
+
+    /// Pages server `s` has room for, as far as this region knows.
+    pub fn room(&self, s: usize) -> u64 {
+        self.free[s]
+    }
+
+    /// Every server's room, by number.
+    pub fn rooms(&self) -> &[u64] {
+        &self.free
+    }
+
+    /// Server `s` took `n` pages.
+    pub fn took(&mut self, s: usize, n: u64) {
+        self.free[s] = self.free[s].saturating_sub(n);
+    }
+
+    /// Server `s` freed `n` pages.
+    pub fn freed(&mut self, s: usize, n: u64) {
+        self.free[s] += n;
+    }
+
+    /// Server `s` takes nothing more (it said it is full, or it is being emptied).
+    pub fn full(&mut self, s: usize) {
+        self.free[s] = 0;
+    }
+
+    /// Server `s` said it has room for `n` pages.
+    pub fn set_room(&mut self, s: usize, n: u64) {
+        self.free[s] = n;
+    }
+
+    /// Whether server `s` was called down.
+    pub fn is_down(&self, s: usize) -> bool {
+        self.down[s]
+    }
+
+    /// Every server's down flag, by number.
+    pub fn downs(&self) -> &[bool] {
+        &self.down
+    }
+
+    pub fn set_down(&mut self, s: usize, down: bool) {
+        self.down[s] = down;
+    }
+
+    /// The GETs in flight on server `s`, oldest first.
+    pub fn gets_mut(&mut self, s: usize) -> &mut std::collections::VecDeque<super::pagein::Get> {
+        &mut self.gets[s]
+    }
+
+    /// The GETs in flight on server `s`, taken (its connection is gone).
+    pub fn take_gets(&mut self, s: usize) -> std::collections::VecDeque<super::pagein::Get> {
+        std::mem::take(&mut self.gets[s])
+    }
+
+    /// Server `s`'s connection and the GETs in flight on it, together.
+    pub fn conn_and_gets(
+        &mut self,
+        s: usize,
+    ) -> (
+        &mut Conn,
+        &mut std::collections::VecDeque<super::pagein::Get>,
+    ) {
+        (&mut self.conns[s], &mut self.gets[s])
+    }
+
+    /// Whether server `s` has replies to take in: GETs in flight and new
+    /// bytes (`readable`: the last wait said so) or bytes read ahead.
+    pub fn reply_due(&self, s: usize, readable: bool) -> bool {
+        !self.gets[s].is_empty() && (readable || self.conns[s].buffered())
+    }
+
+    /// Whether any GET is in flight.
+    pub fn any_in_flight(&self) -> bool {
+        self.gets.iter().any(|q| !q.is_empty())
     }
 
     pub fn index_of(&self, addr: &str) -> Option<usize> {
