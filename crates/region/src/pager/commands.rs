@@ -75,8 +75,8 @@ impl Pager {
                 // A hold precedes a migration's final copy: what is in
                 // flight lands first, so the memfd and the location DB agree.
                 self.quiesce();
-                self.owner.hold = on;
-                self.reclaim.evicting = false;
+                self.owner.hold(on);
+                self.reclaim.stop();
                 let _ = reply.send(());
             }
             Command::Pages(pages, reply) => {

@@ -45,7 +45,7 @@ impl Pager {
                 return;
             }
             let n = list.len();
-            let buf = &mut self.pagein.buf[..n * PAGE];
+            let buf = self.pagein.buf_mut(n * PAGE);
             // Copy, store at the new server, and only then delete at the old one.
             let r = self
                 .servers
@@ -90,11 +90,11 @@ impl Pager {
                         // Both copies would be on one server: one it is
                         // (re-replication makes the second elsewhere).
                         self.loc.second[p] = 0;
-                        self.repl.rerep.active = true;
+                        self.repl.degraded();
                     }
                 } else if self.loc.state[p] == to_tag {
                     self.loc.second[p] = 0;
-                    self.repl.rerep.active = true;
+                    self.repl.degraded();
                 } else {
                     self.loc.second[p] = to_mark;
                 }

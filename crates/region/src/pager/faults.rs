@@ -159,7 +159,7 @@ impl Pager {
     pub(super) fn set_local(&mut self, q: usize) {
         self.mark(q);
         self.loc.set_local(q);
-        self.reclaim.victims.arrived(q / self.cp);
+        self.reclaim.arrived(q / self.cp);
     }
 
     /// First touch: zero-fill every never-touched page of the chunk locally.

@@ -99,6 +99,22 @@ pub(crate) struct Pager {
     repl: replicate::Replication,
 }
 
+impl Owner {
+    /// Balancing, sampling and re-replication paused.
+    fn held(&self) -> bool {
+        self.hold
+    }
+
+    fn hold(&mut self, on: bool) {
+        self.hold = on;
+    }
+
+    /// The pager's doorbell, for a thread that answers later.
+    fn doorbell(&self) -> Arc<OwnedFd> {
+        self.doorbell.clone()
+    }
+}
+
 /// What the region's owner gave the pager and may set while it runs.
 struct Owner {
     rx: std::sync::mpsc::Receiver<Command>,
@@ -286,11 +302,7 @@ impl Pager {
             meter: meter::CpuMeter::new(),
             epoll,
             evac: None,
-            repl: replicate::Replication {
-                copies: cfg.replicas,
-                rerep,
-                health: replicate::Health::new(cfg.servers.len()),
-            },
+            repl: replicate::Replication::new(cfg.replicas, rerep, cfg.servers.len()),
         })
     }
 
@@ -328,31 +340,29 @@ impl Pager {
             // already read ahead (which epoll does not see), only look.
             self.servers.watch(&self.epoll);
             let buffered = self.servers.buffered();
-            let busy = (self.reclaim.evicting && self.writer.in_flight < reclaim::MAX_JOBS)
+            let busy = (self.reclaim.evicting() && self.writer.in_flight() < reclaim::MAX_JOBS)
                 || self.evac.is_some()
-                || self.repl.rerep.ready()
+                || self.repl.ready()
                 || buffered
                 || self.spinning();
             let (mut faults, mut bell) = (false, false);
-            let ready = &mut self.servers.ready;
-            ready.iter_mut().for_each(|r| *r = false);
+            let servers = &mut self.servers;
+            servers.clear_ready();
             let waited = self.epoll.wait(if busy { 0 } else { 5 }, &mut |t| match t {
                 TOKEN_UFFD => faults = true,
                 TOKEN_DOORBELL => bell = true,
                 s => {
-                    if let Some(r) = ready.get_mut((s - TOKEN_SERVER0) as usize) {
-                        *r = true;
-                    }
+                    servers.mark_ready((s - TOKEN_SERVER0) as usize);
                 }
             });
             match waited {
                 Ok(_) => {
                     if bell {
-                        uffd::drain(&self.owner.doorbell);
+                        uffd::drain(self.owner.doorbell.as_ref());
                     }
                     // Replies first: installing a page wakes a guest thread.
                     for s in 0..self.servers.len() {
-                        let ready = self.servers.ready[s];
+                        let ready = self.servers.is_ready(s);
                         if ready {
                             self.servers.conn_mut(s).note_readable();
                         }
@@ -372,7 +382,7 @@ impl Pager {
             self.reap();
             self.balance();
             self.sample_tick();
-            self.pagein.slice.tick();
+            self.pagein.tick();
             while let Ok(c) = self.owner.rx.try_recv() {
                 self.command(c);
             }
@@ -390,8 +400,7 @@ impl Pager {
             return Ok(i);
         }
         let i = self.servers.add(addr)?;
-        self.repl.health.add_server();
-        self.repl.rerep.orphans.push(Vec::new());
+        self.repl.add_server();
         self.loc.copies.push(0);
         self.shared
             .servers
@@ -484,6 +493,52 @@ where
 #[cfg(test)]
 mod tests {
     use super::consecutive_runs;
+
+    /// Each part's state is its own: no file under `pager/` reaches into
+    /// another part's fields (`self.PART.FIELD` not followed by a call),
+    /// only the part's own file does.
+    #[test]
+    fn no_file_reaches_into_another_parts_fields() {
+        const PARTS: &[(&str, &str)] = &[
+            ("servers", "servers.rs"),
+            ("sampler", "sampling.rs"),
+            ("pagein", "pagein.rs"),
+            ("faults", "faults.rs"),
+            ("reclaim", "reclaim.rs"),
+            ("refs", "refs.rs"),
+            ("changes", "changes.rs"),
+            ("repl", "replicate.rs"),
+            ("owner", "mod.rs"),
+            ("writer", "writer.rs"),
+        ];
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/pager");
+        let mut found = Vec::new();
+        for e in std::fs::read_dir(&dir).unwrap().flatten() {
+            let file = e.file_name().to_string_lossy().into_owned();
+            if !file.ends_with(".rs") {
+                continue;
+            }
+            let text = std::fs::read_to_string(e.path()).unwrap();
+            for (part, home) in PARTS.iter().filter(|(_, h)| *h != file) {
+                let needle = format!("self.{part}.");
+                let mut rest = text.as_str();
+                while let Some(i) = rest.find(&needle) {
+                    rest = &rest[i + needle.len()..];
+                    let field: String = rest
+                        .chars()
+                        .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                        .collect();
+                    let after = rest[field.len()..].trim_start();
+                    if !after.starts_with('(') && !after.starts_with("::") {
+                        found.push(format!(
+                            "{file}: self.{part}.{field} (the part lives in {home})"
+                        ));
+                    }
+                }
+            }
+        }
+        assert!(found.is_empty(), "{}", found.join("\n"));
+    }
 
     #[test]
     fn runs_split_where_pages_stop_being_consecutive() {

@@ -34,9 +34,9 @@ pub(super) struct PageIn {
     readahead: readahead::Readahead,
     spin: spin::ReplySpin,
     /// The pager's CPU slice: short while it serves a scan.
-    pub slice: sched::SliceSwitch,
+    slice: sched::SliceSwitch,
     /// Pages received from servers (a chunk or a batch).
-    pub buf: Vec<u8>,
+    buf: Vec<u8>,
 }
 
 impl PageIn {
@@ -48,6 +48,16 @@ impl PageIn {
             slice: sched::SliceSwitch::default(),
             buf: vec![0u8; cfg.chunk_pages.max(MAX_BATCH_PAGES) * PAGE],
         }
+    }
+
+    /// The receive buffer's first `len` bytes (at most a chunk or a batch).
+    pub fn buf_mut(&mut self, len: usize) -> &mut [u8] {
+        &mut self.buf[..len]
+    }
+
+    /// Give the short CPU slice back once no scan was served for a while.
+    pub fn tick(&mut self) {
+        self.slice.tick();
     }
 }
 
@@ -171,14 +181,14 @@ impl Pager {
             match self.servers.reconnect(s) {
                 Ok(()) => match self.send_gets(s, 0) {
                     Ok(()) => return,
-                    Err(e2) if self.repl.copies > 1 => return self.server_down(s, &e2),
+                    Err(e2) if self.repl.copies() > 1 => return self.server_down(s, &e2),
                     Err(e2) => return self.lose_gets(s, e2),
                 },
-                Err(e2) if self.repl.copies > 1 => return self.server_down(s, &e2),
+                Err(e2) if self.repl.copies() > 1 => return self.server_down(s, &e2),
                 Err(_) => {}
             }
         }
-        if self.repl.copies > 1 && e.code().is_none() {
+        if self.repl.copies() > 1 && e.code().is_none() {
             // Not a refusal: the connection or the server is broken.
             return self.server_down(s, &e);
         }
@@ -215,7 +225,7 @@ impl Pager {
             if let Err(e) = self.take_reply(s) {
                 // Reconnect once per call: a server that keeps dropping
                 // the connection is not ridden out forever.
-                if retried && self.repl.copies > 1 {
+                if retried && self.repl.copies() > 1 {
                     self.server_down(s, &e);
                 } else if retried {
                     self.lose_gets(s, e);
@@ -277,7 +287,7 @@ impl Pager {
             let us = g.since.elapsed().as_secs_f64() * 1e6;
             st.page_in_latency.record_us(us);
             self.pagein.spin.replied(us);
-            self.repl.health.replied(s, us);
+            self.repl.replied(s, us);
             st.page_ins.fetch_add(1, Relaxed);
             st.page_in_requests.fetch_add(1, Relaxed);
             st.bytes_in.fetch_add(PAGE as u64, Relaxed);
@@ -331,7 +341,7 @@ impl Pager {
             // Taken: the mirror's copy is stale room, deleted before
             // anything is stored there again.
             if let Some(m) = self.loc.forget_second(q) {
-                self.repl.rerep.orphans[m].push(q as u64);
+                self.repl.orphan(m, q as u64);
             }
         }
     }

@@ -10,11 +10,11 @@ const DEADLINE_SLICE: Duration = Duration::from_millis(10);
 /// pager is between the watermarks.
 pub(super) struct Reclaim {
     /// The victim hand and its policy.
-    pub victims: victims::Victims,
+    victims: victims::Victims,
     /// When the victim hand last chose victims.
-    pub victims_at: Option<Instant>,
+    victims_at: Option<Instant>,
     /// Between the high and low watermarks: keep evicting.
-    pub evicting: bool,
+    evicting: bool,
     /// Where `drop_copies` looks next.
     copy_hand: usize,
     /// Said once that every server is full.
@@ -30,6 +30,36 @@ impl Reclaim {
             copy_hand: 0,
             full_warned: false,
         }
+    }
+
+    /// Between the watermarks: more page-out to start.
+    pub fn evicting(&self) -> bool {
+        self.evicting
+    }
+
+    /// Stop evicting (a hold: what is in flight lands, nothing new goes).
+    pub fn stop(&mut self) {
+        self.evicting = false;
+    }
+
+    /// A page of chunk `c` came in ([`victims::Victims::arrived`]).
+    pub fn arrived(&mut self, c: usize) {
+        self.victims.arrived(c);
+    }
+
+    /// The sampling hand passes pages `lo..hi`: the policy ages them.
+    pub fn sweep(&self, access: &mut AccessHistory, lo: usize, hi: usize) {
+        self.victims.sweep(access, lo, hi);
+    }
+
+    /// Whether the sampling hand should rest now: the policy reads the
+    /// page tables itself while choosing victims, and chose some within
+    /// `quiet` of `now`.
+    pub fn sampler_rests(&self, now: Instant, quiet: Duration) -> bool {
+        self.victims.reads_refs_itself()
+            && self
+                .victims_at
+                .is_some_and(|t| now.duration_since(t) < quiet)
     }
 }
 
@@ -50,7 +80,7 @@ impl Pager {
 
     fn balance_round(&mut self) {
         let budget = self.shared.budget.load(Relaxed);
-        if self.owner.hold || self.loc.state.len() as u64 <= budget {
+        if self.owner.held() || self.loc.state.len() as u64 <= budget {
             self.reclaim.evicting = false;
             return;
         }
@@ -63,7 +93,7 @@ impl Pager {
             self.reclaim.evicting = true;
         }
         let (t0, evicted) = (Instant::now(), self.reclaim.evicting);
-        while self.reclaim.evicting && self.writer.in_flight < MAX_JOBS {
+        while self.reclaim.evicting && self.writer.in_flight() < MAX_JOBS {
             let staying = self.loc.staying();
             if staying <= low {
                 self.reclaim.evicting = false;
@@ -72,13 +102,7 @@ impl Pager {
             // Far over: bigger jobs (fewer round trips to catch up).
             let cap = if staying > budget { 512 } else { 64 };
             let chunks = self.chunks();
-            let mut probe = refs::PagemapProbe::new(
-                self.refs.pagemap.as_mut(),
-                self.guest.base(),
-                self.cp,
-                chunks,
-                &mut self.refs.probe_window,
-            );
+            let mut probe = self.refs.probe(self.guest.base(), self.cp, chunks);
             let batch =
                 self.reclaim
                     .victims
@@ -97,9 +121,9 @@ impl Pager {
         }
         // Direct reclaim: memory itself is over the budget; faults wait
         // until enough of what is in flight has landed.
-        if self.loc.resident > budget && self.writer.in_flight > 0 {
+        if self.loc.resident > budget && self.writer.in_flight() > 0 {
             let t0 = Instant::now();
-            while self.loc.resident > budget && self.writer.in_flight > 0 {
+            while self.loc.resident > budget && self.writer.in_flight() > 0 {
                 // In slices: a writer blocked on a hung server is cut off
                 // by the deadline check (it then answers at once).
                 match self.writer.wait_done(DEADLINE_SLICE) {
@@ -126,7 +150,7 @@ impl Pager {
     /// moves or deletes server copies, or a migration's final copy).
     pub(super) fn quiesce(&mut self) {
         self.drain_gets();
-        while self.writer.in_flight > 0 {
+        while self.writer.in_flight() > 0 {
             match self.writer.wait_done(DEADLINE_SLICE) {
                 Some(d) => self.job_landed(d),
                 None => self.check_deadlines(),
@@ -185,7 +209,7 @@ impl Pager {
         // page-in: a fault on one, read after its punch or write, waits
         // for the job and then finds the page remote, so it pages back in.)
         // (With two replicas a page is clean only with both copies kept.)
-        let whole = |q: usize| self.repl.copies < 2 || self.loc.second[q] > 0;
+        let whole = |q: usize| self.repl.copies() < 2 || self.loc.second[q] > 0;
         let (clean, dirty): (Vec<usize>, Vec<usize>) = pages
             .into_iter()
             .partition(|q| self.loc.clean[*q] && whole(*q));
@@ -200,7 +224,7 @@ impl Pager {
             });
         }
         // With two replicas, a mirror for pages without a second copy.
-        let need2 = if self.repl.copies < 2 {
+        let need2 = if self.repl.copies() < 2 {
             0
         } else {
             dirty.iter().filter(|q| self.loc.second[**q] == 0).count() as u64
@@ -212,10 +236,9 @@ impl Pager {
         let m = if need2 > 0 {
             let m = self.pick_mirror(s, need2);
             match m {
-                Some(_) => self.repl.rerep.mirrors_back(),
+                Some(_) => self.repl.mirrors_back(),
                 None => self
                     .repl
-                    .rerep
                     .single_copy(self.servers.addrs(), self.servers.downs()),
             }
             m
@@ -231,7 +254,7 @@ impl Pager {
                 0 => s,
                 c => c as usize - 1,
             };
-            let t2 = match (self.repl.copies, self.loc.second[q]) {
+            let t2 = match (self.repl.copies(), self.loc.second[q]) {
                 (1, _) => None,
                 (_, 0) => match m {
                     Some(m) if m != t => Some(m),
@@ -243,7 +266,7 @@ impl Pager {
                 (_, c) => Some(c as usize - 1),
             };
             // A second copy on the page's own server is no copy at all.
-            if self.repl.copies > 1 && t2 == Some(t) {
+            if self.repl.copies() > 1 && t2 == Some(t) {
                 unplaced.push(q);
                 continue;
             }
@@ -287,7 +310,7 @@ impl Pager {
             // Stale copies still to be deleted there go first: a delete
             // landing after this job's PUT would remove the new copy.
             for tg in &targets {
-                if !self.repl.rerep.orphans[tg.server].is_empty() {
+                if self.repl.has_orphans(tg.server) {
                     self.flush_orphans_on(tg.server);
                 }
             }
@@ -369,7 +392,7 @@ impl Pager {
         st.bytes_out.fetch_add(sent * PAGE as u64, Relaxed);
         // The writer's CPU for the job; the pager's share is metered.
         st.page_out_cpu_ns.fetch_add(d.cpu_ns, Relaxed);
-        if live.len() < self.repl.copies && sent > 0 {
+        if live.len() < self.repl.copies() && sent > 0 {
             self.copies_lost();
         }
         self.wake_job_faults();
@@ -378,7 +401,7 @@ impl Pager {
             if e.code() == Some(pagefleet_proto::ErrorCode::OutOfCapacity) {
                 debug!("memory server {} is full", self.servers.addr(t));
                 self.servers.full(t);
-            } else if self.repl.copies > 1 {
+            } else if self.repl.copies() > 1 {
                 // Its pages were not stored (they stay here); the other
                 // copies it held are served by their mirrors.
                 self.server_down(t, &e);
@@ -511,7 +534,7 @@ impl Pager {
                     r = self.servers.conn_mut(s).delete(region, Pages::List(part));
                 }
                 if let Err(e) = r {
-                    if self.repl.copies > 1 {
+                    if self.repl.copies() > 1 {
                         // Down: what it kept is gone anyway.
                         self.server_down(s, &e);
                         break;

@@ -36,9 +36,9 @@ const PROBE_FRESH: Duration = Duration::from_millis(10);
 pub(super) struct RefBits {
     /// `PAGEMAP_SCAN` for reference bits; None on kernels before 6.7
     /// (then only page-ins count as references).
-    pub pagemap: Option<uffd::Pagemap>,
+    pagemap: Option<uffd::Pagemap>,
     /// What the victim hand's probe read last.
-    pub probe_window: ProbeWindow,
+    probe_window: ProbeWindow,
 }
 
 impl RefBits {
@@ -47,6 +47,23 @@ impl RefBits {
             pagemap,
             probe_window: ProbeWindow::default(),
         }
+    }
+
+    /// Whether the page tables can be read (Linux 6.7+).
+    pub fn available(&self) -> bool {
+        self.pagemap.is_some()
+    }
+
+    /// The victim hand's probe over a region at `base` of `chunks` chunks
+    /// of `cp` pages.
+    pub fn probe(&mut self, base: u64, cp: usize, chunks: usize) -> PagemapProbe<'_> {
+        PagemapProbe::new(
+            self.pagemap.as_mut(),
+            base,
+            cp,
+            chunks,
+            &mut self.probe_window,
+        )
     }
 }
 

@@ -57,11 +57,68 @@ const BURST: f64 = (2 * STEP_PAGES * PAGE) as f64;
 /// death, and the health of each server.
 pub(super) struct Replication {
     /// Copies of every remote page (1 or 2).
-    pub copies: usize,
+    copies: usize,
     /// Re-replication after a server's death.
-    pub rerep: Rerep,
+    rerep: Rerep,
     /// Hung servers (deadlines) and revival of servers called down.
-    pub health: Health,
+    health: Health,
+}
+
+impl Replication {
+    pub fn new(copies: usize, rerep: Rerep, servers: usize) -> Self {
+        Replication {
+            copies,
+            rerep,
+            health: Health::new(servers),
+        }
+    }
+
+    /// Copies of every remote page (1 or 2).
+    pub fn copies(&self) -> usize {
+        self.copies
+    }
+
+    /// A server joined the region (an evacuation's target).
+    pub fn add_server(&mut self) {
+        self.health.add_server();
+        self.rerep.orphans.push(Vec::new());
+    }
+
+    /// Some page may have fewer copies than wanted: look for it.
+    pub fn degraded(&mut self) {
+        self.rerep.active = true;
+    }
+
+    /// Page `q`'s copy on server `m` is stale room, to delete before
+    /// anything is stored there again.
+    pub fn orphan(&mut self, m: usize, q: u64) {
+        self.rerep.orphans[m].push(q);
+    }
+
+    /// Whether server `s` holds stale copies still to delete.
+    pub fn has_orphans(&self, s: usize) -> bool {
+        !self.rerep.orphans[s].is_empty()
+    }
+
+    /// Server `s` answered a faulting page's GET after `us` µs.
+    pub fn replied(&mut self, s: usize, us: f64) {
+        self.health.replied(s, us);
+    }
+
+    /// Re-replication has work it can do now.
+    pub fn ready(&self) -> bool {
+        self.rerep.ready()
+    }
+
+    /// A page-out found no server for a second copy: say so once.
+    pub fn single_copy(&mut self, addrs: &[String], down: &[bool]) {
+        self.rerep.single_copy(addrs, down);
+    }
+
+    /// A page got its mirror back (a page-out with two copies).
+    pub fn mirrors_back(&mut self) {
+        self.rerep.mirrors_back();
+    }
 }
 
 /// Re-replication's state.
@@ -272,7 +329,7 @@ impl Pager {
         if self.repl.copies < 2 {
             return;
         }
-        let writer_wait = self.writer.links.lock().unwrap().waiting();
+        let writer_wait = self.writer.links().waiting();
         for s in 0..self.servers.len() {
             if self.servers.is_down(s) {
                 continue;
@@ -356,10 +413,7 @@ impl Pager {
             };
             self.repl.health.probe_at[s] = Some(now + PROBE_EVERY);
             self.repl.health.probing[s] = true;
-            let (tx, bell) = (
-                self.repl.health.answer_tx.clone(),
-                self.owner.doorbell.clone(),
-            );
+            let (tx, bell) = (self.repl.health.answer_tx.clone(), self.owner.doorbell());
             let spawned = std::thread::Builder::new()
                 .name("pagefleet-probe".into())
                 .spawn(move || {
@@ -412,7 +466,7 @@ impl Pager {
         self.servers.set_room(s, free);
         self.repl.health.probe_at[s] = None;
         self.repl.health.usual_us[s] = 0.0;
-        self.writer.links.lock().unwrap().restore(s);
+        self.writer.links().restore(s);
         if let Some(x) = self.shared.servers.lock().unwrap().get_mut(s) {
             x.1 = false;
         }
@@ -432,7 +486,7 @@ impl Pager {
             return;
         }
         // No more page-outs to it; a writer blocked on it returns now.
-        self.writer.links.lock().unwrap().cut(s);
+        self.writer.links().cut(s);
         warn!(
             "memory server {} is down ({why}): region {:#x} reads its pages from their mirrors and re-replicates them",
             self.servers.addr(s), self.region_id
@@ -541,7 +595,7 @@ impl Pager {
     /// Copy one step's worth of degraded pages to a new mirror, within
     /// the bandwidth limit; also delete orphaned copies.
     pub(super) fn rereplicate_step(&mut self) {
-        if self.repl.copies < 2 || self.owner.hold {
+        if self.repl.copies < 2 || self.owner.held() {
             return;
         }
         // Due after a loss; while pages have one copy, also refreshed every

@@ -226,7 +226,7 @@ impl Pager {
     /// Advance the sampling hand by as many resident chunks as the rate allows.
     pub(super) fn sample_tick(&mut self) {
         let now = Instant::now();
-        if self.owner.hold || !self.sampler.due(now) {
+        if self.owner.held() || !self.sampler.due(now) {
             return;
         }
         // The region's owner may change the budget while the guest runs.
@@ -250,12 +250,7 @@ impl Pager {
         // only add minor faults and shootdowns (in the kv bench at 25%:
         // ~4 000 chunks swept per 6 s for the same page-ins per operation).
         // It keeps the history while nothing is evicted, and for aging.
-        if self.reclaim.victims.reads_refs_itself()
-            && self
-                .reclaim
-                .victims_at
-                .is_some_and(|t| now.duration_since(t) < CLOCK_QUIET)
-        {
+        if self.reclaim.sampler_rests(now, CLOCK_QUIET) {
             self.sampler.quiet();
         } else if plan.todo > 0 {
             // Visit the next resident chunks: read which of their pages
@@ -272,15 +267,13 @@ impl Pager {
                 touched += self.read_refs(r.start * cp, r.end * cp);
             }
             for &c in &span.visit {
-                self.reclaim
-                    .victims
-                    .sweep(&mut self.access, c * cp, (c + 1) * cp);
+                self.reclaim.sweep(&mut self.access, c * cp, (c + 1) * cp);
             }
             let st = &self.shared.stats;
             st.sampled_chunks
                 .fetch_add(span.visit.len() as u64, Relaxed);
             st.minor_faults.fetch_add(touched, Relaxed);
-            if self.refs.pagemap.is_some() {
+            if self.refs.available() {
                 for r in span.pieces(self.chunks()) {
                     self.zap(r.start * cp, r.end * cp);
                     zaps += 1;

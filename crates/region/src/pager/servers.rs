@@ -38,7 +38,7 @@ pub(super) struct Servers {
     /// GETs in flight, per server.
     gets: GetQueues,
     /// Servers whose connection reported new bytes in the last wait.
-    pub ready: Vec<bool>,
+    ready: Vec<bool>,
     /// The connection fd the epoll watches per server (a reconnect replaces it).
     watched: Vec<RawFd>,
     /// For connecting to servers added later; None: a region made without servers.
@@ -190,6 +190,23 @@ impl Servers {
     /// bytes (`readable`: the last wait said so) or bytes read ahead.
     pub fn reply_due(&self, s: usize, readable: bool) -> bool {
         !self.gets[s].is_empty() && (readable || self.conns[s].buffered())
+    }
+
+    /// A new wait begins: no connection has reported bytes yet.
+    pub fn clear_ready(&mut self) {
+        self.ready.iter_mut().for_each(|r| *r = false);
+    }
+
+    /// Server `s`'s connection reported new bytes (an epoll edge).
+    pub fn mark_ready(&mut self, s: usize) {
+        if let Some(r) = self.ready.get_mut(s) {
+            *r = true;
+        }
+    }
+
+    /// Whether server `s`'s connection reported new bytes in the last wait.
+    pub fn is_ready(&self, s: usize) -> bool {
+        self.ready[s]
     }
 
     /// Whether any GET is in flight.

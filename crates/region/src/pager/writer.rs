@@ -145,12 +145,24 @@ pub(super) struct Done {
 /// The pager's handle on its writer thread.
 pub(super) struct Writer {
     /// Shared with the writer thread (see [`Links`]).
-    pub(super) links: Arc<Mutex<Links>>,
+    links: Arc<Mutex<Links>>,
     jobs: Option<Sender<Job>>,
     done: Receiver<Done>,
     thread: Option<JoinHandle<()>>,
     /// Jobs handed over and not yet answered.
-    pub(super) in_flight: usize,
+    in_flight: usize,
+}
+
+impl Writer {
+    /// Jobs handed over and not yet answered.
+    pub(super) fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+
+    /// The connections' state the pager and the writer share.
+    pub(super) fn links(&self) -> std::sync::MutexGuard<'_, Links> {
+        self.links.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 /// What the writer thread needs to reach servers.
