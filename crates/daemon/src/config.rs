@@ -1,4 +1,5 @@
-//! pagefleetd configuration: a TOML file (`--config`), overridden by flags.
+//! pagefleetd configuration: a TOML file (`--config`), overridden by flags;
+//! both are one type, [`FileConfig`].
 //!
 //! ```toml
 //! name = "rack1-h3"         # this host's name in reports (default: hostname)
@@ -67,163 +68,29 @@ pub enum LogFormat {
     Json,
 }
 
-/// The TOML configuration file (`--config`); see the module doc.
-#[derive(Debug, Default, Deserialize)]
+/// The daemon's settings as given: the TOML file (`--config`; see the
+/// module doc) and the command line are this one type — each setting is
+/// written once, with its TOML key (serde) and its flag (clap); a key
+/// without a flag is `#[arg(skip)]`. [`merge`] overlays the flags on the
+/// file and resolves defaults into [`Settings`].
+#[derive(Debug, Default, Clone, Deserialize, clap::Args)]
 #[serde(deny_unknown_fields)]
 pub struct FileConfig {
-    /// The IP address other hosts reach this one at (default: the listen
-    /// address, or when that is 0.0.0.0 the address of the route to the
-    /// join host).
+    /// The IP address other hosts reach this one at. Default: the --listen
+    /// address, or when that is 0.0.0.0 this host's address on the route to
+    /// the join host (or the first peer, or etcd).
+    #[arg(long, value_name = "IP")]
     pub advertise: Option<String>,
-    /// This host's name in reports (default: the hostname).
-    pub name: Option<String>,
-    /// Log filter (error, warn, info, debug, trace; or RUST_LOG syntax).
-    pub log: Option<String>,
-    /// How log lines are written.
-    pub log_format: Option<LogFormat>,
-    /// The cluster secret file.
-    pub secret_file: Option<PathBuf>,
-    /// This host's TLS identity directory.
-    pub tls_dir: Option<PathBuf>,
-    /// On a stop while holding guests or their pages: drain within this
-    /// many seconds first (0: refuse the stop).
-    pub stop_drain_secs: Option<u64>,
-    /// `[memserver]`: lending memory.
-    pub memserver: Option<MemserverSection>,
-    /// `[guests]`: the guest host service.
-    pub guests: Option<GuestsSection>,
-    /// `[registry]`: the other hosts.
-    pub registry: Option<RegistrySection>,
-    /// `[ksm]`: the same-page merging controller.
-    pub ksm: Option<KsmSection>,
-    /// `[ioqos]`: the I/O guarantee controller.
-    pub ioqos: Option<IoqosSection>,
-}
-
-/// `[ioqos]`.
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct IoqosSection {
-    /// The shared block device (path or MAJ:MIN).
-    pub device: Option<String>,
-    /// Its tenants: NAME=CGROUP|qmp:SOCKET@DRIVE[:min=RATE][:min-iops=N][:weight=W],...
-    pub tenants: Option<String>,
-    /// guarantee, paper or observe.
-    pub policy: Option<String>,
-    /// MAX_IOPS,MAX_BYTES_PER_S (default: calibrate with direct reads).
-    pub model: Option<String>,
-    /// Seconds the calibration reads.
-    pub calibrate_secs: Option<f64>,
-    /// guarantee: seconds between decisions.
-    pub interval: Option<f64>,
-    /// paper: the share of the device that counts as busy.
-    pub border: Option<String>,
-    /// paper: the capped tenant gets rate x its current value.
-    pub rate: Option<f64>,
-    /// paper: how long a cap lasts, seconds.
-    pub cap_time: Option<f64>,
-    /// paper: seconds between decisions.
-    pub cap_interval: Option<f64>,
-}
-
-/// `[ksm]`.
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct KsmSection {
-    /// adaptive, ksmtuned or off.
-    pub mode: Option<String>,
-    /// adaptive: ksmd's share of one core.
-    pub cpu_budget: Option<String>,
-    /// adaptive: the MemAvailable share that counts as pressure.
-    pub pressure_below: Option<String>,
-    /// ksmtuned: factor on its 60 s interval.
-    pub interval_scale: Option<f64>,
-}
-
-/// `[guests]`.
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct GuestsSection {
-    /// Memory this host gives guests (sum of budgets).
-    pub memory: Option<String>,
-    /// The binary that runs guests (default: `pagefleet-runner` beside pagefleetd).
-    pub runner: Option<PathBuf>,
-    /// Where guests' control sockets and logs go.
-    pub dir: Option<PathBuf>,
-    /// Network device guests' service addresses go on.
-    pub service_dev: Option<String>,
-    /// Directories VM guests' kernels, initramfs and disks may come from.
-    pub vm_images: Option<Vec<PathBuf>>,
-    /// Keep a content index of the guests' memory for sharing-aware
-    /// migration into this host (default true).
-    pub dedup: Option<bool>,
-}
-
-/// `[registry]`.
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RegistrySection {
-    /// The other hosts' HTTP API addresses.
-    pub peers: Option<Vec<String>>,
-    /// One host's HTTP API address (the same on every host): this host
-    /// announces itself there and learns the others from it.
-    pub join: Option<String>,
-    /// An etcd cluster as the registry (`etcd://h1:2379,h2:2379`).
-    pub etcd: Option<String>,
-}
-
-/// `[memserver]`.
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct MemserverSection {
-    /// Memory to lend.
-    pub lend: Option<String>,
-    /// The memory-server address.
-    pub listen: Option<String>,
-    /// The HTTP API address, or off.
-    pub metrics: Option<String>,
-    /// GET /metrics without a signature.
-    pub public_metrics: Option<bool>,
-    /// GET /healthz and /readyz without a signature.
-    pub public_health: Option<bool>,
-    /// Most simultaneous client connections.
-    pub max_conns: Option<u32>,
-    /// Drop a client stalled this long, seconds.
-    pub io_timeout_secs: Option<u64>,
-    /// Drop a connection not authenticated after this long, seconds.
-    pub handshake_timeout_secs: Option<u64>,
-    /// Collect orphaned regions idle this long, seconds (0: never).
-    pub gc_grace_secs: Option<u64>,
-}
-
-/// What the command line said (None = not given): `pagefleetd`'s flags
-/// (clap parses them straight into this; their docs are `--help`).
-#[derive(Debug, Default, Clone, clap::Args)]
-pub struct Flags {
-    /// Memory to lend (e.g. 4GiB, 512MiB). The server never holds more pages
-    /// than this; its own overhead beyond it is small and bounded.
-    #[arg(long, value_parser = pagefleet_common::units::parse_size)]
-    pub lend: Option<u64>,
-    /// Address for the memory-server protocol (default 127.0.0.1:7070). Port
-    /// 0 picks a free port; the bound address is printed on stdout as `listening ADDR`.
+    /// This host's name in reports and placement (default: the hostname).
     #[arg(long)]
-    pub listen: Option<String>,
-    /// The HTTP API's address (metrics, host report, guests, migrations,
-    /// registry), or `off`. Default: 127.0.0.1 with the --listen port + 1
-    /// (a free port when listening on port 0). Give this host's cluster
-    /// address so peers and CLIs elsewhere reach it; every request must be
-    /// signed with the cluster secret (the pagefleet CLI does).
-    #[arg(long, visible_alias = "http")]
-    pub metrics: Option<String>,
-    /// Serve `GET /metrics` without a signature (for a Prometheus scraper);
-    /// every other route still requires the cluster secret.
-    #[arg(long, num_args = 0, default_missing_value = "true")]
-    pub public_metrics: Option<bool>,
-    /// Serve `GET /healthz` (the daemon answers) and `GET /readyz` (it
-    /// serves and is not stopping, draining or restarting) without a
-    /// signature, for a load balancer's probes; they tell nothing else.
-    #[arg(long, num_args = 0, default_missing_value = "true")]
-    pub public_health: Option<bool>,
+    pub name: Option<String>,
+    /// Log filter (error, warn, info, debug, trace; or RUST_LOG syntax; default info).
+    #[arg(long, env = "PAGEFLEET_LOG")]
+    pub log: Option<String>,
+    /// plain (text; coloured only on a terminal) or json (one object per
+    /// line, for journald or a log shipper).
+    #[arg(long, value_enum)]
+    pub log_format: Option<LogFormat>,
     /// Cluster secret file (default: $PAGEFLEET_SECRET_FILE, else
     /// /etc/pagefleet/secret as root, else ~/.config/pagefleet/secret).
     /// $PAGEFLEET_SECRET, if set, is the secret itself.
@@ -236,28 +103,112 @@ pub struct Flags {
     /// runners and clients speak TLS to such peers. Without: plaintext.
     #[arg(long)]
     pub tls_dir: Option<PathBuf>,
-    /// Most simultaneous authenticated client sessions (default 512).
-    /// Connections waiting to authenticate do not count: they have their
-    /// own cap and deadline (see --handshake-timeout).
-    #[arg(long)]
-    pub max_conns: Option<u32>,
-    /// Drop a client whose request or reply frame is not complete after
-    /// this many seconds (default 30). Idle between frames is fine.
-    #[arg(long = "io-timeout")]
-    pub io_timeout_secs: Option<u64>,
-    /// Drop a connection that has not proved the cluster secret after this
-    /// many seconds (default 5).
-    #[arg(long = "handshake-timeout")]
-    pub handshake_timeout_secs: Option<u64>,
+    /// A stop (SIGTERM, SIGINT) while this host's memory server holds pages
+    /// of running guests would lose them (guests running here do not stop:
+    /// the next daemon adopts their runners): by default it is refused (the
+    /// daemon logs what it holds and keeps running; `pagefleet host drain
+    /// HOST` empties it, a second signal within a minute stops anyway).
+    /// With this many seconds the daemon first moves those pages to other
+    /// memory servers (cordoned meanwhile), then stops; if that fails or
+    /// takes longer it keeps running. Set the unit's TimeoutStopSec above it.
+    #[arg(long = "stop-drain", value_name = "SECS")]
+    pub stop_drain_secs: Option<u64>,
+    /// `[memserver]`: lending memory.
+    #[command(flatten)]
+    #[serde(default)]
+    pub memserver: MemserverSection,
+    /// `[guests]`: the guest host service.
+    #[command(flatten)]
+    #[serde(default)]
+    pub guests: GuestsSection,
+    /// `[registry]`: the other hosts.
+    #[command(flatten)]
+    #[serde(default)]
+    pub registry: RegistrySection,
+    /// `[ksm]`: the same-page merging controller.
+    #[command(flatten)]
+    #[serde(default)]
+    pub ksm: KsmSection,
+    /// `[ioqos]`: the I/O guarantee controller.
+    #[command(flatten)]
+    #[serde(default)]
+    pub ioqos: IoqosSection,
+}
+
+/// `[ioqos]`.
+#[derive(Debug, Default, Clone, Deserialize, clap::Args)]
+#[command(next_help_heading = "I/O controller")]
+#[serde(deny_unknown_fields)]
+pub struct IoqosSection {
+    /// Run the I/O guarantee controller on this shared block device (root);
+    /// with --ioqos-tenants. Its state shows in `pagefleet ioqos status`;
+    /// every cap is removed when pagefleetd stops.
+    #[arg(long = "ioqos-device")]
+    pub device: Option<String>,
+    /// The device's tenants: NAME=CGROUP|qmp:SOCKET@DRIVE[:min=RATE][:min-iops=N][:weight=W],...
+    #[arg(long = "ioqos-tenants")]
+    pub tenants: Option<String>,
+    /// guarantee (default), paper or observe.
+    #[arg(long = "ioqos-policy")]
+    pub policy: Option<String>,
+    /// MAX_IOPS,MAX_BYTES_PER_S (default: calibrate with direct reads).
+    #[arg(skip)]
+    pub model: Option<String>,
+    /// Seconds the calibration reads.
+    #[arg(skip)]
+    pub calibrate_secs: Option<f64>,
+    /// guarantee: seconds between decisions.
+    #[arg(skip)]
+    pub interval: Option<f64>,
+    /// paper: the share of the device that counts as busy.
+    #[arg(skip)]
+    pub border: Option<String>,
+    /// paper: the capped tenant gets rate x its current value.
+    #[arg(skip)]
+    pub rate: Option<f64>,
+    /// paper: how long a cap lasts, seconds.
+    #[arg(skip)]
+    pub cap_time: Option<f64>,
+    /// paper: seconds between decisions.
+    #[arg(skip)]
+    pub cap_interval: Option<f64>,
+}
+
+/// `[ksm]`.
+#[derive(Debug, Default, Clone, Deserialize, clap::Args)]
+#[command(next_help_heading = "KSM controller")]
+#[serde(deny_unknown_fields)]
+pub struct KsmSection {
+    /// Run the same-page-merging controller: adaptive, ksmtuned or off
+    /// (default off; root). Its state shows in `pagefleet ksm status`; the
+    /// host's KSM settings are put back when pagefleetd stops (SIGTERM/SIGINT).
+    #[arg(long = "ksm")]
+    pub mode: Option<String>,
+    /// ksmd's CPU budget for the adaptive controller (default 10%).
+    #[arg(long = "ksm-cpu-budget")]
+    pub cpu_budget: Option<String>,
+    /// adaptive: the MemAvailable share that counts as pressure.
+    #[arg(skip)]
+    pub pressure_below: Option<String>,
+    /// ksmtuned: factor on its 60 s interval.
+    #[arg(skip)]
+    pub interval_scale: Option<f64>,
+}
+
+/// `[guests]`.
+#[derive(Debug, Default, Clone, Deserialize, clap::Args)]
+#[command(next_help_heading = "Guest host")]
+#[serde(deny_unknown_fields)]
+pub struct GuestsSection {
     /// Run guests here: the memory their budgets may add up to (e.g. 8GiB).
-    #[arg(long, value_parser = pagefleet_common::units::parse_size)]
-    pub guest_memory: Option<u64>,
+    #[arg(long = "guest-memory", value_name = "SIZE")]
+    pub memory: Option<Size>,
     /// The binary that runs guests (default: `pagefleet-runner` beside pagefleetd).
     #[arg(long)]
     pub runner: Option<PathBuf>,
     /// Where guests' control sockets and logs go (default /run/pagefleet/guests-PORT).
-    #[arg(long)]
-    pub guest_dir: Option<PathBuf>,
+    #[arg(long = "guest-dir")]
+    pub dir: Option<PathBuf>,
     /// Network device guests' service addresses are added to (default eth0).
     #[arg(long)]
     pub service_dev: Option<String>,
@@ -273,23 +224,13 @@ pub struct Flags {
     /// content is already here (`GET /host` shows the index).
     #[arg(long = "no-dedup", num_args = 0, default_missing_value = "false")]
     pub dedup: Option<bool>,
-    /// Free regions on this host's memory server that no guest in the
-    /// registry and no connected client owns, once idle this many seconds
-    /// (default 600; 0: never). Checked every minute (every grace period when shorter); nothing is freed
-    /// while any host of the registry cannot be asked. `pagefleet gc`
-    /// collects on demand.
-    #[arg(long = "gc-grace")]
-    pub gc_grace_secs: Option<u64>,
-    /// A stop (SIGTERM, SIGINT) while this host's memory server holds pages
-    /// of running guests would lose them (guests running here do not stop:
-    /// the next daemon adopts their runners): by default it is refused (the
-    /// daemon logs what it holds and keeps running; `pagefleet host drain
-    /// HOST` empties it, a second signal within a minute stops anyway).
-    /// With this many seconds the daemon first moves those pages to other
-    /// memory servers (cordoned meanwhile), then stops; if that fails or
-    /// takes longer it keeps running. Set the unit's TimeoutStopSec above it.
-    #[arg(long = "stop-drain", value_name = "SECS")]
-    pub stop_drain_secs: Option<u64>,
+}
+
+/// `[registry]`.
+#[derive(Debug, Default, Clone, Deserialize, clap::Args)]
+#[command(next_help_heading = "Registry")]
+#[serde(deny_unknown_fields)]
+pub struct RegistrySection {
     /// The other hosts' pagefleetd HTTP addresses (registry), comma-separated.
     #[arg(long, value_delimiter = ',')]
     pub peers: Option<Vec<String>>,
@@ -299,47 +240,68 @@ pub struct Flags {
     /// The join host itself may be given it too.
     #[arg(long, value_name = "HOST:PORT")]
     pub join: Option<String>,
-    /// The IP address other hosts reach this one at. Default: the --listen
-    /// address, or when that is 0.0.0.0 this host's address on the route to
-    /// the join host (or the first peer, or etcd).
-    #[arg(long, value_name = "IP")]
-    pub advertise: Option<String>,
     /// An etcd cluster as the registry instead of --peers:
     /// etcd://HOST:2379[,HOST:2379...]. This host then keeps a lease-bound
     /// heartbeat there (its report and guests, every 2 s, expiring 10 s
     /// after the last), and `GET /cluster` and placement read etcd.
-    #[arg(long)]
-    pub registry: Option<String>,
-    /// This host's name in reports and placement (default: the hostname).
-    #[arg(long)]
-    pub name: Option<String>,
-    /// Run the same-page-merging controller: adaptive, ksmtuned or off
-    /// (default off; root). Its state shows in `pagefleet ksm status`; the
-    /// host's KSM settings are put back when pagefleetd stops (SIGTERM/SIGINT).
-    #[arg(long)]
-    pub ksm: Option<String>,
-    /// ksmd's CPU budget for the adaptive controller (default 10%).
-    #[arg(long)]
-    pub ksm_cpu_budget: Option<String>,
-    /// Run the I/O guarantee controller on this shared block device (root);
-    /// with --ioqos-tenants. Its state shows in `pagefleet ioqos status`;
-    /// every cap is removed when pagefleetd stops.
-    #[arg(long)]
-    pub ioqos_device: Option<String>,
-    /// The device's tenants: NAME=CGROUP|qmp:SOCKET@DRIVE[:min=RATE][:min-iops=N][:weight=W],...
-    #[arg(long)]
-    pub ioqos_tenants: Option<String>,
-    /// guarantee (default), paper or observe.
-    #[arg(long)]
-    pub ioqos_policy: Option<String>,
-    /// Log filter (error, warn, info, debug, trace; or RUST_LOG syntax; default info).
-    #[arg(long, env = "PAGEFLEET_LOG")]
-    pub log: Option<String>,
-    /// plain (text; coloured only on a terminal) or json (one object per
-    /// line, for journald or a log shipper).
-    #[arg(long, value_enum)]
-    pub log_format: Option<LogFormat>,
+    #[arg(long = "registry", value_name = "etcd://HOST:PORT,...")]
+    pub etcd: Option<String>,
 }
+
+/// `[memserver]`.
+#[derive(Debug, Default, Clone, Deserialize, clap::Args)]
+#[command(next_help_heading = "Memory server")]
+#[serde(deny_unknown_fields)]
+pub struct MemserverSection {
+    /// Memory to lend (e.g. 4GiB, 512MiB). The server never holds more pages
+    /// than this; its own overhead beyond it is small and bounded.
+    #[arg(long, value_name = "SIZE")]
+    pub lend: Option<Size>,
+    /// Address for the memory-server protocol (default 127.0.0.1:7070). Port
+    /// 0 picks a free port; the bound address is printed on stdout as `listening ADDR`.
+    #[arg(long, value_name = "ADDR")]
+    pub listen: Option<String>,
+    /// The HTTP API's address (metrics, host report, guests, migrations,
+    /// registry), or `off`. Default: 127.0.0.1 with the --listen port + 1
+    /// (a free port when listening on port 0). Give this host's cluster
+    /// address so peers and CLIs elsewhere reach it; every request must be
+    /// signed with the cluster secret (the pagefleet CLI does).
+    #[arg(long, visible_alias = "http", value_name = "ADDR|off")]
+    pub metrics: Option<String>,
+    /// Serve `GET /metrics` without a signature (for a Prometheus scraper);
+    /// every other route still requires the cluster secret.
+    #[arg(long, num_args = 0, default_missing_value = "true")]
+    pub public_metrics: Option<bool>,
+    /// Serve `GET /healthz` (the daemon answers) and `GET /readyz` (it
+    /// serves and is not stopping, draining or restarting) without a
+    /// signature, for a load balancer's probes; they tell nothing else.
+    #[arg(long, num_args = 0, default_missing_value = "true")]
+    pub public_health: Option<bool>,
+    /// Most simultaneous authenticated client sessions (default 512).
+    /// Connections waiting to authenticate do not count: they have their
+    /// own cap and deadline (see --handshake-timeout).
+    #[arg(long, value_name = "N")]
+    pub max_conns: Option<u32>,
+    /// Drop a client whose request or reply frame is not complete after
+    /// this many seconds (default 30). Idle between frames is fine.
+    #[arg(long = "io-timeout", value_name = "SECS")]
+    pub io_timeout_secs: Option<u64>,
+    /// Drop a connection that has not proved the cluster secret after this
+    /// many seconds (default 5).
+    #[arg(long = "handshake-timeout", value_name = "SECS")]
+    pub handshake_timeout_secs: Option<u64>,
+    /// Free regions on this host's memory server that no guest in the
+    /// registry and no connected client owns, once idle this many seconds
+    /// (default 600; 0: never). Checked every minute (every grace period when shorter); nothing is freed
+    /// while any host of the registry cannot be asked. `pagefleet gc`
+    /// collects on demand.
+    #[arg(long = "gc-grace", value_name = "SECS")]
+    pub gc_grace_secs: Option<u64>,
+}
+
+/// What the command line said: the same type as the file (each setting
+/// once, with its TOML key and its flag), `None` where not given.
+pub type Flags = FileConfig;
 
 /// The daemon's effective settings.
 #[derive(Debug, Clone, PartialEq)]
@@ -421,46 +383,154 @@ impl FileConfig {
     }
 }
 
+/// A size in bytes: `4GiB`, `512MiB`, `64KiB` or plain bytes, in a flag or
+/// the file (a TOML string or integer).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Size(pub u64);
+
+impl std::str::FromStr for Size {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Size, String> {
+        units::parse_size(s).map(Size).map_err(|e| e.to_string())
+    }
+}
+
+impl<'de> Deserialize<'de> for Size {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Size, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Bytes(u64),
+            Text(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Bytes(b) => Ok(Size(b)),
+            Raw::Text(t) => t.parse().map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+/// `over`'s settings where it has them, else `self`'s, field by field.
+macro_rules! overlay {
+    ($base:expr, $over:expr, [$($field:ident),* $(,)?]) => {{
+        let (base, over) = ($base, $over);
+        Self {
+            $($field: over.$field.or(base.$field),)*
+        }
+    }};
+}
+
+impl MemserverSection {
+    fn overlay(self, over: Self) -> Self {
+        overlay!(
+            self,
+            over,
+            [
+                lend,
+                listen,
+                metrics,
+                public_metrics,
+                public_health,
+                max_conns,
+                io_timeout_secs,
+                handshake_timeout_secs,
+                gc_grace_secs
+            ]
+        )
+    }
+}
+
+impl GuestsSection {
+    fn overlay(self, over: Self) -> Self {
+        overlay!(
+            self,
+            over,
+            [memory, runner, dir, service_dev, vm_images, dedup]
+        )
+    }
+}
+
+impl RegistrySection {
+    fn overlay(self, over: Self) -> Self {
+        overlay!(self, over, [peers, join, etcd])
+    }
+}
+
+impl KsmSection {
+    fn overlay(self, over: Self) -> Self {
+        overlay!(
+            self,
+            over,
+            [mode, cpu_budget, pressure_below, interval_scale]
+        )
+    }
+}
+
+impl IoqosSection {
+    fn overlay(self, over: Self) -> Self {
+        overlay!(
+            self,
+            over,
+            [
+                device,
+                tenants,
+                policy,
+                model,
+                calibrate_secs,
+                interval,
+                border,
+                rate,
+                cap_time,
+                cap_interval
+            ]
+        )
+    }
+}
+
+impl FileConfig {
+    /// `over`'s settings where it has them (the flags), else `self`'s (the
+    /// file).
+    pub fn overlay(self, over: FileConfig) -> FileConfig {
+        FileConfig {
+            advertise: over.advertise.or(self.advertise),
+            name: over.name.or(self.name),
+            log: over.log.or(self.log),
+            log_format: over.log_format.or(self.log_format),
+            secret_file: over.secret_file.or(self.secret_file),
+            tls_dir: over.tls_dir.or(self.tls_dir),
+            stop_drain_secs: over.stop_drain_secs.or(self.stop_drain_secs),
+            memserver: self.memserver.overlay(over.memserver),
+            guests: self.guests.overlay(over.guests),
+            registry: self.registry.overlay(over.registry),
+            ksm: self.ksm.overlay(over.ksm),
+            ioqos: self.ioqos.overlay(over.ioqos),
+        }
+    }
+}
+
 /// Flags win over the file; the file wins over built-in defaults.
 pub fn merge(file: FileConfig, flags: Flags) -> Result<Settings> {
-    let m = file.memserver.unwrap_or_default();
-    let g = file.guests.unwrap_or_default();
-    let guest_memory = match (flags.guest_memory, g.memory) {
-        (Some(l), _) => Some(l),
-        (None, Some(s)) => Some(units::parse_size(&s).context("[guests] memory")?),
-        (None, None) => None,
-    };
-    let lend = match (flags.lend, m.lend) {
-        (Some(l), _) => Some(l),
-        (None, Some(s)) => Some(units::parse_size(&s).context("[memserver] lend")?),
-        (None, None) => None,
-    };
-    let io = flags.io_timeout_secs.or(m.io_timeout_secs).unwrap_or(30);
+    let o = file.overlay(flags);
+    let (m, g, reg, k, q) = (o.memserver, o.guests, o.registry, o.ksm, o.ioqos);
+    let io = m.io_timeout_secs.unwrap_or(30);
     if io == 0 {
         return Err(crate::Error::Invalid(
             "io_timeout must be at least 1 second".to_string(),
         ));
     }
-    let hs = flags
-        .handshake_timeout_secs
-        .or(m.handshake_timeout_secs)
-        .unwrap_or(5);
+    let hs = m.handshake_timeout_secs.unwrap_or(5);
     if hs == 0 {
         return Err(crate::Error::Invalid(
             "handshake_timeout must be at least 1 second".to_string(),
         ));
     }
-    let k = file.ksm.unwrap_or_default();
-    let ksm = match flags.ksm.or(k.mode).as_deref() {
+    let ksm = match k.mode.as_deref() {
         None | Some("off") => None,
         Some(mode) => {
             let d = pagefleet_ksm::control::Spec::default();
             let spec = pagefleet_ksm::control::Spec {
                 mode: mode.to_string(),
-                cpu_budget: flags
-                    .ksm_cpu_budget
-                    .or(k.cpu_budget)
-                    .unwrap_or(d.cpu_budget.clone()),
+                cpu_budget: k.cpu_budget.unwrap_or(d.cpu_budget.clone()),
                 pressure_below: k.pressure_below.unwrap_or(d.pressure_below.clone()),
                 interval_scale: k.interval_scale.unwrap_or(d.interval_scale),
                 ..d
@@ -470,10 +540,9 @@ pub fn merge(file: FileConfig, flags: Flags) -> Result<Settings> {
             Some(spec)
         }
     };
-    let q = file.ioqos.unwrap_or_default();
-    let ioqos = match flags.ioqos_device.or(q.device) {
+    let ioqos = match q.device {
         None => {
-            if flags.ioqos_tenants.is_some() || q.tenants.is_some() {
+            if q.tenants.is_some() {
                 return Err(crate::Error::Invalid(
                     "[ioqos] tenants given without a device (--ioqos-device)".to_string(),
                 ));
@@ -484,11 +553,10 @@ pub fn merge(file: FileConfig, flags: Flags) -> Result<Settings> {
             let d = pagefleet_ioqos::control::Spec::default();
             let spec = pagefleet_ioqos::control::Spec {
                 device,
-                tenants: flags
-                    .ioqos_tenants
-                    .or(q.tenants)
+                tenants: q
+                    .tenants
                     .context("[ioqos] needs tenants (--ioqos-tenants)")?,
-                policy: flags.ioqos_policy.or(q.policy).unwrap_or(d.policy.clone()),
+                policy: q.policy.unwrap_or(d.policy.clone()),
                 model: q.model,
                 calibrate_secs: q.calibrate_secs.unwrap_or(d.calibrate_secs),
                 interval: q.interval.unwrap_or(d.interval),
@@ -502,28 +570,21 @@ pub fn merge(file: FileConfig, flags: Flags) -> Result<Settings> {
             Some(spec)
         }
     };
-    let max_conns = flags.max_conns.or(m.max_conns).unwrap_or(512);
+    let max_conns = m.max_conns.unwrap_or(512);
     if max_conns == 0 {
         return Err(crate::Error::Invalid(
             "max_conns must be at least 1".to_string(),
         ));
     }
-    let vm_images = flags
-        .vm_images
-        .clone()
-        .or(g.vm_images.clone())
-        .unwrap_or_default();
-    let dedup = flags.dedup.or(g.dedup).unwrap_or(true);
-    let reg = file.registry.unwrap_or_default();
-    let etcd = match flags.registry.or(reg.etcd.clone()) {
+    let etcd = match &reg.etcd {
         Some(s) => Some(
-            pagefleet_registry::parse_endpoints(&s)
+            pagefleet_registry::parse_endpoints(s)
                 .map_err(|e| crate::Error::Invalid(e.to_string()))?,
         ),
         None => None,
     };
-    let gc = flags.gc_grace_secs.or(m.gc_grace_secs).unwrap_or(600);
-    let join = flags.join.or(reg.join.clone());
+    let gc = m.gc_grace_secs.unwrap_or(600);
+    let join = reg.join;
     if let Some(j) = &join {
         if etcd.is_some() {
             return Err(crate::Error::Invalid(format!(
@@ -532,45 +593,41 @@ pub fn merge(file: FileConfig, flags: Flags) -> Result<Settings> {
         }
         crate::advertise::check_host_port(j).context("[registry] join")?;
     }
-    let advertise = match flags.advertise.or(file.advertise) {
+    let advertise = match o.advertise {
         Some(a) => Some(a.parse::<std::net::IpAddr>().map_err(|_| {
             crate::Error::Invalid(format!("advertise = {a:?} is not an IP address"))
         })?),
         None => None,
     };
     Ok(Settings {
-        lend,
-        listen: flags
-            .listen
-            .or(m.listen)
-            .unwrap_or_else(|| "127.0.0.1:7070".into()),
-        metrics: flags.metrics.or(m.metrics),
-        public_metrics: flags.public_metrics.or(m.public_metrics).unwrap_or(false),
-        public_health: flags.public_health.or(m.public_health).unwrap_or(false),
-        secret_file: flags.secret_file.or(file.secret_file),
-        tls_dir: flags.tls_dir.or(file.tls_dir),
+        lend: m.lend.map(|s| s.0),
+        listen: m.listen.unwrap_or_else(|| "127.0.0.1:7070".into()),
+        metrics: m.metrics,
+        public_metrics: m.public_metrics.unwrap_or(false),
+        public_health: m.public_health.unwrap_or(false),
+        secret_file: o.secret_file,
+        tls_dir: o.tls_dir,
         max_conns,
         io_timeout: Duration::from_secs(io),
         handshake_timeout: Duration::from_secs(hs),
-        log: flags.log.or(file.log).unwrap_or_else(|| "info".into()),
-        log_format: flags.log_format.or(file.log_format).unwrap_or_default(),
-        guest_memory,
-        runner: flags.runner.or(g.runner),
-        guest_dir: flags.guest_dir.or(g.dir),
-        service_dev: flags.service_dev.or(g.service_dev),
-        peers: flags.peers.or(reg.peers).unwrap_or_default(),
+        log: o.log.unwrap_or_else(|| "info".into()),
+        log_format: o.log_format.unwrap_or_default(),
+        guest_memory: g.memory.map(|s| s.0),
+        runner: g.runner,
+        guest_dir: g.dir,
+        service_dev: g.service_dev,
+        peers: reg.peers.unwrap_or_default(),
         join,
         advertise,
         etcd,
-        name: flags.name.or(file.name),
+        name: o.name,
         ksm,
         ioqos,
-        vm_images,
-        dedup,
+        vm_images: g.vm_images.unwrap_or_default(),
+        dedup: g.dedup.unwrap_or(true),
         gc_grace: (gc > 0).then(|| Duration::from_secs(gc)),
-        stop_drain: flags
+        stop_drain: o
             .stop_drain_secs
-            .or(file.stop_drain_secs)
             .filter(|s| *s > 0)
             .map(Duration::from_secs),
     })
@@ -605,18 +662,27 @@ mod tests {
         ])
         .unwrap()
         .flags;
-        assert_eq!(f.lend, Some(64 << 20));
-        assert_eq!(f.io_timeout_secs, Some(7));
-        assert_eq!(f.dedup, Some(false));
-        assert_eq!(f.public_metrics, Some(true));
-        assert_eq!(f.public_health, None);
-        assert_eq!(f.peers, Some(vec!["a:1".to_string(), "b:2".to_string()]));
+        assert_eq!(f.memserver.lend, Some(Size(64 << 20)));
+        assert_eq!(f.memserver.io_timeout_secs, Some(7));
+        assert_eq!(f.guests.dedup, Some(false));
+        assert_eq!(f.memserver.public_metrics, Some(true));
+        assert_eq!(f.memserver.public_health, None);
+        assert_eq!(
+            f.registry.peers,
+            Some(vec!["a:1".to_string(), "b:2".to_string()])
+        );
         assert_eq!(f.stop_drain_secs, Some(30));
         let none = Cmd::try_parse_from(["pagefleetd"]).unwrap().flags;
         assert_eq!(
-            (none.dedup, none.public_metrics, none.lend),
+            (
+                none.guests.dedup,
+                none.memserver.public_metrics,
+                none.memserver.lend
+            ),
             (None, None, None)
         );
+        // A file key without a flag is not a flag.
+        assert!(Cmd::try_parse_from(["pagefleetd", "--cap-time", "3"]).is_err());
     }
 
     /// The shipped sample forms a cluster by changing one address: every
@@ -658,7 +724,10 @@ mod tests {
             FileConfig::parse("advertise = \"10.0.0.9\"\n[registry]\njoin = \"h1:7071\"\n")
                 .unwrap(),
             Flags {
-                join: Some("h2:7071".into()),
+                registry: RegistrySection {
+                    join: Some("h2:7071".into()),
+                    ..Default::default()
+                },
                 ..Default::default()
             },
         )
@@ -701,7 +770,10 @@ mod tests {
         let s = merge(
             f,
             Flags {
-                listen: Some("127.0.0.1:1".into()),
+                memserver: MemserverSection {
+                    listen: Some("127.0.0.1:1".into()),
+                    ..Default::default()
+                },
                 ..Default::default()
             },
         )
@@ -743,16 +815,17 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("lendd"), "{e}");
-        let e = merge(
-            FileConfig::parse("[memserver]\nlend = \"lots\"\n").unwrap(),
-            Flags::default(),
-        )
-        .unwrap_err();
+        let e = FileConfig::parse("[memserver]\nlend = \"lots\"\n").unwrap_err();
         assert!(format!("{e:#}").contains("lend"), "{e:#}");
+        let n = FileConfig::parse("[memserver]\nlend = 4096\n").unwrap();
+        assert_eq!(n.memserver.lend, Some(Size(4096)));
         assert!(merge(
             FileConfig::default(),
             Flags {
-                max_conns: Some(0),
+                memserver: MemserverSection {
+                    max_conns: Some(0),
+                    ..Default::default()
+                },
                 ..Default::default()
             }
         )
@@ -766,8 +839,11 @@ mod tests {
         let e = merge(
             FileConfig::default(),
             Flags {
-                ksm: Some("adaptive".into()),
-                ksm_cpu_budget: Some("300%".into()),
+                ksm: KsmSection {
+                    mode: Some("adaptive".into()),
+                    cpu_budget: Some("300%".into()),
+                    ..Default::default()
+                },
                 ..Default::default()
             },
         )
@@ -827,7 +903,10 @@ mod tests {
         let e = merge(
             FileConfig::default(),
             Flags {
-                ioqos_tenants: Some("a=x".into()),
+                ioqos: IoqosSection {
+                    tenants: Some("a=x".into()),
+                    ..Default::default()
+                },
                 ..Default::default()
             },
         )
@@ -836,7 +915,10 @@ mod tests {
         let e = merge(
             FileConfig::default(),
             Flags {
-                ioqos_device: Some(dev.clone()),
+                ioqos: IoqosSection {
+                    device: Some(dev.clone()),
+                    ..Default::default()
+                },
                 ..Default::default()
             },
         )
