@@ -206,7 +206,7 @@ impl Servers {
 
     /// Whether server `s`'s connection reported new bytes in the last wait.
     pub fn is_ready(&self, s: usize) -> bool {
-        self.ready[s]
+        self.ready.get(s).copied().unwrap_or(false)
     }
 
     /// Whether any GET is in flight.
@@ -267,8 +267,11 @@ impl Servers {
     pub fn replace(&mut self, s: usize, c: Conn) {
         self.conns[s] = c;
         // The old fd is closed (it left the epoll set); the loop registers
-        // the new one.
-        self.watched[s] = -1;
+        // the new one (a server added since the loop last looked has no
+        // entry yet).
+        if let Some(w) = self.watched.get_mut(s) {
+            *w = -1;
+        }
     }
 
     /// What a probe thread needs to try server `s` on its own: its
