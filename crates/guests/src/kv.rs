@@ -261,13 +261,20 @@ impl Kv {
         // SAFETY: in bounds (checked); offsets come from our own item layout.
         unsafe { std::slice::from_raw_parts(self.mem.base.add(off), len) }
     }
+    /// Bytes `off..off + len` of the memory, writable.
+    ///
+    /// # Safety
+    /// No other reference to those bytes may live while the slice does:
+    /// the caller holds the lock that owns them (the item's stripe lock, the
+    /// page-table lock) or is formatting memory nothing else uses yet.
     #[allow(clippy::mut_from_ref)]
-    fn bytes_mut(&self, off: usize, len: usize) -> &mut [u8] {
+    unsafe fn bytes_mut(&self, off: usize, len: usize) -> &mut [u8] {
         assert!(
             off.checked_add(len).is_some_and(|e| e <= self.mem.len),
             "item outside the memory"
         );
-        // SAFETY: as above; callers hold the item's stripe lock.
+        // SAFETY: in bounds (checked); exclusive for the slice's life (the
+        // caller's contract).
         unsafe { std::slice::from_raw_parts_mut(self.mem.base.add(off), len) }
     }
 
@@ -289,7 +296,8 @@ impl Kv {
         for b in 0..nb {
             self.w(HEADER + b * 8, 0);
         }
-        self.bytes_mut(ptable, npages).fill(NO_CLASS);
+        // SAFETY: formatting: no other thread uses the memory yet.
+        unsafe { self.bytes_mut(ptable, npages) }.fill(NO_CLASS);
         for c in 0..NCLASS_MAX {
             for h in [H_FREE, H_PAGES, H_CARVE, H_CARVE_END] {
                 self.w(h + c * 8, 0);
@@ -559,11 +567,16 @@ impl Kv {
         false
     }
 
-    /// Record that the page at `start` holds chunks of class `c`.
+    /// Record that the page at `start` holds chunks of class `c`
+    /// (allocator lock held).
     fn set_page_class(&self, start: usize, c: usize) {
         let (start0, page) = (self.r(H_ARENA_START) as usize, self.r(H_PAGE_SIZE) as usize);
         let at = self.r(H_PTABLE) as usize + (start - start0) / page;
-        self.bytes_mut(at, 1)[0] = c as u8;
+        // SAFETY: the page table is written only under the allocator lock,
+        // which every caller holds, and no slice of it lives across this
+        // call (move_page's is done with before it moves a page).
+        let class = unsafe { self.bytes_mut(at, 1) };
+        class[0] = c as u8;
     }
 
     /// Evict every item of class `b`'s page [start, end) and take its
@@ -748,11 +761,13 @@ impl Kv {
             it + 24,
             vlen as u64 | (key.len() as u64) << 32 | (class as u64) << 48,
         );
-        self.bytes_mut(it + ITEM_HDR, key.len())
-            .copy_from_slice(key);
+        // SAFETY: the item is being written under its stripe lock and is
+        // not linked yet: nothing else reads its key or value.
+        unsafe { self.bytes_mut(it + ITEM_HDR, key.len()) }.copy_from_slice(key);
         let mut at = it + ITEM_HDR + key.len();
         for p in parts {
-            self.bytes_mut(at, p.len()).copy_from_slice(p);
+            // SAFETY: as for the key.
+            unsafe { self.bytes_mut(at, p.len()) }.copy_from_slice(p);
             at += p.len();
         }
         // The cas id last: a page move that sees it (`empty_page`) reads
