@@ -7,10 +7,6 @@
 
 use super::{Look, VictimPolicy};
 
-/// Chunks compared before the coldest is picked.
-const WINDOW: usize = 32;
-/// How far the search looks while every chunk seen is in use now.
-const MAX_SCAN: usize = 8 * WINDOW;
 /// Hotness of a chunk referenced since the last sweep.
 const USED_NOW: u32 = 1 << 8;
 
@@ -35,31 +31,10 @@ impl VictimPolicy for Aging {
         byte
     }
 
-    /// The coldest chunk of the next window of resident chunks; while
-    /// every chunk seen was used since the last sweep, up to `MAX_SCAN` (a
-    /// hot span wider than a window is not eaten chunk by chunk as the
-    /// hand passes it). The walk resumes right after the victim, so the
-    /// rest of the window is looked at again.
+    /// The coldest whole chunk of a window; a chunk used since the last
+    /// sweep counts as busy ([`Look::coldest_whole_chunk`]).
     fn next_victim(&mut self, look: &mut Look<'_>) -> Option<(usize, u64)> {
-        let mut best: Option<(u32, usize)> = None;
-        let mut seen = 0;
-        while seen < WINDOW || (best.is_some_and(|(bh, _)| bh >= USED_NOW) && seen < MAX_SCAN) {
-            let Some(c) = look.next_resident() else {
-                break;
-            };
-            let (age, refb) = look.history(c);
-            let h = self.hotness(age, refb);
-            if best.is_none_or(|(bh, _)| h < bh) {
-                best = Some((h, c));
-            }
-            seen += 1;
-            if h == 0 {
-                break;
-            }
-        }
-        let (_, c) = best?;
-        look.resume_after(c);
-        Some((c, look.all()))
+        look.coldest_whole_chunk(|age, refb| self.hotness(age, refb), USED_NOW)
     }
 }
 

@@ -23,11 +23,6 @@
 
 use super::{Look, VictimPolicy};
 
-/// Chunks compared before the coldest is picked.
-const WINDOW: usize = 32;
-/// How far the search looks while every chunk seen is in its correlated
-/// reference period.
-const MAX_SCAN: usize = 8 * WINDOW;
 /// A chunk used in the current sampling period ranks above every chunk
 /// that is not.
 const CORRELATED: u32 = 1 << 18;
@@ -73,29 +68,10 @@ impl VictimPolicy for Lru2 {
         byte
     }
 
-    /// The lowest-ranked chunk of the next window of resident chunks;
-    /// while every chunk seen is in its correlated period, up to
-    /// `MAX_SCAN`. The walk resumes right after the victim.
+    /// The lowest-ranked whole chunk of a window; a chunk in its
+    /// correlated period counts as busy ([`Look::coldest_whole_chunk`]).
     fn next_victim(&mut self, look: &mut Look<'_>) -> Option<(usize, u64)> {
-        let mut best: Option<(u32, usize)> = None;
-        let mut seen = 0;
-        while seen < WINDOW || (best.is_some_and(|(bh, _)| bh >= CORRELATED) && seen < MAX_SCAN) {
-            let Some(c) = look.next_resident() else {
-                break;
-            };
-            let (age, refb) = look.history(c);
-            let h = self.hotness(age, refb);
-            if best.is_none_or(|(bh, _)| h < bh) {
-                best = Some((h, c));
-            }
-            seen += 1;
-            if h == 0 {
-                break;
-            }
-        }
-        let (_, c) = best?;
-        look.resume_after(c);
-        Some((c, look.all()))
+        look.coldest_whole_chunk(|age, refb| self.hotness(age, refb), CORRELATED)
     }
 }
 

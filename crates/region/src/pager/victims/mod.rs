@@ -67,6 +67,12 @@ impl RefProbe for NoProbe {
     fn refresh(&mut self, _: usize, _: &mut AccessHistory) {}
 }
 
+/// Chunks a window search ([`Look::coldest_whole_chunk`]) compares before
+/// it picks the coldest.
+const WINDOW: usize = 32;
+/// How far it looks while every chunk seen is busy.
+const MAX_SCAN: usize = 8 * WINDOW;
+
 /// Where the victim search stands: a position over the region's chunks,
 /// and which chunks had pages brought in since the last batch.
 pub(super) struct Hand {
@@ -151,6 +157,38 @@ impl Look<'_> {
         self.probe.refresh(c, self.access);
         let (lo, hi) = (c * self.hand.cp, (c + 1) * self.hand.cp);
         (&self.access.age[lo..hi], &self.access.refb[lo..hi])
+    }
+
+    /// The whole chunk ranked lowest by `hotness` among the next
+    /// [`WINDOW`] resident chunks — looking further, up to [`MAX_SCAN`],
+    /// while every chunk seen ranks `busy` or above (a hot span wider than a
+    /// window is not eaten chunk by chunk as the hand passes it); a chunk
+    /// of rank 0 ends the search. The walk resumes right after the victim,
+    /// so the rest of the window is looked at again. (Aging and LRU-2.)
+    fn coldest_whole_chunk(
+        &mut self,
+        hotness: impl Fn(&[u8], &[u8]) -> u32,
+        busy: u32,
+    ) -> Option<(usize, u64)> {
+        let mut best: Option<(u32, usize)> = None;
+        let mut seen = 0;
+        while seen < WINDOW || (best.is_some_and(|(bh, _)| bh >= busy) && seen < MAX_SCAN) {
+            let Some(c) = self.next_resident() else {
+                break;
+            };
+            let (age, refb) = self.history(c);
+            let h = hotness(age, refb);
+            if best.is_none_or(|(bh, _)| h < bh) {
+                best = Some((h, c));
+            }
+            seen += 1;
+            if h == 0 {
+                break;
+            }
+        }
+        let (_, c) = best?;
+        self.resume_after(c);
+        Some((c, self.all()))
     }
 
     /// Second chance for chunk `c`: its history counts as unused from now
