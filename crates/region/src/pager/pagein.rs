@@ -55,9 +55,12 @@ impl PageIn {
         &mut self.buf[..len]
     }
 
-    /// Give the short CPU slice back once no scan was served for a while.
+    /// The loop's turn: give the short CPU slice back once no scan was
+    /// served for a while; look at the host's load for the reply spin.
     pub fn tick(&mut self) {
         self.slice.tick();
+        self.spin
+            .look_at_host(Instant::now(), spin::runqueue_factor);
     }
 }
 
@@ -149,7 +152,7 @@ impl Pager {
                 self.get_failed(s, e);
             }
         }
-        self.pagein.spin.sent(since, spin::runqueue_factor);
+        self.pagein.spin.sent(since);
     }
 
     /// Send the GETs of server `s` from index `from` of its queue on.

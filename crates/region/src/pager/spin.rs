@@ -49,16 +49,20 @@ impl ReplySpin {
         self.reply_us += (us - self.reply_us) * EWMA_WEIGHT;
     }
 
-    /// A faulting page's GET went out at `sent`; `runnable_per_cpu` reads
-    /// the host's load when it is time to look again.
-    pub fn sent(&mut self, sent: Instant, runnable_per_cpu: impl FnOnce() -> f64) {
+    /// The loop's turn: `runnable_per_cpu` reads the host's load when it
+    /// is time to look again (every [`HOST_CHECK`], off the fault path).
+    pub fn look_at_host(&mut self, now: Instant, runnable_per_cpu: impl FnOnce() -> f64) {
         if self
             .checked
-            .is_none_or(|t| sent.saturating_duration_since(t) >= HOST_CHECK)
+            .is_none_or(|t| now.saturating_duration_since(t) >= HOST_CHECK)
         {
             self.host_idle = runnable_per_cpu() <= 1.0;
-            self.checked = Some(sent);
+            self.checked = Some(now);
         }
+    }
+
+    /// A faulting page's GET went out at `sent`.
+    pub fn sent(&mut self, sent: Instant) {
         if self.host_idle && !self.spin.is_zero() && self.reply_us <= self.spin.as_secs_f64() * 1e6
         {
             self.until = Some(sent + self.spin);
@@ -102,10 +106,12 @@ mod tests {
     fn spins_until_the_reply_is_due_or_in() {
         let t0 = Instant::now();
         let mut s = ReplySpin::new(US * 50);
-        s.sent(t0, || 1.0);
+        s.look_at_host(t0, || 1.0);
+        s.sent(t0);
         assert!(s.spinning(t0 + US * 10, true));
         assert!(!s.spinning(t0 + US * 10, false), "the reply came");
-        s.sent(t0, || 1.0);
+        s.look_at_host(t0, || 1.0);
+        s.sent(t0);
         assert!(!s.spinning(t0 + US * 50, true), "the spin ran out");
         assert!(!s.spinning(t0 + US * 10, true), "and stays off");
     }
@@ -114,23 +120,28 @@ mod tests {
     fn a_busy_host_or_slow_replies_do_not_spin() {
         let t0 = Instant::now();
         let mut busy = ReplySpin::new(US * 50);
-        busy.sent(t0, || 1.5);
+        busy.look_at_host(t0, || 1.5);
+        busy.sent(t0);
         assert!(!busy.spinning(t0, true));
         // The load is read again only after HOST_CHECK.
-        busy.sent(t0 + US, || 1.0);
+        busy.look_at_host(t0 + US, || 1.0);
+        busy.sent(t0 + US);
         assert!(!busy.spinning(t0 + US, true));
-        busy.sent(t0 + HOST_CHECK, || 1.0);
+        busy.look_at_host(t0 + HOST_CHECK, || 1.0);
+        busy.sent(t0 + HOST_CHECK);
         assert!(busy.spinning(t0 + HOST_CHECK, true));
 
         let mut slow = ReplySpin::new(US * 50);
         for _ in 0..64 {
             slow.replied(200.0);
         }
-        slow.sent(t0, || 1.0);
+        slow.look_at_host(t0, || 1.0);
+        slow.sent(t0);
         assert!(!slow.spinning(t0, true));
 
         let mut off = ReplySpin::new(Duration::ZERO);
-        off.sent(t0, || 1.0);
+        off.look_at_host(t0, || 1.0);
+        off.sent(t0);
         assert!(!off.spinning(t0, true));
     }
 }
