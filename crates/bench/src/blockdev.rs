@@ -77,8 +77,7 @@ struct Server {
 impl Drop for Server {
     fn drop(&mut self) {
         // SIGTERM first: pagefleet's export deletes its blocks on it.
-        // SAFETY: kill has no memory preconditions.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let _ = pagefleet_common::sys::process::signal(self.child.id() as i32, libc::SIGTERM);
         for _ in 0..50 {
             if let Ok(Some(_)) = self.child.try_wait() {
                 break;

@@ -142,8 +142,7 @@ impl Guest {
 
     /// SIGINT, then wait for it to end (10 s; then SIGKILL).
     fn stop(mut self) -> Result<()> {
-        // SAFETY: kill(2) on our own child.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGINT) };
+        let _ = pagefleet_common::sys::process::signal(self.child.id() as i32, libc::SIGINT);
         let t = Instant::now();
         while t.elapsed() < Duration::from_secs(10) {
             if self.child.try_wait()?.is_some() {

@@ -326,8 +326,7 @@ impl Drop for Groups {
                     .split_whitespace()
                     .filter_map(|p| p.parse::<i32>().ok())
                 {
-                    // SAFETY: killing a fio process this bench started in its own group.
-                    unsafe { libc::kill(p, libc::SIGKILL) };
+                    let _ = pagefleet_common::sys::process::signal(p, libc::SIGKILL);
                 }
                 if std::fs::remove_dir(g).is_ok() || !g.exists() {
                     break;

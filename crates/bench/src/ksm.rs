@@ -391,8 +391,7 @@ impl Drop for Driver {
     fn drop(&mut self) {
         if let Some(c) = &mut self.child {
             // SIGTERM: the controller puts the settings back itself.
-            // SAFETY: kill has no memory preconditions.
-            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+            let _ = pagefleet_common::sys::process::signal(c.id() as i32, libc::SIGTERM);
             let t = Instant::now();
             while t.elapsed() < Duration::from_secs(10) {
                 if c.try_wait().ok().flatten().is_some() {
@@ -404,8 +403,7 @@ impl Drop for Driver {
             let _ = c.wait();
         }
         if let Some(g) = self.pgid {
-            // SAFETY: signalling the process group ksmtuned's setsid made.
-            unsafe { libc::kill(-g, libc::SIGTERM) };
+            let _ = pagefleet_common::sys::process::signal(-g, libc::SIGTERM);
         }
     }
 }

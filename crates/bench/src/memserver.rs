@@ -969,8 +969,7 @@ impl Memcached {
                 "-m",
                 &mb.to_string(),
             ])
-            // SAFETY: geteuid has no preconditions.
-            .args(if unsafe { libc::geteuid() } == 0 {
+            .args(if pagefleet_common::sys::process::is_root() {
                 vec!["-u", "root"]
             } else {
                 vec![]

@@ -176,8 +176,7 @@ fn bench_paging_quick_json_has_rows_faults_and_goals() {
 /// experiments) and lists every goal with its measured value.
 #[test]
 fn bench_migration_quick_json_has_rows_and_goals() {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
+    if !pagefleet_common::sys::process::is_root() {
         eprintln!("skipped: the testbed needs root (CI runs as root)");
         return;
     }
@@ -234,8 +233,7 @@ fn bench_migration_quick_json_has_rows_and_goals() {
 /// matches its value.
 #[test]
 fn bench_vm_migration_quick_json_has_rows_and_goals() {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
+    if !pagefleet_common::sys::process::is_root() {
         eprintln!("skipped: the testbed needs root (CI runs as root)");
         return;
     }
@@ -272,8 +270,7 @@ fn bench_vm_migration_quick_json_has_rows_and_goals() {
 /// dedup run sends about half, and every goal's verdict matches its value.
 #[test]
 fn bench_dedup_quick_json_has_rows_and_goals() {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
+    if !pagefleet_common::sys::process::is_root() {
         eprintln!("skipped: the testbed needs root (CI runs as root)");
         return;
     }
@@ -480,8 +477,7 @@ fn bench_registry_quick_json_has_figures_and_goals() {
 /// or lost, and the verdicts match the figures.
 #[test]
 fn bench_restart_quick_json_has_figures_and_goals() {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
+    if !pagefleet_common::sys::process::is_root() {
         eprintln!("skipped: the testbed needs root (CI runs as root)");
         return;
     }

@@ -121,8 +121,7 @@ fn run_kv_serves_until_interrupted() {
     r.read_line(&mut line).unwrap();
     assert_eq!(line, "STORED\r\n");
     // SIGINT (Ctrl-C) ends it cleanly.
-    // SAFETY: kill has no memory preconditions.
-    unsafe { libc::kill(child.0.id() as i32, libc::SIGINT) };
+    let _ = pagefleet_common::sys::process::signal(child.0.id() as i32, libc::SIGINT);
     let t = Instant::now();
     let st = loop {
         if let Some(st) = child.0.try_wait().unwrap() {

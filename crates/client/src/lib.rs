@@ -15,9 +15,12 @@
 //! before it authenticates, and a server that does not offer TLS there is
 //! refused rather than spoken to in plaintext.
 
-use pagefleet_proto::auth::{self, Secret, SecretError};
+use pagefleet_proto::auth::{Secret, SecretError};
 use pagefleet_proto::io::RecvBuf;
 use pagefleet_proto::*;
+use pagefleet_tls::handshake::{
+    self, Challenge, ClientWire, HelloProof, OpeningError, TlsMismatch, TlsOffer,
+};
 use pagefleet_tls::{Identity, Stream};
 use std::collections::VecDeque;
 use std::io::{self, IoSliceMut, Write};
@@ -275,6 +278,92 @@ fn resolve(addr: &str) -> io::Result<SocketAddr> {
         .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "address resolves to nothing"))
 }
 
+/// The memory-server protocol's client side of the opening
+/// (`pagefleet_tls::handshake`): WELCOME and HELLO frames, the versions and
+/// the page size checked, what the server says about itself kept.
+struct Opening<'a> {
+    c: &'a mut Conn,
+    /// The name HELLO carries (in the server's logs).
+    name: String,
+}
+
+impl ClientWire for Opening<'_> {
+    type Error = ClientError;
+    fn stream(&mut self) -> &mut Stream {
+        &mut self.c.stream
+    }
+    fn welcome(&mut self) -> Result<(Challenge, TlsOffer)> {
+        let c = &mut *self.c;
+        let (h, body) = c.read_frame()?;
+        if h.opcode != Opcode::Welcome as u8 {
+            return Err(c.unexpected(h, "WELCOME", &body));
+        }
+        let w = Welcome::decode(&body).map_err(|e| c.proto(e.message))?;
+        if w.min_version > VERSION as u16 || w.max_version < VERSION as u16 {
+            return Err(c.proto(format!(
+                "server speaks versions {}..={}, this client {}",
+                w.min_version, w.max_version, VERSION
+            )));
+        }
+        c.info.server_id = w.server_id;
+        let ch = Challenge {
+            server_nonce: w.server_nonce,
+            id: w.server_id,
+        };
+        Ok((ch, TlsOffer::from_bits(w.flags as u8)))
+    }
+    fn start_tls(&mut self) -> Result<()> {
+        let c = &mut *self.c;
+        let sid = c.id();
+        frame(Opcode::StartTls, sid, &mut c.sendbuf, |_| {});
+        c.send_buffered()?;
+        let (h, body) = c.read_frame()?;
+        if h.opcode != Opcode::StartTlsOk as u8 {
+            return Err(c.unexpected(h, "STARTTLS_OK", &body));
+        }
+        if !c.rb.is_empty() {
+            return Err(c.proto("bytes after STARTTLS_OK before the TLS handshake"));
+        }
+        Ok(())
+    }
+    fn hello(&mut self, p: &HelloProof) -> Result<[u8; 32]> {
+        let c = &mut *self.c;
+        let hello = Hello {
+            version: VERSION as u16,
+            flags: 0,
+            client_nonce: p.client_nonce,
+            mac: p.mac,
+            name: std::mem::take(&mut self.name),
+        };
+        let id = c.id();
+        frame(Opcode::Hello, id, &mut c.sendbuf, |b| hello.encode(b));
+        c.send_buffered()?;
+        let (h, body) = c.read_frame()?;
+        if h.opcode != Opcode::HelloOk as u8 {
+            return Err(c.unexpected(h, "HELLO_OK", &body));
+        }
+        let ok = HelloOk::decode(&body).map_err(|e| c.proto(e.message))?;
+        if ok.server_id != c.info.server_id {
+            return Err(ClientError::ServerAuth {
+                addr: c.addr.clone(),
+            });
+        }
+        if ok.page_size as usize != PAGE_SIZE {
+            return Err(c.proto(format!(
+                "server page size {} is not {PAGE_SIZE}",
+                ok.page_size
+            )));
+        }
+        c.info = ServerInfo {
+            server_id: ok.server_id,
+            capacity_pages: ok.capacity_pages,
+            used_pages: ok.used_pages,
+            max_batch_pages: ok.max_batch_pages,
+        };
+        Ok(ok.mac)
+    }
+}
+
 impl Conn {
     /// Connect and authenticate (mutually) with the cluster secret.
     pub fn connect(addr: &str, secret: &Secret, opts: &ConnectOptions) -> Result<Conn> {
@@ -308,103 +397,35 @@ impl Conn {
             window: opts.window.max(1),
             io_timeout: opts.io_timeout,
         };
-        let mut w = c.read_welcome()?;
         let tls = match opts.tls_on_loopback {
             true => opts.tls.as_deref(),
             false => pagefleet_tls::for_peer(opts.tls.as_deref(), sa),
         };
-        match tls {
-            Some(id) if w.flags & Welcome::TLS_OFFERED != 0 => {
-                c.start_tls(id, addr)?;
-                w = c.read_welcome()?;
-            }
-            Some(_) => {
-                return Err(c.tls_error(
-                    "the server does not offer TLS, and this client speaks only TLS \
-                     to servers not on loopback (give the server --tls-dir)",
-                ))
-            }
-            None if w.flags & Welcome::TLS_REQUIRED != 0 => {
-                return Err(c.tls_error(
-                    "the server takes only TLS from this address: give this client the \
-                     cluster's certificates (--tls-dir or $PAGEFLEET_TLS_DIR)",
-                ))
-            }
-            None => {}
-        }
-        if w.min_version > VERSION as u16 || w.max_version < VERSION as u16 {
-            return Err(c.proto(format!(
-                "server speaks versions {}..={}, this client {}",
-                w.min_version, w.max_version, VERSION
-            )));
-        }
-        let client_nonce = auth::random_nonce();
-        let hello = Hello {
-            version: VERSION as u16,
-            flags: 0,
-            client_nonce,
-            mac: secret.client_mac(&w.server_nonce, &client_nonce, w.server_id),
-            name: opts.name.clone(),
-        };
-        let id = c.id();
-        frame(Opcode::Hello, id, &mut c.sendbuf, |b| hello.encode(b));
-        c.send_buffered()?;
-        let (h, body) = c.read_frame()?;
-        if h.opcode != Opcode::HelloOk as u8 {
-            return Err(c.unexpected(h, "HELLO_OK", &body));
-        }
-        let ok = HelloOk::decode(&body).map_err(|e| c.proto(e.message))?;
-        let expect = secret.server_mac(&w.server_nonce, &client_nonce, w.server_id);
-        if !auth::macs_equal(&expect, &ok.mac) || ok.server_id != w.server_id {
-            return Err(ClientError::ServerAuth {
-                addr: c.addr.clone(),
-            });
-        }
-        if ok.page_size as usize != PAGE_SIZE {
-            return Err(c.proto(format!(
-                "server page size {} is not {PAGE_SIZE}",
-                ok.page_size
-            )));
-        }
-        c.info = ServerInfo {
-            server_id: ok.server_id,
-            capacity_pages: ok.capacity_pages,
-            used_pages: ok.used_pages,
-            max_batch_pages: ok.max_batch_pages,
-        };
-        Ok(c)
-    }
-
-    fn read_welcome(&mut self) -> Result<Welcome> {
-        let (h, body) = self.read_frame()?;
-        if h.opcode != Opcode::Welcome as u8 {
-            return Err(self.unexpected(h, "WELCOME", &body));
-        }
-        Welcome::decode(&body).map_err(|e| self.proto(e.message))
-    }
-
-    /// STARTTLS, then the TLS handshake as a client of `addr`'s host.
-    fn start_tls(&mut self, id: &Identity, addr: &str) -> Result<()> {
-        let sid = self.id();
-        frame(Opcode::StartTls, sid, &mut self.sendbuf, |_| {});
-        self.send_buffered()?;
-        let (h, body) = self.read_frame()?;
-        if h.opcode != Opcode::StartTlsOk as u8 {
-            return Err(self.unexpected(h, "STARTTLS_OK", &body));
-        }
-        if !self.rb.is_empty() {
-            return Err(self.proto("bytes after STARTTLS_OK before the TLS handshake"));
-        }
         let host = addr
             .rsplit_once(':')
             .map_or(addr, |(h, _)| h)
             .trim_matches(|c| c == '[' || c == ']');
-        self.stream
-            .start_tls_client(id, host)
-            .map_err(|e| self.tls_error(&e.to_string()))?;
-        self.stream
-            .handshake()
-            .map_err(|e| self.tls_error(&e.to_string()))
+        let hello_name = opts.name.clone();
+        let mut opening = Opening {
+            c: &mut c,
+            name: hello_name,
+        };
+        handshake::open_client(&mut opening, secret, tls, host).map_err(|e| match e {
+            OpeningError::Wire(e) => e,
+            OpeningError::Auth => ClientError::ServerAuth {
+                addr: c.addr.clone(),
+            },
+            OpeningError::Mismatch(TlsMismatch::NotOffered) => c.tls_error(
+                "the server does not offer TLS, and this client speaks only TLS \
+                 to servers not on loopback (give the server --tls-dir)",
+            ),
+            OpeningError::Mismatch(TlsMismatch::Required) => c.tls_error(
+                "the server takes only TLS from this address: give this client the \
+                 cluster's certificates (--tls-dir or $PAGEFLEET_TLS_DIR)",
+            ),
+            e => c.tls_error(&e.to_string()),
+        })?;
+        Ok(c)
     }
 
     fn tls_error(&self, msg: &str) -> ClientError {

@@ -4,7 +4,6 @@
 //! waits that end at once when it is told to stop.
 
 use serde::{de::DeserializeOwned, Serialize};
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -69,8 +68,7 @@ impl StateFile {
                 path: lock.clone(),
                 source,
             })?;
-        // SAFETY: flock on a descriptor we own.
-        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        if !crate::sys::file::try_lock_exclusive(&f) {
             return Err(StateError::Busy {
                 what: what.to_string(),
                 pid: read_raw::<S>(path).map(|s| s.pid()),

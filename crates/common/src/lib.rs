@@ -5,17 +5,16 @@
 
 #![warn(missing_docs)]
 
-pub mod clock;
 pub mod context;
 pub mod control;
 pub mod controller;
-pub mod fds;
-pub mod heap;
 pub mod http;
 pub mod httpauth;
 pub mod listen;
 pub mod metrics;
 pub mod report;
 pub mod sdnotify;
-pub mod signal;
+pub mod sys;
 pub mod units;
+
+pub use sys::{clock, fds, heap, signal};

@@ -43,17 +43,7 @@ pub fn notify_to(socket: &str, state: &str) -> io::Result<()> {
     Ok(())
 }
 
-/// The monotonic clock now, µs: what `RELOADING=1` carries as
-/// `MONOTONIC_USEC` (systemd matches it against the reload it asked for).
-pub fn monotonic_usec() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes one timespec we own.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000 + ts.tv_nsec as u64 / 1000
-}
+pub use crate::sys::clock::monotonic_usec;
 
 #[cfg(test)]
 mod tests {

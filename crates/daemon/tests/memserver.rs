@@ -859,8 +859,7 @@ fn frozen_server_times_out_in_plain_words() {
         ..ConnectOptions::default()
     };
     let mut c = Conn::connect(&d.addr, &d.secret, &opts).unwrap();
-    // SAFETY: kill has no memory preconditions; SIGCONT follows below.
-    unsafe { libc::kill(d.pid() as i32, libc::SIGSTOP) };
+    let _ = pagefleet_common::sys::process::signal(d.pid() as i32, libc::SIGSTOP);
     // kill returns before the stop lands: wait until the process is stopped.
     let stopped = || {
         std::fs::read_dir(format!("/proc/{}/task", d.pid()))
@@ -884,8 +883,7 @@ fn frozen_server_times_out_in_plain_words() {
     }
     let t = std::time::Instant::now();
     let e = c.ping().unwrap_err();
-    // SAFETY: as above.
-    unsafe { libc::kill(d.pid() as i32, libc::SIGCONT) };
+    let _ = pagefleet_common::sys::process::signal(d.pid() as i32, libc::SIGCONT);
     assert!(matches!(e, ClientError::TimedOut { secs: 1, .. }), "{e}");
     assert!(e.to_string().contains("timed out after 1 s"), "{e}");
     assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
@@ -961,7 +959,7 @@ fn starttls_is_offered_on_loopback_and_bad_handshakes_are_dropped() {
 
     // Offered, not required, on loopback.
     let (mut s, w) = raw_connect(&d.addr);
-    assert_eq!(w.flags, Welcome::TLS_OFFERED);
+    assert_eq!(w.flags, pagefleet_tls::handshake::TlsOffer::OFFERED as u32);
     // STARTTLS, then bytes that are not a TLS handshake.
     let mut out = Vec::new();
     frame(Opcode::StartTls, 1, &mut out, |_| {});

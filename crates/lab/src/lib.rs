@@ -24,6 +24,5 @@ pub use pagefleet_common::units::fmt_size as fmt_bytes;
 
 /// Whether this process runs as root (labs and swap need it).
 pub fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() == 0 }
+    pagefleet_common::sys::process::is_root()
 }

@@ -316,16 +316,14 @@ pub struct Stopped(i32);
 impl Stopped {
     /// Stop process `pid` (a child of the caller's).
     pub fn stop(pid: u32) -> Stopped {
-        // SAFETY: kill(2) has no memory preconditions; the pid is the caller's child.
-        unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
+        let _ = pagefleet_common::sys::process::signal(pid as i32, libc::SIGSTOP);
         Stopped(pid as i32)
     }
 }
 
 impl Drop for Stopped {
     fn drop(&mut self) {
-        // SAFETY: as in `stop`.
-        unsafe { libc::kill(self.0, libc::SIGCONT) };
+        let _ = pagefleet_common::sys::process::signal(self.0, libc::SIGCONT);
     }
 }
 

@@ -22,8 +22,8 @@
 //! is even read.
 
 use crate::server::{check_hello, welcome, ServerState, MAX_HELLO_BODY};
-use pagefleet_proto::auth;
 use pagefleet_proto::*;
+use pagefleet_tls::handshake::{Challenge, TlsOffer};
 use pagefleet_tls::Stream;
 use std::collections::VecDeque;
 use std::io;
@@ -50,7 +50,7 @@ struct Waiting {
     tls_required: bool,
     /// Between STARTTLS_OK and the end of the TLS handshake.
     handshaking: bool,
-    nonce: [u8; 32],
+    ch: Challenge,
     buf: Vec<u8>,
     since: Instant,
 }
@@ -217,17 +217,10 @@ fn accept_all(listener: &TcpListener, st: &Arc<ServerState>, waiting: &mut VecDe
         if waiting.len() >= st.cfg.max_handshakes.max(1) as usize {
             make_room(st, waiting);
         }
-        let nonce = auth::random_nonce();
-        let tls_required = pagefleet_tls::required(st.cfg.tls.as_deref(), peer);
-        let mut flags = 0;
-        if st.cfg.tls.is_some() {
-            flags |= Welcome::TLS_OFFERED;
-        }
-        if tls_required {
-            flags |= Welcome::TLS_REQUIRED;
-        }
+        let ch = Challenge::fresh(st.server_id);
+        let offer = TlsOffer::for_peer(st.cfg.tls.as_deref(), peer);
         let mut out = Vec::with_capacity(64);
-        welcome(st, nonce, flags, &mut out);
+        welcome(&ch, offer, &mut out);
         let _ = sock.set_nodelay(true);
         let stream = Stream::plain(sock);
         // A fresh socket's send buffer always takes the 64-byte WELCOME.
@@ -238,9 +231,9 @@ fn accept_all(listener: &TcpListener, st: &Arc<ServerState>, waiting: &mut VecDe
         waiting.push_back(Waiting {
             stream,
             peer: peer.to_string(),
-            tls_required,
+            tls_required: offer.required,
             handshaking: false,
-            nonce,
+            ch,
             buf: Vec::with_capacity(HEADER_LEN + MAX_HELLO_BODY),
             since: Instant::now(),
         });
@@ -257,9 +250,9 @@ fn step(st: &ServerState, w: &mut Waiting) -> Step {
                 st.metrics.tls_handshakes.fetch_add(1, Relaxed);
                 debug!(peer = w.peer, client = ?w.stream.peer_name(), "TLS established");
                 // A fresh nonce: the HELLO is proven inside TLS.
-                w.nonce = auth::random_nonce();
+                w.ch = w.ch.renewed();
                 let mut out = Vec::with_capacity(64);
-                welcome(st, w.nonce, 0, &mut out);
+                welcome(&w.ch, TlsOffer::default(), &mut out);
                 if w.stream.send_now(&out).is_err() {
                     return Step::Close;
                 }
@@ -338,7 +331,7 @@ fn step(st: &ServerState, w: &mut Waiting) -> Step {
         return Step::More;
     }
     let body = &w.buf[HEADER_LEN..HEADER_LEN + len];
-    match check_hello(st, &w.nonce, body, &w.peer) {
+    match check_hello(st, &w.ch, body, &w.peer) {
         Ok((ok, client)) => {
             let mut out = Vec::with_capacity(96);
             frame(Opcode::HelloOk, h.id, &mut out, |b| ok.encode(b));

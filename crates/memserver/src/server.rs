@@ -13,6 +13,7 @@ use crate::store::{PutTarget, Store, StoreError};
 use pagefleet_proto::auth::{self, Secret};
 use pagefleet_proto::io::{write_all_vectored, ReadAll, RecvBuf};
 use pagefleet_proto::*;
+use pagefleet_tls::handshake::{Challenge, HelloProof, TlsOffer};
 use pagefleet_tls::Stream;
 use std::collections::HashMap;
 use std::io::{self, IoSlice, IoSliceMut, Write};
@@ -354,7 +355,7 @@ pub(crate) const MAX_HELLO_BODY: usize = 72 + MAX_NAME + 1;
 /// and the client's name, or the error to answer before closing.
 pub(crate) fn check_hello(
     st: &ServerState,
-    nonce: &[u8; 32],
+    ch: &Challenge,
     body: &[u8],
     peer: &str,
 ) -> Result<(HelloOk, String), WireError> {
@@ -365,22 +366,21 @@ pub(crate) fn check_hello(
             format!("client asks for version {}, server speaks 1", hello.version),
         ));
     }
-    let expect = st
-        .secret
-        .client_mac(nonce, &hello.client_nonce, st.server_id);
-    if !auth::macs_equal(&expect, &hello.mac) {
+    let proof = HelloProof {
+        client_nonce: hello.client_nonce,
+        mac: hello.mac,
+    };
+    let Some(mac) = ch.accept(&st.secret, &proof) else {
         st.metrics.auth_failures.fetch_add(1, Relaxed);
         info!(peer, client = %hello.name, "authentication failed");
         return Err(WireError::new(
             ErrorCode::AuthFailed,
             "authentication failed: the client does not hold this cluster's secret",
         ));
-    }
+    };
     debug!(peer, client = %hello.name, "authenticated");
     let ok = HelloOk {
-        mac: st
-            .secret
-            .server_mac(nonce, &hello.client_nonce, st.server_id),
+        mac,
         server_id: st.server_id,
         capacity_pages: st.store.capacity_pages(),
         used_pages: st.store.stored_pages(),
@@ -390,15 +390,16 @@ pub(crate) fn check_hello(
     Ok((ok, hello.name))
 }
 
-/// The WELCOME frame that opens every connection, with this connection's
-/// nonce and what it says about TLS ([`Welcome::TLS_OFFERED`], ...).
-pub(crate) fn welcome(st: &ServerState, nonce: [u8; 32], flags: u32, out: &mut Vec<u8>) {
+/// The WELCOME frame that opens every connection: this connection's
+/// challenge and what the server says about TLS
+/// (`pagefleet_tls::handshake`, the opening both protocols run).
+pub(crate) fn welcome(ch: &Challenge, offer: TlsOffer, out: &mut Vec<u8>) {
     let w = Welcome {
         min_version: 1,
         max_version: 1,
-        flags,
-        server_nonce: nonce,
-        server_id: st.server_id,
+        flags: offer.bits() as u32,
+        server_nonce: ch.server_nonce,
+        server_id: ch.id,
     };
     frame(Opcode::Welcome, 0, out, |b| w.encode(b));
 }
@@ -431,7 +432,7 @@ pub struct Session<'a, T: Transport> {
     body: Vec<u8>,
     staging: Vec<u8>,
     authed: bool,
-    nonce: [u8; 32],
+    ch: Challenge,
     peer: &'a str,
     client: String,
     since_flush: usize,
@@ -465,7 +466,7 @@ impl<'a, T: Transport> Session<'a, T> {
             body: Vec::new(),
             staging: Vec::new(),
             authed: false,
-            nonce: auth::random_nonce(),
+            ch: Challenge::fresh(st.server_id),
             peer,
             client: String::new(),
             since_flush: 0,
@@ -493,7 +494,7 @@ impl<'a, T: Transport> Session<'a, T> {
     /// Serve until the peer closes, a fatal error is answered, or I/O fails.
     pub fn run(mut self) -> io::Result<()> {
         if !self.authed {
-            welcome(self.st, self.nonce, 0, &mut self.out);
+            welcome(&self.ch, TlsOffer::default(), &mut self.out);
             self.flush()?;
         }
         loop {
@@ -683,7 +684,7 @@ impl<'a, T: Transport> Session<'a, T> {
             return Ok(self.fatal(WireError::malformed("HELLO body too long").with_id(h.id)));
         }
         self.read_body(h.body_len as usize)?;
-        match check_hello(self.st, &self.nonce, &self.body, self.peer) {
+        match check_hello(self.st, &self.ch, &self.body, self.peer) {
             Ok((ok, name)) => {
                 self.authenticated(name);
                 frame(Opcode::HelloOk, h.id, &mut self.out, |b| ok.encode(b));

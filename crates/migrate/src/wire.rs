@@ -29,8 +29,12 @@
 //!
 //! See docs/migration.md.
 
-use pagefleet_proto::auth::{macs_equal, random_nonce, random_u64, Secret};
+use pagefleet_proto::auth::{random_u64, Secret};
 use pagefleet_proto::framing::{Framing, HeaderError, RawHeader, HEADER_LEN};
+use pagefleet_tls::handshake::{
+    self, Challenge, ClientStep, ClientWire, HelloProof, OpeningError, ServerWire, TlsMismatch,
+    TlsOffer,
+};
 use pagefleet_tls::Stream as Socket;
 use std::io::{self, IoSlice, Read};
 use std::time::Duration;
@@ -259,11 +263,6 @@ pub const MAX_HASHES: usize = 1024;
 #[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 pub struct Commit {}
 
-/// WELCOME flag: the destination can switch to TLS.
-const TLS_OFFERED: u8 = 1;
-/// WELCOME flag: the destination takes only TLS from this source.
-const TLS_REQUIRED: u8 = 2;
-
 /// One end of a migration stream.
 pub struct Stream {
     /// The connection (plain: pages are spliced straight from its socket).
@@ -384,128 +383,123 @@ impl Stream {
         self.timeout.set(t);
     }
 
-    /// Destination side of the mutual proof of the cluster secret.
+    /// Destination side of the opening (`pagefleet_tls::handshake`): the
+    /// mutual proof of the cluster secret, inside TLS when the source asks
+    /// or this host requires it of the source.
     pub fn accept_auth(&mut self, secret: &Secret) -> Result<(), WireError> {
         let tls = pagefleet_tls::process_identity();
         let peer = self.s.socket().peer_addr()?;
-        let required = pagefleet_tls::required(tls.as_deref(), peer);
-        let mut flags = 0;
-        if tls.is_some() {
-            flags |= TLS_OFFERED;
-        }
-        if required {
-            flags |= TLS_REQUIRED;
-        }
-        let mut sn = random_nonce();
-        let id = random_u64();
-        self.send(Kind::Welcome, id, &[&sn, &[flags]])?;
-        let mut h = self.header()?;
-        if h.kind == Kind::StartTls {
-            let Some(tls) = tls else {
-                let _ = self.send(Kind::Error, 0, &[b"this host has no TLS identity"]);
-                return Err(WireError::Tls("STARTTLS without an identity here".into()));
-            };
-            if h.len != 0 {
-                return Err(WireError::Malformed("STARTTLS carries no body".into()));
-            }
-            self.send(Kind::StartTlsOk, 0, &[])?;
-            self.s
-                .start_tls_server(&tls)
-                .map_err(|e| WireError::Tls(e.to_string()))?;
-            self.s
-                .handshake()
-                .map_err(|e| WireError::Tls(format!("{}: {e}", self.peer)))?;
-            sn = random_nonce();
-            self.send(Kind::Welcome, id, &[&sn, &[0]])?;
-            h = self.header()?;
-        } else if required {
-            let _ = self.send(
-                Kind::Error,
-                0,
-                &[
-                    b"this host takes migrations from other hosts only over TLS \
-                    (give the source host --tls-dir)",
-                ],
-            );
-            return Err(WireError::Tls(format!(
-                "{} sent a plaintext HELLO; TLS is required from it",
-                self.peer
-            )));
-        }
-        if h.kind != Kind::Hello {
-            return Err(WireError::Malformed(format!(
-                "expected Hello, got {:?}",
-                h.kind
-            )));
-        }
-        let b = self.body(&h)?;
-        if b.len() != 64 {
-            return Err(WireError::Malformed("HELLO must be 64 bytes".into()));
-        }
-        let cn: [u8; 32] = b[..32].try_into().unwrap();
-        let mac: [u8; 32] = b[32..].try_into().unwrap();
-        if !macs_equal(&mac, &secret.client_mac(&sn, &cn, id)) {
-            let _ = self.send(Kind::Error, 0, &[b"authentication failed"]);
-            return Err(WireError::Auth);
-        }
-        self.send(Kind::Proof, 0, &[&secret.server_mac(&sn, &cn, id)])
+        handshake::open_server(self, secret, tls.as_deref(), peer, random_u64())
+            .map(drop)
+            .map_err(|e| self.opening_error(e))
     }
 
-    /// Source side of the mutual proof.
+    /// Source side of the opening.
     pub fn connect_auth(&mut self, secret: &Secret) -> Result<(), WireError> {
-        let (mut h, mut b) = self.expect(Kind::Welcome)?;
-        if b.len() != 33 {
-            return Err(WireError::Malformed("WELCOME must be 33 bytes".into()));
-        }
         let peer = self.s.socket().peer_addr()?;
         let tls = pagefleet_tls::for_peer(pagefleet_tls::process_identity(), peer);
-        match tls {
-            Some(id) if b[32] & TLS_OFFERED != 0 => {
-                self.send(Kind::StartTls, 0, &[])?;
-                self.expect(Kind::StartTlsOk)?;
-                let host = peer.ip().to_string();
-                self.s
-                    .start_tls_client(&id, &host)
-                    .map_err(|e| WireError::Tls(e.to_string()))?;
-                self.s
-                    .handshake()
-                    .map_err(|e| WireError::Tls(format!("{}: {e}", self.peer)))?;
-                (h, b) = self.expect(Kind::Welcome)?;
-                if b.len() != 33 {
-                    return Err(WireError::Malformed("WELCOME must be 33 bytes".into()));
-                }
+        let host = peer.ip().to_string();
+        handshake::open_client(self, secret, tls.as_deref(), &host)
+            .map(drop)
+            .map_err(|e| self.opening_error(e))
+    }
+
+    fn opening_error(&self, e: OpeningError<WireError>) -> WireError {
+        match e {
+            OpeningError::Wire(WireError::Peer(_)) | OpeningError::Auth => WireError::Auth,
+            OpeningError::Wire(e) => e,
+            OpeningError::Mismatch(TlsMismatch::NotOffered) => WireError::Tls(format!(
+                "{} does not offer TLS, and this host sends migrations to other hosts \
+                 only over TLS (give it --tls-dir)",
+                self.peer
+            )),
+            OpeningError::Mismatch(TlsMismatch::Required) => WireError::Tls(format!(
+                "{} takes migrations only over TLS: give this host --tls-dir",
+                self.peer
+            )),
+            OpeningError::Tls(m) => WireError::Tls(format!("{}: {m}", self.peer)),
+            e @ (OpeningError::PlaintextRefused { .. } | OpeningError::NoIdentity) => {
+                WireError::Tls(e.to_string())
             }
-            Some(_) => {
-                return Err(WireError::Tls(format!(
-                    "{} does not offer TLS, and this host sends migrations to other hosts \
-                     only over TLS (give it --tls-dir)",
-                    self.peer
-                )))
-            }
-            None if b[32] & TLS_REQUIRED != 0 => {
-                return Err(WireError::Tls(format!(
-                    "{} takes migrations only over TLS: give this host --tls-dir",
-                    self.peer
-                )))
-            }
-            None => {}
         }
-        let sn: [u8; 32] = b[..32].try_into().unwrap();
-        let cn = random_nonce();
-        let mac = secret.client_mac(&sn, &cn, h.arg);
-        self.send(Kind::Hello, 0, &[&cn, &mac])?;
-        let (_, p) = self.expect(Kind::Proof).map_err(|e| match e {
-            WireError::Peer(_) => WireError::Auth,
-            e => e,
-        })?;
-        let p: [u8; 32] = p
-            .as_slice()
+    }
+
+    /// A WELCOME body: the nonce and the TLS bits.
+    fn parse_welcome(h: &Header, b: &[u8]) -> Result<(Challenge, TlsOffer), WireError> {
+        let (nonce, flags) = match b {
+            [n @ .., f] if n.len() == 32 => (n, *f),
+            _ => return Err(WireError::Malformed("WELCOME must be 33 bytes".into())),
+        };
+        let ch = Challenge {
+            server_nonce: nonce.try_into().expect("32 bytes"),
+            id: h.arg,
+        };
+        Ok((ch, TlsOffer::from_bits(flags)))
+    }
+}
+
+/// The source's messages of the opening.
+impl ClientWire for Stream {
+    type Error = WireError;
+    fn stream(&mut self) -> &mut Socket {
+        &mut self.s
+    }
+    fn welcome(&mut self) -> Result<(Challenge, TlsOffer), WireError> {
+        let (h, b) = self.expect(Kind::Welcome)?;
+        Stream::parse_welcome(&h, &b)
+    }
+    fn start_tls(&mut self) -> Result<(), WireError> {
+        self.send(Kind::StartTls, 0, &[])?;
+        self.expect(Kind::StartTlsOk).map(drop)
+    }
+    fn hello(&mut self, h: &HelloProof) -> Result<[u8; 32], WireError> {
+        self.send(Kind::Hello, 0, &[&h.client_nonce, &h.mac])?;
+        let (_, p) = self.expect(Kind::Proof)?;
+        p.as_slice()
             .try_into()
-            .map_err(|_| WireError::Malformed("PROOF must be 32 bytes".into()))?;
-        if !macs_equal(&p, &secret.server_mac(&sn, &cn, h.arg)) {
-            return Err(WireError::Auth);
+            .map_err(|_| WireError::Malformed("PROOF must be 32 bytes".into()))
+    }
+}
+
+/// The destination's messages of the opening.
+impl ServerWire for Stream {
+    type Error = WireError;
+    fn stream(&mut self) -> &mut Socket {
+        &mut self.s
+    }
+    fn welcome(&mut self, ch: &Challenge, offer: TlsOffer) -> Result<(), WireError> {
+        self.send(Kind::Welcome, ch.id, &[&ch.server_nonce, &[offer.bits()]])
+    }
+    fn next(&mut self) -> Result<ClientStep, WireError> {
+        let h = self.header()?;
+        let b = self.body(&h)?;
+        match h.kind {
+            Kind::StartTls if b.is_empty() => Ok(ClientStep::StartTls),
+            Kind::StartTls => Err(WireError::Malformed("STARTTLS carries no body".into())),
+            Kind::Hello if b.len() == 64 => Ok(ClientStep::Hello(HelloProof {
+                client_nonce: b[..32].try_into().expect("32 bytes"),
+                mac: b[32..].try_into().expect("32 bytes"),
+            })),
+            Kind::Hello => Err(WireError::Malformed("HELLO must be 64 bytes".into())),
+            k => Err(WireError::Malformed(format!("expected Hello, got {k:?}"))),
         }
-        Ok(())
+    }
+    fn start_tls_ok(&mut self) -> Result<(), WireError> {
+        self.send(Kind::StartTlsOk, 0, &[])
+    }
+    fn proof(&mut self, _: &Challenge, proof: &[u8; 32]) -> Result<(), WireError> {
+        self.send(Kind::Proof, 0, &[proof])
+    }
+    fn refuse(&mut self, why: &OpeningError<WireError>) {
+        let msg: &[u8] = match why {
+            OpeningError::Auth => b"authentication failed",
+            OpeningError::NoIdentity => b"this host has no TLS identity",
+            _ => {
+                b"this host takes migrations from other hosts only over TLS \
+                (give the source host --tls-dir)"
+            }
+        };
+        let _ = self.send(Kind::Error, 0, &[msg]);
     }
 }
 

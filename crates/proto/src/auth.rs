@@ -97,8 +97,7 @@ impl Secret {
         if let Some(p) = std::env::var_os(SECRET_FILE_ENV) {
             return PathBuf::from(p);
         }
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } == 0 {
+        if crate::sys::is_root() {
             return PathBuf::from("/etc/pagefleet/secret");
         }
         let home = std::env::var_os("HOME")

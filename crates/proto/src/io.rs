@@ -4,7 +4,6 @@
 
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::net::TcpStream;
-use std::os::fd::AsRawFd;
 
 /// A byte source that can fill a whole vectored buffer in one call when it
 /// knows how. For TCP sockets this is `recvmsg(MSG_WAITALL)`: one syscall per
@@ -18,17 +17,7 @@ pub trait ReadAll: Read {
 
 impl ReadAll for TcpStream {
     fn read_vectored_all(&mut self, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
-        let n = bufs.len().min(1024);
-        // SAFETY: msghdr points at `bufs`, whose IoSliceMut layout is iovec.
-        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        msg.msg_iov = bufs.as_mut_ptr().cast();
-        msg.msg_iovlen = n as _;
-        // SAFETY: the socket is ours; msg describes `n` live buffers.
-        let r = unsafe { libc::recvmsg(self.as_raw_fd(), &mut msg, libc::MSG_WAITALL) };
-        if r < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(r as usize)
+        crate::sys::recv_all_vectored(self, bufs)
     }
 }
 
@@ -239,15 +228,8 @@ pub fn write_all_vectored<W: Write + ?Sized>(
 /// (close or shut down its side); true when it has. A long-running request
 /// (a migration) uses it to notice its caller's Ctrl-C at once rather than
 /// at its next write.
-pub fn peer_hung_up(fd: &impl AsRawFd, timeout_ms: i32) -> bool {
-    let mut p = libc::pollfd {
-        fd: fd.as_raw_fd(),
-        events: libc::POLLRDHUP,
-        revents: 0,
-    };
-    // SAFETY: one pollfd on the stack.
-    let n = unsafe { libc::poll(&mut p, 1, timeout_ms) };
-    n > 0 && p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+pub fn peer_hung_up(fd: &impl std::os::fd::AsFd, timeout_ms: i32) -> bool {
+    crate::sys::peer_hung_up(fd, timeout_ms)
 }
 
 #[cfg(test)]

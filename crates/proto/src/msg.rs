@@ -96,7 +96,8 @@ pub struct Welcome {
     pub min_version: u16,
     /// Newest version it speaks.
     pub max_version: u16,
-    /// Flags: [`Welcome::TLS_OFFERED`], [`Welcome::TLS_REQUIRED`].
+    /// What the server says about TLS: the bits of
+    /// `pagefleet_tls::handshake::TlsOffer` (the same in both protocols).
     pub flags: u32,
     /// The server's challenge.
     pub server_nonce: [u8; 32],
@@ -105,10 +106,6 @@ pub struct Welcome {
 }
 
 impl Welcome {
-    /// The server can switch this connection to TLS (STARTTLS).
-    pub const TLS_OFFERED: u32 = 1;
-    /// The server takes nothing but STARTTLS from this client's address.
-    pub const TLS_REQUIRED: u32 = 2;
     /// Wire length, bytes.
     pub const LEN: usize = 48;
     /// Append the wire form to `out`.

@@ -138,8 +138,7 @@ impl Drop for IoRig {
                     .lines()
                     .filter_map(|l| l.trim().parse::<i32>().ok())
                 {
-                    // SAFETY: plain syscall on processes this test started in its own cgroup.
-                    unsafe { libc::kill(pid, libc::SIGKILL) };
+                    let _ = pagefleet_common::sys::process::signal(pid, libc::SIGKILL);
                 }
                 if std::fs::remove_dir(g).is_ok() || !g.exists() {
                     break;

@@ -226,8 +226,7 @@ pub fn signal_in(l: &LabRun, h: usize, pattern: &str, sig: i32) -> bool {
     for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
         let cmd = std::fs::read_to_string(format!("/proc/{pid}/cmdline")).unwrap_or_default();
         if let (true, Ok(pid)) = (cmd.contains(pattern), pid.parse::<i32>()) {
-            // SAFETY: kill has no memory preconditions.
-            unsafe { libc::kill(pid, sig) };
+            let _ = pagefleet_common::sys::process::signal(pid, sig);
             hit = true;
         }
     }

@@ -338,3 +338,56 @@ fn no_module_imports_one_that_imports_it() {
     }
     assert!(found.is_empty(), "import circles:\n{}", found.join("\n"));
 }
+
+/// Every raw `libc` call sits in its crate's system module (`src/sys.rs` or
+/// `src/sys/`), behind a safe function with a `SAFETY:` comment; the rest
+/// of the code, tests included, calls those.
+#[test]
+fn raw_system_calls_live_in_each_crates_sys_module() {
+    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+        for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                walk(&p, out);
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                out.push(p);
+            }
+        }
+    }
+    let mut found = Vec::new();
+    for (name, (dir, _)) in metadata() {
+        let mut files = Vec::new();
+        for sub in ["src", "tests", "benches", "examples"] {
+            walk(&dir.join(sub), &mut files);
+        }
+        for f in files {
+            let rel = f.strip_prefix(&dir).unwrap();
+            let in_sys = rel
+                .components()
+                .any(|c| c.as_os_str() == "sys" || c.as_os_str() == "sys.rs");
+            if in_sys {
+                continue;
+            }
+            let code = strip(&std::fs::read_to_string(&f).unwrap());
+            for (n, line) in code.lines().enumerate() {
+                let mut rest = line;
+                while let Some(i) = rest.find("libc::") {
+                    rest = &rest[i + 6..];
+                    let id: String = rest
+                        .chars()
+                        .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                        .collect();
+                    if rest[id.len()..].starts_with('(') {
+                        found.push(format!("{name}: {}:{}: libc::{id}", rel.display(), n + 1));
+                    }
+                }
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "{} raw libc calls outside a sys module:\n{}",
+        found.len(),
+        found.join("\n")
+    );
+}

@@ -16,8 +16,7 @@ struct Export {
 impl Drop for Export {
     fn drop(&mut self) {
         // SIGTERM: the export deletes its blocks and exits.
-        // SAFETY: kill has no memory preconditions.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let _ = pagefleet_common::sys::process::signal(self.child.id() as i32, libc::SIGTERM);
         let _ = self.child.wait();
     }
 }

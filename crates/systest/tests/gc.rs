@@ -257,8 +257,7 @@ fn an_interrupted_local_run_deletes_its_pages() {
             "{workload}: pages on h2 after {:.1} s",
             t.elapsed().as_secs_f64()
         );
-        // SAFETY: kill has no memory preconditions.
-        unsafe { libc::kill(child.id() as i32, sig) };
+        let _ = pagefleet_common::sys::process::signal(child.id() as i32, sig);
         let t = Instant::now();
         let status = loop {
             if let Some(s) = child.try_wait().unwrap() {

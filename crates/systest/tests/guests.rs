@@ -271,8 +271,7 @@ fn unprivileged_guest_pages_to_a_server() {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o644)).unwrap();
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
-    // SAFETY: geteuid has no preconditions.
-    let root = unsafe { libc::geteuid() } == 0;
+    let root = pagefleet_common::sys::process::is_root();
     let mut cmd = if root {
         let mut c = Command::new("setpriv");
         c.args(["--reuid", "65534", "--regid", "65534", "--clear-groups"])
@@ -390,14 +389,12 @@ fn sigusr1_stops_and_sigusr2_restarts_the_sampling_hand() {
     };
     grows("from the start");
     let pid = g.child.id() as i32;
-    // SAFETY: kill has no memory preconditions; the pid is our child's.
-    unsafe { libc::kill(pid, libc::SIGUSR1) };
+    let _ = pagefleet_common::sys::process::signal(pid, libc::SIGUSR1);
     std::thread::sleep(Duration::from_millis(500));
     let a = sampled();
     std::thread::sleep(Duration::from_secs(1));
     assert_eq!(sampled(), a, "the hand moved after SIGUSR1");
-    // SAFETY: as above.
-    unsafe { libc::kill(pid, libc::SIGUSR2) };
+    let _ = pagefleet_common::sys::process::signal(pid, libc::SIGUSR2);
     grows("after SIGUSR2");
     assert!(
         g.child.try_wait().unwrap().is_none(),

@@ -14,8 +14,7 @@ use pagefleet_systest::IoRig as Rig;
 struct Ctl(Child);
 impl Drop for Ctl {
     fn drop(&mut self) {
-        // SAFETY: kill has no memory preconditions.
-        unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
+        let _ = pagefleet_common::sys::process::signal(self.0.id() as i32, libc::SIGTERM);
         let t = Instant::now();
         while t.elapsed() < Duration::from_secs(10) && self.0.try_wait().ok().flatten().is_none() {
             std::thread::sleep(Duration::from_millis(50));

@@ -172,8 +172,7 @@ impl Controller {
         )
     }
     fn stop(&mut self) -> std::process::ExitStatus {
-        // SAFETY: kill has no memory preconditions.
-        unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
+        let _ = pagefleet_common::sys::process::signal(self.0.id() as i32, libc::SIGTERM);
         let t = Instant::now();
         loop {
             if let Some(s) = self.0.try_wait().unwrap() {
@@ -495,8 +494,7 @@ fn pagefleetd_runs_the_controller_as_a_service() {
     let st = status_json(std::path::Path::new(pagefleet_ksm::control::DEFAULT_STATE));
     assert_eq!(st["controller"]["policy"], "adaptive", "{st}");
     // ...and SIGTERM ends the daemon with the host's settings back.
-    // SAFETY: kill has no memory preconditions.
-    unsafe { libc::kill(d.id() as i32, libc::SIGTERM) };
+    let _ = pagefleet_common::sys::process::signal(d.id() as i32, libc::SIGTERM);
     let t = Instant::now();
     let s = loop {
         if let Some(s) = d.try_wait().unwrap() {

@@ -24,8 +24,7 @@ fn alive(pid: u32) -> bool {
 }
 
 fn term(pid: u32) {
-    // SAFETY: kill has no memory preconditions.
-    unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+    let _ = pagefleet_common::sys::process::signal(pid as i32, libc::SIGTERM);
 }
 
 fn log_of(l: &LabRun, h: usize) -> String {
@@ -199,8 +198,7 @@ fn removing_a_dead_host_unsticks_the_cluster(l: &LabRun, h3_is_etcd_member: bool
     let (ok, _, err) = l.pf(0, &["host", "remove", "h3"]);
     assert!(!ok && err.contains("answers"), "{err}");
     // h3 dies (its daemon and, if it has one, its etcd member).
-    // SAFETY: kill has no memory preconditions.
-    unsafe { libc::kill(h3.pid as i32, libc::SIGKILL) };
+    let _ = pagefleet_common::sys::process::signal(h3.pid as i32, libc::SIGKILL);
     if h3_is_etcd_member {
         assert!(kill_in(l, 2, "--initial-cluster-state"), "no etcd on h3");
     }
@@ -307,8 +305,7 @@ fn a_restarted_daemon_adopts_its_running_guests() {
     assert!(alive(before.pid), "the runner ended with its daemon");
     still_serving(&load);
     // A guest that dies while no daemon watches is not forgotten.
-    // SAFETY: kill has no memory preconditions.
-    unsafe { libc::kill(dies.pid as i32, libc::SIGKILL) };
+    let _ = pagefleet_common::sys::process::signal(dies.pid as i32, libc::SIGKILL);
     wait_for("dies's runner to end", 20, || !alive(dies.pid));
     l.restart_daemon(0).expect("start h1's pagefleetd again");
     let failed = l

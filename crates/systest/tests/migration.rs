@@ -377,8 +377,7 @@ fn aborted_migrations_leave_the_source_running_and_nothing_behind() {
     ]);
     wait_phase("round 1");
     let t_int = Instant::now();
-    // SAFETY: kill has no memory preconditions.
-    unsafe { libc::kill(m.id() as i32, libc::SIGINT) };
+    let _ = pagefleet_common::sys::process::signal(m.id() as i32, libc::SIGINT);
     // What the source runner reported right after the Ctrl-C: if the drill
     // ever finds the guest on the destination, this says how far it was.
     eprintln!("Ctrl-C drill: phase {:?} right after SIGINT", phase());

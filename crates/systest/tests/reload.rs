@@ -29,8 +29,7 @@ impl Drop for Daemon {
 }
 
 fn signal(pid: u32, sig: i32) {
-    // SAFETY: kill has no memory preconditions.
-    unsafe { libc::kill(pid as i32, sig) };
+    let _ = pagefleet_common::sys::process::signal(pid as i32, sig);
 }
 
 /// The next sd_notify message (None within 20 s).

@@ -25,8 +25,7 @@ fn netns() -> String {
 
 #[test]
 fn testbed_up_connects_hosts_shapes_links_and_comes_down_twice() {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
+    if !pagefleet_common::sys::process::is_root() {
         eprintln!("skipped: the testbed needs root (CI runs as root)");
         return;
     }
@@ -113,8 +112,7 @@ fn testbed_up_connects_hosts_shapes_links_and_comes_down_twice() {
 /// lab reach whatever now serves it, on the new host.
 #[test]
 fn service_address_moves_between_hosts() {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
+    if !pagefleet_common::sys::process::is_root() {
         eprintln!("skipped: the testbed needs root (CI runs as root)");
         return;
     }

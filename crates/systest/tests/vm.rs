@@ -416,8 +416,7 @@ fn aborted_vm_migrations_leave_the_vm_running_on_the_source() {
     // 2. Ctrl-C during round 1.
     let m = run_bg(&[]);
     assert!(wait_phase("round 1"));
-    // SAFETY: kill has no memory preconditions.
-    unsafe { libc::kill(m.id() as i32, libc::SIGINT) };
+    let _ = pagefleet_common::sys::process::signal(m.id() as i32, libc::SIGINT);
     let out = m.wait_with_output().unwrap();
     let said = String::from_utf8_lossy(&out.stderr);
     assert!(

@@ -193,8 +193,7 @@ fn state_path(dir: &Path, prefix: &str) -> PathBuf {
 impl Lab {
     /// Create the lab. Anything left by an earlier lab with the same prefix is removed first.
     pub fn up(o: &Options) -> Result<Lab> {
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 {
+        if !pagefleet_common::sys::process::is_root() {
             return Err(crate::Error::Invalid(
                 "the testbed creates network namespaces: run it as root".to_string(),
             ));
@@ -659,8 +658,7 @@ pub fn down_prefix(dir: &Path, prefix: &str) -> Result<()> {
     if let Ok(lab) = Lab::load(dir, prefix) {
         for h in &lab.hosts {
             if h.pid != 0 {
-                // SAFETY: signalling a pid we started.
-                unsafe { libc::kill(h.pid as i32, libc::SIGKILL) };
+                let _ = pagefleet_common::sys::process::signal(h.pid as i32, libc::SIGKILL);
             }
         }
     }
@@ -675,8 +673,7 @@ pub fn down_prefix(dir: &Path, prefix: &str) -> Result<()> {
                 .split_whitespace()
                 .filter_map(|p| p.parse::<i32>().ok())
             {
-                // SAFETY: plain kill.
-                unsafe { libc::kill(pid, libc::SIGKILL) };
+                let _ = pagefleet_common::sys::process::signal(pid, libc::SIGKILL);
             }
         }
     }

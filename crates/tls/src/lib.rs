@@ -11,6 +11,7 @@
 //! proof: both run, TLS first.
 
 pub mod certs;
+pub mod handshake;
 mod identity;
 mod stream;
 
