@@ -240,16 +240,8 @@ impl Device {
                 let f = std::fs::File::create(&p)
                     .with_context(|| format!("cannot create {}", p.display()))?;
                 // Allocated up front so the runs overwrite blocks, not allocate them.
-                // SAFETY: plain fallocate on an owned fd.
-                let r = unsafe {
-                    libc::fallocate(
-                        std::os::fd::AsRawFd::as_raw_fd(&f),
-                        0,
-                        0,
-                        o.disk_bytes as i64,
-                    )
-                };
-                if r != 0 {
+                use std::os::fd::AsFd;
+                if pagefleet_common::sys::mapping::allocate(f.as_fd(), o.disk_bytes).is_err() {
                     f.set_len(o.disk_bytes)?;
                 }
                 drop(f);

@@ -361,11 +361,10 @@ impl Driver {
                     }
                     std::thread::sleep(Duration::from_millis(20));
                 };
-                // SAFETY: plain syscall.
-                let pgid = unsafe { libc::getpgid(pid) };
+                let pgid = pagefleet_common::sys::process::process_group(pid);
                 Ok(Driver {
                     child: None,
-                    pgid: Some(if pgid > 0 { pgid } else { pid }),
+                    pgid: Some(pgid.unwrap_or(pid)),
                 })
             }
             Policy::Adaptive => {
@@ -409,38 +408,19 @@ impl Drop for Driver {
 }
 
 /// Memory held (and touched) to put the host under pressure; freed on drop.
-struct Balloon(*mut libc::c_void, usize);
+struct Balloon(#[allow(dead_code)] Option<pagefleet_common::sys::mapping::Mapping>);
 impl Balloon {
     fn inflate(bytes: usize) -> Result<Balloon> {
         if bytes == 0 {
-            return Ok(Balloon(std::ptr::null_mut(), 0));
+            return Ok(Balloon(None));
         }
-        // SAFETY: a fresh private anonymous mapping, populated now.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                bytes,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_POPULATE,
-                -1,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            bail!(
-                "cannot hold {} of memory for the pressure balloon",
+        let m = pagefleet_common::sys::mapping::Mapping::anonymous(bytes, true).map_err(|e| {
+            anyhow::anyhow!(
+                "cannot hold {} of memory for the pressure balloon: {e}",
                 crate::fmt_bytes(bytes as u64)
-            );
-        }
-        Ok(Balloon(p, bytes))
-    }
-}
-impl Drop for Balloon {
-    fn drop(&mut self) {
-        if self.1 > 0 {
-            // SAFETY: our own mapping.
-            unsafe { libc::munmap(self.0, self.1) };
-        }
+            )
+        })?;
+        Ok(Balloon(Some(m)))
     }
 }
 

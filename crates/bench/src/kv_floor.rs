@@ -33,7 +33,7 @@ use pagefleet_uffd::{self as uffd, FaultKind, Uffd};
 use std::collections::VecDeque;
 use std::io::{BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::mpsc::{self, Receiver, Sender};
@@ -242,25 +242,12 @@ impl Handler {
         let mut gets: Vec<(usize, bool)> = Vec::new();
         let mut page = vec![0u8; P];
         loop {
+            use pagefleet_common::sys::poll::{poll, pollfd};
             let mut fds = [
-                libc::pollfd {
-                    fd: self.u.as_raw_fd(),
-                    events: libc::POLLIN,
-                    revents: 0,
-                },
-                libc::pollfd {
-                    fd: self.doorbell.as_raw_fd(),
-                    events: libc::POLLIN,
-                    revents: 0,
-                },
+                pollfd(&self.u, libc::POLLIN),
+                pollfd(&self.doorbell, libc::POLLIN),
             ];
-            // SAFETY: two valid pollfds.
-            if unsafe { libc::poll(fds.as_mut_ptr(), 2, 1000) } < 0 {
-                let e = std::io::Error::last_os_error();
-                if e.kind() != std::io::ErrorKind::Interrupted {
-                    return Err(e.into());
-                }
-            }
+            poll(&mut fds, 1000)?;
             if fds[1].revents != 0 {
                 uffd::drain(&self.doorbell);
                 while let Ok(b) = self.done.try_recv() {

@@ -29,13 +29,7 @@ pub struct FloorRun {
 
 /// CPU seconds of the calling thread.
 pub fn thread_cpu() -> f64 {
-    let mut t = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes one timespec.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) };
-    t.tv_sec as f64 + t.tv_nsec as f64 * 1e-9
+    pagefleet_common::clock::thread_cpu_secs()
 }
 
 fn key() -> ring::aead::LessSafeKey {

@@ -544,19 +544,13 @@ static INTERRUPTS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::
 
 extern "C" fn on_interrupt(_: libc::c_int) {
     if INTERRUPTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) >= 1 {
-        // SAFETY: _exit is async-signal-safe.
-        unsafe { libc::_exit(130) };
+        pagefleet_common::sys::process::exit_now(130);
     }
 }
 
 fn catch_interrupts() {
-    // SAFETY: the handler only touches an atomic and calls _exit.
-    unsafe {
-        libc::signal(
-            libc::SIGINT,
-            on_interrupt as *const () as libc::sighandler_t,
-        );
-    }
+    // The handler only touches an atomic and calls _exit.
+    pagefleet_common::sys::signal::set_handler(libc::SIGINT, on_interrupt);
 }
 
 fn bar(p: &MigrationProgress) -> String {

@@ -599,8 +599,7 @@ fn testbed(t: TestbedCmd) -> Result<()> {
                 );
                 let me = std::env::current_exe()?;
                 for (i, h) in lab.hosts.iter().enumerate() {
-                    // SAFETY: signal 0 only checks that the process exists.
-                    let alive = unsafe { libc::kill(h.pid as i32, 0) } == 0;
+                    let alive = pagefleet_common::sys::process::alive(h.pid as i32);
                     // Ask the host's daemon from inside its own namespace.
                     let out = lab
                         .exec(i, &me)

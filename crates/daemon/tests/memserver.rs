@@ -575,16 +575,7 @@ fn threads(pid: u32) -> u64 {
 
 /// Let this test process hold `n` file descriptors.
 fn allow_fds(n: u64) {
-    let mut r = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: r is a valid rlimit to fill and then to read.
-    unsafe {
-        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut r), 0);
-        r.rlim_cur = r.rlim_max.min(n.max(r.rlim_cur));
-        assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &r), 0);
-    }
+    assert!(pagefleet_common::sys::fds::raise_fd_limit(n) >= n.min(4096));
 }
 
 /// 2 000 connections that never authenticate hold no thread and no session

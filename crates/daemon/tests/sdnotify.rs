@@ -51,8 +51,7 @@ fn the_daemon_says_ready_once_serving_and_stopping_on_sigterm() {
         dir: dir.clone(),
     };
     d.conn();
-    // SAFETY: kill(2) on our own child's pid.
-    assert_eq!(unsafe { libc::kill(d.pid() as i32, libc::SIGTERM) }, 0);
+    pagefleet_common::sys::process::signal(d.pid() as i32, libc::SIGTERM).unwrap();
     let n = rx.recv(&mut buf).expect("STOPPING=1 after SIGTERM");
     assert_eq!(&buf[..n], b"STOPPING=1");
     let st = d.child.wait().unwrap();

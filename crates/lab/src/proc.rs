@@ -13,22 +13,7 @@ use std::time::{Duration, Instant};
 /// `Drop` alone cannot promise. Start such children from a thread that
 /// outlives them (the kernel signals when the forking *thread* exits).
 pub fn die_with_parent(cmd: &mut Command) {
-    use std::os::unix::process::CommandExt;
-    // SAFETY: getpid is async-signal-safe and has no preconditions.
-    let parent = unsafe { libc::getpid() };
-    // SAFETY: only async-signal-safe calls (prctl, getppid) after fork.
-    unsafe {
-        cmd.pre_exec(move || {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            // The parent died before the prctl: nothing will signal.
-            if libc::getppid() != parent {
-                return Err(std::io::Error::other("the parent exited"));
-            }
-            Ok(())
-        });
-    }
+    pagefleet_common::sys::process::die_with_parent(cmd)
 }
 
 /// A child pagefleetd on loopback, killed on drop (and with its parent).
@@ -150,8 +135,7 @@ fn stat_field(f: &[String], n: usize) -> u64 {
 /// CPU seconds (user + system) process `pid` has used so far (0 when gone).
 pub fn cpu_secs(pid: u32) -> f64 {
     let f = stat_fields(pid);
-    // SAFETY: sysconf has no preconditions.
-    let hz = (unsafe { libc::sysconf(libc::_SC_CLK_TCK) }).max(1) as f64;
+    let hz = pagefleet_common::sys::process::clock_ticks() as f64;
     (stat_field(&f, 14) + stat_field(&f, 15)) as f64 / hz
 }
 

@@ -15,19 +15,11 @@ pub struct Pinning {
 
 /// CPUs online (not the calling thread's affinity mask, which pinning changes).
 pub fn ncpus() -> usize {
-    // SAFETY: sysconf has no preconditions.
-    (unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }).max(1) as usize
+    pagefleet_common::sys::process::online_cpus()
 }
 
 pub fn set_affinity(tid: i32, cpus: &[usize]) {
-    // SAFETY: cpu_set_t is plain data; sched_setaffinity reads it.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        for c in cpus {
-            libc::CPU_SET(*c, &mut set);
-        }
-        libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &set);
-    }
+    let _ = pagefleet_common::sys::process::set_affinity(tid, cpus);
 }
 
 pub fn set_process_affinity(pid: u32, cpus: &[usize]) {
@@ -300,15 +292,5 @@ impl Drop for MemCgroup {
 
 /// Let this process hold at least `n` file descriptors (up to the hard limit).
 pub fn allow_fds(n: u64) {
-    let mut r = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: r is a valid rlimit to fill and then to read.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 && r.rlim_cur < n {
-            r.rlim_cur = r.rlim_max.min(n);
-            libc::setrlimit(libc::RLIMIT_NOFILE, &r);
-        }
-    }
+    pagefleet_common::sys::fds::raise_fd_limit(n);
 }

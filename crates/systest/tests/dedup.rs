@@ -393,17 +393,19 @@ fn a_sub_host_stores_pages_its_host_holds_from_its_guests_and_its_store() {
 fn the_scanner_hashes_pages_in_memory_and_leaves_swapped_ones_in_swap() {
     use pagefleet_dedup::scan::{find_memfd, HostIndex};
     use pagefleet_dedup::{ContentKey, SourceId, PAGE};
-    use std::os::fd::FromRawFd;
     const PAGES: usize = 1024;
     let _swap = pagefleet_lab::system::Swap::file(64 * MIB).expect("a swap file");
     // 1 MiB of memory for 4 MiB of guest pages: most go to swap as written.
     let cg = pagefleet_lab::system::MemCgroup::new(MIB).expect("a memory cgroup");
-    // SAFETY: memfd_create with a NUL-terminated name; the fd is ours.
-    let fd = unsafe { libc::memfd_create(c"pagefleet-scan-swap-test".as_ptr(), 0) };
-    assert!(fd >= 0, "memfd_create");
-    // SAFETY: fd was just created and nothing else owns it.
-    let f = unsafe { std::fs::File::from_raw_fd(fd) };
-    f.set_len((PAGES * PAGE) as u64).unwrap();
+    let f = std::fs::File::from(
+        pagefleet_common::sys::mapping::memfd(
+            c"pagefleet-scan-swap-test",
+            (PAGES * PAGE) as u64,
+            0,
+        )
+        .expect("memfd_create"),
+    );
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&f);
     // The guest: a process in the cgroup (memory is charged to a thread
     // group, not a thread) writing the memfd, so its pages are charged
     // there.

@@ -532,18 +532,11 @@ fn start_daemon(
     tls: Option<&Path>,
 ) -> Result<u32> {
     let log = std::fs::File::create(o.dir.join(format!("{}.log", h.netns)))?;
-    use std::os::unix::process::CommandExt;
     // nsenter, not `ip netns exec`: the latter also remounts /sys, hiding
     // the cgroup hierarchy the guest host service may put runners into.
     let mut cmd = Command::new("nsenter");
     // Its own session: the daemon outlives `testbed up` and its terminal.
-    // SAFETY: setsid is async-signal-safe.
-    unsafe {
-        cmd.pre_exec(|| {
-            libc::setsid();
-            Ok(())
-        });
-    }
+    pagefleet_common::sys::process::new_session(&mut cmd);
     let child = cmd
         .arg(format!("--net=/run/netns/{}", h.netns))
         .arg("--")
@@ -707,15 +700,10 @@ pub fn down_prefix(dir: &Path, prefix: &str) -> Result<()> {
 /// Move the calling thread into a network namespace (sockets it opens from
 /// now on live there). Use a thread of its own: it does not come back.
 pub fn enter_netns(netns: &str) -> Result<()> {
-    use std::os::fd::AsRawFd;
     let f = std::fs::File::open(format!("/run/netns/{netns}"))
         .with_context(|| format!("no network namespace {netns}"))?;
-    // SAFETY: setns on a namespace file we opened, for this thread only.
-    if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-        return Err(crate::Error::Invalid(format!(
-            "setns into {netns}: {}",
-            std::io::Error::last_os_error()
-        )));
+    if let Err(e) = pagefleet_common::sys::process::enter_netns(&f) {
+        return Err(crate::Error::Invalid(format!("setns into {netns}: {e}")));
     }
     Ok(())
 }

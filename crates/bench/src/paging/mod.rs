@@ -1166,15 +1166,7 @@ fn start_guest(
         }
     }
     if let Some(cg) = cgroup {
-        let procs = cg.join("cgroup.procs");
-        use std::os::unix::process::CommandExt;
-        // SAFETY: only async-signal-safe work (open/write/close) after fork.
-        unsafe {
-            cmd.pre_exec(move || {
-                let pid = libc::getpid().to_string();
-                std::fs::write(&procs, pid.as_bytes())
-            });
-        }
+        pagefleet_common::sys::process::enter_cgroup(&mut cmd, &cg.join("cgroup.procs"))?;
     }
     spawn_guest(cmd)
 }

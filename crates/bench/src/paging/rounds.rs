@@ -128,13 +128,9 @@ impl Member {
     }
 
     fn signal(&self, sig: libc::c_int) -> Result<()> {
-        // SAFETY: kill has no memory preconditions; the pid is our child's,
-        // not yet reaped (Guest waits for it only on drop).
-        if unsafe { libc::kill(self.guest.child.id() as libc::pid_t, sig) } != 0 {
-            bail!(
-                "signal {sig} to the guest: {}",
-                std::io::Error::last_os_error()
-            );
+        // The pid is our child's, not yet reaped (Guest waits for it only on drop).
+        if let Err(e) = pagefleet_common::sys::process::signal(self.guest.child.id() as i32, sig) {
+            bail!("signal {sig} to the guest: {e}");
         }
         Ok(())
     }

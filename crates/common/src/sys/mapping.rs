@@ -139,6 +139,18 @@ pub fn set_len(fd: BorrowedFd<'_>, len: u64) -> io::Result<()> {
     Ok(())
 }
 
+/// Allocate the first `len` bytes of the file behind `fd` (fallocate
+/// mode 0): later writes overwrite blocks instead of allocating them.
+pub fn allocate(fd: BorrowedFd<'_>, len: u64) -> io::Result<()> {
+    let len = libc::off_t::try_from(len)
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "length beyond off_t"))?;
+    // SAFETY: fallocate on a descriptor the borrow keeps open.
+    if unsafe { libc::fallocate(fd.as_raw_fd(), 0, 0, len) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// The size of the file behind `fd`, bytes (fstat).
 pub fn file_len(fd: BorrowedFd<'_>) -> io::Result<u64> {
     // SAFETY: a plain C struct; all zeros is a valid value.

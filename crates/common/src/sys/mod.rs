@@ -9,5 +9,6 @@ pub mod fds;
 pub mod file;
 pub mod heap;
 pub mod mapping;
+pub mod poll;
 pub mod process;
 pub mod signal;

@@ -1,6 +1,8 @@
 //! Processes: signals to them, whether they live, who we run as.
 
 use std::io;
+use std::os::unix::process::CommandExt;
+use std::process::Command;
 
 /// A signal (`libc::SIGTERM`, ...) to the process `pid`, or to the process
 /// group `-pid` when `pid` is negative (as kill(2)).
@@ -52,30 +54,89 @@ pub fn thread_id() -> i32 {
     unsafe { libc::gettid() }
 }
 
-/// Die with `sig` when the parent thread exits (`PR_SET_PDEATHSIG`), and at
-/// once if the parent `parent` is already gone. Call in a child between
-/// fork and exec (async-signal-safe calls only).
-///
-/// # Safety
-/// Only async-signal-safe work may follow in a forked child; this is.
-pub unsafe fn die_with_parent(parent: libc::pid_t, sig: libc::c_int) -> io::Result<()> {
-    // SAFETY: prctl with integer arguments; getppid takes nothing.
+/// Make `cmd`'s child die with SIGKILL when the thread that spawns it
+/// exits (`PR_SET_PDEATHSIG`), and fail to start if this process is
+/// already gone by then: a bench or test never leaves a daemon behind.
+pub fn die_with_parent(cmd: &mut Command) {
+    let parent = std::process::id() as libc::pid_t;
+    // SAFETY: between fork and exec the closure makes only
+    // async-signal-safe calls (prctl, getppid) and allocates nothing.
     unsafe {
-        if libc::prctl(libc::PR_SET_PDEATHSIG, sig) != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        if libc::getppid() != parent {
-            return Err(io::Error::from_raw_os_error(libc::ESRCH));
-        }
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            // The parent died before the prctl: nothing will signal.
+            if libc::getppid() != parent {
+                return Err(io::Error::other("the parent exited"));
+            }
+            Ok(())
+        });
+    }
+}
+
+/// Start `cmd`'s child in a session of its own (setsid): it leaves our
+/// process group and terminal, and outlives them.
+pub fn new_session(cmd: &mut Command) {
+    // SAFETY: setsid is async-signal-safe; failure (already a group
+    // leader, impossible in a fresh child) is harmless.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::setsid();
+            Ok(())
+        });
+    }
+}
+
+/// Move `cmd`'s child into the cgroup whose `cgroup.procs` file is
+/// `procs` before it executes (so everything it allocates is charged
+/// there). Fails to spawn if the write fails.
+pub fn enter_cgroup(cmd: &mut Command, procs: &std::path::Path) -> io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(procs.as_os_str().as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in a cgroup path"))?;
+    // SAFETY: after fork the closure calls only async-signal-safe functions
+    // (getpid, open, write, close) on a path made before the fork, and
+    // formats the pid into a stack buffer: no allocation.
+    unsafe {
+        cmd.pre_exec(move || {
+            let mut buf = [0u8; 12];
+            let mut i = buf.len();
+            let mut pid = libc::getpid() as u32;
+            loop {
+                i -= 1;
+                buf[i] = b'0' + (pid % 10) as u8;
+                pid /= 10;
+                if pid == 0 {
+                    break;
+                }
+            }
+            let fd = libc::open(path.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+            if fd < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            let n = libc::write(fd, buf[i..].as_ptr().cast(), buf.len() - i);
+            let e = io::Error::last_os_error();
+            libc::close(fd);
+            if n != (buf.len() - i) as isize {
+                return Err(e);
+            }
+            Ok(())
+        });
     }
     Ok(())
 }
 
-/// Start a new session (setsid) in a forked child: it leaves our process
-/// group and terminal. Async-signal-safe.
-pub fn new_session() {
-    // SAFETY: setsid takes nothing; failure (already a group leader) is harmless.
-    unsafe { libc::setsid() };
+/// Move the calling thread into the network namespace `ns` (a
+/// `/run/netns/NAME` file).
+pub fn enter_netns(ns: &impl std::os::fd::AsFd) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: setns on a namespace file the borrow keeps open; it changes
+    // only this thread's namespace.
+    if unsafe { libc::setns(ns.as_fd().as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// Leave the process at once with `code`, running no destructors or

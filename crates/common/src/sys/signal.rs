@@ -13,11 +13,8 @@ extern "C" fn on_signal(_: libc::c_int) {
 /// Make SIGINT and SIGTERM set a flag instead of killing the process; the
 /// flag, for loops to poll.
 pub fn stop_flag() -> &'static AtomicBool {
-    // SAFETY: the handler only stores to an atomic (async-signal-safe).
-    unsafe {
-        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
-        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
-    }
+    set_handler(libc::SIGINT, on_signal);
+    set_handler(libc::SIGTERM, on_signal);
     &STOP
 }
 
@@ -30,10 +27,7 @@ extern "C" fn on_restart(_: libc::c_int) {
 /// Make SIGUSR2 set a flag (pagefleetd: restart in place, an upgrade)
 /// instead of killing the process; the flag.
 pub fn restart_flag() -> &'static AtomicBool {
-    // SAFETY: the handler only stores to an atomic (async-signal-safe).
-    unsafe {
-        libc::signal(libc::SIGUSR2, on_restart as *const () as libc::sighandler_t);
-    }
+    set_handler(libc::SIGUSR2, on_restart);
     &RESTART
 }
 
@@ -46,10 +40,7 @@ extern "C" fn on_reload(_: libc::c_int) {
 /// Make SIGHUP set a flag (pagefleetd: read the configuration again, what
 /// `systemctl reload` sends) instead of killing the process; the flag.
 pub fn reload_flag() -> &'static AtomicBool {
-    // SAFETY: the handler only stores to an atomic (async-signal-safe).
-    unsafe {
-        libc::signal(libc::SIGHUP, on_reload as *const () as libc::sighandler_t);
-    }
+    set_handler(libc::SIGHUP, on_reload);
     &RELOAD
 }
 
@@ -90,4 +81,13 @@ impl TermSignals {
         // SAFETY: waits for signals this set blocked.
         unsafe { libc::sigwait(&self.0, &mut sig) };
     }
+}
+
+/// Run `handler` on `sig` (signal(2)). The handler may only touch atomics
+/// and call async-signal-safe functions such as
+/// [`crate::sys::process::exit_now`].
+pub fn set_handler(sig: libc::c_int, handler: extern "C" fn(libc::c_int)) {
+    // SAFETY: installing a handler; what it may do is its author's contract
+    // above (the handlers in this workspace store to atomics or _exit).
+    unsafe { libc::signal(sig, handler as *const () as libc::sighandler_t) };
 }
