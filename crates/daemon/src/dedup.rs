@@ -88,8 +88,7 @@ impl Dedup {
             let l = std::os::unix::net::UnixListener::bind(socket)?;
             std::fs::set_permissions(socket, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
             // Only this daemon's runners, by the kernel's word on the peer.
-            // SAFETY: geteuid has no preconditions.
-            let me = unsafe { libc::geteuid() };
+            let me = pagefleet_common::sys::process::euid();
             let g = guests.clone();
             let authorize = Arc::new(move |p: Peer| {
                 (p.uid == 0 || p.uid == me) && g.runners().iter().any(|(pid, _)| *pid == p.pid)
@@ -126,8 +125,7 @@ impl Dedup {
         // second for the CPU on a busy host while every connection waits on
         // the lock, or a client that deleted pages to make room waits for
         // the pins (the idle class measured no gain either).
-        // SAFETY: setpriority on this thread (who=0: the caller).
-        unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, 19) };
+        pagefleet_common::sys::process::set_thread_nice(19);
         while !stop.load(Relaxed) {
             let running: Vec<u32> = guests
                 .map(|g| g.list())

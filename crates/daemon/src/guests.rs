@@ -566,14 +566,7 @@ impl Guests {
         // No parent-death signal: a runner outlives its daemon (a restart
         // adopts it). Its own session, so a terminal's or a process
         // group's signals for the daemon do not reach it.
-        // SAFETY: the closure only calls setsid, which is async-signal-safe.
-        unsafe {
-            use std::os::unix::process::CommandExt;
-            cmd.pre_exec(|| {
-                libc::setsid();
-                Ok(())
-            });
-        }
+        pagefleet_common::sys::process::new_session(&mut cmd);
         {
             let mut m = lock(&self.map);
             if m.contains_key(name) {
@@ -1016,11 +1009,7 @@ impl Guests {
             }
             // After an in-place restart a runner that ended meanwhile is
             // this process's unreaped child: reap it, its status is known.
-            let mut st = 0;
-            // SAFETY: waitpid writes the status int; for a pid that is not
-            // our child it fails (ECHILD) and touches nothing.
-            let reaped = unsafe { libc::waitpid(l.pid as libc::pid_t, &mut st, libc::WNOHANG) }
-                == l.pid as libc::pid_t;
+            let reaped = pagefleet_common::sys::process::reap_if_ended(l.pid);
             // The pid is still this guest's runner (not a reused pid).
             let cmdline = std::fs::read(format!("/proc/{}/cmdline", l.pid)).unwrap_or_default();
             let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
@@ -1033,12 +1022,12 @@ impl Guests {
                 && args
                     .iter()
                     .any(|a| *a == format!("--name={}", l.name).as_bytes());
-            if reaped || !ours {
+            if reaped.is_some() || !ours {
                 // It ended while no daemon watched: a guest that failed
                 // (a runner waiting for a migration is the source's affair).
                 if !l.incoming {
                     use std::os::unix::process::ExitStatusExt;
-                    let exit = if reaped {
+                    let exit = if let Some(st) = reaped {
                         describe_exit(std::process::ExitStatus::from_raw(st))
                     } else {
                         "ended while pagefleetd was not running; exit status unknown".into()
@@ -1073,14 +1062,9 @@ impl Guests {
                     continue;
                 }
             };
-            // SAFETY: pidfd_open has no memory arguments.
-            let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, l.pid as libc::pid_t, 0) };
-            if fd < 0 {
+            let Ok(pidfd) = pagefleet_common::sys::process::pidfd_open(l.pid) else {
                 continue;
-            }
-            // SAFETY: a fresh descriptor the kernel just returned, owned here.
-            let pidfd =
-                unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) };
+            };
             lock(&self.map).insert(
                 l.name.clone(),
                 Entry {
@@ -1107,28 +1091,9 @@ impl Guests {
     /// Wait for an adopted runner (not our child) to end, then do what the
     /// reaper does for our own.
     fn watch_adopted(&self, name: &str, pid: u32, pidfd: std::os::fd::OwnedFd) {
-        use std::os::fd::AsRawFd;
-        let mut p = libc::pollfd {
-            fd: pidfd.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd; a pidfd becomes readable when the process ends.
-        while unsafe { libc::poll(&mut p, 1, -1) } < 0 {}
         // After an in-place restart (exec) the runner is still this
-        // process's child: reap it, and its exit status is known.
-        // SAFETY: waitid fills the zeroed siginfo for the process the pidfd
-        // names; for a process that is not our child it fails (ECHILD).
-        let status = unsafe {
-            let mut info: libc::siginfo_t = std::mem::zeroed();
-            (libc::waitid(
-                libc::P_PIDFD,
-                pidfd.as_raw_fd() as libc::id_t,
-                &mut info,
-                libc::WEXITED,
-            ) == 0)
-                .then(|| (info.si_code, info.si_status()))
-        };
+        // process's child: reaped here, and its exit status is known.
+        let status = pagefleet_common::sys::process::wait_pidfd(std::os::fd::AsFd::as_fd(&pidfd));
         let _ = std::fs::remove_dir_all(self.cfg.dir.join(format!("{name}.{pid}.vm")));
         let ended = {
             let mut m = lock(&self.map);

@@ -20,6 +20,7 @@
 //! next process took them, so its runners do not inherit them.
 
 use crate::error::{Error, Result};
+use crate::sys;
 use pagefleet_memserver::{ServerState, Store};
 use serde::{Deserialize, Serialize};
 use std::ffi::{CString, OsString};
@@ -87,27 +88,10 @@ pub struct Inherited {
     pub from_version: String,
 }
 
-fn set_cloexec(fd: RawFd, on: bool) -> std::io::Result<()> {
-    // SAFETY: F_GETFD/F_SETFD on a descriptor number; a bad one is EBADF.
-    let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
-    if flags < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    let want = if on {
-        flags | libc::FD_CLOEXEC
-    } else {
-        flags & !libc::FD_CLOEXEC
-    };
-    // SAFETY: as above.
-    if unsafe { libc::fcntl(fd, libc::F_SETFD, want) } < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
-}
-
 /// Own an inherited descriptor: it must be open; it is close-on-exec again.
 fn own(fd: RawFd, what: &str) -> Result<OwnedFd> {
-    set_cloexec(fd, true).map_err(|e| {
+    // SAFETY: the previous process handed this descriptor to us alone.
+    unsafe { sys::set_cloexec(fd, true) }.map_err(|e| {
         Error::Invalid(format!(
             "in-place restart: the handed-over {what} (descriptor {fd}) is not open: {e}"
         ))
@@ -223,13 +207,11 @@ pub fn exec(o: Outgoing<'_>) -> Error {
 enum Never {}
 
 fn try_exec(o: Outgoing<'_>) -> Result<Never> {
-    // SAFETY: a NUL-terminated name; the descriptor is ours from here.
-    let fd = unsafe { libc::memfd_create(c"pagefleet-handover".as_ptr(), libc::MFD_CLOEXEC) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error().into());
-    }
-    // SAFETY: just created, owned by nobody else.
-    let mut f = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+    let mut f = std::fs::File::from(pagefleet_common::sys::mapping::memfd(
+        c"pagefleet-handover",
+        0,
+        0,
+    )?);
     let frozen = match o.memserver {
         // Sessions have ended; the content scanner pins what it copies for
         // microseconds at a time: try again briefly.
@@ -292,15 +274,10 @@ fn try_exec(o: Outgoing<'_>) -> Result<Never> {
         .map(|(k, v)| cstr(&[k.as_bytes(), b"=", v.as_bytes()].concat()))
         .collect::<Result<_>>()?;
     envp.push(cstr(format!("{ENV}={}", f.as_raw_fd()).as_bytes())?);
-    let ptrs = |v: &[CString]| {
-        v.iter()
-            .map(|c| c.as_ptr())
-            .chain(std::iter::once(std::ptr::null()))
-            .collect::<Vec<_>>()
-    };
-    let (argv_p, envp_p) = (ptrs(&argv), ptrs(&envp));
     for fd in &pass {
-        set_cloexec(*fd, false)?;
+        // SAFETY: descriptors this process owns (the handover file, its
+        // listeners and pool), kept open until the exec.
+        unsafe { sys::set_cloexec(*fd, false) }?;
     }
     tracing::info!(
         "restarting in place: exec {} (handing over {})",
@@ -310,12 +287,10 @@ fn try_exec(o: Outgoing<'_>) -> Result<Never> {
             None => "the listening sockets".to_string(),
         }
     );
-    // SAFETY: NUL-terminated strings and NULL-terminated arrays of them
-    // that live until the call returns (it does only on failure).
-    unsafe { libc::execve(exe.as_ptr(), argv_p.as_ptr(), envp_p.as_ptr()) };
-    let e = std::io::Error::last_os_error();
+    let e = sys::exec(&exe, &argv, &envp);
     for fd in &pass {
-        let _ = set_cloexec(*fd, true);
+        // SAFETY: as above: still ours, the exec having failed.
+        let _ = unsafe { sys::set_cloexec(*fd, true) };
     }
     drop(frozen);
     Err(Error::Invalid(format!(

@@ -17,6 +17,7 @@ pub mod orchestrate;
 pub mod registry;
 pub mod reload;
 pub mod service;
+mod sys;
 pub mod ui;
 
 use crate::error::Context;

@@ -491,12 +491,13 @@ fn check_host(a: &Settings) -> Result<()> {
     }
     if a.guest_memory.is_some() {
         let dev = a.service_dev.as_deref().unwrap_or(DEFAULT_SERVICE_DEV);
-        let c = std::ffi::CString::new(dev).map_err(|_| {
-            crate::Error::Invalid(format!("--service-dev {dev:?}: not a device name"))
-        })?;
-        // SAFETY: a NUL-terminated name; if_nametoindex only reads it.
+        if dev.contains('\0') {
+            return Err(crate::Error::Invalid(format!(
+                "--service-dev {dev:?}: not a device name"
+            )));
+        }
         // (It asks this process's network namespace.)
-        let found = unsafe { libc::if_nametoindex(c.as_ptr()) } != 0;
+        let found = pagefleet_common::sys::net::interface_index(dev).is_some();
         match (found, &a.service_dev) {
             (true, _) => {}
             (false, Some(_)) => {

@@ -14,6 +14,7 @@ pub mod certs;
 pub mod handshake;
 mod identity;
 mod stream;
+mod sys;
 
 pub use identity::Identity;
 pub use stream::Stream;

@@ -11,12 +11,13 @@
 //! to the waits as they do to plain reads and writes.
 
 use crate::identity::Identity;
+use crate::sys;
 use crate::TlsError;
 use rustls::{ClientConnection, Connection, ServerConnection};
 use rustls_pki_types::ServerName;
 use std::io::{self, IoSlice, IoSliceMut, Read, Write};
 use std::net::TcpStream;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// A connection: plain TCP or TLS over TCP. Cloning (`try_clone`) shares
@@ -50,7 +51,7 @@ struct Feed<'a> {
 impl Read for Feed<'_> {
     fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
         if *self.start == *self.end {
-            let n = recv(self.sock.as_raw_fd(), self.buf, libc::MSG_DONTWAIT)?;
+            let n = sys::recv(&self.sock, self.buf, libc::MSG_DONTWAIT)?;
             *self.start = 0;
             *self.end = n;
             if n == 0 {
@@ -207,7 +208,7 @@ impl Stream {
     /// Read what is here now: `Ok(None)` when nothing is.
     pub fn read_nonblocking(&self, buf: &mut [u8]) -> io::Result<Option<usize>> {
         let r = match &self.tls {
-            None => recv(self.sock.as_raw_fd(), buf, libc::MSG_DONTWAIT),
+            None => sys::recv(&self.sock, buf, libc::MSG_DONTWAIT),
             Some(t) => self.tls_read(t, buf, false),
         };
         match r {
@@ -247,7 +248,7 @@ impl Stream {
     pub unsafe fn writev_all(&self, iov: &mut [libc::iovec]) -> io::Result<()> {
         match &self.tls {
             // SAFETY: the caller's contract.
-            None => unsafe { writev_all(self.sock.as_raw_fd(), iov) },
+            None => unsafe { sys::writev_all(self.sock.as_fd(), iov) },
             Some(t) => {
                 let bufs: Vec<IoSlice<'_>> = iov
                     .iter()
@@ -326,7 +327,7 @@ impl Stream {
             if !push(&mut lock(t)?, &self.sock)? || !block {
                 return Ok(());
             }
-            wait_writable(&self.sock)?;
+            sys::wait_writable(&self.sock)?;
         }
     }
 }
@@ -467,7 +468,7 @@ struct DontWait<'a>(&'a TcpStream);
 
 impl Read for DontWait<'_> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        recv(self.0.as_raw_fd(), buf, libc::MSG_DONTWAIT)
+        sys::recv(self.0, buf, libc::MSG_DONTWAIT)
     }
 }
 
@@ -476,35 +477,11 @@ impl Write for DontWait<'_> {
         self.write_vectored(&[IoSlice::new(buf)])
     }
     fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
-        // SAFETY: msghdr points at `bufs`, whose IoSlice layout is iovec.
-        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        msg.msg_iov = bufs.as_ptr() as *mut libc::iovec;
-        msg.msg_iovlen = bufs.len().min(1024) as _;
-        // SAFETY: the socket is open; msg describes live buffers that are only read.
-        let n = unsafe {
-            libc::sendmsg(
-                self.0.as_raw_fd(),
-                &msg,
-                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
-            )
-        };
-        if n < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(n as usize)
+        sys::send_vectored_nowait(self.0, bufs)
     }
     fn flush(&mut self) -> io::Result<()> {
         Ok(())
     }
-}
-
-fn recv(fd: RawFd, buf: &mut [u8], flags: i32) -> io::Result<usize> {
-    // SAFETY: buf is valid for writes of buf.len() bytes.
-    let n = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), flags) };
-    if n < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(n as usize)
 }
 
 /// Wait until the socket has bytes (or the peer closed), as its receive
@@ -512,77 +489,10 @@ fn recv(fd: RawFd, buf: &mut [u8], flags: i32) -> io::Result<usize> {
 fn wait_readable(sock: &TcpStream) -> io::Result<()> {
     let mut b = [0u8; 1];
     loop {
-        match recv(sock.as_raw_fd(), &mut b, libc::MSG_PEEK) {
+        match sys::recv(sock, &mut b, libc::MSG_PEEK) {
             Ok(_) => return Ok(()),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => return Err(e),
         }
     }
-}
-
-/// Wait until the socket takes bytes, as its send timeout allows.
-fn wait_writable(sock: &TcpStream) -> io::Result<()> {
-    let ms = match sock.write_timeout()? {
-        None => -1,
-        Some(t) => t.as_millis().clamp(1, i32::MAX as u128) as i32,
-    };
-    let mut p = libc::pollfd {
-        fd: sock.as_raw_fd(),
-        events: libc::POLLOUT,
-        revents: 0,
-    };
-    loop {
-        // SAFETY: one live pollfd.
-        let n = unsafe { libc::poll(&mut p, 1, ms) };
-        if n > 0 {
-            return Ok(());
-        }
-        if n == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                "the peer took no bytes within the send timeout",
-            ));
-        }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
-        }
-    }
-}
-
-/// Write every byte the iovecs describe (retrying short writes).
-///
-/// # Safety
-/// Each iovec must describe memory valid for reads for the whole call.
-unsafe fn writev_all(fd: RawFd, iov: &mut [libc::iovec]) -> io::Result<()> {
-    let mut i = 0;
-    while i < iov.len() {
-        let n = (iov.len() - i).min(1024) as libc::c_int;
-        // SAFETY: the iovecs are valid per the caller's contract.
-        let w = unsafe { libc::writev(fd, iov[i..].as_ptr(), n) };
-        if w < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        if w == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::WriteZero,
-                "connection accepted no more bytes",
-            ));
-        }
-        let mut w = w as usize;
-        while i < iov.len() && w >= iov[i].iov_len {
-            w -= iov[i].iov_len;
-            i += 1;
-        }
-        if w > 0 {
-            // Part of this iovec went out: send the rest of it next.
-            iov[i].iov_base = (iov[i].iov_base as usize + w) as *mut libc::c_void;
-            iov[i].iov_len -= w;
-        }
-    }
-    Ok(())
 }

@@ -10,8 +10,9 @@
 //! copy of each such socket with `pidfd_getfd` and shuts it down: a
 //! shutdown acts on the socket, not on the descriptor, so the FIN goes out.
 
+use pagefleet_common::sys::process;
 use std::net::SocketAddrV4;
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::fd::AsFd;
 
 /// TCP sockets of process `pid` bound to `local` that are not listening:
 /// their inodes, from `/proc/PID/net/tcp` (the process's network namespace).
@@ -43,13 +44,7 @@ pub fn hang_up(pid: u32, local: SocketAddrV4) -> std::io::Result<usize> {
     if inodes.is_empty() {
         return Ok(0);
     }
-    // SAFETY: pidfd_open takes a pid and flags; it returns a new fd or -1.
-    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-    if pidfd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: pidfd_open returned a fresh descriptor we now own.
-    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as i32) };
+    let pidfd = process::pidfd_open(pid)?;
     let mut n = 0;
     for e in std::fs::read_dir(format!("/proc/{pid}/fd"))?.flatten() {
         let Ok(target) = std::fs::read_link(e.path()) else {
@@ -69,17 +64,10 @@ pub fn hang_up(pid: u32, local: SocketAddrV4) -> std::io::Result<usize> {
         let Some(fd) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
             continue;
         };
-        use std::os::fd::AsRawFd;
-        // SAFETY: pidfd_getfd takes a pidfd, a descriptor number in that
-        // process and flags; it returns a new descriptor or -1.
-        let copy = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
-        if copy < 0 {
+        let Ok(copy) = process::pidfd_getfd(pidfd.as_fd(), fd) else {
             continue; // closed meanwhile
-        }
-        // SAFETY: a fresh descriptor we own.
-        let copy = unsafe { OwnedFd::from_raw_fd(copy as i32) };
-        // SAFETY: shutdown on a socket descriptor we hold.
-        if unsafe { libc::shutdown(copy.as_raw_fd(), libc::SHUT_RDWR) } == 0 {
+        };
+        if process::shutdown_socket(&copy).is_ok() {
             n += 1;
         }
     }

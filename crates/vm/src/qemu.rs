@@ -267,12 +267,8 @@ impl Vm {
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&sock_path, std::fs::Permissions::from_mode(0o600))
             .map_err(|e| VmError::io("shim socket permissions", e))?;
-        // SAFETY: fstat into a zeroed buffer on an fd we hold.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: as above.
-        if unsafe { libc::fstat(memfd.as_raw_fd(), &mut st) } != 0 {
-            return Err(VmError::io("fstat memfd", std::io::Error::last_os_error()));
-        }
+        let st = pagefleet_common::sys::mapping::stat(std::os::fd::AsFd::as_fd(memfd))
+            .map_err(|e| VmError::io("fstat memfd", e))?;
         let mem_path = format!("/proc/{}/fd/{}", std::process::id(), memfd.as_raw_fd());
         let mut cmd = Command::new(qemu_binary());
         cmd.args(spec.qemu_args(

@@ -151,15 +151,20 @@ pub fn allocate(fd: BorrowedFd<'_>, len: u64) -> io::Result<()> {
     Ok(())
 }
 
-/// The size of the file behind `fd`, bytes (fstat).
-pub fn file_len(fd: BorrowedFd<'_>) -> io::Result<u64> {
+/// The status of the file behind `fd` (fstat).
+pub fn stat(fd: BorrowedFd<'_>) -> io::Result<libc::stat> {
     // SAFETY: a plain C struct; all zeros is a valid value.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: fstat fills the struct for a descriptor the borrow keeps open.
     if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
         return Err(io::Error::last_os_error());
     }
-    Ok(st.st_size as u64)
+    Ok(st)
+}
+
+/// The size of the file behind `fd`, bytes.
+pub fn file_len(fd: BorrowedFd<'_>) -> io::Result<u64> {
+    Ok(stat(fd)?.st_size as u64)
 }
 
 #[cfg(test)]

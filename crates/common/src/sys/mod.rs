@@ -9,6 +9,7 @@ pub mod fds;
 pub mod file;
 pub mod heap;
 pub mod mapping;
+pub mod net;
 pub mod poll;
 pub mod process;
 pub mod signal;

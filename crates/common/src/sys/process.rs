@@ -1,6 +1,7 @@
 //! Processes: signals to them, whether they live, who we run as.
 
 use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::process::Command;
 
@@ -129,8 +130,7 @@ pub fn enter_cgroup(cmd: &mut Command, procs: &std::path::Path) -> io::Result<()
 
 /// Move the calling thread into the network namespace `ns` (a
 /// `/run/netns/NAME` file).
-pub fn enter_netns(ns: &impl std::os::fd::AsFd) -> io::Result<()> {
-    use std::os::fd::AsRawFd;
+pub fn enter_netns(ns: &impl AsFd) -> io::Result<()> {
     // SAFETY: setns on a namespace file the borrow keeps open; it changes
     // only this thread's namespace.
     if unsafe { libc::setns(ns.as_fd().as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
@@ -179,6 +179,88 @@ pub fn set_affinity(tid: i32, cpus: &[usize]) -> io::Result<()> {
     } else {
         Err(io::Error::last_os_error())
     }
+}
+
+/// A pidfd for process `pid` (pidfd_open): it stays valid, and names the
+/// same process, even after the pid is reused.
+pub fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
+    let pid = libc::pid_t::try_from(pid)
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "pid beyond pid_t"))?;
+    // SAFETY: pidfd_open takes a pid and flags, no memory.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor the kernel just returned; nobody else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+/// A copy of descriptor `fd` of the process `pidfd` names (pidfd_getfd;
+/// needs ptrace access to it).
+pub fn pidfd_getfd(pidfd: BorrowedFd<'_>, fd: RawFd) -> io::Result<OwnedFd> {
+    // SAFETY: pidfd_getfd takes a pidfd the borrow keeps open, a descriptor
+    // number in the other process and flags; no memory.
+    let copy = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
+    if copy < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor the kernel just returned; nobody else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(copy as RawFd) })
+}
+
+/// Block until the process `pidfd` names ends; then, if it is our child,
+/// reap it: its `(si_code, si_status)` (`CLD_EXITED` and the exit code, or
+/// `CLD_KILLED` and the signal). None for a process that is not our child.
+pub fn wait_pidfd(pidfd: BorrowedFd<'_>) -> Option<(i32, i32)> {
+    let mut p = [crate::sys::poll::pollfd(&pidfd, libc::POLLIN)];
+    // A pidfd becomes readable when its process ends.
+    while !matches!(crate::sys::poll::poll(&mut p, -1), Ok(1..)) {}
+    // SAFETY: a zeroed siginfo_t is a valid value for waitid to fill.
+    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    // SAFETY: waitid fills `info` for the process the borrowed pidfd names;
+    // for a process that is not our child it fails (ECHILD), touching nothing.
+    let r = unsafe {
+        libc::waitid(
+            libc::P_PIDFD,
+            pidfd.as_raw_fd() as libc::id_t,
+            &mut info,
+            libc::WEXITED,
+        )
+    };
+    // SAFETY: waitid succeeded, so info describes a child's exit.
+    (r == 0).then(|| (info.si_code, unsafe { info.si_status() }))
+}
+
+/// Reap our child `pid` if it has ended, without waiting: its wait status
+/// (`ExitStatus::from_raw`). None while it runs, and (nothing touched) for
+/// a pid that is not our child.
+pub fn reap_if_ended(pid: u32) -> Option<i32> {
+    let mut st = 0;
+    // SAFETY: waitpid writes the status int we own.
+    let r = unsafe { libc::waitpid(pid as libc::pid_t, &mut st, libc::WNOHANG) };
+    (r == pid as libc::pid_t && r > 0).then_some(st)
+}
+
+/// Shut down both directions of socket `s` (any family): its peer reads
+/// end-of-stream, whoever else holds the descriptor.
+pub fn shutdown_socket(s: &impl AsFd) -> io::Result<()> {
+    // SAFETY: shutdown on a descriptor the borrow keeps open.
+    if unsafe { libc::shutdown(s.as_fd().as_raw_fd(), libc::SHUT_RDWR) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Set priority `nice` for the calling thread (setpriority on its tid).
+pub fn set_thread_nice(nice: i32) {
+    // SAFETY: setpriority takes integers; who=0 is the calling thread.
+    unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, nice) };
+}
+
+/// This process's effective uid.
+pub fn euid() -> u32 {
+    // SAFETY: geteuid takes nothing and cannot fail.
+    unsafe { libc::geteuid() }
 }
 
 #[cfg(test)]
