@@ -493,20 +493,16 @@ impl Conn {
     /// count as open.
     pub fn peer_closed(&self) -> bool {
         let mut b = [0u8; 1];
-        // SAFETY: a one-byte buffer we own; MSG_PEEK leaves the byte queued.
-        let n = unsafe {
-            libc::recv(
-                self.raw_fd(),
-                b.as_mut_ptr().cast(),
-                1,
-                libc::MSG_PEEK | libc::MSG_DONTWAIT,
-            )
-        };
-        match n {
-            0 => true,
-            n if n > 0 => false,
-            _ => !matches!(
-                std::io::Error::last_os_error().kind(),
+        let peek = pagefleet_proto::sys::recv(
+            self.stream.socket(),
+            &mut b,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        );
+        match peek {
+            Ok(0) => true,
+            Ok(_) => false,
+            Err(e) => !matches!(
+                e.kind(),
                 std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
             ),
         }

@@ -93,14 +93,9 @@ pub fn serve(listener: TcpListener, state: Arc<ServerState>) -> io::Result<()> {
                 .map(|w| pollfd(w.stream.socket().as_raw_fd())),
         );
         // Wake at least every 100 ms to expire handshakes.
-        // SAFETY: fds is a live array of fds.len() pollfd structs.
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 100) };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() != io::ErrorKind::Interrupted {
-                warn!("poll in the connection gate: {e}");
-                std::thread::sleep(Duration::from_millis(10));
-            }
+        if let Err(e) = pagefleet_proto::sys::poll(&mut fds, 100) {
+            warn!("poll in the connection gate: {e}");
+            std::thread::sleep(Duration::from_millis(10));
             continue;
         }
         // Serve the waiting connections that have bytes (indices shift as we remove).
@@ -154,16 +149,12 @@ fn advance(st: &Arc<ServerState>, waiting: &mut VecDeque<Waiting>, i: usize) -> 
 /// The socket has bytes to read (a HELLO or a TLS record), without reading.
 fn has_bytes(w: &Waiting) -> bool {
     let mut b = [0u8; 1];
-    // SAFETY: b is a live 1-byte buffer; MSG_PEEK leaves the data queued.
-    let n = unsafe {
-        libc::recv(
-            w.stream.socket().as_raw_fd(),
-            b.as_mut_ptr().cast(),
-            1,
-            libc::MSG_PEEK | libc::MSG_DONTWAIT,
-        )
-    };
-    n > 0
+    let peek = pagefleet_proto::sys::recv(
+        w.stream.socket(),
+        &mut b,
+        libc::MSG_PEEK | libc::MSG_DONTWAIT,
+    );
+    matches!(peek, Ok(1..))
 }
 
 /// Room for one more waiting connection: serve the oldest ones that have

@@ -15,6 +15,7 @@ mod pool;
 mod push;
 pub mod server;
 pub mod store;
+mod sys;
 
 pub use content::LocalContent;
 pub use pool::{Backing, PoolError};

@@ -264,7 +264,6 @@ fn process_cpu_secs() -> f64 {
         .take(2)
         .filter_map(|x| x.parse().ok())
         .collect();
-    // SAFETY: sysconf has no preconditions.
-    let hz = (unsafe { libc::sysconf(libc::_SC_CLK_TCK) }).max(1) as f64;
+    let hz = pagefleet_common::sys::process::clock_ticks() as f64;
     f.iter().sum::<u64>() as f64 / hz
 }

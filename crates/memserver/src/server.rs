@@ -18,7 +18,6 @@ use pagefleet_tls::Stream;
 use std::collections::HashMap;
 use std::io::{self, IoSlice, IoSliceMut, Write};
 use std::net::TcpStream;
-use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -196,19 +195,10 @@ pub trait Transport: ReadAll + Write {
 
 impl Transport for TcpStream {
     fn read_nonblocking(&mut self, buf: &mut [u8]) -> io::Result<Option<usize>> {
-        // SAFETY: buf is valid for writes of buf.len() bytes.
-        let n = unsafe {
-            libc::recv(
-                self.as_raw_fd(),
-                buf.as_mut_ptr().cast(),
-                buf.len(),
-                libc::MSG_DONTWAIT,
-            )
+        let e = match pagefleet_proto::sys::recv(self, buf, libc::MSG_DONTWAIT) {
+            Ok(n) => return Ok(Some(n)),
+            Err(e) => e,
         };
-        if n >= 0 {
-            return Ok(Some(n as usize));
-        }
-        let e = io::Error::last_os_error();
         match e.kind() {
             io::ErrorKind::WouldBlock => Ok(None),
             io::ErrorKind::Interrupted => Ok(None),

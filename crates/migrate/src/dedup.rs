@@ -138,7 +138,7 @@ impl Flight {
 /// content, as a hash only. Returns the bytes sent.
 pub fn send(
     stream: &mut Stream,
-    fd: i32,
+    fd: std::os::fd::BorrowedFd<'_>,
     pages: &[u64],
     hist: &[u8],
     sender: &mut Sender,

@@ -5,6 +5,7 @@
 
 use crate::fill::{Filler, Target};
 use crate::landing::{Shared, HERE, PULLED};
+use crate::sys;
 use crate::wire::Filled;
 use crate::wire::{
     Kind, Stream, WireError, HASH_ENTRY, MAX_HASHES, MAX_PAGES, NO_MIRROR, ZERO_SERVER,
@@ -15,7 +16,8 @@ use pagefleet_dedup::lookup::LookupClient;
 use pagefleet_dedup::PageHash;
 use pagefleet_proto::auth::Secret;
 use pagefleet_region::{Adopt, Config, Region, RemoteRun, PAGE};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::AsFd;
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -29,32 +31,6 @@ pub struct Progress {
     pub located: AtomicU64,
     /// Pre-copy round.
     pub round: AtomicU64,
-}
-
-/// A pipe sized for one PAGES message, for splicing socket data into the memfd.
-struct Pipe {
-    r: std::os::fd::OwnedFd,
-    w: std::os::fd::OwnedFd,
-}
-
-impl Pipe {
-    fn new() -> std::io::Result<Pipe> {
-        use std::os::fd::FromRawFd;
-        let mut fds = [0i32; 2];
-        // SAFETY: plain syscalls; the fds are owned below.
-        unsafe {
-            if libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            let p = Pipe {
-                r: std::os::fd::OwnedFd::from_raw_fd(fds[0]),
-                w: std::os::fd::OwnedFd::from_raw_fd(fds[1]),
-            };
-            // Best effort: a bigger pipe means fewer splice calls.
-            libc::fcntl(fds[1], libc::F_SETPIPE_SZ, (MAX_PAGES * PAGE) as i32);
-            Ok(p)
-        }
-    }
 }
 
 /// Whether this process's memory is capped by a (v1 or v2) memory cgroup.
@@ -78,88 +54,6 @@ fn memcg_limited() -> bool {
         }
     }
     false
-}
-
-/// Map the pages of `range` (a page-aligned part of the guest mapping) that
-/// are in memory. Pages the kernel already swapped out (a destination in a
-/// memory cgroup) stay unmapped: faulting them back in here could only
-/// push the cgroup over its limit.
-fn map_resident(range: &mut [u8]) {
-    let n = range.len() / PAGE;
-    let mut vec = [0u8; MAX_PAGES];
-    // SAFETY: mincore/madvise on a range of our own mapping.
-    unsafe {
-        if libc::mincore(range.as_mut_ptr().cast(), range.len(), vec.as_mut_ptr()) != 0 {
-            return;
-        }
-        let mut i = 0;
-        while i < n {
-            if vec[i] & 1 == 0 {
-                i += 1;
-                continue;
-            }
-            let j = (i..n).find(|&k| vec[k] & 1 == 0).unwrap_or(n);
-            libc::madvise(
-                range.as_mut_ptr().add(i * PAGE).cast(),
-                (j - i) * PAGE,
-                23, /* MADV_POPULATE_WRITE */
-            );
-            i = j;
-        }
-    }
-}
-
-/// Move `len` bytes from the socket into the file at `off` through the pipe.
-fn splice_in(p: &mut Pipe, sock: i32, file: i32, off: u64, len: usize) -> Result<(), WireError> {
-    let mut done = 0usize;
-    while done < len {
-        // SAFETY: plain syscalls on descriptors we hold.
-        let n = unsafe {
-            libc::splice(
-                sock,
-                std::ptr::null_mut(),
-                p.w.as_raw_fd(),
-                std::ptr::null_mut(),
-                len - done,
-                libc::SPLICE_F_MOVE | libc::SPLICE_F_MORE,
-            )
-        };
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(WireError::Io(e));
-        }
-        if n == 0 {
-            return Err(WireError::Io(std::io::ErrorKind::UnexpectedEof.into()));
-        }
-        let mut m = 0usize;
-        while m < n as usize {
-            let mut o = (off as usize + done + m) as i64;
-            // SAFETY: as above; `o` is the file offset to write at.
-            let k = unsafe {
-                libc::splice(
-                    p.r.as_raw_fd(),
-                    std::ptr::null_mut(),
-                    file,
-                    &mut o,
-                    n as usize - m,
-                    libc::SPLICE_F_MOVE,
-                )
-            };
-            if k < 0 {
-                let e = std::io::Error::last_os_error();
-                if e.kind() == std::io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(WireError::Io(e));
-            }
-            m += k as usize;
-        }
-        done += n as usize;
-    }
-    Ok(())
 }
 
 /// Largest VM device state accepted (QEMU's is ~1 MB without RAM).
@@ -514,7 +408,7 @@ pub fn receive_with(
     };
     let gather = r.spec.gather;
     let mut tmp = vec![0u8; MAX_PAGES * PAGE];
-    let mut pipe = Pipe::new().map_err(WireError::Io)?;
+    let mut pipe = sys::Pipe::new().map_err(WireError::Io)?;
     let limited = memcg_limited();
     if let Some(c) = lookup.take() {
         let target = Target {
@@ -586,15 +480,15 @@ pub fn receive_with(
                         // TLS: the bytes come decrypted from this process.
                         r.stream.read_exact(dst)?;
                     } else {
-                        splice_in(
+                        sys::splice_in(
                             &mut pipe,
-                            r.stream.s.socket().as_raw_fd(),
-                            r.adopt.memfd.as_raw_fd(),
+                            r.stream.s.socket().as_fd(),
+                            r.adopt.memfd.as_fd(),
                             (first * PAGE) as u64,
                             count * PAGE,
                         )?;
                         if populate {
-                            map_resident(dst);
+                            sys::map_resident(dst);
                         }
                     }
                     r.shared.loc.lock().unwrap()[first..first + count].fill(HERE);

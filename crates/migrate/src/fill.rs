@@ -262,13 +262,12 @@ fn populate_runs(t: &Target, pages: &[(usize, u8)]) {
         while j < pages.len() && pages[j].0 == pages[j - 1].0 + 1 {
             j += 1;
         }
-        // SAFETY: madvise on part of the guest mapping (in bounds: the
-        // receiver checked the pages); populating changes no data.
+        // SAFETY: part of the guest mapping (in bounds: the receiver
+        // checked the pages), which the target holds.
         unsafe {
-            libc::madvise(
-                (t.shared.base as *mut u8).add(pages[i].0 * PAGE).cast(),
+            crate::sys::populate_write(
+                (t.shared.base as *mut u8).add(pages[i].0 * PAGE),
                 (j - i) * PAGE,
-                23, /* MADV_POPULATE_WRITE */
             );
         }
         i = j;

@@ -13,12 +13,14 @@ pub mod placement;
 pub mod plan;
 pub mod source;
 mod sub_dedup;
+mod sys;
 pub mod wire;
+pub use sys::pread_pages;
 
 use pagefleet_client::{Conn, ConnectOptions, GetMode, Pages};
 use pagefleet_proto::auth::Secret;
 use pagefleet_region::{Location, Region, PAGE};
-use std::os::fd::AsRawFd;
+use std::os::fd::AsFd;
 
 /// What a destination needs to resume a guest (the SPEC message).
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
@@ -49,35 +51,6 @@ pub struct Spec {
 
 pub use pagefleet_api::Report;
 
-/// Read whole pages of the region's memfd without faulting (holes read as zeros).
-pub fn pread_pages(fd: i32, first: u64, dst: &mut [u8]) -> std::io::Result<()> {
-    let mut done = 0;
-    while done < dst.len() {
-        // SAFETY: writing into our own buffer.
-        let n = unsafe {
-            libc::pread(
-                fd,
-                dst[done..].as_mut_ptr().cast(),
-                dst.len() - done,
-                (first as usize * PAGE + done) as i64,
-            )
-        };
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        if n == 0 {
-            dst[done..].fill(0);
-            break;
-        }
-        done += n as usize;
-    }
-    Ok(())
-}
-
 /// Why a region's checksum could not be taken.
 #[derive(Debug, thiserror::Error)]
 pub enum ChecksumError {
@@ -106,7 +79,7 @@ pub enum ChecksumError {
 /// the wrapping sum of per-page xxh3 hashes seeded with the page number.
 pub fn checksum(region: &Region, secret: &Secret) -> Result<String, ChecksumError> {
     let snap = region.snapshot().ok_or(ChecksumError::PagerGone)?;
-    let fd = region.memfd().as_raw_fd();
+    let fd = region.memfd().as_fd();
     let zero = vec![0u8; PAGE];
     let mut sum = 0u64;
     let mut buf = vec![0u8; 64 * PAGE];

@@ -12,7 +12,7 @@ use crate::{checksum, pread_pages, Report, Spec};
 use pagefleet_client::{Conn, ConnectOptions, Pages};
 use pagefleet_proto::auth::Secret;
 use pagefleet_region::{Location, Region, Snapshot, PAGE};
-use std::os::fd::AsRawFd;
+use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 use tracing::{info, warn};
@@ -581,7 +581,7 @@ impl Run<'_> {
         // Pages staying on memory servers first: in a gather the
         // destination pulls them while the main host's data streams.
         self.send_located(&mut located)?;
-        let fd = self.region.memfd().as_raw_fd();
+        let fd = self.region.memfd().as_fd();
         let rid = self.region.region_id;
         let (progress, cancel) = (self.progress, self.cancel);
         let hist = &main_hist;
@@ -722,7 +722,7 @@ impl Run<'_> {
 /// `hist[i]` is the history of `pages[i]`.
 fn send_main(
     stream: &mut Stream,
-    fd: i32,
+    fd: std::os::fd::BorrowedFd<'_>,
     pages: &[u64],
     hist: &[u8],
     progress: &Progress,

@@ -197,7 +197,7 @@ impl<'a> SubPut<'a> {
 /// pipelined, sharing-aware when `sp.dedup` is set. Returns bytes sent.
 pub(crate) fn put_pages(
     mut sp: SubPut<'_>,
-    fd: i32,
+    fd: std::os::fd::BorrowedFd<'_>,
     pages: &[u64],
     cancel: &AtomicBool,
 ) -> Result<u64, MigrateError> {

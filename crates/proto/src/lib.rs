@@ -11,7 +11,7 @@ pub mod frame;
 pub mod framing;
 pub mod io;
 pub mod msg;
-mod sys;
+pub mod sys;
 
 pub use frame::*;
 pub use msg::*;

@@ -4,7 +4,7 @@
 
 use std::io::{self, IoSlice};
 use std::net::TcpStream;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+use std::os::fd::{AsRawFd, BorrowedFd};
 
 /// sendmsg(MSG_DONTWAIT | MSG_NOSIGNAL) of `bufs` (at most 1024 of them).
 pub(crate) fn send_vectored_nowait(s: &TcpStream, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
@@ -21,21 +21,7 @@ pub(crate) fn send_vectored_nowait(s: &TcpStream, bufs: &[IoSlice<'_>]) -> io::R
     Ok(n as usize)
 }
 
-pub(crate) fn recv(fd: &impl AsFd, buf: &mut [u8], flags: i32) -> io::Result<usize> {
-    // SAFETY: buf is valid for writes of buf.len() bytes; the borrow keeps fd open.
-    let n = unsafe {
-        libc::recv(
-            fd.as_fd().as_raw_fd(),
-            buf.as_mut_ptr().cast(),
-            buf.len(),
-            flags,
-        )
-    };
-    if n < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(n as usize)
-}
+pub(crate) use pagefleet_proto::sys::recv;
 
 /// Wait until the socket takes bytes, as its send timeout allows.
 pub(crate) fn wait_writable(sock: &TcpStream) -> io::Result<()> {
