@@ -15,6 +15,7 @@ mod local;
 pub mod lookup;
 pub mod resident;
 pub mod scan;
+mod sys;
 
 pub use hash::{ContentKey, PageHash, PAGE};
 pub use index::{ContentIndex, Filter, IndexStats, Location, SourceId};

@@ -68,8 +68,7 @@ mod tests {
     use super::*;
     use crate::ContentKey;
     use pagefleet_proto::auth::Secret;
-    use std::fs::File;
-    use std::os::fd::{AsRawFd, FromRawFd};
+    use std::os::fd::AsRawFd;
     use std::os::unix::fs::FileExt;
     use std::sync::atomic::AtomicBool;
 
@@ -79,10 +78,7 @@ mod tests {
         let key = ContentKey::from_secret(&s);
         let hi = HostIndex::new(key.clone(), 1000);
         // A guest's memfd with pages 1 and 2 written.
-        let name = std::ffi::CString::new("pagefleet-local-test").unwrap();
-        // SAFETY: memfd_create with a valid name; the fd is owned by `f`.
-        let f = unsafe { File::from_raw_fd(libc::memfd_create(name.as_ptr(), 0)) };
-        f.set_len(4 * PAGE as u64).unwrap();
+        let f = crate::sys::memfd(c"pagefleet-local-test", 4 * PAGE as u64);
         f.write_all_at(&[7; PAGE], PAGE as u64).unwrap();
         f.write_all_at(&[8; PAGE], 2 * PAGE as u64).unwrap();
         let at = ProcFd {

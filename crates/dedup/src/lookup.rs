@@ -27,7 +27,6 @@ use crate::scan::{HostIndex, ProcFd, STORE};
 use crate::{ContentKey, PageHash, PAGE};
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
-use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::Arc;
 
@@ -52,29 +51,8 @@ pub struct Peer {
 
 /// `SO_PEERCRED` of a connected unix socket.
 pub fn peer_of(s: &UnixStream) -> io::Result<Peer> {
-    let mut c = libc::ucred {
-        pid: 0,
-        uid: 0,
-        gid: 0,
-    };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: getsockopt writes at most `len` bytes into `c`.
-    let r = unsafe {
-        libc::getsockopt(
-            s.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&mut c as *mut libc::ucred).cast(),
-            &mut len,
-        )
-    };
-    if r != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(Peer {
-        pid: c.pid as u32,
-        uid: c.uid,
-    })
+    let (pid, uid) = crate::sys::peer_cred(s)?;
+    Ok(Peer { pid, uid })
 }
 
 /// Copies a slot of this daemon's memory server store (if it holds a
@@ -434,8 +412,6 @@ mod tests {
     use super::*;
     use crate::SourceId;
     use pagefleet_proto::auth::Secret;
-    use std::fs::File;
-    use std::os::fd::FromRawFd;
     use std::os::unix::fs::FileExt;
 
     fn key() -> ContentKey {
@@ -445,16 +421,13 @@ mod tests {
 
     #[test]
     fn a_runner_finds_pages_its_host_holds_and_a_stale_hint_is_a_miss() {
-        let name = std::ffi::CString::new("pagefleet-lookup-test").unwrap();
-        // SAFETY: plain syscall; the fd is owned by the File below.
-        let f = unsafe { File::from_raw_fd(libc::memfd_create(name.as_ptr(), 0)) };
-        f.set_len(16 * PAGE as u64).unwrap();
+        let f = crate::sys::memfd(c"pagefleet-lookup-test", 16 * PAGE as u64);
         f.write_all_at(&[5; PAGE], 2 * PAGE as u64).unwrap();
         f.write_all_at(&[6; PAGE], 3 * PAGE as u64).unwrap();
         let hi = Arc::new(HostIndex::new(key(), 100));
         let at = ProcFd {
             pid: std::process::id(),
-            fd: f.as_raw_fd() as u32,
+            fd: std::os::fd::AsRawFd::as_raw_fd(&f) as u32,
         };
         let stop = std::sync::atomic::AtomicBool::new(false);
         hi.scan(SourceId(7), at, 1.0, &stop).unwrap();

@@ -15,54 +15,35 @@
 //! window of one syscall); it is then swapped in once, as any reader of
 //! the file would.
 
+use crate::sys::ResidencyMap;
 use crate::PAGE;
 use std::fs::File;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 
 /// A guest memfd opened for reading, with a mapping used only to ask which
 /// of its pages are in memory.
 pub struct GuestMemory {
     file: File,
-    /// The mapping (never dereferenced: `mincore` reads the page tables of
-    /// the file, not its bytes); null when the file is empty.
-    map: *mut libc::c_void,
+    /// None when the file is empty.
+    map: Option<ResidencyMap>,
     pages: u64,
 }
-
-// SAFETY: the mapping is never dereferenced, only passed to mincore; the
-// file is Send + Sync.
-unsafe impl Send for GuestMemory {}
-// SAFETY: as above.
-unsafe impl Sync for GuestMemory {}
 
 impl GuestMemory {
     /// Wrap an open guest memory file.
     pub fn new(file: File) -> std::io::Result<GuestMemory> {
         let len = file.metadata()?.len();
         let pages = len / PAGE as u64;
-        let bytes = usize::try_from(pages * PAGE as u64).map_err(|_| {
-            std::io::Error::new(std::io::ErrorKind::InvalidInput, "file too large to map")
-        })?;
-        let map = if bytes == 0 {
-            std::ptr::null_mut()
+        let n = usize::try_from(pages)
+            .ok()
+            .filter(|p| p.checked_mul(PAGE).is_some())
+            .ok_or_else(|| {
+                std::io::Error::new(std::io::ErrorKind::InvalidInput, "file too large to map")
+            })?;
+        let map = if n == 0 {
+            None
         } else {
-            // SAFETY: a new shared read-only mapping of a file we hold; the
-            // kernel picks the address. It is never read through.
-            let m = unsafe {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    bytes,
-                    libc::PROT_READ,
-                    libc::MAP_SHARED,
-                    file.as_raw_fd(),
-                    0,
-                )
-            };
-            if m == libc::MAP_FAILED {
-                return Err(std::io::Error::last_os_error());
-            }
-            m
+            Some(ResidencyMap::new(&file, n)?)
         };
         Ok(GuestMemory { file, map, pages })
     }
@@ -80,27 +61,9 @@ impl GuestMemory {
     /// Which of pages `first..first + out.len()` are in memory: `out[i]`
     /// is set for page `first + i`. Pages past the end read as not.
     pub fn resident(&self, first: u64, out: &mut [bool]) {
-        out.fill(false);
-        if first >= self.pages || out.is_empty() {
-            return;
-        }
-        let n = (out.len() as u64).min(self.pages - first) as usize;
-        let mut vec = vec![0u8; n];
-        // SAFETY: first + n <= pages, so the range lies inside our mapping
-        // (first * PAGE fits: the whole mapping's length is a usize); vec
-        // has one byte per page of it.
-        let rc = unsafe {
-            libc::mincore(
-                self.map.cast::<u8>().add(first as usize * PAGE).cast(),
-                n * PAGE,
-                vec.as_mut_ptr(),
-            )
-        };
-        if rc != 0 {
-            return;
-        }
-        for (o, v) in out.iter_mut().zip(&vec) {
-            *o = v & 1 == 1;
+        match (&self.map, usize::try_from(first)) {
+            (Some(m), Ok(first)) => m.resident(first, out),
+            _ => out.fill(false),
         }
     }
 
@@ -113,26 +76,12 @@ impl GuestMemory {
     }
 }
 
-impl Drop for GuestMemory {
-    fn drop(&mut self) {
-        if !self.map.is_null() {
-            // SAFETY: our mapping, of exactly this length, unmapped once.
-            unsafe { libc::munmap(self.map, self.pages as usize * PAGE) };
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn memfd(pages: u64) -> File {
-        // SAFETY: memfd_create with a NUL-terminated name; the fd is ours.
-        let fd = unsafe { libc::memfd_create(c"resident-test".as_ptr(), 0) };
-        assert!(fd >= 0);
-        // SAFETY: fd was just created and is owned by nobody else.
-        let f = unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
-        f.set_len(pages * PAGE as u64).unwrap();
+        let f = crate::sys::memfd(c"resident-test", pages * PAGE as u64);
         f
     }
 

@@ -13,7 +13,6 @@ use crate::resident::GuestMemory;
 use crate::{ContentIndex, ContentKey, SourceId, PAGE};
 use std::collections::HashMap;
 use std::fs::File;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Mutex;
@@ -144,7 +143,7 @@ impl HostIndex {
             if stop.load(Relaxed) {
                 return None;
             }
-            let (data, end) = data_range(mem.file(), p, pages as u64);
+            let (data, end) = crate::sys::data_range(mem.file(), p, pages as u64);
             // Holes before the next data: nothing to hash there.
             if data > p {
                 let mut ix = self.lock();
@@ -276,24 +275,6 @@ impl HostIndex {
     }
 }
 
-fn data_range(f: &File, from: u64, pages: u64) -> (u64, u64) {
-    let fd = f.as_raw_fd();
-    // SAFETY: lseek on a descriptor we hold.
-    let d = unsafe { libc::lseek(fd, (from * PAGE as u64) as i64, libc::SEEK_DATA) };
-    if d < 0 {
-        return (pages, pages);
-    }
-    let d = d as u64 / PAGE as u64;
-    // SAFETY: as above.
-    let h = unsafe { libc::lseek(fd, (d * PAGE as u64) as i64, libc::SEEK_HOLE) };
-    let h = if h < 0 {
-        pages
-    } else {
-        (h as u64).div_ceil(PAGE as u64).min(pages)
-    };
-    (d.min(pages), h.max(d.min(pages)))
-}
-
 /// Sleeps after work so that work takes at most `budget` of the time.
 struct Pace {
     factor: f64,
@@ -325,14 +306,7 @@ mod tests {
 
     /// A real memfd named as guest memory, with data in some pages only.
     fn memfd(pages: u64, data: &[(u64, u8)]) -> File {
-        use std::os::fd::FromRawFd;
-        let name = std::ffi::CString::new("pagefleet-scan-test").unwrap();
-        // SAFETY: plain syscall; the fd is owned by the File below.
-        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
-        assert!(fd >= 0);
-        // SAFETY: a fresh descriptor we own.
-        let f = unsafe { File::from_raw_fd(fd) };
-        f.set_len(pages * PAGE as u64).unwrap();
+        let f = crate::sys::memfd(c"pagefleet-scan-test", pages * PAGE as u64);
         for &(p, v) in data {
             f.write_all_at(&[v; PAGE], p * PAGE as u64).unwrap();
         }
@@ -359,16 +333,7 @@ mod tests {
         assert!(ix.lookup(&k.hash(&[1; PAGE])).is_none());
         drop(ix);
         // A page punched out is forgotten on the next pass.
-        // SAFETY: fallocate on our own memfd.
-        let r = unsafe {
-            libc::fallocate(
-                f.as_raw_fd(),
-                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-                4 * PAGE as i64,
-                PAGE as i64,
-            )
-        };
-        assert_eq!(r, 0);
+        crate::sys::punch_hole(&f, 4 * PAGE as u64, PAGE as u64).unwrap();
         hi.scan(SourceId(1), at, 1.0, &stop).unwrap();
         assert!(hi.lock().lookup(&k.hash(&[8; PAGE])).is_none());
         hi.retain(&[]);
