@@ -81,8 +81,7 @@ mod tests {
     use super::*;
 
     fn memfd(pages: u64) -> File {
-        let f = crate::sys::memfd(c"resident-test", pages * PAGE as u64);
-        f
+        crate::sys::memfd(c"resident-test", pages * PAGE as u64)
     }
 
     #[test]

@@ -298,6 +298,7 @@ impl Pace {
 mod tests {
     use super::*;
     use pagefleet_proto::auth::Secret;
+    use std::os::fd::AsRawFd;
 
     fn key() -> ContentKey {
         let s = Secret::from_bytes(b"0123456789abcdef0123456789abcdef", "test").unwrap();

@@ -32,10 +32,8 @@ impl Dev {
                 return Err(crate::Error::Invalid(format!("{s} is not a block device")));
             }
             let r = m.rdev();
-            Dev {
-                major: libc::major(r),
-                minor: libc::minor(r),
-            }
+            let (major, minor) = pagefleet_common::sys::mapping::dev_numbers(r);
+            Dev { major, minor }
         };
         if !std::path::Path::new(&format!("/sys/dev/block/{d}")).exists() {
             return Err(crate::Error::Invalid(format!(

@@ -11,5 +11,6 @@ pub mod error;
 
 pub use error::{Error, Result};
 pub mod swapin;
+mod sys;
 pub mod sysfs;
 pub mod tuned;

@@ -347,23 +347,19 @@ impl Sweep {
                 continue;
             }
             let len = (n * PAGE) as usize;
-            let local = libc::iovec {
-                iov_base: self.buf.as_mut_ptr().cast(),
-                iov_len: len,
+            let got = match pagefleet_common::sys::process::read_process_memory(
+                a.pid,
+                rs,
+                &mut self.buf[..len],
+            ) {
+                Ok(n) => n,
+                Err(_) => {
+                    // Gone, or the area changed under us: leave it.
+                    self.next_area();
+                    continue;
+                }
             };
-            let remote = libc::iovec {
-                iov_base: rs as *mut libc::c_void,
-                iov_len: len,
-            };
-            // SAFETY: `local` is our buffer of at least `len` bytes; the
-            // remote range is only read, in the other process, by the kernel.
-            let got = unsafe { libc::process_vm_readv(a.pid as i32, &local, 1, &remote, 1, 0) };
-            if got < 0 {
-                // Gone, or the area changed under us: leave it.
-                self.next_area();
-                continue;
-            }
-            let read = got as usize / PAGE as usize * PAGE as usize;
+            let read = got / PAGE as usize * PAGE as usize;
             self.progress.brought_pages += read as u64 / PAGE;
             self.progress.duplicate_pages += count_duplicates(&mut self.seen, &self.buf[..read]);
             self.next = rs + (got as u64).max(PAGE).next_multiple_of(PAGE);

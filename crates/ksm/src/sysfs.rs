@@ -149,31 +149,15 @@ pub const KSMD_DEFAULT_NICE: i32 = 5;
 /// ksmd's nice value.
 pub fn ksmd_nice() -> Result<i32> {
     let pid = ksmd_pid()?;
-    // SAFETY: plain syscalls; errno distinguishes -1 from an error.
-    unsafe {
-        *libc::__errno_location() = 0;
-        let n = libc::getpriority(libc::PRIO_PROCESS, pid);
-        if n == -1 && *libc::__errno_location() != 0 {
-            return Err(crate::Error::Kernel(format!(
-                "cannot read ksmd's priority: {}",
-                std::io::Error::last_os_error()
-            )));
-        }
-        Ok(n)
-    }
+    pagefleet_common::sys::process::nice_of(pid)
+        .map_err(|e| crate::Error::Kernel(format!("cannot read ksmd's priority: {e}")))
 }
 
 /// Set ksmd's nice value (root).
 pub fn set_ksmd_nice(n: i32) -> Result<()> {
     let pid = ksmd_pid()?;
-    // SAFETY: plain syscall.
-    if unsafe { libc::setpriority(libc::PRIO_PROCESS, pid, n) } != 0 {
-        return Err(crate::Error::Kernel(format!(
-            "cannot set ksmd's priority to {n}: {}",
-            std::io::Error::last_os_error()
-        )));
-    }
-    Ok(())
+    pagefleet_common::sys::process::set_nice(pid, n)
+        .map_err(|e| crate::Error::Kernel(format!("cannot set ksmd's priority to {n}: {e}")))
 }
 
 fn ksmd_pid() -> Result<u32> {

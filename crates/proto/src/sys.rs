@@ -3,7 +3,7 @@
 //! its `SAFETY:` comment; crates on the data path (client, tls, memserver)
 //! use these. The architecture test keeps `libc::` calls in `sys` modules.
 
-use std::io::{self, IoSliceMut};
+use std::io::{Error, ErrorKind, IoSliceMut, Result};
 use std::os::fd::{AsFd, AsRawFd};
 
 /// Whether this process runs as root (effective uid 0).
@@ -14,7 +14,7 @@ pub fn is_root() -> bool {
 
 /// One `recvmsg(MSG_WAITALL)` into `bufs` (at most 1024 of them): returns
 /// when all are full, at end of stream, on a signal or timeout.
-pub fn recv_all_vectored(s: &impl AsFd, bufs: &mut [IoSliceMut<'_>]) -> io::Result<usize> {
+pub fn recv_all_vectored(s: &impl AsFd, bufs: &mut [IoSliceMut<'_>]) -> Result<usize> {
     let n = bufs.len().min(1024);
     // SAFETY: a plain C struct; all zeros is a valid value.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
@@ -24,7 +24,7 @@ pub fn recv_all_vectored(s: &impl AsFd, bufs: &mut [IoSliceMut<'_>]) -> io::Resu
     // layout) borrowed mutably for the call; the socket is borrowed open.
     let r = unsafe { libc::recvmsg(s.as_fd().as_raw_fd(), &mut msg, libc::MSG_WAITALL) };
     if r < 0 {
-        return Err(io::Error::last_os_error());
+        return Err(Error::last_os_error());
     }
     Ok(r as usize)
 }
@@ -43,7 +43,7 @@ pub fn peer_hung_up(fd: &impl AsFd, timeout_ms: i32) -> bool {
 
 /// recv(2) with `flags` (`libc::MSG_PEEK`, `libc::MSG_DONTWAIT`, ...) into
 /// `buf`: bytes received (0: the peer closed).
-pub fn recv(s: &impl AsFd, buf: &mut [u8], flags: i32) -> io::Result<usize> {
+pub fn recv(s: &impl AsFd, buf: &mut [u8], flags: i32) -> Result<usize> {
     // SAFETY: buf is valid for writes of buf.len() bytes; the borrow keeps
     // the socket open.
     let n = unsafe {
@@ -55,20 +55,20 @@ pub fn recv(s: &impl AsFd, buf: &mut [u8], flags: i32) -> io::Result<usize> {
         )
     };
     if n < 0 {
-        return Err(io::Error::last_os_error());
+        return Err(Error::last_os_error());
     }
     Ok(n as usize)
 }
 
 /// poll(2) over `fds` for up to `timeout_ms` (-1: forever): how many have
 /// events (their `revents`). EINTR counts as 0 ready.
-pub fn poll(fds: &mut [libc::pollfd], timeout_ms: i32) -> io::Result<usize> {
+pub fn poll(fds: &mut [libc::pollfd], timeout_ms: i32) -> Result<usize> {
     // SAFETY: the slice is `fds.len()` valid pollfds, borrowed mutably for
     // the call; poll does not keep them.
     let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, timeout_ms) };
     if n < 0 {
-        let e = io::Error::last_os_error();
-        return if e.kind() == io::ErrorKind::Interrupted {
+        let e = Error::last_os_error();
+        return if e.kind() == ErrorKind::Interrupted {
             Ok(0)
         } else {
             Err(e)

@@ -14,6 +14,7 @@
 pub mod control;
 pub mod local;
 pub mod service;
+mod sys;
 pub mod vm;
 pub mod workload;
 
@@ -150,14 +151,8 @@ fn ready(line: &str) -> Result<(), RunnerError> {
         .write(true)
         .open("/dev/null")
         .map_err(|e| RunnerError::io("opening /dev/null", e))?;
-    // SAFETY: dup2 onto fd 1 with a valid descriptor; stdout's lock is held,
-    // so no other thread writes meanwhile.
-    if unsafe { libc::dup2(std::os::fd::AsRawFd::as_raw_fd(&null), 1) } < 0 {
-        return Err(RunnerError::io(
-            "pointing stdout at /dev/null",
-            std::io::Error::last_os_error(),
-        ));
-    }
+    // stdout's lock is held, so no other thread writes meanwhile.
+    sys::replace_stdout(&null).map_err(|e| RunnerError::io("pointing stdout at /dev/null", e))?;
     Ok(())
 }
 

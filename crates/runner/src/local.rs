@@ -3,6 +3,8 @@
 //! baseline), with a progress line per second and a JSON outcome.
 
 use crate::RunnerError;
+use pagefleet_common::sys::mapping::{Advice, Mapping};
+use pagefleet_common::sys::signal::SignalSet;
 use pagefleet_guests::{kv, sort, synthetic, Mem};
 use pagefleet_region::{Config, Policy, Region, Secret};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -80,55 +82,30 @@ pub struct LocalRun {
 struct Memory {
     /// Shared with the kv server's `stats` (its connection threads may outlive this command's scope).
     region: Option<Arc<Region>>,
-    plain: Option<(*mut u8, usize)>,
+    plain: Option<Mapping>,
 }
 
 impl Memory {
     fn mem(&self) -> Mem {
-        match (&self.region, self.plain) {
+        match (&self.region, &self.plain) {
             // SAFETY: the region/mapping outlives every use in this command.
             (Some(r), _) => unsafe { Mem::new(r.as_ptr(), r.len()) },
             // SAFETY: our own mapping, unmapped only when Memory drops.
-            (None, Some((p, n))) => unsafe { Mem::new(p, n) },
+            (None, Some(m)) => unsafe { Mem::new(m.as_ptr(), m.len()) },
             _ => unreachable!(),
-        }
-    }
-}
-
-impl Drop for Memory {
-    fn drop(&mut self) {
-        if let Some((p, n)) = self.plain {
-            // SAFETY: our mapping.
-            unsafe { libc::munmap(p.cast(), n) };
         }
     }
 }
 
 fn open_memory(a: &LocalRun) -> Result<Memory, RunnerError> {
     if a.plain {
-        // SAFETY: fresh anonymous mapping.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                a.size as usize,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(RunnerError::io(
-                format!("cannot map {} bytes of memory", a.size),
-                std::io::Error::last_os_error(),
-            ));
-        }
+        let m = Mapping::anonymous(a.size as usize, false)
+            .map_err(|e| RunnerError::io(format!("cannot map {} bytes of memory", a.size), e))?;
         // Same page size as a region: THP off.
-        // SAFETY: the mapping just made, whole.
-        unsafe { libc::madvise(p, a.size as usize, libc::MADV_NOHUGEPAGE) };
+        m.advise(0, m.len(), Advice::NoHugePages);
         return Ok(Memory {
             region: None,
-            plain: Some((p.cast(), a.size as usize)),
+            plain: Some(m),
         });
     }
     let r = Region::new(region_config(a))?;
@@ -323,27 +300,17 @@ fn watch_signals() {
 /// toggles it between short windows).
 /// Block both in this thread (call before any thread starts: they
 /// inherit the mask), then [`watch_sampling_signals`].
-fn block_sampling_signals() -> libc::sigset_t {
-    // SAFETY: plain signal-mask calls on a local set.
-    unsafe {
-        let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut set);
-        libc::sigaddset(&mut set, libc::SIGUSR1);
-        libc::sigaddset(&mut set, libc::SIGUSR2);
-        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
-        set
-    }
+fn block_sampling_signals() -> SignalSet {
+    SignalSet::of(&[libc::SIGUSR1, libc::SIGUSR2]).block()
 }
 
-fn watch_sampling_signals(set: libc::sigset_t, budget: f64) {
+fn watch_sampling_signals(set: SignalSet, budget: f64) {
     let _ = std::thread::Builder::new()
         .name("sampling-signals".into())
         .spawn(move || loop {
-            let mut sig = 0;
-            // SAFETY: waits for signals this set blocked in every thread.
-            if unsafe { libc::sigwait(&set, &mut sig) } != 0 {
+            let Some(sig) = set.wait() else {
                 return;
-            }
+            };
             let share = if sig == libc::SIGUSR1 { 0.0 } else { budget };
             if let Some(r) = REGION.get().and_then(|w| w.upgrade()) {
                 r.set_sample_budget(share);

@@ -141,10 +141,8 @@ impl KvServer {
             .take();
         if let Some((stop, l)) = taken {
             stop.store(true, Relaxed);
-            use std::os::fd::AsRawFd;
-            // SAFETY: shutdown on a socket this value owns (a dup of the
-            // accept loop's); no memory is involved.
-            unsafe { libc::shutdown(l.as_raw_fd(), libc::SHUT_RDWR) };
+            // A dup of the accept loop's socket, which this value owns.
+            let _ = pagefleet_common::sys::process::shutdown_socket(&l);
         }
     }
 }

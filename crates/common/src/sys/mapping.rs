@@ -162,6 +162,11 @@ pub fn stat(fd: BorrowedFd<'_>) -> io::Result<libc::stat> {
     Ok(st)
 }
 
+/// A device number's (major, minor) parts.
+pub fn dev_numbers(rdev: u64) -> (u32, u32) {
+    (libc::major(rdev), libc::minor(rdev))
+}
+
 /// The size of the file behind `fd`, bytes.
 pub fn file_len(fd: BorrowedFd<'_>) -> io::Result<u64> {
     Ok(stat(fd)?.st_size as u64)

@@ -257,6 +257,49 @@ pub fn set_thread_nice(nice: i32) {
     unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, nice) };
 }
 
+/// The nice value of process `pid` (getpriority).
+pub fn nice_of(pid: u32) -> io::Result<i32> {
+    // SAFETY: errno is this thread's; clearing it tells a -1 nice value
+    // from a failure. getpriority takes integers only.
+    unsafe {
+        *libc::__errno_location() = 0;
+        let n = libc::getpriority(libc::PRIO_PROCESS, pid as libc::id_t);
+        if n == -1 && *libc::__errno_location() != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(n)
+    }
+}
+
+/// Set the nice value of process `pid` (setpriority; lowering it needs root).
+pub fn set_nice(pid: u32, nice: i32) -> io::Result<()> {
+    // SAFETY: setpriority takes integers only.
+    if unsafe { libc::setpriority(libc::PRIO_PROCESS, pid as libc::id_t, nice) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Read `buf.len()` bytes at address `addr` of process `pid`
+/// (process_vm_readv): how many arrived (fewer at an unmapped page).
+pub fn read_process_memory(pid: u32, addr: u64, buf: &mut [u8]) -> io::Result<usize> {
+    let local = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    let remote = libc::iovec {
+        iov_base: addr as usize as *mut libc::c_void,
+        iov_len: buf.len(),
+    };
+    // SAFETY: `local` is the caller's buffer, its length; the remote range
+    // is read by the kernel in the other process, never dereferenced here.
+    let got = unsafe { libc::process_vm_readv(pid as libc::pid_t, &local, 1, &remote, 1, 0) };
+    if got < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(got as usize)
+}
+
 /// This process's effective uid.
 pub fn euid() -> u32 {
     // SAFETY: geteuid takes nothing and cannot fail.

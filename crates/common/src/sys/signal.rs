@@ -46,40 +46,60 @@ pub fn reload_flag() -> &'static AtomicBool {
 
 /// SIGINT and SIGTERM, blocked in every thread started after this call,
 /// to be waited for with [`TermSignals::wait`].
-pub struct TermSignals(libc::sigset_t);
+pub struct TermSignals(SignalSet);
 
 impl TermSignals {
     /// Block both signals (call before starting threads: they inherit the mask).
     pub fn block() -> TermSignals {
-        // SAFETY: plain signal-mask calls on a local set.
-        unsafe {
-            let mut set: libc::sigset_t = std::mem::zeroed();
-            libc::sigemptyset(&mut set);
-            libc::sigaddset(&mut set, libc::SIGINT);
-            libc::sigaddset(&mut set, libc::SIGTERM);
-            libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
-            TermSignals(set)
-        }
+        TermSignals(SignalSet::of(&[libc::SIGINT, libc::SIGTERM]).block())
     }
 
     /// The set of both signals, without changing any thread's mask: for a
     /// thread that waits for them after [`TermSignals::block`] ran.
     pub fn current() -> TermSignals {
-        // SAFETY: plain signal-set calls on a local set.
-        unsafe {
-            let mut set: libc::sigset_t = std::mem::zeroed();
-            libc::sigemptyset(&mut set);
-            libc::sigaddset(&mut set, libc::SIGINT);
-            libc::sigaddset(&mut set, libc::SIGTERM);
-            TermSignals(set)
-        }
+        TermSignals(SignalSet::of(&[libc::SIGINT, libc::SIGTERM]))
     }
 
     /// Wait until one of them arrives.
     pub fn wait(&self) {
+        self.0.wait();
+    }
+}
+
+/// A set of signals to block and wait for (sigwait), rather than handle.
+#[derive(Clone, Copy)]
+pub struct SignalSet(libc::sigset_t);
+
+impl SignalSet {
+    /// The set of `sigs`.
+    pub fn of(sigs: &[libc::c_int]) -> SignalSet {
+        // SAFETY: a zeroed sigset_t is valid storage for sigemptyset.
+        let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+        // SAFETY: sigemptyset/sigaddset write inside the set we own; an
+        // invalid signal number only makes sigaddset fail (EINVAL).
+        unsafe {
+            libc::sigemptyset(&mut set);
+            for &s in sigs {
+                libc::sigaddset(&mut set, s);
+            }
+        }
+        SignalSet(set)
+    }
+
+    /// Block them in the calling thread (call before starting threads:
+    /// they inherit the mask). Returns the set, to wait on.
+    pub fn block(self) -> SignalSet {
+        // SAFETY: changes the calling thread's mask from a set we own.
+        unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &self.0, std::ptr::null_mut()) };
+        self
+    }
+
+    /// Wait until one of them arrives (blocked in every thread): which, or
+    /// None if sigwait fails.
+    pub fn wait(&self) -> Option<libc::c_int> {
         let mut sig = 0;
-        // SAFETY: waits for signals this set blocked.
-        unsafe { libc::sigwait(&self.0, &mut sig) };
+        // SAFETY: sigwait reads the set and writes the int we own.
+        (unsafe { libc::sigwait(&self.0, &mut sig) } == 0).then_some(sig)
     }
 }
 
