@@ -3,9 +3,19 @@
 //! (through `bench/plot_*.py`), and with `--json` prints one JSON object with
 //! every measurement and a `goals` list computed from this run.
 //!
-//! Every benchmark has the same shape ([`Benchmark`]): its own clap `Args`
-//! (so `pagefleet bench X --help` lists X's flags only) beside the flags all
-//! of them take ([`Common`]).
+//! Every benchmark has the same shape ([`Benchmark`]):
+//!
+//! - options: `Opts`, its two presets (`--quick` and the full run), and its
+//!   clap `Args`, only the knobs a person may turn (so `pagefleet bench X
+//!   --help` lists X's flags only), applied over the preset, beside the
+//!   flags all of them take ([`Common`]);
+//! - `run`: measure, everything in one run, into its `Report`;
+//! - `judge`: the goals, a pure function of the measurements (tested
+//!   without running anything where the rules are more than a comparison);
+//!   a goal whose measurement failed is reported unmet
+//!   ([`util::Goal::not_measured`]), never dropped;
+//! - `print_table` and the plot (`bench/plot_X.py`, through
+//!   [`util::save_with_plot`]).
 
 // Not a library API: a benchmark harness: what its reports mean is documented in docs/*.md.
 #![allow(missing_docs)]

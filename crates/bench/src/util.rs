@@ -34,6 +34,18 @@ impl Goal {
             met: value >= target,
         }
     }
+    /// A goal this run could not measure (a configuration failed, nothing
+    /// qualified): reported, and never met.
+    pub fn not_measured(name: &str, target: f64, unit: &str) -> Goal {
+        Goal {
+            name: format!("{name} (not measured)"),
+            value: 0.0,
+            target,
+            unit: unit.into(),
+            cmp: "measured",
+            met: false,
+        }
+    }
     pub fn at_most(name: &str, value: f64, target: f64, unit: &str) -> Goal {
         Goal {
             name: name.into(),

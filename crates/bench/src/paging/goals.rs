@@ -49,12 +49,7 @@ pub(super) fn judge(
             ));
         } else if ran(group, a) && ran(group, b) {
             // A side failed: the goal stays, unmet, rather than vanishing.
-            goals.push(Goal::at_least(
-                &format!("{what} (not measured: a configuration failed)"),
-                0.0,
-                target,
-                "ratio",
-            ));
+            goals.push(Goal::not_measured(what, target, "ratio"));
         }
     };
     ratio_goal("kv 50% default / all local", G_50, DEFAULT_50, LOCAL, 0.75);
@@ -88,7 +83,7 @@ pub(super) fn judge(
         SWAP_50,
         0.9,
     );
-    if let [floor, pf, ..] = &cpu[..] {
+    if let [floor, pf, ..] = cpu {
         goals.push(Goal::at_most(
             "CPU per page-in (guest host + server) / floor",
             pf.total_us / floor.total_us,
