@@ -7,6 +7,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use pagefleet_blockdev::backend::{Shared, Written};
+use pagefleet_blockdev::engine::Engine;
 use pagefleet_blockdev::layout::Translator;
 use pagefleet_blockdev::nbd::{serve_client, Export, Io, Tls};
 use pagefleet_memserver::{Backing, ServerConfig, ServerState, Store};
@@ -19,7 +20,7 @@ use std::sync::{Arc, OnceLock};
 const BLOCKS: u64 = 64;
 
 struct World {
-    shared: Arc<Shared>,
+    engine: Arc<Engine>,
     state: Arc<ServerState>,
 }
 
@@ -45,7 +46,10 @@ fn world() -> &'static World {
             written: Written::new(BLOCKS),
             client_name: "fuzz-nbd".into(),
         });
-        World { shared, state }
+        World {
+            engine: Engine::start(shared),
+            state,
+        }
     })
 }
 
@@ -90,7 +94,7 @@ fuzz_target!(|data: &[u8]| {
         size: BLOCKS * 4096,
     };
     let c = Client { input: data.to_vec(), at: 0 };
-    let _ = serve_client(Box::new(c), &ex, &Tls::default(), w.shared.clone());
+    let _ = serve_client(Box::new(c), &ex, &Tls::default(), w.engine.clone());
     let stats = w.state.store.stats(usize::MAX);
     assert!(stats.used_slots <= stats.capacity_pages);
     assert!(

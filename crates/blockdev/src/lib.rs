@@ -3,6 +3,7 @@
 //! QEMU and every storage tool can use it (as swap, or as a disk).
 
 pub mod backend;
+pub mod engine;
 pub mod layout;
 pub mod nbd;
 
@@ -136,6 +137,8 @@ impl Listener {
 pub struct Device {
     /// What every connection shares.
     pub shared: Arc<Shared>,
+    /// Its I/O: a lane per memory server.
+    pub engine: Arc<engine::Engine>,
     /// What NBD clients are told.
     pub export: nbd::Export,
     /// Set to end the sessions that hold the device's blocks.
@@ -268,6 +271,7 @@ impl Device {
             size: o.size,
         };
         Ok(Device {
+            engine: engine::Engine::start(shared.clone()),
             shared,
             export,
             holding: stop,
@@ -286,13 +290,13 @@ impl Device {
                     continue;
                 }
             };
-            let (ex, sh) = (self.export.clone(), self.shared.clone());
+            let (ex, eng) = (self.export.clone(), self.engine.clone());
             let tls = nbd::Tls {
                 required: peer.is_some_and(|p| pagefleet_tls::required(tls.as_deref(), p)),
                 identity: tls.clone(),
             };
             std::thread::spawn(move || {
-                let _ = nbd::serve_client(c, &ex, &tls, sh);
+                let _ = nbd::serve_client(c, &ex, &tls, eng);
             });
         }
     }
@@ -301,6 +305,7 @@ impl Device {
     pub fn delete(&self) {
         self.holding
             .store(true, std::sync::atomic::Ordering::Relaxed);
+        self.engine.stop();
         for s in &self.shared.servers {
             let opts = ConnectOptions {
                 name: self.shared.client_name.clone(),

@@ -9,13 +9,14 @@
 //! identity) gets NBD_REP_ERR_TLS_REQD for every other option and is hung
 //! up on if it asks for the export the old way (EXPORT_NAME).
 
-use crate::backend::{Backend, IoError, Shared, BLOCK};
+use crate::backend::{IoError, BLOCK};
+use crate::engine::{Engine, Piece};
 use std::io::{Read, Write};
 use std::net::Shutdown;
 use std::os::unix::net::UnixStream;
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicUsize, Ordering::AcqRel};
 use std::sync::{Arc, Mutex};
-use tracing::{debug, warn};
+use tracing::warn;
 
 pub(crate) const NBDMAGIC: u64 = 0x4e42_444d_4147_4943;
 pub(crate) const IHAVEOPT: u64 = 0x4948_4156_454F_5054;
@@ -66,10 +67,12 @@ pub(crate) const CMD_FLUSH: u16 = 3;
 pub(crate) const CMD_TRIM: u16 = 4;
 pub(crate) const CMD_WRITE_ZEROES: u16 = 6;
 pub(crate) const CMD_FLAG_NO_HOLE: u16 = 2;
+pub(crate) const CMD_FLAG_DF: u16 = 4;
 
 pub(crate) const REPLY_FLAG_DONE: u16 = 1;
 pub(crate) const REPLY_TYPE_NONE: u16 = 0;
 pub(crate) const REPLY_TYPE_OFFSET_DATA: u16 = 1;
+pub(crate) const REPLY_TYPE_OFFSET_HOLE: u16 = 2;
 pub(crate) const REPLY_TYPE_ERROR: u16 = (1 << 15) + 1;
 
 pub(crate) const EIO: u32 = 5;
@@ -81,8 +84,6 @@ pub(crate) const EOVERFLOW: u32 = 75;
 pub const MAX_PAYLOAD: u32 = 32 << 20;
 /// Largest option body accepted during the handshake.
 const MAX_OPTION: u32 = 64 << 10;
-/// Requests served in parallel per connection.
-const WORKERS: usize = 8;
 
 /// What NBD clients are told about the export.
 #[derive(Clone, Debug)]
@@ -355,77 +356,222 @@ fn handshake(c: &mut dyn Io, ex: &Export, tls: &Tls) -> std::io::Result<Option<b
     }
 }
 
+/// One request's header.
+#[derive(Clone, Copy)]
 struct Req {
     flags: u16,
     ty: u16,
     handle: u64,
     offset: u64,
     len: u32,
-    data: Vec<u8>,
 }
 
-/// Replies go out whole under one lock (several workers answer).
+/// Replies go out whole under one lock (lanes complete requests on their
+/// own threads).
 struct Replier {
     w: Mutex<Box<dyn Io>>,
     structured: bool,
 }
 
+/// A structured reply chunk's header.
+fn chunk(b: &mut Vec<u8>, flags: u16, ty: u16, handle: u64, len: usize) {
+    b.extend_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
+    b.extend_from_slice(&flags.to_be_bytes());
+    b.extend_from_slice(&ty.to_be_bytes());
+    b.extend_from_slice(&handle.to_be_bytes());
+    b.extend_from_slice(&(len as u32).to_be_bytes());
+}
+
 impl Replier {
-    fn ok(&self, r: &Req, data: Option<&[u8]>) -> std::io::Result<()> {
-        let mut b = Vec::with_capacity(32 + data.map_or(0, |d| d.len()));
-        if let (true, Some(d)) = (self.structured, data) {
-            b.extend_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
-            b.extend_from_slice(&REPLY_FLAG_DONE.to_be_bytes());
-            b.extend_from_slice(&REPLY_TYPE_OFFSET_DATA.to_be_bytes());
-            b.extend_from_slice(&r.handle.to_be_bytes());
-            b.extend_from_slice(&((8 + d.len()) as u32).to_be_bytes());
-            b.extend_from_slice(&r.offset.to_be_bytes());
-            b.extend_from_slice(d);
-        } else if self.structured {
-            b.extend_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
-            b.extend_from_slice(&REPLY_FLAG_DONE.to_be_bytes());
-            b.extend_from_slice(&REPLY_TYPE_NONE.to_be_bytes());
-            b.extend_from_slice(&r.handle.to_be_bytes());
-            b.extend_from_slice(&0u32.to_be_bytes());
+    fn send(&self, parts: &[&[u8]]) -> std::io::Result<()> {
+        let mut w = self.w.lock().unwrap_or_else(|e| e.into_inner());
+        for p in parts.iter().filter(|p| !p.is_empty()) {
+            w.write_all(p)?;
+        }
+        Ok(())
+    }
+
+    fn ok(&self, r: &Req) -> std::io::Result<()> {
+        let mut b = Vec::with_capacity(20);
+        if self.structured {
+            chunk(&mut b, REPLY_FLAG_DONE, REPLY_TYPE_NONE, r.handle, 0);
         } else {
             b.extend_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
             b.extend_from_slice(&0u32.to_be_bytes());
             b.extend_from_slice(&r.handle.to_be_bytes());
-            if let Some(d) = data {
-                b.extend_from_slice(d);
+        }
+        self.send(&[&b])
+    }
+
+    /// A read's data. Structured: holes as OFFSET_HOLE chunks (unless the
+    /// client asked for one chunk, DF), runs of data as OFFSET_DATA chunks;
+    /// simple: the bytes, holes as zeros.
+    fn data(&self, r: &Req, pieces: &[Piece]) -> std::io::Result<()> {
+        let zeros = vec![0u8; MAX_HOLE_WRITE];
+        let mut out: Vec<Vec<u8>> = Vec::new();
+        let mut parts: Vec<&[u8]> = Vec::new();
+        // Headers are built first (their buffers must outlive `parts`).
+        let whole = !self.structured || r.flags & CMD_FLAG_DF != 0;
+        if whole {
+            let mut h = Vec::with_capacity(32);
+            if self.structured {
+                chunk(
+                    &mut h,
+                    REPLY_FLAG_DONE,
+                    REPLY_TYPE_OFFSET_DATA,
+                    r.handle,
+                    8 + r.len as usize,
+                );
+                h.extend_from_slice(&r.offset.to_be_bytes());
+            } else {
+                h.extend_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
+                h.extend_from_slice(&0u32.to_be_bytes());
+                h.extend_from_slice(&r.handle.to_be_bytes());
+            }
+            out.push(h);
+        } else {
+            // Consecutive pieces of one kind make one chunk.
+            let mut at = r.offset;
+            let mut i = 0;
+            while i < pieces.len() {
+                let hole = matches!(pieces[i], Piece::Hole(_));
+                let mut j = i;
+                let mut len = 0usize;
+                while j < pieces.len() && matches!(pieces[j], Piece::Hole(_)) == hole {
+                    len += piece_len(&pieces[j]);
+                    j += 1;
+                }
+                let last = j == pieces.len();
+                let flags = if last { REPLY_FLAG_DONE } else { 0 };
+                let mut h = Vec::with_capacity(32);
+                if hole {
+                    chunk(&mut h, flags, REPLY_TYPE_OFFSET_HOLE, r.handle, 12);
+                    h.extend_from_slice(&at.to_be_bytes());
+                    h.extend_from_slice(&(len as u32).to_be_bytes());
+                } else {
+                    chunk(&mut h, flags, REPLY_TYPE_OFFSET_DATA, r.handle, 8 + len);
+                    h.extend_from_slice(&at.to_be_bytes());
+                }
+                out.push(h);
+                at += len as u64;
+                i = j;
             }
         }
-        self.w.lock().unwrap().write_all(&b)
+        let mut hdrs = out.iter();
+        if whole {
+            parts.push(hdrs.next().expect("a header"));
+            for p in pieces {
+                match p {
+                    Piece::Data(d) => parts.push(d),
+                    Piece::Hole(n) => {
+                        let mut left = *n as usize * BLOCK;
+                        while left > 0 {
+                            let k = left.min(zeros.len());
+                            parts.push(&zeros[..k]);
+                            left -= k;
+                        }
+                    }
+                }
+            }
+        } else {
+            let mut i = 0;
+            while i < pieces.len() {
+                let hole = matches!(pieces[i], Piece::Hole(_));
+                parts.push(hdrs.next().expect("a header per chunk"));
+                while i < pieces.len() && matches!(pieces[i], Piece::Hole(_)) == hole {
+                    if let Piece::Data(d) = &pieces[i] {
+                        parts.push(d);
+                    }
+                    i += 1;
+                }
+            }
+        }
+        self.send(&parts)
     }
 
     fn err(&self, r: &Req, errno: u32, msg: &str) -> std::io::Result<()> {
         let mut b = Vec::new();
         if self.structured {
-            b.extend_from_slice(&STRUCTURED_REPLY_MAGIC.to_be_bytes());
-            b.extend_from_slice(&REPLY_FLAG_DONE.to_be_bytes());
-            b.extend_from_slice(&REPLY_TYPE_ERROR.to_be_bytes());
-            b.extend_from_slice(&r.handle.to_be_bytes());
             let m = &msg.as_bytes()[..msg.len().min(4096)];
-            b.extend_from_slice(&((6 + m.len()) as u32).to_be_bytes());
+            chunk(
+                &mut b,
+                REPLY_FLAG_DONE,
+                REPLY_TYPE_ERROR,
+                r.handle,
+                6 + m.len(),
+            );
             b.extend_from_slice(&errno.to_be_bytes());
             b.extend_from_slice(&(m.len() as u16).to_be_bytes());
             b.extend_from_slice(m);
         } else {
+            // A simple error reply has no payload, even for a read.
             b.extend_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
             b.extend_from_slice(&errno.to_be_bytes());
             b.extend_from_slice(&r.handle.to_be_bytes());
-            // A failed read still carries its length in simple replies? No:
-            // the protocol says a simple error reply has no payload.
         }
-        self.w.lock().unwrap().write_all(&b)
+        self.send(&[&b])
+    }
+
+    /// The reply to a write, trim or zeroing.
+    fn changed(&self, r: &Req, res: Result<(), IoError>) -> std::io::Result<()> {
+        match res {
+            Ok(()) => self.ok(r),
+            Err(IoError::NoSpace(m)) => self.err(r, ENOSPC, &m),
+            Err(e) => self.err(r, EIO, &e.to_string()),
+        }
     }
 }
 
-fn serve_one(be: &mut Backend, rep: &Replier, ex: &Export, r: Req) -> std::io::Result<()> {
+fn piece_len(p: &Piece) -> usize {
+    match p {
+        Piece::Data(d) => d.len(),
+        Piece::Hole(n) => *n as usize * BLOCK,
+    }
+}
+
+/// Zeros written at most at once for WRITE_ZEROES with NO_HOLE (the
+/// writes of a larger request share one buffer of this size).
+const MAX_HOLE_WRITE: usize = 1 << 20;
+
+/// Several jobs that answer one request together.
+struct Join {
+    left: AtomicUsize,
+    result: Mutex<Result<(), IoError>>,
+    reply: Arc<Replier>,
+    req: Req,
+}
+
+impl Join {
+    fn one_done(&self, r: Result<(), IoError>) {
+        if let Err(e) = r {
+            let mut res = self.result.lock().unwrap_or_else(|e| e.into_inner());
+            if res.is_ok() || matches!(e, IoError::NoSpace(_)) {
+                *res = Err(e);
+            }
+        }
+        if self.left.fetch_sub(1, AcqRel) == 1 {
+            let res = std::mem::replace(
+                &mut *self.result.lock().unwrap_or_else(|e| e.into_inner()),
+                Ok(()),
+            );
+            let _ = self.reply.changed(&self.req, res);
+        }
+    }
+}
+
+/// Start one request; its reply is sent when it completes.
+fn dispatch(
+    eng: &Arc<Engine>,
+    rep: &Arc<Replier>,
+    ex: &Export,
+    r: Req,
+    data: Vec<u8>,
+) -> std::io::Result<()> {
     let aligned = r.offset.is_multiple_of(BLOCK as u64) && (r.len as usize).is_multiple_of(BLOCK);
     let end = r.offset.checked_add(r.len as u64);
     let inside = end.is_some_and(|e| e <= ex.size);
     let first = r.offset / BLOCK as u64;
+    let count = r.len as u64 / BLOCK as u64;
     match r.ty {
         CMD_READ | CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES if !inside => {
             let e = if r.ty == CMD_READ { EINVAL } else { ENOSPC };
@@ -446,46 +592,62 @@ fn serve_one(be: &mut Backend, rep: &Replier, ex: &Export, r: Req) -> std::io::R
                 r.len, r.offset
             ),
         ),
+        CMD_READ | CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES if count == 0 => rep.ok(&r),
         CMD_READ => {
-            let mut buf = vec![0u8; r.len as usize];
-            match be.read(first, &mut buf) {
-                Ok(()) => rep.ok(&r, Some(&buf)),
-                Err(e) => rep.err(&r, EIO, &e.to_string()),
-            }
+            let rep = rep.clone();
+            eng.read(first, count, move |res| {
+                let _ = match res {
+                    Ok(pieces) => rep.data(&r, &pieces),
+                    Err(e) => rep.err(&r, EIO, &e.to_string()),
+                };
+            });
+            Ok(())
         }
-        CMD_WRITE => match be.write(first, &r.data) {
-            Ok(()) => rep.ok(&r, None),
-            Err(IoError::NoSpace(m)) => rep.err(&r, ENOSPC, &m),
-            Err(e) => rep.err(&r, EIO, &e.to_string()),
-        },
-        CMD_TRIM => match be.trim(first, r.len as u64 / BLOCK as u64) {
-            Ok(()) => rep.ok(&r, None),
-            Err(e) => rep.err(&r, EIO, &e.to_string()),
-        },
+        CMD_WRITE => {
+            let rep = rep.clone();
+            eng.write(first, Arc::new(data), 0, count, move |res| {
+                let _ = rep.changed(&r, res);
+            });
+            Ok(())
+        }
+        CMD_TRIM => {
+            let rep = rep.clone();
+            eng.trim(first, count, move |res| {
+                let _ = rep.changed(&r, res);
+            });
+            Ok(())
+        }
+        CMD_WRITE_ZEROES if r.flags & CMD_FLAG_NO_HOLE == 0 => {
+            // Absent blocks read as zeros: freeing them is writing zeros.
+            let rep = rep.clone();
+            eng.trim(first, count, move |res| {
+                let _ = rep.changed(&r, res);
+            });
+            Ok(())
+        }
         CMD_WRITE_ZEROES => {
-            // Absent blocks read as zeros: freeing them is writing zeros,
-            // unless the client asked for them to stay allocated.
-            let res = if r.flags & CMD_FLAG_NO_HOLE != 0 {
-                let zeros = vec![0u8; (r.len as usize).min(MAX_PAYLOAD as usize)];
-                let mut at = 0u64;
-                let mut res = Ok(());
-                while at < r.len as u64 && res.is_ok() {
-                    let n = (r.len as u64 - at).min(zeros.len() as u64);
-                    res = be.write(first + at / BLOCK as u64, &zeros[..n as usize]);
-                    at += n;
-                }
-                res
-            } else {
-                be.trim(first, r.len as u64 / BLOCK as u64)
-            };
-            match res {
-                Ok(()) => rep.ok(&r, None),
-                Err(IoError::NoSpace(m)) => rep.err(&r, ENOSPC, &m),
-                Err(e) => rep.err(&r, EIO, &e.to_string()),
+            // The client wants them allocated: zeros written, in pieces
+            // that share one buffer.
+            let per = (MAX_HOLE_WRITE / BLOCK) as u64;
+            let zeros = Arc::new(vec![0u8; (count.min(per) as usize) * BLOCK]);
+            let join = Arc::new(Join {
+                left: AtomicUsize::new(count.div_ceil(per) as usize),
+                result: Mutex::new(Ok(())),
+                reply: rep.clone(),
+                req: r,
+            });
+            let mut at = 0;
+            while at < count {
+                let n = (count - at).min(per);
+                let j = join.clone();
+                eng.write(first + at, zeros.clone(), 0, n, move |res| j.one_done(res));
+                at += n;
             }
+            Ok(())
         }
-        // Stored before acknowledged: nothing to flush.
-        CMD_FLUSH => rep.ok(&r, None),
+        // Acknowledged writes are stored on every copy that is up:
+        // nothing to flush.
+        CMD_FLUSH => rep.ok(&r),
         t => rep.err(&r, EINVAL, &format!("command {t} is not supported")),
     }
 }
@@ -495,7 +657,7 @@ pub fn serve_client(
     mut c: Box<dyn Io>,
     ex: &Export,
     tls: &Tls,
-    sh: Arc<Shared>,
+    eng: Arc<Engine>,
 ) -> std::io::Result<()> {
     let Some(structured) = handshake(&mut *c, ex, tls)? else {
         return Ok(());
@@ -504,28 +666,13 @@ pub fn serve_client(
         w: Mutex::new(c.try_clone_box()?),
         structured,
     });
-    let (tx, rx) = mpsc::sync_channel::<Req>(64);
-    let rx = Arc::new(Mutex::new(rx));
-    let workers: Vec<_> = (0..WORKERS)
-        .map(|_| {
-            let (rx, rep, sh, ex) = (rx.clone(), rep.clone(), sh.clone(), ex.clone());
-            std::thread::spawn(move || {
-                let mut be = Backend::new(sh);
-                loop {
-                    let r = match rx.lock().unwrap().recv() {
-                        Ok(r) => r,
-                        Err(_) => return,
-                    };
-                    if let Err(e) = serve_one(&mut be, &rep, &ex, r) {
-                        debug!("nbd reply: {e}");
-                        return;
-                    }
-                }
-            })
-        })
-        .collect();
     let result = (|| -> std::io::Result<()> {
         loop {
+            // Bounded work in flight per connection: wait while too many
+            // of its requests are running (each holds the replier).
+            while Arc::strong_count(&rep) > MAX_IN_FLIGHT {
+                std::thread::sleep(std::time::Duration::from_micros(50));
+            }
             let h = rd::<28>(&mut *c)?;
             let magic = u32::from_be_bytes(h[0..4].try_into().unwrap());
             if magic != REQUEST_MAGIC {
@@ -539,7 +686,6 @@ pub fn serve_client(
                 handle: u64::from_be_bytes(h[8..16].try_into().unwrap()),
                 offset: u64::from_be_bytes(h[16..24].try_into().unwrap()),
                 len: u32::from_be_bytes(h[24..28].try_into().unwrap()),
-                data: Vec::new(),
             };
             match r.ty {
                 CMD_DISC => return Ok(()),
@@ -552,25 +698,17 @@ pub fn serve_client(
                     rep.err(&r, EOVERFLOW, "read larger than the advertised maximum")?;
                 }
                 CMD_WRITE => {
-                    let mut r = r;
-                    r.data = vec![0u8; r.len as usize];
-                    c.read_exact(&mut r.data)?;
-                    if tx.send(r).is_err() {
-                        return Ok(());
-                    }
+                    let mut data = vec![0u8; r.len as usize];
+                    c.read_exact(&mut data)?;
+                    dispatch(&eng, &rep, ex, r, data)?;
                 }
-                _ => {
-                    if tx.send(r).is_err() {
-                        return Ok(());
-                    }
-                }
+                _ => dispatch(&eng, &rep, ex, r, Vec::new())?,
             }
         }
     })();
     // Finish what is in flight before closing (DISC semantics).
-    drop(tx);
-    for w in workers {
-        let _ = w.join();
+    while Arc::strong_count(&rep) > 1 {
+        std::thread::sleep(std::time::Duration::from_millis(1));
     }
     c.close();
     match result {
@@ -583,3 +721,7 @@ pub fn serve_client(
         }
     }
 }
+
+/// Requests of one connection in flight at most (the client's queue depth
+/// is usually far lower; a client that pipelines more waits for room).
+const MAX_IN_FLIGHT: usize = 256;

@@ -257,6 +257,64 @@ pub struct Conn {
     io_timeout: Duration,
 }
 
+/// The sending half of a [`Conn::split`] connection.
+pub struct SendHalf(Conn);
+
+impl SendHalf {
+    /// Send one PUT frame of scattered pages ([`Conn::send_put_pages`]).
+    pub fn send_put_pages(&mut self, region: u64, sel: &PageSel, pages: &[&[u8]]) -> Result<u64> {
+        self.0.send_put_pages(region, sel, pages)
+    }
+    /// Queue one GET frame ([`Conn::queue_get`]).
+    pub fn queue_get(
+        &mut self,
+        region: u64,
+        sel: &PageSel,
+        mode: GetMode,
+        allow_missing: bool,
+    ) -> Result<u64> {
+        self.0.queue_get(region, sel, mode, allow_missing)
+    }
+    /// Queue one DELETE frame ([`Conn::queue_delete`]).
+    pub fn queue_delete(&mut self, region: u64, sel: &PageSel) -> Result<u64> {
+        self.0.queue_delete(region, sel)
+    }
+    /// Send what is queued.
+    pub fn flush(&mut self) -> Result<()> {
+        self.0.flush()
+    }
+    /// Shut the connection down both ways: the receiving half's wait ends.
+    pub fn shutdown(&self) {
+        let _ = self.0.stream.socket().shutdown(std::net::Shutdown::Both);
+    }
+    /// The server's address.
+    pub fn addr(&self) -> &str {
+        &self.0.addr
+    }
+}
+
+/// The receiving half of a [`Conn::split`] connection.
+pub struct RecvHalf(Conn);
+
+impl RecvHalf {
+    /// Receive a PUT's reply ([`Conn::recv_put`]).
+    pub fn recv_put(&mut self, id: u64) -> Result<PutOk> {
+        self.0.recv_put(id)
+    }
+    /// Receive a GET's reply into `dst` ([`Conn::recv_get`]).
+    pub fn recv_get(&mut self, id: u64, dst: &mut [u8]) -> Result<GetReply> {
+        let h = self.0.read_header()?;
+        self.0.finish_get(h, id, dst)
+    }
+    /// Receive a DELETE's reply ([`Conn::recv_delete`]).
+    pub fn recv_delete(&mut self, id: u64) -> Result<u64> {
+        let body = self.0.expect_reply(id, Opcode::DeleteOk)?;
+        Ok(DeleteOk::decode(&body)
+            .map_err(|e| self.0.proto(e.message))?
+            .deleted)
+    }
+}
+
 /// An I/O error on a connection, said as a person would want it: a timeout
 /// says how long, anything else is a lost connection.
 fn io_error(addr: &str, timeout: Duration, source: io::Error) -> ClientError {
@@ -736,6 +794,48 @@ impl Conn {
         PutOk::decode(&body).map_err(|e| self.proto(e.message))
     }
 
+    /// Queue one DELETE frame (sent by the next `flush`).
+    pub fn queue_delete(&mut self, region: u64, sel: &PageSel) -> Result<u64> {
+        if sel.is_empty() {
+            return Err(ClientError::Usage("a DELETE frame takes pages".into()));
+        }
+        let id = self.id();
+        frame(Opcode::Delete, id, &mut self.sendbuf, |b| {
+            encode_pages_req(region, sel, 0, b)
+        });
+        Ok(id)
+    }
+
+    /// Receive the reply to a DELETE: how many of its pages the server held.
+    pub fn recv_delete(&mut self, id: u64) -> Result<u64> {
+        self.flush()?;
+        let body = self.expect_reply(id, Opcode::DeleteOk)?;
+        Ok(DeleteOk::decode(&body)
+            .map_err(|e| self.proto(e.message))?
+            .deleted)
+    }
+
+    /// Split into a sending and a receiving half that two threads drive at
+    /// once: one sends requests while the other reads the replies, in the
+    /// order sent (a server answers a connection's requests in order). The
+    /// sender numbers the requests; the receiver is given each one's id.
+    /// Neither half can do the other's part, so a reply is never read
+    /// twice or a request sent from two places.
+    pub fn split(self) -> Result<(SendHalf, RecvHalf)> {
+        let stream = self.stream.try_clone().map_err(|e| self.io(e))?;
+        let sender = Conn {
+            stream,
+            rb: RecvBuf::new(0),
+            next_id: self.next_id,
+            sendbuf: Vec::with_capacity(8192),
+            addr: self.addr.clone(),
+            info: self.info.clone(),
+            window: self.window,
+            io_timeout: self.io_timeout,
+        };
+        Ok((SendHalf(sender), RecvHalf(self)))
+    }
+
     /// Send one PUT_HASHED frame: (page, keyed content hash) for 1..=32
     /// pages; the server stores those its host holds (sharing-aware
     /// migration). Replies in order with the other requests.
@@ -805,6 +905,11 @@ impl Conn {
     pub fn recv_get(&mut self, id: u64, dst: &mut [u8]) -> Result<GetReply> {
         self.flush()?;
         let h = self.read_header()?;
+        self.finish_get(h, id, dst)
+    }
+
+    /// The rest of a GET reply whose header `h` was read.
+    fn finish_get(&mut self, h: Header, id: u64, dst: &mut [u8]) -> Result<GetReply> {
         if h.opcode != Opcode::GetOk as u8 || h.id != id {
             let body = self.read_body(h.body_len as usize)?;
             if h.opcode == Opcode::Error as u8 && h.id != id && h.id != 0 {
