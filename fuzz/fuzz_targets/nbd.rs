@@ -9,7 +9,7 @@ use libfuzzer_sys::fuzz_target;
 use pagefleet_blockdev::backend::{Shared, Written};
 use pagefleet_blockdev::engine::Engine;
 use pagefleet_blockdev::layout::Translator;
-use pagefleet_blockdev::nbd::{serve_client, Export, Io, Tls};
+use pagefleet_blockdev::nbd::{serve_client, Export, Io, Served, Tls};
 use pagefleet_memserver::{Backing, ServerConfig, ServerState, Store};
 use pagefleet_proto::auth::Secret;
 use std::io::{self, Read, Write};
@@ -94,7 +94,11 @@ fuzz_target!(|data: &[u8]| {
         size: BLOCKS * 4096,
     };
     let c = Client { input: data.to_vec(), at: 0 };
-    let _ = serve_client(Box::new(c), &ex, &Tls::default(), w.engine.clone());
+    let served = [Served {
+        export: ex,
+        engine: w.engine.clone(),
+    }];
+    let _ = serve_client(Box::new(c), &served, &Tls::default());
     let stats = w.state.store.stats(usize::MAX);
     assert!(stats.used_slots <= stats.capacity_pages);
     assert!(

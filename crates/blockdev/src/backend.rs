@@ -79,6 +79,11 @@ impl Written {
         });
     }
 
+    /// Whether block `b` is written.
+    pub fn is_set(&self, b: u64) -> bool {
+        self.words[(b / 64) as usize].load(Relaxed) & (1 << (b % 64)) != 0
+    }
+
     /// How many of `count` blocks from `first` are written.
     pub fn count(&self, first: u64, count: u64) -> u64 {
         let mut n = 0;

@@ -143,6 +143,18 @@ impl Translator {
         self.servers
     }
 
+    /// Blocks each server holds when every block is written (copies
+    /// included): what another device on the same servers must leave.
+    pub fn blocks_per_server(&self) -> Vec<u64> {
+        let mut per = vec![0u64; self.servers];
+        for copy in self.runs(0, self.blocks, u64::MAX) {
+            for (_, s, _, n) in copy {
+                per[s] += n;
+            }
+        }
+        per
+    }
+
     /// The primary copy of block `b`.
     pub fn primary(&self, b: u64) -> Place {
         match &self.layout {

@@ -55,18 +55,46 @@ use std::sync::Arc;
 /// What `blockdev serve` exports and how.
 #[derive(Clone, Debug)]
 pub struct Options {
-    /// The memory servers making up the device.
+    /// The memory servers making up the devices.
     pub servers: Vec<String>,
-    /// The device size, bytes.
-    pub size: u64,
+    /// The exports: each a device of its own (its own blocks on the
+    /// servers), laid out alike; the first is the default ("").
+    pub exports: Vec<ExportSpec>,
     /// Stripe unit in bytes (None: linear, DMPS eq. (1)).
     pub stripe: Option<u64>,
     /// Keep every block on two servers.
     pub mirror: bool,
     /// HOST:PORT or unix:PATH.
     pub listen: String,
-    /// Export name.
+}
+
+/// One export: its name and size.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExportSpec {
+    /// What clients ask for.
     pub name: String,
+    /// Bytes.
+    pub size: u64,
+}
+
+impl std::str::FromStr for ExportSpec {
+    type Err = String;
+    /// `NAME=SIZE` (e.g. `swap=1GiB`).
+    fn from_str(s: &str) -> std::result::Result<ExportSpec, String> {
+        let (name, size) = s
+            .split_once('=')
+            .ok_or_else(|| format!("{s:?}: an export is NAME=SIZE (e.g. swap=1GiB)"))?;
+        if name.is_empty() || name.len() > 255 || name.chars().any(|c| c.is_control()) {
+            return Err(format!(
+                "{name:?}: an export name is 1 to 255 printable characters"
+            ));
+        }
+        let size = pagefleet_common::units::parse_size(size).map_err(|e| format!("{s:?}: {e}"))?;
+        Ok(ExportSpec {
+            name: name.to_string(),
+            size,
+        })
+    }
 }
 
 /// Where the export listens.
@@ -213,13 +241,14 @@ fn hold(sh: &Shared, mut conns: Vec<Option<pagefleet_client::Conn>>, stop: &Atom
 }
 
 impl Device {
-    /// Connect to the servers and fix the layout for a device of `o.size`.
-    pub fn open(o: &Options, secret: Secret) -> Result<Device> {
-        if o.size == 0 || !o.size.is_multiple_of(BLOCK as u64) {
+    /// Connect to the servers and fix the layout for export `e`, leaving
+    /// `taken[i]` blocks of server i to the exports opened before it.
+    pub fn open(o: &Options, e: &ExportSpec, taken: &[u64], secret: Secret) -> Result<Device> {
+        if e.size == 0 || !e.size.is_multiple_of(BLOCK as u64) {
             return Err(BlockdevError::NotBlocks { flag: "--size" });
         }
         let region = pagefleet_proto::auth::random_u64() | 1;
-        let client_name = client_name(&o.name, region);
+        let client_name = client_name(&e.name, region);
         let mut cap = Vec::new();
         let mut holders = Vec::new();
         for s in &o.servers {
@@ -229,7 +258,8 @@ impl Device {
             };
             // The client's error names the server already.
             let c = Conn::connect(s, &secret, &opts)?;
-            cap.push(c.info.capacity_pages.saturating_sub(c.info.used_pages));
+            let free = c.info.capacity_pages.saturating_sub(c.info.used_pages);
+            cap.push(free.saturating_sub(taken.get(cap.len()).copied().unwrap_or(0)));
             holders.push(Some(c));
         }
         let unit = match o.stripe {
@@ -241,7 +271,7 @@ impl Device {
             Some(u) => Some(u / BLOCK as u64),
             None => None,
         };
-        let t = layout::Translator::new(&cap, o.size / BLOCK as u64, unit, o.mirror)?;
+        let t = layout::Translator::new(&cap, e.size / BLOCK as u64, unit, o.mirror)?;
         let down = o.servers.iter().map(|_| AtomicBool::new(false)).collect();
         let shared = Arc::new(Shared {
             t,
@@ -249,7 +279,7 @@ impl Device {
             servers: o.servers.clone(),
             secret,
             down,
-            written: Written::new(o.size / BLOCK as u64),
+            written: Written::new(e.size / BLOCK as u64),
             client_name,
         });
         let stop = Arc::new(AtomicBool::new(false));
@@ -261,14 +291,14 @@ impl Device {
                 .map_err(io("cannot start the session holder thread"))?;
         }
         let export = nbd::Export {
-            name: o.name.clone(),
+            name: e.name.clone(),
             description: format!(
                 "pagefleet DMPS device over {} memory server(s), {}{}",
                 o.servers.len(),
                 if unit.is_some() { "striped" } else { "linear" },
                 if o.mirror { ", mirrored" } else { "" }
             ),
-            size: o.size,
+            size: e.size,
         };
         Ok(Device {
             engine: engine::Engine::start(shared.clone()),
@@ -276,29 +306,6 @@ impl Device {
             export,
             holding: stop,
         })
-    }
-
-    /// Serve clients until the listener fails; one thread per client.
-    pub fn serve(&self, l: Listener) -> Result<()> {
-        let tls = pagefleet_tls::process_identity();
-        loop {
-            let (c, peer) = match l.accept() {
-                Ok(c) => c,
-                Err(e) => {
-                    tracing::warn!("accept: {e}");
-                    std::thread::sleep(std::time::Duration::from_millis(50));
-                    continue;
-                }
-            };
-            let (ex, eng) = (self.export.clone(), self.engine.clone());
-            let tls = nbd::Tls {
-                required: peer.is_some_and(|p| pagefleet_tls::required(tls.as_deref(), p)),
-                identity: tls.clone(),
-            };
-            std::thread::spawn(move || {
-                let _ = nbd::serve_client(c, &ex, &tls, eng);
-            });
-        }
     }
 
     /// Drop the device's blocks on every server.
@@ -320,6 +327,37 @@ impl Device {
     }
 }
 
+/// Serve clients of `devices` (the first is the default export) until the
+/// listener fails; one thread per client.
+pub fn serve(devices: &[Arc<Device>], l: Listener) -> Result<()> {
+    let tls = pagefleet_tls::process_identity();
+    let exports: Arc<[nbd::Served]> = devices
+        .iter()
+        .map(|d| nbd::Served {
+            export: d.export.clone(),
+            engine: d.engine.clone(),
+        })
+        .collect();
+    loop {
+        let (c, peer) = match l.accept() {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!("accept: {e}");
+                std::thread::sleep(std::time::Duration::from_millis(50));
+                continue;
+            }
+        };
+        let exports = exports.clone();
+        let tls = nbd::Tls {
+            required: peer.is_some_and(|p| pagefleet_tls::required(tls.as_deref(), p)),
+            identity: tls.clone(),
+        };
+        std::thread::spawn(move || {
+            let _ = nbd::serve_client(c, &exports, &tls);
+        });
+    }
+}
+
 impl Drop for Device {
     fn drop(&mut self) {
         self.holding
@@ -333,18 +371,50 @@ impl Drop for Device {
 pub fn serve_until_signal(o: &Options, secret: Secret) -> Result<()> {
     // Blocked before any thread starts, so every thread inherits the mask.
     let signals = pagefleet_common::signal::TermSignals::block();
-    let dev = Arc::new(Device::open(o, secret)?);
+    if o.exports.is_empty() {
+        return Err(BlockdevError::NotBlocks { flag: "--size" });
+    }
+    let mut devices: Vec<Arc<Device>> = Vec::new();
+    let mut taken = vec![0u64; o.servers.len()];
+    for e in &o.exports {
+        if devices.iter().any(|d| d.export.name == e.name) {
+            return Err(BlockdevError::Io {
+                what: format!("--export {}", e.name),
+                source: std::io::Error::other("two exports of one name"),
+            });
+        }
+        let d = match Device::open(o, e, &taken, secret.clone()) {
+            Ok(d) => d,
+            Err(err) => {
+                for d in &devices {
+                    d.delete();
+                }
+                return Err(err);
+            }
+        };
+        for (t, n) in taken.iter_mut().zip(d.shared.t.blocks_per_server()) {
+            *t += n;
+        }
+        devices.push(Arc::new(d));
+    }
     let l = Listener::bind(&o.listen, pagefleet_tls::process_identity().is_some())?;
     println!("listening {}", l.describe());
-    eprintln!("{} bytes: {}", o.size, dev.export.description);
+    for d in &devices {
+        eprintln!(
+            "{:?}: {} bytes: {}",
+            d.export.name, d.export.size, d.export.description
+        );
+    }
     use std::io::Write;
     std::io::stdout().flush().map_err(io("stdout"))?;
-    let d2 = dev.clone();
+    let served = devices.clone();
     std::thread::spawn(move || {
-        let _ = d2.serve(l);
+        let _ = serve(&served, l);
     });
     signals.wait();
-    dev.delete();
+    for d in &devices {
+        d.delete();
+    }
     if let Some(p) = o.listen.strip_prefix("unix:") {
         let _ = std::fs::remove_file(p);
     }

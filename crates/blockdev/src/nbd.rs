@@ -37,10 +37,13 @@ pub(crate) const OPT_STARTTLS: u32 = 5;
 pub(crate) const OPT_INFO: u32 = 6;
 pub(crate) const OPT_GO: u32 = 7;
 pub(crate) const OPT_STRUCTURED_REPLY: u32 = 8;
+pub(crate) const OPT_LIST_META_CONTEXT: u32 = 9;
+pub(crate) const OPT_SET_META_CONTEXT: u32 = 10;
 
 pub(crate) const REP_ACK: u32 = 1;
 pub(crate) const REP_SERVER: u32 = 2;
 pub(crate) const REP_INFO: u32 = 3;
+pub(crate) const REP_META_CONTEXT: u32 = 4;
 pub(crate) const REP_ERR_UNSUP: u32 = (1 << 31) + 1;
 pub(crate) const REP_ERR_POLICY: u32 = (1 << 31) + 2;
 pub(crate) const REP_ERR_INVALID: u32 = (1 << 31) + 3;
@@ -66,6 +69,8 @@ pub(crate) const CMD_DISC: u16 = 2;
 pub(crate) const CMD_FLUSH: u16 = 3;
 pub(crate) const CMD_TRIM: u16 = 4;
 pub(crate) const CMD_WRITE_ZEROES: u16 = 6;
+pub(crate) const CMD_BLOCK_STATUS: u16 = 7;
+pub(crate) const CMD_FLAG_REQ_ONE: u16 = 8;
 pub(crate) const CMD_FLAG_NO_HOLE: u16 = 2;
 pub(crate) const CMD_FLAG_DF: u16 = 4;
 
@@ -73,6 +78,9 @@ pub(crate) const REPLY_FLAG_DONE: u16 = 1;
 pub(crate) const REPLY_TYPE_NONE: u16 = 0;
 pub(crate) const REPLY_TYPE_OFFSET_DATA: u16 = 1;
 pub(crate) const REPLY_TYPE_OFFSET_HOLE: u16 = 2;
+pub(crate) const REPLY_TYPE_BLOCK_STATUS: u16 = 5;
+pub(crate) const STATE_HOLE: u32 = 1;
+pub(crate) const STATE_ZERO: u32 = 2;
 pub(crate) const REPLY_TYPE_ERROR: u16 = (1 << 15) + 1;
 
 pub(crate) const EIO: u32 = 5;
@@ -95,6 +103,31 @@ pub struct Export {
     /// Its size, bytes.
     pub size: u64,
 }
+
+/// An export as the server serves it: what clients are told, and its I/O.
+#[derive(Clone)]
+pub struct Served {
+    /// Its name, size and description.
+    pub export: Export,
+    /// Its device's engine.
+    pub engine: Arc<Engine>,
+}
+
+/// What the handshake settled.
+struct Negotiated {
+    /// Which export (index into the served list).
+    export: usize,
+    /// Structured replies.
+    structured: bool,
+    /// `base:allocation` block status was selected for this export.
+    allocation: bool,
+}
+
+/// The one metadata context: which blocks hold data (NBD_STATE_HOLE |
+/// NBD_STATE_ZERO for those never written).
+const BASE_ALLOCATION: &str = "base:allocation";
+/// Its id on every connection.
+const ALLOCATION_ID: u32 = 1;
 
 /// What a connection may and must do about TLS.
 #[derive(Clone, Default)]
@@ -176,9 +209,35 @@ fn transmission_flags() -> u16 {
         | TF_CAN_MULTI_CONN
 }
 
-/// The handshake. Ok(Some(structured)) enters transmission; Ok(None): the
-/// client left (ABORT) or listed exports only.
-fn handshake(c: &mut dyn Io, ex: &Export, tls: &Tls) -> std::io::Result<Option<bool>> {
+/// The export a client names: "" is the first.
+fn find(exports: &[Served], name: &[u8]) -> Option<usize> {
+    if name.is_empty() {
+        return (!exports.is_empty()).then_some(0);
+    }
+    exports
+        .iter()
+        .position(|e| e.export.name.as_bytes() == name)
+}
+
+/// A meta-context option's body: export name and queries.
+fn meta_queries(data: &[u8]) -> Option<(Vec<u8>, Vec<String>)> {
+    let nl = u32::from_be_bytes(data.get(0..4)?.try_into().ok()?) as usize;
+    let name = data.get(4..4 + nl)?.to_vec();
+    let nq = u32::from_be_bytes(data.get(4 + nl..8 + nl)?.try_into().ok()?) as usize;
+    let mut at = 8 + nl;
+    let mut qs = Vec::new();
+    for _ in 0..nq {
+        let ql = u32::from_be_bytes(data.get(at..at + 4)?.try_into().ok()?) as usize;
+        let q = data.get(at + 4..at + 4 + ql)?;
+        qs.push(String::from_utf8(q.to_vec()).ok()?);
+        at += 4 + ql;
+    }
+    (at == data.len()).then_some((name, qs))
+}
+
+/// The handshake. Ok(Some(_)) enters transmission; Ok(None): the client
+/// left (ABORT) or listed exports only.
+fn handshake(c: &mut dyn Io, exports: &[Served], tls: &Tls) -> std::io::Result<Option<Negotiated>> {
     let mut hello = Vec::new();
     hello.extend_from_slice(&NBDMAGIC.to_be_bytes());
     hello.extend_from_slice(&IHAVEOPT.to_be_bytes());
@@ -192,6 +251,8 @@ fn handshake(c: &mut dyn Io, ex: &Export, tls: &Tls) -> std::io::Result<Option<b
     }
     let no_zeroes = cflags & FLAG_C_NO_ZEROES != 0;
     let mut structured = false;
+    // The export base:allocation was selected for (SET_META_CONTEXT).
+    let mut allocation_for: Option<Vec<u8>> = None;
     loop {
         let magic = u64::from_be_bytes(rd::<8>(c)?);
         if magic != IHAVEOPT {
@@ -240,21 +301,26 @@ fn handshake(c: &mut dyn Io, ex: &Export, tls: &Tls) -> std::io::Result<Option<b
                 opt_reply(c, opt, REP_ACK, &[])?;
                 // Options negotiated before TLS do not carry over.
                 structured = false;
+                allocation_for = None;
                 c.start_tls(id)?;
             }
             OPT_EXPORT_NAME => {
                 // Old-style: no way to refuse but to hang up.
-                if !data.is_empty() && data != ex.name.as_bytes() {
+                let Some(i) = find(exports, &data) else {
                     return Err(std::io::Error::other("unknown export"));
-                }
+                };
                 let mut b = Vec::new();
-                b.extend_from_slice(&ex.size.to_be_bytes());
+                b.extend_from_slice(&exports[i].export.size.to_be_bytes());
                 b.extend_from_slice(&transmission_flags().to_be_bytes());
                 if !no_zeroes {
                     b.extend_from_slice(&[0u8; 124]);
                 }
                 c.write_all(&b)?;
-                return Ok(Some(false));
+                return Ok(Some(Negotiated {
+                    export: i,
+                    structured: false,
+                    allocation: false,
+                }));
             }
             OPT_ABORT => {
                 let _ = opt_reply(c, opt, REP_ACK, &[]);
@@ -265,9 +331,12 @@ fn handshake(c: &mut dyn Io, ex: &Export, tls: &Tls) -> std::io::Result<Option<b
                     opt_reply(c, opt, REP_ERR_INVALID, b"LIST takes no data")?;
                     continue;
                 }
-                let mut d = (ex.name.len() as u32).to_be_bytes().to_vec();
-                d.extend_from_slice(ex.name.as_bytes());
-                opt_reply(c, opt, REP_SERVER, &d)?;
+                for e in exports {
+                    let mut d = (e.export.name.len() as u32).to_be_bytes().to_vec();
+                    d.extend_from_slice(e.export.name.as_bytes());
+                    d.extend_from_slice(e.export.description.as_bytes());
+                    opt_reply(c, opt, REP_SERVER, &d)?;
+                }
                 opt_reply(c, opt, REP_ACK, &[])?;
             }
             OPT_STRUCTURED_REPLY => {
@@ -276,6 +345,44 @@ fn handshake(c: &mut dyn Io, ex: &Export, tls: &Tls) -> std::io::Result<Option<b
                     continue;
                 }
                 structured = true;
+                opt_reply(c, opt, REP_ACK, &[])?;
+            }
+            OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => {
+                let Some((name, queries)) = meta_queries(&data) else {
+                    opt_reply(c, opt, REP_ERR_INVALID, b"malformed meta context request")?;
+                    continue;
+                };
+                if opt == OPT_SET_META_CONTEXT && !structured {
+                    opt_reply(
+                        c,
+                        opt,
+                        REP_ERR_INVALID,
+                        b"SET_META_CONTEXT needs structured replies first",
+                    )?;
+                    continue;
+                }
+                if find(exports, &name).is_none() {
+                    opt_reply(c, opt, REP_ERR_UNKNOWN, b"no such export")?;
+                    continue;
+                }
+                // LIST: no query or the namespace lists every context;
+                // SET selects only what it names.
+                let wanted = queries.iter().any(|q| {
+                    q == BASE_ALLOCATION || (opt == OPT_LIST_META_CONTEXT && q == "base:")
+                }) || (opt == OPT_LIST_META_CONTEXT && queries.is_empty());
+                if opt == OPT_SET_META_CONTEXT {
+                    allocation_for = wanted.then(|| name.clone());
+                }
+                if wanted {
+                    let id = if opt == OPT_SET_META_CONTEXT {
+                        ALLOCATION_ID
+                    } else {
+                        0
+                    };
+                    let mut d = id.to_be_bytes().to_vec();
+                    d.extend_from_slice(BASE_ALLOCATION.as_bytes());
+                    opt_reply(c, opt, REP_META_CONTEXT, &d)?;
+                }
                 opt_reply(c, opt, REP_ACK, &[])?;
             }
             OPT_INFO | OPT_GO => {
@@ -303,20 +410,21 @@ fn handshake(c: &mut dyn Io, ex: &Export, tls: &Tls) -> std::io::Result<Option<b
                     opt_reply(c, opt, REP_ERR_INVALID, b"malformed INFO/GO request")?;
                     continue;
                 };
-                if !name.is_empty() && name != ex.name.as_bytes() {
+                let Some(i) = find(exports, &name) else {
+                    let names: Vec<&str> = exports.iter().map(|e| e.export.name.as_str()).collect();
                     opt_reply(
                         c,
                         opt,
                         REP_ERR_UNKNOWN,
                         format!(
-                            "no export {:?}; this server has {:?}",
+                            "no export {:?}; this server has {names:?}",
                             String::from_utf8_lossy(&name),
-                            ex.name
                         )
                         .as_bytes(),
                     )?;
                     continue;
-                }
+                };
+                let ex = &exports[i].export;
                 if !reqs.contains(&INFO_BLOCK_SIZE) && opt == OPT_GO {
                     // Every request must be 4 KiB-aligned: the client has to know.
                     opt_reply(c, opt, REP_ERR_BLOCK_SIZE_REQD, b"this export needs 4096-byte aligned requests: ask for NBD_INFO_BLOCK_SIZE")?;
@@ -343,7 +451,15 @@ fn handshake(c: &mut dyn Io, ex: &Export, tls: &Tls) -> std::io::Result<Option<b
                 }
                 opt_reply(c, opt, REP_ACK, &[])?;
                 if opt == OPT_GO {
-                    return Ok(Some(structured));
+                    // A context selected for this export (by its name or "").
+                    let allocation = allocation_for
+                        .as_deref()
+                        .is_some_and(|n| find(exports, n) == Some(i));
+                    return Ok(Some(Negotiated {
+                        export: i,
+                        structured,
+                        allocation,
+                    }));
                 }
             }
             _ => opt_reply(
@@ -371,6 +487,8 @@ struct Req {
 struct Replier {
     w: Mutex<Box<dyn Io>>,
     structured: bool,
+    /// base:allocation was negotiated: BLOCK_STATUS is answered.
+    allocation: bool,
 }
 
 /// A structured reply chunk's header.
@@ -648,23 +766,68 @@ fn dispatch(
         // Acknowledged writes are stored on every copy that is up:
         // nothing to flush.
         CMD_FLUSH => rep.ok(&r),
+        CMD_BLOCK_STATUS if !rep.allocation => rep.err(
+            &r,
+            EINVAL,
+            "BLOCK_STATUS needs the base:allocation context (SET_META_CONTEXT)",
+        ),
+        CMD_BLOCK_STATUS if !inside || r.len == 0 => rep.err(
+            &r,
+            EINVAL,
+            &format!(
+                "block status of {} bytes at {}: not inside the export",
+                r.len, r.offset
+            ),
+        ),
+        CMD_BLOCK_STATUS => {
+            // Whole blocks around the range; extents of written and
+            // never-written blocks from the device's bitmap.
+            let lo = r.offset / BLOCK as u64;
+            let hi = (r.offset + r.len as u64).div_ceil(BLOCK as u64);
+            let w = &eng.shared().written;
+            let mut d = ALLOCATION_ID.to_be_bytes().to_vec();
+            let (mut b, mut at, mut extents) = (lo, r.offset, 0);
+            while b < hi && extents < MAX_EXTENTS {
+                let set = w.is_set(b);
+                let mut e = b + 1;
+                while e < hi && w.is_set(e) == set {
+                    e += 1;
+                }
+                let end = (e * BLOCK as u64).min(r.offset + r.len as u64);
+                d.extend_from_slice(&((end - at) as u32).to_be_bytes());
+                let flags = if set { 0 } else { STATE_HOLE | STATE_ZERO };
+                d.extend_from_slice(&flags.to_be_bytes());
+                extents += 1;
+                (b, at) = (e, end);
+                if r.flags & CMD_FLAG_REQ_ONE != 0 {
+                    break;
+                }
+            }
+            let mut h = Vec::with_capacity(20);
+            chunk(
+                &mut h,
+                REPLY_FLAG_DONE,
+                REPLY_TYPE_BLOCK_STATUS,
+                r.handle,
+                d.len(),
+            );
+            rep.send(&[&h, &d])
+        }
         t => rep.err(&r, EINVAL, &format!("command {t} is not supported")),
     }
 }
 
-/// Serve one client until it disconnects.
-pub fn serve_client(
-    mut c: Box<dyn Io>,
-    ex: &Export,
-    tls: &Tls,
-    eng: Arc<Engine>,
-) -> std::io::Result<()> {
-    let Some(structured) = handshake(&mut *c, ex, tls)? else {
+/// Serve one client of `exports` (the first is the default) until it
+/// disconnects.
+pub fn serve_client(mut c: Box<dyn Io>, exports: &[Served], tls: &Tls) -> std::io::Result<()> {
+    let Some(n) = handshake(&mut *c, exports, tls)? else {
         return Ok(());
     };
+    let (ex, eng) = (&exports[n.export].export, exports[n.export].engine.clone());
     let rep = Arc::new(Replier {
         w: Mutex::new(c.try_clone_box()?),
-        structured,
+        structured: n.structured,
+        allocation: n.allocation,
     });
     let result = (|| -> std::io::Result<()> {
         loop {
@@ -721,6 +884,10 @@ pub fn serve_client(
         }
     }
 }
+
+/// Extents in one BLOCK_STATUS reply at most (the client asks again for
+/// the rest).
+const MAX_EXTENTS: usize = 4096;
 
 /// Requests of one connection in flight at most (the client's queue depth
 /// is usually far lower; a client that pipelines more waits for room).

@@ -308,8 +308,15 @@ enum BlockdevCmd {
         servers: Vec<String>,
         /// The device's size (e.g. 1GiB; a multiple of 4 KiB). It must fit
         /// in the servers' free memory (half of it with --mirror).
-        #[arg(long, value_parser = units::parse_size)]
-        size: u64,
+        #[arg(long, value_parser = units::parse_size, required_unless_present = "export")]
+        size: Option<u64>,
+        /// Several exports from one server, each a device of its own:
+        /// NAME=SIZE, repeated (e.g. --export swap=1GiB --export scratch=256MiB);
+        /// laid out alike, together within the servers' free memory. The
+        /// first is what a client gets that names none. With --size, the
+        /// --name export comes first.
+        #[arg(long = "export", value_name = "NAME=SIZE")]
+        export: Vec<pagefleet_blockdev::ExportSpec>,
         /// linear: the servers' spaces one after another (DMPS); stripe:
         /// --stripe-unit pieces dealt round-robin over the servers.
         #[arg(long, default_value = "linear", value_parser = ["linear", "stripe"])]
@@ -341,15 +348,20 @@ fn blockdev(c: BlockdevCmd, secret_file: Option<&std::path::Path>) -> Result<()>
         mirror,
         listen,
         name,
+        export,
     } = c;
     init_log("warn");
+    let mut exports = Vec::new();
+    if let Some(size) = size {
+        exports.push(pagefleet_blockdev::ExportSpec { name, size });
+    }
+    exports.extend(export);
     let o = pagefleet_blockdev::Options {
         servers,
-        size,
+        exports,
         stripe: (layout == "stripe").then_some(stripe_unit),
         mirror,
         listen,
-        name,
     };
     Ok(pagefleet_blockdev::serve_until_signal(
         &o,
