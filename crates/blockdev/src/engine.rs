@@ -34,15 +34,8 @@ use pagefleet_client::{ClientError, Conn, ConnectOptions, GetMode, RecvHalf, Sen
 use pagefleet_proto::PageSel;
 use pagefleet_proto::{ErrorCode, MAX_BATCH_PAGES};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::AcqRel, Ordering::Relaxed};
-use std::sync::mpsc::{self, Receiver, Sender, TrySendError};
+use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
-
-/// Frames in flight per lane. 64 × 128 KiB = 8 MiB: more than a queue
-/// depth of 16 of the largest requests, split over the servers, needs.
-pub const WINDOW: usize = 64;
-
-/// GET/DELETE frames a sender queues before it writes them out.
-const BATCH: usize = 16;
 
 /// One run of blocks on one server: what a lane sends as one frame.
 struct Op {
@@ -75,9 +68,16 @@ enum Outcome {
     Refused(ClientError),
 }
 
-/// One memory server's lane: the channel to its sender thread.
+/// One memory server's lane: its connection's sending half and the
+/// channel to its receiver thread, used by whichever thread dispatches
+/// (under the lock, so frames and what the receiver expects stay in order).
 struct Lane {
-    tx: Mutex<Option<Sender<Op>>>,
+    send: Mutex<Option<LaneSend>>,
+}
+
+struct LaneSend {
+    tx: SendHalf,
+    inflight: Sender<(u64, Op)>,
 }
 
 /// The engine: one lane per memory server.
@@ -94,7 +94,7 @@ impl Engine {
     pub fn start(sh: Arc<Shared>) -> Arc<Engine> {
         let lanes = (0..sh.servers.len())
             .map(|s| Lane {
-                tx: Mutex::new(Some(start_lane(sh.clone(), s))),
+                send: Mutex::new(start_lane(&sh, s)),
             })
             .collect();
         Arc::new(Engine {
@@ -112,25 +112,32 @@ impl Engine {
     /// Stop the lanes (requests in flight complete as Down).
     pub fn stop(&self) {
         for l in &self.lanes {
-            l.tx.lock().unwrap_or_else(|e| e.into_inner()).take();
+            if let Some(l) = l.send.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                l.tx.shutdown();
+            }
         }
     }
 
-    /// Hand `op` to server `s`'s lane; the op back if the lane cannot take
-    /// it (the server is down). The caller completes such ops as Down after
-    /// it let go of the order lock: a completion may enqueue again.
+    /// Send `op` to server `s`; the op back if the lane cannot take it (the
+    /// server is down). The caller completes such ops as Down after it let
+    /// go of the order lock: a completion may dispatch again.
     fn enqueue(&self, s: usize, op: Op) -> Option<Op> {
         if self.sh.down[s].load(Relaxed) {
             return Some(op);
         }
-        let tx = self.lanes[s]
-            .tx
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
-        match tx {
-            Some(tx) => tx.send(op).err().map(|mpsc::SendError(op)| op),
-            None => Some(op),
+        let mut lane = self.lanes[s].send.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(l) = lane.as_mut() else {
+            return Some(op);
+        };
+        match send_op(self.sh.region, l, op) {
+            Ok(()) => None,
+            Err(failed) => {
+                let (op, e) = *failed;
+                lane.take();
+                drop(lane);
+                self.mark_down(s, &e.to_string());
+                Some(op)
+            }
         }
     }
 
@@ -381,7 +388,10 @@ impl ReadJob {
                         )
                     })
                     .collect();
-                self.eng.enqueue_all(ops);
+                // Not on this thread: a receiver must keep reading its
+                // server's replies while another dispatcher holds the locks.
+                let eng = self.eng.clone();
+                std::thread::spawn(move || eng.enqueue_all(ops));
             } else {
                 let mut e = self.error.lock().unwrap_or_else(|e| e.into_inner());
                 // A lost block says more than an unreachable one.
@@ -498,129 +508,75 @@ impl ChangeJob {
     }
 }
 
-/// Start server `s`'s lane: connect, split, a sender and a receiver thread.
-fn start_lane(sh: Arc<Shared>, s: usize) -> Sender<Op> {
-    let (tx, rx) = mpsc::channel::<Op>();
-    let name = format!("blockdev-lane-{s}");
+/// Connect server `s`'s lane: the sending half for the dispatchers, a
+/// receiver thread for the replies. None (the server marked down) when it
+/// cannot be reached.
+fn start_lane(sh: &Arc<Shared>, s: usize) -> Option<LaneSend> {
+    let (tx, rh) = match connect(sh, s) {
+        Ok(halves) => halves,
+        Err(e) => {
+            mark_down(sh, s, &e.to_string());
+            return None;
+        }
+    };
+    let (itx, irx) = mpsc::channel::<(u64, Op)>();
     let sh2 = sh.clone();
-    let spawned = std::thread::Builder::new()
-        .name(name)
-        .spawn(move || sender(&sh2, s, rx));
-    if let Err(e) = spawned {
-        mark_down(&sh, s, &format!("cannot start its lane: {e}"));
+    let started = std::thread::Builder::new()
+        .name(format!("blockdev-recv-{s}"))
+        .spawn(move || receive(&sh2, s, rh, irx));
+    if let Err(e) = started {
+        mark_down(sh, s, &format!("cannot start its receiver: {e}"));
+        return None;
     }
-    tx
+    Some(LaneSend { tx, inflight: itx })
 }
 
 fn connect(sh: &Shared, s: usize) -> Result<(SendHalf, RecvHalf), ClientError> {
     let opts = ConnectOptions {
         name: sh.client_name.clone(),
-        window: WINDOW,
         ..Default::default()
     };
     Conn::connect(&sh.servers[s], &sh.secret, &opts)?.split()
 }
 
-/// The sender: frames out, in the order the ops came.
-fn sender(sh: &Arc<Shared>, s: usize, rx: Receiver<Op>) {
-    let (mut tx, rh) = match connect(sh, s) {
-        Ok(halves) => halves,
-        Err(e) => {
-            mark_down(sh, s, &e.to_string());
-            for op in rx {
-                (op.done)(Outcome::Down);
-            }
-            return;
-        }
+/// Send `op` on a lane (the caller holds the lane's lock): the frame goes
+/// out, then the receiver is told what to expect. The op back if sending
+/// failed (the lane is closed then).
+fn send_op(region: u64, lane: &mut LaneSend, op: Op) -> Result<(), Box<(Op, ClientError)>> {
+    let sel = PageSel::Run {
+        first: op.sb,
+        count: op.count as u32,
     };
-    let (itx, irx) = mpsc::sync_channel::<(u64, Op)>(WINDOW);
-    let sh2 = sh.clone();
-    let receiver = std::thread::Builder::new()
-        .name(format!("blockdev-recv-{s}"))
-        .spawn(move || receive(&sh2, s, rh, irx));
-    if let Err(e) = receiver {
-        mark_down(sh, s, &format!("cannot start its receiver: {e}"));
-    }
-    let region = sh.region;
-    let mut queued = 0usize;
-    let mut failed = false;
-    while let Ok(first) = rx.recv() {
-        let mut next = Some(first);
-        while let Some(op) = next.take() {
-            if failed || sh.down[s].load(Relaxed) {
-                (op.done)(Outcome::Down);
-            } else {
-                let sel = PageSel::Run {
-                    first: op.sb,
-                    count: op.count as u32,
-                };
-                let sent = match &op.kind {
-                    Kind::Put { data, off } => {
-                        // PUT goes out at once: queued frames first, in order.
-                        let pages: Vec<&[u8]> = data[*off..*off + op.count as usize * BLOCK]
-                            .chunks(BLOCK)
-                            .collect();
-                        tx.flush()
-                            .and_then(|_| tx.send_put_pages(region, &sel, &pages))
-                    }
-                    Kind::Get => tx.queue_get(region, &sel, GetMode::Keep, true),
-                    Kind::Delete => tx.queue_delete(region, &sel),
-                };
-                match sent {
-                    Ok(id) => {
-                        if !matches!(op.kind, Kind::Put { .. }) {
-                            queued += 1;
-                        }
-                        // Room in the window, or flush what is queued and wait.
-                        match itx.try_send((id, op)) {
-                            Ok(()) => {}
-                            Err(TrySendError::Full(x)) => {
-                                let flushed = tx.flush();
-                                queued = 0;
-                                if let Err(e) = flushed {
-                                    failed = true;
-                                    mark_down(sh, s, &e.to_string());
-                                    tx.shutdown();
-                                }
-                                if let Err(mpsc::SendError((_, op))) = itx.send(x) {
-                                    (op.done)(Outcome::Down);
-                                }
-                            }
-                            Err(TrySendError::Disconnected((_, op))) => {
-                                failed = true;
-                                (op.done)(Outcome::Down);
-                            }
-                        }
-                        if queued >= BATCH {
-                            queued = 0;
-                            if let Err(e) = tx.flush() {
-                                failed = true;
-                                mark_down(sh, s, &e.to_string());
-                                tx.shutdown();
-                            }
-                        }
-                    }
-                    Err(e) => {
-                        failed = true;
-                        mark_down(sh, s, &e.to_string());
-                        tx.shutdown();
-                        (op.done)(Outcome::Down);
-                    }
-                }
-            }
-            next = rx.try_recv().ok();
+    let sent = match &op.kind {
+        Kind::Put { data, off } => {
+            let pages: Vec<&[u8]> = data[*off..*off + op.count as usize * BLOCK]
+                .chunks(BLOCK)
+                .collect();
+            lane.tx.send_put_pages(region, &sel, &pages)
         }
-        queued = 0;
-        if !failed {
-            if let Err(e) = tx.flush() {
-                failed = true;
-                mark_down(sh, s, &e.to_string());
-                tx.shutdown();
-            }
+        Kind::Get => lane
+            .tx
+            .queue_get(region, &sel, GetMode::Keep, true)
+            .and_then(|id| lane.tx.flush().map(|_| id)),
+        Kind::Delete => lane
+            .tx
+            .queue_delete(region, &sel)
+            .and_then(|id| lane.tx.flush().map(|_| id)),
+    };
+    match sent {
+        // The receiver reads replies in the order frames were sent: it is
+        // told under the same lock.
+        Ok(id) => lane
+            .inflight
+            .send((id, op))
+            .map_err(|mpsc::SendError((_, op))| {
+                Box::new((op, ClientError::Usage("its receiver ended".into())))
+            }),
+        Err(e) => {
+            lane.tx.shutdown();
+            Err(Box::new((op, e)))
         }
     }
-    // The engine stopped: the receiver finishes what is in flight.
-    tx.shutdown();
 }
 
 /// The receiver: replies in order, each run completed.

@@ -502,11 +502,26 @@ fn chunk(b: &mut Vec<u8>, flags: u16, ty: u16, handle: u64, len: usize) {
 
 impl Replier {
     fn send(&self, parts: &[&[u8]]) -> std::io::Result<()> {
-        let mut w = self.w.lock().unwrap_or_else(|e| e.into_inner());
-        for p in parts.iter().filter(|p| !p.is_empty()) {
-            w.write_all(p)?;
+        // A small reply goes out in one write (one syscall, one segment).
+        let total: usize = parts.iter().map(|p| p.len()).sum();
+        if parts.len() > 1 && total <= COALESCE {
+            let mut b = Vec::with_capacity(total);
+            for p in parts {
+                b.extend_from_slice(p);
+            }
+            return self
+                .w
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .write_all(&b);
         }
-        Ok(())
+        let mut w = self.w.lock().unwrap_or_else(|e| e.into_inner());
+        let mut iov: Vec<std::io::IoSlice<'_>> = parts
+            .iter()
+            .filter(|p| !p.is_empty())
+            .map(|p| std::io::IoSlice::new(p))
+            .collect();
+        pagefleet_proto::io::write_all_vectored(&mut **w, &mut iov)
     }
 
     fn ok(&self, r: &Req) -> std::io::Result<()> {
@@ -525,7 +540,7 @@ impl Replier {
     /// client asked for one chunk, DF), runs of data as OFFSET_DATA chunks;
     /// simple: the bytes, holes as zeros.
     fn data(&self, r: &Req, pieces: &[Piece]) -> std::io::Result<()> {
-        let zeros = vec![0u8; MAX_HOLE_WRITE];
+        let zeros = &ZEROS[..];
         let mut out: Vec<Vec<u8>> = Vec::new();
         let mut parts: Vec<&[u8]> = Vec::new();
         // Headers are built first (their buffers must outlive `parts`).
@@ -646,6 +661,12 @@ fn piece_len(p: &Piece) -> usize {
         Piece::Hole(n) => *n as usize * BLOCK,
     }
 }
+
+/// Replies up to this size are copied into one buffer and written at once.
+const COALESCE: usize = 16 << 10;
+
+/// Zeros a simple reply's holes are sent from.
+static ZEROS: [u8; 128 << 10] = [0; 128 << 10];
 
 /// Zeros written at most at once for WRITE_ZEROES with NO_HOLE (the
 /// writes of a larger request share one buffer of this size).
