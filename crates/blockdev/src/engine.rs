@@ -37,6 +37,42 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::AcqRel, Ordering::Rel
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 
+thread_local! {
+    /// This thread dispatches a burst: GET and DELETE frames wait in their
+    /// lane until [`Engine::flush`] (see [`Engine::cork`]).
+    static CORKED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Work a receiver thread runs before it waits for its server: what
+    /// completions deferred while more replies were at hand.
+    static DEFERRED: std::cell::RefCell<Vec<Box<dyn FnOnce()>>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+    /// This thread is a receiver with more replies already read.
+    static IN_BURST: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether the calling thread is a lane's receiver completing runs whose
+/// replies it already holds, with more to come: a completion may then
+/// defer its client-facing write ([`defer`]) to go out with the others.
+pub fn in_burst() -> bool {
+    IN_BURST.with(|b| b.get())
+}
+
+/// Run `f` when this receiver next waits for its server (at once if the
+/// thread is not a receiver in a burst).
+pub fn defer(f: Box<dyn FnOnce()>) {
+    if in_burst() {
+        DEFERRED.with(|d| d.borrow_mut().push(f));
+    } else {
+        f()
+    }
+}
+
+fn run_deferred() {
+    let work = DEFERRED.with(|d| std::mem::take(&mut *d.borrow_mut()));
+    for f in work {
+        f();
+    }
+}
+
 /// One run of blocks on one server: what a lane sends as one frame.
 struct Op {
     /// First block on the server.
@@ -73,6 +109,8 @@ enum Outcome {
 /// (under the lock, so frames and what the receiver expects stay in order).
 struct Lane {
     send: Mutex<Option<LaneSend>>,
+    /// Frames wait in its sending half (a corked burst).
+    dirty: AtomicBool,
 }
 
 struct LaneSend {
@@ -95,6 +133,7 @@ impl Engine {
         let lanes = (0..sh.servers.len())
             .map(|s| Lane {
                 send: Mutex::new(start_lane(&sh, s)),
+                dirty: AtomicBool::new(false),
             })
             .collect();
         Arc::new(Engine {
@@ -102,6 +141,33 @@ impl Engine {
             lanes,
             order: Mutex::new(()),
         })
+    }
+
+    /// Cork the calling thread: from now on the GET and DELETE frames it
+    /// dispatches wait in their lanes until it calls [`Engine::flush`] — a
+    /// burst of requests goes to each server in one write. For a thread
+    /// that reads many requests at once (an NBD connection's reader); it
+    /// must flush before it waits for anything.
+    pub fn cork(&self) {
+        CORKED.with(|c| c.set(true));
+    }
+
+    /// Send what corked dispatches left in the lanes.
+    pub fn flush(&self) {
+        for (s, l) in self.lanes.iter().enumerate() {
+            if !l.dirty.swap(false, AcqRel) {
+                continue;
+            }
+            let mut lane = l.send.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(ls) = lane.as_mut() {
+                if let Err(e) = ls.tx.flush() {
+                    ls.tx.shutdown();
+                    lane.take();
+                    drop(lane);
+                    self.mark_down(s, &e.to_string());
+                }
+            }
+        }
     }
 
     /// The shared device state.
@@ -129,8 +195,14 @@ impl Engine {
         let Some(l) = lane.as_mut() else {
             return Some(op);
         };
-        match send_op(self.sh.region, l, op) {
-            Ok(()) => None,
+        let corked = CORKED.with(|c| c.get());
+        match send_op(self.sh.region, l, op, corked) {
+            Ok(queued) => {
+                if queued {
+                    self.lanes[s].dirty.store(true, Relaxed);
+                }
+                None
+            }
             Err(failed) => {
                 let (op, e) = *failed;
                 lane.take();
@@ -540,38 +612,48 @@ fn connect(sh: &Shared, s: usize) -> Result<(SendHalf, RecvHalf), ClientError> {
 }
 
 /// Send `op` on a lane (the caller holds the lane's lock): the frame goes
-/// out, then the receiver is told what to expect. The op back if sending
-/// failed (the lane is closed then).
-fn send_op(region: u64, lane: &mut LaneSend, op: Op) -> Result<(), Box<(Op, ClientError)>> {
+/// out (or, `corked`, a GET or DELETE waits in the sending half: Ok(true)),
+/// then the receiver is told what to expect. The op back if sending failed
+/// (the lane is closed then).
+fn send_op(
+    region: u64,
+    lane: &mut LaneSend,
+    op: Op,
+    corked: bool,
+) -> Result<bool, Box<(Op, ClientError)>> {
     let sel = PageSel::Run {
         first: op.sb,
         count: op.count as u32,
     };
+    let queued = corked && !matches!(op.kind, Kind::Put { .. });
     let sent = match &op.kind {
         Kind::Put { data, off } => {
             let pages: Vec<&[u8]> = data[*off..*off + op.count as usize * BLOCK]
                 .chunks(BLOCK)
                 .collect();
-            lane.tx.send_put_pages(region, &sel, &pages)
+            // A PUT is written at once: frames queued before it go first.
+            lane.tx
+                .flush()
+                .and_then(|_| lane.tx.send_put_pages(region, &sel, &pages))
         }
-        Kind::Get => lane
-            .tx
-            .queue_get(region, &sel, GetMode::Keep, true)
-            .and_then(|id| lane.tx.flush().map(|_| id)),
-        Kind::Delete => lane
-            .tx
-            .queue_delete(region, &sel)
-            .and_then(|id| lane.tx.flush().map(|_| id)),
+        Kind::Get => lane.tx.queue_get(region, &sel, GetMode::Keep, true),
+        Kind::Delete => lane.tx.queue_delete(region, &sel),
+    };
+    let sent = match sent {
+        Ok(id) if !queued => lane.tx.flush().map(|_| id),
+        other => other,
     };
     match sent {
         // The receiver reads replies in the order frames were sent: it is
         // told under the same lock.
-        Ok(id) => lane
-            .inflight
-            .send((id, op))
-            .map_err(|mpsc::SendError((_, op))| {
-                Box::new((op, ClientError::Usage("its receiver ended".into())))
-            }),
+        Ok(id) => {
+            lane.inflight
+                .send((id, op))
+                .map(|_| queued)
+                .map_err(|mpsc::SendError((_, op))| {
+                    Box::new((op, ClientError::Usage("its receiver ended".into())))
+                })
+        }
         Err(e) => {
             lane.tx.shutdown();
             Err(Box::new((op, e)))
@@ -581,12 +663,21 @@ fn send_op(region: u64, lane: &mut LaneSend, op: Op) -> Result<(), Box<(Op, Clie
 
 /// The receiver: replies in order, each run completed.
 fn receive(sh: &Shared, s: usize, mut rh: RecvHalf, irx: Receiver<(u64, Op)>) {
+    rh.set_read_ahead(RECV_AHEAD);
     let mut dead = false;
     for (id, op) in irx {
         if dead {
             (op.done)(Outcome::Down);
             continue;
         }
+        // Replies already at hand: completions may batch their writes to
+        // clients; about to wait: what they deferred goes out first.
+        let ready = rh.reply_ready();
+        if !ready {
+            IN_BURST.with(|b| b.set(false));
+            run_deferred();
+        }
+        IN_BURST.with(|b| b.set(true));
         let r = match op.kind {
             Kind::Get => {
                 let mut buf = vec![0u8; op.count as usize * BLOCK];
@@ -607,153 +698,15 @@ fn receive(sh: &Shared, s: usize, mut rh: RecvHalf, irx: Receiver<(u64, Op)>) {
                 (op.done)(Outcome::Down);
             }
         }
+        // Nothing more expected now: flush before waiting for the next op.
+        if !rh.reply_ready() {
+            IN_BURST.with(|b| b.set(false));
+            run_deferred();
+        }
     }
+    IN_BURST.with(|b| b.set(false));
+    run_deferred();
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::backend::Written;
-    use crate::layout::Translator;
-    use pagefleet_memserver::{Backing, ServerConfig, ServerState, Store};
-    use pagefleet_proto::auth::Secret;
-    use std::sync::atomic::AtomicBool;
-
-    /// A memory server on loopback, in this process: its address and a
-    /// switch that closes its listener's accepted connections' fate (the
-    /// server's state is dropped with the test).
-    fn server(secret: &Secret, blocks: u64) -> (String, Arc<ServerState>) {
-        let st = Arc::new(ServerState::new(
-            Store::with_backing(blocks * BLOCK as u64, Backing::Memfd).unwrap(),
-            secret.clone(),
-            ServerConfig::default(),
-        ));
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = l.local_addr().unwrap().to_string();
-        let st2 = st.clone();
-        std::thread::spawn(move || pagefleet_memserver::gate::serve(l, st2));
-        (addr, st)
-    }
-
-    fn device(servers: &[String], secret: &Secret, blocks: u64, mirror: bool) -> Arc<Engine> {
-        let cap: Vec<u64> = servers.iter().map(|_| blocks * 2).collect();
-        Engine::start(Arc::new(Shared {
-            t: Translator::new(&cap, blocks, None, mirror).unwrap(),
-            region: 0x7e57,
-            servers: servers.to_vec(),
-            secret: secret.clone(),
-            down: servers.iter().map(|_| AtomicBool::new(false)).collect(),
-            written: Written::new(blocks),
-            client_name: "engine-test".into(),
-        }))
-    }
-
-    fn wait<T: Send + 'static>(f: impl FnOnce(Box<dyn FnOnce(T) + Send>)) -> T {
-        let (tx, rx) = mpsc::channel();
-        f(Box::new(move |v| {
-            let _ = tx.send(v);
-        }));
-        rx.recv_timeout(std::time::Duration::from_secs(20))
-            .expect("the request completes")
-    }
-
-    fn read(e: &Arc<Engine>, first: u64, count: u64) -> Result<Vec<u8>, IoError> {
-        let pieces = wait(|d| e.read(first, count, d))?;
-        let mut out = Vec::new();
-        for p in pieces {
-            match p {
-                Piece::Data(d) => out.extend_from_slice(&d),
-                Piece::Hole(n) => out.resize(out.len() + n as usize * BLOCK, 0),
-            }
-        }
-        Ok(out)
-    }
-
-    fn write(e: &Arc<Engine>, first: u64, data: Vec<u8>) -> Result<(), IoError> {
-        let n = (data.len() / BLOCK) as u64;
-        wait(|d| e.write(first, Arc::new(data), 0, n, d))
-    }
-
-    fn pattern(first: u64, count: u64, salt: u8) -> Vec<u8> {
-        (0..count as usize * BLOCK)
-            .map(|i| (i as u64 / 7 + first * 13) as u8 ^ salt)
-            .collect()
-    }
-
-    #[test]
-    fn writes_read_back_across_servers_and_holes_stay_holes() {
-        let secret = Secret::generate();
-        let (a, _sa) = server(&secret, 256);
-        let (b, _sb) = server(&secret, 256);
-        // 2 servers, linear: 100 blocks on the first, the rest on the second.
-        let e = Engine::start(Arc::new(Shared {
-            t: Translator::new(&[100, 256], 200, None, false).unwrap(),
-            region: 0x7e57,
-            servers: vec![a, b],
-            secret: secret.clone(),
-            down: vec![AtomicBool::new(false), AtomicBool::new(false)],
-            written: Written::new(200),
-            client_name: "engine-test".into(),
-        }));
-        // A write across the boundary, bigger than a frame.
-        write(&e, 80, pattern(80, 60, 1)).unwrap();
-        assert_eq!(read(&e, 80, 60).unwrap(), pattern(80, 60, 1));
-        let pieces = wait(|d| e.read(0, 200, d)).unwrap();
-        let holes: u64 = pieces
-            .iter()
-            .map(|p| if let Piece::Hole(n) = p { *n } else { 0 })
-            .sum();
-        // Runs (at most 32 blocks, split at the server boundary at 100)
-        // with no written block are holes: 0-31, 32-63 and 164-199.
-        assert_eq!(holes, 100, "never-written runs come back as holes");
-        wait(|d| e.trim(90, 10, d)).unwrap();
-        let r = read(&e, 80, 60).unwrap();
-        assert!(r[10 * BLOCK..20 * BLOCK].iter().all(|b| *b == 0));
-        assert_eq!(r[..10 * BLOCK], pattern(80, 60, 1)[..10 * BLOCK]);
-    }
-
-    #[test]
-    fn many_requests_in_flight_complete_and_the_last_write_wins() {
-        let secret = Secret::generate();
-        let (a, _sa) = server(&secret, 1024);
-        let (b, _sb) = server(&secret, 1024);
-        let e = device(&[a, b], &secret, 256, true);
-        // 64 writes in flight at once, the same 8 blocks rewritten by each
-        // in turn: every copy must end with the last one enqueued.
-        let (tx, rx) = mpsc::channel();
-        for k in 0..64u8 {
-            let tx = tx.clone();
-            e.write(8, Arc::new(pattern(8, 8, k)), 0, 8, move |r| {
-                tx.send(r).unwrap();
-            });
-        }
-        for _ in 0..64 {
-            rx.recv_timeout(std::time::Duration::from_secs(20))
-                .unwrap()
-                .unwrap();
-        }
-        assert_eq!(read(&e, 8, 8).unwrap(), pattern(8, 8, 63));
-        // Both copies hold it: with the first server down, the mirror answers.
-        e.sh.down[0].store(true, Relaxed);
-        assert_eq!(read(&e, 8, 8).unwrap(), pattern(8, 8, 63));
-    }
-
-    #[test]
-    fn a_lost_copy_is_read_from_the_mirror_and_a_lost_block_is_an_error() {
-        let secret = Secret::generate();
-        let (a, sa) = server(&secret, 1024);
-        let (b, sb) = server(&secret, 1024);
-        let e = device(&[a, b], &secret, 64, true);
-        write(&e, 0, pattern(0, 32, 9)).unwrap();
-        // The first copy's server forgets the region (as after a restart).
-        sa.store.delete(0x7e57, None);
-        assert_eq!(read(&e, 0, 32).unwrap(), pattern(0, 32, 9));
-        assert!(
-            e.sh.down[0].load(Relaxed),
-            "the server that lost blocks is down"
-        );
-        // Then the second's: no copy holds the blocks any more.
-        sb.store.delete(0x7e57, None);
-        assert!(matches!(read(&e, 0, 32), Err(IoError::Lost(_))));
-    }
-}
+/// Bytes a receiver reads ahead: several small replies per system call.
+const RECV_AHEAD: usize = 32 << 10;

@@ -486,6 +486,9 @@ struct Req {
 /// own threads).
 struct Replier {
     w: Mutex<Box<dyn Io>>,
+    /// Small replies a lane's receiver completed in a burst, written
+    /// together when it next waits (see `engine::defer`).
+    pending: Mutex<Vec<u8>>,
     structured: bool,
     /// base:allocation was negotiated: BLOCK_STATUS is answered.
     allocation: bool,
@@ -501,9 +504,25 @@ fn chunk(b: &mut Vec<u8>, flags: u16, ty: u16, handle: u64, len: usize) {
 }
 
 impl Replier {
-    fn send(&self, parts: &[&[u8]]) -> std::io::Result<()> {
-        // A small reply goes out in one write (one syscall, one segment).
+    fn send(self: &Arc<Self>, parts: &[&[u8]]) -> std::io::Result<()> {
+        // A small reply goes out in one write (one syscall, one segment),
+        // or, completed in a receiver's burst, with the burst's others.
         let total: usize = parts.iter().map(|p| p.len()).sum();
+        if total <= COALESCE && crate::engine::in_burst() {
+            let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+            let first = p.is_empty();
+            for part in parts {
+                p.extend_from_slice(part);
+            }
+            drop(p);
+            if first {
+                let me = self.clone();
+                crate::engine::defer(Box::new(move || {
+                    let _ = me.flush_pending();
+                }));
+            }
+            return Ok(());
+        }
         if parts.len() > 1 && total <= COALESCE {
             let mut b = Vec::with_capacity(total);
             for p in parts {
@@ -524,7 +543,14 @@ impl Replier {
         pagefleet_proto::io::write_all_vectored(&mut **w, &mut iov)
     }
 
-    fn ok(&self, r: &Req) -> std::io::Result<()> {
+    /// Write the replies a burst left.
+    fn flush_pending(&self) -> std::io::Result<()> {
+        let mut w = self.w.lock().unwrap_or_else(|e| e.into_inner());
+        let b = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|e| e.into_inner()));
+        w.write_all(&b)
+    }
+
+    fn ok(self: &Arc<Self>, r: &Req) -> std::io::Result<()> {
         let mut b = Vec::with_capacity(20);
         if self.structured {
             chunk(&mut b, REPLY_FLAG_DONE, REPLY_TYPE_NONE, r.handle, 0);
@@ -539,7 +565,7 @@ impl Replier {
     /// A read's data. Structured: holes as OFFSET_HOLE chunks (unless the
     /// client asked for one chunk, DF), runs of data as OFFSET_DATA chunks;
     /// simple: the bytes, holes as zeros.
-    fn data(&self, r: &Req, pieces: &[Piece]) -> std::io::Result<()> {
+    fn data(self: &Arc<Self>, r: &Req, pieces: &[Piece]) -> std::io::Result<()> {
         let zeros = &ZEROS[..];
         let mut out: Vec<Vec<u8>> = Vec::new();
         let mut parts: Vec<&[u8]> = Vec::new();
@@ -622,7 +648,7 @@ impl Replier {
         self.send(&parts)
     }
 
-    fn err(&self, r: &Req, errno: u32, msg: &str) -> std::io::Result<()> {
+    fn err(self: &Arc<Self>, r: &Req, errno: u32, msg: &str) -> std::io::Result<()> {
         let mut b = Vec::new();
         if self.structured {
             let m = &msg.as_bytes()[..msg.len().min(4096)];
@@ -646,7 +672,7 @@ impl Replier {
     }
 
     /// The reply to a write, trim or zeroing.
-    fn changed(&self, r: &Req, res: Result<(), IoError>) -> std::io::Result<()> {
+    fn changed(self: &Arc<Self>, r: &Req, res: Result<(), IoError>) -> std::io::Result<()> {
         match res {
             Ok(()) => self.ok(r),
             Err(IoError::NoSpace(m)) => self.err(r, ENOSPC, &m),
@@ -847,17 +873,28 @@ pub fn serve_client(mut c: Box<dyn Io>, exports: &[Served], tls: &Tls) -> std::i
     let (ex, eng) = (&exports[n.export].export, exports[n.export].engine.clone());
     let rep = Arc::new(Replier {
         w: Mutex::new(c.try_clone_box()?),
+        pending: Mutex::new(Vec::new()),
         structured: n.structured,
         allocation: n.allocation,
     });
+    // Requests are read through a buffer: a burst of them (a queue depth's
+    // worth) comes in with one system call, and their frames go to each
+    // memory server together (the engine is corked on this thread, flushed
+    // whenever the buffer runs dry and before any wait).
+    let mut rd_buf = std::io::BufReader::with_capacity(READ_BUF, ReadHalf(&mut *c));
+    eng.cork();
     let result = (|| -> std::io::Result<()> {
         loop {
+            if rd_buf.buffer().len() < 28 {
+                eng.flush();
+            }
             // Bounded work in flight per connection: wait while too many
             // of its requests are running (each holds the replier).
             while Arc::strong_count(&rep) > MAX_IN_FLIGHT {
+                eng.flush();
                 std::thread::sleep(std::time::Duration::from_micros(50));
             }
-            let h = rd::<28>(&mut *c)?;
+            let h = rd::<28>(&mut rd_buf)?;
             let magic = u32::from_be_bytes(h[0..4].try_into().unwrap());
             if magic != REQUEST_MAGIC {
                 return Err(std::io::Error::other(format!(
@@ -883,13 +920,15 @@ pub fn serve_client(mut c: Box<dyn Io>, exports: &[Served], tls: &Tls) -> std::i
                 }
                 CMD_WRITE => {
                     let mut data = vec![0u8; r.len as usize];
-                    c.read_exact(&mut data)?;
+                    rd_buf.read_exact(&mut data)?;
                     dispatch(&eng, &rep, ex, r, data)?;
                 }
                 _ => dispatch(&eng, &rep, ex, r, Vec::new())?,
             }
         }
     })();
+    eng.flush();
+    drop(rd_buf);
     // Finish what is in flight before closing (DISC semantics).
     while Arc::strong_count(&rep) > 1 {
         std::thread::sleep(std::time::Duration::from_millis(1));
@@ -903,6 +942,19 @@ pub fn serve_client(mut c: Box<dyn Io>, exports: &[Served], tls: &Tls) -> std::i
             }
             r
         }
+    }
+}
+
+/// Bytes of requests read at once (a queue depth of 16 requests is 448
+/// bytes; a write's payload past the buffer is read straight into place).
+const READ_BUF: usize = 64 << 10;
+
+/// The reading side of a client connection, as a `Read` for the buffer.
+struct ReadHalf<'a>(&'a mut dyn Io);
+
+impl Read for ReadHalf<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.0.read(buf)
     }
 }
 

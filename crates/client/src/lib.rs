@@ -306,6 +306,20 @@ impl RecvHalf {
         let h = self.0.read_header()?;
         self.0.finish_get(h, id, dst)
     }
+    /// Read up to `bytes` ahead of what a reply needs: small pipelined
+    /// replies come in with one system call (bulk data beyond it is still
+    /// read straight into the caller's buffer).
+    pub fn set_read_ahead(&mut self, bytes: usize) {
+        if self.0.rb.is_empty() && self.0.rb.capacity() < bytes {
+            self.0.rb = RecvBuf::new(bytes);
+        }
+        self.0.rb.set_read_max(bytes);
+    }
+    /// Whether a reply is here already (read without waiting): see
+    /// [`Conn::reply_ready`].
+    pub fn reply_ready(&mut self) -> bool {
+        self.0.reply_ready()
+    }
     /// Receive a DELETE's reply ([`Conn::recv_delete`]).
     pub fn recv_delete(&mut self, id: u64) -> Result<u64> {
         let body = self.0.expect_reply(id, Opcode::DeleteOk)?;
