@@ -710,3 +710,151 @@ fn receive(sh: &Shared, s: usize, mut rh: RecvHalf, irx: Receiver<(u64, Op)>) {
 
 /// Bytes a receiver reads ahead: several small replies per system call.
 const RECV_AHEAD: usize = 32 << 10;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::Written;
+    use crate::layout::Translator;
+    use pagefleet_memserver::{Backing, ServerConfig, ServerState, Store};
+    use pagefleet_proto::auth::Secret;
+    use std::sync::atomic::AtomicBool;
+
+    /// A memory server on loopback, in this process: its address and a
+    /// switch that closes its listener's accepted connections' fate (the
+    /// server's state is dropped with the test).
+    fn server(secret: &Secret, blocks: u64) -> (String, Arc<ServerState>) {
+        let st = Arc::new(ServerState::new(
+            Store::with_backing(blocks * BLOCK as u64, Backing::Memfd).unwrap(),
+            secret.clone(),
+            ServerConfig::default(),
+        ));
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let st2 = st.clone();
+        std::thread::spawn(move || pagefleet_memserver::gate::serve(l, st2));
+        (addr, st)
+    }
+
+    fn device(servers: &[String], secret: &Secret, blocks: u64, mirror: bool) -> Arc<Engine> {
+        let cap: Vec<u64> = servers.iter().map(|_| blocks * 2).collect();
+        Engine::start(Arc::new(Shared {
+            t: Translator::new(&cap, blocks, None, mirror).unwrap(),
+            region: 0x7e57,
+            servers: servers.to_vec(),
+            secret: secret.clone(),
+            down: servers.iter().map(|_| AtomicBool::new(false)).collect(),
+            written: Written::new(blocks),
+            client_name: "engine-test".into(),
+        }))
+    }
+
+    fn wait<T: Send + 'static>(f: impl FnOnce(Box<dyn FnOnce(T) + Send>)) -> T {
+        let (tx, rx) = mpsc::channel();
+        f(Box::new(move |v| {
+            let _ = tx.send(v);
+        }));
+        rx.recv_timeout(std::time::Duration::from_secs(20))
+            .expect("the request completes")
+    }
+
+    fn read(e: &Arc<Engine>, first: u64, count: u64) -> Result<Vec<u8>, IoError> {
+        let pieces = wait(|d| e.read(first, count, d))?;
+        let mut out = Vec::new();
+        for p in pieces {
+            match p {
+                Piece::Data(d) => out.extend_from_slice(&d),
+                Piece::Hole(n) => out.resize(out.len() + n as usize * BLOCK, 0),
+            }
+        }
+        Ok(out)
+    }
+
+    fn write(e: &Arc<Engine>, first: u64, data: Vec<u8>) -> Result<(), IoError> {
+        let n = (data.len() / BLOCK) as u64;
+        wait(|d| e.write(first, Arc::new(data), 0, n, d))
+    }
+
+    fn pattern(first: u64, count: u64, salt: u8) -> Vec<u8> {
+        (0..count as usize * BLOCK)
+            .map(|i| (i as u64 / 7 + first * 13) as u8 ^ salt)
+            .collect()
+    }
+
+    #[test]
+    fn writes_read_back_across_servers_and_holes_stay_holes() {
+        let secret = Secret::generate();
+        let (a, _sa) = server(&secret, 256);
+        let (b, _sb) = server(&secret, 256);
+        // 2 servers, linear: 100 blocks on the first, the rest on the second.
+        let e = Engine::start(Arc::new(Shared {
+            t: Translator::new(&[100, 256], 200, None, false).unwrap(),
+            region: 0x7e57,
+            servers: vec![a, b],
+            secret: secret.clone(),
+            down: vec![AtomicBool::new(false), AtomicBool::new(false)],
+            written: Written::new(200),
+            client_name: "engine-test".into(),
+        }));
+        // A write across the boundary, bigger than a frame.
+        write(&e, 80, pattern(80, 60, 1)).unwrap();
+        assert_eq!(read(&e, 80, 60).unwrap(), pattern(80, 60, 1));
+        let pieces = wait(|d| e.read(0, 200, d)).unwrap();
+        let holes: u64 = pieces
+            .iter()
+            .map(|p| if let Piece::Hole(n) = p { *n } else { 0 })
+            .sum();
+        // Runs (at most 32 blocks, split at the server boundary at 100)
+        // with no written block are holes: 0-31, 32-63 and 164-199.
+        assert_eq!(holes, 100, "never-written runs come back as holes");
+        wait(|d| e.trim(90, 10, d)).unwrap();
+        let r = read(&e, 80, 60).unwrap();
+        assert!(r[10 * BLOCK..20 * BLOCK].iter().all(|b| *b == 0));
+        assert_eq!(r[..10 * BLOCK], pattern(80, 60, 1)[..10 * BLOCK]);
+    }
+
+    #[test]
+    fn many_requests_in_flight_complete_and_the_last_write_wins() {
+        let secret = Secret::generate();
+        let (a, _sa) = server(&secret, 1024);
+        let (b, _sb) = server(&secret, 1024);
+        let e = device(&[a, b], &secret, 256, true);
+        // 64 writes in flight at once, the same 8 blocks rewritten by each
+        // in turn: every copy must end with the last one enqueued.
+        let (tx, rx) = mpsc::channel();
+        for k in 0..64u8 {
+            let tx = tx.clone();
+            e.write(8, Arc::new(pattern(8, 8, k)), 0, 8, move |r| {
+                tx.send(r).unwrap();
+            });
+        }
+        for _ in 0..64 {
+            rx.recv_timeout(std::time::Duration::from_secs(20))
+                .unwrap()
+                .unwrap();
+        }
+        assert_eq!(read(&e, 8, 8).unwrap(), pattern(8, 8, 63));
+        // Both copies hold it: with the first server down, the mirror answers.
+        e.sh.down[0].store(true, Relaxed);
+        assert_eq!(read(&e, 8, 8).unwrap(), pattern(8, 8, 63));
+    }
+
+    #[test]
+    fn a_lost_copy_is_read_from_the_mirror_and_a_lost_block_is_an_error() {
+        let secret = Secret::generate();
+        let (a, sa) = server(&secret, 1024);
+        let (b, sb) = server(&secret, 1024);
+        let e = device(&[a, b], &secret, 64, true);
+        write(&e, 0, pattern(0, 32, 9)).unwrap();
+        // The first copy's server forgets the region (as after a restart).
+        sa.store.delete(0x7e57, None);
+        assert_eq!(read(&e, 0, 32).unwrap(), pattern(0, 32, 9));
+        assert!(
+            e.sh.down[0].load(Relaxed),
+            "the server that lost blocks is down"
+        );
+        // Then the second's: no copy holds the blocks any more.
+        sb.store.delete(0x7e57, None);
+        assert!(matches!(read(&e, 0, 32), Err(IoError::Lost(_))));
+    }
+}
