@@ -7,7 +7,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 out=${1:?usage: build.sh OUTDIR}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
-[ -f "$out/initrd.gz" ] && [ -f "$out/vmlinuz" ] && [ "$out/initrd.gz" -nt "$here/init" ] && [ "$out/initrd.gz" -nt "$here/memtest.c" ] && exit 0
+[ -f "$out/initrd.gz" ] && [ -f "$out/vmlinuz" ] && [ "$out/initrd.gz" -nt "$here/init" ] && [ "$out/initrd.gz" -nt "$here/memtest.c" ] && [ "$out/initrd.gz" -nt "$here/build.sh" ] && exit 0
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 cd "$work"
@@ -18,7 +18,7 @@ for d in ./*.deb; do dpkg-deb -x "$d" x; done
 cp x/boot/vmlinuz-* "$out/vmlinuz"
 mkdir -p root/bin root/proc root/sys root/dev root/lib/modules
 cp x/bin/busybox root/bin/busybox
-for m in virtio_ring virtio virtio_pci_legacy_dev virtio_pci_modern_dev virtio_pci virtio_blk; do
+for m in virtio_ring virtio virtio_pci_legacy_dev virtio_pci_modern_dev virtio_pci virtio_blk zsmalloc lzo-rle zram; do
     find x/lib/modules -name "$m.ko" -exec cp {} root/lib/modules/ \;
 done
 cc -O2 -static -o root/memtest "$here/memtest.c"

@@ -1,8 +1,15 @@
 //! `pagefleet bench blockdev`: the DMPS export against its peers, all over
 //! NBD on loopback and all driven by fio's nbd engine: pagefleet with 1 and
-//! 2 memory servers (linear, stripe, mirror), nbdkit's memory plugin, and
-//! qemu-nbd over a file on tmpfs. Sequential and random reads and writes,
-//! 4–128 KiB, queue depth 1 and 16; IOPS and MB/s side by side.
+//! 2 memory servers (linear, stripe, mirror); nbdkit's memory plugin (one
+//! hop, local RAM); the two-hop peer with DMPS's topology (nbdkit's nbd
+//! plugin forwarding to an nbdkit memory server: the second hop measured,
+//! not assumed); qemu-nbd over a file on tmpfs. Sequential and random reads
+//! and writes, 4–128 KiB, queue depth 1 and 16; IOPS and MB/s side by side.
+//! Then the mirror's drill ([`drill`]) and a guest swapping to each kind of
+//! swap ([`vm`]).
+
+mod drill;
+mod vm;
 
 use crate::util::{self, ChildDaemon, Goal, PlotOutcome};
 use anyhow::{bail, Context, Result};
@@ -18,6 +25,10 @@ pub struct Opts {
     pub block_sizes: Vec<u64>,
     pub depths: Vec<u32>,
     pub patterns: Vec<&'static str>,
+    /// Run the guest swapping to each kind of swap (QEMU TCG: minutes).
+    pub vm: bool,
+    /// MiB the guest's memtest writes and reads back (its memory: 128 MiB).
+    pub vm_memtest_mb: u64,
     pub quick: bool,
     pub out_dir: PathBuf,
 }
@@ -30,6 +41,8 @@ impl Opts {
             block_sizes: vec![4 << 10, 16 << 10, 64 << 10, 128 << 10],
             depths: vec![1, 16],
             patterns: vec!["read", "write", "randread", "randwrite"],
+            vm: true,
+            vm_memtest_mb: 256,
             quick: false,
             out_dir,
         }
@@ -41,6 +54,8 @@ impl Opts {
             block_sizes: vec![4 << 10, 128 << 10],
             depths: vec![1, 16],
             patterns: vec!["read", "randwrite"],
+            vm: false,
+            vm_memtest_mb: 192,
             quick: true,
             out_dir,
         }
@@ -62,6 +77,10 @@ pub struct Row {
 pub struct Report {
     pub size_bytes: u64,
     pub rows: Vec<Row>,
+    /// The mirror killed under load (None: not run).
+    pub drill: Option<drill::Drill>,
+    /// The guest swapping to each kind of swap.
+    pub vm: Vec<vm::VmRow>,
     pub goals: Vec<Goal>,
     #[serde(flatten)]
     pub plot: PlotOutcome,
@@ -139,6 +158,29 @@ fn nbdkit_memory(size: u64) -> Result<Server> {
         &size.to_string(),
     ]);
     spawn_nbd(&mut cmd, port, None)
+}
+
+/// The two-hop peer: nbdkit's nbd plugin in front of an nbdkit memory
+/// server (both stopped with it).
+fn nbdkit_two_hop(size: u64) -> Result<(Server, Server)> {
+    let back = nbdkit_memory(size)?;
+    let port = util::free_port()?;
+    let (host, bport) = back
+        .uri
+        .trim_start_matches("nbd://")
+        .split_once(':')
+        .context("backend uri")?;
+    let mut cmd = Command::new(util::which("nbdkit")?);
+    cmd.args([
+        "-f",
+        "--exit-with-parent",
+        "-p",
+        &port.to_string(),
+        "nbd",
+        &format!("hostname={host}"),
+        &format!("port={bport}"),
+    ]);
+    Ok((spawn_nbd(&mut cmd, port, None)?, back))
 }
 
 fn qemu_nbd_tmpfs(size: u64) -> Result<Server> {
@@ -226,38 +268,51 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
         ms.push(ChildDaemon::start(lend, &secret)?);
     }
     let addrs: Vec<String> = ms.iter().map(|m| m.addr.clone()).collect();
-    type Make<'a> = Box<dyn Fn() -> Result<Server> + 'a>;
+    // What a target is: the server clients talk to (and any behind it).
+    type Make<'a> = Box<dyn Fn() -> Result<(Server, Option<Server>)> + 'a>;
+    let one = |r: Result<Server>| r.map(|s| (s, None));
     let targets: Vec<(&str, Make)> = vec![
         (
             "pagefleet 1 server",
-            Box::new(|| pagefleet_export(&addrs[..1], &secret, o.size, &[])),
+            Box::new(|| one(pagefleet_export(&addrs[..1], &secret, o.size, &[]))),
         ),
         (
-            "pagefleet 2 linear",
-            Box::new(|| pagefleet_export(&addrs[..2], &secret, o.size, &[])),
+            LINEAR,
+            Box::new(|| one(pagefleet_export(&addrs[..2], &secret, o.size, &[]))),
         ),
         (
             "pagefleet 2 stripe",
             Box::new(|| {
-                pagefleet_export(
+                one(pagefleet_export(
                     &addrs[..2],
                     &secret,
                     o.size,
                     &["--layout", "stripe", "--stripe-unit", "128KiB"],
-                )
+                ))
             }),
         ),
         (
             "pagefleet 2 mirror",
-            Box::new(|| pagefleet_export(&addrs[..2], &secret, o.size, &["--mirror"])),
+            Box::new(|| {
+                one(pagefleet_export(
+                    &addrs[..2],
+                    &secret,
+                    o.size,
+                    &["--mirror"],
+                ))
+            }),
         ),
-        ("nbdkit memory", Box::new(|| nbdkit_memory(o.size))),
-        ("qemu-nbd tmpfs", Box::new(|| qemu_nbd_tmpfs(o.size))),
+        (NBDKIT, Box::new(|| one(nbdkit_memory(o.size)))),
+        (
+            TWO_HOP,
+            Box::new(|| nbdkit_two_hop(o.size).map(|(a, b)| (a, Some(b)))),
+        ),
+        ("qemu-nbd tmpfs", Box::new(|| one(qemu_nbd_tmpfs(o.size)))),
     ];
     let targets: Vec<_> = if o.quick {
         targets
             .into_iter()
-            .filter(|t| t.0 == "pagefleet 2 linear" || t.0 == "nbdkit memory")
+            .filter(|t| [LINEAR, NBDKIT, TWO_HOP].contains(&t.0))
             .collect()
     } else {
         targets
@@ -268,7 +323,7 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
             "{name}: filling {} then measuring",
             crate::fmt_bytes(o.size)
         ));
-        let s = make()?;
+        let (s, _behind) = make()?;
         fill(&s.uri, o.size)?;
         for rw in &o.patterns {
             for &bs in &o.block_sizes {
@@ -291,12 +346,34 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
             }
         }
     }
+    // The drill: a mirror over the 3 servers, one killed under load.
+    log("mirror drill: 32 writes in flight, a memory server killed with SIGKILL");
+    let drill = {
+        let e = pagefleet_export(&addrs[..3], &secret, 32 << 20, &["--mirror"])?;
+        let addr = e.uri.trim_start_matches("nbd://").to_string();
+        let r = drill::run(&addr, 512, &mut ms[1]);
+        drop(e);
+        match r {
+            Ok(d) => Some(d),
+            Err(e) => {
+                log(&format!("the drill failed: {e:#}"));
+                None
+            }
+        }
+    };
     drop(ms);
+    let vm = if o.vm {
+        vm_rows(o, &secret, log)?
+    } else {
+        Vec::new()
+    };
     let _ = std::fs::remove_dir_all(&dir);
     let mut r = Report {
         size_bytes: o.size,
-        goals: goals(&rows),
+        goals: goals(&rows, drill.as_ref(), &vm),
         rows,
+        drill,
+        vm,
         plot: PlotOutcome::default(),
     };
     std::fs::create_dir_all(&o.out_dir)?;
@@ -305,43 +382,141 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
         |r| &mut r.plot,
         &o.out_dir,
         "blockdev",
-        include_str!("../../../bench/plot_blockdev.py"),
+        include_str!("../../../../bench/plot_blockdev.py"),
     )?;
     Ok(r)
 }
 
-fn goals(rows: &[Row]) -> Vec<Goal> {
+/// The guest swapping to DMPS (2 servers, linear), to a local disk image
+/// and to zram in the guest.
+fn vm_rows(
+    o: &Opts,
+    secret: &std::path::Path,
+    log: &mut dyn FnMut(&str),
+) -> Result<Vec<vm::VmRow>> {
+    let guest = vm::guest_dir()?;
+    util::which("qemu-system-x86_64").context("qemu-system-x86 is needed (make deps)")?;
+    let mb = o.vm_memtest_mb;
+    let mut rows = Vec::new();
+    log(&format!(
+        "guest of 128 MiB, memtest {mb} MiB, swap on the DMPS export"
+    ));
+    {
+        let lend = 640 << 20;
+        let ms = [
+            ChildDaemon::start(lend, secret)?,
+            ChildDaemon::start(lend, secret)?,
+        ];
+        let addrs: Vec<String> = ms.iter().map(|m| m.addr.clone()).collect();
+        let e = pagefleet_export(&addrs, secret, 512 << 20, &[])?;
+        rows.push(vm::run(
+            &guest,
+            VM_DMPS,
+            Some(&format!("file={},format=raw,if=virtio", e.uri)),
+            mb,
+        ));
+    }
+    log("the same guest, swap on a local disk image file");
+    let img = util::temp_dir("bench-vm-swap")?.join("swap.img");
+    std::fs::File::create(&img)?.set_len(512 << 20)?;
+    rows.push(vm::run(
+        &guest,
+        VM_FILE,
+        Some(&format!("file={},format=raw,if=virtio", img.display())),
+        mb,
+    ));
+    let _ = std::fs::remove_dir_all(img.parent().unwrap());
+    log("the same guest, swap on zram in its own memory");
+    rows.push(vm::run(&guest, "zram in the guest", None, mb));
+    Ok(rows)
+}
+
+const LINEAR: &str = "pagefleet 2 linear";
+const NBDKIT: &str = "nbdkit memory";
+const TWO_HOP: &str = "nbdkit nbd -> nbdkit memory (two hops)";
+const VM_DMPS: &str = "DMPS export (2 servers)";
+const VM_FILE: &str = "local disk image file";
+
+/// The goals, from this run: every fio row at least the two-hop
+/// peer; every QD16 row and the 2-server sequential read at least 0.8×
+/// nbdkit memory; no acknowledged write lost in the drill; the guest
+/// swapping to DMPS at least as fast as to a local image file. A row that
+/// failed leaves its goal reported unmet.
+fn goals(rows: &[Row], drill: Option<&drill::Drill>, vm: &[vm::VmRow]) -> Vec<Goal> {
     let mut g = Vec::new();
     let find = |t: &str, rw: &str, bs: u64, qd: u32| {
-        rows.iter()
-            .find(|r| r.target == t && r.rw == rw && r.bs == bs && r.iodepth == qd)
+        rows.iter().find(|r| {
+            r.target == t && r.rw == rw && r.bs == bs && r.iodepth == qd && r.error.is_none()
+        })
     };
-    for r in rows.iter().filter(|r| r.target == "nbdkit memory") {
-        if let Some(p) = find("pagefleet 2 linear", &r.rw, r.bs, r.iodepth) {
-            g.push(Goal::at_least(
-                &format!(
-                    "{} {}K QD{}: pagefleet (2 servers) / nbdkit memory",
-                    r.rw,
-                    r.bs >> 10,
-                    r.iodepth
-                ),
-                p.iops / r.iops,
-                1.0,
-                "x IOPS",
-            ));
-        }
+    let mut ratio = |name: String, a: Option<&Row>, b: Option<&Row>, target: f64| {
+        g.push(match (a, b) {
+            (Some(a), Some(b)) if b.iops > 0.0 => {
+                Goal::at_least(&name, a.iops / b.iops, target, "x IOPS")
+            }
+            _ => Goal::not_measured(&name, target, "x IOPS"),
+        });
+    };
+    for r in rows
+        .iter()
+        .filter(|r| r.target == TWO_HOP && ["read", "randwrite"].contains(&r.rw.as_str()))
+    {
+        ratio(
+            format!(
+                "{} {}K QD{}: pagefleet 2 servers / two-hop peer",
+                r.rw,
+                r.bs >> 10,
+                r.iodepth
+            ),
+            find(LINEAR, &r.rw, r.bs, r.iodepth),
+            Some(r),
+            1.0,
+        );
     }
+    for r in rows.iter().filter(|r| {
+        r.target == NBDKIT && r.iodepth == 16 && ["read", "randwrite"].contains(&r.rw.as_str())
+    }) {
+        ratio(
+            format!(
+                "{} {}K QD16: pagefleet 2 servers / nbdkit memory",
+                r.rw,
+                r.bs >> 10
+            ),
+            find(LINEAR, &r.rw, r.bs, 16),
+            Some(r),
+            0.8,
+        );
+    }
+    // Sequential 128K reads with 2 servers: the best 2-server layout.
     let best = rows
         .iter()
-        .filter(|r| r.target.starts_with("pagefleet 2") && r.rw == "read" && r.bs == 128 << 10)
-        .map(|r| r.mb_per_s)
-        .fold(f64::NAN, f64::max);
-    g.push(Goal::at_least(
-        "sequential read 128K, 2 servers",
-        best / 1000.0,
-        2.0,
-        "GB/s",
-    ));
+        .filter(|r| {
+            r.target.starts_with("pagefleet 2")
+                && r.rw == "read"
+                && r.bs == 128 << 10
+                && r.iodepth == 16
+                && r.error.is_none()
+        })
+        .max_by(|a, b| a.iops.total_cmp(&b.iops));
+    ratio(
+        "sequential read 128K QD16, 2 servers / nbdkit memory".into(),
+        best,
+        find(NBDKIT, "read", 128 << 10, 16),
+        0.8,
+    );
+    let name = "mirror drill: acknowledged writes lost after a server's SIGKILL";
+    g.push(match drill {
+        Some(d) if d.acknowledged > 0 => Goal::at_most(name, d.lost as f64, 0.0, "writes"),
+        _ => Goal::not_measured(name, 0.0, "writes"),
+    });
+    if !vm.is_empty() {
+        let rate = |w: &str| vm.iter().find(|v| v.swap == w).and_then(|v| v.rate_mib_s);
+        let name = "guest swapping: DMPS / local disk image (memtest rate)";
+        g.push(match (rate(VM_DMPS), rate(VM_FILE)) {
+            (Some(a), Some(b)) => Goal::at_least(name, a / b, 1.0, "ratio"),
+            _ => Goal::not_measured(name, 1.0, "ratio"),
+        });
+    }
     g
 }
 
@@ -357,9 +532,13 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
         "NBD exports over loopback, fio nbd engine, {} device; IOPS (MB/s)",
         crate::fmt_bytes(r.size_bytes)
     )?;
+    // Column headers are numbered; the legend names them.
+    for (i, t) in targets.iter().enumerate() {
+        writeln!(out, "  [{}] {t}", i + 1)?;
+    }
     write!(out, "{:<10} {:>5} {:>3}", "pattern", "bs", "qd")?;
-    for t in &targets {
-        write!(out, " {:>21}", t)?;
+    for i in 0..targets.len() {
+        write!(out, " {:>21}", format!("[{}]", i + 1))?;
     }
     writeln!(out)?;
     let mut keys: Vec<(String, u64, u32)> = Vec::new();
@@ -385,13 +564,42 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
         }
         writeln!(out)?;
     }
+    if let Some(d) = &r.drill {
+        writeln!(
+            out,
+            "\nMirror drill (3 servers, 32 writes of 64 KiB in flight, one server killed): {} writes, {} acknowledged, {} of those lost ({} unreadable)",
+            d.writes, d.acknowledged, d.lost, d.read_errors
+        )?;
+    }
+    if !r.vm.is_empty() {
+        writeln!(
+            out,
+            "\nGuest (128 MiB, QEMU TCG) running memtest through swap:"
+        )?;
+        for v in &r.vm {
+            match (v.rate_mib_s, &v.error) {
+                (Some(rate), _) => writeln!(
+                    out,
+                    "  {:<26} {:>7.1} MiB/s  ({} MiB swapped)",
+                    v.swap, rate, v.swap_used_mib
+                )?,
+                (None, e) => writeln!(
+                    out,
+                    "  {:<26} failed: {}",
+                    v.swap,
+                    e.as_deref().unwrap_or("?")
+                )?,
+            }
+        }
+    }
     writeln!(out)?;
     util::print_goals(&r.goals, out)?;
     r.plot.print(out)
 }
 
 /// `pagefleet bench blockdev`: the DMPS NBD export against nbdkit's memory
-/// plugin and qemu-nbd on tmpfs, with fio.
+/// plugin, the two-hop peer (nbdkit nbd -> nbdkit memory) and qemu-nbd on
+/// tmpfs, with fio; the mirror drill; a guest swapping to it.
 #[derive(clap::Args, Clone, Debug)]
 pub struct Args {
     /// The device's size (at least 16MiB).
@@ -400,6 +608,13 @@ pub struct Args {
     /// Seconds each fio job runs.
     #[arg(long = "secs", alias = "reps")]
     pub secs: Option<u64>,
+    /// Also run the guest swapping to DMPS, a disk image and zram (the
+    /// full run does; QEMU TCG, several minutes; needs `make guest`).
+    #[arg(long, conflicts_with = "no_vm")]
+    pub vm: bool,
+    /// Skip the guest rows.
+    #[arg(long)]
+    pub no_vm: bool,
 }
 
 impl crate::Benchmark for Args {
@@ -412,6 +627,12 @@ impl crate::Benchmark for Args {
         }
         if let Some(s) = self.secs {
             o.runtime_secs = s.max(1);
+        }
+        if self.vm {
+            o.vm = true;
+        }
+        if self.no_vm {
+            o.vm = false;
         }
         run(&o, log)
     }
