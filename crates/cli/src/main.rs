@@ -267,6 +267,15 @@ enum BenchCmd {
     /// machine's disk (loop over a file, ramp only). Root; about 35 minutes
     /// (--quick: one 30 s scenario).
     Ioqos(Bench<bench::ioqos::Args>),
+    /// The DMPS export's floor used by `bench blockdev` (internal): an NBD
+    /// forwarder to a raw page store on 127.0.0.1:PORT.
+    #[command(hide = true)]
+    NbdFloor {
+        #[arg(long)]
+        port: u16,
+        #[arg(long)]
+        size: u64,
+    },
     /// The raw-TCP baseline server used by `bench memserver` (internal).
     #[command(hide = true)]
     RawServer,
@@ -778,6 +787,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Bench(BenchCmd::Ksm(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::Ioqos(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::RawServer) => bench::memserver::raw_server_main(),
+        Cmd::Bench(BenchCmd::NbdFloor { port, size }) => bench::blockdev::floor::main(port, size),
         Cmd::Bench(BenchCmd::KvFloorGuest {
             size,
             budget_pages,

@@ -307,8 +307,8 @@ fn bench_dedup_quick_json_has_rows_and_goals() {
 }
 
 /// The block-device benchmark runs end to end (quick: the 2-server export
-/// nbdkit's memory plugin and the two-hop peer, two block sizes, both queue
-/// depths; the mirror drill).
+/// nbdkit's memory plugin, the two-hop peer and the floor, two block sizes,
+/// both queue depths; the mirror drill).
 #[test]
 fn bench_blockdev_quick_json_has_rows_and_goals() {
     let out_dir = std::env::temp_dir().join(format!(
@@ -335,8 +335,8 @@ fn bench_blockdev_quick_json_has_rows_and_goals() {
     let rows = v["rows"].as_array().unwrap();
     assert_eq!(
         rows.len(),
-        24,
-        "3 targets (pagefleet, nbdkit memory, the two-hop peer) x 2 patterns x 2 sizes x 2 depths"
+        32,
+        "4 targets (pagefleet, nbdkit memory, the two-hop peer, the floor) x 2 patterns x 2 sizes x 2 depths"
     );
     for r in rows {
         assert!(r["error"].is_null(), "{r}");
