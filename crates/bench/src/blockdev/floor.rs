@@ -28,7 +28,7 @@ fn store(s: TcpStream, mem: &std::sync::Mutex<Vec<u8>>) -> std::io::Result<()> {
     let mut w = BufWriter::with_capacity(256 << 10, s);
     loop {
         let mut h = [0u8; 16];
-        if r.buffer().is_empty() {
+        if r.buffer().len() < 16 {
             w.flush()?;
         }
         if r.read_exact(&mut h).is_err() {
@@ -44,7 +44,15 @@ fn store(s: TcpStream, mem: &std::sync::Mutex<Vec<u8>>) -> std::io::Result<()> {
         match h[0] {
             OP_READ => w.write_all(&mem[range])?,
             OP_WRITE => {
-                r.read_exact(&mut mem[range])?;
+                let dst = &mut mem[range];
+                let mut at = 0;
+                while at < dst.len() {
+                    let b = fill(&mut r, &mut w)?;
+                    let n = b.len().min(dst.len() - at);
+                    dst[at..at + n].copy_from_slice(&b[..n]);
+                    r.consume_n(n);
+                    at += n;
+                }
                 w.write_all(&[0])?;
             }
             _ => return Err(std::io::Error::other("bad op")),
@@ -122,10 +130,19 @@ fn forward(mut c: TcpStream, store_addr: &str, size: u64) -> std::io::Result<()>
     let receiver = std::thread::spawn(move || -> std::io::Result<()> {
         let mut r = BufReader::with_capacity(256 << 10, st_r);
         let mut w = BufWriter::with_capacity(256 << 10, c_w);
-        for p in rx {
-            if r.buffer().is_empty() {
-                w.flush()?;
-            }
+        loop {
+            // Replies written so far go out before this thread waits.
+            let p = match rx.try_recv() {
+                Ok(p) => p,
+                Err(mpsc::TryRecvError::Empty) => {
+                    w.flush()?;
+                    match rx.recv() {
+                        Ok(p) => p,
+                        Err(_) => break,
+                    }
+                }
+                Err(mpsc::TryRecvError::Disconnected) => break,
+            };
             let mut h = 0x6744_6698u32.to_be_bytes().to_vec();
             h.extend_from_slice(&0u32.to_be_bytes());
             h.extend_from_slice(&p.handle.to_be_bytes());
@@ -133,14 +150,15 @@ fn forward(mut c: TcpStream, store_addr: &str, size: u64) -> std::io::Result<()>
             if p.read_len > 0 {
                 let mut left = p.read_len;
                 while left > 0 {
-                    let buf = r.fill_buf_checked()?;
+                    let buf = fill(&mut r, &mut w)?;
                     let n = buf.len().min(left);
                     w.write_all(&buf[..n])?;
                     r.consume_n(n);
                     left -= n;
                 }
             } else {
-                let _ack = rd::<1>(&mut r)?;
+                fill(&mut r, &mut w)?;
+                r.consume_n(1);
             }
         }
         w.flush()
@@ -175,7 +193,7 @@ fn forward(mut c: TcpStream, store_addr: &str, size: u64) -> std::io::Result<()>
                     // The payload goes through the buffers as it comes.
                     let mut left = len as usize;
                     while left > 0 {
-                        let buf = r.fill_buf_checked()?;
+                        let buf = fill(&mut r, &mut w)?;
                         let n = buf.len().min(left);
                         w.write_all(&buf[..n])?;
                         r.consume_n(n);
@@ -210,19 +228,25 @@ fn forward(mut c: TcpStream, store_addr: &str, size: u64) -> std::io::Result<()>
     }
 }
 
-trait BufExt {
-    fn fill_buf_checked(&mut self) -> std::io::Result<&[u8]>;
+/// The next buffered bytes of `r`; what `w` holds goes out first when `r`
+/// must wait (each side flushes before it blocks: nothing waits on bytes
+/// sitting in a buffer).
+fn fill<'a, R: Read, W: Write>(r: &'a mut BufReader<R>, w: &mut W) -> std::io::Result<&'a [u8]> {
+    if r.buffer().is_empty() {
+        w.flush()?;
+    }
+    let b = std::io::BufRead::fill_buf(r)?;
+    if b.is_empty() {
+        return Err(std::io::ErrorKind::UnexpectedEof.into());
+    }
+    Ok(b)
+}
+
+trait Consume {
     fn consume_n(&mut self, n: usize);
 }
 
-impl<R: Read> BufExt for BufReader<R> {
-    fn fill_buf_checked(&mut self) -> std::io::Result<&[u8]> {
-        let b = std::io::BufRead::fill_buf(self)?;
-        if b.is_empty() {
-            return Err(std::io::ErrorKind::UnexpectedEof.into());
-        }
-        Ok(b)
-    }
+impl<R: Read> Consume for BufReader<R> {
     fn consume_n(&mut self, n: usize) {
         std::io::BufRead::consume(self, n)
     }
