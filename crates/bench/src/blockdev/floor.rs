@@ -18,6 +18,9 @@ use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::mpsc;
 
+/// Transfers this large skip the buffers (one copy less each way).
+const DIRECT: usize = 32 << 10;
+
 const OP_READ: u8 = 0;
 const OP_WRITE: u8 = 1;
 
@@ -42,7 +45,18 @@ fn store(s: TcpStream, mem: &std::sync::Mutex<Vec<u8>>) -> std::io::Result<()> {
             return Err(std::io::Error::other("beyond the store"));
         }
         match h[0] {
+            // Large replies straight from the store's memory to the socket.
+            OP_READ if len >= DIRECT => {
+                w.flush()?;
+                w.get_mut().write_all(&mem[range])?
+            }
             OP_READ => w.write_all(&mem[range])?,
+            OP_WRITE if len >= DIRECT => {
+                // Large payloads straight from the socket into the memory.
+                w.flush()?;
+                r.read_exact(&mut mem[range])?;
+                w.write_all(&[0])?;
+            }
             OP_WRITE => {
                 let dst = &mut mem[range];
                 let mut at = 0;
@@ -130,6 +144,7 @@ fn forward(mut c: TcpStream, store_addr: &str, size: u64) -> std::io::Result<()>
     let receiver = std::thread::spawn(move || -> std::io::Result<()> {
         let mut r = BufReader::with_capacity(256 << 10, st_r);
         let mut w = BufWriter::with_capacity(256 << 10, c_w);
+        let mut scratch = Vec::new();
         loop {
             // Replies written so far go out before this thread waits.
             let p = match rx.try_recv() {
@@ -146,7 +161,17 @@ fn forward(mut c: TcpStream, store_addr: &str, size: u64) -> std::io::Result<()>
             let mut h = 0x6744_6698u32.to_be_bytes().to_vec();
             h.extend_from_slice(&0u32.to_be_bytes());
             h.extend_from_slice(&p.handle.to_be_bytes());
-            w.write_all(&h)?;
+            if p.read_len < DIRECT {
+                w.write_all(&h)?;
+            }
+            if p.read_len >= DIRECT {
+                w.write_all(&h)?;
+                w.flush()?;
+                scratch.resize(p.read_len, 0);
+                r.read_exact(&mut scratch)?;
+                w.get_mut().write_all(&scratch)?;
+                continue;
+            }
             if p.read_len > 0 {
                 let mut left = p.read_len;
                 while left > 0 {
@@ -165,6 +190,7 @@ fn forward(mut c: TcpStream, store_addr: &str, size: u64) -> std::io::Result<()>
     });
     let mut r = BufReader::with_capacity(64 << 10, c);
     let mut w = BufWriter::with_capacity(256 << 10, st);
+    let mut payload = Vec::new();
     let result = (|| -> std::io::Result<()> {
         loop {
             if r.buffer().len() < 28 {
@@ -190,6 +216,18 @@ fn forward(mut c: TcpStream, store_addr: &str, size: u64) -> std::io::Result<()>
                 1 => {
                     sh[0] = OP_WRITE;
                     w.write_all(&sh)?;
+                    if len as usize >= DIRECT {
+                        // Large: read whole, written with the header.
+                        payload.resize(len as usize, 0);
+                        r.read_exact(&mut payload)?;
+                        w.flush()?;
+                        w.get_mut().write_all(&payload)?;
+                        let _ = tx.send(Pending {
+                            handle,
+                            read_len: 0,
+                        });
+                        continue;
+                    }
                     // The payload goes through the buffers as it comes.
                     let mut left = len as usize;
                     while left > 0 {
