@@ -246,9 +246,13 @@ enum BenchCmd {
     /// of every process over time (flat?) and the bytes lost (0?). Root.
     /// Example: pagefleet bench soak --minutes 30
     Soak(Bench<bench::soak::Args>),
-    /// The DMPS block device over NBD against nbdkit's memory plugin and
-    /// qemu-nbd on tmpfs: fio sequential/random read/write, 4-128 KiB,
-    /// queue depth 1 and 16, IOPS and MB/s.
+    /// The DMPS block device over NBD against nbdkit's memory plugin, the
+    /// two-hop peer (nbdkit nbd -> nbdkit memory), the floor (a forwarder
+    /// doing only the two hops) and qemu-nbd on tmpfs: fio sequential/random
+    /// read/write, 4-128 KiB, queue depth 1 and 16, IOPS and MB/s; the
+    /// mirror drill (a server killed under load, every acknowledged write
+    /// read back); with --vm a guest swapping to it, to a disk image and to
+    /// zram. Example: pagefleet bench blockdev --quick --json
     Blockdev(Bench<bench::blockdev::Args>),
     /// KSM policies (paper 001) on kv tenants holding the same dataset plus
     /// private data under host memory pressure: off, kernel defaults, Debian's

@@ -367,7 +367,7 @@ fn each_bench_help_lists_only_its_own_flags() {
             "migration",
             &["--dataset", "--links", "--only", "--kv-rounds"],
         ),
-        ("blockdev", &["--dataset", "--secs"]),
+        ("blockdev", &["--dataset", "--secs", "--vm", "--no-vm"]),
         (
             "ksm",
             &[
