@@ -393,10 +393,12 @@ fn a_sub_host_stores_pages_its_host_holds_from_its_guests_and_its_store() {
 fn the_scanner_hashes_pages_in_memory_and_leaves_swapped_ones_in_swap() {
     use pagefleet_dedup::scan::{find_memfd, HostIndex};
     use pagefleet_dedup::{ContentKey, SourceId, PAGE};
-    const PAGES: usize = 1024;
+    const PAGES: usize = 2048;
     let _swap = pagefleet_lab::system::Swap::file(64 * MIB).expect("a swap file");
-    // 1 MiB of memory for 4 MiB of guest pages: most go to swap as written.
-    let cg = pagefleet_lab::system::MemCgroup::new(MIB).expect("a memory cgroup");
+    // 2 MiB of memory for 8 MiB of guest pages: most go to swap as written.
+    // (1 MiB left dd itself too little room: it was OOM-killed now and then
+    // before its first page went to swap.)
+    let cg = pagefleet_lab::system::MemCgroup::new(2 * MIB).expect("a memory cgroup");
     let f = std::fs::File::from(
         pagefleet_common::sys::mapping::memfd(
             c"pagefleet-scan-swap-test",
