@@ -133,6 +133,7 @@ fn owner_gone(rest: &str) -> bool {
 /// killed before their cleanup left behind (their pid no longer runs):
 /// a crashed run must not shrink the next one's memory or fail its checks.
 pub fn sweep_leftovers() {
+    sweep_ssd_swaps();
     let swaps = std::fs::read_to_string("/proc/swaps").unwrap_or_default();
     for f in swaps.lines().filter_map(|l| l.split_whitespace().next()) {
         if f.strip_prefix(SWAP_FILE_PREFIX).is_some_and(owner_gone) {
@@ -158,6 +159,44 @@ pub fn sweep_leftovers() {
                 // Fails (and is left) while processes still run in it.
                 let _ = std::fs::remove_dir(e.path());
             }
+        }
+    }
+}
+
+/// Where a bench's SSD-like swap lives (`util::SsdSwap`): a loop device over
+/// a file on a FIFO disk its process served.
+const SSD_SWAP_PREFIX: &str = "/tmp/pagefleet-bench-ssd-swap-";
+
+/// A swap device over an SSD-like disk whose bench died is worse than none:
+/// its disk's server is gone, so every page sent there fails and the
+/// kernel kills instead of swapping. Switch it off, detach the loop device,
+/// unmount the disk.
+fn sweep_ssd_swaps() {
+    let swaps = std::fs::read_to_string("/proc/swaps").unwrap_or_default();
+    for dev in swaps.lines().filter_map(|l| l.split_whitespace().next()) {
+        let Some(loop_name) = dev.strip_prefix("/dev/") else {
+            continue;
+        };
+        let backing = std::fs::read_to_string(format!("/sys/block/{loop_name}/loop/backing_file"))
+            .unwrap_or_default();
+        let Some(rest) = backing.trim().strip_prefix(SSD_SWAP_PREFIX) else {
+            continue;
+        };
+        if !owner_gone(rest) {
+            continue;
+        }
+        eprintln!(
+            "switching off {dev} (over {}), left by a bench that is gone",
+            backing.trim()
+        );
+        let _ = Command::new("swapoff").arg(dev).status();
+        let _ = Command::new("losetup").args(["-d", dev]).status();
+        if let Some(dir) = rest.split('/').next() {
+            let root = format!("{SSD_SWAP_PREFIX}{dir}");
+            let _ = Command::new("umount")
+                .args(["-l", &format!("{root}/mnt")])
+                .status();
+            let _ = std::fs::remove_dir_all(&root);
         }
     }
 }
