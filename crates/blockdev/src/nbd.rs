@@ -964,4 +964,6 @@ const MAX_EXTENTS: usize = 4096;
 
 /// Requests of one connection in flight at most (the client's queue depth
 /// is usually far lower; a client that pipelines more waits for room).
-const MAX_IN_FLIGHT: usize = 256;
+/// Each holds at most a MAX_PAYLOAD buffer: 64 bounds a connection's
+/// request memory at 2 GiB, as the 64-deep queue before the engine did.
+const MAX_IN_FLIGHT: usize = 64;
