@@ -287,31 +287,10 @@ impl Engine {
             "a write past its buffer"
         );
         let copies = self.sh.t.runs(first, count, MAX_BATCH_PAGES as u64);
-        let job = Arc::new(ChangeJob::new(
-            self,
-            (first, count, true),
-            copies.len(),
-            done,
-        ));
-        let mut ops = Vec::new();
-        for (c, runs) in copies.iter().enumerate() {
-            for &(vb, s, sb, n) in runs {
-                job.left.fetch_add(1, Relaxed);
-                let j = job.clone();
-                let op = Op {
-                    sb,
-                    count: n,
-                    kind: Kind::Put {
-                        data: data.clone(),
-                        off: off + ((vb - first) as usize) * BLOCK,
-                    },
-                    done: Box::new(move |o| j.copy_done(c, s, o)),
-                };
-                ops.push((s, op));
-            }
-        }
-        self.enqueue_all(ops);
-        job.finish_one();
+        self.change(first, count, copies, true, done, |vb| Kind::Put {
+            data: data.clone(),
+            off: off + ((vb - first) as usize) * BLOCK,
+        });
     }
 
     /// Free blocks (they read as zeros again) on every copy.
@@ -324,21 +303,35 @@ impl Engine {
         // Cleared first: a read racing the delete sees zeros, not a loss.
         self.sh.written.clear(first, count);
         let copies = self.sh.t.runs(first, count, u32::MAX as u64);
+        self.change(first, count, copies, false, done, |_| Kind::Delete);
+    }
+
+    /// A write or trim: one op per run of every copy (`kind` of the run's
+    /// first virtual block), done when all are.
+    fn change(
+        self: &Arc<Self>,
+        first: u64,
+        count: u64,
+        copies: Vec<Vec<(u64, usize, u64, u64)>>,
+        write: bool,
+        done: impl FnOnce(Result<(), IoError>) + Send + 'static,
+        kind: impl Fn(u64) -> Kind,
+    ) {
         let job = Arc::new(ChangeJob::new(
             self,
-            (first, count, false),
+            (first, count, write),
             copies.len(),
             done,
         ));
         let mut ops = Vec::new();
         for (c, runs) in copies.iter().enumerate() {
-            for &(_, s, sb, n) in runs {
+            for &(vb, s, sb, n) in runs {
                 job.left.fetch_add(1, Relaxed);
                 let j = job.clone();
                 let op = Op {
                     sb,
                     count: n,
-                    kind: Kind::Delete,
+                    kind: kind(vb),
                     done: Box::new(move |o| j.copy_done(c, s, o)),
                 };
                 ops.push((s, op));
