@@ -11,6 +11,7 @@ pub mod fio;
 pub mod forward;
 pub mod kvload;
 pub mod labrun;
+pub mod nbd;
 pub mod plot;
 pub mod proc;
 pub mod rawhttp;

@@ -229,51 +229,25 @@ fn mirror_survives_a_memory_server_killed_mid_run() {
 fn bad_requests_get_protocol_errors_and_do_not_crash_the_server() {
     let c = Cluster::start(1, "16MiB");
     let e = export(&c, &c.addrs(), "8MiB", &[]);
-    let mut s = std::net::TcpStream::connect(&e.addr).unwrap();
-    s.set_read_timeout(Some(std::time::Duration::from_secs(5)))
-        .unwrap();
-    let mut hello = [0u8; 18];
-    s.read_exact(&mut hello).unwrap();
-    assert_eq!(&hello[..8], b"NBDMAGIC");
-    s.write_all(&3u32.to_be_bytes()).unwrap(); // fixed newstyle, no zeroes
-                                               // An unknown option is refused, the haggling goes on.
-    let opt = |s: &mut std::net::TcpStream, o: u32, data: &[u8]| {
-        let mut b = b"IHAVEOPT".to_vec();
-        b.extend_from_slice(&o.to_be_bytes());
-        b.extend_from_slice(&(data.len() as u32).to_be_bytes());
-        b.extend_from_slice(data);
-        s.write_all(&b).unwrap();
-    };
-    let reply = |s: &mut std::net::TcpStream| -> (u32, Vec<u8>) {
-        let mut h = [0u8; 20];
-        s.read_exact(&mut h).unwrap();
-        let ty = u32::from_be_bytes(h[12..16].try_into().unwrap());
-        let mut d = vec![0u8; u32::from_be_bytes(h[16..20].try_into().unwrap()) as usize];
-        s.read_exact(&mut d).unwrap();
-        (ty, d)
-    };
-    opt(&mut s, 99, b"xyz");
+    use pagefleet_lab::nbd::{go_body, option, option_reply, request, simple_reply};
+    let mut s = pagefleet_lab::nbd::greet(&e.addr, std::time::Duration::from_secs(5)).unwrap();
+    let reply = |s: &mut std::net::TcpStream| option_reply(s).unwrap();
+    // An unknown option is refused, the haggling goes on.
+    option(&mut s, 99, b"xyz").unwrap();
     assert_eq!(
         reply(&mut s).0,
         (1 << 31) + 1,
         "unknown option: NBD_REP_ERR_UNSUP"
     );
     // GO for an unknown export name.
-    let mut go = 4u32.to_be_bytes().to_vec();
-    go.extend_from_slice(b"nope");
-    go.extend_from_slice(&1u16.to_be_bytes());
-    go.extend_from_slice(&3u16.to_be_bytes());
-    opt(&mut s, 7, &go);
+    option(&mut s, 7, &go_body("nope")).unwrap();
     assert_eq!(
         reply(&mut s).0,
         (1 << 31) + 6,
         "unknown export: NBD_REP_ERR_UNKNOWN"
     );
     // GO for the default export, asking for block sizes.
-    let mut go = 0u32.to_be_bytes().to_vec();
-    go.extend_from_slice(&1u16.to_be_bytes());
-    go.extend_from_slice(&3u16.to_be_bytes());
-    opt(&mut s, 7, &go);
+    option(&mut s, 7, &go_body("")).unwrap();
     loop {
         let (ty, _) = reply(&mut s);
         if ty == 1 {
@@ -282,23 +256,9 @@ fn bad_requests_get_protocol_errors_and_do_not_crash_the_server() {
         assert_eq!(ty, 3, "INFO replies then ACK");
     }
     let req = |s: &mut std::net::TcpStream, ty: u16, handle: u64, off: u64, len: u32| {
-        let mut b = 0x2560_9513u32.to_be_bytes().to_vec();
-        b.extend_from_slice(&0u16.to_be_bytes());
-        b.extend_from_slice(&ty.to_be_bytes());
-        b.extend_from_slice(&handle.to_be_bytes());
-        b.extend_from_slice(&off.to_be_bytes());
-        b.extend_from_slice(&len.to_be_bytes());
-        s.write_all(&b).unwrap();
+        s.write_all(&request(ty, handle, off, len)).unwrap();
     };
-    let simple = |s: &mut std::net::TcpStream| -> (u32, u64) {
-        let mut h = [0u8; 16];
-        s.read_exact(&mut h).unwrap();
-        assert_eq!(u32::from_be_bytes(h[0..4].try_into().unwrap()), 0x6744_6698);
-        (
-            u32::from_be_bytes(h[4..8].try_into().unwrap()),
-            u64::from_be_bytes(h[8..16].try_into().unwrap()),
-        )
-    };
+    let simple = |s: &mut std::net::TcpStream| simple_reply(s).unwrap();
     req(&mut s, 0, 1, 100, 4096); // unaligned
     assert_eq!(simple(&mut s), (22, 1));
     req(&mut s, 0, 2, 8 << 20, 4096); // past the end
@@ -522,127 +482,29 @@ fn qemu_and_libnbd_speak_tls_to_the_export_and_strangers_are_refused() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// A raw NBD client in transmission: fixed newstyle, GO for `name` with
-/// block sizes, simple replies.
-fn raw_client(addr: &str, name: &str) -> std::net::TcpStream {
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(std::time::Duration::from_secs(30)))
-        .unwrap();
-    let mut hello = [0u8; 18];
-    s.read_exact(&mut hello).unwrap();
-    s.write_all(&3u32.to_be_bytes()).unwrap();
-    let mut go = (name.len() as u32).to_be_bytes().to_vec();
-    go.extend_from_slice(name.as_bytes());
-    go.extend_from_slice(&1u16.to_be_bytes());
-    go.extend_from_slice(&3u16.to_be_bytes());
-    let mut b = b"IHAVEOPT".to_vec();
-    b.extend_from_slice(&7u32.to_be_bytes());
-    b.extend_from_slice(&(go.len() as u32).to_be_bytes());
-    b.extend_from_slice(&go);
-    s.write_all(&b).unwrap();
-    loop {
-        let mut h = [0u8; 20];
-        s.read_exact(&mut h).unwrap();
-        let ty = u32::from_be_bytes(h[12..16].try_into().unwrap());
-        let mut d = vec![0u8; u32::from_be_bytes(h[16..20].try_into().unwrap()) as usize];
-        s.read_exact(&mut d).unwrap();
-        if ty == 1 {
-            return s;
-        }
-        assert_eq!(ty, 3, "INFO replies then ACK, got {ty:#x}");
-    }
-}
-
-fn nbd_request(ty: u16, handle: u64, off: u64, len: u32) -> Vec<u8> {
-    let mut b = 0x2560_9513u32.to_be_bytes().to_vec();
-    b.extend_from_slice(&0u16.to_be_bytes());
-    b.extend_from_slice(&ty.to_be_bytes());
-    b.extend_from_slice(&handle.to_be_bytes());
-    b.extend_from_slice(&off.to_be_bytes());
-    b.extend_from_slice(&len.to_be_bytes());
-    b
-}
-
 /// The promise the mirror makes: a write is acknowledged only after both
 /// copies stored it. A client keeps 32 writes in flight over a mirrored
 /// device while one of its memory servers is killed with SIGKILL; every
 /// write that was acknowledged reads back, from before the kill and after.
 #[test]
 fn every_acknowledged_write_survives_a_mirror_server_killed_under_load() {
-    const SLOT: u32 = 64 << 10;
     const SLOTS: u64 = 512; // 32 MiB
     let mut c = Cluster::start(3, "64MiB");
     let e = export(&c, &c.addrs(), "32MiB", &["--mirror"]);
-    let s = raw_client(&e.addr, "");
-    let mut r = s.try_clone().unwrap();
-    let content = |slot: u64| -> Vec<u8> {
-        let mut x = slot.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-        (0..SLOT / 8)
-            .flat_map(|_| xorshift(&mut x).to_le_bytes())
-            .collect()
-    };
-    // Replies: (handle, error) in any order.
-    let (tx, rx) = std::sync::mpsc::channel::<(u64, u32)>();
-    let reader = std::thread::spawn(move || {
-        for _ in 0..SLOTS {
-            let mut h = [0u8; 16];
-            if r.read_exact(&mut h).is_err() {
-                return;
-            }
-            let err = u32::from_be_bytes(h[4..8].try_into().unwrap());
-            let handle = u64::from_be_bytes(h[8..16].try_into().unwrap());
-            if tx.send((handle, err)).is_err() {
-                return;
-            }
-        }
-    });
-    let mut w = s.try_clone().unwrap();
-    let mut acked = Vec::new();
-    let (mut sent, mut answered) = (0u64, 0u64);
-    while answered < SLOTS {
-        while sent < SLOTS && sent - answered < 32 {
-            let mut b = nbd_request(1, sent, sent * SLOT as u64, SLOT);
-            b.extend_from_slice(&content(sent));
-            w.write_all(&b).unwrap();
-            sent += 1;
-        }
-        let (h, err) = rx
-            .recv_timeout(std::time::Duration::from_secs(60))
-            .expect("a reply");
-        answered += 1;
-        if err == 0 {
-            acked.push(h);
-        }
-        // A third of the way in, a memory server dies mid-stream.
-        if answered == SLOTS / 3 {
-            c.servers[1].kill();
-        }
-    }
-    reader.join().unwrap();
+    let victim = &mut c.servers[1];
+    let d = pagefleet_lab::nbd::mirror_drill(&e.addr, SLOTS, || victim.kill())
+        .expect("the drill ran to its end");
+    assert_eq!(d.writes, SLOTS);
     assert!(
-        acked.len() as u64 > SLOTS / 2,
+        d.acknowledged > SLOTS / 2,
         "the mirror should go on writing with one server down ({} of {SLOTS} acknowledged)",
-        acked.len()
+        d.acknowledged
     );
-    // Every acknowledged slot reads back, on a fresh connection.
-    let mut s2 = raw_client(&e.addr, "");
-    for &slot in &acked {
-        s2.write_all(&nbd_request(0, slot, slot * SLOT as u64, SLOT))
-            .unwrap();
-        let mut h = [0u8; 16];
-        s2.read_exact(&mut h).unwrap();
-        assert_eq!(
-            u32::from_be_bytes(h[4..8].try_into().unwrap()),
-            0,
-            "read of acknowledged slot {slot} failed"
-        );
-        let mut d = vec![0u8; SLOT as usize];
-        s2.read_exact(&mut d).unwrap();
-        assert!(
-            d == content(slot),
-            "acknowledged slot {slot} did not read back"
-        );
-    }
+    assert_eq!(
+        (d.lost, d.read_errors),
+        (0, 0),
+        "every acknowledged write reads back on a fresh connection: {d:?}"
+    );
 }
 
 /// Several exports from one server, each its own device; LIST names them;

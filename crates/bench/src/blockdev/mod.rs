@@ -5,15 +5,15 @@
 //! plugin forwarding to an nbdkit memory server: the second hop measured,
 //! not assumed); qemu-nbd over a file on tmpfs. Sequential and random reads
 //! and writes, 4–128 KiB, queue depth 1 and 16; IOPS and MB/s side by side.
-//! Then the mirror's drill ([`drill`]) and a guest swapping to each kind of
+//! Then the mirror's drill ([`nbd::mirror_drill`]) and a guest swapping to each kind of
 //! swap ([`vm`]).
 
-mod drill;
 pub mod floor;
 mod vm;
 
 use crate::util::{self, ChildDaemon, Goal, PlotOutcome};
 use anyhow::{bail, Context, Result};
+use pagefleet_lab::nbd::{self, Drill};
 use serde::Serialize;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -91,7 +91,7 @@ pub struct Report {
     pub size_bytes: u64,
     pub rows: Vec<Row>,
     /// The mirror killed under load (None: not run).
-    pub drill: Option<drill::Drill>,
+    pub drill: Option<Drill>,
     /// The guest swapping to each kind of swap.
     pub vm: Vec<vm::VmRow>,
     /// Per QD16 row: the floor and pagefleet against nbdkit memory.
@@ -383,7 +383,8 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
     let drill = {
         let e = pagefleet_export(&addrs[..3], &secret, 32 << 20, &["--mirror"])?;
         let addr = e.uri.trim_start_matches("nbd://").to_string();
-        let r = drill::run(&addr, 512, &mut ms[1]);
+        let victim = &mut ms[1];
+        let r = nbd::mirror_drill(&addr, 512, || victim.kill());
         drop(e);
         match r {
             Ok(d) => Some(d),
@@ -501,7 +502,7 @@ const VM_FILE: &str = "local disk image file";
 /// nbdkit memory; no acknowledged write lost in the drill; the guest
 /// swapping to DMPS at least as fast as to a local image file. A row that
 /// failed leaves its goal reported unmet.
-fn goals(rows: &[Row], drill: Option<&drill::Drill>, vm: &[vm::VmRow]) -> Vec<Goal> {
+fn goals(rows: &[Row], drill: Option<&Drill>, vm: &[vm::VmRow]) -> Vec<Goal> {
     let mut g = Vec::new();
     let find = |t: &str, rw: &str, bs: u64, qd: u32| {
         rows.iter().find(|r| {
