@@ -12,9 +12,10 @@
 //!   [`Engine::write`], [`Engine::trim`]) and sends its runs' frames itself,
 //!   under the engine's order lock and each lane's lock: two requests that
 //!   touch the same block reach each server, and so each copy of a
-//!   mirrored block, in the same order. A PUT goes out at once (vectored,
-//!   from the client's buffer, no copy); GETs and DELETEs of a burst wait in
-//!   the lane ([`Engine::cork`]) until the reader's input runs dry
+//!   mirrored block, in the same order. A large PUT goes out at once
+//!   (vectored, from the client's buffer, no copy); GETs, DELETEs and small
+//!   PUTs (copied, [`SMALL_PUT`]) of a burst wait in the lane
+//!   ([`Engine::cork`]) until the reader's input runs dry
 //!   ([`Engine::flush`]): one write per server per burst. The op itself
 //!   crosses to the lane's receiver through a channel, in send order;
 //! - a lane's receiver thread owns the receiving half: it reads the
@@ -153,7 +154,7 @@ impl Engine {
         })
     }
 
-    /// Cork the calling thread: from now on the GET and DELETE frames it
+    /// Cork the calling thread: from now on the GET, DELETE and small PUT frames it
     /// dispatches wait in their lanes until it calls [`Engine::flush`] — a
     /// burst of requests goes to each server in one write. For a thread
     /// that reads many requests at once (an NBD connection's reader); it
@@ -618,6 +619,11 @@ fn connect(sh: &Shared, s: usize) -> Result<(SendHalf, RecvHalf), ClientError> {
 /// out (or, `corked`, a GET or DELETE waits in the sending half: Ok(true)),
 /// then the receiver is told what to expect. The op back if sending failed
 /// (the lane is closed then).
+/// PUTs up to this size wait in a corked lane (copied: a copy of 16 KiB
+/// costs less than the system call it saves); larger ones are sent from
+/// the client's buffer at once.
+const SMALL_PUT: usize = 16 << 10;
+
 fn send_op(
     region: u64,
     lane: &mut LaneSend,
@@ -628,16 +634,23 @@ fn send_op(
         first: op.sb,
         count: op.count as u32,
     };
-    let queued = corked && !matches!(op.kind, Kind::Put { .. });
+    let small = op.count as usize * BLOCK <= SMALL_PUT;
+    let queued = corked && (small || !matches!(op.kind, Kind::Put { .. }));
     let sent = match &op.kind {
         Kind::Put { data, off } => {
             let pages: Vec<&[u8]> = data[*off..*off + op.count as usize * BLOCK]
                 .chunks(BLOCK)
                 .collect();
-            // A PUT is written at once: frames queued before it go first.
-            lane.tx
-                .flush()
-                .and_then(|_| lane.tx.send_put_pages(region, &sel, &pages))
+            if queued {
+                // A burst's small PUTs are copied and go out together.
+                lane.tx.queue_put_pages(region, &sel, &pages)
+            } else {
+                // A large PUT is written at once, from the client's
+                // buffer: frames queued before it go first.
+                lane.tx
+                    .flush()
+                    .and_then(|_| lane.tx.send_put_pages(region, &sel, &pages))
+            }
         }
         Kind::Get => lane.tx.queue_get(region, &sel, GetMode::Keep, true),
         Kind::Delete => lane.tx.queue_delete(region, &sel),

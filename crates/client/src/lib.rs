@@ -265,6 +265,10 @@ impl SendHalf {
     pub fn send_put_pages(&mut self, region: u64, sel: &PageSel, pages: &[&[u8]]) -> Result<u64> {
         self.0.send_put_pages(region, sel, pages)
     }
+    /// Queue one PUT frame, pages copied ([`Conn::queue_put_pages`]).
+    pub fn queue_put_pages(&mut self, region: u64, sel: &PageSel, pages: &[&[u8]]) -> Result<u64> {
+        self.0.queue_put_pages(region, sel, pages)
+    }
     /// Queue one GET frame ([`Conn::queue_get`]).
     pub fn queue_get(
         &mut self,
@@ -758,6 +762,32 @@ impl Conn {
         let ptrs: Vec<*const u8> = pages.iter().map(|p| p.as_ptr()).collect();
         // SAFETY: every pointer is a live 4096-byte slice borrowed for the call.
         unsafe { self.send_put_raw(region, sel, &ptrs) }
+    }
+
+    /// Queue one PUT frame, its pages copied into the send buffer (sent
+    /// by the next `flush`): for small writes a burst of which goes out in
+    /// one system call (a copy of a few pages costs less than a write).
+    pub fn queue_put_pages(&mut self, region: u64, sel: &PageSel, pages: &[&[u8]]) -> Result<u64> {
+        if sel.is_empty() || sel.len() > MAX_BATCH_PAGES || pages.len() != sel.len() {
+            return Err(ClientError::Usage(format!(
+                "a PUT frame takes 1..={MAX_BATCH_PAGES} pages, one per selected page ({} pages, {} given)",
+                sel.len(),
+                pages.len()
+            )));
+        }
+        if pages.iter().any(|p| p.len() != PAGE_SIZE) {
+            return Err(ClientError::Usage(format!(
+                "a PUT frame takes pages of {PAGE_SIZE} bytes"
+            )));
+        }
+        let id = self.id();
+        frame(Opcode::Put, id, &mut self.sendbuf, |b| {
+            encode_pages_req(region, sel, 0, b);
+            for p in pages {
+                b.extend_from_slice(p);
+            }
+        });
+        Ok(id)
     }
 
     /// [`Conn::send_put_pages`] from raw page addresses: for memory another

@@ -89,6 +89,58 @@ fn one_gib_through_four_clients_every_byte_checked() {
     assert!(st.regions.is_empty());
 }
 
+/// A burst of small frames sent in one write — PUTs with their pages
+/// copied into the send buffer, each followed by a GET of what it wrote —
+/// is answered in order (the server's small GET replies go out together),
+/// every GET seeing the PUT before it; then a TAKE empties the region.
+#[test]
+fn a_burst_of_small_puts_and_gets_is_answered_in_order() {
+    let d = Daemon::start("64MiB", &[]);
+    let (mut tx, mut rx) = d.conn().split().unwrap();
+    let mut frames = Vec::new();
+    for k in 0..96u64 {
+        let count = 1 + (k % 4) as u32;
+        let sel = PageSel::Run {
+            first: k * 4,
+            count,
+        };
+        let mut data = vec![0u8; count as usize * P];
+        for (i, pg) in data.chunks_mut(P).enumerate() {
+            fill_page(9, k * 4 + i as u64, pg);
+        }
+        let pages: Vec<&[u8]> = data.chunks(P).collect();
+        let put = tx.queue_put_pages(9, &sel, &pages).unwrap();
+        let get = tx.queue_get(9, &sel, GetMode::Keep, false).unwrap();
+        frames.push((put, get, data));
+    }
+    tx.flush().unwrap();
+    for (put, get, data) in &frames {
+        rx.recv_put(*put).unwrap();
+        let mut back = vec![0u8; data.len()];
+        let r = rx.recv_get(*get, &mut back).unwrap();
+        assert!(r.missing.is_empty(), "{:?}", r.missing);
+        assert!(back == *data, "GET {get} read what its PUT wrote");
+    }
+    let mut c = d.conn();
+    assert_eq!(c.stat(false).unwrap().used_pages, 96 / 4 * 10);
+    let mut all = vec![0u8; 96 * 4 * P];
+    let missing = c
+        .get(
+            9,
+            Pages::Run {
+                first: 0,
+                count: 96 * 4,
+            },
+            &mut all,
+            GetMode::Take,
+            true,
+            1,
+        )
+        .unwrap();
+    assert_eq!(missing, 96 * 4 - 96 / 4 * 10);
+    assert_eq!(c.stat(false).unwrap().used_pages, 0, "TAKE removes them");
+}
+
 #[test]
 fn keep_take_missing_delete_and_lists() {
     let d = Daemon::start("64MiB", &[]);

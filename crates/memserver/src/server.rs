@@ -904,6 +904,11 @@ impl<'a, T: Transport> Session<'a, T> {
         Ok(Flow::Continue)
     }
 
+    /// GET replies up to this many page bytes are copied into the output
+    /// buffer (a copy of 16 KiB costs less than the write it saves);
+    /// larger ones go out at once, vectored from the store.
+    const SMALL_GET: usize = 16 << 10;
+
     fn get(&mut self, h: Header) -> io::Result<Flow> {
         let req = match self.pages_req(Opcode::Get, h, PagesPrefix::LEN + MAX_BATCH_PAGES * 8)? {
             Ok(r) => r,
@@ -937,6 +942,20 @@ impl<'a, T: Transport> Session<'a, T> {
         meta.extend_from_slice(&Header::new(Opcode::GetOk, body_len, h.id).encode());
         head.encode(&mut meta);
         let total = self.out.len() + meta.len() + present as usize * PAGE_SIZE;
+        if !take && present as usize * PAGE_SIZE <= Self::SMALL_GET {
+            // A small reply joins the others in the output buffer (sent
+            // when the next read would block): a burst of 4 KiB reads is
+            // one write, not one each. Not for TAKE: its pages are gone
+            // only once the reply is out.
+            self.out.extend_from_slice(&meta);
+            for s in plan.slots.iter().flatten() {
+                // SAFETY: the slots are pinned by this plan (keep).
+                self.out.extend_from_slice(unsafe { store.slot(*s) });
+            }
+            self.st.metrics.pages_got.fetch_add(present as u64, Relaxed);
+            store.end_get(plan, &req.sel, true);
+            return Ok(Flow::Continue);
+        }
         let res = {
             let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(2 + present as usize);
             iov.push(IoSlice::new(&self.out));
