@@ -450,6 +450,16 @@ fn vm_rows(
             mb,
         ));
     }
+    log("the same guest, swap on the floor (an NBD forwarder to a raw page store)");
+    {
+        let f = nbd_floor(512 << 20)?;
+        rows.push(vm::run(
+            &guest,
+            VM_FLOOR,
+            Some(&format!("file={},format=raw,if=virtio", f.uri)),
+            mb,
+        ));
+    }
     log("the same guest, swap on a local disk image file");
     let img = util::temp_dir("bench-vm-swap")?.join("swap.img");
     std::fs::File::create(&img)?.set_len(512 << 20)?;
@@ -496,6 +506,7 @@ const TWO_HOP: &str = "nbdkit nbd -> nbdkit memory (two hops)";
 const FLOOR: &str = "floor: NBD forwarder -> raw page store";
 const VM_DMPS: &str = "DMPS export (2 servers)";
 const VM_FILE: &str = "local disk image file";
+const VM_FLOOR: &str = "floor: NBD forwarder -> page store";
 
 /// The goals, from this run: every fio row at least the two-hop
 /// peer; every QD16 row and the 2-server sequential read at least 0.8×
@@ -653,17 +664,27 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
             match (v.rate_mib_s, &v.error) {
                 (Some(rate), _) => writeln!(
                     out,
-                    "  {:<26} {:>7.1} MiB/s  ({} MiB swapped)",
+                    "  {:<36} {:>7.1} MiB/s  ({} MiB swapped)",
                     v.swap, rate, v.swap_used_mib
                 )?,
                 (None, e) => writeln!(
                     out,
-                    "  {:<26} failed: {}",
+                    "  {:<36} failed: {}",
                     v.swap,
                     e.as_deref().unwrap_or("?")
                 )?,
             }
         }
+    }
+    let rate = |w: &str| r.vm.iter().find(|v| v.swap == w).and_then(|v| v.rate_mib_s);
+    if let (Some(d), Some(f), Some(i)) = (rate(VM_DMPS), rate(VM_FLOOR), rate(VM_FILE)) {
+        writeln!(
+            out,
+            "  against the image file: DMPS {:.2}, the floor {:.2} (DMPS / floor {:.2})",
+            d / i,
+            f / i,
+            d / f
+        )?;
     }
     writeln!(out)?;
     util::print_goals(&r.goals, out)?;
