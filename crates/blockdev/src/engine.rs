@@ -18,9 +18,12 @@
 //!   ([`Engine::cork`]) until the reader's input runs dry
 //!   ([`Engine::flush`]): one write per server per burst. The op itself
 //!   crosses to the lane's receiver through a channel, in send order;
-//! - a lane's receiver thread owns the receiving half: it reads the
-//!   replies in order (a server answers a connection in order), 32 KiB
-//!   ahead, GET data straight into the run's buffer, and completes the run;
+//! - a lane's receiver thread owns the receiving half: it waits on its
+//!   server, never on the dispatcher (an op enters the channel right
+//!   after its frame is sent, so it is there when its reply is: one
+//!   wake-up per burst of replies), reads the replies in order (a server
+//!   answers a connection in order), 32 KiB ahead, GET data straight into
+//!   the run's buffer, and completes the run;
 //!   completions in a burst of replies defer their client writes
 //!   ([`defer`]) to go out together when the receiver next waits;
 //! - a job's counters are atomics; its buffers are the runs' own (a read's
@@ -681,17 +684,39 @@ fn send_op(
 fn receive(sh: &Shared, s: usize, mut rh: RecvHalf, irx: Receiver<(u64, Op)>) {
     rh.set_read_ahead(RECV_AHEAD);
     let mut dead = false;
-    for (id, op) in irx {
+    loop {
+        // Replies already at hand: completions may batch their writes to
+        // clients; about to wait: what they deferred goes out first.
+        if !rh.reply_ready() {
+            IN_BURST.with(|b| b.set(false));
+            run_deferred();
+        }
+        // Wait on the server, not on the dispatcher: the next op is in
+        // the channel by the time its reply is here (it is sent right
+        // after its frame), so a dispatcher never wakes this thread — one
+        // wake-up per burst of replies, not two.
+        let mut next = None;
+        if !dead {
+            match rh.wait_reply() {
+                // Here (or closed: the op's receive says so).
+                Ok(_) => {}
+                // Past the I/O timeout: idle if nothing is in flight; an
+                // op in flight waits the timeout again in its receive,
+                // then reports it.
+                Err(ClientError::TimedOut { .. }) => match irx.try_recv() {
+                    Ok(op) => next = Some(op),
+                    Err(mpsc::TryRecvError::Empty) => continue,
+                    Err(mpsc::TryRecvError::Disconnected) => break,
+                },
+                Err(_) => {}
+            }
+        }
+        let Some((id, op)) = next.or_else(|| irx.recv().ok()) else {
+            break;
+        };
         if dead {
             (op.done)(Outcome::Down);
             continue;
-        }
-        // Replies already at hand: completions may batch their writes to
-        // clients; about to wait: what they deferred goes out first.
-        let ready = rh.reply_ready();
-        if !ready {
-            IN_BURST.with(|b| b.set(false));
-            run_deferred();
         }
         IN_BURST.with(|b| b.set(true));
         let r = match op.kind {
@@ -713,11 +738,6 @@ fn receive(sh: &Shared, s: usize, mut rh: RecvHalf, irx: Receiver<(u64, Op)>) {
                 mark_down(sh, s, &e.to_string());
                 (op.done)(Outcome::Down);
             }
-        }
-        // Nothing more expected now: flush before waiting for the next op.
-        if !rh.reply_ready() {
-            IN_BURST.with(|b| b.set(false));
-            run_deferred();
         }
     }
     IN_BURST.with(|b| b.set(false));

@@ -324,6 +324,19 @@ impl RecvHalf {
     pub fn reply_ready(&mut self) -> bool {
         self.0.reply_ready()
     }
+    /// Wait until the next reply's header is here (reading ahead as far
+    /// as [`RecvHalf::set_read_ahead`] allows), without knowing yet which
+    /// request it answers: a receiver that waits on its server this way,
+    /// not on whoever sends the requests, is woken once per burst of
+    /// replies. `Ok(false)`: the server closed the connection; an error
+    /// after the I/O timeout is [`ClientError::TimedOut`].
+    pub fn wait_reply(&mut self) -> Result<bool> {
+        let c = &mut self.0;
+        match c.rb.fill_to(&mut c.stream, HEADER_LEN) {
+            Ok(more) => Ok(more),
+            Err(e) => Err(c.io(e)),
+        }
+    }
     /// Receive a DELETE's reply ([`Conn::recv_delete`]).
     pub fn recv_delete(&mut self, id: u64) -> Result<u64> {
         let body = self.0.expect_reply(id, Opcode::DeleteOk)?;

@@ -569,6 +569,39 @@ fn several_exports_holes_and_block_status() {
         qmap.contains("\"start\": 4194304, \"length\": 1048576") && qmap.contains("\"data\": true"),
         "qemu-img map: {qmap}"
     );
+    // nbdcopy with 4 connections from one export to the other, and back
+    // out of it into a file: what one export's connections wrote, all of
+    // them see (multi-conn), and the other export holds a copy.
+    run(Command::new("nbdcopy").args(["--connections=4", "--requests=16", &scratch, &swap]));
+    let out = run(Command::new("qemu-io").args([
+        "-f",
+        "raw",
+        "-c",
+        "read -P 0x33 4M 1M",
+        "-c",
+        "read -P 0 0 4M",
+        "-c",
+        "read -P 0 5M 43M",
+        &swap,
+    ]));
+    assert!(
+        !out.contains("failed") && !out.contains("Pattern verification"),
+        "{out}"
+    );
+    let dir = std::env::temp_dir().join(format!("pf-bd-exports-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let back = dir.join("swap.img");
+    run(Command::new("nbdcopy")
+        .args(["--connections=4", &swap])
+        .arg(&back));
+    let img = std::fs::read(&back).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(img.len(), 48 << 20);
+    assert!(img[4 << 20..5 << 20].iter().all(|b| *b == 0x33));
+    assert!(img[..4 << 20]
+        .iter()
+        .chain(&img[5 << 20..])
+        .all(|b| *b == 0));
     // An unknown export is refused by name.
     let bad = Command::new("nbdinfo")
         .arg(format!("nbd://{addr}/nope"))
