@@ -14,11 +14,13 @@
 //! TCP hops and their copies are what is left. `pagefleet bench nbd-floor`
 //! runs it (internal).
 
+use pagefleet_common::sys::splice::Splicer;
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::mpsc;
 
-/// Transfers this large skip the buffers (one copy less each way).
+/// Transfers this large skip the buffers and pass through the forwarder
+/// spliced, socket to socket (no copy out and back in).
 const DIRECT: usize = 32 << 10;
 
 const OP_READ: u8 = 0;
@@ -144,7 +146,7 @@ fn forward(mut c: TcpStream, store_addr: &str, size: u64) -> std::io::Result<()>
     let receiver = std::thread::spawn(move || -> std::io::Result<()> {
         let mut r = BufReader::with_capacity(256 << 10, st_r);
         let mut w = BufWriter::with_capacity(256 << 10, c_w);
-        let mut scratch = Vec::new();
+        let mut splicer = Splicer::new()?;
         loop {
             // Replies written so far go out before this thread waits.
             let p = match rx.try_recv() {
@@ -167,9 +169,7 @@ fn forward(mut c: TcpStream, store_addr: &str, size: u64) -> std::io::Result<()>
             if p.read_len >= DIRECT {
                 w.write_all(&h)?;
                 w.flush()?;
-                scratch.resize(p.read_len, 0);
-                r.read_exact(&mut scratch)?;
-                w.get_mut().write_all(&scratch)?;
+                pass_on(&mut r, w.get_mut(), &mut splicer, p.read_len)?;
                 continue;
             }
             if p.read_len > 0 {
@@ -190,7 +190,7 @@ fn forward(mut c: TcpStream, store_addr: &str, size: u64) -> std::io::Result<()>
     });
     let mut r = BufReader::with_capacity(64 << 10, c);
     let mut w = BufWriter::with_capacity(256 << 10, st);
-    let mut payload = Vec::new();
+    let mut splicer = Splicer::new()?;
     let result = (|| -> std::io::Result<()> {
         loop {
             if r.buffer().len() < 28 {
@@ -217,11 +217,9 @@ fn forward(mut c: TcpStream, store_addr: &str, size: u64) -> std::io::Result<()>
                     sh[0] = OP_WRITE;
                     w.write_all(&sh)?;
                     if len as usize >= DIRECT {
-                        // Large: read whole, written with the header.
-                        payload.resize(len as usize, 0);
-                        r.read_exact(&mut payload)?;
+                        // Large: passed on after the header, not copied.
                         w.flush()?;
-                        w.get_mut().write_all(&payload)?;
+                        pass_on(&mut r, w.get_mut(), &mut splicer, len as usize)?;
                         let _ = tx.send(Pending {
                             handle,
                             read_len: 0,
@@ -264,6 +262,20 @@ fn forward(mut c: TcpStream, store_addr: &str, size: u64) -> std::io::Result<()>
         Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Ok(()),
         r => r,
     }
+}
+
+/// Pass `len` bytes from `r` on to `w`: what `r` has buffered is written,
+/// the rest spliced from socket to socket (no copy through this process).
+fn pass_on(
+    r: &mut BufReader<TcpStream>,
+    w: &mut TcpStream,
+    splicer: &mut Splicer,
+    len: usize,
+) -> std::io::Result<()> {
+    let n = r.buffer().len().min(len);
+    w.write_all(&r.buffer()[..n])?;
+    r.consume_n(n);
+    splicer.forward(r.get_ref(), w, len - n)
 }
 
 /// The next buffered bytes of `r`; what `w` holds goes out first when `r`

@@ -13,3 +13,4 @@ pub mod net;
 pub mod poll;
 pub mod process;
 pub mod signal;
+pub mod splice;
