@@ -11,11 +11,13 @@
 
 use crate::backend::{IoError, BLOCK};
 use crate::engine::{Engine, Piece};
-use std::io::{Read, Write};
+use pagefleet_common::sys::net::send_now;
+use std::io::{IoSlice, Read, Write};
 use std::net::Shutdown;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicUsize, Ordering::AcqRel};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 use tracing::warn;
 
 pub(crate) const NBDMAGIC: u64 = 0x4e42_444d_4147_4943;
@@ -154,6 +156,15 @@ pub trait Io: Read + Write + Send + 'static {
     fn is_tls(&self) -> bool {
         false
     }
+    /// Send what the connection takes now, without waiting: bytes sent
+    /// (0: it would block). None: this connection cannot (TLS writes its
+    /// records whole), so replies are written blocking, within the write
+    /// timeout.
+    fn send_now(&self, _bufs: &[IoSlice<'_>]) -> Option<std::io::Result<usize>> {
+        None
+    }
+    /// Give up a blocking write that makes no progress for `d`.
+    fn set_write_timeout(&self, d: Option<Duration>) -> std::io::Result<()>;
 }
 
 impl Io for pagefleet_tls::Stream {
@@ -170,6 +181,12 @@ impl Io for pagefleet_tls::Stream {
     fn is_tls(&self) -> bool {
         pagefleet_tls::Stream::is_tls(self)
     }
+    fn send_now(&self, bufs: &[IoSlice<'_>]) -> Option<std::io::Result<usize>> {
+        (!pagefleet_tls::Stream::is_tls(self)).then(|| send_now(self.socket(), bufs))
+    }
+    fn set_write_timeout(&self, d: Option<Duration>) -> std::io::Result<()> {
+        self.socket().set_write_timeout(d)
+    }
 }
 
 impl Io for UnixStream {
@@ -178,6 +195,12 @@ impl Io for UnixStream {
     }
     fn close(&self) {
         let _ = self.shutdown(Shutdown::Both);
+    }
+    fn send_now(&self, bufs: &[IoSlice<'_>]) -> Option<std::io::Result<usize>> {
+        Some(send_now(self, bufs))
+    }
+    fn set_write_timeout(&self, d: Option<Duration>) -> std::io::Result<()> {
+        UnixStream::set_write_timeout(self, d)
     }
 }
 
@@ -482,16 +505,33 @@ struct Req {
     len: u32,
 }
 
-/// Replies go out whole under one lock (lanes complete requests on their
-/// own threads).
+/// Replies go out whole, in the order they were written, and a client
+/// that reads nothing holds up nobody but itself: a reply is sent without
+/// waiting ([`Io::send_now`]); what the client's socket does not take waits
+/// in the connection's backlog, which a writer thread of the connection's
+/// own drains (later replies join the backlog meanwhile). Lanes' receivers
+/// complete requests for every client of a server: none of them ever waits
+/// on one client.
 struct Replier {
-    w: Mutex<Box<dyn Io>>,
+    out: Mutex<Out>,
     /// Small replies a lane's receiver completed in a burst, written
     /// together when it next waits (see `engine::defer`).
     pending: Mutex<Vec<u8>>,
     structured: bool,
     /// base:allocation was negotiated: BLOCK_STATUS is answered.
     allocation: bool,
+}
+
+/// The writing side of a client connection.
+struct Out {
+    w: Box<dyn Io>,
+    /// Reply bytes the client has not taken yet, in order.
+    backlog: Vec<u8>,
+    /// The connection's writer thread is draining the backlog: nothing
+    /// else writes to the client meanwhile.
+    draining: bool,
+    /// The client took nothing for [`REPLY_TIMEOUT`]: hung up on.
+    gone: bool,
 }
 
 /// A structured reply chunk's header.
@@ -523,31 +563,84 @@ impl Replier {
             }
             return Ok(());
         }
-        if parts.len() > 1 && total <= COALESCE {
-            let mut b = Vec::with_capacity(total);
-            for p in parts {
-                b.extend_from_slice(p);
-            }
-            return self
-                .w
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .write_all(&b);
+        self.write(parts, total)
+    }
+
+    /// Write a reply's parts (`total` bytes) in order after everything
+    /// written before (see the type's docs).
+    fn write(self: &Arc<Self>, parts: &[&[u8]], total: usize) -> std::io::Result<()> {
+        let mut o = self.out.lock().unwrap_or_else(|e| e.into_inner());
+        if o.gone {
+            return Err(std::io::ErrorKind::BrokenPipe.into());
         }
-        let mut w = self.w.lock().unwrap_or_else(|e| e.into_inner());
-        let mut iov: Vec<std::io::IoSlice<'_>> = parts
+        if o.draining {
+            for p in parts {
+                o.backlog.extend_from_slice(p);
+            }
+            return Ok(());
+        }
+        let mut iov: Vec<IoSlice<'_>> = parts
             .iter()
             .filter(|p| !p.is_empty())
-            .map(|p| std::io::IoSlice::new(p))
+            .map(|p| IoSlice::new(p))
             .collect();
-        pagefleet_proto::io::write_all_vectored(&mut **w, &mut iov)
+        let sent = match o.w.send_now(&iov) {
+            // TLS: written blocking, within the connection's write timeout.
+            None => return pagefleet_proto::io::write_all_vectored(&mut *o.w, &mut iov),
+            Some(r) => r?,
+        };
+        if sent == total {
+            return Ok(());
+        }
+        // The client's socket is full: the rest waits for the writer.
+        let mut skip = sent;
+        for p in parts {
+            let k = skip.min(p.len());
+            o.backlog.extend_from_slice(&p[k..]);
+            skip -= k;
+        }
+        o.draining = true;
+        let (me, w) = (self.clone(), o.w.try_clone_box()?);
+        std::thread::Builder::new()
+            .name("nbd-reply".into())
+            .spawn(move || me.drain(w))?;
+        Ok(())
+    }
+
+    /// The connection's writer: write the backlog out until it is empty.
+    fn drain(&self, mut w: Box<dyn Io>) {
+        loop {
+            let chunk = {
+                let mut o = self.out.lock().unwrap_or_else(|e| e.into_inner());
+                if o.backlog.is_empty() {
+                    o.draining = false;
+                    return;
+                }
+                std::mem::take(&mut o.backlog)
+            };
+            if let Err(e) = w.write_all(&chunk) {
+                warn!(
+                    "nbd client: took no reply for {REPLY_TIMEOUT:?} or hung up ({e}); closing it"
+                );
+                let mut o = self.out.lock().unwrap_or_else(|e| e.into_inner());
+                o.gone = true;
+                o.backlog = Vec::new();
+                w.close();
+                return;
+            }
+        }
+    }
+
+    /// Reply bytes waiting for the client, and whether it is gone.
+    fn backlog(&self) -> (usize, bool) {
+        let o = self.out.lock().unwrap_or_else(|e| e.into_inner());
+        (o.backlog.len(), o.gone)
     }
 
     /// Write the replies a burst left.
-    fn flush_pending(&self) -> std::io::Result<()> {
-        let mut w = self.w.lock().unwrap_or_else(|e| e.into_inner());
+    fn flush_pending(self: &Arc<Self>) -> std::io::Result<()> {
         let b = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|e| e.into_inner()));
-        w.write_all(&b)
+        self.write(&[&b], b.len())
     }
 
     fn ok(self: &Arc<Self>, r: &Req) -> std::io::Result<()> {
@@ -688,7 +781,8 @@ fn piece_len(p: &Piece) -> usize {
     }
 }
 
-/// Replies up to this size are copied into one buffer and written at once.
+/// Replies up to this size that a receiver completes in a burst are copied
+/// into the burst's buffer and written together.
 const COALESCE: usize = 16 << 10;
 
 /// Zeros a simple reply's holes are sent from.
@@ -871,8 +965,14 @@ pub fn serve_client(mut c: Box<dyn Io>, exports: &[Served], tls: &Tls) -> std::i
         return Ok(());
     };
     let (ex, eng) = (&exports[n.export].export, exports[n.export].engine.clone());
+    c.set_write_timeout(Some(REPLY_TIMEOUT))?;
     let rep = Arc::new(Replier {
-        w: Mutex::new(c.try_clone_box()?),
+        out: Mutex::new(Out {
+            w: c.try_clone_box()?,
+            backlog: Vec::new(),
+            draining: false,
+            gone: false,
+        }),
         pending: Mutex::new(Vec::new()),
         structured: n.structured,
         allocation: n.allocation,
@@ -889,10 +989,21 @@ pub fn serve_client(mut c: Box<dyn Io>, exports: &[Served], tls: &Tls) -> std::i
                 eng.flush();
             }
             // Bounded work in flight per connection: wait while too many
-            // of its requests are running (each holds the replier).
+            // of its requests are running (each holds the replier), or
+            // while the client leaves too many reply bytes untaken.
             while Arc::strong_count(&rep) > MAX_IN_FLIGHT {
                 eng.flush();
                 std::thread::sleep(std::time::Duration::from_micros(50));
+            }
+            loop {
+                match rep.backlog() {
+                    (_, true) => return Err(std::io::Error::other("the client took no replies")),
+                    (n, false) if n > MAX_BACKLOG => {
+                        eng.flush();
+                        std::thread::sleep(std::time::Duration::from_millis(1));
+                    }
+                    _ => break,
+                }
             }
             let h = rd::<28>(&mut rd_buf)?;
             let magic = u32::from_be_bytes(h[0..4].try_into().unwrap());
@@ -957,6 +1068,14 @@ impl Read for ReadHalf<'_> {
         self.0.read(buf)
     }
 }
+
+/// A client that takes no reply bytes for this long is hung up on (its
+/// writer gives up; its requests in flight are dropped with it).
+const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Reply bytes a connection may leave untaken before its requests stop
+/// being read: two of the largest replies.
+const MAX_BACKLOG: usize = 2 * MAX_PAYLOAD as usize;
 
 /// Extents in one BLOCK_STATUS reply at most (the client asks again for
 /// the rest).

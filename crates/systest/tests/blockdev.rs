@@ -507,6 +507,62 @@ fn every_acknowledged_write_survives_a_mirror_server_killed_under_load() {
     );
 }
 
+/// A client that sends reads and takes none of their replies holds up
+/// nobody else: its replies wait in its own backlog, while another client
+/// of the same memory server writes and reads back.
+#[test]
+fn a_client_that_reads_no_replies_holds_up_no_other_client() {
+    use pagefleet_lab::nbd::{connect, request, simple_reply, CMD_READ, CMD_WRITE};
+    let c = Cluster::start(1, "96MiB");
+    let e = export(&c, &c.addrs(), "64MiB", &[]);
+    let t = std::time::Duration::from_secs(10);
+    // 16 MiB of data, so reads go to the memory server (holes would not).
+    let mut a = connect(&e.addr, "", t).unwrap();
+    let mib = vec![0x5au8; 1 << 20];
+    for i in 0..16u64 {
+        let mut b = request(CMD_WRITE, i, i << 20, 1 << 20);
+        b.extend_from_slice(&mib);
+        a.write_all(&b).unwrap();
+        assert_eq!(simple_reply(&mut a).unwrap(), (0, i));
+    }
+    // 48 reads of 1 MiB, none of whose replies is read: far more than the
+    // sockets between the export and this client hold.
+    for i in 0..48u64 {
+        a.write_all(&request(CMD_READ, 100 + i, (i % 16) << 20, 1 << 20))
+            .unwrap();
+    }
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    // Another client, same device, same memory server: served at once.
+    let mut b = connect(&e.addr, "", t).unwrap();
+    let page = vec![0xc3u8; 4096];
+    let mut w = request(CMD_WRITE, 1, 40 << 20, 4096);
+    w.extend_from_slice(&page);
+    b.write_all(&w).unwrap();
+    assert_eq!(
+        simple_reply(&mut b).expect("the write's reply, in time"),
+        (0, 1)
+    );
+    for (h, off) in [(2u64, 40u64 << 20), (3, 3 << 20)] {
+        b.write_all(&request(CMD_READ, h, off, 4096)).unwrap();
+        assert_eq!(
+            simple_reply(&mut b).expect("the read's reply, in time"),
+            (0, h)
+        );
+        let mut got = vec![0u8; 4096];
+        b.read_exact(&mut got).unwrap();
+        let want = if h == 2 { 0xc3 } else { 0x5a };
+        assert!(got.iter().all(|x| *x == want), "read {h} came back wrong");
+    }
+    // The stalled client's replies are all there when it reads them.
+    for _ in 0..48 {
+        let (err, h) = simple_reply(&mut a).unwrap();
+        assert_eq!(err, 0, "read {h}");
+        let mut got = vec![0u8; 1 << 20];
+        a.read_exact(&mut got).unwrap();
+        assert!(got == mib, "read {h} came back wrong");
+    }
+}
+
 /// Several exports from one server, each its own device; LIST names them;
 /// block status and structured reads see never-written blocks as holes.
 #[test]

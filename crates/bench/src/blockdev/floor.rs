@@ -242,9 +242,9 @@ fn forward(mut c: TcpStream, store_addr: &str, size: u64) -> std::io::Result<()>
                 }
                 2 => return Ok(()),
                 _ => {
-                    // FLUSH and the rest: an empty read of the store keeps
-                    // the reply in order.
-                    sh[0] = OP_READ;
+                    // FLUSH and the rest: an empty write to the store (its
+                    // one-byte ack) keeps the reply in order.
+                    sh[0] = OP_WRITE;
                     sh[4..8].copy_from_slice(&0u32.to_le_bytes());
                     w.write_all(&sh)?;
                     let _ = tx.send(Pending {
