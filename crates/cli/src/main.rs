@@ -272,13 +272,16 @@ enum BenchCmd {
     /// (--quick: one 30 s scenario).
     Ioqos(Bench<bench::ioqos::Args>),
     /// The DMPS export's floor used by `bench blockdev` (internal): an NBD
-    /// forwarder to a raw page store on 127.0.0.1:PORT.
+    /// forwarder on 127.0.0.1:PORT to a raw page store in a process of its
+    /// own (--store: be that store).
     #[command(hide = true)]
     NbdFloor {
-        #[arg(long)]
+        #[arg(long, default_value_t = 0)]
         port: u16,
         #[arg(long)]
         size: u64,
+        #[arg(long)]
+        store: bool,
     },
     /// The raw-TCP baseline server used by `bench memserver` (internal).
     #[command(hide = true)]
@@ -791,7 +794,9 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Bench(BenchCmd::Ksm(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::Ioqos(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::RawServer) => bench::memserver::raw_server_main(),
-        Cmd::Bench(BenchCmd::NbdFloor { port, size }) => bench::blockdev::floor::main(port, size),
+        Cmd::Bench(BenchCmd::NbdFloor { port, size, store }) => {
+            bench::blockdev::floor::main(port, size, store)
+        }
         Cmd::Bench(BenchCmd::KvFloorGuest {
             size,
             budget_pages,

@@ -1,5 +1,5 @@
 //! The floor for the DMPS export: the least an NBD server whose blocks are
-//! on another process must do. Two processes' worth of work in one run:
+//! on another process must do. Two processes, as DMPS has:
 //!
 //! - a page store: one thread serving one loopback connection, requests
 //!   `{op, len, offset}` (16 bytes) answered in order from a plain buffer
@@ -302,29 +302,54 @@ impl<R: Read> Consume for BufReader<R> {
     }
 }
 
-/// `pagefleet bench nbd-floor --port P --size S`: the store and the
-/// forwarder, serving NBD clients on 127.0.0.1:P until killed. Prints
-/// `listening` once clients may connect.
-pub fn main(port: u16, size: u64) -> anyhow::Result<()> {
-    let store_l = TcpListener::bind("127.0.0.1:0")?;
-    let store_addr = store_l.local_addr()?.to_string();
-    // One memory for every store connection, touched now (no page faults
-    // while measured).
-    let mem = std::sync::Arc::new(std::sync::Mutex::new(vec![1u8; size as usize]));
-    std::thread::spawn(move || {
-        for s in store_l.incoming().flatten() {
-            let mem = mem.clone();
-            std::thread::spawn(move || store(s, &mem));
-        }
-    });
+/// `pagefleet bench nbd-floor --port P --size S`: the forwarder, serving
+/// NBD clients on 127.0.0.1:P until killed, and the store in a process of
+/// its own (`--store`; as a memory server is: a forwarder and its store
+/// in one process would switch between them more cheaply than DMPS can).
+/// Prints `listening` once clients may connect.
+pub fn main(port: u16, size: u64, store_only: bool) -> anyhow::Result<()> {
+    if store_only {
+        return serve_store(size);
+    }
+    let mut cmd = std::process::Command::new(std::env::current_exe()?);
+    cmd.args(["bench", "nbd-floor", "--store", "--size", &size.to_string()])
+        .stdout(std::process::Stdio::piped());
+    pagefleet_common::sys::process::die_with_parent(&mut cmd);
+    let mut child = cmd.spawn()?;
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut BufReader::new(child.stdout.take().expect("piped")),
+        &mut line,
+    )?;
+    let store_addr = line
+        .trim()
+        .strip_prefix("store ")
+        .ok_or_else(|| anyhow::anyhow!("the floor's store said {line:?}"))?
+        .to_string();
     let l = TcpListener::bind(("127.0.0.1", port))?;
-    println!("listening 127.0.0.1:{port}");
+    println!("listening {}", l.local_addr()?);
     std::io::stdout().flush()?;
     // One store for every client (fio's fill and its jobs connect in turn).
     let shared = std::sync::Arc::new(store_addr);
     for c in l.incoming().flatten() {
         let a = shared.clone();
         std::thread::spawn(move || forward(c, &a, size));
+    }
+    Ok(())
+}
+
+/// The store's process: one memory, a thread per connection; prints
+/// `store ADDR`.
+fn serve_store(size: u64) -> anyhow::Result<()> {
+    let l = TcpListener::bind("127.0.0.1:0")?;
+    // One memory for every connection, touched now (no page faults while
+    // measured).
+    let mem = std::sync::Arc::new(std::sync::Mutex::new(vec![1u8; size as usize]));
+    println!("store {}", l.local_addr()?);
+    std::io::stdout().flush()?;
+    for s in l.incoming().flatten() {
+        let mem = mem.clone();
+        std::thread::spawn(move || store(s, &mem));
     }
     Ok(())
 }
