@@ -421,8 +421,10 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
     Ok(r)
 }
 
-/// The guest swapping to DMPS (2 servers, linear), to a local disk image
-/// and to zram in the guest.
+/// The guest swapping to DMPS (2 servers, linear), to the floor, to a
+/// local disk image and to zram in the guest; the first three in
+/// [`VM_ROUNDS`] rounds, one after the other in each (a guest's rate moves
+/// with the machine: its goal takes the worst round's ratio).
 fn vm_rows(
     o: &Opts,
     secret: &std::path::Path,
@@ -431,49 +433,62 @@ fn vm_rows(
     let guest = vm::guest_dir()?;
     util::which("qemu-system-x86_64").context("qemu-system-x86 is needed (make deps)")?;
     let mb = o.vm_memtest_mb;
+    let drive = |file: &str| format!("file={file},format=raw,if=virtio");
+    let lend = 640 << 20;
+    let ms = [
+        ChildDaemon::start(lend, secret)?,
+        ChildDaemon::start(lend, secret)?,
+    ];
+    let addrs: Vec<String> = ms.iter().map(|m| m.addr.clone()).collect();
+    let dir = util::temp_dir("bench-vm-swap")?;
+    let img = dir.join("swap.img");
     let mut rows = Vec::new();
-    log(&format!(
-        "guest of 128 MiB, memtest {mb} MiB, swap on the DMPS export"
-    ));
-    {
-        let lend = 640 << 20;
-        let ms = [
-            ChildDaemon::start(lend, secret)?,
-            ChildDaemon::start(lend, secret)?,
-        ];
-        let addrs: Vec<String> = ms.iter().map(|m| m.addr.clone()).collect();
-        let e = pagefleet_export(&addrs, secret, 512 << 20, &[])?;
-        rows.push(vm::run(
-            &guest,
-            VM_DMPS,
-            Some(&format!("file={},format=raw,if=virtio", e.uri)),
-            mb,
+    for round in 1..=VM_ROUNDS {
+        log(&format!(
+            "guest of 128 MiB, memtest {mb} MiB (round {round} of {VM_ROUNDS}): swap on the DMPS export"
         ));
+        {
+            // A fresh device each round, as the image file is.
+            let e = pagefleet_export(&addrs, secret, 512 << 20, &[])?;
+            rows.push(vm::run(&guest, VM_DMPS, round, Some(&drive(&e.uri)), mb));
+        }
+        log("  the same guest, swap on the floor (an NBD forwarder to a raw page store)");
+        {
+            let f = nbd_floor(512 << 20)?;
+            rows.push(vm::run(&guest, VM_FLOOR, round, Some(&drive(&f.uri)), mb));
+        }
+        log("  the same guest, swap on a local disk image file");
+        std::fs::File::create(&img)?.set_len(512 << 20)?;
+        let file = img.display().to_string();
+        rows.push(vm::run(&guest, VM_FILE, round, Some(&drive(&file)), mb));
+        let _ = std::fs::remove_file(&img);
     }
-    log("the same guest, swap on the floor (an NBD forwarder to a raw page store)");
-    {
-        let f = nbd_floor(512 << 20)?;
-        rows.push(vm::run(
-            &guest,
-            VM_FLOOR,
-            Some(&format!("file={},format=raw,if=virtio", f.uri)),
-            mb,
-        ));
-    }
-    log("the same guest, swap on a local disk image file");
-    let img = util::temp_dir("bench-vm-swap")?.join("swap.img");
-    std::fs::File::create(&img)?.set_len(512 << 20)?;
-    rows.push(vm::run(
-        &guest,
-        VM_FILE,
-        Some(&format!("file={},format=raw,if=virtio", img.display())),
-        mb,
-    ));
-    let _ = std::fs::remove_dir_all(img.parent().unwrap());
+    let _ = std::fs::remove_dir_all(&dir);
     log("the same guest, swap on zram in its own memory");
-    rows.push(vm::run(&guest, "zram in the guest", None, mb));
+    rows.push(vm::run(&guest, "zram in the guest", 1, None, mb));
     Ok(rows)
 }
+
+/// The worst round's ratio of `a`'s rate to `b`'s (None: a row of some
+/// round failed).
+fn vm_ratio(vm: &[vm::VmRow], a: &str, b: &str) -> Option<f64> {
+    let rate = |w: &str, round: u32| {
+        vm.iter()
+            .find(|v| v.swap == w && v.round == round)
+            .and_then(|v| v.rate_mib_s)
+    };
+    let rounds: Vec<u32> = vm.iter().filter(|v| v.swap == a).map(|v| v.round).collect();
+    if rounds.is_empty() {
+        return None;
+    }
+    rounds
+        .into_iter()
+        .map(|r| Some(rate(a, r)? / rate(b, r)?))
+        .try_fold(f64::INFINITY, |w, x| x.map(|x| w.min(x)))
+}
+
+/// Rounds of the guest rows.
+const VM_ROUNDS: u32 = 2;
 
 /// The floor against nbdkit memory, per QD16 row of this run.
 fn floor_bounds(rows: &[Row]) -> Vec<FloorBound> {
@@ -584,11 +599,10 @@ fn goals(rows: &[Row], drill: Option<&Drill>, vm: &[vm::VmRow]) -> Vec<Goal> {
         _ => Goal::not_measured(name, 0.0, "writes"),
     });
     if !vm.is_empty() {
-        let rate = |w: &str| vm.iter().find(|v| v.swap == w).and_then(|v| v.rate_mib_s);
-        let name = "guest swapping: DMPS / local disk image (memtest rate)";
-        g.push(match (rate(VM_DMPS), rate(VM_FILE)) {
-            (Some(a), Some(b)) => Goal::at_least(name, a / b, 1.0, "ratio"),
-            _ => Goal::not_measured(name, 1.0, "ratio"),
+        let name = "guest swapping: DMPS / local disk image (memtest rate, worst round)";
+        g.push(match vm_ratio(vm, VM_DMPS, VM_FILE) {
+            Some(r) => Goal::at_least(name, r, 1.0, "ratio"),
+            None => Goal::not_measured(name, 1.0, "ratio"),
         });
     }
     g
@@ -664,26 +678,27 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
             match (v.rate_mib_s, &v.error) {
                 (Some(rate), _) => writeln!(
                     out,
-                    "  {:<36} {:>7.1} MiB/s  ({} MiB swapped)",
-                    v.swap, rate, v.swap_used_mib
+                    "  {:<36} round {} {:>7.1} MiB/s  ({} MiB swapped)",
+                    v.swap, v.round, rate, v.swap_used_mib
                 )?,
                 (None, e) => writeln!(
                     out,
-                    "  {:<36} failed: {}",
+                    "  {:<36} round {} failed: {}",
                     v.swap,
+                    v.round,
                     e.as_deref().unwrap_or("?")
                 )?,
             }
         }
     }
-    let rate = |w: &str| r.vm.iter().find(|v| v.swap == w).and_then(|v| v.rate_mib_s);
-    if let (Some(d), Some(f), Some(i)) = (rate(VM_DMPS), rate(VM_FLOOR), rate(VM_FILE)) {
+    if let (Some(d), Some(f), Some(df)) = (
+        vm_ratio(&r.vm, VM_DMPS, VM_FILE),
+        vm_ratio(&r.vm, VM_FLOOR, VM_FILE),
+        vm_ratio(&r.vm, VM_DMPS, VM_FLOOR),
+    ) {
         writeln!(
             out,
-            "  against the image file: DMPS {:.2}, the floor {:.2} (DMPS / floor {:.2})",
-            d / i,
-            f / i,
-            d / f
+            "  worst round against the image file: DMPS {d:.2}, the floor {f:.2} (DMPS / floor {df:.2})"
         )?;
     }
     writeln!(out)?;

@@ -15,6 +15,8 @@ use std::process::{Command, Stdio};
 pub struct VmRow {
     /// Where it swapped.
     pub swap: String,
+    /// Which round of the bench's guest rows.
+    pub round: u32,
     /// memtest's rate, MiB/s (None: it failed).
     pub rate_mib_s: Option<f64>,
     /// MiB of swap in use after the write phase.
@@ -37,11 +39,17 @@ pub fn guest_dir() -> Result<PathBuf> {
     Ok(dir)
 }
 
+/// Seconds a guest may take (a healthy one takes well under a minute; one
+/// whose disk hangs is killed, its row failed).
+const GUEST_TIMEOUT: &str = "300";
+
 /// Boot the guest with `drive` (None: zram in the guest) and `mb` MiB of memtest.
-pub fn run(guest: &Path, swap: &str, drive: Option<&str>, mb: u64) -> VmRow {
+pub fn run(guest: &Path, swap: &str, round: u32, drive: Option<&str>, mb: u64) -> VmRow {
     let mut cmd = Command::new("timeout");
     cmd.args([
-        "900",
+        "-s",
+        "KILL",
+        GUEST_TIMEOUT,
         "qemu-system-x86_64",
         "-accel",
         "tcg",
@@ -67,6 +75,7 @@ pub fn run(guest: &Path, swap: &str, drive: Option<&str>, mb: u64) -> VmRow {
         Err(e) => {
             return VmRow {
                 swap: swap.into(),
+                round,
                 rate_mib_s: None,
                 swap_used_mib: 0,
                 error: Some(format!("qemu: {e}")),
@@ -80,6 +89,7 @@ pub fn run(guest: &Path, swap: &str, drive: Option<&str>, mb: u64) -> VmRow {
     let ok = out.contains(&format!("MEMTEST OK {mb} MiB"));
     VmRow {
         swap: swap.into(),
+        round,
         rate_mib_s: if ok { field("MEMTEST RATE ") } else { None },
         swap_used_mib: field("swap used ").unwrap_or(0.0) as u64,
         error: (!ok).then(|| {
