@@ -173,14 +173,7 @@ fn forward(mut c: TcpStream, store_addr: &str, size: u64) -> std::io::Result<()>
                 continue;
             }
             if p.read_len > 0 {
-                let mut left = p.read_len;
-                while left > 0 {
-                    let buf = fill(&mut r, &mut w)?;
-                    let n = buf.len().min(left);
-                    w.write_all(&buf[..n])?;
-                    r.consume_n(n);
-                    left -= n;
-                }
+                relay(&mut r, &mut w, p.read_len)?;
             } else {
                 fill(&mut r, &mut w)?;
                 r.consume_n(1);
@@ -227,14 +220,7 @@ fn forward(mut c: TcpStream, store_addr: &str, size: u64) -> std::io::Result<()>
                         continue;
                     }
                     // The payload goes through the buffers as it comes.
-                    let mut left = len as usize;
-                    while left > 0 {
-                        let buf = fill(&mut r, &mut w)?;
-                        let n = buf.len().min(left);
-                        w.write_all(&buf[..n])?;
-                        r.consume_n(n);
-                        left -= n;
-                    }
+                    relay(&mut r, &mut w, len as usize)?;
                     let _ = tx.send(Pending {
                         handle,
                         read_len: 0,
@@ -262,6 +248,19 @@ fn forward(mut c: TcpStream, store_addr: &str, size: u64) -> std::io::Result<()>
         Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Ok(()),
         r => r,
     }
+}
+
+/// Pass `len` bytes from `r` to `w` through both buffers, as they come.
+fn relay<R: Read, W: Write>(r: &mut BufReader<R>, w: &mut W, len: usize) -> std::io::Result<()> {
+    let mut left = len;
+    while left > 0 {
+        let buf = fill(r, w)?;
+        let n = buf.len().min(left);
+        w.write_all(&buf[..n])?;
+        r.consume_n(n);
+        left -= n;
+    }
+    Ok(())
 }
 
 /// Pass `len` bytes from `r` on to `w`: what `r` has buffered is written,
