@@ -600,10 +600,19 @@ impl Replier {
             skip -= k;
         }
         o.draining = true;
-        let (me, w) = (self.clone(), o.w.try_clone_box()?);
-        std::thread::Builder::new()
-            .name("nbd-reply".into())
-            .spawn(move || me.drain(w))?;
+        let me = self.clone();
+        let started = o.w.try_clone_box().and_then(|w| {
+            std::thread::Builder::new()
+                .name("nbd-reply".into())
+                .spawn(move || me.drain(w))
+        });
+        if let Err(e) = started {
+            // No writer: nothing would ever drain the backlog.
+            o.gone = true;
+            o.backlog = Vec::new();
+            o.w.close();
+            return Err(e);
+        }
         Ok(())
     }
 
