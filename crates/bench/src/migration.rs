@@ -368,18 +368,26 @@ fn sort_experiment(o: &Opts, log: Log<'_>, rows: &mut Vec<SortRow>) -> Result<()
         wait_filled(&l, "s1", pages)?;
         // The running sort's accesses become the access history.
         std::thread::sleep(Duration::from_secs(if o.quick { 2 } else { 5 }));
-        let res = migrate_to(&l, o, "s1", dest, &[]).and_then(|(r, sd)| {
-            let (h, _) = l.guest("s1").context("s1 vanished after migrating")?;
-            let s: pagefleet_api::SortResult = l
-                .post(h, "/guests/s1/sort", &json!({}), Duration::from_secs(3600))
-                .context("sort")?;
-            Ok((Some(r), Some(s), sd))
-        });
-        let (r, s, err, sd) = match res {
-            Ok((r, s, sd)) => (r, s, None, sd),
+        // The swap destination (`sd`) outlives the guest whatever fails:
+        // its swap goes off only once the guest's pages are gone.
+        let (res, sd) = match migrate_to(&l, o, "s1", dest, &[]) {
+            Ok((r, sd)) => {
+                let sorted = (|| {
+                    let (h, _) = l.guest("s1").context("s1 vanished after migrating")?;
+                    let s: pagefleet_api::SortResult = l
+                        .post(h, "/guests/s1/sort", &json!({}), Duration::from_secs(3600))
+                        .context("sort")?;
+                    anyhow::Ok(s)
+                })();
+                (sorted.map(|s| (r, s)), sd)
+            }
+            Err(e) => (Err(e), None),
+        };
+        let (r, s, err) = match res {
+            Ok((r, s)) => (Some(r), Some(s), None),
             Err(e) => {
                 log(&format!("  FAILED: {e:#}"));
-                (None, None, Some(format!("{e:#}")), None)
+                (None, None, Some(format!("{e:#}")))
             }
         };
         stop_guest(&l, "s1")?;

@@ -288,7 +288,24 @@ impl Swap {
 
 impl Drop for Swap {
     fn drop(&mut self) {
-        let _ = Command::new("swapoff").arg(&self.dev).status();
+        // swapoff reads every page back into its owner's memory; a process
+        // that is still exiting (its cgroup at its limit) can make it fail
+        // for a moment. Retried while the swap is still on, for up to 10 s:
+        // a swap left on over a device torn down next (a loop over a FUSE
+        // disk) makes the kernel OOM-kill instead of swapping afterwards.
+        let on = |dev: &Path| {
+            std::fs::read_to_string("/proc/swaps")
+                .unwrap_or_default()
+                .lines()
+                .any(|l| l.split_whitespace().next() == dev.to_str())
+        };
+        for _ in 0..100 {
+            let _ = Command::new("swapoff").arg(&self.dev).status();
+            if !on(&self.dev) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
         if self.file {
             let _ = std::fs::remove_file(&self.dev);
         } else if self.dev == Path::new("/dev/zram0") {
