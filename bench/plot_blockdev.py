@@ -24,18 +24,27 @@ def main(src, dst):
     w = 0.8 / max(1, len(targets))
     for metric, ax, label in [("iops", axes[0], "IOPS"), ("mb_per_s", axes[1], "MB/s")]:
         for i, t in enumerate(targets):
-            vals = []
+            # One bar per target and row: the mean over rounds, the
+            # whisker from the worst round to the best.
+            vals, lo, hi = [], [], []
             for k in keys:
                 v = [x[metric] for x in rows if x["target"] == t and (x["rw"], x["bs"], x["iodepth"]) == k]
-                vals.append(v[0] if v else 0)
-            ax.bar([j + i * w for j in range(len(keys))], vals, w, label=t)
+                m = sum(v) / len(v) if v else 0
+                vals.append(m)
+                lo.append(m - min(v) if v else 0)
+                hi.append(max(v) - m if v else 0)
+            ax.bar([j + i * w for j in range(len(keys))], vals, w, label=t, yerr=[lo, hi], capsize=2)
         ax.set_xticks([j + 0.4 - w / 2 for j in range(len(keys))])
         ax.set_xticklabels([f"{k[0]}\n{k[1] >> 10}K qd{k[2]}" for k in keys], fontsize=7)
         ax.set_ylabel(label)
         ax.set_yscale("log")
         ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize=8)
-    axes[0].set_title(f"NBD exports over loopback (fio nbd engine), {r['size_bytes'] >> 20} MiB device")
+    rounds = max([x.get("round", 1) for x in rows] or [1])
+    axes[0].set_title(
+        f"NBD exports over loopback (fio nbd engine), {r['size_bytes'] >> 20} MiB device; "
+        f"mean of {rounds} round(s), whiskers worst to best"
+    )
     fig.tight_layout()
     fig.savefig(dst, dpi=110)
 
