@@ -3,18 +3,42 @@
 //! every value back — with its swap on the DMPS export, on a local disk
 //! image file, and on zram in the guest's own memory; the guest reports its
 //! workload rate (MiB written and read back per second). The guest is the
-//! swap-test image `make guest` builds (target/guest).
+//! swap-test image `make guest` builds (target/guest). memtest's data is
+//! [`Fill::Random`] (nothing compresses: zram cannot hold it in a guest this
+//! small) or [`Fill::Sparse`] (compresses about 6:1, as much of a real
+//! guest's memory does: the rows that compare zram with the disks).
 
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
+/// What memtest writes (see crates/systest/guest/memtest.c).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Fill {
+    /// Every word a distinct value.
+    Random,
+    /// One word in 8 the value, the rest zeros.
+    Sparse,
+}
+
+impl Fill {
+    pub fn arg(self) -> &'static str {
+        match self {
+            Fill::Random => "random",
+            Fill::Sparse => "sparse",
+        }
+    }
+}
+
 /// One guest run.
 #[derive(Clone, Debug, Serialize)]
 pub struct VmRow {
     /// Where it swapped.
     pub swap: String,
+    /// What memtest wrote.
+    pub fill: Fill,
     /// Which round of the bench's guest rows.
     pub round: u32,
     /// memtest's rate, MiB/s (None: it failed).
@@ -44,7 +68,14 @@ pub fn guest_dir() -> Result<PathBuf> {
 const GUEST_TIMEOUT: &str = "300";
 
 /// Boot the guest with `drive` (None: zram in the guest) and `mb` MiB of memtest.
-pub fn run(guest: &Path, swap: &str, round: u32, drive: Option<&str>, mb: u64) -> VmRow {
+pub fn run(
+    guest: &Path,
+    swap: &str,
+    round: u32,
+    drive: Option<&str>,
+    mb: u64,
+    fill: Fill,
+) -> VmRow {
     let mut cmd = Command::new("timeout");
     cmd.args([
         "-s",
@@ -65,7 +96,10 @@ pub fn run(guest: &Path, swap: &str, round: u32, drive: Option<&str>, mb: u64) -
     let zram = if drive.is_none() { " swap=zram" } else { "" };
     cmd.args([
         "-append",
-        &format!("console=ttyS0 quiet memtest_mb={mb} panic=-1{zram}"),
+        &format!(
+            "console=ttyS0 quiet memtest_mb={mb} memtest_fill={} panic=-1{zram}",
+            fill.arg()
+        ),
     ]);
     if let Some(d) = drive {
         cmd.args(["-drive", d]);
@@ -75,6 +109,7 @@ pub fn run(guest: &Path, swap: &str, round: u32, drive: Option<&str>, mb: u64) -
         Err(e) => {
             return VmRow {
                 swap: swap.into(),
+                fill,
                 round,
                 rate_mib_s: None,
                 swap_used_mib: 0,
@@ -89,6 +124,7 @@ pub fn run(guest: &Path, swap: &str, round: u32, drive: Option<&str>, mb: u64) -
     let ok = out.contains(&format!("MEMTEST OK {mb} MiB"));
     VmRow {
         swap: swap.into(),
+        fill,
         round,
         rate_mib_s: if ok { field("MEMTEST RATE ") } else { None },
         swap_used_mib: field("swap used ").unwrap_or(0.0) as u64,
