@@ -686,8 +686,12 @@ fn receive(sh: &Shared, s: usize, mut rh: RecvHalf, irx: Receiver<(u64, Op)>) {
     let mut dead = false;
     loop {
         // Replies already at hand: completions may batch their writes to
-        // clients; about to wait: what they deferred goes out first.
-        if !rh.reply_ready() {
+        // clients; about to wait: what they deferred goes out first. With
+        // no op in flight no reply can be at hand: not asked (a system
+        // call saved per request at queue depth 1). An op sent but not yet
+        // in the channel is found by `recv` below, as ever.
+        let queued = irx.try_recv().ok();
+        if queued.is_none() || !rh.reply_ready() {
             IN_BURST.with(|b| b.set(false));
             run_deferred();
         }
@@ -695,7 +699,7 @@ fn receive(sh: &Shared, s: usize, mut rh: RecvHalf, irx: Receiver<(u64, Op)>) {
         // the channel by the time its reply is here (it is sent right
         // after its frame), so a dispatcher never wakes this thread — one
         // wake-up per burst of replies, not two.
-        let mut next = None;
+        let mut next = queued;
         if !dead {
             match rh.wait_reply() {
                 // Here (or closed: the op's receive says so).
@@ -703,7 +707,7 @@ fn receive(sh: &Shared, s: usize, mut rh: RecvHalf, irx: Receiver<(u64, Op)>) {
                 // Past the I/O timeout: idle if nothing is in flight; an
                 // op in flight waits the timeout again in its receive,
                 // then reports it.
-                Err(ClientError::TimedOut { .. }) => match irx.try_recv() {
+                Err(ClientError::TimedOut { .. }) if next.is_none() => match irx.try_recv() {
                     Ok(op) => next = Some(op),
                     Err(mpsc::TryRecvError::Empty) => continue,
                     Err(mpsc::TryRecvError::Disconnected) => break,
@@ -744,8 +748,11 @@ fn receive(sh: &Shared, s: usize, mut rh: RecvHalf, irx: Receiver<(u64, Op)>) {
     run_deferred();
 }
 
-/// Bytes a receiver reads ahead: several small replies per system call.
-const RECV_AHEAD: usize = 32 << 10;
+/// Bytes a receiver reads ahead: several small replies per system call,
+/// and a whole reply of up to 32 KiB of data with its header (a guest's
+/// swap-in reads 32 KiB at queue depth 1: with 32 KiB exactly, the last
+/// bytes of every such reply took a second system call).
+const RECV_AHEAD: usize = (32 << 10) + 256;
 
 #[cfg(test)]
 mod tests {
