@@ -12,12 +12,14 @@ CARGO ?= cargo
 # util-linux has mkswap/swapon/setpriv for the swap baselines and tests and
 # nsenter for the testbed; ksmtuned is the peer of the KSM controller;
 # prometheus (and promtool) scrape a lab and check the rules; chromium and
-# chromium-driver run the dashboard's browser test.
+# chromium-driver run the dashboard's browser test; syslinux, mtools and
+# dosfstools make the VM test image's boot disk.
 # Packages are installed without starting their services (policy-rc.d):
 # a ksmtuned daemon would fight the KSM tests over /sys/kernel/mm/ksm.
 APT_PKGS := build-essential pkg-config python3 python3-venv memcached libmemcached-tools python3-pymemcache iproute2 util-linux \
             qemu-utils libnbd-bin python3-libnbd nbdkit fio qemu-system-x86 cpio ksmtuned \
-            etcd-server etcd-client protobuf-compiler libprotobuf-dev prometheus chromium chromium-driver
+            etcd-server etcd-client protobuf-compiler libprotobuf-dev prometheus chromium chromium-driver \
+            syslinux syslinux-common mtools dosfstools
 VENV := .venv
 FUZZ_SECONDS ?= 30
 

@@ -74,26 +74,32 @@ pub enum Workload {
         #[serde(default)]
         no_evict: bool,
     },
-    /// A QEMU (TCG) virtual machine whose RAM is the guest memory. Files
-    /// are paths on the host running it, which starts QEMU only on images
+    /// A QEMU virtual machine whose RAM is the guest memory. Files are
+    /// paths on the host running it, which starts QEMU only on images
     /// under the directories its operator allowed (`pagefleetd
     /// --vm-images`); there is no free-form QEMU argument.
     Vm {
-        /// The guest kernel.
-        kernel: String,
-        /// Its initramfs.
-        initrd: String,
-        /// Kernel command line (after `console=ttyS0`).
+        /// The guest kernel, booted directly (None: the VM boots through
+        /// its firmware from its first disk, as any QEMU VM).
+        #[serde(default)]
+        kernel: Option<String>,
+        /// Its initramfs (only with a kernel).
+        #[serde(default)]
+        initrd: Option<String>,
+        /// Kernel command line (after `console=ttyS0`; only with a kernel:
+        /// a disk's boot loader has its own).
         #[serde(default)]
         append: String,
-        /// A raw disk image (virtio-blk). Writable by default: the guest's
-        /// writes land in the image, and a migration hands it over as
-        /// QEMU's shared-storage migration does (the destination must
-        /// see the same file).
-        #[serde(default)]
+        /// Disk images, virtio-blk drives `disk0`, `disk1`, ... in this
+        /// order; the first is the boot disk when there is no kernel.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        disks: Vec<VmDisk>,
+        /// The older form of one disk (`disks[0]`, raw): read, never
+        /// written (see [`Workload::vm_disks`]).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
         disk: Option<String>,
-        /// Attach the disk read-only (several VMs may share one image).
-        #[serde(default)]
+        /// The older form's read-only flag.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         disk_readonly: bool,
         /// The VM's service address (IP:PORT), like kv's `listen`: TCP
         /// connections to it reach the guest's `guest_port` (one NIC on
@@ -120,7 +126,87 @@ pub enum Workload {
     },
 }
 
+/// A disk image's format. Detected once, from the image's header, when
+/// the guest starts on its first host, then carried in the guest's spec:
+/// never probed again (a guest that writes a qcow2 header into its raw
+/// disk must not turn it into a qcow2 image on the next host).
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum DiskFormat {
+    /// Bytes as the guest sees them.
+    Raw,
+    /// QEMU's copy-on-write format (version 2 or 3, no backing file).
+    Qcow2,
+}
+
+impl DiskFormat {
+    /// The format's name, as QEMU's `format=` spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DiskFormat::Raw => "raw",
+            DiskFormat::Qcow2 => "qcow2",
+        }
+    }
+}
+
+impl std::str::FromStr for DiskFormat {
+    type Err = InvalidSpec;
+    fn from_str(s: &str) -> Result<Self, InvalidSpec> {
+        match s {
+            "raw" => Ok(DiskFormat::Raw),
+            "qcow2" => Ok(DiskFormat::Qcow2),
+            _ => Err(InvalidSpec(format!("disk format {s:?}: raw or qcow2"))),
+        }
+    }
+}
+
+/// One disk of a VM.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct VmDisk {
+    /// The image (an absolute path on the host running the VM). Writable
+    /// unless `readonly`: the guest's writes land in the image, and a
+    /// migration hands it over as QEMU's shared-storage migration does
+    /// (the destination must see the same file).
+    pub path: String,
+    /// Its format (None: detected from its header when the guest starts,
+    /// then recorded here).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub format: Option<DiskFormat>,
+    /// Attached read-only (several VMs may share one image).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub readonly: bool,
+}
+
+/// Disks a VM may have.
+pub const MAX_VM_DISKS: usize = 8;
+
 impl Workload {
+    /// A VM's disks in drive order: the older one-disk form (raw, as it
+    /// was always attached) first, then `disks`. Empty for other
+    /// workloads.
+    pub fn vm_disks(&self) -> Vec<VmDisk> {
+        let Workload::Vm {
+            disks,
+            disk,
+            disk_readonly,
+            ..
+        } = self
+        else {
+            return Vec::new();
+        };
+        let mut all: Vec<VmDisk> = disk
+            .iter()
+            .map(|p| VmDisk {
+                path: p.clone(),
+                format: Some(DiskFormat::Raw),
+                readonly: *disk_readonly,
+            })
+            .collect();
+        all.extend(disks.iter().cloned());
+        all
+    }
+
     /// The workload's kind as a word (synthetic, kv, sortjob).
     pub fn kind(&self) -> &'static str {
         match self {
@@ -168,11 +254,10 @@ impl Workload {
                 .parse::<std::net::SocketAddr>()
                 .map(|_| ())
                 .map_err(|_| InvalidSpec(format!("listen {listen:?} is not IP:PORT"))),
-            Workload::Vm {
+            w @ Workload::Vm {
                 kernel,
                 initrd,
                 append,
-                disk,
                 smp,
                 listen,
                 guest_port,
@@ -188,18 +273,34 @@ impl Workload {
                         )));
                     }
                 }
-                for (what, p) in [
-                    ("kernel", Some(kernel)),
-                    ("initrd", Some(initrd)),
-                    ("disk", disk.as_ref()),
-                ] {
-                    if let Some(p) = p {
-                        if !p.starts_with('/') || p.len() > 4096 || p.split('/').any(|c| c == "..")
-                        {
-                            return Err(InvalidSpec(format!(
-                                "{what} {p:?}: an absolute path without '..'"
-                            )));
-                        }
+                let disks = w.vm_disks();
+                if kernel.is_none() {
+                    if disks.is_empty() {
+                        return Err("a VM needs a kernel or a disk to boot from".into());
+                    }
+                    if initrd.is_some() || !append.is_empty() {
+                        return Err("initrd and append go with a kernel (a disk's boot loader has its own command line)".into());
+                    }
+                }
+                if disks.len() > MAX_VM_DISKS {
+                    return Err(InvalidSpec(format!(
+                        "{} disks: at most {MAX_VM_DISKS}",
+                        disks.len()
+                    )));
+                }
+                let files = [("kernel", kernel.as_ref()), ("initrd", initrd.as_ref())]
+                    .into_iter()
+                    .flat_map(|(w, p)| p.map(|p| (w, p)))
+                    .chain(disks.iter().map(|d| ("disk", &d.path)));
+                for (what, p) in files {
+                    if !p.starts_with('/')
+                        || p.len() > 4096
+                        || p.split('/').any(|c| c == "..")
+                        || p.contains(',')
+                    {
+                        return Err(InvalidSpec(format!(
+                            "{what} {p:?}: an absolute path without '..' or ','"
+                        )));
                     }
                 }
                 if !(1..=64).contains(smp) {

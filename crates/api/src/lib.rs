@@ -21,8 +21,8 @@ pub mod paging;
 
 pub use control::{ControlReply, ControlRequest};
 pub use guest::{
-    ContentFill, FaultCounts, GuestFailure, GuestSpec, GuestState, GuestStatus, PageLocations,
-    PagingCosts, SortResult, StartGuest, Workload,
+    ContentFill, DiskFormat, FaultCounts, GuestFailure, GuestSpec, GuestState, GuestStatus,
+    PageLocations, PagingCosts, SortResult, StartGuest, VmDisk, Workload, MAX_VM_DISKS,
 };
 pub use histogram::HistogramSnapshot;
 pub use host::{

@@ -225,11 +225,10 @@ fn run_qemu(
     port: u16,
 ) -> Result<Row> {
     let spec = VmSpec {
-        kernel: kernel.into(),
-        initrd: initrd.into(),
+        kernel: Some(kernel.into()),
+        initrd: Some(initrd.into()),
         append: append(o, wl),
-        disk: None,
-        disk_readonly: false,
+        disks: Vec::new(),
         forward: None,
         smp: 1,
         size: o.size,

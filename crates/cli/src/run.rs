@@ -150,30 +150,39 @@ pub enum Workload {
         #[arg(long)]
         no_evict: bool,
     },
-    /// A QEMU (TCG) virtual machine whose RAM (--size) is the guest memory.
-    /// `make vm` builds a test image (target/vm): a kernel and an initramfs
-    /// running vmwork, a memory workload that checks every value it reads,
-    /// set on the kernel command line: vmwork_mb=N vmwork_secs=S (0: until
-    /// stopped) vmwork_write=PCT vmwork_span=PCT (share of its pages it
-    /// works on) vmwork_seed=N. `pagefleet run vm` ends when vmwork is done,
+    /// A QEMU (TCG) virtual machine whose RAM (--size) is the guest memory,
+    /// booting a kernel (--kernel, --initrd, --append) or, without
+    /// --kernel, through its firmware from its first --disk, as any QEMU
+    /// VM. `make vm` builds a test image (target/vm): a kernel and an
+    /// initramfs running vmwork, a memory workload that checks every value
+    /// it reads, set on the kernel command line: vmwork_mb=N vmwork_secs=S
+    /// (0: until stopped) vmwork_write=PCT vmwork_span=PCT (share of its
+    /// pages it works on) vmwork_seed=N; and target/vm/boot.qcow2, a disk
+    /// whose boot loader starts the same (`vm --disk
+    /// target/vm/boot.qcow2`). `pagefleet run vm` ends when vmwork is done,
     /// QEMU exits or --duration passes (0: no limit); a wrong value read
     /// makes it fail.
     Vm {
-        /// Guest kernel (bzImage).
+        /// Guest kernel (bzImage); without it the VM boots from --disk.
         #[arg(long)]
-        kernel: std::path::PathBuf,
+        kernel: Option<std::path::PathBuf>,
         /// Its initramfs.
-        #[arg(long)]
-        initrd: std::path::PathBuf,
+        #[arg(long, requires = "kernel")]
+        initrd: Option<std::path::PathBuf>,
         /// Kernel command line, after console=ttyS0.
-        #[arg(long, default_value = "")]
+        #[arg(long, default_value = "", requires = "kernel")]
         append: String,
-        /// A raw disk image (virtio-blk). The guest's writes land in it; a
-        /// migration hands it to the destination's QEMU, which must see the
-        /// same file (shared storage, as for QEMU's own migration).
-        #[arg(long)]
-        disk: Option<std::path::PathBuf>,
-        /// Attach --disk read-only (several VMs may then share one image).
+        /// A disk image, PATH[,format=raw|qcow2][,readonly]; repeat for
+        /// more (virtio-blk drives disk0, disk1, ...; without --kernel the
+        /// first is booted). The format is read from the image's header
+        /// when not given (other formats, and qcow2 images that name a
+        /// backing or data file, are refused), then kept with the guest.
+        /// The guest's writes land in the image; a migration hands it to
+        /// the destination's QEMU, which must see the same file (shared
+        /// storage, as for QEMU's own migration).
+        #[arg(long, value_parser = parse_disk)]
+        disk: Vec<DiskArg>,
+        /// Attach every --disk read-only (several VMs may then share one image).
         #[arg(long, requires = "disk")]
         disk_readonly: bool,
         /// The VM's service address: TCP connections to IP:PORT reach the
@@ -189,6 +198,41 @@ pub enum Workload {
         #[arg(long, default_value_t = 1)]
         smp: u32,
     },
+}
+
+/// One `--disk PATH[,format=F][,readonly]`.
+#[derive(Clone, Debug)]
+pub struct DiskArg {
+    path: std::path::PathBuf,
+    format: Option<api::DiskFormat>,
+    readonly: bool,
+}
+
+fn parse_disk(s: &str) -> Result<DiskArg, String> {
+    let mut parts = s.split(',');
+    let path = parts
+        .next()
+        .filter(|p| !p.is_empty())
+        .ok_or("a disk needs a path")?;
+    let mut d = DiskArg {
+        path: path.into(),
+        format: None,
+        readonly: false,
+    };
+    for p in parts {
+        match p.split_once('=') {
+            Some(("format", f)) => {
+                d.format = Some(f.parse().map_err(|e: api::guest::InvalidSpec| e.0)?)
+            }
+            None if p == "readonly" => d.readonly = true,
+            _ => {
+                return Err(format!(
+                    "{p:?}: after the path, format=raw|qcow2 or readonly"
+                ))
+            }
+        }
+    }
+    Ok(d)
 }
 
 /// A path as given, made absolute against this directory (a hosted guest's
@@ -245,11 +289,21 @@ fn vm_workload(w: &Workload) -> Result<api::Workload> {
             listen,
             guest_port,
         } => api::Workload::Vm {
-            kernel: absolute(kernel)?,
-            initrd: absolute(initrd)?,
+            kernel: kernel.as_deref().map(absolute).transpose()?,
+            initrd: initrd.as_deref().map(absolute).transpose()?,
             append: append.clone(),
-            disk: disk.as_deref().map(absolute).transpose()?,
-            disk_readonly: *disk_readonly,
+            disks: disk
+                .iter()
+                .map(|d| {
+                    Ok(api::VmDisk {
+                        path: absolute(&d.path)?,
+                        format: d.format,
+                        readonly: d.readonly || *disk_readonly,
+                    })
+                })
+                .collect::<Result<_>>()?,
+            disk: None,
+            disk_readonly: false,
             smp: *smp,
             listen: listen.clone(),
             guest_port: *guest_port,
@@ -396,7 +450,7 @@ pub fn run(a: RunArgs, secret_file: Option<&Path>) -> Result<()> {
         Workload::Sort { seed } => local::Workload::Sort { seed },
         Workload::Kv { listen, no_evict } => local::Workload::Kv { listen, no_evict },
         w @ Workload::Vm { .. } => local::Workload::Vm(
-            pagefleet_runner::vm::spec_of(&vm_workload(&w)?, size, "run", None)
+            pagefleet_runner::vm::spec_of(&vm_workload(&w)?, size, "run", None)?
                 .expect("a VM workload has a VM spec"),
         ),
         Workload::Sortjob { .. } => bail!("sortjob runs hosted (pagefleet guest start NAME --on HOST --size SIZE -- sortjob); for a one-shot sort use `pagefleet run sort`"),

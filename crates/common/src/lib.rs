@@ -8,6 +8,7 @@
 pub mod context;
 pub mod control;
 pub mod controller;
+pub mod disk_image;
 pub mod http;
 pub mod httpauth;
 pub mod listen;

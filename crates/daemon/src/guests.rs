@@ -741,7 +741,7 @@ impl Guests {
     }
 
     /// `POST /guests`: start a guest from its typed spec.
-    pub fn start(self: &Arc<Guests>, req: StartGuest) -> Result<(), Refusal> {
+    pub fn start(self: &Arc<Guests>, mut req: StartGuest) -> Result<(), Refusal> {
         if !pagefleet_api::guest::valid_name(&req.name) {
             return Err(Refusal::new(
                 400,
@@ -752,7 +752,7 @@ impl Guests {
             return Err(Refusal::new(400, "size: at least one 4 KiB page"));
         }
         req.spec.validate().map_err(|e| Refusal::new(400, e))?;
-        check_vm_files(&req.spec.workload, &self.cfg.vm_images)?;
+        check_vm_files(&mut req.spec.workload, &self.cfg.vm_images)?;
         let budget_pages = req
             .budget_pages
             .unwrap_or(pagefleet_units::pages_for(req.size));
@@ -1163,12 +1163,18 @@ fn describe_exit(s: std::process::ExitStatus) -> String {
 
 /// A VM guest's files must lie under a directory the operator allowed
 /// (`--vm-images`): QEMU reads them as root, so a request must not make it
-/// read anything else on this host. Symlinks are resolved first.
-fn check_vm_files(w: &pagefleet_api::Workload, allowed: &[PathBuf]) -> Result<(), Refusal> {
+/// read anything else on this host. Symlinks are resolved first. Each
+/// disk's format is then read from its header where the request does not
+/// give it, and recorded in the spec: the guest's disks are never probed
+/// again, here or on the hosts it migrates to (see
+/// `pagefleet_common::disk_image`, which also refuses images that would
+/// make QEMU open other files).
+fn check_vm_files(w: &mut pagefleet_api::Workload, allowed: &[PathBuf]) -> Result<(), Refusal> {
+    let all_disks = w.vm_disks();
     let pagefleet_api::Workload::Vm {
         kernel,
         initrd,
-        disk,
+        disks,
         ..
     } = w
     else {
@@ -1184,10 +1190,11 @@ fn check_vm_files(w: &pagefleet_api::Workload, allowed: &[PathBuf]) -> Result<()
         .iter()
         .filter_map(|d| std::fs::canonicalize(d).ok())
         .collect();
-    for f in [Some(kernel), Some(initrd), disk.as_ref()]
+    let files = [kernel.as_ref(), initrd.as_ref()]
         .into_iter()
         .flatten()
-    {
+        .chain(all_disks.iter().map(|d| &d.path));
+    for f in files {
         let real =
             std::fs::canonicalize(f).map_err(|e| Refusal::new(400, format!("VM file {f}: {e}")))?;
         if !real.is_file() || !roots.iter().any(|r| real.starts_with(r)) {
@@ -1196,6 +1203,11 @@ fn check_vm_files(w: &pagefleet_api::Workload, allowed: &[PathBuf]) -> Result<()
                 format!("VM file {f} is not a file under this host's --vm-images"),
             ));
         }
+    }
+    for d in disks.iter_mut() {
+        let f = pagefleet_common::disk_image::check(std::path::Path::new(&d.path), d.format)
+            .map_err(|e| Refusal::new(400, e))?;
+        d.format = Some(f);
     }
     Ok(())
 }

@@ -197,7 +197,9 @@ pub fn run_guest(
         dev: service_dev.to_string(),
     });
     let gate = Arc::new(Gate::default());
-    let (region, w) = match vm::spec_of(&spec.workload, size, name, Some(control)) {
+    let vm_spec = vm::spec_of(&spec.workload, size, name, Some(control))
+        .map_err(|e| RunnerError::Invalid(e.to_string()))?;
+    let (region, w) = match vm_spec {
         Some(v) => {
             // The address first: QEMU's forward binds it at boot.
             if let Some(s) = &service {
@@ -302,13 +304,22 @@ pub fn run_incoming(
             })
             .ok()
     });
+    let mut vm_error = None;
     let received = dest::receive_with(stream, &secret, &progress, lookup, &mut |spec, memfd| {
-        if let Some(v) = vm::spec_of(
+        let v = vm::spec_of(
             &spec.workload.workload,
             spec.size,
             &spec.name,
             Some(control),
-        ) {
+        );
+        let v = match v {
+            Ok(v) => v,
+            Err(e) => {
+                vm_error = Some(format!("the incoming VM cannot start: {e}"));
+                None
+            }
+        };
+        if let Some(v) = v {
             let memfd = memfd.clone();
             let dir = vm::socket_dir(Some(control), &spec.name);
             early = Some(std::thread::spawn(move || {
@@ -337,7 +348,10 @@ pub fn run_incoming(
                 vm_guest = Some(g);
                 Ok(region)
             }
-            None => Region::new(cfg).map_err(|e| e.to_string()),
+            None => match vm_error.take() {
+                Some(e) => Err(e),
+                None => Region::new(cfg).map_err(|e| e.to_string()),
+            },
         },
     )?;
     let region = Arc::new(committed.take_region());

@@ -6,7 +6,7 @@ use crate::RunnerError;
 use pagefleet_api::guest::VmStatus;
 use pagefleet_api::Workload;
 use pagefleet_region::{Adopt, Config, Region};
-use pagefleet_vm::{Forward, Vm, VmSpec};
+use pagefleet_vm::{Disk, Forward, Vm, VmSpec};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -43,44 +43,51 @@ impl Drop for VmGuest {
 }
 
 /// The QEMU spec of a `Workload::Vm` (None for other workloads); a hosted
-/// VM's operator QMP socket goes beside its control socket.
+/// VM's operator QMP socket goes beside its control socket. A disk whose
+/// format the spec does not record is detected from its header (the host
+/// daemon records it when the guest starts, so a migrated VM's disks are
+/// never probed again).
 pub fn spec_of(
     w: &Workload,
     size: u64,
     name: &str,
     control: Option<&std::path::Path>,
-) -> Option<VmSpec> {
-    match w {
-        Workload::Vm {
-            kernel,
-            initrd,
-            append,
-            disk,
-            disk_readonly,
-            smp,
-            listen,
-            guest_port,
-        } => Some(VmSpec {
-            kernel: kernel.into(),
-            initrd: initrd.into(),
-            append: append.clone(),
-            disk: disk.as_ref().map(PathBuf::from),
-            disk_readonly: *disk_readonly,
-            smp: *smp,
-            // Validated with the spec (GuestSpec::validate).
-            forward: listen
-                .as_ref()
-                .and_then(|l| l.parse().ok())
-                .map(|listen| Forward {
-                    listen,
-                    port: *guest_port,
-                }),
-            size,
-            name: name.to_string(),
-            operator_qmp: control.map(|c| c.with_extension("qmp")),
-        }),
-        _ => None,
-    }
+) -> Result<Option<VmSpec>, pagefleet_vm::VmError> {
+    let Workload::Vm {
+        kernel,
+        initrd,
+        append,
+        smp,
+        listen,
+        guest_port,
+        ..
+    } = w
+    else {
+        return Ok(None);
+    };
+    let disks = w
+        .vm_disks()
+        .iter()
+        .map(Disk::resolve)
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Some(VmSpec {
+        kernel: kernel.as_ref().map(PathBuf::from),
+        initrd: initrd.as_ref().map(PathBuf::from),
+        append: append.clone(),
+        disks,
+        smp: *smp,
+        // Validated with the spec (GuestSpec::validate).
+        forward: listen
+            .as_ref()
+            .and_then(|l| l.parse().ok())
+            .map(|listen| Forward {
+                listen,
+                port: *guest_port,
+            }),
+        size,
+        name: name.to_string(),
+        operator_qmp: control.map(|c| c.with_extension("qmp")),
+    }))
 }
 
 /// Where a VM's sockets go: beside the runner's control socket

@@ -3,9 +3,10 @@
 //! going to real memory servers. The in-guest workload (vmwork) checks
 //! every word it reads.
 
+use pagefleet_api::DiskFormat;
 use pagefleet_region::{Adopt, Config, Region};
 use pagefleet_systest::*;
-use pagefleet_vm::{Vm, VmSpec};
+use pagefleet_vm::{Disk, Vm, VmSpec};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -38,11 +39,14 @@ fn a_vm_with_a_quarter_of_its_memory_resident_verifies_every_value() {
     let dir = tempdir("vm");
     let size = 256 * MIB;
     let spec = VmSpec {
-        kernel,
-        initrd,
+        kernel: Some(kernel),
+        initrd: Some(initrd),
         append: "vmwork_mb=120 vmwork_secs=8 vmwork_write=20 vmwork_seed=7 vmwork_disk=2".into(),
-        disk: Some(disk),
-        disk_readonly: true,
+        disks: vec![Disk {
+            path: disk,
+            format: DiskFormat::Raw,
+            readonly: true,
+        }],
         forward: None,
         smp: 1,
         size,
@@ -74,6 +78,128 @@ fn a_vm_with_a_quarter_of_its_memory_resident_verifies_every_value() {
     assert!(st.resident_pages <= size / 4096 / 4, "{st:?}");
     vm.shutdown(Duration::from_secs(5));
     region.close().expect("pages freed on the server");
+}
+
+/// An operator's kind of VM: no kernel named, QEMU's firmware (SeaBIOS)
+/// boots the first disk — a qcow2 image whose format is read from its
+/// header — and its boot loader (syslinux) starts the guest; the VM's RAM
+/// is a region paging at half its size to a memory server, and vmwork
+/// checks every value it reads.
+#[test]
+fn a_vm_boots_from_a_qcow2_disk_through_its_firmware_and_pages() {
+    let (kernel, _) = vm_image();
+    let boot = kernel.with_file_name("boot.qcow2");
+    let disk = Disk::resolve(&pagefleet_api::VmDisk {
+        path: boot.display().to_string(),
+        format: None,
+        readonly: true,
+    })
+    .expect("the boot disk's format");
+    assert_eq!(disk.format, DiskFormat::Qcow2);
+    let c = Cluster::start(1, "256MiB");
+    let dir = tempdir("vmboot");
+    let size = 256 * MIB;
+    let spec = VmSpec {
+        kernel: None,
+        initrd: None,
+        append: String::new(),
+        disks: vec![disk],
+        forward: None,
+        smp: 1,
+        size,
+        name: "vmboot".into(),
+        operator_qmp: None,
+    };
+    let adopt = Adopt::create("pagefleet-vmboot", size).expect("memfd");
+    let (vm, foreign) = Vm::start(&spec, &adopt.memfd, &dir, false).expect("QEMU starts");
+    let mut cfg = Config::new(size, size / 4096 / 2);
+    cfg.servers = c.addrs();
+    cfg.secret = Some(c.secret.clone());
+    cfg.adopt = Some(Arc::new(adopt));
+    cfg.foreign = Some(Arc::new(foreign));
+    cfg.name = "vmboot".into();
+    let region = Region::new(cfg).expect("region on QEMU's RAM");
+    vm.release().expect("QEMU goes on");
+    // The firmware booted the disk: the boot loader's banner on the serial
+    // console, then the kernel with the loader's command line (vmwork's
+    // reports soon push both out of the console's tail).
+    let (mut loader, mut cmdline) = (false, false);
+    let t0 = Instant::now();
+    while !(loader && cmdline) && vm.exited().is_none() && t0.elapsed() < Duration::from_secs(120) {
+        let lines = vm.console.tail(usize::MAX);
+        loader |= lines.iter().any(|l| l.contains("SYSLINUX"));
+        cmdline |= lines
+            .iter()
+            .any(|l| l.contains("Command line:") && l.contains("vmwork_seed=11"));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let w = wait_done(&vm, Duration::from_secs(300));
+    let st = region.stats();
+    let console = vm.console.tail(40).join("\n");
+    eprintln!("vmwork: {w:?}\nregion: {st:?}");
+    assert!(loader, "no boot loader ran; console:\n{console}");
+    assert!(
+        cmdline,
+        "the kernel did not get the disk's command line; console:\n{console}"
+    );
+    assert!(w.done, "vmwork did not finish; console:\n{console}");
+    assert_eq!(w.errors, 0, "wrong values read; console:\n{console}");
+    assert_eq!(
+        w.verified,
+        120 * MIB / 4096,
+        "final pass; console:\n{console}"
+    );
+    // 120 MiB of data through 128 MiB resident beside the guest's kernel
+    // and page cache: pages left and came back.
+    assert!(st.page_outs + st.clean_drops > 1000, "{st:?}");
+    assert!(st.page_ins > 1000, "{st:?}");
+    vm.shutdown(Duration::from_secs(5));
+    region.close().expect("pages freed on the server");
+}
+
+/// Disk images QEMU would read other files through are refused before any
+/// QEMU starts, naming the image and the file; a format given that the
+/// header contradicts is refused too.
+#[test]
+fn disks_that_name_other_files_or_lie_about_their_format_are_refused() {
+    let (kernel, _) = vm_image();
+    let dir = tempdir("vmdisks");
+    let overlay = dir.join("overlay.qcow2");
+    let st = std::process::Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2", "-F", "raw", "-b"])
+        .arg(kernel.with_file_name("disk.img"))
+        .arg(&overlay)
+        .status()
+        .expect("qemu-img");
+    assert!(st.success());
+    let run = |disk: String| {
+        let out = std::process::Command::new(bin("pagefleet"))
+            .args(["run", "--size", "64MiB", "vm", "--disk", &disk])
+            .output()
+            .expect("pagefleet run");
+        assert!(!out.status.success(), "{disk} was attached");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let e = run(overlay.display().to_string());
+    assert!(
+        e.contains("backing file") && e.contains("disk.img") && e.contains("overlay.qcow2"),
+        "{e}"
+    );
+    let e = run(format!(
+        "{},format=qcow2",
+        kernel.with_file_name("disk.img").display()
+    ));
+    assert!(e.contains("no qcow2 header"), "{e}");
+    let vmdk = dir.join("d.vmdk");
+    let st = std::process::Command::new("qemu-img")
+        .args(["create", "-q", "-f", "vmdk"])
+        .arg(&vmdk)
+        .arg("1M")
+        .status()
+        .expect("qemu-img");
+    assert!(st.success());
+    let e = run(vmdk.display().to_string());
+    assert!(e.contains("VMDK") && e.contains("qemu-img convert"), "{e}");
 }
 
 /// `pagefleet CMD --json ARGS` in h1: the report, or the error text.

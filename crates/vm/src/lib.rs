@@ -23,7 +23,7 @@ mod qemu;
 pub mod qmp;
 
 pub use plain::{PlainLaunch, PlainVm};
-pub use qemu::{Forward, Vm, VmSpec, GUEST_IP};
+pub use qemu::{Disk, Forward, Vm, VmSpec, GUEST_IP};
 
 /// Why a VM could not be started or driven.
 #[derive(Debug, thiserror::Error)]

@@ -4,6 +4,7 @@ use crate::console::Console;
 use crate::process::{qemu_binary, Process};
 use crate::qmp::Qmp;
 use crate::VmError;
+use pagefleet_api::DiskFormat;
 use pagefleet_region::{Foreign, Unmapper};
 use pagefleet_uffd::handoff::{self, agent, Hello};
 use std::io::{Read, Write};
@@ -17,20 +18,20 @@ use std::time::{Duration, Instant};
 /// What to boot: typed fields only (no free-form QEMU arguments).
 #[derive(Clone, Debug)]
 pub struct VmSpec {
-    /// The guest kernel (`-kernel`).
-    pub kernel: PathBuf,
-    /// Its initramfs (`-initrd`).
-    pub initrd: PathBuf,
-    /// Kernel command line after pagefleet's own (`console=ttyS0 ...`).
+    /// The guest kernel (`-kernel`); None: the firmware (SeaBIOS) boots
+    /// the first disk.
+    pub kernel: Option<PathBuf>,
+    /// Its initramfs (`-initrd`, only with a kernel).
+    pub initrd: Option<PathBuf>,
+    /// Kernel command line after pagefleet's own (`console=ttyS0 ...`;
+    /// only with a kernel).
     pub append: String,
-    /// A raw disk image, attached as virtio-blk drive `disk0`. Writable
-    /// unless `disk_readonly`: writes land in the image (no throw-away
-    /// overlay — it would not follow the VM to another QEMU), and at a
-    /// migration QEMU inactivates it on the source before the
-    /// destination's QEMU takes it, as in its shared-storage migration.
-    pub disk: Option<PathBuf>,
-    /// Attach `disk` read-only (`readonly=on`: several VMs may share it).
-    pub disk_readonly: bool,
+    /// Disk images, virtio-blk drives `disk0`, `disk1`, ... Writable
+    /// unless read-only: writes land in the image (no throw-away overlay —
+    /// it would not follow the VM to another QEMU), and at a migration
+    /// QEMU inactivates them on the source before the destination's QEMU
+    /// takes them, as in its shared-storage migration.
+    pub disks: Vec<Disk>,
     /// Virtual CPUs.
     pub smp: u32,
     /// RAM bytes (the region's size; a whole number of MiB).
@@ -49,6 +50,34 @@ pub struct VmSpec {
     /// guarantee's QMP backend throttles the VM's `disk0` through it); the
     /// runner keeps the first one to itself.
     pub operator_qmp: Option<PathBuf>,
+}
+
+/// One disk of a VM, its format known (detected once:
+/// [`pagefleet_common::disk_image`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Disk {
+    /// The image.
+    pub path: PathBuf,
+    /// How QEMU reads it (always given to QEMU: never probed by it).
+    pub format: DiskFormat,
+    /// Attached `readonly=on` (several VMs may share it).
+    pub readonly: bool,
+}
+
+impl Disk {
+    /// The disk an API spec names, its format detected from its header
+    /// when the spec does not say (and a qcow2 image's header checked:
+    /// [`pagefleet_common::disk_image::check`]).
+    pub fn resolve(d: &pagefleet_api::VmDisk) -> Result<Disk, VmError> {
+        let path = PathBuf::from(&d.path);
+        let format =
+            pagefleet_common::disk_image::check(&path, d.format).map_err(VmError::Invalid)?;
+        Ok(Disk {
+            path,
+            format,
+            readonly: d.readonly,
+        })
+    }
 }
 
 /// A host address forwarded into the VM (see [`VmSpec::forward`]).
@@ -75,18 +104,45 @@ impl VmSpec {
         if !(1..=64).contains(&self.smp) {
             return Err(VmError::Invalid(format!("--smp {}: 1 to 64", self.smp)));
         }
-        for (what, p) in [
-            ("kernel", Some(&self.kernel)),
-            ("initrd", Some(&self.initrd)),
-            ("disk", self.disk.as_ref()),
-        ] {
-            if let Some(p) = p {
-                if !p.is_file() {
-                    return Err(VmError::Invalid(format!(
-                        "{what} {} is not a file",
-                        p.display()
-                    )));
-                }
+        if self.kernel.is_none() {
+            if self.disks.is_empty() {
+                return Err(VmError::Invalid(
+                    "a VM needs --kernel or a --disk to boot from".into(),
+                ));
+            }
+            if self.initrd.is_some() || !self.append.is_empty() {
+                return Err(VmError::Invalid(
+                    "--initrd and --append go with --kernel (a disk's boot loader has its own command line)".into(),
+                ));
+            }
+        }
+        if self.disks.len() > pagefleet_api::MAX_VM_DISKS {
+            return Err(VmError::Invalid(format!(
+                "{} disks: at most {}",
+                self.disks.len(),
+                pagefleet_api::MAX_VM_DISKS
+            )));
+        }
+        let files = [
+            ("kernel", self.kernel.as_ref()),
+            ("initrd", self.initrd.as_ref()),
+        ]
+        .into_iter()
+        .flat_map(|(w, p)| p.map(|p| (w, p)))
+        .chain(self.disks.iter().map(|d| ("disk", &d.path)));
+        for (what, p) in files {
+            if !p.is_file() {
+                return Err(VmError::Invalid(format!(
+                    "{what} {} is not a file",
+                    p.display()
+                )));
+            }
+            // QEMU's option syntax separates with commas.
+            if p.to_str().is_none_or(|s| s.contains(',')) {
+                return Err(VmError::Invalid(format!(
+                    "{what} {}: a UTF-8 path without ','",
+                    p.display()
+                )));
             }
         }
         if let Some(f) = &self.forward {
@@ -148,20 +204,36 @@ impl VmSpec {
             push("-qmp");
             push(&format!("unix:{},server=on,wait=off", o.display()));
         }
-        push("-append");
-        push(&format!("console=ttyS0 panic=-1 {}", self.append));
-        a.push("-kernel".into());
-        a.push(self.kernel.clone().into());
-        a.push("-initrd".into());
-        a.push(self.initrd.clone().into());
-        if let Some(d) = &self.disk {
+        if let Some(k) = &self.kernel {
+            push("-append");
+            push(&format!("console=ttyS0 panic=-1 {}", self.append));
+            a.push("-kernel".into());
+            a.push(k.clone().into());
+            if let Some(i) = &self.initrd {
+                a.push("-initrd".into());
+                a.push(i.clone().into());
+            }
+        }
+        for (i, d) in self.disks.iter().enumerate() {
+            // The drive (its block backend is `diskN`: what QMP names,
+            // e.g. the I/O guarantee's throttle) and its virtio-blk
+            // device; without a kernel the firmware boots disk0.
             a.push("-drive".into());
             a.push(
                 format!(
-                    "file={},if=virtio,format=raw,id=disk0{}",
-                    d.display(),
-                    if self.disk_readonly {
-                        ",readonly=on"
+                    "file={},if=none,format={},id=disk{i}{}",
+                    d.path.display(),
+                    d.format.as_str(),
+                    if d.readonly { ",readonly=on" } else { "" }
+                )
+                .into(),
+            );
+            a.push("-device".into());
+            a.push(
+                format!(
+                    "virtio-blk-pci,drive=disk{i},id=vd{i}{}",
+                    if i == 0 && self.kernel.is_none() {
+                        ",bootindex=0"
                     } else {
                         ""
                     }
