@@ -608,6 +608,9 @@ pub struct VmStatus {
     pub done: bool,
     /// The last console lines.
     pub console: Vec<String>,
+    /// The accelerator QEMU runs on (kvm, tcg) and why it was chosen.
+    #[serde(default)]
+    pub accel: String,
 }
 
 impl GuestStatus {

@@ -282,6 +282,7 @@ impl VmGuest {
             report_unix_secs: w.history.last().map(|h| h.0).unwrap_or(0.0),
             done: w.done,
             console: self.vm.console.tail(10),
+            accel: format!("{} ({})", self.vm.accel.accel.as_str(), self.vm.accel.why),
         }
     }
 }

@@ -157,6 +157,36 @@ fn a_vm_boots_from_a_qcow2_disk_through_its_firmware_and_pages() {
     region.close().expect("pages freed on the server");
 }
 
+/// The accelerator probe tells a kernel that boots from one that does not:
+/// under TCG the VM test kernel, given no root, reaches its panic and QEMU
+/// exits by itself — the probe's success. Under KVM the answer depends on
+/// the host (these machines' KVM runs only PVM guests: there the kernel
+/// hangs and the probe says so within its limit); either way it says why.
+#[test]
+fn the_accelerator_probe_boots_a_real_kernel() {
+    use pagefleet_vm::accel::{probe, Accel, PROBE_SECS};
+    let (kernel, _) = vm_image();
+    let qemu = std::path::Path::new("qemu-system-x86_64");
+    let secs = probe(qemu, &kernel, Accel::Tcg).expect("the test kernel panics under TCG");
+    assert!(secs < PROBE_SECS as f64, "{secs}");
+    // An empty file is no kernel: QEMU refuses it at once, and the probe
+    // says so rather than waiting.
+    let dir = tempdir("probe");
+    let empty = dir.join("empty");
+    std::fs::write(&empty, b"").unwrap();
+    let t = Instant::now();
+    let e = probe(qemu, &empty, Accel::Tcg).unwrap_err();
+    assert!(e.contains("QEMU exited"), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(PROBE_SECS), "{e}");
+    match probe(qemu, &kernel, Accel::Kvm) {
+        Ok(s) => eprintln!("KVM boots a kernel here in {s:.1} s"),
+        Err(e) => {
+            eprintln!("KVM does not boot a kernel here: {e}");
+            assert!(!e.is_empty());
+        }
+    }
+}
+
 /// Disk images QEMU would read other files through are refused before any
 /// QEMU starts, naming the image and the file; a format given that the
 /// header contradicts is refused too.

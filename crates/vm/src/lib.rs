@@ -1,4 +1,5 @@
-//! VM guests: a QEMU (TCG) process whose RAM is a pagefleet region.
+//! VM guests: a QEMU process (KVM where it works, else TCG: [`accel`])
+//! whose RAM is a pagefleet region.
 //!
 //! The runner makes the region's memfd, starts QEMU with its RAM backend on
 //! that memfd (`memory-backend-file,share=on` over `/proc/PID/fd/N`) and
@@ -15,6 +16,7 @@
 
 #![warn(missing_docs)]
 
+pub mod accel;
 pub mod console;
 mod hangup;
 mod plain;

@@ -51,9 +51,13 @@ impl PlainVm {
             }
             None => Command::new(qemu_binary()),
         };
+        // The same accelerator as pagefleet's own VMs on this host: a
+        // baseline on another would measure the accelerator.
+        let accel = crate::accel::choose(l.spec.kernel.as_deref());
         cmd.args(l.spec.qemu_args(
             &format!("memory-backend-ram,id=pf-ram,size={}M", l.spec.size >> 20),
             &qmp_path,
+            accel.accel,
         ));
         if let Some(uri) = &l.incoming {
             cmd.args(["-incoming", uri]);

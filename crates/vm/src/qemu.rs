@@ -1,5 +1,6 @@
 //! Starting QEMU on a region's memfd and taking the shim's hand-over.
 
+use crate::accel::{Accel, Choice};
 use crate::console::Console;
 use crate::process::{qemu_binary, Process};
 use crate::qmp::Qmp;
@@ -165,9 +166,9 @@ impl VmSpec {
 
 impl VmSpec {
     /// QEMU's command line for this spec with RAM backend `ram` (an
-    /// `-object` value with id `pf-ram`) and QMP on `qmp` (no
-    /// `-incoming`).
-    pub fn qemu_args(&self, ram: &str, qmp: &Path) -> Vec<std::ffi::OsString> {
+    /// `-object` value with id `pf-ram`), QMP on `qmp` and accelerator
+    /// `accel` (no `-incoming`).
+    pub fn qemu_args(&self, ram: &str, qmp: &Path, accel: Accel) -> Vec<std::ffi::OsString> {
         let mib = self.size >> 20;
         let mut a: Vec<std::ffi::OsString> = Vec::new();
         let mut push = |s: &str| a.push(s.into());
@@ -177,7 +178,7 @@ impl VmSpec {
             "-machine",
             "pc,memory-backend=pf-ram",
             "-accel",
-            "tcg",
+            accel.as_str(),
             "-smp",
         ] {
             push(s);
@@ -313,6 +314,8 @@ pub struct Vm {
     /// QEMU's pid.
     pub pid: u32,
     forward: Option<Forward>,
+    /// The accelerator it runs on, and why.
+    pub accel: Choice,
 }
 
 impl Vm {
@@ -342,6 +345,8 @@ impl Vm {
         let st = pagefleet_common::sys::mapping::stat(std::os::fd::AsFd::as_fd(memfd))
             .map_err(|e| VmError::io("fstat memfd", e))?;
         let mem_path = format!("/proc/{}/fd/{}", std::process::id(), memfd.as_raw_fd());
+        let accel = crate::accel::choose(spec.kernel.as_deref());
+        tracing::info!("VM {}: {} ({})", spec.name, accel.accel.as_str(), accel.why);
         let mut cmd = Command::new(qemu_binary());
         cmd.args(spec.qemu_args(
             &format!(
@@ -349,6 +354,7 @@ impl Vm {
                 spec.size >> 20
             ),
             &qmp_path,
+            accel.accel,
         ));
         if incoming {
             // Paused after the device state is in: the runner says `cont`.
@@ -413,6 +419,7 @@ impl Vm {
                 agent,
                 pid,
                 forward: spec.forward.clone(),
+                accel,
             },
             foreign,
         ))
