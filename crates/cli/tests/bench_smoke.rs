@@ -367,7 +367,10 @@ fn each_bench_help_lists_only_its_own_flags() {
             "migration",
             &["--dataset", "--links", "--only", "--kv-rounds"],
         ),
-        ("blockdev", &["--dataset", "--secs", "--vm", "--no-vm"]),
+        (
+            "blockdev",
+            &["--dataset", "--secs", "--rounds", "--vm", "--no-vm"],
+        ),
         (
             "ksm",
             &[

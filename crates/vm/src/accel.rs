@@ -115,16 +115,12 @@ pub fn choose(vm_kernel: Option<&Path>) -> Choice {
 
 /// `/dev/kvm` opens and speaks the stable API.
 fn kvm_device() -> Result<(), String> {
-    use std::os::fd::AsRawFd;
     let f = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .open("/dev/kvm")
         .map_err(|e| format!("no KVM (/dev/kvm: {e})"))?;
-    /// `KVM_GET_API_VERSION`: `_IO(KVMIO, 0x00)`.
-    const KVM_GET_API_VERSION: libc::c_ulong = 0xAE00;
-    // SAFETY: an ioctl without an argument on a descriptor we own.
-    let v = unsafe { libc::ioctl(f.as_raw_fd(), KVM_GET_API_VERSION as _) };
+    let v = crate::sys::kvm_api_version(&f);
     if v != 12 {
         return Err(format!("no KVM (/dev/kvm API version {v}, not 12)"));
     }

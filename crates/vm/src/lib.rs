@@ -23,6 +23,7 @@ mod plain;
 mod process;
 mod qemu;
 pub mod qmp;
+mod sys;
 
 pub use plain::{PlainLaunch, PlainVm};
 pub use qemu::{Disk, Forward, Vm, VmSpec, GUEST_IP};

@@ -62,7 +62,8 @@ impl Opts {
             block_sizes: vec![4 << 10, 128 << 10],
             depths: vec![1, 16],
             patterns: vec!["read", "randwrite"],
-            rounds: 2,
+            // One repetition, as every --quick (--rounds 2 for the record).
+            rounds: 1,
             vm: false,
             vm_memtest_mb: 192,
             quick: true,
@@ -846,9 +847,9 @@ pub struct Args {
     /// Seconds each fio job runs.
     #[arg(long = "secs", alias = "reps")]
     pub secs: Option<u64>,
-    /// Rounds of the fio sweep (default 2): the targets run in turn, their
-    /// order reversed every other round, and each goal reads the worst
-    /// round's ratio.
+    /// Rounds of the fio sweep (default 2, with --quick 1): the targets run
+    /// in turn, their order reversed every other round, and each goal
+    /// reads the worst round's ratio.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=10))]
     pub rounds: Option<u32>,
     /// Also run the guest swapping to DMPS, a disk image and zram (the
