@@ -26,6 +26,22 @@ fn wait_done(vm: &Vm, limit: Duration) -> pagefleet_vm::console::Workload {
     }
 }
 
+/// QEMU started on a fresh memfd of `spec.size`, its RAM a region paging
+/// to `c`'s servers with `budget` pages resident, and let go on.
+fn start_paged(spec: &VmSpec, c: &Cluster, dir: &std::path::Path, budget: u64) -> (Vm, Region) {
+    let adopt = Adopt::create(&format!("pagefleet-{}", spec.name), spec.size).expect("memfd");
+    let (vm, foreign) = Vm::start(spec, &adopt.memfd, dir, false).expect("QEMU starts");
+    let mut cfg = Config::new(spec.size, budget);
+    cfg.servers = c.addrs();
+    cfg.secret = Some(c.secret.clone());
+    cfg.adopt = Some(Arc::new(adopt));
+    cfg.foreign = Some(Arc::new(foreign));
+    cfg.name = spec.name.clone();
+    let region = Region::new(cfg).expect("region on QEMU's RAM");
+    vm.release().expect("QEMU goes on");
+    (vm, region)
+}
+
 /// The VM pages at a quarter of its size while it also reads its disk with
 /// O_DIRECT into a buffer that goes cold between uses: QEMU's `preadv`
 /// into paged-out guest RAM faults in the host kernel, which only a
@@ -53,16 +69,7 @@ fn a_vm_with_a_quarter_of_its_memory_resident_verifies_every_value() {
         name: "vmtest".into(),
         operator_qmp: None,
     };
-    let adopt = Adopt::create("pagefleet-vmtest", size).expect("memfd");
-    let (vm, foreign) = Vm::start(&spec, &adopt.memfd, &dir, false).expect("QEMU starts");
-    let mut cfg = Config::new(size, size / 4096 / 4);
-    cfg.servers = c.addrs();
-    cfg.secret = Some(c.secret.clone());
-    cfg.adopt = Some(Arc::new(adopt));
-    cfg.foreign = Some(Arc::new(foreign));
-    cfg.name = "vmtest".into();
-    let region = Region::new(cfg).expect("region on QEMU's RAM");
-    vm.release().expect("QEMU goes on");
+    let (vm, region) = start_paged(&spec, &c, &dir, size / 4096 / 4);
     let w = wait_done(&vm, Duration::from_secs(240));
     let st = region.stats();
     let tail = vm.console.tail(15).join("\n");
@@ -110,16 +117,7 @@ fn a_vm_boots_from_a_qcow2_disk_through_its_firmware_and_pages() {
         name: "vmboot".into(),
         operator_qmp: None,
     };
-    let adopt = Adopt::create("pagefleet-vmboot", size).expect("memfd");
-    let (vm, foreign) = Vm::start(&spec, &adopt.memfd, &dir, false).expect("QEMU starts");
-    let mut cfg = Config::new(size, size / 4096 / 2);
-    cfg.servers = c.addrs();
-    cfg.secret = Some(c.secret.clone());
-    cfg.adopt = Some(Arc::new(adopt));
-    cfg.foreign = Some(Arc::new(foreign));
-    cfg.name = "vmboot".into();
-    let region = Region::new(cfg).expect("region on QEMU's RAM");
-    vm.release().expect("QEMU goes on");
+    let (vm, region) = start_paged(&spec, &c, &dir, size / 4096 / 2);
     // The firmware booted the disk: the boot loader's banner on the serial
     // console, then the kernel with the loader's command line (vmwork's
     // reports soon push both out of the console's tail).
