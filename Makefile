@@ -13,13 +13,14 @@ CARGO ?= cargo
 # nsenter for the testbed; ksmtuned is the peer of the KSM controller;
 # prometheus (and promtool) scrape a lab and check the rules; chromium and
 # chromium-driver run the dashboard's browser test; syslinux, mtools and
-# dosfstools make the VM test image's boot disk.
+# dosfstools make the VM test image's boot disk; mmdebstrap and fdisk
+# (sfdisk) build the Debian VM image.
 # Packages are installed without starting their services (policy-rc.d):
 # a ksmtuned daemon would fight the KSM tests over /sys/kernel/mm/ksm.
 APT_PKGS := build-essential pkg-config python3 python3-venv memcached libmemcached-tools python3-pymemcache iproute2 util-linux \
             qemu-utils libnbd-bin python3-libnbd nbdkit fio qemu-system-x86 cpio ksmtuned \
             etcd-server etcd-client protobuf-compiler libprotobuf-dev prometheus chromium chromium-driver \
-            syslinux syslinux-common mtools dosfstools
+            syslinux syslinux-common mtools dosfstools mmdebstrap fdisk
 VENV := .venv
 FUZZ_SECONDS ?= 30
 
@@ -58,11 +59,15 @@ build: deps
 guest: deps
 	crates/systest/guest/build.sh target/guest
 
-# The VM guest image: the same kernel, busybox and vmwork (a memory workload
-# that checks every value it reads), in target/vm (`pagefleet run vm`,
-# `guest start ... -- vm`, the VM tests and `bench vm-migration`).
+# The VM guest images, in target/vm: the same kernel, busybox and vmwork (a
+# memory workload that checks every value it reads) for `pagefleet run vm`,
+# `guest start ... -- vm`, the VM tests and `bench vm-migration`; and
+# debian.qcow2, a Debian system with systemd and memcached booting through
+# the firmware from its own disk (the demo's VM, the real-VM tests and
+# drills). Each is built once per machine and kept.
 vm: deps
 	crates/systest/vm/build.sh target/vm
+	crates/systest/vm/build-debian.sh target/vm
 
 # Every test: a short fuzz run of the server and the decoders, then unit,
 # property, integration and testbed tests (real daemons on loopback and in

@@ -113,6 +113,18 @@ pub enum Workload {
         /// Virtual CPUs.
         #[serde(default = "default_smp")]
         smp: u32,
+        /// The VM's own NIC on its host's VM bridge, with its MAC and
+        /// address (instead of `listen`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        nic: Option<crate::net::VmNic>,
+        /// One line of `key=value` words the guest reads at boot (QEMU
+        /// firmware configuration file `opt/org.pagefleet/guest`, after
+        /// the `host=`, `ip=` and `gw=` the runner writes).
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        guest_config: String,
+        /// The machine QEMU emulates (pc: i440FX, the default; q35).
+        #[serde(default, skip_serializing_if = "VmMachine::is_default")]
+        machine: VmMachine,
     },
     /// The S-memV sort experiment: records fill the last `sort_frac` of the
     /// memory; it scans them (unless `warm` is false) until asked to sort.
@@ -176,6 +188,43 @@ pub struct VmDisk {
     /// Attached read-only (several VMs may share one image).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub readonly: bool,
+}
+
+/// The machine type of a VM (QEMU's `-machine`; libvirt's
+/// `<os><type machine=...>`).
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum VmMachine {
+    /// i440FX with PIIX (QEMU's `pc`).
+    #[default]
+    Pc,
+    /// Q35 with ICH9 and PCI Express (QEMU's `q35`).
+    Q35,
+}
+
+impl VmMachine {
+    /// QEMU's name for it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            VmMachine::Pc => "pc",
+            VmMachine::Q35 => "q35",
+        }
+    }
+
+    fn is_default(&self) -> bool {
+        *self == VmMachine::Pc
+    }
+}
+
+impl std::str::FromStr for VmMachine {
+    type Err = String;
+    fn from_str(s: &str) -> Result<VmMachine, String> {
+        match s {
+            "pc" => Ok(VmMachine::Pc),
+            "q35" => Ok(VmMachine::Q35),
+            _ => Err(format!("machine {s:?}: pc or q35")),
+        }
+    }
 }
 
 /// Disks a VM may have.
@@ -261,8 +310,17 @@ impl Workload {
                 smp,
                 listen,
                 guest_port,
+                nic,
+                guest_config,
                 ..
             } => {
+                if listen.is_some() && nic.is_some() {
+                    return Err("listen and nic: a VM has its service address through QEMU's user-mode network or its own NIC on the host's bridge, not both".into());
+                }
+                if let Some(n) = nic {
+                    n.validate().map_err(InvalidSpec)?;
+                }
+                crate::net::check_guest_config(guest_config).map_err(InvalidSpec)?;
                 if let Some(l) = listen {
                     let ok = l
                         .parse::<std::net::SocketAddrV4>()
@@ -611,6 +669,14 @@ pub struct VmStatus {
     /// The accelerator QEMU runs on (kvm, tcg) and why it was chosen.
     #[serde(default)]
     pub accel: String,
+    /// What the guest said when it came up (`pagefleet-guest: ready
+    /// host=... ip=...` on its console, seen by this host's QEMU; None:
+    /// not said here, e.g. the VM booted on another host).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready: Option<String>,
+    /// Its own NIC: MAC, tap and bridge (None: no NIC on a bridge).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nic: Option<String>,
 }
 
 impl GuestStatus {

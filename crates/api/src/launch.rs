@@ -55,6 +55,10 @@ pub struct Launch {
     /// not on loopback (memory servers, migration streams) use it.
     #[serde(default)]
     pub tls_dir: Option<PathBuf>,
+    /// The bridge VM guests' own NICs join (`pagefleetd --vm-bridge`;
+    /// None: a VM asking for one is refused here).
+    #[serde(default)]
+    pub vm_bridge: Option<String>,
 }
 
 /// Hex-encode bytes (the secret in a [`Launch`]).

@@ -17,12 +17,13 @@ pub mod histogram;
 pub mod host;
 pub mod launch;
 pub mod migration;
+pub mod net;
 pub mod paging;
 
 pub use control::{ControlReply, ControlRequest};
 pub use guest::{
     ContentFill, DiskFormat, FaultCounts, GuestFailure, GuestSpec, GuestState, GuestStatus,
-    PageLocations, PagingCosts, SortResult, StartGuest, VmDisk, Workload, MAX_VM_DISKS,
+    PageLocations, PagingCosts, SortResult, StartGuest, VmDisk, VmMachine, Workload, MAX_VM_DISKS,
 };
 pub use histogram::HistogramSnapshot;
 pub use host::{
@@ -35,6 +36,7 @@ pub use migration::{
     IncomingRequest, MigrateRequest, MigrationOrder, MigrationProgress, Placed, ProgressEvent,
     Report, SubHost,
 };
+pub use net::{Ipv4Net, MacAddr, VmNic};
 pub use paging::{Policy, Prefetch};
 
 /// The body of every error reply (HTTP and control socket).

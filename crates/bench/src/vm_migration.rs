@@ -230,6 +230,9 @@ fn run_qemu(
         append: append(o, wl),
         disks: Vec::new(),
         forward: None,
+        nic: None,
+        guest_config: String::new(),
+        machine: Default::default(),
         smp: 1,
         size: o.size,
         name: format!("{mode}-src"),
@@ -241,6 +244,7 @@ fn run_qemu(
         incoming: None,
         dir,
         cgroup: None,
+        tap: None,
     })?;
     // Samples: each console report's arrival and the cumulative count it carried.
     let mut samples = Samples::default();
@@ -273,6 +277,7 @@ fn run_qemu(
         incoming: Some(format!("tcp:{dest_ip}:{port}")),
         dir,
         cgroup: swap.as_ref().map(|s| s.1.path.clone()),
+        tap: None,
     })?;
     let post = mode == "qemu-postcopy";
     let bw = o.link.bytes_per_sec().unwrap_or(4e9) as u64;

@@ -263,6 +263,14 @@ pub enum GuestCmd {
     ///   pagefleet guest start web1 --on h1 --size 2GiB --budget 1GiB -- vm --kernel /srv/images/vmlinuz --initrd /srv/images/initrd.img --disk /srv/images/web1.img
     ///
     /// (VM files must lie under the host's `pagefleetd --vm-images` directories.)
+    ///
+    /// Or from a libvirt domain definition (`virsh dumpxml DOMAIN > web1.xml`):
+    /// memory, vCPUs, machine, disks, the NIC and its MAC are taken from it;
+    /// what would change the guest if dropped is refused by name, and what
+    /// only serves a screen or a host tool (graphics, balloon, ...) is listed
+    /// as left out:
+    ///
+    ///   pagefleet guest start web1 --on h1 --budget 50% --domain-xml web1.xml
     Start {
         /// The guest's name (1-32 letters, digits, - or _).
         name: String,
@@ -271,8 +279,14 @@ pub enum GuestCmd {
         on: String,
         /// Guest memory (e.g. 1GiB); may also be given after `--`, as for
         /// `pagefleet run`.
-        #[arg(long, value_parser = units::parse_size)]
+        #[arg(long, value_parser = units::parse_size, conflicts_with = "domain_xml")]
         size: Option<u64>,
+        /// Start the VM a libvirt domain definition describes (instead of
+        /// a workload after `--`). pagefleet's own settings for it go in
+        /// its metadata: <pagefleet:guest xmlns:pagefleet="urn:pagefleet:guest:1"
+        /// ip="A.B.C.D/N" gw="A.B.C.D" config="key=value ..."/>.
+        #[arg(long, value_name = "FILE")]
+        domain_xml: Option<std::path::PathBuf>,
         /// Pages resident locally: a size (1GiB) or a percentage of --size
         /// (50%), as for `pagefleet run`; default all of it.
         #[arg(long)]
@@ -282,7 +296,11 @@ pub enum GuestCmd {
         /// The workload and its `pagefleet run` flags (synthetic, kv, sortjob
         /// or vm). Every flag is honoured or refused: a hosted guest runs
         /// until `guest stop`, so --duration and --json are refused.
-        #[arg(trailing_var_arg = true, required = true)]
+        #[arg(
+            trailing_var_arg = true,
+            required_unless_present = "domain_xml",
+            conflicts_with = "domain_xml"
+        )]
         args: Vec<String>,
     },
     /// One guest in detail: where it runs, where its pages are, and what
@@ -331,10 +349,49 @@ pub fn guest(c: &Client, g: GuestCmd) -> Result<()> {
         GuestCmd::Start {
             name,
             on,
+            size: _,
+            budget,
+            reg,
+            args: _,
+            domain_xml: Some(file),
+        } => {
+            let text = read_bounded(&file, pagefleet_vm::domain::MAX_XML)?;
+            let m = pagefleet_vm::domain::from_xml(&text)
+                .with_context(|| format!("{}", file.display()))?;
+            println!(
+                "{}: domain {}, {} memory, {}",
+                file.display(),
+                m.name,
+                units::fmt_size(m.size),
+                m.summary()
+            );
+            if m.name != name {
+                println!("  started as guest {name} (the domain is named {})", m.name);
+            }
+            for l in &m.left_out {
+                println!("  left out: {l}");
+            }
+            let budget_pages = crate::run::budget_pages(budget.as_deref(), m.size)?;
+            let spec = pagefleet_api::GuestSpec::new(m.workload);
+            spec.validate()?;
+            start_on(
+                c,
+                &reg,
+                &on,
+                &name,
+                m.size,
+                budget.is_some().then_some(budget_pages),
+                spec,
+            )?;
+        }
+        GuestCmd::Start {
+            name,
+            on,
             size,
             budget,
             reg,
             args,
+            domain_xml: None,
         } => {
             let parsed = HostedRun::try_parse_from(
                 std::iter::once("pagefleet guest start --".to_string()).chain(args),
@@ -359,17 +416,15 @@ pub fn guest(c: &Client, g: GuestCmd) -> Result<()> {
             })?;
             let budget = one("--budget", budget, parsed.run.budget.clone())?;
             let budget_pages = crate::run::budget_pages(budget.as_deref(), size)?;
-            let hs = hosts(c, &reg.registry, &[])?;
-            let h = &hs[find_host(&hs, &on)?];
-            let req = StartGuest {
-                name: name.clone(),
+            start_on(
+                c,
+                &reg,
+                &on,
+                &name,
                 size,
-                budget_pages: budget.is_some().then_some(budget_pages),
+                budget.is_some().then_some(budget_pages),
                 spec,
-            };
-            c.timeout(Duration::from_secs(30))
-                .post::<_, pagefleet_api::Ok>(&h.http, "/guests", &req)?;
-            println!("guest {name} started on {}", h.name());
+            )?;
         }
         GuestCmd::Status { name, json, reg } => {
             let hs = hosts(c, &reg.registry, &[])?;
@@ -408,6 +463,20 @@ pub fn guest(c: &Client, g: GuestCmd) -> Result<()> {
                     println!("    {n} on {addr}");
                 }
             }
+            if let Some(v) = &g.vm {
+                println!("  VM: QEMU pid {} {}, on {}", v.qemu_pid, v.state, v.accel);
+                if let Some(n) = &v.nic {
+                    println!("  NIC: {n}");
+                }
+                match &v.ready {
+                    Some(r) => println!("  guest ready: {r}"),
+                    None => {
+                        if let Some(last) = v.console.last() {
+                            println!("  console: {last}");
+                        }
+                    }
+                }
+            }
             if let Some(p) = &g.paging {
                 println!(
                     "  paging costs: {:.1} us pager CPU per page in, {:.1} us per page out; \
@@ -436,6 +505,44 @@ pub fn guest(c: &Client, g: GuestCmd) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Ask host `on` to start guest `name`.
+fn start_on(
+    c: &Client,
+    reg: &Registry,
+    on: &str,
+    name: &str,
+    size: u64,
+    budget_pages: Option<u64>,
+    spec: pagefleet_api::GuestSpec,
+) -> Result<()> {
+    let hs = hosts(c, &reg.registry, &[])?;
+    let h = &hs[find_host(&hs, on)?];
+    let req = StartGuest {
+        name: name.to_string(),
+        size,
+        budget_pages,
+        spec,
+    };
+    c.timeout(Duration::from_secs(30))
+        .post::<_, pagefleet_api::Ok>(&h.http, "/guests", &req)?;
+    println!("guest {name} started on {}", h.name());
+    Ok(())
+}
+
+/// A file of at most `max` bytes, as text.
+fn read_bounded(path: &std::path::Path, max: usize) -> Result<String> {
+    use std::io::Read;
+    let f = std::fs::File::open(path).with_context(|| format!("{}", path.display()))?;
+    let mut text = String::new();
+    f.take(max as u64 + 1)
+        .read_to_string(&mut text)
+        .with_context(|| format!("{}: not UTF-8 text", path.display()))?;
+    if text.len() > max {
+        bail!("{}: over {max} bytes", path.display());
+    }
+    Ok(text)
 }
 
 /// `POST /guests/NAME/OP` (no body) on the host running guest `name`, or

@@ -194,9 +194,31 @@ pub enum Workload {
         /// The guest's port behind --listen.
         #[arg(long, default_value_t = 11211, requires = "listen")]
         guest_port: u16,
+        /// The VM's own NIC, bridge[,mac=M][,ip=A.B.C.D/N][,gw=A.B.C.D]:
+        /// virtio-net on a tap in the host's VM bridge (pagefleetd
+        /// --vm-bridge; --bridge for `pagefleet run`). The MAC (default:
+        /// 52:54:00 and a hash of the guest's name) and the address stay
+        /// the VM's on every host it moves to; QEMU announces it from the
+        /// new host. The guest reads ip= and gw= at boot (see
+        /// --guest-config); target/vm/debian.qcow2 sets them up.
+        #[arg(long, value_parser = api::VmNic::parse_arg, conflicts_with = "listen")]
+        nic: Option<api::VmNic>,
+        /// The bridge --nic joins, for `pagefleet run` (a hosted VM's is
+        /// its host's --vm-bridge).
+        #[arg(long, requires = "nic")]
+        bridge: Option<String>,
+        /// key=value words the guest reads at boot from QEMU's firmware
+        /// configuration (file opt/org.pagefleet/guest, after host=NAME
+        /// and --nic's ip= and gw=); the Debian image reads
+        /// memcached_mb=N. Printable ASCII, up to 1024 bytes.
+        #[arg(long, default_value = "")]
+        guest_config: String,
         /// Virtual CPUs.
         #[arg(long, default_value_t = 1)]
         smp: u32,
+        /// The machine QEMU emulates: pc (i440FX) or q35.
+        #[arg(long, default_value = "pc")]
+        machine: api::VmMachine,
     },
 }
 
@@ -288,6 +310,10 @@ fn vm_workload(w: &Workload) -> Result<api::Workload> {
             smp,
             listen,
             guest_port,
+            nic,
+            bridge: _,
+            guest_config,
+            machine,
         } => api::Workload::Vm {
             kernel: kernel.as_deref().map(absolute).transpose()?,
             initrd: initrd.as_deref().map(absolute).transpose()?,
@@ -307,6 +333,9 @@ fn vm_workload(w: &Workload) -> Result<api::Workload> {
             smp: *smp,
             listen: listen.clone(),
             guest_port: *guest_port,
+            nic: nic.clone(),
+            guest_config: guest_config.clone(),
+            machine: *machine,
         },
         _ => bail!("not a VM workload"),
     };
@@ -366,7 +395,12 @@ pub fn guest_spec(a: &RunArgs) -> Result<GuestSpec> {
             warm: !no_warm,
             seed: *seed,
         },
-        Some(w @ Workload::Vm { .. }) => vm_workload(w)?,
+        Some(w @ Workload::Vm { bridge, .. }) => {
+            if bridge.is_some() {
+                bail!("--bridge is for `pagefleet run`: a hosted VM's NIC joins its host's bridge (pagefleetd --vm-bridge)");
+            }
+            vm_workload(w)?
+        }
         Some(Workload::Sort { .. }) => {
             bail!("sort runs to completion; it cannot run hosted (use sortjob)")
         }
@@ -449,10 +483,19 @@ pub fn run(a: RunArgs, secret_file: Option<&Path>) -> Result<()> {
         }
         Workload::Sort { seed } => local::Workload::Sort { seed },
         Workload::Kv { listen, no_evict } => local::Workload::Kv { listen, no_evict },
-        w @ Workload::Vm { .. } => local::Workload::Vm(
-            pagefleet_runner::vm::spec_of(&vm_workload(&w)?, size, "run", None)?
-                .expect("a VM workload has a VM spec"),
-        ),
+        w @ Workload::Vm { .. } => {
+            let bridge = match &w {
+                Workload::Vm { bridge, nic, .. } => match (nic, bridge) {
+                    (Some(_), None) => bail!("--nic: give --bridge BR, the bridge its tap joins (for a hosted VM, its host's pagefleetd --vm-bridge)"),
+                    _ => bridge.clone(),
+                },
+                _ => None,
+            };
+            local::Workload::Vm(
+                pagefleet_runner::vm::spec_of(&vm_workload(&w)?, size, "run", None, bridge.as_deref())?
+                    .expect("a VM workload has a VM spec"),
+            )
+        }
         Workload::Sortjob { .. } => bail!("sortjob runs hosted (pagefleet guest start NAME --on HOST --size SIZE -- sortjob); for a one-shot sort use `pagefleet run sort`"),
     };
     let o = local::LocalRun {

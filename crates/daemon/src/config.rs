@@ -217,6 +217,12 @@ pub struct GuestsSection {
     /// request naming a file elsewhere is refused.
     #[arg(long, value_delimiter = ',')]
     pub vm_images: Option<Vec<PathBuf>>,
+    /// The bridge VM guests' own NICs join (`vm --nic bridge`): the runner
+    /// adds a tap for each such VM to it. Connect it to the network the
+    /// VMs' addresses belong to (default: none, so VMs here have no NIC
+    /// of their own).
+    #[arg(long)]
+    pub vm_bridge: Option<String>,
     /// Keep no content index of this host's guests: migrations into this
     /// host then receive every page as data (sharing-aware migration off).
     /// By default a scanner hashes running guests' memory at low priority
@@ -356,6 +362,8 @@ pub struct Settings {
     pub ioqos: Option<pagefleet_ioqos::control::Spec>,
     /// Directories VM guests' files may come from (none: no VMs here).
     pub vm_images: Vec<PathBuf>,
+    /// The bridge VM guests' own NICs join (None: VMs here have none).
+    pub vm_bridge: Option<String>,
     /// Keep a content index of the guests' memory (sharing-aware migration).
     pub dedup: bool,
     /// Free regions on this host's memory server that no live guest or
@@ -445,7 +453,15 @@ impl GuestsSection {
         overlay!(
             self,
             over,
-            [memory, runner, dir, service_dev, vm_images, dedup]
+            [
+                memory,
+                runner,
+                dir,
+                service_dev,
+                vm_images,
+                vm_bridge,
+                dedup
+            ]
         )
     }
 }
@@ -624,6 +640,7 @@ pub fn merge(file: FileConfig, flags: Flags) -> Result<Settings> {
         ksm,
         ioqos,
         vm_images: g.vm_images.unwrap_or_default(),
+        vm_bridge: g.vm_bridge,
         dedup: g.dedup.unwrap_or(true),
         gc_grace: (gc > 0).then(|| Duration::from_secs(gc)),
         stop_drain: o

@@ -58,6 +58,8 @@ pub struct GuestConfig {
     pub secret: Secret,
     /// Directories VM guests' files may come from.
     pub vm_images: Vec<PathBuf>,
+    /// The bridge VMs' own NICs join (None: none here).
+    pub vm_bridge: Option<String>,
     /// The content lookup socket handed to incoming runners (None: no
     /// sharing-aware migration into this host).
     pub dedup_socket: Option<PathBuf>,
@@ -555,6 +557,7 @@ impl Guests {
             job,
             dedup_socket: self.cfg.dedup_socket.clone(),
             tls_dir: self.cfg.tls_dir.clone(),
+            vm_bridge: self.cfg.vm_bridge.clone(),
         };
         let mut cmd = Command::new(&self.cfg.runner);
         // The name (validated: letters, digits, - and _) only labels the

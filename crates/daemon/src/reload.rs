@@ -134,7 +134,7 @@ pub fn changes(old: &Settings, new: &Settings) -> Outcome {
     );
     applied("gc_grace", secs(old.gc_grace), secs(new.gc_grace));
     applied("stop_drain", secs(old.stop_drain), secs(new.stop_drain));
-    let fixed: [(&'static str, bool); 20] = [
+    let fixed: [(&'static str, bool); 21] = [
         ("lend", old.lend != new.lend),
         ("listen", old.listen != new.listen),
         ("metrics", old.metrics != new.metrics),
@@ -156,6 +156,7 @@ pub fn changes(old: &Settings, new: &Settings) -> Outcome {
         ("ksm", old.ksm != new.ksm),
         ("ioqos", old.ioqos != new.ioqos),
         ("vm_images", old.vm_images != new.vm_images),
+        ("vm_bridge", old.vm_bridge != new.vm_bridge),
         ("dedup", old.dedup != new.dedup),
         ("etcd", old.etcd != new.etcd),
     ];

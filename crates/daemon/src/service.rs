@@ -509,6 +509,10 @@ fn check_host(a: &Settings) -> Result<()> {
                 "no network device {dev} here: guests with a service address (--service-ip, kv/vm --listen on one) cannot start until --service-dev names one (`ip link` lists them)"
             ),
         }
+        if let Some(br) = &a.vm_bridge {
+            pagefleet_common::sys::net::check_bridge(br)
+                .map_err(|e| crate::Error::Invalid(format!("--vm-bridge {br}: {e}")))?;
+        }
     }
     Ok(())
 }
@@ -691,6 +695,7 @@ pub fn run(a: Settings, reloader: crate::reload::Reloader) -> Result<()> {
                 ip: public_ip.to_string(),
                 secret: secret.clone(),
                 vm_images: a.vm_images.clone(),
+                vm_bridge: a.vm_bridge.clone(),
                 dedup_socket: dedup_socket.clone(),
                 tls_dir: tls.as_ref().map(|t| t.dir.clone()),
             })?;

@@ -104,21 +104,16 @@ pub fn launch(input: impl std::io::Read, expect: &str) -> Result<Exit, RunnerErr
         })?;
     pagefleet_tls::init_process_identity(l.tls_dir.as_deref())
         .map_err(|e| RunnerError::Invalid(format!("launch: TLS identity: {e}")))?;
+    let net = HostNet::of(&l);
     match l.job {
         Job::Guest {
             name,
             size,
             budget_pages,
             spec,
-        } if expect == "guest" => run_guest(
-            &name,
-            size,
-            budget_pages,
-            *spec,
-            &l.service_dev,
-            &l.control,
-            secret,
-        ),
+        } if expect == "guest" => {
+            run_guest(&name, size, budget_pages, *spec, &net, &l.control, secret)
+        }
         Job::Incoming {
             name: _,
             listen,
@@ -128,7 +123,7 @@ pub fn launch(input: impl std::io::Read, expect: &str) -> Result<Exit, RunnerErr
             &listen,
             &l.control,
             Some(budget_pages),
-            &l.service_dev,
+            &net,
             secret,
             Duration::from_secs(timeout_secs),
             l.dedup_socket.as_deref(),
@@ -136,6 +131,25 @@ pub fn launch(input: impl std::io::Read, expect: &str) -> Result<Exit, RunnerErr
         _ => Err(RunnerError::Invalid(format!(
             "launch message is not for a {expect} runner"
         ))),
+    }
+}
+
+/// The host's network settings a guest uses (from its daemon's
+/// configuration, in the launch message).
+#[derive(Clone, Debug, Default)]
+pub struct HostNet {
+    /// The device service addresses go on.
+    pub service_dev: String,
+    /// The bridge VMs' own NICs join (None: none here).
+    pub vm_bridge: Option<String>,
+}
+
+impl HostNet {
+    fn of(l: &Launch) -> HostNet {
+        HostNet {
+            service_dev: l.service_dev.clone(),
+            vm_bridge: l.vm_bridge.clone(),
+        }
     }
 }
 
@@ -172,7 +186,7 @@ pub fn run_guest(
     size: u64,
     budget_pages: u64,
     spec: GuestSpec,
-    service_dev: &str,
+    net: &HostNet,
     control: &Path,
     secret: Secret,
 ) -> Result<Exit, RunnerError> {
@@ -194,11 +208,17 @@ pub fn run_guest(
     }
     let service = spec.service_ip.clone().map(|ip| Service {
         ip,
-        dev: service_dev.to_string(),
+        dev: net.service_dev.clone(),
     });
     let gate = Arc::new(Gate::default());
-    let vm_spec = vm::spec_of(&spec.workload, size, name, Some(control))
-        .map_err(|e| RunnerError::Invalid(e.to_string()))?;
+    let vm_spec = vm::spec_of(
+        &spec.workload,
+        size,
+        name,
+        Some(control),
+        net.vm_bridge.as_deref(),
+    )
+    .map_err(|e| RunnerError::Invalid(e.to_string()))?;
     let (region, w) = match vm_spec {
         Some(v) => {
             // The address first: QEMU's forward binds it at boot.
@@ -240,7 +260,7 @@ pub fn run_incoming(
     listen: &str,
     control: &Path,
     budget_pages: Option<u64>,
-    service_dev: &str,
+    net: &HostNet,
     secret: Secret,
     timeout: Duration,
     dedup_socket: Option<&Path>,
@@ -311,6 +331,7 @@ pub fn run_incoming(
             spec.size,
             &spec.name,
             Some(control),
+            net.vm_bridge.as_deref(),
         );
         let v = match v {
             Ok(v) => v,
@@ -368,7 +389,7 @@ pub fn run_incoming(
     };
     let service = spec.workload.service_ip.clone().map(|ip| Service {
         ip,
-        dev: service_dev.to_string(),
+        dev: net.service_dev.clone(),
     });
     if let Some(s) = &service {
         s.claim()?;

@@ -6,7 +6,7 @@ use crate::RunnerError;
 use pagefleet_api::guest::VmStatus;
 use pagefleet_api::Workload;
 use pagefleet_region::{Adopt, Config, Region};
-use pagefleet_vm::{Disk, Forward, Vm, VmSpec};
+use pagefleet_vm::{Disk, Forward, Nic, Vm, VmSpec};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -46,12 +46,13 @@ impl Drop for VmGuest {
 /// VM's operator QMP socket goes beside its control socket. A disk whose
 /// format the spec does not record is detected from its header (the host
 /// daemon records it when the guest starts, so a migrated VM's disks are
-/// never probed again).
+/// never probed again). A NIC goes on `bridge`, this host's VM bridge.
 pub fn spec_of(
     w: &Workload,
     size: u64,
     name: &str,
     control: Option<&std::path::Path>,
+    bridge: Option<&str>,
 ) -> Result<Option<VmSpec>, pagefleet_vm::VmError> {
     let Workload::Vm {
         kernel,
@@ -60,10 +61,24 @@ pub fn spec_of(
         smp,
         listen,
         guest_port,
+        nic,
+        machine,
         ..
     } = w
     else {
         return Ok(None);
+    };
+    let nic = match (nic, bridge) {
+        (None, _) => None,
+        (Some(_), None) => {
+            return Err(pagefleet_vm::VmError::Invalid(
+                "the VM asks for a NIC on the bridge, and this host has no VM bridge (pagefleetd --vm-bridge BR, or [guests] vm_bridge)".into(),
+            ))
+        }
+        (Some(n), Some(b)) => Some(Nic {
+            bridge: b.to_string(),
+            mac: n.mac.unwrap_or_else(|| pagefleet_api::MacAddr::for_guest(name)),
+        }),
     };
     let disks = w
         .vm_disks()
@@ -76,6 +91,7 @@ pub fn spec_of(
         append: append.clone(),
         disks,
         smp: *smp,
+        machine: *machine,
         // Validated with the spec (GuestSpec::validate).
         forward: listen
             .as_ref()
@@ -84,10 +100,43 @@ pub fn spec_of(
                 listen,
                 port: *guest_port,
             }),
+        nic,
+        guest_config: guest_settings(w, name),
         size,
         name: name.to_string(),
         operator_qmp: control.map(|c| c.with_extension("qmp")),
     }))
+}
+
+/// The line a VM reads at boot (`opt/org.pagefleet/guest`): `host=NAME`
+/// (the guest's name as a host name), the NIC's `ip=` and `gw=`, then the
+/// spec's own `guest_config` words (which may override them: the guest
+/// reads left to right).
+fn guest_settings(w: &Workload, name: &str) -> String {
+    let Workload::Vm {
+        nic, guest_config, ..
+    } = w
+    else {
+        return String::new();
+    };
+    let host: String = name
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+        .take(63)
+        .collect();
+    let host = host.trim_start_matches('-');
+    let mut words: Vec<String> = (!host.is_empty())
+        .then(|| format!("host={host}"))
+        .into_iter()
+        .collect();
+    if let Some(n) = nic {
+        words.extend(n.ip.map(|ip| format!("ip={ip}")));
+        words.extend(n.gw.map(|g| format!("gw={g}")));
+    }
+    if !guest_config.is_empty() {
+        words.push(guest_config.clone());
+    }
+    words.join(" ")
 }
 
 /// Where a VM's sockets go: beside the runner's control socket
@@ -244,6 +293,7 @@ impl VmGuest {
             .map_err(vm_err)?;
         // Running here now (the address was claimed): clients reconnect here.
         self.serve(true);
+        self.announce();
         Ok(())
     }
 
@@ -258,6 +308,15 @@ impl VmGuest {
     pub fn resume(&self) {
         if let Err(e) = self.vm.qmp(|q| q.cont()) {
             tracing::warn!("VM: cont: {e}");
+        }
+        self.announce();
+    }
+
+    /// Tell the network where the VM's NIC is (after it moved here, or
+    /// resumed after an abort): a failure only delays its clients.
+    fn announce(&self) {
+        if let Err(e) = self.vm.announce() {
+            tracing::warn!("VM: announce-self: {e}");
         }
     }
 
@@ -283,6 +342,8 @@ impl VmGuest {
             done: w.done,
             console: self.vm.console.tail(10),
             accel: format!("{} ({})", self.vm.accel.accel.as_str(), self.vm.accel.why),
+            ready: w.ready,
+            nic: self.vm.nic.clone(),
         }
     }
 }

@@ -277,6 +277,47 @@ pub fn vm_image() -> (PathBuf, PathBuf) {
     (dir.join("vmlinuz"), dir.join("initrd.gz"))
 }
 
+/// The Debian VM image (`make vm`: target/vm/debian.qcow2, built here if
+/// missing — a few minutes, once per machine).
+pub fn debian_image() -> PathBuf {
+    let (kernel, _) = vm_image();
+    let dir = kernel.parent().unwrap().to_path_buf();
+    static BUILD: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = BUILD.lock().unwrap_or_else(|e| e.into_inner());
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("vm/build-debian.sh");
+    let st = std::process::Command::new(script)
+        .arg(&dir)
+        .status()
+        .expect("run vm/build-debian.sh");
+    assert!(st.success(), "building the Debian VM image failed");
+    dir.join("debian.qcow2")
+}
+
+/// A writable copy of the Debian image for one test (a VM writes its root
+/// file system), beside it (so hosts allow it), removed on drop.
+pub struct DiskCopy(pub PathBuf);
+
+impl DiskCopy {
+    /// Copy the Debian image to `debian-TAG.qcow2`.
+    pub fn debian(tag: &str) -> DiskCopy {
+        let src = debian_image();
+        let dst = src.with_file_name(format!("debian-{tag}.qcow2"));
+        std::fs::copy(&src, &dst).expect("copy the Debian image");
+        DiskCopy(dst)
+    }
+
+    /// Its path as a string.
+    pub fn path(&self) -> &str {
+        self.0.to_str().expect("UTF-8 path")
+    }
+}
+
+impl Drop for DiskCopy {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
 /// A native guest: `pagefleet run ARGS --servers <the cluster's>` as a child
 /// process, its stderr in a file (read it when it fails), killed on drop.
 pub struct GuestProc {

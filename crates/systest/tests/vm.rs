@@ -64,6 +64,9 @@ fn a_vm_with_a_quarter_of_its_memory_resident_verifies_every_value() {
             readonly: true,
         }],
         forward: None,
+        nic: None,
+        guest_config: String::new(),
+        machine: Default::default(),
         smp: 1,
         size,
         name: "vmtest".into(),
@@ -112,6 +115,9 @@ fn a_vm_boots_from_a_qcow2_disk_through_its_firmware_and_pages() {
         append: String::new(),
         disks: vec![disk],
         forward: None,
+        nic: None,
+        guest_config: String::new(),
+        machine: Default::default(),
         smp: 1,
         size,
         name: "vmboot".into(),
@@ -745,4 +751,165 @@ fn a_memcached_vm_serves_the_kv_client_through_split_and_gather() {
     );
     let (ok, _, err) = l.pf(0, &["guest", "stop", "mc1"]);
     assert!(ok, "guest stop: {err}");
+}
+
+/// Tap devices (`pft*`) on lab host `h`'s network namespace.
+fn taps_on(l: &pagefleet_lab::LabRun, h: usize) -> Vec<String> {
+    let out = std::process::Command::new("ip")
+        .args(["-n", &l.lab.hosts[h].netns, "-o", "link", "show"])
+        .output()
+        .expect("ip link");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|line| line.split(": ").nth(1))
+        .map(|n| n.split('@').next().unwrap_or(n).to_string())
+        .filter(|n| n.starts_with("pft"))
+        .collect()
+}
+
+#[test]
+fn a_debian_vm_keeps_its_address_and_connections_through_split_and_gather() {
+    if !is_root() {
+        eprintln!("skipped: the testbed needs root (CI runs as root)");
+        return;
+    }
+    use pagefleet_lab::kvload;
+    use std::sync::atomic::Ordering::Relaxed;
+    let l = lab(
+        "vmdeb",
+        3,
+        pagefleet_testbed::Link::Gbit10,
+        512 * MIB,
+        &[512 * MIB, 256 * MIB, 0],
+    );
+    let disk = DiskCopy::debian(&l.lab.prefix);
+    let ip = l.lab.vm_ip(1);
+    let addr = format!("{}:11211", ip.split('/').next().unwrap());
+    let nic = format!("bridge,ip={ip}");
+    let (ok, _, err) = l.pf(
+        0,
+        &[
+            "guest",
+            "start",
+            "deb1",
+            "--on",
+            "h1",
+            "--size",
+            "384MiB",
+            "--",
+            "vm",
+            "--disk",
+            disk.path(),
+            "--nic",
+            &nic,
+            "--guest-config",
+            "memcached_mb=96",
+        ],
+    );
+    assert!(ok, "guest start: {err}");
+    assert_eq!(taps_on(&l, 0).len(), 1, "one tap on h1's VM bridge");
+    let spec = kvload::Spec {
+        addr,
+        keys: 8_000,
+        value_len: 2000,
+        conns: 4,
+        get_frac: 0.9,
+        theta: 0.99,
+        netns: Some(l.lab.hosts[2].netns.clone()),
+        reconnect: true,
+        pace: None,
+    };
+    // Debian boots in 15-40 s under TCG; its memcached then answers on
+    // the VM's own address, reached from h3 across the lab's switch.
+    let t = Instant::now();
+    while let Err(e) = kvload::prefill(&spec) {
+        assert!(
+            t.elapsed() < Duration::from_secs(180),
+            "memcached in the Debian VM never answered at {}: {e}",
+            spec.addr
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let on = |want: usize| {
+        let (h, g) = l.guest("deb1").expect("deb1 is gone");
+        assert_eq!(h, want, "deb1 should run on h{}: {g:?}", want + 1);
+        g.vm.map(|v| v.console.join("\n")).unwrap_or_default()
+    };
+    // memcached answers a moment before the guest's ready line.
+    let t = Instant::now();
+    let vm = loop {
+        let (_, g) = l.guest("deb1").expect("deb1");
+        let vm = g.vm.expect("VM status");
+        if vm.ready.is_some() || t.elapsed() > Duration::from_secs(30) {
+            break vm;
+        }
+        std::thread::sleep(Duration::from_millis(300));
+    };
+    let console = on(0);
+    let mac = pagefleet_api::MacAddr::for_guest("deb1").to_string();
+    assert!(
+        vm.nic.as_deref().is_some_and(|n| n.starts_with(&mac)),
+        "status should show the NIC with MAC {mac}: {:?}",
+        vm.nic
+    );
+    let ready = vm.ready.unwrap_or_default();
+    assert!(
+        ready.starts_with(&format!("host=deb1 ip={ip} memcached=")),
+        "the guest's ready line should show the name and address it read from fw_cfg: {ready:?} (console: {console})"
+    );
+    let load = kvload::Load::start(&spec);
+    let progress = |what: &str| {
+        let a = load.counters.ops.load(Relaxed);
+        let t = Instant::now();
+        while load.counters.ops.load(Relaxed) < a + 200 {
+            assert!(
+                t.elapsed() < Duration::from_secs(30),
+                "clients make no progress {what}: {:?}",
+                load.error()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    progress("before the migration");
+    let r = report(
+        &l,
+        "migrate",
+        &["deb1", "--to", "h2", "--sub", "h3", "--verify"],
+    )
+    .expect("split migration");
+    assert_eq!(r["checksum_source"], r["checksum_dest"], "{r}");
+    progress("after the split");
+    on(1);
+    assert_eq!(
+        taps_on(&l, 0),
+        Vec::<String>::new(),
+        "h1's tap left with its QEMU"
+    );
+    assert_eq!(taps_on(&l, 1).len(), 1, "one tap on h2's VM bridge");
+    let r = report(&l, "gather", &["deb1", "--to", "h1", "--verify"]).expect("gather");
+    assert_eq!(r["checksum_source"], r["checksum_dest"], "{r}");
+    progress("after the gather");
+    let c = load.counters.clone();
+    let err = load.error();
+    load.stop().expect("load");
+    assert!(err.is_none(), "{err:?}");
+    assert_eq!(c.bad_values.load(Relaxed), 0, "wrong values served");
+    assert_eq!(c.misses.load(Relaxed), 0, "keys lost");
+    // The VM's TCP connections live in the guest's kernel and its address
+    // moved with it: the clients' connections survive both moves.
+    assert_eq!(
+        c.reconnects.load(Relaxed),
+        0,
+        "the clients' connections should have survived the moves (console: {console})"
+    );
+    let (ok, _, err) = l.pf(0, &["guest", "stop", "deb1"]);
+    assert!(ok, "guest stop: {err}");
+    let t = Instant::now();
+    while !taps_on(&l, 0).is_empty() {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "h1's tap outlived the VM"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }

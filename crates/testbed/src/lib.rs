@@ -20,6 +20,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// The bridge in each VM host's namespace that its VMs' NICs join
+/// (`pagefleetd --vm-bridge`), linked to the lab's switch.
+pub const VM_BRIDGE: &str = "vmbr0";
+
 /// Link rates the lab can shape to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Link {
@@ -267,6 +271,33 @@ impl Lab {
                     .or(o.guest_memory.last())
                     .copied()
                     .unwrap_or(0);
+                if guest_memory > 0 && !o.vm_images.is_empty() {
+                    // The host's VM bridge: VMs' taps join it, and a second
+                    // link joins it to the lab's switch, so a VM is a
+                    // station on the lab's network with its own MAC and
+                    // address, whichever host runs it. (The host's own
+                    // address stays on eth0.)
+                    let up = format!("{}{name}v", o.prefix);
+                    run(&["ip", "-n", &ns, "link", "add", VM_BRIDGE, "type", "bridge"])?;
+                    run(&[
+                        "ip", "link", "add", "vmup", "netns", &ns, "type", "veth", "peer", "name",
+                        &up, "netns", &sw,
+                    ])?;
+                    run(&["ip", "-n", &ns, "link", "set", "vmup", "master", VM_BRIDGE])?;
+                    for dev in ["vmup", VM_BRIDGE] {
+                        run(&["ip", "-n", &ns, "link", "set", dev, "up"])?;
+                    }
+                    run(&["ip", "-n", &sw, "link", "set", &up, "master", "br0"])?;
+                    run(&["ip", "-n", &sw, "link", "set", &up, "up"])?;
+                    if let Some((rate, burst)) = o.link.tbf() {
+                        for (n, dev) in [(&ns, "vmup"), (&sw, up.as_str())] {
+                            run(&[
+                                "ip", "netns", "exec", n, "tc", "qdisc", "add", "dev", dev, "root",
+                                "tbf", "rate", rate, "burst", burst, "latency", "50ms",
+                            ])?;
+                        }
+                    }
+                }
                 lab.hosts.push(Host {
                     name,
                     netns: ns,
@@ -387,6 +418,14 @@ impl Lab {
     pub fn service_ip(&self, n: u8) -> String {
         let base = self.subnet.trim_end_matches(".0/24");
         format!("{base}.{}", 200u16 + n as u16)
+    }
+
+    /// The `n`th address for VMs' own NICs on the lab's network
+    /// (`.150+n`, with the lab's prefix length): they join the lab's
+    /// switch through their host's [`VM_BRIDGE`].
+    pub fn vm_ip(&self, n: u8) -> String {
+        let base = self.subnet.trim_end_matches(".0/24");
+        format!("{base}.{}/24", 150u16 + n as u16)
     }
 
     /// Put a guest's service address on host `to` (removing it from every
@@ -603,7 +642,12 @@ fn start_daemon(
                 .iter()
                 .map(|d| d.display().to_string())
                 .collect();
-            vec!["--vm-images".to_string(), dirs.join(",")]
+            vec![
+                "--vm-images".to_string(),
+                dirs.join(","),
+                "--vm-bridge".into(),
+                VM_BRIDGE.into(),
+            ]
         } else {
             vec![]
         })

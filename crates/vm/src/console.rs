@@ -1,6 +1,8 @@
 //! The VM's serial console: every line goes to the runner's log, the last
-//! ones are kept, and the in-guest workload's reports (`vmwork: ...`
-//! lines, see `crates/systest/vm/vmwork.c`) become counters.
+//! ones are kept, the in-guest workload's reports (`vmwork: ...` lines, see
+//! `crates/systest/vm/vmwork.c`) become counters, and a guest's
+//! `pagefleet-guest: ready ...` line (the Debian image's, once its
+//! services answer) is kept as its ready line.
 
 use serde::Serialize;
 use std::collections::VecDeque;
@@ -9,6 +11,10 @@ use std::sync::Mutex;
 
 /// Lines kept for status and error messages.
 const KEEP: usize = 200;
+
+/// How a guest says on its console that it serves (the Debian image's
+/// `pagefleet-ready`).
+pub const READY: &str = "pagefleet-guest: ready";
 
 /// What the in-guest workload reported last.
 #[derive(Clone, Debug, Default, Serialize, PartialEq)]
@@ -30,6 +36,9 @@ pub struct Workload {
     /// Every report of the run phase: (host time it arrived, Unix seconds;
     /// ops/s over the second before).
     pub history: Vec<(f64, f64)>,
+    /// The guest said it serves: the words after `pagefleet-guest: ready`
+    /// (e.g. `host=deb1 ip=10.200.77.151/24 memcached=1.6.18`).
+    pub ready: Option<String>,
 }
 
 /// The console's state, shared between its reader thread and the runner.
@@ -58,6 +67,9 @@ impl Console {
         if let Some(rest) = line.trim_start().strip_prefix("vmwork:") {
             let mut w = self.work.lock().unwrap_or_else(|e| e.into_inner());
             parse_report(rest, &mut w);
+        } else if let Some(rest) = line.trim_start().strip_prefix(READY) {
+            let mut w = self.work.lock().unwrap_or_else(|e| e.into_inner());
+            w.ready = Some(rest.trim().to_string());
         }
         let mut l = self.lines.lock().unwrap_or_else(|e| e.into_inner());
         if l.len() == KEEP {
@@ -137,6 +149,18 @@ mod tests {
         assert_eq!(
             c.tail(2)[1],
             "vmwork: done ops=9100 errors=0 verified=16384 disk_reads=12"
+        );
+    }
+
+    #[test]
+    fn a_guest_ready_line_is_kept() {
+        let c = Console::default();
+        c.feed("[  OK  ] Started memcached.service");
+        assert_eq!(c.workload().ready, None);
+        c.feed("pagefleet-guest: ready host=deb1 ip=10.200.77.151/24 memcached=1.6.18");
+        assert_eq!(
+            c.workload().ready.as_deref(),
+            Some("host=deb1 ip=10.200.77.151/24 memcached=1.6.18")
         );
     }
 

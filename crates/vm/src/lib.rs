@@ -18,15 +18,17 @@
 
 pub mod accel;
 pub mod console;
+pub mod domain;
 mod hangup;
 mod plain;
 mod process;
 mod qemu;
 pub mod qmp;
 mod sys;
+pub mod tap;
 
 pub use plain::{PlainLaunch, PlainVm};
-pub use qemu::{Disk, Forward, Vm, VmSpec, GUEST_IP};
+pub use qemu::{Disk, Forward, Nic, Vm, VmSpec, GUEST_CONFIG_FW_CFG, GUEST_IP};
 
 /// Why a VM could not be started or driven.
 #[derive(Debug, thiserror::Error)]

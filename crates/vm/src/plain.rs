@@ -25,6 +25,10 @@ pub struct PlainLaunch<'a> {
     pub dir: &'a Path,
     /// Put it in this memory cgroup (v1 directory) right after it starts.
     pub cgroup: Option<PathBuf>,
+    /// The tap of the spec's NIC, made by the caller in `netns`
+    /// ([`crate::tap::Tap::on_bridge`] on a thread inside it); QEMU
+    /// inherits it.
+    pub tap: Option<&'a crate::tap::Tap>,
 }
 
 /// A running baseline QEMU.
@@ -54,10 +58,19 @@ impl PlainVm {
         // The same accelerator as pagefleet's own VMs on this host: a
         // baseline on another would measure the accelerator.
         let accel = crate::accel::choose(l.spec.kernel.as_deref());
+        if l.spec.nic.is_some() != l.tap.is_some() {
+            return Err(VmError::Invalid(
+                "a plain VM's NIC needs its tap (and a tap its NIC)".into(),
+            ));
+        }
+        if let Some(t) = l.tap {
+            t.pass_to(&mut cmd);
+        }
         cmd.args(l.spec.qemu_args(
             &format!("memory-backend-ram,id=pf-ram,size={}M", l.spec.size >> 20),
             &qmp_path,
             accel.accel,
+            l.tap.map(|t| t.raw_fd()),
         ));
         if let Some(uri) = &l.incoming {
             cmd.args(["-incoming", uri]);

@@ -35,6 +35,8 @@ pub struct VmSpec {
     pub disks: Vec<Disk>,
     /// Virtual CPUs.
     pub smp: u32,
+    /// The machine QEMU emulates.
+    pub machine: pagefleet_api::VmMachine,
     /// RAM bytes (the region's size; a whole number of MiB).
     pub size: u64,
     /// Guest name (QEMU's `-name`, log lines).
@@ -47,6 +49,12 @@ pub struct VmSpec {
     /// so the address can follow it to another host, as a kv guest's
     /// `--listen` does.
     pub forward: Option<Forward>,
+    /// The VM's own NIC on a host bridge (a tap made for each QEMU:
+    /// [`crate::tap`]); not with `forward`.
+    pub nic: Option<Nic>,
+    /// The line the guest reads at boot from QEMU's firmware
+    /// configuration, file [`GUEST_CONFIG_FW_CFG`] (empty: no such file).
+    pub guest_config: String,
     /// A second QMP socket for the host's operator tools (the I/O
     /// guarantee's QMP backend throttles the VM's `disk0` through it); the
     /// runner keeps the first one to itself.
@@ -89,6 +97,22 @@ pub struct Forward {
     /// The guest's port.
     pub port: u16,
 }
+
+/// A VM's NIC on a host bridge: virtio-net on a tap, with a MAC that
+/// stays the VM's wherever it runs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Nic {
+    /// The bridge its tap joins (the host's `--vm-bridge`).
+    pub bridge: String,
+    /// Its MAC.
+    pub mac: pagefleet_api::MacAddr,
+}
+
+/// The firmware-configuration file the guest's settings line is in
+/// (`/sys/firmware/qemu_fw_cfg/by_name/opt/org.pagefleet/guest/raw` in a
+/// Linux guest with `qemu_fw_cfg` loaded). The `opt/` prefix and a
+/// reverse domain name are QEMU's rule for files a user adds.
+pub const GUEST_CONFIG_FW_CFG: &str = "opt/org.pagefleet/guest";
 
 /// The guest's address on QEMU's user-mode network.
 pub const GUEST_IP: &str = "10.0.2.15";
@@ -146,6 +170,17 @@ impl VmSpec {
                 )));
             }
         }
+        if self.forward.is_some() && self.nic.is_some() {
+            return Err(VmError::Invalid(
+                "--listen and --nic: a VM has a user-mode NIC with a forwarded service address or its own NIC on the bridge, not both".into(),
+            ));
+        }
+        if let Some(n) = &self.nic {
+            if !n.mac.is_unicast() {
+                return Err(VmError::Invalid(format!("NIC MAC {}: not unicast", n.mac)));
+            }
+        }
+        pagefleet_api::net::check_guest_config(&self.guest_config).map_err(VmError::Invalid)?;
         if let Some(f) = &self.forward {
             if f.port == 0 || f.listen.port() == 0 || !f.listen.is_ipv4() {
                 return Err(VmError::Invalid(format!(
@@ -166,21 +201,24 @@ impl VmSpec {
 
 impl VmSpec {
     /// QEMU's command line for this spec with RAM backend `ram` (an
-    /// `-object` value with id `pf-ram`), QMP on `qmp` and accelerator
-    /// `accel` (no `-incoming`).
-    pub fn qemu_args(&self, ram: &str, qmp: &Path, accel: Accel) -> Vec<std::ffi::OsString> {
+    /// `-object` value with id `pf-ram`), QMP on `qmp`, accelerator
+    /// `accel` and, for [`VmSpec::nic`], the tap QEMU inherits as
+    /// descriptor `tap` (no `-incoming`).
+    pub fn qemu_args(
+        &self,
+        ram: &str,
+        qmp: &Path,
+        accel: Accel,
+        tap: Option<std::os::fd::RawFd>,
+    ) -> Vec<std::ffi::OsString> {
         let mib = self.size >> 20;
         let mut a: Vec<std::ffi::OsString> = Vec::new();
         let mut push = |s: &str| a.push(s.into());
         push("-name");
         push(&format!("pagefleet-{}", self.name));
-        for s in [
-            "-machine",
-            "pc,memory-backend=pf-ram",
-            "-accel",
-            accel.as_str(),
-            "-smp",
-        ] {
+        push("-machine");
+        push(&format!("{},memory-backend=pf-ram", self.machine.as_str()));
+        for s in ["-accel", accel.as_str(), "-smp"] {
             push(s);
         }
         push(&self.smp.to_string());
@@ -249,6 +287,25 @@ impl VmSpec {
             // No option ROM: the VM boots its kernel directly.
             a.push("virtio-net-pci,netdev=net0,romfile=".into());
         }
+        if let (Some(n), Some(fd)) = (&self.nic, tap) {
+            // vhost off: the data path stays in QEMU, as on TCG it must.
+            a.push("-netdev".into());
+            a.push(format!("tap,id=net0,fd={fd}").into());
+            a.push("-device".into());
+            // No option ROM: SeaBIOS boots the disk, not the network.
+            a.push(format!("virtio-net-pci,netdev=net0,mac={},romfile=", n.mac).into());
+        }
+        if !self.guest_config.is_empty() {
+            a.push("-fw_cfg".into());
+            // QEMU's option syntax: a ',' in a value is written ",,".
+            a.push(
+                format!(
+                    "name={GUEST_CONFIG_FW_CFG},string={}",
+                    self.guest_config.replace(',', ",,")
+                )
+                .into(),
+            );
+        }
         a
     }
 }
@@ -314,6 +371,9 @@ pub struct Vm {
     /// QEMU's pid.
     pub pid: u32,
     forward: Option<Forward>,
+    /// Its NIC on a bridge, as status shows it: MAC, tap, bridge
+    /// (announced after it moves).
+    pub nic: Option<String>,
     /// The accelerator it runs on, and why.
     pub accel: Choice,
 }
@@ -348,6 +408,20 @@ impl Vm {
         let accel = crate::accel::choose(spec.kernel.as_deref());
         tracing::info!("VM {}: {} ({})", spec.name, accel.accel.as_str(), accel.why);
         let mut cmd = Command::new(qemu_binary());
+        // The tap lives in QEMU (it inherits the descriptor); this copy is
+        // closed when `start` returns.
+        let tap = spec
+            .nic
+            .as_ref()
+            .map(|n| crate::tap::Tap::on_bridge(&n.bridge))
+            .transpose()?;
+        let nic = spec.nic.as_ref().zip(tap.as_ref()).map(|(n, t)| {
+            t.pass_to(&mut cmd);
+            format!("{} on tap {} in bridge {}", n.mac, t.name, n.bridge)
+        });
+        if let Some(n) = &nic {
+            tracing::info!("VM {}: NIC {n}", spec.name);
+        }
         cmd.args(spec.qemu_args(
             &format!(
                 "memory-backend-file,id=pf-ram,size={}M,mem-path={mem_path},share=on",
@@ -355,6 +429,7 @@ impl Vm {
             ),
             &qmp_path,
             accel.accel,
+            tap.as_ref().map(|t| t.raw_fd()),
         ));
         if incoming {
             // Paused after the device state is in: the runner says `cont`.
@@ -365,6 +440,7 @@ impl Vm {
             .env("PAGEFLEET_VM_SOCKET", &sock_path);
         let console = Arc::new(Console::default());
         let child = Process::spawn(cmd, &console, &spec.name, true)?;
+        drop(tap);
         let pid = child.pid;
         let stream = match accept_shim(&listener, &child) {
             Ok(s) => s,
@@ -419,6 +495,7 @@ impl Vm {
                 agent,
                 pid,
                 forward: spec.forward.clone(),
+                nic,
                 accel,
             },
             foreign,
@@ -490,6 +567,27 @@ impl Vm {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    /// Announce the VM's NIC from this host (QMP `announce-self`: QEMU
+    /// sends RARP frames with the VM's MAC, so bridges learn where it is
+    /// now, and asks a virtio-net guest to send its own gratuitous ARP)
+    /// — after it moved here or resumed. Nothing when it has no bridge
+    /// NIC.
+    pub fn announce(&self) -> Result<(), VmError> {
+        if self.nic.is_none() {
+            return Ok(());
+        }
+        // Three rounds, 50 ms apart, starting at once: the VM's clients
+        // on other hosts follow within the first round; the later ones
+        // cover a frame lost on a busy bridge.
+        self.qmp(|q| {
+            q.execute::<serde_json::Value>(
+                "announce-self",
+                Some(serde_json::json!({"initial": 1, "max": 50, "rounds": 3, "step": 50})),
+            )
+        })
+        .map(|_| ())
     }
 
     /// QEMU's exit status, if it has exited.
