@@ -14,13 +14,14 @@ CARGO ?= cargo
 # prometheus (and promtool) scrape a lab and check the rules; chromium and
 # chromium-driver run the dashboard's browser test; syslinux, mtools and
 # dosfstools make the VM test image's boot disk; mmdebstrap and fdisk
-# (sfdisk) build the Debian VM image.
+# (sfdisk) build the Debian VM image; libvirt-clients (virsh) writes the
+# domain definitions the --domain-xml test starts.
 # Packages are installed without starting their services (policy-rc.d):
 # a ksmtuned daemon would fight the KSM tests over /sys/kernel/mm/ksm.
 APT_PKGS := build-essential pkg-config python3 python3-venv memcached libmemcached-tools python3-pymemcache iproute2 util-linux \
             qemu-utils libnbd-bin python3-libnbd nbdkit fio qemu-system-x86 cpio ksmtuned \
             etcd-server etcd-client protobuf-compiler libprotobuf-dev prometheus chromium chromium-driver \
-            syslinux syslinux-common mtools dosfstools mmdebstrap fdisk
+            syslinux syslinux-common mtools dosfstools mmdebstrap fdisk libvirt-clients
 VENV := .venv
 FUZZ_SECONDS ?= 30
 

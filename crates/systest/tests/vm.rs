@@ -767,6 +767,69 @@ fn taps_on(l: &pagefleet_lab::LabRun, h: usize) -> Vec<String> {
         .collect()
 }
 
+/// A libvirt domain definition as real libvirt writes it: `virsh` (its
+/// test driver, no daemon) defines the domain, sets pagefleet's metadata
+/// (the VM's address and settings) and dumps it.
+fn virsh_domain_xml(
+    dir: &std::path::Path,
+    name: &str,
+    disk: &str,
+    ip: &str,
+    config: &str,
+) -> std::path::PathBuf {
+    let input = dir.join(format!("{name}-in.xml"));
+    std::fs::write(
+        &input,
+        format!(
+            "<domain type='kvm'>
+  <name>{name}</name>
+  <memory unit='MiB'>384</memory>
+  <vcpu>1</vcpu>
+  <os><type arch='x86_64' machine='pc'>hvm</type><boot dev='hd'/></os>
+  <features><acpi/></features>
+  <devices>
+    <emulator>/usr/bin/qemu-system-x86_64</emulator>
+    <disk type='file' device='disk'>
+      <driver name='qemu' type='qcow2'/>
+      <source file='{disk}'/>
+      <target dev='vda' bus='virtio'/>
+    </disk>
+    <interface type='bridge'>
+      <mac address='52:54:00:5e:00:51'/>
+      <source bridge='vmbr0'/>
+      <model type='virtio'/>
+    </interface>
+    <serial type='pty'/>
+    <console type='pty'/>
+    <graphics type='vnc' port='-1'/>
+    <video><model type='vga'/></video>
+    <memballoon model='virtio'/>
+  </devices>
+</domain>"
+        ),
+    )
+    .unwrap();
+    let script = format!(
+        "define {}; metadata {name} --uri urn:pagefleet:guest:1 --key pagefleet --set '<guest ip=\"{ip}\" config=\"{config}\"/>'; dumpxml {name}",
+        input.display()
+    );
+    let out = std::process::Command::new("virsh")
+        .args(["-q", "-c", "test:///default", &script])
+        .output()
+        .expect("virsh (Debian's libvirt-clients)");
+    assert!(
+        out.status.success(),
+        "virsh: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let xml = String::from_utf8(out.stdout).unwrap();
+    let xml = &xml[xml.find("<domain").expect("virsh printed a domain")..];
+    assert!(xml.contains("urn:pagefleet:guest:1"), "{xml}");
+    let file = dir.join(format!("{name}.xml"));
+    std::fs::write(&file, xml).unwrap();
+    file
+}
+
 #[test]
 fn a_debian_vm_keeps_its_address_and_connections_through_split_and_gather() {
     if !is_root() {
@@ -785,8 +848,10 @@ fn a_debian_vm_keeps_its_address_and_connections_through_split_and_gather() {
     let disk = DiskCopy::debian(&l.lab.prefix);
     let ip = l.lab.vm_ip(1);
     let addr = format!("{}:11211", ip.split('/').next().unwrap());
-    let nic = format!("bridge,ip={ip}");
-    let (ok, _, err) = l.pf(
+    // Defined as an operator's VM is: a libvirt domain, as virsh writes it.
+    let tmp = tempdir("vmdeb");
+    let xml = virsh_domain_xml(&tmp, "deb1", disk.path(), &ip, "memcached_mb=96");
+    let (ok, out, err) = l.pf(
         0,
         &[
             "guest",
@@ -794,19 +859,21 @@ fn a_debian_vm_keeps_its_address_and_connections_through_split_and_gather() {
             "deb1",
             "--on",
             "h1",
-            "--size",
-            "384MiB",
-            "--",
-            "vm",
-            "--disk",
-            disk.path(),
-            "--nic",
-            &nic,
-            "--guest-config",
-            "memcached_mb=96",
+            "--domain-xml",
+            xml.to_str().unwrap(),
         ],
     );
     assert!(ok, "guest start: {err}");
+    for left_out in [
+        "devices/graphics (vnc)",
+        "devices/memballoon",
+        "source bridge='vmbr0'",
+    ] {
+        assert!(
+            out.contains(left_out),
+            "{left_out} should be listed as left out: {out}"
+        );
+    }
     assert_eq!(taps_on(&l, 0).len(), 1, "one tap on h1's VM bridge");
     let spec = kvload::Spec {
         addr,
@@ -846,9 +913,9 @@ fn a_debian_vm_keeps_its_address_and_connections_through_split_and_gather() {
         std::thread::sleep(Duration::from_millis(300));
     };
     let console = on(0);
-    let mac = pagefleet_api::MacAddr::for_guest("deb1").to_string();
+    let mac = "52:54:00:5e:00:51";
     assert!(
-        vm.nic.as_deref().is_some_and(|n| n.starts_with(&mac)),
+        vm.nic.as_deref().is_some_and(|n| n.starts_with(mac)),
         "status should show the NIC with MAC {mac}: {:?}",
         vm.nic
     );
@@ -912,4 +979,208 @@ fn a_debian_vm_keeps_its_address_and_connections_through_split_and_gather() {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+/// The migration abort drills on the Debian VM, started from CLI flags
+/// (`--disk`, `--nic`, `--guest-config`), with memcached under the kv
+/// client's load from h3: the destination killed in round 1 and at
+/// stop-and-copy, the command interrupted, the sub-host's daemon killed.
+/// After each the VM runs on h1 and its clients make progress; a final
+/// split's checksums agree; no value read is wrong or missing, and no
+/// client connection broke (the VM's address never left it).
+#[test]
+fn debian_vm_migration_drills_keep_memcached_serving() {
+    if !is_root() {
+        eprintln!("skipped: the testbed needs root (CI runs as root)");
+        return;
+    }
+    use pagefleet_lab::kvload;
+    use pagefleet_lab::LabRun;
+    use std::sync::atomic::Ordering::Relaxed;
+    // 1 Gbit links: round 1 (the booted system and memcached's data) takes
+    // about a second.
+    let mut l = lab(
+        "vmdrl",
+        3,
+        pagefleet_testbed::Link::Gbit1,
+        512 * MIB,
+        // h2 holds a third of the VM: the rest of what it touched goes to
+        // the sub-host h3.
+        &[512 * MIB, 128 * MIB, 0],
+    );
+    let disk = DiskCopy::debian(&l.lab.prefix);
+    let ip = l.lab.vm_ip(2);
+    let nic = format!("bridge,ip={ip}");
+    let (ok, _, err) = l.pf(
+        0,
+        &[
+            "guest",
+            "start",
+            "dd",
+            "--on",
+            "h1",
+            "--size",
+            "384MiB",
+            "--",
+            "vm",
+            "--disk",
+            disk.path(),
+            "--nic",
+            &nic,
+            "--guest-config",
+            "memcached_mb=96",
+        ],
+    );
+    assert!(ok, "guest start: {err}");
+    let spec = kvload::Spec {
+        addr: format!("{}:11211", ip.split('/').next().unwrap()),
+        keys: 8_000,
+        value_len: 2000,
+        conns: 4,
+        get_frac: 0.9,
+        theta: 0.99,
+        netns: Some(l.lab.hosts[2].netns.clone()),
+        reconnect: true,
+        pace: None,
+    };
+    let t = Instant::now();
+    while let Err(e) = kvload::prefill(&spec) {
+        assert!(
+            t.elapsed() < Duration::from_secs(180),
+            "memcached in the Debian VM never answered: {e}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let load = kvload::Load::start(&spec);
+    let progress = |what: &str| {
+        let a = load.counters.ops.load(Relaxed);
+        let t = Instant::now();
+        while load.counters.ops.load(Relaxed) < a + 200 {
+            assert!(
+                t.elapsed() < Duration::from_secs(30),
+                "{what}: the clients make no progress: {:?}",
+                load.error()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    progress("before the drills");
+    let phase = |l: &LabRun| {
+        guest_status(&l.control(0, "dd"))
+            .and_then(|g| g.migration)
+            .map(|m| m.phase)
+            .unwrap_or_default()
+    };
+    let wait_phase = |l: &LabRun, p: &str| -> bool {
+        let t = Instant::now();
+        while !phase(l).starts_with(p) {
+            if t.elapsed() > Duration::from_secs(60) {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        true
+    };
+    let run_bg = |l: &LabRun, extra: &[&str]| {
+        let mut c = l.lab.exec(0, bin("pagefleet"));
+        c.args(["migrate", "dd", "--to", "h2", "--sub", "h3"])
+            .args(extra)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped());
+        c.spawn().unwrap()
+    };
+    let check_clean = |l: &LabRun, what: &str| {
+        let t = Instant::now();
+        while !phase(l).is_empty() && t.elapsed() < Duration::from_secs(20) {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let (h, g) = l.guest("dd").expect("dd is gone");
+        assert_eq!(h, 0, "{what}: the VM should run on h1: {g:?}");
+        let vm = g.vm.expect("VM status");
+        assert_eq!(vm.state, "running", "{what}: {vm:?}");
+        if let Some(rep) = l.host_report(2) {
+            assert_eq!(rep.lend_used, 0, "{what}: pages left on the sub-host");
+        }
+        let t = Instant::now();
+        while signal_in(l, 1, "qemu-system", 0) {
+            assert!(
+                t.elapsed() < Duration::from_secs(20),
+                "{what}: the destination's QEMU outlived its runner"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        progress(what);
+    };
+
+    // 1. The destination runner dies during round 1.
+    let mut m = run_bg(&l, &[]);
+    assert!(wait_phase(&l, "round 1"), "never reached round 1");
+    kill_in(&l, 1, "runner-incoming");
+    assert!(
+        !m.wait().unwrap().success(),
+        "migration to a dead destination succeeded"
+    );
+    check_clean(&l, "destination killed in round 1");
+
+    // 2. The command interrupted (Ctrl-C) during round 1.
+    let m = run_bg(&l, &[]);
+    assert!(wait_phase(&l, "round 1"));
+    let _ = pagefleet_common::sys::process::signal(m.id() as i32, libc::SIGINT);
+    let out = m.wait_with_output().unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && said.contains("rolled back:"),
+        "Ctrl-C: {said}"
+    );
+    check_clean(&l, "Ctrl-C");
+
+    // 3. The destination dies at stop-and-copy (the VM is stopped; the
+    // stop-time checksum holds the phase open).
+    let mut m = run_bg(&l, &["--verify", "--max-rounds", "2"]);
+    if !wait_phase(&l, "stop-and-copy") {
+        let _ = m.kill();
+        let out = m.wait_with_output().unwrap();
+        panic!(
+            "never reached stop-and-copy: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    kill_in(&l, 1, "runner-incoming");
+    assert!(!m.wait().unwrap().success());
+    check_clean(&l, "destination killed at stop-and-copy");
+
+    // 4. The sub-host's daemon dies during pre-copy; it comes back after.
+    let mut m = run_bg(&l, &[]);
+    assert!(wait_phase(&l, "round 1"));
+    kill_in(&l, 2, "pagefleetd");
+    assert!(
+        !m.wait().unwrap().success(),
+        "migration with a dead sub-host succeeded"
+    );
+    check_clean(&l, "sub-host killed");
+    l.restart_daemon(2).expect("restart h3's daemon");
+
+    // The data is intact: a split's checksums agree, and it serves on h2.
+    let r = report(
+        &l,
+        "migrate",
+        &["dd", "--to", "h2", "--sub", "h3", "--verify"],
+    )
+    .expect("split after the drills");
+    assert_eq!(r["checksum_source"], r["checksum_dest"], "{r}");
+    progress("after the split");
+    assert_eq!(
+        l.guest("dd").map(|g| g.0),
+        Some(1),
+        "the VM should run on h2"
+    );
+    let c = load.counters.clone();
+    let err = load.error();
+    load.stop().expect("load");
+    assert!(err.is_none(), "{err:?}");
+    assert_eq!(c.bad_values.load(Relaxed), 0, "wrong values served");
+    assert_eq!(c.misses.load(Relaxed), 0, "keys lost");
+    assert_eq!(c.reconnects.load(Relaxed), 0, "client connections broke");
+    let (ok, _, err) = l.pf(1, &["guest", "stop", "dd"]);
+    assert!(ok, "guest stop: {err}");
 }

@@ -524,10 +524,7 @@ impl Mapping {
             }
         }
         if disk.path.is_empty() {
-            return Err(unsupported(
-                at.clone(),
-                "a disk with no <source file=...>",
-            ));
+            return Err(unsupported(at.clone(), "a disk with no <source file=...>"));
         }
         self.disks.push(disk);
         Ok(())
