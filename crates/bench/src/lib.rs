@@ -37,6 +37,7 @@ pub mod soak;
 pub mod strangers;
 pub mod tls_floor;
 pub mod util;
+pub mod vm_debian;
 pub mod vm_migration;
 
 use anyhow::Result;

@@ -59,6 +59,10 @@ pub struct Opts {
     pub pairs: usize,
     pub quick: bool,
     pub out_dir: PathBuf,
+    /// Run the vmwork VM's modes.
+    pub vmwork: bool,
+    /// The Debian VM's runs (None: not run).
+    pub debian: Option<crate::vm_debian::Opts>,
 }
 
 impl Opts {
@@ -79,6 +83,8 @@ impl Opts {
             pairs: 3,
             quick: false,
             out_dir,
+            vmwork: true,
+            debian: Some(crate::vm_debian::Opts::full()),
         }
     }
     pub fn quick(out_dir: PathBuf) -> Opts {
@@ -90,6 +96,7 @@ impl Opts {
             after_secs: 5,
             pairs: 1,
             quick: true,
+            debian: None,
             ..Opts::full(out_dir)
         }
     }
@@ -131,6 +138,8 @@ pub struct Report {
     pub link: String,
     pub quick: bool,
     pub rows: Vec<Row>,
+    /// The Debian VM's runs (`--guest debian`).
+    pub debian: Vec<crate::vm_debian::DebRow>,
     pub goals: Vec<Goal>,
     #[serde(flatten)]
     pub plot: PlotOutcome,
@@ -540,6 +549,32 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
         .parent()
         .unwrap()
         .to_path_buf();
+    let debian = match &o.debian {
+        Some(d) => crate::vm_debian::run(d, &bins, log)?,
+        None => Vec::new(),
+    };
+    if !o.vmwork {
+        let goals = crate::vm_debian::goals(&debian);
+        let mut r = Report {
+            size_bytes: o.size,
+            work_mb: o.work_mb,
+            span_pct: o.span_pct,
+            link: o.link.name().into(),
+            quick: o.quick,
+            goals,
+            rows: Vec::new(),
+            debian,
+            plot: PlotOutcome::default(),
+        };
+        util::save_with_plot(
+            &mut r,
+            |r| &mut r.plot,
+            &o.out_dir,
+            "vm-migration",
+            include_str!("../../../bench/plot_vm_migration.py"),
+        )?;
+        return Ok(r);
+    }
     let (kernel, initrd) = image(&bins)?;
     let g = 2 * o.size + 128 * MIB;
     let l = LabRun::up(
@@ -632,8 +667,12 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
         span_pct: o.span_pct,
         link: o.link.name().into(),
         quick: o.quick,
-        goals: goals(&rows),
+        goals: goals(&rows)
+            .into_iter()
+            .chain(crate::vm_debian::goals(&debian))
+            .collect(),
         rows,
+        debian,
         plot: PlotOutcome::default(),
     };
     util::save_with_plot(
@@ -742,6 +781,15 @@ fn goals(rows: &[Row]) -> Vec<Goal> {
 }
 
 fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<()> {
+    if !r.rows.is_empty() {
+        print_vmwork(r, out)?;
+    }
+    crate::vm_debian::print(&r.debian, out)?;
+    util::print_goals(&r.goals, out)?;
+    r.plot.print(out)
+}
+
+fn print_vmwork(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<()> {
     writeln!(
         out,
         "pagefleet bench vm-migration: QEMU (TCG) VM of {} MiB; vmwork fills {} MiB and works (zipf 0.99) on the first {}% of it; {} link\n",
@@ -814,9 +862,7 @@ fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<()> 
             qemu.len()
         )?;
     }
-    writeln!(out)?;
-    util::print_goals(&r.goals, out)?;
-    r.plot.print(out)
+    writeln!(out)
 }
 
 #[derive(clap::Args, Clone, Debug)]
@@ -836,6 +882,17 @@ pub struct Args {
     /// (default 50: a working set that fits the split's main host).
     #[arg(long)]
     pub span: Option<u32>,
+    /// Which VMs, comma-separated: vmwork (the test image's checked memory
+    /// workload, modes of --only), debian (target/vm/debian.qcow2 with
+    /// memcached under the kv clients, on its own address: QEMU pre-copy,
+    /// multifd, post-copy with preempt, pagefleet split and gather, at each
+    /// of --sizes). Default: both (--quick: vmwork).
+    #[arg(long, value_delimiter = ',')]
+    pub guest: Vec<String>,
+    /// The Debian VM's sizes, comma-separated (default 1GiB,2GiB,4GiB;
+    /// --quick 512MiB).
+    #[arg(long, value_delimiter = ',', value_parser = pagefleet_common::units::parse_size)]
+    pub sizes: Vec<u64>,
 }
 
 impl crate::Benchmark for Args {
@@ -858,6 +915,28 @@ impl crate::Benchmark for Args {
                 bail!("--only {bad:?}: use {}", MODES.join(", "));
             }
             o.modes = self.only.clone();
+        }
+        if !self.guest.is_empty() {
+            if let Some(bad) = self.guest.iter().find(|g| *g != "vmwork" && *g != "debian") {
+                bail!("--guest {bad:?}: vmwork or debian");
+            }
+            o.vmwork = self.guest.iter().any(|g| g == "vmwork");
+            o.debian = self.guest.iter().any(|g| g == "debian").then(|| {
+                if c.quick {
+                    crate::vm_debian::Opts::quick()
+                } else {
+                    crate::vm_debian::Opts::full()
+                }
+            });
+        }
+        if !self.sizes.is_empty() {
+            let Some(d) = o.debian.as_mut() else {
+                bail!("--sizes are the Debian VM's: give --guest debian");
+            };
+            for s in &self.sizes {
+                crate::at_least("--sizes", "the Debian VM's memory", *s, 512 * MIB)?;
+            }
+            d.sizes = self.sizes.iter().map(|s| s / MIB * MIB).collect();
         }
         if !self.workloads.is_empty() {
             o.workloads = Vec::new();

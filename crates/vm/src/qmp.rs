@@ -83,6 +83,10 @@ pub struct RamInfo {
     /// Bytes left.
     #[serde(default)]
     pub remaining: u64,
+    /// Passes over the dirty bitmap so far (2 once the first full pass
+    /// has been sent).
+    #[serde(rename = "dirty-sync-count", default)]
+    pub dirty_sync_count: Option<u64>,
 }
 
 impl Qmp {
