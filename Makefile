@@ -172,7 +172,8 @@ deb:
 demo: build
 	./target/release/pagefleet demo
 
-# The same story with a QEMU VM (vmwork inside checks every value).
+# The same story with the Debian VM (memcached on its own address; the
+# clients check every value; --vm-image vmwork for the test image).
 demo-vm: build vm
 	./target/release/pagefleet demo --vm
 

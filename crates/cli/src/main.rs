@@ -409,10 +409,15 @@ struct DemoOpts {
     /// Directory for demo.json and demo.png.
     #[arg(long, default_value = "bench-results")]
     out: PathBuf,
-    /// Migrate a QEMU VM instead of the kv guest (image from `make vm`:
-    /// target/vm; plot demo-vm.png).
+    /// Migrate a QEMU VM instead of the kv guest: the Debian VM (`make
+    /// vm`: target/vm/debian.qcow2) running memcached on its own address on
+    /// the lab's network, under the same client load; with --vm-image
+    /// vmwork, the test image's checked memory workload (plot demo-vm.png).
     #[arg(long)]
     vm: bool,
+    /// Which VM --vm migrates: debian or vmwork.
+    #[arg(long, default_value = "debian", requires = "vm", value_parser = ["debian", "vmwork"])]
+    vm_image: String,
     /// Forward h1's web dashboard to this address on this machine and
     /// print a login link for it, to watch the migrations live; `off`: don't.
     #[arg(long, default_value = "127.0.0.1:7080")]
@@ -424,12 +429,12 @@ fn demo(o: DemoOpts) -> Result<()> {
     if o.size < 64 << 20 {
         bail!("--size must be at least 64MiB");
     }
-    let vm = if o.vm {
-        let dir = std::env::current_exe()?
-            .parent()
-            .and_then(|p| p.parent())
-            .map(|p| p.join("vm"))
-            .unwrap_or_default();
+    let dir = std::env::current_exe()?
+        .parent()
+        .and_then(|p| p.parent())
+        .map(|p| p.join("vm"))
+        .unwrap_or_default();
+    let vm = if o.vm && o.vm_image == "vmwork" {
         let (k, i) = (dir.join("vmlinuz"), dir.join("initrd.gz"));
         if !k.is_file() || !i.is_file() {
             bail!("no VM image in {}: run `make vm`", dir.display());
@@ -438,11 +443,21 @@ fn demo(o: DemoOpts) -> Result<()> {
     } else {
         None
     };
+    let debian = if o.vm && o.vm_image == "debian" {
+        let img = dir.join("debian.qcow2");
+        if !img.is_file() {
+            bail!("no Debian VM image at {}: run `make vm`", img.display());
+        }
+        Some(img)
+    } else {
+        None
+    };
     let opts = demo::Opts {
         size: o.size / (64 << 10) * (64 << 10),
         out_dir: o.out,
         phase_secs: o.phase.max(2),
         vm,
+        debian,
         dashboard: (o.dashboard != "off").then_some(o.dashboard),
     };
     let mut log = |m: &str| eprintln!("  .. {m}");

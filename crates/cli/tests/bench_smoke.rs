@@ -387,7 +387,14 @@ fn each_bench_help_lists_only_its_own_flags() {
         ("ioqos", &["--secs", "--only", "--dataset"]),
         (
             "vm-migration",
-            &["--size", "--only", "--workloads", "--span", "--guest", "--sizes"],
+            &[
+                "--size",
+                "--only",
+                "--workloads",
+                "--span",
+                "--guest",
+                "--sizes",
+            ],
         ),
         ("registry", &["--hosts", "--guests"]),
         ("restart", &["--restarts", "--guest-mib"]),

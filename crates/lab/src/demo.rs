@@ -1,5 +1,6 @@
 //! `pagefleet demo` (and `make demo`): the whole S-memV story on a 4-host
-//! testbed in a few minutes. A kv guest serves a zipf client load on h1;
+//! testbed in a few minutes. A kv guest (or, with `--vm`, the Debian VM
+//! running memcached on its own address) serves a zipf client load on h1;
 //! it split-migrates (placement picks the main host with free memory for
 //! half of it and a sub-host for the rest), runs there paging with the
 //! sub-host, and is gathered back onto h1. Throughput over time is plotted
@@ -24,6 +25,9 @@ pub struct Opts {
     pub phase_secs: u64,
     /// A QEMU VM (kernel, initramfs running vmwork) instead of the kv guest.
     pub vm: Option<(PathBuf, PathBuf)>,
+    /// The Debian VM image (memcached on the VM's own address) instead of
+    /// the kv guest: the same client load and story.
+    pub debian: Option<PathBuf>,
     /// Where to forward h1's dashboard on this machine (None: not at all).
     pub dashboard: Option<String>,
 }
@@ -99,32 +103,73 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
         &[o.size + (64 << 20), half, 0, 0],
     )?;
     let _dashboard = watch(&l, o, log);
-    let ip = l.lab.service_ip(1);
-    let svc = format!("{ip}:11211");
     let size = o.size.to_string();
-    run_pf(
-        &l,
-        &[
-            "guest",
-            "start",
-            "db",
-            "--on",
-            "h1",
-            "--size",
-            &size,
-            "--",
-            "kv",
-            "--listen",
-            &svc,
-            "--service-ip",
-            &ip,
-        ],
-        log,
-    )?;
+    // The VM's writable copy of the image, beside it (where hosts allow
+    // VM files), removed when the demo ends.
+    let disk = o
+        .debian
+        .as_ref()
+        .map(|img| proc::TempCopy::of(img, &format!("demo-{}", l.lab.prefix)))
+        .transpose()?;
+    let (svc, keys) = if let Some(d) = &disk {
+        let ip = l.lab.vm_ip(1);
+        let mb = (o.size >> 20) * 5 / 8;
+        let (nic, cfg) = (format!("bridge,ip={ip}"), format!("memcached_mb={mb}"));
+        run_pf(
+            &l,
+            &[
+                "guest",
+                "start",
+                "db",
+                "--on",
+                "h1",
+                "--size",
+                &size,
+                "--",
+                "vm",
+                "--disk",
+                d.path(),
+                "--nic",
+                &nic,
+                "--guest-config",
+                &cfg,
+            ],
+            log,
+        )?;
+        log("the Debian VM boots (QEMU, TCG; systemd, then memcached on its own address)");
+        (
+            format!("{}:11211", ip.split('/').next().unwrap_or(&ip)),
+            // Items fill 70% of memcached's cache (5/8 of the VM).
+            mb * (1 << 20) * 7 / 10 / 4200,
+        )
+    } else {
+        let ip = l.lab.service_ip(1);
+        let svc = format!("{ip}:11211");
+        run_pf(
+            &l,
+            &[
+                "guest",
+                "start",
+                "db",
+                "--on",
+                "h1",
+                "--size",
+                &size,
+                "--",
+                "kv",
+                "--listen",
+                &svc,
+                "--service-ip",
+                &ip,
+            ],
+            log,
+        )?;
+        // Items fill 60% of the guest: more than the main host will hold.
+        (svc, o.size * 6 / 10 / 4200)
+    };
     let spec = kvload::Spec {
         addr: svc.clone(),
-        // Items fill 60% of the guest: more than the main host will hold.
-        keys: o.size * 6 / 10 / 4200,
+        keys,
         value_len: 4000,
         conns: kvload::CONNS,
         get_frac: 0.9,
@@ -137,7 +182,14 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
         "storing {} items of 4000 bytes in the guest's kv (memcached protocol) at {svc}",
         spec.keys
     ));
-    kvload::prefill(&spec)?;
+    let t = std::time::Instant::now();
+    while let Err(e) = kvload::prefill(&spec) {
+        // The VM's memcached answers once the VM has booted.
+        if disk.is_none() || t.elapsed() > Duration::from_secs(180) {
+            return Err(e.context(format!("storing the items at {svc}")));
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
     log(&format!(
         "client load: {} connections, 90% gets, zipf 0.99; every value read is checked",
         spec.conns
@@ -173,8 +225,9 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
     if let Some(e) = err {
         bail!("client load: {e}");
     }
+    let _ = l.pf(0, &["guest", "stop", "db"]);
     let mut r = Report {
-        workload: "kv".into(),
+        workload: if disk.is_some() { "debian-vm" } else { "kv" }.into(),
         size_bytes: o.size,
         timeline: tl.ops_per_sec,
         phases: vec![

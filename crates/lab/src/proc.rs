@@ -311,6 +311,37 @@ impl Drop for Stopped {
     }
 }
 
+/// A copy of a file beside it, named `TAG.<ext>`-style (`bench-TAG.qcow2`
+/// for `debian.qcow2`), removed on drop: a VM's writable disk made from
+/// the image `make vm` built (the guest writes its root file system; the
+/// copy stays in the image directory, which hosts allow).
+pub struct TempCopy(pub PathBuf);
+
+impl TempCopy {
+    /// Copy `src` to `TAG.EXT` in its directory.
+    pub fn of(src: &Path, tag: &str) -> Result<TempCopy> {
+        let ext = src
+            .extension()
+            .map(|e| format!(".{}", e.to_string_lossy()))
+            .unwrap_or_default();
+        let dst = src.with_file_name(format!("{tag}{ext}"));
+        std::fs::copy(src, &dst)
+            .with_context(|| format!("copying {} to {}", src.display(), dst.display()))?;
+        Ok(TempCopy(dst))
+    }
+
+    /// Its path as text (paths here are UTF-8: they come from ours).
+    pub fn path(&self) -> &str {
+        self.0.to_str().unwrap_or_default()
+    }
+}
+
+impl Drop for TempCopy {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
 #[cfg(test)]
 mod stat_tests {
     use super::*;

@@ -295,27 +295,9 @@ pub fn debian_image() -> PathBuf {
 
 /// A writable copy of the Debian image for one test (a VM writes its root
 /// file system), beside it (so hosts allow it), removed on drop.
-pub struct DiskCopy(pub PathBuf);
-
-impl DiskCopy {
-    /// Copy the Debian image to `debian-TAG.qcow2`.
-    pub fn debian(tag: &str) -> DiskCopy {
-        let src = debian_image();
-        let dst = src.with_file_name(format!("debian-{tag}.qcow2"));
-        std::fs::copy(&src, &dst).expect("copy the Debian image");
-        DiskCopy(dst)
-    }
-
-    /// Its path as a string.
-    pub fn path(&self) -> &str {
-        self.0.to_str().expect("UTF-8 path")
-    }
-}
-
-impl Drop for DiskCopy {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
+pub fn debian_disk(tag: &str) -> pagefleet_lab::proc::TempCopy {
+    pagefleet_lab::proc::TempCopy::of(&debian_image(), &format!("debian-{tag}"))
+        .expect("copy the Debian image")
 }
 
 /// A native guest: `pagefleet run ARGS --servers <the cluster's>` as a child

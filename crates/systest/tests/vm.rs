@@ -845,7 +845,7 @@ fn a_debian_vm_keeps_its_address_and_connections_through_split_and_gather() {
         512 * MIB,
         &[512 * MIB, 256 * MIB, 0],
     );
-    let disk = DiskCopy::debian(&l.lab.prefix);
+    let disk = debian_disk(&l.lab.prefix);
     let ip = l.lab.vm_ip(1);
     let addr = format!("{}:11211", ip.split('/').next().unwrap());
     // Defined as an operator's VM is: a libvirt domain, as virsh writes it.
@@ -1008,7 +1008,7 @@ fn debian_vm_migration_drills_keep_memcached_serving() {
         // the sub-host h3.
         &[512 * MIB, 128 * MIB, 0],
     );
-    let disk = DiskCopy::debian(&l.lab.prefix);
+    let disk = debian_disk(&l.lab.prefix);
     let ip = l.lab.vm_ip(2);
     let nic = format!("bridge,ip={ip}");
     let (ok, _, err) = l.pf(
