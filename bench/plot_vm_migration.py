@@ -14,6 +14,8 @@ COLORS = {
     "qemu-swap": "tab:red",
     "pagefleet-split": "tab:blue",
     "pagefleet-enough": "tab:green",
+    "qemu-multifd": "tab:purple",
+    "qemu-postcopy-preempt": "tab:orange",
 }
 
 
@@ -28,8 +30,11 @@ def main(src, dst):
     for x in rows:
         if x["workload"] not in workloads:
             workloads.append(x["workload"])
-    n = max(1, len(workloads))
+    deb = [x for x in r.get("debian", []) if not x.get("error")]
+    n = max(1, len(workloads) + (1 if deb else 0))
     fig, axes = plt.subplots(n, 3, figsize=(17, 4.5 * n), squeeze=False)
+    if deb:
+        debian_panels(axes[len(workloads)], deb)
     for i, wl in enumerate(workloads):
         sub = [x for x in rows if x["workload"] == wl]
         ax = axes[i][0]
@@ -59,9 +64,46 @@ def main(src, dst):
         ax.set_ylabel("ms")
         ax.set_title(f"{wl}: downtime")
         ax.grid(alpha=0.3, axis="y")
-    fig.suptitle(f"VM of {r['size_bytes'] >> 20} MiB, {r['link']} link")
+    if rows:
+        fig.suptitle(f"VM of {r['size_bytes'] >> 20} MiB, {r['link']} link")
+    else:
+        fig.suptitle(f"Debian VM with memcached, {r['link']} link")
     fig.tight_layout()
     fig.savefig(dst, dpi=110)
+
+
+def debian_panels(axes, deb):
+    """Migration time, downtime and client ops/s after/before by VM size, per mode."""
+    modes = []
+    for x in deb:
+        if x["mode"] not in modes:
+            modes.append(x["mode"])
+    sizes = sorted({x["size_bytes"] for x in deb})
+    width = 0.8 / max(1, len(modes))
+    panels = [
+        ("total_secs", "seconds", "Debian VM: migration time"),
+        ("downtime_ms", "ms", "Debian VM: downtime"),
+        (None, "ratio", "Debian VM: client ops/s after / before (0: clients lost)"),
+    ]
+    for ax, (key, unit, title) in zip(axes, panels):
+        for j, m in enumerate(modes):
+            vals = []
+            for s in sizes:
+                x = next((y for y in deb if y["mode"] == m and y["size_bytes"] == s), None)
+                if x is None:
+                    vals.append(0)
+                elif key is None:
+                    b, a = x["ops_before"], x["ops_after"]
+                    vals.append(a / b if ok(a) and ok(b) and b > 0 else 0)
+                else:
+                    vals.append(x[key] if ok(x[key]) else 0)
+            ax.bar([i + j * width for i in range(len(sizes))], vals, width, label=m, color=COLORS.get(m))
+        ax.set_xticks([i + width * (len(modes) - 1) / 2 for i in range(len(sizes))])
+        ax.set_xticklabels([f"{s >> 20} MiB" for s in sizes])
+        ax.set_ylabel(unit)
+        ax.set_title(title)
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=7)
 
 
 if __name__ == "__main__":
