@@ -265,6 +265,60 @@ fn bench_vm_migration_quick_json_has_rows_and_goals() {
     let _ = std::fs::remove_dir_all(&out_dir);
 }
 
+/// The Debian VM's runs of the VM benchmark end to end (quick: 512 MiB,
+/// QEMU multifd and pagefleet split + gather, memcached under the kv
+/// clients): both rows complete, pagefleet's with no wrong or lost value,
+/// no broken connection and the gather's checksums equal; every goal's
+/// verdict matches its value.
+#[test]
+fn bench_vm_migration_debian_quick_json_has_rows_and_goals() {
+    if !pagefleet_common::sys::process::is_root() {
+        eprintln!("skipped: the testbed needs root (CI runs as root)");
+        return;
+    }
+    let out_dir = std::env::temp_dir().join(format!(
+        "pagefleet-bench-vmdeb-smoke-{}",
+        std::process::id()
+    ));
+    let out = Command::new(env!("CARGO_BIN_EXE_pagefleet"))
+        .args([
+            "bench",
+            "vm-migration",
+            "--quick",
+            "--guest",
+            "debian",
+            "--json",
+            "--out",
+        ])
+        .arg(&out_dir)
+        .output()
+        .expect("run pagefleet bench vm-migration --guest debian");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "bench failed: {stderr}");
+    let v: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("stdout is one JSON object");
+    let rows = v["debian"].as_array().unwrap();
+    assert_eq!(rows.len(), 2, "multifd and split at 512 MiB: {stderr}");
+    for r in rows {
+        assert!(r["error"].is_null(), "{r}");
+        assert!(r["total_secs"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["keys"].as_u64().unwrap() > 0, "{r}");
+    }
+    let pf = rows
+        .iter()
+        .find(|r| r["mode"] == "pagefleet-split")
+        .expect("split row");
+    assert_eq!(pf["wrong_values"], 0, "{pf}");
+    assert_eq!(pf["lost_keys"], 0, "{pf}");
+    assert_eq!(pf["reconnects"], 0, "{pf}");
+    assert_eq!(pf["checksums_equal"], true, "{pf}");
+    assert!(pf["ops_after"].as_f64().unwrap() > 0.0, "{pf}");
+    let goals = v["goals"].as_array().unwrap();
+    assert!(goals.len() >= 5, "{goals:?}");
+    assert_verdicts(goals);
+    let _ = std::fs::remove_dir_all(&out_dir);
+}
+
 /// The sharing-aware migration benchmark runs end to end (quick: 128 MiB,
 /// 0% and 50% shared, 10 Gbit): every run's checksums equal, the 50%
 /// dedup run sends about half, and every goal's verdict matches its value.
