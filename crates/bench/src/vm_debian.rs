@@ -170,16 +170,7 @@ fn mean_rate(tl: &[f64], a: f64, b: f64) -> f64 {
 /// Fill memcached (waiting for it to answer), start the load, keep it
 /// `before` seconds.
 fn loaded(spec: &kvload::Spec, before: u64) -> Result<kvload::Load> {
-    let t = Instant::now();
-    while let Err(e) = kvload::prefill(spec) {
-        if t.elapsed() > Duration::from_secs(300) {
-            bail!(
-                "memcached in the VM never took its data at {}: {e}",
-                spec.addr
-            );
-        }
-        std::thread::sleep(Duration::from_millis(500));
-    }
+    kvload::prefill_patiently(spec, Duration::from_secs(300))?;
     let load = kvload::Load::start(spec);
     std::thread::sleep(Duration::from_secs(before));
     Ok(load)
@@ -336,14 +327,7 @@ fn run_qemu(
         dst.qmp(|q| q.cont())?;
     }
     let downtime_ms = if post {
-        let _ = src.qmp(|q| q.status());
-        let _ = dst.qmp(|q| q.status());
-        let stop = src.qmp(|q| Ok(q.last_event("STOP"))).ok().flatten();
-        let resume = dst.qmp(|q| Ok(q.last_event("RESUME"))).ok().flatten();
-        match (stop, resume) {
-            (Some(a), Some(b)) if b >= a => (b - a) * 1e3,
-            _ => f64::NAN,
-        }
+        crate::vm_migration::postcopy_downtime_ms(&src, &dst)
     } else {
         info.downtime.map(|d| d as f64).unwrap_or(f64::NAN)
     };

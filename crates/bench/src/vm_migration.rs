@@ -221,6 +221,21 @@ fn warm(ops: impl Fn() -> u64, secs: u64) -> Result<()> {
     Ok(())
 }
 
+/// A post-copy's downtime: QEMU's `downtime` is not the pause there, so
+/// it is from the source's STOP to the destination's RESUME (QMP event
+/// timestamps; NaN when either is missing).
+pub(crate) fn postcopy_downtime_ms(src: &PlainVm, dst: &PlainVm) -> f64 {
+    // A command each, so the events that came meanwhile are read.
+    let _ = src.qmp(|q| q.status());
+    let _ = dst.qmp(|q| q.status());
+    let stop = src.qmp(|q| Ok(q.last_event("STOP"))).ok().flatten();
+    let resume = dst.qmp(|q| Ok(q.last_event("RESUME"))).ok().flatten();
+    match (stop, resume) {
+        (Some(a), Some(b)) if b >= a => (b - a) * 1e3,
+        _ => f64::NAN,
+    }
+}
+
 /// (a), (b), (c): QEMU's own migration between plain QEMUs.
 #[allow(clippy::too_many_arguments)]
 fn run_qemu(
@@ -364,14 +379,7 @@ fn run_qemu(
     // Post-copy: QEMU's `downtime` is not the pause; it is from the
     // source's STOP to the destination's RESUME (QMP event timestamps).
     let downtime_ms = if post {
-        let _ = src.qmp(|q| q.status());
-        let _ = dst.qmp(|q| q.status());
-        let stop = src.qmp(|q| Ok(q.last_event("STOP"))).ok().flatten();
-        let resume = dst.qmp(|q| Ok(q.last_event("RESUME"))).ok().flatten();
-        match (stop, resume) {
-            (Some(a), Some(b)) if b >= a => (b - a) * 1e3,
-            _ => f64::NAN,
-        }
+        postcopy_downtime_ms(&src, &dst)
     } else {
         info.downtime.map(|d| d as f64).unwrap_or(f64::NAN)
     };
@@ -553,33 +561,43 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
         Some(d) => crate::vm_debian::run(d, &bins, log)?,
         None => Vec::new(),
     };
-    if !o.vmwork {
-        let goals = crate::vm_debian::goals(&debian);
-        let mut r = Report {
-            size_bytes: o.size,
-            work_mb: o.work_mb,
-            span_pct: o.span_pct,
-            link: o.link.name().into(),
-            quick: o.quick,
-            goals,
-            rows: Vec::new(),
-            debian,
-            plot: PlotOutcome::default(),
-        };
-        util::save_with_plot(
-            &mut r,
-            |r| &mut r.plot,
-            &o.out_dir,
-            "vm-migration",
-            include_str!("../../../bench/plot_vm_migration.py"),
-        )?;
-        return Ok(r);
-    }
-    let (kernel, initrd) = image(&bins)?;
+    let rows = if o.vmwork {
+        run_vmwork(o, &bins, log)?
+    } else {
+        Vec::new()
+    };
+    let vmwork_goals = if o.vmwork { goals(&rows) } else { Vec::new() };
+    let mut r = Report {
+        size_bytes: o.size,
+        work_mb: o.work_mb,
+        span_pct: o.span_pct,
+        link: o.link.name().into(),
+        quick: o.quick,
+        goals: vmwork_goals
+            .into_iter()
+            .chain(crate::vm_debian::goals(&debian))
+            .collect(),
+        rows,
+        debian,
+        plot: PlotOutcome::default(),
+    };
+    util::save_with_plot(
+        &mut r,
+        |r| &mut r.plot,
+        &o.out_dir,
+        "vm-migration",
+        include_str!("../../../bench/plot_vm_migration.py"),
+    )?;
+    Ok(r)
+}
+
+/// The vmwork VM's runs: every chosen mode on every workload.
+fn run_vmwork(o: &Opts, bins: &Path, log: Log<'_>) -> Result<Vec<Row>> {
+    let (kernel, initrd) = image(bins)?;
     let g = 2 * o.size + 128 * MIB;
     let l = LabRun::up(
         "bvm",
-        &bins,
+        bins,
         4,
         o.link,
         o.size + 64 * MIB,
@@ -661,28 +679,7 @@ pub fn run(o: &Opts, log: Log<'_>) -> Result<Report> {
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
-    let mut r = Report {
-        size_bytes: o.size,
-        work_mb: o.work_mb,
-        span_pct: o.span_pct,
-        link: o.link.name().into(),
-        quick: o.quick,
-        goals: goals(&rows)
-            .into_iter()
-            .chain(crate::vm_debian::goals(&debian))
-            .collect(),
-        rows,
-        debian,
-        plot: PlotOutcome::default(),
-    };
-    util::save_with_plot(
-        &mut r,
-        |r| &mut r.plot,
-        &o.out_dir,
-        "vm-migration",
-        include_str!("../../../bench/plot_vm_migration.py"),
-    )?;
-    Ok(r)
+    Ok(rows)
 }
 
 /// The workload the goals are computed on: writing when it runs.

@@ -182,14 +182,9 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
         "storing {} items of 4000 bytes in the guest's kv (memcached protocol) at {svc}",
         spec.keys
     ));
-    let t = std::time::Instant::now();
-    while let Err(e) = kvload::prefill(&spec) {
-        // The VM's memcached answers once the VM has booted.
-        if disk.is_none() || t.elapsed() > Duration::from_secs(180) {
-            return Err(e.context(format!("storing the items at {svc}")));
-        }
-        std::thread::sleep(Duration::from_millis(500));
-    }
+    // The VM's memcached answers once the VM has booted.
+    let patience = if disk.is_some() { 180 } else { 0 };
+    kvload::prefill_patiently(&spec, Duration::from_secs(patience))?;
     log(&format!(
         "client load: {} connections, 90% gets, zipf 0.99; every value read is checked",
         spec.conns

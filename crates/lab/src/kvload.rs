@@ -145,6 +145,26 @@ pub fn stats(addr: &str) -> Result<std::collections::HashMap<String, u64>> {
     Ok(m)
 }
 
+/// [`prefill`], tried again every 500 ms while the server does not take
+/// it (a VM still booting), for up to `patience`; the last error names
+/// the address and how long it was tried.
+pub fn prefill_patiently(s: &Spec, patience: Duration) -> Result<()> {
+    let t = Instant::now();
+    loop {
+        match prefill(s) {
+            Ok(()) => return Ok(()),
+            Err(e) if t.elapsed() >= patience => {
+                return Err(e.context(format!(
+                    "memcached at {} did not take the items within {} s",
+                    s.addr,
+                    patience.as_secs()
+                )))
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(500)),
+        }
+    }
+}
+
 pub fn prefill(s: &Spec) -> Result<()> {
     let stop = AtomicBool::new(false);
     std::thread::scope(|sc| -> Result<()> {

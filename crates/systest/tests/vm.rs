@@ -701,27 +701,9 @@ fn a_memcached_vm_serves_the_kv_client_through_split_and_gather() {
         pace: None,
     };
     // memcached boots in a few seconds under TCG: prefill once it answers.
-    let t = Instant::now();
-    while let Err(e) = kvload::prefill(&spec) {
-        assert!(
-            t.elapsed() < Duration::from_secs(60),
-            "memcached in the VM never answered: {e}"
-        );
-        std::thread::sleep(Duration::from_millis(500));
-    }
+    kvload::prefill_patiently(&spec, Duration::from_secs(60)).expect("memcached in the VM");
     let load = kvload::Load::start(&spec);
-    let progress = |what: &str| {
-        let a = load.counters.ops.load(Relaxed);
-        let t = Instant::now();
-        while load.counters.ops.load(Relaxed) < a + 200 {
-            assert!(
-                t.elapsed() < Duration::from_secs(30),
-                "clients make no progress {what}: {:?}",
-                load.error()
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    };
+    let progress = |what: &str| wait_progress(&load, what);
     progress("before the migration");
     let r = report(
         &l,
@@ -751,6 +733,21 @@ fn a_memcached_vm_serves_the_kv_client_through_split_and_gather() {
     );
     let (ok, _, err) = l.pf(0, &["guest", "stop", "mc1"]);
     assert!(ok, "guest stop: {err}");
+}
+
+/// Wait until the kv clients have made 200 more operations (30 s at most).
+fn wait_progress(load: &pagefleet_lab::kvload::Load, what: &str) {
+    use std::sync::atomic::Ordering::Relaxed;
+    let a = load.counters.ops.load(Relaxed);
+    let t = Instant::now();
+    while load.counters.ops.load(Relaxed) < a + 200 {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "clients make no progress {what}: {:?}",
+            load.error()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 /// Tap devices (`pft*`) on lab host `h`'s network namespace.
@@ -888,15 +885,7 @@ fn a_debian_vm_keeps_its_address_and_connections_through_split_and_gather() {
     };
     // Debian boots in 15-40 s under TCG; its memcached then answers on
     // the VM's own address, reached from h3 across the lab's switch.
-    let t = Instant::now();
-    while let Err(e) = kvload::prefill(&spec) {
-        assert!(
-            t.elapsed() < Duration::from_secs(180),
-            "memcached in the Debian VM never answered at {}: {e}",
-            spec.addr
-        );
-        std::thread::sleep(Duration::from_millis(500));
-    }
+    kvload::prefill_patiently(&spec, Duration::from_secs(180)).expect("memcached in the Debian VM");
     let on = |want: usize| {
         let (h, g) = l.guest("deb1").expect("deb1 is gone");
         assert_eq!(h, want, "deb1 should run on h{}: {g:?}", want + 1);
@@ -925,18 +914,7 @@ fn a_debian_vm_keeps_its_address_and_connections_through_split_and_gather() {
         "the guest's ready line should show the name and address it read from fw_cfg: {ready:?} (console: {console})"
     );
     let load = kvload::Load::start(&spec);
-    let progress = |what: &str| {
-        let a = load.counters.ops.load(Relaxed);
-        let t = Instant::now();
-        while load.counters.ops.load(Relaxed) < a + 200 {
-            assert!(
-                t.elapsed() < Duration::from_secs(30),
-                "clients make no progress {what}: {:?}",
-                load.error()
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    };
+    let progress = |what: &str| wait_progress(&load, what);
     progress("before the migration");
     let r = report(
         &l,
@@ -1043,27 +1021,9 @@ fn debian_vm_migration_drills_keep_memcached_serving() {
         reconnect: true,
         pace: None,
     };
-    let t = Instant::now();
-    while let Err(e) = kvload::prefill(&spec) {
-        assert!(
-            t.elapsed() < Duration::from_secs(180),
-            "memcached in the Debian VM never answered: {e}"
-        );
-        std::thread::sleep(Duration::from_millis(500));
-    }
+    kvload::prefill_patiently(&spec, Duration::from_secs(180)).expect("memcached in the Debian VM");
     let load = kvload::Load::start(&spec);
-    let progress = |what: &str| {
-        let a = load.counters.ops.load(Relaxed);
-        let t = Instant::now();
-        while load.counters.ops.load(Relaxed) < a + 200 {
-            assert!(
-                t.elapsed() < Duration::from_secs(30),
-                "{what}: the clients make no progress: {:?}",
-                load.error()
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    };
+    let progress = |what: &str| wait_progress(&load, what);
     progress("before the drills");
     let phase = |l: &LabRun| {
         guest_status(&l.control(0, "dd"))
