@@ -339,8 +339,9 @@ pub struct Report {
 /// What sharing-aware migration saved toward one destination.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct DedupReport {
-    /// Pages the source hashed (every page, or a probe of a batch when
-    /// recent batches found nothing).
+    /// Pages whose content the source hashed (every page, or a probe of a
+    /// batch when recent batches found nothing; zero pages are found by a
+    /// scan and asked about without hashing).
     pub pages_hashed: u64,
     /// Pages not sent: the destination filled them from its own host.
     pub pages_not_sent: u64,

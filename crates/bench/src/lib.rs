@@ -34,6 +34,7 @@ pub mod registry;
 pub mod replicas;
 pub mod restart;
 pub mod soak;
+pub mod split_floor;
 pub mod strangers;
 pub mod tls_floor;
 pub mod util;

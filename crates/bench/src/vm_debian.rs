@@ -23,9 +23,11 @@
 //! QEMU's destination, h5 the clients.
 
 use crate::migration::{pf_json, pf_ok, wait_until};
+use crate::split_floor::{self, FloorRun};
 use crate::util::{self, Goal};
 use crate::LabRun;
 use anyhow::{bail, Result};
+use pagefleet_api::Report as MigrationReport;
 use pagefleet_lab::kvload;
 use pagefleet_lab::proc::TempCopy;
 use pagefleet_testbed::Link;
@@ -48,6 +50,8 @@ pub const MODES: [&str; 4] = [
 /// Bytes of each memcached value (8 KiB: a 4 GiB VM fills in well under a
 /// minute under TCG).
 const VALUE_LEN: usize = 8192;
+/// The split floor's port on h2 and h3.
+const FLOOR_PORT: u16 = 4790;
 
 #[derive(Clone, Debug)]
 pub struct Opts {
@@ -100,6 +104,16 @@ pub struct DebRow {
     pub checksums_equal: Option<bool>,
     /// pagefleet: the gather back to h1, seconds.
     pub gather_secs: Option<f64>,
+    /// pagefleet: the split's own report (rounds, bytes per host, the
+    /// downtime's parts).
+    pub split_report: Option<Box<MigrationReport>>,
+    /// pagefleet: the gather's report.
+    pub gather_report: Option<Box<MigrationReport>>,
+    /// pagefleet: the floor under the split's transfer (its bytes to the
+    /// same hosts, nothing else), run beside the VM after the gather.
+    pub floor: Option<FloorRun>,
+    /// Why the floor did not run to its end.
+    pub floor_error: Option<String>,
     pub error: Option<String>,
 }
 
@@ -394,6 +408,7 @@ fn run_pagefleet(l: &LabRun, o: &Opts, size: u64, img: &Path, ip: &str) -> Resul
             total_secs: rep.total_secs,
             downtime_ms: rep.downtime_ms,
             bytes_sent: rep.bytes_main + rep.bytes_subs.iter().sum::<u64>(),
+            split_report: Some(Box::new(rep)),
             ..Default::default()
         };
         // Measured after the split's after window: ops_after is the split's.
@@ -402,7 +417,18 @@ fn run_pagefleet(l: &LabRun, o: &Opts, size: u64, img: &Path, ip: &str) -> Resul
         let equal = g.checksum_source.is_some() && g.checksum_source == g.checksum_dest;
         row.gather_secs = Some(g.total_secs);
         row.checksums_equal = Some(equal);
+        row.gather_report = Some(Box::new(g));
         std::thread::sleep(Duration::from_secs(2));
+        // The floor beside the VM (back on h1) and its clients: the split's
+        // bytes from h1 to h2 and h3 as they went, nothing else.
+        if let Some(rep) = &row.split_report {
+            let mut shares = vec![(1, rep.bytes_main)];
+            shares.extend(rep.bytes_subs.iter().take(1).map(|b| (2, *b)));
+            match split_floor::run(&l.lab, 0, &shares, FLOOR_PORT) {
+                Ok(f) => row.floor = Some(f),
+                Err(e) => row.floor_error = Some(format!("{e:#}")),
+            }
+        }
         // The split's after window ends where the gather began.
         let c = load.counters.clone();
         let err = load.error();
@@ -523,6 +549,18 @@ pub fn goals(rows: &[DebRow]) -> Vec<Goal> {
             0.8,
             "ratio",
         ));
+        if let Some(f) = &pf.floor {
+            // Met: a split could reach the target here; not met: the
+            // target is out of reach on this machine, whatever the split does.
+            g.push(Goal::at_most(
+                &format!(
+                    "{label}: floor (the split's bytes alone, sendfile to splice) / best QEMU pre-copy ({name})"
+                ),
+                f.secs / t,
+                0.5,
+                "ratio",
+            ));
+        }
         per_gib.push((gib, pf.total_secs / gib));
     }
     if per_gib.len() > 1 {
@@ -610,6 +648,40 @@ pub fn print(rows: &[DebRow], out: &mut dyn std::io::Write) -> std::io::Result<(
             r.reconnects,
             r.gather_secs.map(|s| format!("{s:.2}")).unwrap_or_else(|| "-".into())
         )?;
+    }
+    // Where the split's time went, and the floor beside it.
+    for r in rows.iter().filter(|r| r.error.is_none()) {
+        if let Some(s) = &r.split_report {
+            writeln!(
+                out,
+                "  split {:>5} MiB: {} rounds, round 1 {:.2} s for {:.0} MiB ({:.0} MiB/s), main {:.0} MiB, sub-hosts {:.0} MiB, downtime: pause {:.1} + last copy {:.1} + commit {:.1} + start {:.1} ms",
+                r.size_bytes >> 20,
+                s.rounds,
+                s.round1_secs,
+                s.round1_bytes as f64 / MIB as f64,
+                s.round1_bytes as f64 / MIB as f64 / s.round1_secs.max(1e-9),
+                s.bytes_main as f64 / MIB as f64,
+                s.bytes_subs.iter().sum::<u64>() as f64 / MIB as f64,
+                s.pause_ms,
+                s.final_copy_ms,
+                s.commit_ms,
+                s.start_ms
+            )?;
+        }
+        match (&r.floor, &r.floor_error) {
+            (Some(f), _) => writeln!(
+                out,
+                "  floor {:>5} MiB: the same bytes alone in {:.2} s ({:.0} MiB/s; CPU source {:.2} s, destinations {:.2} s): split / floor {:.2}",
+                r.size_bytes >> 20,
+                f.secs,
+                f.bytes as f64 / MIB as f64 / f.secs.max(1e-9),
+                f.source_cpu_secs,
+                f.dest_cpu_secs,
+                r.total_secs / f.secs.max(1e-9)
+            )?,
+            (None, Some(e)) => writeln!(out, "  floor {:>5} MiB: FAILED: {e}", r.size_bytes >> 20)?,
+            (None, None) => {}
+        }
     }
     writeln!(out)
 }

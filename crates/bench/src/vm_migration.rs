@@ -867,8 +867,11 @@ pub struct Args {
     /// The VM's memory (default 1GiB; at least 128MiB).
     #[arg(long, value_parser = pagefleet_common::units::parse_size)]
     pub size: Option<u64>,
-    /// The ways to migrate, comma-separated: qemu-precopy, qemu-postcopy,
-    /// qemu-swap, pagefleet-split, pagefleet-enough (default: all).
+    /// The ways to migrate, comma-separated (default: all). vmwork:
+    /// qemu-precopy, qemu-postcopy, qemu-swap, pagefleet-split,
+    /// pagefleet-enough; debian: qemu-precopy, qemu-multifd,
+    /// qemu-postcopy-preempt, pagefleet-split. A name applies to each VM
+    /// that has it.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
     /// Workloads, comma-separated: idle (100 checked reads/s), reading,
@@ -907,11 +910,22 @@ impl crate::Benchmark for Args {
             }
             o.span_pct = s;
         }
+        let deb_modes = crate::vm_debian::MODES;
         if !self.only.is_empty() {
-            if let Some(bad) = self.only.iter().find(|m| !MODES.contains(&m.as_str())) {
-                bail!("--only {bad:?}: use {}", MODES.join(", "));
+            let known = |m: &str| MODES.contains(&m) || deb_modes.contains(&m);
+            if let Some(bad) = self.only.iter().find(|m| !known(m)) {
+                bail!(
+                    "--only {bad:?}: use {} (vmwork) or {} (debian)",
+                    MODES.join(", "),
+                    deb_modes.join(", ")
+                );
             }
-            o.modes = self.only.clone();
+            o.modes = self
+                .only
+                .iter()
+                .filter(|m| MODES.contains(&m.as_str()))
+                .cloned()
+                .collect();
         }
         if !self.guest.is_empty() {
             if let Some(bad) = self.guest.iter().find(|g| *g != "vmwork" && *g != "debian") {
@@ -935,6 +949,16 @@ impl crate::Benchmark for Args {
             }
             d.sizes = self.sizes.iter().map(|s| s / MIB * MIB).collect();
         }
+        if let (Some(d), false) = (o.debian.as_mut(), self.only.is_empty()) {
+            d.modes = self
+                .only
+                .iter()
+                .filter(|m| deb_modes.contains(&m.as_str()))
+                .cloned()
+                .collect();
+        }
+        // Names of the Debian modes only: the vmwork VM has none to run.
+        o.vmwork &= !o.modes.is_empty();
         if !self.workloads.is_empty() {
             o.workloads = Vec::new();
             for w in &self.workloads {

@@ -11,6 +11,13 @@
 //! of the batch waits for the probe's answer (behind the batches in flight,
 //! so the link stays busy) and is sent if the probe missed, asked about if
 //! it hit; a hit also makes the source hash whole batches again.
+//!
+//! Zero pages are the source's to find: a scan that stops at the first
+//! non-zero word costs a data page next to nothing, and a zero page's hash
+//! is one constant, so every zero page is asked about (never sent) whether
+//! the source is probing or not. Only hits on other content keep it
+//! hashing whole batches: a guest whose only sharing is zero pages (most
+//! VMs) costs one scan per page, not a hash.
 
 use crate::outcome::{MigrateError, Progress};
 use crate::pread_pages;
@@ -34,7 +41,11 @@ pub const PROBE_EVERY: usize = 32;
 /// The source's state across the rounds of one migration.
 pub struct Sender {
     key: ContentKey,
+    /// The zero page's hash under `key`.
+    zero: pagefleet_dedup::PageHash,
     cold: u32,
+    /// Pages whose content was hashed (not found zero).
+    pub hashed_data: u64,
     /// Pages hashed.
     pub hashed: u64,
     /// Pages the destination filled (not sent).
@@ -51,8 +62,10 @@ impl Sender {
     /// A sender hashing with the cluster's key.
     pub fn new(key: ContentKey) -> Sender {
         Sender {
+            zero: key.zero(),
             key,
             cold: 0,
+            hashed_data: 0,
             hashed: 0,
             found: 0,
             hash_bytes: 0,
@@ -61,25 +74,33 @@ impl Sender {
         }
     }
 
-    /// The key pages are hashed with.
-    pub(crate) fn key(&self) -> &ContentKey {
-        &self.key
-    }
-
-    /// Which of a batch of `n` pages to hash.
-    pub(crate) fn pick(&mut self, n: usize) -> Vec<usize> {
+    /// Which pages of a batch to ask about (`zero[k]`: page k is zero):
+    /// all of them, or when cold a probe and the zero pages.
+    pub(crate) fn pick(&mut self, zero: &[bool]) -> Vec<usize> {
         if self.cold < COLD_AFTER {
-            (0..n).collect()
+            (0..zero.len()).collect()
         } else {
             self.probes += 1;
-            (0..n).step_by(PROBE_EVERY).collect()
+            (0..zero.len())
+                .filter(|&k| k % PROBE_EVERY == 0 || zero[k])
+                .collect()
         }
     }
 
-    /// A batch's answer: `hits` of its hashed pages were there.
-    pub(crate) fn learned(&mut self, hits: usize) {
+    /// The hash of `page` (the constant when the caller found it zero).
+    pub(crate) fn hash(&mut self, page: &[u8; PAGE], zero: bool) -> [u8; 16] {
+        if zero {
+            return self.zero.to_bytes();
+        }
+        self.hashed_data += 1;
+        self.key.hash(page).to_bytes()
+    }
+
+    /// A batch's answer: `hits` of its asked pages were there, `zero_hits`
+    /// of them zero pages (which do not keep the source hashing).
+    pub(crate) fn learned(&mut self, hits: usize, zero_hits: usize) {
         self.found += hits as u64;
-        self.cold = if hits > 0 { 0 } else { self.cold + 1 };
+        self.cold = if hits > zero_hits { 0 } else { self.cold + 1 };
     }
 }
 
@@ -89,6 +110,8 @@ struct Pending {
     pages: Vec<u64>,
     hist: Vec<u8>,
     data: Vec<u8>,
+    /// Which pages are zero.
+    zero: Vec<bool>,
     /// Indexes (into `pages`) asked about, in order.
     hashed: Vec<usize>,
     /// Indexes neither asked about nor sent: a probe's batch waits for the
@@ -159,17 +182,21 @@ pub fn send(
                 .map_err(|e| MigrateError::Other(format!("reading the region: {e}")))?;
             at += count;
         }
-        let hashed = sender.pick(chunk.len());
-        let deferred = if hashed.len() == chunk.len() {
-            Vec::new()
-        } else {
-            (0..chunk.len()).filter(|k| k % PROBE_EVERY != 0).collect()
-        };
+        let t = pagefleet_common::clock::thread_cpu_secs();
+        let zero = zero_pages(&data);
+        sender.hash_secs += pagefleet_common::clock::thread_cpu_secs() - t;
+        let hashed = sender.pick(&zero);
+        let mut asked = vec![false; chunk.len()];
+        for &k in &hashed {
+            asked[k] = true;
+        }
+        let deferred = (0..chunk.len()).filter(|&k| !asked[k]).collect();
         let p = Pending {
             id: 0,
             pages: chunk.to_vec(),
             hist: h.to_vec(),
             data,
+            zero,
             hashed,
             deferred,
         };
@@ -192,7 +219,7 @@ fn ask(stream: &mut Stream, p: &Pending, sender: &mut Sender) -> Result<u64, Mig
         let page: &[u8; PAGE] = p.data[k * PAGE..(k + 1) * PAGE].try_into().expect("page");
         msg.extend_from_slice(&p.pages[k].to_le_bytes());
         msg.push(p.hist[k]);
-        msg.extend_from_slice(&sender.key.hash(page).to_bytes());
+        msg.extend_from_slice(&sender.hash(page, p.zero[k]));
     }
     sender.hash_secs += pagefleet_common::clock::thread_cpu_secs() - t;
     sender.hashed += p.hashed.len() as u64;
@@ -223,17 +250,18 @@ fn settle(
         .into());
     }
     let mut send = vec![false; p.pages.len()];
-    let mut hits = 0;
+    let (mut hits, mut zero_hits) = (0, 0);
     for (i, &k) in p.hashed.iter().enumerate() {
         if have[i / 8] & (1 << (i % 8)) != 0 {
             hits += 1;
+            zero_hits += p.zero[k] as usize;
         } else {
             send[k] = true;
         }
     }
-    sender.learned(hits);
+    sender.learned(hits, zero_hits);
     progress.round_sent.fetch_add(hits as u64, Relaxed);
-    let follow = !p.deferred.is_empty() && hits > 0;
+    let follow = !p.deferred.is_empty() && hits > zero_hits;
     if !follow {
         for &k in &p.deferred {
             send[k] = true;
@@ -287,6 +315,20 @@ fn send_some(
     Ok(bytes)
 }
 
+/// Which pages of `data` (whole pages) are all zero. A data page's scan
+/// stops at its first non-zero word.
+pub(crate) fn zero_pages(data: &[u8]) -> Vec<bool> {
+    data.chunks_exact(PAGE)
+        .map(|p| {
+            p.chunks_exact(64).all(|c| {
+                c.chunks_exact(8).fold(0u64, |a, w| {
+                    a | u64::from_ne_bytes(w.try_into().expect("8 bytes"))
+                }) == 0
+            })
+        })
+        .collect()
+}
+
 /// The HAVE bitmap of `filled` (one bit per hashed page, in order).
 pub fn bitmap(filled: &[bool]) -> Vec<u8> {
     let mut b = vec![0u8; filled.len().div_ceil(8)];
@@ -310,14 +352,46 @@ mod tests {
     #[test]
     fn a_source_that_finds_nothing_only_probes_and_a_hit_wakes_it() {
         let mut s = Sender::new(key());
-        assert_eq!(s.pick(BATCH).len(), BATCH);
-        s.learned(0);
-        s.learned(0);
-        let probe = s.pick(BATCH);
+        let none = [false; BATCH];
+        assert_eq!(s.pick(&none).len(), BATCH);
+        s.learned(0, 0);
+        s.learned(0, 0);
+        let probe = s.pick(&none);
         assert_eq!(probe.len(), BATCH / PROBE_EVERY);
         assert_eq!(s.probes, 1);
-        s.learned(1);
-        assert_eq!(s.pick(BATCH).len(), BATCH);
+        s.learned(1, 0);
+        assert_eq!(s.pick(&none).len(), BATCH);
+    }
+
+    #[test]
+    fn zero_pages_are_always_asked_about_and_never_keep_the_source_hashing() {
+        let mut s = Sender::new(key());
+        let mut zero = [false; BATCH];
+        zero[5] = true;
+        zero[6] = true;
+        // Batches whose only hits are their zero pages.
+        s.learned(2, 2);
+        s.learned(2, 2);
+        let asked = s.pick(&zero);
+        assert_eq!(asked.len(), BATCH / PROBE_EVERY + 2);
+        assert!(asked.contains(&5) && asked.contains(&6));
+        // A zero page's hash is the constant; no content was hashed.
+        let z = [0u8; PAGE];
+        assert_eq!(s.hash(&z, true), key().zero().to_bytes());
+        assert_eq!(s.hashed_data, 0);
+        let mut d = [0u8; PAGE];
+        d[PAGE - 1] = 1;
+        assert_ne!(s.hash(&d, false), key().zero().to_bytes());
+        assert_eq!(s.hashed_data, 1);
+    }
+
+    #[test]
+    fn a_zero_scan_finds_a_single_set_byte_anywhere() {
+        let mut data = vec![0u8; 4 * PAGE];
+        data[PAGE + 4095] = 1;
+        data[2 * PAGE] = 0x80;
+        data[3 * PAGE + 2000] = 7;
+        assert_eq!(zero_pages(&data), vec![true, false, false, false]);
     }
 
     #[test]

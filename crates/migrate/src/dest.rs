@@ -408,7 +408,7 @@ pub fn receive_with(
     };
     let gather = r.spec.gather;
     let mut tmp = vec![0u8; MAX_PAGES * PAGE];
-    let mut pipe = sys::Pipe::new().map_err(WireError::Io)?;
+    let mut pipe = pagefleet_common::sys::splice::Splicer::new().map_err(WireError::Io)?;
     let limited = memcg_limited();
     if let Some(c) = lookup.take() {
         let target = Target {
@@ -480,13 +480,13 @@ pub fn receive_with(
                         // TLS: the bytes come decrypted from this process.
                         r.stream.read_exact(dst)?;
                     } else {
-                        sys::splice_in(
-                            &mut pipe,
-                            r.stream.s.socket().as_fd(),
-                            r.adopt.memfd.as_fd(),
+                        pipe.into_file(
+                            &r.stream.s.socket().as_fd(),
+                            &r.adopt.memfd.as_fd(),
                             (first * PAGE) as u64,
                             count * PAGE,
-                        )?;
+                        )
+                        .map_err(|e| r.stream.io_error(e))?;
                         if populate {
                             sys::map_resident(dst);
                         }

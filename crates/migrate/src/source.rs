@@ -8,7 +8,7 @@ use crate::plan::{self, Plan, MAIN, SUB0};
 use crate::sub_dedup::SubPut;
 use crate::wire::runs;
 use crate::wire::{Kind, Stream, WireError, MAX_PAGES, NO_MIRROR};
-use crate::{checksum, pread_pages, Report, Spec};
+use crate::{checksum, Report, Spec};
 use pagefleet_client::{Conn, ConnectOptions, Pages};
 use pagefleet_proto::auth::Secret;
 use pagefleet_region::{Location, Region, Snapshot, PAGE};
@@ -474,7 +474,7 @@ impl Run<'_> {
                 .sub_dedup
                 .iter()
                 .map(|d| pagefleet_api::DedupReport {
-                    pages_hashed: d.hashed,
+                    pages_hashed: d.hashed_data,
                     pages_not_sent: d.found,
                     hash_bytes: d.hash_bytes,
                     bytes_saved: (d.found * PAGE as u64) as i64 - d.hash_bytes as i64,
@@ -485,7 +485,7 @@ impl Run<'_> {
                 .collect(),
             dedup_main: self.dedup.as_ref().map(|d| {
                 Box::new(pagefleet_api::DedupReport {
-                    pages_hashed: d.hashed,
+                    pages_hashed: d.hashed_data,
                     pages_not_sent: prepared.dedup.pages + prepared.dedup.zero,
                     zero_pages: prepared.dedup.zero,
                     stale_hints: prepared.dedup.stale,
@@ -735,12 +735,9 @@ fn send_main(
         if cancel.load(Relaxed) {
             return Err(MigrateError::Cancelled);
         }
-        let data = &mut buf[..count * PAGE];
-        pread_pages(fd, first, data)
-            .map_err(|e| MigrateError::Other(format!("reading the region: {e}")))?;
         let h = &hist[at..at + count];
         at += count;
-        stream.send(Kind::Pages, first, &[h, data])?;
+        stream.send_pages(Kind::Pages, first, h, fd, count, &mut buf)?;
         bytes += (16 + count + count * PAGE) as u64;
         progress
             .bytes_main

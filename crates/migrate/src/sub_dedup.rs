@@ -31,6 +31,8 @@ enum Pending {
         pages: Vec<u64>,
         asked: Vec<usize>,
         data: Vec<u8>,
+        /// Which of `pages` are zero.
+        zero: Vec<bool>,
     },
     /// A PUT of `n` pages.
     Put { id: u64, n: usize },
@@ -112,13 +114,14 @@ impl<'a> SubPut<'a> {
             self.spare.push(data);
             return Ok(());
         };
-        let asked = d.pick(pages.len());
         let t = pagefleet_common::clock::thread_cpu_secs();
+        let zero = crate::dedup::zero_pages(&data[..pages.len() * PAGE]);
+        let asked = d.pick(&zero);
         let entries: Vec<(u64, [u8; 16])> = asked
             .iter()
             .map(|&k| {
                 let page: &[u8; PAGE] = data[k * PAGE..(k + 1) * PAGE].try_into().expect("page");
-                (pages[k], d.key().hash(page).to_bytes())
+                (pages[k], d.hash(page, zero[k]))
             })
             .collect();
         d.hash_secs += pagefleet_common::clock::thread_cpu_secs() - t;
@@ -139,6 +142,7 @@ impl<'a> SubPut<'a> {
             pages,
             asked,
             data,
+            zero,
         });
         self.inflight.extend(put);
         Ok(())
@@ -159,12 +163,16 @@ impl<'a> SubPut<'a> {
                 pages,
                 asked,
                 data,
+                zero,
             } => {
                 let missing: Vec<usize> = match self.c.recv_put_hashed(id) {
                     Ok(ok) => {
                         let hits = (0..asked.len()).filter(|&i| ok.is_stored(i)).count();
+                        let zero_hits = (0..asked.len())
+                            .filter(|&i| ok.is_stored(i) && zero[asked[i]])
+                            .count();
                         if let Some(d) = self.dedup.as_deref_mut() {
-                            d.learned(hits);
+                            d.learned(hits, zero_hits);
                         }
                         self.progress.round_sent.fetch_add(hits as u64, Relaxed);
                         (0..asked.len())

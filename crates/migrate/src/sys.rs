@@ -2,35 +2,9 @@
 //! comments say why the call is sound (the architecture test keeps
 //! `libc::` calls in `sys` modules).
 
-use crate::wire::{WireError, MAX_PAGES};
+use crate::wire::MAX_PAGES;
 use pagefleet_units::PAGE_SIZE as PAGE;
 use std::os::fd::{AsRawFd, BorrowedFd};
-
-/// A pipe sized for one PAGES message, for splicing socket data into the memfd.
-pub(crate) struct Pipe {
-    r: std::os::fd::OwnedFd,
-    w: std::os::fd::OwnedFd,
-}
-
-impl Pipe {
-    pub(crate) fn new() -> std::io::Result<Pipe> {
-        use std::os::fd::FromRawFd;
-        let mut fds = [0i32; 2];
-        // SAFETY: plain syscalls; the fds are owned below.
-        unsafe {
-            if libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            let p = Pipe {
-                r: std::os::fd::OwnedFd::from_raw_fd(fds[0]),
-                w: std::os::fd::OwnedFd::from_raw_fd(fds[1]),
-            };
-            // Best effort: a bigger pipe means fewer splice calls.
-            libc::fcntl(fds[1], libc::F_SETPIPE_SZ, (MAX_PAGES * PAGE) as i32);
-            Ok(p)
-        }
-    }
-}
 
 /// Read whole pages of the region's memfd without faulting (holes read as zeros).
 pub fn pread_pages(fd: BorrowedFd<'_>, first: u64, dst: &mut [u8]) -> std::io::Result<()> {
@@ -89,66 +63,6 @@ pub(crate) fn map_resident(range: &mut [u8]) {
             i = j;
         }
     }
-}
-
-/// Move `len` bytes from the socket into the file at `off` through the pipe.
-pub(crate) fn splice_in(
-    p: &mut Pipe,
-    sock: BorrowedFd<'_>,
-    file: BorrowedFd<'_>,
-    off: u64,
-    len: usize,
-) -> Result<(), WireError> {
-    let mut done = 0usize;
-    while done < len {
-        // SAFETY: splice between descriptors the borrows keep open; no
-        // user memory is touched.
-        let n = unsafe {
-            libc::splice(
-                sock.as_raw_fd(),
-                std::ptr::null_mut(),
-                p.w.as_raw_fd(),
-                std::ptr::null_mut(),
-                len - done,
-                libc::SPLICE_F_MOVE | libc::SPLICE_F_MORE,
-            )
-        };
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(WireError::Io(e));
-        }
-        if n == 0 {
-            return Err(WireError::Io(std::io::ErrorKind::UnexpectedEof.into()));
-        }
-        let mut m = 0usize;
-        while m < n as usize {
-            let mut o = (off as usize + done + m) as i64;
-            // SAFETY: as above; `o` is the file offset to write at.
-            let k = unsafe {
-                libc::splice(
-                    p.r.as_raw_fd(),
-                    std::ptr::null_mut(),
-                    file.as_raw_fd(),
-                    &mut o,
-                    n as usize - m,
-                    libc::SPLICE_F_MOVE,
-                )
-            };
-            if k < 0 {
-                let e = std::io::Error::last_os_error();
-                if e.kind() == std::io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(WireError::Io(e));
-            }
-            m += k as usize;
-        }
-        done += n as usize;
-    }
-    Ok(())
 }
 
 /// Allocate and map `len` bytes at `addr` for writing

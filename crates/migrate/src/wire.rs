@@ -29,6 +29,7 @@
 //!
 //! See docs/migration.md.
 
+use pagefleet_common::sys::splice;
 use pagefleet_proto::auth::{random_u64, Secret};
 use pagefleet_proto::framing::{Framing, HeaderError, RawHeader, HEADER_LEN};
 use pagefleet_tls::handshake::{
@@ -36,7 +37,9 @@ use pagefleet_tls::handshake::{
     TlsOffer,
 };
 use pagefleet_tls::Stream as Socket;
+use pagefleet_units::PAGE_SIZE as PAGE;
 use std::io::{self, IoSlice, Read};
+use std::os::fd::BorrowedFd;
 use std::time::Duration;
 
 /// Every message starts with these bytes.
@@ -318,6 +321,46 @@ impl Stream {
         );
         pagefleet_proto::io::write_all_vectored(&mut &self.s, &mut iov)
             .map_err(|e| self.io_error(e))
+    }
+
+    /// Send one message (argument `first`) whose body is `prefix` then
+    /// pages `first..first + count` of the memfd `file`. On a plain
+    /// connection the pages go out with sendfile(2): no copy through this
+    /// process, and their bytes are the memfd's when they reach the wire,
+    /// so the caller must track later changes (a migration round does).
+    /// Over TLS they are read into `buf` (at least `count` pages) and sealed.
+    pub fn send_pages(
+        &mut self,
+        kind: Kind,
+        first: u64,
+        prefix: &[u8],
+        file: BorrowedFd<'_>,
+        count: usize,
+        buf: &mut [u8],
+    ) -> Result<(), WireError> {
+        let len = count * PAGE;
+        if self.s.is_tls() {
+            let data = &mut buf[..len];
+            crate::pread_pages(file, first, data).map_err(WireError::Io)?;
+            return self.send(kind, first, &[prefix, data]);
+        }
+        let total = prefix.len() + len;
+        let h = Header {
+            kind,
+            len: u32::try_from(total)
+                .map_err(|_| WireError::Malformed(format!("a body of {total} bytes")))?,
+            arg: first,
+        }
+        .encode();
+        let mut head = Vec::with_capacity(h.len() + prefix.len());
+        head.extend_from_slice(&h);
+        head.extend_from_slice(prefix);
+        let sock = self.s.socket();
+        splice::send_more(sock, &head).map_err(|e| self.io_error(e))?;
+        let off = first
+            .checked_mul(PAGE as u64)
+            .ok_or_else(|| WireError::Malformed(format!("page {first}")))?;
+        splice::send_file(&file, off, len, sock).map_err(|e| self.io_error(e))
     }
 
     /// Send one message with a JSON body.
