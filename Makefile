@@ -21,7 +21,7 @@ CARGO ?= cargo
 APT_PKGS := build-essential pkg-config python3 python3-venv memcached libmemcached-tools python3-pymemcache iproute2 util-linux \
             qemu-utils libnbd-bin python3-libnbd nbdkit fio qemu-system-x86 cpio ksmtuned \
             etcd-server etcd-client protobuf-compiler libprotobuf-dev prometheus chromium chromium-driver \
-            syslinux syslinux-common mtools dosfstools mmdebstrap fdisk libvirt-clients
+            syslinux syslinux-common mtools dosfstools mmdebstrap fdisk libvirt-clients ovmf
 VENV := .venv
 FUZZ_SECONDS ?= 30
 

@@ -125,6 +125,10 @@ pub enum Workload {
         /// The machine QEMU emulates (pc: i440FX, the default; q35).
         #[serde(default, skip_serializing_if = "VmMachine::is_default")]
         machine: VmMachine,
+        /// The firmware that boots it: SeaBIOS (the default) or UEFI with
+        /// the VM's own variable store.
+        #[serde(default, skip_serializing_if = "VmFirmware::is_bios")]
+        firmware: VmFirmware,
     },
     /// The S-memV sort experiment: records fill the last `sort_frac` of the
     /// memory; it scans them (unless `warm` is false) until asked to sort.
@@ -188,6 +192,14 @@ pub struct VmDisk {
     /// Attached read-only (several VMs may share one image).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub readonly: bool,
+    /// A qcow2 overlay (an absolute path) the guest writes instead of
+    /// `path`, which is then its read-only base, never written (several
+    /// VMs may share it, each with its own overlay). The host that first
+    /// starts the guest creates the overlay when it is missing; a
+    /// migration hands it over as it does a writable image (the
+    /// destination must see the same file).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overlay: Option<String>,
 }
 
 /// The machine type of a VM (QEMU's `-machine`; libvirt's
@@ -213,6 +225,30 @@ impl VmMachine {
 
     fn is_default(&self) -> bool {
         *self == VmMachine::Pc
+    }
+}
+
+/// A VM's firmware (libvirt's `<os firmware=...>`, `<loader>`, `<nvram>`).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
+pub enum VmFirmware {
+    /// SeaBIOS, QEMU's default: no state of its own.
+    #[default]
+    Bios,
+    /// UEFI (the host's OVMF, without Secure Boot). Its variables (boot
+    /// entries, settings the guest writes) are the VM's: `nvram`, an
+    /// absolute path under the host's `--vm-images`, made from OVMF's
+    /// template when the VM first starts and handed over by a migration
+    /// as a writable disk is (the destination must see the same file).
+    Uefi {
+        /// The VM's variable store.
+        nvram: String,
+    },
+}
+
+impl VmFirmware {
+    fn is_bios(&self) -> bool {
+        *self == VmFirmware::Bios
     }
 }
 
@@ -250,6 +286,7 @@ impl Workload {
                 path: p.clone(),
                 format: Some(DiskFormat::Raw),
                 readonly: *disk_readonly,
+                overlay: None,
             })
             .collect();
         all.extend(disks.iter().cloned());
@@ -312,6 +349,7 @@ impl Workload {
                 guest_port,
                 nic,
                 guest_config,
+                firmware,
                 ..
             } => {
                 if listen.is_some() && nic.is_some() {
@@ -346,10 +384,37 @@ impl Workload {
                         disks.len()
                     )));
                 }
-                let files = [("kernel", kernel.as_ref()), ("initrd", initrd.as_ref())]
-                    .into_iter()
-                    .flat_map(|(w, p)| p.map(|p| (w, p)))
-                    .chain(disks.iter().map(|d| ("disk", &d.path)));
+                for d in &disks {
+                    if d.overlay.is_some() && d.readonly {
+                        return Err(InvalidSpec(format!(
+                            "disk {}: an overlay is the disk's writable part; give overlay or readonly, not both",
+                            d.path
+                        )));
+                    }
+                    if d.overlay.as_ref() == Some(&d.path) {
+                        return Err(InvalidSpec(format!(
+                            "disk {}: its overlay must be another file",
+                            d.path
+                        )));
+                    }
+                }
+                let nvram = match firmware {
+                    VmFirmware::Uefi { nvram } => Some(nvram),
+                    VmFirmware::Bios => None,
+                };
+                let files = [
+                    ("kernel", kernel.as_ref()),
+                    ("initrd", initrd.as_ref()),
+                    ("nvram", nvram),
+                ]
+                .into_iter()
+                .flat_map(|(w, p)| p.map(|p| (w, p)))
+                .chain(disks.iter().map(|d| ("disk", &d.path)))
+                .chain(
+                    disks
+                        .iter()
+                        .flat_map(|d| d.overlay.as_ref().map(|o| ("overlay", o))),
+                );
                 for (what, p) in files {
                     if !p.starts_with('/')
                         || p.len() > 4096

@@ -23,7 +23,8 @@ pub mod paging;
 pub use control::{ControlReply, ControlRequest};
 pub use guest::{
     ContentFill, DiskFormat, FaultCounts, GuestFailure, GuestSpec, GuestState, GuestStatus,
-    PageLocations, PagingCosts, SortResult, StartGuest, VmDisk, VmMachine, Workload, MAX_VM_DISKS,
+    PageLocations, PagingCosts, SortResult, StartGuest, VmDisk, VmFirmware, VmMachine, Workload,
+    MAX_VM_DISKS,
 };
 pub use histogram::HistogramSnapshot;
 pub use host::{

@@ -240,6 +240,7 @@ fn run_qemu(
             path: disk.0.clone(),
             format: pagefleet_api::DiskFormat::Qcow2,
             readonly: false,
+            overlay: None,
         }],
         forward: None,
         nic: Some(Nic {
@@ -252,6 +253,7 @@ fn run_qemu(
         size,
         name: format!("{mode}-src"),
         operator_qmp: None,
+        firmware: Default::default(),
     };
     let src_tap = tap_on(l, 0)?;
     let src = PlainVm::start(PlainLaunch {

@@ -261,6 +261,7 @@ fn run_qemu(
         size: o.size,
         name: format!("{mode}-src"),
         operator_qmp: None,
+        firmware: Default::default(),
     };
     let src = PlainVm::start(PlainLaunch {
         spec: &spec,

@@ -55,7 +55,7 @@ enum Cmd {
     /// Run a native guest (synthetic, sort, kv) on a region paging to memory servers.
     ///
     /// Example: pagefleet run synthetic --size 2GiB --budget 50% --servers 127.0.0.1:7070
-    Run(run::RunArgs),
+    Run(Box<run::RunArgs>),
     /// Hosts and guests as placement sees them: each host's memory (total,
     /// available, lent, free for guests) and where each guest's pages are
     /// (local / per sub-host), from the registry or from the hosts named.
@@ -819,7 +819,7 @@ fn run(cli: Cli) -> Result<()> {
             policy,
         }) => bench::kv_floor::guest_main(size, budget_pages, &store, policy),
         Cmd::Demo(o) => demo(o),
-        Cmd::Run(a) => run::run(a, cli.secret_file.as_deref()),
+        Cmd::Run(a) => run::run(*a, cli.secret_file.as_deref()),
         Cmd::Testbed(t) => testbed(t),
         Cmd::Blockdev(b) => blockdev(b, cli.secret_file.as_deref()),
         Cmd::Ksm(k) => {

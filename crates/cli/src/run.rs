@@ -172,14 +172,17 @@ pub enum Workload {
         /// Kernel command line, after console=ttyS0.
         #[arg(long, default_value = "", requires = "kernel")]
         append: String,
-        /// A disk image, PATH[,format=raw|qcow2][,readonly]; repeat for
-        /// more (virtio-blk drives disk0, disk1, ...; without --kernel the
-        /// first is booted). The format is read from the image's header
-        /// when not given (other formats, and qcow2 images that name a
-        /// backing or data file, are refused), then kept with the guest.
-        /// The guest's writes land in the image; a migration hands it to
-        /// the destination's QEMU, which must see the same file (shared
-        /// storage, as for QEMU's own migration).
+        /// A disk image, PATH[,format=raw|qcow2][,readonly|,overlay=FILE];
+        /// repeat for more (virtio-blk drives disk0, disk1, ...; without
+        /// --kernel the first is booted). The format is read from the
+        /// image's header when not given (other formats, and qcow2 images
+        /// that name a backing or data file, are refused), then kept with
+        /// the guest. The guest's writes land in the image, or with
+        /// overlay=FILE in that qcow2 overlay (made over PATH when the
+        /// guest first starts; PATH stays read-only, one base for many
+        /// VMs). A migration hands the written file to the destination's
+        /// QEMU, which must see the same file (shared storage, as for
+        /// QEMU's own migration).
         #[arg(long, value_parser = parse_disk)]
         disk: Vec<DiskArg>,
         /// Attach every --disk read-only (several VMs may then share one image).
@@ -219,15 +222,26 @@ pub enum Workload {
         /// The machine QEMU emulates: pc (i440FX) or q35.
         #[arg(long, default_value = "pc")]
         machine: api::VmMachine,
+        /// The firmware: bios (SeaBIOS) or uefi (the host's OVMF, no Secure
+        /// Boot; give --nvram).
+        #[arg(long, default_value = "bios", value_parser = ["bios", "uefi"])]
+        firmware: String,
+        /// With --firmware uefi: the VM's UEFI variable store (boot entries
+        /// and settings the guest writes), a file under the host's
+        /// --vm-images, made from OVMF's template when the VM first starts
+        /// and moved with the VM as a writable disk is.
+        #[arg(long)]
+        nvram: Option<std::path::PathBuf>,
     },
 }
 
-/// One `--disk PATH[,format=F][,readonly]`.
+/// One `--disk PATH[,format=F][,readonly|,overlay=FILE]`.
 #[derive(Clone, Debug)]
 pub struct DiskArg {
     path: std::path::PathBuf,
     format: Option<api::DiskFormat>,
     readonly: bool,
+    overlay: Option<std::path::PathBuf>,
 }
 
 fn parse_disk(s: &str) -> Result<DiskArg, String> {
@@ -240,19 +254,24 @@ fn parse_disk(s: &str) -> Result<DiskArg, String> {
         path: path.into(),
         format: None,
         readonly: false,
+        overlay: None,
     };
     for p in parts {
         match p.split_once('=') {
             Some(("format", f)) => {
                 d.format = Some(f.parse().map_err(|e: api::guest::InvalidSpec| e.0)?)
             }
+            Some(("overlay", o)) if !o.is_empty() => d.overlay = Some(o.into()),
             None if p == "readonly" => d.readonly = true,
             _ => {
                 return Err(format!(
-                    "{p:?}: after the path, format=raw|qcow2 or readonly"
+                    "{p:?}: after the path, format=raw|qcow2, readonly or overlay=FILE"
                 ))
             }
         }
+    }
+    if d.readonly && d.overlay.is_some() {
+        return Err("readonly or overlay=FILE: an overlay is the disk's writable part".into());
     }
     Ok(d)
 }
@@ -314,6 +333,8 @@ fn vm_workload(w: &Workload) -> Result<api::Workload> {
             bridge: _,
             guest_config,
             machine,
+            firmware,
+            nvram,
         } => api::Workload::Vm {
             kernel: kernel.as_deref().map(absolute).transpose()?,
             initrd: initrd.as_deref().map(absolute).transpose()?,
@@ -324,7 +345,8 @@ fn vm_workload(w: &Workload) -> Result<api::Workload> {
                     Ok(api::VmDisk {
                         path: absolute(&d.path)?,
                         format: d.format,
-                        readonly: d.readonly || *disk_readonly,
+                        readonly: (d.readonly || *disk_readonly) && d.overlay.is_none(),
+                        overlay: d.overlay.as_deref().map(absolute).transpose()?,
                     })
                 })
                 .collect::<Result<_>>()?,
@@ -336,6 +358,16 @@ fn vm_workload(w: &Workload) -> Result<api::Workload> {
             nic: nic.clone(),
             guest_config: guest_config.clone(),
             machine: *machine,
+            firmware: match (firmware.as_str(), nvram) {
+                ("uefi", Some(n)) => api::VmFirmware::Uefi {
+                    nvram: absolute(n)?,
+                },
+                ("uefi", None) => bail!(
+                    "--firmware uefi needs --nvram FILE: the VM's UEFI variable store, which moves with it"
+                ),
+                (_, Some(_)) => bail!("--nvram goes with --firmware uefi"),
+                _ => api::VmFirmware::Bios,
+            },
         },
         _ => bail!("not a VM workload"),
     };
@@ -491,10 +523,10 @@ pub fn run(a: RunArgs, secret_file: Option<&Path>) -> Result<()> {
                 },
                 _ => None,
             };
-            local::Workload::Vm(
+            local::Workload::Vm(Box::new(
                 pagefleet_runner::vm::spec_of(&vm_workload(&w)?, size, "run", None, bridge.as_deref())?
                     .expect("a VM workload has a VM spec"),
-            )
+            ))
         }
         Workload::Sortjob { .. } => bail!("sortjob runs hosted (pagefleet guest start NAME --on HOST --size SIZE -- sortjob); for a one-shot sort use `pagefleet run sort`"),
     };

@@ -81,7 +81,12 @@ pub fn check(path: &Path, given: Option<DiskFormat>) -> Result<DiskFormat, Strin
 /// The format a header (the image's first bytes, up to [`HEADER`]) says.
 pub fn classify(h: &[u8]) -> Result<DiskFormat, String> {
     if h.starts_with(QCOW2_MAGIC) {
-        return qcow2(h).map(|()| DiskFormat::Qcow2);
+        if let Some(name) = qcow2(h)? {
+            return Err(format!(
+                "a qcow2 image with a backing file ({name}): QEMU would open that file as root; give a whole image (qemu-img convert -O qcow2 IN OUT), or the base image with an overlay (--disk BASE,overlay=FILE)"
+            ));
+        }
+        return Ok(DiskFormat::Qcow2);
     }
     if let Some((_, name)) = OTHER_FORMATS.iter().find(|(m, _)| h.starts_with(m)) {
         return Err(format!(
@@ -91,8 +96,45 @@ pub fn classify(h: &[u8]) -> Result<DiskFormat, String> {
     Ok(DiskFormat::Raw)
 }
 
-/// Check a qcow2 header: a version QEMU opens, nothing outside the file.
-fn qcow2(h: &[u8]) -> Result<(), String> {
+/// Check that the file at `overlay` is a qcow2 overlay of `base`: a qcow2
+/// image (as [`check`] wants one) whose header names exactly `base` as its
+/// backing file. QEMU is given the backing image by pagefleet, not by that
+/// name (see `pagefleet_vm::overlay`); the name only ties the overlay to
+/// the base it was made on, so an overlay attached over another image (its
+/// clusters would then read as garbage) is refused.
+pub fn check_overlay(overlay: &Path, base: &Path) -> Result<(), String> {
+    let fail = |e: std::io::Error| format!("overlay {}: {e}", overlay.display());
+    let mut f = std::fs::File::open(overlay).map_err(fail)?;
+    let mut h = Vec::with_capacity(HEADER);
+    (&mut f)
+        .take(HEADER as u64)
+        .read_to_end(&mut h)
+        .map_err(fail)?;
+    if !h.starts_with(QCOW2_MAGIC) {
+        return Err(format!(
+            "overlay {}: not a qcow2 image (an overlay is a qcow2 file over its base)",
+            overlay.display()
+        ));
+    }
+    let named = qcow2(&h).map_err(|why| format!("overlay {}: {why}", overlay.display()))?;
+    match named {
+        Some(n) if Path::new(&n) == base => Ok(()),
+        Some(n) => Err(format!(
+            "overlay {} was made over {n}, not over {}: give its own base image, or a new overlay file",
+            overlay.display(),
+            base.display()
+        )),
+        None => Err(format!(
+            "overlay {}: a whole qcow2 image with no backing file, not an overlay of {}",
+            overlay.display(),
+            base.display()
+        )),
+    }
+}
+
+/// Check a qcow2 header: a version QEMU opens, nothing outside the file
+/// but the backing file it names (returned: the caller decides).
+fn qcow2(h: &[u8]) -> Result<Option<String>, String> {
     let be32 = |at: usize| {
         h.get(at..at + 4)
             .map(|b| u32::from_be_bytes(b.try_into().unwrap()))
@@ -111,16 +153,15 @@ fn qcow2(h: &[u8]) -> Result<(), String> {
             "qcow2 version {version}: QEMU opens versions 2 and 3"
         ));
     }
-    if backing_offset != 0 || backing_len != 0 {
+    let backing = if backing_offset != 0 || backing_len != 0 {
         let name = usize::try_from(backing_offset)
             .ok()
             .and_then(|o| h.get(o..o.checked_add(backing_len as usize)?))
-            .map(|b| format!(" ({})", String::from_utf8_lossy(b)))
-            .unwrap_or_default();
-        return Err(format!(
-            "a qcow2 image with a backing file{name}: QEMU would open that file as root; give a whole image (qemu-img convert -O qcow2 IN OUT)"
-        ));
-    }
+            .ok_or("a qcow2 header whose backing file name lies outside its first 64 KiB")?;
+        Some(String::from_utf8_lossy(name).into_owned())
+    } else {
+        None
+    };
     if crypt != 0 {
         return Err("an encrypted qcow2 image: not supported".into());
     }
@@ -133,7 +174,7 @@ fn qcow2(h: &[u8]) -> Result<(), String> {
             );
         }
     }
-    Ok(())
+    Ok(backing)
 }
 
 #[cfg(test)]
@@ -188,6 +229,46 @@ mod tests {
         assert!(e.contains("version 4"), "{e}");
         let e = classify(&QCOW2_MAGIC[..]).unwrap_err();
         assert!(e.contains("cut short"), "{e}");
+    }
+
+    #[test]
+    fn an_overlay_is_accepted_over_the_base_it_names_and_no_other() {
+        let dir = std::env::temp_dir().join(format!("pf-overlay-check-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let base = dir.join("base.img");
+        let write = |name: &str, h: Vec<u8>| {
+            let p = dir.join(name);
+            std::fs::write(&p, h).unwrap();
+            p
+        };
+        let b = base.to_str().unwrap();
+        let ok = write("ok.qcow2", qcow2_header(3, Some(b), 0, 0));
+        let other = write(
+            "other.qcow2",
+            qcow2_header(3, Some("/images/other.img"), 0, 0),
+        );
+        let whole = write("whole.qcow2", qcow2_header(3, None, 0, 0));
+        let raw = write("raw.img", vec![0u8; 512]);
+        let crypt = write("crypt.qcow2", qcow2_header(3, Some(b), 1, 0));
+        let results = [
+            check_overlay(&ok, &base),
+            check_overlay(&other, &base),
+            check_overlay(&whole, &base),
+            check_overlay(&raw, &base),
+            check_overlay(&crypt, &base),
+            check_overlay(&dir.join("missing.qcow2"), &base),
+        ];
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(results[0], Ok(()));
+        let e = |i: usize| results[i].clone().unwrap_err();
+        assert!(e(1).contains("made over /images/other.img"), "{}", e(1));
+        assert!(e(2).contains("no backing file"), "{}", e(2));
+        assert!(e(3).contains("not a qcow2 image"), "{}", e(3));
+        assert!(e(4).contains("encrypted"), "{}", e(4));
+        assert!(e(5).contains("missing.qcow2"), "{}", e(5));
+        // As a disk of its own, an overlay is refused with its base's name.
+        let e = classify(&qcow2_header(3, Some(b), 0, 0)).unwrap_err();
+        assert!(e.contains(b) && e.contains("overlay="), "{e}");
     }
 
     #[test]

@@ -1178,6 +1178,7 @@ fn check_vm_files(w: &mut pagefleet_api::Workload, allowed: &[PathBuf]) -> Resul
         kernel,
         initrd,
         disks,
+        firmware,
         ..
     } = w
     else {
@@ -1207,10 +1208,47 @@ fn check_vm_files(w: &mut pagefleet_api::Workload, allowed: &[PathBuf]) -> Resul
             ));
         }
     }
+    // An overlay (the file a VM writes over a read-only base) and a UEFI
+    // variable store lie under --vm-images too; a missing one is made
+    // there when the VM starts.
+    let nvram = match firmware {
+        pagefleet_api::VmFirmware::Uefi { nvram } => Some(("UEFI variable store", &*nvram)),
+        pagefleet_api::VmFirmware::Bios => None,
+    };
+    let made_here = all_disks
+        .iter()
+        .filter_map(|d| d.overlay.as_ref().map(|o| ("overlay", o)))
+        .chain(nvram);
+    for (what, o) in made_here {
+        let p = std::path::Path::new(o);
+        let real = if p.exists() {
+            std::fs::canonicalize(p).ok().filter(|r| r.is_file())
+        } else {
+            p.parent()
+                .and_then(|d| std::fs::canonicalize(d).ok())
+                .zip(p.file_name())
+                .map(|(d, n)| d.join(n))
+        };
+        if !real.is_some_and(|r| roots.iter().any(|root| r.starts_with(root))) {
+            return Err(Refusal::new(
+                403,
+                format!("VM {what} {o} is not a file (or a new one in a directory) under this host's --vm-images"),
+            ));
+        }
+    }
     for d in disks.iter_mut() {
         let f = pagefleet_common::disk_image::check(std::path::Path::new(&d.path), d.format)
             .map_err(|e| Refusal::new(400, e))?;
         d.format = Some(f);
+        if let Some(o) = d
+            .overlay
+            .as_ref()
+            .map(std::path::Path::new)
+            .filter(|o| o.exists())
+        {
+            pagefleet_common::disk_image::check_overlay(o, std::path::Path::new(&d.path))
+                .map_err(|e| Refusal::new(400, e))?;
+        }
     }
     Ok(())
 }

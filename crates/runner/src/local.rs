@@ -42,7 +42,7 @@ pub enum Workload {
         no_evict: bool,
     },
     /// A QEMU VM on the region (its in-guest workload reports on the console).
-    Vm(pagefleet_vm::VmSpec),
+    Vm(Box<pagefleet_vm::VmSpec>),
 }
 
 /// How to run it.

@@ -63,6 +63,7 @@ pub fn spec_of(
         guest_port,
         nic,
         machine,
+        firmware,
         ..
     } = w
     else {
@@ -105,6 +106,7 @@ pub fn spec_of(
         size,
         name: name.to_string(),
         operator_qmp: control.map(|c| c.with_extension("qmp")),
+        firmware: pagefleet_vm::firmware::Firmware::of(firmware),
     }))
 }
 
@@ -174,6 +176,26 @@ pub fn boot(
     spec: &VmSpec,
     dir: &std::path::Path,
 ) -> Result<(Region, Arc<VmGuest>), RunnerError> {
+    // The guest's first start here: its missing overlays and UEFI
+    // variable store are made now (never for an incoming migration: those
+    // files are the source's).
+    if pagefleet_vm::firmware::ensure_vars(&spec.firmware)
+        .map_err(|e| RunnerError::Invalid(e.to_string()))?
+    {
+        tracing::info!("made the VM's UEFI variable store from OVMF's template");
+    }
+    for d in &spec.disks {
+        if pagefleet_vm::overlay::ensure(d).map_err(|e| RunnerError::Invalid(e.to_string()))? {
+            tracing::info!(
+                "made overlay {} over {}",
+                d.overlay
+                    .as_deref()
+                    .unwrap_or(std::path::Path::new("?"))
+                    .display(),
+                d.path.display()
+            );
+        }
+    }
     let adopt = Arc::new(
         Adopt::create(&format!("pagefleet-vm-{}", spec.name), spec.size)
             .map_err(|e| RunnerError::io("guest memory", e))?,

@@ -62,6 +62,7 @@ fn a_vm_with_a_quarter_of_its_memory_resident_verifies_every_value() {
             path: disk,
             format: DiskFormat::Raw,
             readonly: true,
+            overlay: None,
         }],
         forward: None,
         nic: None,
@@ -71,6 +72,7 @@ fn a_vm_with_a_quarter_of_its_memory_resident_verifies_every_value() {
         size,
         name: "vmtest".into(),
         operator_qmp: None,
+        firmware: Default::default(),
     };
     let (vm, region) = start_paged(&spec, &c, &dir, size / 4096 / 4);
     let w = wait_done(&vm, Duration::from_secs(240));
@@ -103,6 +105,7 @@ fn a_vm_boots_from_a_qcow2_disk_through_its_firmware_and_pages() {
         path: boot.display().to_string(),
         format: None,
         readonly: true,
+        overlay: None,
     })
     .expect("the boot disk's format");
     assert_eq!(disk.format, DiskFormat::Qcow2);
@@ -122,6 +125,7 @@ fn a_vm_boots_from_a_qcow2_disk_through_its_firmware_and_pages() {
         size,
         name: "vmboot".into(),
         operator_qmp: None,
+        firmware: Default::default(),
     };
     let (vm, region) = start_paged(&spec, &c, &dir, size / 4096 / 2);
     // The firmware booted the disk: the boot loader's banner on the serial
@@ -224,6 +228,14 @@ fn disks_that_name_other_files_or_lie_about_their_format_are_refused() {
         kernel.with_file_name("disk.img").display()
     ));
     assert!(e.contains("no qcow2 header"), "{e}");
+    // The same file as the overlay of another base: refused, naming both.
+    let other = dir.join("other.img");
+    std::fs::write(&other, vec![0u8; 1 << 20]).unwrap();
+    let e = run(format!("{},overlay={}", other.display(), overlay.display()));
+    assert!(
+        e.contains("made over") && e.contains("disk.img") && e.contains("other.img"),
+        "{e}"
+    );
     let vmdk = dir.join("d.vmdk");
     let st = std::process::Command::new("qemu-img")
         .args(["create", "-q", "-f", "vmdk"])
@@ -302,7 +314,8 @@ fn start_vm(l: &pagefleet_lab::LabRun, name: &str, append: &str, extra: &[&str])
     let t = Instant::now();
     while l.guest(name).is_none_or(|(_, g)| g.ops == 0) {
         assert!(
-            t.elapsed() < Duration::from_secs(60),
+            // UEFI under TCG adds its own boot time.
+            t.elapsed() < Duration::from_secs(120),
             "the VM never started its workload: {:?}",
             l.guest(name)
         );
@@ -320,7 +333,8 @@ impl Drop for RemoveOnDrop {
 }
 
 #[test]
-fn a_vm_is_split_migrated_and_gathered_back_while_its_workload_checks_every_value() {
+fn a_uefi_vm_on_an_overlay_is_split_migrated_and_gathered_back_while_its_workload_checks_every_value(
+) {
     if !is_root() {
         eprintln!("skipped: the testbed needs root (CI runs as root)");
         return;
@@ -333,18 +347,47 @@ fn a_vm_is_split_migrated_and_gathered_back_while_its_workload_checks_every_valu
         512 * MIB,
         &[512 * MIB, 128 * MIB, 0],
     );
-    // Its own writable copy of the test disk (under the allowed image
-    // directory): vmwork writes chunks and checks them on later reads,
-    // also after the VM moved to another QEMU — writes made on the source
-    // must be in the image the destination's QEMU reads.
+    // The shared test disk as a read-only base under the VM's own overlay
+    // (both under the allowed image directory, the overlay made by h1 at
+    // start): vmwork writes chunks and checks them on later reads, also
+    // after the VM moved to another QEMU — writes made on the source must
+    // be in the overlay the destination's QEMU reads, and the base must
+    // never change.
     let image = vm_image().0.with_file_name("disk.img");
-    let disk = RemoveOnDrop(image.with_file_name(format!("disk-vmmig-{}.img", std::process::id())));
-    std::fs::copy(&image, &disk.0).expect("copy the test disk");
+    let base_before = std::fs::read(&image).expect("the test disk");
+    let overlay =
+        RemoveOnDrop(image.with_file_name(format!("disk-vmmig-{}.qcow2", std::process::id())));
+    let _ = std::fs::remove_file(&overlay.0);
+    let disk_arg = format!(
+        "{},overlay={}",
+        image.to_str().unwrap(),
+        overlay.0.to_str().unwrap()
+    );
+    // UEFI: OVMF boots the kernel (its EFI stub); the variable store is
+    // the VM's, made by h1 from OVMF's template, and moves with it.
+    let nvram = RemoveOnDrop(image.with_file_name(format!("vmmig-{}_VARS.fd", std::process::id())));
+    let _ = std::fs::remove_file(&nvram.0);
     start_vm(
         &l,
         "vm1",
         "vmwork_mb=120 vmwork_secs=0 vmwork_write=20 vmwork_seed=3 vmwork_disk=1 vmwork_diskw=30",
-        &["--disk", disk.0.to_str().unwrap()],
+        &[
+            "--disk",
+            &disk_arg,
+            "--firmware",
+            "uefi",
+            "--nvram",
+            nvram.0.to_str().unwrap(),
+        ],
+    );
+    pagefleet_common::disk_image::check_overlay(&overlay.0, &image)
+        .expect("h1 made the VM's overlay over the test disk");
+    assert_eq!(
+        std::fs::metadata(&nvram.0).map(|m| m.len()).ok(),
+        std::fs::metadata(pagefleet_vm::firmware::ovmf_vars_template())
+            .map(|m| m.len())
+            .ok(),
+        "h1 made the VM's UEFI variable store"
     );
     assert_vm_runs(&l, "vm1", 0);
     // The operator's QMP socket reaches the VM's disk (what the I/O
@@ -430,6 +473,16 @@ fn a_vm_is_split_migrated_and_gathered_back_while_its_workload_checks_every_valu
     assert!(writes > 100, "vmwork did not write its disk: {console:?}");
     let (ok, _, err) = l.pf(0, &["guest", "stop", "vm1"]);
     assert!(ok, "guest stop: {err}");
+    // The writes are in the overlay; the base is as it was.
+    assert!(
+        std::fs::read(&image).expect("the test disk") == base_before,
+        "the read-only base changed"
+    );
+    let written = std::fs::metadata(&overlay.0).map(|m| m.len()).unwrap_or(0);
+    assert!(
+        written > 1 << 20,
+        "the overlay holds no writes ({written} bytes)"
+    );
 }
 
 #[test]

@@ -717,6 +717,20 @@ pub fn down_prefix(dir: &Path, prefix: &str) -> Result<()> {
     for ns in &ours {
         let _ = run(&["ip", "netns", "del", ns]);
     }
+    // Daemons this process started (Lab::up) are its children: reap them
+    // (a benchmark brings many labs up and down; killed children left
+    // unreaped stay in the process table as zombies until it exits).
+    if let Ok(lab) = Lab::load(dir, prefix) {
+        for h in lab.hosts.iter().filter(|h| h.pid != 0) {
+            let t = std::time::Instant::now();
+            while pagefleet_common::sys::process::alive(h.pid as i32)
+                && pagefleet_common::sys::process::reap_if_ended(h.pid).is_none()
+                && t.elapsed() < std::time::Duration::from_secs(2)
+            {
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+        }
+    }
     let _ = std::fs::remove_file(state_path(dir, prefix));
     let _ = std::fs::remove_file(dir.join(format!("{prefix}-secret")));
     if let Ok(rd) = std::fs::read_dir(dir) {

@@ -2,9 +2,10 @@
 //!
 //! Operators' VMs are often defined as libvirt domains. [`from_xml`] maps
 //! what pagefleet runs — memory, vCPUs, machine, a direct kernel, file
-//! disks on virtio, one bridged virtio NIC with its MAC — and refuses
+//! disks on virtio (one qcow2 overlay over a base), one bridged virtio NIC
+//! with its MAC, SeaBIOS or UEFI with its variable store — and refuses
 //! every element that would change what the guest sees or keeps if it were
-//! dropped (a passed-through device, a shared directory, UEFI firmware, a
+//! dropped (a passed-through device, a shared directory, Secure Boot, a
 //! SATA disk the guest mounts by its device name, ...), naming the element.
 //! Devices that only serve a person at a screen or a host-side tool
 //! (graphics, video, sound, input, the memory balloon, controllers QEMU
@@ -58,6 +59,7 @@ impl Mapped {
             nic,
             smp,
             machine,
+            firmware,
             ..
         } = &self.workload
         else {
@@ -66,6 +68,10 @@ impl Mapped {
         let mut parts = vec![
             format!("{smp} vCPU{}", if *smp == 1 { "" } else { "s" }),
             format!("machine {}", machine.as_str()),
+            match firmware {
+                pagefleet_api::VmFirmware::Bios => "SeaBIOS".into(),
+                pagefleet_api::VmFirmware::Uefi { nvram } => format!("UEFI (variables {nvram})"),
+            },
             match kernel {
                 Some(k) => format!("kernel {k}"),
                 None => "boots its first disk".into(),
@@ -73,12 +79,16 @@ impl Mapped {
         ];
         for d in disks {
             parts.push(format!(
-                "disk {} ({}{})",
+                "disk {} ({}{}{})",
                 d.path,
                 d.format
                     .map(|f| f.as_str())
                     .unwrap_or("format from its header"),
-                if d.readonly { ", read-only" } else { "" }
+                if d.readonly { ", read-only" } else { "" },
+                d.overlay
+                    .as_ref()
+                    .map(|o| format!(", read-only base of overlay {o}"))
+                    .unwrap_or_default()
             ));
         }
         if let Some(n) = nic {
@@ -308,15 +318,23 @@ struct Mapping {
     nic_at: Option<String>,
     guest_config: String,
     left_out: Vec<String>,
+    /// `os firmware='efi'` or a pflash `loader`.
+    uefi: bool,
+    /// `os/nvram`: the VM's UEFI variable store.
+    nvram: Option<String>,
 }
 
 impl Mapping {
     fn os(&mut self, os: Node) -> Result<(), DomainError> {
-        if let Some(f) = os.attribute("firmware") {
-            return Err(unsupported(
-                format!("os firmware='{f}'"),
-                "UEFI firmware is not supported yet: the VM boots through SeaBIOS (BIOS) or a direct kernel",
-            ));
+        match os.attribute("firmware") {
+            None | Some("bios") => {}
+            Some("efi") => self.uefi = true,
+            Some(f) => {
+                return Err(unsupported(
+                    format!("os firmware='{f}'"),
+                    "the firmware is bios (SeaBIOS) or efi (OVMF)",
+                ))
+            }
         }
         for n in elements(os) {
             let tag = n.tag_name().name();
@@ -356,11 +374,48 @@ impl Mapping {
                         }
                     }
                 }
-                "loader" | "nvram" => {
-                    return Err(unsupported(
-                        format!("os/{tag}"),
-                        "UEFI firmware is not supported yet: the VM boots through SeaBIOS (BIOS) or a direct kernel",
-                    ))
+                "loader" => {
+                    if n.attribute("secure") == Some("yes") {
+                        return Err(unsupported(
+                            "os/loader secure='yes'".to_string(),
+                            "Secure Boot is not supported: the VM boots through OVMF without it",
+                        ));
+                    }
+                    match n.attribute("type") {
+                        Some("pflash") => self.uefi = true,
+                        t => {
+                            return Err(unsupported(
+                                format!("os/loader type='{}'", t.unwrap_or("")),
+                                "a UEFI loader is pflash (OVMF); without a loader the VM boots through SeaBIOS",
+                            ))
+                        }
+                    }
+                    self.left_out.push(format!(
+                        "os/loader {}: this host's OVMF ({})",
+                        text(),
+                        crate::firmware::ovmf_code().display()
+                    ));
+                }
+                "nvram" => {
+                    if text().is_empty() {
+                        return Err(unsupported(
+                            "os/nvram".to_string(),
+                            "the VM's UEFI variable store needs a path (<nvram>/path/NAME_VARS.fd</nvram>)",
+                        ));
+                    }
+                    self.nvram = Some(text());
+                }
+                "firmware" => {
+                    let secure = elements(n).any(|f| {
+                        f.attribute("name") == Some("secure-boot")
+                            && f.attribute("enabled") == Some("yes")
+                    });
+                    if secure {
+                        return Err(unsupported(
+                            "os/firmware/feature secure-boot".to_string(),
+                            "Secure Boot is not supported: the VM boots through OVMF without it",
+                        ));
+                    }
                 }
                 "kernel" => self.kernel = Some(text()),
                 "initrd" => self.initrd = Some(text()),
@@ -448,7 +503,10 @@ impl Mapping {
             path: String::new(),
             format: None,
             readonly: false,
+            overlay: None,
         };
+        // A <backingStore> one level deep: (its image, its format).
+        let mut backing: Option<(String, Option<DiskFormat>)> = None;
         for n in elements(d) {
             let tag = n.tag_name().name();
             match tag {
@@ -496,12 +554,49 @@ impl Mapping {
                     ))
                 }
                 "backingStore" => {
-                    if elements(n).next().is_some() {
-                        return Err(unsupported(
+                    // Empty: libvirt's way of saying "no backing image".
+                    if elements(n).next().is_none() {
+                        continue;
+                    }
+                    let mut file = None;
+                    let mut format = None;
+                    for b in elements(n) {
+                        match b.tag_name().name() {
+                            "source" => file = b.attribute("file").map(str::to_string),
+                            "format" => {
+                                format = match b.attribute("type") {
+                                    Some("raw") => Some(DiskFormat::Raw),
+                                    Some("qcow2") => Some(DiskFormat::Qcow2),
+                                    f => {
+                                        return Err(unsupported(
+                                            format!("{at}/backingStore/format type='{}'", f.unwrap_or("")),
+                                            "a base image is raw or qcow2",
+                                        ))
+                                    }
+                                }
+                            }
+                            "backingStore" if elements(b).next().is_some() => {
+                                return Err(unsupported(
+                                    format!("{at}/backingStore/backingStore"),
+                                    "a backing chain deeper than one base: give the base as a whole image (qemu-img convert -O qcow2) under one overlay",
+                                ))
+                            }
+                            _ => {}
+                        }
+                    }
+                    let file = file.ok_or_else(|| {
+                        unsupported(
                             format!("{at}/backingStore"),
-                            "an image with a backing chain: give a whole image (qemu-img convert -O qcow2)",
+                            "a base image needs <source file='/path/image'/>",
+                        )
+                    })?;
+                    if n.attribute("type").is_some_and(|t| t != "file") {
+                        return Err(unsupported(
+                            format!("{at}/backingStore type"),
+                            "a base image is an image file (type='file')",
                         ));
                     }
+                    backing = Some((file, format));
                 }
                 "boot" => {
                     if no != 1 {
@@ -525,6 +620,24 @@ impl Mapping {
         }
         if disk.path.is_empty() {
             return Err(unsupported(at.clone(), "a disk with no <source file=...>"));
+        }
+        // An overlay over a base: the base is the disk's image, read-only,
+        // and the overlay (a qcow2 file) takes the writes.
+        if let Some((base, format)) = backing {
+            if disk.format == Some(DiskFormat::Raw) {
+                return Err(unsupported(
+                    format!("{at}/driver type='raw'"),
+                    "a disk over a <backingStore> is a qcow2 overlay",
+                ));
+            }
+            if disk.readonly {
+                return Err(unsupported(
+                    format!("{at}/readonly"),
+                    "a disk over a <backingStore> is the overlay the VM writes; drop <readonly/> or the backing store",
+                ));
+            }
+            disk.overlay = Some(std::mem::replace(&mut disk.path, base));
+            disk.format = format;
         }
         self.disks.push(disk);
         Ok(())
@@ -685,6 +798,22 @@ impl Mapping {
             nic: self.nic,
             guest_config: self.guest_config,
             machine: self.machine,
+            firmware: match (self.uefi, self.nvram) {
+                (true, Some(nvram)) => pagefleet_api::VmFirmware::Uefi { nvram },
+                (true, None) => {
+                    return Err(unsupported(
+                        "os/nvram".to_string(),
+                        "a UEFI VM needs its variable store's path (<nvram>/path/NAME_VARS.fd</nvram>): it moves with the VM",
+                    ))
+                }
+                (false, Some(_)) => {
+                    return Err(unsupported(
+                        "os/nvram".to_string(),
+                        "a variable store goes with UEFI firmware (os firmware='efi' or a pflash loader)",
+                    ))
+                }
+                (false, None) => pagefleet_api::VmFirmware::Bios,
+            },
         };
         w.validate().map_err(|e| DomainError::Xml(e.0))?;
         Ok(Mapped {
@@ -818,7 +947,17 @@ mod tests {
             "<boot dev='hd'/>",
             "<loader readonly='yes' type='pflash'>/usr/share/OVMF/OVMF_CODE.fd</loader>",
         );
-        assert_eq!(refused(&uefi), "os/loader");
+        assert_eq!(refused(&uefi), "os/nvram");
+        let secure = with(
+            "<boot dev='hd'/>",
+            "<loader readonly='yes' secure='yes' type='pflash'>/usr/share/OVMF/OVMF_CODE.secboot.fd</loader>",
+        );
+        assert_eq!(refused(&secure), "os/loader secure='yes'");
+        let rom = with(
+            "<boot dev='hd'/>",
+            "<loader type='rom'>/usr/share/seabios/bios.bin</loader>",
+        );
+        assert_eq!(refused(&rom), "os/loader type='rom'");
         let nat = with("<interface type='bridge'>", "<interface type='network'>");
         assert_eq!(refused(&nat), "devices/interface type='network'");
         let e1000 = with(
@@ -844,6 +983,77 @@ mod tests {
         assert_eq!(refused(&arm), "os/type arch='aarch64'");
         let netboot = with("<boot dev='hd'/>", "<boot dev='network'/>");
         assert_eq!(refused(&netboot), "os/boot dev='network'");
+    }
+
+    #[test]
+    fn a_uefi_domain_keeps_its_variable_store() {
+        let efi = WEB1.replacen(
+            "<os>",
+            "<os firmware='efi'>",
+            1,
+        )
+        .replacen(
+            "<boot dev='hd'/>",
+            "<firmware><feature enabled='no' name='secure-boot'/></firmware><loader readonly='yes' type='pflash'>/usr/share/OVMF/OVMF_CODE_4M.fd</loader><nvram template='/usr/share/OVMF/OVMF_VARS_4M.fd'>/srv/vms/web1_VARS.fd</nvram><boot dev='hd'/>",
+            1,
+        );
+        let m = from_xml(&efi).unwrap();
+        let Workload::Vm { firmware, .. } = &m.workload else {
+            panic!("not a VM")
+        };
+        assert_eq!(
+            firmware,
+            &pagefleet_api::VmFirmware::Uefi {
+                nvram: "/srv/vms/web1_VARS.fd".into()
+            }
+        );
+        assert!(
+            m.left_out.iter().any(|l| l.starts_with("os/loader")),
+            "{:?}",
+            m.left_out
+        );
+        // firmware='efi' without a store: refused, naming the element.
+        let bare = WEB1.replacen("<os>", "<os firmware='efi'>", 1);
+        assert_eq!(refused(&bare), "os/nvram");
+        let secure = efi.replace(
+            "enabled='no' name='secure-boot'",
+            "enabled='yes' name='secure-boot'",
+        );
+        assert_eq!(refused(&secure), "os/firmware/feature secure-boot");
+    }
+
+    #[test]
+    fn a_disk_over_a_backing_store_is_an_overlay_over_its_base() {
+        let one = |store: &str| {
+            WEB1.replacen(
+                "<source file='/srv/images/web1.qcow2'/>",
+                &format!("<source file='/srv/vms/web1.qcow2'/>{store}"),
+                1,
+            )
+        };
+        let base = "<backingStore type='file'><format type='raw'/><source file='/srv/images/debian.img'/><backingStore/></backingStore>";
+        let m = from_xml(&one(base)).unwrap();
+        let Workload::Vm { disks, .. } = &m.workload else {
+            panic!("not a VM")
+        };
+        assert_eq!(disks[0].path, "/srv/images/debian.img");
+        assert_eq!(disks[0].format, Some(DiskFormat::Raw));
+        assert_eq!(disks[0].overlay.as_deref(), Some("/srv/vms/web1.qcow2"));
+        assert!(!disks[0].readonly);
+        // libvirt's empty <backingStore/> says "no base".
+        let m = from_xml(&one("<backingStore/>")).unwrap();
+        let Workload::Vm { disks, .. } = &m.workload else {
+            panic!("not a VM")
+        };
+        assert_eq!(disks[0].overlay, None);
+        // A chain deeper than one base, and a base with no file.
+        let deep = "<backingStore type='file'><format type='qcow2'/><source file='/srv/images/mid.qcow2'/><backingStore type='file'><source file='/srv/images/root.img'/></backingStore></backingStore>";
+        assert_eq!(
+            refused(&one(deep)),
+            "devices/disk[1] (vda)/backingStore/backingStore"
+        );
+        let nofile = "<backingStore type='file'><format type='raw'/></backingStore>";
+        assert_eq!(refused(&one(nofile)), "devices/disk[1] (vda)/backingStore");
     }
 
     #[test]

@@ -19,7 +19,9 @@
 pub mod accel;
 pub mod console;
 pub mod domain;
+pub mod firmware;
 mod hangup;
+pub mod overlay;
 mod plain;
 mod process;
 mod qemu;

@@ -59,6 +59,8 @@ pub struct VmSpec {
     /// guarantee's QMP backend throttles the VM's `disk0` through it); the
     /// runner keeps the first one to itself.
     pub operator_qmp: Option<PathBuf>,
+    /// SeaBIOS or UEFI with the VM's variable store.
+    pub firmware: crate::firmware::Firmware,
 }
 
 /// One disk of a VM, its format known (detected once:
@@ -71,6 +73,9 @@ pub struct Disk {
     pub format: DiskFormat,
     /// Attached `readonly=on` (several VMs may share it).
     pub readonly: bool,
+    /// The qcow2 overlay the guest writes instead (`path` is then its
+    /// read-only base): see [`crate::overlay`].
+    pub overlay: Option<PathBuf>,
 }
 
 impl Disk {
@@ -81,10 +86,17 @@ impl Disk {
         let path = PathBuf::from(&d.path);
         let format =
             pagefleet_common::disk_image::check(&path, d.format).map_err(VmError::Invalid)?;
+        let overlay = d.overlay.as_ref().map(PathBuf::from);
+        // A missing overlay is made when the guest first starts
+        // (crate::overlay::ensure); one that exists must be over this base.
+        if let Some(o) = overlay.as_ref().filter(|o| o.exists()) {
+            pagefleet_common::disk_image::check_overlay(o, &path).map_err(VmError::Invalid)?;
+        }
         Ok(Disk {
             path,
             format,
             readonly: d.readonly,
+            overlay,
         })
     }
 }
@@ -154,7 +166,18 @@ impl VmSpec {
         ]
         .into_iter()
         .flat_map(|(w, p)| p.map(|p| (w, p)))
-        .chain(self.disks.iter().map(|d| ("disk", &d.path)));
+        .chain(self.disks.iter().map(|d| ("disk", &d.path)))
+        .chain(
+            self.disks
+                .iter()
+                .flat_map(|d| d.overlay.as_ref().map(|o| ("overlay", o))),
+        )
+        .chain(match &self.firmware {
+            crate::firmware::Firmware::Uefi { code, vars } => {
+                vec![("UEFI firmware", code), ("UEFI variable store", vars)]
+            }
+            crate::firmware::Firmware::Bios => Vec::new(),
+        });
         for (what, p) in files {
             if !p.is_file() {
                 return Err(VmError::Invalid(format!(
@@ -181,6 +204,7 @@ impl VmSpec {
             }
         }
         pagefleet_api::net::check_guest_config(&self.guest_config).map_err(VmError::Invalid)?;
+        self.firmware.check()?;
         if let Some(f) = &self.forward {
             if f.port == 0 || f.listen.port() == 0 || !f.listen.is_ipv4() {
                 return Err(VmError::Invalid(format!(
@@ -243,6 +267,9 @@ impl VmSpec {
             push("-qmp");
             push(&format!("unix:{},server=on,wait=off", o.display()));
         }
+        for f in self.firmware.args() {
+            push(&f);
+        }
         if let Some(k) = &self.kernel {
             push("-append");
             push(&format!("console=ttyS0 panic=-1 {}", self.append));
@@ -259,12 +286,22 @@ impl VmSpec {
             // device; without a kernel the firmware boots disk0.
             a.push("-drive".into());
             a.push(
-                format!(
-                    "file={},if=none,format={},id=disk{i}{}",
-                    d.path.display(),
-                    d.format.as_str(),
-                    if d.readonly { ",readonly=on" } else { "" }
-                )
+                match &d.overlay {
+                    // The base named here, with its format: QEMU never
+                    // follows the name inside the overlay (crate::overlay).
+                    Some(o) => format!(
+                        "file={},if=none,format=qcow2,id=disk{i},backing.driver={},backing.file.driver=file,backing.file.filename={}",
+                        o.display(),
+                        d.format.as_str(),
+                        d.path.display()
+                    ),
+                    None => format!(
+                        "file={},if=none,format={},id=disk{i}{}",
+                        d.path.display(),
+                        d.format.as_str(),
+                        if d.readonly { ",readonly=on" } else { "" }
+                    ),
+                }
                 .into(),
             );
             a.push("-device".into());
