@@ -114,6 +114,9 @@ pub struct DebRow {
     pub floor: Option<FloorRun>,
     /// Why the floor did not run to its end.
     pub floor_error: Option<String>,
+    /// QEMU: when the clients got nothing after the move, what the
+    /// destination VM showed (QEMU's run state, its console's last lines).
+    pub lost_clients: Option<String>,
     pub error: Option<String>,
 }
 
@@ -343,7 +346,7 @@ fn run_qemu(
         dst.qmp(|q| q.cont())?;
     }
     let downtime_ms = if post {
-        crate::vm_migration::postcopy_downtime_ms(&src, &dst)
+        pagefleet_vm::postcopy_downtime_ms(&src, &dst)
     } else {
         info.downtime.map(|d| d as f64).unwrap_or(f64::NAN)
     };
@@ -362,6 +365,16 @@ fn run_qemu(
         ..Default::default()
     };
     finish(load, &mut row, t0, o.before_secs)?;
+    if row.ops_after == 0.0 {
+        let state = dst
+            .qmp(|q| q.status())
+            .map(|s| format!("running={} ({})", s.running, s.status))
+            .unwrap_or_else(|e| format!("no QMP answer: {e}"));
+        row.lost_clients = Some(format!(
+            "destination QEMU {state}; console: {}",
+            dst.console.tail(6).join(" | ")
+        ));
+    }
     dst.shutdown(Duration::from_secs(2));
     Ok(row)
 }
@@ -650,6 +663,16 @@ pub fn print(rows: &[DebRow], out: &mut dyn std::io::Write) -> std::io::Result<(
             r.reconnects,
             r.gather_secs.map(|s| format!("{s:.2}")).unwrap_or_else(|| "-".into())
         )?;
+    }
+    for r in rows {
+        if let Some(why) = &r.lost_clients {
+            writeln!(
+                out,
+                "  {} {:>5} MiB lost its clients: {why}",
+                r.mode,
+                r.size_bytes >> 20
+            )?;
+        }
     }
     // Where the split's time went, and the floor beside it.
     for r in rows.iter().filter(|r| r.error.is_none()) {

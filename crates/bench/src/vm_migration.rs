@@ -221,21 +221,6 @@ fn warm(ops: impl Fn() -> u64, secs: u64) -> Result<()> {
     Ok(())
 }
 
-/// A post-copy's downtime: QEMU's `downtime` is not the pause there, so
-/// it is from the source's STOP to the destination's RESUME (QMP event
-/// timestamps; NaN when either is missing).
-pub(crate) fn postcopy_downtime_ms(src: &PlainVm, dst: &PlainVm) -> f64 {
-    // A command each, so the events that came meanwhile are read.
-    let _ = src.qmp(|q| q.status());
-    let _ = dst.qmp(|q| q.status());
-    let stop = src.qmp(|q| Ok(q.last_event("STOP"))).ok().flatten();
-    let resume = dst.qmp(|q| Ok(q.last_event("RESUME"))).ok().flatten();
-    match (stop, resume) {
-        (Some(a), Some(b)) if b >= a => (b - a) * 1e3,
-        _ => f64::NAN,
-    }
-}
-
 /// (a), (b), (c): QEMU's own migration between plain QEMUs.
 #[allow(clippy::too_many_arguments)]
 fn run_qemu(
@@ -380,7 +365,7 @@ fn run_qemu(
     // Post-copy: QEMU's `downtime` is not the pause; it is from the
     // source's STOP to the destination's RESUME (QMP event timestamps).
     let downtime_ms = if post {
-        postcopy_downtime_ms(&src, &dst)
+        pagefleet_vm::postcopy_downtime_ms(&src, &dst)
     } else {
         info.downtime.map(|d| d as f64).unwrap_or(f64::NAN)
     };

@@ -29,7 +29,7 @@ pub mod qmp;
 mod sys;
 pub mod tap;
 
-pub use plain::{PlainLaunch, PlainVm};
+pub use plain::{postcopy_downtime_ms, PlainLaunch, PlainVm};
 pub use qemu::{Disk, Forward, Nic, Vm, VmSpec, GUEST_CONFIG_FW_CFG, GUEST_IP};
 
 /// Why a VM could not be started or driven.

@@ -125,3 +125,18 @@ impl Drop for PlainVm {
         }
     }
 }
+
+/// A post-copy's downtime: QEMU's `downtime` is not the pause there, so
+/// it is from the source's STOP to the destination's RESUME (QMP event
+/// timestamps; NaN when either is missing).
+pub fn postcopy_downtime_ms(src: &PlainVm, dst: &PlainVm) -> f64 {
+    // A command each, so the events that came meanwhile are read.
+    let _ = src.qmp(|q| q.status());
+    let _ = dst.qmp(|q| q.status());
+    let stop = src.qmp(|q| Ok(q.last_event("STOP"))).ok().flatten();
+    let resume = dst.qmp(|q| Ok(q.last_event("RESUME"))).ok().flatten();
+    match (stop, resume) {
+        (Some(a), Some(b)) if b >= a => (b - a) * 1e3,
+        _ => f64::NAN,
+    }
+}
