@@ -662,12 +662,7 @@ pub fn print(rows: &[DebRow], out: &mut dyn std::io::Write) -> std::io::Result<(
             r.mode.clone()
         };
         if let Some(e) = &r.error {
-            writeln!(
-                out,
-                "  {:<22} {:>7} FAILED: {e}",
-                mode,
-                r.size_bytes >> 20
-            )?;
+            writeln!(out, "  {:<22} {:>7} FAILED: {e}", mode, r.size_bytes >> 20)?;
             continue;
         }
         writeln!(
