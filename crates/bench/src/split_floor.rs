@@ -102,13 +102,13 @@ pub fn run(lab: &Lab, from: usize, shares: &[(usize, u64)], port: u16) -> Result
             };
             s.set_nonblocking(false)?;
             s.set_read_timeout(Some(IO_TIMEOUT))?;
-            let c0 = pagefleet_common::sys::clock::thread_cpu_secs();
+            let c0 = pagefleet_common::clock::thread_cpu_secs();
             let dst = memfd(len)?;
             let mut sp = Splicer::new()?;
             sp.into_file(&s, &dst, 0, len as usize)
                 .with_context(|| format!("the split floor: receiving on {ip}"))?;
             s.write_all(&[1])?;
-            Ok(pagefleet_common::sys::clock::thread_cpu_secs() - c0)
+            Ok(pagefleet_common::clock::thread_cpu_secs() - c0)
         }));
     }
     drop(ready_tx);
@@ -129,10 +129,10 @@ pub fn run(lab: &Lab, from: usize, shares: &[(usize, u64)], port: u16) -> Result
             let mut s = TcpStream::connect((ip.as_str(), port))
                 .with_context(|| format!("the split floor: connecting to {ip}:{port}"))?;
             s.set_read_timeout(Some(IO_TIMEOUT))?;
-            let c0 = pagefleet_common::sys::clock::thread_cpu_secs();
+            let c0 = pagefleet_common::clock::thread_cpu_secs();
             send_file(&*src, at, len as usize, &s)
                 .with_context(|| format!("the split floor: sending to {ip}"))?;
-            let cpu = pagefleet_common::sys::clock::thread_cpu_secs() - c0;
+            let cpu = pagefleet_common::clock::thread_cpu_secs() - c0;
             let mut ack = [0u8; 1];
             s.read_exact(&mut ack)
                 .with_context(|| format!("the split floor: {ip} did not confirm"))?;

@@ -897,6 +897,14 @@ impl crate::Benchmark for Args {
             o.span_pct = s;
         }
         let deb_modes = crate::vm_debian::MODES;
+        // The --only names one VM's set of modes has.
+        let only_of = |set: &[&str]| -> Vec<String> {
+            self.only
+                .iter()
+                .filter(|m| set.contains(&m.as_str()))
+                .cloned()
+                .collect()
+        };
         if !self.only.is_empty() {
             let known = |m: &str| MODES.contains(&m) || deb_modes.contains(&m);
             if let Some(bad) = self.only.iter().find(|m| !known(m)) {
@@ -906,12 +914,7 @@ impl crate::Benchmark for Args {
                     deb_modes.join(", ")
                 );
             }
-            o.modes = self
-                .only
-                .iter()
-                .filter(|m| MODES.contains(&m.as_str()))
-                .cloned()
-                .collect();
+            o.modes = only_of(&MODES);
         }
         if !self.guest.is_empty() {
             if let Some(bad) = self.guest.iter().find(|g| *g != "vmwork" && *g != "debian") {
@@ -936,12 +939,7 @@ impl crate::Benchmark for Args {
             d.sizes = self.sizes.iter().map(|s| s / MIB * MIB).collect();
         }
         if let (Some(d), false) = (o.debian.as_mut(), self.only.is_empty()) {
-            d.modes = self
-                .only
-                .iter()
-                .filter(|m| deb_modes.contains(&m.as_str()))
-                .cloned()
-                .collect();
+            d.modes = only_of(&deb_modes);
         }
         // Names of the Debian modes only: the vmwork VM has none to run.
         o.vmwork &= !o.modes.is_empty();

@@ -50,14 +50,18 @@ const OTHER_FORMATS: &[(&[u8], &str)] = &[
 /// The format of the image at `path`, from its header (see the module's
 /// docs for what is refused); the error names the image and why.
 pub fn detect(path: &Path) -> Result<DiskFormat, String> {
-    let fail = |e: std::io::Error| format!("disk {}: {e}", path.display());
-    let mut f = std::fs::File::open(path).map_err(fail)?;
-    let mut h = Vec::with_capacity(HEADER);
-    (&mut f)
-        .take(HEADER as u64)
-        .read_to_end(&mut h)
-        .map_err(fail)?;
+    let h = header(path, "disk")?;
     classify(&h).map_err(|why| format!("disk {}: {why}", path.display()))
+}
+
+/// The first [`HEADER`] bytes of the image at `path` (`what` names it in
+/// the error).
+fn header(path: &Path, what: &str) -> Result<Vec<u8>, String> {
+    let fail = |e: std::io::Error| format!("{what} {}: {e}", path.display());
+    let f = std::fs::File::open(path).map_err(fail)?;
+    let mut h = Vec::with_capacity(HEADER);
+    f.take(HEADER as u64).read_to_end(&mut h).map_err(fail)?;
+    Ok(h)
 }
 
 /// The format to attach the image at `path` with: `given` when the caller
@@ -103,13 +107,7 @@ pub fn classify(h: &[u8]) -> Result<DiskFormat, String> {
 /// the base it was made on, so an overlay attached over another image (its
 /// clusters would then read as garbage) is refused.
 pub fn check_overlay(overlay: &Path, base: &Path) -> Result<(), String> {
-    let fail = |e: std::io::Error| format!("overlay {}: {e}", overlay.display());
-    let mut f = std::fs::File::open(overlay).map_err(fail)?;
-    let mut h = Vec::with_capacity(HEADER);
-    (&mut f)
-        .take(HEADER as u64)
-        .read_to_end(&mut h)
-        .map_err(fail)?;
+    let h = header(overlay, "overlay")?;
     if !h.starts_with(QCOW2_MAGIC) {
         return Err(format!(
             "overlay {}: not a qcow2 image (an overlay is a qcow2 file over its base)",

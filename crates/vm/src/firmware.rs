@@ -11,7 +11,7 @@
 //! but the guest's memory). The code image is the host's, read-only.
 
 use crate::VmError;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 /// The firmware QEMU starts the VM with.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -107,8 +107,7 @@ impl Firmware {
 }
 
 /// Make the VM's variable store from OVMF's template when it is missing
-/// (copied under a temporary name, linked into place only if nothing is
-/// there by then). True when it was made here.
+/// (put in place by [`crate::place::make_new`]). True when it was made here.
 pub fn ensure_vars(f: &Firmware) -> Result<bool, VmError> {
     let Firmware::Uefi { vars, .. } = f else {
         return Ok(false);
@@ -116,44 +115,20 @@ pub fn ensure_vars(f: &Firmware) -> Result<bool, VmError> {
     if vars.exists() {
         return Ok(false);
     }
-    copy_new(&ovmf_vars_template(), vars)?;
+    let template = ovmf_vars_template();
+    crate::place::make_new(vars, "UEFI variable store", |tmp| {
+        std::fs::copy(&template, tmp)
+            .map(|_| ())
+            .map_err(|e| VmError::Io {
+                context: format!(
+                    "copying {} to make UEFI variable store {}",
+                    template.display(),
+                    vars.display()
+                ),
+                cause: e,
+            })
+    })?;
     Ok(true)
-}
-
-fn copy_new(from: &Path, to: &Path) -> Result<(), VmError> {
-    let io = |what: &str, e| VmError::Io {
-        context: format!("{what} UEFI variable store {}", to.display()),
-        cause: e,
-    };
-    let name = to.file_name().ok_or_else(|| {
-        VmError::Invalid(format!(
-            "UEFI variable store {}: not a file name",
-            to.display()
-        ))
-    })?;
-    let tmp = to.with_file_name(format!(
-        ".{}.{}.new",
-        name.to_string_lossy(),
-        std::process::id()
-    ));
-    std::fs::copy(from, &tmp).map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        VmError::Io {
-            context: format!(
-                "copying {} to make UEFI variable store {}",
-                from.display(),
-                to.display()
-            ),
-            cause: e,
-        }
-    })?;
-    let linked = std::fs::hard_link(&tmp, to);
-    let _ = std::fs::remove_file(&tmp);
-    match linked {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
-        Err(e) => Err(io("putting in place", e)),
-    }
 }
 
 #[cfg(test)]

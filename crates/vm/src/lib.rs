@@ -22,6 +22,7 @@ pub mod domain;
 pub mod firmware;
 mod hangup;
 pub mod overlay;
+mod place;
 mod plain;
 mod process;
 mod qemu;

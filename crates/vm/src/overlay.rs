@@ -7,9 +7,9 @@
 //! ([`ensure`], called by the runner before QEMU starts; never for an
 //! incoming migration, whose overlay must be the source's: an empty one
 //! made there would silently drop every write). It is made by `qemu-img
-//! create` (a fixed program, with paths the spec checked) under a temporary
-//! name and linked into place only if nothing is there yet, so two starts
-//! racing never truncate each other's overlay.
+//! create` (a fixed program, with paths the spec checked) and put in place
+//! by [`crate::place::make_new`]: two starts racing never truncate each
+//! other's overlay.
 //!
 //! QEMU is never left to follow the backing file name written in the
 //! overlay: the drive names the base and its format itself
@@ -44,50 +44,33 @@ pub fn ensure(d: &Disk) -> Result<bool, VmError> {
     Ok(made)
 }
 
-/// `qemu-img create -f qcow2 -F FORMAT -b BASE` at a temporary name beside
-/// `overlay`, then linked to `overlay` unless a file is there by then.
+/// `qemu-img create -f qcow2 -F FORMAT -b BASE`, put in place as
+/// [`crate::place::make_new`] does.
 fn create(overlay: &Path, base: &Path, format: pagefleet_api::DiskFormat) -> Result<(), VmError> {
-    let name = overlay.file_name().ok_or_else(|| {
-        VmError::Invalid(format!("overlay {}: not a file name", overlay.display()))
-    })?;
-    let tmp = overlay.with_file_name(format!(
-        ".{}.{}.new",
-        name.to_string_lossy(),
-        std::process::id()
-    ));
-    let out = Command::new(qemu_img())
-        .args(["create", "-q", "-f", "qcow2", "-F", format.as_str(), "-b"])
-        .arg(base)
-        .arg(&tmp)
-        .output()
-        .map_err(|e| VmError::Io {
-            context: format!(
-                "running {} to make overlay {}",
-                qemu_img().display(),
-                overlay.display()
-            ),
-            cause: e,
-        })?;
-    if !out.status.success() {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(VmError::Invalid(format!(
-            "making overlay {} over {}: qemu-img: {}",
-            overlay.display(),
-            base.display(),
-            String::from_utf8_lossy(&out.stderr).trim()
-        )));
-    }
-    let linked = std::fs::hard_link(&tmp, overlay);
-    let _ = std::fs::remove_file(&tmp);
-    match linked {
-        Ok(()) => Ok(()),
-        // Another start made it first: that one is checked by the caller.
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
-        Err(e) => Err(VmError::Io {
-            context: format!("putting overlay {} in place", overlay.display()),
-            cause: e,
-        }),
-    }
+    crate::place::make_new(overlay, "overlay", |tmp| {
+        let out = Command::new(qemu_img())
+            .args(["create", "-q", "-f", "qcow2", "-F", format.as_str(), "-b"])
+            .arg(base)
+            .arg(tmp)
+            .output()
+            .map_err(|e| VmError::Io {
+                context: format!(
+                    "running {} to make overlay {}",
+                    qemu_img().display(),
+                    overlay.display()
+                ),
+                cause: e,
+            })?;
+        if !out.status.success() {
+            return Err(VmError::Invalid(format!(
+                "making overlay {} over {}: qemu-img: {}",
+                overlay.display(),
+                base.display(),
+                String::from_utf8_lossy(&out.stderr).trim()
+            )));
+        }
+        Ok(())
+    })
 }
 
 #[cfg(test)]

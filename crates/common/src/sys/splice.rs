@@ -128,14 +128,7 @@ pub fn send_file(file: &impl AsFd, off: u64, len: usize, dst: &impl AsFd) -> io:
     while at < end {
         // SAFETY: both descriptors are borrowed open for the call; `at` is
         // a local the kernel advances; no user memory is passed.
-        let n = unsafe { libc::sendfile(d, f, &mut at, (end - at) as usize) };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
+        let n = retrying(|| unsafe { libc::sendfile(d, f, &mut at, (end - at) as usize) })?;
         if n == 0 {
             // The file ends before `off + len`.
             return Err(io::ErrorKind::UnexpectedEof.into());
@@ -151,36 +144,44 @@ pub fn send_more(dst: &impl AsFd, mut buf: &[u8]) -> io::Result<()> {
     let d = dst.as_fd().as_raw_fd();
     while !buf.is_empty() {
         // SAFETY: reading `buf`, its length; the borrow keeps `dst` open.
-        let n = unsafe {
+        let n = retrying(|| unsafe {
             libc::send(
                 d,
                 buf.as_ptr().cast(),
                 buf.len(),
                 libc::MSG_MORE | libc::MSG_NOSIGNAL,
             )
-        };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
+        })?;
         if n == 0 {
             return Err(io::ErrorKind::WriteZero.into());
         }
-        buf = &buf[n as usize..];
+        buf = &buf[n..];
     }
     Ok(())
 }
 
+/// A system call returning a byte count or -1 with errno, called again
+/// while it is interrupted (EINTR).
+fn retrying(mut call: impl FnMut() -> isize) -> io::Result<usize> {
+    loop {
+        let n = call();
+        if n >= 0 {
+            return Ok(n as usize);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
 /// splice(2) from the pipe `from` into `to` at file offset `at`, retried on EINTR.
 fn splice_at(from: i32, to: i32, at: i64, len: usize) -> io::Result<usize> {
-    loop {
+    retrying(|| {
         let mut o = at;
         // SAFETY: both are open descriptors borrowed for the call; `o` is a
         // local offset the kernel reads and advances; no memory is passed.
-        let n = unsafe {
+        unsafe {
             libc::splice(
                 from,
                 std::ptr::null_mut(),
@@ -189,15 +190,8 @@ fn splice_at(from: i32, to: i32, at: i64, len: usize) -> io::Result<usize> {
                 len,
                 libc::SPLICE_F_MOVE,
             )
-        };
-        if n >= 0 {
-            return Ok(n as usize);
         }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
-        }
-    }
+    })
 }
 
 /// One splice(2) call, retried on EINTR.
@@ -206,27 +200,18 @@ fn splice(from: i32, to: i32, len: usize, more: bool) -> io::Result<usize> {
     if more {
         flags |= libc::SPLICE_F_MORE;
     }
-    loop {
-        // SAFETY: both are open descriptors borrowed for the call; null
-        // offsets (sockets and pipes have none); no memory is passed.
-        let n = unsafe {
-            libc::splice(
-                from,
-                std::ptr::null_mut(),
-                to,
-                std::ptr::null_mut(),
-                len,
-                flags,
-            )
-        };
-        if n >= 0 {
-            return Ok(n as usize);
-        }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
-        }
-    }
+    // SAFETY: both are open descriptors borrowed for the call; null
+    // offsets (sockets and pipes have none); no memory is passed.
+    retrying(|| unsafe {
+        libc::splice(
+            from,
+            std::ptr::null_mut(),
+            to,
+            std::ptr::null_mut(),
+            len,
+            flags,
+        )
+    })
 }
 
 #[cfg(test)]
