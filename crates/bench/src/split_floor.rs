@@ -6,7 +6,10 @@
 //! through user space), splice(2) into the destination memfd (one kernel
 //! copy, as pagefleet's receiver does), one byte back when a destination
 //! has it all. No framing, no plan, no dirty tracking, no rounds, no
-//! device state, no second pass over changed pages.
+//! device state, no second pass over changed pages. A receiver takes only
+//! a connection that opens with the run's random token (anyone else in the
+//! lab's namespace is dropped within [`TOKEN_TIMEOUT`]); the token is the
+//! only bytes before the data.
 //!
 //! Run beside the guest under its load (the same CPUs, the same links), it
 //! says how fast any split could move the guest here: a split slower than
@@ -29,6 +32,9 @@ const FILL_CHUNK: usize = 1 << 20;
 /// A destination that has not connected or finished after this long
 /// fails the floor (a bound on every wait).
 const IO_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a connection may take to show the run's token: anyone else
+/// in the lab's namespace who connects first is dropped after this.
+const TOKEN_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// One floor run.
 #[derive(Clone, Debug, Default, Serialize)]
@@ -76,6 +82,19 @@ pub fn run(lab: &Lab, from: usize, shares: &[(usize, u64)], port: u16) -> Result
         }
         w.flush()?;
     }
+    // A connection is the sender's when it opens with this run's token
+    // (16 random bytes, never on the wire before): a stranger who connects
+    // first is dropped, and the receiver waits for the next.
+    let token: [u8; 16] = {
+        let (a, b) = (
+            pagefleet_proto::auth::random_u64(),
+            pagefleet_proto::auth::random_u64(),
+        );
+        let mut t = [0u8; 16];
+        t[..8].copy_from_slice(&a.to_le_bytes());
+        t[8..].copy_from_slice(&b.to_le_bytes());
+        t
+    };
     // Receivers listen first.
     let mut receivers = Vec::new();
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
@@ -88,19 +107,25 @@ pub fn run(lab: &Lab, from: usize, shares: &[(usize, u64)], port: u16) -> Result
             let _ = ready.send(());
             l.set_nonblocking(true)?;
             let t = Instant::now();
-            let (mut s, _) = loop {
+            let mut s = loop {
+                if t.elapsed() > IO_TIMEOUT {
+                    bail!("the split floor: the sender never connected to {ip}:{port}");
+                }
                 match l.accept() {
-                    Ok(c) => break c,
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                        if t.elapsed() > IO_TIMEOUT {
-                            bail!("the split floor: nobody connected to {ip}:{port}");
+                    Ok((c, _)) => {
+                        c.set_nonblocking(false)?;
+                        c.set_read_timeout(Some(TOKEN_TIMEOUT))?;
+                        let mut got = [0u8; 16];
+                        if (&c).read_exact(&mut got).is_ok() && got == token {
+                            break c;
                         }
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                         std::thread::sleep(Duration::from_millis(5));
                     }
                     Err(e) => return Err(e.into()),
                 }
             };
-            s.set_nonblocking(false)?;
             s.set_read_timeout(Some(IO_TIMEOUT))?;
             let c0 = pagefleet_common::clock::thread_cpu_secs();
             let dst = memfd(len)?;
@@ -129,6 +154,7 @@ pub fn run(lab: &Lab, from: usize, shares: &[(usize, u64)], port: u16) -> Result
             let mut s = TcpStream::connect((ip.as_str(), port))
                 .with_context(|| format!("the split floor: connecting to {ip}:{port}"))?;
             s.set_read_timeout(Some(IO_TIMEOUT))?;
+            s.write_all(&token)?;
             let c0 = pagefleet_common::clock::thread_cpu_secs();
             send_file(&*src, at, len as usize, &s)
                 .with_context(|| format!("the split floor: sending to {ip}"))?;
