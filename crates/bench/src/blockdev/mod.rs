@@ -859,6 +859,39 @@ pub struct Args {
     /// Skip the guest rows.
     #[arg(long)]
     pub no_vm: bool,
+    /// Only these fio patterns (of read, write, randread, randwrite), e.g.
+    /// `--patterns randread,randwrite`: to look at a few rows in minutes
+    /// instead of the full sweep's half hour.
+    #[arg(long, value_delimiter = ',', value_parser = parse_pattern)]
+    pub patterns: Vec<&'static str>,
+    /// Only these block sizes, e.g. `--block-sizes 4K,128K` (4K to 128K,
+    /// multiples of 4K: the export's block and largest request).
+    #[arg(long, value_delimiter = ',', value_parser = parse_block_size)]
+    pub block_sizes: Vec<u64>,
+    /// Only these queue depths, e.g. `--depths 16` (1 to 64).
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub depths: Vec<u32>,
+}
+
+/// The fio patterns the sweep knows.
+const PATTERNS: [&str; 4] = ["read", "write", "randread", "randwrite"];
+
+fn parse_pattern(s: &str) -> std::result::Result<&'static str, String> {
+    PATTERNS
+        .iter()
+        .find(|p| **p == s)
+        .copied()
+        .ok_or_else(|| format!("unknown pattern {s:?}: one of {}", PATTERNS.join(", ")))
+}
+
+fn parse_block_size(s: &str) -> std::result::Result<u64, String> {
+    let b = pagefleet_common::units::parse_size(s).map_err(|e| e.to_string())?;
+    if !(4 << 10..=128 << 10).contains(&b) || b % (4 << 10) != 0 {
+        return Err(format!(
+            "block size {s} is not a multiple of 4K between 4K and 128K"
+        ));
+    }
+    Ok(b)
 }
 
 impl crate::Benchmark for Args {
@@ -881,6 +914,15 @@ impl crate::Benchmark for Args {
         if self.no_vm {
             o.vm = false;
         }
+        if !self.patterns.is_empty() {
+            o.patterns = self.patterns.clone();
+        }
+        if !self.block_sizes.is_empty() {
+            o.block_sizes = self.block_sizes.clone();
+        }
+        if !self.depths.is_empty() {
+            o.depths = self.depths.clone();
+        }
         run(&o, log)
     }
     fn print(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<()> {
@@ -891,6 +933,18 @@ impl crate::Benchmark for Args {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn row_filters_take_only_what_the_sweep_can_run() {
+        assert_eq!(parse_block_size("4K"), Ok(4096));
+        assert_eq!(parse_block_size("128K"), Ok(128 << 10));
+        for bad in ["5K", "256K", "0", "2K"] {
+            assert!(parse_block_size(bad).is_err(), "{bad}");
+        }
+        assert_eq!(parse_pattern("randwrite"), Ok("randwrite"));
+        let e = parse_pattern("trim").unwrap_err();
+        assert!(e.contains("read, write, randread, randwrite"), "{e}");
+    }
 
     fn row(target: &str, round: u32, rw: &str, iops: f64) -> Row {
         Row {
