@@ -442,7 +442,16 @@ fn each_bench_help_lists_only_its_own_flags() {
         ),
         (
             "blockdev",
-            &["--dataset", "--secs", "--rounds", "--vm", "--no-vm"],
+            &[
+                "--dataset",
+                "--secs",
+                "--rounds",
+                "--vm",
+                "--no-vm",
+                "--patterns",
+                "--block-sizes",
+                "--depths",
+            ],
         ),
         (
             "ksm",
