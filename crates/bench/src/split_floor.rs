@@ -83,18 +83,9 @@ pub fn run(lab: &Lab, from: usize, shares: &[(usize, u64)], port: u16) -> Result
         w.flush()?;
     }
     // A connection is the sender's when it opens with this run's token
-    // (16 random bytes, never on the wire before): a stranger who connects
-    // first is dropped, and the receiver waits for the next.
-    let token: [u8; 16] = {
-        let (a, b) = (
-            pagefleet_proto::auth::random_u64(),
-            pagefleet_proto::auth::random_u64(),
-        );
-        let mut t = [0u8; 16];
-        t[..8].copy_from_slice(&a.to_le_bytes());
-        t[8..].copy_from_slice(&b.to_le_bytes());
-        t
-    };
+    // (a fresh random nonce, never on the wire before): a stranger who
+    // connects first is dropped, and the receiver waits for the next.
+    let token = pagefleet_proto::auth::random_nonce();
     // Receivers listen first.
     let mut receivers = Vec::new();
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
@@ -115,7 +106,7 @@ pub fn run(lab: &Lab, from: usize, shares: &[(usize, u64)], port: u16) -> Result
                     Ok((c, _)) => {
                         c.set_nonblocking(false)?;
                         c.set_read_timeout(Some(TOKEN_TIMEOUT))?;
-                        let mut got = [0u8; 16];
+                        let mut got = [0u8; 32];
                         if (&c).read_exact(&mut got).is_ok() && got == token {
                             break c;
                         }

@@ -47,7 +47,7 @@ impl Opts {
             runtime_secs: 3,
             block_sizes: vec![4 << 10, 16 << 10, 64 << 10, 128 << 10],
             depths: vec![1, 16],
-            patterns: vec!["read", "write", "randread", "randwrite"],
+            patterns: PATTERNS.to_vec(),
             rounds: 2,
             vm: true,
             vm_memtest_mb: 256,
@@ -864,8 +864,8 @@ pub struct Args {
     /// instead of the full sweep's half hour.
     #[arg(long, value_delimiter = ',', value_parser = parse_pattern)]
     pub patterns: Vec<&'static str>,
-    /// Only these block sizes, e.g. `--block-sizes 4K,128K` (4K to 128K,
-    /// multiples of 4K: the export's block and largest request).
+    /// Only these block sizes, e.g. `--block-sizes 4K,128K` (multiples of
+    /// the 4K block up to 128K, one memory-server frame).
     #[arg(long, value_delimiter = ',', value_parser = parse_block_size)]
     pub block_sizes: Vec<u64>,
     /// Only these queue depths, e.g. `--depths 16` (1 to 64).
@@ -885,8 +885,10 @@ fn parse_pattern(s: &str) -> std::result::Result<&'static str, String> {
 }
 
 fn parse_block_size(s: &str) -> std::result::Result<u64, String> {
+    use pagefleet_proto::{MAX_BATCH_PAGES, PAGE_SIZE};
     let b = pagefleet_common::units::parse_size(s).map_err(|e| e.to_string())?;
-    if !(4 << 10..=128 << 10).contains(&b) || b % (4 << 10) != 0 {
+    let (block, most) = (PAGE_SIZE as u64, (MAX_BATCH_PAGES * PAGE_SIZE) as u64);
+    if !(block..=most).contains(&b) || b % block != 0 {
         return Err(format!(
             "block size {s} is not a multiple of 4K between 4K and 128K"
         ));
