@@ -228,14 +228,18 @@ impl Engine {
     }
 
     /// Enqueue ops in one order (see the module docs), then complete the
-    /// ones no lane took.
-    fn enqueue_all(&self, ops: Vec<(usize, Op)>) {
-        let undelivered: Vec<Op> = {
+    /// ones no lane took. The ops are made as they are enqueued (no list
+    /// of them is built: this runs for every request).
+    fn enqueue_all(&self, ops: impl IntoIterator<Item = (usize, Op)>) {
+        let mut undelivered = Vec::new();
+        {
             let _order = self.order.lock().unwrap_or_else(|e| e.into_inner());
-            ops.into_iter()
-                .filter_map(|(s, op)| self.enqueue(s, op))
-                .collect()
-        };
+            for (s, op) in ops {
+                if let Some(op) = self.enqueue(s, op) {
+                    undelivered.push(op);
+                }
+            }
+        }
         for op in undelivered {
             (op.done)(Outcome::Down);
         }
@@ -249,8 +253,8 @@ impl Engine {
         done: impl FnOnce(Result<Vec<Piece>, IoError>) + Send + 'static,
     ) {
         let copies = self.sh.t.runs(first, count, MAX_BATCH_PAGES as u64);
-        let mut pieces = Vec::new();
-        let mut asks = Vec::new();
+        let mut pieces = Vec::with_capacity(copies[0].len());
+        let mut asks = Vec::with_capacity(copies[0].len());
         for &(vb, s, sb, n) in &copies[0] {
             if self.sh.written.count(vb, n) == 0 {
                 // Never written (or trimmed): a hole, no server asked.
@@ -268,11 +272,10 @@ impl Engine {
             error: Mutex::new(None),
             done: Mutex::new(Some(Box::new(done))),
         });
-        let ops = asks
-            .into_iter()
-            .map(|(i, vb, s, sb, n)| (s, job.ask(i, 0, vb, s, sb, n, 0)))
-            .collect();
-        self.enqueue_all(ops);
+        self.enqueue_all(
+            asks.into_iter()
+                .map(|(i, vb, s, sb, n)| (s, job.ask(i, 0, vb, s, sb, n, 0))),
+        );
         job.finish_one();
     }
 
@@ -327,7 +330,7 @@ impl Engine {
             copies.len(),
             done,
         ));
-        let mut ops = Vec::new();
+        let mut ops = Vec::with_capacity(copies.iter().map(Vec::len).sum());
         for (c, runs) in copies.iter().enumerate() {
             for &(vb, s, sb, n) in runs {
                 job.left.fetch_add(1, Relaxed);
@@ -457,7 +460,7 @@ impl ReadJob {
                     .filter(|r| r.0 < vb + n && r.0 + r.3 > vb)
                     .copied()
                     .collect();
-                let ops = runs
+                let ops: Vec<_> = runs
                     .into_iter()
                     .map(|(rv, s2, sb2, n2)| {
                         let (a, b) = (rv.max(vb), (rv + n2).min(vb + n));

@@ -180,14 +180,15 @@ impl Translator {
 
     /// Every copy of block `b` (primary first). The mirror copy is on the
     /// next server, in a second area after that server's primaries.
-    pub fn places(&self, b: u64) -> Vec<Place> {
+    pub fn places(&self, b: u64) -> Places {
         let p = self.primary(b);
         if !self.mirror {
-            return vec![p];
+            return Places { at: [p, p], n: 1 };
         }
         let next = (p.0 + 1) % self.servers;
         // Mirror blocks live at a high offset so they never meet primaries.
-        vec![p, (next, MIRROR_BASE + (p.0 as u64) * MIRROR_STRIDE + p.1)]
+        let m = (next, MIRROR_BASE + (p.0 as u64) * MIRROR_STRIDE + p.1);
+        Places { at: [p, m], n: 2 }
     }
 
     /// Split `count` blocks from `first` into runs that are contiguous on
@@ -211,6 +212,21 @@ impl Translator {
             b += 1;
         }
         out
+    }
+}
+
+/// The copies of one block, primary first: one or two places, held
+/// inline (every block of every request is placed: no allocation).
+#[derive(Clone, Copy, Debug)]
+pub struct Places {
+    at: [Place; 2],
+    n: usize,
+}
+
+impl std::ops::Deref for Places {
+    type Target = [Place];
+    fn deref(&self) -> &[Place] {
+        &self.at[..self.n]
     }
 }
 
@@ -314,7 +330,7 @@ mod tests {
                 if mirror {
                     prop_assert_ne!(ps[0].0, ps[1].0, "mirror copies on one server");
                 }
-                for p in ps {
+                for &p in ps.iter() {
                     prop_assert!(p.0 < n);
                     prop_assert!(seen.insert(p), "block {} collides at {:?}", b, p);
                 }

@@ -15,7 +15,7 @@ use pagefleet_common::sys::net::send_now;
 use std::io::{IoSlice, Read, Write};
 use std::net::Shutdown;
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicUsize, Ordering::AcqRel};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::AcqRel, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tracing::warn;
@@ -517,6 +517,12 @@ struct Replier {
     /// Small replies a lane's receiver completed in a burst, written
     /// together when it next waits (see `engine::defer`).
     pending: Mutex<Vec<u8>>,
+    /// `Out::backlog`'s length and `Out::gone`, published after each
+    /// change under the lock: the reader checks them per request without
+    /// taking the lock a receiver holds while it writes to the client (a
+    /// contended lock put the reader to sleep about once per 100 requests).
+    backlog_len: AtomicUsize,
+    gone: AtomicBool,
     structured: bool,
     /// base:allocation was negotiated: BLOCK_STATUS is answered.
     allocation: bool,
@@ -566,6 +572,13 @@ impl Replier {
         self.write(parts, total)
     }
 
+    /// Publish the backlog's state for [`Replier::backlog`] (the caller
+    /// holds the lock and has just changed it).
+    fn publish(&self, o: &Out) {
+        self.backlog_len.store(o.backlog.len(), Relaxed);
+        self.gone.store(o.gone, Relaxed);
+    }
+
     /// Write a reply's parts (`total` bytes) in order after everything
     /// written before (see the type's docs).
     fn write(self: &Arc<Self>, parts: &[&[u8]], total: usize) -> std::io::Result<()> {
@@ -577,6 +590,7 @@ impl Replier {
             for p in parts {
                 o.backlog.extend_from_slice(p);
             }
+            self.publish(&o);
             return Ok(());
         }
         let mut iov: Vec<IoSlice<'_>> = parts
@@ -611,8 +625,10 @@ impl Replier {
             o.gone = true;
             o.backlog = Vec::new();
             o.w.close();
+            self.publish(&o);
             return Err(e);
         }
+        self.publish(&o);
         Ok(())
     }
 
@@ -625,7 +641,9 @@ impl Replier {
                     o.draining = false;
                     return;
                 }
-                std::mem::take(&mut o.backlog)
+                let chunk = std::mem::take(&mut o.backlog);
+                self.publish(&o);
+                chunk
             };
             if let Err(e) = w.write_all(&chunk) {
                 warn!(
@@ -635,6 +653,7 @@ impl Replier {
                 o.gone = true;
                 o.backlog = Vec::new();
                 w.close();
+                self.publish(&o);
                 return;
             }
         }
@@ -642,14 +661,21 @@ impl Replier {
 
     /// Reply bytes waiting for the client, and whether it is gone.
     fn backlog(&self) -> (usize, bool) {
-        let o = self.out.lock().unwrap_or_else(|e| e.into_inner());
-        (o.backlog.len(), o.gone)
+        (self.backlog_len.load(Relaxed), self.gone.load(Relaxed))
     }
 
-    /// Write the replies a burst left.
+    /// Write the replies a burst left. The buffer goes back for the next
+    /// burst (its capacity kept: a burst of 4 KiB replies would otherwise
+    /// grow a new one by doubling every time).
     fn flush_pending(self: &Arc<Self>) -> std::io::Result<()> {
-        let b = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|e| e.into_inner()));
-        self.write(&[&b], b.len())
+        let mut b = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|e| e.into_inner()));
+        let r = self.write(&[&b], b.len());
+        b.clear();
+        let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        if p.is_empty() && p.capacity() < b.capacity() {
+            *p = b;
+        }
+        r
     }
 
     fn ok(self: &Arc<Self>, r: &Req) -> std::io::Result<()> {
@@ -669,58 +695,27 @@ impl Replier {
     /// simple: the bytes, holes as zeros.
     fn data(self: &Arc<Self>, r: &Req, pieces: &[Piece]) -> std::io::Result<()> {
         let zeros = &ZEROS[..];
-        let mut out: Vec<Vec<u8>> = Vec::new();
-        let mut parts: Vec<&[u8]> = Vec::new();
-        // Headers are built first (their buffers must outlive `parts`).
+        // Every chunk header goes into one buffer (built first: `parts`
+        // borrows it); each is followed by its chunk's pieces.
+        let mut hdrs = Vec::with_capacity(32);
+        let mut parts: Vec<&[u8]> = Vec::with_capacity(2 * pieces.len() + 1);
         let whole = !self.structured || r.flags & CMD_FLAG_DF != 0;
         if whole {
-            let mut h = Vec::with_capacity(32);
             if self.structured {
                 chunk(
-                    &mut h,
+                    &mut hdrs,
                     REPLY_FLAG_DONE,
                     REPLY_TYPE_OFFSET_DATA,
                     r.handle,
                     8 + r.len as usize,
                 );
-                h.extend_from_slice(&r.offset.to_be_bytes());
+                hdrs.extend_from_slice(&r.offset.to_be_bytes());
             } else {
-                h.extend_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
-                h.extend_from_slice(&0u32.to_be_bytes());
-                h.extend_from_slice(&r.handle.to_be_bytes());
+                hdrs.extend_from_slice(&SIMPLE_REPLY_MAGIC.to_be_bytes());
+                hdrs.extend_from_slice(&0u32.to_be_bytes());
+                hdrs.extend_from_slice(&r.handle.to_be_bytes());
             }
-            out.push(h);
-        } else {
-            // Consecutive pieces of one kind make one chunk.
-            let mut at = r.offset;
-            let mut i = 0;
-            while i < pieces.len() {
-                let hole = matches!(pieces[i], Piece::Hole(_));
-                let mut j = i;
-                let mut len = 0usize;
-                while j < pieces.len() && matches!(pieces[j], Piece::Hole(_)) == hole {
-                    len += piece_len(&pieces[j]);
-                    j += 1;
-                }
-                let last = j == pieces.len();
-                let flags = if last { REPLY_FLAG_DONE } else { 0 };
-                let mut h = Vec::with_capacity(32);
-                if hole {
-                    chunk(&mut h, flags, REPLY_TYPE_OFFSET_HOLE, r.handle, 12);
-                    h.extend_from_slice(&at.to_be_bytes());
-                    h.extend_from_slice(&(len as u32).to_be_bytes());
-                } else {
-                    chunk(&mut h, flags, REPLY_TYPE_OFFSET_DATA, r.handle, 8 + len);
-                    h.extend_from_slice(&at.to_be_bytes());
-                }
-                out.push(h);
-                at += len as u64;
-                i = j;
-            }
-        }
-        let mut hdrs = out.iter();
-        if whole {
-            parts.push(hdrs.next().expect("a header"));
+            parts.push(&hdrs);
             for p in pieces {
                 match p {
                     Piece::Data(d) => parts.push(d),
@@ -734,19 +729,52 @@ impl Replier {
                     }
                 }
             }
-        } else {
+            return self.send(&parts);
+        }
+        // Consecutive pieces of one kind make one chunk: a hole chunk's
+        // header is HOLE_CHUNK bytes, a data chunk's DATA_CHUNK.
+        let groups = |f: &mut dyn FnMut(bool, usize, usize, usize)| {
             let mut i = 0;
             while i < pieces.len() {
                 let hole = matches!(pieces[i], Piece::Hole(_));
-                parts.push(hdrs.next().expect("a header per chunk"));
-                while i < pieces.len() && matches!(pieces[i], Piece::Hole(_)) == hole {
-                    if let Piece::Data(d) = &pieces[i] {
-                        parts.push(d);
-                    }
-                    i += 1;
+                let mut j = i;
+                let mut len = 0usize;
+                while j < pieces.len() && matches!(pieces[j], Piece::Hole(_)) == hole {
+                    len += piece_len(&pieces[j]);
+                    j += 1;
+                }
+                f(hole, i, j, len);
+                i = j;
+            }
+        };
+        let mut at = r.offset;
+        groups(&mut |hole, _, j, len| {
+            let flags = if j == pieces.len() {
+                REPLY_FLAG_DONE
+            } else {
+                0
+            };
+            if hole {
+                chunk(&mut hdrs, flags, REPLY_TYPE_OFFSET_HOLE, r.handle, 12);
+                hdrs.extend_from_slice(&at.to_be_bytes());
+                hdrs.extend_from_slice(&(len as u32).to_be_bytes());
+            } else {
+                chunk(&mut hdrs, flags, REPLY_TYPE_OFFSET_DATA, r.handle, 8 + len);
+                hdrs.extend_from_slice(&at.to_be_bytes());
+            }
+            at += len as u64;
+        });
+        let mut h = &hdrs[..];
+        groups(&mut |hole, i, j, _| {
+            let (this, rest) = h.split_at(if hole { HOLE_CHUNK } else { DATA_CHUNK });
+            parts.push(this);
+            h = rest;
+            for p in &pieces[i..j] {
+                if let Piece::Data(d) = p {
+                    parts.push(d);
                 }
             }
-        }
+        });
         self.send(&parts)
     }
 
@@ -789,6 +817,13 @@ fn piece_len(p: &Piece) -> usize {
         Piece::Hole(n) => *n as usize * BLOCK,
     }
 }
+
+/// A structured reply chunk's header: magic, flags, type, handle, length.
+const CHUNK_HEADER: usize = 4 + 2 + 2 + 8 + 4;
+/// An OFFSET_HOLE chunk before its (no) data: header, offset, hole size.
+const HOLE_CHUNK: usize = CHUNK_HEADER + 8 + 4;
+/// An OFFSET_DATA chunk before its data: header, offset.
+const DATA_CHUNK: usize = CHUNK_HEADER + 8;
 
 /// Replies up to this size that a receiver completes in a burst are copied
 /// into the burst's buffer and written together.
@@ -983,6 +1018,8 @@ pub fn serve_client(mut c: Box<dyn Io>, exports: &[Served], tls: &Tls) -> std::i
             gone: false,
         }),
         pending: Mutex::new(Vec::new()),
+        backlog_len: AtomicUsize::new(0),
+        gone: AtomicBool::new(false),
         structured: n.structured,
         allocation: n.allocation,
     });
