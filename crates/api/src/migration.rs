@@ -53,6 +53,10 @@ pub struct MigrateRequest {
     /// content (sharing-aware migration is on by default).
     #[serde(default)]
     pub no_dedup: bool,
+    /// Ask about every page even where sending every page measures
+    /// faster (saves the link's bytes at the cost of time).
+    #[serde(default)]
+    pub dedup_always: bool,
 }
 
 /// `POST /migrations`, sent to the daemon of the host the guest runs on:
@@ -103,6 +107,9 @@ pub struct MigrationOrder {
     /// Send every page as data (sharing-aware migration off).
     #[serde(default)]
     pub no_dedup: bool,
+    /// Ask about every page even where sending measures faster.
+    #[serde(default)]
+    pub dedup_always: bool,
 }
 
 /// `POST /evacuations`: empty a host for maintenance. Pages guests keep on
@@ -369,6 +376,16 @@ pub struct DedupReport {
     /// Of which reading and checking pages.
     #[serde(default)]
     pub dest_check_secs: f64,
+    /// Pages sent as data without asking, because sending every page
+    /// measured cheaper than asking in this migration (docs/dedup.md).
+    #[serde(default)]
+    pub pages_sent_unasked: u64,
+    /// Wall µs per page last measured asking (None: not measured).
+    #[serde(default)]
+    pub ask_us_per_page: Option<f64>,
+    /// Wall µs per page last measured sending every page as data.
+    #[serde(default)]
+    pub send_us_per_page: Option<f64>,
 }
 
 impl Report {
@@ -419,6 +436,20 @@ impl std::fmt::Display for Report {
                 mib(d.hash_bytes),
                 d.source_hash_secs,
                 d.dest_fill_secs
+            )?;
+        }
+        if let Some(d) = self
+            .dedup_main
+            .as_ref()
+            .filter(|d| d.pages_sent_unasked > 0)
+        {
+            let us = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.1}"));
+            writeln!(
+                f,
+                "  sharing-aware: {} pages sent without asking (measured µs per page: asking {}, sending {})",
+                d.pages_sent_unasked,
+                us(d.ask_us_per_page),
+                us(d.send_us_per_page)
             )?;
         }
         for (s, d) in self.sub_hosts.iter().zip(&self.dedup_subs) {

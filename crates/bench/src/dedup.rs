@@ -95,6 +95,9 @@ pub struct Row {
     pub pages_sent: u64,
     /// Pages the destination filled itself.
     pub pages_not_sent: u64,
+    /// Pages sharing-aware mode sent without asking (sending measured
+    /// cheaper in that migration).
+    pub pages_sent_unasked: u64,
     /// Source CPU seconds spent hashing.
     pub source_hash_secs: f64,
     /// Destination seconds spent looking up, reading and checking pages.
@@ -487,6 +490,7 @@ fn row(link: Link, case: &str, shared: f64, mode: &str, r: Result<MigrationRepor
             (r.pages_main + r.pages_sent_twice).saturating_sub(not_sent)
         }),
         pages_not_sent: not_sent,
+        pages_sent_unasked: d.map_or(0, |d| d.pages_sent_unasked),
         source_hash_secs: d.map_or(0.0, |d| d.source_hash_secs),
         dest_fill_secs: d.map_or(0.0, |d| d.dest_fill_secs),
         dest_fill_cpu_secs: d.map_or(0.0, |d| d.dest_fill_cpu_secs),
@@ -622,7 +626,9 @@ fn goals(r: &Report) -> Vec<Goal> {
                 continue;
             }
             let pct = level * 100.0;
-            // Bytes: dedup over plain, against (1 - shared) + 3%.
+            // Where the link is the bottleneck (1 Gbit) the bytes follow
+            // the sharing; on a fast link sending may be the cheaper way
+            // and bytes are not a goal there (time is).
             let bytes = median(
                 plain
                     .iter()
@@ -630,30 +636,41 @@ fn goals(r: &Report) -> Vec<Goal> {
                     .map(|(p, d)| d.bytes as f64 / p.bytes.max(1) as f64)
                     .collect(),
             );
-            g.push(Goal::at_most(
-                &format!("{link} {pct:.1}% shared: bytes dedup / plain"),
-                bytes,
-                1.0 - level + 0.03,
-                "x",
-            ));
-            let time = median(
-                plain
-                    .iter()
-                    .zip(&dedup)
-                    .map(|(p, d)| d.total_secs / p.total_secs)
-                    .collect(),
-            );
-            if level == 0.0 {
+            if link == Link::Gbit1.name() {
                 g.push(Goal::at_most(
-                    &format!(
-                        "{link} 0% shared: time dedup / plain (median of {})",
-                        plain.len()
-                    ),
-                    time,
-                    1.03,
+                    &format!("{link} {pct:.1}% shared: bytes dedup / plain"),
+                    bytes,
+                    1.0 - level + 0.03,
                     "x",
                 ));
-            } else if level >= 0.5 {
+            }
+            // Sharing-aware never costs time, at every level on every
+            // link. Several pairs (0%): their median, the worst named
+            // beside it (one pair of 0.5 s migrations here swings by
+            // ±50% with the machine, plain against plain); a failed run
+            // fails the goal.
+            let ratios: Vec<f64> = plain
+                .iter()
+                .zip(&dedup)
+                .map(|(p, d)| d.total_secs / p.total_secs)
+                .collect();
+            let finite = ratios.iter().all(|t| t.is_finite());
+            let worst = ratios.iter().copied().fold(0.0, f64::max);
+            let time = if finite {
+                median(ratios.clone())
+            } else {
+                f64::INFINITY
+            };
+            let name = if ratios.len() > 1 {
+                format!(
+                    "{link} {pct:.1}% shared: time dedup / plain (median of {} pairs; worst {worst:.2})",
+                    ratios.len()
+                )
+            } else {
+                format!("{link} {pct:.1}% shared: time dedup / plain")
+            };
+            g.push(Goal::at_most(&name, time, 1.03, "x"));
+            if link == Link::Gbit1.name() && level > 0.0 {
                 g.push(Goal::at_least(
                     &format!("{link} {pct:.1}% shared: time saved / shared fraction"),
                     (1.0 - time) / level,
@@ -670,10 +687,23 @@ fn goals(r: &Report) -> Vec<Goal> {
             })
         };
         if let (Some(p), Some(d)) = (of("plain"), of("dedup")) {
+            // Bytes where the link is the bottleneck, time where it is not
+            // (the main host's part may be sent unasked there).
+            if p.link == Link::Gbit1.name() {
+                g.push(Goal::at_most(
+                    "split to main host + sub-host, 50.0% shared: bytes dedup / plain (both destinations)",
+                    d.bytes as f64 / p.bytes.max(1) as f64,
+                    0.5 + 0.03,
+                    "x",
+                ));
+            }
             g.push(Goal::at_most(
-                "split to main host + sub-host, 50.0% shared: bytes dedup / plain (both destinations)",
-                d.bytes as f64 / p.bytes.max(1) as f64,
-                0.5 + 0.03,
+                &format!(
+                    "{} split to main host + sub-host, 50.0% shared: time dedup / plain",
+                    p.link
+                ),
+                d.total_secs / p.total_secs,
+                1.03,
                 "x",
             ));
         }
@@ -713,7 +743,7 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
     )?;
     writeln!(
         out,
-        "{:<7} {:<9} {:>7} {:<6} {:>8} {:>11} {:>9} {:>10} {:>10} {:>8} {:>8} {:>6}",
+        "{:<7} {:<9} {:>7} {:<6} {:>8} {:>11} {:>9} {:>10} {:>10} {:>9} {:>8} {:>8} {:>6}",
         "link",
         "case",
         "shared",
@@ -723,6 +753,7 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
         "MiB sent",
         "pages sent",
         "not sent",
+        "unasked",
         "hash CPU",
         "fill CPU",
         "verify"
@@ -741,7 +772,7 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
         }
         writeln!(
             out,
-            "{:<7} {:<9} {:>6.1}% {:<6} {:>8.2} {:>11.1} {:>9.1} {:>10} {:>10} {:>8.3} {:>8.3} {:>6}",
+            "{:<7} {:<9} {:>6.1}% {:<6} {:>8.2} {:>11.1} {:>9.1} {:>10} {:>10} {:>9} {:>8.3} {:>8.3} {:>6}",
             x.link,
             x.case,
             x.shared * 100.0,
@@ -751,6 +782,7 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
             x.bytes as f64 / MIB as f64,
             x.pages_sent,
             x.pages_not_sent,
+            x.pages_sent_unasked,
             x.source_hash_secs,
             x.dest_fill_cpu_secs,
             if x.checksums_equal { "equal" } else { "DIFFER" }
@@ -758,7 +790,7 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
     }
     writeln!(
         out,
-        "  hash CPU: the source's CPU seconds hashing; fill CPU: the destination filler's (lookups, allocating, reading, checking)"
+        "  unasked: pages sharing-aware mode sent as data without asking (sending measured cheaper); hash CPU: the source's CPU seconds hashing; fill CPU: the destination filler's (lookups, allocating, reading, checking)"
     )?;
     for (link, ix) in &r.index {
         if let Some(ix) = ix {

@@ -605,9 +605,15 @@ pub struct MigrateArgs {
     /// Send every page as data. By default the migration is sharing-aware:
     /// the source sends a page's keyed hash first and its data only if the
     /// main host does not already hold that content (another guest's
-    /// memory there); the report shows what that saved.
+    /// memory there); the report shows what that saved. Where sending every
+    /// page measures faster than asking (a fast link, busy CPUs), the
+    /// migration sends instead; see --dedup-always.
     #[arg(long)]
     pub no_dedup: bool,
+    /// Ask about every page even where sending every page measures faster:
+    /// fewer bytes on the link, more time (for a link billed by the byte).
+    #[arg(long, conflicts_with = "no_dedup")]
+    pub dedup_always: bool,
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
@@ -637,6 +643,10 @@ pub struct GatherArgs {
     /// Send every page as data (see `pagefleet migrate --help`).
     #[arg(long)]
     pub no_dedup: bool,
+    /// Ask about every page even where sending measures faster (see
+    /// `pagefleet migrate --help`).
+    #[arg(long, conflicts_with = "no_dedup")]
+    pub dedup_always: bool,
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
@@ -697,6 +707,7 @@ pub fn migrate(c: &Client, a: &MigrateArgs, progress: bool) -> Result<Report> {
         timeout_secs: Some(a.timeout),
         dest_cgroup: a.dest_cgroup.clone(),
         no_dedup: a.no_dedup,
+        dedup_always: a.dedup_always,
     };
     catch_interrupts();
     let mut report = None;
@@ -798,6 +809,7 @@ pub fn gather_cmd(c: &Client, g: GatherArgs) -> Result<()> {
             json: g.json,
             dest_cgroup: None,
             no_dedup: g.no_dedup,
+            dedup_always: g.dedup_always,
             reg: g.reg,
             gather: true,
         },

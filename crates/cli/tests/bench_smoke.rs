@@ -340,7 +340,8 @@ fn bench_vm_migration_debian_quick_json_has_rows_and_goals() {
 
 /// The sharing-aware migration benchmark runs end to end (quick: 128 MiB,
 /// 0% and 50% shared, 10 Gbit): every run's checksums equal, the 50%
-/// dedup run sends about half, and every goal's verdict matches its value.
+/// dedup run finds about half of the pages it asked about, and every
+/// goal's verdict matches its value.
 #[test]
 fn bench_dedup_quick_json_has_rows_and_goals() {
     if !pagefleet_common::sys::process::is_root() {
@@ -370,11 +371,22 @@ fn bench_dedup_quick_json_has_rows_and_goals() {
         .iter()
         .find(|r| r["mode"] == "dedup" && r["shared"].as_f64() == Some(0.5))
         .expect("the 50% dedup row");
+    // Of the pages it asked about (the first window always asks; on a
+    // fast link sending the rest may measure cheaper), about half were
+    // held by the destination.
     let not_sent = half["pages_not_sent"].as_u64().unwrap();
-    assert!((14_000..=18_000).contains(&not_sent), "{half}");
+    let asked = 32_768 - half["pages_sent_unasked"].as_u64().unwrap();
+    assert!(asked >= 512, "the first window (2 MiB) asks: {half}");
+    let found = not_sent as f64 / asked as f64;
+    assert!(
+        (0.4..=0.6).contains(&found),
+        "{found} of the asked pages held: {half}"
+    );
     assert!(!v["floors"].as_array().unwrap().is_empty(), "no floor run");
+    // On 10 Gbit: a time goal per level and the checksums (bytes are a
+    // goal only where the link is the bottleneck, 1 Gbit).
     let goals = v["goals"].as_array().unwrap();
-    assert!(goals.len() >= 4, "{goals:?}");
+    assert!(goals.len() >= 3, "{goals:?}");
     assert_verdicts(goals);
     let _ = std::fs::remove_dir_all(&out_dir);
 }

@@ -269,6 +269,7 @@ fn place(app: &App, o: &MigrationOrder) -> Result<(Placed, MigrateRequest, Promi
         max_downtime_ms: o.max_downtime_ms,
         timeout_secs: o.timeout_secs,
         no_dedup: o.no_dedup,
+        dedup_always: o.dedup_always,
     };
     Ok((placed, req, promises))
 }

@@ -12,6 +12,10 @@
 //! so the link stays busy) and is sent if the probe missed, asked about if
 //! it hit; a hit also makes the source hash whole batches again.
 //!
+//! Asking must also never cost time where the link is fast and the CPU
+//! is not: the source measures wall seconds per page asking and sending
+//! every page as data, and runs the cheaper ([`crate::choice`]).
+//!
 //! Zero pages are the source's to find: a scan that stops at the first
 //! non-zero word costs a data page next to nothing, and a zero page's hash
 //! is one constant, so every zero page is asked about (never sent) whether
@@ -19,6 +23,7 @@
 //! hashing whole batches: a guest whose only sharing is zero pages (most
 //! VMs) costs one scan per page, not a hash.
 
+use crate::choice::{Choice, Mode};
 use crate::outcome::{MigrateError, Progress};
 use crate::pread_pages;
 use crate::wire::runs;
@@ -28,6 +33,10 @@ use pagefleet_dedup::ContentKey;
 use pagefleet_region::PAGE;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+
+/// The longest a mode switch waits for the socket's send queue to empty
+/// (a stalled destination is the stream's timeout's to report).
+const DRAIN_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Pages per HASHES batch (1 MiB of data).
 pub const BATCH: usize = 256;
@@ -56,6 +65,8 @@ pub struct Sender {
     pub hash_secs: f64,
     /// Batches sent only as a probe.
     pub probes: u64,
+    /// Asking or sending, from what this migration measured.
+    pub choice: Choice,
 }
 
 impl Sender {
@@ -71,6 +82,7 @@ impl Sender {
             hash_bytes: 0,
             hash_secs: 0.0,
             probes: 0,
+            choice: Choice::new(),
         }
     }
 
@@ -170,9 +182,41 @@ pub fn send(
 ) -> Result<u64, MigrateError> {
     let mut bytes = 0u64;
     let mut flight = Flight::default();
+    // The measuring window (see crate::choice): when it began, its pages.
+    let mut window = (std::time::Instant::now(), 0u64);
+    let mut buf = Vec::new();
     for (chunk, h) in pages.chunks(BATCH).zip(hist.chunks(BATCH)) {
         if cancel.load(Relaxed) {
             return Err(MigrateError::Cancelled);
+        }
+        if window.1 >= sender.choice.window_pages() {
+            // Windows are timed launch to launch while a mode goes on (the
+            // batches in flight carry over: the link never waits for an
+            // answer at a window's end). A window that likely ends its
+            // mode is timed until what it sent has left; a switch settles
+            // what is in flight and lets the socket empty, counted to the
+            // window before, so the next starts from an empty queue.
+            let was = sender.choice.mode();
+            if was == Mode::Send && sender.choice.exploring() {
+                stream.wait_sent(DRAIN_LIMIT)?;
+            }
+            let next = sender
+                .choice
+                .record(window.1, window.0.elapsed().as_secs_f64());
+            if next != was {
+                let t = std::time::Instant::now();
+                while let Some(b) = flight.settle_oldest(stream, sender, progress)? {
+                    bytes += b;
+                }
+                stream.wait_sent(DRAIN_LIMIT)?;
+                sender.choice.amend(was, t.elapsed().as_secs_f64());
+            }
+            window = (std::time::Instant::now(), 0);
+        }
+        window.1 += chunk.len() as u64;
+        if sender.choice.mode() == Mode::Send {
+            bytes += send_unasked(stream, fd, chunk, h, &mut buf, progress)?;
+            continue;
         }
         let mut data = flight.spare.pop().unwrap_or_default();
         data.resize(chunk.len() * PAGE, 0);
@@ -207,6 +251,41 @@ pub fn send(
     }
     while let Some(b) = flight.settle_oldest(stream, sender, progress)? {
         bytes += b;
+    }
+    // A round's last window (short ones count pages, decide nothing),
+    // timed as at any window's end.
+    if sender.choice.mode() == Mode::Send && sender.choice.exploring() {
+        stream.wait_sent(DRAIN_LIMIT)?;
+    }
+    sender
+        .choice
+        .record(window.1, window.0.elapsed().as_secs_f64());
+    Ok(bytes)
+}
+
+/// Send `pages` (sorted, a batch) as data without asking: straight from
+/// the region's file to the socket, in runs.
+pub(crate) fn send_unasked(
+    stream: &mut Stream,
+    fd: std::os::fd::BorrowedFd<'_>,
+    pages: &[u64],
+    hist: &[u8],
+    buf: &mut Vec<u8>,
+    progress: &Progress,
+) -> Result<u64, MigrateError> {
+    if buf.is_empty() {
+        buf.resize(MAX_PAGES * PAGE, 0);
+    }
+    let mut bytes = 0u64;
+    let mut at = 0;
+    for (first, count) in runs(pages, MAX_PAGES) {
+        stream.send_pages(Kind::Pages, first, &hist[at..at + count], fd, count, buf)?;
+        at += count;
+        bytes += (16 + count + count * PAGE) as u64;
+        progress
+            .bytes_main
+            .fetch_add((count * PAGE) as u64, Relaxed);
+        progress.round_sent.fetch_add(count as u64, Relaxed);
     }
     Ok(bytes)
 }

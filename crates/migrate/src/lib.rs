@@ -4,6 +4,7 @@
 //! page-outs) — never main→sub — and resumes on the main host, which then
 //! pages with the sub-hosts. See docs/migration.md.
 
+pub mod choice;
 pub mod dedup;
 pub mod dest;
 mod fill;

@@ -6,8 +6,7 @@
 pub use crate::outcome::{MigrateError, Progress};
 use crate::plan::{self, Plan, MAIN, SUB0};
 use crate::sub_dedup::SubPut;
-use crate::wire::runs;
-use crate::wire::{Kind, Stream, WireError, MAX_PAGES, NO_MIRROR};
+use crate::wire::{Kind, Stream, WireError, NO_MIRROR};
 use crate::{checksum, Report, Spec};
 use pagefleet_client::{Conn, ConnectOptions, Pages};
 use pagefleet_proto::auth::Secret;
@@ -53,6 +52,9 @@ pub struct Options {
     /// Sharing-aware: send hashes first and data only for pages the main
     /// host does not hold (when it can fill pages from its host).
     pub dedup: bool,
+    /// Sharing-aware asks about every page, even where sending every page
+    /// measures faster (crate::choice).
+    pub dedup_always: bool,
     /// Most pre-copy rounds before stop-and-copy.
     pub max_rounds: usize,
     /// Stop and copy once a round leaves at most this many changed pages.
@@ -89,6 +91,7 @@ impl Options {
             gather: false,
             verify: false,
             dedup: true,
+            dedup_always: false,
             max_rounds: 30,
             stop_pages: 1024,
             max_downtime: Duration::from_millis(50),
@@ -318,9 +321,12 @@ impl Run<'_> {
                 .map_err(|e| WireError::Malformed(format!("READY: {e}")))?
         };
         if self.o.dedup && ready.dedup {
-            self.dedup = Some(crate::dedup::Sender::new(
-                pagefleet_dedup::ContentKey::from_secret(&self.o.secret),
-            ));
+            let mut s =
+                crate::dedup::Sender::new(pagefleet_dedup::ContentKey::from_secret(&self.o.secret));
+            if self.o.dedup_always {
+                s.choice = crate::choice::Choice::always_ask();
+            }
+            self.dedup = Some(s);
         }
         info!(
             "migrating {}: {} pages to the main host, {:?} to sub-hosts",
@@ -499,6 +505,9 @@ impl Run<'_> {
                     dest_fill_cpu_secs: prepared.dedup.cpu_secs,
                     dest_ask_secs: prepared.dedup.ask_secs,
                     dest_check_secs: prepared.dedup.check_secs,
+                    pages_sent_unasked: d.choice.pages[1],
+                    ask_us_per_page: d.choice.costs_us().0,
+                    send_us_per_page: d.choice.costs_us().1,
                 })
             }),
         })
@@ -719,7 +728,7 @@ impl Run<'_> {
     }
 }
 
-/// `hist[i]` is the history of `pages[i]`.
+/// `hist[i]` is the history of `pages[i]`: every page as data.
 fn send_main(
     stream: &mut Stream,
     fd: std::os::fd::BorrowedFd<'_>,
@@ -728,21 +737,14 @@ fn send_main(
     progress: &Progress,
     cancel: &AtomicBool,
 ) -> Result<u64, MigrateError> {
-    let mut buf = vec![0u8; MAX_PAGES * PAGE];
+    let mut buf = Vec::new();
     let mut bytes = 0u64;
-    let mut at = 0;
-    for (first, count) in runs(pages, MAX_PAGES) {
+    let batch = crate::dedup::BATCH;
+    for (chunk, h) in pages.chunks(batch).zip(hist.chunks(batch)) {
         if cancel.load(Relaxed) {
             return Err(MigrateError::Cancelled);
         }
-        let h = &hist[at..at + count];
-        at += count;
-        stream.send_pages(Kind::Pages, first, h, fd, count, &mut buf)?;
-        bytes += (16 + count + count * PAGE) as u64;
-        progress
-            .bytes_main
-            .fetch_add((count * PAGE) as u64, Relaxed);
-        progress.round_sent.fetch_add(count as u64, Relaxed);
+        bytes += crate::dedup::send_unasked(stream, fd, chunk, h, &mut buf, progress)?;
     }
     Ok(bytes)
 }

@@ -78,3 +78,19 @@ pub(crate) unsafe fn populate_write(addr: *mut u8, len: usize) {
 
 /// `MADV_POPULATE_WRITE` (Linux 5.14; not in every libc crate version).
 const MADV_POPULATE_WRITE: libc::c_int = 23;
+
+/// Bytes written to a TCP socket that it has not sent yet (`SIOCOUTQNSD`,
+/// tcp(7)): what waits in its send queue for the link. Bytes sent and not
+/// yet acknowledged are not counted (`SIOCOUTQ` would count them, and the
+/// last segment's acknowledgement can wait for the peer's delayed-ACK
+/// timer, tens of ms).
+pub(crate) fn unsent_bytes(sock: &std::net::TcpStream) -> std::io::Result<usize> {
+    let mut n: libc::c_int = 0;
+    // SAFETY: SIOCOUTQNSD writes one int through the pointer, to a local
+    // that outlives the call; the borrow keeps the socket open.
+    let r = unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCOUTQNSD as _, &mut n) };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(n.max(0) as usize)
+}

@@ -256,6 +256,7 @@ impl Running {
         o.name = self.name.clone();
         o.verify = req.verify;
         o.dedup = !req.no_dedup;
+        o.dedup_always = req.dedup_always;
         o.policy = req.policy.unwrap_or(self.spec.policy);
         o.dest_chunk = req.chunk;
         o.gather = req.gather;
