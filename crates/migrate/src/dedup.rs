@@ -38,6 +38,21 @@ use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 /// (a stalled destination is the stream's timeout's to report).
 const DRAIN_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
 
+/// Wait until the stream's socket has sent everything written (nothing
+/// waits in its send queue), for at most [`DRAIN_LIMIT`]. For measuring: a
+/// window timed from an empty queue to an empty queue is the link's time,
+/// not the socket buffer's.
+fn wait_sent(stream: &Stream) -> Result<(), MigrateError> {
+    let t = std::time::Instant::now();
+    loop {
+        let n = crate::sys::unsent_bytes(stream.s.socket()).map_err(|e| stream.io_error(e))?;
+        if n == 0 || t.elapsed() >= DRAIN_LIMIT {
+            return Ok(());
+        }
+        std::thread::sleep(std::time::Duration::from_micros(50));
+    }
+}
+
 /// Pages per HASHES batch (1 MiB of data).
 pub const BATCH: usize = 256;
 /// Batches in flight before the source waits for the oldest answer.
@@ -198,7 +213,7 @@ pub fn send(
             // window before, so the next starts from an empty queue.
             let was = sender.choice.mode();
             if was == Mode::Send && sender.choice.exploring() {
-                stream.wait_sent(DRAIN_LIMIT)?;
+                wait_sent(stream)?;
             }
             let next = sender
                 .choice
@@ -208,7 +223,7 @@ pub fn send(
                 while let Some(b) = flight.settle_oldest(stream, sender, progress)? {
                     bytes += b;
                 }
-                stream.wait_sent(DRAIN_LIMIT)?;
+                wait_sent(stream)?;
                 sender.choice.amend(was, t.elapsed().as_secs_f64());
             }
             window = (std::time::Instant::now(), 0);
@@ -255,7 +270,7 @@ pub fn send(
     // A round's last window (short ones count pages, decide nothing),
     // timed as at any window's end.
     if sender.choice.mode() == Mode::Send && sender.choice.exploring() {
-        stream.wait_sent(DRAIN_LIMIT)?;
+        wait_sent(stream)?;
     }
     sender
         .choice

@@ -302,21 +302,6 @@ impl Stream {
         }
     }
 
-    /// Wait until the socket has sent everything written (nothing waits in
-    /// its send queue), for at most `limit`. For measuring: a window timed
-    /// from an empty queue to an empty queue is the link's time, not the
-    /// socket buffer's.
-    pub fn wait_sent(&self, limit: Duration) -> Result<(), WireError> {
-        let t = std::time::Instant::now();
-        loop {
-            let n = crate::sys::unsent_bytes(self.s.socket()).map_err(|e| self.io_error(e))?;
-            if n == 0 || t.elapsed() >= limit {
-                return Ok(());
-            }
-            std::thread::sleep(Duration::from_micros(50));
-        }
-    }
-
     /// Send one message whose body is `parts` in order.
     pub fn send(&mut self, kind: Kind, arg: u64, parts: &[&[u8]]) -> Result<(), WireError> {
         let len: usize = parts.iter().map(|p| p.len()).sum();
