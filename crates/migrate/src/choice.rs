@@ -79,8 +79,6 @@ pub struct Choice {
     recheck: u32,
     /// Pages in windows of each mode ([Ask, Send]).
     pub pages: [u64; 2],
-    /// Windows measured in each mode ([Ask, Send]).
-    pub windows: [u64; 2],
     /// Pages of the last window measured in each mode.
     last_pages: [Option<u64>; 2],
     /// Ask whatever the measurements say (`--dedup-always`).
@@ -117,7 +115,6 @@ impl Choice {
             since: 0,
             recheck: FIRST_RECHECK,
             pages: [0, 0],
-            windows: [0, 0],
             last_pages: [None, None],
             fixed: false,
         }
@@ -179,7 +176,6 @@ impl Choice {
         if pages < FIRST_WINDOW_PAGES / 2 || !secs.is_finite() || secs <= 0.0 {
             return self.mode;
         }
-        self.windows[ix(m)] += 1;
         self.cost[ix(m)] = Some(secs / pages as f64);
         self.last_pages[ix(m)] = Some(pages);
         if self.fixed {
@@ -342,7 +338,7 @@ mod tests {
         let mut c = Choice::new();
         assert_eq!(c.record(FIRST_WINDOW_PAGES / 4, 1.0), Mode::Ask);
         assert_eq!(c.pages, [FIRST_WINDOW_PAGES / 4, 0]);
-        assert_eq!(c.windows, [0, 0]);
+        assert_eq!(c.costs_us(), (None, None), "no figure taken");
         assert_eq!(c.record(W, 0.0), Mode::Ask, "a zero-length clock reading");
     }
 }
