@@ -24,7 +24,8 @@ fuzz_target!(|data: &[u8]| {
     assert!(s.max_conns >= 1);
     assert!(!s.io_timeout.is_zero() && !s.handshake_timeout.is_zero());
     if let Some(k) = &s.ksm {
-        k.options(None, false, None).expect("a KSM section merge accepted");
+        k.options(None, false, None)
+            .expect("a KSM section merge accepted");
     }
     if let Some(q) = &s.ioqos {
         q.check().expect("an I/O section merge accepted");

@@ -30,8 +30,12 @@ fuzz_target!(|data: &[u8]| {
     // The table still works: a set and a get of a fresh key, through the
     // same protocol code.
     let mut reply = Vec::new();
-    serve_session(kv, &b"set fuzz:check 7 0 5\r\nhello\r\nget fuzz:check\r\n"[..], &mut reply)
-        .expect("in-memory session");
+    serve_session(
+        kv,
+        &b"set fuzz:check 7 0 5\r\nhello\r\nget fuzz:check\r\n"[..],
+        &mut reply,
+    )
+    .expect("in-memory session");
     let want = b"STORED\r\nVALUE fuzz:check 7 5\r\nhello\r\nEND\r\n";
     assert!(
         reply.ends_with(want),

@@ -62,7 +62,9 @@ fuzz_target!(|data: &[u8]| {
     let addr = l.local_addr().unwrap();
     let input = frames(data);
     let source = std::thread::spawn(move || {
-        let Ok(tcp) = TcpStream::connect(addr) else { return };
+        let Ok(tcp) = TcpStream::connect(addr) else {
+            return;
+        };
         let Ok(mut raw) = tcp.try_clone() else { return };
         let mut s = Stream::new(tcp);
         s.set_timeout(Some(Duration::from_secs(5)));

@@ -81,7 +81,10 @@ impl Write for Client {
 impl Io for Client {
     fn try_clone_box(&self) -> io::Result<Box<dyn Io>> {
         // The reply writer's handle: writes only.
-        Ok(Box::new(Client { input: Vec::new(), at: 0 }))
+        Ok(Box::new(Client {
+            input: Vec::new(),
+            at: 0,
+        }))
     }
     fn close(&self) {}
     fn send_now(&self, bufs: &[io::IoSlice<'_>]) -> Option<io::Result<usize>> {
@@ -102,7 +105,10 @@ fuzz_target!(|data: &[u8]| {
         description: "fuzzed export".into(),
         size: BLOCKS * 4096,
     };
-    let c = Client { input: data.to_vec(), at: 0 };
+    let c = Client {
+        input: data.to_vec(),
+        at: 0,
+    };
     let served = [Served {
         export: ex,
         engine: w.engine.clone(),

@@ -10,7 +10,12 @@ fuzz_target!(|data: &[u8]| {
         if let Ok(r) = PagesReq::decode(op, data) {
             // What decodes must re-encode to the same descriptor.
             let mut b = Vec::new();
-            encode_pages_req(r.prefix.region, &r.sel, r.prefix.flags & !flags::RUN, &mut b);
+            encode_pages_req(
+                r.prefix.region,
+                &r.sel,
+                r.prefix.flags & !flags::RUN,
+                &mut b,
+            );
             if r.prefix.flags & flags::WHOLE_REGION == 0 && op != Opcode::Put {
                 assert_eq!(&b[..], data);
             }

@@ -44,7 +44,7 @@ fn records(data: &[u8]) -> Vec<(String, Vec<u8>)> {
 fuzz_target!(|data: &[u8]| {
     let kvs = records(data);
     let ttl = i64::from(data.first().copied().unwrap_or(10));
-    let view = view_of(&kvs, ttl);
+    let view = view_of(kvs.iter().map(|(k, v)| (k.as_str(), v.as_slice())), ttl);
     // One host per member record that decodes, in order.
     let members: Vec<(&str, Member)> = kvs
         .iter()
@@ -81,9 +81,14 @@ fuzz_target!(|data: &[u8]| {
         let delta = i64::from_le_bytes(chunk.try_into().expect("8 bytes"));
         let pool = if i % 2 == 0 { Pool::Guest } else { Pool::Lend };
         let next = claims.adjusted(pool, delta);
-        let want = (i128::from(claims.held(pool)) + i128::from(delta)).clamp(0, i128::from(u64::MAX));
+        let want =
+            (i128::from(claims.held(pool)) + i128::from(delta)).clamp(0, i128::from(u64::MAX));
         assert_eq!(i128::from(next.held(pool)), want);
-        let other = if pool == Pool::Guest { Pool::Lend } else { Pool::Guest };
+        let other = if pool == Pool::Guest {
+            Pool::Lend
+        } else {
+            Pool::Guest
+        };
         assert_eq!(next.held(other), claims.held(other));
     }
 });

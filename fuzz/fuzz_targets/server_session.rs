@@ -44,15 +44,34 @@ impl Transport for Mem<'_> {
 }
 
 fuzz_target!(|data: &[u8]| {
-    let Some((&mode, rest)) = data.split_first() else { return };
+    let Some((&mode, rest)) = data.split_first() else {
+        return;
+    };
     let secret = Secret::from_bytes(b"fuzz-secret-0123456789", "fuzz").unwrap();
-    let st = ServerState::new(Store::with_backing(64 * 4096, Backing::Memfd).unwrap(), secret, ServerConfig::default());
-    let mut t = Mem { input: rest, written: 0 };
-    let s = if mode & 1 == 1 { Session::new_preauthenticated(&st, &mut t) } else { Session::new(&st, &mut t, "fuzz") };
+    let st = ServerState::new(
+        Store::with_backing(64 * 4096, Backing::Memfd).unwrap(),
+        secret,
+        ServerConfig::default(),
+    );
+    let mut t = Mem {
+        input: rest,
+        written: 0,
+    };
+    let s = if mode & 1 == 1 {
+        Session::new_preauthenticated(&st, &mut t)
+    } else {
+        Session::new(&st, &mut t, "fuzz")
+    };
     let _ = s.run();
     // Whatever happened, the store's books must balance.
     let stats = st.store.stats(usize::MAX);
     assert!(stats.used_slots <= stats.capacity_pages);
-    assert_eq!(stats.used_slots, stats.stored_pages, "slots leaked or double-freed");
-    assert_eq!(stats.regions.iter().map(|r| r.1).sum::<u64>(), stats.stored_pages);
+    assert_eq!(
+        stats.used_slots, stats.stored_pages,
+        "slots leaked or double-freed"
+    );
+    assert_eq!(
+        stats.regions.iter().map(|r| r.1).sum::<u64>(),
+        stats.stored_pages
+    );
 });

@@ -23,7 +23,9 @@ const SIZE: u64 = 64 << 20;
 const PID: u64 = 4242;
 
 fn open_fds() -> usize {
-    std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0)
+    std::fs::read_dir("/proc/self/fd")
+        .map(|d| d.count())
+        .unwrap_or(0)
 }
 
 fuzz_target!(|data: &[u8]| {

@@ -33,6 +33,7 @@ pub mod paging;
 pub mod registry;
 pub mod replicas;
 pub mod restart;
+pub mod scale;
 pub mod soak;
 pub mod split_floor;
 pub mod strangers;

@@ -5,7 +5,9 @@
 //! main host's memory and the sub-hosts' lending by transaction, release
 //! the claims; and simulated (split) migrations write what a real one writes. Measured: placement latency,
 //! etcd writes per migration (revision deltas), etcd's CPU per placement,
-//! the bytes one view reads.
+//! the bytes one view reads, and the memory a daemon's mirror of the
+//! registry (what placement reads) takes. Every placement is checked: its
+//! view holds every simulated host, alive.
 
 use crate::util::{self, Goal, PlotOutcome};
 use anyhow::{anyhow, Result};
@@ -56,12 +58,25 @@ pub struct Report {
     /// Seconds to register every host with its guests, and writes that took.
     pub register_secs: f64,
     pub register_writes: i64,
-    /// Placement latency samples, ms (read registry + choose + claim + release).
+    /// Placement latency samples, ms (read the registry's mirror as of
+    /// now + choose + claim + release), as the daemon places.
     pub placement_ms: Vec<f64>,
     pub placement_p50_ms: f64,
     pub placement_p99_ms: f64,
     /// Of that, reading the registry, ms (median).
     pub view_p50_ms: f64,
+    /// Reading placement's view from etcd itself instead (every host's
+    /// record, in pages), ms (median of up to 20): what a placement cost
+    /// without the mirror.
+    pub direct_view_p50_ms: f64,
+    /// Seconds from starting the mirror to its first use (the list).
+    pub mirror_sync_secs: f64,
+    /// Keys the mirror holds and their bytes (keys and values).
+    pub mirror_keys: u64,
+    pub mirror_bytes: u64,
+    /// This process's RSS growth over building the mirror: a daemon's
+    /// memory for its view of the cluster.
+    pub mirror_rss_bytes: u64,
     /// Bytes the full view reads (every host and guest; `pagefleet
     /// status`, gc) and placement's view (hosts only).
     pub view_bytes: u64,
@@ -139,20 +154,46 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
     let register_writes = reg.revision()? - r0;
     let view_bytes = serde_json::to_vec(&reg.view()?)?.len() as u64;
     let hosts_view_bytes = serde_json::to_vec(&reg.hosts_view()?)?.len() as u64;
+    // Each read is ~1 KB per host: fewer of them on big clusters.
+    let reads = (20_000 / o.hosts.max(1)).clamp(3, 20);
     let mut full = Vec::new();
-    for _ in 0..20 {
+    let mut direct = Vec::new();
+    for _ in 0..reads {
         let t = Instant::now();
         reg.view()?;
         full.push(t.elapsed().as_secs_f64() * 1e3);
+        let t = Instant::now();
+        let v = reg.hosts_view()?;
+        direct.push(t.elapsed().as_secs_f64() * 1e3);
+        if v.hosts.len() != o.hosts {
+            anyhow::bail!("etcd's view has {} hosts of {}", v.hosts.len(), o.hosts);
+        }
     }
+    log("mirroring the registry");
+    let me = std::process::id();
+    let rss0 = pagefleet_lab::proc::rss_of(me)?;
+    let t = Instant::now();
+    reg.follow();
+    reg.placement_view()?;
+    let mirror_sync_secs = t.elapsed().as_secs_f64();
+    let mirror_rss_bytes = pagefleet_lab::proc::rss_of(me)?.saturating_sub(rss0);
+    let (mirror_keys, mirror_bytes) = reg.mirror_size();
     log(&format!("{} placements", o.placements));
     let cpu0 = pagefleet_lab::proc::cpu_secs(pid);
     let mut placement_ms = Vec::new();
     let mut view_ms = Vec::new();
     for k in 0..o.placements {
         let t = Instant::now();
-        let v = reg.hosts_view()?;
+        let v = reg.placement_view()?;
         view_ms.push(t.elapsed().as_secs_f64() * 1e3);
+        let alive = v.hosts.iter().filter(|h| h.host.is_some()).count();
+        if v.hosts.len() != o.hosts || alive != o.hosts {
+            anyhow::bail!(
+                "placement {k} read {} hosts ({alive} alive) of {}",
+                v.hosts.len(),
+                o.hosts
+            );
+        }
         let infos: Vec<HostInfo> = v.hosts.iter().map(HostInfo::from).collect();
         // A 32 GiB guest with 24 GiB of data, from host k.
         let src = k % infos.len();
@@ -219,6 +260,11 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
         placement_p50_ms: pct(&placement_ms, 0.5),
         placement_p99_ms: pct(&placement_ms, 0.99),
         view_p50_ms: pct(&view_ms, 0.5),
+        direct_view_p50_ms: pct(&direct, 0.5),
+        mirror_sync_secs,
+        mirror_keys: mirror_keys as u64,
+        mirror_bytes: mirror_bytes as u64,
+        mirror_rss_bytes,
         placement_ms,
         view_bytes,
         hosts_view_bytes,
@@ -271,11 +317,20 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
     )?;
     writeln!(
         out,
-        "  placement (read registry, choose, claim, release): p50 {:.1} ms, p99 {:.1} ms over {}; reading the registry p50 {:.1} ms",
+        "  placement (read the mirror as of now, choose, claim, release): p50 {:.1} ms, p99 {:.1} ms over {}; reading the mirror p50 {:.1} ms, etcd itself {:.1} ms",
         r.placement_p50_ms,
         r.placement_p99_ms,
         r.placement_ms.len(),
-        r.view_p50_ms
+        r.view_p50_ms,
+        r.direct_view_p50_ms
+    )?;
+    writeln!(
+        out,
+        "  the mirror: {} keys, {:.1} MiB of records, {:.1} MiB RSS, listed in {:.2} s",
+        r.mirror_keys,
+        r.mirror_bytes as f64 / (1 << 20) as f64,
+        r.mirror_rss_bytes as f64 / (1 << 20) as f64,
+        r.mirror_sync_secs
     )?;
     writeln!(
         out,

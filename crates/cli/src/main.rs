@@ -215,6 +215,13 @@ enum BenchCmd {
     /// registered in a real etcd; placement latency (read, choose, claim
     /// by transaction, release), etcd writes per migration, etcd CPU.
     Registry(Bench<bench::registry::Args>),
+    /// How costs grow with the size of the work, a curve per sweep, every
+    /// point checked: the etcd registry at 1 000–50 000 simulated hosts
+    /// (placement p99, a daemon's mirror), one memory server lending
+    /// 1–16 GiB (RSS over --lend, throughput), one kv guest paging to 1–8
+    /// servers (ops/s, threads, fds), 1–16 kv guests sharing two servers
+    /// (aggregate against all local, fairness). Root for the guest sweeps.
+    Scale(Bench<bench::scale::Args>),
     /// In-place restarts of a host's pagefleetd (`pagefleet host restart`)
     /// under value-checking kv loads on a 3-host testbed: two kv guests on
     /// the host, a third elsewhere paging to its memory server; each
@@ -801,6 +808,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Bench(BenchCmd::Blockdev(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::Dedup(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::Registry(b)) => bench::main(&b.common, &b.args),
+        Cmd::Bench(BenchCmd::Scale(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::Restart(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::Dashboard(b)) => bench::main(&b.common, &b.args),
         Cmd::Bench(BenchCmd::Strangers(b)) => bench::main(&b.common, &b.args),

@@ -135,11 +135,12 @@ impl App {
         }
     }
 
-    /// What placement reads: with etcd, every host's report but only this
-    /// host's guests (the guest to place is here); else the full view.
+    /// What placement reads: with etcd, every host's report (from the
+    /// registry's mirror, as of now) but only this host's guests (the
+    /// guest to place is here); else the full view.
     pub fn placement_view(&self) -> ClusterView {
         match &self.etcd {
-            Some(etcd) => self.me_first(etcd.hosts_view()),
+            Some(etcd) => self.me_first(etcd.placement_view()),
             None => self.view(),
         }
     }

@@ -826,7 +826,10 @@ pub fn run(a: Settings, reloader: crate::reload::Reloader) -> Result<()> {
                 recent_view: Default::default(),
             });
             api_app = Some(app.clone());
-            if app.etcd.is_some() {
+            if let Some(etcd) = &app.etcd {
+                // Placement reads the registry's mirror: listed now, so the
+                // first migration does not wait for it.
+                etcd.follow();
                 let hb = app.clone();
                 std::thread::Builder::new()
                     .name("heartbeat".into())

@@ -277,7 +277,7 @@ fn floor_at(floor: &Row, baseline: &Row, local: &Row) -> FloorAt {
 
 /// A pagefleet region with the defaults (aging, 16-page chunks, adaptive
 /// read-ahead, one server) except what `f` changes.
-fn region(name: &str, pct: f64, f: impl FnOnce(&mut Cfg)) -> Cfg {
+pub(crate) fn region(name: &str, pct: f64, f: impl FnOnce(&mut Cfg)) -> Cfg {
     let mut c = Cfg {
         name: name.into(),
         kind: Kind::Region,
@@ -296,7 +296,7 @@ fn region(name: &str, pct: f64, f: impl FnOnce(&mut Cfg)) -> Cfg {
     c
 }
 
-fn baseline(name: &str, kind: Kind, pct: f64) -> Cfg {
+pub(crate) fn baseline(name: &str, kind: Kind, pct: f64) -> Cfg {
     Cfg {
         name: name.into(),
         policy: if kind == Kind::Floor { "fifo" } else { "-" }.into(),
@@ -810,9 +810,9 @@ pub fn print_table(r: &Report, out: &mut dyn Write) -> std::io::Result<()> {
 
 // ---- one configuration -------------------------------------------------------
 
-struct Guest {
-    child: Child,
-    addr: String,
+pub(crate) struct Guest {
+    pub(crate) child: Child,
+    pub(crate) addr: String,
 }
 
 impl Drop for Guest {
@@ -822,7 +822,7 @@ impl Drop for Guest {
     }
 }
 
-fn start_guest(
+pub(crate) fn start_guest(
     o: &Opts,
     c: &Cfg,
     servers: &[String],
@@ -933,12 +933,12 @@ fn run_seq(o: &Opts, c: &Cfg, secret_path: &Path) -> Result<Row> {
 /// disk's server thread) and the memory servers on CPU 0. The pager's
 /// page-out writer may run on either CPU, as the kernel's kswapd does for
 /// the swap and zram baselines. Undone on drop.
-struct Topology {
+pub(crate) struct Topology {
     active: bool,
 }
 
 impl Topology {
-    fn pin(guest: u32, servers: &[util::ChildDaemon]) -> Topology {
+    pub(crate) fn pin(guest: u32, servers: &[util::ChildDaemon]) -> Topology {
         let active = util::ncpus() >= 2;
         if active {
             util::set_process_affinity(guest, &[1]);
