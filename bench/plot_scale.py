@@ -14,7 +14,7 @@ def ok(points):
 
 def main(src, dst):
     r = json.load(open(src))
-    panels = [k for k in ("registry", "lend", "servers", "guests") if r.get(k)]
+    panels = [k for k in ("registry", "lend", "servers", "guests", "migration") if r.get(k)]
     if not panels:
         panels = ["registry"]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
@@ -53,10 +53,21 @@ def main(src, dst):
             ax.set_xlabel("memory servers (0: all local)")
             ax.set_ylabel("ratio")
             ax.set_title("one kv guest, 50% budget")
+        elif k == "migration":
+            for w, d, st in [("idle", "enough", "o-"), ("idle", "split", "s-"),
+                             ("rewrite", "enough", "o--"), ("rewrite", "split", "s--")]:
+                q = [p for p in pts if p["workload"] == w and p["dest"] == d]
+                ax.plot([p["size"] / 2**30 for p in q], [p["secs_per_gib"] for p in q], st, label=f"{w} -> {d}")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("guest memory, GiB")
+            ax.set_ylabel("seconds per GiB")
+            ax.set_ylim(bottom=0)
+            ax.set_title("migration, 10 Gbit lab link")
         else:
             xs = [p["guests"] for p in pts]
             ax.plot(xs, [p["ratio"] for p in pts], "o-", label="aggregate paging / all local")
             ax.plot(xs, [p["slowest_over_fastest"] for p in pts], "s-", label="slowest / fastest guest")
+            ax.plot(xs, [p.get("floor_ratio", 0) for p in pts], "^--", label="floor pager / all local")
             ax.axhline(0.8, color="#c0392b", linestyle=":", label="fairness goal 0.8")
             ax.set_xscale("log", base=2)
             ax.set_xlabel("kv guests on the host")

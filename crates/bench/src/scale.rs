@@ -15,19 +15,27 @@
 //!   (aggregate ops/s, the slowest guest against the fastest, the memory
 //!   servers' CPU per page). Every get's value is checked by the client.
 //!
-//! The migration sweeps of issue 55 (0.5–8 GiB guests, under load) are not
-//! here yet.
+//! - `migration`: a native guest of 0.5, 1, 2, 4 and 8 GiB, idle and
+//!   rewriting half its memory at a quarter of the link, migrated over the
+//!   testbed's 10 Gbit link to a host with enough memory and split onto a
+//!   main host with half of it plus a sub-host (seconds per GiB, round-1
+//!   link utilisation, downtime, CPU per GiB at the source and at the
+//!   destination); region checksums compared on every migration.
+//!
+//! Migration under a kv client's load is not measured here yet.
 
+use crate::migration::{pf_json, pf_ok, stop_guest, wait_filled};
 use crate::paging::{self, Kind};
 use crate::util::{self, Goal, PlotOutcome};
-use crate::{fmt_bytes, kvload};
+use crate::{fmt_bytes, kvload, LabRun};
 use anyhow::{bail, Context, Result};
 use pagefleet_client::{Conn, ConnectOptions, GetMode, Pages};
 use pagefleet_proto::auth::Secret;
 use pagefleet_proto::PAGE_SIZE;
+use pagefleet_testbed::Link;
 use serde::Serialize;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
 const GIB: u64 = 1 << 30;
@@ -52,6 +60,7 @@ pub enum Sweep {
     Lend,
     Servers,
     Guests,
+    Migration,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -68,6 +77,8 @@ pub struct Opts {
     pub guests: Vec<usize>,
     /// Each kv guest's memory.
     pub guest_size: u64,
+    /// Guest sizes of the migration sweep.
+    pub sizes: Vec<u64>,
     /// Seconds of load before each measured window, and of the window.
     pub warmup_secs: u64,
     pub secs: u64,
@@ -78,13 +89,20 @@ pub struct Opts {
 impl Opts {
     pub fn full(out_dir: PathBuf) -> Opts {
         Opts {
-            sweeps: vec![Sweep::Registry, Sweep::Lend, Sweep::Servers, Sweep::Guests],
+            sweeps: vec![
+                Sweep::Registry,
+                Sweep::Lend,
+                Sweep::Servers,
+                Sweep::Guests,
+                Sweep::Migration,
+            ],
             hosts: vec![1000, 10_000, 50_000],
             placements: 200,
             lend: vec![GIB, 4 * GIB, 16 * GIB],
             servers: vec![1, 2, 4, 8],
             guests: vec![1, 2, 4, 8, 16],
             guest_size: 128 * MIB,
+            sizes: vec![512 * MIB, GIB, 2 * GIB, 4 * GIB, 8 * GIB],
             warmup_secs: 3,
             secs: 6,
             out_dir,
@@ -98,6 +116,7 @@ impl Opts {
             servers: vec![1, 2],
             guests: vec![1, 2],
             guest_size: 64 * MIB,
+            sizes: vec![128 * MIB, 256 * MIB],
             warmup_secs: 1,
             secs: 2,
             ..Opts::full(out_dir)
@@ -164,10 +183,36 @@ pub struct GuestsPoint {
     pub aggregate_remote: f64,
     /// aggregate_remote / aggregate_local.
     pub ratio: f64,
+    /// The same guests over the floor pager (`bench kv-floor-guest`: the
+    /// least a userfaultfd pager does, each with a raw TCP page store),
+    /// at the same budgets: each guest's ops/s, their sum over all local.
+    pub floor_ops: Vec<f64>,
+    pub floor_ratio: f64,
     /// The slowest paging guest's ops/s over the fastest's.
     pub slowest_over_fastest: f64,
     /// The memory servers' CPU per page moved (page-ins + page-outs), µs.
     pub server_us_per_page: f64,
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Default, Serialize)]
+pub struct MigrationPoint {
+    pub size: u64,
+    /// "idle" or "rewrite".
+    pub workload: String,
+    /// "enough" or "split".
+    pub dest: String,
+    pub total_secs: f64,
+    pub secs_per_gib: f64,
+    /// Round 1's bytes per second over the link's rate.
+    pub round1_utilisation: f64,
+    pub downtime_ms: f64,
+    pub rounds: usize,
+    pub pages_sent_twice: u64,
+    /// CPU seconds per GiB of guest: the source runner; the destination
+    /// runner and (split) the sub-host's pagefleetd.
+    pub source_cpu_per_gib: f64,
+    pub dest_cpu_per_gib: f64,
     pub error: Option<String>,
 }
 
@@ -179,6 +224,7 @@ pub struct Report {
     pub lend: Vec<LendPoint>,
     pub servers: Vec<ServersPoint>,
     pub guests: Vec<GuestsPoint>,
+    pub migration: Vec<MigrationPoint>,
     pub goals: Vec<Goal>,
     pub plot: PlotOutcome,
 }
@@ -197,6 +243,7 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
         lend: vec![],
         servers: vec![],
         guests: vec![],
+        migration: vec![],
         goals: vec![],
         plot: PlotOutcome::default(),
     };
@@ -241,6 +288,11 @@ pub fn run(o: &Opts, log: &mut dyn FnMut(&str)) -> Result<Report> {
                 ..GuestsPoint::default()
             });
             r.guests.push(p);
+        }
+    }
+    if on(Sweep::Migration) {
+        for &size in &o.sizes {
+            migration_points(size, log, &mut r.migration);
         }
     }
     let _ = std::fs::remove_dir_all(&tmp);
@@ -593,6 +645,34 @@ fn guests_point(o: &Opts, n: usize, secret_path: &Path) -> Result<GuestsPoint> {
         .sum::<f64>()
         - cpu0;
     let moved = guests.iter().map(|g| pages_moved(&g.addr)).sum::<u64>() - moved0;
+    drop(_pins);
+    drop(guests);
+    drop(daemons);
+    let floor_ops = {
+        let stores: Vec<crate::memserver::RawServer> = (0..n)
+            .map(|_| crate::memserver::RawServer::start())
+            .collect::<Result<_>>()?;
+        if util::ncpus() >= 2 {
+            for st in &stores {
+                util::set_process_affinity(st.child.id(), &[0]);
+            }
+        }
+        let cfg = paging::baseline("floor pager", Kind::Floor, 50.0);
+        let guests: Vec<paging::Guest> = stores
+            .iter()
+            .map(|st| {
+                paging::start_guest(
+                    &popts,
+                    &cfg,
+                    std::slice::from_ref(&st.addr),
+                    secret_path,
+                    None,
+                )
+            })
+            .collect::<Result<_>>()?;
+        let _pins = pin_all(&guests, &[]);
+        load_all(o, &guests).context("the floor pager")?
+    };
     let sum = |v: &[f64]| v.iter().sum::<f64>();
     let (lo, hi) = remote_ops
         .iter()
@@ -602,10 +682,175 @@ fn guests_point(o: &Opts, n: usize, secret_path: &Path) -> Result<GuestsPoint> {
         aggregate_local: sum(&local_ops),
         aggregate_remote: sum(&remote_ops),
         ratio: sum(&remote_ops) / sum(&local_ops),
+        floor_ratio: sum(&floor_ops) / sum(&local_ops),
+        floor_ops,
         slowest_over_fastest: lo / hi,
         server_us_per_page: cpu * 1e6 / moved.max(1) as f64,
         local_ops,
         remote_ops,
+        error: None,
+    })
+}
+
+/// A process's CPU seconds, sampled until `stop` (it may exit first: the
+/// last sample stands).
+fn cpu_until_exit(pid: u32, stop: &AtomicBool) -> f64 {
+    let mut last = 0.0;
+    while !stop.load(Relaxed) {
+        let c = pagefleet_lab::proc::cpu_secs(pid);
+        if c > 0.0 {
+            last = c;
+        } else if !Path::new(&format!("/proc/{pid}")).exists() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    last.max(pagefleet_lab::proc::cpu_secs(pid))
+}
+
+/// The four migrations of one guest size, on a lab of its own: h1 the
+/// source, h2 with enough memory, h3 a split main host with half, h4 its
+/// sub-host.
+fn migration_points(size: u64, log: &mut dyn FnMut(&str), out: &mut Vec<MigrationPoint>) {
+    let failed = |workload: &str, dest: &str, e: String| MigrationPoint {
+        size,
+        workload: workload.into(),
+        dest: dest.into(),
+        error: Some(e),
+        ..MigrationPoint::default()
+    };
+    let link = Link::Gbit10;
+    let lab = util::sibling_binary("pagefleetd").and_then(|d| {
+        let g = size + 64 * MIB;
+        LabRun::up(
+            "bscale",
+            d.parent().expect("a directory"),
+            4,
+            link,
+            g,
+            &[g, g, size / 2, 0],
+        )
+    });
+    let l = match lab {
+        Ok(l) => l,
+        Err(e) => {
+            for w in ["idle", "rewrite"] {
+                for d in ["enough", "split"] {
+                    out.push(failed(w, d, format!("the lab: {e:#}")));
+                }
+            }
+            return;
+        }
+    };
+    for workload in ["idle", "rewrite"] {
+        for dest in ["enough", "split"] {
+            log(&format!(
+                "migration: {workload} guest of {} -> {dest}",
+                fmt_bytes(size)
+            ));
+            let p = migrate_point(&l, link, size, workload, dest)
+                .unwrap_or_else(|e| failed(workload, dest, format!("{e:#}")));
+            if let Some(e) = &p.error {
+                log(&format!("  FAILED: {e}"));
+            }
+            out.push(p);
+            // The guest goes whichever way it ended.
+            let _ = stop_guest(&l, "m1");
+        }
+    }
+}
+
+fn migrate_point(
+    l: &LabRun,
+    link: Link,
+    size: u64,
+    workload: &str,
+    dest: &str,
+) -> Result<MigrationPoint> {
+    let size_s = size.to_string();
+    // As `bench migration`: the rewriting guest dirties a quarter of the
+    // link's rate, sequentially over half its memory.
+    let rate = (link.bytes_per_sec().unwrap_or(1.25e9) * 0.25 / 4096.0).round();
+    let rate_s = rate.to_string();
+    let mut args = vec![
+        "guest",
+        "start",
+        "m1",
+        "--on",
+        "h1",
+        "--size",
+        &size_s,
+        "--",
+        "synthetic",
+        "--prefill",
+        "--threads",
+        "1",
+    ];
+    if workload == "idle" {
+        args.extend_from_slice(&["--rate", "0"]);
+    } else {
+        args.extend_from_slice(&[
+            "--dist",
+            "seq",
+            "--write-frac",
+            "1",
+            "--span",
+            "0.5",
+            "--rate",
+            &rate_s,
+        ]);
+    }
+    pf_ok(l, &args)?;
+    wait_filled(l, "m1", size / PAGE_SIZE as u64)?;
+    std::thread::sleep(Duration::from_secs(2));
+    let (_, g) = l.guest("m1").context("the guest is not in the registry")?;
+    let src_pid = g.pid;
+    let src_cpu0 = pagefleet_lab::proc::cpu_secs(src_pid);
+    let sub_pid = l.lab.hosts[3].pid;
+    let sub_cpu0 = pagefleet_lab::proc::cpu_secs(sub_pid);
+    let stop = AtomicBool::new(false);
+    let (r, src_cpu) = std::thread::scope(|s| {
+        let h = s.spawn(|| cpu_until_exit(src_pid, &stop));
+        let mut margs = vec!["migrate", "m1", "--verify", "--json"];
+        if dest == "enough" {
+            margs.extend_from_slice(&["--to", "h2"]);
+        } else {
+            margs.extend_from_slice(&["--to", "h3", "--sub", "h4"]);
+        }
+        let r = pf_json(l, &margs);
+        stop.store(true, Relaxed);
+        (r, h.join().expect("the CPU sampler"))
+    });
+    let r = r?;
+    if r.checksum_source.is_none() || r.checksum_source != r.checksum_dest {
+        bail!(
+            "the guest's memory changed in the migration: checksums {:?} at the source, {:?} at the destination",
+            r.checksum_source,
+            r.checksum_dest
+        );
+    }
+    let (_, g) = l
+        .guest("m1")
+        .context("the migrated guest is not in the registry")?;
+    let mut dest_cpu = pagefleet_lab::proc::cpu_secs(g.pid);
+    if dest == "split" {
+        dest_cpu += pagefleet_lab::proc::cpu_secs(sub_pid) - sub_cpu0;
+    }
+    let gib = size as f64 / GIB as f64;
+    Ok(MigrationPoint {
+        size,
+        workload: workload.into(),
+        dest: dest.into(),
+        total_secs: r.total_secs,
+        secs_per_gib: r.total_secs / gib,
+        round1_utilisation: r.round1_bytes as f64
+            / r.round1_secs.max(1e-9)
+            / link.bytes_per_sec().unwrap_or(f64::NAN),
+        downtime_ms: r.downtime_ms,
+        rounds: r.rounds,
+        pages_sent_twice: r.pages_sent_twice,
+        source_cpu_per_gib: (src_cpu - src_cpu0) / gib,
+        dest_cpu_per_gib: dest_cpu / gib,
         error: None,
     })
 }
@@ -677,6 +922,51 @@ pub fn judge(r: &Report) -> Vec<Goal> {
                     Goal::at_most(&name, each, first.max(1.0), what)
                 }
                 _ => Goal::not_measured(&name, 0.0, what),
+            });
+        }
+    }
+    let sizes: Vec<u64> = {
+        let mut v: Vec<u64> = r.migration.iter().map(|p| p.size).collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    };
+    let mp = |size: u64, w: &str, d: &str| {
+        r.migration
+            .iter()
+            .find(|p| p.size == size && p.workload == w && p.dest == d && p.error.is_none())
+    };
+    let base = sizes
+        .iter()
+        .copied()
+        .find(|&s| s >= GIB)
+        .or(sizes.first().copied());
+    if let (Some(base), Some(&top)) = (base, sizes.last()) {
+        for w in ["idle", "rewrite"] {
+            for d in ["enough", "split"] {
+                let name = format!(
+                    "migration: s/GiB at {} over at {} ({w}, {d})",
+                    fmt_bytes(top),
+                    fmt_bytes(base)
+                );
+                g.push(match (mp(base, w, d), mp(top, w, d)) {
+                    (Some(a), Some(b)) if top > base => {
+                        Goal::at_most(&name, b.secs_per_gib / a.secs_per_gib, 1.15, "x")
+                    }
+                    _ => Goal::not_measured(&name, 1.15, "x"),
+                });
+            }
+        }
+    }
+    for &size in &sizes {
+        for d in ["enough", "split"] {
+            let name = format!(
+                "migration: round-1 link utilisation ({}, idle, {d})",
+                fmt_bytes(size)
+            );
+            g.push(match mp(size, "idle", d) {
+                Some(p) => Goal::at_least(&name, p.round1_utilisation, 0.9, "x"),
+                None => Goal::not_measured(&name, 0.9, "x"),
             });
         }
     }
@@ -781,13 +1071,51 @@ pub fn print_table(r: &Report, out: &mut dyn std::io::Write) -> std::io::Result<
         for p in &r.guests {
             writeln!(
                 out,
-                "  N={:<2} local {:>9.0} ops/s, paging {:>9.0} ops/s ({:.2}), slowest/fastest {:.2}, servers {:.1} µs CPU per page{}",
+                "  N={:<2} local {:>9.0} ops/s, paging {:>9.0} ops/s ({:.2}; floor pager {:.2}), slowest/fastest {:.2}, servers {:.1} µs CPU per page{}",
                 p.guests,
                 p.aggregate_local,
                 p.aggregate_remote,
                 p.ratio,
+                p.floor_ratio,
                 p.slowest_over_fastest,
                 p.server_us_per_page,
+                err(&p.error)
+            )?;
+        }
+    }
+    if !r.migration.is_empty() {
+        writeln!(
+            out,
+            "\nmigration over the 10 Gbit lab link (checksums compared on every run):"
+        )?;
+        writeln!(
+            out,
+            "  {:>10} {:>8} {:>7} {:>8} {:>8} {:>9} {:>10} {:>7} {:>12} {:>12}",
+            "size",
+            "workload",
+            "dest",
+            "secs",
+            "s/GiB",
+            "round-1",
+            "downtime",
+            "rounds",
+            "src CPU/GiB",
+            "dst CPU/GiB"
+        )?;
+        for p in &r.migration {
+            writeln!(
+                out,
+                "  {:>10} {:>8} {:>7} {:>8.2} {:>8.2} {:>9.2} {:>8.0}ms {:>7} {:>11.2}s {:>11.2}s{}",
+                fmt_bytes(p.size),
+                p.workload,
+                p.dest,
+                p.total_secs,
+                p.secs_per_gib,
+                p.round1_utilisation,
+                p.downtime_ms,
+                p.rounds,
+                p.source_cpu_per_gib,
+                p.dest_cpu_per_gib,
                 err(&p.error)
             )?;
         }
@@ -821,6 +1149,10 @@ pub struct Args {
     /// Seconds each load point is measured (after a warm-up).
     #[arg(long)]
     pub secs: Option<u64>,
+    /// Guest sizes of the migration sweep, comma-separated (default
+    /// 512MiB,1GiB,2GiB,4GiB,8GiB).
+    #[arg(long, value_delimiter = ',', value_parser = pagefleet_common::units::parse_size)]
+    pub sizes: Option<Vec<u64>>,
 }
 
 impl crate::Benchmark for Args {
@@ -850,6 +1182,12 @@ impl crate::Benchmark for Args {
         }
         if let Some(s) = self.secs {
             o.secs = s.max(1);
+        }
+        if let Some(v) = &self.sizes {
+            for &b in v {
+                crate::at_least("--sizes", "a migrated guest's memory", b, 32 * MIB)?;
+            }
+            o.sizes = v.clone();
         }
         run(&o, log)
     }

@@ -220,7 +220,9 @@ enum BenchCmd {
     /// (placement p99, a daemon's mirror), one memory server lending
     /// 1–16 GiB (RSS over --lend, throughput), one kv guest paging to 1–8
     /// servers (ops/s, threads, fds), 1–16 kv guests sharing two servers
-    /// (aggregate against all local, fairness). Root for the guest sweeps.
+    /// (aggregate against all local, fairness), guests of 0.5–8 GiB migrated
+    /// idle and rewriting to enough-memory and split destinations (s/GiB,
+    /// round-1 link use, downtime, CPU per GiB; checksums compared). Root.
     Scale(Bench<bench::scale::Args>),
     /// In-place restarts of a host's pagefleetd (`pagefleet host restart`)
     /// under value-checking kv loads on a 3-host testbed: two kv guests on
