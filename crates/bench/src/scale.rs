@@ -705,6 +705,18 @@ fn guests_point(o: &Opts, n: usize, secret_path: &Path) -> Result<GuestsPoint> {
     })
 }
 
+/// MemAvailable of /proc/meminfo, bytes (0 if unreadable).
+fn mem_available() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("MemAvailable:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
 /// A process's CPU seconds, sampled until `stop` (it may exit first: the
 /// last sample stands).
 fn cpu_until_exit(pid: u32, stop: &AtomicBool) -> f64 {
@@ -755,8 +767,10 @@ fn migration_points(size: u64, log: &mut dyn FnMut(&str), out: &mut Vec<Migratio
             return;
         }
     };
-    for workload in ["idle", "rewrite"] {
-        for dest in ["enough", "split"] {
+    // Split runs last: the sub-host's memory server keeps the memory it
+    // stored (its pool, within --lend) for the rest of the lab's life.
+    for dest in ["enough", "split"] {
+        for workload in ["idle", "rewrite"] {
             log(&format!(
                 "migration: {workload} guest of {} -> {dest}",
                 fmt_bytes(size)
@@ -767,8 +781,10 @@ fn migration_points(size: u64, log: &mut dyn FnMut(&str), out: &mut Vec<Migratio
                 log(&format!("  FAILED: {e}"));
             }
             out.push(p);
-            // The guest goes whichever way it ended.
-            let _ = stop_guest(&l, "m1");
+            // The guest goes whichever way it ended (after a failure).
+            if l.guest("m1").is_some() {
+                let _ = stop_guest(&l, "m1");
+            }
         }
     }
 }
@@ -851,12 +867,29 @@ fn migrate_point(
     }
     let gib = size as f64 / GIB as f64;
     let link_rate = link.bytes_per_sec().unwrap_or(f64::NAN);
+    // The floor holds the guest's bytes twice (a memfd at the source, one
+    // at the destinations): the guest goes first, or an 8 GiB guest and
+    // its floor do not fit in 24 GiB (the OOM killer took a pagefleetd).
+    stop_guest(l, "m1")?;
     // The floor moves what the migration moved, to the same hosts.
     let mut shares = vec![(if dest == "enough" { 1 } else { 2 }, r.bytes_main)];
     shares.extend(r.bytes_subs.iter().take(1).map(|b| (3, *b)));
-    let (floor, floor_error) = match crate::split_floor::run(&l.lab, 0, &shares, FLOOR_PORT) {
-        Ok(f) => (Some(f), None),
-        Err(e) => (None, Some(format!("{e:#}"))),
+    let need = 2 * shares.iter().map(|s| s.1).sum::<u64>() + GIB;
+    let avail = mem_available();
+    let (floor, floor_error) = if avail < need {
+        (
+            None,
+            Some(format!(
+                "not run: it needs {} of memory, {} is available",
+                fmt_bytes(need),
+                fmt_bytes(avail)
+            )),
+        )
+    } else {
+        match crate::split_floor::run(&l.lab, 0, &shares, FLOOR_PORT) {
+            Ok(f) => (Some(f), None),
+            Err(e) => (None, Some(format!("{e:#}"))),
+        }
     };
     let (floor_secs_per_gib, floor_utilisation) =
         floor.as_ref().map_or((f64::NAN, f64::NAN), |f| {
