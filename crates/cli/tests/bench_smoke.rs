@@ -585,6 +585,66 @@ fn bench_registry_quick_json_has_figures_and_goals() {
     let _ = std::fs::remove_dir_all(&out_dir);
 }
 
+/// The scale benchmark's registry and lend sweeps run end to end (quick:
+/// 100 and 1000 simulated hosts in a real etcd; a server lending 64 and 256
+/// MiB, filled and drained with every page checked): every point has its
+/// figures, and the verdicts match them.
+#[test]
+fn bench_scale_quick_json_has_curves_and_goals() {
+    if std::process::Command::new("etcd")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        eprintln!("skipped: no etcd here (make deps installs etcd-server)");
+        return;
+    }
+    let out_dir = std::env::temp_dir().join(format!(
+        "pagefleet-bench-scale-smoke-{}",
+        std::process::id()
+    ));
+    let out = Command::new(env!("CARGO_BIN_EXE_pagefleet"))
+        .args([
+            "bench",
+            "scale",
+            "--quick",
+            "--sweeps",
+            "registry,lend",
+            "--json",
+            "--out",
+        ])
+        .arg(&out_dir)
+        .output()
+        .expect("run pagefleet bench scale");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "bench failed: {stderr}");
+    let v: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("stdout is one JSON object");
+    let reg = v["registry"].as_array().unwrap();
+    assert_eq!(reg.len(), 2, "{stderr}");
+    for p in reg {
+        assert!(p["error"].is_null(), "{p}");
+        assert!(p["placement_p99_ms"].as_f64().unwrap() > 0.0, "{p}");
+        assert!(p["mirror_bytes"].as_u64().unwrap() > 0, "{p}");
+    }
+    let lend = v["lend"].as_array().unwrap();
+    assert_eq!(lend.len(), 2, "{stderr}");
+    for p in lend {
+        assert!(p["error"].is_null(), "{p}");
+        assert!(p["page_in_gbps"].as_f64().unwrap() > 0.0, "{p}");
+        assert!(
+            p["rss_full"].as_u64().unwrap() >= p["lend_bytes"].as_u64().unwrap() / 2,
+            "{p}"
+        );
+    }
+    assert!(v["servers"].as_array().unwrap().is_empty());
+    let goals = v["goals"].as_array().unwrap();
+    // Two registry points, RSS and two throughputs of the lend sweep.
+    assert_eq!(goals.len(), 5, "{goals:?}");
+    assert_verdicts(goals);
+    let _ = std::fs::remove_dir_all(&out_dir);
+}
+
 /// The in-place restart benchmark runs end to end on a testbed (quick: one
 /// restart, 64 MiB guests): every guest worked through it, the guest paging
 /// to the restarted host fetched pages from it meanwhile, nothing was wrong
