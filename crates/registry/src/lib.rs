@@ -571,7 +571,8 @@ impl Etcd {
     /// count-only read of etcd however large the cluster is.
     pub fn placement_view(&self) -> Result<ClusterView, RegistryError> {
         self.follow();
-        let now = self.revision()?;
+        // Tried again on the next member, as every read is.
+        let now = self.read(|| self.revision())?;
         match self.mirror.read_at(now, MIRROR_WAIT, mirror::State::view) {
             Some(v) => Ok(v),
             None => self.hosts_view(),
