@@ -58,6 +58,10 @@ def main(src, dst):
                              ("rewrite", "enough", "o--"), ("rewrite", "split", "s--")]:
                 q = [p for p in pts if p["workload"] == w and p["dest"] == d]
                 ax.plot([p["size"] / 2**30 for p in q], [p["secs_per_gib"] for p in q], st, label=f"{w} -> {d}")
+                f = [p for p in q if p.get("floor")]
+                if w == "idle" and f:
+                    ax.plot([p["size"] / 2**30 for p in f], [p["floor_secs_per_gib"] for p in f], ":",
+                            marker=st[0], color=ax.lines[-1].get_color(), label=f"floor -> {d}")
             ax.set_xscale("log", base=2)
             ax.set_xlabel("guest memory, GiB")
             ax.set_ylabel("seconds per GiB")
