@@ -185,6 +185,51 @@ pub(crate) fn wait_until(what: &str, secs: u64, mut f: impl FnMut() -> bool) -> 
     Ok(())
 }
 
+/// Start guest `name` on h1: a prefilled `synthetic` of `size` bytes,
+/// idle (`workload` "idle") or rewriting (any other): dirtying a quarter
+/// of the link's rate, sequentially over half its memory (the paper
+/// rewrote 6 of 12 GB).
+pub(crate) fn start_synthetic(
+    l: &LabRun,
+    name: &str,
+    size: u64,
+    workload: &str,
+    link: Link,
+) -> Result<()> {
+    let size = size.to_string();
+    let rate = (link.bytes_per_sec().unwrap_or(1.25e9) * 0.25 / 4096.0).round();
+    let rate_s = rate.to_string();
+    let mut args = vec![
+        "guest",
+        "start",
+        name,
+        "--on",
+        "h1",
+        "--size",
+        &size,
+        "--",
+        "synthetic",
+        "--prefill",
+        "--threads",
+        "1",
+    ];
+    if workload == "idle" {
+        args.extend_from_slice(&["--rate", "0"]);
+    } else {
+        args.extend_from_slice(&[
+            "--dist",
+            "seq",
+            "--write-frac",
+            "1",
+            "--span",
+            "0.5",
+            "--rate",
+            &rate_s,
+        ]);
+    }
+    pf_ok(l, &args)
+}
+
 /// Wait until the guest is ready: all `pages` written (or a sort job ready).
 pub(crate) fn wait_filled(l: &LabRun, name: &str, pages: u64) -> Result<()> {
     wait_until(&format!("{name} to fill its memory"), 600, || {
@@ -251,11 +296,6 @@ fn time_experiment(
 ) -> Result<()> {
     let l = lab(o, link)?;
     let pages = o.size / 4096;
-    let size = o.size.to_string();
-    // The rewriting guest dirties a quarter of the link's rate, sequentially
-    // over half its memory (the paper rewrote 6 of 12 GB).
-    let rate = (link.bytes_per_sec().unwrap_or(1.25e9) * 0.25 / 4096.0).round();
-    let rate_s = rate.to_string();
     for workload in ["idle", "rewrite"] {
         for dest in DESTS {
             log(&format!(
@@ -263,35 +303,7 @@ fn time_experiment(
                 link.name(),
                 crate::fmt_bytes(o.size)
             ));
-            let mut args = vec![
-                "guest",
-                "start",
-                "m1",
-                "--on",
-                "h1",
-                "--size",
-                &size,
-                "--",
-                "synthetic",
-                "--prefill",
-                "--threads",
-                "1",
-            ];
-            if workload == "idle" {
-                args.extend_from_slice(&["--rate", "0"]);
-            } else {
-                args.extend_from_slice(&[
-                    "--dist",
-                    "seq",
-                    "--write-frac",
-                    "1",
-                    "--span",
-                    "0.5",
-                    "--rate",
-                    &rate_s,
-                ]);
-            }
-            pf_ok(&l, &args)?;
+            start_synthetic(&l, "m1", o.size, workload, link)?;
             wait_filled(&l, "m1", pages)?;
             // Let the access history settle (a few sampling sweeps).
             std::thread::sleep(Duration::from_secs(if o.quick { 1 } else { 3 }));

@@ -24,7 +24,7 @@
 //!
 //! Migration under a kv client's load is not measured here yet.
 
-use crate::migration::{pf_json, pf_ok, stop_guest, wait_filled};
+use crate::migration::{pf_json, start_synthetic, stop_guest, wait_filled};
 use crate::paging::{self, Kind};
 use crate::util::{self, Goal, PlotOutcome};
 use crate::{fmt_bytes, kvload, LabRun};
@@ -796,40 +796,7 @@ fn migrate_point(
     workload: &str,
     dest: &str,
 ) -> Result<MigrationPoint> {
-    let size_s = size.to_string();
-    // As `bench migration`: the rewriting guest dirties a quarter of the
-    // link's rate, sequentially over half its memory.
-    let rate = (link.bytes_per_sec().unwrap_or(1.25e9) * 0.25 / 4096.0).round();
-    let rate_s = rate.to_string();
-    let mut args = vec![
-        "guest",
-        "start",
-        "m1",
-        "--on",
-        "h1",
-        "--size",
-        &size_s,
-        "--",
-        "synthetic",
-        "--prefill",
-        "--threads",
-        "1",
-    ];
-    if workload == "idle" {
-        args.extend_from_slice(&["--rate", "0"]);
-    } else {
-        args.extend_from_slice(&[
-            "--dist",
-            "seq",
-            "--write-frac",
-            "1",
-            "--span",
-            "0.5",
-            "--rate",
-            &rate_s,
-        ]);
-    }
-    pf_ok(l, &args)?;
+    start_synthetic(l, "m1", size, workload, link)?;
     wait_filled(l, "m1", size / PAGE_SIZE as u64)?;
     std::thread::sleep(Duration::from_secs(2));
     let (_, g) = l.guest("m1").context("the guest is not in the registry")?;
